@@ -1,0 +1,17 @@
+"""Everything that talks to Redis: keys, admission, versions, the trajectory stream, inspect."""
+
+from rlstream.broker.admission import AdmissionController, AdmissionState, AsyncAdmissionController, Lease
+from rlstream.broker.connection import BrokerAuthError, BrokerError, BrokerUnavailable, connect, connect_async, mask_url
+from rlstream.broker.keys import TRAIN_GROUP, Keys, namespace
+from rlstream.broker.stream import Entry, TrajectoryStream, entry_fields
+from rlstream.broker.steps import StepLog, StepRecord
+from rlstream.broker.versions import AsyncVersionRegistry, Event, VersionRegistry
+
+__all__ = [
+    "AdmissionController", "AdmissionState", "AsyncAdmissionController", "Lease",
+    "BrokerAuthError", "BrokerError", "BrokerUnavailable", "connect", "connect_async", "mask_url",
+    "TRAIN_GROUP", "Keys", "namespace",
+    "Entry", "TrajectoryStream", "entry_fields",
+    "StepLog", "StepRecord",
+    "AsyncVersionRegistry", "Event", "VersionRegistry",
+]

@@ -1,0 +1,105 @@
+"""Redis key layout of one run (ARCHITECTURE.md, "Redis layout").
+
+Every key of a run shares the hash tag `{rlstream:exp:trial}` so the multi-key Lua
+scripts also run on Redis Cluster; different runs spread over the cluster.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRAIN_GROUP = "train"
+NAMESPACE_PREFIX = "rlstream"
+
+
+def namespace(experiment: str, trial: str) -> str:
+    return f"{NAMESPACE_PREFIX}:{experiment}:{trial}"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """All keys of one namespace `rlstream:{experiment}:{trial}`."""
+
+    ns: str
+
+    def _k(self, suffix: str) -> str:
+        return "{" + self.ns + "}:" + suffix
+
+    @property
+    def traj(self) -> str:
+        """Stream: one entry per prompt group; consumer group `train`."""
+        return self._k("traj")
+
+    @property
+    def version(self) -> str:
+        """String: policy version every engine serves now."""
+        return self._k("version")
+
+    @property
+    def trainer_version(self) -> str:
+        """String: version the trainer has produced (may run ahead of `version` during a push)."""
+        return self._k("trainer_version")
+
+    @property
+    def events(self) -> str:
+        """Pub/sub channel and stream (same name) of version bumps, pause/resume, shutdown."""
+        return self._k("events")
+
+    @property
+    def admit_accepted(self) -> str:
+        """Counter: groups accepted so far (cumulative)."""
+        return self._k("admit:accepted")
+
+    @property
+    def admit_running(self) -> str:
+        """Sorted set: rollout leases, score = expiry ms."""
+        return self._k("admit:running")
+
+    @property
+    def admit_rejected(self) -> str:
+        """Counter: groups finished but rejected by `should_accept`."""
+        return self._k("admit:rejected")
+
+    @property
+    def dead(self) -> str:
+        """Stream: entries that failed to decode or validate, with the reason."""
+        return self._k("dead")
+
+    @property
+    def dropped(self) -> str:
+        """Stream: entries the consumer refused as too stale, with the reason."""
+        return self._k("dropped")
+
+    @property
+    def steps(self) -> str:
+        """Stream: which entry ids each train step consumed (exact replay)."""
+        return self._k("steps")
+
+    @property
+    def engines(self) -> str:
+        """Sorted set: engine addresses registered with name_resolve=redis, score = expiry ms."""
+        return self._k("engines")
+
+    @property
+    def producers(self) -> str:
+        """Hash: producer id -> msgpack state (dataset position, counters)."""
+        return self._k("producers")
+
+    @property
+    def meta(self) -> str:
+        """Hash: run metadata (config snapshot digest, created_at, consumer_batch_size)."""
+        return self._k("meta")
+
+    def all(self) -> list[str]:
+        return [
+            self.traj, self.version, self.trainer_version, self.events, self.admit_accepted,
+            self.admit_running, self.admit_rejected, self.dead, self.dropped, self.steps,
+            self.engines, self.producers, self.meta,
+        ]
+
+
+def parse_namespace(key: str) -> str | None:
+    """`{rlstream:a:b}:traj` -> `rlstream:a:b`."""
+    if key.startswith("{" + NAMESPACE_PREFIX + ":") and "}:" in key:
+        return key[1 : key.index("}:")]
+    return None

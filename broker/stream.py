@@ -1,0 +1,206 @@
+"""The trajectory stream: append, read through the `train` group, ack, reclaim, dead letters, retention.
+
+Each entry has fields `d` (the msgpack `TrajectoryGroup`) plus a few small fields that
+`inspect` reads without decoding: `v` (min output version), `p` (producer id), `n`
+(tokens), `r` (mean reward). An entry that fails to decode or validate is copied to
+`{ns}:dead` with the reason and its original bytes, then acknowledged on the source
+group: it is never trained on, never silently dropped, and never crashes a reader.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import redis
+from redis.exceptions import ResponseError
+
+from rlstream.broker.keys import TRAIN_GROUP, Keys
+from rlstream.common.wire import TrajectoryGroup, WireError, decode_group, encode_group
+
+__all__ = ["Entry", "TrajectoryStream", "entry_fields", "id_str"]
+
+
+def id_str(entry_id: bytes | str) -> str:
+    return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
+
+
+def id_tuple(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def entry_fields(group: TrajectoryGroup, payload: bytes | None = None) -> dict[str, Any]:
+    """XADD fields for one group."""
+    rewards = [t.reward for t in group.trajectories]
+    return {
+        "d": payload if payload is not None else encode_group(group),
+        "v": group.min_version(),
+        "p": group.producer_id,
+        "n": group.n_tokens(),
+        "r": sum(rewards) / max(len(rewards), 1),
+    }
+
+
+@dataclass
+class Entry:
+    """A decoded stream entry."""
+
+    id: str
+    group: TrajectoryGroup
+    min_version: int
+    delivery_count: int = 1
+
+
+class TrajectoryStream:
+    """Sync access to `{ns}:traj` for consumers, the trainer and tools."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, group: str = TRAIN_GROUP) -> None:
+        self.client = client
+        self.keys = keys
+        self.group = group
+
+    # ---------------------------------------------------------------- writing
+    def append(self, group: TrajectoryGroup) -> str:
+        """XADD without admission (tests, replays, tools). Producers use AdmissionController.commit."""
+        return id_str(self.client.xadd(self.keys.traj, entry_fields(group)))
+
+    def append_raw(self, fields: dict[str, Any]) -> str:
+        return id_str(self.client.xadd(self.keys.traj, fields))
+
+    # ---------------------------------------------------------------- consumer group
+    def ensure_group(self, start_id: str = "0") -> None:
+        """Create the consumer group (and the stream) if missing."""
+        try:
+            self.client.xgroup_create(self.keys.traj, self.group, id=start_id, mkstream=True)
+        except ResponseError as exc:
+            if "BUSYGROUP" not in str(exc):
+                raise
+
+    def _decode(self, raw: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Entry]:
+        good: list[Entry] = []
+        for eid, fields in raw:
+            sid = id_str(eid)
+            if not fields:  # deleted while pending (XAUTOCLAIM reports these separately)
+                continue
+            payload = fields.get(b"d")
+            try:
+                if payload is None:
+                    raise WireError("entry has no 'd' payload field")
+                group = decode_group(payload)
+            except WireError as exc:
+                self.dead_letter(sid, fields, str(exc))
+                continue
+            good.append(Entry(sid, group, group.min_version()))
+        return good
+
+    def read(self, consumer: str, count: int, block_ms: int | None = 1000) -> list[Entry]:
+        """New entries for `consumer` (XREADGROUP >). Bad entries go to the dead-letter stream."""
+        res = self.client.xreadgroup(self.group, consumer, {self.keys.traj: ">"}, count=count, block=block_ms)
+        if not res:
+            return []
+        return self._decode(res[0][1])
+
+    def read_own_pending(self, consumer: str, count: int = 10_000) -> list[Entry]:
+        """Entries delivered to `consumer` and not yet acknowledged (after a restart)."""
+        res = self.client.xreadgroup(self.group, consumer, {self.keys.traj: "0"}, count=count)
+        if not res:
+            return []
+        return self._decode(res[0][1])
+
+    def read_ids(self, ids: Iterable[str]) -> list[Entry]:
+        """Entries by id, in the given order (exact replay of a recorded step)."""
+        out: list[Entry] = []
+        for i in ids:
+            raw = self.client.xrange(self.keys.traj, min=i, max=i, count=1)
+            if not raw:
+                raise KeyError(f"stream entry {i} is gone (trimmed or deleted)")
+            out.extend(self._decode(raw))
+        return out
+
+    def ack(self, ids: Iterable[str]) -> int:
+        ids = list(ids)
+        return int(self.client.xack(self.keys.traj, self.group, *ids)) if ids else 0
+
+    def reclaim(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[Entry]:
+        """Take over entries idle longer than `min_idle_ms` from dead consumers (XAUTOCLAIM)."""
+        out: list[Entry] = []
+        start = "0-0"
+        while True:
+            res = self.client.xautoclaim(self.keys.traj, self.group, consumer, min_idle_ms, start_id=start, count=count)
+            next_id, claimed = res[0], res[1]
+            deleted = res[2] if len(res) > 2 else []
+            out.extend(self._decode(claimed))
+            if deleted:
+                # Entries deleted while pending can never be delivered: acknowledge them away.
+                self.ack([id_str(d) for d in deleted])
+            if id_str(next_id) == "0-0" or len(out) >= count:
+                return out
+            start = id_str(next_id)
+
+    # ---------------------------------------------------------------- dead letters / dropped
+    def dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
+        """Copy a bad entry to `{ns}:dead` with its reason, then ack it on the source group."""
+        record: dict[Any, Any] = {"source_id": entry_id, "reason": reason, "group": self.group, "ts": time.time()}
+        for k, v in fields.items():
+            record[b"orig:" + (k if isinstance(k, bytes) else str(k).encode())] = v
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.keys.dead, record)
+        pipe.xack(self.keys.traj, self.group, entry_id)
+        pipe.execute()
+
+    def drop_stale(self, entry: Entry, trainer_version: int, reason: str) -> None:
+        """Record a too-stale entry in `{ns}:dropped` and ack it (counted, visible in inspect)."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.xadd(self.keys.dropped, {"source_id": entry.id, "reason": reason, "min_version": entry.min_version,
+                                      "trainer_version": trainer_version, "ts": time.time()})
+        pipe.xack(self.keys.traj, self.group, entry.id)
+        pipe.execute()
+
+    def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
+        out = []
+        for eid, fields in self.client.xrevrange(self.keys.dead, count=count):
+            out.append({"id": id_str(eid), "source_id": id_str(fields.get(b"source_id", b"")),
+                        "reason": fields.get(b"reason", b"").decode(errors="replace")})
+        return out
+
+    # ---------------------------------------------------------------- retention
+    def acked_boundary(self) -> str | None:
+        """The smallest id that some group still needs; everything before it is acked by all."""
+        try:
+            groups = self.client.xinfo_groups(self.keys.traj)
+        except ResponseError:
+            return None
+        if not groups:
+            return None
+        bounds: list[tuple[int, int]] = []
+        for g in groups:
+            name = g["name"]
+            pending = self.client.xpending(self.keys.traj, name)
+            if pending["pending"]:
+                bounds.append(id_tuple(id_str(pending["min"])))
+            else:
+                ms, seq = id_tuple(id_str(g["last-delivered-id"]))
+                bounds.append((ms, seq + 1))
+        ms, seq = min(bounds)
+        return f"{ms}-{seq}"
+
+    def trim_acked(self, keep: int = 0) -> int:
+        """Delete entries acknowledged by every group, keeping the newest `keep` of them.
+
+        Never touches an entry some group has not acknowledged (pending or undelivered).
+        """
+        boundary = self.acked_boundary()
+        if boundary is None:
+            return 0
+        if keep > 0:
+            older = self.client.xrevrange(self.keys.traj, max="(" + boundary, count=keep)
+            if len(older) < keep:
+                return 0
+            boundary = id_str(older[-1][0])
+        return int(self.client.xtrim(self.keys.traj, minid=boundary, approximate=False))
+
+    # ---------------------------------------------------------------- queries
+    def length(self) -> int:
+        return int(self.client.xlen(self.keys.traj))

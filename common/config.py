@@ -1,0 +1,529 @@
+"""The whole-system configuration: a typed schema, YAML loading and dotted overrides.
+
+Key names and defaults follow AReaL's configuration reference where the concept exists
+there, so an AReaL user's config mostly carries over. Every field carries a one-line
+description (`msgspec.Meta(description=...)`), shown by `rlstream config docs`.
+
+Loading: OmegaConf reads the YAML, merges `a.b.c=value` overrides and resolves `${...}`
+interpolation; msgspec then validates the plain dict against the schema. Every error
+names the full key path, the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import typing
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "config_to_dict",
+    "masked_config_dict",
+    "field_docs",
+]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the key path."""
+
+
+def D(tp: Any, doc: str, **constraints: Any) -> Any:
+    """`Annotated[tp, Meta(description=doc, **constraints)]` — one-line field docs.
+
+    Numeric constraints on `X | None` go on X (msgspec allows them only on numbers).
+    """
+    args = typing.get_args(tp)
+    if constraints and args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        inner = Annotated[rest[0], Meta(**constraints)]
+        return Annotated[inner | None, Meta(description=doc)]
+    return Annotated[tp, Meta(description=doc, **constraints)]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=False):
+    pass
+
+
+# --------------------------------------------------------------------------- cluster
+
+
+class NameResolveConfig(_Section):
+    type: D(Literal["redis", "etcd", "static"], "Where engines register: redis (default, nothing extra), etcd, or a static list.") = "redis"
+    etcd_address: D(str, "etcd endpoint host:port for type=etcd.") = "127.0.0.1:2379"
+    static_servers: D(list[str], "Engine addresses host:port for type=static.") = msgspec.field(default_factory=list)
+    lease_ttl: D(int, "Seconds an engine registration lives without a keepalive.", ge=1) = 10
+
+
+class ClusterConfig(_Section):
+    fileroot: D(str, "Root folder for runs: logs, checkpoints, metrics go to {fileroot}/{experiment}/{trial}.") = "./runs"
+    n_nodes: D(int, "Nodes for a Slurm launch.", ge=1) = 1
+    n_gpus_per_node: D(int, "GPUs per node for a Slurm launch (0 = CPU-only).", ge=0) = 8
+    name_resolve: D(NameResolveConfig, "Service discovery for inference engines.") = msgspec.field(default_factory=NameResolveConfig)
+
+
+# --------------------------------------------------------------------------- redis
+
+
+class RedisConfig(_Section):
+    url: D(str, "Redis URL: redis://host:port/db, rediss:// for TLS, unix:///path.sock. Empty: `rlstream run` starts one.") = ""
+    username: D(str | None, "ACL user name (overrides the URL's).") = None
+    password: D(str | None, "Password (overrides the URL's); masked in logs and `config show`.") = None
+    socket_timeout: D(float, "Seconds a single Redis command may take before it is retried.", gt=0) = 30.0
+    connect_timeout: D(float, "Seconds to wait for a TCP/TLS connection.", gt=0) = 5.0
+    retries: D(int, "Reconnect attempts (exponential backoff) before an operation fails.", ge=0) = 8
+    ssl_ca_certs: D(str | None, "CA bundle for rediss:// URLs.") = None
+    ssl_certfile: D(str | None, "Client certificate for rediss:// (mutual TLS).") = None
+    ssl_keyfile: D(str | None, "Client key for rediss:// (mutual TLS).") = None
+    stream_maxlen: D(int, "Retention: trim acknowledged entries beyond this many (0 = keep all).", ge=0) = 0
+    appendonly: D(bool, "When rlstream starts Redis itself: enable AOF persistence.") = True
+    appendfsync: D(Literal["always", "everysec", "no"], "AOF fsync policy for a Redis started by rlstream.") = "everysec"
+
+
+# --------------------------------------------------------------------------- generation
+
+
+class GenerationHyperparameters(_Section):
+    n_samples: D(int, "Samples per prompt; they form one group.", ge=1) = 1
+    max_new_tokens: D(int, "Maximum tokens generated per sample.", ge=1) = 16384
+    min_new_tokens: D(int, "Minimum tokens generated before a stop token counts.", ge=0) = 0
+    greedy: D(bool, "Greedy decoding (temperature 0).") = False
+    top_p: D(float, "Nucleus sampling probability.", gt=0, le=1) = 1.0
+    top_k: D(int, "Top-k sampling (large = off).", ge=1) = 100_000_000
+    temperature: D(float, "Sampling temperature; behaviour logprobs are of softmax(logits / T).", ge=0) = 1.0
+    stop_token_ids: D(list[int], "Token ids that end a sample (the tokenizer's EOS is added).") = msgspec.field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- rollout
+
+
+class RolloutConfig(_Section):
+    experiment_name: D(str | None, "Defaults to the top-level experiment_name.") = None
+    trial_name: D(str | None, "Defaults to the top-level trial_name.") = None
+    backend: D(Literal["sglang", "vllm"], "Engine protocol: sglang (native /generate; also the local engine) or vllm (/v1/completions).") = "sglang"
+    max_concurrent_rollouts: D(int | None, "Global cap on rollouts in flight (None = consumer_batch_size).", ge=1) = None
+    queue_size: D(int | None, "Per-producer bound on finished groups waiting to be written.", ge=1) = None
+    consumer_batch_size: D(int, "Groups the trainer consumes per step (B).", ge=1) = 1
+    max_head_offpolicyness: D(int, "Off-policyness budget η: versions a group may lag the trainer.", ge=0) = 0
+    schedule_policy: D(Literal["round_robin", "least_inflight"], "How a producer picks an engine for a request.") = "round_robin"
+    request_timeout: D(float, "Seconds one engine request may take.", gt=0) = 3600.0
+    request_retries: D(int, "Attempts per request, each on another healthy engine.", ge=1) = 3
+    setup_timeout: D(float, "Seconds to wait for engines to appear at start-up.", gt=0) = 120.0
+    lease_ttl: D(float, "Seconds a rollout lease lives; a crashed producer's leases expire after this.", gt=0) = 300.0
+    check_trajectory_format: D(bool, "Validate every group before it is written.") = True
+    engine_addresses: D(list[str], "Engine addresses host:port (overrides name resolve when non-empty).") = msgspec.field(default_factory=list)
+    api_key: D(str | None, "Bearer token sent to engines; masked in logs.") = None
+    health_check_interval: D(float, "Seconds between engine health checks.", gt=0) = 5.0
+
+
+# --------------------------------------------------------------------------- actor
+
+
+class NormConfig(_Section):
+    mean_level: D(Literal["batch", "group", "none"], "Subtract the mean over the batch, the group, or not at all.") = "batch"
+    mean_leave1out: D(bool, "Leave-one-out mean (RLOO).") = False
+    std_level: D(Literal["batch", "group", "none"], "Divide by the std over the batch, the group, or not at all.") = "batch"
+    std_unbiased: D(bool, "Unbiased (n-1) standard deviation.") = True
+    eps: D(float, "Added to the std before dividing.", ge=0) = 1e-5
+    group_size: D(int, "Samples per group for group-level statistics (0 = n_samples).", ge=0) = 0
+
+
+class OptimizerConfig(_Section):
+    type: D(Literal["adam", "adamw", "sgd"], "Optimizer.") = "adam"
+    lr: D(float, "Peak learning rate.", gt=0) = 2e-5
+    weight_decay: D(float, "Decoupled weight decay.", ge=0) = 0.0
+    beta1: D(float, "Adam beta1.", ge=0, lt=1) = 0.9
+    beta2: D(float, "Adam beta2.", ge=0, lt=1) = 0.999
+    eps: D(float, "Adam epsilon.", gt=0) = 1e-8
+    min_lr_ratio: D(float, "Final lr as a fraction of lr for linear/cosine schedules.", ge=0, le=1) = 0.0
+    lr_scheduler_type: D(Literal["constant", "linear", "cosine"], "Learning-rate schedule after warm-up.") = "constant"
+    warmup_steps_proportion: D(float, "Fraction of total steps used for linear warm-up.", ge=0, le=1) = 0.001
+    gradient_clipping: D(float, "Max global grad norm (0 = off).", ge=0) = 1.0
+
+
+class MicroBatchSpec(_Section):
+    n_mbs: D(int, "Minimum number of micro-batches.", ge=1) = 1
+    max_tokens_per_mb: D(int, "Token budget per micro-batch.", ge=1) = 16384
+    packing: D(bool, "Pack sequences into one row (no padding) instead of padding to the longest.") = True
+
+
+class ActorConfig(_Section):
+    path: D(str, "Local path of the HF causal LM (no hub downloads).") = ""
+    init_from_scratch: D(bool, "Random init from the config at `path` instead of loading weights.") = False
+    dtype: D(Literal["float32", "bfloat16", "float16"], "Parameter dtype.") = "float32"
+    gradient_checkpointing: D(bool, "Recompute activations in backward to save memory.") = False
+    device: D(str, "Device: auto (cuda if present), cpu, cuda.") = "auto"
+    parallel: D(Literal["ddp", "fsdp"], "Data-parallel wrapper under torchrun.") = "ddp"
+    mb_spec: D(MicroBatchSpec, "Micro-batching.") = msgspec.field(default_factory=MicroBatchSpec)
+    optimizer: D(OptimizerConfig, "Optimizer and schedule.") = msgspec.field(default_factory=OptimizerConfig)
+    group_size: D(int, "Samples per prompt (0 = gconfig.n_samples).", ge=0) = 0
+    ppo_n_minibatches: D(int, "PPO minibatches (optimizer steps) per train step.", ge=1) = 4
+    eps_clip: D(float, "PPO clip ε.", gt=0) = 0.2
+    eps_clip_higher: D(float | None, "Upper clip ε_high (DAPO clip-higher); None = eps_clip.", gt=0) = None
+    c_clip: D(float | None, "Dual-clip constant c > 1 (None = off).", gt=1) = None
+    temperature: D(float, "Temperature applied to logits when computing logprobs (match gconfig).", gt=0) = 1.0
+    reward_norm: D(NormConfig | None, "Reward normalisation (None = off).") = None
+    reward_scaling: D(float, "Multiply rewards by this.") = 1.0
+    reward_bias: D(float, "Add this to rewards (before scaling).") = 0.0
+    reward_clip: D(float, "Clip rewards to ±this.", gt=0) = 20.0
+    overlong_reward_penalty: D(bool, "DAPO soft overlong penalty.") = False
+    overlong_tokens: D(int | None, "Length of the soft penalty window before max_new_tokens.", ge=1) = None
+    overlong_penalty_factor: D(float | None, "Maximum penalty at max_new_tokens.", ge=0) = None
+    mask_no_eos_with_zero: D(bool, "Zero the loss of samples that hit max_new_tokens without EOS.") = False
+    discount: D(float, "GAE discount γ.", ge=0, le=1) = 1.0
+    gae_lambda: D(float, "GAE λ.", ge=0, le=1) = 1.0
+    adv_norm: D(NormConfig | None, "Advantage normalisation (None = off).") = msgspec.field(default_factory=NormConfig)
+    kl_ctl: D(float, "KL penalty coefficient (0 = no reference model).", ge=0) = 0.1
+    kl_estimator: D(Literal["k1", "k2", "k3"], "KL estimator of log(p/p_ref).") = "k1"
+    entropy_coeff: D(float, "Entropy bonus coefficient.", ge=0) = 0.0
+    recompute_logprob: D(bool, "Recompute proximal logprobs with the current weights before the update.") = False
+    use_decoupled_loss: D(bool, "Decoupled PPO: proximal policy separate from the behaviour policy.") = False
+    prox_logp_method: D(Literal["recompute", "loglinear"], "Proximal logprobs: recompute, or interpolate log-linearly between behaviour and current.") = "recompute"
+    behav_imp_weight_cap: D(float | None, "Mask tokens whose behaviour importance weight exceeds this (None = off).", gt=0) = None
+    importance_sampling_level: D(Literal["token", "sequence"], "token (PPO/GRPO) or sequence (GSPO) ratios.") = "token"
+    loss_agg_mode: D(Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"], "How token losses become one number.") = "token-mean"
+    weight_update_mode: D(Literal["distributed", "disk", "none"], "How weights reach the engines after a step.") = "distributed"
+    weight_update_backend: D(Literal["auto", "nccl", "gloo"], "torch.distributed backend for weight_update_mode=distributed (auto: nccl on GPU).") = "auto"
+    weight_chunked_mem_mb: D(int, "Bucket size in MB for one update call.", ge=1) = 1024
+    weight_update_timeout: D(float, "Seconds an engine may take to confirm an update before it is dropped.", gt=0) = 120.0
+
+
+class RefConfig(_Section):
+    path: D(str | None, "Reference model path (None = actor.path).") = None
+
+
+# --------------------------------------------------------------------------- persistence
+
+
+class SaverConfig(_Section):
+    freq_steps: D(int | None, "Save an HF checkpoint every N steps (None = only at the end).", ge=1) = None
+    freq_epochs: D(int | None, "Save an HF checkpoint every N epochs.", ge=1) = None
+    freq_secs: D(int | None, "Save an HF checkpoint every N seconds.", ge=1) = None
+
+
+class RecoverConfig(_Section):
+    mode: D(Literal["disabled", "auto", "resume", "fault"], "disabled; auto/resume: resume from the last recover checkpoint if any; fault: only after a crash.") = "disabled"
+    freq_steps: D(int | None, "Write a recover checkpoint every N steps.", ge=1) = 1
+    freq_secs: D(int | None, "Write a recover checkpoint every N seconds.", ge=1) = None
+    retries: D(int, "Restarts a launcher attempts after a crash.", ge=0) = 3
+
+
+class WandbConfig(_Section):
+    mode: D(Literal["online", "offline", "disabled"], "wandb logging mode.") = "disabled"
+    project: D(str | None, "wandb project (None = experiment_name).") = None
+    entity: D(str | None, "wandb entity.") = None
+    name: D(str | None, "wandb run name (None = trial_name).") = None
+    api_key: D(str | None, "wandb API key; masked in logs and `config show`.") = None
+
+
+class TensorBoardConfig(_Section):
+    path: D(str | None, "TensorBoard log dir (None = {run_dir}/tensorboard).") = None
+    enabled: D(bool, "Write TensorBoard event files.") = True
+
+
+class StatsLoggerConfig(_Section):
+    wandb: D(WandbConfig, "Weights & Biases.") = msgspec.field(default_factory=WandbConfig)
+    tensorboard: D(TensorBoardConfig, "TensorBoard.") = msgspec.field(default_factory=TensorBoardConfig)
+    log_every_secs: D(float, "Seconds between one-line progress summaries of long-running processes.", gt=0) = 10.0
+
+
+# --------------------------------------------------------------------------- data
+
+
+class DatasetConfig(_Section):
+    path: D(str, "Local JSONL / Parquet / CSV file or folder (never a hub name).") = ""
+    type: D(Literal["auto", "json", "parquet", "csv"], "File format (auto: by extension).") = "auto"
+    prompt_key: D(str, "Column with the prompt text.") = "prompt"
+    answer_key: D(str, "Column with the reference answer.") = "answer"
+    apply_chat_template: D(bool, "Wrap prompts with the tokenizer's chat template.") = False
+    shuffle: D(bool, "Shuffle each epoch (seeded).") = True
+    batch_size: D(int, "Prompts per batch when evaluating.", ge=1) = 32
+    max_prompt_len: D(int | None, "Drop prompts longer than this many tokens.", ge=1) = None
+
+
+# --------------------------------------------------------------------------- producer / engine
+
+
+class ProducerConfig(_Section):
+    workflow: D(str, "Workflow import path `module:callable` (builds an object with `arun_episode`).") = "rlstream.producer.workflow:RLVRWorkflow"
+    reward_fn: D(str, "Reward import path `module:function(prompt, completion, answer, **kw) -> float`.") = "rlstream.producer.rewards:math_reward"
+    reward_timeout: D(float, "Seconds a reward call may take before the sample scores 0.", gt=0) = 15.0
+    reward_workers: D(int, "Processes in the reward pool.", ge=1) = 2
+    dynamic_sampling: D(bool, "Drop groups whose rewards are all equal (DAPO dynamic sampling).") = False
+    producer_id: D(str | None, "Stable producer id (resumable dataset position); None = hostname-pid.") = None
+    max_groups: D(int | None, "Stop after this many accepted groups (None = until the trainer finishes).", ge=1) = None
+
+
+class ServerConfig(_Section):
+    host: D(str, "Bind address of the local engine (127.0.0.1 unless told otherwise).") = "127.0.0.1"
+    port: D(int, "Port of the local engine (0 = pick a free one).", ge=0, le=65535) = 0
+    model_path: D(str | None, "Model served (None = actor.path).") = None
+    device: D(str, "auto, cpu or cuda.") = "auto"
+    dtype: D(Literal["float32", "bfloat16", "float16"], "Serving dtype.") = "float32"
+    max_batch_size: D(int, "Sequences decoded together (continuous batching).", ge=1) = 64
+    max_seq_len: D(int, "Longest prompt + output the engine accepts.", ge=1) = 4096
+    api_key: D(str | None, "Require this bearer token on every route; masked in logs.") = None
+    register: D(bool, "Register with name resolve so producers find this engine.") = True
+
+
+class LauncherConfig(_Section):
+    n_engines: D(int, "Local engines `rlstream run` starts.", ge=0) = 1
+    n_producers: D(int, "Producers `rlstream run` starts.", ge=0) = 1
+    n_trainer_procs: D(int, "Trainer processes (torchrun data parallel) `rlstream run` starts.", ge=1) = 1
+    startup_timeout: D(float, "Seconds for every child to become ready.", gt=0) = 300.0
+    eval_n: D(int, "Held-out prompts scored before and after training (0 = skip).", ge=0) = 0
+    sft_steps: D(int, "Supervised warm-start steps before RL (0 = none).", ge=0) = 0
+
+
+# --------------------------------------------------------------------------- top level
+
+
+class Config(_Section):
+    experiment_name: D(str, "Experiment name; part of the Redis namespace and run folder.") = "rlstream"
+    trial_name: D(str, "Trial name; part of the Redis namespace and run folder.") = "trial0"
+    seed: D(int, "Global random seed.") = 1
+    total_train_epochs: D(int, "Passes over the training dataset.", ge=1) = 1
+    total_train_steps: D(int | None, "Stop after this many train steps (None = epochs decide).", ge=1) = None
+    tokenizer_path: D(str | None, "Tokenizer path (None = actor.path).") = None
+    cluster: D(ClusterConfig, "Placement and discovery.") = msgspec.field(default_factory=ClusterConfig)
+    redis: D(RedisConfig, "The Redis broker.") = msgspec.field(default_factory=RedisConfig)
+    rollout: D(RolloutConfig, "Rollout admission and engine clients.") = msgspec.field(default_factory=RolloutConfig)
+    gconfig: D(GenerationHyperparameters, "Sampling parameters.") = msgspec.field(default_factory=GenerationHyperparameters)
+    actor: D(ActorConfig, "Policy model and PPO/GRPO algorithm.") = msgspec.field(default_factory=ActorConfig)
+    ref: D(RefConfig, "Reference model for KL.") = msgspec.field(default_factory=RefConfig)
+    saver: D(SaverConfig, "HF checkpoints.") = msgspec.field(default_factory=SaverConfig)
+    recover: D(RecoverConfig, "Recover checkpoints and crash recovery.") = msgspec.field(default_factory=RecoverConfig)
+    stats_logger: D(StatsLoggerConfig, "Metrics sinks.") = msgspec.field(default_factory=StatsLoggerConfig)
+    train_dataset: D(DatasetConfig, "Training prompts.") = msgspec.field(default_factory=DatasetConfig)
+    valid_dataset: D(DatasetConfig | None, "Held-out prompts for evaluation.") = None
+    producer: D(ProducerConfig, "Rollout producers.") = msgspec.field(default_factory=ProducerConfig)
+    server: D(ServerConfig, "The local CPU/GPU engine (`rlstream serve`).") = msgspec.field(default_factory=ServerConfig)
+    launcher: D(LauncherConfig, "`rlstream run` placement on one machine.") = msgspec.field(default_factory=LauncherConfig)
+
+    # ---- derived values (not config keys) ----------------------------------------
+    @property
+    def namespace(self) -> str:
+        """Redis namespace `rlstream:{experiment}:{trial}`."""
+        exp = self.rollout.experiment_name or self.experiment_name
+        trial = self.rollout.trial_name or self.trial_name
+        return f"rlstream:{exp}:{trial}"
+
+    @property
+    def run_dir(self) -> Path:
+        """Folder for this run's logs, checkpoints and metrics."""
+        return Path(self.cluster.fileroot) / self.experiment_name / self.trial_name
+
+    @property
+    def group_size(self) -> int:
+        """Samples per group used by the trainer."""
+        return self.actor.group_size or self.gconfig.n_samples
+
+    @property
+    def max_concurrent_rollouts(self) -> int:
+        """Global cap on rollouts in flight."""
+        return self.rollout.max_concurrent_rollouts or self.rollout.consumer_batch_size
+
+    @property
+    def tokenizer(self) -> str:
+        """Tokenizer path."""
+        return self.tokenizer_path or self.actor.path
+
+
+# --------------------------------------------------------------------------- loading
+
+SECRET_KEYS = ("password", "api_key", "token", "secret")
+
+
+def _struct_fields(tp: Any) -> dict[str, Any] | None:
+    """Field name -> type for a Struct type (unwrapping Optional/Annotated), else None."""
+    tp = _unwrap(tp)
+    if isinstance(tp, type) and issubclass(tp, msgspec.Struct):
+        hints = typing.get_type_hints(tp, include_extras=True)
+        return {f: hints[f] for f in tp.__struct_fields__}
+    return None
+
+
+def _unwrap(tp: Any) -> Any:
+    """Strip Annotated and `X | None` to get at a Struct type."""
+    if typing.get_origin(tp) is Annotated:
+        tp = typing.get_args(tp)[0]
+    args = typing.get_args(tp)
+    if args and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return _unwrap(rest[0])
+    return tp
+
+
+def _check_unknown_keys(data: Any, tp: Any, path: str) -> None:
+    fields = _struct_fields(tp)
+    if fields is None or not isinstance(data, dict):
+        return
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            hint = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            # Also look one level away: `lr` given at `actor.lr` should point to actor.optimizer.lr.
+            if not hint:
+                for name, sub in fields.items():
+                    subfields = _struct_fields(sub) or {}
+                    if key in subfields:
+                        hint = [f"{name}.{key}"]
+                        break
+            suggestion = f"; did you mean '{(path + '.' if path else '') + hint[0]}'?" if hint else ""
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown config key '{full}'{suggestion} (allowed at this level: {allowed})")
+        _check_unknown_keys(value, fields[key], full)
+
+
+def _allowed_values(tp: Any, dotted: str) -> str:
+    """Describe what a field accepts, for error messages."""
+    node: Any = Config
+    for part in dotted.split("."):
+        fields = _struct_fields(node)
+        if fields is None or part not in fields:
+            return ""
+        node = fields[part]
+    inner, metas = node, []
+    while True:
+        if typing.get_origin(inner) is Annotated:
+            args = typing.get_args(inner)
+            inner = args[0]
+            metas += [a for a in args[1:] if isinstance(a, Meta)]
+            continue
+        nested = [a for a in typing.get_args(inner) if typing.get_origin(a) is Annotated]
+        if nested:
+            args = typing.get_args(nested[0])
+            metas += [a for a in args[1:] if isinstance(a, Meta)]
+            inner = args[0] | None
+        break
+    parts = []
+    for arg in [inner, *typing.get_args(inner)]:
+        if typing.get_origin(arg) is Literal:
+            parts.append("one of " + ", ".join(repr(v) for v in typing.get_args(arg)))
+    if not parts:
+        parts.append(getattr(inner, "__name__", None) or str(inner).replace("typing.", ""))
+    for m in metas:
+        for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            v = getattr(m, attr, None)
+            if v is not None:
+                parts.append(f"{sym} {v}")
+        if m.description:
+            parts.append(f"({m.description})")
+    return " ".join(parts)
+
+
+def _lookup(data: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if isinstance(data, dict) and part in data:
+            data = data[part]
+        else:
+            return "<missing>"
+    return data
+
+
+def _convert(data: dict[str, Any]) -> Config:
+    _check_unknown_keys(data, Config, "")
+    try:
+        return msgspec.convert(data, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        path = ""
+        if "- at `$." in msg:
+            msg, _, at = msg.rpartition(" - at `$.")
+            path = at.rstrip("`")
+            # msgspec writes list indices as [i]; keep them.
+        if not path:
+            raise ConfigError(f"invalid config: {msg}") from None
+        key = path.split("[")[0]
+        value = _lookup(data, key)
+        allowed = _allowed_values(Config, key)
+        raise ConfigError(f"config key '{path}': bad value {value!r}: {msg}; allowed: {allowed}") from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (optional), apply `a.b=c` overrides, resolve `${...}`, validate."""
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        base = OmegaConf.create({})
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file not found: {p}")
+            base = OmegaConf.load(p)
+        for ov in overrides or []:
+            if "=" not in ov:
+                raise ConfigError(f"override '{ov}' is not of the form key.path=value")
+        if overrides:
+            base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        data = OmegaConf.to_container(base, resolve=True)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"cannot load config: {exc}".splitlines()[0]) from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("config root must be a mapping")
+    return _convert(data)
+
+
+def config_to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
+    return msgspec.to_builtins(cfg)
+
+
+def _mask(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        out = {}
+        for k, v in obj.items():
+            if any(s in str(k).lower() for s in SECRET_KEYS) and v not in (None, ""):
+                out[k] = "****"
+            elif k == "url" and isinstance(v, str) and "@" in v and ":" in v.split("@")[0]:
+                scheme, _, rest = v.partition("://")
+                cred, _, host = rest.rpartition("@")
+                user = cred.split(":")[0]
+                out[k] = f"{scheme}://{user}:****@{host}"
+            else:
+                out[k] = _mask(v)
+        return out
+    if isinstance(obj, list):
+        return [_mask(v) for v in obj]
+    return obj
+
+
+def masked_config_dict(cfg: msgspec.Struct) -> dict[str, Any]:
+    """The config as builtins with passwords, tokens and URL credentials masked."""
+    return _mask(config_to_dict(cfg))
+
+
+def field_docs(tp: Any = Config, prefix: str = "") -> list[tuple[str, str, Any]]:
+    """(dotted key, description, default) for every field, depth first."""
+    out: list[tuple[str, str, Any]] = []
+    fields = _struct_fields(tp) or {}
+    defaults = {}
+    st = _unwrap(tp)
+    for name, default in zip(st.__struct_fields__[len(st.__struct_fields__) - len(st.__struct_defaults__):], st.__struct_defaults__):
+        defaults[name] = default
+    for name, ftp in fields.items():
+        key = f"{prefix}{name}"
+        desc = ""
+        if typing.get_origin(ftp) is Annotated:
+            for m in typing.get_args(ftp)[1:]:
+                if isinstance(m, Meta) and m.description:
+                    desc = m.description
+        default = defaults.get(name)
+        if isinstance(default, msgspec._core.Factory):  # type: ignore[attr-defined]
+            default = default.factory()
+        sub = _struct_fields(ftp)
+        if sub is not None:
+            out.append((key, desc, None))
+            out.extend(field_docs(ftp, key + "."))
+        else:
+            out.append((key, desc, msgspec.to_builtins(default) if default is not None else None))
+    return out

@@ -1,0 +1,64 @@
+"""A tiny Llama model and character-level tokenizer built on the spot (no hub).
+
+Used by the CPU demo, the tests and the benchmarks. The tokenizer is a real
+`tokenizers` WordLevel model over characters wrapped as a `PreTrainedTokenizerFast`,
+saved with the model so `AutoTokenizer` / `AutoModelForCausalLM` load both from a
+local folder like any HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+__all__ = ["CHARS", "SPECIAL_TOKENS", "build_tokenizer", "build_tiny_model"]
+
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
+CHARS = list(string.digits + string.ascii_lowercase + " +-*/=?:.,()[]<>#")
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer: pad=0, bos=1, eos=2, unk=3."""
+    from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
+    return fast
+
+
+def build_tiny_model(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                     intermediate_size: int = 256, max_position_embeddings: int = 512, seed: int = 0) -> Path:
+    """Write a randomly initialised tiny LlamaForCausalLM + tokenizer to `path`."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
