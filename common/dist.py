@@ -1,0 +1,72 @@
+"""A torch.distributed group outside the default one, for weight sync.
+
+The trainer may already own the default process group (DDP/FSDP under torchrun), and
+an engine process must not join it, so the weight-sync group (trainer rank 0 plus every
+engine rank) is built directly from a TCPStore, as SGLang's `init_custom_process_group`
+does. Same code for `gloo` (CPU) and `nccl` (GPU).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WeightSyncGroup", "init_weight_sync_group", "resolve_backend"]
+
+
+class WeightSyncGroup:
+    """A custom process group plus the TCPStore that keeps it alive."""
+
+    def __init__(self, pg, store, rank: int, world_size: int, backend: str, name: str) -> None:
+        self.pg = pg
+        self.store = store  # on rank 0 this object owns the store server
+        self.rank = rank
+        self.world_size = world_size
+        self.backend = backend
+        self.name = name
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast `tensor` in place from rank `src` of this group."""
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        opts.rootTensor = 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def close(self) -> None:
+        self.pg = None
+        self.store = None
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` -> nccl when CUDA is available, else gloo."""
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"weight sync backend must be auto, gloo or nccl, got {backend!r}")
+    return backend
+
+
+def init_weight_sync_group(master_address: str, master_port: int, rank: int, world_size: int,
+                           group_name: str, backend: str = "gloo", timeout_s: float = 300.0) -> WeightSyncGroup:
+    """Join (rank 0: host) a weight-sync group; blocks until all `world_size` ranks joined."""
+    backend = resolve_backend(backend)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=(rank == 0), timeout=timeout,
+                          wait_for_workers=False)
+    prefix = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefix, rank, world_size, timeout)
+    else:
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefix, rank, world_size, opts)
+    group = WeightSyncGroup(pg, store, rank, world_size, backend, group_name)
+    # One collective so every rank returns only once the group really works.
+    group.broadcast(torch.zeros(1, device=group.device), src=0)
+    return group

@@ -1,0 +1,164 @@
+"""The `rlstream` command line.
+
+Every command that takes a config accepts `--config FILE` followed by dotted overrides
+in AReaL's style: `rlstream train --config configs/x.yaml actor.optimizer.lr=1e-4`.
+Bad configs and unreachable brokers are one clear line and a non-zero exit, never a
+stack trace. Each command's body lives in the module that owns the concept; this file
+only parses arguments and maps errors to exit codes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlstream: asynchronous RL post-training on Redis streams.")
+config_app = typer.Typer(no_args_is_help=True, help="Show and document configuration.")
+launch_app = typer.Typer(no_args_is_help=True, help="Launch on a cluster scheduler.")
+app.add_typer(config_app, name="config")
+app.add_typer(launch_app, name="launch")
+
+EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file.")
+
+
+def _fail(msg: str, code: int = 1) -> None:
+    typer.echo(f"rlstream: error: {msg}", err=True)
+    raise typer.Exit(code)
+
+
+def load(config: Optional[str], overrides: list[str]):
+    """Load the config or exit 2 with the one-line reason."""
+    from rlstream.common.config import ConfigError, load_config
+
+    try:
+        return load_config(config, overrides)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+
+
+def _guard(fn, *args, **kwargs):
+    """Run a command body, turning known failures into one line."""
+    from rlstream.broker.connection import BrokerError
+    from rlstream.common.config import ConfigError
+
+    try:
+        return fn(*args, **kwargs)
+    except ConfigError as exc:
+        _fail(str(exc), 2)
+    except BrokerError as exc:
+        _fail(str(exc), 1)
+    except KeyboardInterrupt:
+        typer.echo("rlstream: interrupted", err=True)
+        raise typer.Exit(130)
+
+
+@config_app.command("show", context_settings=EXTRA)
+def config_show(ctx: typer.Context, config: Optional[str] = ConfigOpt,
+                as_json: bool = typer.Option(False, "--json", help="JSON instead of YAML.")) -> None:
+    """Print the resolved config (secrets masked)."""
+    from omegaconf import OmegaConf
+
+    from rlstream.common.config import masked_config_dict
+
+    cfg = load(config, ctx.args)
+    data = masked_config_dict(cfg)
+    typer.echo(json.dumps(data, indent=2) if as_json else OmegaConf.to_yaml(OmegaConf.create(data)))
+
+
+@config_app.command("docs")
+def config_docs() -> None:
+    """Every config key with its default and one-line description."""
+    from rlstream.common.config import field_docs
+
+    for key, desc, default in field_docs():
+        typer.echo(f"{key} = {default!r}  # {desc}" if default is not None or "." in key else f"{key}: {desc}")
+
+
+@app.command(context_settings=EXTRA)
+def inspect(ctx: typer.Context,
+            redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL (default: the config's redis.url)."),
+            namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="rlstream:{experiment}:{trial} (default: from the config)."),
+            config: Optional[str] = ConfigOpt,
+            as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
+            watch: Optional[float] = typer.Option(None, "--watch", "-w", help="Refresh every N seconds until Ctrl-C."),
+            list_: bool = typer.Option(False, "--list", help="List the namespaces present."),
+            ) -> None:
+    """Queue depth, lag, pending, versions, admission, staleness, dead letters, throughput."""
+    from rlstream.launcher.inspect_view import inspect_main
+
+    cfg = load(config, ctx.args)
+    _guard(inspect_main, cfg, redis_url=redis, namespace=namespace, as_json=as_json, watch=watch, list_only=list_)
+
+
+@app.command(context_settings=EXTRA)
+def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
+    """Run the local inference engine (SGLang-compatible HTTP subset)."""
+    from rlstream.producer.engine_server import serve as serve_main
+
+    _guard(serve_main, load(config, ctx.args))
+
+
+@app.command(context_settings=EXTRA)
+def produce(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
+    """Run one rollout producer: dataset -> engines -> rewards -> Redis."""
+    from rlstream.producer.main import produce as produce_main
+
+    code = _guard(produce_main, load(config, ctx.args))
+    raise typer.Exit(code or 0)
+
+
+@app.command(context_settings=EXTRA)
+def train(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
+    """Run the trainer (one process, or each rank under torchrun)."""
+    from rlstream.trainer.main import train as train_main
+
+    _guard(train_main, load(config, ctx.args))
+
+
+@app.command(context_settings=EXTRA)
+def sft(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
+    """Supervised warm start of actor.path on the training answers."""
+    from rlstream.launcher.sft import sft as sft_main
+
+    _guard(sft_main, load(config, ctx.args))
+
+
+@app.command(context_settings=EXTRA)
+def run(ctx: typer.Context, config: Optional[str] = ConfigOpt,
+        redis: Optional[str] = typer.Option(None, "--redis", help="Use this Redis instead of starting one.")) -> None:
+    """Run a whole job on this machine: Redis, engines, producers and the trainer."""
+    from rlstream.launcher.local import run as run_main
+
+    code = _guard(run_main, load(config, ctx.args), redis_url=redis)
+    raise typer.Exit(code or 0)
+
+
+@launch_app.command("slurm", context_settings=EXTRA)
+def launch_slurm(ctx: typer.Context, config: Optional[str] = ConfigOpt,
+                 dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script only."),
+                 redis: Optional[str] = typer.Option(None, "--redis", help="External Redis URL (default: start one on the first node).")) -> None:
+    """Build and submit an sbatch script for engines, producers, trainer and Redis."""
+    from rlstream.launcher.slurm import launch as slurm_main
+
+    code = _guard(slurm_main, load(config, ctx.args), dry_run=dry_run, redis_url=redis)
+    raise typer.Exit(code or 0)
+
+
+@app.command()
+def bench(quick: bool = typer.Option(False, "--quick", help="Smaller sizes.")) -> None:
+    """Run all benchmarks and print one table."""
+    from rlstream.launcher.bench import bench_main
+
+    raise typer.Exit(_guard(bench_main, quick=quick) or 0)
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()
