@@ -1,0 +1,339 @@
+"""Service discovery: engines register `host:port`, producers list and watch them.
+
+Three backends, chosen by `cluster.name_resolve.type`:
+
+- `redis` (default; nothing extra to run): a sorted set `{ns}:{service}` per service —
+  for `service="engines"` that is exactly the broker's `Keys.engines` — with
+  member = address and score = expiry in ms. A background keepalive pushes the expiry
+  forward every ttl/3; a crashed engine stops refreshing and drops out of `list` once
+  its expiry passes. Watching polls (cheap: one ZRANGEBYSCORE) so no pub/sub message
+  can be lost across a reconnect.
+- `etcd` (v3 API through the maintained asyncio client `aetcd`): key
+  `/rlstream/{ns}/{service}/{address}` attached to a lease refreshed by a keepalive;
+  etcd deletes the key when the lease expires. Watching uses a prefix watch.
+- `static`: a fixed list (`cluster.name_resolve.static_servers` plus
+  `rollout.engine_addresses`); registration is a no-op.
+
+This module is in `common/` and so imports nothing of ours except the config; it
+talks to Redis through redis-py directly rather than through `broker/`.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import math
+import time
+from typing import Any, AsyncIterator
+
+from rlstream.common.config import Config
+from rlstream.common.logging import get_logger
+
+__all__ = [
+    "ENGINES_SERVICE",
+    "NameResolveError",
+    "NameResolver",
+    "RedisNameResolver",
+    "EtcdNameResolver",
+    "StaticNameResolver",
+    "make_name_resolver",
+]
+
+ENGINES_SERVICE = "engines"
+
+log = get_logger("name_resolve")
+
+
+class NameResolveError(RuntimeError):
+    """Discovery backend unusable (unreachable, bad address); the message names it."""
+
+
+class NameResolver(abc.ABC):
+    """Register addresses under a service name and follow who is registered."""
+
+    def __init__(self, default_ttl: float, poll_interval: float = 0.5) -> None:
+        self.default_ttl = float(default_ttl)
+        self.poll_interval = poll_interval
+        self._keepalives: dict[tuple[str, str], asyncio.Task] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ interface
+    @abc.abstractmethod
+    async def register(self, service: str, address: str, ttl: float | None = None) -> None:
+        """Register `address`; it stays alive (background keepalive) until unregister/close."""
+
+    @abc.abstractmethod
+    async def unregister(self, service: str, address: str) -> None:
+        """Remove `address` now (a graceful exit; a crash is covered by the TTL)."""
+
+    @abc.abstractmethod
+    async def list(self, service: str) -> list[str]:
+        """Addresses alive now, sorted."""
+
+    async def watch(self, service: str) -> AsyncIterator[list[str]]:
+        """Yield the current list at once, then again each time it changes."""
+        last: list[str] | None = None
+        while not self._closed:
+            try:
+                cur = await self.list(service)
+            except Exception as exc:  # noqa: BLE001 - a discovery hiccup must not kill the watcher
+                log.warning("listing %r failed (%s); retrying", service, exc)
+                await asyncio.sleep(max(self.poll_interval, 1.0))
+                continue
+            if cur != last:
+                last = cur
+                yield cur
+            await asyncio.sleep(self.poll_interval)
+
+    async def close(self) -> None:
+        """Stop keepalives and remove this process's registrations."""
+        self._closed = True
+        for service, address in list(self._keepalives):
+            with contextlib.suppress(Exception):
+                await self.unregister(service, address)
+        await self._close_backend()
+
+    async def _close_backend(self) -> None:
+        pass
+
+    async def __aenter__(self) -> "NameResolver":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _start_keepalive(self, service: str, address: str, coro: Any) -> None:
+        self._stop_keepalive(service, address)
+        task = asyncio.create_task(coro, name=f"name-resolve-keepalive:{service}:{address}")
+        self._keepalives[(service, address)] = task
+
+    def _stop_keepalive(self, service: str, address: str) -> None:
+        task = self._keepalives.pop((service, address), None)
+        if task is not None:
+            task.cancel()
+
+
+# ---------------------------------------------------------------------- redis
+
+
+class RedisNameResolver(NameResolver):
+    """Sorted set `{ns}:{service}`: member = address, score = expiry ms."""
+
+    def __init__(self, client: Any, namespace: str, default_ttl: float, poll_interval: float = 0.5,
+                 owns_client: bool = False) -> None:
+        super().__init__(default_ttl, poll_interval)
+        self.client = client
+        self.ns = namespace
+        self._owns_client = owns_client
+
+    def key(self, service: str) -> str:
+        # Same hash tag as every other key of the run (broker/keys.py): `{ns}:engines`.
+        return "{" + self.ns + "}:" + service
+
+    async def _put(self, service: str, address: str, ttl: float) -> None:
+        now = int(time.time() * 1000)
+        pipe = self.client.pipeline(transaction=True)
+        pipe.zadd(self.key(service), {address: now + int(ttl * 1000)})
+        # Forget registrations dead for a minute so the set does not grow with old ports.
+        pipe.zremrangebyscore(self.key(service), "-inf", now - 60_000)
+        await pipe.execute()
+
+    async def register(self, service: str, address: str, ttl: float | None = None) -> None:
+        ttl = float(ttl or self.default_ttl)
+        await self._put(service, address, ttl)
+        self._start_keepalive(service, address, self._keepalive(service, address, ttl))
+        log.info("registered %s under %s (redis, ttl %.1fs)", address, self.key(service), ttl)
+
+    async def _keepalive(self, service: str, address: str, ttl: float) -> None:
+        while True:
+            await asyncio.sleep(ttl / 3)
+            try:
+                await self._put(service, address, ttl)
+            except Exception as exc:  # noqa: BLE001 - keep trying; the TTL covers the gap
+                log.warning("keepalive of %s failed: %s", address, exc)
+
+    async def unregister(self, service: str, address: str) -> None:
+        self._stop_keepalive(service, address)
+        await self.client.zrem(self.key(service), address)
+
+    async def list(self, service: str) -> list[str]:
+        now = int(time.time() * 1000)
+        raw = await self.client.zrangebyscore(self.key(service), f"({now}", "+inf")
+        return sorted(m.decode() if isinstance(m, bytes) else m for m in raw)
+
+    async def _close_backend(self) -> None:
+        if self._owns_client:
+            with contextlib.suppress(Exception):
+                await self.client.aclose()
+
+
+# ---------------------------------------------------------------------- etcd
+
+
+class EtcdNameResolver(NameResolver):
+    """etcd v3 keys `/rlstream/{ns}/{service}/{address}` under a lease with keepalive."""
+
+    def __init__(self, address: str, namespace: str, default_ttl: float, poll_interval: float = 0.5,
+                 username: str | None = None, password: str | None = None) -> None:
+        super().__init__(default_ttl, poll_interval)
+        try:
+            import aetcd
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise NameResolveError("name_resolve.type=etcd needs the `aetcd` package: pip install 'rlstream[etcd]'") from exc
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit():
+            raise NameResolveError(f"cluster.name_resolve.etcd_address {address!r} is not host:port")
+        self.address = address
+        self.ns = namespace
+        self.client = aetcd.Client(host=host, port=int(port), username=username, password=password)
+        self._leases: dict[tuple[str, str], Any] = {}
+
+    def prefix(self, service: str) -> bytes:
+        return f"/rlstream/{self.ns}/{service}/".encode()
+
+    def _key(self, service: str, address: str) -> bytes:
+        return self.prefix(service) + address.encode()
+
+    async def _grant_and_put(self, service: str, address: str, ttl: int) -> Any:
+        lease = await self.client.lease(ttl)
+        await self.client.put(self._key(service, address), address.encode(), lease=lease)
+        self._leases[(service, address)] = lease
+        return lease
+
+    async def register(self, service: str, address: str, ttl: float | None = None) -> None:
+        # etcd leases are whole seconds.
+        ttl_s = max(1, math.ceil(ttl or self.default_ttl))
+        try:
+            await self._grant_and_put(service, address, ttl_s)
+        except Exception as exc:  # noqa: BLE001
+            raise NameResolveError(f"cannot register {address} with etcd at {self.address}: {exc}") from None
+        self._start_keepalive(service, address, self._keepalive(service, address, ttl_s))
+        log.info("registered %s under %s (etcd %s, lease ttl %ds)", address, self.prefix(service).decode(),
+                 self.address, ttl_s)
+
+    async def _keepalive(self, service: str, address: str, ttl: int) -> None:
+        while True:
+            await asyncio.sleep(ttl / 3)
+            lease = self._leases.get((service, address))
+            try:
+                reply = await lease.refresh() if lease is not None else None
+                # A refresh of an expired lease answers TTL <= 0: the key is gone; grant a new one.
+                if reply is None or reply.TTL <= 0:
+                    log.warning("etcd lease of %s expired; registering again", address)
+                    await self._grant_and_put(service, address, ttl)
+            except Exception as exc:  # noqa: BLE001 - keep trying; etcd may be restarting
+                log.warning("etcd keepalive of %s failed: %s", address, exc)
+
+    async def unregister(self, service: str, address: str) -> None:
+        self._stop_keepalive(service, address)
+        lease = self._leases.pop((service, address), None)
+        if lease is not None:
+            with contextlib.suppress(Exception):
+                await lease.revoke()
+        await self.client.delete(self._key(service, address))
+
+    async def list(self, service: str) -> list[str]:
+        res = await self.client.get_prefix(self.prefix(service))
+        return sorted(kv.value.decode() for kv in res)
+
+    async def watch(self, service: str) -> AsyncIterator[list[str]]:
+        """Prefix watch; on any watch failure fall back to a re-list and a new watch."""
+        prefix = self.prefix(service)
+        last: list[str] | None = None
+        while not self._closed:
+            watch = None
+            try:
+                # Watch first, then list: a change between the two shows up in the watch.
+                watch = await self.client.watch_prefix(prefix)
+                current = {kv.key: kv.value.decode() for kv in await self.client.get_prefix(prefix)}
+                cur = sorted(current.values())
+                if cur != last:
+                    last = cur
+                    yield cur
+                async for ev in watch:
+                    if ev.kind == "PUT":
+                        current[ev.kv.key] = ev.kv.value.decode()
+                    else:
+                        current.pop(ev.kv.key, None)
+                    cur = sorted(current.values())
+                    if cur != last:
+                        last = cur
+                        yield cur
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                if self._closed:
+                    return
+                log.warning("etcd watch on %s failed (%s); re-watching", prefix.decode(), exc)
+                await asyncio.sleep(1.0)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await watch.cancel()
+
+    async def _close_backend(self) -> None:
+        with contextlib.suppress(Exception):
+            await self.client.close()
+
+
+# ---------------------------------------------------------------------- static
+
+
+class StaticNameResolver(NameResolver):
+    """A fixed address list; registration does nothing (the list is the configuration)."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        super().__init__(default_ttl=0.0)
+        self.addresses = sorted(dict.fromkeys(addresses))
+
+    async def register(self, service: str, address: str, ttl: float | None = None) -> None:
+        log.debug("name_resolve=static: not registering %s", address)
+
+    async def unregister(self, service: str, address: str) -> None:
+        return None
+
+    async def list(self, service: str) -> list[str]:
+        return list(self.addresses)
+
+    async def watch(self, service: str) -> AsyncIterator[list[str]]:
+        yield list(self.addresses)
+        while not self._closed:
+            await asyncio.sleep(3600)
+
+
+# ---------------------------------------------------------------------- factory
+
+
+def _redis_client(cfg: Config) -> Any:
+    import redis.asyncio as aioredis
+
+    if not cfg.redis.url:
+        raise NameResolveError("name_resolve.type=redis needs redis.url (or use name_resolve.type=static)")
+    kw: dict[str, Any] = dict(socket_timeout=cfg.redis.socket_timeout, socket_connect_timeout=cfg.redis.connect_timeout)
+    if cfg.redis.username is not None:
+        kw["username"] = cfg.redis.username
+    if cfg.redis.password is not None:
+        kw["password"] = cfg.redis.password
+    if cfg.redis.url.startswith("rediss://"):
+        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
+            if getattr(cfg.redis, name):
+                kw[name] = getattr(cfg.redis, name)
+    return aioredis.Redis.from_url(cfg.redis.url, **kw)
+
+
+def make_name_resolver(cfg: Config, *, redis_client: Any = None, poll_interval: float = 0.5) -> NameResolver:
+    """The resolver for `cluster.name_resolve.type`.
+
+    `redis_client`: an existing asyncio redis client to reuse (e.g. the producer's
+    broker connection); without one the resolver opens its own from `cfg.redis`.
+    """
+    nr = cfg.cluster.name_resolve
+    if nr.type == "static":
+        return StaticNameResolver(list(nr.static_servers) + list(cfg.rollout.engine_addresses))
+    if nr.type == "etcd":
+        return EtcdNameResolver(nr.etcd_address, cfg.namespace, nr.lease_ttl, poll_interval)
+    owns = redis_client is None
+    client = redis_client if redis_client is not None else _redis_client(cfg)
+    return RedisNameResolver(client, cfg.namespace, nr.lease_ttl, poll_interval, owns_client=owns)

@@ -1,0 +1,214 @@
+"""Service discovery against a real redis-server and a real etcd: register, watch, expire."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from rlstream.common.config import load_config
+from rlstream.common.name_resolve import (
+    ENGINES_SERVICE,
+    EtcdNameResolver,
+    NameResolveError,
+    RedisNameResolver,
+    StaticNameResolver,
+    make_name_resolver,
+)
+
+from .conftest import free_port
+
+
+class EtcdServer:
+    """An etcd child process on free 127.0.0.1 ports with a temp data dir, stopped by PID."""
+
+    def __init__(self, workdir) -> None:
+        self.workdir = workdir
+        self.client_port = free_port()
+        self.peer_port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.client_port}"
+
+    def start(self) -> "EtcdServer":
+        exe = shutil.which("etcd")
+        if exe is None:
+            pytest.fail("etcd not found: `apt-get install -y etcd-server`")
+        client = f"http://127.0.0.1:{self.client_port}"
+        peer = f"http://127.0.0.1:{self.peer_port}"
+        self.log = open(self.workdir / "etcd.log", "wb")
+        self.proc = subprocess.Popen(
+            [exe, "--name", "t", "--data-dir", str(self.workdir / "data"),
+             "--listen-client-urls", client, "--advertise-client-urls", client,
+             "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+             "--initial-cluster", f"t={peer}"],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 20
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"etcd exited: {(self.workdir / 'etcd.log').read_text()[-2000:]}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.client_port), timeout=0.2):
+                    return self
+            except OSError:
+                time.sleep(0.1)
+        raise RuntimeError("etcd did not start")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory):
+    server = EtcdServer(tmp_path_factory.mktemp("etcd")).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def _cfg(kind: str, redis_url: str, experiment: str, etcd_address: str = "127.0.0.1:1", ttl: int = 2):
+    return load_config(None, [
+        f"redis.url={redis_url}", f"experiment_name={experiment}",
+        f"cluster.name_resolve.type={kind}", f"cluster.name_resolve.etcd_address={etcd_address}",
+        f"cluster.name_resolve.lease_ttl={ttl}",
+    ])
+
+
+# A separate process registers an address and then sleeps; SIGKILL stops its keepalive
+# the way a crashed engine does.
+_REGISTRAR = textwrap.dedent("""
+    import asyncio, sys
+    from rlstream.common.config import load_config
+    from rlstream.common.name_resolve import make_name_resolver
+
+    async def main():
+        cfg = load_config(None, sys.argv[2:])
+        r = make_name_resolver(cfg)
+        await r.register("engines", sys.argv[1])
+        print("registered", flush=True)
+        await asyncio.sleep(3600)
+
+    asyncio.run(main())
+""")
+
+
+async def _next(it, timeout: float = 20.0):
+    return await asyncio.wait_for(it.__anext__(), timeout)
+
+
+async def _watch_until(it, pred, timeout: float = 20.0) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise AssertionError("watch never reached the expected state")
+        cur = await _next(it, left)
+        if pred(cur):
+            return cur
+
+
+@pytest.mark.parametrize("kind", ["redis", pytest.param("etcd", marks=pytest.mark.etcd)])
+async def test_register_watch_and_expire_after_crash(kind, request, redis_url, experiment, tmp_path):
+    etcd_addr = request.getfixturevalue("etcd_server").address if kind == "etcd" else "127.0.0.1:1"
+    overrides = [f"redis.url={redis_url}", f"experiment_name={experiment}", f"cluster.name_resolve.type={kind}",
+                 f"cluster.name_resolve.etcd_address={etcd_addr}", "cluster.name_resolve.lease_ttl=2"]
+    cfg = _cfg(kind, redis_url, experiment, etcd_addr)
+    watcher = make_name_resolver(cfg, poll_interval=0.2)
+    watch = watcher.watch(ENGINES_SERVICE).__aiter__()
+    assert await _next(watch) == []
+
+    # An engine in this process: register, a watcher sees it, unregister removes it at once.
+    local = make_name_resolver(cfg)
+    await local.register(ENGINES_SERVICE, "127.0.0.1:1111")
+    assert await _watch_until(watch, lambda a: "127.0.0.1:1111" in a) == ["127.0.0.1:1111"]
+    # The keepalive keeps it past several TTLs.
+    await asyncio.sleep(4.5)
+    assert await watcher.list(ENGINES_SERVICE) == ["127.0.0.1:1111"]
+
+    # An engine in another process; SIGKILL stops its keepalive and the registration expires.
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen([sys.executable, "-c", _REGISTRAR, "127.0.0.1:2222", *overrides],
+                            stdout=subprocess.PIPE, env=env)
+    try:
+        assert proc.stdout.readline().strip() == b"registered"
+        seen = await _watch_until(watch, lambda a: "127.0.0.1:2222" in a)
+        assert seen == ["127.0.0.1:1111", "127.0.0.1:2222"]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        t0 = time.monotonic()
+        gone = await _watch_until(watch, lambda a: "127.0.0.1:2222" not in a, timeout=30)
+        assert gone == ["127.0.0.1:1111"]
+        # Not before the TTL ran out (the last keepalive was at most ttl/3 before the kill).
+        assert time.monotonic() - t0 > 0.5
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    await local.unregister(ENGINES_SERVICE, "127.0.0.1:1111")
+    assert await _watch_until(watch, lambda a: a == []) == []
+    # close() also removes what is still registered.
+    await local.register(ENGINES_SERVICE, "127.0.0.1:3333")
+    await _watch_until(watch, lambda a: a == ["127.0.0.1:3333"])
+    await local.close()
+    await _watch_until(watch, lambda a: a == [])
+    await watch.aclose()
+    await watcher.close()
+
+
+async def test_redis_key_is_the_broker_engines_key(redis_url, experiment, keys, rclient):
+    cfg = _cfg("redis", redis_url, experiment)
+    r = make_name_resolver(cfg)
+    assert isinstance(r, RedisNameResolver)
+    try:
+        await r.register(ENGINES_SERVICE, "127.0.0.1:4444", ttl=30)
+        assert r.key(ENGINES_SERVICE) == keys.engines
+        score = rclient.zscore(keys.engines, "127.0.0.1:4444")
+        assert score is not None and score > time.time() * 1000 + 20_000
+    finally:
+        await r.close()
+    assert rclient.zscore(keys.engines, "127.0.0.1:4444") is None
+
+
+async def test_static_and_engine_addresses(redis_url, experiment):
+    cfg = load_config(None, ["cluster.name_resolve.type=static",
+                             "cluster.name_resolve.static_servers=[10.0.0.1:30000]",
+                             "rollout.engine_addresses=[10.0.0.2:30000,10.0.0.1:30000]"])
+    r = make_name_resolver(cfg)
+    assert isinstance(r, StaticNameResolver)
+    await r.register(ENGINES_SERVICE, "1.2.3.4:5")  # a no-op
+    assert await r.list(ENGINES_SERVICE) == ["10.0.0.1:30000", "10.0.0.2:30000"]
+    it = r.watch(ENGINES_SERVICE).__aiter__()
+    assert await _next(it) == ["10.0.0.1:30000", "10.0.0.2:30000"]
+    await it.aclose()
+    await r.close()
+
+
+async def test_bad_addresses_are_clear_errors(redis_url, experiment):
+    with pytest.raises(NameResolveError, match="etcd_address 'nonsense'"):
+        make_name_resolver(_cfg("etcd", redis_url, experiment, etcd_address="nonsense"))
+    with pytest.raises(NameResolveError, match="redis.url"):
+        make_name_resolver(load_config(None, ["cluster.name_resolve.type=redis"]))
+    # An etcd nobody listens on: registering names the address instead of hanging.
+    r = EtcdNameResolver(f"127.0.0.1:{free_port()}", "rlstream:x:y", 2)
+    with pytest.raises(NameResolveError, match="etcd at 127.0.0.1"):
+        await asyncio.wait_for(r.register(ENGINES_SERVICE, "127.0.0.1:1"), 30)
+    await r.close()
