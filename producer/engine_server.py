@@ -1,0 +1,332 @@
+"""`rlstream serve`: the local engine behind SGLang's native HTTP subset.
+
+Routes (request and response shapes follow SGLang so one client speaks to both):
+
+- `POST /generate` `{input_ids, sampling_params, return_logprob}` ->
+  `{output_ids, text, meta_info:{output_token_logprobs:[[logp, id, null], ...],
+  finish_reason:{type: stop|length|abort}, prompt_tokens, completion_tokens, weight_version}}`;
+  a list of prompts gives a list of results.
+- `POST /pause_generation`: running requests return at once with `abort`; new ones wait.
+- `POST /continue_generation`, `GET /health`, `GET /health_generate`,
+  `GET /get_model_info`, `GET /get_server_info`, `POST /flush_cache` (no-op: no prefix cache).
+- The weight-update routes (`/init_weights_update_group`, `/update_weights_from_distributed`,
+  `/update_weights_from_disk`) come from `producer/engine_weights.py`.
+
+With `server.api_key` set every route needs `Authorization: Bearer <key>`. The bound
+address is printed, logged, written to `$RLSTREAM_ENGINE_ADDR_FILE` when set, and
+registered with name resolve (service "engines") when `server.register` is true.
+SIGTERM/SIGINT: unregister, answer running requests with `abort`, exit 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from rlstream.common.logging import get_logger
+from rlstream.producer.local_engine import EngineError, LocalEngine, SamplingParams
+
+__all__ = ["serve", "build_app", "run_server", "ENGINE_KEY", "ADDR_FILE_ENV"]
+
+log = get_logger("rlstream.producer.engine_server")
+
+ENGINE_KEY = web.AppKey("engine", LocalEngine)
+ADDR_FILE_ENV = "RLSTREAM_ENGINE_ADDR_FILE"
+ENGINES_SERVICE = "engines"
+
+_json = msgspec.json.Encoder()
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=_json.encode(obj), status=status, content_type="application/json")
+
+
+def error_response(status: int, message: str) -> web.Response:
+    return json_response({"error": {"message": message, "code": status}}, status)
+
+
+async def read_json(request: web.Request) -> Any:
+    """The request body as JSON; a 400 naming the route when it is not."""
+    body = await request.read()
+    if not body:
+        return {}
+    try:
+        return msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise web.HTTPBadRequest(body=_json.encode({"error": {"message": f"{request.path}: body is not valid JSON: {exc}", "code": 400}}),
+                                 content_type="application/json") from None
+
+
+def _auth_middleware(api_key: str):
+    expected = f"Bearer {api_key}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler):
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            return error_response(401, f"{request.path}: missing or wrong bearer token (Authorization: Bearer <server.api_key>)")
+        return await handler(request)
+
+    return auth
+
+
+# ---------------------------------------------------------------------- handlers
+
+
+async def generate(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    if request.app.get("draining"):
+        return error_response(503, "engine is shutting down")
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        return error_response(400, "/generate: body must be a JSON object")
+    try:
+        prompts, batched = _prompts(engine, body)
+        sp = body.get("sampling_params")
+        sps = sp if isinstance(sp, list) else [sp] * len(prompts)
+        if len(sps) != len(prompts):
+            raise ValueError(f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
+        params = [SamplingParams.from_dict(s) for s in sps]
+        for p in prompts:
+            engine.validate_prompt(p)
+    except ValueError as exc:
+        return error_response(400, f"/generate: {exc}")
+    return_logprob = bool(body.get("return_logprob", False))
+    try:
+        results = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+    except ValueError as exc:
+        return error_response(400, f"/generate: {exc}")
+    except EngineError as exc:
+        return error_response(500, f"/generate: {exc}")
+    if not return_logprob:
+        for r in results:
+            r["meta_info"].pop("output_token_logprobs", None)
+    return json_response(list(results) if batched else results[0])
+
+
+def _prompts(engine: LocalEngine, body: dict) -> tuple[list[list[int]], bool]:
+    """(prompts, whether the request was a batch) from `input_ids` or `text`."""
+    if "input_ids" in body and body["input_ids"] is not None:
+        ids = body["input_ids"]
+        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+            return ids, True
+        return [ids], False
+    text = body.get("text")
+    if isinstance(text, str):
+        return [engine.tokenizer(text)["input_ids"]], False
+    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        return [engine.tokenizer(t)["input_ids"] for t in text], True
+    raise ValueError("missing input_ids (a list of token ids, or a list of such lists)")
+
+
+async def pause_generation(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    body = await read_json(request)
+    mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
+    if mode != "abort":
+        return error_response(400, f"/pause_generation: mode {mode!r} is not supported by the local engine (only 'abort')")
+    await engine.pause()
+    return json_response({"status": "ok", "paused": True, "weight_version": engine.version})
+
+
+async def continue_generation(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    await engine.resume()
+    return json_response({"status": "ok", "paused": False, "weight_version": engine.version})
+
+
+async def health(request: web.Request) -> web.Response:
+    return json_response({"status": "ok", **request.app[ENGINE_KEY].stats()})
+
+
+async def health_generate(request: web.Request) -> web.Response:
+    """One-token generation: proves the model runs (503 while paused: it would wait)."""
+    engine = request.app[ENGINE_KEY]
+    if engine.paused:
+        return error_response(503, "/health_generate: generation is paused")
+    try:
+        await asyncio.wait_for(engine.generate([engine.pad_id], {"max_new_tokens": 1, "temperature": 0}), 60)
+    except (EngineError, asyncio.TimeoutError) as exc:
+        return error_response(503, f"/health_generate: {type(exc).__name__}: {exc}")
+    return json_response({"status": "ok"})
+
+
+async def get_model_info(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    return json_response({
+        "model_path": engine.model_path,
+        "tokenizer_path": engine.tokenizer_path,
+        "is_generation": True,
+        "weight_version": engine.version,
+        "vocab_size": engine.vocab_size,
+        "max_seq_len": engine.max_seq_len,
+        "max_batch_size": engine.max_batch_size,
+        "device": str(engine.device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "eos_token_ids": sorted(engine.eos_ids),
+        "paused": engine.paused,
+        "engine": "rlstream-local",
+    })
+
+
+async def get_server_info(request: web.Request) -> web.Response:
+    return json_response(request.app[ENGINE_KEY].stats())
+
+
+async def flush_cache(request: web.Request) -> web.Response:
+    return json_response({"status": "ok"})
+
+
+def build_app(engine: LocalEngine, *, api_key: str | None = None) -> web.Application:
+    """The aiohttp app for `engine` (weight routes included when engine_weights exists)."""
+    middlewares = [_auth_middleware(api_key)] if api_key else []
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
+    app[ENGINE_KEY] = engine
+    app.add_routes([
+        web.post("/generate", generate),
+        web.post("/pause_generation", pause_generation),
+        web.post("/continue_generation", continue_generation),
+        web.get("/health", health),
+        web.get("/health_generate", health_generate),
+        web.get("/get_model_info", get_model_info),
+        web.get("/get_server_info", get_server_info),
+        web.post("/flush_cache", flush_cache),
+    ])
+    try:
+        from rlstream.producer.engine_weights import add_weight_routes
+    except ImportError as exc:
+        if exc.name != "rlstream.producer.engine_weights":
+            raise  # a real bug inside engine_weights, not its absence
+        log.warning("producer/engine_weights.py not present: weight-update routes disabled")
+    else:
+        add_weight_routes(app, engine)
+    return app
+
+
+# ---------------------------------------------------------------------- process
+
+
+def _advertised(host: str, port: int) -> str:
+    """The address others should use: a wildcard bind advertises this host's name."""
+    if host in ("", "0.0.0.0", "::"):
+        host = socket.getfqdn()
+    return f"{host}:{port}"
+
+
+def _write_addr_file(path: str, address: str) -> None:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+    tmp.write_text(address + "\n")
+    os.replace(tmp, p)  # readers never see a half-written address
+
+
+async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event | None = None) -> None:
+    """Serve until `stop` is set (or SIGTERM/SIGINT when run as the main loop)."""
+    s = cfg.server
+    if engine is None:
+        from rlstream.common.config import ConfigError
+
+        try:
+            engine = LocalEngine.from_config(cfg)
+        except (OSError, ValueError) as exc:  # bad model path / device / dtype: one line, exit 2
+            raise ConfigError(f"server: cannot load the model: {exc}") from None
+    engine.start()
+    app = build_app(engine, api_key=s.api_key)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, s.host, s.port)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS picked
+    address = _advertised(s.host, port)
+    log.info("serving %s (device %s, dtype %s, max_batch_size %d) at http://%s",
+             engine.model_path, engine.device, s.dtype, engine.max_batch_size, address)
+    print(f"rlstream engine listening on http://{address}", flush=True)
+    if os.environ.get(ADDR_FILE_ENV):
+        _write_addr_file(os.environ[ADDR_FILE_ENV], address)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+    resolver = await _register(cfg, address) if s.register else None
+    progress = asyncio.create_task(_progress(engine, cfg.stats_logger.log_every_secs))
+    try:
+        await stop.wait()
+    finally:
+        log.info("shutting down: unregistering, aborting running requests")
+        app["draining"] = True
+        progress.cancel()
+        if resolver is not None:
+            try:
+                await resolver.unregister(ENGINES_SERVICE, address)
+                await resolver.close()
+            except Exception as exc:  # noqa: BLE001 - the TTL removes us anyway
+                log.warning("unregister failed (%s); the registration expires by TTL", exc)
+        await loop.run_in_executor(None, engine.close)
+        await runner.cleanup()
+        log.info("engine stopped")
+
+
+async def _register(cfg, address: str):
+    """Register under "engines"; None when discovery is not configured."""
+    try:
+        from rlstream.common.name_resolve import NameResolveError, make_name_resolver
+    except ImportError:
+        log.warning("common/name_resolve.py not available: not registering %s", address)
+        return None
+    try:
+        resolver = make_name_resolver(cfg)
+    except NameResolveError as exc:
+        log.warning("not registering with name resolve: %s", exc)
+        return None
+    try:
+        await resolver.register(ENGINES_SERVICE, address, cfg.cluster.name_resolve.lease_ttl)
+    except Exception as exc:
+        from rlstream.broker.connection import BrokerError
+
+        with_close = getattr(resolver, "close", None)
+        if with_close:
+            try:
+                await with_close()
+            except Exception:  # noqa: BLE001
+                pass
+        raise BrokerError(f"cannot register engine {address} with name resolve "
+                          f"({cfg.cluster.name_resolve.type}): {type(exc).__name__}: {exc}") from None
+    return resolver
+
+
+async def _progress(engine: LocalEngine, every: float) -> None:
+    last_tokens, last_t = engine.total_tokens, time.monotonic()
+    while True:
+        await asyncio.sleep(every)
+        st = engine.stats()
+        now = time.monotonic()
+        if st["total_tokens"] != last_tokens or st["running"] or st["waiting"]:
+            rate = (st["total_tokens"] - last_tokens) / max(now - last_t, 1e-9)
+            log.info("running=%d waiting=%d tokens/s=%.1f requests=%d version=%d%s", st["running"], st["waiting"],
+                     rate, st["total_requests"], st["weight_version"], " paused" if st["paused"] else "")
+        last_tokens, last_t = st["total_tokens"], now
+
+
+def serve(cfg) -> None:
+    """Entry of `rlstream serve --config X`."""
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:
+        runner = asyncio.run
+    runner(run_server(cfg))

@@ -1,0 +1,664 @@
+"""The local inference engine: an HF causal LM decoded with continuous batching.
+
+One background thread owns the model and runs the decode loop; asyncio callers
+(`generate`, `pause`, `resume`) talk to it through a condition variable and get their
+results back on their own event loop. Between two decode steps the loop:
+
+1. drops requests whose caller went away,
+2. aborts every running request if a pause was asked for (they return the tokens
+   they have with `finish_reason.type == "abort"`),
+3. prefills waiting requests (left-padded, one forward) and merges their KV cache
+   into the running batch, up to `max_batch_size` sequences,
+4. runs one [B, 1] decode forward over the running batch and samples one token per
+   sequence; finished sequences leave the batch.
+
+The batch KV cache is one HF `DynamicCache` whose rows are left-padded to a common
+length; an attention mask marks the padding and explicit position ids keep each
+row's positions as if it were alone, which is exactly what `model.generate` does for
+a left-padded batch. Leading columns that are padding in every row are trimmed when
+sequences leave, so the cache does not grow without bound.
+
+Behaviour logprob convention (the trainer recomputes exactly this): the logprob of a
+sampled token is `log_softmax(logits / T)[token]` in fp32, taken BEFORE top-p/top-k
+filtering and before the min_new_tokens stop-token mask; T = 1 for greedy (T = 0).
+
+Weights change only between decode steps (`apply_weights` takes the step lock), and
+every output token records the weight version that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import itertools
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlstream.common.logging import get_logger
+
+__all__ = ["LocalEngine", "SamplingParams", "EngineError", "resolve_device", "DTYPES"]
+
+log = get_logger("rlstream.producer.local_engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# Padded prompt tokens one prefill forward may take; bounds prefill memory when many
+# long prompts arrive at once (at least one request is always prefilled).
+PREFILL_TOKEN_BUDGET = 16384
+
+# sampling_params keys SGLang clients commonly send that do not change what we return.
+_IGNORED_SAMPLING_KEYS = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n"})
+
+
+class EngineError(RuntimeError):
+    """The engine could not run a request (not the caller's fault)."""
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` -> cuda when present, else cpu; a cuda request without CUDA is an error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"server.device={device!r} but CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"server.device must be auto, cpu or cuda, got {device!r}")
+    return dev
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling; field names and meanings follow SGLang's sampling_params."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # <= 0: off
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """Validate a JSON `sampling_params` object; ValueError names the bad key."""
+        if d is None:
+            return cls()
+        if not isinstance(d, dict):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
+        known = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos"}
+        unknown = sorted(set(d) - known - _IGNORED_SAMPLING_KEYS)
+        if unknown:
+            raise ValueError(f"sampling_params.{unknown[0]} is not supported by the local engine "
+                             f"(supported: {', '.join(sorted(known))})")
+        if d.get("n", 1) not in (1, None):
+            raise ValueError("sampling_params.n must be 1 (send one request per sample)")
+
+        def num(key: str, kind: type, default: Any) -> Any:
+            v = d.get(key, default)
+            if v is None:
+                return default
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
+                raise ValueError(f"sampling_params.{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+            return kind(v)
+
+        p = cls(
+            max_new_tokens=num("max_new_tokens", int, cls.max_new_tokens),
+            min_new_tokens=num("min_new_tokens", int, 0),
+            temperature=num("temperature", float, 1.0),
+            top_p=num("top_p", float, 1.0),
+            top_k=num("top_k", int, -1),
+            stop_token_ids=_int_list(d.get("stop_token_ids"), "sampling_params.stop_token_ids"),
+            ignore_eos=bool(d.get("ignore_eos", False)),
+        )
+        if p.max_new_tokens < 0:
+            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
+        if p.min_new_tokens < 0:
+            raise ValueError(f"sampling_params.min_new_tokens must be >= 0, got {p.min_new_tokens}")
+        if p.temperature < 0:
+            raise ValueError(f"sampling_params.temperature must be >= 0, got {p.temperature}")
+        if not 0 < p.top_p <= 1:
+            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {p.top_p}")
+        return p
+
+
+def _int_list(v: Any, key: str) -> tuple[int, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
+        raise ValueError(f"{key} must be a list of integers")
+    return tuple(v)
+
+
+@dataclass(eq=False)
+class _Request:
+    rid: str
+    prompt: list[int]
+    params: SamplingParams
+    stop_ids: frozenset[int]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+    created: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    cancelled: bool = False
+    done: bool = False
+
+
+class LocalEngine:
+    """An HF causal LM served with continuous batching; see the module docstring."""
+
+    def __init__(self, model_path: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None,
+                 device: str = "auto", dtype: str = "float32", max_batch_size: int = 64,
+                 max_seq_len: int = 4096, seed: int = 1, version: int = 0) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.model_path = str(model_path)
+        self.tokenizer_path = str(tokenizer_path or model_path)
+        if not Path(self.model_path).is_dir():
+            raise FileNotFoundError(f"model path {self.model_path!r} is not a local folder (server.model_path / actor.path)")
+        if dtype not in DTYPES:
+            raise ValueError(f"server.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        self.device = resolve_device(device)
+        self.dtype = DTYPES[dtype]
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        self.model.requires_grad_(False)
+        cfg = self.model.config
+        limit = getattr(cfg, "max_position_embeddings", None)
+        self.max_seq_len = min(max_seq_len, limit) if limit else max_seq_len
+        if limit and max_seq_len > limit:
+            log.info("max_seq_len %d capped to the model's max_position_embeddings %d", max_seq_len, limit)
+        self.max_batch_size = max_batch_size
+        self.vocab_size = self.model.get_input_embeddings().num_embeddings
+        self.eos_ids = self._eos_ids()
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+            log.warning("model config has sliding_window=%s: the engine keeps full-attention caches",
+                        cfg.sliding_window)
+        import inspect
+
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self._generator = torch.Generator(device=self.device)
+        self._generator.manual_seed(seed)
+        self._version = version
+        # name -> tensor for every parameter and buffer, tied aliases included.
+        self._named = dict(self.model.named_parameters(remove_duplicate=False))
+        self._named.update(dict(self.model.named_buffers(remove_duplicate=False)))
+
+        # Shared with the decode thread; guarded by _cv.
+        self._cv = threading.Condition()
+        self._waiting: deque[_Request] = deque()
+        self._paused = False
+        self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._stopping = False
+        # Held for one decode step or one weight update: weights never change mid-step.
+        self._step_lock = threading.Lock()
+        self._ids = itertools.count()
+        self._thread: threading.Thread | None = None
+
+        # Decode-thread state: the running batch, row i <-> _rows[i].
+        self._rows: list[_Request] = []
+        self._cache = None
+        self._mask: torch.Tensor | None = None  # [B, L] 1 = real cached token
+        self._next_pos: torch.Tensor | None = None  # [B] position id of the next input token
+        self._last: torch.Tensor | None = None  # [B] token to feed next (sampled, not cached yet)
+
+        # Counters for stats(); written by the decode thread only.
+        self.total_tokens = 0
+        self.total_requests = 0
+        self.total_steps = 0
+
+    @classmethod
+    def from_config(cls, cfg) -> "LocalEngine":
+        """Build from a `Config`: server.* plus actor.path / tokenizer_path fallbacks."""
+        s = cfg.server
+        model_path = s.model_path or cfg.actor.path
+        if not model_path:
+            raise ValueError("no model to serve: set server.model_path or actor.path")
+        return cls(model_path, tokenizer_path=cfg.tokenizer_path or model_path, device=s.device, dtype=s.dtype,
+                   max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, seed=cfg.seed)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        if self.tokenizer.eos_token_id is not None:
+            ids.add(int(self.tokenizer.eos_token_id))
+        gen = getattr(self.model, "generation_config", None)
+        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif isinstance(eos, (list, tuple)):
+            ids.update(int(e) for e in eos)
+        return frozenset(ids)
+
+    # ------------------------------------------------------------------ public surface
+
+    @property
+    def version(self) -> int:
+        """Weight version served now."""
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self._version = int(value)
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def start(self) -> None:
+        """Start the decode thread (generate() also starts it on first use)."""
+        with self._cv:
+            if self._thread is None:
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="rlstream-decode", daemon=True)
+                self._thread.start()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the decode thread; running and waiting requests come back aborted."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout)
+        self._thread = None
+
+    def validate_prompt(self, input_ids: Any) -> list[int]:
+        """Check a prompt; ValueError names what is wrong."""
+        if not isinstance(input_ids, (list, tuple)) or not input_ids:
+            raise ValueError("input_ids must be a non-empty list of token ids")
+        for i, t in enumerate(input_ids):
+            if isinstance(t, bool) or not isinstance(t, int):
+                raise ValueError(f"input_ids[{i}] = {t!r} is not an integer token id")
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"input_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
+        if len(input_ids) >= self.max_seq_len:
+            raise ValueError(f"prompt has {len(input_ids)} tokens; the engine accepts prompts shorter than "
+                             f"max_seq_len={self.max_seq_len}")
+        return list(input_ids)
+
+    async def generate(self, input_ids: list[int], sampling_params: SamplingParams | dict | None = None) -> dict:
+        """Generate for one prompt; returns the SGLang /generate response shape.
+
+        Raises ValueError for a bad prompt or bad sampling params, EngineError when the
+        model failed. A cancelled caller's request leaves the batch at the next step.
+        """
+        prompt = self.validate_prompt(input_ids)
+        params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
+        for t in params.stop_token_ids:
+            if not 0 <= t < self.vocab_size:
+                raise ValueError(f"sampling_params.stop_token_ids contains {t}, outside the vocabulary [0, {self.vocab_size})")
+        stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        loop = asyncio.get_running_loop()
+        req = _Request(rid=f"r{next(self._ids)}", prompt=prompt, params=params, stop_ids=stop_ids,
+                       loop=loop, future=loop.create_future())
+        if params.max_new_tokens == 0:
+            return self._result(req, {"type": "length", "length": 0})
+        self.start()
+        with self._cv:
+            if self._stopping:
+                raise EngineError("engine is shutting down")
+            self._waiting.append(req)
+            self._cv.notify_all()
+        try:
+            finish = await asyncio.shield(req.future)
+        except asyncio.CancelledError:
+            with self._cv:
+                req.cancelled = True
+                self._cv.notify_all()
+            raise
+        return self._result(req, finish)
+
+    async def pause(self) -> None:
+        """Abort running requests (they return what they have) and hold new ones until resume().
+
+        Returns once no decode step is running and the aborted requests were answered.
+        Requests still waiting for a batch slot stay queued and start after resume().
+        """
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cv:
+            self._paused = True
+            if self._thread is None or not self._thread.is_alive():
+                return
+            self._pause_waiters.append((loop, fut))
+            self._cv.notify_all()
+        await fut
+
+    async def resume(self) -> None:
+        """Let generation continue after pause()."""
+        with self._cv:
+            self._paused = False
+            self._cv.notify_all()
+
+    def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+        """Copy tensors into the parameters/buffers of the same HF name, between decode steps.
+
+        Safe from any thread. Raises KeyError for an unknown name and ValueError for a
+        shape mismatch (tensors before the bad one are already applied). Bumps the served
+        version when `version` is given. Returns the number of tensors applied.
+        """
+        n = 0
+        with self._step_lock, torch.no_grad():
+            for name, tensor in named_tensors:
+                dst = self._named.get(name)
+                if dst is None:
+                    raise KeyError(f"unknown parameter {name!r} for the served model {self.model_path!r}")
+                if tuple(dst.shape) != tuple(tensor.shape):
+                    raise ValueError(f"parameter {name!r}: shape {tuple(tensor.shape)} does not match the "
+                                     f"served model's {tuple(dst.shape)}")
+                dst.copy_(tensor)
+                n += 1
+            if version is not None:
+                self._version = int(version)
+        return n
+
+    def load_weights_from_disk(self, path: str | os.PathLike, version: int | None = None) -> int:
+        """Load a .safetensors file or every *.safetensors file of an HF folder."""
+        from safetensors import safe_open
+
+        p = Path(path)
+        if p.is_file():
+            files = [p]
+        elif p.is_dir():
+            files = sorted(Path(f) for f in glob.glob(str(p / "*.safetensors")))
+        else:
+            raise FileNotFoundError(f"weights path {str(p)!r} does not exist")
+        if not files:
+            raise FileNotFoundError(f"no *.safetensors files in {str(p)!r}")
+
+        def tensors():
+            for f in files:
+                with safe_open(str(f), framework="pt", device="cpu") as fh:
+                    for name in fh.keys():
+                        yield name, fh.get_tensor(name)
+
+        n = self.apply_weights(tensors(), version)
+        log.info("loaded %d tensors from %s (version %s)", n, p, self._version)
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        """Load figures for health/info routes."""
+        return {"running": len(self._rows), "waiting": len(self._waiting), "paused": self._paused,
+                "total_tokens": self.total_tokens, "total_requests": self.total_requests,
+                "total_steps": self.total_steps, "weight_version": self._version}
+
+    # ------------------------------------------------------------------ results
+
+    def _result(self, req: _Request, finish: dict) -> dict:
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        return {
+            "output_ids": list(req.output_ids),
+            "text": text,
+            "meta_info": {
+                "id": req.rid,
+                "finish_reason": finish,
+                "prompt_tokens": len(req.prompt),
+                "completion_tokens": len(req.output_ids),
+                "output_token_logprobs": [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)],
+                "output_token_versions": list(req.versions),
+                "weight_version": self._version,
+                "e2e_latency": time.monotonic() - req.created,
+            },
+        }
+
+    @staticmethod
+    def _deliver(req: _Request, finish: dict | BaseException) -> None:
+        """Resolve a request's future on its own loop (from the decode thread)."""
+        if req.done:
+            return
+        req.done = True
+
+        def set_it() -> None:
+            if req.future.done():
+                return
+            if isinstance(finish, BaseException):
+                req.future.set_exception(finish)
+            else:
+                req.future.set_result(finish)
+
+        try:
+            req.loop.call_soon_threadsafe(set_it)
+        except RuntimeError:  # the caller's loop is closed; nobody is waiting
+            pass
+
+    # ------------------------------------------------------------------ decode thread
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while (not self._stopping and not self._rows and not self._pause_waiters
+                       and not (self._waiting and not self._paused)):
+                    self._cv.wait()
+                if self._stopping:
+                    break
+                self._drop_cancelled()
+                if self._paused:
+                    self._abort_rows("paused for a weight update")
+                    for loop, fut in self._pause_waiters:
+                        loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+                    self._pause_waiters.clear()
+                    continue
+                admit = self._take_waiting()
+            try:
+                with self._step_lock, torch.inference_mode():
+                    if admit:
+                        self._prefill(admit)
+                    if self._rows:
+                        self._decode_step()
+            except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
+                log.exception("decode step failed; failing %d running requests", len(self._rows) + len(admit))
+                err = EngineError(f"model step failed: {type(exc).__name__}: {exc}")
+                for r in set(self._rows) | set(admit):
+                    self._deliver(r, err)
+                self._reset_batch()
+        with self._cv:
+            self._abort_rows("engine shutting down")
+            while self._waiting:
+                self._deliver(self._waiting.popleft(), {"type": "abort", "message": "engine shutting down"})
+            for loop, fut in self._pause_waiters:
+                loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
+            self._pause_waiters.clear()
+
+    def _drop_cancelled(self) -> None:
+        if any(r.cancelled for r in self._waiting):
+            self._waiting = deque(r for r in self._waiting if not r.cancelled)
+        keep = [i for i, r in enumerate(self._rows) if not r.cancelled]
+        if len(keep) != len(self._rows):
+            self._select_rows(keep)
+
+    def _abort_rows(self, message: str) -> None:
+        for r in self._rows:
+            self._deliver(r, {"type": "abort", "message": message})
+        self._reset_batch()
+
+    def _take_waiting(self) -> list[_Request]:
+        """Waiting requests that fit into the batch and the prefill token budget."""
+        free = self.max_batch_size - len(self._rows)
+        out: list[_Request] = []
+        longest = 0
+        while self._waiting and len(out) < free:
+            nxt = max(longest, len(self._waiting[0].prompt))
+            if out and nxt * (len(out) + 1) > PREFILL_TOKEN_BUDGET:
+                break
+            longest = nxt
+            out.append(self._waiting.popleft())
+        return out
+
+    def _reset_batch(self) -> None:
+        self._rows, self._cache, self._mask, self._next_pos, self._last = [], None, None, None, None
+
+    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> tuple[torch.Tensor, Any]:
+        kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True, **kw)
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        from transformers import DynamicCache
+
+        dev = self.device
+        n, L = len(reqs), max(len(r.prompt) for r in reqs)
+        ids = torch.full((n, L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, L), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, L - len(r.prompt):] = torch.tensor(r.prompt)
+            mask[i, L - len(r.prompt):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)
+        logits, cache = self._forward(ids, mask, pos, DynamicCache())
+        next_pos = mask.sum(-1)
+        self.total_requests += n
+        self._merge(reqs, cache, mask, next_pos)
+        self._sample_and_advance(logits, rows=list(range(len(self._rows) - n, len(self._rows))))
+
+    def _merge(self, reqs: list[_Request], cache, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
+        """Append freshly prefilled rows to the running batch, left-padding to a common length."""
+        last = torch.full((len(reqs),), self.pad_id, dtype=torch.long, device=self.device)
+        if not self._rows:
+            self._rows, self._cache, self._mask, self._next_pos, self._last = list(reqs), cache, mask, next_pos, last
+            return
+        L_old, L_new = self._mask.shape[1], mask.shape[1]
+        L = max(L_old, L_new)
+        old_layers, new_layers = _layers(self._cache), _layers(cache)
+        kv = []
+        for (ko, vo), (kn, vn) in zip(old_layers, new_layers):
+            kv.append((torch.cat([_lpad(ko, L), _lpad(kn, L)], 0), torch.cat([_lpad(vo, L), _lpad(vn, L)], 0)))
+        self._cache = _make_cache(kv)
+        self._mask = torch.cat([_lpad(self._mask, L), _lpad(mask, L)], 0)
+        self._next_pos = torch.cat([self._next_pos, next_pos])
+        self._last = torch.cat([self._last, last])
+        self._rows = self._rows + list(reqs)
+
+    def _select_rows(self, keep: list[int]) -> None:
+        """Keep only these batch rows, then trim padding columns no row needs any more."""
+        if not keep:
+            self._reset_batch()
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self._mask.index_select(0, idx)
+        # Left padding: the first column any remaining row uses.
+        start = int((mask.shape[1] - mask.sum(-1)).min().item()) if mask.shape[1] else 0
+        # A row's leading zeros are all padding only if they are contiguous: the mask of a
+        # row is 0...0 1...1 by construction (we only ever prepend zero columns).
+        kv = [(k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:]) for k, v in _layers(self._cache)]
+        self._cache = _make_cache(kv)
+        self._mask = mask[:, start:]
+        self._next_pos = self._next_pos.index_select(0, idx)
+        self._last = self._last.index_select(0, idx)
+        self._rows = [self._rows[i] for i in keep]
+
+    def _decode_step(self) -> None:
+        ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self.device)
+        mask = torch.cat([self._mask, ones], 1)
+        logits, cache = self._forward(self._last[:, None], mask, self._next_pos[:, None], self._cache)
+        self._cache, self._mask = cache, mask
+        self._next_pos = self._next_pos + 1
+        self._sample_and_advance(logits, rows=list(range(len(self._rows))))
+
+    def _sample_and_advance(self, logits: torch.Tensor, rows: list[int]) -> None:
+        """Sample one token for each of `rows` (logits[i] belongs to rows[i]); retire finished rows."""
+        reqs = [self._rows[i] for i in rows]
+        tokens, logps = self._sample(logits, reqs)
+        tok_list, lp_list = tokens.tolist(), logps.tolist()
+        version = self._version
+        self.total_steps += 1
+        self._last[rows] = tokens
+        finished: set[int] = set()
+        for i, r, t, lp in zip(rows, reqs, tok_list, lp_list):
+            r.output_ids.append(t)
+            r.logprobs.append(lp)
+            r.versions.append(version)
+            self.total_tokens += 1
+            n = len(r.output_ids)
+            finish = None
+            if t in r.stop_ids:
+                finish = {"type": "stop", "matched": t}
+            elif n >= r.params.max_new_tokens:
+                finish = {"type": "length", "length": n}
+            elif len(r.prompt) + n >= self.max_seq_len:
+                finish = {"type": "length", "length": n}
+            if finish is not None:
+                self._deliver(r, finish)
+                finished.add(i)
+        if finished:
+            self._select_rows([i for i in range(len(self._rows)) if i not in finished])
+
+    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and their behaviour logprobs (log_softmax(logits / T), before any filtering)."""
+        dev = logits.device
+        temps = [r.params.temperature for r in reqs]
+        greedy = torch.tensor([t == 0 for t in temps], device=dev)
+        t_eff = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=dev)
+        scaled = logits / t_eff[:, None]
+        logp_all = torch.log_softmax(scaled, dim=-1)
+
+        # Stop tokens may not be sampled before min_new_tokens (sampling only; logprobs above).
+        blocked = [(i, sorted(r.stop_ids)) for i, r in enumerate(reqs)
+                   if r.params.min_new_tokens and len(r.output_ids) < r.params.min_new_tokens and r.stop_ids]
+        if blocked:
+            scaled = scaled.clone()
+            for i, ids in blocked:
+                scaled[i, ids] = float("-inf")
+
+        V = scaled.shape[-1]
+        top_k = [r.params.top_k if 0 < r.params.top_k < V else V for r in reqs]
+        top_p = [r.params.top_p for r in reqs]
+        if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            ranks = torch.arange(V, device=dev)[None, :]
+            remove = ranks >= torch.tensor(top_k, device=dev)[:, None]
+            probs = torch.softmax(sorted_logits, dim=-1)
+            # Drop a token when the mass before it already reaches top_p (the first token always stays).
+            remove |= (probs.cumsum(-1) - probs) >= torch.tensor(top_p, device=dev)[:, None]
+            remove[:, 0] = False
+            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+            scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+
+        if bool(greedy.all()):
+            tokens = scaled.argmax(-1)
+        else:
+            probs = torch.softmax(scaled, dim=-1)
+            sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+            tokens = torch.where(greedy, scaled.argmax(-1), sampled)
+        logps = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
+        return tokens, logps
+
+
+# ---------------------------------------------------------------------- cache helpers
+
+
+def _layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values) [B, H, L, D] of an HF cache, old or new API."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(cache.to_legacy_cache())
+
+
+def _make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(kv)
+    except TypeError:  # transformers before 4.56
+        return DynamicCache.from_legacy_cache(tuple(kv))
+
+
+def _lpad(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad with zeros along the sequence axis (dim 2 for [B,H,L,D], dim 1 for [B,L])."""
+    dim = 2 if x.dim() == 4 else 1
+    missing = length - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim)
