@@ -272,6 +272,16 @@ class ServerConfig(_Section):
     register: D(bool, "Register with name resolve so producers find this engine.") = True
 
 
+class DemoTaskConfig(_Section):
+    task: D(Literal["none", "reverse"], "none, or reverse: reverse a digit string (exact-match reward); data and tiny model generated locally.") = "none"
+    digits: D(int, "Digits per demo prompt.", ge=2, le=12) = 4
+    n_train: D(int, "Training prompts generated.", ge=1) = 3000
+    n_valid: D(int, "Held-out prompts generated (disjoint from training).", ge=1) = 200
+    sft_noise: D(float, "Fraction of warm-start demonstrations from an imperfect teacher that echoes the digits unreversed.", ge=0, le=1) = 0.7
+    hidden_size: D(int, "Hidden size of the tiny model built for the demo.", ge=8) = 64
+    num_layers: D(int, "Layers of the tiny model built for the demo.", ge=1) = 2
+
+
 class LauncherConfig(_Section):
     n_engines: D(int, "Local engines `rlstream run` starts.", ge=0) = 1
     n_producers: D(int, "Producers `rlstream run` starts.", ge=0) = 1
@@ -279,6 +289,11 @@ class LauncherConfig(_Section):
     startup_timeout: D(float, "Seconds for every child to become ready.", gt=0) = 300.0
     eval_n: D(int, "Held-out prompts scored before and after training (0 = skip).", ge=0) = 0
     sft_steps: D(int, "Supervised warm-start steps before RL (0 = none).", ge=0) = 0
+    sft_lr: D(float, "Learning rate of the supervised warm start (Adam).", gt=0) = 1e-3
+    sft_batch_size: D(int, "Sequences per supervised warm-start step.", ge=1) = 64
+    sft_dataset: D(str, "JSONL/Parquet/CSV of prompt/answer demonstrations for `rlstream sft` (empty = train_dataset.path).") = ""
+    live_view: D(bool, "Show the rich live view (off: one progress line every stats_logger.log_every_secs).") = True
+    demo: D(DemoTaskConfig, "The built-in CPU demo task, generated on the spot when its files are missing.") = msgspec.field(default_factory=DemoTaskConfig)
 
 
 # --------------------------------------------------------------------------- top level
