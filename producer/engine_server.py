@@ -62,7 +62,8 @@ async def read_json(request: web.Request) -> Any:
     try:
         return msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise web.HTTPBadRequest(body=_json.encode({"error": {"message": f"{request.path}: body is not valid JSON: {exc}", "code": 400}}),
+        raise web.HTTPBadRequest(text=_json.encode({"error": {"message": f"{request.path}: body is not valid JSON: {exc}",
+                                                              "code": 400}}).decode(),
                                  content_type="application/json") from None
 
 

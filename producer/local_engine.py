@@ -216,6 +216,7 @@ class LocalEngine:
         self.total_tokens = 0
         self.total_requests = 0
         self.total_steps = 0
+        self.peak_running = 0  # most sequences ever decoded in one step
 
     @classmethod
     def from_config(cls, cfg) -> "LocalEngine":
@@ -390,7 +391,7 @@ class LocalEngine:
         """Load figures for health/info routes."""
         return {"running": len(self._rows), "waiting": len(self._waiting), "paused": self._paused,
                 "total_tokens": self.total_tokens, "total_requests": self.total_requests,
-                "total_steps": self.total_steps, "weight_version": self._version}
+                "total_steps": self.total_steps, "peak_running": self.peak_running, "weight_version": self._version}
 
     # ------------------------------------------------------------------ results
 
@@ -526,6 +527,7 @@ class LocalEngine:
         last = torch.full((len(reqs),), self.pad_id, dtype=torch.long, device=self.device)
         if not self._rows:
             self._rows, self._cache, self._mask, self._next_pos, self._last = list(reqs), cache, mask, next_pos, last
+            self.peak_running = max(self.peak_running, len(self._rows))
             return
         L_old, L_new = self._mask.shape[1], mask.shape[1]
         L = max(L_old, L_new)
@@ -538,6 +540,7 @@ class LocalEngine:
         self._next_pos = torch.cat([self._next_pos, next_pos])
         self._last = torch.cat([self._last, last])
         self._rows = self._rows + list(reqs)
+        self.peak_running = max(self.peak_running, len(self._rows))
 
     def _select_rows(self, keep: list[int]) -> None:
         """Keep only these batch rows, then trim padding columns no row needs any more."""

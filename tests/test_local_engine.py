@@ -1,0 +1,408 @@
+"""The local engine: logprob convention, batching, pause/resume, weights, HTTP surface.
+
+Everything runs for real: the tiny HF model, the decode thread, aiohttp on 127.0.0.1
+(in-process for most tests, one `rlstream serve` child process with a real Redis for
+registration and SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+from rlstream.producer.engine_server import build_app
+from rlstream.producer.local_engine import LocalEngine
+
+torch.set_num_threads(1)
+
+PROMPTS = [[1] + [4 + (7 * i + 3 * j) % 50 for j in range(2 + (5 * i) % 11)] for i in range(16)]
+
+
+def recompute_logprobs(model, prompt: list[int], output: list[int], temperature: float) -> torch.Tensor:
+    """The trainer-side recomputation: HF forward of prompt+output, log_softmax(logits/T) at the sampled ids."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits / t, dim=-1)[len(prompt) - 1:-1]
+    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def behaviour_logprobs(result: dict) -> torch.Tensor:
+    return torch.tensor([lp for lp, _tok, _ in result["meta_info"]["output_token_logprobs"]])
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_path):
+    eng = LocalEngine(tiny_model_path, device="cpu", max_batch_size=32, seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture
+def fresh_engine(tiny_model_path):
+    """An engine whose weights/version a test may change."""
+    eng = LocalEngine(tiny_model_path, device="cpu", max_batch_size=32, seed=0)
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def trainer_model(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32).eval()
+
+
+class Served:
+    """An in-process aiohttp server on a free 127.0.0.1 port."""
+
+    def __init__(self, engine: LocalEngine, api_key: str | None = None) -> None:
+        self.engine, self.api_key = engine, api_key
+
+    async def __aenter__(self) -> "Served":
+        self.runner = web.AppRunner(build_app(self.engine, api_key=self.api_key), handler_cancellation=True)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        self.http = aiohttp.ClientSession(headers=headers)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.http.close()
+        await self.runner.cleanup()
+
+    async def post(self, path: str, body: dict | None = None, **kw) -> tuple[int, dict]:
+        async with self.http.post(self.url + path, json=body or {}, **kw) as r:
+            return r.status, await r.json()
+
+    async def get(self, path: str) -> tuple[int, dict]:
+        async with self.http.get(self.url + path) as r:
+            return r.status, await r.json()
+
+
+def gen_body(prompt, **sp) -> dict:
+    return {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
+
+
+async def wait_for(pred, timeout: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)
+
+
+# ---------------------------------------------------------------------- correctness
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_logprobs_match_trainer_recomputation(engine, trainer_model, temperature):
+    # Concurrent requests of different lengths: the logprobs come out of a padded batch.
+    params = [{"max_new_tokens": 24, "temperature": temperature, "ignore_eos": i % 2 == 0,
+               **({"top_p": 0.9, "top_k": 20} if i % 3 == 0 else {})} for i in range(8)]
+    results = await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(PROMPTS[:8], params)))
+    for prompt, res in zip(PROMPTS[:8], results):
+        out = res["output_ids"]
+        assert out and len(res["meta_info"]["output_token_logprobs"]) == len(out)
+        assert [t for _, t, _ in res["meta_info"]["output_token_logprobs"]] == out
+        ref = recompute_logprobs(trainer_model, prompt, out, temperature)
+        diff = (ref - behaviour_logprobs(res)).abs().max().item()
+        assert diff < 1e-3, f"behaviour vs recomputed logprobs differ by {diff} at T={temperature}"
+
+
+async def test_greedy_batched_equals_unbatched(engine):
+    sp = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    alone = [(await engine.generate(p, sp))["output_ids"] for p in PROMPTS]
+    together = await asyncio.gather(*(engine.generate(p, sp) for p in PROMPTS))
+    assert [r["output_ids"] for r in together] == alone
+
+    # Staggered arrivals: requests join a running batch of different lengths (cache merge,
+    # left padding) and leave it at different steps (row removal, padding trim).
+    async def late(i, p):
+        await asyncio.sleep(0.003 * i)
+        return await engine.generate(p, {**sp, "max_new_tokens": 8 + (i * 5) % 17})
+
+    staggered = await asyncio.gather(*(late(i, p) for i, p in enumerate(PROMPTS)))
+    for i, (res, ref) in enumerate(zip(staggered, alone)):
+        n = 8 + (i * 5) % 17
+        if n <= 20:
+            assert res["output_ids"] == ref[:n], f"prompt {i} diverged when joining a running batch"
+        assert res["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+    # Greedy logprobs follow the T=1 convention.
+    assert all(lp <= 0 for lp in behaviour_logprobs(staggered[0]).tolist())
+
+
+async def test_top_k_one_is_greedy_and_stop_tokens(engine):
+    prompt = PROMPTS[3]
+    greedy = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
+    topk1 = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 1.0, "top_k": 1, "ignore_eos": True})
+    assert topk1["output_ids"] == greedy["output_ids"]
+    # Logprobs are taken before top-k filtering: top_k=1 does not make them 0.
+    assert behaviour_logprobs(topk1).tolist() == pytest.approx(behaviour_logprobs(greedy).tolist(), abs=1e-5)
+    assert max(behaviour_logprobs(topk1).tolist()) < 0
+
+    out = greedy["output_ids"]
+    stop = out[4]
+    first = out.index(stop)
+    res = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [stop], "ignore_eos": True})
+    assert res["output_ids"] == out[:first + 1]
+    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    # min_new_tokens forbids the stop token before that many tokens.
+    res = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [stop],
+                                         "ignore_eos": True, "min_new_tokens": first + 1})
+    assert len(res["output_ids"]) > first + 1 and stop not in res["output_ids"][:first + 1]
+
+
+async def test_max_seq_len_caps_generation(tiny_model_path):
+    eng = LocalEngine(tiny_model_path, device="cpu", max_seq_len=20)
+    try:
+        prompt = PROMPTS[1][:5]
+        assert len(prompt) == 5
+        res = await eng.generate(prompt, {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True})
+        assert len(res["output_ids"]) == 15 and res["meta_info"]["finish_reason"]["type"] == "length"
+        with pytest.raises(ValueError, match="max_seq_len=20"):
+            await eng.generate(list(range(4, 24)), {"max_new_tokens": 1})
+    finally:
+        eng.close()
+
+
+# ---------------------------------------------------------------------- pause, weights
+
+
+def perturbed_state(model, seed: int = 1) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+async def test_pause_aborts_running_then_resume_continues_with_new_version(fresh_engine, trainer_model):
+    eng = fresh_engine
+    async with Served(eng) as srv:
+        long = {"max_new_tokens": 400, "temperature": 1.0, "ignore_eos": True}
+        tasks = [asyncio.create_task(srv.post("/generate", gen_body(p, **long))) for p in PROMPTS[:4]]
+        await wait_for(lambda: eng.stats()["running"] == 4 and eng.total_tokens >= 20, what="4 running requests")
+        status, body = await srv.post("/pause_generation")
+        assert status == 200 and eng.paused
+        partial = [body for _, body in await asyncio.wait_for(asyncio.gather(*tasks), 30)]
+        for p, res in zip(PROMPTS, partial):
+            assert res["meta_info"]["finish_reason"]["type"] == "abort"
+            n = len(res["output_ids"])
+            assert 0 < n < 400 and len(res["meta_info"]["output_token_logprobs"]) == n
+            assert res["meta_info"]["output_token_versions"] == [0] * n
+
+        # While paused a new request waits (it is not aborted and not served).
+        waiting = asyncio.create_task(srv.post("/generate", gen_body(PROMPTS[5], max_new_tokens=5, temperature=0)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done() and eng.stats()["waiting"] == 1
+
+        # A weight update while paused, then continue: the continuation of each partial
+        # trajectory (prompt + tokens so far) is produced by version 1.
+        new = perturbed_state(trainer_model)
+        eng.apply_weights(new.items(), version=1)
+        assert (await srv.get("/get_model_info"))[1]["weight_version"] == 1
+        status, _ = await srv.post("/continue_generation")
+        assert status == 200 and not eng.paused
+        status, res = await asyncio.wait_for(waiting, 30)
+        assert status == 200 and res["meta_info"]["finish_reason"]["type"] == "length"
+
+        prompt, first = PROMPTS[0], partial[0]
+        status, cont = await srv.post("/generate", gen_body(prompt + first["output_ids"], max_new_tokens=6,
+                                                             temperature=1.0, ignore_eos=True))
+        assert status == 200 and cont["meta_info"]["weight_version"] == 1
+        versions = first["meta_info"]["output_token_versions"] + cont["meta_info"]["output_token_versions"]
+        k = len(first["output_ids"])
+        assert versions == [0] * k + [1] * 6
+        # The continuation's logprobs are those of the NEW weights.
+        trainer_model_new = type(trainer_model)(trainer_model.config)
+        trainer_model_new.load_state_dict({**trainer_model.state_dict(), **new})
+        trainer_model_new.eval()
+        ref = recompute_logprobs(trainer_model_new, prompt + first["output_ids"], cont["output_ids"], 1.0)
+        assert (ref - behaviour_logprobs(cont)).abs().max().item() < 1e-3
+        old = recompute_logprobs(trainer_model, prompt + first["output_ids"], cont["output_ids"], 1.0)
+        assert (old - behaviour_logprobs(cont)).abs().max().item() > 1e-2
+
+
+async def test_weights_from_disk_and_bad_names(fresh_engine, trainer_model, tmp_path):
+    from safetensors.torch import save_file
+
+    eng = fresh_engine
+    new = perturbed_state(trainer_model, seed=2)
+    save_file({k: v.contiguous() for k, v in new.items()}, str(tmp_path / "model.safetensors"))
+    assert eng.load_weights_from_disk(tmp_path, version=7) == len(new)
+    assert eng.version == 7
+    for name, tensor in new.items():
+        assert torch.equal(dict(eng.model.named_parameters())[name], tensor)
+    res = await eng.generate(PROMPTS[1], {"max_new_tokens": 8, "temperature": 0.7})
+    assert res["meta_info"]["output_token_versions"] == [7] * len(res["output_ids"])
+
+    with pytest.raises(KeyError, match="no.such.weight"):
+        eng.apply_weights([("no.such.weight", torch.zeros(1))])
+    name = next(iter(new))
+    with pytest.raises(ValueError, match="shape"):
+        eng.apply_weights([(name, torch.zeros(3, 3, 3))])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no \\*.safetensors"):
+        eng.load_weights_from_disk(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        eng.load_weights_from_disk(tmp_path / "nowhere")
+    assert eng.version == 7
+
+
+async def test_cancelled_client_leaves_the_batch(engine):
+    async with Served(engine) as srv:
+        timeout = aiohttp.ClientTimeout(total=0.5)
+        body = gen_body(PROMPTS[2], max_new_tokens=450, temperature=1.0, ignore_eos=True)
+        with pytest.raises(asyncio.TimeoutError):
+            await srv.post("/generate", body, timeout=timeout)
+        await wait_for(lambda: engine.stats()["running"] == 0, 30, "the abandoned request to leave the batch")
+
+
+# ---------------------------------------------------------------------- HTTP surface
+
+
+async def test_http_concurrent_requests_are_batched(engine):
+    sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+    prompts = [PROMPTS[i % len(PROMPTS)] + [5 + i % 40] for i in range(32)]
+    alone = [(await engine.generate(p, sp))["output_ids"] for p in prompts[:6]]
+    engine.peak_running = 0
+    async with Served(engine) as srv:
+        replies = await asyncio.gather(*(srv.post("/generate", gen_body(p, **sp)) for p in prompts))
+        assert all(status == 200 for status, _ in replies)
+        assert [body["output_ids"] for _, body in replies[:6]] == alone
+        for _, body in replies:
+            mi = body["meta_info"]
+            assert mi["completion_tokens"] == 16 and mi["finish_reason"]["type"] == "length"
+            assert isinstance(body["text"], str)
+        # Genuinely batched: many sequences shared decode steps.
+        assert engine.stats()["peak_running"] >= 8
+        # A batch request returns a list; return_logprob=false omits logprobs.
+        status, many = await srv.post("/generate", {"input_ids": prompts[:3], "sampling_params": sp})
+        assert status == 200 and [m["output_ids"] for m in many] == alone[:3]
+        assert "output_token_logprobs" not in many[0]["meta_info"]
+
+
+async def test_bad_input_is_400_with_message(engine):
+    async with Served(engine) as srv:
+        cases = [
+            ({"sampling_params": {"max_new_tokens": 3}}, "missing input_ids"),
+            ({"input_ids": []}, "non-empty list"),
+            ({"input_ids": [1, 2, engine.vocab_size]}, f"input_ids[2] = {engine.vocab_size} is outside the vocabulary"),
+            ({"input_ids": [1, "a"]}, "input_ids[1]"),
+            ({"input_ids": [5] * (engine.max_seq_len + 1)}, "max_seq_len"),
+            ({"input_ids": [1, 2], "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+            ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "sampling_params.max_new_tokens"),
+            ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "sampling_params.stop is not supported"),
+            ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        ]
+        for body, msg in cases:
+            status, reply = await srv.post("/generate", body)
+            assert status == 400, (body, reply)
+            assert msg in reply["error"]["message"], (msg, reply)
+        async with srv.http.post(srv.url + "/generate", data=b"{not json") as r:
+            assert r.status == 400 and "not valid JSON" in (await r.json())["error"]["message"]
+        status, _ = await srv.get("/health")
+        assert status == 200  # nothing broke
+
+
+async def test_bearer_token_and_model_info(fresh_engine):
+    async with Served(fresh_engine, api_key="s3cret") as srv:
+        async with aiohttp.ClientSession() as anon:
+            for path in ("/health", "/get_model_info"):
+                async with anon.get(srv.url + path) as r:
+                    assert r.status == 401 and "bearer token" in (await r.json())["error"]["message"]
+            async with anon.post(srv.url + "/generate", json={"input_ids": [1]},
+                                 headers={"Authorization": "Bearer wrong"}) as r:
+                assert r.status == 401
+        status, info = await srv.get("/get_model_info")
+        assert status == 200 and info["weight_version"] == 0
+        assert info["model_path"] == str(fresh_engine.model_path) and info["vocab_size"] == fresh_engine.vocab_size
+        fresh_engine.apply_weights([], version=3)
+        assert (await srv.get("/get_model_info"))[1]["weight_version"] == 3
+        status, res = await srv.post("/generate", gen_body([1, 5, 6], max_new_tokens=3, temperature=0))
+        assert status == 200 and res["meta_info"]["weight_version"] == 3
+
+
+# ---------------------------------------------------------------------- the real process
+
+
+def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, redis_url, experiment, tmp_path):
+    addr_file = tmp_path / "engine.addr"
+    env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={tiny_model_path}",
+           "server.api_key=tok", f"redis.url={redis_url}", f"experiment_name={experiment}",
+           "cluster.name_resolve.lease_ttl=5"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not addr_file.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "engine did not start"
+            time.sleep(0.1)
+        address = addr_file.read_text().strip()
+
+        async def client() -> list[str]:
+            from rlstream.common.config import load_config
+            from rlstream.common.name_resolve import make_name_resolver
+
+            headers = {"Authorization": "Bearer tok"}
+            async with aiohttp.ClientSession(headers=headers) as http:
+                sp = {"max_new_tokens": 10, "temperature": 0.7}
+
+                async def one(p):
+                    async with http.post(f"http://{address}/generate", json=gen_body(p, **sp)) as r:
+                        assert r.status == 200
+                        return await r.json()
+
+                results = await asyncio.gather(*(one(p) for p in PROMPTS))
+                assert all(len(r["meta_info"]["output_token_logprobs"]) == r["meta_info"]["completion_tokens"] > 0
+                           for r in results)
+                async with aiohttp.ClientSession() as anon:
+                    async with anon.get(f"http://{address}/health") as r:
+                        assert r.status == 401
+            resolver = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}"]))
+            try:
+                return await resolver.list("engines")
+            finally:
+                await resolver.close()
+
+        assert asyncio.run(client()) == [address]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+        assert proc.returncode == 0, out
+        assert "engine stopped" in out
+
+        async def listed() -> list[str]:
+            from rlstream.common.config import load_config
+            from rlstream.common.name_resolve import make_name_resolver
+
+            resolver = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}"]))
+            try:
+                return await resolver.list("engines")
+            finally:
+                await resolver.close()
+
+        assert asyncio.run(listed()) == []  # unregistered on the way out, not left to the TTL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_bad_model_path_is_one_line_error(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "serve",
+                           f"server.model_path={tmp_path / 'missing'}", "server.register=false"],
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2
+    assert "missing" in proc.stderr and "Traceback" not in proc.stderr
