@@ -260,6 +260,7 @@ class ProducerConfig(_Section):
     max_groups: D(int | None, "Stop after this many accepted groups (None = until the trainer finishes).", ge=1) = None
 
 
+    shutdown_timeout: D(float, "Seconds a stopping producer (SIGTERM/SIGINT) lets in-flight rollouts finish before releasing their leases.", ge=0) = 30.0
 class ServerConfig(_Section):
     host: D(str, "Bind address of the local engine (127.0.0.1 unless told otherwise).") = "127.0.0.1"
     port: D(int, "Port of the local engine (0 = pick a free one).", ge=0, le=65535) = 0

@@ -1,0 +1,217 @@
+"""Training prompts from local JSONL / Parquet / CSV files, with a resumable shared position.
+
+`PromptDataset` loads local files through HF `datasets` (a path that does not exist
+is an error: rlstream never resolves a hub name), tokenizes each prompt (through the
+tokenizer's chat template when `apply_chat_template` is set, or when the prompt column
+holds a list of chat messages) and drops prompts longer than `max_prompt_len`.
+
+Order: epoch e visits the rows in a permutation seeded by `(seed, e)`, identical in
+every producer process. `DatasetCursor` hands out positions of that global order from
+one Redis counter (`cursor` field of `{ns}:producers`), so several producers share one
+pass over the data without duplicates, a restarted producer continues where the run
+left off, and `producer.max_groups`/epochs bound the total. Each producer also stores
+its own state (msgspec msgpack) under its id in the same hash, for `inspect`.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from rlstream.common.config import DatasetConfig
+from rlstream.common.logging import get_logger
+
+__all__ = ["DatasetError", "DatasetItem", "PromptDataset", "DatasetCursor", "ProducerState", "CURSOR_FIELD"]
+
+log = get_logger("rlstream.producer.dataset")
+
+CURSOR_FIELD = "cursor"
+_EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class DatasetError(ValueError):
+    """Unusable dataset configuration or data; the message names the key and path."""
+
+
+@dataclass(frozen=True)
+class DatasetItem:
+    """One prompt ready to roll out."""
+
+    index: int  # row in the file(s)
+    epoch: int
+    position: int  # global position in the run's order (epoch * len + offset)
+    prompt_id: str
+    prompt: str  # the text shown to the model (after the chat template)
+    answer: Any
+    input_ids: list[int]
+    row: dict[str, Any]  # the whole row, for user workflows
+
+
+def _files(path: Path, kind: str) -> list[str]:
+    if path.is_file():
+        return [str(path)]
+    exts = [e for e, k in _EXT.items() if kind == "auto" or k == kind]
+    files = sorted(f for e in exts for f in glob.glob(str(path / f"**/*{e}"), recursive=True))
+    return files
+
+
+def _kind(files: list[str], configured: str, key: str) -> str:
+    if configured != "auto":
+        return configured
+    kinds = {_EXT.get(Path(f).suffix.lower()) for f in files}
+    if None in kinds:
+        raise DatasetError(f"{key}.path: cannot tell the format of {files[0]!r}; set {key}.type to json, parquet or csv")
+    if len(kinds) > 1:
+        raise DatasetError(f"{key}.path mixes formats {sorted(kinds)}; point it at one kind of file")
+    return kinds.pop()
+
+
+class PromptDataset:
+    """Local prompt/answer rows, tokenized once at start-up."""
+
+    def __init__(self, cfg: DatasetConfig, tokenizer: Any, *, seed: int = 1, key: str = "train_dataset") -> None:
+        self.cfg = cfg
+        self.seed = seed
+        if not cfg.path:
+            raise DatasetError(f"{key}.path is empty: set it to a local JSONL, Parquet or CSV file or folder")
+        path = Path(os.path.expanduser(cfg.path))
+        if not path.exists():
+            raise DatasetError(f"{key}.path={cfg.path!r} does not exist (rlstream reads only local files, never a hub name)")
+        files = _files(path, cfg.type)
+        if not files:
+            raise DatasetError(f"{key}.path={cfg.path!r}: no .jsonl/.json/.parquet/.csv files in this folder")
+        kind = _kind(files, cfg.type, key)
+        import datasets
+
+        datasets.disable_progress_bars()
+        try:
+            ds = datasets.load_dataset(kind, data_files=files, split="train")
+        except Exception as exc:  # noqa: BLE001 - any parse failure is one line naming the file
+            raise DatasetError(f"{key}.path={cfg.path!r}: cannot read as {kind}: {str(exc).splitlines()[0]}") from None
+        cols = set(ds.column_names)
+        if cfg.prompt_key not in cols:
+            raise DatasetError(f"{key}.prompt_key={cfg.prompt_key!r} is not a column of {cfg.path!r} (columns: {sorted(cols)})")
+        self.has_answer = cfg.answer_key in cols
+        if not self.has_answer:
+            log.warning("%s.answer_key=%r is not a column of %s; answers are None", key, cfg.answer_key, cfg.path)
+        self.items: list[tuple[int, str, Any, list[int], dict[str, Any]]] = []
+        dropped = 0
+        for i, row in enumerate(ds):
+            prompt_val = row[cfg.prompt_key]
+            text, ids = self._tokenize(tokenizer, prompt_val, i, key)
+            if cfg.max_prompt_len is not None and len(ids) > cfg.max_prompt_len:
+                dropped += 1
+                continue
+            self.items.append((i, text, row.get(cfg.answer_key) if self.has_answer else None, ids, row))
+        if dropped:
+            log.info("dropped %d of %d prompts longer than %s.max_prompt_len=%d", dropped, len(ds), key, cfg.max_prompt_len)
+        if not self.items:
+            raise DatasetError(f"{key}.path={cfg.path!r}: no usable prompts ({len(ds)} rows, {dropped} too long)")
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _tokenize(self, tokenizer: Any, value: Any, i: int, key: str) -> tuple[str, list[int]]:
+        is_chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+        if self.cfg.apply_chat_template or is_chat:
+            messages = value if is_chat else [{"role": "user", "content": str(value)}]
+            if getattr(tokenizer, "chat_template", None) is None:
+                raise DatasetError(f"{key}.apply_chat_template is set but the tokenizer has no chat template")
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            # The template already holds the special tokens (BOS, role markers).
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            return text, list(ids)
+        if not isinstance(value, str):
+            raise DatasetError(f"{key}: row {i} column {self.cfg.prompt_key!r} is {type(value).__name__}, not text")
+        return value, list(tokenizer(value)["input_ids"])
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """Row order of one epoch (same in every process)."""
+        perm = self._perms.get(epoch)
+        if perm is None:
+            if self.cfg.shuffle:
+                perm = np.random.default_rng([self.seed, epoch]).permutation(len(self.items))
+            else:
+                perm = np.arange(len(self.items))
+            self._perms = {epoch: perm}  # only the current epoch is needed
+        return perm
+
+    def at(self, position: int) -> DatasetItem:
+        """The item at a global position of the run's order."""
+        epoch, offset = divmod(position, len(self.items))
+        idx = int(self.order(epoch)[offset])
+        i, text, answer, ids, row = self.items[idx]
+        return DatasetItem(index=i, epoch=epoch, position=position, prompt_id=f"{i}", prompt=text,
+                           answer=answer, input_ids=list(ids), row=row)
+
+
+class ProducerState(msgspec.Struct, kw_only=True):
+    """Per-producer record in `{ns}:producers` (msgpack)."""
+
+    producer_id: str
+    host: str = ""
+    pid: int = 0
+    started_at: float = 0.0
+    updated_at: float = 0.0
+    last_position: int = -1
+    claimed: int = 0
+    accepted: int = 0
+    rejected: int = 0
+    failed: int = 0
+    done: bool = False
+
+
+_state_enc = msgspec.msgpack.Encoder()
+_state_dec = msgspec.msgpack.Decoder(ProducerState)
+
+
+class DatasetCursor:
+    """Shared run position in `{ns}:producers` (HINCRBY on the `cursor` field)."""
+
+    def __init__(self, client: Any, producers_key: str, dataset: PromptDataset, *, epochs: int,
+                 producer_id: str) -> None:
+        self.client = client
+        self.key = producers_key
+        self.dataset = dataset
+        self.total = epochs * len(dataset)
+        self.producer_id = producer_id
+        self.state = ProducerState(producer_id=producer_id, host=socket.gethostname(), pid=os.getpid(),
+                                   started_at=time.time())
+
+    async def load_state(self) -> ProducerState:
+        """Pick up this producer id's counters from a previous life (if any)."""
+        raw = await self.client.hget(self.key, self.producer_id)
+        if raw:
+            try:
+                old = _state_dec.decode(raw)
+                self.state.accepted, self.state.rejected, self.state.failed = old.accepted, old.rejected, old.failed
+                self.state.claimed, self.state.last_position = old.claimed, old.last_position
+            except msgspec.DecodeError:
+                log.warning("ignoring undecodable state of producer %s in %s", self.producer_id, self.key)
+        self.state.done = False
+        return self.state
+
+    async def position(self) -> int:
+        return int(await self.client.hget(self.key, CURSOR_FIELD) or 0)
+
+    async def next(self) -> DatasetItem | None:
+        """Claim the next position of the run; None once every epoch is handed out."""
+        pos = int(await self.client.hincrby(self.key, CURSOR_FIELD, 1)) - 1
+        if pos >= self.total:
+            return None
+        self.state.claimed += 1
+        self.state.last_position = pos
+        return self.dataset.at(pos)
+
+    async def save(self) -> None:
+        self.state.updated_at = time.time()
+        await self.client.hset(self.key, self.producer_id, _state_enc.encode(self.state))

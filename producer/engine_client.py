@@ -1,0 +1,573 @@
+"""Clients for inference engines: one request interface, two wire protocols, many servers.
+
+`EngineClient` talks to one server. Two backends, chosen by `rollout.backend`:
+
+- `sglang`: SGLang's native `POST /generate` (also served by rlstream's local engine).
+  Behaviour logprobs are `log_softmax(logits / T)` at the sampled token — the same
+  convention the trainer recomputes (`actor.temperature` = `gconfig.temperature`).
+- `vllm`: the OpenAI-compatible `POST /v1/completions` with a token-id prompt,
+  `logprobs: 0` (only the sampled token) and `return_tokens_as_token_ids: true`, so
+  every returned token is the string `token_id:NNN` and no detokenisation round trip
+  can change the ids. LOGPROB CONVENTION: vLLM returns by default the logprobs of the
+  RAW model distribution, before temperature/top-p/top-k (`--logprobs-mode
+  raw_logprobs`). For decoupled PPO the behaviour logprobs must be of the sampling
+  distribution `log_softmax(logits / T)`, so start vLLM with
+  `--logprobs-mode processed_logprobs` (vLLM >= 0.10.2; processed = after temperature
+  and, if set, top-k/top-p masking). With T = 1 and no top-k/top-p the two coincide.
+  Pause/resume map to vLLM's `POST /pause?mode=abort` / `POST /resume` (dev-mode
+  routes, `VLLM_SERVER_DEV_MODE=1`); an aborted request ends with `finish_reason` "abort".
+
+`ServerPool` spreads requests over every healthy server (`round_robin` or
+`least_inflight`), follows servers as they register and vanish through name resolve,
+health-checks them (`GET /health`), and retries a failed request on another healthy
+server with exponential backoff. When no server is left it waits — logging — until
+one appears; the caller keeps its rollout leases alive meanwhile (producer/main.py
+renews them in the background).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import itertools
+import json as jsonlib
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import aiohttp
+
+from rlstream.common.config import Config, GenerationHyperparameters
+from rlstream.common.logging import get_logger
+from rlstream.common.name_resolve import ENGINES_SERVICE, NameResolver, StaticNameResolver, make_name_resolver
+
+__all__ = [
+    "ModelRequest",
+    "ModelResponse",
+    "EngineClient",
+    "SGLangClient",
+    "VLLMClient",
+    "EngineError",
+    "EngineRequestError",
+    "EngineUnavailable",
+    "ServerPool",
+    "make_engine_client",
+    "make_engine_resolver",
+    "base_url",
+]
+
+log = get_logger("rlstream.producer.engine_client")
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+class EngineError(RuntimeError):
+    """A request that failed on a server; retryable on another one."""
+
+
+class EngineRequestError(EngineError):
+    """The server refused the request itself (HTTP 4xx): retrying elsewhere will not help."""
+
+
+class EngineUnavailable(EngineError):
+    """The pool was closed while a request waited for a server."""
+
+
+@dataclass
+class ModelRequest:
+    """One generation request: prompt token ids and sampling parameters."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 100_000_000
+    min_new_tokens: int = 0
+    stop_token_ids: list[int] = field(default_factory=list)
+    greedy: bool = False
+    rid: str | None = None
+
+    @classmethod
+    def from_gconfig(cls, input_ids: list[int], g: GenerationHyperparameters, **kw: Any) -> "ModelRequest":
+        return cls(input_ids=list(input_ids), max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                   top_p=g.top_p, top_k=g.top_k, min_new_tokens=g.min_new_tokens,
+                   stop_token_ids=list(g.stop_token_ids), greedy=g.greedy, **kw)
+
+    @property
+    def effective_temperature(self) -> float:
+        return 0.0 if self.greedy else self.temperature
+
+
+@dataclass
+class ModelResponse:
+    """Output of one request: ids, behaviour logprobs, per-token versions when the server says."""
+
+    output_ids: list[int]
+    output_logprobs: list[float]
+    finish_reason: FinishReason
+    # Per-token versions reported by the server (rlstream's engine), else None.
+    output_versions: list[int] | None = None
+    # The server's weight version when it answered (SGLang/rlstream meta_info), else None.
+    weight_version: int | None = None
+    server: str = ""
+    latency: float = 0.0
+
+
+def base_url(address: str) -> str:
+    """`host:port` -> `http://host:port`; full URLs pass through."""
+    address = address.strip().rstrip("/")
+    return address if "://" in address else f"http://{address}"
+
+
+def _as_int(v: Any) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str) and v.lstrip("-").isdigit():
+        return int(v)
+    return None
+
+
+class EngineClient(abc.ABC):
+    """One inference server."""
+
+    def __init__(self, session: aiohttp.ClientSession, address: str, api_key: str | None = None,
+                 request_timeout: float = 3600.0) -> None:
+        self.session = session
+        self.address = address
+        self.url = base_url(address)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.request_timeout = request_timeout
+
+    # --------------------------------------------------------------- transport
+    async def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
+                       timeout: float | None = None) -> Any:
+        url = self.url + path
+        try:
+            async with self.session.request(method, url, json=json, params=params, headers=self.headers,
+                                            timeout=aiohttp.ClientTimeout(total=timeout or self.request_timeout)) as resp:
+                body = await resp.read()
+                if resp.status in (401, 403):
+                    raise EngineRequestError(f"{url}: HTTP {resp.status} (check rollout.api_key): {body[:200]!r}")
+                if 400 <= resp.status < 500 and resp.status not in (404, 408, 429):
+                    raise EngineRequestError(f"{url}: HTTP {resp.status}: {body[:500].decode(errors='replace')}")
+                if resp.status >= 400:
+                    raise EngineError(f"{url}: HTTP {resp.status}: {body[:500].decode(errors='replace')}")
+                if not body:
+                    return None
+                try:
+                    return jsonlib.loads(body)
+                except ValueError:
+                    return body.decode(errors="replace")
+        except asyncio.TimeoutError:
+            raise EngineError(f"{url}: no answer within {timeout or self.request_timeout:.0f}s") from None
+        except aiohttp.ClientError as exc:
+            raise EngineError(f"{url}: {type(exc).__name__}: {exc}") from None
+
+    # --------------------------------------------------------------- interface
+    @abc.abstractmethod
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Generate for one prompt."""
+
+    async def health(self, timeout: float = 5.0) -> bool:
+        try:
+            await self._request("GET", "/health", timeout=timeout)
+            return True
+        except EngineError:
+            return False
+
+    @abc.abstractmethod
+    async def pause(self) -> None:
+        """Abort running requests (they return partial output with finish_reason abort)."""
+
+    @abc.abstractmethod
+    async def resume(self) -> None:
+        """Let generation continue after `pause`."""
+
+    async def model_info(self) -> dict[str, Any]:
+        return {}
+
+
+class SGLangClient(EngineClient):
+    """SGLang native HTTP: `/generate`, `/pause_generation`, `/continue_generation`."""
+
+    def payload(self, req: ModelRequest) -> dict[str, Any]:
+        sp: dict[str, Any] = {
+            "max_new_tokens": req.max_new_tokens,
+            "temperature": req.effective_temperature,
+            "top_p": req.top_p,
+            "top_k": -1 if req.top_k >= 100_000_000 else req.top_k,  # SGLang: -1 = off
+        }
+        if req.min_new_tokens:
+            sp["min_new_tokens"] = req.min_new_tokens
+        if req.stop_token_ids:
+            sp["stop_token_ids"] = list(req.stop_token_ids)
+        body: dict[str, Any] = {"input_ids": list(req.input_ids), "sampling_params": sp, "return_logprob": True}
+        if req.rid:
+            body["rid"] = req.rid
+        return body
+
+    def parse(self, data: Any) -> ModelResponse:
+        if isinstance(data, list):  # batch form: one prompt sent, one answer
+            data = data[0]
+        if not isinstance(data, dict) or "meta_info" not in data:
+            raise EngineError(f"{self.url}/generate: unexpected response {str(data)[:200]}")
+        meta = data["meta_info"]
+        lp_rows = meta.get("output_token_logprobs") or []
+        ids = data.get("output_ids")
+        if ids is None:
+            ids = [int(r[1]) for r in lp_rows]
+        if len(lp_rows) != len(ids):
+            raise EngineError(f"{self.url}/generate: {len(ids)} output ids but {len(lp_rows)} logprobs "
+                              "(was return_logprob honoured?)")
+        logprobs = [float(r[0]) for r in lp_rows]
+        fr = meta.get("finish_reason") or {}
+        ftype = fr.get("type") if isinstance(fr, dict) else fr
+        if ftype not in ("stop", "length", "abort"):
+            raise EngineError(f"{self.url}/generate: unknown finish_reason {fr!r}")
+        versions = meta.get("output_token_versions")
+        if versions is not None and len(versions) != len(ids):
+            versions = None
+        return ModelResponse(output_ids=[int(i) for i in ids], output_logprobs=logprobs, finish_reason=ftype,
+                             output_versions=[int(v) for v in versions] if versions is not None else None,
+                             weight_version=_as_int(meta.get("weight_version")), server=self.address)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        t0 = time.monotonic()
+        out = self.parse(await self._request("POST", "/generate", json=self.payload(req)))
+        out.latency = time.monotonic() - t0
+        return out
+
+    async def pause(self) -> None:
+        await self._request("POST", "/pause_generation", json={}, timeout=60)
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", json={}, timeout=60)
+
+    async def model_info(self) -> dict[str, Any]:
+        data = await self._request("GET", "/get_model_info", timeout=30)
+        return data if isinstance(data, dict) else {}
+
+
+class VLLMClient(EngineClient):
+    """vLLM's OpenAI-compatible `/v1/completions` with token-id prompts and token-id outputs."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self._model: str | None = None
+
+    async def model_name(self) -> str:
+        # /v1/completions needs the served model name; ask once.
+        if self._model is None:
+            data = await self._request("GET", "/v1/models", timeout=30)
+            try:
+                self._model = data["data"][0]["id"]
+            except (KeyError, IndexError, TypeError):
+                raise EngineError(f"{self.url}/v1/models: no served model in {str(data)[:200]}") from None
+        return self._model
+
+    def payload(self, req: ModelRequest, model: str) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "model": model,
+            "prompt": list(req.input_ids),
+            "max_tokens": req.max_new_tokens,
+            "temperature": req.effective_temperature,
+            "top_p": req.top_p,
+            "top_k": -1 if req.top_k >= 100_000_000 else req.top_k,  # vLLM: -1 (or 0) = off
+            "logprobs": 0,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "stream": False,
+        }
+        if req.min_new_tokens:
+            body["min_tokens"] = req.min_new_tokens
+        if req.stop_token_ids:
+            body["stop_token_ids"] = list(req.stop_token_ids)
+        if req.rid:
+            body["request_id"] = req.rid
+        return body
+
+    def parse(self, data: Any) -> ModelResponse:
+        try:
+            choice = data["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise EngineError(f"{self.url}/v1/completions: unexpected response {str(data)[:200]}") from None
+        lp = choice.get("logprobs") or {}
+        tokens = lp.get("tokens")
+        token_lps = lp.get("token_logprobs")
+        if tokens is None or token_lps is None:
+            raise EngineError(f"{self.url}/v1/completions: no logprobs in the answer (logprobs=0 was sent)")
+        ids = []
+        for tok in tokens:
+            if not isinstance(tok, str) or not tok.startswith("token_id:"):
+                raise EngineError(f"{self.url}/v1/completions: token {tok!r} is not 'token_id:N' "
+                                  "(does this vLLM support return_tokens_as_token_ids?)")
+            ids.append(int(tok[len("token_id:"):]))
+        if len(token_lps) != len(ids):
+            raise EngineError(f"{self.url}/v1/completions: {len(ids)} tokens but {len(token_lps)} logprobs")
+        # A logprob of -inf comes back as null/-9999 in some versions; keep it finite and very negative.
+        logprobs = [float(x) if x is not None else -9999.0 for x in token_lps]
+        fr = choice.get("finish_reason")
+        if fr not in ("stop", "length", "abort"):
+            # vLLM reports None while running and "abort" for aborted requests; anything else is a stop.
+            fr = "abort" if fr is None else "stop"
+        return ModelResponse(output_ids=ids, output_logprobs=logprobs, finish_reason=fr, server=self.address)
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        t0 = time.monotonic()
+        model = await self.model_name()
+        out = self.parse(await self._request("POST", "/v1/completions", json=self.payload(req, model)))
+        out.latency = time.monotonic() - t0
+        return out
+
+    async def pause(self) -> None:
+        await self._request("POST", "/pause", params={"mode": "abort"}, timeout=60)
+
+    async def resume(self) -> None:
+        await self._request("POST", "/resume", timeout=60)
+
+    async def model_info(self) -> dict[str, Any]:
+        data = await self._request("GET", "/v1/models", timeout=30)
+        return data if isinstance(data, dict) else {}
+
+
+_BACKENDS: dict[str, type[EngineClient]] = {"sglang": SGLangClient, "vllm": VLLMClient}
+
+
+def make_engine_client(backend: str, session: aiohttp.ClientSession, address: str, api_key: str | None = None,
+                       request_timeout: float = 3600.0) -> EngineClient:
+    try:
+        cls = _BACKENDS[backend]
+    except KeyError:
+        raise ValueError(f"rollout.backend={backend!r}: allowed {sorted(_BACKENDS)}") from None
+    return cls(session, address, api_key, request_timeout)
+
+
+def make_engine_resolver(cfg: Config, redis_client: Any = None) -> NameResolver:
+    """`rollout.engine_addresses` when set (a fixed list), else `cluster.name_resolve`."""
+    if cfg.rollout.engine_addresses:
+        return StaticNameResolver(list(cfg.rollout.engine_addresses))
+    return make_name_resolver(cfg, redis_client=redis_client)
+
+
+# ---------------------------------------------------------------------- pool
+
+
+@dataclass
+class _Server:
+    client: EngineClient
+    healthy: bool = False
+    inflight: int = 0
+    failures: int = 0  # consecutive
+    requests: int = 0
+
+
+class ServerPool:
+    """Many engines behind one `agenerate`, following name resolve."""
+
+    def __init__(self, cfg: Config, resolver: NameResolver | None = None, *, redis_client: Any = None,
+                 wait_log_interval: float = 10.0) -> None:
+        r = cfg.rollout
+        self.backend = r.backend
+        self.policy = r.schedule_policy
+        self.request_timeout = r.request_timeout
+        self.request_retries = r.request_retries
+        self.health_interval = r.health_check_interval
+        self.api_key = r.api_key
+        self.resolver = resolver or make_engine_resolver(cfg, redis_client)
+        self.wait_log_interval = wait_log_interval
+        self.servers: dict[str, _Server] = {}
+        self._rr = itertools.count()
+        self._changed = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._bg: set[asyncio.Task] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._closed = False
+        self.retries = 0  # requests moved to another server (for progress lines)
+        self.waiting = 0  # requests waiting for any server
+
+    # --------------------------------------------------------------- lifecycle
+    async def start(self) -> "ServerPool":
+        # Many concurrent long requests per server: no per-host connection cap.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0))
+        self._tasks = [asyncio.create_task(self._follow(), name="pool-follow"),
+                       asyncio.create_task(self._health_loop(), name="pool-health")]
+        return self
+
+    async def close(self) -> None:
+        self._closed = True
+        self._changed.set()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(BaseException):
+                await t
+        with contextlib.suppress(Exception):
+            await self.resolver.close()
+        if self._session is not None:
+            await self._session.close()
+
+    async def __aenter__(self) -> "ServerPool":
+        return await self.start()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    # --------------------------------------------------------------- membership
+    def healthy(self) -> list[str]:
+        return sorted(a for a, s in self.servers.items() if s.healthy)
+
+    def _set_addresses(self, addresses: list[str]) -> list[str]:
+        assert self._session is not None
+        new = [a for a in addresses if a not in self.servers]
+        for a in new:
+            self.servers[a] = _Server(make_engine_client(self.backend, self._session, a, self.api_key,
+                                                         self.request_timeout))
+        for a in [a for a in self.servers if a not in addresses]:
+            # In-flight requests to it finish or fail on their own.
+            log.info("engine %s left name resolve", a)
+            del self.servers[a]
+        self._changed.set()
+        return new
+
+    async def _follow(self) -> None:
+        while not self._closed:
+            try:
+                async for addrs in self.resolver.watch(ENGINES_SERVICE):
+                    new = self._set_addresses(list(addrs))
+                    if new:
+                        await asyncio.gather(*(self._probe(a) for a in new))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep following; discovery may come back
+                log.warning("following engines failed (%s); retrying", exc)
+                await asyncio.sleep(1.0)
+
+    async def _probe(self, address: str) -> None:
+        s = self.servers.get(address)
+        if s is None:
+            return
+        ok = await s.client.health(timeout=min(5.0, self.health_interval * 2))
+        if ok != s.healthy:
+            log.info("engine %s is %s", address, "healthy" if ok else "not answering /health")
+        s.healthy = ok
+        if ok:
+            s.failures = 0
+            self._changed.set()
+
+    async def _health_loop(self) -> None:
+        while not self._closed:
+            await asyncio.sleep(self.health_interval)
+            await asyncio.gather(*(self._probe(a) for a in list(self.servers)), return_exceptions=True)
+
+    async def wait_for_servers(self, n: int = 1, timeout: float | None = None) -> list[str]:
+        """Wait until at least `n` servers are healthy; returns them (raises TimeoutError)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while len(self.healthy()) < n:
+            if self._closed:
+                raise EngineUnavailable("server pool closed")
+            self._changed.clear()
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"{len(self.healthy())} of {n} engines healthy after {timeout:.0f}s")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(1.0, left) if left is not None else 1.0)
+        return self.healthy()
+
+    # --------------------------------------------------------------- scheduling
+    def _pick(self, avoid: set[str]) -> str | None:
+        cands = [a for a in self.healthy() if a not in avoid] or self.healthy()
+        if not cands:
+            return None
+        if self.policy == "least_inflight":
+            lo = min(self.servers[a].inflight for a in cands)
+            cands = [a for a in cands if self.servers[a].inflight == lo]
+        return cands[next(self._rr) % len(cands)]
+
+    async def _wait_any(self) -> None:
+        """Block until some server is healthy; log while waiting."""
+        self.waiting += 1
+        t0 = time.monotonic()
+        last_log = t0
+        log.warning("no healthy engine: request waits for one to appear (%d waiting)", self.waiting)
+        try:
+            while not self.healthy():
+                if self._closed:
+                    raise EngineUnavailable("server pool closed while waiting for an engine")
+                self._changed.clear()
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), 1.0)
+                now = time.monotonic()
+                if now - last_log >= self.wait_log_interval:
+                    last_log = now
+                    log.warning("still no healthy engine after %.0fs (%d requests waiting; known: %s)",
+                                now - t0, self.waiting, ", ".join(self.servers) or "none")
+        finally:
+            self.waiting -= 1
+
+    async def agenerate(self, req: ModelRequest) -> ModelResponse:
+        """Run on one healthy server; on failure move to another, after backoff.
+
+        Failures on a server count towards `request_retries`; waiting for a server to
+        exist does not (the engines may be restarting — the producer keeps its leases).
+        """
+        tried: set[str] = set()
+        failures = 0
+        last_exc: Exception | None = None
+        while True:
+            address = self._pick(tried)
+            if address is None:
+                await self._wait_any()
+                continue
+            s = self.servers[address]
+            s.inflight += 1
+            s.requests += 1
+            try:
+                out = await s.client.agenerate(req)
+                s.failures = 0
+                return out
+            except EngineRequestError:
+                raise
+            except EngineError as exc:
+                last_exc = exc
+                failures += 1
+                tried.add(address)
+                s.failures += 1
+                # A dead server fails fast (connection refused/reset): take it out until
+                # the health check sees it again, so other requests stop picking it.
+                s.healthy = False
+            finally:
+                s.inflight -= 1
+            if failures >= self.request_retries:
+                raise EngineError(f"request failed on {failures} attempt(s); last: {last_exc}")
+            self.retries += 1
+            delay = min(5.0, 0.2 * 2 ** (failures - 1)) * (0.5 + random.random())
+            log.warning("engine request failed (%s); retrying on another engine in %.1fs (%d/%d)",
+                        last_exc, delay, failures, self.request_retries)
+            self._spawn(self._probe(address))
+            await asyncio.sleep(delay)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    # --------------------------------------------------------------- control
+    async def pause(self) -> None:
+        """Pause every known server (in-flight requests come back aborted)."""
+        await asyncio.gather(*(s.client.pause() for s in list(self.servers.values())))
+
+    async def resume(self) -> None:
+        await asyncio.gather(*(s.client.resume() for s in list(self.servers.values())))
+
+    # AReaL/SGLang naming.
+    continue_generation = resume
+    pause_generation = pause
+
+    def stats(self) -> dict[str, Any]:
+        return {"engines": len(self.servers), "healthy": len(self.healthy()),
+                "inflight": sum(s.inflight for s in self.servers.values()), "retries": self.retries,
+                "waiting": self.waiting}

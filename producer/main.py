@@ -1,0 +1,378 @@
+"""`rlstream produce`: dataset -> workflow -> engines -> rewards -> Redis, on uvloop.
+
+Before every rollout the producer takes a lease from the broker's global admission
+controller (one atomic Lua script shared by all producers), so the number of groups in
+flight or accepted never runs past `(η + v + 1)·B` nor `max_concurrent_rollouts`. A
+finished group is committed (lease dropped, counted, XADDed: one script) if it passes
+`should_accept`, released (counted as rejected) if not, and abandoned (lease dropped)
+if its rollout failed. Leases of long rollouts are renewed in the background — also
+while requests wait for an engine to appear — so only a dead producer's leases expire.
+
+When admission says no (capacity <= 0) the producer sleeps until one of its own
+rollouts finishes, a version event arrives on `{ns}:events`, or a short poll interval
+passes (other producers' completions are not announced).
+
+It stops on SIGTERM/SIGINT (stop admitting, let in-flight rollouts finish for
+`producer.shutdown_timeout` seconds, release the rest, exit 0; a second signal releases
+at once), on a `shutdown` event, after `producer.max_groups` accepted groups, or when
+the dataset's epochs are handed out.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import time
+from typing import Any
+
+import msgspec
+
+from rlstream.common.config import Config
+from rlstream.common.logging import get_logger
+from rlstream.common.name_resolve import NameResolveError
+from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
+
+__all__ = ["produce", "Producer", "should_accept"]
+
+log = get_logger("rlstream.producer")
+
+ADMIT_POLL_SECS = 0.25
+
+
+class SetupError(RuntimeError):
+    """The producer cannot start (bad dataset, tokenizer, workflow, no engine); one line."""
+
+
+def should_accept(cfg: Config, group: TrajectoryGroup) -> bool:
+    """Dynamic sampling (DAPO): a group whose rewards are all equal teaches nothing."""
+    if cfg.producer.dynamic_sampling and len(group.trajectories) > 1:
+        rewards = [t.reward for t in group.trajectories]
+        if max(rewards) - min(rewards) < 1e-9:
+            return False
+    return True
+
+
+class Producer:
+    """One producer process's event loop state."""
+
+    def __init__(self, cfg: Config) -> None:
+        pid = cfg.producer.producer_id or f"{socket.gethostname()}-{os.getpid()}"
+        self.cfg = msgspec.structs.replace(cfg, producer=msgspec.structs.replace(cfg.producer, producer_id=pid))
+        self.producer_id = pid
+        self.inflight: dict[str, asyncio.Task] = {}  # lease id -> rollout task
+        self.stop_reason: str | None = None
+        self.force = False
+        self.exhausted = False
+        self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._bg: list[asyncio.Task] = []
+        # progress counters
+        self.accepted = self.rejected = self.failed = 0
+        self.finished = 0
+        self.out_tokens = 0
+        self.last_state: Any = None
+        self.version = 0
+
+    # ------------------------------------------------------------------ setup
+    async def _setup(self) -> None:
+        from transformers import AutoTokenizer
+
+        from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, connect_async
+        from rlstream.producer.dataset import DatasetCursor, PromptDataset
+        from rlstream.producer.engine_client import ServerPool
+        from rlstream.producer.rewards import RewardPool
+        from rlstream.producer.workflow import RolloutEngine, load_workflow
+
+        cfg = self.cfg
+        self.client = await connect_async(cfg.redis)
+        self.keys = Keys(cfg.namespace)
+        self.admission = AsyncAdmissionController(
+            self.client, self.keys, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+            consumer_batch_size=cfg.rollout.consumer_batch_size,
+            max_concurrent_rollouts=cfg.max_concurrent_rollouts, lease_ttl=cfg.rollout.lease_ttl)
+        self.versions = AsyncVersionRegistry(self.client, self.keys)
+        if not cfg.tokenizer:
+            raise ValueError("no tokenizer: set actor.path (or tokenizer_path) to a local HF model folder")
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
+        except Exception as exc:  # noqa: BLE001 - one line naming the path
+            raise ValueError(f"cannot load the tokenizer from {cfg.tokenizer!r} (tokenizer_path/actor.path): "
+                             f"{str(exc).splitlines()[0]}") from None
+        self.dataset = PromptDataset(cfg.train_dataset, self.tokenizer, seed=cfg.seed)
+        self.cursor = DatasetCursor(self.client, self.keys.producers, self.dataset,
+                                    epochs=cfg.total_train_epochs, producer_id=self.producer_id)
+        await self.cursor.load_state()
+        self.rewards = RewardPool(cfg.producer.reward_fn, cfg.producer.reward_workers, cfg.producer.reward_timeout)
+        self.workflow = load_workflow(cfg, self.tokenizer, self.rewards)
+        self.pool = ServerPool(cfg, redis_client=self.client)
+        await self.pool.start()
+        self.engine = RolloutEngine(self.pool, self.versions)
+        await self._write_meta()
+
+    async def _write_meta(self) -> None:
+        """Run metadata in `{ns}:meta`, through broker/meta.py when the broker has it."""
+        try:
+            from rlstream.broker import meta  # type: ignore[attr-defined]
+        except ImportError:
+            return
+        fn = getattr(meta, "ensure_meta_async", None)
+        if fn is not None:
+            await fn(self.client, self.keys, self.cfg)
+
+    async def _teardown(self) -> None:
+        for t in self._bg:
+            t.cancel()
+        for t in self._bg:
+            with contextlib.suppress(BaseException):
+                await t
+        for name in ("pool", "rewards"):
+            obj = getattr(self, name, None)
+            if obj is not None:
+                with contextlib.suppress(Exception):
+                    await obj.close()
+        client = getattr(self, "client", None)
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.aclose()
+
+    # ------------------------------------------------------------------ control
+    def request_stop(self, reason: str, force: bool = False) -> None:
+        if self.stop_reason is None:
+            self.stop_reason = reason
+            log.info("stopping: %s", reason)
+        elif force and not self.force:
+            log.warning("second stop request (%s): releasing in-flight rollouts now", reason)
+        if force:
+            self.force = True
+            for t in self.inflight.values():
+                t.cancel()
+        self._stop.set()
+        self._wake.set()
+
+    def _on_signal(self, name: str) -> None:
+        # First signal: drain. Second: release now.
+        self.request_stop(f"{name} received", force=self.stop_reason is not None)
+
+    # ------------------------------------------------------------------ background tasks
+    async def _renew_leases(self) -> None:
+        period = max(0.2, self.cfg.rollout.lease_ttl / 3)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.admission.renew(list(self.inflight))
+            except Exception as exc:  # noqa: BLE001 - retried next period; the TTL covers a gap
+                log.warning("renewing %d leases failed: %s", len(self.inflight), exc)
+
+    async def _listen_events(self) -> None:
+        from rlstream.broker.versions import decode_event
+
+        last = await self.client.xrevrange(self.keys.events, count=1)
+        last_id = last[0][0] if last else b"0-0"
+        while True:
+            try:
+                res = await self.client.xread({self.keys.events: last_id}, block=1000, count=100)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                log.warning("reading %s failed: %s", self.keys.events, exc)
+                await asyncio.sleep(1.0)
+                continue
+            for _, entries in res or []:
+                for eid, fields in entries:
+                    last_id = eid
+                    try:
+                        ev = decode_event(fields[b"e"])
+                    except Exception:  # noqa: BLE001 - a foreign entry must not stop us
+                        continue
+                    if ev.type == "version":
+                        self.version = max(self.version, ev.version)
+                        self._wake.set()
+                    elif ev.type == "shutdown":
+                        self.request_stop(f"shutdown event ({ev.detail or 'trainer finished'})", force=True)
+
+    async def _progress(self) -> None:
+        period = self.cfg.stats_logger.log_every_secs
+        last_t, last_fin, last_tok = time.monotonic(), 0, 0
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            dt = now - last_t
+            self.log_progress((self.finished - last_fin) / dt, (self.out_tokens - last_tok) / dt)
+            last_t, last_fin, last_tok = now, self.finished, self.out_tokens
+            with contextlib.suppress(Exception):
+                self._sync_state()
+                await self.cursor.save()
+
+    def log_progress(self, rollouts_s: float, tokens_s: float) -> None:
+        st = self.last_state
+        ps = self.pool.stats()
+        cap = f"capacity {st.capacity} (running {st.running}, accepted {st.accepted})" if st is not None else "capacity ?"
+        wait = f", {ps['waiting']} requests waiting for an engine" if ps["waiting"] else ""
+        log.info("%s: %.2f rollouts/s %.1f tokens/s | accepted %d rejected %d failed %d | in flight %d | "
+                 "version %d %s | engines %d/%d healthy, %d retries%s",
+                 self.producer_id, rollouts_s, tokens_s, self.accepted, self.rejected, self.failed,
+                 len(self.inflight), self.version, cap, ps["healthy"], ps["engines"], ps["retries"], wait)
+
+    def _sync_state(self) -> None:
+        s = self.cursor.state
+        s.accepted, s.rejected, s.failed = self._base[0] + self.accepted, self._base[1] + self.rejected, \
+            self._base[2] + self.failed
+
+    # ------------------------------------------------------------------ rollouts
+    async def _rollout(self, lease_id: str, item: Any) -> None:
+        try:
+            try:
+                group = await self.workflow.arun_episode(self.engine, item)
+            except asyncio.CancelledError:
+                await asyncio.shield(self.admission.abandon([lease_id]))
+                raise
+            except Exception as exc:  # noqa: BLE001 - a failed rollout loses its lease, not the producer
+                self.failed += 1
+                log.error("rollout of prompt %s failed: %s: %s", getattr(item, "prompt_id", "?"), type(exc).__name__, exc)
+                await self.admission.abandon([lease_id])
+                return
+            self.finished += 1
+            if group is None:
+                self.rejected += 1
+                await self.admission.release(lease_id)
+                return
+            if not group.producer_id:
+                group.producer_id = self.producer_id
+            self.out_tokens += sum(t.output_len for t in group.trajectories)
+            if self.cfg.rollout.check_trajectory_format:
+                try:
+                    validate_group(group)
+                except WireError as exc:
+                    self.failed += 1
+                    log.error("workflow produced an invalid group for prompt %s: %s", group.prompt_id, exc)
+                    await self.admission.abandon([lease_id])
+                    return
+            if should_accept(self.cfg, group):
+                from rlstream.broker.stream import entry_fields
+
+                await asyncio.shield(self.admission.commit(lease_id, entry_fields(group)))
+                self.accepted += 1
+            else:
+                self.rejected += 1
+                await asyncio.shield(self.admission.release(lease_id))
+        finally:
+            self.inflight.pop(lease_id, None)
+            self._wake.set()
+
+    async def _wait_wake(self, timeout: float) -> None:
+        self._wake.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._wake.wait(), timeout)
+
+    async def _admit_loop(self) -> None:
+        max_groups = self.cfg.producer.max_groups
+        while self.stop_reason is None:
+            if max_groups is not None:
+                if self.accepted >= max_groups:
+                    self.request_stop(f"producer.max_groups={max_groups} groups accepted")
+                    break
+                if self.accepted + len(self.inflight) >= max_groups:
+                    await self._wait_wake(ADMIT_POLL_SECS)  # enough in flight; admit more only if some are rejected
+                    continue
+            st, lease = await self.admission.try_acquire()
+            self.last_state = st
+            self.version = max(self.version, st.version)
+            if lease is None:
+                await self._wait_wake(ADMIT_POLL_SECS)
+                continue
+            item = await self.cursor.next()
+            if item is None:
+                await self.admission.abandon([lease.lease_id])
+                self.exhausted = True
+                self.request_stop(f"dataset exhausted ({self.cfg.total_train_epochs} epoch(s) handed out)")
+                break
+            self.inflight[lease.lease_id] = asyncio.create_task(self._rollout(lease.lease_id, item),
+                                                                name=f"rollout:{item.prompt_id}")
+
+    async def _drain(self) -> None:
+        """Let in-flight rollouts finish (until the grace time or a forced stop), release the rest."""
+        timeout = self.cfg.producer.shutdown_timeout
+        deadline = time.monotonic() + timeout
+        if self.inflight and not self.force:
+            log.info("waiting up to %.0fs for %d in-flight rollouts", timeout, len(self.inflight))
+        while self.inflight and not self.force and time.monotonic() < deadline:
+            await asyncio.wait(list(self.inflight.values()), timeout=min(1.0, max(0.0, deadline - time.monotonic())))
+        tasks = list(self.inflight.values())
+        if tasks:
+            log.info("releasing %d unfinished rollouts", len(tasks))
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        # Anything a cancelled task could not abandon (e.g. it had not started) goes now.
+        left = list(self.inflight)
+        if left:
+            await self.admission.abandon(left)
+            self.inflight.clear()
+
+    # ------------------------------------------------------------------ main
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig, name in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self._on_signal, name)
+        try:
+            try:
+                await self._setup()
+            except (ValueError, NameResolveError) as exc:  # DatasetError, bad import paths, bad addresses
+                raise SetupError(str(exc)) from None
+            self._base = (self.cursor.state.accepted, self.cursor.state.rejected, self.cursor.state.failed)
+            log.info("producer %s: %d prompts x %d epoch(s), run position %d, %s backend, namespace %s",
+                     self.producer_id, len(self.dataset), self.cfg.total_train_epochs, await self.cursor.position(),
+                     self.cfg.rollout.backend, self.cfg.namespace)
+            self._bg = [asyncio.create_task(self._renew_leases(), name="renew-leases"),
+                        asyncio.create_task(self._listen_events(), name="events"),
+                        asyncio.create_task(self._progress(), name="progress")]
+            if self.stop_reason is None:
+                setup = self.cfg.rollout.setup_timeout
+                waiter = asyncio.create_task(self.pool.wait_for_servers(1, setup))
+                stopper = asyncio.create_task(self._stop.wait())
+                await asyncio.wait([waiter, stopper], return_when=asyncio.FIRST_COMPLETED)
+                stopper.cancel()
+                if not waiter.done():
+                    waiter.cancel()
+                elif waiter.exception() is not None:
+                    raise SetupError(f"no inference engine became healthy within rollout.setup_timeout={setup:g}s "
+                                       f"(name_resolve={self.cfg.cluster.name_resolve.type}, "
+                                       f"engine_addresses={list(self.cfg.rollout.engine_addresses)})")
+                else:
+                    log.info("engines: %s", ", ".join(waiter.result()))
+            if self.stop_reason is None:
+                await self._admit_loop()
+            await self._drain()
+            self._sync_state()
+            self.cursor.state.done = True
+            await self.cursor.save()
+            self.log_progress(0.0, 0.0)
+            log.info("producer %s done (%s): accepted %d, rejected %d, failed %d",
+                     self.producer_id, self.stop_reason, self.accepted, self.rejected, self.failed)
+            return 0
+        finally:
+            # Whatever happened, no lease of ours outlives us longer than necessary.
+            if self.inflight and getattr(self, "admission", None) is not None:
+                for t in self.inflight.values():
+                    t.cancel()
+                with contextlib.suppress(Exception):
+                    await self.admission.abandon(list(self.inflight))
+            await self._teardown()
+
+
+def produce(cfg: Config) -> int:
+    """Entry point of `rlstream produce`; returns the exit code."""
+    producer = Producer(cfg)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS
+        uvloop = None
+    try:
+        return uvloop.run(producer.run()) if uvloop is not None else asyncio.run(producer.run())
+    except SetupError as exc:
+        log.error("%s", exc)
+        return 1

@@ -1,0 +1,293 @@
+"""Reward functions and the process pool that runs them off the event loop.
+
+A reward function is `fn(prompt, completion, answer, **kw) -> float`, named by import
+path `module:function` (`producer.reward_fn`). Built in:
+
+- `math_reward`: math-verify on the `\\boxed{}` answer of the completion against the
+  reference answer (1.0 / 0.0).
+- `exact_match_reward`: the completion text (up to EOS) stripped equals the answer
+  stripped (the CPU demo task).
+
+`RewardPool` runs them in worker processes so a slow or crashing reward never blocks
+the producer's event loop or kills the producer. The workers speak length-prefixed
+msgpack over pipes (no pickle crosses the process boundary): a request carries only
+strings, ints and lists; the function itself is imported by its path in the worker.
+A call that exceeds `producer.reward_timeout` gets its worker killed (and replaced);
+the sample scores 0 with `reward_error` in its metadata. A worker that crashes is
+replaced the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib
+import math
+import os
+import struct
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgspec
+
+from rlstream.common.logging import get_logger
+
+__all__ = [
+    "math_reward",
+    "exact_match_reward",
+    "extract_boxed",
+    "import_by_path",
+    "RewardResult",
+    "RewardPool",
+]
+
+log = get_logger("rlstream.producer.rewards")
+
+
+# ---------------------------------------------------------------------- import paths
+
+
+def import_by_path(path: str, what: str = "producer.reward_fn") -> Callable[..., Any]:
+    """`package.module:attr` -> the object; a clear error naming the config key otherwise."""
+    mod_name, sep, attr = path.partition(":")
+    if not sep or not mod_name or not attr:
+        raise ValueError(f"{what}={path!r} must be an import path 'module:callable'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as exc:
+        raise ValueError(f"{what}={path!r}: cannot import module {mod_name!r}: {exc}") from None
+    obj = mod
+    for part in attr.split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise ValueError(f"{what}={path!r}: module {mod_name!r} has no attribute {attr!r}") from None
+    if not callable(obj):
+        raise ValueError(f"{what}={path!r} is not callable")
+    return obj
+
+
+# ---------------------------------------------------------------------- built-in rewards
+
+
+def extract_boxed(text: str) -> str | None:
+    """Content of the last `\\boxed{...}` (balanced braces), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "{":
+            depth += 1
+        elif text[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return text[i + 1 : j]
+    return None
+
+
+def math_reward(prompt: str, completion: str, answer: Any, **kw: Any) -> float:
+    """1.0 if the completion's `\\boxed{}` answer is mathematically equal to `answer`."""
+    from math_verify import parse, verify
+
+    boxed = extract_boxed(completion)
+    if boxed is None:
+        return 0.0
+    gold_text = str(answer)
+    # A reference may itself be boxed (MATH) or bare (GSM8K "72").
+    gold_inner = extract_boxed(gold_text)
+    gold = parse(f"\\boxed{{{gold_inner if gold_inner is not None else gold_text}}}")
+    pred = parse(f"\\boxed{{{boxed}}}")
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred) else 0.0
+
+
+def exact_match_reward(prompt: str, completion: str, answer: Any, **kw: Any) -> float:
+    """1.0 if the completion (decoded up to EOS) stripped equals the answer stripped."""
+    return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+# ---------------------------------------------------------------------- wire between pool and workers
+
+
+class _Call(msgspec.Struct, kw_only=True):
+    id: int
+    prompt: str
+    completion: str
+    answer: Any = None
+    kwargs: dict[str, Any] = {}
+
+
+class _Reply(msgspec.Struct, kw_only=True):
+    id: int
+    reward: float = 0.0
+    error: str | None = None
+
+
+_HDR = struct.Struct("<I")
+
+
+def _worker_main(path: str) -> None:
+    """Worker: read calls from stdin, write replies to the original stdout.
+
+    The reward function may print: fd 1 is pointed at stderr so only our frames
+    travel on the protocol pipe.
+    """
+    proto_out = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+    proto_in = sys.stdin.buffer
+    enc = msgspec.msgpack.Encoder()
+    dec = msgspec.msgpack.Decoder(_Call)
+    try:
+        fn = import_by_path(path)
+        load_error = None
+    except Exception as exc:  # noqa: BLE001 - reported per call
+        fn, load_error = None, str(exc)
+    while True:
+        hdr = proto_in.read(_HDR.size)
+        if len(hdr) < _HDR.size:
+            return
+        call = dec.decode(proto_in.read(_HDR.unpack(hdr)[0]))
+        if fn is None:
+            reply = _Reply(id=call.id, error=load_error)
+        else:
+            try:
+                r = float(fn(call.prompt, call.completion, call.answer, **call.kwargs))
+                reply = _Reply(id=call.id, reward=r) if math.isfinite(r) else _Reply(id=call.id, error=f"non-finite reward {r}")
+            except Exception as exc:  # noqa: BLE001 - the sample is marked, the worker lives on
+                reply = _Reply(id=call.id, error=f"{type(exc).__name__}: {exc}"[:500])
+        data = enc.encode(reply)
+        proto_out.write(_HDR.pack(len(data)) + data)
+
+
+# ---------------------------------------------------------------------- pool
+
+
+@dataclass
+class RewardResult:
+    reward: float
+    error: str | None = None
+    seconds: float = 0.0
+
+
+class _Worker:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+
+class RewardPool:
+    """`workers` reward processes; `await pool(prompt, completion, answer, **kw)` -> RewardResult."""
+
+    def __init__(self, reward_fn: str, workers: int = 2, timeout: float = 15.0) -> None:
+        import_by_path(reward_fn)  # fail early, in the producer, with the config key in the message
+        self.reward_fn = reward_fn
+        self.n_workers = workers
+        self.timeout = timeout
+        self._idle: asyncio.Queue[_Worker] | None = None
+        self._all: set[_Worker] = set()
+        self._spawned = 0
+        self._ids = 0
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(_Reply)
+        self._lock = asyncio.Lock()
+        self._closed = False
+        self.errors = 0
+
+    async def _spawn(self) -> _Worker:
+        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rlstream.producer.rewards", self.reward_fn,
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
+        w = _Worker(proc)
+        self._all.add(w)
+        return w
+
+    async def _ensure_started(self) -> asyncio.Queue[_Worker]:
+        # Workers start on first use: a producer that never scores spawns nothing.
+        async with self._lock:
+            if self._idle is None:
+                self._idle = asyncio.Queue()
+                for _ in range(self.n_workers):
+                    self._idle.put_nowait(await self._spawn())
+        return self._idle
+
+    async def _replace(self, w: _Worker) -> None:
+        w.kill()
+        with contextlib.suppress(Exception):
+            await w.proc.wait()
+        self._all.discard(w)
+        if not self._closed and self._idle is not None:
+            self._idle.put_nowait(await self._spawn())
+
+    async def __call__(self, prompt: str, completion: str, answer: Any = None, **kwargs: Any) -> RewardResult:
+        if self._closed:
+            raise RuntimeError("reward pool closed")
+        idle = await self._ensure_started()
+        w = await idle.get()
+        self._ids += 1
+        call = _Call(id=self._ids, prompt=prompt, completion=completion, answer=answer, kwargs=kwargs)
+        t0 = time.monotonic()
+        try:
+            data = self._enc.encode(call)
+            assert w.proc.stdin is not None and w.proc.stdout is not None
+            w.proc.stdin.write(_HDR.pack(len(data)) + data)
+            await w.proc.stdin.drain()
+
+            async def read() -> _Reply:
+                hdr = await w.proc.stdout.readexactly(_HDR.size)
+                return self._dec.decode(await w.proc.stdout.readexactly(_HDR.unpack(hdr)[0]))
+
+            reply = await asyncio.wait_for(read(), self.timeout)
+        except asyncio.TimeoutError:
+            self.errors += 1
+            await self._replace(w)
+            return RewardResult(0.0, f"reward timed out after {self.timeout:g}s", time.monotonic() - t0)
+        except asyncio.CancelledError:
+            # The worker may be mid-call: its next reply would answer the wrong request.
+            w.kill()
+            self._all.discard(w)
+            if not self._closed and self._idle is not None:
+                with contextlib.suppress(Exception):
+                    self._idle.put_nowait(await asyncio.shield(self._spawn()))
+            raise
+        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, msgspec.DecodeError) as exc:
+            self.errors += 1
+            code = w.proc.returncode
+            await self._replace(w)
+            return RewardResult(0.0, f"reward worker died ({type(exc).__name__}, exit code {code})",
+                                time.monotonic() - t0)
+        idle.put_nowait(w)
+        if reply.error is not None:
+            self.errors += 1
+            return RewardResult(0.0, reply.error, time.monotonic() - t0)
+        return RewardResult(reply.reward, None, time.monotonic() - t0)
+
+    async def close(self) -> None:
+        self._closed = True
+        for w in list(self._all):
+            if w.proc.stdin is not None:
+                with contextlib.suppress(Exception):
+                    w.proc.stdin.close()
+        for w in list(self._all):
+            try:
+                await asyncio.wait_for(w.proc.wait(), 5)
+            except asyncio.TimeoutError:
+                w.kill()
+                await w.proc.wait()
+        self._all.clear()
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1])

@@ -1,0 +1,169 @@
+"""Workflows turn one dataset item into one trajectory group (AReaL's `arun_episode`).
+
+A workflow is any object with `async arun_episode(engine, item) -> TrajectoryGroup | None`
+(None = nothing worth training on; the rollout's lease is released). It is built from
+the import path `producer.workflow` (`module:callable`); the callable receives keyword
+arguments `cfg` (the whole Config), `tokenizer` and `reward` (an awaitable
+`reward(prompt, completion, answer, **kw) -> RewardResult` running `producer.reward_fn`
+in the reward process pool) and may ignore what it does not need.
+
+`engine` is a `RolloutEngine`: `await engine.agenerate(ModelRequest)` returns one
+`Generation` whose every output token carries the weight version that produced it.
+Generation is interruptible: when the engines pause for a weight update, a request
+comes back with finish_reason "abort"; the engine waits for the served version to
+rise, then continues with prompt + tokens so far and the remaining max_new_tokens.
+So one trajectory may mix versions, each token labelled with its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from rlstream.common.config import Config
+from rlstream.common.logging import get_logger
+from rlstream.common.wire import Trajectory, TrajectoryGroup
+from rlstream.producer.engine_client import ModelRequest, ModelResponse
+from rlstream.producer.rewards import RewardResult, import_by_path
+
+__all__ = ["Workflow", "Generation", "RolloutEngine", "RLVRWorkflow", "load_workflow"]
+
+log = get_logger("rlstream.producer.workflow")
+
+
+@runtime_checkable
+class Workflow(Protocol):
+    async def arun_episode(self, engine: "RolloutEngine", item: Any) -> TrajectoryGroup | None: ...
+
+
+@dataclass
+class Generation:
+    """A finished (possibly continued) generation for one prompt."""
+
+    input_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_versions: list[int] = field(default_factory=list)
+    finish_reason: str = "length"
+    interruptions: int = 0
+    latency: float = 0.0
+
+
+class RolloutEngine:
+    """The producer's view of the engines: a server pool plus the served version.
+
+    `pool` has `agenerate(ModelRequest) -> ModelResponse` (producer.engine_client.ServerPool);
+    `versions` has `get()` and `wait_for_version(above, timeout)` (broker AsyncVersionRegistry).
+    """
+
+    def __init__(self, pool: Any, versions: Any, *, resume_wait: float = 600.0, max_interruptions: int = 100) -> None:
+        self.pool = pool
+        self.versions = versions
+        # How long an aborted request waits for a newer version before continuing anyway
+        # (an abort can also come from a pause without an update, or an engine shutdown).
+        self.resume_wait = resume_wait
+        self.max_interruptions = max_interruptions
+        self.interruptions = 0
+        self.output_tokens = 0
+
+    async def agenerate(self, req: ModelRequest) -> Generation:
+        t0 = time.monotonic()
+        gen = Generation(input_ids=list(req.input_ids))
+        while True:
+            remaining = req.max_new_tokens - len(gen.output_ids)
+            if remaining <= 0:
+                gen.finish_reason = "length"
+                break
+            # Version at request time: the fallback label when the engine reports none.
+            # It never overstates freshness: `{ns}:version` is set only after every engine
+            # has the new weights.
+            v_req = await self.versions.get()
+            sub = ModelRequest(
+                input_ids=gen.input_ids + gen.output_ids, max_new_tokens=remaining,
+                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                min_new_tokens=max(0, req.min_new_tokens - len(gen.output_ids)),
+                stop_token_ids=list(req.stop_token_ids), greedy=req.greedy, rid=None)
+            resp: ModelResponse = await self.pool.agenerate(sub)
+            gen.output_ids += resp.output_ids
+            gen.output_logprobs += resp.output_logprobs
+            if resp.output_versions is not None:
+                gen.output_versions += resp.output_versions
+            else:
+                v = resp.weight_version if resp.weight_version is not None else v_req
+                gen.output_versions += [v] * len(resp.output_ids)
+            self.output_tokens += len(resp.output_ids)
+            gen.finish_reason = resp.finish_reason
+            if resp.finish_reason != "abort":
+                break
+            gen.interruptions += 1
+            self.interruptions += 1
+            if gen.interruptions > self.max_interruptions:
+                log.warning("request aborted %d times; giving up on it", gen.interruptions)
+                break
+            # The engines paused for a weight update: continue once the new version is served.
+            seen = max([v_req, *(resp.output_versions or []), resp.weight_version or -1])
+            v_new = await self.versions.wait_for_version(seen, timeout=self.resume_wait)
+            if v_new <= seen:
+                log.warning("request aborted but the served version stayed %d for %.0fs; continuing",
+                            v_new, self.resume_wait)
+        gen.latency = time.monotonic() - t0
+        return gen
+
+
+def _truncate_at_eos(ids: list[int], eos: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i]
+    return ids
+
+
+class RLVRWorkflow:
+    """Single-turn RL with verifiable rewards: `gconfig.n_samples` samples of one prompt."""
+
+    def __init__(self, cfg: Config, tokenizer: Any, reward: Any, **_: Any) -> None:
+        self.cfg = cfg
+        self.gconfig = cfg.gconfig
+        self.tokenizer = tokenizer
+        self.reward = reward
+        self.producer_id = cfg.producer.producer_id or ""
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.stop_ids = sorted(set(cfg.gconfig.stop_token_ids) | ({eos} if eos is not None else set()))
+
+    def request(self, item: Any) -> ModelRequest:
+        req = ModelRequest.from_gconfig(item.input_ids, self.gconfig)
+        req.stop_token_ids = list(self.stop_ids)
+        return req
+
+    async def arun_episode(self, engine: RolloutEngine, item: Any) -> TrajectoryGroup | None:
+        created = time.time()
+        req = self.request(item)
+        gens = await asyncio.gather(*(engine.agenerate(req) for _ in range(self.gconfig.n_samples)))
+        eos = set(self.stop_ids)
+        completions = [self.tokenizer.decode(_truncate_at_eos(g.output_ids, eos), skip_special_tokens=True)
+                       for g in gens]
+        results: list[RewardResult] = await asyncio.gather(*(
+            self.reward(item.prompt, c, item.answer, prompt_ids=list(item.input_ids), completion_ids=list(g.output_ids))
+            for c, g in zip(completions, gens)))
+        trajs = []
+        for g, r in zip(gens, results):
+            meta: dict[str, Any] = {"interruptions": g.interruptions}
+            if r.error is not None:
+                meta["reward_error"] = r.error
+            trajs.append(Trajectory.from_arrays(item.input_ids, g.output_ids, g.output_logprobs, g.output_versions,
+                                                r.reward, g.finish_reason, meta))
+        return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=str(item.prompt_id),
+                               producer_id=self.producer_id, created_at=created, finished_at=time.time(),
+                               trajectories=trajs, metadata={"epoch": item.epoch, "position": item.position})
+
+
+def load_workflow(cfg: Config, tokenizer: Any, reward: Any) -> Workflow:
+    """Build `producer.workflow` (import path) with cfg, tokenizer and reward."""
+    factory = import_by_path(cfg.producer.workflow, "producer.workflow")
+    wf = factory(cfg=cfg, tokenizer=tokenizer, reward=reward)
+    if not hasattr(wf, "arun_episode"):
+        raise ValueError(f"producer.workflow={cfg.producer.workflow!r} built {type(wf).__name__}, "
+                         "which has no arun_episode(engine, item)")
+    return wf
