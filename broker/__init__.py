@@ -1,8 +1,12 @@
-"""Everything that talks to Redis: keys, admission, versions, the trajectory stream, inspect."""
+"""Everything that talks to Redis: keys, admission, versions, the trajectory stream, inspect.
+
+`rlstream.broker.inspect` (read-only queries for `rlstream inspect`) is imported on demand.
+"""
 
 from rlstream.broker.admission import AdmissionController, AdmissionState, AsyncAdmissionController, Lease
 from rlstream.broker.connection import BrokerAuthError, BrokerError, BrokerUnavailable, connect, connect_async, mask_url
 from rlstream.broker.keys import TRAIN_GROUP, Keys, namespace
+from rlstream.broker.meta import RunMeta, read_run_meta, write_run_meta
 from rlstream.broker.stream import Entry, TrajectoryStream, entry_fields
 from rlstream.broker.steps import StepLog, StepRecord
 from rlstream.broker.versions import AsyncVersionRegistry, Event, VersionRegistry
@@ -11,6 +15,7 @@ __all__ = [
     "AdmissionController", "AdmissionState", "AsyncAdmissionController", "Lease",
     "BrokerAuthError", "BrokerError", "BrokerUnavailable", "connect", "connect_async", "mask_url",
     "TRAIN_GROUP", "Keys", "namespace",
+    "RunMeta", "read_run_meta", "write_run_meta",
     "Entry", "TrajectoryStream", "entry_fields",
     "StepLog", "StepRecord",
     "AsyncVersionRegistry", "Event", "VersionRegistry",

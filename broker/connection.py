@@ -3,23 +3,44 @@
 `connect` checks the server at once so a wrong URL or password is one clear error
 (`BrokerUnavailable` / `BrokerAuthError`) naming the URL (password masked), not a
 stack trace later.
+
+Retries: every command is retried with jittered exponential backoff when the
+connection drops or times out (a Redis restart, a failover, a network blip); each
+attempt is logged as one warning naming the URL. Authentication failures are never
+retried: a wrong password does not get better by waiting. Writes that must not be
+applied twice when a reply is lost after the server ran them (the admission
+scripts) are idempotent on their own; see `admission.py`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+import inspect
+from typing import Any, Callable
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
+import msgspec
 import redis
 import redis.asyncio as aioredis
-from redis.backoff import ExponentialBackoff
+from redis.asyncio.retry import Retry as AsyncRetry
+from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry as SyncRetry
 
 from rlstream.common.config import RedisConfig
+from rlstream.common.logging import get_logger
 
-__all__ = ["BrokerError", "BrokerUnavailable", "BrokerAuthError", "connect", "connect_async", "mask_url"]
+__all__ = [
+    "BrokerError", "BrokerUnavailable", "BrokerAuthError",
+    "connect", "connect_async", "mask_url", "is_auth_error", "explain",
+]
+
+log = get_logger("rlstream.broker")
+
+# Backoff between reconnect attempts: 0.05·2^k seconds with full jitter, at most 2 s.
+_BACKOFF_BASE = 0.05
+_BACKOFF_CAP = 2.0
 
 
 class BrokerError(RuntimeError):
@@ -27,88 +48,209 @@ class BrokerError(RuntimeError):
 
 
 class BrokerUnavailable(BrokerError):
-    pass
+    """Redis cannot be reached (refused, timed out, TLS mismatch, no URL)."""
 
 
 class BrokerAuthError(BrokerError):
-    pass
+    """Redis refused the credentials (wrong password, unknown ACL user, missing password)."""
+
+
+_SECRET_QUERY_KEYS = ("password", "pass", "token", "secret")
 
 
 def mask_url(url: str) -> str:
-    """The URL with any password replaced by ****."""
-    parts = urlsplit(url)
-    if parts.password:
-        user = parts.username or ""
-        host = parts.hostname or ""
-        if parts.port:
-            host = f"{host}:{parts.port}"
-        return urlunsplit((parts.scheme, f"{user}:****@{host}", parts.path, parts.query, parts.fragment))
-    return url
+    """The URL with any password (also `?password=`) replaced by ****."""
+    try:
+        parts = urlsplit(url)
+        netloc, query = parts.netloc, parts.query
+        if parts.password is not None:
+            netloc = f"{parts.username or ''}:****@{netloc.rpartition('@')[2]}"
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
+                query = "&".join(f"{k}=****" if k.lower() in _SECRET_QUERY_KEYS else urlencode({k: v})
+                                 for k, v in pairs)
+        if (netloc, query) == (parts.netloc, parts.query):
+            return url  # nothing secret: keep the spelling (urlunsplit drops the // of unix:///)
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:  # unparsable: show no part of it that could hold a secret
+        return url.split("@")[-1] if "@" in url else url
 
 
-def _kwargs(cfg: RedisConfig, is_async: bool) -> dict[str, Any]:
-    retry_cls = aioredis.retry.Retry if is_async else redis.retry.Retry
+def is_auth_error(exc: BaseException) -> bool:
+    """True for errors that mean "the credentials are wrong or missing"."""
+    if isinstance(exc, (AuthenticationError, AuthorizationError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, (ResponseError, RedisConnectionError)) and any(
+        s in text for s in ("WRONGPASS", "NOAUTH", "NOPERM", "Authentication required", "client already authenticated")
+    )
+
+
+def explain(url: str, exc: BaseException, *, has_password: bool = True) -> BrokerError:
+    """Turn any redis-py failure into a one-line `BrokerError` naming the (masked) URL."""
+    where = mask_url(url)
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if is_auth_error(exc):
+        if not has_password and ("NOAUTH" in first or "authenticated" in first or "required" in first):
+            return BrokerAuthError(
+                f"Redis at {where} requires authentication: set redis.password (or redis://user:PASSWORD@host) "
+                f"[{first}]")
+        return BrokerAuthError(f"Redis at {where} refused the credentials: {first}")
+    if "SSL" in first or "ssl" in first or "wrong version number" in first or "certificate" in first:
+        first += " (TLS problem: rediss:// is for a TLS port, redis:// for a plain one; check redis.ssl_ca_certs)"
+    elif isinstance(exc, RedisConnectionError) and "Connection closed by server" in first:
+        first += " (a TLS-only port answers plain connections like this: try rediss://)"
+    return BrokerUnavailable(f"cannot reach Redis at {where}: {first}")
+
+
+def _retryable(is_retryable: Callable[[Exception], bool] | None) -> Callable[[Exception], bool]:
+    def check(err: Exception) -> bool:
+        if is_auth_error(err):
+            return False
+        return is_retryable(err) if is_retryable is not None else True
+
+    return check
+
+
+def _log_attempt(url: str, error: Exception, attempt: int, retries: int) -> None:
+    """One warning per retry that will actually happen (none when the call gives up)."""
+    if is_auth_error(error) or attempt > retries:
+        return
+    reason = (str(error).splitlines()[0] if str(error) else type(error).__name__).rstrip(".")
+    log.warning("Redis at %s: %s; reconnecting (attempt %d of %d)", url, reason, attempt, retries)
+
+
+class _LoggingRetry(SyncRetry):
+    """redis-py's Retry that never retries auth errors and logs each failed attempt."""
+
+    def __init__(self, url: str, retries: int) -> None:
+        super().__init__(ExponentialWithJitterBackoff(cap=_BACKOFF_CAP, base=_BACKOFF_BASE), retries,
+                         (RedisConnectionError, RedisTimeoutError, ConnectionResetError))
+        self._url = mask_url(url)
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        url, retries, attempt = self._url, self._retries, [0]
+
+        def logged_fail(error: Exception, *rest: Any) -> Any:
+            attempt[0] += 1
+            _log_attempt(url, error, attempt[0], retries)
+            return fail(error, *rest)
+
+        return super().call_with_retry(do, logged_fail, _retryable(is_retryable), with_failure_count)
+
+
+class _AsyncLoggingRetry(AsyncRetry):
+    """The asyncio twin of `_LoggingRetry`."""
+
+    def __init__(self, url: str, retries: int) -> None:
+        super().__init__(ExponentialWithJitterBackoff(cap=_BACKOFF_CAP, base=_BACKOFF_BASE), retries,
+                         (RedisConnectionError, RedisTimeoutError, ConnectionResetError))
+        self._url = mask_url(url)
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        url, retries, attempt = self._url, self._retries, [0]
+
+        async def logged_fail(error: Exception, *rest: Any) -> Any:
+            attempt[0] += 1
+            _log_attempt(url, error, attempt[0], retries)
+            res = fail(error, *rest)
+            if inspect.isawaitable(res):
+                res = await res
+            return res
+
+        return await super().call_with_retry(do, logged_fail, _retryable(is_retryable), with_failure_count)
+
+
+def _kwargs(cfg: RedisConfig, is_async: bool, retries: int, client_name: str | None) -> dict[str, Any]:
+    retry = (_AsyncLoggingRetry if is_async else _LoggingRetry)(cfg.url, retries)
     kw: dict[str, Any] = dict(
         socket_timeout=cfg.socket_timeout,
         socket_connect_timeout=cfg.connect_timeout,
-        retry=retry_cls(ExponentialBackoff(cap=2.0, base=0.05), cfg.retries),
+        retry=retry,
         retry_on_error=[RedisConnectionError, RedisTimeoutError, ConnectionResetError],
         health_check_interval=30,
         decode_responses=False,
     )
+    if not cfg.url.startswith("unix://"):
+        kw["socket_keepalive"] = True  # notice a dead peer on idle blocking reads
+    if client_name:
+        kw["client_name"] = client_name
     if cfg.username is not None:
         kw["username"] = cfg.username
     if cfg.password is not None:
         kw["password"] = cfg.password
     if cfg.url.startswith("rediss://"):
+        # Only the settings given here; anything else comes from the URL's query string.
         if cfg.ssl_ca_certs:
             kw["ssl_ca_certs"] = cfg.ssl_ca_certs
         if cfg.ssl_certfile:
             kw["ssl_certfile"] = cfg.ssl_certfile
         if cfg.ssl_keyfile:
             kw["ssl_keyfile"] = cfg.ssl_keyfile
+        kw["ssl_cert_reqs"] = cfg.ssl_cert_reqs
+        kw["ssl_check_hostname"] = cfg.ssl_check_hostname and cfg.ssl_cert_reqs != "none"
     return kw
 
 
-def _explain(cfg: RedisConfig, exc: Exception) -> BrokerError:
-    url = mask_url(cfg.url)
-    if isinstance(exc, (AuthenticationError, AuthorizationError)) or (
-        isinstance(exc, ResponseError) and ("WRONGPASS" in str(exc) or "NOAUTH" in str(exc) or "NOPERM" in str(exc))
-    ):
-        return BrokerAuthError(f"Redis at {url} refused the credentials: {str(exc).splitlines()[0]}")
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if "SSL" in reason or "ssl" in reason or "wrong version number" in reason:
-        reason += " (TLS mismatch: use rediss:// for a TLS port and redis:// for a plain one)"
-    return BrokerUnavailable(f"cannot reach Redis at {url}: {reason}")
-
-
-def connect(cfg: RedisConfig | str, *, check: bool = True) -> redis.Redis:
-    """A sync client; raises `BrokerError` with one line if Redis is unusable."""
+def _resolve(cfg: RedisConfig | str) -> RedisConfig:
     if isinstance(cfg, str):
         cfg = RedisConfig(url=cfg)
     if not cfg.url:
         raise BrokerUnavailable("no Redis URL configured (set redis.url or pass --redis)")
-    client = redis.Redis.from_url(cfg.url, **_kwargs(cfg, False))
+    scheme = cfg.url.partition("://")[0].lower()
+    if scheme not in ("redis", "rediss", "unix"):
+        raise BrokerUnavailable(
+            f"cannot use Redis URL {mask_url(cfg.url)}: scheme must be redis://, rediss:// (TLS) or unix://")
+    return cfg
+
+
+def _has_password(cfg: RedisConfig) -> bool:
+    try:
+        return bool(cfg.password) or urlsplit(cfg.url).password is not None or "password=" in cfg.url
+    except ValueError:
+        return False
+
+
+def with_url(cfg: RedisConfig, url: str | None) -> RedisConfig:
+    """`cfg` with another URL (credentials, timeouts and TLS files kept)."""
+    return msgspec.structs.replace(cfg, url=url) if url else cfg
+
+
+def connect(cfg: RedisConfig | str, *, check: bool = True, retries: int | None = None,
+            client_name: str | None = None) -> redis.Redis:
+    """A sync client; raises `BrokerError` with one line if Redis is unusable.
+
+    `retries` overrides `cfg.retries` (a CLI looking once wants 0 or 1: fail fast).
+    """
+    cfg = _resolve(cfg)
+    n = cfg.retries if retries is None else retries
+    try:
+        client = redis.Redis.from_url(cfg.url, **_kwargs(cfg, False, n, client_name))
+    except (ValueError, TypeError) as exc:
+        raise BrokerUnavailable(f"cannot use Redis URL {mask_url(cfg.url)}: {exc}") from None
     if check:
         try:
             client.ping()
         except Exception as exc:  # noqa: BLE001 - every failure becomes one line
             client.close()
-            raise _explain(cfg, exc) from None
+            raise explain(cfg.url, exc, has_password=_has_password(cfg)) from None
     return client
 
 
-async def connect_async(cfg: RedisConfig | str, *, check: bool = True) -> aioredis.Redis:
+async def connect_async(cfg: RedisConfig | str, *, check: bool = True, retries: int | None = None,
+                        client_name: str | None = None) -> aioredis.Redis:
     """An asyncio client; raises `BrokerError` with one line if Redis is unusable."""
-    if isinstance(cfg, str):
-        cfg = RedisConfig(url=cfg)
-    if not cfg.url:
-        raise BrokerUnavailable("no Redis URL configured (set redis.url or pass --redis)")
-    client = aioredis.Redis.from_url(cfg.url, **_kwargs(cfg, True))
+    cfg = _resolve(cfg)
+    n = cfg.retries if retries is None else retries
+    try:
+        client = aioredis.Redis.from_url(cfg.url, **_kwargs(cfg, True, n, client_name))
+    except (ValueError, TypeError) as exc:
+        raise BrokerUnavailable(f"cannot use Redis URL {mask_url(cfg.url)}: {exc}") from None
     if check:
         try:
             await client.ping()
         except Exception as exc:  # noqa: BLE001
             await client.aclose()
-            raise _explain(cfg, exc) from None
+            raise explain(cfg.url, exc, has_password=_has_password(cfg)) from None
     return client

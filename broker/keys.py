@@ -60,6 +60,10 @@ class Keys:
         """Counter: groups finished but rejected by `should_accept`."""
         return self._k("admit:rejected")
 
+    def admit_done(self, lease_id: str) -> str:
+        """String (expires): the answer of a finished lease, so a retried finish is not applied twice."""
+        return self._k("admit:done:" + lease_id)
+
     @property
     def dead(self) -> str:
         """Stream: entries that failed to decode or validate, with the reason."""

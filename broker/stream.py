@@ -17,9 +17,12 @@ import redis
 from redis.exceptions import ResponseError
 
 from rlstream.broker.keys import TRAIN_GROUP, Keys
+from rlstream.common.logging import get_logger
 from rlstream.common.wire import TrajectoryGroup, WireError, decode_group, encode_group
 
 __all__ = ["Entry", "TrajectoryStream", "entry_fields", "id_str"]
+
+log = get_logger("rlstream.broker.stream")
 
 
 def id_str(entry_id: bytes | str) -> str:
@@ -80,9 +83,13 @@ class TrajectoryStream:
 
     def _decode(self, raw: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Entry]:
         good: list[Entry] = []
+        gone: list[str] = []
         for eid, fields in raw:
             sid = id_str(eid)
-            if not fields:  # deleted while pending (XAUTOCLAIM reports these separately)
+            if not fields:
+                # Pending but deleted from the stream (XDEL by hand; retention never trims
+                # unacked entries): nothing left to train on, so ack it off the PEL.
+                gone.append(sid)
                 continue
             payload = fields.get(b"d")
             try:
@@ -93,6 +100,10 @@ class TrajectoryStream:
                 self.dead_letter(sid, fields, str(exc))
                 continue
             good.append(Entry(sid, group, group.min_version()))
+        if gone:
+            log.warning("%d pending entries of %s were deleted from the stream; acknowledged: %s",
+                        len(gone), self.keys.traj, ", ".join(gone[:5]))
+            self.ack(gone)
         return good
 
     def read(self, consumer: str, count: int, block_ms: int | None = 1000) -> list[Entry]:
@@ -111,9 +122,12 @@ class TrajectoryStream:
 
     def read_ids(self, ids: Iterable[str]) -> list[Entry]:
         """Entries by id, in the given order (exact replay of a recorded step)."""
-        out: list[Entry] = []
+        ids = list(ids)
+        pipe = self.client.pipeline(transaction=False)
         for i in ids:
-            raw = self.client.xrange(self.keys.traj, min=i, max=i, count=1)
+            pipe.xrange(self.keys.traj, min=i, max=i, count=1)
+        out: list[Entry] = []
+        for i, raw in zip(ids, pipe.execute()):
             if not raw:
                 raise KeyError(f"stream entry {i} is gone (trimmed or deleted)")
             out.extend(self._decode(raw))
@@ -159,10 +173,31 @@ class TrajectoryStream:
         pipe.execute()
 
     def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
+        """The newest dead letters: id, source_id, reason, group, ts (original bytes: `dead_letter_raw`)."""
         out = []
         for eid, fields in self.client.xrevrange(self.keys.dead, count=count):
             out.append({"id": id_str(eid), "source_id": id_str(fields.get(b"source_id", b"")),
-                        "reason": fields.get(b"reason", b"").decode(errors="replace")})
+                        "reason": fields.get(b"reason", b"").decode(errors="replace"),
+                        "group": fields.get(b"group", b"").decode(errors="replace"),
+                        "ts": float(fields.get(b"ts", b"0") or 0)})
+        return out
+
+    def dead_letter_raw(self, dead_id: str) -> dict[bytes, bytes]:
+        """The original fields of a dead-lettered entry, byte for byte (for inspection or re-injection)."""
+        raw = self.client.xrange(self.keys.dead, min=dead_id, max=dead_id, count=1)
+        if not raw:
+            raise KeyError(f"dead letter {dead_id} not found in {self.keys.dead}")
+        return {k[len(b"orig:"):]: v for k, v in raw[0][1].items() if k.startswith(b"orig:")}
+
+    def dropped_records(self, count: int = 100) -> list[dict[str, Any]]:
+        """The newest too-stale records: source_id, reason, min_version, trainer_version, ts."""
+        out = []
+        for eid, f in self.client.xrevrange(self.keys.dropped, count=count):
+            out.append({"id": id_str(eid), "source_id": id_str(f.get(b"source_id", b"")),
+                        "reason": f.get(b"reason", b"").decode(errors="replace"),
+                        "min_version": int(f.get(b"min_version", b"-1")),
+                        "trainer_version": int(f.get(b"trainer_version", b"-1")),
+                        "ts": float(f.get(b"ts", b"0") or 0)})
         return out
 
     # ---------------------------------------------------------------- retention

@@ -58,9 +58,17 @@ class VersionRegistry:
         pipe.execute()
 
     def set(self, version: int, detail: str = "") -> None:
-        """Set the served version and announce it (call only once every engine has it)."""
-        self.client.set(self.keys.version, version)
-        self.publish(Event(type="version", version=version, detail=detail))
+        """Set the served version and announce it (call only once every engine has it).
+
+        Key, event stream and pub/sub go in one MULTI: a crash cannot leave the
+        version changed without the event late joiners catch up from.
+        """
+        data = _enc.encode(Event(type="version", version=version, detail=detail))
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self.keys.version, version)
+        pipe.xadd(self.keys.events, {"e": data}, maxlen=EVENTS_MAXLEN, approximate=True)
+        pipe.publish(self.keys.events, data)
+        pipe.execute()
 
     def events_since(self, last_id: str = "0", count: int = 1000) -> list[tuple[str, Event]]:
         raw = self.client.xrange(self.keys.events, min=f"({last_id}" if last_id != "0" else "-", count=count)
@@ -76,6 +84,22 @@ class AsyncVersionRegistry:
 
     async def get(self) -> int:
         return int(await self.client.get(self.keys.version) or 0)
+
+    async def get_trainer_version(self) -> int:
+        return int(await self.client.get(self.keys.trainer_version) or 0)
+
+    async def set(self, version: int, detail: str = "") -> None:
+        """Set the served version and announce it, atomically (see `VersionRegistry.set`)."""
+        data = _enc.encode(Event(type="version", version=version, detail=detail))
+        pipe = self.client.pipeline(transaction=True)
+        pipe.set(self.keys.version, version)
+        pipe.xadd(self.keys.events, {"e": data}, maxlen=EVENTS_MAXLEN, approximate=True)
+        pipe.publish(self.keys.events, data)
+        await pipe.execute()
+
+    async def events_since(self, last_id: str = "0", count: int = 1000) -> list[tuple[str, Event]]:
+        raw = await self.client.xrange(self.keys.events, min=f"({last_id}" if last_id != "0" else "-", count=count)
+        return [(eid.decode(), decode_event(f[b"e"])) for eid, f in raw]
 
     async def publish(self, event: Event) -> None:
         data = _enc.encode(event)

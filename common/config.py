@@ -81,6 +81,8 @@ class RedisConfig(_Section):
     ssl_ca_certs: D(str | None, "CA bundle for rediss:// URLs.") = None
     ssl_certfile: D(str | None, "Client certificate for rediss:// (mutual TLS).") = None
     ssl_keyfile: D(str | None, "Client key for rediss:// (mutual TLS).") = None
+    ssl_cert_reqs: D(Literal["required", "optional", "none"], "rediss://: verify the server certificate (none = accept any; only for tests).") = "required"
+    ssl_check_hostname: D(bool, "rediss://: the server certificate must name the host in the URL.") = True
     stream_maxlen: D(int, "Retention: trim acknowledged entries beyond this many (0 = keep all).", ge=0) = 0
     appendonly: D(bool, "When rlstream starts Redis itself: enable AOF persistence.") = True
     appendfsync: D(Literal["always", "everysec", "no"], "AOF fsync policy for a Redis started by rlstream.") = "everysec"
@@ -258,9 +260,9 @@ class ProducerConfig(_Section):
     dynamic_sampling: D(bool, "Drop groups whose rewards are all equal (DAPO dynamic sampling).") = False
     producer_id: D(str | None, "Stable producer id (resumable dataset position); None = hostname-pid.") = None
     max_groups: D(int | None, "Stop after this many accepted groups (None = until the trainer finishes).", ge=1) = None
-
-
     shutdown_timeout: D(float, "Seconds a stopping producer (SIGTERM/SIGINT) lets in-flight rollouts finish before releasing their leases.", ge=0) = 30.0
+
+
 class ServerConfig(_Section):
     host: D(str, "Bind address of the local engine (127.0.0.1 unless told otherwise).") = "127.0.0.1"
     port: D(int, "Port of the local engine (0 = pick a free one).", ge=0, le=65535) = 0

@@ -1,0 +1,304 @@
+"""Read-only queries behind `rlstream inspect`: one namespace's state as a plain dict.
+
+Nothing here writes to Redis. Stream entries carry small fields next to the payload
+(`v` = min output version, `n` = tokens); a server-side Lua script picks those out so
+that looking at a queue of large groups never ships the payloads to the client. Scans
+are capped (`scan_limit`) and done in batches so a long queue neither blocks Redis
+nor the terminal; a capped number says so (`truncated: true`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Iterator
+
+from redis.exceptions import ResponseError
+
+from rlstream.broker.admission import budget, capacity
+from rlstream.broker.keys import NAMESPACE_PREFIX, TRAIN_GROUP, Keys, parse_namespace
+from rlstream.broker.meta import read_run_meta
+from rlstream.broker.steps import StepLog
+from rlstream.broker.stream import id_str, id_tuple
+
+__all__ = ["list_namespaces", "namespace_summary", "collect"]
+
+# KEYS[1]: stream   ARGV: start, end, count (XRANGE syntax)  ->  flat {id, v, n, ...}
+_PICK_RANGE = """
+local rows = redis.call('XRANGE', KEYS[1], ARGV[1], ARGV[2], 'COUNT', tonumber(ARGV[3]))
+local out = {}
+for _, e in ipairs(rows) do
+  local f = e[2]
+  local v, n = '', ''
+  for i = 1, #f, 2 do
+    if f[i] == 'v' then v = f[i + 1] elseif f[i] == 'n' then n = f[i + 1] end
+  end
+  out[#out + 1] = e[1]; out[#out + 1] = v; out[#out + 1] = n
+end
+return out
+"""
+
+# KEYS[1]: stream   ARGV: entry ids  ->  flat {id, v, n, ...} for the ids still present
+_PICK_IDS = """
+local out = {}
+for j = 1, #ARGV do
+  local rows = redis.call('XRANGE', KEYS[1], ARGV[j], ARGV[j], 'COUNT', 1)
+  if #rows > 0 then
+    local f = rows[1][2]
+    local v, n = '', ''
+    for i = 1, #f, 2 do
+      if f[i] == 'v' then v = f[i + 1] elseif f[i] == 'n' then n = f[i + 1] end
+    end
+    out[#out + 1] = rows[1][1]; out[#out + 1] = v; out[#out + 1] = n
+  end
+end
+return out
+"""
+
+_BATCH = 500  # entries per script call: bounds how long one call holds Redis
+
+
+def _int(x: Any, default: int = 0) -> int:
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return default
+
+
+def _triples(flat: list[Any]) -> Iterator[tuple[str, int | None, int]]:
+    for i in range(0, len(flat), 3):
+        v = flat[i + 1]
+        yield id_str(flat[i]), (_int(v) if v not in (b"", "") else None), _int(flat[i + 2])
+
+
+def _scan_range(client: Any, key: str, start: str, end: str, limit: int) -> tuple[list[tuple[str, int | None, int]], bool]:
+    """(id, v, n) for entries in [start, end] (XRANGE syntax), at most `limit`; second value: capped."""
+    script = client.register_script(_PICK_RANGE)
+    out: list[tuple[str, int | None, int]] = []
+    while len(out) < limit:
+        want = min(_BATCH, limit - len(out))
+        rows = list(_triples(script(keys=[key], args=[start, end, want])))
+        out.extend(rows)
+        if len(rows) < want:
+            return out, False
+        start = "(" + rows[-1][0]
+    more = script(keys=[key], args=[start, end, 1])
+    return out, bool(more)
+
+
+def _scan_ids(client: Any, key: str, ids: list[str]) -> list[tuple[str, int | None, int]]:
+    script = client.register_script(_PICK_IDS)
+    out: list[tuple[str, int | None, int]] = []
+    for i in range(0, len(ids), _BATCH):
+        out.extend(_triples(script(keys=[key], args=ids[i : i + _BATCH])))
+    return out
+
+
+def _now_ms(client: Any) -> int:
+    sec, usec = client.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+def list_namespaces(client: Any) -> list[str]:
+    """Namespaces `rlstream:{experiment}:{trial}` that have any key in this Redis."""
+    found: set[str] = set()
+    for key in client.scan_iter(match="{" + NAMESPACE_PREFIX + ":*", count=1000):
+        ns = parse_namespace(id_str(key))
+        if ns:
+            found.add(ns)
+    return sorted(found)
+
+
+def namespace_summary(client: Any, ns: str) -> dict[str, Any]:
+    """A one-row overview of a namespace for `inspect --list`."""
+    keys = Keys(ns)
+    pipe = client.pipeline(transaction=False)
+    pipe.xlen(keys.traj)
+    pipe.get(keys.version)
+    pipe.get(keys.trainer_version)
+    pipe.get(keys.admit_accepted)
+    pipe.xlen(keys.dead)
+    pipe.xinfo_stream(keys.traj)
+    res = pipe.execute(raise_on_error=False)
+    last = res[5]["last-generated-id"] if isinstance(res[5], dict) else None
+    last_ms = id_tuple(id_str(last))[0] if last else None
+    return {
+        "namespace": ns,
+        "stream_length": _int(res[0]) if not isinstance(res[0], Exception) else 0,
+        "served_version": _int(res[1]),
+        "trainer_version": _int(res[2]),
+        "accepted": _int(res[3]),
+        "dead_letters": _int(res[4]) if not isinstance(res[4], Exception) else 0,
+        "last_entry_ms": last_ms,
+    }
+
+
+def _groups(client: Any, keys: Keys) -> list[dict[str, Any]]:
+    try:
+        raw = client.xinfo_groups(keys.traj)
+    except ResponseError:  # no stream yet
+        return []
+    out = []
+    for g in raw:
+        out.append({
+            "name": id_str(g["name"]),
+            "consumers": _int(g.get("consumers")),
+            "pending": _int(g.get("pending")),
+            "last_delivered_id": id_str(g.get("last-delivered-id") or b"0-0"),
+            "entries_read": g.get("entries-read"),
+            "lag": g.get("lag"),  # None when Redis cannot tell (entries deleted mid-stream)
+        })
+    return out
+
+
+def _pending(client: Any, keys: Keys, group: str, limit: int) -> tuple[list[dict[str, Any]], list[str], bool]:
+    """Per-consumer pending counts with idle times, plus the pending ids (for staleness)."""
+    try:
+        consumers = client.xinfo_consumers(keys.traj, group)
+    except ResponseError:
+        return [], [], False
+    rows = client.xpending_range(keys.traj, group, min="-", max="+", count=limit)
+    by_consumer: dict[str, dict[str, Any]] = {}
+    ids: list[str] = []
+    for r in rows:
+        name = id_str(r["consumer"])
+        ids.append(id_str(r["message_id"]))
+        d = by_consumer.setdefault(name, {"oldest_idle_ms": 0, "max_deliveries": 0})
+        d["oldest_idle_ms"] = max(d["oldest_idle_ms"], _int(r["time_since_delivered"]))
+        d["max_deliveries"] = max(d["max_deliveries"], _int(r["times_delivered"]))
+    out = []
+    for c in consumers:
+        name = id_str(c["name"])
+        extra = by_consumer.get(name, {"oldest_idle_ms": 0, "max_deliveries": 0})
+        out.append({
+            "group": group,
+            "consumer": name,
+            "pending": _int(c.get("pending")),
+            "idle_ms": _int(c.get("idle")),  # since the consumer last talked to Redis
+            "oldest_idle_ms": extra["oldest_idle_ms"],  # its oldest unacked delivery
+            "max_deliveries": extra["max_deliveries"],
+        })
+    out.sort(key=lambda d: (-d["pending"], d["consumer"]))
+    return out, ids, len(rows) >= limit
+
+
+def _records(client: Any, key: str, recent: int, fields: tuple[str, ...]) -> dict[str, Any]:
+    count = _int(client.xlen(key))
+    rows = []
+    for eid, f in client.xrevrange(key, count=recent) if count else []:
+        row: dict[str, Any] = {"id": id_str(eid)}
+        for name in fields:
+            raw = f.get(name.encode())
+            row[name] = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+        rows.append(row)
+    return {"count": count, "recent": rows}
+
+
+def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, *,
+            window_s: float = 60.0, recent: int = 5, scan_limit: int = 20_000) -> dict[str, Any]:
+    """Everything `inspect` shows for one namespace, as JSON-ready builtins.
+
+    `eta`, `batch`, `max_concurrent` are fallbacks: the run's own values from
+    `{ns}:meta` win when a process of the run has written them.
+    """
+    now = _now_ms(client)
+    pipe = client.pipeline(transaction=False)
+    pipe.exists(*keys.all())
+    pipe.xlen(keys.traj)
+    pipe.get(keys.version)
+    pipe.get(keys.trainer_version)
+    pipe.get(keys.admit_accepted)
+    pipe.get(keys.admit_rejected)
+    pipe.zcount(keys.admit_running, f"({now}", "+inf")
+    pipe.zrange(keys.engines, 0, -1, withscores=True)
+    pipe.hkeys(keys.producers)
+    n_keys, length, served, trainer, accepted, rejected, running, engines, producers = pipe.execute()
+    served, trainer = _int(served), _int(trainer)
+    accepted, rejected, running = _int(accepted), _int(rejected), _int(running)
+
+    # ---- admission: the run's parameters if recorded, else the caller's config
+    meta = read_run_meta(client, keys)
+    source = "config"
+    if meta is not None:
+        eta, batch, max_concurrent, source = (meta.max_head_offpolicyness, meta.consumer_batch_size,
+                                              meta.max_concurrent_rollouts, "meta")
+    admission = {
+        "running": running, "accepted": accepted, "rejected": rejected,
+        "budget": budget(eta, served, batch),
+        "capacity": capacity(eta, served, batch, max_concurrent, accepted, running),
+        "max_head_offpolicyness": eta, "consumer_batch_size": batch, "max_concurrent_rollouts": max_concurrent,
+        "params_from": source,
+    }
+
+    # ---- stream, groups, pending
+    groups = _groups(client, keys)
+    train = next((g for g in groups if g["name"] == TRAIN_GROUP), None)
+    pending_rows: list[dict[str, Any]] = []
+    pending_ids: list[str] = []
+    pending_capped = False
+    for g in groups:
+        rows, ids, capped = _pending(client, keys, g["name"], scan_limit)
+        pending_rows += rows
+        if g["name"] == TRAIN_GROUP:
+            pending_ids, pending_capped = ids, capped
+
+    # ---- queued groups (undelivered + pending in `train`) and their staleness
+    start = "(" + train["last_delivered_id"] if train else "-"
+    undelivered, und_capped = _scan_range(client, keys.traj, start, "+", scan_limit) if length else ([], False)
+    queued = undelivered + (_scan_ids(client, keys.traj, pending_ids) if pending_ids else [])
+    hist: Counter[int] = Counter()
+    no_version = 0
+    for _, v, _n in queued:
+        if v is None or v < 0:
+            no_version += 1
+        else:
+            hist[trainer - v] += 1
+    if train is not None and train["lag"] is None:
+        train["lag"] = len(undelivered)  # Redis could not tell; count what is there
+    staleness = {
+        "trainer_version": trainer,
+        "max_head_offpolicyness": eta,
+        "queued": len(queued),
+        "undelivered": len(undelivered),
+        "pending": len(pending_ids),
+        "histogram": {str(k): hist[k] for k in sorted(hist)},
+        "over_budget": sum(c for s, c in hist.items() if s > eta),
+        "without_version": no_version,
+        "truncated": und_capped or pending_capped,
+    }
+
+    # ---- throughput over the last window
+    since = now - int(window_s * 1000)
+    recent_entries, thr_capped = _scan_range(client, keys.traj, str(since), "+", scan_limit) if length else ([], False)
+    steps = StepLog(client, keys).recent(since)
+    step_numbers = {rec.step for _, rec in steps}
+    consumed = sum(len(rec.entry_ids) for _, rec in steps)
+    throughput = {
+        "window_s": window_s,
+        "producer_groups": len(recent_entries),
+        "producer_groups_per_s": len(recent_entries) / window_s,
+        "producer_tokens_per_s": sum(n for _, _, n in recent_entries) / window_s,
+        "consumer_steps": len(step_numbers),
+        "consumer_steps_per_s": len(step_numbers) / window_s,
+        "consumer_groups": consumed,
+        "consumer_groups_per_s": consumed / window_s,
+        "truncated": thr_capped,
+        "note": "producer rate counts entries still in the stream (retention may have trimmed acked ones)",
+    }
+
+    return {
+        "namespace": keys.ns,
+        "exists": bool(n_keys),
+        "server_time_ms": now,
+        "stream": {"key": keys.traj, "length": _int(length), "groups": groups},
+        "pending": pending_rows,
+        "versions": {"served": served, "trainer": trainer},
+        "admission": admission,
+        "staleness": staleness,
+        "dead_letters": _records(client, keys.dead, recent, ("source_id", "reason", "ts")),
+        "dropped": _records(client, keys.dropped, recent, ("source_id", "reason", "min_version", "trainer_version", "ts")),
+        "throughput": throughput,
+        "engines": [{"address": id_str(addr), "expires_in_ms": int(score) - now, "alive": score > now}
+                    for addr, score in engines],
+        "producers": sorted(id_str(p) for p in producers),
+        "meta": None if meta is None else {k: getattr(meta, k) for k in meta.__struct_fields__},
+    }
