@@ -79,6 +79,25 @@ def redis_server(tmp_path_factory):
 
 
 @pytest.fixture
+def redis_factory(tmp_path):
+    """Start extra redis-servers with custom flags (`--requirepass`, AOF, TLS, fixed port); all stopped after.
+
+    `start(extra=[...], port=None, workdir=None) -> RedisServer`; a stopped server can be
+    started again on the same port and folder (restart tests) with `server.start()`.
+    """
+    started: list[RedisServer] = []
+
+    def start(extra: list[str] | None = None, port: int | None = None, workdir: Path | None = None) -> RedisServer:
+        server = RedisServer(workdir or tmp_path / f"redis-{len(started)}", port=port, extra=extra)
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
 def redis_url(redis_server) -> str:
     return redis_server.url
 
