@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from typing import Any, Callable
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import msgspec
 import redis
@@ -28,7 +28,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
-from rlstream.common.config import RedisConfig
+from rlstream.common.config import RedisConfig, mask_url
 from rlstream.common.logging import get_logger
 
 __all__ = [
@@ -55,28 +55,6 @@ class BrokerAuthError(BrokerError):
     """Redis refused the credentials (wrong password, unknown ACL user, missing password)."""
 
 
-_SECRET_QUERY_KEYS = ("password", "pass", "token", "secret")
-
-
-def mask_url(url: str) -> str:
-    """The URL with any password (also `?password=`) replaced by ****."""
-    try:
-        parts = urlsplit(url)
-        netloc, query = parts.netloc, parts.query
-        if parts.password is not None:
-            netloc = f"{parts.username or ''}:****@{netloc.rpartition('@')[2]}"
-        if query:
-            pairs = parse_qsl(query, keep_blank_values=True)
-            if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
-                query = "&".join(f"{k}=****" if k.lower() in _SECRET_QUERY_KEYS else urlencode({k: v})
-                                 for k, v in pairs)
-        if (netloc, query) == (parts.netloc, parts.query):
-            return url  # nothing secret: keep the spelling (urlunsplit drops the // of unix:///)
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
-    except ValueError:  # unparsable: show no part of it that could hold a secret
-        return url.split("@")[-1] if "@" in url else url
-
-
 def is_auth_error(exc: BaseException) -> bool:
     """True for errors that mean "the credentials are wrong or missing"."""
     if isinstance(exc, (AuthenticationError, AuthorizationError)):
@@ -99,7 +77,7 @@ def explain(url: str, exc: BaseException, *, has_password: bool = True) -> Broke
         return BrokerAuthError(f"Redis at {where} refused the credentials: {first}")
     if "SSL" in first or "ssl" in first or "wrong version number" in first or "certificate" in first:
         first += " (TLS problem: rediss:// is for a TLS port, redis:// for a plain one; check redis.ssl_ca_certs)"
-    elif isinstance(exc, RedisConnectionError) and "Connection closed by server" in first:
+    elif url.startswith("redis://") and any(s in first for s in ("Connection closed by server", "reset by peer")):
         first += " (a TLS-only port answers plain connections like this: try rediss://)"
     return BrokerUnavailable(f"cannot reach Redis at {where}: {first}")
 

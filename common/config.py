@@ -26,6 +26,7 @@ __all__ = [
     "load_config",
     "config_to_dict",
     "masked_config_dict",
+    "mask_url",
     "field_docs",
 ]
 
@@ -183,6 +184,7 @@ class ActorConfig(_Section):
     adv_norm: D(NormConfig | None, "Advantage normalisation (None = off).") = msgspec.field(default_factory=NormConfig)
     kl_ctl: D(float, "KL penalty coefficient (0 = no reference model).", ge=0) = 0.1
     kl_estimator: D(Literal["k1", "k2", "k3"], "KL estimator of log(p/p_ref).") = "k1"
+    use_kl_loss: D(bool, "Put kl_ctl·KL(π‖π_ref) in the loss (GRPO paper) instead of the per-token reward (AReaL default).") = False
     entropy_coeff: D(float, "Entropy bonus coefficient.", ge=0) = 0.0
     recompute_logprob: D(bool, "Recompute proximal logprobs with the current weights before the update.") = False
     use_decoupled_loss: D(bool, "Decoupled PPO: proximal policy separate from the behaviour policy.") = False
@@ -426,23 +428,32 @@ def _allowed_values(tp: Any, dotted: str) -> str:
         if typing.get_origin(arg) is Literal:
             parts.append("one of " + ", ".join(repr(v) for v in typing.get_args(arg)))
     if not parts:
-        parts.append(getattr(inner, "__name__", None) or str(inner).replace("typing.", ""))
+        parts.append(str(inner).replace("typing.", "") if typing.get_args(inner)
+                     else getattr(inner, "__name__", None) or str(inner))
+    descs = []
     for m in metas:
         for attr, sym in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
             v = getattr(m, attr, None)
             if v is not None:
                 parts.append(f"{sym} {v}")
         if m.description:
-            parts.append(f"({m.description})")
-    return " ".join(parts)
+            descs.append(f"({m.description})")
+    return " ".join(parts + descs)
 
 
 def _lookup(data: Any, dotted: str) -> Any:
+    """The value at `a.b[2].c` in plain nested dicts/lists, or '<missing>'."""
     for part in dotted.split("."):
-        if isinstance(data, dict) and part in data:
-            data = data[part]
+        name, _, rest = part.partition("[")
+        if isinstance(data, dict) and name in data:
+            data = data[name]
         else:
             return "<missing>"
+        for idx in rest.replace("]", "").split("[") if rest else []:
+            if isinstance(data, list) and idx.isdigit() and int(idx) < len(data):
+                data = data[int(idx)]
+            else:
+                return "<missing>"
     return data
 
 
@@ -459,24 +470,35 @@ def _convert(data: dict[str, Any]) -> Config:
             # msgspec writes list indices as [i]; keep them.
         if not path:
             raise ConfigError(f"invalid config: {msg}") from None
-        key = path.split("[")[0]
-        value = _lookup(data, key)
+        key = ".".join(p.split("[")[0] for p in path.split("."))  # schema path, without list indices
+        value = _lookup(data, path)
         allowed = _allowed_values(Config, key)
         raise ConfigError(f"config key '{path}': bad value {value!r}: {msg}; allowed: {allowed}") from None
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
     """Load YAML (optional), apply `a.b=c` overrides, resolve `${...}`, validate."""
-    from omegaconf import OmegaConf
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
+
+    where = f" ({path})" if path is not None else ""
     try:
         base = OmegaConf.create({})
         if path is not None:
             p = Path(path)
             if not p.is_file():
                 raise ConfigError(f"config file not found: {p}")
-            base = OmegaConf.load(p)
+            try:
+                base = OmegaConf.load(p)
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+                raise ConfigError(f"cannot parse config file {p}{at}: {problem}") from None
+            if not isinstance(base, DictConfig):
+                raise ConfigError(f"config file {p}: the top level must be a mapping of keys, not a list")
         for ov in overrides or []:
             if "=" not in ov:
                 raise ConfigError(f"override '{ov}' is not of the form key.path=value")
@@ -484,16 +506,45 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
             base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         data = OmegaConf.to_container(base, resolve=True)
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"cannot load config: {exc}".splitlines()[0]) from None
+        # Interpolation errors know which key they were resolving: name it.
+        key = getattr(exc, "full_key", None)
+        msg = str(exc).splitlines()[0]
+        if key:
+            raise ConfigError(f"config key '{key}'{where}: {msg}") from None
+        raise ConfigError(f"cannot load config{where}: {msg}") from None
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError("config root must be a mapping")
+        raise ConfigError(f"config root must be a mapping{where}")
     return _convert(data)
 
 
 def config_to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
     return msgspec.to_builtins(cfg)
+
+
+_SECRET_QUERY_KEYS = ("password", "pass", "token", "secret", "api_key")
+
+
+def mask_url(url: str) -> str:
+    """The URL with any password (also `?password=`) replaced by ****."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        netloc, query = parts.netloc, parts.query
+        if parts.password is not None:
+            netloc = f"{parts.username or ''}:****@{netloc.rpartition('@')[2]}"
+        if query:
+            pairs = parse_qsl(query, keep_blank_values=True)
+            if any(k.lower() in _SECRET_QUERY_KEYS for k, _ in pairs):
+                query = "&".join(f"{k}=****" if k.lower() in _SECRET_QUERY_KEYS else urlencode({k: v})
+                                 for k, v in pairs)
+        if (netloc, query) == (parts.netloc, parts.query):
+            return url  # nothing secret: keep the spelling (urlunsplit drops the // of unix:///)
+        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    except ValueError:  # unparsable: show no part of it that could hold a secret
+        return url.split("@")[-1] if "@" in url else url
 
 
 def _mask(obj: Any) -> Any:
@@ -502,11 +553,8 @@ def _mask(obj: Any) -> Any:
         for k, v in obj.items():
             if any(s in str(k).lower() for s in SECRET_KEYS) and v not in (None, ""):
                 out[k] = "****"
-            elif k == "url" and isinstance(v, str) and "@" in v and ":" in v.split("@")[0]:
-                scheme, _, rest = v.partition("://")
-                cred, _, host = rest.rpartition("@")
-                user = cred.split(":")[0]
-                out[k] = f"{scheme}://{user}:****@{host}"
+            elif isinstance(v, str) and "://" in v:
+                out[k] = mask_url(v)
             else:
                 out[k] = _mask(v)
         return out

@@ -199,15 +199,22 @@ def decode_group(data: bytes | memoryview, validate: bool = True) -> TrajectoryG
     """Decode (zero-copy arrays) and validate; `WireError` carries the reason."""
     try:
         group = _decoder.decode(data)
-    except msgspec.DecodeError as exc:
+    # msgspec raises DecodeError/ValidationError, but UnicodeDecodeError for bad UTF-8 and
+    # RecursionError for absurd nesting: all of them mean "garbage", none may escape.
+    except (ValueError, RecursionError, OverflowError, TypeError) as exc:
         # Tell a schema-version mismatch apart from garbage: it is the likelier cause.
         try:
             hdr = _header_decoder.decode(data)
-        except msgspec.DecodeError:
+        except (ValueError, RecursionError, OverflowError, TypeError):
             hdr = None
         if hdr is not None and hdr.schema_version != SCHEMA_VERSION:
             raise WireError(f"schema_version {hdr.schema_version} != supported {SCHEMA_VERSION}: {exc}") from None
-        raise WireError(f"undecodable entry: {exc}") from None
+        raise WireError(f"undecodable entry: {type(exc).__name__}: {str(exc)[:200]}") from None
     if validate:
-        validate_group(group)
+        try:
+            validate_group(group)
+        except WireError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a reader must never crash on an entry
+            raise WireError(f"invalid entry: {type(exc).__name__}: {str(exc)[:200]}") from None
     return group

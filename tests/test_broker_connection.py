@@ -1,0 +1,208 @@
+"""Connections against real redis-servers: restart survival, ACL/password, TLS, unix sockets, clear errors."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import pytest
+from redis.exceptions import NoPermissionError
+
+from rlstream.broker import (
+    AdmissionController,
+    BrokerAuthError,
+    BrokerUnavailable,
+    Keys,
+    TrajectoryStream,
+    connect,
+    connect_async,
+    namespace,
+)
+from rlstream.broker.stream import entry_fields
+from rlstream.common.config import RedisConfig
+
+
+@pytest.fixture
+def broker_log():
+    """Records of the `rlstream` logger (it does not propagate to root, so caplog cannot see it)."""
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record)
+
+    from rlstream.common.logging import get_logger
+
+    get_logger("rlstream.broker")  # make sure the logger is configured before we attach
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("rlstream").addHandler(handler)
+    yield records
+    logging.getLogger("rlstream").removeHandler(handler)
+
+
+def _restart_later(server, delay: float) -> threading.Thread:
+    def run():
+        time.sleep(delay)
+        server.start()
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def test_sync_client_survives_redis_restart(redis_factory, group_factory, broker_log):
+    """SIGKILL the server mid-run, restart it on the same port from its AOF: the same client carries on."""
+    server = redis_factory(["--appendonly", "yes", "--appendfsync", "always"])
+    client = connect(RedisConfig(url=server.url, retries=10))
+    keys = Keys(namespace("restart", "t"))
+    adm = AdmissionController(client, keys, max_head_offpolicyness=10, consumer_batch_size=4, max_concurrent_rollouts=4)
+    stream = TrajectoryStream(client, keys)
+    stream.ensure_group()
+    _, lease = adm.try_acquire()
+    first = adm.commit(lease.lease_id, entry_fields(group_factory()))
+
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    restarter = _restart_later(server, 1.0)
+    # Issued while Redis is down: retried with backoff until the restarted server answers.
+    _, lease2 = adm.try_acquire()
+    assert lease2 is not None
+    second = adm.commit(lease2.lease_id, entry_fields(group_factory()))
+    restarter.join()
+    assert any("reconnecting" in r.getMessage() and server.url in r.getMessage() for r in broker_log)
+
+    entries = stream.read("c0", count=10, block_ms=100)
+    assert [e.id for e in entries] == [first.decode(), second.decode()]  # nothing lost across the crash
+    assert adm.snapshot().accepted == 2
+    client.close()
+
+
+def test_async_client_survives_redis_restart(redis_factory, group_factory):
+    server = redis_factory(["--appendonly", "yes", "--appendfsync", "always"])
+
+    async def main():
+        client = await connect_async(RedisConfig(url=server.url, retries=10))
+        await client.set("k", "before")
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        restarter = _restart_later(server, 1.0)
+        value = await client.get("k")  # retried across the restart
+        await client.set("k2", "after")
+        restarter.join()
+        out = (value, await client.get("k2"))
+        await client.aclose()
+        return out
+
+    assert asyncio.run(main()) == (b"before", b"after")
+
+
+def test_unreachable_is_one_clear_line():
+    t0 = time.monotonic()
+    with pytest.raises(BrokerUnavailable) as ei:
+        connect("redis://:hunter2@127.0.0.1:1/0", retries=0)
+    msg = str(ei.value)
+    assert msg.startswith("cannot reach Redis at redis://:****@127.0.0.1:1/0") and "\n" not in msg
+    assert "hunter2" not in msg
+    assert time.monotonic() - t0 < 30  # generous: retries=0 must not wait through a backoff schedule
+    with pytest.raises(BrokerUnavailable, match="no Redis URL configured"):
+        connect("")
+    with pytest.raises(BrokerUnavailable, match="scheme must be"):
+        connect("http://127.0.0.1:6379")
+
+
+def test_password_and_acl(redis_factory, broker_log):
+    server = redis_factory(["--requirepass", "s3cret"])
+    port = server.port
+    with pytest.raises(BrokerAuthError) as ei:
+        connect(f"redis://:wrong@127.0.0.1:{port}/0")  # default retries: auth errors are never retried
+    assert "refused the credentials" in str(ei.value) and "wrong" not in str(ei.value)
+    assert not [r for r in broker_log if "reconnecting" in r.getMessage()]
+
+    with pytest.raises(BrokerAuthError, match="requires authentication"):
+        connect(f"redis://127.0.0.1:{port}/0")
+
+    admin = connect(f"redis://:s3cret@127.0.0.1:{port}/0")
+    assert admin.ping()
+    # an ACL user limited to one key pattern
+    admin.execute_command("ACL", "SETUSER", "alice", "on", ">alicepw", "~{rlstream:*", "+@all")
+    alice = connect(RedisConfig(url=f"redis://127.0.0.1:{port}/0", username="alice", password="alicepw"))
+    alice.set("{rlstream:x:y}:version", 3)
+    with pytest.raises(NoPermissionError):
+        alice.set("other", 1)
+    with pytest.raises(BrokerAuthError):
+        connect(RedisConfig(url=f"redis://127.0.0.1:{port}/0", username="alice", password="nope"))
+    # credentials in the URL work too
+    assert connect(f"redis://alice:alicepw@127.0.0.1:{port}/0").get("{rlstream:x:y}:version") == b"3"
+
+
+def _make_certs(d):
+    if not shutil.which("openssl"):
+        pytest.fail("openssl not found: `apt-get install -y openssl` (needed to make test certificates)")
+
+    def run(*args):
+        subprocess.run(["openssl", *args], check=True, cwd=d, capture_output=True)
+
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=rlstream-test-ca")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in ("server", "client"):
+        run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
+            "-subj", f"/CN={name}")
+        run("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-out", f"{name}.crt", "-days", "2", "-extfile", "ext.cnf")
+    return {n: str(d / n) for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tls_server(redis_factory, certs, auth_clients: str):
+    port = _free_port()
+    # The helper's readiness probe is a TCP connect to `port`: make that the TLS port, plain TCP off.
+    return redis_factory(["--port", "0", "--tls-port", str(port), "--tls-cert-file", certs["server.crt"],
+                          "--tls-key-file", certs["server.key"], "--tls-ca-cert-file", certs["ca.crt"],
+                          "--tls-auth-clients", auth_clients], port=port)
+
+
+def test_tls_and_mutual_tls(redis_factory, tmp_path):
+    certs = _make_certs(tmp_path)
+    server = _tls_server(redis_factory, certs, "no")
+    url = f"rediss://127.0.0.1:{server.port}/0"
+    client = connect(RedisConfig(url=url, ssl_ca_certs=certs["ca.crt"]))
+    assert client.set("tls", 1) and client.get("tls") == b"1"
+    client.close()
+    # wrong scheme for a TLS port, and an unknown CA: one line each, with a hint
+    with pytest.raises(BrokerUnavailable, match="try rediss://"):
+        connect(f"redis://127.0.0.1:{server.port}/0", retries=0)
+    with pytest.raises(BrokerUnavailable, match="certificate verify failed.*TLS problem"):
+        connect(url, retries=0)
+    # verification off (tests only) connects without the CA
+    assert connect(RedisConfig(url=url, ssl_cert_reqs="none"), retries=0).ping()
+
+    mtls = _tls_server(redis_factory, certs, "yes")
+    murl = f"rediss://localhost:{mtls.port}/0"
+    with pytest.raises(BrokerUnavailable):
+        connect(RedisConfig(url=murl, ssl_ca_certs=certs["ca.crt"]), retries=0)  # no client certificate
+    c = connect(RedisConfig(url=murl, ssl_ca_certs=certs["ca.crt"], ssl_certfile=certs["client.crt"],
+                            ssl_keyfile=certs["client.key"]))
+    assert c.ping()
+    c.close()
+
+
+def test_unix_socket(redis_factory, tmp_path):
+    sock = tmp_path / "r.sock"
+    redis_factory(["--unixsocket", str(sock), "--unixsocketperm", "700"])
+    c = connect(f"unix://{sock}")
+    assert c.set("u", 1) and c.get("u") == b"1"
+    c.close()
+    with pytest.raises(BrokerUnavailable, match=f"unix://{tmp_path}/missing.sock"):
+        connect(f"unix://{tmp_path}/missing.sock", retries=0)

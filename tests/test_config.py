@@ -1,0 +1,191 @@
+"""Config: YAML + ${} interpolation + dotted overrides; every error names the key path."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from rlstream.common.config import Config, ConfigError, field_docs, load_config, mask_url, masked_config_dict
+
+
+def write(tmp_path, text: str, name: str = "c.yaml"):
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+def test_defaults_follow_areal_names():
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert cfg.rollout.max_head_offpolicyness == 0
+    assert cfg.rollout.consumer_batch_size == 1
+    assert cfg.gconfig.n_samples == 1
+    assert cfg.actor.eps_clip == 0.2
+    assert cfg.cluster.name_resolve.type == "redis"
+    assert cfg.recover.mode == "disabled"
+    assert cfg.stats_logger.wandb.mode == "disabled"
+    assert cfg.namespace == "rlstream:rlstream:trial0"
+    assert cfg.max_concurrent_rollouts == cfg.rollout.consumer_batch_size  # None -> B
+
+
+def test_yaml_interpolation_and_overrides(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLSTREAM_TEST_LR", "7e-6")
+    p = write(tmp_path, """
+        experiment_name: gsm
+        trial_name: ${experiment_name}-run1
+        rollout:
+          consumer_batch_size: 4
+          max_head_offpolicyness: 2
+          max_concurrent_rollouts: ${rollout.consumer_batch_size}
+        actor:
+          optimizer:
+            lr: ${oc.env:RLSTREAM_TEST_LR}
+        gconfig:
+          n_samples: 8
+          stop_token_ids: [2, 7]
+    """)
+    cfg = load_config(p, ["rollout.max_head_offpolicyness=4", "actor.eps_clip=0.3", "experiment_name=other"])
+    assert cfg.experiment_name == "other"
+    assert cfg.trial_name == "other-run1"  # interpolation resolves after the overrides merge
+    assert cfg.rollout.max_head_offpolicyness == 4
+    assert cfg.rollout.max_concurrent_rollouts == 4
+    assert cfg.actor.optimizer.lr == pytest.approx(7e-6)
+    assert cfg.actor.eps_clip == pytest.approx(0.3)
+    assert cfg.gconfig.stop_token_ids == [2, 7]
+    assert cfg.namespace == "rlstream:other:other-run1"
+    # an override may introduce an optional section the YAML does not have
+    cfg2 = load_config(p, ["valid_dataset.path=/data/x.jsonl", "actor.reward_norm.mean_level=group"])
+    assert cfg2.valid_dataset.path == "/data/x.jsonl"
+    assert cfg2.actor.reward_norm.mean_level == "group"
+
+
+@pytest.mark.parametrize(
+    "override, must_contain",
+    [
+        ("rollout.max_head_offpolicyness=-1", ["'rollout.max_head_offpolicyness'", "-1", ">= 0"]),
+        ("rollout.backend=grpc", ["'rollout.backend'", "'grpc'", "one of 'sglang', 'vllm'"]),
+        ("actor.optimizer.lr=abc", ["'actor.optimizer.lr'", "'abc'", "float > 0"]),
+        ("cluster.name_resolve.type=zk", ["'cluster.name_resolve.type'", "'zk'", "'redis', 'etcd', 'static'"]),
+        ("gconfig.stop_token_ids=[1,x]", ["'gconfig.stop_token_ids[1]'", "'x'", "list[int]"]),
+        ("rollout.max_concurrent_rollouts=0", ["'rollout.max_concurrent_rollouts'", "0", ">= 1"]),
+        ("redis.appendfsync=sometimes", ["'redis.appendfsync'", "'always', 'everysec', 'no'"]),
+        ("actor.eps_clip=0", ["'actor.eps_clip'", "> 0"]),
+    ],
+)
+def test_bad_values_name_key_value_and_allowed(override, must_contain):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [override])
+    msg = str(ei.value)
+    assert "\n" not in msg
+    for part in must_contain:
+        assert part in msg, (part, msg)
+
+
+@pytest.mark.parametrize(
+    "override, key, suggestion",
+    [
+        ("rollot.consumer_batch_size=2", "'rollot'", "did you mean 'rollout'"),
+        ("actor.optimizer.lrr=1e-5", "'actor.optimizer.lrr'", "did you mean 'actor.optimizer.lr'"),
+        ("actor.lr=1e-5", "'actor.lr'", "did you mean 'actor.optimizer.lr'"),  # one level too high
+        ("gconfig.max_new_token=8", "'gconfig.max_new_token'", "did you mean 'gconfig.max_new_tokens'"),
+    ],
+)
+def test_unknown_keys_suggest(override, key, suggestion):
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, [override])
+    msg = str(ei.value)
+    assert f"unknown config key {key}" in msg and suggestion in msg, msg
+    assert "allowed at this level" in msg
+
+
+def test_unknown_key_in_yaml_without_close_match(tmp_path):
+    p = write(tmp_path, "rollout:\n  zzzz_qqq: 1\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    msg = str(ei.value)
+    assert "unknown config key 'rollout.zzzz_qqq'" in msg and "did you mean" not in msg
+    assert "consumer_batch_size" in msg  # lists what is allowed
+
+
+def test_file_errors_name_the_file_and_place(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    bad = write(tmp_path, "rollout: [1\n", "bad.yaml")
+    with pytest.raises(ConfigError) as ei:
+        load_config(bad)
+    assert "bad.yaml" in str(ei.value) and "line 2" in str(ei.value)
+    lst = write(tmp_path, "- 1\n- 2\n", "list.yaml")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        load_config(lst)
+    with pytest.raises(ConfigError, match="not of the form key.path=value"):
+        load_config(None, ["actor.optimizer.lr"])
+
+
+def test_interpolation_errors_name_the_key(tmp_path, monkeypatch):
+    monkeypatch.delenv("RLSTREAM_SURELY_UNSET", raising=False)
+    p = write(tmp_path, "trial_name: ${nope.missing}\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(p)
+    assert "'trial_name'" in str(ei.value) and "nope.missing" in str(ei.value)
+    with pytest.raises(ConfigError) as ei:
+        load_config(None, ["experiment_name=${oc.env:RLSTREAM_SURELY_UNSET}"])
+    assert "'experiment_name'" in str(ei.value) and "RLSTREAM_SURELY_UNSET" in str(ei.value)
+
+
+def test_every_field_has_a_description():
+    docs = field_docs()
+    assert len(docs) > 100
+    missing = [key for key, desc, _ in docs if not desc]
+    assert not missing, f"fields without a one-line description: {missing}"
+
+
+def test_masking():
+    assert mask_url("redis://u:hunter2@h:6379/0") == "redis://u:****@h:6379/0"
+    assert mask_url("rediss://:pw@h:1/0?password=x&ssl_cert_reqs=none") == \
+        "rediss://:****@h:1/0?password=****&ssl_cert_reqs=none"
+    assert mask_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
+    cfg = load_config(None, ["redis.url=redis://u:hunter2@h:6379/0", "redis.password=s3cret",
+                             "rollout.api_key=tok-123", "stats_logger.wandb.api_key=wb-999"])
+    text = json.dumps(masked_config_dict(cfg))
+    for secret in ("hunter2", "s3cret", "tok-123", "wb-999"):
+        assert secret not in text
+
+
+def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", *args],
+                          capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_config_show_cli_masks_and_resolves(tmp_path):
+    p = write(tmp_path, """
+        experiment_name: demo
+        trial_name: ${experiment_name}-a
+        redis:
+          url: redis://alice:hunter2@127.0.0.1:6379/0
+          password: s3cret
+    """)
+    res = _cli("config", "show", "--config", str(p), "--json", "rollout.api_key=tok-123",
+               "stats_logger.wandb.api_key=wb-999", "rollout.consumer_batch_size=16")
+    assert res.returncode == 0, res.stderr
+    data = json.loads(res.stdout)
+    assert data["trial_name"] == "demo-a"
+    assert data["rollout"]["consumer_batch_size"] == 16
+    assert data["redis"]["url"] == "redis://alice:****@127.0.0.1:6379/0"
+    assert data["redis"]["password"] == "****" and data["rollout"]["api_key"] == "****"
+    for secret in ("hunter2", "s3cret", "tok-123", "wb-999"):
+        assert secret not in res.stdout + res.stderr
+    yaml_out = _cli("config", "show", "--config", str(p))
+    assert yaml_out.returncode == 0 and "hunter2" not in yaml_out.stdout and "experiment_name: demo" in yaml_out.stdout
+
+
+def test_config_show_cli_bad_key_is_one_line(tmp_path):
+    res = _cli("config", "show", "rollout.max_head_offpolicness=3")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert "rollout.max_head_offpolicness" in lines[0] and "did you mean 'rollout.max_head_offpolicyness'" in lines[0]
+    assert "Traceback" not in res.stderr

@@ -1,0 +1,188 @@
+"""Wire schema: round trips, zero-copy decode, validation reasons, and garbage never raising anything but WireError."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlstream.common.wire import (
+    SCHEMA_VERSION,
+    Trajectory,
+    TrajectoryGroup,
+    WireError,
+    decode_group,
+    encode_group,
+    validate_group,
+)
+
+SETTINGS = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+scalars = st.one_of(st.none(), st.booleans(), st.integers(-2**31, 2**31), st.floats(allow_nan=False),
+                    st.text(max_size=8))
+
+
+@st.composite
+def trajectories(draw):
+    p = draw(st.integers(1, 12))
+    o = draw(st.integers(0, 40))
+    prompt = draw(st.lists(st.integers(0, 2**31 - 1), min_size=p, max_size=p))
+    out = draw(st.lists(st.integers(0, 2**31 - 1), min_size=o, max_size=o))
+    logp = draw(st.lists(st.floats(-50, 0, allow_nan=False, width=32), min_size=o, max_size=o))
+    vers = draw(st.lists(st.integers(0, 1000), min_size=o, max_size=o))
+    return Trajectory.from_arrays(
+        prompt, out, logp, vers,
+        reward=draw(st.floats(-1e6, 1e6, allow_nan=False)),
+        finish_reason=draw(st.sampled_from(["stop", "length", "abort"])),
+        metadata=draw(st.dictionaries(st.text(max_size=6), scalars, max_size=3)),
+    )
+
+
+@st.composite
+def groups(draw):
+    return TrajectoryGroup(
+        group_id=draw(st.text(min_size=1, max_size=12)),
+        prompt_id=draw(st.text(max_size=12)),
+        producer_id=draw(st.text(max_size=12)),
+        created_at=draw(st.floats(0, 2e9)),
+        finished_at=draw(st.floats(0, 2e9)),
+        trajectories=draw(st.lists(trajectories(), min_size=1, max_size=4)),
+        metadata=draw(st.dictionaries(st.text(max_size=6), scalars, max_size=3)),
+    )
+
+
+def _same(a: TrajectoryGroup, b: TrajectoryGroup) -> None:
+    assert (a.group_id, a.prompt_id, a.producer_id, a.created_at, a.finished_at, a.metadata) == \
+        (b.group_id, b.prompt_id, b.producer_id, b.created_at, b.finished_at, b.metadata)
+    assert b.schema_version == SCHEMA_VERSION
+    assert len(a.trajectories) == len(b.trajectories)
+    for x, y in zip(a.trajectories, b.trajectories):
+        assert np.array_equal(x.input_ids_np, y.input_ids_np)
+        assert np.array_equal(x.logprobs_np, y.logprobs_np)
+        assert np.array_equal(x.versions_np, y.versions_np)
+        assert (x.prompt_len, x.reward, x.finish_reason, x.metadata) == (y.prompt_len, y.reward, y.finish_reason, y.metadata)
+
+
+@SETTINGS
+@given(groups())
+def test_round_trip(g):
+    data = encode_group(g)
+    back = decode_group(data)
+    _same(g, back)
+    assert encode_group(back) == data  # decoded (memoryview) groups re-encode byte-identically
+    assert back.min_version() == g.min_version() and back.n_tokens() == g.n_tokens()
+
+
+@SETTINGS
+@given(st.binary(max_size=512))
+def test_random_bytes_only_raise_wire_error(data):
+    try:
+        decode_group(data)
+    except WireError:
+        pass
+
+
+@SETTINGS
+@given(groups(), st.data())
+def test_corrupted_entries_only_raise_wire_error(g, data):
+    """Flip, cut and splice bytes of a real entry: the decoder must stay inside WireError."""
+    raw = bytearray(encode_group(g))
+    for _ in range(data.draw(st.integers(1, 6))):
+        op = data.draw(st.sampled_from(["flip", "cut", "insert"]))
+        if not raw:
+            break
+        i = data.draw(st.integers(0, len(raw) - 1))
+        if op == "flip":
+            raw[i] ^= data.draw(st.integers(1, 255))
+        elif op == "cut":
+            del raw[i:]
+        else:
+            raw[i:i] = data.draw(st.binary(min_size=1, max_size=8))
+    try:
+        out = decode_group(bytes(raw))
+    except WireError:
+        return
+    validate_group(out)  # whatever decodes has passed validation
+
+
+json_like = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=5), st.binary(max_size=8)),
+    lambda children: st.one_of(st.lists(children, max_size=4), st.dictionaries(st.text(max_size=5), children, max_size=4)),
+    max_leaves=20,
+)
+
+
+@SETTINGS
+@given(json_like)
+def test_well_formed_msgpack_of_the_wrong_shape_only_raises_wire_error(obj):
+    try:
+        data = msgspec.msgpack.encode(obj)
+    except (OverflowError, TypeError):
+        return
+    try:
+        decode_group(data)
+    except WireError:
+        pass
+
+
+def test_zero_copy_views_into_the_received_buffer():
+    rng = np.random.default_rng(1)
+    t = Trajectory.from_arrays(rng.integers(0, 100, 5), rng.integers(0, 100, 300), -rng.random(300), [3] * 300, 1.0, "stop")
+    buf = encode_group(TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[t]))
+    back = decode_group(buf)
+    arr = back.trajectories[0].input_ids_np
+    assert isinstance(back.trajectories[0].input_ids, memoryview)
+    assert arr.base is not None and not arr.flags.owndata
+    assert np.shares_memory(arr, np.frombuffer(buf, dtype=np.uint8))
+    assert arr.dtype == np.dtype("<i4") and back.trajectories[0].versions_np[:5].tolist() == [-1] * 5
+
+
+def _group(**traj_kw):
+    base = dict(input_ids=np.arange(1, 7, dtype="<i4").tobytes(), prompt_len=2,
+                logprobs=np.array([0, 0, -0.1, -0.2, -0.3, -0.4], dtype="<f4").tobytes(),
+                versions=np.array([-1, -1, 0, 0, 1, 1], dtype="<i4").tobytes(), reward=1.0, finish_reason="stop")
+    base.update(traj_kw)
+    return TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[Trajectory(**base)])
+
+
+@pytest.mark.parametrize(
+    "kw, reason",
+    [
+        (dict(logprobs=np.zeros(5, "<f4").tobytes()), "inconsistent lengths"),
+        (dict(versions=np.array([-1, 0, 0, 0, 1, 1], "<i4").tobytes()), "prompt positions must have version -1"),
+        (dict(versions=np.array([-1, -1, -1, 0, 1, 1], "<i4").tobytes()), "output positions must have version >= 0"),
+        (dict(logprobs=np.array([0, 0, np.nan, 0, 0, 0], "<f4").tobytes()), "non-finite logprobs"),
+        (dict(logprobs=np.array([0, 0, 0.5, 0, 0, 0], "<f4").tobytes()), "logprobs must be <= 0"),
+        (dict(prompt_len=0), "prompt_len 0 outside"),
+        (dict(prompt_len=9), "prompt_len 9 outside"),
+        (dict(reward=math.inf), "non-finite reward"),
+        (dict(finish_reason="eos"), "finish_reason 'eos'"),
+        (dict(input_ids=b"\x00" * 7), "not a multiple of 4"),
+    ],
+)
+def test_validation_reasons(kw, reason):
+    with pytest.raises(WireError, match=reason):
+        decode_group(encode_group(_group(**kw)))
+    # validation can be skipped (tools that want to look at a bad entry)
+    decode_group(encode_group(_group(**kw)), validate=False)
+
+
+def test_schema_version_mismatch_is_named():
+    g = _group()
+    g.schema_version = SCHEMA_VERSION + 1
+    with pytest.raises(WireError, match=f"schema_version {SCHEMA_VERSION + 1} != supported {SCHEMA_VERSION}"):
+        decode_group(encode_group(g))
+    with pytest.raises(WireError, match="no trajectories"):
+        decode_group(encode_group(TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[])))
+
+
+def test_no_pickle_on_the_wire():
+    data = encode_group(_group())
+    assert not data.startswith(b"\x80")  # a pickle protocol header
+    with pytest.raises(WireError):
+        decode_group(pickle.dumps({"a": 1}))
