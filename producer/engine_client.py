@@ -420,6 +420,11 @@ class ServerPool:
     def healthy(self) -> list[str]:
         return sorted(a for a, s in self.servers.items() if s.healthy)
 
+    def is_up(self, address: str) -> bool:
+        """Known through name resolve and answering health checks."""
+        s = self.servers.get(address)
+        return s is not None and s.healthy
+
     def _set_addresses(self, addresses: list[str]) -> list[str]:
         assert self._session is not None
         new = [a for a in addresses if a not in self.servers]

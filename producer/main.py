@@ -109,18 +109,16 @@ class Producer:
         self.workflow = load_workflow(cfg, self.tokenizer, self.rewards)
         self.pool = ServerPool(cfg, redis_client=self.client)
         await self.pool.start()
-        self.engine = RolloutEngine(self.pool, self.versions)
+        self.engine = RolloutEngine(self.pool, self.versions, resume_wait=cfg.actor.weight_update_timeout)
         await self._write_meta()
 
     async def _write_meta(self) -> None:
-        """Run metadata in `{ns}:meta`, through broker/meta.py when the broker has it."""
+        """Run metadata in `{ns}:meta` (admission parameters), when the broker provides it."""
         try:
-            from rlstream.broker import meta  # type: ignore[attr-defined]
+            from rlstream.broker.meta import awrite_run_meta
         except ImportError:
             return
-        fn = getattr(meta, "ensure_meta_async", None)
-        if fn is not None:
-            await fn(self.client, self.keys, self.cfg)
+        await awrite_run_meta(self.client, self.keys, self.cfg, component="producer")
 
     async def _teardown(self) -> None:
         for t in self._bg:

@@ -264,6 +264,8 @@ class RewardPool:
             raise
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, msgspec.DecodeError) as exc:
             self.errors += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(w.proc.wait(), 2.0)  # reap it for the exit code
             code = w.proc.returncode
             await self._replace(w)
             return RewardResult(0.0, f"reward worker died ({type(exc).__name__}, exit code {code})",

@@ -105,12 +105,27 @@ class RolloutEngine:
                 break
             # The engines paused for a weight update: continue once the new version is served.
             seen = max([v_req, *(resp.output_versions or []), resp.weight_version or -1])
-            v_new = await self.versions.wait_for_version(seen, timeout=self.resume_wait)
-            if v_new <= seen:
-                log.warning("request aborted but the served version stayed %d for %.0fs; continuing",
-                            v_new, self.resume_wait)
+            await self._wait_after_abort(seen, resp.server)
         gen.latency = time.monotonic() - t0
         return gen
+
+
+    async def _wait_after_abort(self, seen: int, server: str) -> None:
+        """Wait for a version above `seen`; stop waiting early if the aborting engine went away
+        (an engine shutting down also aborts) or after `resume_wait` seconds."""
+        deadline = time.monotonic() + self.resume_wait
+        while True:
+            v = await self.versions.wait_for_version(seen, timeout=1.0, poll=0.1)
+            if v > seen:
+                return
+            is_up = getattr(self.pool, "is_up", None)
+            if is_up is not None and server and not is_up(server):
+                log.info("engine %s aborted a request and is gone; continuing elsewhere", server)
+                return
+            if time.monotonic() > deadline:
+                log.warning("request aborted but the served version stayed %d for %.0fs; continuing",
+                            v, self.resume_wait)
+                return
 
 
 def _truncate_at_eos(ids: list[int], eos: set[int]) -> list[int]:

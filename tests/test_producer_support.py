@@ -37,24 +37,31 @@ class EngineProcess:
         self.proc: subprocess.Popen | None = None
         self.address: str | None = None
 
-    def start(self, timeout: float = 120.0) -> "EngineProcess":
+    def launch(self) -> "EngineProcess":
+        """Start the process without waiting (start several, then `ready()` each)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
-        addr_file = self.workdir / "addr"
-        addr_file.unlink(missing_ok=True)
+        self.addr_file = self.workdir / "addr"
+        self.addr_file.unlink(missing_ok=True)
         self.log_path = self.workdir / "engine.log"
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(cli("serve", "server.host=127.0.0.1", "server.port=0", *self.overrides),
                                      stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=child_env(RLSTREAM_ENGINE_ADDR_FILE=str(addr_file)))
+                                     env=child_env(RLSTREAM_ENGINE_ADDR_FILE=str(self.addr_file)))
+        return self
+
+    def ready(self, timeout: float = 180.0) -> "EngineProcess":
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"engine exited {self.proc.returncode}: {self.log_path.read_text()[-3000:]}")
-            if addr_file.exists():
-                self.address = addr_file.read_text().strip()
+            if self.addr_file.exists():
+                self.address = self.addr_file.read_text().strip()
                 return self
             time.sleep(0.1)
         raise RuntimeError(f"engine did not start: {self.log_path.read_text()[-3000:]}")
+
+    def start(self, timeout: float = 180.0) -> "EngineProcess":
+        return self.launch().ready(timeout)
 
     @property
     def url(self) -> str:
@@ -142,13 +149,18 @@ def producer_overrides(model: Path, redis_url: str, experiment: str, data: Path,
 
 @pytest.fixture
 def engines(tmp_path):
-    """Factory: `engines(model, redis_url, experiment, *overrides)` -> a started EngineProcess."""
+    """Factory: `engines(model, redis_url, experiment, *overrides, n=1)` -> started EngineProcess(es)."""
     started: list[EngineProcess] = []
 
-    def start(model, redis_url, experiment, *extra) -> EngineProcess:
-        e = EngineProcess(tmp_path / f"engine{len(started)}", engine_overrides(model, redis_url, experiment, *extra))
-        started.append(e)
-        return e.start()
+    def start(model, redis_url, experiment, *extra, n: int = 1):
+        new = [EngineProcess(tmp_path / f"engine{len(started) + i}", engine_overrides(model, redis_url, experiment, *extra))
+               for i in range(n)]
+        started.extend(new)
+        for e in new:  # load the models in parallel
+            e.launch()
+        for e in new:
+            e.ready()
+        return new[0] if n == 1 else new
 
     try:
         yield start

@@ -1,0 +1,134 @@
+"""Producer dataset: local JSONL/Parquet/CSV, keys, chat template, epochs, seeded order, shared cursor."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlstream.common.config import DatasetConfig
+from rlstream.producer.dataset import DatasetCursor, DatasetError, ProducerState, PromptDataset
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_path, local_files_only=True)
+
+
+def _rows(n):
+    return [{"q": f"{i}+1=", "a": str(i + 1), "extra": i} for i in range(n)]
+
+
+def _write(tmp_path, kind, rows):
+    if kind == "jsonl":
+        p = tmp_path / "d.jsonl"
+        p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    elif kind == "csv":
+        p = tmp_path / "d.csv"
+        p.write_text("q,a,extra\n" + "".join(f"{r['q']},{r['a']},{r['extra']}\n" for r in rows))
+    else:
+        p = tmp_path / "d.parquet"
+        pq.write_table(pa.Table.from_pylist(rows), p)
+    return p
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "csv", "parquet"])
+def test_formats_keys_and_tokenization(kind, tmp_path, tokenizer):
+    p = _write(tmp_path, kind, _rows(5))
+    ds = PromptDataset(DatasetConfig(path=str(p), prompt_key="q", answer_key="a", shuffle=False), tokenizer)
+    assert len(ds) == 5
+    item = ds.at(3)
+    assert item.prompt == "3+1=" and str(item.answer) == "4" and item.epoch == 0 and item.index == 3
+    assert item.input_ids == tokenizer("3+1=")["input_ids"]
+    assert tokenizer.decode(item.input_ids) == "3+1="
+    assert item.row["extra"] == 3
+
+
+def test_folder_and_max_prompt_len(tmp_path, tokenizer):
+    d = tmp_path / "data"
+    d.mkdir()
+    (d / "a.jsonl").write_text(json.dumps({"q": "1+1=", "a": "2"}) + "\n")
+    (d / "b.jsonl").write_text(json.dumps({"q": "12345+67890=", "a": "80235"}) + "\n")
+    ds = PromptDataset(DatasetConfig(path=str(d), prompt_key="q", answer_key="a", max_prompt_len=6), tokenizer)
+    assert len(ds) == 1 and ds.at(0).prompt == "1+1="
+
+
+def test_epochs_and_seeded_shuffle(tmp_path, tokenizer):
+    p = _write(tmp_path, "jsonl", _rows(20))
+    cfg = DatasetConfig(path=str(p), prompt_key="q", answer_key="a", shuffle=True)
+    a, b = PromptDataset(cfg, tokenizer, seed=7), PromptDataset(cfg, tokenizer, seed=7)
+    order_a = [a.at(i).index for i in range(40)]
+    assert order_a == [b.at(i).index for i in range(40)]  # same in every process
+    assert sorted(order_a[:20]) == list(range(20)) and sorted(order_a[20:]) == list(range(20))  # full epochs
+    assert order_a[:20] != order_a[20:]  # reshuffled per epoch
+    assert order_a[:20] != list(range(20))
+    assert [a.at(i).epoch for i in (0, 19, 20, 39)] == [0, 0, 1, 1]
+    c = PromptDataset(cfg, tokenizer, seed=8)
+    assert [c.at(i).index for i in range(20)] != order_a[:20]
+
+
+def test_chat_template(tmp_path, tokenizer):
+    tok = tokenizer.__class__.from_pretrained(tokenizer.name_or_path, local_files_only=True)
+    p = _write(tmp_path, "jsonl", _rows(2))
+    with pytest.raises(DatasetError, match="no chat template"):
+        PromptDataset(DatasetConfig(path=str(p), prompt_key="q", answer_key="a", apply_chat_template=True), tok)
+    tok.chat_template = ("{% for m in messages %}<{{ m['role'][0] }}>{{ m['content'] }}{% endfor %}"
+                         "{% if add_generation_prompt %}<a>{% endif %}")
+    ds = PromptDataset(DatasetConfig(path=str(p), prompt_key="q", answer_key="a", apply_chat_template=True,
+                                     shuffle=False), tok)
+    assert ds.at(1).prompt == "<u>1+1=<a>"
+    assert tok.decode(ds.at(1).input_ids) == "<u>1+1=<a>"
+    # A column of chat messages gets the template even without apply_chat_template.
+    msgs = tmp_path / "m.jsonl"
+    msgs.write_text(json.dumps({"q": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2="}],
+                                "a": "4"}) + "\n")
+    ds = PromptDataset(DatasetConfig(path=str(msgs), prompt_key="q", answer_key="a"), tok)
+    assert ds.at(0).prompt == "<s>be brief<u>2+2=<a>"
+
+
+def test_clear_errors(tmp_path, tokenizer):
+    with pytest.raises(DatasetError, match="train_dataset.path is empty"):
+        PromptDataset(DatasetConfig(path=""), tokenizer)
+    with pytest.raises(DatasetError, match=r"'openai/gsm8k' does not exist.*never a hub name"):
+        PromptDataset(DatasetConfig(path="openai/gsm8k"), tokenizer)
+    p = _write(tmp_path, "jsonl", _rows(2))
+    with pytest.raises(DatasetError, match=r"prompt_key='question' is not a column.*\['a', 'extra', 'q'\]"):
+        PromptDataset(DatasetConfig(path=str(p), prompt_key="question"), tokenizer)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    with pytest.raises(DatasetError, match="cannot read as json"):
+        PromptDataset(DatasetConfig(path=str(bad)), tokenizer)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match="no .jsonl"):
+        PromptDataset(DatasetConfig(path=str(tmp_path / "empty")), tokenizer)
+
+
+async def test_shared_cursor_resumes_and_ends(tmp_path, tokenizer, redis_url, keys):
+    import msgspec
+
+    from rlstream.broker import connect_async
+
+    p = _write(tmp_path, "jsonl", _rows(3))
+    ds = PromptDataset(DatasetConfig(path=str(p), prompt_key="q", answer_key="a"), tokenizer, seed=1)
+    client = await connect_async(redis_url)
+    try:
+        a = DatasetCursor(client, keys.producers, ds, epochs=2, producer_id="pa")
+        b = DatasetCursor(client, keys.producers, ds, epochs=2, producer_id="pb")
+        got = [(await a.next()).position, (await b.next()).position, (await a.next()).position]
+        assert got == [0, 1, 2]
+        await a.save()
+        # A restarted producer (same id) continues the run's position and keeps its counters.
+        a2 = DatasetCursor(client, keys.producers, ds, epochs=2, producer_id="pa")
+        st = await a2.load_state()
+        assert st.claimed == 2 and st.last_position == 2
+        rest = [await a2.next(), await b.next(), await a2.next()]
+        assert [i.position for i in rest] == [3, 4, 5] and all(i.epoch == 1 for i in rest)
+        assert await a2.next() is None and await b.next() is None  # 2 epochs x 3 prompts handed out
+        raw = await client.hget(keys.producers, "pa")
+        assert msgspec.msgpack.decode(raw, type=ProducerState).producer_id == "pa"
+    finally:
+        await client.aclose()

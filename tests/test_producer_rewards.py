@@ -1,0 +1,124 @@
+"""Rewards: built-in functions, and the process pool that survives crashing and hanging rewards."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+
+from rlstream.producer.rewards import RewardPool, exact_match_reward, extract_boxed, import_by_path, math_reward
+
+
+def test_math_reward():
+    assert math_reward("q", "so it is \\boxed{\\frac{1}{2}}.", "0.5") == 1.0
+    assert math_reward("q", "\\boxed{72}", "72") == 1.0
+    assert math_reward("q", "\\boxed{71}", "72") == 0.0
+    assert math_reward("q", "the answer is 72", "72") == 0.0  # no \boxed{}
+    assert math_reward("q", "first \\boxed{1} then \\boxed{2\\sqrt{2}}", "\\boxed{\\sqrt{8}}") == 1.0
+    assert extract_boxed("a \\boxed{x^{2}} b") == "x^{2}"
+    assert extract_boxed("\\boxed{unclosed") is None
+
+
+def test_exact_match_reward():
+    assert exact_match_reward("1+2=", " 3\n", "3") == 1.0
+    assert exact_match_reward("1+2=", "3", 3) == 1.0
+    assert exact_match_reward("1+2=", "33", "3") == 0.0
+
+
+def test_import_by_path_errors():
+    with pytest.raises(ValueError, match="must be an import path 'module:callable'"):
+        import_by_path("rlstream.producer.rewards.math_reward")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
+        import_by_path("no_such_mod:f")
+    with pytest.raises(ValueError, match="has no attribute 'nope'"):
+        import_by_path("rlstream.producer.rewards:nope")
+
+
+USER_REWARDS = textwrap.dedent("""
+    import os, time
+
+    def length_reward(prompt, completion, answer, **kw):
+        print("noise on stdout must not break the protocol")
+        return float(len(completion)) + len(kw.get("completion_ids", []))
+
+    def crashing(prompt, completion, answer, **kw):
+        raise ZeroDivisionError("bad reward")
+
+    def hanging(prompt, completion, answer, **kw):
+        if completion == "hang":
+            time.sleep(60)
+        return 1.0
+
+    def dying(prompt, completion, answer, **kw):
+        if completion == "die":
+            os._exit(3)
+        return 0.5
+
+    def nan(prompt, completion, answer, **kw):
+        return float("nan")
+""")
+
+
+@pytest.fixture
+def user_module(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the worker processes import it too
+    return "my_rewards"
+
+
+async def test_pool_runs_builtin_and_user_rewards(user_module):
+    pool = RewardPool("rlstream.producer.rewards:exact_match_reward", workers=2, timeout=30)
+    try:
+        res = await asyncio.gather(*(pool("p", str(i), str(i % 2)) for i in range(6)))
+        assert [r.reward for r in res] == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+        assert all(r.error is None for r in res)
+    finally:
+        await pool.close()
+    pool = RewardPool(f"{user_module}:length_reward", workers=1, timeout=30)
+    try:
+        r = await pool("p", "abcd", None, completion_ids=[5, 6])
+        assert r.reward == 6.0 and r.error is None
+    finally:
+        await pool.close()
+
+
+async def test_crash_timeout_and_death_mark_the_sample_not_the_pool(user_module):
+    pool = RewardPool(f"{user_module}:crashing", workers=1, timeout=30)
+    try:
+        r = await pool("p", "c", "a")
+        assert r.reward == 0.0 and "ZeroDivisionError: bad reward" in r.error
+        r = await pool("p", "c", "a")  # the same worker still answers
+        assert "ZeroDivisionError" in r.error
+    finally:
+        await pool.close()
+
+    pool = RewardPool(f"{user_module}:hanging", workers=1, timeout=1.0)
+    try:
+        r = await pool("p", "hang", "a")
+        assert r.reward == 0.0 and "timed out after 1s" in r.error
+        r = await pool("p", "fine", "a")  # a fresh worker replaced the hung one
+        assert r.reward == 1.0 and r.error is None
+    finally:
+        await pool.close()
+
+    pool = RewardPool(f"{user_module}:dying", workers=1, timeout=30)
+    try:
+        r = await pool("p", "die", "a")
+        assert r.reward == 0.0 and "reward worker died" in r.error and "exit code 3" in r.error
+        assert (await pool("p", "live", "a")).reward == 0.5
+    finally:
+        await pool.close()
+
+    pool = RewardPool(f"{user_module}:nan", workers=1, timeout=30)
+    try:
+        r = await pool("p", "x", "a")
+        assert r.reward == 0.0 and "non-finite" in r.error
+    finally:
+        await pool.close()
+
+
+def test_bad_reward_path_fails_in_the_producer():
+    with pytest.raises(ValueError, match="producer.reward_fn='nope:f'"):
+        RewardPool("nope:f")
