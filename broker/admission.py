@@ -94,7 +94,9 @@ return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'
 """
 
 # KEYS: running  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
+# (an expired lease is not revived: its capacity may already be someone else's)
 _RENEW = _NOW + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local n = 0
 for i = 2, #ARGV do
   if redis.call('ZSCORE', KEYS[1], ARGV[i]) then

@@ -1,0 +1,222 @@
+"""Admission against real Redis: many producer processes racing, crashed producers' leases, recovery reset."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from rlstream.broker import AdmissionController, TrajectoryStream, VersionRegistry
+from rlstream.broker.admission import budget
+from rlstream.broker.stream import entry_fields
+
+# One racing producer: waits for the start signal, then acquires / holds / commits or releases
+# until the budget is used up. It checks the invariants from the outside with its own counter.
+WORKER = textwrap.dedent("""
+    import json, random, sys, time
+    from rlstream.broker import AdmissionController, Keys, connect
+    url, ns, eta, B, maxc, seed = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+    rnd = random.Random(seed)
+    c = connect(url)
+    keys = Keys(ns)
+    adm = AdmissionController(c, keys, max_head_offpolicyness=eta, consumer_batch_size=B,
+                              max_concurrent_rollouts=maxc, lease_ttl=60)
+    v = int(c.get(keys.version) or 0)
+    total = (eta + v + 1) * B
+    inflight = ns + ":test:inflight"
+    out = dict(committed=0, released=0, denied=0, max_inflight=0, violations=[])
+    while not c.exists(ns + ":test:go"):
+        time.sleep(0.005)
+    deadline = time.time() + 90
+    while time.time() < deadline:
+        st, lease = adm.try_acquire()
+        if lease is None:
+            out["denied"] += 1
+            if st.accepted >= total and st.running == 0:
+                break
+            time.sleep(rnd.random() * 0.002)
+            continue
+        if st.accepted + st.running > total:
+            out["violations"].append(f"accepted {st.accepted} + running {st.running} > budget {total}")
+        n = c.incr(inflight)  # counted only while this process holds the lease
+        out["max_inflight"] = max(out["max_inflight"], n)
+        if n > maxc:
+            out["violations"].append(f"{n} rollouts in flight > max_concurrent {maxc}")
+        time.sleep(rnd.random() * 0.003)
+        c.decr(inflight)
+        if rnd.random() < 0.7:
+            adm.commit(lease.lease_id, {"d": b"x", "v": v, "p": str(seed), "n": 1, "r": 0.0})
+            out["committed"] += 1
+        else:
+            adm.release(lease.lease_id)
+            out["released"] += 1
+    print(json.dumps(out))
+""")
+
+HOLDER = textwrap.dedent("""
+    import sys, time
+    from rlstream.broker import AdmissionController, Keys, connect
+    url, ns, n, ttl = sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4])
+    adm = AdmissionController(connect(url), Keys(ns), max_head_offpolicyness=0, consumer_batch_size=4,
+                              max_concurrent_rollouts=4, lease_ttl=ttl)
+    for _ in range(n):
+        st, lease = adm.try_acquire()
+        assert lease is not None, st
+    print("held", flush=True)
+    time.sleep(600)
+""")
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+@pytest.mark.parametrize("eta, version, B, maxc", [(1, 2, 6, 5), (0, 0, 16, 3)])
+def test_racing_producer_processes_never_exceed_the_budget(redis_url, rclient, keys, eta, version, B, maxc):
+    n_workers = 8
+    VersionRegistry(rclient, keys).set(version)  # held fixed for the whole race
+    total = budget(eta, version, B)
+    procs = [subprocess.Popen([sys.executable, "-c", WORKER, redis_url, keys.ns, str(eta), str(B), str(maxc), str(i)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
+             for i in range(n_workers)]
+    try:
+        time.sleep(0.5)
+        rclient.set(keys.ns + ":test:go", 1)  # start everyone at once
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err
+            results.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    violations = [v for r in results for v in r["violations"]]
+    assert not violations, violations[:5]
+    assert max(r["max_inflight"] for r in results) <= maxc
+    snap = AdmissionController(rclient, keys, max_head_offpolicyness=eta, consumer_batch_size=B,
+                               max_concurrent_rollouts=maxc).snapshot()
+    committed = sum(r["committed"] for r in results)
+    released = sum(r["released"] for r in results)
+    # accepted only ever grows, so ending exactly at the budget means it never went past it
+    assert snap.accepted == committed == total
+    assert rclient.xlen(keys.traj) == total
+    assert snap.rejected == released
+    assert snap.running == 0 and snap.capacity == 0
+    assert sum(r["denied"] for r in results) > 0  # the budget really was contended
+
+
+def test_crashed_producer_leases_expire(redis_url, rclient, keys):
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=4, max_concurrent_rollouts=4)
+    p = subprocess.Popen([sys.executable, "-c", HOLDER, redis_url, keys.ns, "3", "1.5"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
+    try:
+        assert p.stdout.readline().strip() == "held", p.stderr.read() if p.poll() is not None else ""
+        before = adm.snapshot()
+        assert before.running == 3 and before.capacity == 1
+        p.send_signal(signal.SIGKILL)  # no chance to release anything
+        p.wait(10)
+        deadline = time.time() + 30
+        while adm.snapshot().running and time.time() < deadline:
+            time.sleep(0.1)
+        after = adm.snapshot()
+        assert after.running == 0 and after.capacity == 4 and after.accepted == 0
+        st, lease = adm.try_acquire()  # the capacity is usable again
+        assert st.admitted and lease is not None
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_renew_keeps_a_lease_alive_and_misses_expired_ones(rclient, keys):
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2,
+                              max_concurrent_rollouts=2, lease_ttl=0.6)
+    _, keep = adm.try_acquire()
+    _, drop = adm.try_acquire()
+    deadline = time.time() + 1.5
+    while time.time() < deadline:
+        assert adm.renew([keep.lease_id]) == 1
+        time.sleep(0.2)
+    assert adm.renew([keep.lease_id, drop.lease_id]) == 1  # `drop` expired long ago
+    assert adm.snapshot().running == 1
+    assert adm.abandon([keep.lease_id]) == 1 and adm.snapshot().running == 0
+
+
+def test_reset_accepted_after_recovery(rclient, keys, group_factory):
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=3, max_concurrent_rollouts=100)
+    for _ in range(6):
+        _, lease = adm.try_acquire()
+        adm.commit(lease.lease_id, entry_fields(group_factory()))
+    assert adm.snapshot().accepted == 6 and adm.snapshot().capacity == 0  # (1 + 0 + 1)·3 = 6
+    VersionRegistry(rclient, keys).set(1)
+    adm.reset_accepted(1)  # the trainer recovered to version 1: accepted := v·B = 3
+    snap = adm.snapshot()
+    assert snap.accepted == 3 and snap.capacity == budget(1, 1, 3) - 3 == 6
+
+
+def test_finish_and_acquire_are_idempotent_under_retry(rclient, keys, group_factory):
+    """A reply lost after the server ran a script makes the client run it again: no double effects."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2, max_concurrent_rollouts=2)
+    st1, lease = adm.try_acquire("lease-a")
+    st2, again = adm.try_acquire("lease-a")
+    assert st1.admitted and st2.admitted and again.lease_id == "lease-a"
+    assert adm.snapshot().running == 1
+    fields = entry_fields(group_factory())
+    id1 = adm.commit("lease-a", fields)
+    id2 = adm.commit("lease-a", fields)
+    assert id1 == id2 and rclient.xlen(keys.traj) == 1 and adm.snapshot().accepted == 1
+    _, lb = adm.try_acquire("lease-b")
+    adm.release("lease-b")
+    adm.release("lease-b")
+    assert adm.snapshot().rejected == 1
+
+
+def test_commit_after_lease_expiry_still_writes(rclient, keys, group_factory):
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2,
+                              max_concurrent_rollouts=2, lease_ttl=0.2)
+    _, lease = adm.try_acquire()
+    time.sleep(0.5)
+    assert adm.snapshot().running == 0
+    eid = adm.commit(lease.lease_id, entry_fields(group_factory()))  # a finished group is never dropped
+    assert eid and rclient.xlen(keys.traj) == 1 and adm.snapshot().accepted == 1
+
+
+def test_commit_many_pipelines(rclient, keys, group_factory):
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=8, max_concurrent_rollouts=8)
+    leases = [adm.try_acquire()[1] for _ in range(5)]
+    ids = adm.commit_many([(lease.lease_id, entry_fields(group_factory())) for lease in leases])
+    assert len(set(ids)) == 5
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    assert [e.id for e in stream.read("c", count=10, block_ms=10)] == [i.decode() for i in ids]
+    snap = adm.snapshot()
+    assert snap.accepted == 5 and snap.running == 0
+
+
+async def test_async_controller_matches_sync(redis_url, keys, group_factory):
+    from rlstream.broker import AsyncAdmissionController, connect_async
+
+    client = await connect_async(redis_url)
+    try:
+        adm = AsyncAdmissionController(client, keys, max_head_offpolicyness=0, consumer_batch_size=2,
+                                       max_concurrent_rollouts=2)
+        a = [await adm.try_acquire() for _ in range(3)]
+        assert [s.admitted for s, _ in a] == [True, True, False]
+        await adm.commit(a[0][1].lease_id, entry_fields(group_factory()))
+        await adm.release(a[1][1].lease_id)
+        snap = await adm.snapshot()
+        assert (snap.accepted, snap.rejected, snap.running, snap.capacity) == (1, 1, 0, 1)
+        assert await adm.renew([]) == 0
+    finally:
+        await client.aclose()
