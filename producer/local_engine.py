@@ -500,9 +500,26 @@ class LocalEngine:
 
     def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> tuple[torch.Tensor, Any]:
         kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
-        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True, **kw)
+        out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(mask, input_ids.shape[1]),
+                         position_ids=pos, past_key_values=cache, use_cache=True, **kw)
         return out.logits[:, -1, :].float(), out.past_key_values
+
+    def _attention_mask(self, mask: torch.Tensor, q_len: int) -> torch.Tensor:
+        """The mask the model gets: 2D when nothing is padded, else a ready 4D additive mask.
+
+        HF builds a padded mask through vmap/pytree machinery that costs more than the
+        whole forward of a small model; a 4D mask is used as given. Masked entries get
+        the dtype's min (not -inf) so a fully padded query row cannot produce NaN.
+        """
+        if bool(mask.all()):
+            return mask
+        keep = mask.bool()[:, None, None, :]  # [B, 1, 1, K]
+        if q_len > 1:
+            k_len = mask.shape[1]
+            causal = torch.ones((q_len, k_len), dtype=torch.bool, device=mask.device).tril(k_len - q_len)
+            keep = keep & causal[None, None]
+        zero = torch.zeros((), dtype=self.dtype, device=mask.device)
+        return torch.where(keep, zero, torch.finfo(self.dtype).min)
 
     def _prefill(self, reqs: list[_Request]) -> None:
         from transformers import DynamicCache
