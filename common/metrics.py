@@ -1,0 +1,112 @@
+"""Metrics sinks: one stdout line per step, `{run_dir}/metrics.jsonl`, TensorBoard, wandb.
+
+Only the process that owns the sinks writes (the trainer's rank 0); other ranks make a
+logger that does nothing. `stats_logger.wandb.mode`: `online`, `offline` (no network:
+the run lands in `{run_dir}/wandb` for a later `wandb sync`) or `disabled`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping, TextIO
+
+from rlstream.common.config import Config, masked_config_dict
+
+__all__ = ["StatsLogger", "format_line"]
+
+# Keys shown in the one-line summary, in order: (metric, label, format).
+_LINE = [
+    ("reward/mean", "reward", "{:.3f}"), ("reward/std", "±", "{:.3f}"), ("reward/accuracy", "acc", "{:.3f}"),
+    ("staleness/mean", "stale", "{:.2f}"), ("ppo/importance_ratio", "ratio", "{:.3f}"),
+    ("imp_weight/masked_frac", "masked", "{:.3f}"), ("ppo/clip_frac", "clip", "{:.3f}"),
+    ("kl/ref", "kl", "{:.4f}"), ("ppo/entropy", "ent", "{:.3f}"), ("loss/total", "loss", "{:+.4f}"),
+    ("optim/grad_norm", "gnorm", "{:.3f}"), ("optim/lr", "lr", "{:.2e}"),
+    ("perf/tokens_per_s", "tok/s", "{:.0f}"), ("time/wait_data", "wait", "{:.2f}s"),
+    ("time/logprobs", "logp", "{:.2f}s"), ("time/update", "upd", "{:.2f}s"), ("time/weight_push", "push", "{:.2f}s"),
+]
+
+
+def format_line(step: int, metrics: Mapping[str, float], total_steps: int | None = None) -> str:
+    """`step 3/10 | reward 0.500 ± 0.500 acc 0.500 | ...` (keys that are absent are skipped)."""
+    head = f"step {step}" + (f"/{total_steps}" if total_steps else "")
+    if "version" in metrics:
+        head += f" v{int(metrics['version'])}"
+    parts = [head]
+    for key, label, fmt in _LINE:
+        v = metrics.get(key)
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            continue
+        parts.append(f"{label} {fmt.format(v)}" if label != "±" else f"± {fmt.format(v)}")
+    return " | ".join([parts[0], " ".join(parts[1:])])
+
+
+class StatsLogger:
+    """Writes each step's metrics to every configured sink (no-op when not `enabled`)."""
+
+    def __init__(self, cfg: Config, *, enabled: bool = True, total_steps: int | None = None,
+                 stdout: TextIO | None = None) -> None:
+        self.enabled = enabled
+        self.total_steps = total_steps
+        self.stdout = stdout or sys.stdout
+        self._jsonl = None
+        self._tb = None
+        self._wandb = None
+        if not enabled:
+            return
+        run_dir = Path(cfg.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.path = run_dir / "metrics.jsonl"
+        self._jsonl = open(self.path, "a", encoding="utf-8")
+        sl = cfg.stats_logger
+        if sl.tensorboard.enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(log_dir=sl.tensorboard.path or str(run_dir / "tensorboard"))
+        if sl.wandb.mode != "disabled":
+            self._wandb = self._init_wandb(cfg, run_dir)
+
+    @staticmethod
+    def _init_wandb(cfg: Config, run_dir: Path) -> Any:
+        try:
+            import wandb
+        except ImportError:
+            raise RuntimeError("stats_logger.wandb.mode is "
+                               f"{cfg.stats_logger.wandb.mode!r} but wandb is not installed (pip install wandb)") from None
+        w = cfg.stats_logger.wandb
+        if w.api_key:
+            os.environ.setdefault("WANDB_API_KEY", w.api_key)
+        (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+        return wandb.init(mode=w.mode, project=w.project or cfg.experiment_name, entity=w.entity,
+                          name=w.name or cfg.trial_name, dir=str(run_dir), config=masked_config_dict(cfg),
+                          reinit="finish_previous")
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        """One step: stdout line, JSONL record, TensorBoard scalars, wandb log."""
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        print(format_line(step, clean, self.total_steps), file=self.stdout, flush=True)
+        self._jsonl.write(json.dumps({"step": step, "ts": time.time(), **clean}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(clean, step=step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None

@@ -1,0 +1,140 @@
+"""Decoded stream entries -> one flat batch of sequences (the trainer's only input format).
+
+Every sequence of every group is laid end to end in one 1-D token axis (`cu_seqlens`
+marks the boundaries), so the batch is already in the packed layout the model runs on;
+padding, when asked for, is made from it per micro-batch (`consumer.packing`).
+
+Per-token arrays are aligned with `input_ids`: position t holds what belongs to token t
+(its behaviour logprob, the version that sampled it, whether it is trained on). Prompt
+positions have loss_mask False, version -1 and logprob 0, exactly as on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from rlstream.broker.stream import Entry
+
+__all__ = ["SeqBatch", "collate", "BadEntry"]
+
+
+class BadEntry(ValueError):
+    """An entry that decodes but cannot be trained on by this model (e.g. a token id >= vocab)."""
+
+    def __init__(self, entry_id: str, reason: str) -> None:
+        super().__init__(f"stream entry {entry_id}: {reason}")
+        self.entry_id = entry_id
+        self.reason = reason
+
+
+@dataclass
+class SeqBatch:
+    """N sequences (all samples of G groups) concatenated along one token axis of length T."""
+
+    input_ids: torch.Tensor  # [T] int64
+    cu_seqlens: torch.Tensor  # [N+1] int64
+    prompt_lens: torch.Tensor  # [N] int64
+    loss_mask: torch.Tensor  # [T] bool: output tokens (minus samples masked by mask_no_eos_with_zero)
+    behav_logp: torch.Tensor  # [T] float32: behaviour logprob of token t
+    versions: torch.Tensor  # [T] int64: weight version that sampled token t (-1: prompt)
+    rewards: torch.Tensor  # [N] float32, raw task rewards
+    no_eos: torch.Tensor  # [N] bool: finished without EOS (length / abort)
+    group_ids: torch.Tensor  # [N] int64: index of the group (0..G-1) each sequence belongs to
+    entry_ids: list[str] = field(default_factory=list)  # [G] stream ids, in batch order
+
+    # ---- sizes -------------------------------------------------------------------
+    @property
+    def n_seqs(self) -> int:
+        return int(self.cu_seqlens.numel() - 1)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.entry_ids)
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        return self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+
+    @property
+    def output_lens(self) -> torch.Tensor:
+        return self.seq_lens - self.prompt_lens
+
+    def seq_index(self) -> torch.Tensor:
+        """[T]: which sequence (0..N-1) each token belongs to."""
+        return torch.repeat_interleave(torch.arange(self.n_seqs), self.seq_lens)
+
+    def position_ids(self) -> torch.Tensor:
+        """[T]: position of each token inside its own sequence (resets to 0 at each start)."""
+        starts = torch.repeat_interleave(self.cu_seqlens[:-1], self.seq_lens)
+        return torch.arange(self.n_tokens) - starts
+
+    def token_index(self, seqs: Sequence[int]) -> torch.Tensor:
+        """Flat token positions of the given sequences, in the given order."""
+        if len(seqs) == 0:
+            return torch.zeros(0, dtype=torch.long)
+        cu = self.cu_seqlens
+        return torch.cat([torch.arange(int(cu[i]), int(cu[i + 1])) for i in seqs])
+
+    def select(self, seqs: Sequence[int]) -> "SeqBatch":
+        """A batch of only these sequences (in this order); group ids are kept as they were."""
+        seqs = [int(i) for i in seqs]
+        tok = self.token_index(seqs)
+        lens = self.seq_lens[seqs] if seqs else torch.zeros(0, dtype=torch.long)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.long)
+        if seqs:
+            cu[1:] = torch.cumsum(lens, 0)
+        idx = torch.tensor(seqs, dtype=torch.long)
+        return SeqBatch(
+            input_ids=self.input_ids[tok], cu_seqlens=cu, prompt_lens=self.prompt_lens[idx],
+            loss_mask=self.loss_mask[tok], behav_logp=self.behav_logp[tok], versions=self.versions[tok],
+            rewards=self.rewards[idx], no_eos=self.no_eos[idx], group_ids=self.group_ids[idx],
+            entry_ids=list(self.entry_ids),
+        )
+
+
+def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch:
+    """Concatenate every trajectory of every entry, in entry order then sample order.
+
+    Raises `BadEntry` naming the entry if a token id is outside the model's vocabulary
+    (the reader checks this before an entry is ever recorded, so a trainer never crashes
+    half-way through a step on it).
+    """
+    ids, logps, vers, plens, slens, rewards, no_eos, gids = [], [], [], [], [], [], [], []
+    for g, entry in enumerate(entries):
+        for t in entry.group.trajectories:
+            tok = t.input_ids_np
+            if vocab_size is not None and len(tok) and (int(tok.max()) >= vocab_size or int(tok.min()) < 0):
+                raise BadEntry(entry.id, f"token id outside [0, {vocab_size}) (max {int(tok.max())}, min {int(tok.min())})")
+            ids.append(tok)
+            logps.append(t.logprobs_np)
+            vers.append(t.versions_np)
+            plens.append(t.prompt_len)
+            slens.append(len(tok))
+            rewards.append(t.reward)
+            no_eos.append(t.finish_reason != "stop")
+            gids.append(g)
+    n = len(slens)
+    cu = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(slens, out=cu[1:])
+    input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)) if n else torch.zeros(0, dtype=torch.long)
+    behav = torch.from_numpy(np.concatenate(logps).astype(np.float32)) if n else torch.zeros(0)
+    versions = torch.from_numpy(np.concatenate(vers).astype(np.int64)) if n else torch.zeros(0, dtype=torch.long)
+    prompt_lens = torch.tensor(plens, dtype=torch.long)
+    cu_t = torch.from_numpy(cu)
+    # Output positions are exactly those with version >= 0 (the wire schema guarantees
+    # -1 on prompt positions and >= 0 on outputs).
+    loss_mask = versions >= 0
+    return SeqBatch(
+        input_ids=input_ids, cu_seqlens=cu_t, prompt_lens=prompt_lens, loss_mask=loss_mask,
+        behav_logp=behav, versions=versions, rewards=torch.tensor(rewards, dtype=torch.float32),
+        no_eos=torch.tensor(no_eos, dtype=torch.bool), group_ids=torch.tensor(gids, dtype=torch.long),
+        entry_ids=[e.id for e in entries],
+    )

@@ -1,0 +1,224 @@
+"""Each train step's groups for one data-parallel rank, with exact replay after a crash.
+
+Rank r reads its B/D groups through the `train` consumer group as consumer
+`trainer-r{r}`. Per step, in this order:
+
+1. a recorded step that a crash lost (its `{ns}:steps` record exists, no durable
+   checkpoint covers it) is re-read by id: the same entries in the same grouping;
+2. otherwise entries this consumer was delivered but never recorded (read, then a
+   crash) are used first, oldest first: they are exactly what an uninterrupted run
+   would have read next;
+3. then new entries (XREADGROUP `>`).
+
+Fresh entries are checked at read time: head staleness (trainer version minus the
+oldest output version) above `max_head_offpolicyness` moves the entry to
+`{ns}:dropped` with the reason (counted, visible in `rlstream inspect`); a token id the
+model cannot embed moves it to `{ns}:dead`. The step's ids are recorded in `{ns}:steps`
+BEFORE the step trains, and acknowledged only once a checkpoint covering them is durable
+(`ack`, called by the trainer), so after `kill -9` at any moment nothing is lost and no
+entry is trained twice in the durable history.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from rlstream.broker.keys import TRAIN_GROUP, Keys
+from rlstream.broker.steps import StepLog, StepRecord
+from rlstream.broker.stream import Entry, TrajectoryStream, id_str
+from rlstream.common.logging import get_logger
+
+__all__ = ["StepData", "StepReader", "consumer_name"]
+
+log = get_logger("consumer")
+
+CONSUMER_PREFIX = "trainer-r"
+
+
+def consumer_name(rank: int) -> str:
+    """Stable per-rank consumer name: a restarted rank finds its own pending entries."""
+    return f"{CONSUMER_PREFIX}{rank}"
+
+
+@dataclass
+class StepData:
+    """The groups of one train step on one rank."""
+
+    step: int
+    version: int
+    entries: list[Entry]
+    replayed: bool = False
+    n_dropped_stale: int = 0
+    n_dead: int = 0
+    wait_s: float = 0.0  # blocked on Redis + decoding + validation
+
+    @property
+    def ids(self) -> list[str]:
+        return [e.id for e in self.entries]
+
+
+@dataclass
+class ResumeInfo:
+    """What `StepReader.resume` found, for the log."""
+
+    acked: int = 0
+    replay_steps: list[int] = field(default_factory=list)
+    leftover: int = 0
+    orphans_claimed: int = 0
+
+
+class StepReader:
+    """Reads B/D groups per step for one rank (see the module docstring for the order)."""
+
+    def __init__(self, client: Any, keys: Keys, *, rank: int = 0, groups_per_step: int,
+                 max_head_offpolicyness: int, vocab_size: int | None = None, block_ms: int = 1000,
+                 log_every_secs: float = 10.0, group: str = TRAIN_GROUP) -> None:
+        if groups_per_step < 1:
+            raise ValueError(f"groups per step and rank must be >= 1, got {groups_per_step}")
+        self.client = client
+        self.keys = keys
+        self.rank = rank
+        self.consumer = consumer_name(rank)
+        self.need = groups_per_step
+        self.eta = max_head_offpolicyness
+        self.vocab_size = vocab_size
+        self.block_ms = block_ms
+        self.log_every_secs = log_every_secs
+        self.stream = TrajectoryStream(client, keys, group)
+        self.steplog = StepLog(client, keys)
+        self._replay: dict[int, list[str]] = {}
+        self._leftover: deque[Entry] = deque()
+
+    # ------------------------------------------------------------------ start-up
+    def _last_records(self, ranks: Iterable[int] | None = None) -> dict[tuple[int, int], StepRecord]:
+        """(step, rank) -> the latest record (a re-run after a crash supersedes an earlier one)."""
+        wanted = None if ranks is None else set(ranks)
+        out: dict[tuple[int, int], StepRecord] = {}
+        for rec in self.steplog.all():
+            if wanted is None or rec.rank in wanted:
+                out[(rec.step, rec.rank)] = rec
+        return out
+
+    def claim_orphans(self, world_size: int, completed_steps: int, replay: bool) -> int:
+        """Rank 0, before any rank resumes: adopt entries pending on ranks that no longer exist.
+
+        After a restart with fewer ranks, consumers `trainer-r{j}` (j >= world size) still
+        own pending entries. Those a durable checkpoint covers are acknowledged; the rest
+        move to this rank (XCLAIM) and are trained as fresh entries. Exact regrouping is
+        only possible with the same world size; this keeps "no entry lost, none twice".
+        """
+        try:
+            consumers = self.client.xinfo_consumers(self.keys.traj, self.stream.group)
+        except Exception:  # noqa: BLE001 - no stream or group yet: nothing to adopt
+            return 0
+        orphans = []
+        for c in consumers:
+            name = id_str(c["name"])
+            if name.startswith(CONSUMER_PREFIX) and name[len(CONSUMER_PREFIX):].isdigit():
+                if int(name[len(CONSUMER_PREFIX):]) >= world_size and int(c["pending"]) > 0:
+                    orphans.append((name, int(name[len(CONSUMER_PREFIX):])))
+        if not orphans:
+            return 0
+        if replay:
+            durable = [i for (s, r), rec in self._last_records([o[1] for o in orphans]).items()
+                       if s < completed_steps for i in rec.entry_ids]
+            self.stream.ack(durable)
+        claimed = 0
+        for name, _ in orphans:
+            pend = self.client.xpending_range(self.keys.traj, self.stream.group, min="-", max="+",
+                                              count=1_000_000, consumername=name)
+            ids = [id_str(p["message_id"]) for p in pend]
+            if ids:
+                self.client.xclaim(self.keys.traj, self.stream.group, self.consumer, 0, ids)
+                claimed += len(ids)
+        log.warning("adopted %d pending entries of %d departed trainer rank(s); they are trained as new entries",
+                    claimed, len(orphans))
+        return claimed
+
+    def resume(self, completed_steps: int, *, replay: bool, covered_ids: Iterable[str] = ()) -> ResumeInfo:
+        """Call once at start-up, after the checkpoint (if any) is loaded.
+
+        `completed_steps`: steps the loaded checkpoint contains (0 on a fresh start).
+        `replay`: recovering (recover.mode on): acknowledge what the checkpoint covers
+        and re-train the recorded steps it does not cover. Without it, recorded steps are
+        history of an earlier run and pending entries simply come first.
+        """
+        self.stream.ensure_group()
+        info = ResumeInfo()
+        durable: list[str] = list(covered_ids)
+        self._replay = {}
+        if replay:
+            for (step, _), rec in sorted(self._last_records([self.rank]).items()):
+                if step < completed_steps:
+                    durable.extend(rec.entry_ids)
+                else:
+                    self._replay[step] = list(rec.entry_ids)
+            info.acked = self.stream.ack(durable) if durable else 0
+        info.replay_steps = sorted(self._replay)
+        skip = set(durable) | {i for ids in self._replay.values() for i in ids}
+        pending = self.stream.read_own_pending(self.consumer)
+        self._leftover = deque(e for e in pending if e.id not in skip)
+        info.leftover = len(self._leftover)
+        return info
+
+    # ------------------------------------------------------------------ per step
+    def next(self, step: int, version: int) -> StepData:
+        """The groups of `step`, recorded in `{ns}:steps` before returning (fresh steps)."""
+        t0 = time.monotonic()
+        if step in self._replay:
+            ids = self._replay.pop(step)
+            entries = self.stream.read_ids(ids)
+            if [e.id for e in entries] != ids:
+                missing = sorted(set(ids) - {e.id for e in entries})
+                raise RuntimeError(f"cannot replay step {step}: entries {missing} no longer decode "
+                                   f"(moved to {self.keys.dead})")
+            return StepData(step, version, entries, replayed=True, wait_s=time.monotonic() - t0)
+
+        data = StepData(step, version, [])
+        last_log = t0
+        while len(data.entries) < self.need:
+            if self._leftover:
+                batch = [self._leftover.popleft()]
+            else:
+                batch = self.stream.read(self.consumer, count=self.need - len(data.entries), block_ms=self.block_ms)
+            for entry in batch:
+                if self._admit(entry, version, data):
+                    data.entries.append(entry)
+            now = time.monotonic()
+            if not batch and now - last_log >= self.log_every_secs:
+                log.info("rank %d waiting for data: %d/%d groups for step %d (version %d)",
+                         self.rank, len(data.entries), self.need, step, version)
+                last_log = now
+        self.steplog.record(StepRecord(step=step, version=version, entry_ids=data.ids, rank=self.rank,
+                                       ts=time.time()))
+        data.wait_s = time.monotonic() - t0
+        return data
+
+    def _admit(self, entry: Entry, version: int, data: StepData) -> bool:
+        staleness = version - entry.min_version
+        if staleness > self.eta:
+            self.stream.drop_stale(entry, version, f"head staleness {staleness} > max_head_offpolicyness {self.eta}")
+            data.n_dropped_stale += 1
+            return False
+        if self.vocab_size is not None:
+            for i, t in enumerate(entry.group.trajectories):
+                tok = t.input_ids_np
+                if len(tok) and (int(tok.max()) >= self.vocab_size or int(tok.min()) < 0):
+                    self._dead_letter(entry.id, f"trajectory {i}: token id outside [0, {self.vocab_size}) "
+                                                f"of the trainer's model (max {int(tok.max())})")
+                    data.n_dead += 1
+                    return False
+        return True
+
+    def _dead_letter(self, entry_id: str, reason: str) -> None:
+        raw = self.client.xrange(self.keys.traj, min=entry_id, max=entry_id, count=1)
+        fields = raw[0][1] if raw else {}
+        log.error("stream entry %s moved to %s: %s", entry_id, self.keys.dead, reason)
+        self.stream.dead_letter(entry_id, fields, reason)
+
+    def ack(self, ids: Iterable[str]) -> int:
+        """Acknowledge entries whose training a durable checkpoint now covers."""
+        return self.stream.ack(ids)

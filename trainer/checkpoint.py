@@ -1,0 +1,282 @@
+"""Checkpoints: HF exports (`saver`) and recover checkpoints (`recover`), both written atomically.
+
+HF export `{run_dir}/checkpoints/step-{N}` (and `final`): `model.safetensors` + config +
+tokenizer, loadable with `AutoModelForCausalLM.from_pretrained`.
+
+Recover checkpoint `{run_dir}/recover/ckpt-{N:08d}` (N = completed steps):
+
+    meta.json                    step, version, world size, time (msgspec JSON)
+    model.safetensors            full model state dict
+    optimizer.safetensors        every tensor of the optimizer state (`state/{param}/{key}`)
+    optimizer.json               the rest: param groups and non-tensor state
+    scheduler.json               LambdaLR state (last_epoch, base lrs)
+    rank{r}.safetensors          torch CPU (and CUDA) RNG state of rank r
+    rank{r}.json                 rank r's broker bookkeeping (consumer, entry ids this
+                                 checkpoint newly covers) and Python/NumPy RNG states
+
+Nothing is pickled. Every file is written into `recover/.tmp-…` and fsynced, then the
+folder is renamed into place (atomic on POSIX) and the parent fsynced; a checkpoint
+folder either exists complete or not at all, so `kill -9` at any moment leaves the
+previous one usable. Older checkpoints are deleted only after the new one is durable.
+Assumes `cluster.fileroot` is one filesystem shared by all trainer ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from rlstream.common.logging import get_logger
+from rlstream.trainer.parallel import Parallel
+
+__all__ = ["TrainState", "RankState", "Checkpointer"]
+
+log = get_logger("trainer.checkpoint")
+
+_CKPT_PREFIX = "ckpt-"
+
+
+class TrainState(msgspec.Struct, kw_only=True):
+    """The trainer's position: what a recover checkpoint resumes from."""
+
+    step: int = 0  # completed train steps
+    version: int = 0  # policy version of the weights (steps + initial version)
+    world_size: int = 1
+    total_train_steps: int = 0
+    created_at: float = 0.0
+
+
+class RankState(msgspec.Struct, kw_only=True):
+    """Per-rank part of a recover checkpoint."""
+
+    rank: int
+    consumer: str
+    covered_ids: list[str] = []  # entry ids trained since the previous checkpoint
+    python_rng: list[Any] = []
+    numpy_rng: list[Any] = []
+
+
+_json = msgspec.json.Encoder()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(path: Path) -> None:
+    for f in path.iterdir():
+        if f.is_file():
+            with open(f, "rb+") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(path)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with open(path, "wb") as fh:
+        fh.write(msgspec.json.format(_json.encode(obj)))
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _dedup_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """safetensors refuses tensors that share memory (tied embeddings): keep one, note the aliases."""
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    out, aliases = {}, {}
+    for k, v in sd.items():
+        v = v.detach()
+        key = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape)) if v.numel() else None
+        if key is not None and key in seen:
+            aliases[k] = seen[key]
+            continue
+        if key is not None:
+            seen[key] = k
+        out[k] = v.contiguous()
+    return out, aliases
+
+
+def _python_rng() -> list[Any]:
+    version, state, gauss = random.getstate()
+    return [version, list(state), gauss]
+
+
+def _numpy_rng() -> list[Any]:
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+class Checkpointer:
+    """Writes and finds checkpoints of one run (`cfg.run_dir`); collective methods say so."""
+
+    def __init__(self, run_dir: Path, par: Parallel, tokenizer_path: str | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.recover_dir = self.run_dir / "recover"
+        self.save_dir = self.run_dir / "checkpoints"
+        self.par = par
+        self.tokenizer_path = tokenizer_path
+        self._tokenizer: Any = None
+
+    # ------------------------------------------------------------------ state dicts
+    def _model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Full (unsharded) CPU state dict on rank 0 (collective under FSDP)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def _optim_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    # ------------------------------------------------------------------ HF export
+    def _tokenizer_obj(self) -> Any:
+        if self._tokenizer is None and self.tokenizer_path:
+            try:
+                from transformers import AutoTokenizer
+
+                self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
+            except Exception as exc:  # noqa: BLE001 - a checkpoint without tokenizer is still useful
+                log.warning("tokenizer at %s not saved with checkpoints: %s", self.tokenizer_path, exc)
+                self._tokenizer = False
+        return self._tokenizer or None
+
+    def save_hf(self, model: torch.nn.Module, module: torch.nn.Module, name: str) -> Path:
+        """Export `{run_dir}/checkpoints/{name}` in HF format (collective)."""
+        sd = self._model_state(model)
+        final = self.save_dir / name
+        if self.par.is_main:
+            tmp = self.save_dir / f".tmp-{name}-{os.getpid()}"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            tok = self._tokenizer_obj()
+            if tok is not None:
+                tok.save_pretrained(tmp)
+            _fsync_tree(tmp)
+            if final.exists():
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.save_dir)
+            log.info("saved HF checkpoint %s", final)
+        self.par.barrier()
+        return final
+
+    # ------------------------------------------------------------------ recover
+    def latest(self) -> Path | None:
+        """The newest complete recover checkpoint (complete = renamed into place)."""
+        if not self.recover_dir.is_dir():
+            return None
+        ckpts = sorted(p for p in self.recover_dir.iterdir()
+                       if p.is_dir() and p.name.startswith(_CKPT_PREFIX) and (p / "meta.json").is_file())
+        return ckpts[-1] if ckpts else None
+
+    def save_recover(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+                     state: TrainState, rank_state: RankState) -> Path:
+        """Write a recover checkpoint atomically (collective); returns its folder."""
+        final = self.recover_dir / f"{_CKPT_PREFIX}{state.step:08d}"
+        tmp = self.recover_dir / f".tmp-{_CKPT_PREFIX}{state.step:08d}"
+        if self.par.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        self.par.barrier()
+        model_sd = self._model_state(model)
+        optim_sd = self._optim_state(model, optimizer)
+
+        r = self.par.rank
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        save_file(rng, str(tmp / f"rank{r}.safetensors"))
+        rank_state.python_rng = _python_rng()
+        rank_state.numpy_rng = _numpy_rng()
+        _write_json(tmp / f"rank{r}.json", rank_state)
+
+        if self.par.is_main:
+            tensors, aliases = _dedup_shared(model_sd)
+            save_file(tensors, str(tmp / "model.safetensors"), metadata={"aliases": msgspec.json.encode(aliases).decode()})
+            opt_tensors: dict[str, torch.Tensor] = {}
+            opt_rest: dict[str, Any] = {"param_groups": optim_sd.get("param_groups", []), "state": {}}
+            for pname, pstate in optim_sd.get("state", {}).items():
+                rest = {}
+                for k, v in pstate.items():
+                    if isinstance(v, torch.Tensor):
+                        opt_tensors[f"state/{pname}/{k}"] = v.detach().contiguous()
+                    else:
+                        rest[k] = v
+                opt_rest["state"][pname] = rest
+            save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+            _write_json(tmp / "optimizer.json", opt_rest)
+            _write_json(tmp / "scheduler.json", {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"})
+            state.created_at = time.time()
+            _write_json(tmp / "meta.json", state)
+        self.par.barrier()
+        if self.par.is_main:
+            _fsync_tree(tmp)
+            os.rename(tmp, final)
+            _fsync_dir(self.recover_dir)
+            for old in self.recover_dir.iterdir():
+                if old != final and old.is_dir() and (old.name.startswith(_CKPT_PREFIX) or old.name.startswith(".tmp-")):
+                    shutil.rmtree(old, ignore_errors=True)
+        self.par.barrier()
+        return final
+
+    def load_recover(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                     scheduler: Any) -> tuple[TrainState, RankState | None]:
+        """Restore model, optimizer, scheduler and this rank's RNG from `path` (collective)."""
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        state = msgspec.json.decode((path / "meta.json").read_bytes(), type=TrainState)
+        from safetensors import safe_open
+
+        with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
+            aliases = msgspec.json.decode((fh.metadata() or {}).get("aliases", "{}"))
+        model_sd = load_file(str(path / "model.safetensors"))
+        for alias, target in aliases.items():
+            model_sd[alias] = model_sd[target]
+        opts = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(model, model_sd, options=opts)
+
+        rest = msgspec.json.decode((path / "optimizer.json").read_bytes())
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        optim_sd: dict[str, Any] = {"state": {}, "param_groups": rest["param_groups"]}
+        for pname, pstate in rest["state"].items():
+            optim_sd["state"][pname] = dict(pstate)
+        for key, t in tensors.items():
+            _, pname_key = key.split("/", 1)
+            pname, k = pname_key.rsplit("/", 1)
+            optim_sd["state"].setdefault(pname, {})[k] = t
+        for group in optim_sd["param_groups"]:
+            if "betas" in group:
+                group["betas"] = tuple(group["betas"])
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+        scheduler.load_state_dict(msgspec.json.decode((path / "scheduler.json").read_bytes()))
+
+        rank_state = None
+        r = self.par.rank
+        if (path / f"rank{r}.json").is_file():
+            rank_state = msgspec.json.decode((path / f"rank{r}.json").read_bytes(), type=RankState)
+            rng = load_file(str(path / f"rank{r}.safetensors"))
+            torch.set_rng_state(rng["cpu"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+            if rank_state.python_rng:
+                v, st, gauss = rank_state.python_rng
+                random.setstate((v, tuple(st), gauss))
+            if rank_state.numpy_rng:
+                name, keys, pos, has_gauss, cached = rank_state.numpy_rng
+                np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+        self.par.barrier()
+        return state, rank_state

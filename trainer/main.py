@@ -1,0 +1,219 @@
+"""`rlstream train`: the trainer loop, one process or one rank under torchrun.
+
+Read top to bottom; each numbered block is a step of ARCHITECTURE.md "One train step":
+
+    1. read B/D groups for this rank (exact replays after a crash come first)
+    2-4. reference/proximal logprobs, advantages, PPO minibatch updates (trainer.ppo)
+    5. hand the weights to the broadcaster as version v+1 (sets {ns}:version)
+    6. checkpoints; acknowledge the step's entries once a recover checkpoint covers them
+
+Stops after the step budget (total_train_steps / epochs), writes
+`{run_dir}/checkpoints/final` and publishes a `shutdown` event so producers stop.
+
+Recovery (`recover.mode`): `auto`/`resume` resume from the newest recover checkpoint if
+there is one; `fault` does so only when relaunched after a failure (the launcher sets
+RLSTREAM_RECOVER_RUN=1); `disabled` never writes nor reads recover checkpoints and
+acknowledges entries right after their step.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import torch
+
+from rlstream.broker.admission import AdmissionController
+from rlstream.broker.connection import connect
+from rlstream.broker.keys import Keys
+from rlstream.broker.versions import Event, VersionRegistry
+from rlstream.common.config import Config, ConfigError
+from rlstream.common.logging import get_logger
+from rlstream.common.metrics import StatsLogger
+from rlstream.consumer.collate import collate
+from rlstream.consumer.reader import StepReader
+from rlstream.trainer.budget import resolve_total_steps
+from rlstream.trainer.checkpoint import Checkpointer, RankState, TrainState
+from rlstream.trainer.model import load_causal_lm
+from rlstream.trainer.optim import build_optimizer, build_scheduler
+from rlstream.trainer.parallel import Parallel, init_parallel
+from rlstream.trainer.ppo import PPOActor
+from rlstream.trainer.weights import make_broadcaster
+
+__all__ = ["train", "check_config"]
+
+log = get_logger("trainer")
+
+
+def check_config(cfg: Config, world_size: int) -> None:
+    """Settings the schema cannot check alone; each error names its key."""
+    a, b = cfg.actor, cfg.rollout.consumer_batch_size
+    if b % world_size:
+        raise ConfigError(f"rollout.consumer_batch_size={b} must be divisible by the {world_size} trainer ranks")
+    if a.overlong_reward_penalty and (a.overlong_tokens is None or a.overlong_penalty_factor is None):
+        raise ConfigError("actor.overlong_reward_penalty=true needs actor.overlong_tokens and actor.overlong_penalty_factor")
+    if a.overlong_reward_penalty and a.overlong_tokens > cfg.gconfig.max_new_tokens:
+        raise ConfigError(f"actor.overlong_tokens={a.overlong_tokens} exceeds gconfig.max_new_tokens={cfg.gconfig.max_new_tokens}")
+    if a.use_kl_loss and a.kl_ctl == 0:
+        raise ConfigError("actor.use_kl_loss=true with actor.kl_ctl=0 has no effect: set actor.kl_ctl > 0")
+    if a.use_decoupled_loss and a.prox_logp_method == "loglinear" and a.recompute_logprob:
+        log.warning("actor.recompute_logprob=true is ignored with prox_logp_method=loglinear (no extra forward pass)")
+
+
+def _recovering(mode: str) -> bool:
+    if mode in ("auto", "resume"):
+        return True
+    if mode == "fault":
+        return os.environ.get("RLSTREAM_RECOVER_RUN", "") == "1"
+    return False
+
+
+def _due(par: Parallel, step: int, last_t: float, freq_steps: int | None, freq_secs: int | None,
+         freq_epochs: int | None = None, steps_per_epoch: int | None = None) -> bool:
+    """Whether a periodic action is due after `step` completed steps; rank 0 decides for all."""
+    due = bool(freq_steps and step % freq_steps == 0)
+    due |= bool(freq_epochs and steps_per_epoch and step % (freq_epochs * steps_per_epoch) == 0)
+    due |= bool(freq_secs and time.monotonic() - last_t >= freq_secs)
+    flag = torch.tensor([1.0 if (due and par.is_main) else 0.0])
+    par.all_reduce([flag], "max")
+    return bool(flag.item())
+
+
+def train(cfg: Config) -> None:
+    """Entry point of `rlstream train`."""
+    par = init_parallel(cfg.actor.device, cfg.actor.parallel)
+    try:
+        _train(cfg, par)
+    finally:
+        par.close()
+
+
+def _train(cfg: Config, par: Parallel) -> None:
+    check_config(cfg, par.world_size)
+    torch.manual_seed(cfg.seed + par.rank)
+    random.seed(cfg.seed + par.rank)
+    np.random.seed((cfg.seed + par.rank) % 2**32)
+    B = cfg.rollout.consumer_batch_size
+    total_steps, steps_per_epoch = resolve_total_steps(cfg)
+    client = connect(cfg.redis)
+    keys = Keys(cfg.namespace)
+    versions = VersionRegistry(client, keys)
+
+    # ---- model, reference, optimizer ------------------------------------------------
+    module = load_causal_lm(cfg.actor.path, cfg.actor, init_from_scratch=cfg.actor.init_from_scratch,
+                            seed=cfg.seed).to(par.device)
+    vocab_size = module.get_input_embeddings().num_embeddings
+    pad_token_id = module.config.pad_token_id if module.config.pad_token_id is not None else 0
+    ref = None
+    if cfg.actor.kl_ctl > 0:
+        ref = load_causal_lm(cfg.ref.path or cfg.actor.path, cfg.actor, key="ref.path", trainable=False).to(par.device)
+    model = par.wrap(module)
+    optimizer = build_optimizer(model.parameters(), cfg.actor.optimizer)
+    scheduler = build_scheduler(optimizer, cfg.actor.optimizer, total_steps)
+    actor = PPOActor(cfg, model, optimizer, scheduler, par, ref=ref, pad_token_id=pad_token_id)
+    ckpt = Checkpointer(cfg.run_dir, par, cfg.tokenizer)
+
+    # ---- resume ----------------------------------------------------------------------
+    recovering = _recovering(cfg.recover.mode)
+    state = TrainState(world_size=par.world_size, total_train_steps=total_steps)
+    covered: list[str] = []
+    latest = ckpt.latest() if recovering else None
+    if latest is not None:
+        state, rank_state = ckpt.load_recover(latest, model, optimizer, scheduler)
+        covered = rank_state.covered_ids if rank_state is not None else []
+        log.info("resumed from %s: %d steps done, version %d", latest, state.step, state.version)
+    reader = StepReader(client, keys, rank=par.rank, groups_per_step=B // par.world_size,
+                        max_head_offpolicyness=cfg.rollout.max_head_offpolicyness, vocab_size=vocab_size,
+                        log_every_secs=cfg.stats_logger.log_every_secs)
+    if par.is_main:
+        reader.claim_orphans(par.world_size, state.step, replay=recovering)
+    par.barrier()
+    info = reader.resume(state.step, replay=recovering, covered_ids=covered)
+    if info.replay_steps or info.leftover or info.acked:
+        log.info("rank %d: acknowledged %d covered entries, will replay steps %s, %d unrecorded pending entries first",
+                 par.rank, info.acked, info.replay_steps, info.leftover)
+    broadcaster = make_broadcaster(cfg, client, keys, par.rank)
+    if par.is_main:
+        versions.set_trainer_version(state.version)
+    # A checkpoint or recorded-but-lost steps mean this run recovers from a crash.
+    if latest is not None or info.replay_steps:
+        if par.is_main:
+            AdmissionController(client, keys, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
+                                consumer_batch_size=B, max_concurrent_rollouts=cfg.max_concurrent_rollouts,
+                                lease_ttl=cfg.rollout.lease_ttl).reset_accepted(state.version)
+        # Engines may serve weights of lost steps: give them the recovered ones.
+        broadcaster.push(par.unwrap(model), state.version)
+    stats = StatsLogger(cfg, enabled=par.is_main, total_steps=total_steps)
+    log.info("training %d steps of %d groups (%d per rank x %d ranks) from step %d",
+             total_steps, B, B // par.world_size, par.world_size, state.step)
+
+    recover_on = cfg.recover.mode != "disabled"
+    unacked: list[str] = []  # entries trained since the last durable recover checkpoint
+    last_save_t = last_recover_t = time.monotonic()
+    while state.step < total_steps:
+        t_step = time.perf_counter()
+        # 1. this rank's groups (recorded in {ns}:steps before training)
+        data = reader.next(state.step, state.version)
+        t0 = time.perf_counter()
+        batch = collate(data.entries)
+        t_collate = time.perf_counter() - t0
+
+        # 2-4. logprobs, advantages, PPO minibatches
+        metrics = actor.train_step(batch, state.version)
+        unacked += data.ids
+        state.step += 1
+        state.version += 1
+
+        # 5. publish the new weights as the next version
+        t0 = time.perf_counter()
+        if par.is_main:
+            versions.set_trainer_version(state.version)
+        broadcaster.push(par.unwrap(model), state.version)
+        t_push = time.perf_counter() - t0
+
+        # 6. checkpoints; entries are acknowledged once a durable checkpoint covers them
+        t0 = time.perf_counter()
+        if _due(par, state.step, last_save_t, cfg.saver.freq_steps, cfg.saver.freq_secs,
+                cfg.saver.freq_epochs, steps_per_epoch) and state.step < total_steps:
+            ckpt.save_hf(model, par.unwrap(model), f"step-{state.step}")
+            last_save_t = time.monotonic()
+        if recover_on:
+            if state.step == total_steps or _due(par, state.step, last_recover_t, cfg.recover.freq_steps,
+                                                 cfg.recover.freq_secs):
+                ckpt.save_recover(model, optimizer, scheduler, state,
+                                  RankState(rank=par.rank, consumer=reader.consumer, covered_ids=unacked))
+                reader.ack(unacked)
+                unacked = []
+                last_recover_t = time.monotonic()
+        else:
+            reader.ack(unacked)
+            unacked = []
+        t_ckpt = time.perf_counter() - t0
+
+        data_stats = torch.tensor([data.wait_s, t_collate], dtype=torch.float64)
+        counts = torch.tensor([data.n_dropped_stale, data.n_dead, float(data.replayed), len(data.entries)],
+                              dtype=torch.float64)
+        par.all_reduce([data_stats], "max")
+        par.all_reduce([counts], "sum")
+        step_time = time.perf_counter() - t_step
+        compute = metrics["time/logprobs"] + metrics["time/update"]
+        metrics.update({
+            "version": state.version, "epoch": state.step / steps_per_epoch if steps_per_epoch else 0.0,
+            "time/wait_data": float(data_stats[0]), "time/collate": float(data_stats[1]),
+            "time/weight_push": t_push, "time/checkpoint": t_ckpt, "time/step": step_time,
+            "data/n_groups": float(counts[3]), "data/dropped_stale": float(counts[0]), "data/dead": float(counts[1]),
+            "data/replayed": float(counts[2] > 0),
+            "perf/tokens_per_s": metrics["data/n_tokens"] / compute if compute > 0 else 0.0,
+        })
+        stats.log(state.step, metrics)
+
+    # ---- the end ---------------------------------------------------------------------
+    ckpt.save_hf(model, par.unwrap(model), "final")
+    if par.is_main:
+        versions.publish(Event(type="shutdown", version=state.version, detail=f"trainer finished {state.step} steps"))
+        log.info("finished %d steps (version %d); published shutdown", state.step, state.version)
+    broadcaster.close()
+    stats.close()
+    client.close()

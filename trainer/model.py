@@ -1,0 +1,55 @@
+"""The policy and reference models: HF causal LMs from a local folder (never a hub name)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rlstream.common.config import ActorConfig
+
+__all__ = ["DTYPES", "check_model_path", "load_causal_lm"]
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def check_model_path(path: str, key: str) -> Path:
+    """A local HF model folder, or a one-line error naming the config key."""
+    if not path:
+        raise ValueError(f"{key} is empty: set it to a local HF model folder")
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ValueError(f"{key}={path!r} is not a local HF model folder (no config.json); "
+                         "rlstream never downloads from a model hub")
+    return p
+
+
+def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", trainable: bool = True,
+                   init_from_scratch: bool = False, seed: int = 1) -> torch.nn.Module:
+    """Load (or randomly initialise from its config) a causal LM on CPU in `actor.dtype`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import transformers
+
+    p = check_model_path(path, key)
+    dtype = DTYPES[actor.dtype]
+    # transformers 4.56 renamed `torch_dtype` to `dtype`.
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    dkw = {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+    if init_from_scratch:
+        config = AutoConfig.from_pretrained(p, local_files_only=True)
+        # Same seed on every rank: identical initial weights without a broadcast.
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(config, **dkw)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, **dkw)
+    if trainable:
+        if actor.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+        model.train()
+    else:
+        model.requires_grad_(False)
+        model.eval()
+    return model

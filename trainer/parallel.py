@@ -1,0 +1,127 @@
+"""Data parallelism for the trainer: one process, or DDP / FSDP2 under torchrun.
+
+`torchrun` sets RANK / WORLD_SIZE / LOCAL_RANK; without them the trainer is one process
+and every collective here is a no-op. The backend is NCCL on GPU and gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Parallel", "init_parallel"]
+
+
+@dataclass
+class Parallel:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = torch.device("cpu")
+    backend: str = "none"
+    mode: str = "ddp"  # ddp | fsdp (only meaningful when world_size > 1)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- model wrapping ------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """DDP or FSDP2 around `model` (returned unchanged in one process)."""
+        if not self.distributed:
+            return model
+        if self.mode == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            # Shard each decoder layer, then the rest: the usual FSDP2 recipe for HF LMs.
+            layers = getattr(getattr(model, "model", None), "layers", None)
+            for layer in layers or []:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            return model
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        # Buffers (rotary frequencies) never change: skipping their broadcast keeps a
+        # forward pass free of collectives.
+        kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        return DDP(model, broadcast_buffers=False, **kwargs)
+
+    @staticmethod
+    def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+        """The HF model inside a DDP wrapper (FSDP2 shards in place: the model itself)."""
+        return getattr(model, "module", model)
+
+    @contextlib.contextmanager
+    def grad_sync(self, model: torch.nn.Module, enabled: bool) -> Iterator[None]:
+        """Accumulate gradients locally unless `enabled` (the last micro-batch of a minibatch)."""
+        if not self.distributed or enabled:
+            if self.distributed and self.mode == "fsdp":
+                model.set_requires_gradient_sync(True)
+            yield
+            return
+        if self.mode == "fsdp":
+            model.set_requires_gradient_sync(False)
+            yield
+        else:
+            with model.no_sync():
+                yield
+
+    # ---- collectives ----------------------------------------------------------------
+    def _dev(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device) if self.backend == "nccl" else t
+
+    def all_reduce(self, tensors: list[torch.Tensor], op: str = "sum") -> None:
+        """In-place reduction over ranks (sum, min or max)."""
+        if not self.distributed or not tensors:
+            return
+        ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+        for t in tensors:
+            buf = self._dev(t)
+            dist.all_reduce(buf, op=ops[op])
+            if buf is not t:
+                t.copy_(buf.to(t.device))
+
+    def barrier(self) -> None:
+        if self.distributed:
+            if self.backend == "nccl":
+                dist.barrier(device_ids=[self.device.index])
+            else:
+                dist.barrier()
+
+    def close(self) -> None:
+        if self.distributed and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0) -> Parallel:
+    """Join the default process group when launched by torchrun; pick the device."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise RuntimeError("actor.device=cuda but no CUDA device is visible")
+        dev = torch.device("cuda", local if ":" not in device else int(device.split(":")[1]))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device(device)
+    backend = "none"
+    if world > 1:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode)

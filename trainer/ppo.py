@@ -1,0 +1,283 @@
+"""One PPO/GRPO train step on a collated batch: logprobs, advantages, minibatch updates.
+
+Which logprobs play which role (AReaL's conventions):
+
+| use_decoupled_loss | recompute_logprob | old (ratio denominator)    | behaviour weight          |
+|--------------------|-------------------|----------------------------|---------------------------|
+| false              | false             | behaviour (from the engine) | none                      |
+| false              | true              | recomputed at step start    | none                      |
+| true               | any               | proximal: recomputed, or    | exp(prox − behaviour),    |
+|                    |                   | log-linear (prox_logp_method)| masked above the cap     |
+
+Loss normalisation is exact across micro-batches and data-parallel ranks: every
+micro-batch divides by the token / sequence count of its whole minibatch over all
+ranks, and the loss is multiplied by the world size because DDP/FSDP average
+gradients. One process on a batch and D ranks on the same batch split D ways produce
+the same update (tests/test_ddp.py).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from functools import partial
+
+import torch
+
+from rlstream.common.config import Config
+from rlstream.consumer.collate import SeqBatch
+from rlstream.consumer.microbatch import minibatch_slices, synced_split
+from rlstream.trainer.advantages import compute_advantages
+from rlstream.trainer.logprobs import token_logprobs
+from rlstream.trainer.losses import aggregate, kl_estimate, loglinear_prox_logp, ppo_token_loss, seq_token_counts
+from rlstream.trainer.parallel import Parallel
+from rlstream.trainer.stats import Tally
+
+__all__ = ["PPOActor"]
+
+# Names every rank registers each step so the collective reduction lines up even when a
+# rank's share holds no token of some kind.
+_MEANS = ["reward/mean", "reward/_sq", "reward/_pos", "reward/shaped_mean", "adv/mean", "adv/_sq",
+          "staleness/mean", "seq/output_len", "seq/no_eos_frac", "ppo/importance_ratio", "ppo/clip_frac",
+          "ppo/dual_clip_frac", "ppo/approx_kl", "ppo/entropy", "imp_weight/mean", "imp_weight/masked_frac",
+          "kl/ref", "optim/grad_norm"]
+_MINMAX = ["staleness", "adv", "ppo/importance_ratio", "imp_weight"]
+_TOTALS = ["data/n_seqs", "data/n_tokens", "data/n_loss_tokens", "reward/_nonbin01", "reward/_nonbinpm",
+           "loss/pg", "loss/kl", "loss/entropy", "loss/total", "optim/skipped_steps"]
+
+
+class PPOActor:
+    """Holds the models and optimizer; `train_step` is one full step of the blueprint."""
+
+    def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
+                 par: Parallel, ref: torch.nn.Module | None = None, pad_token_id: int = 0) -> None:
+        self.cfg = cfg
+        self.a = cfg.actor
+        self.model = model
+        self.module = par.unwrap(model)
+        self.ref = ref
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.par = par
+        self.pad_token_id = pad_token_id
+        a = self.a
+        self.kl_in_loss = a.kl_ctl > 0 and a.use_kl_loss
+        self.kl_in_reward = a.kl_ctl > 0 and not a.use_kl_loss
+        if a.kl_ctl > 0 and ref is None:
+            raise ValueError("actor.kl_ctl > 0 needs a reference model")
+        self.recompute = a.recompute_logprob or (a.use_decoupled_loss and a.prox_logp_method == "recompute")
+
+    # ------------------------------------------------------------------ helpers
+    def _reduce_sum(self, tensors: list[torch.Tensor]) -> None:
+        self.par.all_reduce(tensors, "sum")
+
+    def _split(self, lens: list[int]) -> list[list[int]]:
+        mb = self.a.mb_spec
+        return synced_split(lens, mb.max_tokens_per_mb, mb.n_mbs)
+
+    def _dummy_logits(self, model: torch.nn.Module) -> torch.Tensor:
+        """A one-token pass: keeps collectives in step on a rank with an empty micro-batch."""
+        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.par.device)
+        return model(input_ids=ids, use_cache=False).logits
+
+    def _logp(self, model: torch.nn.Module, batch: SeqBatch, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return token_logprobs(model, batch, temperature=self.a.temperature, packing=self.a.mb_spec.packing,
+                              device=self.par.device, pad_token_id=self.pad_token_id, **kw)
+
+    @torch.no_grad()
+    def forward_logp(self, model: torch.nn.Module, batch: SeqBatch) -> torch.Tensor:
+        """[T] logprobs of every token under `model` (no grad), micro-batched by the token budget."""
+        was_training = model.training
+        model.eval()
+        out = torch.zeros(batch.n_tokens, dtype=torch.float32)
+        for seqs in self._split(batch.seq_lens.tolist()):
+            if not seqs:
+                self._dummy_logits(model)
+                continue
+            logp, _ = self._logp(model, batch.select(seqs))
+            out[batch.token_index(seqs)] = logp.float().cpu()
+        model.train(was_training)
+        return out
+
+    # ------------------------------------------------------------------ the step
+    def train_step(self, batch: SeqBatch, version: int) -> dict[str, float]:
+        """Logprobs, advantages and `ppo_n_minibatches` optimizer steps; returns global statistics."""
+        a = self.a
+        tally = Tally()
+        for n in _MEANS:
+            tally.mean(n, 0.0, 0.0)
+        for n in _TOTALS:
+            tally.total(n, 0.0)
+        timings: dict[str, float] = {}
+
+        # 1. reference and proximal logprobs
+        t0 = time.perf_counter()
+        recomputed = self.forward_logp(self.module, batch) if self.recompute else None
+        ref_logp = self.forward_logp(self.ref, batch) if self.ref is not None else None
+        timings["time/logprobs"] = time.perf_counter() - t0
+
+        # 2. which logprobs play which role (table in the module docstring)
+        t1 = time.perf_counter()
+        behav = batch.behav_logp
+        if a.use_decoupled_loss:
+            old_logp = behav
+            prox_all = recomputed if a.prox_logp_method == "recompute" else None
+        else:
+            old_logp = recomputed if a.recompute_logprob else behav
+            prox_all = old_logp
+
+        # 3. rewards -> per-token advantages
+        adv = compute_advantages(batch, a, self.cfg.gconfig.max_new_tokens, old_logp=old_logp, ref_logp=ref_logp,
+                                 kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum)
+        self._batch_stats(tally, batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
+
+        # 4. PPO minibatches
+        lr = float(self.scheduler.get_last_lr()[0])
+        max_norm = a.optimizer.gradient_clipping if a.optimizer.gradient_clipping > 0 else math.inf
+        minibatches = minibatch_slices(batch.n_seqs, a.ppo_n_minibatches)
+        for mb_seqs in minibatches:
+            tok = batch.token_index(mb_seqs)
+            seq_of_tok = torch.repeat_interleave(torch.arange(len(mb_seqs)), batch.seq_lens[mb_seqs]) if mb_seqs \
+                else torch.zeros(0, dtype=torch.long)
+            counts = seq_token_counts(adv.loss_mask[tok], seq_of_tok, len(mb_seqs))
+            denoms = torch.tensor([float(counts.sum()), float((counts > 0).sum())], dtype=torch.float64)
+            self._reduce_sum([denoms])
+            token_denom, seq_denom = max(float(denoms[0]), 1.0), max(float(denoms[1]), 1.0)
+
+            self.optimizer.zero_grad(set_to_none=True)
+            bins = self._split(batch.seq_lens[mb_seqs].tolist())
+            for j, local in enumerate(bins):
+                seqs = [mb_seqs[i] for i in local]
+                with self.par.grad_sync(self.model, enabled=(j == len(bins) - 1)):
+                    if not seqs:
+                        (self._dummy_logits(self.model).sum() * 0.0).backward()
+                        continue
+                    loss = self._micro_loss(batch, seqs, adv, behav, prox_all, ref_logp, version,
+                                            token_denom, seq_denom, tally)
+                    (loss * self.par.world_size).backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            if hasattr(grad_norm, "full_tensor"):
+                grad_norm = grad_norm.full_tensor()
+            grad_norm = float(grad_norm)
+            if math.isfinite(grad_norm):
+                self.optimizer.step()
+            else:
+                tally.total("optim/skipped_steps", 1.0 / self.par.world_size)
+                self.optimizer.zero_grad(set_to_none=True)
+            tally.mean("optim/grad_norm", grad_norm / self.par.world_size, 1.0 / self.par.world_size)
+        self.scheduler.step()
+        timings["time/update"] = time.perf_counter() - t1
+
+        out = tally.reduce(self.par, _MINMAX)
+        return self._finish_stats(out, len(minibatches), lr) | timings
+
+    def _micro_loss(self, batch: SeqBatch, seqs: list[int], adv, behav: torch.Tensor,
+                    prox_all: torch.Tensor | None, ref_logp: torch.Tensor | None, version: int,
+                    token_denom: float, seq_denom: float, tally: Tally) -> torch.Tensor:
+        a, dev = self.a, self.par.device
+        sub = batch.select(seqs)
+        tok = batch.token_index(seqs)
+        logp, ent = self._logp(self.model, sub, with_entropy=True, entropy_grad=a.entropy_coeff > 0)
+        mask = adv.loss_mask[tok].to(dev)
+        seq_idx = sub.seq_index().to(dev)
+        n = len(seqs)
+        behav_mb = behav[tok].to(dev)
+        if a.use_decoupled_loss:
+            prox = prox_all[tok].to(dev) if prox_all is not None else \
+                loglinear_prox_logp(behav_mb, logp, sub.versions.to(dev), version)
+            behav_arg = behav_mb
+        else:
+            prox, behav_arg = prox_all[tok].to(dev), None
+        out = ppo_token_loss(logp, prox, adv.advantages[tok].to(dev), mask, eps_clip=a.eps_clip,
+                             eps_clip_higher=a.eps_clip_higher, c_clip=a.c_clip, behav_logp=behav_arg,
+                             behav_imp_weight_cap=a.behav_imp_weight_cap,
+                             importance_sampling_level=a.importance_sampling_level, seq_idx=seq_idx, n_seqs=n)
+        agg = partial(aggregate, loss_mask=mask, mode=a.loss_agg_mode, seq_idx=seq_idx, n_seqs=n,
+                      token_denom=token_denom, seq_denom=seq_denom)
+        pg = agg(out.token_loss)
+        loss = pg
+        if ref_logp is not None:
+            kl_tok = kl_estimate(logp, ref_logp[tok].to(dev), a.kl_estimator)
+            if self.kl_in_loss:
+                kl_term = agg(kl_tok)
+                loss = loss + a.kl_ctl * kl_term
+                tally.total("loss/kl", float(kl_term.detach()))
+            tally.mean("kl/ref", float(torch.where(mask, kl_tok.detach(), 0).sum()), float(mask.sum()))
+        if a.entropy_coeff > 0:
+            ent_term = agg(ent)
+            loss = loss - a.entropy_coeff * ent_term
+            tally.total("loss/entropy", float(ent_term.detach()))
+        tally.total("loss/pg", float(pg.detach()))
+        tally.total("loss/total", float(loss.detach()))
+
+        # statistics over this micro-batch's loss tokens
+        nm = float(mask.sum())
+        ratio = out.ratio
+        tally.mean("ppo/importance_ratio", float(ratio[mask].sum()), nm)
+        tally.minmax("ppo/importance_ratio", ratio[mask])
+        tally.mean("ppo/clip_frac", float(out.clip_mask.sum()), nm)
+        tally.mean("ppo/dual_clip_frac", float(out.dual_clip_mask.sum()), nm)
+        tally.mean("ppo/approx_kl", float((logp.detach() - prox)[mask].sum()), nm)
+        tally.mean("ppo/entropy", float(ent.detach()[mask].sum()), nm)
+        if out.behav_weight is not None:
+            w = out.behav_weight[mask]
+            tally.mean("imp_weight/mean", float(w.sum()), nm)
+            tally.minmax("imp_weight", w)
+            tally.mean("imp_weight/masked_frac", float((mask & ~out.behav_mask).sum()), nm)
+        return loss
+
+    def _batch_stats(self, tally: Tally, batch: SeqBatch, adv: torch.Tensor, loss_mask: torch.Tensor,
+                     shaped: torch.Tensor, version: int) -> None:
+        r = batch.rewards.double()
+        n = batch.n_seqs
+        tally.total("data/n_seqs", n)
+        tally.total("data/n_tokens", batch.n_tokens)
+        tally.total("data/n_loss_tokens", float(loss_mask.sum()))
+        tally.mean("reward/mean", float(r.sum()), n)
+        tally.mean("reward/_sq", float(r.square().sum()), n)
+        tally.mean("reward/_pos", float((r > 0).sum()), n)
+        tally.total("reward/_nonbin01", float(((r != 0) & (r != 1)).sum()))
+        tally.total("reward/_nonbinpm", float(((r != -1) & (r != 1)).sum()))
+        tally.mean("reward/shaped_mean", float(shaped.double().sum()), n)
+        a = adv[loss_mask].double()
+        tally.mean("adv/mean", float(a.sum()), a.numel())
+        tally.mean("adv/_sq", float(a.square().sum()), a.numel())
+        tally.minmax("adv", a)
+        out_lens = batch.output_lens
+        tally.mean("seq/output_len", float(out_lens.sum()), n)
+        tally.mean("seq/no_eos_frac", float(batch.no_eos.sum()), n)
+        # Head staleness per sequence: trainer version minus the oldest version that sampled it.
+        seq_idx = batch.seq_index()
+        big = torch.iinfo(torch.long).max
+        vmin = torch.full((n,), big, dtype=torch.long).scatter_reduce(
+            0, seq_idx, torch.where(batch.versions >= 0, batch.versions, big), reduce="amin")
+        has = vmin != big
+        stale = (version - vmin[has]).double()
+        tally.mean("staleness/mean", float(stale.sum()), stale.numel())
+        tally.minmax("staleness", stale)
+
+    def _finish_stats(self, out: dict[str, float], n_minibatches: int, lr: float) -> dict[str, float]:
+        res = dict(out)
+        mean, sq = res.pop("reward/mean", 0.0), res.pop("reward/_sq", 0.0)
+        res["reward/mean"] = mean
+        res["reward/std"] = math.sqrt(max(sq - mean * mean, 0.0))
+        pos = res.pop("reward/_pos", 0.0)
+        nb01, nbpm = res.pop("reward/_nonbin01", 1.0), res.pop("reward/_nonbinpm", 1.0)
+        if nb01 == 0 or nbpm == 0:
+            res["reward/accuracy"] = pos
+        am, asq = res.get("adv/mean", 0.0), res.pop("adv/_sq", 0.0)
+        res["adv/std"] = math.sqrt(max(asq - am * am, 0.0))
+        for k in ("loss/pg", "loss/kl", "loss/entropy", "loss/total"):
+            if k in res:
+                res[k] /= n_minibatches
+        if not self.kl_in_loss:
+            res.pop("loss/kl", None)
+        if self.a.entropy_coeff == 0:
+            res.pop("loss/entropy", None)
+        if self.ref is None:
+            res.pop("kl/ref", None)
+        if not self.a.use_decoupled_loss:
+            for k in [k for k in res if k.startswith("imp_weight")]:
+                res.pop(k)
+        res["optim/lr"] = lr
+        return res
