@@ -138,20 +138,28 @@ class TrajectoryStream:
         return int(self.client.xack(self.keys.traj, self.group, *ids)) if ids else 0
 
     def reclaim(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[Entry]:
-        """Take over entries idle longer than `min_idle_ms` from dead consumers (XAUTOCLAIM)."""
+        """Take over up to `count` entries idle longer than `min_idle_ms` from other (dead) consumers.
+
+        This is XAUTOCLAIM's job, done as XPENDING IDLE + XCLAIM so that the caller's own
+        in-flight entries are never handed back to it as if they were someone else's (a
+        consumer restarted under the same name gets those from `read_own_pending`).
+        XCLAIM re-checks the idle time atomically, so two reclaimers never both get one entry.
+        """
         out: list[Entry] = []
-        start = "0-0"
-        while True:
-            res = self.client.xautoclaim(self.keys.traj, self.group, consumer, min_idle_ms, start_id=start, count=count)
-            next_id, claimed = res[0], res[1]
-            deleted = res[2] if len(res) > 2 else []
-            out.extend(self._decode(claimed))
-            if deleted:
-                # Entries deleted while pending can never be delivered: acknowledge them away.
-                self.ack([id_str(d) for d in deleted])
-            if id_str(next_id) == "0-0" or len(out) >= count:
+        start = "-"
+        while len(out) < count:
+            page = self.client.xpending_range(self.keys.traj, self.group, min=start, max="+",
+                                              count=max(count, 100), idle=min_idle_ms)
+            if not page:
                 return out
-            start = id_str(next_id)
+            theirs = [id_str(p["message_id"]) for p in page if id_str(p["consumer"]) != consumer]
+            theirs = theirs[: count - len(out)]
+            if theirs:
+                # Entries deleted from the stream meanwhile are dropped from the PEL by XCLAIM.
+                claimed = self.client.xclaim(self.keys.traj, self.group, consumer, min_idle_ms, theirs)
+                out.extend(self._decode(claimed))
+            start = "(" + id_str(page[-1]["message_id"])
+        return out
 
     # ---------------------------------------------------------------- dead letters / dropped
     def dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:

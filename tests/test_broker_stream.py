@@ -1,0 +1,196 @@
+"""The trajectory stream against real Redis: reclaim from a killed consumer, dead letters, acked-only retention."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import msgspec
+
+from rlstream.broker import StepLog, StepRecord, TrajectoryStream
+from rlstream.broker.stream import entry_fields
+from rlstream.common.wire import encode_group
+
+CONSUMER = textwrap.dedent("""
+    import sys, time
+    from rlstream.broker import Keys, TrajectoryStream, connect
+    url, ns, n = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    stream = TrajectoryStream(connect(url), Keys(ns))
+    got = []
+    while len(got) < n:
+        got += stream.read("doomed", count=n - len(got), block_ms=1000)
+    print(" ".join(e.id for e in got), flush=True)
+    time.sleep(600)  # "training" forever: never acks
+""")
+
+
+def _fill(stream, group_factory, n, **kw):
+    return [stream.append(group_factory(**kw)) for _ in range(n)]
+
+
+def test_reclaim_from_a_killed_consumer_loses_nothing(redis_url, rclient, keys, group_factory):
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    ids = _fill(stream, group_factory, 10)
+    p = subprocess.Popen([sys.executable, "-c", CONSUMER, redis_url, keys.ns, "6"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        line = p.stdout.readline().split()
+        assert line == ids[:6], p.stderr.read() if p.poll() is not None else line
+        p.send_signal(signal.SIGKILL)  # dies holding 6 unacked entries
+        p.wait(10)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+    fresh = stream.read("survivor", count=100, block_ms=100)
+    assert [e.id for e in fresh] == ids[6:]
+    assert stream.reclaim("survivor", min_idle_ms=60_000) == []  # not idle long enough yet: left alone
+    time.sleep(0.3)
+    taken = stream.reclaim("survivor", min_idle_ms=200)
+    assert [e.id for e in taken] == ids[:6]  # exactly the dead consumer's, not survivor's own
+    assert all(e.group.n_samples == 2 for e in taken)
+    assert stream.ack([e.id for e in fresh + taken]) == 10
+    assert rclient.xpending(keys.traj, "train")["pending"] == 0
+    assert stream.reclaim("survivor", min_idle_ms=0) == []
+
+
+def test_reclaim_in_pages(rclient, keys, group_factory):
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    ids = _fill(stream, group_factory, 25)
+    assert len(stream.read("a", count=25, block_ms=10)) == 25
+    got = stream.reclaim("b", min_idle_ms=0, count=10)
+    assert [e.id for e in got] == ids[:10]
+    rest = stream.reclaim("b", min_idle_ms=0, count=100)  # its own 10 are not handed back to it
+    assert [e.id for e in rest] == ids[10:]
+    assert [e.id for e in stream.read_own_pending("b")] == ids  # after a restart "b" sees its own pending
+    assert stream.reclaim("b", min_idle_ms=0) == []
+    assert [e.id for e in stream.reclaim("c", min_idle_ms=0, count=3)] == ids[:3]
+
+
+def test_malformed_entries_go_to_dead_letters_with_reason_and_bytes(rclient, keys, group_factory):
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    bad_version = group_factory()
+    bad_version.trajectories[0].versions = b"\x00\x00\x00\x00" * 7  # version 0 on prompt positions
+    good1 = stream.append(group_factory())
+    garbage = stream.append_raw({"d": b"\xc1\xff not msgpack", "v": 0})
+    nopayload = stream.append_raw({"v": 0, "p": "x"})
+    wrong_shape = stream.append_raw({"d": msgspec.msgpack.encode({"hello": [1, 2]})})
+    invalid = stream.append_raw(entry_fields(bad_version, encode_group(bad_version)))
+    good2 = stream.append(group_factory())
+
+    got = []
+    for _ in range(10):  # the reader never raises, it keeps returning the good ones
+        got += stream.read("c", count=2, block_ms=10)
+    assert [e.id for e in got] == [good1, good2]
+
+    dead = {d["source_id"]: d for d in stream.dead_letters()}
+    assert set(dead) == {garbage, nopayload, wrong_shape, invalid}
+    assert "undecodable" in dead[garbage]["reason"]
+    assert "no 'd' payload" in dead[nopayload]["reason"]
+    assert "prompt positions must have version -1" in dead[invalid]["reason"]
+    assert all(d["group"] == "train" and d["ts"] > 0 for d in dead.values())
+    # original bytes are kept byte for byte
+    assert stream.dead_letter_raw(dead[garbage]["id"]) == {b"d": b"\xc1\xff not msgpack", b"v": b"0"}
+    assert stream.dead_letter_raw(dead[invalid]["id"])[b"d"] == encode_group(bad_version)
+    # and they are acknowledged: nothing stuck in the pending list
+    assert rclient.xpending(keys.traj, "train")["pending"] == 2
+    stream.ack([good1, good2])
+    assert rclient.xpending(keys.traj, "train")["pending"] == 0
+
+
+def test_bad_entry_met_while_reclaiming_is_dead_lettered(rclient, keys, group_factory):
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    good = stream.append(group_factory())
+    rclient.xgroup_createconsumer(keys.traj, "train", "x")
+    # deliver both raw (no decoding) to consumer x, as a consumer that died before decoding would
+    bad = stream.append_raw({"d": b"junk"})
+    rclient.xreadgroup("train", "x", {keys.traj: ">"}, count=10)
+    taken = stream.reclaim("y", min_idle_ms=0)
+    assert [e.id for e in taken] == [good]
+    assert [d["source_id"] for d in stream.dead_letters()] == [bad]
+
+
+def test_stale_entries_are_recorded_not_silently_dropped(rclient, keys, group_factory):
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    stream.append(group_factory(version=0))
+    (e,) = stream.read("c", count=1, block_ms=10)
+    stream.drop_stale(e, trainer_version=5, reason="staleness 5 > η=1")
+    (rec,) = stream.dropped_records()
+    assert (rec["source_id"], rec["min_version"], rec["trainer_version"]) == (e.id, 0, 5)
+    assert "staleness 5" in rec["reason"]
+    assert rclient.xpending(keys.traj, "train")["pending"] == 0
+
+
+def test_retention_trims_only_entries_acked_by_every_group(rclient, keys, group_factory):
+    train = TrajectoryStream(rclient, keys)
+    archive = TrajectoryStream(rclient, keys, group="archive")
+    train.ensure_group()
+    archive.ensure_group()
+    ids = _fill(train, group_factory, 10)
+
+    assert train.trim_acked() == 0  # nobody has acked anything
+
+    t = train.read("t", count=6, block_ms=10)
+    train.ack([e.id for e in t])  # train: 0..5 acked, 6..9 undelivered
+    a = archive.read("a", count=4, block_ms=10)
+    archive.ack([e.id for e in a[:2]])  # archive: 0,1 acked; 2,3 pending; 4..9 undelivered
+    assert train.trim_acked() == 2
+    remaining = [i.decode() for i, _ in rclient.xrange(keys.traj)]
+    assert remaining == ids[2:]
+
+    archive.ack([e.id for e in a[2:]])  # archive now acked 0..3
+    assert train.trim_acked(keep=1) == 1  # acked by both: 2, 3 -> keep the newest one (3)
+    assert [i.decode() for i, _ in rclient.xrange(keys.traj)] == ids[3:]
+
+    # a third group that joined at the start and never read pins everything
+    rclient.xgroup_create(keys.traj, "eval", id="0")
+    rest_t = train.read("t", count=10, block_ms=10)
+    train.ack([e.id for e in rest_t])
+    rest_a = archive.read("a", count=10, block_ms=10)
+    archive.ack([e.id for e in rest_a])
+    assert train.trim_acked() == 0
+    assert [i.decode() for i, _ in rclient.xrange(keys.traj)] == ids[3:]
+    rclient.xgroup_destroy(keys.traj, "eval")
+    assert train.trim_acked() == 7 and rclient.xlen(keys.traj) == 0
+
+
+def test_read_ids_replays_in_order_and_reports_gone(rclient, keys, group_factory):
+    stream = TrajectoryStream(rclient, keys)
+    ids = _fill(stream, group_factory, 4)
+    order = [ids[2], ids[0], ids[3]]
+    assert [e.id for e in stream.read_ids(order)] == order
+    rclient.xdel(keys.traj, ids[1])
+    try:
+        stream.read_ids([ids[1]])
+    except KeyError as exc:
+        assert ids[1] in str(exc)
+    else:
+        raise AssertionError("a trimmed entry must not be replayed silently")
+
+
+def test_pending_entry_deleted_from_stream_is_acked_away(rclient, keys, group_factory):
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    ids = _fill(stream, group_factory, 2)
+    stream.read("c", count=2, block_ms=10)
+    rclient.xdel(keys.traj, ids[0])
+    assert [e.id for e in stream.read_own_pending("c")] == [ids[1]]
+    assert rclient.xpending(keys.traj, "train")["pending"] == 1
+
+
+def test_step_log_round_trip(rclient, keys):
+    log = StepLog(rclient, keys)
+    log.record(StepRecord(step=0, version=0, entry_ids=["1-0", "2-0"], ts=time.time()))
+    log.record(StepRecord(step=0, version=0, entry_ids=["3-0"], ts=time.time()))  # a re-run supersedes
+    assert log.for_step(0).entry_ids == ["3-0"]
+    assert len(log.recent(0)) == 2 and log.for_step(1) is None
