@@ -101,6 +101,10 @@ async def generate(request: web.Request) -> web.Response:
             engine.validate_prompt(p)
     except ValueError as exc:
         return error_response(400, f"/generate: {exc}")
+    if body.get("stream"):
+        return error_response(400, "/generate: stream=true is not supported by the local engine")
+    if body.get("top_logprobs_num"):
+        return error_response(400, "/generate: top_logprobs_num is not supported by the local engine")
     return_logprob = bool(body.get("return_logprob", False))
     try:
         results = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
@@ -108,9 +112,12 @@ async def generate(request: web.Request) -> web.Response:
         return error_response(400, f"/generate: {exc}")
     except EngineError as exc:
         return error_response(500, f"/generate: {exc}")
-    if not return_logprob:
-        for r in results:
+    for r in results:
+        if not return_logprob:
             r["meta_info"].pop("output_token_logprobs", None)
+        elif body.get("return_text_in_logprobs"):
+            for entry in r["meta_info"]["output_token_logprobs"]:
+                entry[2] = engine.tokenizer.decode([entry[1]])
     return json_response(list(results) if batched else results[0])
 
 

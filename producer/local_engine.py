@@ -344,7 +344,8 @@ class LocalEngine:
     def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
         """Copy tensors into the parameters/buffers of the same HF name, between decode steps.
 
-        Safe from any thread. Raises KeyError for an unknown name and ValueError for a
+        Safe from any thread; it blocks until the current decode step ends, so async code
+        calls it through an executor (`loop.run_in_executor(None, ...)`). Raises KeyError for an unknown name and ValueError for a
         shape mismatch (tensors before the bad one are already applied). Bumps the served
         version when `version` is given. Returns the number of tensors applied.
         """
@@ -445,9 +446,7 @@ class LocalEngine:
                 self._drop_cancelled()
                 if self._paused:
                     self._abort_rows("paused for a weight update")
-                    for loop, fut in self._pause_waiters:
-                        loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
-                    self._pause_waiters.clear()
+                    self._release_pause_waiters()
                     continue
                 admit = self._take_waiting()
             try:
@@ -466,9 +465,15 @@ class LocalEngine:
             self._abort_rows("engine shutting down")
             while self._waiting:
                 self._deliver(self._waiting.popleft(), {"type": "abort", "message": "engine shutting down"})
-            for loop, fut in self._pause_waiters:
+            self._release_pause_waiters()
+
+    def _release_pause_waiters(self) -> None:
+        for loop, fut in self._pause_waiters:
+            try:
                 loop.call_soon_threadsafe(lambda f=fut: f.done() or f.set_result(None))
-            self._pause_waiters.clear()
+            except RuntimeError:  # that caller's loop is closed
+                pass
+        self._pause_waiters.clear()
 
     def _drop_cancelled(self) -> None:
         if any(r.cancelled for r in self._waiting):

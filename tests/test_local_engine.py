@@ -305,6 +305,8 @@ async def test_bad_input_is_400_with_message(engine):
             ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "ten"}}, "sampling_params.max_new_tokens"),
             ({"input_ids": [1, 2], "sampling_params": {"stop": ["x"]}}, "sampling_params.stop is not supported"),
             ({"input_ids": [1, 2], "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+            ({"input_ids": [1, 2], "stream": True}, "stream=true is not supported"),
+            ({"input_ids": [[1, 2], []]}, "non-empty list"),
         ]
         for body, msg in cases:
             status, reply = await srv.post("/generate", body)
@@ -378,7 +380,28 @@ def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, re
                 await resolver.close()
 
         assert asyncio.run(client()) == [address]
-        proc.send_signal(signal.SIGTERM)
+
+        async def sigterm_during_request() -> dict:
+            headers = {"Authorization": "Bearer tok"}
+            async with aiohttp.ClientSession(headers=headers) as http:
+                body = gen_body(PROMPTS[0], max_new_tokens=450, temperature=1.0, ignore_eos=True)
+                task = asyncio.create_task(http.post(f"http://{address}/generate", json=body))
+                deadline = time.monotonic() + 60
+                while True:
+                    async with http.get(f"http://{address}/health") as r:
+                        if (await r.json())["running"] == 1 and not task.done():
+                            break
+                    assert time.monotonic() < deadline and not task.done()
+                    await asyncio.sleep(0.02)
+                proc.send_signal(signal.SIGTERM)
+                async with await task as r:
+                    assert r.status == 200
+                    return await r.json()
+
+        # Graceful stop: the running request is answered (abort, with its tokens so far).
+        partial = asyncio.run(sigterm_during_request())
+        assert partial["meta_info"]["finish_reason"]["type"] == "abort"
+        assert 0 < partial["meta_info"]["completion_tokens"] < 450
         out, _ = proc.communicate(timeout=60)
         assert proc.returncode == 0, out
         assert "engine stopped" in out
