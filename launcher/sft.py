@@ -1,0 +1,128 @@
+"""`rlstream sft`: a short supervised warm start of `actor.path` before RL.
+
+Trains the causal LM at `actor.path` for `launcher.sft_steps` Adam steps (lr
+`launcher.sft_lr`, `launcher.sft_batch_size` sequences a step) on prompt/answer rows of
+`launcher.sft_dataset` (empty: `train_dataset.path`), with the loss on the answer tokens
+and EOS only. Prompts are tokenized by the producer's own `PromptDataset`, so the
+warm-started model sees exactly the token ids it will be prompted with during RL.
+
+The result replaces the weights at `actor.path` (written next to it, then moved in)
+and a marker `rlstream_sft.json` records what was done: a second `rlstream sft` or
+`rlstream run` on the same model is a no-op instead of a second warm start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+from rlstream.common.config import Config, DatasetConfig
+from rlstream.common.logging import get_logger
+
+__all__ = ["sft", "SFT_MARKER", "sft_done"]
+
+log = get_logger("rlstream.launcher.sft")
+
+SFT_MARKER = "rlstream_sft.json"
+
+
+def sft_done(model_path: str | Path) -> dict | None:
+    """The marker of an earlier warm start of this model, if any."""
+    marker = Path(model_path) / SFT_MARKER
+    if marker.exists():
+        return json.loads(marker.read_text())
+    return None
+
+
+def _examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, answer ids + EOS) for every demonstration row."""
+    from rlstream.producer.dataset import PromptDataset
+
+    path = cfg.launcher.sft_dataset or cfg.train_dataset.path
+    key = "launcher.sft_dataset" if cfg.launcher.sft_dataset else "train_dataset"
+    dcfg = DatasetConfig(path=path, type=cfg.train_dataset.type, prompt_key=cfg.train_dataset.prompt_key,
+                         answer_key=cfg.train_dataset.answer_key,
+                         apply_chat_template=cfg.train_dataset.apply_chat_template, shuffle=False,
+                         max_prompt_len=cfg.train_dataset.max_prompt_len)
+    ds = PromptDataset(dcfg, tokenizer, seed=cfg.seed, key=key)
+    if not ds.has_answer:
+        raise ValueError(f"{key}.path={path!r} has no {cfg.train_dataset.answer_key!r} column to learn from")
+    eos = tokenizer.eos_token_id
+    out = []
+    for i in range(len(ds)):
+        item = ds.at(i)
+        ans = list(tokenizer(str(item.answer), add_special_tokens=False)["input_ids"])
+        out.append((list(item.input_ids), ans + [eos]))
+    return out
+
+
+def sft(cfg: Config) -> dict | None:
+    """Entry of `rlstream sft --config X`; returns the marker written (None when skipped)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lc = cfg.launcher
+    model_path = Path(cfg.actor.path)
+    if not cfg.actor.path or not (model_path / "config.json").exists():
+        raise ValueError(f"actor.path={cfg.actor.path!r} is not a local HF model folder (no config.json)")
+    if lc.sft_steps == 0:
+        log.info("launcher.sft_steps=0: no warm start")
+        return None
+    done = sft_done(model_path)
+    if done is not None:
+        log.info("%s was already warm-started (%d steps, see %s); delete that file to redo it", model_path,
+                 done.get("steps", 0), SFT_MARKER)
+        return None
+
+    # One thread: with several processes on 2 cores, OpenMP spinning in more threads costs 10-50x.
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model.train()
+    examples = _examples(cfg, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    opt = torch.optim.Adam(model.parameters(), lr=lc.sft_lr)
+    t0 = time.monotonic()
+    last = t0
+    loss_val = float("nan")
+    for step in range(1, lc.sft_steps + 1):
+        batch = [examples[rng.randrange(len(examples))] for _ in range(lc.sft_batch_size)]
+        width = max(len(p) + len(a) for p, a in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        labels = torch.full((len(batch), width), -100, dtype=torch.long)
+        attn = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, (p, a) in enumerate(batch):
+            seq = p + a
+            ids[r, : len(seq)] = torch.tensor(seq)
+            labels[r, len(p) : len(seq)] = torch.tensor(a)  # loss on the answer and EOS only
+            attn[r, : len(seq)] = 1
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_val = float(loss.item())
+        if time.monotonic() - last > 5 or step == lc.sft_steps:
+            last = time.monotonic()
+            log.info("sft step %d/%d loss %.4f (%.1fs)", step, lc.sft_steps, loss_val, last - t0)
+
+    # Write next to the model, then move the files in: a crash never leaves a half-written model.
+    tmp = model_path.with_name(model_path.name + ".sft-tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for f in tmp.iterdir():
+        os.replace(f, model_path / f.name)
+    tmp.rmdir()
+    marker = {"steps": lc.sft_steps, "lr": lc.sft_lr, "batch_size": lc.sft_batch_size, "final_loss": loss_val,
+              "examples": len(examples), "seconds": round(time.monotonic() - t0, 2),
+              "data": cfg.launcher.sft_dataset or cfg.train_dataset.path}
+    (model_path / SFT_MARKER).write_text(json.dumps(marker, indent=2))
+    log.info("warm start done: %d steps, final loss %.4f, %.1fs -> %s", lc.sft_steps, loss_val, marker["seconds"],
+             model_path)
+    return marker
