@@ -151,6 +151,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     cancelled: bool = False
     done: bool = False
+    finish_version: int | None = None  # served version when the request finished
 
 
 class LocalEngine:
@@ -408,17 +409,17 @@ class LocalEngine:
                 "completion_tokens": len(req.output_ids),
                 "output_token_logprobs": [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)],
                 "output_token_versions": list(req.versions),
-                "weight_version": self._version,
+                "weight_version": self._version if req.finish_version is None else req.finish_version,
                 "e2e_latency": time.monotonic() - req.created,
             },
         }
 
-    @staticmethod
-    def _deliver(req: _Request, finish: dict | BaseException) -> None:
+    def _deliver(self, req: _Request, finish: dict | BaseException) -> None:
         """Resolve a request's future on its own loop (from the decode thread)."""
         if req.done:
             return
         req.done = True
+        req.finish_version = self._version
 
         def set_it() -> None:
             if req.future.done():
