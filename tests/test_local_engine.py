@@ -145,6 +145,18 @@ async def test_greedy_batched_equals_unbatched(engine):
     assert all(lp <= 0 for lp in behaviour_logprobs(staggered[0]).tolist())
 
 
+async def test_more_requests_than_batch_slots_queue_and_match(tiny_model_path, engine):
+    small = LocalEngine(tiny_model_path, device="cpu", max_batch_size=3, seed=0)
+    try:
+        sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+        results = await asyncio.gather(*(small.generate(p, sp) for p in PROMPTS[:10]))
+        alone = [(await engine.generate(p, sp))["output_ids"] for p in PROMPTS[:10]]
+        assert [r["output_ids"] for r in results] == alone
+        assert small.stats()["peak_running"] == 3 and small.stats()["waiting"] == 0
+    finally:
+        small.close()
+
+
 async def test_top_k_one_is_greedy_and_stop_tokens(engine):
     prompt = PROMPTS[3]
     greedy = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
