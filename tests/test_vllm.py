@@ -4,8 +4,10 @@ One server process per module (vLLM's CPU start-up takes a minute or more), star
 path with the venv's python (producer/vllm_server.py). Checks:
 
 - rlstream's `vllm` engine client (token-id prompts, `return_tokens_as_token_ids`)
-  gets ids and behaviour logprobs that equal the trainer-side recomputation
-  `log_softmax(logits / T)` with the same weights (T = 1.0 and 0.7, and greedy);
+  gets ids and behaviour logprobs that equal the trainer's recomputation
+  (`trainer.logprobs.token_logprobs`, `log_softmax(logits / T)`, after the wire schema
+  and the consumer's collation) with the same weights, at T = 1.0 and 0.7; greedy
+  outputs follow the argmax;
 - `/pause_generation` aborts an in-flight generation, `/continue_generation` serves again;
 - a weight push over gloo through the worker extension (trainer = rank 0 of a group
   built by rlstream.common.dist, in two buckets that split fused layers) changes the
@@ -217,19 +219,39 @@ async def generate(client, prompt: list[int], **kw):
     return await client.agenerate(ModelRequest(input_ids=list(prompt), **kw))
 
 
+def trainer_logprobs(model, prompts: list[list[int]], outs, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(behaviour, recomputed) logprobs of the output tokens, through the trainer's own path.
+
+    The responses become a wire TrajectoryGroup as the producer writes it, are collated by
+    the consumer, and `trainer.logprobs.token_logprobs` recomputes them with `actor.temperature`.
+    """
+    from rlstream.broker.stream import Entry
+    from rlstream.common.wire import Trajectory, TrajectoryGroup
+    from rlstream.consumer.collate import collate
+    from rlstream.trainer.logprobs import token_logprobs
+
+    trajs = [Trajectory.from_arrays(p, o.output_ids, o.output_logprobs, [0] * len(o.output_ids), 0.0, o.finish_reason)
+             for p, o in zip(prompts, outs)]
+    group = TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id="p", producer_id="test_vllm", trajectories=trajs)
+    batch = collate([Entry(id="0-1", group=group, min_version=0)], vocab_size=model.config.vocab_size)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, temperature=temperature)
+    return batch.behav_logp[batch.loss_mask], logp[batch.loss_mask]
+
+
 async def assert_matches(client, model, temperature: float, prompts=PROMPTS) -> float:
-    """Every prompt's behaviour logprobs equal the recomputation under `model`; returns the max error."""
-    worst = 0.0
+    """Behaviour logprobs from vLLM equal the trainer's recomputation under `model`; returns the max error."""
+    outs = []
     for prompt in prompts:
         out = await generate(client, prompt, temperature=temperature)
         assert out.finish_reason in ("stop", "length")
         assert len(out.output_ids) == len(out.output_logprobs) > 0
-        ref, _ = recompute(model, prompt, out.output_ids, temperature)
-        got = torch.tensor(out.output_logprobs)
-        err = (got - ref).abs().max().item()
-        assert err < ATOL, f"T={temperature} prompt={prompt}: vLLM {got.tolist()} vs trainer {ref.tolist()}"
-        worst = max(worst, err)
-    return worst
+        outs.append(out)
+    behav, ref = trainer_logprobs(model, prompts, outs, temperature)
+    assert behav.numel() == sum(len(o.output_ids) for o in outs)
+    err = (behav - ref).abs().max().item()
+    assert err < ATOL, f"T={temperature}: vLLM {behav.tolist()} vs trainer {ref.tolist()}"
+    return err
 
 
 # ----------------------------------------------------------------------------- tests
