@@ -313,9 +313,11 @@ class Producer:
     # ------------------------------------------------------------------ main
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
+        installed = []
         for sig, name in ((signal.SIGTERM, "SIGTERM"), (signal.SIGINT, "SIGINT")):
-            with contextlib.suppress(NotImplementedError, RuntimeError):
+            with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):  # not the main thread
                 loop.add_signal_handler(sig, self._on_signal, name)
+                installed.append(sig)
         try:
             try:
                 await self._setup()
@@ -360,10 +362,17 @@ class Producer:
                 with contextlib.suppress(Exception):
                     await self.admission.abandon(list(self.inflight))
             await self._teardown()
+            for sig in installed:
+                loop.remove_signal_handler(sig)
 
 
 def produce(cfg: Config) -> int:
     """Entry point of `rlstream produce`; returns the exit code."""
+    # A producer needs tokenizers, not PyTorch: keep transformers/datasets from importing
+    # torch (a third of the start-up time and ~300 MB per producer). A user workflow that
+    # needs transformers' torch features sets USE_TORCH=1 in the environment.
+    os.environ.setdefault("USE_TORCH", "0")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     producer = Producer(cfg)
     try:
         import uvloop

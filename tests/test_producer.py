@@ -1,0 +1,337 @@
+"""`rlstream produce` end to end: real redis-server, real local engines, real producer processes."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+import uuid
+
+import aiohttp
+import numpy as np
+import pytest
+
+from rlstream.broker import AdmissionController, Keys, TrajectoryStream, VersionRegistry, namespace
+from rlstream.broker.versions import Event
+from rlstream.common.wire import decode_group
+
+from .test_producer_support import (  # noqa: F401 - fixtures
+    EngineProcess,
+    engine_overrides,
+    engines,
+    producer_overrides,
+    producers,
+    write_arith_dataset,
+)
+
+
+@pytest.fixture(scope="module")
+def shared_engine(redis_server, tiny_model_path, tmp_path_factory):
+    """One engine for the tests that do not kill it; producers reach it through rollout.engine_addresses."""
+    e = EngineProcess(tmp_path_factory.mktemp("eng"), engine_overrides(tiny_model_path, redis_server.url, "shared"))
+    try:
+        yield e.start()
+    finally:
+        e.stop()
+
+
+@pytest.fixture
+def data(tmp_path):
+    return write_arith_dataset(tmp_path / "arith.jsonl", n=200)
+
+
+def ns_keys(experiment: str) -> Keys:
+    return Keys(namespace(experiment, "trial0"))
+
+
+def stream_groups(rclient, keys: Keys):
+    return [decode_group(f[b"d"]) for _, f in rclient.xrange(keys.traj)]
+
+
+async def _post(engine: EngineProcess, path: str) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(engine.url + path, json={}) as r:
+            assert r.status == 200, await r.text()
+
+
+def pause(engine: EngineProcess) -> None:
+    asyncio.run(_post(engine, "/pause_generation"))
+
+
+def resume(engine: EngineProcess) -> None:
+    asyncio.run(_post(engine, "/continue_generation"))
+
+
+def wait_for(pred, timeout=120.0, what="condition", proc=None):
+    deadline = time.time() + timeout
+    while not pred():
+        if proc is not None and proc.proc.poll() is not None:
+            raise AssertionError(f"{proc.name} exited {proc.proc.returncode} before {what}: {proc.log()[-3000:]}")
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}" + (f": {proc.log()[-3000:]}" if proc else ""))
+        time.sleep(0.05)
+
+
+def test_produce_fills_stream_and_restart_continues(shared_engine, producers, data, tiny_model_path, redis_url,
+                                                   experiment, rclient):
+    keys = ns_keys(experiment)
+    base = producer_overrides(tiny_model_path, redis_url, experiment, data,
+                              f"rollout.engine_addresses=[{shared_engine.address}]", "producer.producer_id=pA",
+                              "train_dataset.shuffle=false", "producer.max_groups=4",
+                              "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=2",
+                              "rollout.max_head_offpolicyness=10")
+    p = producers(base, "first")
+    assert p.wait(180) == 0, p.log()[-3000:]
+    log = p.log()
+    assert "rollouts/s" in log and "tokens/s" in log and "producer.max_groups=4" in log
+
+    groups = stream_groups(rclient, keys)
+    assert len(groups) == 4
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_path)
+    for g in groups:
+        assert g.producer_id == "pA" and g.n_samples == 2 and g.finished_at >= g.created_at
+        pos = g.metadata["position"]
+        assert g.prompt_id == str(pos)  # no shuffle: row == position
+        a, b = pos % 10, (pos * 7) % 10
+        for t in g.trajectories:
+            assert tok.decode(t.input_ids_np[: t.prompt_len]) == f"{a}+{b}="
+            v = t.versions_np
+            assert (v[: t.prompt_len] == -1).all() and (v[t.prompt_len :] == 0).all()
+            assert 1 <= t.output_len <= 8 and (t.logprobs_np[t.prompt_len :] <= 0).all()
+            assert t.reward in (0.0, 1.0) and t.finish_reason in ("stop", "length")
+    assert sorted(g.metadata["position"] for g in groups) == [0, 1, 2, 3]
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=10, consumer_batch_size=2, max_concurrent_rollouts=2)
+    snap = adm.snapshot()
+    assert snap.running == 0 and snap.accepted == 4
+    assert rclient.hget(keys.meta, "consumer_batch_size") in (None, b"2")
+
+    # A restarted producer continues the run's dataset position.
+    p2 = producers(base, "second")
+    assert p2.wait(180) == 0, p2.log()[-3000:]
+    groups = stream_groups(rclient, keys)
+    assert sorted(g.metadata["position"] for g in groups[4:]) == [4, 5, 6, 7]
+    assert adm.snapshot().accepted == 8 and adm.snapshot().running == 0
+    import msgspec
+
+    from rlstream.producer.dataset import ProducerState
+
+    st = msgspec.msgpack.decode(rclient.hget(keys.producers, "pA"), type=ProducerState)
+    assert st.accepted == 8 and st.done and st.claimed == 8
+
+
+def test_three_producers_never_exceed_the_staleness_budget(shared_engine, producers, data, tiny_model_path,
+                                                          redis_url, experiment, rclient):
+    """η = 1, B = 4: accepted + running <= (η + v + 1)·B at every poll while v is held fixed."""
+    eta, B = 1, 4
+    keys = ns_keys(experiment)
+    overrides = producer_overrides(tiny_model_path, redis_url, experiment, data,
+                                   f"rollout.engine_addresses=[{shared_engine.address}]",
+                                   f"rollout.max_head_offpolicyness={eta}", f"rollout.consumer_batch_size={B}",
+                                   "rollout.max_concurrent_rollouts=8", "gconfig.max_new_tokens=6")
+    procs = [producers(overrides, f"p{i}") for i in range(3)]
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=eta, consumer_batch_size=B, max_concurrent_rollouts=8)
+    versions = VersionRegistry(rclient, keys)
+    peak = {}
+
+    def watch(version: int, until_accepted: int, hold: float) -> None:
+        bound = (eta + version + 1) * B
+        deadline, reached = time.time() + 240, None
+        while True:
+            s = adm.snapshot()
+            assert s.version == version
+            assert s.accepted + s.running <= bound, f"admitted {s.accepted}+{s.running} > {bound}"
+            peak[version] = max(peak.get(version, 0), s.accepted + s.running)
+            if s.accepted >= until_accepted and reached is None:
+                reached = time.time()
+            if reached is not None and time.time() - reached > hold:
+                return
+            for p in procs:
+                assert p.proc.poll() is None, p.log()[-3000:]
+            assert time.time() < deadline, f"accepted stuck at {s.accepted}: {procs[0].log()[-2000:]}"
+            time.sleep(0.01)
+
+    watch(0, until_accepted=8, hold=2.0)  # the budget fills, and then nothing more is admitted
+    assert adm.snapshot().accepted == 8 and adm.snapshot().running == 0
+    versions.set(1)  # the trainer finished a step: B more groups may be admitted
+    watch(1, until_accepted=12, hold=1.5)
+    assert adm.snapshot().accepted == 12
+    assert peak == {0: 8, 1: 12}
+    assert len(stream_groups(rclient, keys)) == 12
+    assert len({g.producer_id for g in stream_groups(rclient, keys)}) >= 2  # the work really was shared
+
+    versions.publish(Event(type="shutdown", detail="test over"))
+    for p in procs:
+        assert p.wait(60) == 0, p.log()[-3000:]
+        assert "shutdown event (test over)" in p.log()
+    assert adm.snapshot().running == 0
+
+
+def test_sigterm_finishes_or_releases_in_flight_rollouts(shared_engine, producers, data, tiny_model_path,
+                                                        redis_url, experiment, rclient):
+    keys = ns_keys(experiment)
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=10, consumer_batch_size=2, max_concurrent_rollouts=2)
+    base = producer_overrides(tiny_model_path, redis_url, experiment, data,
+                              f"rollout.engine_addresses=[{shared_engine.address}]", "rollout.consumer_batch_size=2",
+                              "rollout.max_concurrent_rollouts=2", "rollout.max_head_offpolicyness=10")
+    pause(shared_engine)  # the engine holds new requests: rollouts stay in flight
+    try:
+        p = producers([*base, "producer.shutdown_timeout=120"], "drain")
+        wait_for(lambda: adm.snapshot().running == 2, what="2 rollouts in flight", proc=p)
+        p.signal(signal.SIGTERM)
+        wait_for(lambda: "waiting up to 120s for 2 in-flight rollouts" in p.log(), what="drain message", proc=p)
+        time.sleep(0.5)
+        assert adm.snapshot().running == 2 and p.proc.poll() is None  # stopped admitting, still draining
+    finally:
+        resume(shared_engine)
+    assert p.wait(120) == 0, p.log()[-3000:]
+    s = adm.snapshot()
+    assert s.running == 0 and s.accepted == 2 and len(stream_groups(rclient, keys)) == 2
+
+    pause(shared_engine)
+    try:
+        q = producers([*base, "producer.shutdown_timeout=0.5"], "release")
+        wait_for(lambda: adm.snapshot().running == 2, what="2 rollouts in flight", proc=q)
+        q.signal(signal.SIGTERM)
+        assert q.wait(60) == 0, q.log()[-3000:]
+        assert "releasing 2 unfinished rollouts" in q.log()
+    finally:
+        resume(shared_engine)
+    s = adm.snapshot()
+    assert s.running == 0 and s.accepted == 2 and len(stream_groups(rclient, keys)) == 2
+
+
+def test_producer_waits_without_engines_keeping_leases(shared_engine, engines, producers, data, tiny_model_path,
+                                                      redis_url, experiment, rclient):
+    """The only engine is SIGKILLed mid-request: the producer waits, reports, renews its leases; an
+    engine appears (name resolve) and the rollouts complete there."""
+    keys = ns_keys(experiment)
+    victim = engines(tiny_model_path, redis_url, experiment)
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=10, consumer_batch_size=2, max_concurrent_rollouts=2)
+    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data, "rollout.consumer_batch_size=2",
+                                     "rollout.max_concurrent_rollouts=2", "rollout.max_head_offpolicyness=10",
+                                     "rollout.lease_ttl=2", "producer.max_groups=4"), "waiter")
+    pause(victim)
+    wait_for(lambda: adm.snapshot().running == 2, what="2 rollouts in flight", proc=p)
+    time.sleep(0.5)
+    victim.kill()
+    wait_for(lambda: "no healthy engine" in p.log(), what="the producer reporting no engine", proc=p)
+    leases = {m for m, _ in rclient.zrange(keys.admit_running, 0, -1, withscores=True)}
+    assert len(leases) == 2
+    time.sleep(5)  # > 2 lease TTLs: the leases survive only because the producer renews them
+    assert {m for m in rclient.zrange(keys.admit_running, 0, -1)} == leases
+    assert adm.snapshot().running == 2 and p.proc.poll() is None
+    assert "still no healthy engine" in p.log() or "requests waiting for an engine" in p.log()
+
+    # Another engine registers under the run's namespace (as `rlstream serve` does).
+    from rlstream.common.config import load_config
+    from rlstream.common.name_resolve import ENGINES_SERVICE, make_name_resolver
+
+    async def register_and_wait() -> int:
+        reg = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}"]))
+        await reg.register(ENGINES_SERVICE, shared_engine.address, ttl=5)
+        try:
+            return await asyncio.to_thread(p.wait, 180)
+        finally:
+            await reg.close()
+
+    assert asyncio.run(register_and_wait()) == 0, p.log()[-3000:]
+    s = adm.snapshot()
+    assert s.accepted == 4 and s.running == 0
+    assert len(stream_groups(rclient, keys)) == 4
+
+
+def test_dynamic_sampling_rejects_all_equal_groups(shared_engine, producers, tmp_path, tiny_model_path, redis_url,
+                                                   experiment, rclient):
+    """Answers nobody can produce: every group has rewards all 0 and is released, not written."""
+    keys = ns_keys(experiment)
+    data = tmp_path / "impossible.jsonl"
+    data.write_text("".join(f'{{"question": "{i}=", "solution": "never produced {i}"}}\n' for i in range(6)))
+    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
+                                     f"rollout.engine_addresses=[{shared_engine.address}]",
+                                     "producer.dynamic_sampling=true", "rollout.consumer_batch_size=2",
+                                     "rollout.max_concurrent_rollouts=3", "rollout.max_head_offpolicyness=10"), "ds")
+    assert p.wait(180) == 0, p.log()[-3000:]
+    assert "dataset exhausted" in p.log()
+    snap = AdmissionController(rclient, keys, max_head_offpolicyness=10, consumer_batch_size=2,
+                               max_concurrent_rollouts=3).snapshot()
+    assert snap.accepted == 0 and snap.running == 0 and snap.rejected == 6
+    assert TrajectoryStream(rclient, keys).length() == 0
+
+
+def test_bad_dataset_is_one_line_and_exit_1(producers, tiny_model_path, redis_url, experiment, tmp_path):
+    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, tmp_path / "nope.jsonl",
+                                     "rollout.engine_addresses=[127.0.0.1:1]"), "bad")
+    assert p.wait(120) == 1
+    assert "train_dataset.path=" in p.log() and "does not exist" in p.log() and "Traceback" not in p.log()
+
+
+# ---------------------------------------------------------------------- interruptible generation
+
+
+async def test_pause_mid_generation_continues_with_the_new_version(tiny_model_path, redis_url, experiment):
+    """The engine pauses for a weight update mid-request: one trajectory, versions 0 then 1 at the right positions."""
+    import torch
+    from aiohttp import web
+
+    from rlstream.broker import AsyncVersionRegistry, connect_async
+    from rlstream.common.config import load_config
+    from rlstream.common.wire import encode_group
+    from rlstream.producer.dataset import DatasetItem
+    from rlstream.producer.engine_client import ServerPool
+    from rlstream.producer.engine_server import build_app
+    from rlstream.producer.local_engine import LocalEngine
+    from rlstream.producer.rewards import RewardPool
+    from rlstream.producer.workflow import RLVRWorkflow, RolloutEngine
+
+    torch.set_num_threads(1)
+    eng = LocalEngine(tiny_model_path, device="cpu", max_batch_size=8, seed=0)
+    runner = web.AppRunner(build_app(eng))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    cfg = load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}",
+                             f"rollout.engine_addresses=[127.0.0.1:{port}]", "gconfig.n_samples=1",
+                             "gconfig.max_new_tokens=300", "gconfig.min_new_tokens=300", "producer.producer_id=t",
+                             "producer.reward_fn=rlstream.producer.rewards:exact_match_reward"])
+    client = await connect_async(redis_url)
+    keys = ns_keys(experiment)
+    sync_versions = VersionRegistry(__import__("redis").Redis.from_url(redis_url), keys)
+    rewards = RewardPool(cfg.producer.reward_fn, 1, 30)
+    pool = await ServerPool(cfg).start()
+    try:
+        await pool.wait_for_servers(1, 30)
+        engine = RolloutEngine(pool, AsyncVersionRegistry(client, keys), resume_wait=60)
+        wf = RLVRWorkflow(cfg=cfg, tokenizer=eng.tokenizer, reward=rewards)
+        item = DatasetItem(index=0, epoch=0, position=0, prompt_id="0", prompt="1+2=", answer="3",
+                           input_ids=eng.tokenizer("1+2=")["input_ids"], row={})
+        task = asyncio.create_task(wf.arun_episode(engine, item))
+        deadline = time.monotonic() + 60
+        while eng.total_tokens < 20:  # some tokens from version 0 first
+            assert time.monotonic() < deadline and not task.done()
+            await asyncio.sleep(0.005)
+        await eng.pause()  # the running request comes back "abort" with what it has
+        await asyncio.sleep(0.3)
+        assert not task.done()  # waiting for a newer version
+        new = {n: p.detach() * 0.5 for n, p in eng.model.named_parameters()}
+        await asyncio.to_thread(eng.apply_weights, new.items(), 1)
+        sync_versions.set(1)
+        await eng.resume()
+        group = await asyncio.wait_for(task, 120)
+    finally:
+        await pool.close()
+        await rewards.close()
+        await client.aclose()
+        await runner.cleanup()
+        eng.close()
+    g = decode_group(encode_group(group))
+    (t,) = g.trajectories
+    out_v = t.versions_np[t.prompt_len :]
+    k = int((out_v == 0).sum())
+    assert t.output_len == 300 and t.finish_reason == "length" and t.metadata["interruptions"] == 1
+    assert 20 <= k < 300
+    assert (out_v[:k] == 0).all() and (out_v[k:] == 1).all()  # both versions, each at its own positions
+    assert (t.versions_np[: t.prompt_len] == -1).all()
+    assert np.isfinite(t.logprobs_np).all()
