@@ -24,7 +24,6 @@ import abc
 import asyncio
 import contextlib
 import math
-import time
 from typing import Any, AsyncIterator
 
 from rlstream.common.config import Config
@@ -118,8 +117,27 @@ class NameResolver(abc.ABC):
 # ---------------------------------------------------------------------- redis
 
 
+# Expiry times come from the Redis server's clock (TIME inside the scripts), like the
+# broker's admission leases, so engines and producers with skewed clocks agree.
+_NOW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+# KEYS: set  ARGV: address, ttl_ms. Also forgets registrations dead for a minute so the
+# set does not grow with old ports.
+_PUT = _NOW + """
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
+return now
+"""
+# KEYS: set -> live members
+_LIST = _NOW + """
+return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
+"""
+
+
 class RedisNameResolver(NameResolver):
-    """Sorted set `{ns}:{service}`: member = address, score = expiry ms."""
+    """Sorted set `{ns}:{service}`: member = address, score = expiry ms (Redis server clock)."""
 
     def __init__(self, client: Any, namespace: str, default_ttl: float, poll_interval: float = 0.5,
                  owns_client: bool = False) -> None:
@@ -127,18 +145,15 @@ class RedisNameResolver(NameResolver):
         self.client = client
         self.ns = namespace
         self._owns_client = owns_client
+        self._put_script = client.register_script(_PUT)
+        self._list_script = client.register_script(_LIST)
 
     def key(self, service: str) -> str:
         # Same hash tag as every other key of the run (broker/keys.py): `{ns}:engines`.
         return "{" + self.ns + "}:" + service
 
     async def _put(self, service: str, address: str, ttl: float) -> None:
-        now = int(time.time() * 1000)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.zadd(self.key(service), {address: now + int(ttl * 1000)})
-        # Forget registrations dead for a minute so the set does not grow with old ports.
-        pipe.zremrangebyscore(self.key(service), "-inf", now - 60_000)
-        await pipe.execute()
+        await self._put_script(keys=[self.key(service)], args=[address, int(ttl * 1000)])
 
     async def register(self, service: str, address: str, ttl: float | None = None) -> None:
         ttl = float(ttl or self.default_ttl)
@@ -159,8 +174,7 @@ class RedisNameResolver(NameResolver):
         await self.client.zrem(self.key(service), address)
 
     async def list(self, service: str) -> list[str]:
-        now = int(time.time() * 1000)
-        raw = await self.client.zrangebyscore(self.key(service), f"({now}", "+inf")
+        raw = await self._list_script(keys=[self.key(service)])
         return sorted(m.decode() if isinstance(m, bytes) else m for m in raw)
 
     async def _close_backend(self) -> None:
@@ -307,20 +321,38 @@ class StaticNameResolver(NameResolver):
 
 
 def _redis_client(cfg: Config) -> Any:
+    """An asyncio client from `cfg.redis` (same options as broker/connection.py, which
+    `common/` may not import): credentials, TLS, reconnect with jittered backoff."""
     import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import ExponentialWithJitterBackoff
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
 
-    if not cfg.redis.url:
+    r = cfg.redis
+    if not r.url:
         raise NameResolveError("name_resolve.type=redis needs redis.url (or use name_resolve.type=static)")
-    kw: dict[str, Any] = dict(socket_timeout=cfg.redis.socket_timeout, socket_connect_timeout=cfg.redis.connect_timeout)
-    if cfg.redis.username is not None:
-        kw["username"] = cfg.redis.username
-    if cfg.redis.password is not None:
-        kw["password"] = cfg.redis.password
-    if cfg.redis.url.startswith("rediss://"):
+    errors = [RedisConnectionError, RedisTimeoutError, ConnectionResetError]
+    kw: dict[str, Any] = dict(socket_timeout=r.socket_timeout, socket_connect_timeout=r.connect_timeout,
+                              retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), r.retries),
+                              retry_on_error=errors, health_check_interval=30)
+    if r.username is not None:
+        kw["username"] = r.username
+    if r.password is not None:
+        kw["password"] = r.password
+    if r.url.startswith("rediss://"):
         for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-            if getattr(cfg.redis, name):
-                kw[name] = getattr(cfg.redis, name)
-    return aioredis.Redis.from_url(cfg.redis.url, **kw)
+            if getattr(r, name, None):
+                kw[name] = getattr(r, name)
+        reqs = getattr(r, "ssl_cert_reqs", "required")
+        kw["ssl_cert_reqs"] = reqs
+        kw["ssl_check_hostname"] = getattr(r, "ssl_check_hostname", True) and reqs != "none"
+    try:
+        return aioredis.Redis.from_url(r.url, **kw)
+    except (ValueError, TypeError) as exc:
+        from rlstream.common.config import mask_url
+
+        raise NameResolveError(f"name_resolve=redis: cannot use redis.url {mask_url(r.url)}: {type(exc).__name__}") from None
 
 
 def make_name_resolver(cfg: Config, *, redis_client: Any = None, poll_interval: float = 0.5) -> NameResolver:

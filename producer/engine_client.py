@@ -62,6 +62,9 @@ log = get_logger("rlstream.producer.engine_client")
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# gconfig.top_k at or above this means "no top-k" (AReaL's default is 1e8).
+TOP_K_OFF = 100_000_000
+
 
 class EngineError(RuntimeError):
     """A request that failed on a server; retryable on another one."""
@@ -83,7 +86,7 @@ class ModelRequest:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 100_000_000
+    top_k: int = TOP_K_OFF
     min_new_tokens: int = 0
     stop_token_ids: list[int] = field(default_factory=list)
     greedy: bool = False
@@ -199,8 +202,9 @@ class SGLangClient(EngineClient):
             "max_new_tokens": req.max_new_tokens,
             "temperature": req.effective_temperature,
             "top_p": req.top_p,
-            "top_k": -1 if req.top_k >= 100_000_000 else req.top_k,  # SGLang: -1 = off
         }
+        if req.top_k < TOP_K_OFF:  # absent = the server's "off"
+            sp["top_k"] = req.top_k
         if req.min_new_tokens:
             sp["min_new_tokens"] = req.min_new_tokens
         if req.stop_token_ids:
@@ -276,12 +280,13 @@ class VLLMClient(EngineClient):
             "max_tokens": req.max_new_tokens,
             "temperature": req.effective_temperature,
             "top_p": req.top_p,
-            "top_k": -1 if req.top_k >= 100_000_000 else req.top_k,  # vLLM: -1 (or 0) = off
             "logprobs": 0,
             "return_tokens_as_token_ids": True,
             "skip_special_tokens": False,
             "stream": False,
         }
+        if req.top_k < TOP_K_OFF:
+            body["top_k"] = req.top_k
         if req.min_new_tokens:
             body["min_tokens"] = req.min_new_tokens
         if req.stop_token_ids:
