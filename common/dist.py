@@ -9,11 +9,12 @@ does. Same code for `gloo` (CPU) and `nccl` (GPU).
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightSyncGroup", "init_weight_sync_group", "resolve_backend"]
+__all__ = ["WeightSyncGroup", "init_weight_sync_group", "resolve_backend", "run_in_thread"]
 
 
 class WeightSyncGroup:
@@ -38,9 +39,69 @@ class WeightSyncGroup:
         opts.rootTensor = 0
         self.pg.broadcast([tensor], opts).wait()
 
+    def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> None:
+        """Broadcast each tensor in order; all are issued before waiting, so transfers pipeline."""
+        works = []
+        for t in tensors:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            opts.rootTensor = 0
+            works.append(self.pg.broadcast([t], opts))
+        for w in works:
+            w.wait()
+
+    def shutdown(self) -> None:
+        """Release the group's sockets and threads now, then drop it.
+
+        A gloo group left for interpreter exit can abort the process ("terminate called
+        without an active exception"); one shut down while Python runs cannot. Safe to
+        call while another thread is blocked in a collective of this group (that thread
+        ends at the group's timeout).
+        """
+        if self.pg is not None:
+            try:
+                self.pg.shutdown()
+            except Exception:  # noqa: BLE001 - best effort: the group is being thrown away
+                pass
+        self.close()
+
     def close(self) -> None:
         self.pg = None
         self.store = None
+
+
+def run_in_thread(fn: Callable[..., Any], *args: Any, name: str = "rlstream-weight-sync") -> "asyncio.Future":
+    """Run a blocking call (a collective) in a fresh daemon thread; await the returned future.
+
+    A thread per call, not a pool: a collective whose peer died stays blocked until the
+    group's timeout (gloo cannot cancel it) and must not hold up later calls. CUDA's
+    current device is carried over (a new thread starts on device 0).
+    """
+    import asyncio
+    import threading
+
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    device = torch.cuda.current_device() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+
+    def settle(ok: bool, value: Any) -> None:
+        if not fut.done():
+            fut.set_result(value) if ok else fut.set_exception(value)
+
+    def body() -> None:
+        try:
+            if device is not None:
+                torch.cuda.set_device(device)
+            result, ok = fn(*args), True
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting coroutine
+            result, ok = exc, False
+        try:
+            loop.call_soon_threadsafe(settle, ok, result)
+        except RuntimeError:  # the loop is closed: nobody waits for this any more
+            pass
+
+    threading.Thread(target=body, name=name, daemon=True).start()
+    return fut
 
 
 def resolve_backend(backend: str) -> str:

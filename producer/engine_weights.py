@@ -1,0 +1,295 @@
+"""Weight-update routes of the local engine, with SGLang's semantics.
+
+- `POST /init_weights_update_group` `{master_address, master_port, rank_offset, world_size,
+  group_name, backend, timeout?}`: join the trainer's weight-sync group as rank
+  `rank_offset`; answers once the group is up. Re-initialising a name replaces the old
+  group. `timeout` (seconds; an rlstream extra that SGLang ignores) bounds every
+  collective of the group.
+- `POST /update_weights_from_distributed` `{names, dtypes, shapes, group_name,
+  weight_version?, flush_cache?, load_format?}`: receive each tensor, in order, by a
+  broadcast from rank 0 (with `load_format: "flattened_bucket"`: one flat tensor holding
+  them all back to back, as SGLang does), then apply them all between two decode steps.
+  `weight_version` (SGLang sends it as a string) becomes the served version.
+- `POST /update_weights_from_disk` `{model_path, weight_version?}`: load every
+  *.safetensors of a folder (or one file) between two decode steps.
+- `POST /destroy_weights_update_group` `{group_name}`.
+
+Answers are `{success, message}` (200, or 400 with success false) like SGLang's.
+
+The collectives block, so each runs in its own thread: the event loop keeps answering
+/health and /generate meanwhile. A thread per call (not a pool) because a receive whose
+sender died stays blocked until the group's timeout (gloo cannot cancel it); such a
+thread must not hold up a later group. Groups are versioned per name so a late result
+of a replaced group is never installed or applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import msgspec
+import torch
+from aiohttp import web
+
+from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
+from rlstream.common.logging import get_logger
+
+__all__ = ["add_weight_routes", "WeightReceiver", "parse_dtype", "GROUP_TIMEOUT_ENV"]
+
+log = get_logger("rlstream.producer.engine_weights")
+
+# Collective timeout when the trainer sends none: a receive whose sender died is given
+# up after this many seconds.
+GROUP_TIMEOUT_ENV = "RLSTREAM_WEIGHT_SYNC_TIMEOUT"
+DEFAULT_GROUP_TIMEOUT = 600.0
+
+_json = msgspec.json.Encoder()
+
+
+class BadRequest(ValueError):
+    """A malformed weight-update request; the message names the key."""
+
+
+def parse_dtype(name: Any, key: str = "dtype") -> torch.dtype:
+    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16; BadRequest otherwise."""
+    if not isinstance(name, str):
+        raise BadRequest(f"{key} must be a dtype name like 'bfloat16', got {name!r}")
+    dt = getattr(torch, name.removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise BadRequest(f"{key}: unknown dtype {name!r}")
+    return dt
+
+
+def _shutdown(group: WeightSyncGroup | None) -> None:
+    if group is not None:
+        group.shutdown()
+
+
+def _group_timeout() -> float:
+    raw = os.environ.get(GROUP_TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_GROUP_TIMEOUT
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{GROUP_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{GROUP_TIMEOUT_ENV} must be > 0, got {value}")
+    return value
+
+
+def _version_arg(body: dict) -> int | None:
+    v = body.get("weight_version")
+    if v is None:
+        return None
+    if isinstance(v, bool):
+        raise BadRequest(f"weight_version must be an integer (or its string), got {v!r}")
+    if isinstance(v, int):
+        return v
+    if isinstance(v, str):
+        try:
+            return int(v)
+        except ValueError:
+            pass
+    raise BadRequest(f"weight_version must be an integer (or its string), got {v!r}")
+
+
+@dataclass
+class _Slot:
+    """The current group under one name; `gen` increases with each (re)initialisation."""
+
+    gen: int = 0
+    group: WeightSyncGroup | None = None
+
+
+class WeightReceiver:
+    """Weight-sync state of one engine: named groups, and the update operations."""
+
+    def __init__(self, engine: Any, timeout_s: float | None = None) -> None:
+        self.engine = engine
+        self.timeout_s = timeout_s if timeout_s is not None else _group_timeout()
+        self.slots: dict[str, _Slot] = {}
+        self.updates = 0  # successful update calls, for tests and logs
+
+    # ------------------------------------------------------------------ groups
+
+    async def init_group(self, body: dict) -> str:
+        for key in ("master_address", "master_port", "rank_offset", "world_size", "group_name"):
+            if key not in body:
+                raise BadRequest(f"missing {key}")
+        address, group_name = body["master_address"], body["group_name"]
+        if not isinstance(address, str) or not address:
+            raise BadRequest(f"master_address must be a host name or IP, got {address!r}")
+        if not isinstance(group_name, str) or not group_name:
+            raise BadRequest(f"group_name must be a non-empty string, got {group_name!r}")
+        ints = {}
+        for key in ("master_port", "rank_offset", "world_size"):
+            v = body[key]
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise BadRequest(f"{key} must be an integer, got {v!r}")
+            ints[key] = v
+        port, rank, world = ints["master_port"], ints["rank_offset"], ints["world_size"]
+        if not 0 < port < 65536:
+            raise BadRequest(f"master_port must be in 1..65535, got {port}")
+        if not 0 < rank < world:
+            raise BadRequest(f"rank_offset must be in 1..world_size-1 (rank 0 is the trainer), got {rank} of {world}")
+        try:
+            backend = resolve_backend(body.get("backend") or "auto")
+        except ValueError as exc:
+            raise BadRequest(f"backend: {exc}") from None
+        if backend == "nccl" and self.engine.device.type != "cuda":
+            raise BadRequest(f"backend nccl needs a CUDA engine; this engine runs on {self.engine.device}")
+
+        timeout = body.get("timeout", self.timeout_s)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+            raise BadRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
+
+        slot = self.slots.setdefault(group_name, _Slot())
+        slot.gen += 1
+        gen, old = slot.gen, slot.group
+        slot.group = None
+        _shutdown(old)  # re-init replaces: the trainer has given the old group up
+        log.info("joining weight group %s as rank %d of %d at %s:%d (%s)", group_name, rank, world, address, port,
+                 backend)
+        group = await run_in_thread(init_weight_sync_group, address, port, rank, world, group_name, backend,
+                                    float(timeout), name=f"rlstream-weights-init-{group_name}")
+        if slot.gen != gen:  # replaced while we were joining
+            _shutdown(group)
+            raise RuntimeError(f"weight group {group_name!r} was re-initialised while joining")
+        slot.group = group
+        return f"joined weight group {group_name!r} as rank {rank} of {world} ({backend})"
+
+    def destroy_group(self, body: dict) -> str:
+        name = body.get("group_name")
+        slot = self.slots.get(name) if isinstance(name, str) else None
+        if slot is None or slot.group is None:
+            raise BadRequest(f"no weight group named {name!r}")
+        slot.gen += 1
+        group, slot.group = slot.group, None
+        _shutdown(group)
+        return f"destroyed weight group {name!r}"
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            slot.gen += 1
+            group, slot.group = slot.group, None
+            _shutdown(group)
+
+    # ------------------------------------------------------------------ updates
+
+    async def update_from_distributed(self, body: dict) -> str:
+        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise BadRequest("names must be a list of parameter names")
+        if not isinstance(dtypes, list) or len(dtypes) != len(names):
+            raise BadRequest(f"dtypes must be a list with one entry per name ({len(names)})")
+        if not isinstance(shapes, list) or len(shapes) != len(names):
+            raise BadRequest(f"shapes must be a list with one entry per name ({len(names)})")
+        dts = [parse_dtype(d, f"dtypes[{i}]") for i, d in enumerate(dtypes)]
+        for i, s in enumerate(shapes):
+            if not isinstance(s, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
+                raise BadRequest(f"shapes[{i}] must be a list of non-negative integers, got {s!r}")
+        version = _version_arg(body)
+        load_format = body.get("load_format")
+        if load_format not in (None, "flattened_bucket"):
+            raise BadRequest(f"load_format {load_format!r} is not supported (None or 'flattened_bucket')")
+        group_name = body.get("group_name")
+        slot = self.slots.get(group_name) if isinstance(group_name, str) else None
+        if slot is None or slot.group is None:
+            raise BadRequest(f"no weight group named {group_name!r}: call /init_weights_update_group first")
+        group, gen = slot.group, slot.gen
+
+        def receive() -> list[tuple[str, torch.Tensor]]:
+            dev = group.device
+            if load_format == "flattened_bucket":
+                # One flat tensor in the promoted dtype, as SGLang's FlattenedTensorBucket (torch.cat) makes it.
+                dtype = dts[0]
+                for d in dts[1:]:
+                    dtype = torch.promote_types(dtype, d)
+                numels = [int(torch.Size(s).numel()) for s in shapes]
+                flat = torch.empty(sum(numels), dtype=dtype, device=dev)
+                if flat.numel():
+                    group.broadcast_many([flat])
+                out, start = [], 0
+                for name, d, s, n in zip(names, dts, shapes, numels):
+                    out.append((name, flat[start:start + n].view(s).to(d)))
+                    start += n
+                return out
+            tensors = [torch.empty(s, dtype=d, device=dev) for s, d in zip(shapes, dts)]
+            group.broadcast_many(tensors)
+            return list(zip(names, tensors))
+
+        received = await run_in_thread(receive, name=f"rlstream-weights-recv-{group_name}")
+        if slot.gen != gen:
+            raise RuntimeError(f"weight group {group_name!r} was replaced during the update; nothing applied")
+        n = await run_in_thread(self.engine.apply_weights, received, version, name="rlstream-weights-apply")
+        self.updates += 1
+        return f"updated {n} tensors from group {group_name!r}" + (f"; serving version {version}" if version is not None else "")
+
+    async def update_from_disk(self, body: dict) -> str:
+        path = body.get("model_path")
+        if not isinstance(path, str) or not path:
+            raise BadRequest("model_path must be a path to a folder of *.safetensors or one .safetensors file")
+        if not Path(path).exists():
+            raise BadRequest(f"model_path {path!r} does not exist on this engine's host")
+        version = _version_arg(body)
+        n = await run_in_thread(self.engine.load_weights_from_disk, path, version, name="rlstream-weights-disk")
+        self.updates += 1
+        return f"loaded {n} tensors from {path}" + (f"; serving version {version}" if version is not None else "")
+
+
+RECEIVER_KEY = web.AppKey("weight_receiver", WeightReceiver)
+
+
+def _answer(ok: bool, message: str, **extra: Any) -> web.Response:
+    return web.Response(body=_json.encode({"success": ok, "message": message, **extra}), status=200 if ok else 400,
+                        content_type="application/json")
+
+
+def _route(op: Callable[[WeightReceiver, dict], Any]):
+    async def handler(request: web.Request) -> web.Response:
+        receiver = request.app[RECEIVER_KEY]
+        raw = await request.read()
+        try:
+            body = msgspec.json.decode(raw) if raw else {}
+        except msgspec.DecodeError as exc:
+            return _answer(False, f"{request.path}: body is not valid JSON: {exc}")
+        if not isinstance(body, dict):
+            return _answer(False, f"{request.path}: body must be a JSON object")
+        try:
+            result = op(receiver, body)
+            if asyncio.iscoroutine(result):
+                result = await result
+        except BadRequest as exc:
+            return _answer(False, f"{request.path}: {exc}")
+        except (KeyError, ValueError, FileNotFoundError) as exc:  # unknown name / shape mismatch / bad file
+            msg = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+            return _answer(False, f"{request.path}: {msg}")
+        except Exception as exc:  # noqa: BLE001 - a failed collective: the trainer decides what to do
+            log.warning("%s failed: %s: %s", request.path, type(exc).__name__, exc)
+            return _answer(False, f"{request.path}: {type(exc).__name__}: {exc}")
+        return _answer(True, result)
+
+    return handler
+
+
+def add_weight_routes(app: web.Application, engine: Any) -> WeightReceiver:
+    """Install the weight-update routes for `engine` (a LocalEngine) on `app`."""
+    receiver = WeightReceiver(engine)
+    app[RECEIVER_KEY] = receiver
+
+    async def cleanup(_app: web.Application) -> None:
+        receiver.close()
+
+    app.on_cleanup.append(cleanup)
+    app.add_routes([
+        web.post("/init_weights_update_group", _route(WeightReceiver.init_group)),
+        web.post("/update_weights_from_distributed", _route(WeightReceiver.update_from_distributed)),
+        web.post("/update_weights_from_disk", _route(WeightReceiver.update_from_disk)),
+        web.post("/destroy_weights_update_group", _route(WeightReceiver.destroy_group)),
+    ])
+    return receiver

@@ -1,0 +1,232 @@
+"""`actor.weight_update_mode: distributed`: weights go by torch.distributed broadcast.
+
+Trainer rank 0 and every engine rank form one group (rank 0 = trainer; engine i's ranks
+start at `1 + i·tp·pp`; world = 1 + all engine ranks; tp·pp is read from each engine's
+/get_server_info, 1 for the local engine). The group is made through
+`/init_weights_update_group` on every engine, concurrently with rank 0's own join, and
+made again only when the set of engines changes or a transfer broke it. Backend:
+`actor.weight_update_backend` (auto: nccl on GPU, gloo on CPU) — the same code.
+
+Each version, between `/pause_generation` and `/continue_generation` (weights_engines.py),
+the parameters go in buckets of `actor.weight_chunked_mem_mb`: one
+`/update_weights_from_distributed` `{names, dtypes, shapes, group_name}` per bucket per
+engine, concurrently with rank 0 broadcasting that bucket's tensors in the same order.
+The next bucket is gathered (sharded trainers) or copied to the group's device while the
+current one is on the wire. The last bucket carries `weight_version`.
+
+A broken collective cannot be cancelled (gloo/NCCL block until their timeout, which is
+`actor.weight_update_timeout`); the broadcaster leaves such a thread behind, shuts the
+group down, blames the engines whose call failed or that stopped answering /health, and
+rebuilds the group without them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import torch
+
+from rlstream.common.config import Config
+from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
+from rlstream.trainer.weights import register_backend
+from rlstream.trainer.weights_engines import (
+    EngineBroadcaster,
+    EngineCallError,
+    TransferFailed,
+    WeightEntry,
+    ShardSync,
+    bits_checksum,
+    free_port,
+    log,
+    master_address_for,
+    materialize,
+    plan_buckets,
+    weight_entries,
+)
+
+__all__ = ["DistributedBroadcaster", "GROUP_NAME", "CATCHUP_GROUP_NAME"]
+
+GROUP_NAME = "rlstream_weights"
+CATCHUP_GROUP_NAME = "rlstream_catchup"
+
+
+class DistributedBroadcaster(EngineBroadcaster):
+    mode = "distributed"
+
+    def __init__(self, cfg: Config, client: Any, keys: Any, rank: int = 0) -> None:
+        self.backend = resolve_backend(cfg.actor.weight_update_backend)
+        self.group: WeightSyncGroup | None = None
+        self.members: list[str] = []  # engines of `group`, in rank order
+        self._builds = 0
+        super().__init__(cfg, client, keys, rank)
+
+    # ------------------------------------------------------------ groups
+
+    async def _build(self, engines: list[str], name: str) -> WeightSyncGroup:
+        """Rank 0 joins while every engine is asked to; TransferFailed names engines that failed."""
+        ranks = [await self.fleet.ranks(a, self.timeout) for a in engines]
+        offsets, nxt = [], 1
+        for r in ranks:
+            offsets.append(nxt)
+            nxt += r
+        world = nxt
+        master, port = master_address_for(engines), free_port()
+        self._builds += 1
+        rank0 = run_in_thread(init_weight_sync_group, master, port, 0, world, name, self.backend, self.timeout,
+                              name=f"rlstream-weights-init-{name}")
+        calls = {a: asyncio.ensure_future(self.fleet.call(
+            a, "POST", "/init_weights_update_group",
+            {"master_address": master, "master_port": port, "rank_offset": off, "world_size": world,
+             "group_name": name, "backend": self.backend, "timeout": self.timeout},
+            timeout=self.timeout)) for a, off in zip(engines, offsets)}
+        group, bad, err = await self._collect(rank0, calls)
+        if bad or err is not None:
+            # rank 0 may still be waiting for the missing ranks: whatever it ends with is thrown away.
+            rank0.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().shutdown())
+            blamed = await self.blame(engines, bad)
+            raise TransferFailed(blamed, f"weight group {name} ({world} ranks at {master}:{port}) not formed: "
+                                         f"{err or '; '.join(bad.values())}")
+        log.info("weight group %s: trainer + %d engine(s), %d ranks, %s at %s:%d", name, len(engines), world,
+                 self.backend, master, port)
+        return group
+
+    async def _collect(self, thread: asyncio.Future, calls: dict[str, asyncio.Future]) -> tuple[Any, dict[str, str], BaseException | None]:
+        """Wait for rank 0's blocking part and every engine's call; stop at the first failure.
+
+        On failure the calls still running are cancelled (a broken collective would keep
+        them hanging until the engines' timeout); a blocked rank-0 thread is left behind.
+        """
+        address_of = {f: a for a, f in calls.items()}
+        waiting: set[asyncio.Future] = set(calls.values()) | {thread}
+        result, bad, err = None, {}, None
+        while waiting:
+            done, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for f in done:
+                exc = f.exception()
+                if f is thread:
+                    if exc is None:
+                        result = f.result()
+                    else:
+                        err = exc
+                elif exc is not None:
+                    if not isinstance(exc, EngineCallError):
+                        raise exc
+                    bad[address_of[f]] = str(exc)
+            if bad or err is not None:
+                break
+        if bad or err is not None:
+            for f in waiting:
+                if f is not thread:
+                    f.cancel()
+        return result, bad, err
+
+    def _reset_main(self) -> None:
+        if self.group is not None:
+            self.group.shutdown()
+        self.group, self.members = None, []
+
+    async def _drop_groups(self, engines: list[str]) -> None:
+        if set(engines) & set(self.members):
+            self._reset_main()
+
+    # ------------------------------------------------------------ sending
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+
+    async def _send(self, group: WeightSyncGroup, engines: list[str], name: str, buckets: list[list[WeightEntry]],
+                    version: int, sync: ShardSync | None, checksums: list[tuple[WeightEntry, int]] | None = None) -> int:
+        """Every bucket to every engine; returns the bytes sent. TransferFailed on any failure."""
+        dev = group.device
+        total = 0
+        nxt: asyncio.Future | None = run_in_thread(materialize, buckets[0], dev) if buckets else None
+        for i, bucket in enumerate(buckets):
+            assert nxt is not None
+            tensors = await nxt
+            nxt = run_in_thread(materialize, buckets[i + 1], dev) if i + 1 < len(buckets) else None
+            if checksums is not None:
+                sums = await run_in_thread(lambda b=bucket: [bits_checksum(e.tensor) for e in b])
+                checksums.extend(zip(bucket, sums))
+            last = i == len(buckets) - 1
+            payload: dict[str, Any] = {
+                "names": [e.name for e in bucket],
+                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+                "shapes": [list(t.shape) for t in tensors],
+                "group_name": name,
+                "flush_cache": last,
+            }
+            if last:
+                payload["weight_version"] = str(version)  # SGLang's weight_version is a string
+            calls = {a: asyncio.ensure_future(self.fleet.call(a, "POST", "/update_weights_from_distributed", payload,
+                                                              timeout=self.timeout)) for a in engines}
+            bcast = run_in_thread(group.broadcast_many, tensors, name=f"rlstream-weights-send-{name}")
+            _, bad, err = await self._collect(bcast, calls)
+            if bad or err is not None:
+                if sync is not None:  # the other ranks gather every parameter of this pass: join them
+                    if nxt is not None:
+                        with contextlib.suppress(Exception):
+                            await nxt
+                    for rest in buckets[i + 2:]:
+                        await run_in_thread(materialize, rest, dev)
+                blamed = await self.blame(engines, bad)
+                why = f"broadcast: {type(err).__name__}: {err}" if err is not None else "; ".join(bad.values())
+                raise TransferFailed(blamed, f"bucket {i + 1}/{len(buckets)} of group {name}: {why}")
+            total += sum(t.numel() * t.element_size() for t in tensors)
+        return total
+
+    async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
+                        sync: ShardSync | None) -> int:
+        if self.group is None or self.members != engines:
+            self._reset_main()
+            self.group = await self._build(engines, GROUP_NAME)
+            self.members = list(engines)
+        if sync is not None:
+            await run_in_thread(sync.signal, True)
+        try:
+            return await self._send(self.group, engines, GROUP_NAME, plan_buckets(entries, self.bucket_bytes),
+                                    version, sync)
+        except TransferFailed:
+            self._reset_main()  # a failed collective leaves the group unusable
+            raise
+
+    # ------------------------------------------------------------ late joiners
+
+    def can_catch_up(self) -> bool:
+        # A sharded model can only be gathered by all trainer ranks together, inside push().
+        return self._model is not None and not self._sharded
+
+    async def _catch_up(self, engines: list[str]) -> bool:
+        """Send the live model over a group of only these engines; verify it did not move meanwhile."""
+        if set(engines) & set(self.members):
+            self._reset_main()  # they lost their place in the main group (restarted)
+        model = self._model
+        assert model is not None
+        buckets = plan_buckets(weight_entries(model), self.bucket_bytes)
+        group = await self._build(engines, CATCHUP_GROUP_NAME)
+        sums: list[tuple[WeightEntry, int]] = []
+        try:
+            await self._send(group, engines, CATCHUP_GROUP_NAME, buckets, self.current, None, checksums=sums)
+        finally:
+            group.shutdown()
+            await asyncio.gather(*(self.fleet.call(a, "POST", "/destroy_weights_update_group",
+                                                   {"group_name": CATCHUP_GROUP_NAME}, timeout=10)
+                                   for a in engines), return_exceptions=True)
+        moved = await run_in_thread(lambda: [e.name for e, c in sums if bits_checksum(e.tensor) != c])
+        if moved:
+            log.info("catch-up of %s: %d tensors changed while being sent (a train step is running); they stay "
+                     "paused until the next push", ", ".join(engines), len(moved))
+            return False
+        log.info("caught up %s to version %d", ", ".join(engines), self.current)
+        return True
+
+    async def _close_backend(self) -> None:
+        members = self.members
+        self._reset_main()
+        await asyncio.gather(*(self.fleet.call(a, "POST", "/destroy_weights_update_group", {"group_name": GROUP_NAME},
+                                               timeout=5) for a in members), return_exceptions=True)
+
+
+register_backend("distributed", DistributedBroadcaster)
