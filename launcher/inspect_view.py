@@ -223,7 +223,20 @@ def inspect_main(cfg: Any, redis_url: str | None = None, namespace: str | None =
                 time.sleep(interval)
 
         from rich.live import Live
+        from rich.rule import Rule
         from rich.text import Text
+
+        if not console.is_terminal:
+            # Piped or logged: a live region cannot redraw there, so print each refresh in turn.
+            while True:
+                try:
+                    _, view = snapshot_or_error()
+                except BrokerError as exc:
+                    view = Text(str(exc), style="red")
+                console.print(Rule())
+                console.print(view)
+                console.file.flush()
+                time.sleep(interval)
 
         with Live(Text("connecting..."), console=console, refresh_per_second=4, transient=False) as live:
             while True:

@@ -1,0 +1,218 @@
+"""`rlstream inspect` against a real Redis holding a namespace with data, through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from rlstream.broker import (
+    AdmissionController,
+    Keys,
+    StepLog,
+    StepRecord,
+    TrajectoryStream,
+    VersionRegistry,
+    namespace,
+    write_run_meta,
+)
+from rlstream.broker.inspect import collect, list_namespaces
+from rlstream.broker.stream import entry_fields
+from rlstream.common.config import load_config
+
+
+def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "160"})
+
+
+@pytest.fixture
+def populated(rclient, experiment, group_factory):
+    """A namespace as a run leaves it: meta, versions, accepted/rejected/running, pending, dead, dropped, steps."""
+    cfg = load_config(None, [f"experiment_name={experiment}", "trial_name=t1", "rollout.max_head_offpolicyness=2",
+                             "rollout.consumer_batch_size=4", "rollout.max_concurrent_rollouts=8"])
+    keys = Keys(cfg.namespace)
+    write_run_meta(rclient, keys, cfg, component="test")
+    versions = VersionRegistry(rclient, keys)
+    versions.set(1)
+    versions.set_trainer_version(3)
+    adm = AdmissionController.from_config(rclient, keys, cfg)
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    for v in (0, 0, 1, 1, 1, 2):  # group min versions -> staleness 3, 3, 2, 2, 2, 1
+        _, lease = adm.try_acquire()
+        adm.commit(lease.lease_id, entry_fields(group_factory(version=v, out_len=5, n_samples=2, prompt_len=3)))
+    _, lease = adm.try_acquire()
+    adm.release(lease.lease_id)  # one rejected
+    adm.try_acquire()  # one running
+    got = stream.read("trainer-0", count=2, block_ms=10)  # 2 pending (staleness 3, 3)
+    stream.append_raw({"d": b"not a group", "v": 0})
+    stale = stream.read("trainer-1", count=1, block_ms=10)[0]  # staleness 2 -> dropped
+    stream.drop_stale(stale, trainer_version=3, reason="staleness 2 > eta 1")
+    StepLog(rclient, keys).record(StepRecord(step=0, version=0, entry_ids=[e.id for e in got], ts=time.time()))
+    rclient.zadd(keys.engines, {"127.0.0.1:30000": int(time.time() * 1000) + 60_000,
+                                "127.0.0.1:30001": int(time.time() * 1000) - 5_000})
+    return cfg, keys, stream
+
+
+def test_collect_fields(rclient, populated):
+    cfg, keys, stream = populated
+    s = collect(rclient, keys, eta=0, batch=1, max_concurrent=1)  # wrong fallbacks: meta must win
+    assert s["exists"] and s["namespace"] == cfg.namespace
+    assert s["stream"]["length"] == 7
+    (train,) = s["stream"]["groups"]
+    assert train["name"] == "train" and train["pending"] == 2 and train["lag"] == 4
+    pend = {p["consumer"]: p for p in s["pending"]}
+    assert pend["trainer-0"]["pending"] == 2 and pend["trainer-1"]["pending"] == 0
+    assert pend["trainer-0"]["oldest_idle_ms"] >= 0 and pend["trainer-0"]["idle_ms"] >= 0
+    assert s["versions"] == {"served": 1, "trainer": 3}
+    a = s["admission"]
+    assert a["params_from"] == "meta"
+    assert (a["max_head_offpolicyness"], a["consumer_batch_size"], a["max_concurrent_rollouts"]) == (2, 4, 8)
+    assert (a["accepted"], a["rejected"], a["running"]) == (6, 1, 1)
+    assert a["budget"] == (2 + 1 + 1) * 4 and a["capacity"] == min(8 - 1, 16 - (6 + 1))
+    st = s["staleness"]
+    # queued = 2 pending (v 0, 0) + undelivered: 3 good ones (v 1, 1, 2) and the garbage entry (its `v` says 0)
+    assert st["queued"] == 6 and st["pending"] == 2 and st["undelivered"] == 4
+    assert st["histogram"] == {"1": 1, "2": 2, "3": 3}
+    assert st["over_budget"] == 3 and not st["truncated"]
+    assert s["dead_letters"]["count"] == 0  # the garbage entry has not been read by anyone yet
+    assert s["dropped"]["count"] == 1 and "staleness 2" in s["dropped"]["recent"][0]["reason"]
+    thr = s["throughput"]
+    assert thr["producer_groups"] == 7 and thr["producer_tokens_per_s"] > 0
+    assert thr["consumer_steps"] == 1 and thr["consumer_groups"] == 2
+    eng = {e["address"]: e["alive"] for e in s["engines"]}
+    assert eng == {"127.0.0.1:30000": True, "127.0.0.1:30001": False}
+    assert s["meta"]["writer"].startswith("test@")
+
+    # the garbage entry read by a consumer becomes a dead letter; inspect shows it with its reason
+    stream.read("trainer-1", count=10, block_ms=10)
+    s2 = collect(rclient, keys, 0, 1, 1)
+    assert s2["dead_letters"]["count"] == 1 and "undecodable" in s2["dead_letters"]["recent"][0]["reason"]
+
+
+def test_collect_falls_back_to_config_without_meta(rclient, keys):
+    rclient.set(keys.version, 2)
+    s = collect(rclient, keys, eta=1, batch=3, max_concurrent=5)
+    assert s["admission"]["params_from"] == "config"
+    assert s["admission"]["budget"] == (1 + 2 + 1) * 3 and s["admission"]["capacity"] == 5
+    assert s["stream"]["length"] == 0 and s["staleness"]["queued"] == 0
+
+
+def test_cli_json(redis_url, populated):
+    cfg, keys, _ = populated
+    res = _cli("inspect", "--redis", redis_url, "--namespace", cfg.namespace, "--json")
+    assert res.returncode == 0, res.stderr
+    s = json.loads(res.stdout)
+    for field in ("stream", "pending", "versions", "admission", "staleness", "dead_letters", "dropped", "throughput",
+                  "engines"):
+        assert field in s, field
+    assert s["stream"]["length"] == 7 and s["versions"] == {"served": 1, "trainer": 3}
+    assert s["admission"]["capacity"] == 7 and s["admission"]["params_from"] == "meta"
+    assert s["staleness"]["histogram"] == {"1": 1, "2": 2, "3": 3}
+
+
+def test_cli_tables_and_namespace_from_config(redis_url, populated, tmp_path):
+    cfg, _, _ = populated
+    conf = tmp_path / "c.yaml"
+    conf.write_text(f"experiment_name: {cfg.experiment_name}\ntrial_name: t1\nredis:\n  url: {redis_url}\n")
+    res = _cli("inspect", "--config", str(conf))
+    assert res.returncode == 0, res.stderr
+    out = res.stdout
+    for text in (cfg.namespace, "served version", "consumer groups", "trainer-0", "staleness", "throughput",
+                 "dropped", "127.0.0.1:30000"):
+        assert text in out, text
+
+
+def test_cli_list(redis_url, populated, rclient):
+    cfg, _, _ = populated
+    assert cfg.namespace in list_namespaces(rclient)
+    res = _cli("inspect", "--redis", redis_url, "--list", "--json")
+    assert res.returncode == 0, res.stderr
+    rows = {r["namespace"]: r for r in json.loads(res.stdout)}
+    assert rows[cfg.namespace]["stream_length"] == 7 and rows[cfg.namespace]["served_version"] == 1
+    table = _cli("inspect", "--redis", redis_url, "--list")
+    assert table.returncode == 0 and cfg.namespace in table.stdout
+
+
+def test_cli_unknown_namespace_is_one_line(redis_url, populated):
+    cfg, _, _ = populated
+    res = _cli("inspect", "--redis", redis_url, "--namespace", "rlstream:nope:nope")
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and "rlstream:nope:nope" in lines[0] and "--list" in lines[0]
+
+
+def test_cli_dead_port_is_one_line():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    res = _cli("inspect", "--redis", f"redis://127.0.0.1:{port}/0", "--json")
+    assert res.returncode != 0
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert f"redis://127.0.0.1:{port}/0" in lines[0] and "Traceback" not in res.stderr
+    assert res.stdout == ""
+
+
+def test_cli_wrong_password_is_an_auth_error_line(redis_factory):
+    server = redis_factory(["--requirepass", "right-one"])
+    res = _cli("inspect", "--redis", f"redis://:wrong-one@127.0.0.1:{server.port}/0")
+    assert res.returncode == 1
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert "refused the credentials" in lines[0] and "****" in lines[0]
+    assert "wrong-one" not in res.stderr and "Traceback" not in res.stderr
+    res = _cli("inspect", "--redis", f"redis://127.0.0.1:{server.port}/0")
+    assert res.returncode == 1 and "requires authentication" in res.stderr and "Traceback" not in res.stderr
+
+
+def _lines(stream) -> queue.Queue:
+    """Lines of a child's stdout, read by a thread so the test can wait with a timeout."""
+    q: queue.Queue = queue.Queue()
+
+    def pump():
+        for line in stream:
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=pump, daemon=True).start()
+    return q
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+def test_cli_watch_refreshes_and_ctrl_c_exits_zero(redis_url, populated, as_json):
+    cfg, _, _ = populated
+    args = [sys.executable, "-m", "rlstream.launcher.cli", "inspect", "--redis", redis_url, "--namespace",
+            cfg.namespace, "--watch", "0.3"] + (["--json"] if as_json else [])
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         env={**os.environ, "COLUMNS": "160"})
+    try:
+        lines = _lines(p.stdout)
+        if as_json:  # one JSON document per refresh
+            docs = [json.loads(lines.get(timeout=60)) for _ in range(2)]
+            assert [d["stream"]["length"] for d in docs] == [7, 7]
+        else:  # not a terminal: each refresh is printed in turn
+            seen = []
+            while sum("consumer groups" in line for line in seen) < 2:
+                line = lines.get(timeout=60)
+                assert line is not None, p.stderr.read()
+                seen.append(line)
+        p.send_signal(signal.SIGINT)
+        p.wait(timeout=30)
+        err = p.stderr.read()
+        assert p.returncode == 0, err
+        assert "Traceback" not in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
