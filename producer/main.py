@@ -232,33 +232,52 @@ class Producer:
                 log.error("rollout of prompt %s failed: %s: %s", getattr(item, "prompt_id", "?"), type(exc).__name__, exc)
                 await self.admission.abandon([lease_id])
                 return
-            self.finished += 1
-            if group is None:
-                self.rejected += 1
-                await self.admission.release(lease_id)
-                return
-            if not group.producer_id:
-                group.producer_id = self.producer_id
-            self.out_tokens += sum(t.output_len for t in group.trajectories)
-            if self.cfg.rollout.check_trajectory_format:
-                try:
-                    validate_group(group)
-                except WireError as exc:
-                    self.failed += 1
-                    log.error("workflow produced an invalid group for prompt %s: %s", group.prompt_id, exc)
-                    await self.admission.abandon([lease_id])
-                    return
-            if should_accept(self.cfg, group):
-                from rlstream.broker.stream import entry_fields
-
-                await asyncio.shield(self.admission.commit(lease_id, entry_fields(group)))
-                self.accepted += 1
-            else:
-                self.rejected += 1
-                await asyncio.shield(self.admission.release(lease_id))
+            fin = asyncio.ensure_future(self._finish(lease_id, group))
+            try:
+                await asyncio.shield(fin)
+            except asyncio.CancelledError:
+                # A forced stop while committing: let the (atomic) commit land first.
+                with contextlib.suppress(Exception):
+                    await fin
+                raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - e.g. Redis gone for longer than its retries
+            self.failed += 1
+            log.error("finishing the rollout of prompt %s failed: %s: %s", getattr(item, "prompt_id", "?"),
+                      type(exc).__name__, exc)
+            with contextlib.suppress(Exception):
+                await self.admission.abandon([lease_id])
         finally:
             self.inflight.pop(lease_id, None)
             self._wake.set()
+
+    async def _finish(self, lease_id: str, group: TrajectoryGroup | None) -> None:
+        """Commit, release or abandon one finished rollout's lease."""
+        from rlstream.broker.stream import entry_fields
+
+        self.finished += 1
+        if group is None:
+            self.rejected += 1
+            await self.admission.release(lease_id)
+            return
+        if not group.producer_id:
+            group.producer_id = self.producer_id
+        self.out_tokens += sum(t.output_len for t in group.trajectories)
+        if self.cfg.rollout.check_trajectory_format:
+            try:
+                validate_group(group)
+            except WireError as exc:
+                self.failed += 1
+                log.error("workflow produced an invalid group for prompt %s: %s", group.prompt_id, exc)
+                await self.admission.abandon([lease_id])
+                return
+        if should_accept(self.cfg, group):
+            await self.admission.commit(lease_id, entry_fields(group))
+            self.accepted += 1
+        else:
+            self.rejected += 1
+            await self.admission.release(lease_id)
 
     async def _wait_wake(self, timeout: float) -> None:
         self._wake.clear()
