@@ -216,8 +216,9 @@ async def test_pause_aborts_running_then_resume_continues_with_new_version(fresh
 
         # While paused a new request waits (it is not aborted and not served).
         waiting = asyncio.create_task(srv.post("/generate", gen_body(PROMPTS[5], max_new_tokens=5, temperature=0)))
-        await asyncio.sleep(0.3)
-        assert not waiting.done() and eng.stats()["waiting"] == 1
+        await wait_for(lambda: eng.stats()["waiting"] == 1, 30, "the new request to queue")
+        await asyncio.sleep(0.2)
+        assert not waiting.done() and eng.stats()["waiting"] == 1 and eng.stats()["running"] == 0
 
         # A weight update while paused, then continue: the continuation of each partial
         # trajectory (prompt + tokens so far) is produced by version 1.
@@ -274,11 +275,15 @@ async def test_weights_from_disk_and_bad_names(fresh_engine, trainer_model, tmp_
 
 async def test_cancelled_client_leaves_the_batch(engine):
     async with Served(engine) as srv:
-        timeout = aiohttp.ClientTimeout(total=0.5)
+        before = engine.total_tokens
         body = gen_body(PROMPTS[2], max_new_tokens=450, temperature=1.0, ignore_eos=True)
-        with pytest.raises(asyncio.TimeoutError):
-            await srv.post("/generate", body, timeout=timeout)
+        task = asyncio.create_task(srv.post("/generate", body))
+        await wait_for(lambda: engine.stats()["running"] == 1, 30, "the request to start")
+        task.cancel()  # the client goes away: its connection closes mid-request
+        with pytest.raises(asyncio.CancelledError):
+            await task
         await wait_for(lambda: engine.stats()["running"] == 0, 30, "the abandoned request to leave the batch")
+        assert engine.total_tokens - before < 450, "the request ran to the end instead of being dropped"
 
 
 # ---------------------------------------------------------------------- HTTP surface
