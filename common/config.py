@@ -497,13 +497,21 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
                 at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
                 problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
                 raise ConfigError(f"cannot parse config file {p}{at}: {problem}") from None
+            except OSError as exc:  # unreadable, or OmegaConf's IOError for a scalar at the top level
+                raise ConfigError(f"cannot load config file {p}: {exc} (the top level must be a mapping of keys)") from None
             if not isinstance(base, DictConfig):
                 raise ConfigError(f"config file {p}: the top level must be a mapping of keys, not a list")
         for ov in overrides or []:
             if "=" not in ov:
                 raise ConfigError(f"override '{ov}' is not of the form key.path=value")
-        if overrides:
-            base = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        for ov in overrides or []:
+            try:
+                base = OmegaConf.merge(base, OmegaConf.from_dotlist([ov]))
+            except OmegaConfBaseException:
+                raise
+            except Exception as exc:  # noqa: BLE001 - PyYAML errors on the value, IndexError on keys like `a.`
+                first = (str(exc).splitlines() or [type(exc).__name__])[0]
+                raise ConfigError(f"cannot parse override {ov!r}: {first}") from None
         data = OmegaConf.to_container(base, resolve=True)
     except OmegaConfBaseException as exc:
         # Interpolation errors know which key they were resolving: name it.
