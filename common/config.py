@@ -524,7 +524,24 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config root must be a mapping{where}")
-    return _convert(data)
+    cfg = _convert(data)
+    _register_secrets(config_to_dict(cfg))
+    return cfg
+
+
+def _register_secrets(obj: Any) -> None:
+    """Hand secret values (redis.password, *.api_key, ...) to the log masker: no log line shows them."""
+    from rlstream.common.logging import register_secret
+
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if isinstance(v, str) and any(s in str(k).lower() for s in SECRET_KEYS):
+                register_secret(v)
+            else:
+                _register_secrets(v)
+    elif isinstance(obj, list):
+        for v in obj:
+            _register_secrets(v)
 
 
 def config_to_dict(cfg: msgspec.Struct) -> dict[str, Any]:
