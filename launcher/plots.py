@@ -1,0 +1,156 @@
+"""PNG plots of a finished run (matplotlib, Agg backend: no display needed).
+
+Inputs, all under the run folder: the trainer's `metrics.jsonl` (one row per step),
+the launcher's `launcher_timeline.jsonl` (Redis-side snapshots over time) and
+`staleness.json` (head staleness of every trained group, from the step records).
+Outputs in `{run_dir}/plots/`:
+
+- `reward.png`: batch reward and accuracy per step, held-out accuracy before/after;
+- `staleness.png`: distribution of head staleness (trainer version - oldest token version) of trained groups;
+- `throughput.png`: rollouts/s and tokens/s over wall time (producers and trainer);
+- `time_split.png`: where each step's time went (waiting for data, logprobs, update, weight push, ...).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["make_plots", "read_jsonl"]
+
+_TIME_KEYS = [("time/wait_data", "wait for data"), ("time/collate", "collate"), ("time/logprobs", "logprobs"),
+              ("time/update", "update"), ("time/weight_push", "weight push"), ("time/checkpoint", "checkpoint")]
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    if not path.exists():
+        return rows
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        if key in r and r[key] is not None:
+            xs.append(r.get("step", len(xs) + 1))
+            ys.append(r[key])
+    return xs, ys
+
+
+def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_after: float | None = None,
+               title: str = "") -> list[Path]:
+    """Write the PNGs for the run at `run_dir`; returns their paths (plots without data are skipped)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    out = run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    timeline = read_jsonl(run_dir / "launcher_timeline.jsonl")
+    written: list[Path] = []
+
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        p = out / name
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+
+    # ---- reward / accuracy per step
+    if metrics:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, label in (("reward/mean", "batch reward (mean)"), ("reward/accuracy", "batch accuracy")):
+            xs, ys = _series(metrics, key)
+            if xs:
+                ax.plot(xs, ys, marker=".", label=label)
+        last = max((r.get("step", 0) for r in metrics), default=1)
+        if acc_before is not None:
+            ax.scatter([0], [acc_before], color="tab:red", zorder=5, label=f"held-out acc before RL: {acc_before:.0%}")
+        if acc_after is not None:
+            ax.scatter([last], [acc_after], color="tab:green", zorder=5, label=f"held-out acc after RL: {acc_after:.0%}")
+        ax.set_xlabel("train step")
+        ax.set_ylabel("reward / accuracy")
+        ax.set_ylim(-0.05, 1.05)
+        ax.set_title(f"Reward per step {title}".strip())
+        ax.grid(alpha=0.3)
+        ax.legend(loc="lower right", fontsize=8)
+        save(fig, "reward.png")
+
+    # ---- staleness distribution
+    stale_path = run_dir / "staleness.json"
+    hist: dict[int, int] = {}
+    if stale_path.exists():
+        hist = {int(k): int(v) for k, v in json.loads(stale_path.read_text()).get("histogram", {}).items()}
+    source = "trained groups"
+    if not hist and metrics:  # fall back to the per-step mean staleness
+        source = "steps (mean staleness, rounded)"
+        for r in metrics:
+            if "staleness/mean" in r:
+                k = int(round(r["staleness/mean"]))
+                hist[k] = hist.get(k, 0) + 1
+    if hist:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ks = sorted(hist)
+        ax.bar([str(k) for k in ks], [hist[k] for k in ks], color="tab:purple")
+        ax.set_xlabel("head staleness (trainer version - oldest token version)")
+        ax.set_ylabel(f"count of {source}")
+        ax.set_title("Staleness distribution")
+        ax.grid(alpha=0.3, axis="y")
+        save(fig, "staleness.png")
+
+    # ---- throughput over time
+    if timeline or metrics:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        if timeline:
+            ts = [r["t"] for r in timeline]
+            ax.plot(ts, [r.get("rollouts_per_s", 0.0) for r in timeline], label="rollouts/s (producers)", alpha=0.8)
+            ax2 = ax.twinx()
+            ax2.plot(ts, [r.get("tokens_per_s", 0.0) for r in timeline], color="tab:orange",
+                     label="generated tokens/s (30 s window)")
+            ax2.set_ylabel("tokens/s")
+            ax2.legend(loc="upper right", fontsize=8)
+        if metrics and "ts" in metrics[0]:
+            t_first = timeline[0]["ts"] - timeline[0]["t"] if timeline else metrics[0]["ts"]
+            xs = [r["ts"] - t_first for r in metrics]
+            steps_per_min = []
+            for i, r in enumerate(metrics):
+                j = max(0, i - 5)
+                dt = r["ts"] - metrics[j]["ts"]
+                steps_per_min.append(60.0 * (i - j) / dt if dt > 0 else 0.0)
+            ax.plot(xs, steps_per_min, color="tab:green", label="train steps/min")
+        ax.set_xlabel("seconds since start")
+        ax.set_ylabel("rollouts/s, steps/min")
+        ax.set_title("Throughput over time")
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+        save(fig, "throughput.png")
+
+    # ---- time split per step
+    present = [(k, lbl) for k, lbl in _TIME_KEYS if any(k in r for r in metrics)]
+    if present:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        steps = [r.get("step", i + 1) for i, r in enumerate(metrics)]
+        bottom = [0.0] * len(metrics)
+        for k, lbl in present:
+            vals = [float(r.get(k, 0.0)) for r in metrics]
+            ax.bar(steps, vals, bottom=bottom, label=lbl, width=0.9)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        if any("time/step" in r for r in metrics):
+            ax.plot(steps, [r.get("time/step", 0.0) for r in metrics], color="black", lw=1, label="step total")
+        ax.set_xlabel("train step")
+        ax.set_ylabel("seconds")
+        ax.set_title("Time split per step")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3, axis="y")
+        save(fig, "time_split.png")
+    return written

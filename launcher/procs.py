@@ -1,0 +1,136 @@
+"""Child processes of a local launch: each in its own process group, one log file each.
+
+Why process groups: a child may have children of its own (torchrun's workers, a
+producer's reward workers); stopping the group by its id reaches all of them, so
+nothing is orphaned and every port is released. Each child also gets a parent-death
+signal (Linux `PR_SET_PDEATHSIG`): if the launcher itself is killed with SIGKILL the
+children still get SIGTERM.
+
+Stopping is polite first (SIGTERM to the group, the child's own graceful shutdown),
+then forceful (SIGKILL to the group) after a timeout.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Child", "describe_exit", "free_port", "wait_for_port"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _child_setup() -> None:  # runs in the child between fork and exec
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:  # not Linux: the launcher's own cleanup still runs
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def describe_exit(code: int | None) -> str:
+    """`exited with code 1` / `was killed by SIGKILL`."""
+    if code is None:
+        return "is running"
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@dataclass
+class Child:
+    """One supervised child process: `name` (e.g. `engine-0`) and `role` (engine, producer, trainer, redis)."""
+
+    name: str
+    role: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    proc: subprocess.Popen | None = None
+    started_at: float = 0.0
+
+    def start(self) -> "Child":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab", buffering=0)
+        log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
+        try:
+            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                         env={**os.environ, **self.env}, cwd=self.cwd, start_new_session=True,
+                                         preexec_fn=_child_setup)
+        finally:
+            log.close()  # the child holds its own descriptor
+        self.started_at = time.monotonic()
+        return self
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def poll(self) -> int | None:
+        return self.proc.poll() if self.proc else None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def _signal_group(self, sig: int) -> None:
+        assert self.proc is not None
+        try:
+            os.killpg(self.proc.pid, sig)  # start_new_session: the group id is the child's pid
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM the group, wait up to `timeout`, then SIGKILL the group; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self._signal_group(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        # Even when the leader is gone, stragglers of its group (grandchildren) get SIGKILL.
+        self._signal_group(signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.wait(10)
+        return self.proc.returncode
+
+    def tail(self, lines: int = 5) -> list[str]:
+        """Last lines of the log, for the failure message."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - 8192))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return []
+        return [ln for ln in text.splitlines() if ln.strip()][-lines:]
