@@ -343,6 +343,7 @@ class Producer:
             except (ValueError, NameResolveError) as exc:  # DatasetError, bad import paths, bad addresses
                 raise SetupError(str(exc)) from None
             self._base = (self.cursor.state.accepted, self.cursor.state.rejected, self.cursor.state.failed)
+            self._t_start = time.monotonic()
             log.info("producer %s: %d prompts x %d epoch(s), run position %d, %s backend, namespace %s",
                      self.producer_id, len(self.dataset), self.cfg.total_train_epochs, await self.cursor.position(),
                      self.cfg.rollout.backend, self.cfg.namespace)
@@ -369,7 +370,10 @@ class Producer:
             self._sync_state()
             self.cursor.state.done = True
             await self.cursor.save()
-            self.log_progress(0.0, 0.0)
+            with contextlib.suppress(Exception):
+                self.last_state = await self.admission.snapshot()
+            elapsed = max(time.monotonic() - self._t_start, 1e-9)
+            self.log_progress(self.finished / elapsed, self.out_tokens / elapsed)  # whole-run averages
             log.info("producer %s done (%s): accepted %d, rejected %d, failed %d",
                      self.producer_id, self.stop_reason, self.accepted, self.rejected, self.failed)
             return 0

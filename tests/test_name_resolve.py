@@ -212,3 +212,35 @@ async def test_bad_addresses_are_clear_errors(redis_url, experiment):
     with pytest.raises(NameResolveError, match="etcd at 127.0.0.1"):
         await asyncio.wait_for(r.register(ENGINES_SERVICE, "127.0.0.1:1"), 30)
     await r.close()
+
+
+@pytest.mark.etcd
+async def test_producer_pool_follows_a_real_engine_through_etcd(etcd_server, redis_url, experiment, tiny_model_path,
+                                                                tmp_path):
+    """`rlstream serve` registers in etcd; the producer's server pool finds it, generates, and drops it
+    when the engine stops."""
+    from rlstream.producer.engine_client import ModelRequest, ServerPool
+
+    from .test_producer_support import EngineProcess, engine_overrides
+
+    nr = ["cluster.name_resolve.type=etcd", f"cluster.name_resolve.etcd_address={etcd_server.address}"]
+    engine = EngineProcess(tmp_path / "engine", engine_overrides(tiny_model_path, redis_url, experiment, *nr))
+    cfg = _cfg("etcd", redis_url, experiment, etcd_server.address)
+    pool = ServerPool(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}", *nr,
+                                         "rollout.health_check_interval=0.5"]))
+    await pool.start()
+    try:
+        engine.start()
+        assert await pool.wait_for_servers(1, timeout=60) == [engine.address]
+        async with make_name_resolver(cfg) as r:
+            assert await r.list(ENGINES_SERVICE) == [engine.address]
+        out = await pool.agenerate(ModelRequest(input_ids=[5, 6, 7], max_new_tokens=3, min_new_tokens=3))
+        assert out.server == engine.address and len(out.output_ids) == 3
+        engine.stop()  # SIGTERM: the engine unregisters (revokes its lease)
+        deadline = time.monotonic() + 30
+        while engine.address in pool.servers:
+            assert time.monotonic() < deadline, "pool still lists the stopped engine"
+            await asyncio.sleep(0.1)
+    finally:
+        engine.stop()
+        await pool.close()
