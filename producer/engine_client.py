@@ -335,7 +335,12 @@ class VLLMClient(EngineClient):
         await self._request("POST", "/resume", timeout=60)
 
     async def model_info(self) -> dict[str, Any]:
-        data = await self._request("GET", "/v1/models", timeout=30)
+        # rlstream's vLLM server (producer/vllm_server.py) adds SGLang's /get_model_info with
+        # the weight version; plain vLLM has only /v1/models.
+        try:
+            data = await self._request("GET", "/get_model_info", timeout=30)
+        except EngineError:
+            data = await self._request("GET", "/v1/models", timeout=30)
         return data if isinstance(data, dict) else {}
 
 
