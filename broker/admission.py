@@ -13,18 +13,33 @@ the group, so a crash between the two cannot leave the counter and the stream ap
 Lease times come from the Redis server's clock (`TIME` inside the scripts), so
 producers on machines with skewed clocks cannot expire each other's leases.
 
-The scripts are safe to retry after a lost reply (the client retries on connection
+Committing an accepted group is a MULTI/EXEC transaction (ZREM lease, INCR accepted,
+XADD, mark the lease done) rather than a Lua script: a script would copy the ~100 kB
+payload into Lua and back, which measured 2.5x the Redis CPU of the transaction
+(benchmarks/README.md), and Redis's one thread is what all producers share.
+
+Everything is safe to retry after a lost reply (the client retries on connection
 loss): acquiring with a lease id that is already held answers "admitted" without a
-second lease, and finishing a lease twice is a no-op that returns the first answer,
-remembered for `DONE_TTL_MS` under `{ns}:admit:done:{lease}`.
+second lease; a finished lease is marked under `{ns}:admit:done:{lease}` (kept for
+`DONE_TTL_MS`) inside the same transaction, and a commit WATCHes those markers, so a
+retry after an unknown outcome commits only what did not happen: exactly once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.exceptions import WatchError
+
+from rlstream.broker.connection import BrokerUnavailable
 from rlstream.broker.keys import Keys
 from rlstream.common.logging import get_logger
 
@@ -32,8 +47,20 @@ __all__ = ["AdmissionState", "Lease", "AdmissionController", "AsyncAdmissionCont
 
 log = get_logger("rlstream.broker.admission")
 
+# Lease ids: a random per-process prefix and a counter; unique across producers without
+# a urandom syscall per rollout (uuid4 measured ~40 us each under load).
+_LEASE_PREFIX = uuid.uuid4().hex[:16]
+_lease_seq = itertools.count()
+
+
+def new_lease_id() -> str:
+    return f"{_LEASE_PREFIX}-{os.getpid()}-{next(_lease_seq)}"
+
+
 # How long a finished lease's answer is remembered so a retried finish is not applied twice.
 DONE_TTL_MS = 600_000
+# Attempts of a commit whose outcome was unknown (connection lost) or raced; backoff in between.
+_COMMIT_ATTEMPTS = 12
 
 _NOW = """
 local t = redis.call('TIME')
@@ -63,27 +90,15 @@ end
 return {0, cap, running, accepted, v, 0}
 """
 
-# KEYS: running, accepted, traj, rejected, done   ARGV: lease_id, accept(0/1), done_ttl_ms, field/value pairs
-# -> {lease_was_live, accepted, entry_id or false, repeated}
-_FINISH = """
-local prev = redis.call('GET', KEYS[5])
-if prev then
-  local id = false
-  if prev ~= '-' then id = prev end
-  return {0, tonumber(redis.call('GET', KEYS[2]) or '0'), id, 1}
+# KEYS: running, rejected, done   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
+_RELEASE = """
+if redis.call('EXISTS', KEYS[3]) == 1 then
+  return {0, 1}
 end
 local live = redis.call('ZREM', KEYS[1], ARGV[1])
-if ARGV[2] == '1' then
-  local n = redis.call('INCR', KEYS[2])
-  local fields = {}
-  for i = 4, #ARGV do fields[#fields + 1] = ARGV[i] end
-  local id = redis.call('XADD', KEYS[3], '*', unpack(fields))
-  redis.call('SET', KEYS[5], id, 'PX', ARGV[3])
-  return {live, n, id, 0}
-end
-redis.call('INCR', KEYS[4])
-redis.call('SET', KEYS[5], '-', 'PX', ARGV[3])
-return {live, tonumber(redis.call('GET', KEYS[2]) or '0'), false, 0}
+redis.call('INCR', KEYS[2])
+redis.call('SET', KEYS[3], '-', 'PX', ARGV[2])
+return {live, 0}
 """
 
 # KEYS: running, accepted, version, rejected  -> {running, accepted, version, rejected}
@@ -146,7 +161,7 @@ class _AdmissionBase:
         self.max_concurrent = max_concurrent_rollouts
         self.lease_ttl_ms = int(lease_ttl * 1000)
         self._acquire = client.register_script(_ACQUIRE)
-        self._finish = client.register_script(_FINISH)
+        self._release = client.register_script(_RELEASE)
         self._peek = client.register_script(_PEEK)
         self._renew = client.register_script(_RENEW)
 
@@ -158,17 +173,35 @@ class _AdmissionBase:
                    max_concurrent_rollouts=cfg.max_concurrent_rollouts, lease_ttl=cfg.rollout.lease_ttl)
 
     def _acquire_args(self, lease_id: str | None) -> tuple[list[str], list[Any], str]:
-        lid = lease_id or uuid.uuid4().hex
+        lid = lease_id or new_lease_id()
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version]
         return keys, [lid, self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent], lid
 
-    def _finish_args(self, lease_id: str, fields: dict[str, Any] | None) -> tuple[list[str], list[Any]]:
-        keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.traj, self.keys.admit_rejected,
-                self.keys.admit_done(lease_id)]
-        args: list[Any] = [lease_id, "1" if fields is not None else "0", DONE_TTL_MS]
-        for k, v in (fields or {}).items():
-            args += [k, v]
-        return keys, args
+    def _release_args(self, lease_id: str) -> tuple[list[str], list[Any]]:
+        return ([self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id)],
+                [lease_id, DONE_TTL_MS])
+
+    def _queue_commit(self, pipe: Any, lease_id: str, fields: dict[str, Any]) -> None:
+        """The four commands of one commit, queued inside MULTI."""
+        pipe.zrem(self.keys.admit_running, lease_id)
+        pipe.incr(self.keys.admit_accepted)
+        pipe.xadd(self.keys.traj, fields)
+        pipe.set(self.keys.admit_done(lease_id), "1", px=DONE_TTL_MS)
+
+    @staticmethod
+    def _backoff(attempt: int) -> float:
+        return min(2.0, 0.02 * 2**attempt)
+
+    def _gave_up(self, items: list[tuple[str, dict[str, Any]]], exc: Exception) -> BrokerUnavailable:
+        return BrokerUnavailable(f"could not commit {len(items)} group(s) to {self.keys.traj} after "
+                                 f"{_COMMIT_ATTEMPTS} attempts: {exc}")
+
+    @staticmethod
+    def _warn_expired(lease_id: str, live: Any) -> None:
+        if not int(live):
+            # The rollout outlived its lease (producer stalled past lease_ttl). The group is
+            # written anyway, never dropped; the consumer's staleness check is the backstop.
+            log.warning("lease %s had expired before commit; group written anyway", lease_id)
 
     def _peek_keys(self) -> list[str]:
         return [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected]
@@ -177,15 +210,6 @@ class _AdmissionBase:
     def _decision(res: list[Any], lease_id: str) -> tuple[AdmissionState, Lease | None]:
         st = AdmissionState(bool(int(res[0])), int(res[1]), int(res[2]), int(res[3]), int(res[4]))
         return st, (Lease(lease_id, int(res[5])) if st.admitted else None)
-
-    @staticmethod
-    def _committed(lease_id: str, res: list[Any]) -> bytes:
-        live, repeated = int(res[0]), int(res[3])
-        if not live and not repeated:
-            # The rollout outlived its lease (producer stalled past lease_ttl). The group is
-            # written anyway, never dropped; the consumer's staleness check is the backstop.
-            log.warning("lease %s had expired before commit; group written anyway", lease_id)
-        return res[2]
 
     def _snapshot_state(self, res: list[Any]) -> AdmissionState:
         running, accepted, version, rejected = (int(x) for x in res)
@@ -201,23 +225,66 @@ class AdmissionController(_AdmissionBase):
         keys, args, lid = self._acquire_args(lease_id)
         return self._decision(self._acquire(keys=keys, args=args), lid)
 
+    def try_acquire_many(self, n: int) -> list[tuple[AdmissionState, Lease | None]]:
+        """`n` acquisitions in one round trip (pipelined; each one still atomic on its own)."""
+        pipe = self.client.pipeline(transaction=False)
+        lids = []
+        for _ in range(n):
+            keys, args, lid = self._acquire_args(None)
+            self._acquire(keys=keys, args=args, client=pipe)
+            lids.append(lid)
+        return [self._decision(res, lid) for res, lid in zip(pipe.execute(), lids)]
+
     def commit(self, lease_id: str, fields: dict[str, Any]) -> bytes:
-        """Drop the lease, count the group accepted and XADD it; returns the entry id."""
-        keys, args = self._finish_args(lease_id, fields)
-        return self._committed(lease_id, self._finish(keys=keys, args=args))
+        """Drop the lease, count the group accepted and XADD it, atomically; returns the entry id."""
+        return self.commit_many([(lease_id, fields)])[0]
 
     def commit_many(self, items: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
-        """`commit` for several finished rollouts in one round trip (pipelined, each still atomic)."""
-        pipe = self.client.pipeline(transaction=False)
-        for lease_id, fields in items:
-            keys, args = self._finish_args(lease_id, fields)
-            self._finish(keys=keys, args=args, client=pipe)
-        return [self._committed(lid, res) for (lid, _), res in zip(items, pipe.execute())]
+        """`commit` for several finished rollouts in one transaction; returns their entry ids.
+
+        A lease committed before (by this call's earlier attempt or an earlier call) is not
+        written again; its recorded entry id is returned.
+        """
+        if not items:
+            return []
+        done = [self.keys.admit_done(lid) for lid, _ in items]
+        last: Exception | None = None
+        for attempt in range(_COMMIT_ATTEMPTS):
+            try:
+                with self.client.pipeline(transaction=True) as pipe:
+                    pipe.watch(*done)
+                    prev = pipe.mget(done)
+                    todo = [i for i, p in enumerate(prev) if p is None]
+                    if todo:
+                        pipe.multi()
+                        for i in todo:
+                            self._queue_commit(pipe, *items[i])
+                        res = pipe.execute()
+            except (WatchError, RedisConnectionError, RedisTimeoutError) as exc:
+                # Reply lost (outcome unknown) or the same lease committed concurrently: the
+                # done markers tell what happened; the next attempt writes only what is missing.
+                last = exc
+                time.sleep(self._backoff(attempt))
+                continue
+            out = list(prev)
+            for k, i in enumerate(todo):
+                self._warn_expired(items[i][0], res[4 * k])
+                out[i] = res[4 * k + 2]
+            if todo:
+                try:  # remember the ids so a repeated commit can return them (best effort)
+                    fix = self.client.pipeline(transaction=False)
+                    for i in todo:
+                        fix.set(done[i], out[i], xx=True, keepttl=True)
+                    fix.execute()
+                except (RedisConnectionError, RedisTimeoutError):
+                    pass
+            return out
+        raise self._gave_up(items, last)  # type: ignore[arg-type]
 
     def release(self, lease_id: str) -> None:
-        """Drop the lease of a rejected rollout (counted as rejected)."""
-        keys, args = self._finish_args(lease_id, None)
-        self._finish(keys=keys, args=args)
+        """Drop the lease of a rejected rollout (counted as rejected, once)."""
+        keys, args = self._release_args(lease_id)
+        self._release(keys=keys, args=args)
 
     def abandon(self, lease_ids: list[str]) -> int:
         """Drop leases of rollouts that failed (not counted as rejected)."""
@@ -245,20 +312,57 @@ class AsyncAdmissionController(_AdmissionBase):
         keys, args, lid = self._acquire_args(lease_id)
         return self._decision(await self._acquire(keys=keys, args=args), lid)
 
+    async def try_acquire_many(self, n: int) -> list[tuple[AdmissionState, Lease | None]]:
+        pipe = self.client.pipeline(transaction=False)
+        lids = []
+        for _ in range(n):
+            keys, args, lid = self._acquire_args(None)
+            await self._acquire(keys=keys, args=args, client=pipe)
+            lids.append(lid)
+        return [self._decision(res, lid) for res, lid in zip(await pipe.execute(), lids)]
+
     async def commit(self, lease_id: str, fields: dict[str, Any]) -> bytes:
-        keys, args = self._finish_args(lease_id, fields)
-        return self._committed(lease_id, await self._finish(keys=keys, args=args))
+        return (await self.commit_many([(lease_id, fields)]))[0]
 
     async def commit_many(self, items: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
-        pipe = self.client.pipeline(transaction=False)
-        for lease_id, fields in items:
-            keys, args = self._finish_args(lease_id, fields)
-            await self._finish(keys=keys, args=args, client=pipe)
-        return [self._committed(lid, res) for (lid, _), res in zip(items, await pipe.execute())]
+        """See `AdmissionController.commit_many`."""
+        if not items:
+            return []
+        done = [self.keys.admit_done(lid) for lid, _ in items]
+        last: Exception | None = None
+        for attempt in range(_COMMIT_ATTEMPTS):
+            try:
+                async with self.client.pipeline(transaction=True) as pipe:
+                    await pipe.watch(*done)
+                    prev = await pipe.mget(done)
+                    todo = [i for i, p in enumerate(prev) if p is None]
+                    if todo:
+                        pipe.multi()
+                        for i in todo:
+                            self._queue_commit(pipe, *items[i])
+                        res = await pipe.execute()
+            except (WatchError, RedisConnectionError, RedisTimeoutError) as exc:
+                last = exc
+                await asyncio.sleep(self._backoff(attempt))
+                continue
+            out = list(prev)
+            for k, i in enumerate(todo):
+                self._warn_expired(items[i][0], res[4 * k])
+                out[i] = res[4 * k + 2]
+            if todo:
+                try:
+                    fix = self.client.pipeline(transaction=False)
+                    for i in todo:
+                        fix.set(done[i], out[i], xx=True, keepttl=True)
+                    await fix.execute()
+                except (RedisConnectionError, RedisTimeoutError):
+                    pass
+            return out
+        raise self._gave_up(items, last)  # type: ignore[arg-type]
 
     async def release(self, lease_id: str) -> None:
-        keys, args = self._finish_args(lease_id, None)
-        await self._finish(keys=keys, args=args)
+        keys, args = self._release_args(lease_id)
+        await self._release(keys=keys, args=args)
 
     async def abandon(self, lease_ids: list[str]) -> int:
         return await self.client.zrem(self.keys.admit_running, *lease_ids) if lease_ids else 0

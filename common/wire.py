@@ -126,13 +126,11 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True):
 
     def min_version(self) -> int:
         """Oldest weight version among output tokens (head staleness = trainer − this)."""
-        lo = None
-        for t in self.trajectories:
-            v = t.versions_np[t.prompt_len :]
-            if len(v):
-                m = int(v.min())
-                lo = m if lo is None else min(lo, m)
-        return -1 if lo is None else lo
+        starts, is_out = _segments(self)
+        if not any(is_out):
+            return -1
+        mins = np.minimum.reduceat(_joined([t.versions for t in self.trajectories], _I32), starts).tolist()
+        return min(m for m, out in zip(mins, is_out) if out)
 
     def max_version(self) -> int:
         hi = -1
@@ -161,24 +159,79 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     return _encoder.encode(group)
 
 
+def _segments(group: TrajectoryGroup) -> tuple[list[int], list[bool]]:
+    """Start offsets of the non-empty prompt and output segments of the joined arrays, and which are outputs."""
+    starts: list[int] = []
+    is_out: list[bool] = []
+    pos = 0
+    for t in group.trajectories:
+        n_out = t.seq_len - t.prompt_len
+        if t.prompt_len > 0:
+            starts.append(pos)
+            is_out.append(False)
+        pos += t.prompt_len
+        if n_out > 0:
+            starts.append(pos)
+            is_out.append(True)
+        pos += n_out
+    return starts, is_out
+
+
+def _joined(views: list[memoryview], dtype: np.dtype) -> np.ndarray:
+    return np.frombuffer(b"".join(views), dtype=dtype) if len(views) > 1 else np.frombuffer(views[0], dtype=dtype)
+
+
 def validate_group(group: TrajectoryGroup) -> None:
-    """Raise `WireError` naming the first inconsistency."""
+    """Raise `WireError` naming the first inconsistency.
+
+    Scalar checks run per trajectory. The array checks run over the whole group at once:
+    the group's arrays are joined and reduced per prompt/output segment with
+    `ufunc.reduceat` (four numpy calls per group instead of several per trajectory, which
+    had made validation 10x slower than decoding). Only when something is wrong does the
+    per-trajectory pass run, to name the trajectory and the reason.
+    """
     if group.schema_version != SCHEMA_VERSION:
         raise WireError(f"schema_version {group.schema_version} != supported {SCHEMA_VERSION}")
     if not group.trajectories:
         raise WireError("group has no trajectories")
     for i, t in enumerate(group.trajectories):
+        n4 = len(t.input_ids)
+        if n4 % 4 or len(t.logprobs) % 4 or len(t.versions) % 4:
+            for name in ("input_ids", "logprobs", "versions"):
+                if len(getattr(t, name)) % 4:
+                    raise WireError(f"trajectory {i}: {name} byte length {len(getattr(t, name))} not a multiple of 4")
+        if len(t.logprobs) != n4 or len(t.versions) != n4:
+            raise WireError(f"trajectory {i}: inconsistent lengths input_ids={n4 // 4} "
+                            f"logprobs={len(t.logprobs) // 4} versions={len(t.versions) // 4}")
+        if not 1 <= t.prompt_len <= n4 // 4:
+            raise WireError(f"trajectory {i}: prompt_len {t.prompt_len} outside [1, {n4 // 4}]")
+        if not math.isfinite(t.reward):
+            raise WireError(f"trajectory {i}: non-finite reward {t.reward}")
+        if t.finish_reason not in FINISH_REASONS:
+            raise WireError(f"trajectory {i}: finish_reason {t.finish_reason!r} not in {FINISH_REASONS}")
+
+    starts, is_out = _segments(group)
+    vers = _joined([t.versions for t in group.trajectories], _I32)
+    logp = _joined([t.logprobs for t in group.trajectories], _F32)
+    vmin = np.minimum.reduceat(vers, starts).tolist()
+    vmax = np.maximum.reduceat(vers, starts).tolist()
+    lmin = np.minimum.reduceat(logp, starts).tolist()
+    lmax = np.maximum.reduceat(logp, starts).tolist()
+    for j, out in enumerate(is_out):
+        if out:
+            # NaN fails both comparisons; +inf fails the max, -inf the isfinite
+            ok = vmin[j] >= 0 and lmax[j] <= 1e-4 and math.isfinite(lmin[j])
+        else:
+            ok = vmin[j] == -1 and vmax[j] == -1
+        if not ok:
+            _explain_arrays(group)
+            raise WireError("inconsistent versions or logprobs")  # unreachable: _explain_arrays names it
+
+
+def _explain_arrays(group: TrajectoryGroup) -> None:
+    """The slow path: find which trajectory breaks which array rule."""
+    for i, t in enumerate(group.trajectories):
         where = f"trajectory {i}"
-        for name in ("input_ids", "logprobs", "versions"):
-            if len(getattr(t, name)) % 4:
-                raise WireError(f"{where}: {name} byte length {len(getattr(t, name))} not a multiple of 4")
-        n = t.seq_len
-        if len(t.logprobs) // 4 != n or len(t.versions) // 4 != n:
-            raise WireError(
-                f"{where}: inconsistent lengths input_ids={n} logprobs={len(t.logprobs) // 4} versions={len(t.versions) // 4}"
-            )
-        if not 1 <= t.prompt_len <= n:
-            raise WireError(f"{where}: prompt_len {t.prompt_len} outside [1, {n}]")
         v = t.versions_np
         if (v[: t.prompt_len] != -1).any():
             raise WireError(f"{where}: prompt positions must have version -1")
@@ -189,10 +242,6 @@ def validate_group(group: TrajectoryGroup) -> None:
             raise WireError(f"{where}: non-finite logprobs")
         if (lp > 1e-4).any():
             raise WireError(f"{where}: logprobs must be <= 0")
-        if not math.isfinite(t.reward):
-            raise WireError(f"{where}: non-finite reward {t.reward}")
-        if t.finish_reason not in FINISH_REASONS:
-            raise WireError(f"{where}: finish_reason {t.finish_reason!r} not in {FINISH_REASONS}")
 
 
 def decode_group(data: bytes | memoryview, validate: bool = True) -> TrajectoryGroup:

@@ -167,7 +167,7 @@ def test_reset_accepted_after_recovery(rclient, keys, group_factory):
 
 def test_finish_and_acquire_are_idempotent_under_retry(rclient, keys, group_factory):
     """A reply lost after the server ran a script makes the client run it again: no double effects."""
-    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2, max_concurrent_rollouts=2)
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=4, max_concurrent_rollouts=4)
     st1, lease = adm.try_acquire("lease-a")
     st2, again = adm.try_acquire("lease-a")
     assert st1.admitted and st2.admitted and again.lease_id == "lease-a"
@@ -176,10 +176,23 @@ def test_finish_and_acquire_are_idempotent_under_retry(rclient, keys, group_fact
     id1 = adm.commit("lease-a", fields)
     id2 = adm.commit("lease-a", fields)
     assert id1 == id2 and rclient.xlen(keys.traj) == 1 and adm.snapshot().accepted == 1
-    _, lb = adm.try_acquire("lease-b")
+    # a batch retried after an unknown outcome writes only the part that did not happen
+    _, lc = adm.try_acquire("lease-c")
+    ids = adm.commit_many([("lease-a", fields), ("lease-c", fields)])
+    assert ids[0] == id1 and ids[1] != id1
+    assert rclient.xlen(keys.traj) == 2 and adm.snapshot().accepted == 2
+    st, _ = adm.try_acquire("lease-b")
+    assert st.admitted
     adm.release("lease-b")
     adm.release("lease-b")
-    assert adm.snapshot().rejected == 1
+    assert adm.snapshot().rejected == 1 and adm.snapshot().running == 0
+
+
+def test_try_acquire_many_respects_the_budget(rclient, keys):
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=3, max_concurrent_rollouts=10)
+    got = adm.try_acquire_many(5)
+    assert [st.admitted for st, _ in got] == [True, True, True, False, False]
+    assert len({lease.lease_id for _, lease in got if lease}) == 3 and adm.snapshot().running == 3
 
 
 def test_commit_after_lease_expiry_still_writes(rclient, keys, group_factory):
