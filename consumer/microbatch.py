@@ -51,7 +51,8 @@ def split_by_token_budget(lens: Sequence[int], max_tokens: int, min_mbs: int = 1
     lens = [int(x) for x in lens]
     if not lens:
         return [[] for _ in range(max(min_mbs, 1))]
-    n = max(min_mbs, math.ceil(sum(lens) / max_tokens), 1)
+    # Never more bins than sequences unless min_mbs asks for it (then some stay empty).
+    n = max(min_mbs, min(math.ceil(sum(lens) / max_tokens), len(lens)), 1)
     while True:
         bins = balanced_partition(lens, n)
         over = any(len(b) > 1 and sum(lens[i] for i in b) > max_tokens for b in bins)

@@ -218,7 +218,8 @@ class Checkpointer:
                 opt_rest["state"][pname] = rest
             save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
             _write_json(tmp / "optimizer.json", opt_rest)
-            _write_json(tmp / "scheduler.json", {k: v for k, v in scheduler.state_dict().items() if k != "lr_lambdas"})
+            # LambdaLR stores plain functions as None: the state is numbers only.
+            _write_json(tmp / "scheduler.json", scheduler.state_dict())
             state.created_at = time.time()
             _write_json(tmp / "meta.json", state)
         self.par.barrier()

@@ -5,7 +5,8 @@ and AReaL's FSDP engine have it); `sgd` is plain SGD. The schedule is a LambdaLR
 stepped once per train step:
 
     warm-up (first ⌊warmup_steps_proportion · total⌋ steps):  lr · (s + 1) / (warmup + 1)
-    then constant, or linear / cosine decay from lr to lr · min_lr_ratio at the last step.
+    then constant, or linear / cosine decay from lr towards lr · min_lr_ratio (reached after the
+    last step, as in HF's schedules: no step is wasted at the floor).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
         return (step + 1) / (warmup + 1)
     if cfg.lr_scheduler_type == "constant":
         return 1.0
-    decay_steps = max(total_steps - warmup - 1, 1)
+    decay_steps = max(total_steps - warmup, 1)
     progress = min(max(step - warmup, 0) / decay_steps, 1.0)
     floor = cfg.min_lr_ratio
     if cfg.lr_scheduler_type == "linear":
