@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from rlstream.common.logging import get_logger
 __all__ = ["Monitor", "Snapshot"]
 
 log = get_logger("rlstream.launcher.live")
+
+RATE_WINDOW_S = 10.0
 
 
 @dataclass
@@ -64,9 +67,7 @@ class Monitor:
         self.t0 = t0
         self._pos = 0
         self._last_metrics: dict[str, float] = {}
-        self._first_step_t: float | None = None
-        self._first_step: int = 0
-        self._prev: tuple[float, int, int] | None = None  # (t, accepted, produced tokens)
+        self._history: deque[tuple[float, int]] = deque()  # (t, accepted groups)
         self.rows: list[dict[str, float]] = []
         self._warned = False
 
@@ -87,8 +88,6 @@ class Monitor:
                 continue
             self.rows.append(row)
             self._last_metrics = row
-            if self._first_step_t is None:
-                self._first_step_t, self._first_step = time.monotonic(), int(row.get("step", 0))
 
     def sample(self, children: dict[str, str] | None = None) -> Snapshot:
         from rlstream.broker.inspect import collect
@@ -105,14 +104,13 @@ class Monitor:
             snap.staleness_max = m.get("staleness/max")
             snap.trainer_tokens_per_s = m.get("perf/tokens_per_s")
         try:
-            info = collect(self.client, self.keys, self.eta, self.batch, self.max_concurrent, window_s=30.0,
-                           recent=0, scan_limit=5000)
+            info = collect(self.client, self.keys, self.eta, self.batch, self.max_concurrent, window_s=RATE_WINDOW_S,
+                           recent=1, scan_limit=5000)
         except Exception as exc:  # noqa: BLE001 - the view must never take the run down
             if not self._warned:
                 self._warned = True
                 log.warning("live view: redis query failed (the run goes on): %s: %s", type(exc).__name__, exc)
             info = None
-        produced_tokens = 0
         if info is not None:
             snap.served_version = info["versions"]["served"]
             snap.trainer_version = info["versions"]["trainer"]
@@ -124,14 +122,19 @@ class Monitor:
             snap.dead = info["dead_letters"]["count"]
             snap.engines = sum(1 for e in info["engines"] if e["alive"])
             snap.tokens_per_s = info["throughput"]["producer_tokens_per_s"]
-            produced_tokens = int(info["throughput"]["producer_tokens_per_s"] * info["throughput"]["window_s"])
-        if self._prev is not None and now > self._prev[0]:
-            dt = now - self._prev[0]
-            snap.rollouts_per_s = max(0, snap.accepted - self._prev[1]) * self.n_samples / dt
-        self._prev = (now, snap.accepted, produced_tokens)
-        if self.total_steps and self._first_step_t is not None and snap.step > self._first_step:
-            per_step = (now - self._first_step_t) / (snap.step - self._first_step)
-            snap.eta_s = max(0.0, (self.total_steps - snap.step) * per_step)
+        # Rate over the last ~RATE_WINDOW_S seconds of snapshots: smooth enough to read.
+        self._history.append((now, snap.accepted))
+        while len(self._history) > 2 and now - self._history[1][0] >= RATE_WINDOW_S:
+            self._history.popleft()
+        t_old, acc_old = self._history[0]
+        if now > t_old:
+            snap.rollouts_per_s = max(0, snap.accepted - acc_old) * self.n_samples / (now - t_old)
+        if self.total_steps and len(self.rows) >= 2 and "ts" in self.rows[0]:
+            # Pace from the trainer's own step timestamps (recent steps weigh in most).
+            first, last = self.rows[max(0, len(self.rows) - 20)], self.rows[-1]
+            if last["step"] > first["step"]:
+                per_step = (last["ts"] - first["ts"]) / (last["step"] - first["step"])
+                snap.eta_s = max(0.0, (self.total_steps - snap.step) * per_step - (time.time() - last["ts"]))
         self._append_timeline(snap)
         return snap
 

@@ -98,6 +98,11 @@ class LocalRun:
     def children(self) -> list[Child]:
         return [c for c in [*self.producers, self.trainer, *self.engines, self.own_redis] if c is not None]
 
+    def _env(self, **extra: str) -> dict[str, str]:
+        # RLSTREAM_RUN_DIR marks every process of this run (grandchildren inherit it): tools and
+        # tests can find them all.
+        return {**CHILD_ENV, "RLSTREAM_RUN_DIR": str(self.run_dir.resolve()), **extra}
+
     def _argv(self, command: str, *overrides: str) -> list[str]:
         return [sys.executable, "-m", "rlstream.launcher.cli", command, "--config", str(self.child_config), *overrides]
 
@@ -165,7 +170,7 @@ class LocalRun:
                     "--appendfsync", cfg.redis.appendfsync, "--protected-mode", "no"]
             if cfg.redis.password:
                 argv += ["--requirepass", cfg.redis.password]
-            self.own_redis = Child("redis", "redis", argv, self.logs / "redis.log").start()
+            self.own_redis = Child("redis", "redis", argv, self.logs / "redis.log", env=self._env()).start()
             if not wait_for_port("127.0.0.1", port, 15):
                 code = self.own_redis.poll()
                 raise RunFailed(f"redis (pid {self.own_redis.pid}) did not start ({describe_exit(code)}); "
@@ -204,7 +209,7 @@ class LocalRun:
             addr_file = addr_dir / f"engine-{i}.addr"
             addr_file.unlink(missing_ok=True)
             child = Child(f"engine-{i}", "engine", self._argv("serve", "server.port=0"), self.logs / f"engine-{i}.log",
-                          env={**CHILD_ENV, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file)}).start()
+                          env=self._env(RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))).start()
             self.engines.append(child)
         deadline = time.monotonic() + lc.startup_timeout
         self.engine_addresses: list[str] = []
@@ -228,13 +233,13 @@ class LocalRun:
         else:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                     "-m", *self._argv("train")[2:]]
-        self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=dict(CHILD_ENV)).start()
+        self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=self._env()).start()
         _echo(f"trainer: pid {self.trainer.pid}" + (f" (torchrun, {n} processes)" if n > 1 else ""))
 
     def start_producers(self) -> None:
         for j in range(self.cfg.launcher.n_producers):
             child = Child(f"producer-{j}", "producer", self._argv("produce", f"producer.producer_id=producer-{j}"),
-                          self.logs / f"producer-{j}.log", env=dict(CHILD_ENV)).start()
+                          self.logs / f"producer-{j}.log", env=self._env()).start()
             self.producers.append(child)
         if self.producers:
             _echo(f"producers: {', '.join(f'{c.name} pid {c.pid}' for c in self.producers)}")
@@ -290,6 +295,7 @@ class LocalRun:
                                batch=cfg.rollout.consumer_batch_size, max_concurrent=cfg.max_concurrent_rollouts,
                                n_samples=cfg.gconfig.n_samples, total_steps=total, t0=self.t0)
         use_live = cfg.launcher.live_view and sys.stdout.isatty()
+        # Sample every second (the timeline feeds the throughput plot); print less often off a terminal.
         every = 1.0 if use_live else cfg.stats_logger.log_every_secs
         title = f"rlstream run {cfg.experiment_name}/{cfg.trial_name}"
         live = None
@@ -301,19 +307,20 @@ class LocalRun:
             live = Live(console=Console(), auto_refresh=False, transient=False)
             live.start()
         try:
-            last = 0.0
+            last_sample = last_print = 0.0
             while True:
                 self._check_signal()
                 if self._check_children():
                     break
                 now = time.monotonic()
-                if now - last >= every:
-                    last = now
+                if now - last_sample >= 1.0:
+                    last_sample = now
                     snap = self.monitor.sample({c.name: ("up" if c.running else describe_exit(c.poll()))
                                                 for c in self.children if c.role != "redis"})
                     if live is not None:
                         live.update(render(snap, title), refresh=True)
-                    else:
+                    elif now - last_print >= every:
+                        last_print = now
                         _echo(line(snap))
                 time.sleep(0.25)
             snap = self.monitor.sample({c.name: ("up" if c.running else describe_exit(c.poll()))

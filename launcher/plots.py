@@ -108,31 +108,36 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
         ax.grid(alpha=0.3, axis="y")
         save(fig, "staleness.png")
 
-    # ---- throughput over time
+    # ---- throughput over time: rollouts/s (top) and tokens/s (bottom), producers and trainer
     if timeline or metrics:
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, (ax_r, ax_t) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+        t_first = None
         if timeline:
+            t_first = timeline[0]["ts"] - timeline[0]["t"]
             ts = [r["t"] for r in timeline]
-            ax.plot(ts, [r.get("rollouts_per_s", 0.0) for r in timeline], label="rollouts/s (producers)", alpha=0.8)
-            ax2 = ax.twinx()
-            ax2.plot(ts, [r.get("tokens_per_s", 0.0) for r in timeline], color="tab:orange",
-                     label="generated tokens/s (30 s window)")
-            ax2.set_ylabel("tokens/s")
-            ax2.legend(loc="upper right", fontsize=8)
+            ax_r.plot(ts, [r.get("rollouts_per_s", 0.0) for r in timeline], label="produced (accepted samples/s)")
+            ax_t.plot(ts, [r.get("tokens_per_s", 0.0) for r in timeline], label="generated tokens/s (producers)")
         if metrics and "ts" in metrics[0]:
-            t_first = timeline[0]["ts"] - timeline[0]["t"] if timeline else metrics[0]["ts"]
-            xs = [r["ts"] - t_first for r in metrics]
-            steps_per_min = []
-            for i, r in enumerate(metrics):
+            t_first = metrics[0]["ts"] if t_first is None else t_first
+            xs, rs, toks = [], [], []
+            for i, r in enumerate(metrics):  # consumption rate over the last few steps
                 j = max(0, i - 5)
                 dt = r["ts"] - metrics[j]["ts"]
-                steps_per_min.append(60.0 * (i - j) / dt if dt > 0 else 0.0)
-            ax.plot(xs, steps_per_min, color="tab:green", label="train steps/min")
-        ax.set_xlabel("seconds since start")
-        ax.set_ylabel("rollouts/s, steps/min")
-        ax.set_title("Throughput over time")
-        ax.grid(alpha=0.3)
-        ax.legend(loc="upper left", fontsize=8)
+                if dt <= 0:
+                    continue
+                xs.append(r["ts"] - t_first)
+                rs.append(sum(m.get("data/n_seqs", 0.0) for m in metrics[j + 1 : i + 1]) / dt)
+                toks.append(sum(m.get("data/n_tokens", 0.0) for m in metrics[j + 1 : i + 1]) / dt)
+            if xs:
+                ax_r.plot(xs, rs, label="trained (samples/s)")
+                ax_t.plot(xs, toks, label="trained tokens/s (prompt + output)")
+        ax_r.set_ylabel("rollouts/s")
+        ax_r.set_title("Throughput over time")
+        ax_t.set_ylabel("tokens/s")
+        ax_t.set_xlabel("seconds since start")
+        for ax in (ax_r, ax_t):
+            ax.grid(alpha=0.3)
+            ax.legend(loc="upper left", fontsize=8)
         save(fig, "throughput.png")
 
     # ---- time split per step

@@ -1,0 +1,143 @@
+"""`rlstream run` end to end, as a user runs it: real redis-server, engine, producer, trainer.
+
+- a short run of the CPU demo config finishes and leaves metrics, plots, the final
+  checkpoint and the before/after accuracy behind, with no process of the run left;
+- SIGKILL of one child (an engine, a producer) stops the whole run with a message
+  naming that child; nothing of the run survives and its ports are free again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
+
+# Small and fast: a few steps on a small slice of the demo task.
+SMALL = [
+    "launcher.demo.n_train=256", "launcher.demo.n_valid=16", "launcher.eval_n=16", "launcher.sft_steps=20",
+    "rollout.consumer_batch_size=4", "gconfig.n_samples=4", "stats_logger.log_every_secs=2",
+    "stats_logger.tensorboard.enabled=false",
+]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def _run_processes(run_dir: Path) -> list[psutil.Process]:
+    """Every live process started for the run at `run_dir` (they carry RLSTREAM_RUN_DIR)."""
+    want = str(run_dir.resolve())
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.pid != os.getpid() and p.environ().get("RLSTREAM_RUN_DIR") == want and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def _start(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    args = [sys.executable, "-m", "rlstream.launcher.cli", "run", "--config", str(CONFIG),
+            f"cluster.fileroot={tmp_path / 'runs'}", *SMALL, *overrides]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path,
+                            start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+def _ports_of_run(run_dir: Path) -> list[int]:
+    ports = []
+    for f in (run_dir / "engines").glob("*.addr"):
+        ports.append(int(f.read_text().strip().rsplit(":", 1)[1]))
+    cfg = run_dir / "config.yaml"
+    if cfg.exists():
+        for line in cfg.read_text().splitlines():
+            if line.strip().startswith("url: redis://127.0.0.1:"):
+                ports.append(int(line.split(":")[-1].split("/")[0]))
+    return ports
+
+
+def test_run_end_to_end(tmp_path):
+    proc = _start(tmp_path, "total_train_steps=3")
+    try:
+        out, err = proc.communicate(timeout=420)
+    finally:
+        _stop(proc)
+    run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
+    assert proc.returncode == 0, f"rlstream run failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all("reward/mean" in r for r in rows)
+    assert (run_dir / "checkpoints" / "final" / "config.json").exists()
+    assert list((run_dir / "checkpoints" / "final").glob("*.safetensors"))
+    for name in ("reward", "staleness", "throughput", "time_split"):
+        png = run_dir / "plots" / f"{name}.png"
+        assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0.0 <= summary["acc_before"] <= 1.0 and 0.0 <= summary["acc_after"] <= 1.0
+    assert "held-out accuracy before RL" in out and "held-out accuracy after RL" in out
+    stale = json.loads((run_dir / "staleness.json").read_text())
+    assert stale["n"] == 3 * 4  # every trained group, B = 4 per step
+    assert max(int(k) for k in stale["histogram"]) <= 1  # within the budget eta = 1
+    for name in ("redis", "engine-0", "producer-0", "trainer"):
+        assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0, name
+    assert _run_processes(run_dir) == []
+    for port in _ports_of_run(run_dir):
+        assert _port_free(port), f"port {port} still bound after the run"
+
+
+@pytest.mark.parametrize("victim", ["engine-0", "producer-0"])
+def test_killed_child_stops_the_run(tmp_path, victim):
+    proc = _start(tmp_path, "total_train_steps=1000")
+    run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
+    try:
+        # Wait until training is under way (a step was logged): every child is up.
+        deadline = time.monotonic() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, f"run ended early: {proc.communicate()}"
+            assert time.monotonic() < deadline, "no train step within 300s"
+            time.sleep(0.5)
+        ports = _ports_of_run(run_dir)
+        role = victim.split("-")[0]
+        cmd = {"engine": "serve", "producer": "produce"}[role]
+        targets = [p for p in _run_processes(run_dir)
+                   if cmd in p.cmdline() and "rlstream.launcher.cli" in " ".join(p.cmdline())]
+        assert len(targets) == 1, [p.cmdline() for p in targets]
+        victim_pid = targets[0].pid
+        os.kill(victim_pid, signal.SIGKILL)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        _stop(proc)
+    assert proc.returncode == 1, (out[-2000:], err[-2000:])
+    reason = [ln for ln in err.splitlines() if ln.startswith("rlstream: run stopped:")]
+    assert reason, err[-2000:]
+    assert f"{victim} (pid {victim_pid}) was killed by SIGKILL" in reason[0]
+    assert _run_processes(run_dir) == []
+    for port in ports:
+        assert _port_free(port), f"port {port} still bound after the run stopped"
