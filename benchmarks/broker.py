@@ -290,6 +290,7 @@ def main() -> None:
     ap.add_argument("--producers", type=int, default=1, help="producer processes in the end-to-end run")
     ap.add_argument("--batch", type=int, default=8, help="groups per pipelined commit")
     ap.add_argument("--count", type=int, default=32, help="groups per consumer read")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating end-to-end/ceiling rounds (best of each is kept)")
     ap.add_argument("--role", choices=["producer", "consumer"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--ns", help=argparse.SUPPRESS)
@@ -311,20 +312,30 @@ def main() -> None:
           f"{size / 1e3:.1f} kB per entry; {os.cpu_count()} CPUs", flush=True)
 
     codec = bench_codec(32 if args.quick else 64, 5)
-    print("codec done", flush=True)
+    print(f"codec: round trip {codec['roundtrip_gbps']:.2f} GB/s, pickle {codec['pickle_roundtrip_gbps']:.2f} GB/s",
+          flush=True)
+    # The machine is shared: measure end to end and the ceiling alternately, several rounds,
+    # and compare the best of each (a round that lost the CPU to someone else says nothing).
+    e2e_runs: list[dict] = []
+    ceil_runs: dict[tuple[int, int], list[dict]] = {(1, 1): [], (4, 8): []}
     server = Server()
     try:
-        e2e = bench_e2e(server.url, n_e2e, args.producers, args.batch, args.count)
-        print("end-to-end done", flush=True)
-        ceilings = [bench_ceiling(server.port, size, n_ceiling, 1, 1),
-                    bench_ceiling(server.port, size, n_ceiling, 4, 8)]
-        print("ceiling done", flush=True)
+        for r in range(args.rounds):
+            e2e_runs.append(bench_e2e(server.url, n_e2e, args.producers, args.batch, args.count))
+            for (c, p), runs in ceil_runs.items():
+                runs.append(bench_ceiling(server.port, size, n_ceiling, c, p))
+            print(f"round {r + 1}/{args.rounds}: end to end {e2e_runs[-1]['mb_per_s']:.0f} MB/s, ceiling "
+                  + ", ".join(f"-c {c} -P {p} {runs[-1]['mb_per_s']:.0f} MB/s" for (c, p), runs in ceil_runs.items()),
+                  flush=True)
     finally:
         server.stop()
 
+    e2e = max(e2e_runs, key=lambda x: x["mb_per_s"])
+    ceilings = [max(runs, key=lambda x: x["mb_per_s"]) for runs in ceil_runs.values()]
     best = max(ceilings, key=lambda c: c["mb_per_s"])
     single = ceilings[0]
-    results = {"entry_bytes": size, "codec": codec, "e2e": e2e, "ceiling": ceilings,
+    results = {"entry_bytes": size, "rounds": args.rounds, "codec": codec, "e2e": e2e, "ceiling": ceilings,
+               "e2e_runs": e2e_runs, "ceiling_runs": {f"c{c}_P{p}": v for (c, p), v in ceil_runs.items()},
                "ratios": {"codec_vs_pickle": codec["roundtrip_gbps"] / codec["pickle_roundtrip_gbps"],
                           "e2e_vs_best_ceiling": e2e["mb_per_s"] / best["mb_per_s"],
                           "e2e_vs_single_client_ceiling": e2e["mb_per_s"] / single["mb_per_s"]}}
@@ -338,13 +349,13 @@ def main() -> None:
         ("pickle round trip", f"{codec['pickle_roundtrip_gbps']:.2f} GB/s"),
         ("msgspec / pickle", f"{r['codec_vs_pickle']:.2f}x  target > 1: {'met' if r['codec_vs_pickle'] > 1 else 'NOT met'}"),
     ]))
-    print(f"end to end (try_acquire_many + commit_many x{e2e['commit_batch']} -> XREADGROUP x{e2e['read_count']} + decode/validate + XACK + trim; {e2e['producers']} producer process(es), 1 consumer)")
+    print(f"end to end, best of {args.rounds} (try_acquire_many + commit_many x{e2e['commit_batch']} -> XREADGROUP x{e2e['read_count']} + decode/validate + XACK + trim; {e2e['producers']} producer process(es), 1 consumer)")
     print(table([
         ("groups", f"{e2e['groups']} in {e2e['seconds']:.2f} s"),
         ("groups/s", f"{e2e['groups_per_s']:.0f}"),
         ("payload", f"{e2e['mb_per_s']:.0f} MB/s  ({e2e['tokens_per_s'] / 1e6:.2f} M tokens/s)"),
     ]))
-    print("ceiling: redis-benchmark XADD of the same size (MAXLEN ~ 256)")
+    print(f"ceiling: redis-benchmark XADD of the same size (MAXLEN ~ 256), best of {args.rounds}")
     print(table([(f"-c {c['clients']} -P {c['pipeline']}", f"{c['xadd_per_s']:.0f} XADD/s = {c['mb_per_s']:.0f} MB/s")
                  for c in ceilings]))
     print("ratios")

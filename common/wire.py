@@ -192,27 +192,38 @@ def validate_group(group: TrajectoryGroup) -> None:
     """
     if group.schema_version != SCHEMA_VERSION:
         raise WireError(f"schema_version {group.schema_version} != supported {SCHEMA_VERSION}")
-    if not group.trajectories:
+    trajs = group.trajectories
+    if not trajs:
         raise WireError("group has no trajectories")
-    for i, t in enumerate(group.trajectories):
+    # One pass: scalar checks, and the segment offsets for the array checks below.
+    starts: list[int] = []
+    is_out: list[bool] = []
+    pos = 0
+    isfinite = math.isfinite
+    for i, t in enumerate(trajs):
         n4 = len(t.input_ids)
-        if n4 % 4 or len(t.logprobs) % 4 or len(t.versions) % 4:
+        if n4 % 4 or len(t.logprobs) != n4 or len(t.versions) != n4:
             for name in ("input_ids", "logprobs", "versions"):
                 if len(getattr(t, name)) % 4:
                     raise WireError(f"trajectory {i}: {name} byte length {len(getattr(t, name))} not a multiple of 4")
-        if len(t.logprobs) != n4 or len(t.versions) != n4:
             raise WireError(f"trajectory {i}: inconsistent lengths input_ids={n4 // 4} "
                             f"logprobs={len(t.logprobs) // 4} versions={len(t.versions) // 4}")
-        if not 1 <= t.prompt_len <= n4 // 4:
-            raise WireError(f"trajectory {i}: prompt_len {t.prompt_len} outside [1, {n4 // 4}]")
-        if not math.isfinite(t.reward):
+        n, p = n4 >> 2, t.prompt_len
+        if not 1 <= p <= n:
+            raise WireError(f"trajectory {i}: prompt_len {p} outside [1, {n}]")
+        if not isfinite(t.reward):
             raise WireError(f"trajectory {i}: non-finite reward {t.reward}")
         if t.finish_reason not in FINISH_REASONS:
             raise WireError(f"trajectory {i}: finish_reason {t.finish_reason!r} not in {FINISH_REASONS}")
+        starts.append(pos)
+        is_out.append(False)
+        if n > p:
+            starts.append(pos + p)
+            is_out.append(True)
+        pos += n
 
-    starts, is_out = _segments(group)
-    vers = _joined([t.versions for t in group.trajectories], _I32)
-    logp = _joined([t.logprobs for t in group.trajectories], _F32)
+    vers = _joined([t.versions for t in trajs], _I32)
+    logp = _joined([t.logprobs for t in trajs], _F32)
     vmin = np.minimum.reduceat(vers, starts).tolist()
     vmax = np.maximum.reduceat(vers, starts).tolist()
     lmin = np.minimum.reduceat(logp, starts).tolist()
@@ -220,7 +231,7 @@ def validate_group(group: TrajectoryGroup) -> None:
     for j, out in enumerate(is_out):
         if out:
             # NaN fails both comparisons; +inf fails the max, -inf the isfinite
-            ok = vmin[j] >= 0 and lmax[j] <= 1e-4 and math.isfinite(lmin[j])
+            ok = vmin[j] >= 0 and lmax[j] <= 1e-4 and isfinite(lmin[j])
         else:
             ok = vmin[j] == -1 and vmax[j] == -1
         if not ok:
