@@ -49,7 +49,10 @@ def _run_processes(run_dir: Path) -> list[psutil.Process]:
 
 
 def _port_free(port: int) -> bool:
+    """Nobody listens on the port: a server restarted on it can bind (SO_REUSEADDR, as servers do;
+    connections of the stopped run may linger in TIME_WAIT, which is normal TCP)."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
             return True
