@@ -6,6 +6,9 @@ Trains the causal LM at `actor.path` for `launcher.sft_steps` Adam steps (lr
 and EOS only. Prompts are tokenized by the producer's own `PromptDataset`, so the
 warm-started model sees exactly the token ids it will be prompted with during RL.
 
+With `launcher.demo.task` set, the demo's data and tiny model are generated first when
+missing (so `rlstream sft --config configs/tiny-cpu.yaml` works on a fresh checkout).
+
 The result replaces the weights at `actor.path` (written next to it, then moved in)
 and a marker `rlstream_sft.json` records what was done: a second `rlstream sft` or
 `rlstream run` on the same model is a no-op instead of a second warm start.
@@ -65,13 +68,16 @@ def sft(cfg: Config) -> dict | None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlstream.launcher.demo import prepare
+
     lc = cfg.launcher
-    model_path = Path(cfg.actor.path)
-    if not cfg.actor.path or not (model_path / "config.json").exists():
-        raise ValueError(f"actor.path={cfg.actor.path!r} is not a local HF model folder (no config.json)")
     if lc.sft_steps == 0:
         log.info("launcher.sft_steps=0: no warm start")
         return None
+    prepare(cfg)  # the demo task's data and model, when configured and missing
+    model_path = Path(cfg.actor.path)
+    if not cfg.actor.path or not (model_path / "config.json").exists():
+        raise ValueError(f"actor.path={cfg.actor.path!r} is not a local HF model folder (no config.json)")
     done = sft_done(model_path)
     if done is not None:
         log.info("%s was already warm-started (%d steps, see %s); delete that file to redo it", model_path,
