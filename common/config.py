@@ -287,6 +287,24 @@ class DemoTaskConfig(_Section):
     num_layers: D(int, "Layers of the tiny model built for the demo.", ge=1) = 2
 
 
+class SlurmConfig(_Section):
+    partition: D(str | None, "sbatch --partition (None = the cluster default).") = None
+    account: D(str | None, "sbatch --account.") = None
+    time_limit: D(str | None, "sbatch --time, e.g. 24:00:00 (None = the partition default).") = None
+    exclusive: D(bool, "Whole nodes for the job (sbatch --exclusive).") = True
+    sbatch_args: D(list[str], "Extra sbatch options, one per item, e.g. --qos=high.") = msgspec.field(default_factory=list)
+    setup: D(list[str], "Shell lines run first on every node's script, e.g. `source venv/bin/activate`.") = msgspec.field(default_factory=list)
+    python: D(str, "Python that runs rlstream on the nodes (empty = the one running `rlstream launch slurm`).") = ""
+    trainer_nodes: D(int, "Nodes for the trainer when cluster.n_nodes > 1 (the rest run engines; 0 = half).", ge=0) = 0
+    engine: D(Literal["local", "sglang", "vllm"], "Inference server started on engine nodes.") = "local"
+    engine_python: D(str, "Python for the engine server, e.g. the vLLM virtualenv's (empty = slurm.python).") = ""
+    engine_tp: D(int, "Tensor-parallel GPUs per engine server.", ge=1) = 1
+    engine_pp: D(int, "Pipeline-parallel stages per engine server.", ge=1) = 1
+    engine_port: D(int, "Port of the first engine server on a node (the next ones count up).", ge=1, le=65535) = 30000
+    engine_args: D(list[str], "Extra arguments for the engine server command.") = msgspec.field(default_factory=list)
+    redis_port: D(int, "Port of the Redis started on the first node (0 = 20000 + job id mod 20000).", ge=0, le=65535) = 0
+
+
 class LauncherConfig(_Section):
     n_engines: D(int, "Local engines `rlstream run` starts.", ge=0) = 1
     n_producers: D(int, "Producers `rlstream run` starts.", ge=0) = 1
@@ -299,6 +317,7 @@ class LauncherConfig(_Section):
     sft_dataset: D(str, "JSONL/Parquet/CSV of prompt/answer demonstrations for `rlstream sft` (empty = train_dataset.path).") = ""
     live_view: D(bool, "Show the rich live view (off: one progress line every stats_logger.log_every_secs).") = True
     demo: D(DemoTaskConfig, "The built-in CPU demo task, generated on the spot when its files are missing.") = msgspec.field(default_factory=DemoTaskConfig)
+    slurm: D(SlurmConfig, "`rlstream launch slurm`: sbatch options and placement.") = msgspec.field(default_factory=SlurmConfig)
 
 
 # --------------------------------------------------------------------------- top level
