@@ -67,13 +67,12 @@ class ResumeInfo:
     acked: int = 0
     replay_steps: list[int] = field(default_factory=list)
     leftover: int = 0
-    orphans_claimed: int = 0
 
 
 class StepReader:
     """Reads B/D groups per step for one rank (see the module docstring for the order)."""
 
-    def __init__(self, client: Any, keys: Keys, *, rank: int = 0, groups_per_step: int,
+    def __init__(self, client: Any, keys: Keys, *, rank: int = 0, world_size: int = 1, groups_per_step: int,
                  max_head_offpolicyness: int, vocab_size: int | None = None, block_ms: int = 1000,
                  log_every_secs: float = 10.0, group: str = TRAIN_GROUP) -> None:
         if groups_per_step < 1:
@@ -81,6 +80,7 @@ class StepReader:
         self.client = client
         self.keys = keys
         self.rank = rank
+        self.world_size = world_size
         self.consumer = consumer_name(rank)
         self.need = groups_per_step
         self.eta = max_head_offpolicyness
@@ -93,49 +93,43 @@ class StepReader:
         self._leftover: deque[Entry] = deque()
 
     # ------------------------------------------------------------------ start-up
-    def _last_records(self, ranks: Iterable[int] | None = None) -> dict[tuple[int, int], StepRecord]:
+    def _last_records(self) -> dict[tuple[int, int], StepRecord]:
         """(step, rank) -> the latest record (a re-run after a crash supersedes an earlier one)."""
-        wanted = None if ranks is None else set(ranks)
-        out: dict[tuple[int, int], StepRecord] = {}
-        for rec in self.steplog.all():
-            if wanted is None or rec.rank in wanted:
-                out[(rec.step, rec.rank)] = rec
-        return out
+        return {(rec.step, rec.rank): rec for rec in self.steplog.all()}
 
-    def claim_orphans(self, world_size: int, completed_steps: int, replay: bool) -> int:
-        """Rank 0, before any rank resumes: adopt entries pending on ranks that no longer exist.
+    def _inherited(self, rank: int) -> bool:
+        """Whether this rank answers for the records of `rank` (itself, or a departed rank)."""
+        return rank % self.world_size == self.rank
 
-        After a restart with fewer ranks, consumers `trainer-r{j}` (j >= world size) still
-        own pending entries. Those a durable checkpoint covers are acknowledged; the rest
-        move to this rank (XCLAIM) and are trained as fresh entries. Exact regrouping is
-        only possible with the same world size; this keeps "no entry lost, none twice".
+    def claim_orphans(self) -> int:
+        """Rank 0, before any rank resumes: hand entries of departed ranks to the ranks now in charge.
+
+        After a restart with fewer ranks, consumers `trainer-r{j}` with j >= world size still
+        own pending entries; rank j mod D takes them over (XCLAIM) together with their step
+        records, so a lost step is replayed with the same global grouping when the new world
+        size divides the old one. More ranks than before is fine too: the new ranks read
+        new entries for the replayed steps (nothing is lost or trained twice either way).
         """
         try:
             consumers = self.client.xinfo_consumers(self.keys.traj, self.stream.group)
         except Exception:  # noqa: BLE001 - no stream or group yet: nothing to adopt
             return 0
-        orphans = []
+        claimed = 0
         for c in consumers:
             name = id_str(c["name"])
-            if name.startswith(CONSUMER_PREFIX) and name[len(CONSUMER_PREFIX):].isdigit():
-                if int(name[len(CONSUMER_PREFIX):]) >= world_size and int(c["pending"]) > 0:
-                    orphans.append((name, int(name[len(CONSUMER_PREFIX):])))
-        if not orphans:
-            return 0
-        if replay:
-            durable = [i for (s, r), rec in self._last_records([o[1] for o in orphans]).items()
-                       if s < completed_steps for i in rec.entry_ids]
-            self.stream.ack(durable)
-        claimed = 0
-        for name, _ in orphans:
+            suffix = name[len(CONSUMER_PREFIX):]
+            if not (name.startswith(CONSUMER_PREFIX) and suffix.isdigit()) or int(suffix) < self.world_size:
+                continue
+            if int(c["pending"]) == 0:
+                continue
             pend = self.client.xpending_range(self.keys.traj, self.stream.group, min="-", max="+",
                                               count=1_000_000, consumername=name)
             ids = [id_str(p["message_id"]) for p in pend]
-            if ids:
-                self.client.xclaim(self.keys.traj, self.stream.group, self.consumer, 0, ids)
-                claimed += len(ids)
-        log.warning("adopted %d pending entries of %d departed trainer rank(s); they are trained as new entries",
-                    claimed, len(orphans))
+            target = consumer_name(int(suffix) % self.world_size)
+            for i in range(0, len(ids), 1000):
+                self.client.xclaim(self.keys.traj, self.stream.group, target, 0, ids[i:i + 1000])
+            claimed += len(ids)
+            log.warning("%d pending entries of departed trainer rank %s go to %s", len(ids), name, target)
         return claimed
 
     def resume(self, completed_steps: int, *, replay: bool, covered_ids: Iterable[str] = ()) -> ResumeInfo:
@@ -151,11 +145,13 @@ class StepReader:
         durable: list[str] = list(covered_ids)
         self._replay = {}
         if replay:
-            for (step, _), rec in sorted(self._last_records([self.rank]).items()):
+            for (step, rank), rec in sorted(self._last_records().items()):
+                if not self._inherited(rank):
+                    continue
                 if step < completed_steps:
                     durable.extend(rec.entry_ids)
                 else:
-                    self._replay[step] = list(rec.entry_ids)
+                    self._replay.setdefault(step, []).extend(rec.entry_ids)
             info.acked = self.stream.ack(durable) if durable else 0
         info.replay_steps = sorted(self._replay)
         skip = set(durable) | {i for ids in self._replay.values() for i in ids}

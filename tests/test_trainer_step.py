@@ -138,6 +138,28 @@ def test_reader_replays_lost_steps_and_pending_first(rclient, keys):
     assert pending == set(s2.ids) | set(s3.ids)  # steps 0 and 1 acknowledged, 2 and 3 await a checkpoint
 
 
+def test_restart_with_fewer_ranks_keeps_global_grouping(rclient, keys):
+    stream = TrajectoryStream(rclient, keys)
+    ids = [stream.append(_group(version=0)) for _ in range(6)]
+    r0, r1 = (StepReader(rclient, keys, rank=r, world_size=2, groups_per_step=1, max_head_offpolicyness=5,
+                         block_ms=50) for r in (0, 1))
+    for r in (r0, r1):
+        r.resume(0, replay=True)
+    a0, a1 = r0.next(0, 0), r1.next(0, 0)  # step 0 (a checkpoint will cover it)
+    b0, b1 = r0.next(1, 1), r1.next(1, 1)  # step 1 (lost in the crash)
+    r1.stream.read(r1.consumer, count=1, block_ms=50)  # rank 1 read for step 2, then the crash
+    # Restart as one rank from the checkpoint after step 0 (only rank 0's bookkeeping file is read).
+    solo = StepReader(rclient, keys, rank=0, world_size=1, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
+    assert solo.claim_orphans() == 3  # a1 (covered, not yet acked), b1 and the unrecorded read
+    info = solo.resume(1, replay=True, covered_ids=a0.ids)
+    assert info.replay_steps == [1] and info.leftover == 1
+    again = solo.next(1, 1)
+    assert again.replayed and again.ids == b0.ids + b1.ids  # the global step as it was
+    assert solo.next(2, 2).ids == ids[4:6]
+    pending = {p["message_id"].decode() for p in rclient.xpending_range(keys.traj, "train", "-", "+", 100)}
+    assert pending == set(ids[2:6])  # step 0 acknowledged; steps 1-2 wait for a checkpoint
+
+
 # ---------------------------------------------------------------- one full step
 def _cfg(tmp_path, redis_url, experiment, model_path, *extra):
     return load_config(None, [

@@ -11,7 +11,7 @@ import csv
 import json
 from pathlib import Path
 
-from rlstream.common.config import Config
+from rlstream.common.config import Config, ConfigError
 
 __all__ = ["count_rows", "resolve_total_steps"]
 
@@ -40,10 +40,10 @@ def count_rows(path: str, kind: str = "auto") -> int:
     """Rows of a dataset file or folder; a clear error names `train_dataset.path` otherwise."""
     p = Path(path)
     if not p.exists():
-        raise ValueError(f"train_dataset.path={path!r} does not exist")
+        raise ConfigError(f"train_dataset.path={path!r} does not exist")
     files = sorted(f for f in p.rglob("*") if f.suffix in _EXT) if p.is_dir() else [p]
     if not files:
-        raise ValueError(f"train_dataset.path={path!r} holds no .jsonl/.json/.parquet/.csv files")
+        raise ConfigError(f"train_dataset.path={path!r} holds no .jsonl/.json/.parquet/.csv files")
     total = 0
     for f in files:
         k = _EXT.get(f.suffix, "json") if kind == "auto" else kind
@@ -59,7 +59,7 @@ def resolve_total_steps(cfg: Config) -> tuple[int, int | None]:
         rows = count_rows(cfg.train_dataset.path, cfg.train_dataset.type)
         steps_per_epoch = rows // batch
         if steps_per_epoch == 0 and cfg.total_train_steps is None:
-            raise ValueError(f"train_dataset.path has {rows} prompts, fewer than rollout.consumer_batch_size={batch}: "
+            raise ConfigError(f"train_dataset.path has {rows} prompts, fewer than rollout.consumer_batch_size={batch}: "
                              "no full step per epoch (set total_train_steps)")
     if cfg.total_train_steps is not None:
         total = cfg.total_train_steps
@@ -67,5 +67,5 @@ def resolve_total_steps(cfg: Config) -> tuple[int, int | None]:
             total = min(total, steps_per_epoch * cfg.total_train_epochs)
         return total, steps_per_epoch
     if steps_per_epoch is None:
-        raise ValueError("set total_train_steps or train_dataset.path: the trainer needs to know when to stop")
+        raise ConfigError("set total_train_steps or train_dataset.path: the trainer needs to know when to stop")
     return steps_per_epoch * cfg.total_train_epochs, steps_per_epoch

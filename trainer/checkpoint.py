@@ -35,6 +35,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from rlstream.common.config import ConfigError
 from rlstream.common.logging import get_logger
 from rlstream.trainer.parallel import Parallel
 
@@ -52,6 +53,7 @@ class TrainState(msgspec.Struct, kw_only=True):
     version: int = 0  # policy version of the weights (steps + initial version)
     world_size: int = 1
     total_train_steps: int = 0
+    optimizer: str = ""  # actor.optimizer.type: its state only loads into the same kind
     created_at: float = 0.0
 
 
@@ -234,12 +236,16 @@ class Checkpointer:
         return final
 
     def load_recover(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler: Any) -> tuple[TrainState, RankState | None]:
+                     scheduler: Any, expect_optimizer: str = "") -> tuple[TrainState, RankState | None]:
         """Restore model, optimizer, scheduler and this rank's RNG from `path` (collective)."""
         from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                              set_optimizer_state_dict)
 
         state = msgspec.json.decode((path / "meta.json").read_bytes(), type=TrainState)
+        if expect_optimizer and state.optimizer and state.optimizer != expect_optimizer:
+            raise ConfigError(f"recover checkpoint {path} holds {state.optimizer} optimizer state but "
+                             f"actor.optimizer.type={expect_optimizer}: resume with the same optimizer, "
+                             "or start a new trial_name")
         from safetensors import safe_open
 
         with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
@@ -262,7 +268,13 @@ class Checkpointer:
         for group in optim_sd["param_groups"]:
             if "betas" in group:
                 group["betas"] = tuple(group["betas"])
-        set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+        if tensors:
+            set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+        else:
+            # A stateless optimizer (SGD without momentum): only hyperparameters to restore,
+            # which torch's sharded loader cannot handle (it infers the device from state).
+            for group, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "params"})
         scheduler.load_state_dict(msgspec.json.decode((path / "scheduler.json").read_bytes()))
 
         rank_state = None

@@ -117,18 +117,20 @@ def _train(cfg: Config, par: Parallel) -> None:
 
     # ---- resume ----------------------------------------------------------------------
     recovering = _recovering(cfg.recover.mode)
-    state = TrainState(world_size=par.world_size, total_train_steps=total_steps)
+    state = TrainState(world_size=par.world_size, total_train_steps=total_steps, optimizer=cfg.actor.optimizer.type)
     covered: list[str] = []
     latest = ckpt.latest() if recovering else None
     if latest is not None:
-        state, rank_state = ckpt.load_recover(latest, model, optimizer, scheduler)
+        state, rank_state = ckpt.load_recover(latest, model, optimizer, scheduler,
+                                              expect_optimizer=cfg.actor.optimizer.type)
+        state.world_size, state.total_train_steps = par.world_size, total_steps
         covered = rank_state.covered_ids if rank_state is not None else []
         log.info("resumed from %s: %d steps done, version %d", latest, state.step, state.version)
-    reader = StepReader(client, keys, rank=par.rank, groups_per_step=B // par.world_size,
+    reader = StepReader(client, keys, rank=par.rank, world_size=par.world_size, groups_per_step=B // par.world_size,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness, vocab_size=vocab_size,
                         log_every_secs=cfg.stats_logger.log_every_secs)
-    if par.is_main:
-        reader.claim_orphans(par.world_size, state.step, replay=recovering)
+    if par.is_main and recovering:
+        reader.claim_orphans()
     par.barrier()
     info = reader.resume(state.step, replay=recovering, covered_ids=covered)
     if info.replay_steps or info.leftover or info.acked:

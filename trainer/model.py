@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from rlstream.common.config import ActorConfig
+from rlstream.common.config import ActorConfig, ConfigError
 
 __all__ = ["DTYPES", "check_model_path", "load_causal_lm"]
 
@@ -16,10 +16,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def check_model_path(path: str, key: str) -> Path:
     """A local HF model folder, or a one-line error naming the config key."""
     if not path:
-        raise ValueError(f"{key} is empty: set it to a local HF model folder")
+        raise ConfigError(f"{key} is empty: set it to a local HF model folder")
     p = Path(path)
     if not (p / "config.json").is_file():
-        raise ValueError(f"{key}={path!r} is not a local HF model folder (no config.json); "
+        raise ConfigError(f"{key}={path!r} is not a local HF model folder (no config.json); "
                          "rlstream never downloads from a model hub")
     return p
 
