@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
@@ -184,7 +185,7 @@ class _AdmissionBase:
     def _queue_commit(self, pipe: Any, lease_id: str, fields: dict[str, Any]) -> None:
         """The four commands of one commit, queued inside MULTI."""
         pipe.zrem(self.keys.admit_running, lease_id)
-        pipe.incr(self.keys.admit_accepted)
+        pipe.execute_command("INCR", self.keys.admit_accepted)  # INCR, not redis-py's INCRBY: ACLs name it
         pipe.xadd(self.keys.traj, fields)
         pipe.set(self.keys.admit_done(lease_id), "1", px=DONE_TTL_MS)
 
@@ -227,13 +228,22 @@ class AdmissionController(_AdmissionBase):
 
     def try_acquire_many(self, n: int) -> list[tuple[AdmissionState, Lease | None]]:
         """`n` acquisitions in one round trip (pipelined; each one still atomic on its own)."""
-        pipe = self.client.pipeline(transaction=False)
-        lids = []
-        for _ in range(n):
-            keys, args, lid = self._acquire_args(None)
-            self._acquire(keys=keys, args=args, client=pipe)
-            lids.append(lid)
-        return [self._decision(res, lid) for res, lid in zip(pipe.execute(), lids)]
+        calls = [self._acquire_args(None) for _ in range(n)]
+        for attempt in range(2):
+            # EVALSHA straight into the pipeline: redis-py's own script handling in pipelines
+            # sends SCRIPT EXISTS first, which a least-privilege producer ACL does not grant.
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args, _ in calls:
+                pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)
+            try:
+                results = pipe.execute()
+            except NoScriptError:  # a restarted Redis lost its script cache: nothing ran
+                if attempt:
+                    raise
+                self.client.script_load(_ACQUIRE)
+                continue
+            return [self._decision(res, lid) for res, (_, _, lid) in zip(results, calls)]
+        raise AssertionError("unreachable")
 
     def commit(self, lease_id: str, fields: dict[str, Any]) -> bytes:
         """Drop the lease, count the group accepted and XADD it, atomically; returns the entry id."""
@@ -313,13 +323,20 @@ class AsyncAdmissionController(_AdmissionBase):
         return self._decision(await self._acquire(keys=keys, args=args), lid)
 
     async def try_acquire_many(self, n: int) -> list[tuple[AdmissionState, Lease | None]]:
-        pipe = self.client.pipeline(transaction=False)
-        lids = []
-        for _ in range(n):
-            keys, args, lid = self._acquire_args(None)
-            await self._acquire(keys=keys, args=args, client=pipe)
-            lids.append(lid)
-        return [self._decision(res, lid) for res, lid in zip(await pipe.execute(), lids)]
+        calls = [self._acquire_args(None) for _ in range(n)]
+        for attempt in range(2):
+            pipe = self.client.pipeline(transaction=False)
+            for keys, args, _ in calls:
+                pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)
+            try:
+                results = await pipe.execute()
+            except NoScriptError:
+                if attempt:
+                    raise
+                await self.client.script_load(_ACQUIRE)
+                continue
+            return [self._decision(res, lid) for res, (_, _, lid) in zip(results, calls)]
+        raise AssertionError("unreachable")
 
     async def commit(self, lease_id: str, fields: dict[str, Any]) -> bytes:
         return (await self.commit_many([(lease_id, fields)]))[0]
