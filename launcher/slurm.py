@@ -1,0 +1,447 @@
+"""`rlstream launch slurm`: one sbatch job running Redis, engines, the trainer and producers.
+
+Placement (`cluster.n_nodes` nodes, `cluster.n_gpus_per_node` GPUs each):
+
+- one node: everything on it. With GPUs, the engines take the first
+  `launcher.n_engines × engine_tp × engine_pp` GPUs and the trainer the rest;
+- several nodes: the first `launcher.slurm.trainer_nodes` nodes (0 = half) run the trainer
+  under `torchrun` across them (c10d rendezvous on the first trainer node, every GPU of
+  each node); the other nodes run engine servers, `n_gpus_per_node / (tp × pp)` per node
+  on GPUs (each pinned to its GPUs through CUDA_VISIBLE_DEVICES), or
+  `launcher.n_engines` spread over them on CPU-only nodes;
+- Redis on the first node (AOF in `{run_dir}/redis`), unless `--redis URL` / `redis.url`
+  names an external one; producers are CPU-only tasks spread over the engine nodes.
+
+Addresses travel as overrides on each task's command line: `redis.url=redis://NODE:PORT/0`
+and `rollout.engine_addresses=[node:port, ...]` (fixed engine ports, so SGLang and vLLM
+servers, which do not register themselves, are found the same way as local engines).
+
+Failure: the batch script waits on every task (`wait -n`); the trainer exiting 0 ends
+the job successfully (producers stop on its `shutdown` event, engines and Redis are then
+stopped); any other task exiting — a producer only when it fails — stops every task and
+exits 1, so Slurm marks the job FAILED with the task named in `{run_dir}/logs/slurm-JOB.out`.
+
+The run folder (`cluster.fileroot`) must be on a filesystem every node sees: the resolved
+config, the logs, checkpoints and the demo data go there.
+
+This module is also the small helper the batch script calls on the nodes:
+`python -m rlstream.launcher.slurm wait-redis URL` / `wait-http ADDR...` / `prepare`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlstream.common.config import Config, ConfigError, config_to_dict
+from rlstream.common.logging import get_logger
+
+__all__ = ["launch", "plan", "render_script", "Placement"]
+
+log = get_logger("rlstream.launcher.slurm")
+
+
+@dataclass
+class EngineSlot:
+    node: int  # index into the job's node list
+    port: int
+    gpus: list[int] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES; empty = CPU
+
+
+@dataclass
+class Placement:
+    n_nodes: int
+    gpus_per_node: int
+    trainer_nodes: list[int]
+    trainer_procs_per_node: int
+    trainer_gpus: list[int]  # on each trainer node
+    engines: list[EngineSlot]
+    producer_nodes: list[int]
+    redis_node: int | None  # None: external Redis
+
+
+def plan(cfg: Config, external_redis: bool) -> Placement:
+    """Which node runs what; every impossible request is a ConfigError naming its key."""
+    n, g = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
+    sc, lc = cfg.launcher.slurm, cfg.launcher
+    per_engine = sc.engine_tp * sc.engine_pp
+    if g and per_engine > g:
+        raise ConfigError(f"launcher.slurm.engine_tp x engine_pp = {per_engine} GPUs per engine server exceeds "
+                          f"cluster.n_gpus_per_node={g}")
+    if not g and (per_engine > 1):
+        raise ConfigError("launcher.slurm.engine_tp/engine_pp > 1 need GPUs (cluster.n_gpus_per_node > 0)")
+    if n == 1:
+        if g:
+            n_eng = lc.n_engines
+            if n_eng * per_engine >= g:
+                raise ConfigError(f"one node with {g} GPUs: launcher.n_engines={n_eng} x {per_engine} GPUs leaves "
+                                  f"none for the trainer; lower launcher.n_engines or use cluster.n_nodes > 1")
+            engines = [EngineSlot(0, sc.engine_port + i, list(range(i * per_engine, (i + 1) * per_engine)))
+                       for i in range(n_eng)]
+            trainer_gpus = list(range(n_eng * per_engine, g))
+            procs = len(trainer_gpus)
+        else:
+            engines = [EngineSlot(0, sc.engine_port + i) for i in range(lc.n_engines)]
+            trainer_gpus, procs = [], lc.n_trainer_procs
+        return Placement(1, g, [0], procs, trainer_gpus, engines, [0], None if external_redis else 0)
+
+    t = sc.trainer_nodes or n // 2
+    if t >= n:
+        raise ConfigError(f"launcher.slurm.trainer_nodes={t} leaves no engine node of cluster.n_nodes={n}")
+    engine_nodes = list(range(t, n))
+    if g:
+        per_node = g // per_engine
+        engines = [EngineSlot(node, sc.engine_port + k, list(range(k * per_engine, (k + 1) * per_engine)))
+                   for node in engine_nodes for k in range(per_node)]
+        trainer_gpus, procs = list(range(g)), g
+    else:
+        if lc.n_engines < 1:
+            raise ConfigError("launcher.n_engines must be >= 1 for a CPU-only multi-node launch")
+        engines = [EngineSlot(engine_nodes[i % len(engine_nodes)], sc.engine_port + i // len(engine_nodes))
+                   for i in range(lc.n_engines)]
+        if lc.n_trainer_procs % t:
+            raise ConfigError(f"launcher.n_trainer_procs={lc.n_trainer_procs} must be divisible by the {t} trainer nodes")
+        trainer_gpus, procs = [], lc.n_trainer_procs // t
+    return Placement(n, g, list(range(t)), procs, trainer_gpus, engines, engine_nodes,
+                     None if external_redis else 0)
+
+
+# ---------------------------------------------------------------------- the batch script
+
+_HEADER = """#!/bin/bash
+{sbatch}
+# Generated by `rlstream launch slurm` for {exp}/{trial}: {summary}.
+# Every task logs to {logs}/NAME.log; this script's own output: {logs}/slurm-JOBID.out.
+set -uo pipefail
+{setup}
+PY={py}
+ENGINE_PY={engine_py}
+CONFIG={config}
+RUN_DIR={run_dir}
+LOGS={logs}
+mkdir -p "$LOGS" "$RUN_DIR/redis"
+export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}} TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 \\
+       TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 RLSTREAM_RUN_DIR="$RUN_DIR"
+mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
+echo "job $SLURM_JOB_ID on ${{NODES[*]}}"
+
+declare -A NAME_OF=()
+PIDS=()
+# task NAME [srun options] -- COMMAND...: one srun step in the background, its own log.
+task() {{
+  local name=$1; shift
+  local opts=()
+  while [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  shift
+  srun --overlap --kill-on-bad-exit=1 --job-name="$name" "${{opts[@]}}" "$@" > "$LOGS/$name.log" 2>&1 &
+  NAME_OF[$!]=$name
+  PIDS+=("$!")
+  echo "started $name (srun pid $!)"
+}}
+alive() {{ local p; for p in "${{PIDS[@]}}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }}
+stop_all() {{  # SIGTERM every step (srun forwards it to the tasks), SIGKILL after 30 s
+  trap - TERM INT
+  local p
+  for p in "${{PIDS[@]}}"; do kill -TERM "$p" 2>/dev/null; done
+  for _ in $(seq 1 300); do alive || break; sleep 0.1; done
+  for p in "${{PIDS[@]}}"; do kill -KILL "$p" 2>/dev/null; done
+  wait 2>/dev/null
+}}
+fail() {{ echo "rlstream: job failed: $*" >&2; stop_all; exit 1; }}
+trap 'fail "interrupted (job cancelled or out of time)"' TERM INT
+"""
+
+_REDIS_OWN = """
+# ---- Redis on the first node
+REDIS_PORT={port}
+task redis --nodes=1 --ntasks=1 --nodelist="${{NODES[{node}]}}" -- redis-server {conf}--port "$REDIS_PORT" \\
+  --bind 0.0.0.0 --protected-mode no --dir "$RUN_DIR/redis" --save "" --appendonly {aof} --appendfsync {fsync}
+REDIS_URL="redis://${{NODES[{node}]}}:$REDIS_PORT/0"
+"$PY" -m rlstream.launcher.slurm wait-redis "$REDIS_URL" --config "$CONFIG" --timeout {timeout} \\
+  --watch "redis:${{PIDS[-1]}}" || fail "redis did not come up; see $LOGS/redis.log"
+"""
+
+_REDIS_EXTERNAL = """
+# ---- external Redis
+REDIS_URL={url}
+"$PY" -m rlstream.launcher.slurm wait-redis "$REDIS_URL" --config "$CONFIG" --timeout {timeout} || fail "cannot reach Redis"
+"""
+
+
+def _q(s: str | Path) -> str:
+    return shlex.quote(str(s))
+
+
+def _engine_cmd(cfg: Config, port: int) -> str:
+    sc = cfg.launcher.slurm
+    model = _q(cfg.server.model_path or cfg.actor.path)
+    extra = " ".join(_q(a) for a in sc.engine_args)
+    if sc.engine == "local":
+        cmd = (f'"$ENGINE_PY" -m rlstream.launcher.cli serve --config "$CONFIG" "redis.url=$REDIS_URL" '
+               f"server.host=0.0.0.0 server.port={port}")
+    elif sc.engine == "sglang":
+        cmd = (f'"$ENGINE_PY" -m sglang.launch_server --model-path {model} --host 0.0.0.0 --port {port} '
+               f"--tp-size {sc.engine_tp} --pp-size {sc.engine_pp}")
+    else:
+        server = Path(__file__).resolve().parents[1] / "producer" / "vllm_server.py"
+        cmd = (f'"$ENGINE_PY" {_q(server)} --model {model} --host 0.0.0.0 --port {port} '
+               f"--tensor-parallel-size {sc.engine_tp} --pipeline-parallel-size {sc.engine_pp}")
+    return f"{cmd} {extra}".rstrip()
+
+
+def render_script(cfg: Config, pl: Placement, *, config_path: Path, redis_url: str | None,
+                  redis_conf: Path | None = None) -> str:
+    """The sbatch script for placement `pl` (pure: no file is touched)."""
+    sc, lc = cfg.launcher.slurm, cfg.launcher
+    run_dir = Path(cfg.run_dir).resolve()
+    logs = run_dir / "logs"
+    sb = [f"#SBATCH --job-name=rlstream-{cfg.experiment_name}-{cfg.trial_name}",
+          f"#SBATCH --nodes={pl.n_nodes}", "#SBATCH --ntasks-per-node=1", f"#SBATCH --output={logs}/slurm-%j.out"]
+    if pl.gpus_per_node:
+        sb.append(f"#SBATCH --gpus-per-node={pl.gpus_per_node}")
+    if sc.exclusive:
+        sb.append("#SBATCH --exclusive")
+    for key, val in (("partition", sc.partition), ("account", sc.account), ("time", sc.time_limit)):
+        if val:
+            sb.append(f"#SBATCH --{key}={val}")
+    sb += [f"#SBATCH {a}" for a in sc.sbatch_args]
+    py = sc.python or sys.executable
+    summary = (f"{len(pl.engines)} {sc.engine} engine server(s), trainer on {len(pl.trainer_nodes)} node(s) x "
+               f"{pl.trainer_procs_per_node} process(es), {lc.n_producers} producer(s), "
+               + ("external Redis" if pl.redis_node is None else "Redis on the first node"))
+    out = [_HEADER.format(sbatch="\n".join(sb), exp=cfg.experiment_name, trial=cfg.trial_name, summary=summary,
+                          logs=_q(logs), setup="\n".join(sc.setup), py=_q(py), engine_py=_q(sc.engine_python or py),
+                          config=_q(config_path), run_dir=_q(run_dir))]
+    timeout = int(lc.startup_timeout)
+    if pl.redis_node is None:
+        out.append(_REDIS_EXTERNAL.format(url=_q(redis_url), timeout=timeout))
+    else:
+        port = str(sc.redis_port) if sc.redis_port else "$((20000 + SLURM_JOB_ID % 20000))"
+        out.append(_REDIS_OWN.format(port=port, node=pl.redis_node, timeout=timeout,
+                                     conf=f"{_q(redis_conf)} " if redis_conf else "",
+                                     aof="yes" if cfg.redis.appendonly else "no", fsync=cfg.redis.appendfsync))
+
+    out.append("""
+# ---- prepare: demo data/model and the supervised warm start when configured (must succeed)
+srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" "$PY" -m rlstream.launcher.slurm prepare \\
+  --config "$CONFIG" > "$LOGS/prepare.log" 2>&1 || fail "prepare failed; see $LOGS/prepare.log"
+""")
+
+    out.append("\n# ---- engines")
+    out.append("ENGINES=()")
+    watch = []
+    for i, e in enumerate(pl.engines):
+        env = f"env CUDA_VISIBLE_DEVICES={','.join(map(str, e.gpus))} " if e.gpus else ""
+        out.append(f'task engine-{i} --nodes=1 --ntasks=1 --nodelist="${{NODES[{e.node}]}}" -- {env}'
+                   f"{_engine_cmd(cfg, e.port)}")
+        out.append(f'ENGINES+=("${{NODES[{e.node}]}}:{e.port}")')
+        watch.append(f'--watch "engine-{i}:${{PIDS[-1]}}"')
+    if pl.engines:
+        out.append(f'"$PY" -m rlstream.launcher.slurm wait-http "${{ENGINES[@]}}" --config "$CONFIG" '
+                   f'--timeout {timeout} {" ".join(watch)} || fail "engines did not come up; see $LOGS/engine-*.log"')
+        out.append('ENGINE_LIST="[$(IFS=,; echo "${ENGINES[*]}")]"')
+        out.append('COMMON=("redis.url=$REDIS_URL" "rollout.engine_addresses=$ENGINE_LIST")')
+    else:
+        out.append('COMMON=("redis.url=$REDIS_URL")')
+    out.append('echo "engines: ${ENGINES[*]:-none (rollout.engine_addresses / name resolve)}"')
+
+    out.append("\n# ---- trainer")
+    train = '-m rlstream.launcher.cli train --config "$CONFIG" "${COMMON[@]}"'
+    tenv = f"env CUDA_VISIBLE_DEVICES={','.join(map(str, pl.trainer_gpus))} " if pl.trainer_gpus else ""
+    tn = len(pl.trainer_nodes)
+    if tn == 1 and pl.trainer_procs_per_node == 1:
+        cmd = f'{tenv}"$PY" {train}'
+    elif tn == 1:
+        cmd = f'{tenv}"$PY" -m torch.distributed.run --standalone --nproc-per-node={pl.trainer_procs_per_node} {train}'
+    else:
+        cmd = (f'{tenv}"$PY" -m torch.distributed.run --nnodes={tn} --nproc-per-node={pl.trainer_procs_per_node} '
+               f'--rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" '
+               f'--rdzv-endpoint="${{NODES[{pl.trainer_nodes[0]}]}}:$((30000 + SLURM_JOB_ID % 20000))" {train}')
+    nodelist = ",".join(f"${{NODES[{i}]}}" for i in pl.trainer_nodes)
+    out.append(f'task trainer --nodes={tn} --ntasks={tn} --ntasks-per-node=1 --nodelist="{nodelist}" -- {cmd}')
+    out.append('TRAINER_PID=${PIDS[-1]}')
+
+    out.append("\n# ---- producers (CPU-only tasks)")
+    for j in range(lc.n_producers):
+        node = pl.producer_nodes[j % len(pl.producer_nodes)]
+        out.append(f'task producer-{j} --nodes=1 --ntasks=1 --nodelist="${{NODES[{node}]}}" -- env CUDA_VISIBLE_DEVICES= '
+                   f'"$PY" -m rlstream.launcher.cli produce --config "$CONFIG" "${{COMMON[@]}}" '
+                   f"producer.producer_id=producer-{j}")
+
+    out.append("""
+# ---- wait: the trainer finishing ends the job; any other task ending first fails it
+while true; do
+  DONE=""
+  wait -n -p DONE "${PIDS[@]}"
+  rc=$?
+  [ -n "$DONE" ] || fail "lost track of the tasks"
+  name=${NAME_OF[$DONE]}
+  REMAINING=()
+  for p in "${PIDS[@]}"; do [ "$p" != "$DONE" ] && REMAINING+=("$p"); done
+  PIDS=("${REMAINING[@]}")
+  if [ "$DONE" = "$TRAINER_PID" ] && [ "$rc" = 0 ]; then
+    echo "trainer finished; stopping the other tasks"
+    # producers stop by themselves on the trainer's shutdown event; give them a moment
+    for _ in $(seq 1 300); do
+      busy=0
+      for p in "${PIDS[@]}"; do [[ ${NAME_OF[$p]} == producer-* ]] && kill -0 "$p" 2>/dev/null && busy=1; done
+      [ "$busy" = 0 ] && break
+      sleep 0.1
+    done
+    stop_all
+    echo "rlstream: job finished: metrics in $RUN_DIR/metrics.jsonl, checkpoint in $RUN_DIR/checkpoints/final"
+    exit 0
+  fi
+  if [[ $name == producer-* ]] && [ "$rc" = 0 ]; then
+    echo "$name exited 0 (shutdown event or dataset done)"
+    continue
+  fi
+  fail "task $name exited with code $rc; see $LOGS/$name.log"
+done
+""")
+    return "\n".join(out)
+
+
+def _write_private(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def launch(cfg: Config, dry_run: bool = False, redis_url: str | None = None) -> int:
+    """Entry of `rlstream launch slurm`: print (`--dry-run`) or submit the sbatch script."""
+    from omegaconf import OmegaConf
+
+    redis_url = redis_url or cfg.redis.url or None
+    pl = plan(cfg, external_redis=redis_url is not None)
+    run_dir = Path(cfg.run_dir).resolve()
+    slurm_dir = run_dir / "slurm"
+    config_path = slurm_dir / "config.yaml"
+    redis_conf = slurm_dir / "redis.conf" if (cfg.redis.password and redis_url is None) else None
+    script = render_script(cfg, pl, config_path=config_path, redis_url=redis_url, redis_conf=redis_conf)
+    if dry_run:
+        print(script)
+        return 0
+    # Paths in the config become absolute: tasks may start in another directory.
+    data = config_to_dict(cfg)
+    data["cluster"]["fileroot"] = str(Path(cfg.cluster.fileroot).resolve())
+    for sect, key in (("actor", "path"), ("train_dataset", "path"), ("valid_dataset", "path"),
+                      ("launcher", "sft_dataset"), ("ref", "path"), ("server", "model_path")):
+        if data.get(sect) and data[sect].get(key):
+            data[sect][key] = str(Path(data[sect][key]).resolve())
+    _write_private(config_path, OmegaConf.to_yaml(OmegaConf.create(data)))
+    if redis_conf is not None:  # the password stays out of the script (sbatch scripts are readable)
+        _write_private(redis_conf, f"requirepass {cfg.redis.password}\n")
+    script_path = slurm_dir / "job.sbatch"
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    script_path.write_text(script)
+    try:
+        res = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=60)
+    except FileNotFoundError:
+        raise ConfigError("sbatch not found: run `rlstream launch slurm` on a Slurm login node "
+                          "(or use --dry-run to see the script)") from None
+    if res.returncode != 0:
+        print(f"rlstream: sbatch failed: {res.stderr.strip() or res.stdout.strip()}", file=sys.stderr)
+        return 1
+    job_id = res.stdout.strip().split(";")[0]
+    print(f"submitted job {job_id}: script {script_path}, logs in {run_dir / 'logs'} "
+          f"(slurm-{job_id}.out and one file per task)")
+    return 0
+
+
+# ---------------------------------------------------------------------- helpers run on the nodes
+
+
+def _watch_failed(watch: list[str]) -> str | None:
+    """`name:pid` pairs of this host's srun steps: the first one that is gone, if any."""
+    for item in watch:
+        name, _, pid = item.rpartition(":")
+        try:
+            os.kill(int(pid), 0)
+        except (ProcessLookupError, ValueError):
+            return name
+        except PermissionError:
+            pass
+    return None
+
+
+def _wait(check, what: str, timeout: float, watch: list[str]) -> int:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return 0
+        dead = _watch_failed(watch)
+        if dead:
+            print(f"rlstream: {dead} exited while waiting for {what}", file=sys.stderr)
+            return 1
+        time.sleep(0.5)
+    print(f"rlstream: {what} not ready after {timeout:g}s", file=sys.stderr)
+    return 1
+
+
+def _main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m rlstream.launcher.slurm")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    wr = sub.add_parser("wait-redis")
+    wr.add_argument("url")
+    wh = sub.add_parser("wait-http")
+    wh.add_argument("addresses", nargs="+")
+    pr = sub.add_parser("prepare")
+    for s in (wr, wh, pr):
+        s.add_argument("--config", required=True)
+    for s in (wr, wh):
+        s.add_argument("--timeout", type=float, default=300.0)
+        s.add_argument("--watch", action="append", default=[], help="name:pid of a step that must stay alive")
+    a = p.parse_args(argv)
+    from rlstream.common.config import load_config
+
+    cfg = load_config(a.config)
+    if a.cmd == "prepare":
+        from rlstream.launcher.demo import prepare
+        from rlstream.launcher.sft import sft
+
+        prepare(cfg)
+        sft(cfg)
+        return 0
+    if a.cmd == "wait-redis":
+        import msgspec
+
+        from rlstream.broker.connection import BrokerError, connect
+
+        rcfg = msgspec.structs.replace(cfg.redis, url=a.url)
+
+        def redis_up() -> bool:
+            try:
+                connect(rcfg, retries=0).close()
+                return True
+            except BrokerError:
+                return False
+
+        return _wait(redis_up, f"redis at {a.url}", a.timeout, a.watch)
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {cfg.rollout.api_key}"} if cfg.rollout.api_key else {}
+
+    def all_healthy() -> bool:
+        for addr in a.addresses:
+            try:
+                req = urllib.request.Request(f"http://{addr}/health", headers=headers)
+                with urllib.request.urlopen(req, timeout=2) as r:
+                    if r.status != 200:
+                        return False
+            except OSError:
+                return False
+        return True
+
+    return _wait(all_healthy, f"engines {', '.join(a.addresses)}", a.timeout, a.watch)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,168 @@
+"""`rlstream launch slurm` against a real one-node Slurm cluster (munged, slurmctld, slurmd
+started by tests/slurm_cluster.sh on this machine, stopped by PID afterwards).
+
+- the tiny CPU config is submitted, trains a few steps, the job reaches COMPLETED and
+  leaves metrics and the final checkpoint;
+- a task that fails (a producer with a reward function that does not import) fails the
+  whole job, and the job's output names the task;
+- `--dry-run` placement for a multi-node GPU layout (no cluster needed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
+CLUSTER = ROOT / "tests" / "slurm_cluster.sh"
+
+SMALL = [
+    "launcher.demo.n_train=256", "launcher.demo.n_valid=16", "launcher.sft_steps=20",
+    "rollout.consumer_batch_size=4", "gconfig.n_samples=4", "stats_logger.tensorboard.enabled=false",
+]
+
+
+@pytest.fixture(scope="module")
+def slurm_conf(tmp_path_factory):
+    missing = [b for b in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol") if shutil.which(b) is None]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not found: apt-get install -y slurm-wlm munge")
+    if os.geteuid() != 0:
+        pytest.fail("the one-node Slurm test cluster runs its daemons as root")
+    state = tmp_path_factory.mktemp("slurm")
+    try:
+        out = subprocess.run(["bash", str(CLUSTER), "start", str(state)], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"slurm cluster did not start:\n{out.stdout}\n{out.stderr}"
+        yield str(state / "slurm.conf")
+    finally:
+        subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, timeout=120)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _submit(tmp_path: Path, slurm_conf: str, *overrides: str) -> str:
+    env = {**os.environ, "SLURM_CONF": slurm_conf, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(CONFIG),
+                          f"cluster.fileroot={tmp_path / 'runs'}", f"launcher.slurm.engine_port={_free_port()}",
+                          *SMALL, *overrides], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    m = re.search(r"submitted job (\d+)", out.stdout)
+    assert m, out.stdout
+    return m.group(1)
+
+
+def _wait_job(job: str, slurm_conf: str, timeout: float = 480) -> str:
+    env = {**os.environ, "SLURM_CONF": slurm_conf}
+    deadline = time.monotonic() + timeout
+    state = ""
+    while time.monotonic() < deadline:
+        out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, env=env, timeout=30)
+        m = re.search(r"JobState=(\S+)", out.stdout)
+        state = m.group(1) if m else ""
+        if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL"):
+            return state
+        time.sleep(1)
+    subprocess.run(["scancel", job], env=env, timeout=30)
+    pytest.fail(f"job {job} still {state!r} after {timeout:g}s")
+
+
+def _leftovers(run_dir: Path) -> list[str]:
+    want = str(run_dir.resolve())
+    found = []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("RLSTREAM_RUN_DIR") == want and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(" ".join(p.cmdline()))
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _wait_gone(run_dir: Path, timeout: float = 30) -> list[str]:
+    # Slurm reports the job state before slurmd has reaped every step; give it a moment.
+    deadline = time.monotonic() + timeout
+    left = _leftovers(run_dir)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = _leftovers(run_dir)
+    return left
+
+
+@pytest.mark.slurm
+def test_slurm_job_trains_and_completes(tmp_path, slurm_conf):
+    job = _submit(tmp_path, slurm_conf, "total_train_steps=3")
+    state = _wait_job(job, slurm_conf)
+    run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
+    out = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", out + "\n" + "\n".join(
+        f"== {p.name}\n{p.read_text()[-1500:]}" for p in (run_dir / "logs").glob("*.log"))
+    assert "trainer finished" in out
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "final" / "config.json").exists()
+    for name in ("redis", "prepare", "engine-0", "trainer", "producer-0"):
+        assert (run_dir / "logs" / f"{name}.log").exists(), name
+    assert _wait_gone(run_dir) == []
+
+
+@pytest.mark.slurm
+def test_slurm_failing_task_fails_the_job(tmp_path, slurm_conf):
+    job = _submit(tmp_path, slurm_conf, "total_train_steps=50", "producer.reward_fn=no_such_module:reward")
+    state = _wait_job(job, slurm_conf)
+    run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
+    out = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert state == "FAILED", out
+    assert "rlstream: job failed: task producer-0 exited with code 1" in out
+    assert _wait_gone(run_dir) == []
+
+
+def test_dry_run_multi_node_gpu_placement(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(CONFIG),
+                          "--dry-run", f"cluster.fileroot={tmp_path}", "cluster.n_nodes=4", "cluster.n_gpus_per_node=8",
+                          "launcher.slurm.trainer_nodes=2", "launcher.slurm.engine=sglang",
+                          "launcher.slurm.engine_tp=2", "launcher.n_producers=3", "launcher.slurm.partition=gpu",
+                          "--redis", "redis://redis.example:6379/0"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    script = out.stdout
+    assert not (tmp_path / "tiny-cpu").exists()  # a dry run writes nothing
+    syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
+    assert "#SBATCH --partition=gpu" in script
+    # 2 engine nodes x 8 GPUs / tp 2 = 8 SGLang servers, each pinned to its own GPU pair
+    engines = re.findall(r"task (engine-\d+) .*?--nodelist=\"\$\{NODES\[(\d)\]\}\" -- env CUDA_VISIBLE_DEVICES=(\S+) .*"
+                         r"sglang.launch_server .*--port (\d+) --tp-size 2", script)
+    assert len(engines) == 8
+    assert sorted({n for _, n, _, _ in engines}) == ["2", "3"]
+    assert {g for _, _, g, _ in engines} == {"0,1", "2,3", "4,5", "6,7"}
+    # the trainer: torchrun over the first two nodes, 8 processes each, c10d rendezvous
+    assert re.search(r'task trainer --nodes=2 .*--nodelist="\$\{NODES\[0\]\},\$\{NODES\[1\]\}" .*'
+                     r"torch.distributed.run --nnodes=2 --nproc-per-node=8 --rdzv-backend=c10d", script)
+    assert script.count("rlstream.launcher.cli produce") == 3
+    assert "task redis" not in script and "REDIS_URL=redis://redis.example:6379/0" in script
+    assert "rollout.engine_addresses=$ENGINE_LIST" in script
+
+
+def test_impossible_placement_is_a_config_error(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(CONFIG),
+                          "--dry-run", "cluster.n_gpus_per_node=2", "launcher.n_engines=2"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 2
+    assert "launcher.n_engines=2" in out.stderr and "leaves none for the trainer" in out.stderr
