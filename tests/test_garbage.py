@@ -127,8 +127,7 @@ def test_garbage_goes_to_dead_letters_and_reading_goes_on(rclient, keys, group_f
         raw = rclient.xreadgroup(stream.group, "crashed", {keys.traj: ">"}, count=total)
         assert len(raw[0][1]) == total
         if path == "own_pending":  # the same consumer name restarts and replays its pending list
-            stream_c = "crashed"
-            got = stream.read_own_pending(stream_c, count=total)
+            got = stream.read_own_pending("crashed", count=total)
         else:  # another consumer takes the dead one's entries over
             got = stream.reclaim("c1", min_idle_ms=0, count=total)
     assert [e.id for e in got] == [i for i, _ in valid], "valid entries must come through, in order"
@@ -165,6 +164,32 @@ def test_dead_letters_per_consumer_group(rclient, keys, group_factory):
         assert rclient.xpending(keys.traj, s.group)["pending"] == 0
     groups = [f[b"group"] for _, f in rclient.xrange(keys.dead)]
     assert groups.count(b"train") == groups.count(b"eval") == len(bad)
+
+
+def test_trainer_step_reader_fills_every_step_with_valid_groups_only(rclient, keys, group_factory):
+    """Training goes on: the trainer's per-rank StepReader fills each step with B valid groups, skipping
+    garbage (and groups whose token ids the trainer's model cannot embed) into the dead-letter stream."""
+    from rlstream.broker import StepLog
+    from rlstream.consumer.reader import StepReader
+
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    oov = group_factory()
+    oov.trajectories[0] = Trajectory.from_arrays([5, 6], [7, 1000], [-0.1, -0.2], [0, 0], 1.0, "stop")
+    oov_id = stream.append(oov)
+    valid, bad = _inject(stream, group_factory)  # group_factory's token ids are in [4, 50); a valid one is last
+    B = 1 + len(valid) // 3
+    g = group_factory()
+    while len(valid) % B:
+        valid.append((stream.append(g), g.group_id))
+        g = group_factory()
+    reader = StepReader(rclient, keys, groups_per_step=B, max_head_offpolicyness=10, vocab_size=50, block_ms=50)
+    steps = [reader.next(step, version=0) for step in range(len(valid) // B)]
+    assert [e.id for d in steps for e in d.entries] == [i for i, _ in valid[: len(steps) * B]]
+    assert [r.entry_ids for r in StepLog(rclient, keys).all()] == [d.ids for d in steps]
+    dead = {d["source_id"]: d["reason"] for d in stream.dead_letters(count=1000)}
+    assert set(dead) == {i for i, *_ in bad} | {oov_id}
+    assert "token id outside [0, 50)" in dead[oov_id]
 
 
 # ------------------------------------------------------------------------ codec properties
