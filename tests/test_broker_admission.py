@@ -113,7 +113,8 @@ def test_racing_producer_processes_never_exceed_the_budget(redis_url, rclient, k
     assert rclient.xlen(keys.traj) == total
     assert snap.rejected == released
     assert snap.running == 0 and snap.capacity == 0
-    assert sum(r["denied"] for r in results) > 0  # the budget really was contended
+    # the budget really was contended: refusals beyond the one each worker ends with
+    assert sum(r["denied"] for r in results) > n_workers
 
 
 def test_crashed_producer_leases_expire(redis_url, rclient, keys):
