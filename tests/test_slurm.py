@@ -166,3 +166,18 @@ def test_impossible_placement_is_a_config_error(tmp_path):
                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 2
     assert "launcher.n_engines=2" in out.stderr and "leaves none for the trainer" in out.stderr
+
+
+@pytest.mark.parametrize("name,engine", [("gsm8k-sglang", "sglang.launch_server"), ("gsm8k-vllm", "vllm_server.py")])
+def test_gpu_example_configs_load_and_render(tmp_path, name, engine):
+    """The documented GPU examples are valid configs and give a valid two-node script."""
+    from rlstream.common.config import load_config
+    from rlstream.launcher.slurm import plan, render_script
+
+    cfg = load_config(ROOT / "configs" / f"{name}.yaml")
+    assert cfg.actor.use_decoupled_loss and cfg.rollout.max_head_offpolicyness > 0
+    assert cfg.producer.reward_fn.endswith(":math_reward")
+    script = render_script(cfg, plan(cfg, external_redis=False), config_path=tmp_path / "c.yaml", redis_url=None)
+    syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    assert engine in script and "--nproc-per-node=8" in script and "task redis" in script
