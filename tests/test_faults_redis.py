@@ -457,3 +457,43 @@ def test_commit_whose_reply_is_lost_in_a_stall_is_applied_once(redis_factory, ex
     assert check.zcard(keys.admit_running) == 0
     print(f"\ncommit returned {eid!r}; stream id {entries[0][0]!r}")
     check.close()
+
+
+def test_read_whose_reply_is_lost_in_a_stall_leaves_entries_in_the_own_pending_list(redis_factory, experiment,
+                                                                                    group_factory, monkeypatch):
+    """At-least-once boundary of delivery: Redis freezes as an XREADGROUP reaches it; after SIGCONT the old
+    command still runs and delivers entries whose reply nobody reads, while the retry gets the next ones.
+    Nothing is lost: those entries wait in the consumer's own pending list, where `read_own_pending`
+    (what a restarted consumer does first) hands them over."""
+    import redis.connection as sconn
+
+    server = redis_factory()
+    keys = Keys(namespace(experiment, "lost-read"))
+    client = connect(RedisConfig(url=server.url, socket_timeout=0.5, connect_timeout=0.5, retries=10))
+    stream = TrajectoryStream(client, keys)
+    stream.ensure_group()
+    ids = [stream.append(group_factory()) for _ in range(6)]
+    froze = threading.Event()
+    real = sconn.AbstractConnection.send_packed_command
+
+    def send(self, command, check_health=True):
+        chunks = command if isinstance(command, (list, tuple)) else [command]
+        if not froze.is_set() and any(b"XREADGROUP" in bytes(c) for c in chunks):
+            froze.set()
+            server.proc.send_signal(signal.SIGSTOP)
+            threading.Timer(2.0, server.proc.send_signal, args=(signal.SIGCONT,)).start()
+        return real(self, command, check_health)
+
+    monkeypatch.setattr(sconn.AbstractConnection, "send_packed_command", send)
+    first = [e.id for e in stream.read("c0", count=3, block_ms=100)]
+    monkeypatch.undo()
+    assert froze.is_set()
+    rest = [e.id for e in stream.read("c0", count=10, block_ms=100)]
+    returned = first + rest
+    assert len(set(returned)) == len(returned) and set(returned) <= set(ids)
+    # Whatever the lost reply delivered is pending for c0, and read_own_pending returns it.
+    own = [e.id for e in stream.read_own_pending("c0")]
+    assert own == ids, "an entry is neither returned nor in the consumer's pending list"
+    print(f"\nlost-reply read: returned {len(returned)} of {len(ids)}; "
+          f"{len(set(ids) - set(returned))} only via read_own_pending")
+    client.close()
