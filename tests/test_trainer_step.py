@@ -14,6 +14,7 @@ from rlstream.common.config import load_config
 from rlstream.common.wire import Trajectory, TrajectoryGroup
 from rlstream.consumer.collate import collate
 from rlstream.consumer.microbatch import minibatch_slices, split_by_token_budget, synced_split
+from rlstream.consumer.packing import next_token_logits, packed_inputs, padded_inputs
 from rlstream.consumer.reader import StepReader
 from rlstream.consumer.synthetic import synthetic_groups
 from rlstream.trainer.logprobs import token_logprobs
@@ -37,7 +38,7 @@ def _entries(stream, groups):
 def test_packing_equals_padding_and_single_sequences(tiny, rclient, keys):
     vocab = tiny.config.vocab_size
     stream = TrajectoryStream(rclient, keys)
-    entries = _entries(stream, synthetic_groups(2, seed=3, vocab_size=vocab, group_size=3, out_len=(2, 12), model=tiny))
+    entries = _entries(stream, synthetic_groups(3, seed=3, vocab_size=vocab, group_size=3, out_len=(2, 12), model=tiny))
     batch = collate(entries)
     assert len(set(batch.seq_lens.tolist())) > 1  # lengths differ, so padding is real
     with torch.no_grad():
@@ -53,6 +54,28 @@ def test_packing_equals_padding_and_single_sequences(tiny, rclient, keys):
             want = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
             assert torch.allclose(packed[s + 1:e], want, atol=1e-5)
             assert float(packed[s]) == 0.0
+    # Every packed layout (rows as long as the longest sequence, one row as for flash
+    # attention, with transformers' position-id masks or an explicit 4-D mask) gives the
+    # padded logits, while computing fewer positions than padding.
+    padded_in = padded_inputs(batch)
+    with torch.no_grad():
+        ref = next_token_logits(tiny(**padded_in.kwargs, use_cache=False).logits, padded_in)
+        for kw in ({}, {"one_row": True}, {"explicit_mask": True}, {"one_row": True, "explicit_mask": True}):
+            inp = packed_inputs(batch, **kw)
+            got = next_token_logits(tiny(**inp.kwargs, use_cache=False).logits, inp)
+            real = ~torch.isin(torch.arange(batch.n_tokens), batch.cu_seqlens[:-1])
+            assert torch.allclose(got[real], ref[real], atol=1e-5), kw
+        # Eager attention adds the mask to the scores: the explicit mask is additive.
+        from transformers import AutoModelForCausalLM
+
+        eager = AutoModelForCausalLM.from_pretrained(tiny.name_or_path, attn_implementation="eager").eval()
+        for kw in ({}, {"explicit_mask": True}):
+            inp = packed_inputs(batch, **kw)
+            got = next_token_logits(eager(**inp.kwargs, use_cache=False).logits, inp)
+            assert torch.allclose(got[real], ref[real], atol=1e-5), ("eager", kw)
+    rows = packed_inputs(batch)
+    assert rows.kwargs["input_ids"].shape[1] == int(batch.seq_lens.max())
+    assert rows.grid_positions < padded_in.grid_positions
     # The synthetic behaviour logprobs follow the same convention at temperature 1.
     with torch.no_grad():
         logp, _ = token_logprobs(tiny, batch)
@@ -226,3 +249,24 @@ def test_stats_logger_all_sinks_offline(tmp_path, capsys):
     silent = StatsLogger(cfg, enabled=False)
     silent.log(3, {"x": 1.0})
     silent.close()
+
+
+@pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo"])
+def test_algorithm_configs_train_a_step(algo, tmp_path, redis_url, rclient, experiment, tiny, tiny_model_path):
+    """Each configs/algorithms/*.yaml, shrunk to the tiny model, runs a real step."""
+    from rlstream.trainer.main import train
+
+    path = Path(__file__).resolve().parents[1] / "configs" / "algorithms" / f"{algo}.yaml"
+    cfg = load_config(path, [
+        f"experiment_name={experiment}", f"redis.url={redis_url}", f"actor.path={tiny_model_path}",
+        f"cluster.fileroot={tmp_path / 'runs'}", "train_dataset.path=''", "total_train_steps=1",
+        "rollout.consumer_batch_size=2", "gconfig.n_samples=4", "gconfig.max_new_tokens=16",
+        "actor.dtype=float32", "actor.weight_update_mode=none", "recover.mode=disabled",
+        "stats_logger.tensorboard.enabled=false", "actor.optimizer.lr=1e-3", "actor.overlong_tokens=4"])
+    stream = TrajectoryStream(rclient, Keys(cfg.namespace))
+    for g in synthetic_groups(2, seed=4, vocab_size=tiny.config.vocab_size, model=tiny, out_len=(2, 16)):
+        stream.append(g)
+    train(cfg)
+    m = json.loads((Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()[-1])
+    assert np.isfinite(m["loss/total"]) and m["optim/grad_norm"] > 0
+    assert ("kl/ref" in m) == (cfg.actor.kl_ctl > 0)

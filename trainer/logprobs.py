@@ -13,11 +13,21 @@ import torch
 from rlstream.consumer.collate import SeqBatch
 from rlstream.consumer.packing import ModelInputs, next_token_logits, packed_inputs, padded_inputs
 
-__all__ = ["model_inputs", "token_logprobs"]
+__all__ = ["model_inputs", "one_row_packing", "token_logprobs"]
 
 
-def model_inputs(batch: SeqBatch, packing: bool, pad_token_id: int = 0) -> ModelInputs:
-    return packed_inputs(batch) if packing else padded_inputs(batch, pad_token_id)
+def one_row_packing(model: torch.nn.Module) -> bool:
+    """Flash attention packs everything into one row (variable-length kernel); SDPA/eager use rows."""
+    inner = getattr(model, "module", model)  # through a DDP wrapper
+    impl = getattr(getattr(inner, "config", None), "_attn_implementation", "") or ""
+    return impl.startswith("flash")
+
+
+def model_inputs(batch: SeqBatch, packing: bool, pad_token_id: int = 0, one_row: bool = False,
+                 mask_dtype: torch.dtype = torch.float32) -> ModelInputs:
+    if packing:
+        return packed_inputs(batch, one_row=one_row, pad_token_id=pad_token_id, mask_dtype=mask_dtype)
+    return padded_inputs(batch, pad_token_id)
 
 
 def token_logprobs(model: torch.nn.Module, batch: SeqBatch, *, temperature: float = 1.0, packing: bool = True,
@@ -28,7 +38,8 @@ def token_logprobs(model: torch.nn.Module, batch: SeqBatch, *, temperature: floa
     Logprobs are differentiable unless called under no_grad; the entropy only with
     `entropy_grad` (the entropy bonus), otherwise it is a detached statistic.
     """
-    inputs = model_inputs(batch, packing, pad_token_id).to(device)
+    dtype = next(model.parameters()).dtype
+    inputs = model_inputs(batch, packing, pad_token_id, one_row_packing(model), dtype).to(device)
     out = model(**inputs.kwargs, use_cache=False)
     logits = next_token_logits(out.logits, inputs).float() / temperature
     ids = batch.input_ids.to(device)
