@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file
 
 from rlstream.broker import Keys, StepLog, TrajectoryStream, VersionRegistry, namespace
-from rlstream.broker.stream import entry_fields
 from rlstream.common.config import load_config
 from rlstream.common.wire import Trajectory, TrajectoryGroup
 from rlstream.consumer.collate import collate
