@@ -142,6 +142,8 @@ class StepReader:
         """
         self.stream.ensure_group()
         info = ResumeInfo()
+        pending = self.stream.read_own_pending(self.consumer)
+        pending_ids = {e.id for e in pending}
         durable: list[str] = list(covered_ids)
         self._replay = {}
         if replay:
@@ -150,12 +152,18 @@ class StepReader:
                     continue
                 if step < completed_steps:
                     durable.extend(rec.entry_ids)
-                else:
-                    self._replay.setdefault(step, []).extend(rec.entry_ids)
+                    continue
+                # A lost step's entries are still pending (acknowledged only after a durable
+                # checkpoint). Acknowledged ones belong to an earlier run's history: never twice.
+                keep = [i for i in rec.entry_ids if i in pending_ids]
+                if len(keep) < len(rec.entry_ids):
+                    log.warning("step %d (rank %d) record lists %d entries that are no longer pending; "
+                                "replaying the %d that are", step, rank, len(rec.entry_ids) - len(keep), len(keep))
+                if keep:
+                    self._replay.setdefault(step, []).extend(keep)
             info.acked = self.stream.ack(durable) if durable else 0
         info.replay_steps = sorted(self._replay)
         skip = set(durable) | {i for ids in self._replay.values() for i in ids}
-        pending = self.stream.read_own_pending(self.consumer)
         self._leftover = deque(e for e in pending if e.id not in skip)
         info.leftover = len(self._leftover)
         return info

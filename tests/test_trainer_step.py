@@ -160,6 +160,18 @@ def test_reader_replays_lost_steps_and_pending_first(rclient, keys):
     assert pending == set(s2.ids) | set(s3.ids)  # steps 0 and 1 acknowledged, 2 and 3 await a checkpoint
 
 
+def test_acknowledged_history_is_never_replayed(rclient, keys):
+    stream = TrajectoryStream(rclient, keys)
+    ids = [stream.append(_group(version=0)) for _ in range(4)]
+    first = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
+    first.resume(0, replay=False)
+    first.ack(first.next(0, 0).ids)  # an earlier run without recovery trained and acked step 0
+    again = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
+    info = again.resume(0, replay=True)  # now with recovery, and no checkpoint yet
+    assert info.replay_steps == [] and info.leftover == 0
+    assert again.next(0, 0).ids == ids[2:4]
+
+
 def test_restart_with_fewer_ranks_keeps_global_grouping(rclient, keys):
     stream = TrajectoryStream(rclient, keys)
     ids = [stream.append(_group(version=0)) for _ in range(6)]
