@@ -41,29 +41,42 @@ class WeightSyncGroup:
 
     def broadcast_many(self, tensors: list[torch.Tensor], src: int = 0) -> None:
         """Broadcast each tensor in order; all are issued before waiting, so transfers pipeline."""
+        pg = self.pg  # another thread may shut the group down meanwhile
+        if pg is None:
+            raise RuntimeError(f"weight sync group {self.name!r} is shut down")
         works = []
         for t in tensors:
             opts = dist.BroadcastOptions()
             opts.rootRank = src
             opts.rootTensor = 0
-            works.append(self.pg.broadcast([t], opts))
+            works.append(pg.broadcast([t], opts))
         for w in works:
             w.wait()
 
-    def shutdown(self) -> None:
+    def shutdown(self, wait: bool = True) -> None:
         """Release the group's sockets and threads now, then drop it.
 
         A gloo group left for interpreter exit can abort the process ("terminate called
-        without an active exception"); one shut down while Python runs cannot. Safe to
-        call while another thread is blocked in a collective of this group (that thread
-        ends at the group's timeout).
+        without an active exception"); one shut down while Python runs cannot. With a
+        collective still pending (its peer died), shutting down can block until the
+        group's timeout: `wait=False` does it in a daemon thread instead.
         """
-        if self.pg is not None:
+        pg, self.pg, self.store = self.pg, None, None
+        if pg is None:
+            return
+
+        def down() -> None:
             try:
-                self.pg.shutdown()
+                pg.shutdown()
             except Exception:  # noqa: BLE001 - best effort: the group is being thrown away
                 pass
-        self.close()
+
+        if wait:
+            down()
+        else:
+            import threading
+
+            threading.Thread(target=down, name=f"rlstream-weight-sync-shutdown-{self.name}", daemon=True).start()
 
     def close(self) -> None:
         self.pg = None

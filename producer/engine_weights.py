@@ -65,8 +65,9 @@ def parse_dtype(name: Any, key: str = "dtype") -> torch.dtype:
 
 
 def _shutdown(group: WeightSyncGroup | None) -> None:
+    # Never on the event loop: with a receive still pending it blocks until the timeout.
     if group is not None:
-        group.shutdown()
+        group.shutdown(wait=False)
 
 
 def _group_timeout() -> float:

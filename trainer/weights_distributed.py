@@ -84,7 +84,7 @@ class DistributedBroadcaster(EngineBroadcaster):
         group, bad, err = await self._collect(rank0, calls)
         if bad or err is not None:
             # rank 0 may still be waiting for the missing ranks: whatever it ends with is thrown away.
-            rank0.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().shutdown())
+            rank0.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().shutdown(wait=False))
             blamed = await self.blame(engines, bad)
             raise TransferFailed(blamed, f"weight group {name} ({world} ranks at {master}:{port}) not formed: "
                                          f"{err or '; '.join(bad.values())}")
@@ -120,11 +120,12 @@ class DistributedBroadcaster(EngineBroadcaster):
             for f in waiting:
                 if f is not thread:
                     f.cancel()
+                f.add_done_callback(_retrieve)  # its late failure is expected: do not log it as lost
         return result, bad, err
 
     def _reset_main(self) -> None:
         if self.group is not None:
-            self.group.shutdown()
+            self.group.shutdown(wait=False)
         self.group, self.members = None, []
 
     async def _drop_groups(self, engines: list[str]) -> None:
@@ -210,7 +211,7 @@ class DistributedBroadcaster(EngineBroadcaster):
         try:
             await self._send(group, engines, CATCHUP_GROUP_NAME, buckets, self.current, None, checksums=sums)
         finally:
-            group.shutdown()
+            group.shutdown(wait=False)
             await asyncio.gather(*(self.fleet.call(a, "POST", "/destroy_weights_update_group",
                                                    {"group_name": CATCHUP_GROUP_NAME}, timeout=10)
                                    for a in engines), return_exceptions=True)
@@ -227,6 +228,11 @@ class DistributedBroadcaster(EngineBroadcaster):
         self._reset_main()
         await asyncio.gather(*(self.fleet.call(a, "POST", "/destroy_weights_update_group", {"group_name": GROUP_NAME},
                                                timeout=5) for a in members), return_exceptions=True)
+
+
+def _retrieve(f: asyncio.Future) -> None:
+    if not f.cancelled():
+        f.exception()
 
 
 register_backend("distributed", DistributedBroadcaster)

@@ -443,7 +443,8 @@ class EngineBroadcaster(WeightBroadcaster):
 
     # ------------------------------------------------------------ backend hooks
 
-    async def _prepare(self, entries: list[WeightEntry], version: int, sync: ShardSync | None) -> None:
+    async def _prepare(self, model: torch.nn.Module, entries: list[WeightEntry], version: int,
+                       sync: ShardSync | None) -> None:
         """Before engines pause (the disk backend writes its files here)."""
 
     @abc.abstractmethod
@@ -489,7 +490,7 @@ class EngineBroadcaster(WeightBroadcaster):
         report = PushReport(version=version)
         try:
             async with self.lock:
-                await self._prepare(entries, version, sync)
+                await self._prepare(model, entries, version, sync)
                 listed = await self.fleet.discover()
                 engines = await self.fleet.healthy(listed)
                 for a in sorted(set(listed) - set(engines)):

@@ -1,0 +1,378 @@
+"""Weight broadcaster against real `rlstream serve` engine processes (gloo on CPU, and disk).
+
+Every engine is a real subprocess on 127.0.0.1; the trainer side is the real
+broadcaster with a real redis-server. "The engine has the new weights" is checked by
+its behaviour: the logprobs it reports for its own samples equal a trainer-side
+recomputation with the pushed weights, and differ from the old ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+
+PROMPT = [1, 5, 9, 14, 20, 7, 3]
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+class EngineProc:
+    """One `rlstream serve` child process; stopped by PID."""
+
+    def __init__(self, model: Path, workdir: Path, overrides: list[str]) -> None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.addr_file = workdir / f"engine-{time.monotonic_ns()}.addr"
+        self.log_path = workdir / f"{self.addr_file.stem}.log"
+        env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(self.addr_file), "OMP_NUM_THREADS": "1",
+               "TOKENIZERS_PARALLELISM": "false"}
+        cmd = [sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={model}",
+               "server.port=0", "server.device=cpu", "server.max_batch_size=8", *overrides]
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.address = ""
+
+    def wait_ready(self, timeout: float = 120.0) -> "EngineProc":
+        deadline = time.monotonic() + timeout
+        while not self.addr_file.exists():
+            assert self.proc.poll() is None, f"engine exited early:\n{self.log_path.read_text()}"
+            assert time.monotonic() < deadline, f"engine did not start:\n{self.log_path.read_text()}"
+            time.sleep(0.1)
+        self.address = self.addr_file.read_text().strip()
+        return self
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.log.close()
+
+
+def http(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                 method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def served_version(engine: EngineProc) -> int:
+    status, info = http(engine.url + "/get_model_info", timeout=10)
+    assert status == 200, info
+    return int(info["weight_version"])
+
+
+def sample(engine: EngineProc, n: int = 24) -> dict:
+    status, out = http(engine.url + "/generate", {"input_ids": PROMPT, "return_logprob": True,
+                                                  "sampling_params": {"max_new_tokens": n, "min_new_tokens": n,
+                                                                      "temperature": 1.0}})
+    assert status == 200, out
+    return out
+
+
+def recompute(model, prompt: list[int], output: list[int]) -> torch.Tensor:
+    """Trainer-side logprobs of `output` after `prompt` (T = 1)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0].float()
+    logp = torch.log_softmax(logits, -1)[len(prompt) - 1:-1]
+    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
+
+
+def assert_serves(engine: EngineProc, new_model, old_model) -> None:
+    """The engine's logprobs equal the new weights' recomputation, not the old ones'."""
+    out = sample(engine)
+    ids = out["output_ids"]
+    reported = torch.tensor([lp for lp, _t, _ in out["meta_info"]["output_token_logprobs"]])
+    new = recompute(new_model, PROMPT, ids)
+    old = recompute(old_model, PROMPT, ids)
+    assert torch.allclose(reported, new, atol=1e-4), (reported - new).abs().max()
+    assert (reported - old).abs().max() > 1e-2, "engine still answers with the old weights"
+
+
+def perturbed(model, seed: int):
+    m = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return m.eval()
+
+
+def events(rclient, keys) -> list:
+    from rlstream.broker.versions import VersionRegistry
+
+    return [e for _id, e in VersionRegistry(rclient, keys).events_since("0")]
+
+
+def wait_until(pred, timeout: float, what: str, poll: float = 0.2):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(poll)
+
+
+# ---------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    """A small Llama (~2 MB of float32 parameters): several 1 MB buckets per push."""
+    from rlstream.launcher.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("wmodel") / "model", hidden_size=128, num_layers=2,
+                            num_heads=4, intermediate_size=512)
+
+
+@pytest.fixture(scope="module")
+def base_model(model_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+
+
+@pytest.fixture
+def engines(tmp_path, model_path):
+    """Start engines with `start(overrides)`; all are stopped at the end."""
+    started: list[EngineProc] = []
+
+    def start(overrides: list[str], wait: bool = True) -> EngineProc:
+        e = EngineProc(model_path, tmp_path / "engines", overrides)
+        started.append(e)
+        return e.wait_ready() if wait else e
+
+    yield start
+    for e in started:
+        e.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_engine(tmp_path_factory, model_path):
+    """One unregistered engine for the tests that do not kill or restart it."""
+    e = EngineProc(model_path, tmp_path_factory.mktemp("shared"), ["server.register=false"]).wait_ready()
+    yield e
+    e.stop()
+
+
+def make_cfg(redis_url: str, experiment: str, model_path: Path, tmp_path: Path, mode: str, extra: list[str] = ()):
+    from rlstream.common.config import load_config
+
+    return load_config(None, [
+        f"actor.path={model_path}", f"redis.url={redis_url}", f"experiment_name={experiment}",
+        f"cluster.fileroot={tmp_path / 'runs'}", f"actor.weight_update_mode={mode}",
+        "actor.weight_update_backend=gloo", "actor.weight_chunked_mem_mb=1", "actor.weight_update_timeout=30",
+        "rollout.health_check_interval=3600", *extra])
+
+
+@pytest.fixture
+def broadcasters():
+    made = []
+
+    def make(cfg, client, keys):
+        from rlstream.trainer.weights import make_broadcaster
+
+        b = make_broadcaster(cfg, client, keys, 0)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+# ---------------------------------------------------------------------- tests
+
+
+@pytest.mark.parametrize("mode", ["distributed", "disk"])
+def test_push_serves_new_weights_and_publishes(mode, shared_engine, base_model, model_path, redis_url, experiment,
+                                               keys, rclient, tmp_path, broadcasters):
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, mode, [f"rollout.engine_addresses=[{shared_engine.address}]"])
+    b = broadcasters(cfg, rclient, keys)
+    old = perturbed(base_model, 100)
+    b.push(old, 1)  # whatever the shared engine served before, it now has `old` as version 1
+    assert served_version(shared_engine) == 1
+    new = perturbed(base_model, 101 if mode == "distributed" else 102)
+
+    b.push(new, 2)
+
+    assert int(rclient.get(keys.version)) == 2
+    assert served_version(shared_engine) == 2
+    assert_serves(shared_engine, new, old)
+    n_bytes = sum(p.numel() * 4 for p in new.parameters())
+    assert b.last.engines == [shared_engine.address] and b.last.bytes == n_bytes and not b.last.dropped
+    published = [e.version for e in events(rclient, keys) if e.type == "version"]
+    assert published == [1, 2]
+    if mode == "distributed":
+        assert b._builds == 1, "the group is made once while the engines stay the same"
+    else:
+        root = Path(cfg.run_dir) / "weights"
+        assert sorted(p.name for p in root.iterdir()) == ["latest.json", "v00000002"], "old versions are cleaned up"
+        assert json.loads((root / "latest.json").read_text())["version"] == 2
+        index = json.loads((root / "v00000002" / "model.safetensors.index.json").read_text())
+        assert len(set(index["weight_map"].values())) >= 2, "one shard per weight_chunked_mem_mb"
+
+
+def test_weight_routes_reject_bad_input(shared_engine, tmp_path):
+    url = shared_engine.url
+    code, out = http(url + "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,
+                                                          "world_size": 2, "group_name": "g"})
+    assert code == 400 and not out["success"] and "rank_offset" in out["message"]
+    code, out = http(url + "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"],
+                                                                "shapes": [[1]], "group_name": "nope"})
+    assert code == 400 and "nope" in out["message"]
+    code, out = http(url + "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float99"],
+                                                                "shapes": [[1]], "group_name": "nope"})
+    assert code == 400 and "float99" in out["message"]
+    code, out = http(url + "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert code == 400 and "missing" in out["message"]
+    from safetensors.torch import save_file
+
+    save_file({"no.such.weight": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
+    before = served_version(shared_engine)
+    code, out = http(url + "/update_weights_from_disk", {"model_path": str(tmp_path / "w.safetensors"),
+                                                         "weight_version": "77"})
+    assert code == 400 and "no.such.weight" in out["message"]
+    assert served_version(shared_engine) == before, "a failed load does not bump the version"
+
+
+@pytest.mark.parametrize("mode", ["distributed", "disk"])
+def test_engine_killed_during_update(mode, engines, base_model, model_path, redis_url, experiment, keys, rclient,
+                                     tmp_path, broadcasters):
+    """Two engines, one SIGKILLed mid-update: the other gets the version, which is published;
+    the dead one is dropped (event, out of name resolve); restarted, it serves the current version."""
+    reg = [f"redis.url={redis_url}", f"experiment_name={experiment}", "cluster.name_resolve.lease_ttl=5"]
+    a, victim = engines(reg), engines(reg)
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, mode, ["rollout.health_check_interval=0.5"])
+    b = broadcasters(cfg, rclient, keys)
+    route = "/update_weights_from_distributed" if mode == "distributed" else "/update_weights_from_disk"
+    real_call = b.fleet.call
+    calls_to_victim = []
+
+    async def call(address, method, path, payload=None, *, timeout):
+        if address == victim.address and path == route:
+            calls_to_victim.append(path)
+            # Kill it while its update is on the wire: the second bucket (distributed) or the load (disk).
+            if mode == "disk" or len(calls_to_victim) == 2:
+                task = asyncio.ensure_future(real_call(address, method, path, payload, timeout=timeout))
+                await asyncio.sleep(0.02)
+                victim.kill()
+                return await task
+        return await real_call(address, method, path, payload, timeout=timeout)
+
+    b.fleet.call = call
+    new = perturbed(base_model, 7)
+
+    b.push(new, 1)
+
+    assert victim.proc.returncode == -signal.SIGKILL, "the victim was killed during the push"
+    assert b.last.engines == [a.address] and victim.address in b.last.dropped
+    assert b.last.attempts == 2, "the transfer was redone for the survivor"
+    assert int(rclient.get(keys.version)) == 1
+    assert served_version(a) == 1
+    assert_serves(a, new, base_model)
+    evs = events(rclient, keys)
+    assert [e.version for e in evs if e.type == "version"] == [1]
+    down = [e for e in evs if e.type == "engine_down"]
+    assert len(down) == 1 and victim.address in down[0].detail
+    assert victim.address.encode() not in rclient.zrange(keys.engines, 0, -1), "dropped from name resolve"
+
+    restarted = engines(reg)  # a new process (and port) registering itself
+    wait_until(lambda: served_version(restarted) == 1, 60, "the restarted engine to reach version 1")
+    assert_serves(restarted, new, base_model)
+    wait_until(lambda: any(e.type == "engine_up" and restarted.address in e.detail for e in events(rclient, keys)),
+               10, "engine_up for the restarted engine")
+
+    newer = perturbed(base_model, 8)
+    b.push(newer, 2)
+    assert sorted(b.last.engines) == sorted([a.address, restarted.address]) and not b.last.dropped
+    for e in (a, restarted):
+        assert served_version(e) == 2
+        assert_serves(e, newer, new)
+
+
+async def test_in_flight_generation_aborts_and_continues_with_new_version(shared_engine, base_model, model_path,
+                                                                         redis_url, experiment, keys, rclient,
+                                                                         tmp_path, broadcasters):
+    """A push aborts running requests (partial output); the producer's continuation resumes them
+    on the new weights, so one trajectory's per-token versions show the switch."""
+    from rlstream.broker.connection import connect_async
+    from rlstream.broker.versions import AsyncVersionRegistry
+    from rlstream.producer.engine_client import ModelRequest, ServerPool
+    from rlstream.producer.workflow import RolloutEngine
+
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, "distributed",
+                   [f"rollout.engine_addresses=[{shared_engine.address}]"])
+    b = broadcasters(cfg, rclient, keys)
+    old = perturbed(base_model, 200)
+    await asyncio.to_thread(b.push, old, 1)
+    new = perturbed(base_model, 201)
+    n = 300
+
+    aclient = await connect_async(cfg.redis)
+    pool = await ServerPool(cfg).start()
+    try:
+        await pool.wait_for_servers(1, timeout=30)
+        rollout = RolloutEngine(pool, AsyncVersionRegistry(aclient, keys), resume_wait=60)
+        raw = asyncio.create_task(asyncio.to_thread(
+            http, shared_engine.url + "/generate",
+            {"input_ids": PROMPT, "return_logprob": True,
+             "sampling_params": {"max_new_tokens": n, "min_new_tokens": n, "temperature": 1.0}}))
+        cont = asyncio.create_task(rollout.agenerate(ModelRequest(input_ids=PROMPT, max_new_tokens=n,
+                                                                  min_new_tokens=n, temperature=1.0)))
+        start = http(shared_engine.url + "/health")[1]["total_tokens"]
+        while http(shared_engine.url + "/health")[1]["total_tokens"] < start + 40:  # both are decoding
+            assert not raw.done() and not cont.done()
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(b.push, new, 2)
+        status, aborted = await raw
+        gen = await asyncio.wait_for(cont, 120)
+    finally:
+        await pool.close()
+        await aclient.aclose()
+
+    assert status == 200
+    assert aborted["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 0 < len(aborted["output_ids"]) < n
+    assert set(aborted["meta_info"]["output_token_versions"]) == {1}
+
+    assert len(gen.output_ids) == n and gen.finish_reason == "length" and gen.interruptions >= 1
+    versions = gen.output_versions
+    assert versions == sorted(versions) and set(versions) == {1, 2}, versions
+    # Each token's logprob is that of the weights its version names.
+    switch = versions.index(2)
+    lp = torch.tensor(gen.output_logprobs)
+    with_old = recompute(old, PROMPT, gen.output_ids)
+    with_new = recompute(new, PROMPT, gen.output_ids)
+    assert torch.allclose(lp[:switch], with_old[:switch], atol=1e-4)
+    assert torch.allclose(lp[switch:], with_new[switch:], atol=1e-4)
