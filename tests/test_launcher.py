@@ -73,12 +73,12 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(10)
 
 
-def _ports_of_run(run_dir: Path) -> list[int]:
+def _ports_of_run(run_dir: Path, with_redis: bool = True) -> list[int]:
     ports = []
     for f in (run_dir / "engines").glob("*.addr"):
         ports.append(int(f.read_text().strip().rsplit(":", 1)[1]))
     cfg = run_dir / "config.yaml"
-    if cfg.exists():
+    if with_redis and cfg.exists():
         for line in cfg.read_text().splitlines():
             if line.strip().startswith("url: redis://127.0.0.1:"):
                 ports.append(int(line.split(":")[-1].split("/")[0]))
@@ -115,9 +115,10 @@ def test_run_end_to_end(tmp_path):
 
 
 @pytest.mark.parametrize("victim", ["engine-0", "producer-0"])
-def test_killed_child_stops_the_run(tmp_path, victim):
-    proc = _start(tmp_path, "total_train_steps=1000")
-    run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
+def test_killed_child_stops_the_run(tmp_path, victim, redis_url, experiment):
+    # Against an external Redis (`--redis`): the other path of the launcher's Redis handling.
+    proc = _start(tmp_path, "total_train_steps=1000", f"experiment_name={experiment}", "--redis", redis_url)
+    run_dir = tmp_path / "runs" / experiment / "run0"
     try:
         # Wait until training is under way (a step was logged): every child is up.
         deadline = time.monotonic() + 300
@@ -126,7 +127,8 @@ def test_killed_child_stops_the_run(tmp_path, victim):
             assert proc.poll() is None, f"run ended early: {proc.communicate()}"
             assert time.monotonic() < deadline, "no train step within 300s"
             time.sleep(0.5)
-        ports = _ports_of_run(run_dir)
+        ports = _ports_of_run(run_dir, with_redis=False)  # the external Redis stays up
+        assert ports
         role = victim.split("-")[0]
         cmd = {"engine": "serve", "producer": "produce"}[role]
         targets = [p for p in _run_processes(run_dir)
@@ -144,3 +146,23 @@ def test_killed_child_stops_the_run(tmp_path, victim):
     assert _run_processes(run_dir) == []
     for port in ports:
         assert _port_free(port), f"port {port} still bound after the run stopped"
+    assert "redis: using redis://127.0.0.1:" in out  # the external one, not a started one
+    assert not (run_dir / "logs" / "redis.log").exists()
+
+
+def test_live_view_renders_a_snapshot():
+    from rich.console import Console
+
+    from rlstream.launcher.live import Snapshot, line, render
+
+    snap = Snapshot(t=75.0, step=12, total_steps=200, served_version=12, trainer_version=13, reward=0.625,
+                    accuracy=0.625, staleness_mean=0.75, staleness_max=1, queue_depth=5, running=8,
+                    accepted=120, rollouts_per_s=41.5, tokens_per_s=410.0, eta_s=130.0,
+                    children={"engine-0": "up", "trainer": "up", "producer-0": "up"})
+    console = Console(record=True, width=160)
+    console.print(render(snap, "rlstream run demo"))
+    text = console.export_text()
+    for want in ("12/200", "served 12", "trainer 13", "0.625", "5 groups waiting", "41.5 rollouts/s",
+                 "410 tokens/s", "2m10s", "engine-0:up"):
+        assert want in text, want
+    assert "step 12/200 v12 (trainer v13) reward 0.625" in line(snap)
