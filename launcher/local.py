@@ -412,7 +412,7 @@ class LocalRun:
         self.prepare()
         acc_before = self.evaluate(cfg.actor.path, "before RL")
         # From here on a signal only sets a flag; the loops below stop the children in order.
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         code = 0
         try:
             try:
