@@ -69,10 +69,11 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
     # ---- reward / accuracy per step
     if metrics:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key, label in (("reward/mean", "batch reward (mean)"), ("reward/accuracy", "batch accuracy")):
+        for key, label, style in (("reward/mean", "batch reward (mean)", dict(lw=2.5, alpha=0.6)),
+                                  ("reward/accuracy", "batch accuracy", dict(lw=1, ls="--"))):
             xs, ys = _series(metrics, key)
             if xs:
-                ax.plot(xs, ys, marker=".", label=label)
+                ax.plot(xs, ys, label=label, **style)
         last = max((r.get("step", 0) for r in metrics), default=1)
         if acc_before is not None:
             ax.scatter([0], [acc_before], color="tab:red", zorder=5, label=f"held-out acc before RL: {acc_before:.0%}")
@@ -145,11 +146,15 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
     if present:
         fig, ax = plt.subplots(figsize=(7, 4))
         steps = [r.get("step", i + 1) for i, r in enumerate(metrics)]
-        bottom = [0.0] * len(metrics)
-        for k, lbl in present:
-            vals = [float(r.get(k, 0.0)) for r in metrics]
-            ax.bar(steps, vals, bottom=bottom, label=lbl, width=0.9)
-            bottom = [b + v for b, v in zip(bottom, vals)]
+        series = [[float(r.get(k, 0.0)) for r in metrics] for k, _ in present]
+        labels = [lbl for _, lbl in present]
+        if len(steps) <= 60:  # bars read well for a few steps, stacked areas for many
+            bottom = [0.0] * len(metrics)
+            for vals, lbl in zip(series, labels):
+                ax.bar(steps, vals, bottom=bottom, label=lbl, width=0.9)
+                bottom = [b + v for b, v in zip(bottom, vals)]
+        else:
+            ax.stackplot(steps, *series, labels=labels, alpha=0.85)
         if any("time/step" in r for r in metrics):
             ax.plot(steps, [r.get("time/step", 0.0) for r in metrics], color="black", lw=1, label="step total")
         ax.set_xlabel("train step")
