@@ -166,3 +166,39 @@ def test_live_view_renders_a_snapshot():
                  "410 tokens/s", "2m10s", "engine-0:up"):
         assert want in text, want
     assert "step 12/200 v12 (trainer v13) reward 0.625" in line(snap)
+
+
+def test_sft_cli_prepares_the_demo_and_warm_starts_once(tmp_path):
+    """`rlstream sft` on a fresh folder builds the demo data + model, trains, and a second
+    call is a no-op (the marker), so `rlstream run` never warm-starts twice."""
+    from safetensors.torch import load_file
+
+    args = [sys.executable, "-m", "rlstream.launcher.cli", "sft", "--config", str(CONFIG),
+            f"cluster.fileroot={tmp_path / 'runs'}", "launcher.demo.n_train=128", "launcher.demo.n_valid=8",
+            "launcher.sft_steps=5", "launcher.sft_batch_size=16"]
+    model = tmp_path / "runs" / "tiny-cpu" / "run0" / "model"
+    first = subprocess.run(args, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr
+    data = tmp_path / "runs" / "tiny-cpu" / "run0" / "data"
+    rows = [json.loads(x) for x in (data / "sft.jsonl").read_text().splitlines()]
+    train = [json.loads(x) for x in (data / "train.jsonl").read_text().splitlines()]
+    assert len(rows) == len(train) == 128
+    assert all(t["answer"] == t["prompt"][:-1][::-1] for t in train)
+    # the imperfect teacher: about 70% echoes, the rest reverses
+    echoes = sum(r["answer"] == r["prompt"][:-1] and r["answer"] != r["prompt"][:-1][::-1] for r in rows)
+    assert 0.5 < echoes / len(rows) < 0.9
+    valid = {json.loads(x)["prompt"] for x in (data / "valid.jsonl").read_text().splitlines()}
+    assert len(valid) == 8 and not valid & {t["prompt"] for t in train}
+    marker = json.loads((model / "rlstream_sft.json").read_text())
+    assert marker["steps"] == 5 and marker["examples"] == 128
+    weights = load_file(str(model / "model.safetensors"))
+    from rlstream.launcher.tiny import build_tiny_model
+
+    init = load_file(str(build_tiny_model(tmp_path / "init", hidden_size=64, num_layers=2, intermediate_size=256,
+                                          seed=1) / "model.safetensors"))
+    assert any(not (init[k] == weights[k]).all() for k in weights)  # the warm start trained the demo's model
+    second = subprocess.run(args, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "already warm-started" in second.stderr
+    again = load_file(str(model / "model.safetensors"))
+    assert all((weights[k] == again[k]).all() for k in weights)
