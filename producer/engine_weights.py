@@ -107,6 +107,33 @@ class _Slot:
     group: WeightSyncGroup | None = None
 
 
+def _live_targets(engine: Any, names: list[str], dtypes: list[torch.dtype], shapes: list[list[int]],
+                  device: torch.device) -> list[torch.Tensor | None]:
+    """The served tensors to receive straight into (None: receive into a fresh buffer and copy).
+
+    Receiving into fresh buffers and copying costs, on CPU, more than the transfer itself
+    (page faults of a new allocation, then a copy); receiving in place costs nothing
+    extra. Only while generation is paused — no decode step runs then, and the
+    broadcaster resumes only after the update answered — so weights never change during a
+    step. No lock is held across the receive: a receive whose sender died blocks until
+    the group's timeout and must not block decoding or the next group's receive. Like
+    SGLang, a failed receive leaves the weights partly replaced and the version
+    unchanged; the broadcaster does not resume such an engine until an update succeeds.
+    A tensor qualifies when its name, dtype, shape and device match a contiguous served
+    tensor. An engine without LocalEngine's `_named` map gets fresh buffers.
+    """
+    named = getattr(engine, "_named", None)
+    if not getattr(engine, "paused", False) or not isinstance(named, dict):
+        return [None] * len(names)
+    out: list[torch.Tensor | None] = []
+    for name, d, s in zip(names, dtypes, shapes):
+        t = named.get(name)
+        ok = (isinstance(t, torch.Tensor) and t.dtype == d and list(t.shape) == list(s) and t.device == device
+              and t.is_contiguous())
+        out.append(t.data if ok else None)
+    return out
+
+
 class WeightReceiver:
     """Weight-sync state of one engine: named groups, and the update operations."""
 
@@ -115,6 +142,7 @@ class WeightReceiver:
         self.timeout_s = timeout_s if timeout_s is not None else _group_timeout()
         self.slots: dict[str, _Slot] = {}
         self.updates = 0  # successful update calls, for tests and logs
+        self.received_in_place = 0  # tensors received straight into the served model
 
     # ------------------------------------------------------------------ groups
 
@@ -220,16 +248,21 @@ class WeightReceiver:
                     out.append((name, flat[start:start + n].view(s).to(d)))
                     start += n
                 return out
-            tensors = [torch.empty(s, dtype=d, device=dev) for s, d in zip(shapes, dts)]
+            live = _live_targets(self.engine, names, dts, shapes, dev)
+            tensors = [t if t is not None else torch.empty(s, dtype=d, device=dev) for t, s, d in zip(live, shapes, dts)]
             group.broadcast_many(tensors)
-            return list(zip(names, tensors))
+            self.received_in_place += sum(t is not None for t in live)
+            return [(n, t) for n, t, lv in zip(names, tensors, live) if lv is None]
 
         received = await run_in_thread(receive, name=f"rlstream-weights-recv-{group_name}")
         if slot.gen != gen:
-            raise RuntimeError(f"weight group {group_name!r} was replaced during the update; nothing applied")
+            raise RuntimeError(f"weight group {group_name!r} was replaced during the update; version not changed")
+        # The rest (other dtype/device than served, or an engine without live access) is copied in here;
+        # an empty list still moves the version.
         n = await run_in_thread(self.engine.apply_weights, received, version, name="rlstream-weights-apply")
         self.updates += 1
-        return f"updated {n} tensors from group {group_name!r}" + (f"; serving version {version}" if version is not None else "")
+        return (f"updated {len(names)} tensors ({len(names) - n} received in place) from group {group_name!r}"
+                + (f"; serving version {version}" if version is not None else ""))
 
     async def update_from_disk(self, body: dict) -> str:
         path = body.get("model_path")

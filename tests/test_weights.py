@@ -13,6 +13,7 @@ import copy
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -67,6 +68,7 @@ class EngineProc:
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()
+            self.proc.send_signal(signal.SIGCONT)  # a SIGSTOPped engine handles SIGTERM once continued
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -266,14 +268,17 @@ def test_weight_routes_reject_bad_input(shared_engine, tmp_path):
     assert served_version(shared_engine) == before, "a failed load does not bump the version"
 
 
-@pytest.mark.parametrize("mode", ["distributed", "disk"])
-def test_engine_killed_during_update(mode, engines, base_model, model_path, redis_url, experiment, keys, rclient,
-                                     tmp_path, broadcasters):
-    """Two engines, one SIGKILLed mid-update: the other gets the version, which is published;
-    the dead one is dropped (event, out of name resolve); restarted, it serves the current version."""
+@pytest.mark.parametrize("mode,failure", [("distributed", "kill"), ("disk", "kill"), ("distributed", "hang")])
+def test_engine_failing_during_update(mode, failure, engines, base_model, model_path, redis_url, experiment, keys,
+                                      rclient, tmp_path, broadcasters):
+    """Two engines, one SIGKILLed (or SIGSTOPped: it stops answering) mid-update: the other gets the
+    version, which is published; the failed one is dropped (event, out of name resolve); when it
+    returns (restarted, or SIGCONT) it is brought to the current version; the next push reaches both."""
     reg = [f"redis.url={redis_url}", f"experiment_name={experiment}", "cluster.name_resolve.lease_ttl=5"]
     a, victim = engines(reg), engines(reg)
-    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, mode, ["rollout.health_check_interval=0.5"])
+    timeout = 5 if failure == "hang" else 30
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, mode,
+                   ["rollout.health_check_interval=0.5", f"actor.weight_update_timeout={timeout}"])
     b = broadcasters(cfg, rclient, keys)
     route = "/update_weights_from_distributed" if mode == "distributed" else "/update_weights_from_disk"
     real_call = b.fleet.call
@@ -282,8 +287,11 @@ def test_engine_killed_during_update(mode, engines, base_model, model_path, redi
     async def call(address, method, path, payload=None, *, timeout):
         if address == victim.address and path == route:
             calls_to_victim.append(path)
-            # Kill it while its update is on the wire: the second bucket (distributed) or the load (disk).
+            # Fail it while its update is on the wire: the second bucket (distributed) or the load (disk).
             if mode == "disk" or len(calls_to_victim) == 2:
+                if failure == "hang":
+                    victim.proc.send_signal(signal.SIGSTOP)
+                    return await real_call(address, method, path, payload, timeout=timeout)
                 task = asyncio.ensure_future(real_call(address, method, path, payload, timeout=timeout))
                 await asyncio.sleep(0.02)
                 victim.kill()
@@ -295,7 +303,8 @@ def test_engine_killed_during_update(mode, engines, base_model, model_path, redi
 
     b.push(new, 1)
 
-    assert victim.proc.returncode == -signal.SIGKILL, "the victim was killed during the push"
+    if failure == "kill":
+        assert victim.proc.returncode == -signal.SIGKILL, "the victim was killed during the push"
     assert b.last.engines == [a.address] and victim.address in b.last.dropped
     assert b.last.attempts == 2, "the transfer was redone for the survivor"
     assert int(rclient.get(keys.version)) == 1
@@ -307,16 +316,20 @@ def test_engine_killed_during_update(mode, engines, base_model, model_path, redi
     assert len(down) == 1 and victim.address in down[0].detail
     assert victim.address.encode() not in rclient.zrange(keys.engines, 0, -1), "dropped from name resolve"
 
-    restarted = engines(reg)  # a new process (and port) registering itself
-    wait_until(lambda: served_version(restarted) == 1, 60, "the restarted engine to reach version 1")
-    assert_serves(restarted, new, base_model)
-    wait_until(lambda: any(e.type == "engine_up" and restarted.address in e.detail for e in events(rclient, keys)),
-               10, "engine_up for the restarted engine")
+    if failure == "kill":
+        back = engines(reg)  # a new process (and port) registering itself
+    else:
+        back = victim
+        victim.proc.send_signal(signal.SIGCONT)  # it answers again; its keepalive registers it again
+    wait_until(lambda: served_version(back) == 1, 60, "the returning engine to reach version 1")
+    assert_serves(back, new, base_model)
+    wait_until(lambda: any(e.type == "engine_up" and back.address in e.detail for e in events(rclient, keys)),
+               10, "engine_up for the returning engine")
 
     newer = perturbed(base_model, 8)
     b.push(newer, 2)
-    assert sorted(b.last.engines) == sorted([a.address, restarted.address]) and not b.last.dropped
-    for e in (a, restarted):
+    assert sorted(b.last.engines) == sorted([a.address, back.address]) and not b.last.dropped
+    for e in (a, back):
         assert served_version(e) == 2
         assert_serves(e, newer, new)
 
@@ -376,3 +389,60 @@ async def test_in_flight_generation_aborts_and_continues_with_new_version(shared
     with_new = recompute(new, PROMPT, gen.output_ids)
     assert torch.allclose(lp[:switch], with_old[:switch], atol=1e-4)
     assert torch.allclose(lp[switch:], with_new[switch:], atol=1e-4)
+
+
+FSDP_TRAINER = r'''
+import sys, torch, torch.distributed as dist
+torch.set_num_threads(1)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import AutoModelForCausalLM
+from rlstream.broker import Keys, connect
+from rlstream.common.config import load_config
+from rlstream.trainer.weights import make_broadcaster
+
+model_path, seed, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+g = torch.Generator().manual_seed(seed)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=g) * 0.05)
+mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+cfg = load_config(None, overrides)
+b = make_broadcaster(cfg, connect(cfg.redis), Keys(cfg.namespace), rank)
+b.push(model, 1)
+if rank == 0:
+    assert b.last.engines and not b.last.dropped, b.last
+    print("pushed", b.last.bytes, flush=True)
+b.close()
+dist.destroy_process_group()
+'''
+
+
+def test_fsdp2_sharded_trainer_gathers_and_rank0_sends(shared_engine, base_model, model_path, redis_url, experiment,
+                                                       keys, rclient, tmp_path):
+    """Two trainer ranks with FSDP2-sharded (DTensor) parameters both call push; the engine gets full tensors."""
+    script = tmp_path / "fsdp_trainer.py"
+    script.write_text(FSDP_TRAINER)
+    overrides = [f"actor.path={model_path}", f"redis.url={redis_url}", f"experiment_name={experiment}",
+                 "actor.weight_update_mode=distributed", "actor.weight_update_backend=gloo",
+                 "actor.weight_chunked_mem_mb=1", "actor.weight_update_timeout=60",
+                 "rollout.health_check_interval=3600", f"rollout.engine_addresses=[{shared_engine.address}]"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), str(script), str(model_path), "303", *overrides]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    n_bytes = sum(p.numel() * 4 for p in base_model.parameters())
+    assert f"pushed {n_bytes}" in out.stdout, out.stdout[-2000:]
+    assert int(rclient.get(keys.version)) == 1
+    assert served_version(shared_engine) == 1
+    assert_serves(shared_engine, perturbed(base_model, 303), base_model)

@@ -16,8 +16,9 @@ current one is on the wire. The last bucket carries `weight_version`.
 
 A broken collective cannot be cancelled (gloo/NCCL block until their timeout, which is
 `actor.weight_update_timeout`); the broadcaster leaves such a thread behind, shuts the
-group down, blames the engines whose call failed or that stopped answering /health, and
-rebuilds the group without them.
+group down, blames the engines that did not answer or stopped answering /health (an
+engine that answered with the collective's error is collateral and stays), and rebuilds
+the group without them.
 """
 
 from __future__ import annotations
@@ -87,12 +88,13 @@ class DistributedBroadcaster(EngineBroadcaster):
             rank0.add_done_callback(lambda f: f.cancelled() or f.exception() or f.result().shutdown(wait=False))
             blamed = await self.blame(engines, bad)
             raise TransferFailed(blamed, f"weight group {name} ({world} ranks at {master}:{port}) not formed: "
-                                         f"{err or '; '.join(bad.values())}")
+                                         f"{err or '; '.join(map(str, bad.values()))}")
         log.info("weight group %s: trainer + %d engine(s), %d ranks, %s at %s:%d", name, len(engines), world,
                  self.backend, master, port)
         return group
 
-    async def _collect(self, thread: asyncio.Future, calls: dict[str, asyncio.Future]) -> tuple[Any, dict[str, str], BaseException | None]:
+    async def _collect(self, thread: asyncio.Future,
+                       calls: dict[str, asyncio.Future]) -> tuple[Any, dict[str, EngineCallError], BaseException | None]:
         """Wait for rank 0's blocking part and every engine's call; stop at the first failure.
 
         On failure the calls still running are cancelled (a broken collective would keep
@@ -113,7 +115,7 @@ class DistributedBroadcaster(EngineBroadcaster):
                 elif exc is not None:
                     if not isinstance(exc, EngineCallError):
                         raise exc
-                    bad[address_of[f]] = str(exc)
+                    bad[address_of[f]] = exc
             if bad or err is not None:
                 break
         if bad or err is not None:
@@ -173,7 +175,7 @@ class DistributedBroadcaster(EngineBroadcaster):
                     for rest in buckets[i + 2:]:
                         await run_in_thread(materialize, rest, dev)
                 blamed = await self.blame(engines, bad)
-                why = f"broadcast: {type(err).__name__}: {err}" if err is not None else "; ".join(bad.values())
+                why = f"broadcast: {type(err).__name__}: {err}" if err is not None else "; ".join(map(str, bad.values()))
                 raise TransferFailed(blamed, f"bucket {i + 1}/{len(buckets)} of group {name}: {why}")
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total

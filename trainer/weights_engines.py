@@ -85,7 +85,16 @@ HEALTH_TIMEOUT = 5.0
 
 
 class EngineCallError(RuntimeError):
-    """One engine failed a call; the message names the URL and the reason."""
+    """One engine failed a call; the message names the URL and the reason.
+
+    `answered`: the engine replied (with an error) — as opposed to no connection or no
+    reply in time. After a broken collective a live engine replies with the collective's
+    error although another engine caused it.
+    """
+
+    def __init__(self, message: str, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
 
 
 class TransferFailed(RuntimeError):
@@ -319,7 +328,7 @@ class EngineFleet:
             data = {"result": data}
         if status != 200 or data.get("success") is False:
             msg = data.get("message") or data.get("error") or data.get("detail") or text[:300]
-            raise EngineCallError(f"{method} {url}: HTTP {status}: {msg}")
+            raise EngineCallError(f"{method} {url}: HTTP {status}: {msg}", answered=True)
         return data
 
     async def is_healthy(self, address: str, timeout: float = HEALTH_TIMEOUT) -> bool:
@@ -549,23 +558,32 @@ class EngineBroadcaster(WeightBroadcaster):
         await self._each(engines, "POST", "/continue_generation", {})
 
     async def _each(self, engines: list[str], method: str, path: str, payload: Any) -> None:
-        """The same call on every engine; TransferFailed names those that failed."""
+        """The same call on every engine; TransferFailed names those to blame."""
         results = await asyncio.gather(*(self.fleet.call(a, method, path, payload, timeout=self.timeout)
                                          for a in engines), return_exceptions=True)
-        bad = {a: str(r) for a, r in zip(engines, results) if isinstance(r, BaseException)}
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, EngineCallError):
                 raise r
-        if bad:
-            raise TransferFailed(bad, f"{path} failed on {', '.join(bad)}")
+        failed = {a: r for a, r in zip(engines, results) if isinstance(r, EngineCallError)}
+        if failed:
+            raise TransferFailed(await self.blame(engines, failed), f"{path} failed on {', '.join(failed)}")
 
-    async def blame(self, engines: list[str], bad: dict[str, str]) -> dict[str, str]:
-        """After a broken collective: add every engine that no longer answers /health."""
-        rest = [a for a in engines if a not in bad]
+    async def blame(self, engines: list[str], failed: dict[str, EngineCallError]) -> dict[str, str]:
+        """Which engines to drop after a failed step (engine -> why).
+
+        First those that did not answer (no connection, or nothing within the timeout) or
+        that no longer answer /health. An engine that answered with an error while one of
+        those exists is collateral — a broken collective fails every member — and is
+        retried. Only when nobody else is to blame are the engines that answered errors
+        dropped (e.g. a model that does not match the trainer's).
+        """
+        culprits = {a: str(e) for a, e in failed.items() if not e.answered}
+        rest = [a for a in engines if a not in culprits]
         alive = set(await self.fleet.healthy(rest))
-        out = dict(bad)
-        out.update({a: "not answering /health after a failed transfer" for a in rest if a not in alive})
-        return out
+        culprits.update({a: "not answering /health after a failed transfer" for a in rest if a not in alive})
+        if culprits:
+            return culprits
+        return {a: str(e) for a, e in failed.items()}
 
     async def _mark_down(self, address: str, why: str, version: int) -> None:
         log.warning("engine %s dropped: %s", address, why)
@@ -649,19 +667,21 @@ class EngineBroadcaster(WeightBroadcaster):
             try:
                 done = await self._catch_up(behind)
             except TransferFailed as exc:
-                for a, why in (await self.blame(behind, exc.bad)).items():
+                for a, why in exc.bad.items():
                     await self._mark_down(a, why, self.current)
                 await self._drop_groups(behind)
                 return
             if not done:
                 return  # stay held: the next push includes them
+            failed: dict[str, str] = {}
             try:
                 await self._continue(behind)
             except TransferFailed as exc:
-                for a, why in exc.bad.items():
+                failed = exc.bad
+                for a, why in failed.items():
                     await self._mark_down(a, why, self.current)
             for a in behind:
-                if a in self.held and a not in self.down:
+                if a not in failed:
                     self.held.discard(a)
                     self.in_sync.add(a)
                     self.down.pop(a, None)
