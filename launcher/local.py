@@ -409,8 +409,11 @@ class LocalRun:
         self.logs.mkdir(parents=True, exist_ok=True)
         acc_before = acc_after = None
         # No children yet: Ctrl-C here is a plain KeyboardInterrupt.
-        self.prepare()
-        acc_before = self.evaluate(cfg.actor.path, "before RL")
+        try:
+            self.prepare()
+            acc_before = self.evaluate(cfg.actor.path, "before RL")
+        except ValueError as exc:  # bad data/model paths: one line naming the key (DatasetError is one)
+            raise ConfigError(str(exc)) from None
         # From here on a signal only sets a flag; the loops below stop the children in order.
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         code = 0

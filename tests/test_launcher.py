@@ -117,7 +117,8 @@ def test_run_end_to_end(tmp_path):
 @pytest.mark.parametrize("victim", ["engine-0", "producer-0"])
 def test_killed_child_stops_the_run(tmp_path, victim, redis_url, experiment):
     # Against an external Redis (`--redis`): the other path of the launcher's Redis handling.
-    proc = _start(tmp_path, "total_train_steps=1000", f"experiment_name={experiment}", "--redis", redis_url)
+    proc = _start(tmp_path, "total_train_steps=1000", f"experiment_name={experiment}", "launcher.sft_steps=0",
+                  "launcher.eval_n=0", "--redis", redis_url)
     run_dir = tmp_path / "runs" / experiment / "run0"
     try:
         # Wait until training is under way (a step was logged): every child is up.
