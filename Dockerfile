@@ -25,15 +25,8 @@ RUN apt-get update -qq \
 RUN pip install "torch==${TORCH_VERSION}" --index-url "${TORCH_INDEX}"
 
 WORKDIR /opt/rlstream
-COPY pyproject.toml ./
-COPY __init__.py ./
-COPY common ./common
-COPY broker ./broker
-COPY producer ./producer
-COPY consumer ./consumer
-COPY trainer ./trainer
-COPY launcher ./launcher
-COPY configs ./configs
+# The whole checkout (pyproject names README.md); .dockerignore keeps runs, venvs and .git out.
+COPY . .
 RUN pip install ".[etcd,math]"
 
 # Runs, checkpoints and shared weights live on a volume mounted here.
