@@ -53,6 +53,9 @@ CHILD_ENV = {
 }
 
 
+STALL_WARN_S = 120.0  # no new train step for this long: warn once
+
+
 class RunFailed(RuntimeError):
     """The run stopped early; the message is the one-line reason."""
 
@@ -308,6 +311,7 @@ class LocalRun:
             live.start()
         try:
             last_sample = last_print = 0.0
+            stall_step, stall_since, stall_warned = -1, time.monotonic(), False
             while True:
                 self._check_signal()
                 if self._check_children():
@@ -322,6 +326,15 @@ class LocalRun:
                     elif now - last_print >= every:
                         last_print = now
                         _echo(line(snap))
+                    # A run that stops making steps says so once (every child is alive, so
+                    # nothing else would tell): the numbers point at where it is stuck.
+                    if snap.step != stall_step:
+                        stall_step, stall_since, stall_warned = snap.step, now, False
+                    elif snap.step > 0 and not stall_warned and now - stall_since > STALL_WARN_S:
+                        stall_warned = True
+                        _echo(f"rlstream: warning: no train step for {STALL_WARN_S:.0f}s (step {snap.step}): "
+                              f"{snap.queue_depth} groups queued, {snap.running} rollouts running, accepted "
+                              f"{snap.accepted}, dropped as stale {snap.dropped_stale}; see {self.logs}", err=True)
                 time.sleep(0.25)
             snap = self.monitor.sample({c.name: ("up" if c.running else describe_exit(c.poll()))
                                         for c in self.children if c.role != "redis"})
