@@ -46,6 +46,16 @@ def entry_fields(group: TrajectoryGroup, payload: bytes | None = None) -> dict[s
     }
 
 
+# KEYS: traj, dropped, accepted   ARGV: group, id, reason, min_version, trainer_version, ts, give_back(0/1)
+_DROP_STALE = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', 'source_id', ARGV[2], 'reason', ARGV[3], 'min_version', ARGV[4],
+           'trainer_version', ARGV[5], 'ts', ARGV[6])
+if ARGV[7] == '1' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
+return 1
+"""
+
+
 @dataclass
 class Entry:
     """A decoded stream entry."""
@@ -63,6 +73,7 @@ class TrajectoryStream:
         self.client = client
         self.keys = keys
         self.group = group
+        self._drop_script = client.register_script(_DROP_STALE)
 
     # ---------------------------------------------------------------- writing
     def append(self, group: TrajectoryGroup) -> str:
@@ -173,12 +184,18 @@ class TrajectoryStream:
         pipe.execute()
 
     def drop_stale(self, entry: Entry, trainer_version: int, reason: str) -> None:
-        """Record a too-stale entry in `{ns}:dropped` and ack it (counted, visible in inspect)."""
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.dropped, {"source_id": entry.id, "reason": reason, "min_version": entry.min_version,
-                                      "trainer_version": trainer_version, "ts": time.time()})
-        pipe.xack(self.keys.traj, self.group, entry.id)
-        pipe.execute()
+        """Record a too-stale entry in `{ns}:dropped`, ack it, and give its admission slot back.
+
+        A dropped group was counted in `admit:accepted` but is never trained, so leaving it
+        there would shrink the budget `(η+v+1)·B − (accepted + running)` for good: after
+        (η+1)·B drops producers could never be admitted again. One script, keyed on the
+        XACK result, makes the three steps atomic and safe to retry after a lost reply.
+        """
+        self._drop_script(
+            keys=[self.keys.traj, self.keys.dropped, self.keys.admit_accepted],
+            args=[self.group, entry.id, reason, entry.min_version, trainer_version, time.time(),
+                  1 if self.group == TRAIN_GROUP else 0],
+        )
 
     def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
         """The newest dead letters: id, source_id, reason, group, ts (original bytes: `dead_letter_raw`)."""

@@ -131,6 +131,28 @@ def test_stale_entries_are_recorded_not_silently_dropped(rclient, keys, group_fa
     assert rclient.xpending(keys.traj, "train")["pending"] == 0
 
 
+def test_dropping_a_stale_group_gives_its_admission_slot_back(rclient, keys, group_factory):
+    """Without the give-back, (η+1)·B drops would shut admission for good."""
+    from rlstream.broker import AdmissionController
+    from rlstream.broker.stream import entry_fields
+
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2, max_concurrent_rollouts=8)
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    for _ in range(2):
+        st, lease = adm.try_acquire()
+        assert st.admitted
+        adm.commit(lease.lease_id, entry_fields(group_factory(version=0)))
+    assert not adm.try_acquire()[0].admitted  # budget (0+0+1)*2 used up
+    entries = stream.read("c", count=2, block_ms=10)
+    for e in entries:
+        stream.drop_stale(e, trainer_version=3, reason="too stale")
+    stream.drop_stale(entries[0], trainer_version=3, reason="retried")  # a retry must not give back twice
+    assert adm.snapshot().accepted == 0
+    assert len(stream.dropped_records()) == 2
+    assert adm.try_acquire()[0].admitted
+
+
 def test_retention_trims_only_entries_acked_by_every_group(rclient, keys, group_factory):
     train = TrajectoryStream(rclient, keys)
     archive = TrajectoryStream(rclient, keys, group="archive")
