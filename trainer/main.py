@@ -27,6 +27,7 @@ import torch
 
 from rlstream.broker.admission import AdmissionController
 from rlstream.broker.connection import connect
+from rlstream.broker.meta import write_run_meta
 from rlstream.broker.keys import Keys
 from rlstream.broker.versions import Event, VersionRegistry
 from rlstream.common.config import Config, ConfigError
@@ -100,6 +101,8 @@ def _train(cfg: Config, par: Parallel) -> None:
     client = connect(cfg.redis)
     keys = Keys(cfg.namespace)
     versions = VersionRegistry(client, keys)
+    if par.rank == 0:  # admission parameters for `rlstream inspect` and a check against the producers'
+        write_run_meta(client, keys, cfg, component="trainer")
 
     # ---- model, reference, optimizer ------------------------------------------------
     module = load_causal_lm(cfg.actor.path, cfg.actor, init_from_scratch=cfg.actor.init_from_scratch,
