@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Install what rlstream needs on a fresh Debian machine (as root), idempotently.
+#
+#   bash scripts/bootstrap.sh          # run a job: redis-server, pinned CPU torch, rlstream
+#   bash scripts/bootstrap.sh --test   # + what the test suite needs: etcd, slurm, openssl,
+#                                      #   docker-compose (config check only), test extras,
+#                                      #   and the vLLM (CPU) virtualenv
+#
+# Each step is skipped when what it installs is already there, so re-running is cheap.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export DEBIAN_FRONTEND=noninteractive
+PY="${PYTHON:-python3}"
+TEST=0
+[[ "${1:-}" == "--test" ]] && TEST=1
+log() { echo "[bootstrap] $*"; }
+
+# ---------------------------------------------------------------- 1. system packages (apt)
+# binary -> Debian package; apt runs only if one is missing.
+declare -A APT=(
+  [redis-server]=redis-server      # the broker (`rlstream run` starts one; tests start their own)
+  [redis-benchmark]=redis-tools    # redis-cli, redis-benchmark (benchmarks/broker.py ceiling)
+)
+if ((TEST)); then
+  APT+=(
+    [etcd]=etcd-server             # name_resolve.type=etcd tests
+    [docker-compose]=docker-compose  # compose file check (no Docker engine needed)
+    [openssl]=openssl              # certificates for the rediss:// (TLS) tests
+    [slurmctld]=slurm-wlm          # one-node slurm cluster for the launcher test
+    [munged]=munge                 # slurm's authentication daemon
+  )
+fi
+missing=()
+for bin in "${!APT[@]}"; do
+  command -v "$bin" >/dev/null 2>&1 || missing+=("${APT[$bin]}")
+done
+if ((${#missing[@]})); then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  log "apt-get install ${missing[*]}"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  log "system packages present: ${!APT[*]}"
+fi
+
+# ---------------------------------------------------------------- 2. python packages
+# torch first and pinned: a bare `torch` resolves to the multi-GB CUDA build.
+if "$PY" -c 'import sys, torch; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else 1)' 2>/dev/null; then
+  log "torch 2.13.0 present"
+else
+  log "pip install torch==2.13.0"
+  "$PY" -m pip install -q torch==2.13.0
+fi
+if ((TEST)); then
+  log "pip install -e .[test]"
+  "$PY" -m pip install -q -e ".[test]"
+else
+  log "pip install -e ."
+  "$PY" -m pip install -q -e .
+fi
+
+# ---------------------------------------------------------------- 3. vLLM (CPU) virtualenv
+# vLLM pins its own transformers, so it lives in its own venv (default /opt/rlstream-vllm-venv);
+# tests marked `vllm` use it. ~3 min fresh, ~10 s when reused.
+if ((TEST)); then
+  bash scripts/setup_vllm_venv.sh
+fi
+log "done"
