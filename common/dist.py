@@ -53,13 +53,14 @@ class WeightSyncGroup:
         for w in works:
             w.wait()
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, timeout: float | None = None) -> None:
         """Release the group's sockets and threads now, then drop it.
 
         A gloo group left for interpreter exit can abort the process ("terminate called
-        without an active exception"); one shut down while Python runs cannot. With a
-        collective still pending (its peer died), shutting down can block until the
-        group's timeout: `wait=False` does it in a daemon thread instead.
+        without an active exception"); one shut down while Python runs cannot, so call
+        this (with `wait`) before a process exits. With a collective still pending (its
+        peer died), shutting down can block until the group's timeout: `wait=False` does
+        it in a daemon thread, `timeout` bounds the wait.
         """
         pg, self.pg, self.store = self.pg, None, None
         if pg is None:
@@ -71,12 +72,15 @@ class WeightSyncGroup:
             except Exception:  # noqa: BLE001 - best effort: the group is being thrown away
                 pass
 
-        if wait:
+        if wait and timeout is None:
             down()
-        else:
-            import threading
+            return
+        import threading
 
-            threading.Thread(target=down, name=f"rlstream-weight-sync-shutdown-{self.name}", daemon=True).start()
+        t = threading.Thread(target=down, name=f"rlstream-weight-sync-shutdown-{self.name}", daemon=True)
+        t.start()
+        if wait:
+            t.join(timeout)
 
     def close(self) -> None:
         self.pg = None

@@ -203,10 +203,12 @@ class WeightReceiver:
         return f"destroyed weight group {name!r}"
 
     def close(self) -> None:
+        """Before the process exits: shut every group down while Python still runs (bounded)."""
         for slot in self.slots.values():
             slot.gen += 1
             group, slot.group = slot.group, None
-            _shutdown(group)
+            if group is not None:
+                group.shutdown(wait=True, timeout=5.0)
 
     # ------------------------------------------------------------------ updates
 

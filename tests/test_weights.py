@@ -333,6 +333,12 @@ def test_engine_failing_during_update(mode, failure, engines, base_model, model_
         assert served_version(e) == 2
         assert_serves(e, newer, new)
 
+    b.close()
+    for e in (a, back):  # groups broken by the failure included: a clean exit, no abort from gloo threads
+        e.stop()
+        assert e.proc.returncode == 0, e.log_path.read_text()[-2000:]
+        assert "terminate called" not in e.log_path.read_text()
+
 
 async def test_in_flight_generation_aborts_and_continues_with_new_version(shared_engine, base_model, model_path,
                                                                          redis_url, experiment, keys, rclient,

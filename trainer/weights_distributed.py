@@ -226,8 +226,10 @@ class DistributedBroadcaster(EngineBroadcaster):
         return True
 
     async def _close_backend(self) -> None:
-        members = self.members
-        self._reset_main()
+        members, group = self.members, self.group
+        self.group, self.members = None, []
+        if group is not None:  # before the process exits (see WeightSyncGroup.shutdown)
+            await run_in_thread(group.shutdown, True, 5.0)
         await asyncio.gather(*(self.fleet.call(a, "POST", "/destroy_weights_update_group", {"group_name": GROUP_NAME},
                                                timeout=5) for a in members), return_exceptions=True)
 
