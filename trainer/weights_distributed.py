@@ -145,11 +145,21 @@ class DistributedBroadcaster(EngineBroadcaster):
         """Every bucket to every engine; returns the bytes sent. TransferFailed on any failure."""
         dev = group.device
         total = 0
-        nxt: asyncio.Future | None = run_in_thread(materialize, buckets[0], dev) if buckets else None
+
+        def fetch(bucket: list[WeightEntry]) -> asyncio.Future:
+            # Gathers (sharded) and device copies overlap the previous bucket's broadcast; tensors
+            # already in place need no thread.
+            if sync is None and all(e.tensor.device == dev and e.tensor.is_contiguous() for e in bucket):
+                fut = asyncio.get_running_loop().create_future()
+                fut.set_result([e.tensor.detach() for e in bucket])
+                return fut
+            return run_in_thread(materialize, bucket, dev)
+
+        nxt: asyncio.Future | None = fetch(buckets[0]) if buckets else None
         for i, bucket in enumerate(buckets):
             assert nxt is not None
             tensors = await nxt
-            nxt = run_in_thread(materialize, buckets[i + 1], dev) if i + 1 < len(buckets) else None
+            nxt = fetch(buckets[i + 1]) if i + 1 < len(buckets) else None
             if checksums is not None:
                 sums = await run_in_thread(lambda b=bucket: [bits_checksum(e.tensor) for e in b])
                 checksums.extend(zip(bucket, sums))
