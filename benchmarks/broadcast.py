@@ -3,7 +3,7 @@
     python benchmarks/broadcast.py              # ~100 MB and ~1 GB models, 1 and 2 engines
     python benchmarks/broadcast.py --quick      # ~100 MB only
     python benchmarks/broadcast.py --readme     # also (re)writes the "Weight broadcast" section of benchmarks/README.md
-    python benchmarks/broadcast.py --backend nccl --engine-device cuda   # on a GPU machine
+    python benchmarks/broadcast.py --backend nccl --trainer-device cuda --engine-device cuda   # n + 1 GPUs
 
 For each model size (a Llama scaled up with `build_tiny_model`, float32, saved as an HF
 folder the engine loads) and each engine count n:
@@ -74,6 +74,11 @@ def build_model(root: Path, name: str) -> Path:
 # ---------------------------------------------------------------------- raw baseline
 
 
+def gpu_env(backend: str, i: int) -> dict[str, str]:
+    """NCCL needs one GPU per rank: the trainer takes GPU 0, engine (and raw receiver) i takes GPU i + 1."""
+    return {"CUDA_VISIBLE_DEVICES": str(i + 1)} if backend == "nccl" else {}
+
+
 def raw_receiver(master: str, port: int, rank: int, world: int, numel: int, repeat: int, backend: str) -> None:
     """Child process: receive `repeat` flat tensors into one buffer, answering each with the sync all-reduce."""
     import torch.distributed as dist
@@ -100,7 +105,8 @@ class RawBroadcast:
         self.device = device
         self.procs = [subprocess.Popen([sys.executable, __file__, "--raw-receiver", "127.0.0.1", str(port), str(r),
                                         str(n + 1), str(numel), str(repeat), backend],
-                                       env={**os.environ, "OMP_NUM_THREADS": "1"}) for r in range(1, n + 1)]
+                                       env={**os.environ, "OMP_NUM_THREADS": "1", **gpu_env(backend, r - 1)})
+                      for r in range(1, n + 1)]
         self.group = init_weight_sync_group("127.0.0.1", port, 0, n + 1, "raw", backend, timeout_s=600)
         self.flat = torch.ones(numel, dtype=torch.float32, device=device)
         self.ack = torch.zeros(1, device=self.group.device)
@@ -159,7 +165,8 @@ def start_engines(model: Path, n: int, workdir: Path, device: str) -> list[tuple
     for i in range(n):
         addr_file = workdir / f"engine-{i}-{time.monotonic_ns()}.addr"
         log = open(workdir / f"{addr_file.stem}.log", "w")
-        env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file), "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file), "OMP_NUM_THREADS": "1",
+               **gpu_env("nccl" if device.startswith("cuda") else "gloo", i)}
         p = subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={model}",
                               "server.port=0", f"server.device={device}", "server.register=false"],
                              env=env, stdout=log, stderr=subprocess.STDOUT)
