@@ -275,7 +275,8 @@ def test_engine_failing_during_update(mode, failure, engines, base_model, model_
     version, which is published; the failed one is dropped (event, out of name resolve); when it
     returns (restarted, or SIGCONT) it is brought to the current version; the next push reaches both."""
     reg = [f"redis.url={redis_url}", f"experiment_name={experiment}", "cluster.name_resolve.lease_ttl=5"]
-    a, victim = engines(reg), engines(reg)
+    a, victim = engines(reg, wait=False), engines(reg, wait=False)  # both start at once
+    a.wait_ready(), victim.wait_ready()
     timeout = 5 if failure == "hang" else 30
     cfg = make_cfg(redis_url, experiment, model_path, tmp_path, mode,
                    ["rollout.health_check_interval=0.5", f"actor.weight_update_timeout={timeout}"])
@@ -287,8 +288,11 @@ def test_engine_failing_during_update(mode, failure, engines, base_model, model_
     async def call(address, method, path, payload=None, *, timeout):
         if address == victim.address and path == route:
             calls_to_victim.append(path)
-            # Fail it while its update is on the wire: the second bucket (distributed) or the load (disk).
-            if mode == "disk" or len(calls_to_victim) == 2:
+            # Fail it in the middle of the update: paused, first bucket in, the second on the wire
+            # (distributed); paused, the load requested (disk: killed first, a 2 MB load is too quick).
+            if mode == "disk" and failure == "kill":
+                victim.kill()
+            elif len(calls_to_victim) == 2:
                 if failure == "hang":
                     victim.proc.send_signal(signal.SIGSTOP)
                     return await real_call(address, method, path, payload, timeout=timeout)

@@ -26,9 +26,10 @@ version by the backend (`_catch_up`): the disk backend reloads the latest publis
 folder, which stays on disk; the distributed backend sends the live model over a second
 group that holds only the engines being caught up. The live model has the published
 weights unless a train step is running: every tensor's bit checksum is taken when it is
-sent and again at the end, and a mismatch means the weights moved, so the engine stays
-paused and the next push (which includes it) brings it up to date. A caught-up engine
-is resumed and announced with `engine_up`. An engine is paused only when something will
+sent and again at the end, and a mismatch means the weights moved: the engine stays
+paused, and a later pass (backing off) or the next push (which includes every listed
+engine) brings it up to date. A caught-up engine is resumed and announced with
+`engine_up`. An engine is paused only when something will
 bring it forward (a catch-up now, or a next push that can only come if another engine
 serves): otherwise it keeps serving, its tokens labelled with its own (old) version,
 which the staleness check handles.
@@ -436,6 +437,7 @@ class EngineBroadcaster(WeightBroadcaster):
         self.down: dict[str, str] = {}  # dropped engines -> why
         self.last: PushReport = PushReport()
         self._backoff: dict[str, _Backoff] = {}
+        self._warned: set[str] = set()  # engines already reported as impossible to catch up now
         self._model: torch.nn.Module | None = None
         self._sharded = False
         self._closed = False
@@ -496,6 +498,7 @@ class EngineBroadcaster(WeightBroadcaster):
     async def _push(self, model: torch.nn.Module, entries: list[WeightEntry], version: int,
                     sync: ShardSync | None) -> None:
         t0 = time.perf_counter()
+        sharded = sync is not None
         report = PushReport(version=version)
         try:
             async with self.lock:
@@ -510,8 +513,6 @@ class EngineBroadcaster(WeightBroadcaster):
                     try:
                         await self._pause(engines)
                         report.bytes = await self._transfer(engines, entries, version, sync)
-                        await self._continue(engines)
-                        break
                     except TransferFailed as exc:
                         if exc.bad:
                             report.dropped.update(exc.bad)
@@ -522,6 +523,13 @@ class EngineBroadcaster(WeightBroadcaster):
                                                f"to blame: {exc}") from exc
                         log.warning("push of version %d: %s; %s", version, exc,
                                     f"retrying with {len(engines)} engine(s)" if engines else "no engine left")
+                        continue
+                    try:
+                        await self._continue(engines)
+                    except TransferFailed as exc:  # they have the weights but are gone: nothing to redo
+                        report.dropped.update(exc.bad)
+                        engines = [a for a in engines if a not in exc.bad]
+                    break
                 if sync is not None:
                     await _thread(sync.signal, False)
                     sync = None
@@ -531,7 +539,7 @@ class EngineBroadcaster(WeightBroadcaster):
                 self.current = version
                 self.in_sync = set(engines)
                 self.held -= self.in_sync
-                self._model, self._sharded = model, sync is not None or is_sharded(model)
+                self._model, self._sharded = model, sharded
                 report.engines = engines
                 if not engines:
                     log.warning("version %d published with no engine to update (none healthy among %s)", version,
@@ -585,14 +593,19 @@ class EngineBroadcaster(WeightBroadcaster):
             return culprits
         return {a: str(e) for a, e in failed.items()}
 
+    def _defer(self, engines: list[str]) -> None:
+        """Try these again later, backing off."""
+        for a in engines:
+            b = self._backoff.setdefault(a, _Backoff())
+            b.failures += 1
+            b.not_before = time.monotonic() + min(60.0, self.watch_interval * 2 ** (b.failures - 1))
+
     async def _mark_down(self, address: str, why: str, version: int) -> None:
         log.warning("engine %s dropped: %s", address, why)
         self.in_sync.discard(address)
         self.held.discard(address)
         self.down[address] = why
-        b = self._backoff.setdefault(address, _Backoff())
-        b.failures += 1
-        b.not_before = time.monotonic() + min(60.0, self.watch_interval * 2 ** (b.failures - 1))
+        self._defer([address])
         await self.fleet.forget(address)
         self._announce("engine_down", address, f"{address}: {why}", version)
 
@@ -631,10 +644,12 @@ class EngineBroadcaster(WeightBroadcaster):
             behind = []
             for a, v in zip(cands, versions):
                 if v is None:
-                    # No answer, or an engine that does not report versions: trust what we confirmed.
-                    if a not in self.in_sync and await self.fleet.is_healthy(a):
-                        behind.append(a)
-                elif v == self.current:
+                    # No answer, or an engine that does not report versions: trust what we confirmed;
+                    # before any update every engine serves actor.path, which is version 0.
+                    if a in self.in_sync or not await self.fleet.is_healthy(a):
+                        continue
+                    v = 0 if self.current == 0 else None
+                if v == self.current:
                     if a not in self.in_sync:
                         self.in_sync.add(a)
                         self._announce("engine_up", a, f"{a} serves version {v}")
@@ -647,6 +662,9 @@ class EngineBroadcaster(WeightBroadcaster):
             self.in_sync -= set(behind)
             others_serve = bool(self.in_sync)
             if not self.can_catch_up() and not others_serve:
+                if set(behind) <= self._warned:
+                    return
+                self._warned |= set(behind)
                 log.warning("engine(s) %s serve an old version (published %d) and cannot be caught up before the "
                             "next push; they keep serving, their tokens labelled with their own version",
                             ", ".join(behind), self.current)
@@ -659,10 +677,10 @@ class EngineBroadcaster(WeightBroadcaster):
                 behind = [a for a in behind if a not in exc.bad]
                 if not behind:
                     return
-            self.held |= set(behind)
             log.info("engine(s) %s behind version %d: paused%s", ", ".join(behind), self.current,
                      ", catching up" if self.can_catch_up() else " until the next push")
             if not self.can_catch_up():
+                self.held |= set(behind)  # the next push (others serve, so one comes) includes them
                 return
             try:
                 done = await self._catch_up(behind)
@@ -670,9 +688,11 @@ class EngineBroadcaster(WeightBroadcaster):
                 for a, why in exc.bad.items():
                     await self._mark_down(a, why, self.current)
                 await self._drop_groups(behind)
+                self._defer([a for a in behind if a not in exc.bad])
                 return
             if not done:
-                return  # stay held: the next push includes them
+                self._defer(behind)  # still paused: a later pass or the next push brings them forward
+                return
             failed: dict[str, str] = {}
             try:
                 await self._continue(behind)
