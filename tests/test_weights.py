@@ -456,3 +456,38 @@ def test_fsdp2_sharded_trainer_gathers_and_rank0_sends(shared_engine, base_model
     assert int(rclient.get(keys.version)) == 1
     assert served_version(shared_engine) == 1
     assert_serves(shared_engine, perturbed(base_model, 303), base_model)
+
+
+def test_flattened_bucket_and_group_lifecycle(shared_engine, base_model):
+    """SGLang's `load_format: flattened_bucket` (one flat broadcast for a whole bucket), driven by hand:
+    the engine joins a group with this process as rank 0, receives, applies; the group is destroyed."""
+    import concurrent.futures
+
+    from rlstream.common.dist import init_weight_sync_group
+    from rlstream.trainer.weights_engines import free_port, weight_entries
+
+    new = perturbed(base_model, 404)
+    entries = weight_entries(new)
+    port = free_port()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        joining = pool.submit(init_weight_sync_group, "127.0.0.1", port, 0, 2, "manual", "gloo", 30.0)
+        code, out = http(shared_engine.url + "/init_weights_update_group",
+                         {"master_address": "127.0.0.1", "master_port": port, "rank_offset": 1, "world_size": 2,
+                          "group_name": "manual", "backend": "gloo"})
+        assert code == 200 and out["success"], out
+        group = joining.result(30)
+        flat = torch.cat([e.tensor.detach().flatten() for e in entries])
+        updating = pool.submit(http, shared_engine.url + "/update_weights_from_distributed",
+                               {"names": [e.name for e in entries], "dtypes": [e.dtype_name for e in entries],
+                                "shapes": [e.shape for e in entries], "group_name": "manual",
+                                "load_format": "flattened_bucket", "weight_version": "41"})
+        group.broadcast(flat, 0)
+        code, out = updating.result(60)
+    assert code == 200 and out["success"], out
+    assert served_version(shared_engine) == 41
+    assert_serves(shared_engine, new, base_model)
+    code, out = http(shared_engine.url + "/destroy_weights_update_group", {"group_name": "manual"})
+    assert code == 200 and out["success"], out
+    code, out = http(shared_engine.url + "/destroy_weights_update_group", {"group_name": "manual"})
+    assert code == 400 and "manual" in out["message"]
+    group.shutdown()
