@@ -270,7 +270,8 @@ def run(args) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | engines | raw broadcast | distributed push | push / raw | first push (+ group setup) | disk push |",
+    lines = ["| model | engines | raw broadcast | distributed push | push / raw | first push (+ group setup) "
+             "| disk push |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         gb = r["bytes"] / 1e9

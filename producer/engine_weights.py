@@ -251,7 +251,8 @@ class WeightReceiver:
                     start += n
                 return out
             live = _live_targets(self.engine, names, dts, shapes, dev)
-            tensors = [t if t is not None else torch.empty(s, dtype=d, device=dev) for t, s, d in zip(live, shapes, dts)]
+            tensors = [t if t is not None else torch.empty(s, dtype=d, device=dev)
+                       for t, s, d in zip(live, shapes, dts)]
             group.broadcast_many(tensors)
             self.received_in_place += sum(t is not None for t in live)
             return [(n, t) for n, t, lv in zip(names, tensors, live) if lv is None]

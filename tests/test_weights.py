@@ -219,7 +219,8 @@ def broadcasters():
 @pytest.mark.parametrize("mode", ["distributed", "disk"])
 def test_push_serves_new_weights_and_publishes(mode, shared_engine, base_model, model_path, redis_url, experiment,
                                                keys, rclient, tmp_path, broadcasters):
-    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, mode, [f"rollout.engine_addresses=[{shared_engine.address}]"])
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, mode,
+                   [f"rollout.engine_addresses=[{shared_engine.address}]"])
     b = broadcasters(cfg, rclient, keys)
     old = perturbed(base_model, 100)
     b.push(old, 1)  # whatever the shared engine served before, it now has `old` as version 1

@@ -93,8 +93,8 @@ class DistributedBroadcaster(EngineBroadcaster):
                  self.backend, master, port)
         return group
 
-    async def _collect(self, thread: asyncio.Future,
-                       calls: dict[str, asyncio.Future]) -> tuple[Any, dict[str, EngineCallError], BaseException | None]:
+    async def _collect(self, thread: asyncio.Future, calls: dict[str, asyncio.Future]
+                       ) -> tuple[Any, dict[str, EngineCallError], BaseException | None]:
         """Wait for rank 0's blocking part and every engine's call; stop at the first failure.
 
         On failure the calls still running are cancelled (a broken collective would keep
@@ -141,7 +141,8 @@ class DistributedBroadcaster(EngineBroadcaster):
         return torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
 
     async def _send(self, group: WeightSyncGroup, engines: list[str], name: str, buckets: list[list[WeightEntry]],
-                    version: int, sync: ShardSync | None, checksums: list[tuple[WeightEntry, int]] | None = None) -> int:
+                    version: int, sync: ShardSync | None,
+                    checksums: list[tuple[WeightEntry, int]] | None = None) -> int:
         """Every bucket to every engine; returns the bytes sent. TransferFailed on any failure."""
         dev = group.device
         total = 0
@@ -185,7 +186,8 @@ class DistributedBroadcaster(EngineBroadcaster):
                     for rest in buckets[i + 2:]:
                         await run_in_thread(materialize, rest, dev)
                 blamed = await self.blame(engines, bad)
-                why = f"broadcast: {type(err).__name__}: {err}" if err is not None else "; ".join(map(str, bad.values()))
+                why = (f"broadcast: {type(err).__name__}: {err}" if err is not None
+                       else "; ".join(map(str, bad.values())))
                 raise TransferFailed(blamed, f"bucket {i + 1}/{len(buckets)} of group {name}: {why}")
             total += sum(t.numel() * t.element_size() for t in tensors)
         return total

@@ -52,7 +52,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Iterator
+from typing import Any, Awaitable
 
 import torch
 
@@ -264,7 +264,8 @@ class ShardSync:
         import torch.distributed as dist
 
         self.dist = dist
-        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        nccl = dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
 
     def signal(self, go: bool) -> None:
         self.dist.broadcast(torch.tensor([1 if go else 0], device=self.device), src=0)
@@ -730,8 +731,3 @@ class EngineBroadcaster(WeightBroadcaster):
 
 async def _thread(fn: Any, *args: Any) -> Any:
     return await run_in_thread(fn, *args)
-
-
-def iter_chunks(seq: list[Any], n: int) -> Iterator[list[Any]]:
-    for i in range(0, len(seq), n):
-        yield seq[i:i + n]
