@@ -217,6 +217,7 @@ class LocalEngine:
         self.total_tokens = 0
         self.total_requests = 0
         self.total_steps = 0
+        self.busy_seconds = 0.0  # wall time spent in prefill/decode steps (idle fraction for benchmarks)
         self.peak_running = 0  # most sequences ever decoded in one step
 
     @classmethod
@@ -393,7 +394,8 @@ class LocalEngine:
         """Load figures for health/info routes."""
         return {"running": len(self._rows), "waiting": len(self._waiting), "paused": self._paused,
                 "total_tokens": self.total_tokens, "total_requests": self.total_requests,
-                "total_steps": self.total_steps, "peak_running": self.peak_running, "weight_version": self._version}
+                "total_steps": self.total_steps, "peak_running": self.peak_running, "weight_version": self._version,
+                "busy_seconds": round(self.busy_seconds, 6)}
 
     # ------------------------------------------------------------------ results
 
@@ -450,6 +452,7 @@ class LocalEngine:
                     self._release_pause_waiters()
                     continue
                 admit = self._take_waiting()
+            t_busy = time.monotonic()
             try:
                 with self._step_lock, torch.inference_mode():
                     if admit:
@@ -462,6 +465,7 @@ class LocalEngine:
                 for r in set(self._rows) | set(admit):
                     self._deliver(r, err)
                 self._reset_batch()
+            self.busy_seconds += time.monotonic() - t_busy
         with self._cv:
             self._abort_rows("engine shutting down")
             while self._waiting:
