@@ -195,6 +195,10 @@ def _train(cfg: Config, par: Parallel) -> None:
         else:
             reader.ack(unacked)
             unacked = []
+        if par.rank == 0 and cfg.redis.stream_maxlen > 0:
+            # Retention: only entries every consumer group acknowledged are trimmed, so the
+            # entries of steps a crash would replay (unacked) always stay.
+            reader.stream.trim_acked(keep=cfg.redis.stream_maxlen)
         t_ckpt = time.perf_counter() - t0
 
         data_stats = torch.tensor([data.wait_s, t_collate], dtype=torch.float64)
