@@ -40,6 +40,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
+from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
@@ -198,15 +199,7 @@ def table(agg: dict) -> str:
 
 
 def write_readme(text: str) -> None:
-    readme = Path(__file__).with_name("README.md")
-    old = readme.read_text() if readme.exists() else "# Benchmarks\n"
-    if SECTION + "\n" in old:
-        start = old.index(SECTION + "\n")
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + (old[nxt + 1:] if nxt >= 0 else "")
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    readme.write_text(new if new.endswith("\n") else new + "\n")
+    write_section(SECTION, text)
 
 
 def measure(args, steps: int, rounds: int, eval_n: int) -> list[dict]:

@@ -39,6 +39,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
 
 SECTION = "## Broker at published scale"
 STEP_GROUPS = 512
@@ -228,23 +229,15 @@ def render(m: dict, x: dict, args) -> str:
         f"reads) must stay well below the step time, which it does by a wide margin. Memory is the real cost at "
         f"this scale: with η = 2 up to three steps wait in the stream, ≈ {3 * x['redis_memory_gb_per_step']:.1f} GB "
         f"of Redis RAM, and every trained step stays there too until acknowledged entries are trimmed "
-        f"(`TrajectoryStream.trim_acked`; note: `redis.stream_maxlen` is not yet applied by the run path, so a "
-        f"long run at this scale grows Redis by ≈ {x['redis_memory_gb_per_step']:.1f} GB per step). With AOF on, "
+        f"(`TrajectoryStream.trim_acked`, applied by the trainer after each ack when `redis.stream_maxlen` > 0; "
+        f"with the default 0 a long run at this scale grows Redis by ≈ {x['redis_memory_gb_per_step']:.1f} GB per step). With AOF on, "
         f"every entry is also written to disk once ({x['step_payload_gb']:.2f} GB per step).", "",
     ]
     return "\n".join(lines)
 
 
 def write_readme(text: str) -> None:
-    readme = Path(__file__).with_name("README.md")
-    old = readme.read_text() if readme.exists() else "# Benchmarks\n"
-    if SECTION + "\n" in old:
-        start = old.index(SECTION + "\n")
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + (old[nxt + 1:] if nxt >= 0 else "")
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    readme.write_text(new if new.endswith("\n") else new + "\n")
+    write_section(SECTION, text)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,6 +34,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
@@ -232,15 +233,7 @@ def analysis(rows: list[dict]) -> str:
 
 
 def write_readme(text: str) -> None:
-    readme = Path(__file__).with_name("README.md")
-    old = readme.read_text() if readme.exists() else "# Benchmarks\n"
-    if SECTION + "\n" in old:
-        start = old.index(SECTION + "\n")
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + (old[nxt + 1:] if nxt >= 0 else "")
-    else:
-        new = old.rstrip("\n") + "\n\n" + text
-    readme.write_text(new if new.endswith("\n") else new + "\n")
+    write_section(SECTION, text)
 
 
 def main(argv: list[str] | None = None) -> int:
