@@ -6,7 +6,11 @@ With η = max_head_offpolicyness, B = consumer_batch_size and v the served versi
     capacity = min(max_concurrent - running, (η + v + 1)·B − (accepted + running))
 
 One Lua script expires dead leases, computes the capacity and takes a lease only if it
-is positive, so any number of racing producers never admit past the budget. Finishing
+is positive, so any number of racing producers never admit past the budget. The same
+script shares the slots fairly: a refused producer is remembered in `{ns}:admit:waiting`
+for `WAIT_WINDOW_MS`, and while someone else waits, a producer holding its share
+`ceil((running + capacity) / owners)` is refused, so a producer that re-asks the moment
+its own rollout ends cannot starve the ones that poll. Finishing
 a rollout is one script too: drop the lease and, if accepted, INCR accepted and XADD
 the group, so a crash between the two cannot leave the counter and the stream apart.
 
@@ -58,8 +62,16 @@ def new_lease_id() -> str:
     return f"{_LEASE_PREFIX}-{os.getpid()}-{next(_lease_seq)}"
 
 
+def lease_owner(lease_id: str) -> str:
+    """The producer process a lease belongs to: its id up to the last `-` (the Lua script agrees)."""
+    return lease_id.rsplit("-", 1)[0] if "-" in lease_id else lease_id
+
+
 # How long a finished lease's answer is remembered so a retried finish is not applied twice.
 DONE_TTL_MS = 600_000
+# A producer refused within this window counts as waiting for a slot (fair share). It must
+# exceed the producers' retry interval (producer.main.ADMIT_POLL_SECS = 0.25 s).
+WAIT_WINDOW_MS = 2000
 # Attempts of a commit whose outcome was unknown (connection lost) or raced; backoff in between.
 _COMMIT_ATTEMPTS = 12
 
@@ -68,7 +80,8 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: running, accepted, version   ARGV: lease_id, ttl_ms, eta, B, max_concurrent
+# KEYS: running, accepted, version, waiting
+# ARGV: lease_id, ttl_ms, eta, B, max_concurrent, owner, wait_window_ms
 # -> {admitted, capacity_after, running, accepted, version, expires_ms}
 _ACQUIRE = _NOW + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -83,11 +96,39 @@ if held then
   -- a retry whose first attempt took the lease (reply lost): same answer, no second lease
   return {1, cap, running, accepted, v, tonumber(held)}
 end
+local owner = ARGV[6]
 if cap > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[7]))
+  local waiters = redis.call('ZRANGE', KEYS[4], 0, -1)
+  local others = false
+  for _, w in ipairs(waiters) do
+    if w ~= owner then others = true end
+  end
+  if others then
+    -- other producers were refused lately: this one gets no more than its fair share of
+    -- the slots usable now (running + cap) among everyone holding or waiting for one
+    local seen = {[owner] = true}
+    local n = 1
+    for _, w in ipairs(waiters) do
+      if not seen[w] then seen[w] = true; n = n + 1 end
+    end
+    local mine = 0
+    for _, lease in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+      local o = string.match(lease, '^(.*)%-[^%-]*$') or lease
+      if o == owner then mine = mine + 1 end
+      if not seen[o] then seen[o] = true; n = n + 1 end
+    end
+    if mine >= math.ceil((running + cap) / n) then
+      redis.call('ZADD', KEYS[4], now, owner)
+      return {0, cap, running, accepted, v, 0}
+    end
+  end
+  redis.call('ZREM', KEYS[4], owner)
   local expires = now + tonumber(ARGV[2])
   redis.call('ZADD', KEYS[1], expires, ARGV[1])
   return {1, cap - 1, running + 1, accepted, v, expires}
 end
+redis.call('ZADD', KEYS[4], now, owner)
 return {0, cap, running, accepted, v, 0}
 """
 
@@ -175,8 +216,9 @@ class _AdmissionBase:
 
     def _acquire_args(self, lease_id: str | None) -> tuple[list[str], list[Any], str]:
         lid = lease_id or new_lease_id()
-        keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version]
-        return keys, [lid, self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent], lid
+        keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting]
+        args = [lid, self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent, lease_owner(lid), WAIT_WINDOW_MS]
+        return keys, args, lid
 
     def _release_args(self, lease_id: str) -> tuple[list[str], list[Any]]:
         return ([self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id)],

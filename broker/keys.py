@@ -56,6 +56,11 @@ class Keys:
         return self._k("admit:running")
 
     @property
+    def admit_waiting(self) -> str:
+        """Sorted set: producers refused a lease lately (fair share), score = last refusal ms."""
+        return self._k("admit:waiting")
+
+    @property
     def admit_rejected(self) -> str:
         """Counter: groups finished but rejected by `should_accept`."""
         return self._k("admit:rejected")
@@ -97,7 +102,7 @@ class Keys:
     def all(self) -> list[str]:
         return [
             self.traj, self.version, self.trainer_version, self.events, self.admit_accepted,
-            self.admit_running, self.admit_rejected, self.dead, self.dropped, self.steps,
+            self.admit_running, self.admit_waiting, self.admit_rejected, self.dead, self.dropped, self.steps,
             self.engines, self.producers, self.meta,
         ]
 

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from rlstream.broker import AdmissionController, TrajectoryStream, VersionRegistry
+from rlstream.broker import admission
 from rlstream.broker.admission import budget
 from rlstream.broker.stream import entry_fields
 
@@ -187,6 +188,34 @@ def test_finish_and_acquire_are_idempotent_under_retry(rclient, keys, group_fact
     adm.release("lease-b")
     adm.release("lease-b")
     assert adm.snapshot().rejected == 1 and adm.snapshot().running == 0
+
+
+def test_a_waiting_producer_gets_its_fair_share(rclient, keys, monkeypatch):
+    """Producers A and B (lease ids `A-n`, `B-n`): A re-asks first every time a slot frees."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                              max_concurrent_rollouts=4)
+    assert all(adm.try_acquire(f"A-{i}")[1] for i in range(4))  # nobody waits: A may take every slot
+    st, lease = adm.try_acquire("B-0")
+    assert lease is None and st.capacity == 0  # B is refused and now counts as waiting
+
+    adm.abandon(["A-0"])
+    st, lease = adm.try_acquire("A-4")
+    assert lease is None and st.capacity == 1, st  # A holds 3 >= ceil(4 / 2) while B waits
+    assert adm.try_acquire("B-0")[1] is not None  # so the free slot is B's
+    adm.release("A-1")
+    assert adm.try_acquire("B-1")[1] is not None  # B is below its share (2)
+    adm.release("A-2")
+    st, lease = adm.try_acquire("B-2")
+    assert lease is None and st.capacity == 1  # B holds its share; A (refused above) waits
+    assert adm.try_acquire("A-5")[1] is not None
+    assert sorted(m.decode() for m in rclient.zrange(keys.admit_running, 0, -1)) == ["A-3", "A-5", "B-0", "B-1"]
+
+    # A waiter that stopped asking stops counting after the window: B may take every free slot.
+    monkeypatch.setattr(admission, "WAIT_WINDOW_MS", 300)
+    adm.abandon(["A-3", "A-5"])
+    time.sleep(0.4)
+    assert [lease is not None for _, lease in (adm.try_acquire(f"B-{i}") for i in (3, 4))] == [True, True]
+    assert adm.snapshot().running == 4
 
 
 def test_try_acquire_many_respects_the_budget(rclient, keys):
