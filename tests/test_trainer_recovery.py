@@ -124,3 +124,28 @@ def test_sigkill_mid_run_recovers_exactly(tmp_path, redis_url, rclient, experime
     assert any(not torch.equal(w_ref[k], base[k]) for k in base)
     for k in w_ref:
         assert torch.allclose(w_ref[k], w_crash[k], atol=1e-6, rtol=0), k
+
+
+def test_stream_maxlen_trims_only_acknowledged_entries(tmp_path, redis_url, rclient, experiment, tiny_model_path):
+    """redis.stream_maxlen=3: after the run the stream holds the unread entries and the 3
+    newest acknowledged ones; every older (acknowledged) entry is gone, none unread is."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    keys = Keys(namespace(experiment, "trial0"))
+    stream = TrajectoryStream(rclient, keys)
+    unread = 3
+    ids = [stream.append(g) for g in synthetic_groups(STEPS * BATCH + unread, seed=5,
+                                                      vocab_size=model.config.vocab_size, model=model)]
+    cmd = [*_cmd(tmp_path, redis_url, experiment, tiny_model_path), "redis.stream_maxlen=3"]
+    proc = _start(cmd, tmp_path / "train.log")
+    try:
+        assert proc.wait(timeout=300) == 0, (tmp_path / "train.log").read_text()[-4000:]
+    finally:
+        _stop(proc)
+    left = [eid.decode() for eid, _ in rclient.xrange(keys.traj)]
+    trained = STEPS * BATCH
+    assert left == ids[trained - 3:], (left, ids)
+    assert rclient.xpending(keys.traj, "train")["pending"] == 0
+    # the step log still names the trimmed entries: the history of what was trained is kept
+    assert sum(len(r.entry_ids) for r in StepLog(rclient, keys).all()) == trained

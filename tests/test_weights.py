@@ -403,7 +403,7 @@ async def test_in_flight_generation_aborts_and_continues_with_new_version(shared
 
 
 FSDP_TRAINER = r'''
-import sys, torch, torch.distributed as dist
+import gc, sys, torch, torch.distributed as dist
 torch.set_num_threads(1)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -431,6 +431,11 @@ if rank == 0:
     assert b.last.engines and not b.last.dropped, b.last
     print("pushed", b.last.bytes, flush=True)
 b.close()
+# as Parallel.close(): free the sharded model (cycles), then tear down together; a gloo
+# worker that drops a finished all-gather during interpreter exit aborts the process
+del model, mesh
+gc.collect()
+dist.barrier()
 dist.destroy_process_group()
 '''
 

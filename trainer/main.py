@@ -85,10 +85,12 @@ def _due(par: Parallel, step: int, last_t: float, freq_steps: int | None, freq_s
 def train(cfg: Config) -> None:
     """Entry point of `rlstream train`."""
     par = init_parallel(cfg.actor.device, cfg.actor.parallel)
+    ok = False
     try:
         _train(cfg, par)
+        ok = True
     finally:
-        par.close()
+        par.close(ok)
 
 
 def _train(cfg: Config, par: Parallel) -> None:

@@ -7,6 +7,7 @@ and every collective here is a no-op. The backend is NCCL on GPU and gloo on CPU
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -100,8 +101,16 @@ class Parallel:
             else:
                 dist.barrier()
 
-    def close(self) -> None:
+    def close(self, ok: bool = True) -> None:
+        """Leave the process groups; `ok=False` (this rank failed) skips the closing barrier."""
         if self.distributed and dist.is_initialized():
+            # Free FSDP modules and device meshes (reference cycles) and let every rank get
+            # here before the groups go: a gloo worker thread that drops the last reference
+            # to a finished collective after Python began finalizing aborts the process
+            # ("terminate called without an active exception"; seen with FSDP2 on CPU).
+            gc.collect()
+            if ok:
+                self.barrier()
             dist.destroy_process_group()
 
 
