@@ -56,6 +56,27 @@ def _guard(fn, *args, **kwargs):
         raise typer.Exit(130)
 
 
+def _exit_after_clean_stop() -> None:
+    """Exit 0 now, skipping Python's finalization: for `serve` and `train` once they stopped cleanly.
+
+    By then everything the command owns is released and flushed (registrations, weight
+    groups, checkpoints, stats files). But a gloo thread still blocked in a collective of
+    a group whose peer died cannot be cancelled, and when it wakes during interpreter
+    finalization it is unwound through C++ frames and the process aborts ("terminate
+    called without an active exception", exit -6; seen in CI after an engine died mid-push).
+    """
+    import logging
+    import os
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(0)
+
+
 @config_app.command("show", context_settings=EXTRA)
 def config_show(ctx: typer.Context, config: Optional[str] = ConfigOpt,
                 as_json: bool = typer.Option(False, "--json", help="JSON instead of YAML.")) -> None:
@@ -100,6 +121,7 @@ def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     from rlstream.producer.engine_server import serve as serve_main
 
     _guard(serve_main, load(config, ctx.args))
+    _exit_after_clean_stop()
 
 
 @app.command(context_settings=EXTRA)
@@ -117,6 +139,7 @@ def train(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     from rlstream.trainer.main import train as train_main
 
     _guard(train_main, load(config, ctx.args))
+    _exit_after_clean_stop()
 
 
 @app.command(context_settings=EXTRA)

@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 import os
 import signal
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -340,22 +338,3 @@ def serve(cfg) -> None:
     except ImportError:
         runner = asyncio.run
     runner(run_server(cfg))
-    _exit_after_clean_stop()
-
-
-def _exit_after_clean_stop() -> None:
-    """Exit 0 now, without Python's finalization, once the server has stopped cleanly.
-
-    Everything the engine owns is released by then (unregistered, requests aborted, weight
-    groups shut down). But a gloo thread still blocked in a collective of a group whose
-    peer died cannot be cancelled, and when it wakes during interpreter finalization it
-    is unwound through C++ frames and the process aborts ("terminate called without an
-    active exception", exit -6: seen in CI after an engine died mid-push).
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except (OSError, ValueError):
-            pass
-    os._exit(0)
