@@ -45,7 +45,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from rlstream.broker.connection import BrokerUnavailable
-from rlstream.broker.keys import Keys
+from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.common.logging import get_logger
 
 __all__ = ["AdmissionState", "Lease", "AdmissionController", "AsyncAdmissionController", "capacity", "budget"]
@@ -150,6 +150,31 @@ return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'
         tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
 
+# KEYS: accepted, traj   ARGV: v·B, consumer group  -> {backlog, lag_known}
+# backlog = entries of `traj` the group has still to train: pending + not yet delivered
+_RESET = """
+local backlog, known = 0, 1
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  local found = false
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
+    local f = {}
+    for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
+    if f['name'] == ARGV[2] then
+      found = true
+      backlog = tonumber(f['pending'])
+      if type(f['lag']) == 'number' then
+        backlog = backlog + f['lag']
+      else
+        known = 0  -- Redis cannot tell the lag (entries deleted mid-stream)
+      end
+    end
+  end
+  if not found then backlog = redis.call('XLEN', KEYS[2]) end
+end
+redis.call('SET', KEYS[1], tonumber(ARGV[1]) + backlog)
+return {backlog, known}
+"""
+
 # KEYS: running  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
 # (an expired lease is not revived: its capacity may already be someone else's)
 _RENEW = _NOW + """
@@ -206,6 +231,7 @@ class _AdmissionBase:
         self._release = client.register_script(_RELEASE)
         self._peek = client.register_script(_PEEK)
         self._renew = client.register_script(_RENEW)
+        self._reset = client.register_script(_RESET)
 
     @classmethod
     def from_config(cls, client: Any, keys: Keys, cfg: Any) -> Any:
@@ -245,6 +271,19 @@ class _AdmissionBase:
             # The rollout outlived its lease (producer stalled past lease_ttl). The group is
             # written anyway, never dropped; the consumer's staleness check is the backstop.
             log.warning("lease %s had expired before commit; group written anyway", lease_id)
+
+    def _reset_keys(self) -> list[str]:
+        return [self.keys.admit_accepted, self.keys.traj]
+
+    def _reset_args(self, version: int) -> list[Any]:
+        return [version * self.batch, TRAIN_GROUP]
+
+    def _reset_done(self, res: list[Any]) -> int:
+        backlog, known = int(res[0]), int(res[1])
+        if not known:
+            log.warning("admission reset: Redis cannot tell the train group's lag; counted only its %d pending "
+                        "entries as queued", backlog)
+        return backlog
 
     def _peek_keys(self) -> list[str]:
         return [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected]
@@ -348,9 +387,15 @@ class AdmissionController(_AdmissionBase):
             return 0
         return int(self._renew(keys=[self.keys.admit_running], args=[self.lease_ttl_ms, *lease_ids]))
 
-    def reset_accepted(self, version: int) -> None:
-        """After recovery to version v: accepted := v·B."""
-        self.client.set(self.keys.admit_accepted, version * self.batch)
+    def reset_accepted(self, version: int) -> int:
+        """After recovery to version v: accepted := v·B + the groups still queued for training.
+
+        Queued = pending in or not yet delivered to the `train` group (one atomic script, so
+        a commit racing with it is counted exactly once). Without them producers would fill
+        a whole new budget on top of the queue and the surplus would go stale. Returns the
+        queued count (pending only, with a warning, when Redis cannot tell the lag).
+        """
+        return self._reset_done(self._reset(keys=self._reset_keys(), args=self._reset_args(version)))
 
     def snapshot(self) -> AdmissionState:
         """Current running/accepted/version/rejected and remaining capacity (takes no lease)."""
@@ -431,8 +476,8 @@ class AsyncAdmissionController(_AdmissionBase):
             return 0
         return int(await self._renew(keys=[self.keys.admit_running], args=[self.lease_ttl_ms, *lease_ids]))
 
-    async def reset_accepted(self, version: int) -> None:
-        await self.client.set(self.keys.admit_accepted, version * self.batch)
+    async def reset_accepted(self, version: int) -> int:
+        return self._reset_done(await self._reset(keys=self._reset_keys(), args=self._reset_args(version)))
 
     async def snapshot(self) -> AdmissionState:
         return self._snapshot_state(await self._peek(keys=self._peek_keys(), args=[]))

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from rlstream.broker import AdmissionController, TrajectoryStream, VersionRegistry
+from rlstream.broker import AdmissionController, Keys, TrajectoryStream, VersionRegistry
 from rlstream.broker import admission
 from rlstream.broker.admission import budget
 from rlstream.broker.stream import entry_fields
@@ -155,16 +155,30 @@ def test_renew_keeps_a_lease_alive_and_misses_expired_ones(rclient, keys):
     assert adm.abandon([keep.lease_id]) == 1 and adm.snapshot().running == 0
 
 
-def test_reset_accepted_after_recovery(rclient, keys, group_factory):
+def test_reset_accepted_after_recovery_counts_the_queued_groups(rclient, keys, group_factory):
     adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=3, max_concurrent_rollouts=100)
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
     for _ in range(6):
         _, lease = adm.try_acquire()
         adm.commit(lease.lease_id, entry_fields(group_factory()))
     assert adm.snapshot().accepted == 6 and adm.snapshot().capacity == 0  # (1 + 0 + 1)·3 = 6
+    step0 = stream.read("t0", count=3, block_ms=100)
+    assert stream.ack([e.id for e in step0]) == 3  # step 0 trained and acknowledged
+    assert len(stream.read("t0", count=2, block_ms=100)) == 2  # step 1 read, then the trainer died
     VersionRegistry(rclient, keys).set(1)
-    adm.reset_accepted(1)  # the trainer recovered to version 1: accepted := v·B = 3
+    # Recovered to version 1: accepted := v·B + queued (2 pending, 1 never delivered).
+    assert adm.reset_accepted(1) == 3
     snap = adm.snapshot()
-    assert snap.accepted == 3 and snap.capacity == budget(1, 1, 3) - 3 == 6
+    assert snap.accepted == 6 and snap.capacity == budget(1, 1, 3) - 6 == 3
+    # Without counting the queue, producers would add 6 groups, not 3, behind the 3 queued.
+
+    # A stream with no train group yet: all of it is still to be trained.
+    fresh = Keys(keys.ns + "x")
+    fresh_adm = AdmissionController(rclient, fresh, max_head_offpolicyness=1, consumer_batch_size=3,
+                                    max_concurrent_rollouts=100)
+    TrajectoryStream(rclient, fresh).append(group_factory())
+    assert fresh_adm.reset_accepted(0) == 1 and fresh_adm.snapshot().accepted == 1
 
 
 def test_finish_and_acquire_are_idempotent_under_retry(rclient, keys, group_factory):

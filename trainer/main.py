@@ -138,6 +138,7 @@ def _train(cfg: Config, par: Parallel) -> None:
         reader.claim_orphans()
     par.barrier()
     info = reader.resume(state.step, replay=recovering, covered_ids=covered)
+    par.barrier()  # every rank acknowledged what its checkpoint covers before the queue is counted below
     if info.replay_steps or info.leftover or info.acked:
         log.info("rank %d: acknowledged %d covered entries, will replay steps %s, %d unrecorded pending entries first",
                  par.rank, info.acked, info.replay_steps, info.leftover)
@@ -147,9 +148,8 @@ def _train(cfg: Config, par: Parallel) -> None:
     # A checkpoint or recorded-but-lost steps mean this run recovers from a crash.
     if latest is not None or info.replay_steps:
         if par.is_main:
-            AdmissionController(client, keys, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-                                consumer_batch_size=B, max_concurrent_rollouts=cfg.max_concurrent_rollouts,
-                                lease_ttl=cfg.rollout.lease_ttl).reset_accepted(state.version)
+            queued = AdmissionController.from_config(client, keys, cfg).reset_accepted(state.version)
+            log.info("admission reset: accepted := %d·%d + %d queued groups", state.version, B, queued)
         # Engines may serve weights of lost steps: give them the recovered ones.
         broadcaster.push(par.unwrap(model), state.version)
     stats = StatsLogger(cfg, enabled=par.is_main, total_steps=total_steps)
