@@ -169,11 +169,18 @@ def run_cell(redis: Redis, engines: list[Engine], model: Path, data: Path, n_pro
     samples.append(sample())
     client = redis_py.Redis.from_url(redis.url)
     keys = Keys(namespace(exp, "trial0"))
-    stamps = sorted(int(eid.split(b"-")[0]) / 1000 for eid, _ in client.xrange(keys.traj))
+    commits = sorted((int(eid.split(b"-")[0]) / 1000, f[b"p"].decode()) for eid, f in client.xrange(keys.traj))
     client.close()
+    stamps = [t for t, _ in commits]
     n = len(stamps)
     lo, hi = stamps[int(0.1 * (n - 1))], stamps[int(0.9 * (n - 1))]
     in_window = sum(1 for s in stamps if lo <= s <= hi)
+    # Fair share: the busiest producer's share of the window's commits (1/P when shared evenly).
+    per_producer: dict[str, int] = {}
+    for t, pid in commits:
+        if lo <= t <= hi:
+            per_producer[pid] = per_producer.get(pid, 0) + 1
+    top_share = max(per_producer.values()) / in_window if in_window else float("nan")
     rate = (in_window - 1) / (hi - lo) if hi > lo else float("nan")
 
     def busy_at(t: float) -> list[float]:
@@ -188,7 +195,7 @@ def run_cell(redis: Redis, engines: list[Engine], model: Path, data: Path, n_pro
     busy, engine_cores, machine_cores = frac[:len(engines)], frac[-2], frac[-1]
     return {"producers": n_producers, "engines": len(engines), "groups": n, "rollouts_per_s": rate,
             "engine_busy": sum(busy) / len(busy), "engine_cpu_cores": engine_cores,
-            "machine_cpu": machine_cores / (os.cpu_count() or 1), "window_s": hi - lo}
+            "machine_cpu": machine_cores / (os.cpu_count() or 1), "window_s": hi - lo, "top_producer_share": top_share}
 
 
 def table(rows: list[dict]) -> str:
@@ -196,14 +203,15 @@ def table(rows: list[dict]) -> str:
     producers = sorted({r["producers"] for r in rows})
     by = {(r["engines"], r["producers"]): r for r in rows}
     head = "| producers | " + " | ".join(f"{m} engine{'s' if m > 1 else ''}: rollouts/s (engine busy, engine CPU, "
-                                        f"machine CPU)" for m in engines) + " |"
+                                        f"machine CPU, busiest producer's share)" for m in engines) + " |"
     lines = [head, "|---:|" + "---:|" * len(engines)]
     for p in producers:
         cells = []
         for m in engines:
             r = by.get((m, p))
             cells.append("–" if r is None else f"{r['rollouts_per_s']:.1f} ({100 * r['engine_busy']:.0f}%, "
-                         f"{r['engine_cpu_cores']:.2f} cores, {100 * r['machine_cpu']:.0f}%)")
+                         f"{r['engine_cpu_cores']:.2f} cores, {100 * r['machine_cpu']:.0f}%, "
+                         f"{100 * r['top_producer_share']:.0f}%)")
         lines.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -280,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} CPUs shared by redis, engines, producers and other work (load average {load:.1f} at "
         f"the end). rollouts/s between the 10th and 90th percentile commit; engine busy = share of that time the "
         f"engines spent in prefill/decode steps (wall time, averaged over engines); engine CPU = CPU time the engine "
-        f"processes used together per second; machine CPU = share of all cores busy (everything on the machine).", "",
+        f"processes used together per second; machine CPU = share of all cores busy (everything on the machine); "
+        f"busiest producer's share = the most one producer committed of the window's groups (100/P% when "
+        f"admission shares the slots evenly; before the fair share one producer could take them all).", "",
         table(rows), "",
         analysis(rows),
         "",

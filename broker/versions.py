@@ -24,6 +24,7 @@ class Event(msgspec.Struct, kw_only=True):
     version: int = -1
     ts: float = msgspec.field(default_factory=time.time)
     detail: str = ""
+    address: str = ""  # engine_down / engine_up: the engine's host:port
 
 
 _enc = msgspec.msgpack.Encoder()

@@ -390,6 +390,7 @@ class ServerPool:
         self.resolver = resolver or make_engine_resolver(cfg, redis_client)
         self.wait_log_interval = wait_log_interval
         self.servers: dict[str, _Server] = {}
+        self.behind: set[str] = set()  # engines the trainer dropped from weight sync (engine_down)
         self._rr = itertools.count()
         self._changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -492,9 +493,25 @@ class ServerPool:
                 await asyncio.wait_for(self._changed.wait(), min(1.0, left) if left is not None else 1.0)
         return self.healthy()
 
+    def set_behind(self, address: str, behind: bool) -> None:
+        """The trainer dropped `address` from weight sync (engine_down) or it caught up (engine_up).
+
+        An engine left behind serves old weights: requests go elsewhere while any other
+        engine is up, so samples are not generated stale (and then dropped) needlessly.
+        """
+        if behind and address not in self.behind:
+            log.info("engine %s fell behind the weight version: not used while another engine is up", address)
+            self.behind.add(address)
+        elif not behind and address in self.behind:
+            log.info("engine %s caught up with the weight version: used again", address)
+            self.behind.discard(address)
+
     # --------------------------------------------------------------- scheduling
     def _pick(self, avoid: set[str]) -> str | None:
-        cands = [a for a in self.healthy() if a not in avoid] or self.healthy()
+        healthy = self.healthy()
+        current = [a for a in healthy if a not in self.behind]
+        cands = ([a for a in current if a not in avoid] or current or [a for a in healthy if a not in avoid]
+                 or healthy)
         if not cands:
             return None
         if self.policy == "least_inflight":

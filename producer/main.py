@@ -190,6 +190,8 @@ class Producer:
                         self._wake.set()
                     elif ev.type == "shutdown":
                         self.request_stop(f"shutdown event ({ev.detail or 'trainer finished'})", force=True)
+                    elif ev.type in ("engine_down", "engine_up") and ev.address:
+                        self.pool.set_behind(ev.address, ev.type == "engine_down")
 
     async def _progress(self) -> None:
         period = self.cfg.stats_logger.log_every_secs

@@ -114,6 +114,21 @@ async def test_pool_follows_name_resolve_round_robin_and_least_inflight(shared, 
         assert [o.finish_reason for o in outs] == ["length"] * len(outs)
 
 
+async def test_engine_behind_the_weight_version_is_skipped_while_another_is_up(shared, redis_url):
+    """engine_down from the trainer (set_behind) steers requests to the other engine; engine_up undoes it."""
+    exp, (e0, e1) = shared
+    static = f"rollout.engine_addresses=[{e0.address},{e1.address}]"
+    async with ServerPool(pool_cfg(redis_url, exp, static, "rollout.schedule_policy=round_robin")) as pool:
+        await pool.wait_for_servers(2, timeout=30)
+        pool.set_behind(e0.address, True)
+        assert {(await pool.agenerate(req(2))).server for _ in range(6)} == {e1.address}
+        pool.set_behind(e1.address, True)  # every engine behind: still served (the trainer is catching them up)
+        assert len({(await pool.agenerate(req(2))).server for _ in range(4)}) == 2
+        pool.set_behind(e0.address, False)
+        pool.set_behind(e1.address, False)
+        assert len({(await pool.agenerate(req(2))).server for _ in range(4)}) == 2
+
+
 class _Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__()

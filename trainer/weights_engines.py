@@ -613,7 +613,7 @@ class EngineBroadcaster(WeightBroadcaster):
     def _announce(self, kind: str, address: str, detail: str, version: int | None = None) -> None:
         try:
             self.versions.publish(Event(type=kind, version=self.current if version is None else version,
-                                        detail=detail))
+                                        detail=detail, address=address))
         except Exception as exc:  # noqa: BLE001 - an event is informative; the push itself succeeded
             log.warning("could not publish %s for %s: %s", kind, address, exc)
 
