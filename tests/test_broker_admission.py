@@ -49,7 +49,7 @@ WORKER = textwrap.dedent("""
         out["max_inflight"] = max(out["max_inflight"], n)
         if n > maxc:
             out["violations"].append(f"{n} rollouts in flight > max_concurrent {maxc}")
-        time.sleep(rnd.random() * 0.003)
+        time.sleep(0.005 + rnd.random() * 0.01)  # long enough for all 8 workers to join the race
         c.decr(inflight)
         if rnd.random() < 0.7:
             adm.commit(lease.lease_id, {"d": b"x", "v": v, "p": str(seed), "n": 1, "r": 0.0})
