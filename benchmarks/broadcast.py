@@ -33,7 +33,6 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+from redis_child import RedisChild, free_port  # benchmarks/ is sys.path[0] when run as a script
 
 SECTION = "## Weight broadcast"
 
@@ -50,12 +50,6 @@ SIZES = {
     "100MB": (1280, 1, 10, 4480),
     "1GB": (2048, 5, 16, 5632),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def build_model(root: Path, name: str) -> Path:
@@ -135,31 +129,6 @@ class RawBroadcast:
 # ---------------------------------------------------------------------- engines
 
 
-class Redis:
-    def __init__(self, workdir: Path) -> None:
-        exe = shutil.which("redis-server")
-        if not exe:
-            raise SystemExit("redis-server not found (apt-get install -y redis-server)")
-        self.port = free_port()
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(workdir)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    break
-            except OSError:
-                if time.time() > deadline:
-                    raise
-                time.sleep(0.05)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
 def start_engines(model: Path, n: int, workdir: Path, device: str) -> list[tuple[subprocess.Popen, str]]:
     out = []
     for i in range(n):
@@ -225,7 +194,7 @@ def run(args) -> list[dict]:
 
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    redis = Redis(workdir)
+    redis = RedisChild(workdir)
     rows = []
     try:
         for name in args.sizes:

@@ -24,7 +24,6 @@ import json
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +32,7 @@ import uuid
 from pathlib import Path
 
 import numpy as np
+from redis_child import RedisChild  # benchmarks/ is sys.path[0] when run as a script
 
 N_SAMPLES = 8
 OUT_TOKENS = 1024
@@ -53,49 +53,6 @@ def make_group(seed: int, producer: str = "bench"):
 
 
 # --------------------------------------------------------------------------- redis-server
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    """A redis-server child for the benchmark (no persistence: we measure the broker path, not the disk)."""
-
-    def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if not exe:
-            sys.exit("redis-server not found: apt-get install -y redis-server")
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="rlstream-bench-")
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        sys.exit("redis-server did not start")
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # --------------------------------------------------------------------------- codec
@@ -318,7 +275,7 @@ def main() -> None:
     # and compare the best of each (a round that lost the CPU to someone else says nothing).
     e2e_runs: list[dict] = []
     ceil_runs: dict[tuple[int, int], list[dict]] = {(1, 1): [], (4, 8): []}
-    server = Server()
+    server = RedisChild()
     try:
         for r in range(args.rounds):
             e2e_runs.append(bench_e2e(server.url, n_e2e, args.producers, args.batch, args.count))

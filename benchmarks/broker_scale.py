@@ -29,17 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import numpy as np
-from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
+from readme_section import write_section
+from redis_child import RedisChild  # benchmarks/ is sys.path[0] when run as a script
 
 SECTION = "## Broker at published scale"
 STEP_GROUPS = 512
@@ -57,41 +54,6 @@ def make_group(seed: int, n_samples: int = N_SAMPLES, prompt: int = PROMPT_TOKEN
                                     float(rng.random()), "stop")
              for _ in range(n_samples)]
     return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=f"p{seed}", producer_id="bench", trajectories=trajs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Redis:
-    """A redis-server child without persistence (we measure the broker path, not the disk)."""
-
-    def __init__(self) -> None:
-        exe = shutil.which("redis-server")
-        if not exe:
-            sys.exit("redis-server not found: apt-get install -y redis-server")
-        self.port = free_port()
-        self.dir = tempfile.mkdtemp(prefix="rlstream-bench-scale-")
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", self.dir, "--protected-mode", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    break
-            except OSError:
-                if time.time() > deadline:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def redis_cpu_usec(client) -> float:
@@ -122,7 +84,7 @@ def measure(n_groups: int, rounds: int) -> dict:
         keep("decode_validate", time.perf_counter() - t0)
     del payloads
 
-    server = Redis()
+    server = RedisChild()
     try:
         client = connect(server.url)
         for r in range(rounds):

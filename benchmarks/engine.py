@@ -32,8 +32,6 @@ import contextvars
 import json
 import os
 import platform
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -43,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from redis_child import RedisChild  # benchmarks/ is sys.path[0] when run as a script
 
 SECTION = "## Engine"
 PRODUCER_SECTION = "### Producer overhead"
@@ -258,12 +257,6 @@ def _timed_producer(cfg):
     return TimedProducer(cfg)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _stop(proc: subprocess.Popen, timeout: float = 20.0) -> None:
     if proc.poll() is None:
         proc.terminate()
@@ -272,25 +265,6 @@ def _stop(proc: subprocess.Popen, timeout: float = 20.0) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    exe = shutil.which("redis-server")
-    if not exe:
-        sys.exit("redis-server not found: apt-get install -y redis-server")
-    port = _free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir), "--protected-mode", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    _stop(proc)
-    sys.exit("redis-server did not start")
 
 
 def _start_engine(workdir: Path, model: str, redis_url: str, threads: int, device: str) -> tuple[subprocess.Popen, str]:
@@ -353,7 +327,8 @@ def run_producer_overhead(*, groups: int = 64, concurrencies=(1, 8), n_samples: 
         for i in range(max(groups, 64)):
             a, b = i % 10, (i * 7) % 10
             f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
-    redis_proc, redis_url = _start_redis(work)
+    redis = RedisChild(work)
+    redis_url = redis.url
     engine_proc = None
     runs = []
     try:
@@ -405,7 +380,7 @@ def run_producer_overhead(*, groups: int = 64, concurrencies=(1, 8), n_samples: 
     finally:
         if engine_proc is not None:
             _stop(engine_proc)
-        _stop(redis_proc)
+        redis.stop()
         tmp.cleanup()
     setup = {"groups": groups, "n_samples": n_samples, "max_new_tokens": new_tokens, "engine_threads": threads,
              "device": device, "warmup_skipped": "max(2, rollouts in flight)"}

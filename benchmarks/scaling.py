@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,7 +33,8 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
-from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
+from readme_section import write_section
+from redis_child import RedisChild  # benchmarks/ is sys.path[0] when run as a script
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
@@ -48,39 +48,6 @@ def cli(*args: str) -> list[str]:
 def child_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Redis:
-    """A redis-server child (no persistence)."""
-
-    def __init__(self, workdir: Path) -> None:
-        exe = shutil.which("redis-server")
-        if not exe:
-            sys.exit("redis-server not found: apt-get install -y redis-server")
-        self.port = free_port()
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    break
-            except OSError:
-                if time.time() > deadline:
-                    raise RuntimeError("redis-server did not start")
-                time.sleep(0.05)
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 class Engine:
@@ -128,7 +95,7 @@ def prepare(workdir: Path) -> tuple[Path, Path]:
     return paths["model"], paths["train"]
 
 
-def run_cell(redis: Redis, engines: list[Engine], model: Path, data: Path, n_producers: int, groups: int,
+def run_cell(redis: RedisChild, engines: list[Engine], model: Path, data: Path, n_producers: int, groups: int,
              max_concurrent: int, workdir: Path) -> dict:
     import redis as redis_py
 
@@ -260,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     model, data = prepare(workdir)
-    redis = Redis(workdir)
+    redis = RedisChild(workdir)
     rows = []
     try:
         for m in args.engines:

@@ -21,39 +21,14 @@ import argparse
 import json
 import os
 import platform
-import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
+from redis_child import RedisChild
 
 SECTION = "## Trainer"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    exe = shutil.which("redis-server")
-    if not exe:
-        raise SystemExit("redis-server not found (apt-get install -y redis-server)")
-    port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 10
-    while time.time() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.2):
-                return proc, f"redis://127.0.0.1:{port}/0"
-        except OSError:
-            time.sleep(0.05)
-    proc.kill()
-    raise SystemExit("redis-server did not start")
 
 
 def overrides(model: Path, root: Path, args, extra: list[str]) -> list[str]:
@@ -130,7 +105,8 @@ def bench_data_share(model: Path, root: Path, args) -> dict:
     from rlstream.common.config import load_config
     from rlstream.trainer.main import train
 
-    proc, url = start_redis(root)
+    redis = RedisChild(root)
+    url = redis.url
     try:
         exp = "benchtrainer"
         client = connect(url)
@@ -143,8 +119,7 @@ def bench_data_share(model: Path, root: Path, args) -> dict:
         recs = [json.loads(x) for x in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
         client.close()
     finally:
-        proc.terminate()
-        proc.wait(10)
+        redis.stop()
     recs = recs[1:] if len(recs) > 1 else recs  # the first step pays one-time start-up costs
     wait = sum(r["time/wait_data"] for r in recs)
     collate_s = sum(r["time/collate"] for r in recs)
@@ -188,18 +163,6 @@ def render(res: dict, args) -> str:
     return "\n".join(lines)
 
 
-def write_readme_section(text: str, readme: Path) -> None:
-    """Replace our section of the README (other sections untouched), or append it."""
-    old = readme.read_text() if readme.exists() else "# Benchmarks\n\n"
-    start = old.find(SECTION + "\n")
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        nxt = old.find("\n## ", start + len(SECTION))
-        new = old[:start] + text + (old[nxt + 1:] if nxt >= 0 else "")
-    readme.write_text(new if new.endswith("\n") else new + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="4 groups, shorter outputs, 3 steps")
@@ -239,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=2))
     if args.readme:
-        write_readme_section(text, Path(__file__).resolve().parent / "README.md")
+        write_section(SECTION, text)
     return 0
 
 
