@@ -62,11 +62,6 @@ def new_lease_id() -> str:
     return f"{_LEASE_PREFIX}-{os.getpid()}-{next(_lease_seq)}"
 
 
-def lease_owner(lease_id: str) -> str:
-    """The producer process a lease belongs to: its id up to the last `-` (the Lua script agrees)."""
-    return lease_id.rsplit("-", 1)[0] if "-" in lease_id else lease_id
-
-
 # How long a finished lease's answer is remembered so a retried finish is not applied twice.
 DONE_TTL_MS = 600_000
 # A producer refused within this window counts as waiting for a slot (fair share). It must
@@ -81,9 +76,11 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
 # KEYS: running, accepted, version, waiting
-# ARGV: lease_id, ttl_ms, eta, B, max_concurrent, owner, wait_window_ms
+# ARGV: lease_id, ttl_ms, eta, B, max_concurrent, wait_window_ms
 # -> {admitted, capacity_after, running, accepted, version, expires_ms}
+# A lease's owner (its producer process) is its id up to the last `-` (see new_lease_id).
 _ACQUIRE = _NOW + """
+local function owner_of(lease) return string.match(lease, '^(.*)%-[^%-]*$') or lease end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local running = redis.call('ZCARD', KEYS[1])
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
@@ -96,25 +93,19 @@ if held then
   -- a retry whose first attempt took the lease (reply lost): same answer, no second lease
   return {1, cap, running, accepted, v, tonumber(held)}
 end
-local owner = ARGV[6]
+local owner = owner_of(ARGV[1])
 if cap > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[7]))
-  local waiters = redis.call('ZRANGE', KEYS[4], 0, -1)
-  local others = false
-  for _, w in ipairs(waiters) do
-    if w ~= owner then others = true end
+  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[6]))
+  local seen, n = {[owner] = true}, 1
+  for _, w in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
+    if not seen[w] then seen[w] = true; n = n + 1 end
   end
-  if others then
+  if n > 1 then
     -- other producers were refused lately: this one gets no more than its fair share of
     -- the slots usable now (running + cap) among everyone holding or waiting for one
-    local seen = {[owner] = true}
-    local n = 1
-    for _, w in ipairs(waiters) do
-      if not seen[w] then seen[w] = true; n = n + 1 end
-    end
     local mine = 0
     for _, lease in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-      local o = string.match(lease, '^(.*)%-[^%-]*$') or lease
+      local o = owner_of(lease)
       if o == owner then mine = mine + 1 end
       if not seen[o] then seen[o] = true; n = n + 1 end
     end
@@ -243,8 +234,7 @@ class _AdmissionBase:
     def _acquire_args(self, lease_id: str | None) -> tuple[list[str], list[Any], str]:
         lid = lease_id or new_lease_id()
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting]
-        args = [lid, self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent, lease_owner(lid), WAIT_WINDOW_MS]
-        return keys, args, lid
+        return keys, [lid, self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent, WAIT_WINDOW_MS], lid
 
     def _release_args(self, lease_id: str) -> tuple[list[str], list[Any]]:
         return ([self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id)],

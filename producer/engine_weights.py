@@ -265,13 +265,7 @@ class WeightReceiver:
             # here, between decode steps; an empty list still moves the version.
             return self.engine.apply_weights(received, version)
 
-        if load_format == "flattened_bucket":
-            received = await run_in_thread(receive, name=f"rlstream-weights-recv-{group_name}")
-            if slot.gen != gen:
-                raise RuntimeError(f"weight group {group_name!r} was replaced during the update; version not changed")
-            n = await run_in_thread(self.engine.apply_weights, received, version, name="rlstream-weights-apply")
-        else:
-            n = await run_in_thread(receive_and_apply, name=f"rlstream-weights-recv-{group_name}")
+        n = await run_in_thread(receive_and_apply, name=f"rlstream-weights-recv-{group_name}")
         self.updates += 1
         return (f"updated {len(names)} tensors ({len(names) - n} received in place) from group {group_name!r}"
                 + (f"; serving version {version}" if version is not None else ""))
