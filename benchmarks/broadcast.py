@@ -41,7 +41,8 @@ import time
 from pathlib import Path
 
 import torch
-from redis_child import RedisChild, free_port  # benchmarks/ is sys.path[0] when run as a script
+from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
+from redis_child import RedisChild, free_port
 
 SECTION = "## Weight broadcast"
 
@@ -255,8 +256,6 @@ def table(rows: list[dict]) -> str:
 
 
 def write_readme(rows: list[dict], args) -> None:
-    readme = Path(__file__).with_name("README.md")
-    text = readme.read_text() if readme.exists() else "# Benchmarks\n"
     load = os.getloadavg()[0]
     body = [
         SECTION, "",
@@ -283,14 +282,7 @@ def write_readme(rows: list[dict], args) -> None:
         "the interleaving and medians; NCCL was not measured (no GPU here): "
         "`--backend nccl --trainer-device cuda --engine-device cuda` on n + 1 GPUs.", "",
     ]
-    section = "\n".join(body)
-    if SECTION in text:
-        start = text.index(SECTION)
-        nxt = text.find("\n## ", start + len(SECTION))
-        text = text[:start] + section + (text[nxt + 1:] if nxt != -1 else "")
-    else:
-        text = text.rstrip() + "\n\n" + section
-    readme.write_text(text)
+    write_section(SECTION, "\n".join(body))
 
 
 def main() -> None:
