@@ -100,7 +100,7 @@ async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int) -> lis
     """Best of `repeat` runs per cell; the three modes interleave so load drift hits all alike."""
     from aiohttp import web
 
-    from rlstream.producer.engine_server import build_app
+    from rlstream.engine.server import build_app
 
     runner = web.AppRunner(build_app(engine), access_log=None)
     await runner.setup()
@@ -135,7 +135,7 @@ def run_benchmark(*, quick: bool = False, model_path: str | None = None, request
                   device: str = "cpu", repeat: int = 3) -> dict:
     """Run the whole comparison; returns {"setup": ..., "rows": [...]}."""
     from rlstream.launcher.tiny import build_tiny_model
-    from rlstream.producer.local_engine import LocalEngine
+    from rlstream.engine.local import LocalEngine
 
     torch.set_num_threads(threads)
     requests = requests or (32 if quick else 64)

@@ -118,7 +118,7 @@ def inspect(ctx: typer.Context,
 @app.command(context_settings=EXTRA)
 def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Run the local inference engine (SGLang-compatible HTTP subset)."""
-    from rlstream.producer.engine_server import serve as serve_main
+    from rlstream.engine.server import serve as serve_main
 
     _guard(serve_main, load(config, ctx.args))
     _exit_after_clean_stop()

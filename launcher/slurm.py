@@ -189,7 +189,7 @@ def _engine_cmd(cfg: Config, port: int) -> str:
         cmd = (f'"$ENGINE_PY" -m sglang.launch_server --model-path {model} --host 0.0.0.0 --port {port} '
                f"--tp-size {sc.engine_tp} --pp-size {sc.engine_pp}")
     else:
-        server = Path(__file__).resolve().parents[1] / "producer" / "vllm_server.py"
+        server = Path(__file__).resolve().parents[1] / "engine" / "vllm_server.py"
         cmd = (f'"$ENGINE_PY" {_q(server)} --model {model} --host 0.0.0.0 --port {port} '
                f"--tensor-parallel-size {sc.engine_tp} --pipeline-parallel-size {sc.engine_pp}")
     return f"{cmd} {extra}".rstrip()

@@ -335,7 +335,7 @@ class VLLMClient(EngineClient):
         await self._request("POST", "/resume", timeout=60)
 
     async def model_info(self) -> dict[str, Any]:
-        # rlstream's vLLM server (producer/vllm_server.py) adds SGLang's /get_model_info with
+        # rlstream's vLLM server (engine/vllm_server.py) adds SGLang's /get_model_info with
         # the weight version; plain vLLM has only /v1/models.
         try:
             data = await self._request("GET", "/get_model_info", timeout=30)

@@ -5,7 +5,7 @@
 # (2.13.0+cpu) and a transformers major (5.x) that rlstream's main environment does
 # not use. rlstream talks to it only over HTTP and a gloo process group, so nothing is
 # shared but the two small modules the vLLM server imports by path
-# (producer/vllm_server.py, producer/vllm_worker_ext.py).
+# (engine/vllm_server.py, engine/vllm_worker_ext.py).
 #
 # Idempotent: when the venv already exists and passes the check below it is reused
 # as is (CI machines may keep it between runs); a broken or outdated one is rebuilt.

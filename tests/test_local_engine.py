@@ -20,8 +20,8 @@ import pytest
 import torch
 from aiohttp import web
 
-from rlstream.producer.engine_server import build_app
-from rlstream.producer.local_engine import LocalEngine
+from rlstream.engine.server import build_app
+from rlstream.engine.local import LocalEngine
 
 torch.set_num_threads(1)
 

@@ -283,8 +283,8 @@ async def test_pause_mid_generation_continues_with_the_new_version(tiny_model_pa
     from rlstream.common.wire import encode_group
     from rlstream.producer.dataset import DatasetItem
     from rlstream.producer.engine_client import ServerPool
-    from rlstream.producer.engine_server import build_app
-    from rlstream.producer.local_engine import LocalEngine
+    from rlstream.engine.server import build_app
+    from rlstream.engine.local import LocalEngine
     from rlstream.producer.rewards import RewardPool
     from rlstream.producer.workflow import RLVRWorkflow, RolloutEngine
 

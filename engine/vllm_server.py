@@ -3,7 +3,7 @@
 Run it with the vLLM virtualenv's python (scripts/setup_vllm_venv.sh), by path — the
 venv does not have rlstream installed, this file makes the package importable:
 
-    /opt/rlstream-vllm-venv/bin/python producer/vllm_server.py --model PATH --port 8000 [vLLM serve args]
+    /opt/rlstream-vllm-venv/bin/python engine/vllm_server.py --model PATH --port 8000 [vLLM serve args]
 
 It is vLLM's own server (`vllm serve`: same arguments, `/v1/completions`,
 `/v1/models`, `/health`, `/metrics`, ...) plus:
@@ -17,7 +17,7 @@ It is vLLM's own server (`vllm serve`: same arguments, `/v1/completions`,
   `POST /update_weights_from_disk` `{model_path, weight_version?}`,
   `POST /pause_generation` `{mode?: abort|wait|keep}`, `POST /continue_generation`,
   `POST /flush_cache`, `GET /get_model_info` (with `weight_version`).
-  They drive producer/vllm_worker_ext.py through `collective_rpc`. A distributed push is
+  They drive engine/vllm_worker_ext.py through `collective_rpc`. A distributed push is
   one reload session in the workers: the first bucket opens it, `/continue_generation`
   (or a bucket with `"finish": true`) ends it, and only then is the new `weight_version`
   reported; generation stays paused in between. vLLM 0.32's own
@@ -48,8 +48,8 @@ import sys
 from pathlib import Path
 
 if __name__ == "__main__" and sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-    # Run by path, Python puts producer/ first on sys.path, where our dataset.py,
-    # main.py, ... would shadow top-level modules of the same name.
+    # Run by path, Python puts engine/ first on sys.path, where our server.py, weights.py,
+    # local.py, ... would shadow top-level modules of the same name.
     sys.path.pop(0)
 
 __all__ = ["DEFAULT_VENV", "VENV_ENV", "venv_python", "server_command", "main"]
@@ -57,7 +57,7 @@ __all__ = ["DEFAULT_VENV", "VENV_ENV", "venv_python", "server_command", "main"]
 VENV_ENV = "RLSTREAM_VLLM_VENV"
 DEFAULT_VENV = "/opt/rlstream-vllm-venv"
 REPO_ROOT = Path(__file__).resolve().parents[1]
-WORKER_EXTENSION = "rlstream.producer.vllm_worker_ext.WeightSyncWorkerExtension"
+WORKER_EXTENSION = "rlstream.engine.vllm_worker_ext.WeightSyncWorkerExtension"
 
 
 # ---------------------------------------------------------------- launching (main env)

@@ -46,7 +46,7 @@ from rlstream.common.logging import get_logger
 
 __all__ = ["LocalEngine", "SamplingParams", "EngineError", "resolve_device", "DTYPES"]
 
-log = get_logger("rlstream.producer.local_engine")
+log = get_logger("rlstream.engine.local")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

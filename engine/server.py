@@ -10,7 +10,7 @@ Routes (request and response shapes follow SGLang so one client speaks to both):
 - `POST /continue_generation`, `GET /health`, `GET /health_generate`,
   `GET /get_model_info`, `GET /get_server_info`, `POST /flush_cache` (no-op: no prefix cache).
 - The weight-update routes (`/init_weights_update_group`, `/update_weights_from_distributed`,
-  `/update_weights_from_disk`) come from `producer/engine_weights.py`.
+  `/update_weights_from_disk`) come from `engine/weights.py`.
 
 With `server.api_key` set every route needs `Authorization: Bearer <key>`. The bound
 address is printed, logged, written to `$RLSTREAM_ENGINE_ADDR_FILE` when set, and
@@ -33,11 +33,11 @@ import msgspec
 from aiohttp import web
 
 from rlstream.common.logging import get_logger
-from rlstream.producer.local_engine import EngineError, LocalEngine, SamplingParams
+from rlstream.engine.local import EngineError, LocalEngine, SamplingParams
 
 __all__ = ["serve", "build_app", "run_server", "ENGINE_KEY", "ADDR_FILE_ENV"]
 
-log = get_logger("rlstream.producer.engine_server")
+log = get_logger("rlstream.engine.server")
 
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
 ADDR_FILE_ENV = "RLSTREAM_ENGINE_ADDR_FILE"
@@ -210,11 +210,11 @@ def build_app(engine: LocalEngine, *, api_key: str | None = None) -> web.Applica
         web.post("/flush_cache", flush_cache),
     ])
     try:
-        from rlstream.producer.engine_weights import add_weight_routes
+        from rlstream.engine.weights import add_weight_routes
     except ImportError as exc:
-        if exc.name != "rlstream.producer.engine_weights":
+        if exc.name != "rlstream.engine.weights":
             raise  # a real bug inside engine_weights, not its absence
-        log.warning("producer/engine_weights.py not present: weight-update routes disabled")
+        log.warning("engine/weights.py not present: weight-update routes disabled")
     else:
         add_weight_routes(app, engine)
     return app

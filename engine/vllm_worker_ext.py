@@ -2,7 +2,7 @@
 
 vLLM mixes this class into each of its GPU/CPU workers; the methods run inside the
 worker process and are driven from the API server by `collective_rpc(name, kwargs=...)`
-(producer/vllm_server.py maps rlstream's SGLang-style HTTP routes onto them).
+(engine/vllm_server.py maps rlstream's SGLang-style HTTP routes onto them).
 
 It runs inside the vLLM virtualenv (scripts/setup_vllm_venv.sh), which has torch and
 vllm but none of rlstream's other dependencies, so it imports only torch, safetensors
@@ -40,7 +40,7 @@ from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group
 
 __all__ = ["WeightSyncWorkerExtension", "parse_dtype"]
 
-QUALNAME = "rlstream.producer.vllm_worker_ext.WeightSyncWorkerExtension"
+QUALNAME = "rlstream.engine.vllm_worker_ext.WeightSyncWorkerExtension"
 
 
 def parse_dtype(name: str) -> torch.dtype:

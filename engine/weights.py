@@ -40,7 +40,7 @@ from rlstream.common.logging import get_logger
 
 __all__ = ["add_weight_routes", "WeightReceiver", "parse_dtype", "GROUP_TIMEOUT_ENV"]
 
-log = get_logger("rlstream.producer.engine_weights")
+log = get_logger("rlstream.engine.weights")
 
 # Collective timeout when the trainer sends none: a receive whose sender died is given
 # up after this many seconds.
