@@ -52,8 +52,9 @@ def cli(*args: str) -> list[str]:
 
 
 def child_env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    from rlstream.launcher.procs import CHILD_ENV
+
+    return {**os.environ, **CHILD_ENV}
 
 
 def prepare(workdir: Path, sft_steps: int) -> Path:

@@ -42,7 +42,9 @@ from pathlib import Path
 
 import torch
 from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
-from redis_child import RedisChild, free_port
+from redis_child import RedisChild
+
+from rlstream.common.net import free_port
 
 SECTION = "## Weight broadcast"
 

@@ -43,6 +43,8 @@ from pathlib import Path
 import torch
 from redis_child import RedisChild  # benchmarks/ is sys.path[0] when run as a script
 
+from rlstream.launcher.procs import stop_process
+
 SECTION = "## Engine"
 PRODUCER_SECTION = "### Producer overhead"
 
@@ -257,16 +259,6 @@ def _timed_producer(cfg):
     return TimedProducer(cfg)
 
 
-def _stop(proc: subprocess.Popen, timeout: float = 20.0) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def _start_engine(workdir: Path, model: str, redis_url: str, threads: int, device: str) -> tuple[subprocess.Popen, str]:
     """`rlstream serve` on a free port; its address comes back through RLSTREAM_ENGINE_ADDR_FILE."""
     addr_file, log_path = workdir / "engine.addr", workdir / "engine.log"
@@ -285,7 +277,7 @@ def _start_engine(workdir: Path, model: str, redis_url: str, threads: int, devic
         if addr_file.exists() and addr_file.read_text().strip():
             return proc, addr_file.read_text().strip()
         time.sleep(0.1)
-    _stop(proc)
+    stop_process(proc, 20)
     sys.exit(f"rlstream serve did not start within 180s: {log_path.read_text()[-2000:]}")
 
 
@@ -379,7 +371,7 @@ def run_producer_overhead(*, groups: int = 64, concurrencies=(1, 8), n_samples: 
             EngineClient._request = orig_request
     finally:
         if engine_proc is not None:
-            _stop(engine_proc)
+            stop_process(engine_proc, 20)
         redis.stop()
         tmp.cleanup()
     setup = {"groups": groups, "n_samples": n_samples, "max_new_tokens": new_tokens, "engine_threads": threads,

@@ -7,19 +7,13 @@ broker path, not the disk. Imported as a script sibling (benchmarks/ is sys.path
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 
+from rlstream.common.net import free_port
 from rlstream.launcher.local import redis_server_binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from rlstream.launcher.procs import stop_process, wait_for_port
 
 
 class RedisChild:
@@ -36,24 +30,11 @@ class RedisChild:
                                       "--appendonly", "no", "--dir", str(workdir or self._tmp),
                                       "--protected-mode", "no"],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                if time.time() > deadline or self.proc.poll() is not None:
-                    self.stop()
-                    raise SystemExit("redis-server did not start") from None
-                time.sleep(0.05)
+        if not wait_for_port("127.0.0.1", self.port, 10):
+            self.stop()
+            raise SystemExit("redis-server did not start")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)

@@ -46,8 +46,9 @@ def cli(*args: str) -> list[str]:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
+    from rlstream.launcher.procs import CHILD_ENV
+
+    return {**os.environ, **CHILD_ENV, **extra}
 
 
 class Engine:
@@ -75,13 +76,9 @@ class Engine:
             return float(json.loads(resp.read())["busy_seconds"])
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        from rlstream.launcher.procs import stop_process
+
+        stop_process(self.proc, 30)
         self.log.close()
 
 

@@ -36,22 +36,11 @@ from typing import Any
 
 from rlstream.common.config import Config, ConfigError, config_to_dict
 from rlstream.common.logging import get_logger
-from rlstream.launcher.procs import Child, describe_exit, free_port, wait_for_port
+from rlstream.launcher.procs import CHILD_ENV, Child, describe_exit, free_port, wait_for_port
 
 __all__ = ["run", "LocalRun", "RunFailed"]
 
 log = get_logger("rlstream.launcher.local")
-
-CHILD_ENV = {
-    # Several processes share the cores: more threads each only fight (OpenMP spinning).
-    "OMP_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "HF_HUB_OFFLINE": "1",
-    "TRANSFORMERS_OFFLINE": "1",
-    "PYTHONUNBUFFERED": "1",
-}
-
 
 STALL_WARN_S = 120.0  # no new train step for this long: warn once
 

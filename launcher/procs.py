@@ -21,9 +21,22 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Child", "describe_exit", "free_port", "wait_for_port"]
+from rlstream.common.net import free_port
+
+__all__ = ["CHILD_ENV", "Child", "describe_exit", "free_port", "stop_process", "wait_for_port"]
 
 _PR_SET_PDEATHSIG = 1
+
+# The environment every rlstream child process gets (launcher, tests and benchmarks alike).
+CHILD_ENV = {
+    # Several processes share the cores: more threads each only fight (OpenMP spinning).
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "PYTHONUNBUFFERED": "1",
+}
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -32,12 +45,6 @@ def _child_setup() -> None:  # runs in the child between fork and exec
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except OSError:  # not Linux: the launcher's own cleanup still runs
         pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_for_port(host: str, port: int, timeout: float) -> bool:
@@ -49,6 +56,22 @@ def wait_for_port(host: str, port: int, timeout: float) -> bool:
         except OSError:
             time.sleep(0.05)
     return False
+
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
+    """SIGTERM one process, wait up to `timeout`, then SIGKILL it; returns its exit code.
+
+    For a single process started by PID (a test's or benchmark's server); `Child.stop`
+    does the same for a whole process group.
+    """
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
 
 
 def describe_exit(code: int | None) -> str:

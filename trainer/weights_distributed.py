@@ -73,7 +73,7 @@ class DistributedBroadcaster(EngineBroadcaster):
             offsets.append(nxt)
             nxt += r
         world = nxt
-        master, port = master_address_for(engines), free_port()
+        master, port = master_address_for(engines), free_port("")  # remote engines connect to it
         self._builds += 1
         rank0 = run_in_thread(init_weight_sync_group, master, port, 0, world, name, self.backend, self.timeout,
                               name=f"rlstream-weights-init-{name}")

@@ -46,9 +46,7 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
-import ipaddress
 import json
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,6 +58,7 @@ from rlstream.broker.versions import Event
 from rlstream.common.config import Config
 from rlstream.common.dist import run_in_thread
 from rlstream.common.logging import get_logger
+from rlstream.common.net import free_port, master_address_for
 from rlstream.trainer.weights import WeightBroadcaster
 
 __all__ = [
@@ -109,40 +108,6 @@ class TransferFailed(RuntimeError):
 def base_url(address: str) -> str:
     address = address.strip().rstrip("/")
     return address if address.startswith(("http://", "https://")) else f"http://{address}"
-
-
-def host_of(address: str) -> str:
-    rest = base_url(address).split("://", 1)[1]
-    if rest.startswith("["):  # [v6]:port
-        return rest[1:rest.index("]")]
-    return rest.rsplit(":", 1)[0]
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def master_address_for(addresses: list[str]) -> str:
-    """The trainer address engines can reach: loopback when they are all local, else the
-    local IP of the interface that routes to the first engine."""
-    hosts = [host_of(a) for a in addresses]
-    if all(_is_loopback(h) for h in hosts):
-        return "127.0.0.1"
-    remote = next(h for h in hosts if not _is_loopback(h))
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((remote, 9))  # UDP: picks the route, sends nothing
-        return s.getsockname()[0]
-
-
-def free_port(host: str = "") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _int_or_none(v: Any) -> int | None:
