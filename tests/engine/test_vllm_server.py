@@ -26,7 +26,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -40,6 +39,7 @@ import pytest
 import torch
 
 from rlstream.engine.vllm_server import VENV_ENV, server_command, venv_python
+from tests.helpers import free_port
 
 pytestmark = pytest.mark.vllm
 
@@ -52,12 +52,6 @@ PROMPTS = [[1, 10, 11, 12, 40], [1, 30, 31, 32, 33, 34, 50, 36], [1, 4, 5]]
 
 
 # ----------------------------------------------------------------------------- helpers
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http(method: str, url: str, body: dict | None = None, timeout: float = 300.0) -> tuple[int, dict]:
     """Blocking JSON request (runs in threads next to the trainer's broadcasts)."""
     data = json.dumps(body).encode() if body is not None else None

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import shutil
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -26,6 +25,7 @@ from rlstream.broker import (
 )
 from rlstream.broker.stream import entry_fields
 from rlstream.common.config import RedisConfig
+from tests.helpers import free_port
 
 
 @pytest.fixture
@@ -159,14 +159,8 @@ def _make_certs(d):
     return {n: str(d / n) for n in ("ca.crt", "server.crt", "server.key", "client.crt", "client.key")}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _tls_server(redis_factory, certs, auth_clients: str):
-    port = _free_port()
+    port = free_port()
     # The helper's readiness probe is a TCP connect to `port`: make that the TLS port, plain TCP off.
     return redis_factory(["--port", "0", "--tls-port", str(port), "--tls-cert-file", certs["server.crt"],
                           "--tls-key-file", certs["server.key"], "--tls-ca-cert-file", certs["ca.crt"],

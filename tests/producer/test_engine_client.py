@@ -20,7 +20,7 @@ from rlstream.producer.engine_client import (
     base_url,
 )
 
-from .test_producer_support import EngineProcess, engine_overrides, engines  # noqa: F401 - fixture
+from tests.helpers import EngineProcess, engine_overrides
 
 API_KEY = "sekret"
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A one-node Slurm cluster on this machine, for the Slurm launcher's end-to-end test.
 #
-#   tests/slurm_cluster.sh start STATE_DIR   # munged + slurmctld + slurmd, prints `export SLURM_CONF=...`
-#   tests/slurm_cluster.sh stop STATE_DIR    # stops the three daemons by their PIDs
+#   tests/launcher/slurm_cluster.sh start STATE_DIR   # munged + slurmctld + slurmd, prints `export SLURM_CONF=...`
+#   tests/launcher/slurm_cluster.sh stop STATE_DIR    # stops the three daemons by their PIDs
 #
 # Needs root and `apt-get install -y slurm-wlm munge` (slurmctld, slurmd, sbatch, munged).
 # Everything lives under STATE_DIR: its own munge key and socket, slurm.conf on free ports,

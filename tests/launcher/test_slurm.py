@@ -1,5 +1,5 @@
 """`rlstream launch slurm` against a real one-node Slurm cluster (munged, slurmctld, slurmd
-started by tests/slurm_cluster.sh on this machine, stopped by PID afterwards).
+started by tests/launcher/slurm_cluster.sh on this machine, stopped by PID afterwards).
 
 - the tiny CPU config is submitted, trains a few steps, the job reaches COMPLETED and
   leaves metrics and the final checkpoint;
@@ -21,10 +21,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from tests.helpers import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
-CLUSTER = ROOT / "tests" / "slurm_cluster.sh"
+CLUSTER = ROOT / "tests" / "launcher" / "slurm_cluster.sh"
 
 SMALL = [
     "launcher.demo.n_train=256", "launcher.demo.n_valid=16", "launcher.sft_steps=20",
@@ -48,18 +49,10 @@ def slurm_conf(tmp_path_factory):
         subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, timeout=120)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _submit(tmp_path: Path, slurm_conf: str, *overrides: str) -> str:
     env = {**os.environ, "SLURM_CONF": slurm_conf, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(CONFIG),
-                          f"cluster.fileroot={tmp_path / 'runs'}", f"launcher.slurm.engine_port={_free_port()}",
+                          f"cluster.fileroot={tmp_path / 'runs'}", f"launcher.slurm.engine_port={free_port()}",
                           *SMALL, *overrides], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
     m = re.search(r"submitted job (\d+)", out.stdout)

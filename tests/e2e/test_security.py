@@ -23,7 +23,6 @@ import asyncio
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import uuid
@@ -52,18 +51,13 @@ from rlstream.broker import (
 from rlstream.broker.meta import awrite_run_meta, read_run_meta, write_run_meta
 from rlstream.common.config import RedisConfig, load_config
 from rlstream.common.name_resolve import RedisNameResolver
+from tests.helpers import free_port
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "security.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 PASSWORDS = {"admin": "adm-" + uuid.uuid4().hex, "producer": "prod-" + uuid.uuid4().hex,
              "trainer": "train-" + uuid.uuid4().hex, "engine": "eng-" + uuid.uuid4().hex,
              "inspect": "insp-" + uuid.uuid4().hex}
 ADMISSION = dict(max_head_offpolicyness=1, consumer_batch_size=4, max_concurrent_rollouts=8)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +116,7 @@ class Secure:
 def secure(redis_factory, certs, experiment, tmp_path) -> Secure:
     acl = tmp_path / "users.acl"
     acl.write_text(documented_acl(experiment))
-    port = _free_port()
+    port = free_port()
     # The fixture's readiness probe is a TCP connect to `port`: make that the TLS port, plain TCP off.
     server = redis_factory(["--port", "0", "--tls-port", str(port), "--tls-cert-file", certs["server.crt"],
                             "--tls-key-file", certs["server.key"], "--tls-ca-cert-file", certs["ca.crt"],
@@ -414,7 +408,7 @@ except Exception as exc:
 
 
 def test_secrets_never_reach_log_lines():
-    dead = _free_port()
+    dead = free_port()
     overrides = [o if not o.startswith("redis.url=") else f"redis.url=redis://bob:{SECRETS['url']}@127.0.0.1:{dead}/0"
                  for o in SECRET_OVERRIDES]
     res = subprocess.run([sys.executable, "-c", _LOGGING_CHILD, *overrides], capture_output=True, text=True,

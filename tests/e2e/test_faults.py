@@ -38,9 +38,7 @@ import pytest
 
 from rlstream.broker import Keys, StepLog, VersionRegistry, namespace
 from rlstream.broker.keys import TRAIN_GROUP
-
-CHILD_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-             "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+from rlstream.launcher.procs import CHILD_ENV
 
 
 # ---------------------------------------------------------------------- processes

@@ -13,7 +13,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import free_port
 
 torch.set_num_threads(1)
 
@@ -449,9 +450,7 @@ def test_fsdp2_sharded_trainer_gathers_and_rank0_sends(shared_engine, base_model
                  "actor.weight_update_mode=distributed", "actor.weight_update_backend=gloo",
                  "actor.weight_chunked_mem_mb=1", "actor.weight_update_timeout=60",
                  "rollout.health_check_interval=3600", f"rollout.engine_addresses=[{shared_engine.address}]"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
            "--master_port", str(port), str(script), str(model_path), "303", *overrides]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
@@ -470,7 +469,7 @@ def test_flattened_bucket_and_group_lifecycle(shared_engine, base_model):
     import concurrent.futures
 
     from rlstream.common.dist import init_weight_sync_group
-    from rlstream.trainer.weights_engines import free_port, weight_entries
+    from rlstream.trainer.weights_engines import weight_entries
 
     new = perturbed(base_model, 404)
     entries = weight_entries(new)

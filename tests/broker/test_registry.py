@@ -24,7 +24,7 @@ from rlstream.common.name_resolve import (
     make_name_resolver,
 )
 
-from .conftest import free_port
+from tests.helpers import free_port, stop_process
 
 
 class EtcdServer:
@@ -65,13 +65,8 @@ class EtcdServer:
         raise RuntimeError("etcd did not start")
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc:
+            stop_process(self.proc, 10)
         self.log.close()
 
 
@@ -221,7 +216,7 @@ async def test_producer_pool_follows_a_real_engine_through_etcd(etcd_server, red
     when the engine stops."""
     from rlstream.producer.engine_client import ModelRequest, ServerPool
 
-    from .test_producer_support import EngineProcess, engine_overrides
+    from tests.helpers import EngineProcess, engine_overrides
 
     nr = ["cluster.name_resolve.type=etcd", f"cluster.name_resolve.etcd_address={etcd_server.address}"]
     engine = EngineProcess(tmp_path / "engine", engine_overrides(tiny_model_path, redis_url, experiment, *nr))

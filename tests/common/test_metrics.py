@@ -1,0 +1,27 @@
+"""The stats logger with every sink, offline (`common.metrics`)."""
+
+import json
+from pathlib import Path
+
+from rlstream.common.config import load_config
+
+
+def test_stats_logger_all_sinks_offline(tmp_path, capsys):
+    from rlstream.common.metrics import StatsLogger
+
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", "stats_logger.wandb.mode=offline",
+                             "stats_logger.tensorboard.enabled=true"])
+    logger = StatsLogger(cfg, total_steps=2)
+    logger.log(1, {"reward/mean": 0.5, "loss/total": 0.1, "bad": float("nan")})
+    logger.log(2, {"reward/mean": 0.75, "loss/total": 0.05})
+    logger.close()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("step 1/2") and "reward 0.500" in out[0] and len(out) == 2
+    run = Path(cfg.run_dir)
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2] and "bad" not in recs[0]
+    assert list((run / "tensorboard").glob("events.out.tfevents.*"))
+    assert list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    silent = StatsLogger(cfg, enabled=False)
+    silent.log(3, {"x": 1.0})
+    silent.close()

@@ -1,0 +1,86 @@
+"""The step reader against real Redis: staleness drops, dead letters, exact replay, fewer ranks."""
+
+from rlstream.broker import StepLog, TrajectoryStream
+from rlstream.common.wire import Trajectory, TrajectoryGroup
+from rlstream.consumer.reader import StepReader
+
+
+def _group(version, n_out=3, token=5):
+    t = Trajectory.from_arrays([4, 5], [token] * n_out, [-0.1] * n_out, [version] * n_out, 1.0, "stop")
+    return TrajectoryGroup(group_id="g", prompt_id="p", producer_id="t", trajectories=[t, t])
+
+
+def test_reader_drops_stale_and_dead_letters_bad_tokens(rclient, keys):
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    stale = stream.append(_group(version=1))
+    bad = stream.append(_group(version=4, token=999))
+    good = [stream.append(_group(version=v)) for v in (3, 4)]
+    reader = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=2, vocab_size=64, block_ms=50)
+    reader.resume(0, replay=True)
+    data = reader.next(step=0, version=5)
+    assert data.ids == good
+    assert data.n_dropped_stale == 1 and data.n_dead == 1
+    dropped = rclient.xrange(keys.dropped)
+    assert [f[b"source_id"].decode() for _, f in dropped] == [stale]
+    assert b"head staleness 4 > max_head_offpolicyness 2" in dropped[0][1][b"reason"]
+    assert [d["source_id"] for d in stream.dead_letters()] == [bad]
+    # recorded before training; nothing acknowledged until the trainer says so
+    assert StepLog(rclient, keys).for_step(0).entry_ids == good
+    assert rclient.xpending(keys.traj, "train")["pending"] == 2
+    assert reader.ack(good) == 2
+
+
+def test_reader_replays_lost_steps_and_pending_first(rclient, keys):
+    stream = TrajectoryStream(rclient, keys)
+    ids = [stream.append(_group(version=0)) for _ in range(8)]
+    r = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
+    r.resume(0, replay=True)
+    s0, s1, s2 = r.next(0, 0), r.next(1, 1), r.next(2, 2)
+    assert [s0.ids, s1.ids, s2.ids] == [ids[0:2], ids[2:4], ids[4:6]]
+    r.ack(s0.ids)  # a checkpoint covered step 0 ...
+    r.stream.read(r.consumer, count=1, block_ms=50)  # ... and step 3's first entry was read, then a crash
+    # Restart from a checkpoint after step 1: step 1 was covered but not yet acknowledged.
+    r2 = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
+    info = r2.resume(2, replay=True, covered_ids=s1.ids)
+    assert info.replay_steps == [2] and info.leftover == 1
+    again = r2.next(2, 2)
+    assert again.replayed and again.ids == s2.ids
+    s3 = r2.next(3, 3)  # the read-but-unrecorded entry first, then a new one: what an uninterrupted run reads
+    assert not s3.replayed and s3.ids == ids[6:8]
+    pending = {p["message_id"].decode() for p in rclient.xpending_range(keys.traj, "train", "-", "+", 100)}
+    assert pending == set(s2.ids) | set(s3.ids)  # steps 0 and 1 acknowledged, 2 and 3 await a checkpoint
+
+
+def test_acknowledged_history_is_never_replayed(rclient, keys):
+    stream = TrajectoryStream(rclient, keys)
+    ids = [stream.append(_group(version=0)) for _ in range(4)]
+    first = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
+    first.resume(0, replay=False)
+    first.ack(first.next(0, 0).ids)  # an earlier run without recovery trained and acked step 0
+    again = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
+    info = again.resume(0, replay=True)  # now with recovery, and no checkpoint yet
+    assert info.replay_steps == [] and info.leftover == 0
+    assert again.next(0, 0).ids == ids[2:4]
+
+
+def test_restart_with_fewer_ranks_keeps_global_grouping(rclient, keys):
+    stream = TrajectoryStream(rclient, keys)
+    ids = [stream.append(_group(version=0)) for _ in range(6)]
+    r0, r1 = (StepReader(rclient, keys, rank=r, world_size=2, groups_per_step=1, max_head_offpolicyness=5,
+                         block_ms=50) for r in (0, 1))
+    for r in (r0, r1):
+        r.resume(0, replay=True)
+    a0, a1 = r0.next(0, 0), r1.next(0, 0)  # step 0 (a checkpoint will cover it)
+    b0, b1 = r0.next(1, 1), r1.next(1, 1)  # step 1 (lost in the crash)
+    r1.stream.read(r1.consumer, count=1, block_ms=50)  # rank 1 read for step 2, then the crash
+    # Restart as one rank from the checkpoint after step 0 (only rank 0's bookkeeping file is read).
+    solo = StepReader(rclient, keys, rank=0, world_size=1, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
+    assert solo.claim_orphans() == 3  # a1 (covered, not yet acked), b1 and the unrecorded read
+    info = solo.resume(1, replay=True, covered_ids=a0.ids)
+    assert info.replay_steps == [1] and info.leftover == 1
+    again = solo.next(1, 1)
+    assert again.replayed and again.ids == b0.ids + b1.ids  # the global step as it was
+    assert solo.next(2, 2).ids == ids[4:6]
+    pending = {p["message_id"].decode() for p in rclient.xpending_range(keys.traj, "train", "-", "+", 100)}
+    assert pending == set(ids[2:6])  # step 0 acknowledged; steps 1-2 wait for a checkpoint
