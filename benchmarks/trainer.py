@@ -80,12 +80,12 @@ def bench_update(model: Path, root: Path, args) -> dict:
         key = "packing" if packing else "padding"
         out[key] = {"step_s": best, "tokens_per_s": batch.n_tokens / best}
     # Positions the padded layout computes: per micro-batch, n_seqs x longest sequence.
-    from rlstream.consumer.microbatch import split_by_token_budget
+    from rlstream.trainer.microbatch import split_by_token_budget
 
     padded = sum(len(b) * max(int(lens[i]) for i in b)
                  for b in split_by_token_budget(lens.tolist(), args.mb_tokens) if b)
     out["padding"]["computed_positions"] = padded
-    from rlstream.consumer.packing import pack_rows
+    from rlstream.trainer.packing import pack_rows
 
     packed = 0
     for b in split_by_token_budget(lens.tolist(), args.mb_tokens):

@@ -2,7 +2,7 @@
 
 Every sequence of every group is laid end to end in one 1-D token axis (`cu_seqlens`
 marks the boundaries), so the batch is already in the packed layout the model runs on;
-padding, when asked for, is made from it per micro-batch (`consumer.packing`).
+padding, when asked for, is made from it per micro-batch (`trainer.packing`).
 
 Per-token arrays are aligned with `input_ids`: position t holds what belongs to token t
 (its behaviour logprob, the version that sampled it, whether it is trained on). Prompt

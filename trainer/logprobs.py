@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlstream.consumer.collate import SeqBatch
-from rlstream.consumer.packing import ModelInputs, next_token_logits, packed_inputs, padded_inputs
+from rlstream.trainer.packing import ModelInputs, next_token_logits, packed_inputs, padded_inputs
 
 __all__ = ["model_inputs", "one_row_packing", "token_logprobs"]
 

@@ -13,7 +13,7 @@ Loss normalisation is exact across micro-batches and data-parallel ranks: every
 micro-batch divides by the token / sequence count of its whole minibatch over all
 ranks, and the loss is multiplied by the world size because DDP/FSDP average
 gradients. One process on a batch and D ranks on the same batch split D ways produce
-the same update (tests/test_ddp.py).
+the same update (tests/trainer/test_parallel.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from rlstream.common.config import Config
 from rlstream.consumer.collate import SeqBatch
-from rlstream.consumer.microbatch import minibatch_slices, synced_split
+from rlstream.trainer.microbatch import minibatch_slices, synced_split
 from rlstream.trainer.advantages import compute_advantages
 from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import aggregate, kl_estimate, loglinear_prox_logp, ppo_token_loss, seq_token_counts

@@ -9,7 +9,7 @@ acknowledged, so nothing is lost, nothing is trained on and nothing stays pendin
 
 Property-based tests (hypothesis) then check the codec and config loading against
 arbitrary input: the only exception a consumer or the CLI can ever see is the
-module's own error (`WireError`, `ConfigError`). tests/test_wire.py already fuzzes the
+module's own error (`WireError`, `ConfigError`). tests/common/test_wire.py already fuzzes the
 codec with random bytes, arbitrary msgpack and corrupted entries; here the fuzzing
 aims at the validator (right field names, hostile contents) and at the stream path
 (valid groups with junk between them through XADD/XREADGROUP and the dead-letter filter).

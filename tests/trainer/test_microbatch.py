@@ -1,6 +1,6 @@
 """Micro-batches by token budget and PPO minibatch slices (`trainer.microbatch`)."""
 
-from rlstream.consumer.microbatch import minibatch_slices, split_by_token_budget, synced_split
+from rlstream.trainer.microbatch import minibatch_slices, split_by_token_budget, synced_split
 
 
 def test_token_budget_split_and_minibatches():

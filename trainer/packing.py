@@ -4,7 +4,7 @@ Packed (the default): sequences are laid end to end in rows, `position_ids` rest
 at 0 for every sequence. HF models (transformers >= 4.53 for SDPA/eager, and flash
 attention) turn restarting position ids into a block-diagonal causal mask, so no token
 attends across a sequence boundary and the logits equal those of the padded layout
-(checked by tests/test_trainer_step.py). On older transformers the block-diagonal mask
+(checked by tests/trainer/test_packing.py). On older transformers the block-diagonal mask
 is passed explicitly as a 4-D boolean mask.
 
 How many rows: flash attention has a variable-length kernel, so all sequences go into
