@@ -66,13 +66,11 @@ async def _engine_run(engine, prompts, concurrency: int, new_tokens: int, http_u
     async def one(p) -> int:
         async with sem:
             if session is None:
-                res = await engine.generate(p, sp)
-            else:
-                async with session.post(http_url + "/generate",
-                                        json={"input_ids": p, "sampling_params": sp, "return_logprob": True}) as r:
-                    assert r.status == 200, await r.text()
-                    res = await r.json()
-            return len(res["output_ids"])
+                return len((await engine.generate(p, sp)).output_ids)
+            async with session.post(http_url + "/generate",
+                                    json={"input_ids": p, "sampling_params": sp, "return_logprob": True}) as r:
+                assert r.status == 200, await r.text()
+                return len((await r.json())["output_ids"])
 
     try:
         t0 = time.perf_counter()

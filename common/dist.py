@@ -14,7 +14,20 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightSyncGroup", "init_weight_sync_group", "resolve_backend", "run_in_thread"]
+__all__ = ["WeightSyncGroup", "init_weight_sync_group", "resolve_backend", "run_in_thread", "parse_dtype", "dtype_name"]
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16 (SGLang sends either form); ValueError otherwise."""
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> `"bfloat16"`, the form weight-update requests carry."""
+    return str(dtype).removeprefix("torch.")
 
 
 class WeightSyncGroup:

@@ -18,9 +18,9 @@ row's positions as if it were alone, which is exactly what `model.generate` does
 a left-padded batch. Leading columns that are padding in every row are trimmed when
 sequences leave, so the cache does not grow without bound.
 
-Behaviour logprob convention (the trainer recomputes exactly this): the logprob of a
-sampled token is `log_softmax(logits / T)[token]` in fp32, taken BEFORE top-p/top-k
-filtering and before the min_new_tokens stop-token mask; T = 1 for greedy (T = 0).
+Sampling and the behaviour logprob convention (the trainer recomputes exactly this) are
+in `engine/sampling.py`. Results are the contract's `GenerateResponse`
+(`common/engine_api.py`), the shape SGLang's `/generate` answers with.
 
 Weights change only between decode steps (`apply_weights` takes the step lock), and
 every output token records the weight version that produced it.
@@ -42,25 +42,19 @@ from typing import Any
 
 import torch
 
+from rlstream.common.engine_api import EngineError, FinishReason, GenerateResponse, MetaInfo, SamplingParams
 from rlstream.common.logging import get_logger
+from rlstream.engine.sampling import Sampling, resolve, sample
 
-__all__ = ["LocalEngine", "SamplingParams", "EngineError", "resolve_device", "DTYPES"]
+__all__ = ["LocalEngine", "EngineError", "resolve_device", "DTYPES"]
 
-log = get_logger("rlstream.engine.local")
+log = get_logger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # Padded prompt tokens one prefill forward may take; bounds prefill memory when many
 # long prompts arrive at once (at least one request is always prefilled).
 PREFILL_TOKEN_BUDGET = 16384
-
-# sampling_params keys SGLang clients commonly send that do not change what we return.
-_IGNORED_SAMPLING_KEYS = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "n"})
-
-
-class EngineError(RuntimeError):
-    """The engine could not run a request (not the caller's fault)."""
-
 
 def resolve_device(device: str) -> torch.device:
     """`auto` -> cuda when present, else cpu; a cuda request without CUDA is an error."""
@@ -74,74 +68,11 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-@dataclass(frozen=True)
-class SamplingParams:
-    """Per-request sampling; field names and meanings follow SGLang's sampling_params."""
-
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # <= 0: off
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
-        """Validate a JSON `sampling_params` object; ValueError names the bad key."""
-        if d is None:
-            return cls()
-        if not isinstance(d, dict):
-            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
-        known = {"max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos"}
-        unknown = sorted(set(d) - known - _IGNORED_SAMPLING_KEYS)
-        if unknown:
-            raise ValueError(f"sampling_params.{unknown[0]} is not supported by the local engine "
-                             f"(supported: {', '.join(sorted(known))})")
-        if d.get("n", 1) not in (1, None):
-            raise ValueError("sampling_params.n must be 1 (send one request per sample)")
-
-        def num(key: str, kind: type, default: Any) -> Any:
-            v = d.get(key, default)
-            if v is None:
-                return default
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-                raise ValueError(f"sampling_params.{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
-            return kind(v)
-
-        p = cls(
-            max_new_tokens=num("max_new_tokens", int, cls.max_new_tokens),
-            min_new_tokens=num("min_new_tokens", int, 0),
-            temperature=num("temperature", float, 1.0),
-            top_p=num("top_p", float, 1.0),
-            top_k=num("top_k", int, -1),
-            stop_token_ids=_int_list(d.get("stop_token_ids"), "sampling_params.stop_token_ids"),
-            ignore_eos=bool(d.get("ignore_eos", False)),
-        )
-        if p.max_new_tokens < 0:
-            raise ValueError(f"sampling_params.max_new_tokens must be >= 0, got {p.max_new_tokens}")
-        if p.min_new_tokens < 0:
-            raise ValueError(f"sampling_params.min_new_tokens must be >= 0, got {p.min_new_tokens}")
-        if p.temperature < 0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {p.temperature}")
-        if not 0 < p.top_p <= 1:
-            raise ValueError(f"sampling_params.top_p must be in (0, 1], got {p.top_p}")
-        return p
-
-
-def _int_list(v: Any, key: str) -> tuple[int, ...]:
-    if v is None:
-        return ()
-    if not isinstance(v, (list, tuple)) or not all(isinstance(x, int) and not isinstance(x, bool) for x in v):
-        raise ValueError(f"{key} must be a list of integers")
-    return tuple(v)
-
-
 @dataclass(eq=False)
 class _Request:
     rid: str
     prompt: list[int]
-    params: SamplingParams
+    params: Sampling
     stop_ids: frozenset[int]
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
@@ -289,14 +220,15 @@ class LocalEngine:
                              f"max_seq_len={self.max_seq_len}")
         return list(input_ids)
 
-    async def generate(self, input_ids: list[int], sampling_params: SamplingParams | dict | None = None) -> dict:
-        """Generate for one prompt; returns the SGLang /generate response shape.
+    async def generate(self, input_ids: list[int],
+                       sampling_params: Sampling | SamplingParams | dict | None = None) -> GenerateResponse:
+        """Generate for one prompt; returns the SGLang /generate response.
 
         Raises ValueError for a bad prompt or bad sampling params, EngineError when the
         model failed. A cancelled caller's request leaves the batch at the next step.
         """
         prompt = self.validate_prompt(input_ids)
-        params = sampling_params if isinstance(sampling_params, SamplingParams) else SamplingParams.from_dict(sampling_params)
+        params = resolve(sampling_params)
         for t in params.stop_token_ids:
             if not 0 <= t < self.vocab_size:
                 raise ValueError(f"sampling_params.stop_token_ids contains {t}, outside the vocabulary [0, {self.vocab_size})")
@@ -305,7 +237,7 @@ class LocalEngine:
         req = _Request(rid=f"r{next(self._ids)}", prompt=prompt, params=params, stop_ids=stop_ids,
                        loop=loop, future=loop.create_future())
         if params.max_new_tokens == 0:
-            return self._result(req, {"type": "length", "length": 0})
+            return self._result(req, FinishReason(type="length", length=0))
         self.start()
         with self._cv:
             if self._stopping:
@@ -399,24 +331,23 @@ class LocalEngine:
 
     # ------------------------------------------------------------------ results
 
-    def _result(self, req: _Request, finish: dict) -> dict:
-        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
-        return {
-            "output_ids": list(req.output_ids),
-            "text": text,
-            "meta_info": {
-                "id": req.rid,
-                "finish_reason": finish,
-                "prompt_tokens": len(req.prompt),
-                "completion_tokens": len(req.output_ids),
-                "output_token_logprobs": [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)],
-                "output_token_versions": list(req.versions),
-                "weight_version": self._version if req.finish_version is None else req.finish_version,
-                "e2e_latency": time.monotonic() - req.created,
-            },
-        }
+    def _result(self, req: _Request, finish: FinishReason) -> GenerateResponse:
+        return GenerateResponse(
+            text=self.tokenizer.decode(req.output_ids, skip_special_tokens=True),
+            output_ids=list(req.output_ids),
+            meta_info=MetaInfo(
+                id=req.rid,
+                finish_reason=finish,
+                prompt_tokens=len(req.prompt),
+                completion_tokens=len(req.output_ids),
+                output_token_logprobs=[(lp, t, None) for lp, t in zip(req.logprobs, req.output_ids)],
+                output_token_versions=list(req.versions),
+                weight_version=self._version if req.finish_version is None else req.finish_version,
+                e2e_latency=time.monotonic() - req.created,
+            ),
+        )
 
-    def _deliver(self, req: _Request, finish: dict | BaseException) -> None:
+    def _deliver(self, req: _Request, finish: FinishReason | BaseException) -> None:
         """Resolve a request's future on its own loop (from the decode thread)."""
         if req.done:
             return
@@ -469,7 +400,7 @@ class LocalEngine:
         with self._cv:
             self._abort_rows("engine shutting down")
             while self._waiting:
-                self._deliver(self._waiting.popleft(), {"type": "abort", "message": "engine shutting down"})
+                self._deliver(self._waiting.popleft(), FinishReason(type="abort", message="engine shutting down"))
             self._release_pause_waiters()
 
     def _release_pause_waiters(self) -> None:
@@ -489,7 +420,7 @@ class LocalEngine:
 
     def _abort_rows(self, message: str) -> None:
         for r in self._rows:
-            self._deliver(r, {"type": "abort", "message": message})
+            self._deliver(r, FinishReason(type="abort", message=message))
         self._reset_batch()
 
     def _take_waiting(self) -> list[_Request]:
@@ -598,7 +529,8 @@ class LocalEngine:
     def _sample_and_advance(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Sample one token for each of `rows` (logits[i] belongs to rows[i]); retire finished rows."""
         reqs = [self._rows[i] for i in rows]
-        tokens, logps = self._sample(logits, reqs)
+        tokens, logps = sample(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs],
+                               [r.stop_ids for r in reqs], self._generator)
         tok_list, lp_list = tokens.tolist(), logps.tolist()
         version = self._version
         self.total_steps += 1
@@ -612,56 +544,14 @@ class LocalEngine:
             n = len(r.output_ids)
             finish = None
             if t in r.stop_ids:
-                finish = {"type": "stop", "matched": t}
-            elif n >= r.params.max_new_tokens:
-                finish = {"type": "length", "length": n}
-            elif len(r.prompt) + n >= self.max_seq_len:
-                finish = {"type": "length", "length": n}
+                finish = FinishReason(type="stop", matched=t)
+            elif n >= r.params.max_new_tokens or len(r.prompt) + n >= self.max_seq_len:
+                finish = FinishReason(type="length", length=n)
             if finish is not None:
                 self._deliver(r, finish)
                 finished.add(i)
         if finished:
             self._select_rows([i for i in range(len(self._rows)) if i not in finished])
-
-    def _sample(self, logits: torch.Tensor, reqs: list[_Request]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and their behaviour logprobs (log_softmax(logits / T), before any filtering)."""
-        dev = logits.device
-        temps = [r.params.temperature for r in reqs]
-        greedy = torch.tensor([t == 0 for t in temps], device=dev)
-        t_eff = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=dev)
-        scaled = logits / t_eff[:, None]
-        logp_all = torch.log_softmax(scaled, dim=-1)
-
-        # Stop tokens may not be sampled before min_new_tokens (sampling only; logprobs above).
-        blocked = [(i, sorted(r.stop_ids)) for i, r in enumerate(reqs)
-                   if r.params.min_new_tokens and len(r.output_ids) < r.params.min_new_tokens and r.stop_ids]
-        if blocked:
-            scaled = scaled.clone()
-            for i, ids in blocked:
-                scaled[i, ids] = float("-inf")
-
-        V = scaled.shape[-1]
-        top_k = [r.params.top_k if 0 < r.params.top_k < V else V for r in reqs]
-        top_p = [r.params.top_p for r in reqs]
-        if any(k < V for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_logits, order = scaled.sort(dim=-1, descending=True)
-            ranks = torch.arange(V, device=dev)[None, :]
-            remove = ranks >= torch.tensor(top_k, device=dev)[:, None]
-            probs = torch.softmax(sorted_logits, dim=-1)
-            # Drop a token when the mass before it already reaches top_p (the first token always stays).
-            remove |= (probs.cumsum(-1) - probs) >= torch.tensor(top_p, device=dev)[:, None]
-            remove[:, 0] = False
-            sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-            scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
-
-        if bool(greedy.all()):
-            tokens = scaled.argmax(-1)
-        else:
-            probs = torch.softmax(scaled, dim=-1)
-            sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
-            tokens = torch.where(greedy, scaled.argmax(-1), sampled)
-        logps = logp_all.gather(-1, tokens[:, None]).squeeze(-1)
-        return tokens, logps
 
 
 # ---------------------------------------------------------------------- cache helpers

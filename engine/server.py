@@ -1,18 +1,20 @@
 """`rlstream serve`: the local engine behind SGLang's native HTTP subset.
 
-Routes (request and response shapes follow SGLang so one client speaks to both):
+Routes (request and response bodies are the structs of `common/engine_api.py`, which
+follow SGLang so one client speaks to both):
 
-- `POST /generate` `{input_ids, sampling_params, return_logprob}` ->
-  `{output_ids, text, meta_info:{output_token_logprobs:[[logp, id, null], ...],
+- `POST /generate` `GenerateRequest{input_ids, sampling_params, return_logprob}` ->
+  `GenerateResponse{output_ids, text, meta_info:{output_token_logprobs:[[logp, id, null], ...],
   finish_reason:{type: stop|length|abort}, prompt_tokens, completion_tokens, weight_version}}`;
   a list of prompts gives a list of results.
 - `POST /pause_generation`: running requests return at once with `abort`; new ones wait.
 - `POST /continue_generation`, `GET /health`, `GET /health_generate`,
   `GET /get_model_info`, `GET /get_server_info`, `POST /flush_cache` (no-op: no prefix cache).
 - The weight-update routes (`/init_weights_update_group`, `/update_weights_from_distributed`,
-  `/update_weights_from_disk`) come from `engine/weights.py`.
+  `/update_weights_from_disk`, `/destroy_weights_update_group`) come from `engine/weights.py`.
 
-With `server.api_key` set every route needs `Authorization: Bearer <key>`. The bound
+A body that does not fit its struct is a 400 `ErrorReply` naming the field. With
+`server.api_key` set every route needs `Authorization: Bearer <key>`. The bound
 address is printed, logged, written to `$RLSTREAM_ENGINE_ADDR_FILE` when set, and
 registered with name resolve (service "engines") when `server.register` is true.
 SIGTERM/SIGINT: unregister, answer running requests with `abort`, exit 0.
@@ -29,42 +31,40 @@ import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
 from aiohttp import web
 
+from rlstream.common import engine_api as api
+from rlstream.common.engine_api import (
+    ENGINES_SERVICE,
+    BadRequest,
+    ControlReply,
+    EngineError,
+    ErrorDetail,
+    ErrorReply,
+    GenerateRequest,
+    ModelInfo,
+    PauseRequest,
+    ServerInfo,
+)
 from rlstream.common.logging import get_logger
-from rlstream.engine.local import EngineError, LocalEngine, SamplingParams
+from rlstream.engine.local import LocalEngine
+from rlstream.engine.sampling import resolve
+from rlstream.engine.weights import add_weight_routes
 
 __all__ = ["serve", "build_app", "run_server", "ENGINE_KEY", "ADDR_FILE_ENV"]
 
-log = get_logger("rlstream.engine.server")
+log = get_logger(__name__)
 
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
 ADDR_FILE_ENV = "RLSTREAM_ENGINE_ADDR_FILE"
-ENGINES_SERVICE = "engines"
-
-_json = msgspec.json.Encoder()
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_json.encode(obj), status=status, content_type="application/json")
+    return web.Response(body=api.encode(obj), status=status, content_type="application/json")
 
 
 def error_response(status: int, message: str) -> web.Response:
-    return json_response({"error": {"message": message, "code": status}}, status)
-
-
-async def read_json(request: web.Request) -> Any:
-    """The request body as JSON; a 400 naming the route when it is not."""
-    body = await request.read()
-    if not body:
-        return {}
-    try:
-        return msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        raise web.HTTPBadRequest(text=_json.encode({"error": {"message": f"{request.path}: body is not valid JSON: {exc}",
-                                                              "code": 400}}).decode(),
-                                 content_type="application/json") from None
+    return json_response(ErrorReply(error=ErrorDetail(message=message, code=status)), status)
 
 
 def _auth_middleware(api_key: str):
@@ -87,73 +87,74 @@ async def generate(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     if request.app.get("draining"):
         return error_response(503, "engine is shutting down")
-    body = await read_json(request)
-    if not isinstance(body, dict):
-        return error_response(400, "/generate: body must be a JSON object")
     try:
+        body = api.decode(await request.read(), GenerateRequest)
         prompts, batched = _prompts(engine, body)
-        sp = body.get("sampling_params")
+        sp = body.sampling_params
         sps = sp if isinstance(sp, list) else [sp] * len(prompts)
         if len(sps) != len(prompts):
             raise ValueError(f"sampling_params has {len(sps)} entries for {len(prompts)} prompts")
-        params = [SamplingParams.from_dict(s) for s in sps]
+        params = [resolve(s) for s in sps]
         for p in prompts:
             engine.validate_prompt(p)
-    except ValueError as exc:
+    except ValueError as exc:  # BadRequest too
         return error_response(400, f"/generate: {exc}")
-    if body.get("stream"):
+    if body.stream:
         return error_response(400, "/generate: stream=true is not supported by the local engine")
-    if body.get("top_logprobs_num"):
+    if body.top_logprobs_num:
         return error_response(400, "/generate: top_logprobs_num is not supported by the local engine")
-    return_logprob = bool(body.get("return_logprob", False))
+    rl = body.return_logprob
+    return_logprob = rl if isinstance(rl, list) else [rl] * len(prompts)
     try:
         results = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
     except ValueError as exc:
         return error_response(400, f"/generate: {exc}")
     except EngineError as exc:
         return error_response(500, f"/generate: {exc}")
-    for r in results:
-        if not return_logprob:
-            r["meta_info"].pop("output_token_logprobs", None)
-        elif body.get("return_text_in_logprobs"):
-            for entry in r["meta_info"]["output_token_logprobs"]:
-                entry[2] = engine.tokenizer.decode([entry[1]])
+    for r, want in zip(results, return_logprob):
+        meta = r.meta_info
+        if not want:
+            meta.output_token_logprobs = None
+        elif body.return_text_in_logprobs and meta.output_token_logprobs:
+            meta.output_token_logprobs = [(lp, t, engine.tokenizer.decode([t])) for lp, t, _ in meta.output_token_logprobs]
     return json_response(list(results) if batched else results[0])
 
 
-def _prompts(engine: LocalEngine, body: dict) -> tuple[list[list[int]], bool]:
+def _prompts(engine: LocalEngine, body: GenerateRequest) -> tuple[list[Any], bool]:
     """(prompts, whether the request was a batch) from `input_ids` or `text`."""
-    if "input_ids" in body and body["input_ids"] is not None:
-        ids = body["input_ids"]
-        if isinstance(ids, list) and ids and all(isinstance(x, list) for x in ids):
+    ids = body.input_ids
+    if ids is not None:
+        if ids and all(isinstance(x, list) for x in ids):
             return ids, True
         return [ids], False
-    text = body.get("text")
+    text = body.text
     if isinstance(text, str):
         return [engine.tokenizer(text)["input_ids"]], False
-    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+    if isinstance(text, list) and text:
         return [engine.tokenizer(t)["input_ids"] for t in text], True
     raise ValueError("missing input_ids (a list of token ids, or a list of such lists)")
 
 
 async def pause_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    body = await read_json(request)
-    mode = body.get("mode", "abort") if isinstance(body, dict) else "abort"
-    if mode != "abort":
-        return error_response(400, f"/pause_generation: mode {mode!r} is not supported by the local engine (only 'abort')")
+    try:
+        body = api.decode(await request.read(), PauseRequest)
+    except BadRequest as exc:
+        return error_response(400, f"/pause_generation: {exc}")
+    if body.mode != "abort":
+        return error_response(400, f"/pause_generation: mode {body.mode!r} is not supported by the local engine (only 'abort')")
     await engine.pause()
-    return json_response({"status": "ok", "paused": True, "weight_version": engine.version})
+    return json_response(ControlReply(status="ok", paused=True, weight_version=engine.version))
 
 
 async def continue_generation(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
     await engine.resume()
-    return json_response({"status": "ok", "paused": False, "weight_version": engine.version})
+    return json_response(ControlReply(status="ok", paused=False, weight_version=engine.version))
 
 
 async def health(request: web.Request) -> web.Response:
-    return json_response({"status": "ok", **request.app[ENGINE_KEY].stats()})
+    return json_response(ServerInfo(status="ok", **request.app[ENGINE_KEY].stats()))
 
 
 async def health_generate(request: web.Request) -> web.Response:
@@ -165,58 +166,51 @@ async def health_generate(request: web.Request) -> web.Response:
         await asyncio.wait_for(engine.generate([engine.pad_id], {"max_new_tokens": 1, "temperature": 0}), 60)
     except (EngineError, asyncio.TimeoutError) as exc:
         return error_response(503, f"/health_generate: {type(exc).__name__}: {exc}")
-    return json_response({"status": "ok"})
+    return json_response(ControlReply(status="ok"))
 
 
 async def get_model_info(request: web.Request) -> web.Response:
     engine = request.app[ENGINE_KEY]
-    return json_response({
-        "model_path": engine.model_path,
-        "tokenizer_path": engine.tokenizer_path,
-        "is_generation": True,
-        "weight_version": engine.version,
-        "vocab_size": engine.vocab_size,
-        "max_seq_len": engine.max_seq_len,
-        "max_batch_size": engine.max_batch_size,
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).removeprefix("torch."),
-        "eos_token_ids": sorted(engine.eos_ids),
-        "paused": engine.paused,
-        "engine": "rlstream-local",
-    })
+    return json_response(ModelInfo(
+        model_path=engine.model_path,
+        tokenizer_path=engine.tokenizer_path,
+        is_generation=True,
+        weight_version=engine.version,
+        vocab_size=engine.vocab_size,
+        max_seq_len=engine.max_seq_len,
+        max_batch_size=engine.max_batch_size,
+        device=str(engine.device),
+        dtype=str(engine.dtype).removeprefix("torch."),
+        eos_token_ids=sorted(engine.eos_ids),
+        paused=engine.paused,
+        engine="rlstream-local",
+    ))
 
 
 async def get_server_info(request: web.Request) -> web.Response:
-    return json_response(request.app[ENGINE_KEY].stats())
+    return json_response(ServerInfo(**request.app[ENGINE_KEY].stats()))
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    return json_response({"status": "ok"})
+    return json_response(ControlReply(status="ok"))
 
 
 def build_app(engine: LocalEngine, *, api_key: str | None = None) -> web.Application:
-    """The aiohttp app for `engine` (weight routes included when engine_weights exists)."""
+    """The aiohttp app for `engine`, weight-update routes included."""
     middlewares = [_auth_middleware(api_key)] if api_key else []
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app.add_routes([
-        web.post("/generate", generate),
-        web.post("/pause_generation", pause_generation),
-        web.post("/continue_generation", continue_generation),
-        web.get("/health", health),
-        web.get("/health_generate", health_generate),
-        web.get("/get_model_info", get_model_info),
-        web.get("/get_server_info", get_server_info),
-        web.post("/flush_cache", flush_cache),
+        web.post(api.GENERATE.path, generate),
+        web.post(api.PAUSE_GENERATION.path, pause_generation),
+        web.post(api.CONTINUE_GENERATION.path, continue_generation),
+        web.get(api.HEALTH.path, health),
+        web.get(api.HEALTH_GENERATE.path, health_generate),
+        web.get(api.MODEL_INFO.path, get_model_info),
+        web.get(api.SERVER_INFO.path, get_server_info),
+        web.post(api.FLUSH_CACHE.path, flush_cache),
     ])
-    try:
-        from rlstream.engine.weights import add_weight_routes
-    except ImportError as exc:
-        if exc.name != "rlstream.engine.weights":
-            raise  # a real bug inside engine_weights, not its absence
-        log.warning("engine/weights.py not present: weight-update routes disabled")
-    else:
-        add_weight_routes(app, engine)
+    add_weight_routes(app, engine)
     return app
 
 

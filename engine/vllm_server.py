@@ -17,7 +17,8 @@ It is vLLM's own server (`vllm serve`: same arguments, `/v1/completions`,
   `POST /update_weights_from_disk` `{model_path, weight_version?}`,
   `POST /pause_generation` `{mode?: abort|wait|keep}`, `POST /continue_generation`,
   `POST /flush_cache`, `GET /get_model_info` (with `weight_version`).
-  They drive engine/vllm_worker_ext.py through `collective_rpc`. A distributed push is
+  Their bodies and answers are the structs of `common/engine_api.py` (msgspec, as on every
+  other engine); they drive engine/vllm_worker_ext.py through `collective_rpc`. A distributed push is
   one reload session in the workers: the first bucket opens it, `/continue_generation`
   (or a bucket with `"finish": true`) ends it, and only then is the new `weight_version`
   reported; generation stays paused in between. vLLM 0.32's own
@@ -42,7 +43,7 @@ failing at the first request.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves the route handlers'
-# annotations (Request, the body models) at definition time, and they are local names.
+# annotations (Request) at definition time.
 import os
 import sys
 from pathlib import Path
@@ -58,6 +59,8 @@ VENV_ENV = "RLSTREAM_VLLM_VENV"
 DEFAULT_VENV = "/opt/rlstream-vllm-venv"
 REPO_ROOT = Path(__file__).resolve().parents[1]
 WORKER_EXTENSION = "rlstream.engine.vllm_worker_ext.WeightSyncWorkerExtension"
+# Seconds every collective of a weight group may take when /init_weights_update_group names none.
+DEFAULT_GROUP_TIMEOUT = 300.0
 
 
 # ---------------------------------------------------------------- launching (main env)
@@ -124,48 +127,30 @@ def _check_cpu_head_size(model: str) -> None:
 def _rlstream_router():
     """FastAPI routes that map SGLang-style weight-sync calls onto the worker extension."""
     from http import HTTPStatus
-    from typing import Any, Literal
+    from typing import Any
 
     from fastapi import APIRouter, Request
-    from fastapi.responses import JSONResponse
-    from pydantic import BaseModel
+    from fastapi.responses import Response
 
-    class InitGroup(BaseModel):
-        master_address: str
-        master_port: int
-        rank_offset: int
-        world_size: int
-        group_name: str = "weight_sync"
-        backend: str = "gloo"
-        timeout: float = 300.0
-
-    class FromDistributed(BaseModel):
-        names: list[str]
-        dtypes: list[str]
-        shapes: list[list[int]]
-        group_name: str | None = None
-        weight_version: int | str | None = None
-        flush_cache: bool = True
-        finish: bool = False  # rlstream: this bucket is the last of the push (else /continue_generation ends it)
-
-    class FromDisk(BaseModel):
-        model_path: str
-        weight_version: int | str | None = None
-        flush_cache: bool = True
-
-    class Pause(BaseModel):
-        mode: Literal["abort", "wait", "keep"] = "abort"
+    from rlstream.common import engine_api as api
+    from rlstream.common.engine_api import ControlReply, ModelInfo, WeightsReply
 
     router = APIRouter()
 
     def engine(request: Request):
         return request.app.state.engine_client
 
-    def ok(message: str, **extra: Any) -> JSONResponse:
-        return JSONResponse({"success": True, "message": message, **extra})
+    def reply(body: Any, status: int = HTTPStatus.OK) -> Response:
+        return Response(content=api.encode(body), media_type="application/json", status_code=status)
 
-    def failed(route: str, exc: BaseException, status: int = HTTPStatus.INTERNAL_SERVER_ERROR) -> JSONResponse:
-        return JSONResponse({"success": False, "message": f"{route}: {type(exc).__name__}: {exc}"}, status_code=status)
+    def ok(message: str, **extra: Any) -> Response:
+        return reply(WeightsReply(success=True, message=message, **extra))
+
+    def failed(route: str, exc: BaseException, status: int = HTTPStatus.INTERNAL_SERVER_ERROR) -> Response:
+        return reply(WeightsReply(success=False, message=f"{route}: {type(exc).__name__}: {exc}"), status)
+
+    async def body_of(request: Request, route: api.Route) -> Any:
+        return api.decode(await request.body(), route.body)
 
     async def current_version(request: Request) -> int | str:
         v = await engine(request).get_weight_version()
@@ -217,23 +202,28 @@ def _rlstream_router():
 
     session = UpdateSession()
 
-    @router.post("/init_weights_update_group")
-    async def init_weights_update_group(body: InitGroup, request: Request):
+    @router.post(api.INIT_WEIGHTS_GROUP.path)
+    async def init_weights_update_group(request: Request):
+        try:
+            body = await body_of(request, api.INIT_WEIGHTS_GROUP)
+        except api.BadRequest as exc:
+            return failed("/init_weights_update_group", exc, HTTPStatus.BAD_REQUEST)
         try:
             res = await engine(request).collective_rpc("init_weight_update_group", kwargs={
                 "master_address": body.master_address, "master_port": body.master_port,
                 "rank_offset": body.rank_offset, "world_size": body.world_size, "group_name": body.group_name,
-                "backend": body.backend, "timeout_s": body.timeout})
+                "backend": body.backend or "auto", "timeout_s": body.timeout or DEFAULT_GROUP_TIMEOUT})
         except Exception as exc:  # noqa: BLE001 - reported to the caller, engine keeps serving
             return failed("/init_weights_update_group", exc)
         return ok("weight update group initialised", ranks=res)
 
-    @router.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(body: FromDistributed, request: Request):
-        if not (len(body.names) == len(body.dtypes) == len(body.shapes)):
-            return failed("/update_weights_from_distributed",
-                          ValueError(f"names/dtypes/shapes lengths {len(body.names)}/{len(body.dtypes)}/"
-                                     f"{len(body.shapes)} differ"), HTTPStatus.BAD_REQUEST)
+    @router.post(api.UPDATE_WEIGHTS_FROM_DISTRIBUTED.path)
+    async def update_weights_from_distributed(request: Request):
+        try:
+            body = await body_of(request, api.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
+            body.specs()  # names, dtypes and shapes agree in length
+        except api.BadRequest as exc:
+            return failed("/update_weights_from_distributed", exc, HTTPStatus.BAD_REQUEST)
         async with session.lock:
             try:
                 await session.hold(request)
@@ -257,8 +247,12 @@ def _rlstream_router():
                 return failed("/update_weights_from_distributed", exc)
         return ok("weights received", num_tensors=counts[0] if counts else 0, **extra)
 
-    @router.post("/update_weights_from_disk")
-    async def update_weights_from_disk(body: FromDisk, request: Request):
+    @router.post(api.UPDATE_WEIGHTS_FROM_DISK.path)
+    async def update_weights_from_disk(request: Request):
+        try:
+            body = await body_of(request, api.UPDATE_WEIGHTS_FROM_DISK)
+        except api.BadRequest as exc:
+            return failed("/update_weights_from_disk", exc, HTTPStatus.BAD_REQUEST)
         if not Path(body.model_path).exists():
             return failed("/update_weights_from_disk", FileNotFoundError(body.model_path), HTTPStatus.BAD_REQUEST)
         async with session.lock:
@@ -276,19 +270,19 @@ def _rlstream_router():
                 return failed("/update_weights_from_disk", exc)
         return ok(f"weights loaded from {body.model_path}", num_tensors=counts[0] if counts else 0, **extra)
 
-    @router.post("/pause_generation")
+    @router.post(api.PAUSE_GENERATION.path)
     async def pause_generation(request: Request):
-        raw = await request.body()
         try:
-            body = Pause.model_validate_json(raw) if raw.strip() else Pause()
-        except ValueError as exc:
+            body = await body_of(request, api.PAUSE_GENERATION)
+        except api.BadRequest as exc:
             return failed("/pause_generation", exc, HTTPStatus.BAD_REQUEST)
         # abort: running requests return now with finish_reason "abort" (the producer continues
         # them after the update); the prefix cache goes with them since it holds old-weight KV.
         await engine(request).pause_generation(mode=body.mode, clear_cache=True)
-        return ok("paused", paused=True, weight_version=await current_version(request))
+        return reply(ControlReply(success=True, message="paused", paused=True,
+                                  weight_version=await current_version(request)))
 
-    @router.post("/continue_generation")
+    @router.post(api.CONTINUE_GENERATION.path)
     async def continue_generation(request: Request):
         async with session.lock:
             try:
@@ -296,32 +290,34 @@ def _rlstream_router():
             except Exception as exc:  # noqa: BLE001
                 return failed("/continue_generation", exc)
         await engine(request).resume_generation()
-        return ok("resumed", paused=False, weight_version=await current_version(request))
+        return reply(ControlReply(success=True, message="resumed", paused=False,
+                                  weight_version=await current_version(request)))
 
-    @router.post("/flush_cache")
+    @router.post(api.FLUSH_CACHE.path)
     async def flush_cache(request: Request):
-        return ok("flushed", flushed=bool(await engine(request).reset_prefix_cache()))
+        return reply(ControlReply(success=True, message="flushed",
+                                  flushed=bool(await engine(request).reset_prefix_cache())))
 
-    @router.get("/get_model_info")
+    @router.get(api.MODEL_INFO.path)
     async def get_model_info(request: Request):
         import vllm
 
         args = request.app.state.args
         mc = engine(request).model_config
-        return JSONResponse({
-            "model_path": args.model,
-            "tokenizer_path": args.tokenizer or args.model,
-            "served_model_name": (args.served_model_name or [args.model])[0],
-            "is_generation": True,
-            "weight_version": await current_version(request),
-            "paused": await engine(request).is_paused(),
-            "update_in_progress": session.open,
-            "max_model_len": mc.max_model_len,
-            "dtype": str(mc.dtype).removeprefix("torch."),
-            "logprobs_mode": str(mc.logprobs_mode),
-            "engine": "vllm",
-            "vllm_version": vllm.__version__,
-        })
+        return reply(ModelInfo(
+            model_path=args.model,
+            tokenizer_path=args.tokenizer or args.model,
+            served_model_name=(args.served_model_name or [args.model])[0],
+            is_generation=True,
+            weight_version=await current_version(request),
+            paused=await engine(request).is_paused(),
+            update_in_progress=session.open,
+            max_model_len=mc.max_model_len,
+            dtype=str(mc.dtype).removeprefix("torch."),
+            logprobs_mode=str(mc.logprobs_mode),
+            engine="vllm",
+            vllm_version=vllm.__version__,
+        ))
 
     return router
 

@@ -36,20 +36,11 @@ from typing import Any
 
 import torch
 
-from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group
+from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype
 
-__all__ = ["WeightSyncWorkerExtension", "parse_dtype"]
+__all__ = ["WeightSyncWorkerExtension"]
 
 QUALNAME = "rlstream.engine.vllm_worker_ext.WeightSyncWorkerExtension"
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16 (SGLang sends either form)."""
-    attr = str(name).removeprefix("torch.")
-    dtype = getattr(torch, attr, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r} in the weight update request")
-    return dtype
 
 
 class WeightSyncWorkerExtension:

@@ -14,7 +14,9 @@
   *.safetensors of a folder (or one file) between two decode steps.
 - `POST /destroy_weights_update_group` `{group_name}`.
 
-Answers are `{success, message}` (200, or 400 with success false) like SGLang's.
+Bodies are the structs of `common/engine_api.py` (`InitWeightsGroup`, `WeightUpdate`,
+`DiskUpdate`, `DestroyWeightsGroup`); answers are `WeightsReply{success, message}` (200,
+or 400 with success false) like SGLang's.
 
 The collectives block, so each runs in its own thread: the event loop keeps answering
 /health and /generate meanwhile. A thread per call (not a pool) because a receive whose
@@ -31,38 +33,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import msgspec
 import torch
 from aiohttp import web
 
-from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
+from rlstream.common import engine_api as api
+from rlstream.common.engine_api import BadRequest, DestroyWeightsGroup, DiskUpdate, InitWeightsGroup, WeightUpdate
+from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype, resolve_backend, run_in_thread
 from rlstream.common.logging import get_logger
 
-__all__ = ["add_weight_routes", "WeightReceiver", "parse_dtype", "GROUP_TIMEOUT_ENV"]
+__all__ = ["add_weight_routes", "WeightReceiver", "GROUP_TIMEOUT_ENV"]
 
-log = get_logger("rlstream.engine.weights")
+log = get_logger(__name__)
 
 # Collective timeout when the trainer sends none: a receive whose sender died is given
 # up after this many seconds.
 GROUP_TIMEOUT_ENV = "RLSTREAM_WEIGHT_SYNC_TIMEOUT"
 DEFAULT_GROUP_TIMEOUT = 600.0
-
-_json = msgspec.json.Encoder()
-
-
-class BadRequest(ValueError):
-    """A malformed weight-update request; the message names the key."""
-
-
-def parse_dtype(name: Any, key: str = "dtype") -> torch.dtype:
-    """`"bfloat16"` or `"torch.bfloat16"` -> torch.bfloat16; BadRequest otherwise."""
-    if not isinstance(name, str):
-        raise BadRequest(f"{key} must be a dtype name like 'bfloat16', got {name!r}")
-    dt = getattr(torch, name.removeprefix("torch."), None)
-    if not isinstance(dt, torch.dtype):
-        raise BadRequest(f"{key}: unknown dtype {name!r}")
-    return dt
-
 
 def _shutdown(group: WeightSyncGroup | None) -> None:
     # Never on the event loop: with a receive still pending it blocks until the timeout.
@@ -83,20 +69,13 @@ def _group_timeout() -> float:
     return value
 
 
-def _version_arg(body: dict) -> int | None:
-    v = body.get("weight_version")
+def _version_arg(v: int | str | None) -> int | None:
     if v is None:
         return None
-    if isinstance(v, bool):
+    version = api.as_int(v.strip() if isinstance(v, str) else v)
+    if version is None:
         raise BadRequest(f"weight_version must be an integer (or its string), got {v!r}")
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str):
-        try:
-            return int(v)
-        except ValueError:
-            pass
-    raise BadRequest(f"weight_version must be an integer (or its string), got {v!r}")
+    return version
 
 
 @dataclass
@@ -146,35 +125,26 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ groups
 
-    async def init_group(self, body: dict) -> str:
-        for key in ("master_address", "master_port", "rank_offset", "world_size", "group_name"):
-            if key not in body:
-                raise BadRequest(f"missing {key}")
-        address, group_name = body["master_address"], body["group_name"]
-        if not isinstance(address, str) or not address:
+    async def init_group(self, body: InitWeightsGroup) -> str:
+        address, group_name = body.master_address, body.group_name
+        if not address:
             raise BadRequest(f"master_address must be a host name or IP, got {address!r}")
-        if not isinstance(group_name, str) or not group_name:
+        if not group_name:
             raise BadRequest(f"group_name must be a non-empty string, got {group_name!r}")
-        ints = {}
-        for key in ("master_port", "rank_offset", "world_size"):
-            v = body[key]
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise BadRequest(f"{key} must be an integer, got {v!r}")
-            ints[key] = v
-        port, rank, world = ints["master_port"], ints["rank_offset"], ints["world_size"]
+        port, rank, world = body.master_port, body.rank_offset, body.world_size
         if not 0 < port < 65536:
             raise BadRequest(f"master_port must be in 1..65535, got {port}")
         if not 0 < rank < world:
             raise BadRequest(f"rank_offset must be in 1..world_size-1 (rank 0 is the trainer), got {rank} of {world}")
         try:
-            backend = resolve_backend(body.get("backend") or "auto")
+            backend = resolve_backend(body.backend or "auto")
         except ValueError as exc:
             raise BadRequest(f"backend: {exc}") from None
         if backend == "nccl" and self.engine.device.type != "cuda":
             raise BadRequest(f"backend nccl needs a CUDA engine; this engine runs on {self.engine.device}")
 
-        timeout = body.get("timeout", self.timeout_s)
-        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        timeout = self.timeout_s if body.timeout is None else body.timeout
+        if timeout <= 0:
             raise BadRequest(f"timeout must be a positive number of seconds, got {timeout!r}")
 
         slot = self.slots.setdefault(group_name, _Slot())
@@ -192,9 +162,9 @@ class WeightReceiver:
         slot.group = group
         return f"joined weight group {group_name!r} as rank {rank} of {world} ({backend})"
 
-    def destroy_group(self, body: dict) -> str:
-        name = body.get("group_name")
-        slot = self.slots.get(name) if isinstance(name, str) else None
+    def destroy_group(self, body: DestroyWeightsGroup) -> str:
+        name = body.group_name
+        slot = self.slots.get(name)
         if slot is None or slot.group is None:
             raise BadRequest(f"no weight group named {name!r}")
         slot.gen += 1
@@ -212,24 +182,21 @@ class WeightReceiver:
 
     # ------------------------------------------------------------------ updates
 
-    async def update_from_distributed(self, body: dict) -> str:
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            raise BadRequest("names must be a list of parameter names")
-        if not isinstance(dtypes, list) or len(dtypes) != len(names):
-            raise BadRequest(f"dtypes must be a list with one entry per name ({len(names)})")
-        if not isinstance(shapes, list) or len(shapes) != len(names):
-            raise BadRequest(f"shapes must be a list with one entry per name ({len(names)})")
-        dts = [parse_dtype(d, f"dtypes[{i}]") for i, d in enumerate(dtypes)]
-        for i, s in enumerate(shapes):
-            if not isinstance(s, list) or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in s):
-                raise BadRequest(f"shapes[{i}] must be a list of non-negative integers, got {s!r}")
-        version = _version_arg(body)
-        load_format = body.get("load_format")
+    async def update_from_distributed(self, body: WeightUpdate) -> str:
+        specs = body.specs()
+        names, shapes = [s.name for s in specs], [s.shape for s in specs]
+        dts = []
+        for i, s in enumerate(specs):
+            try:
+                dts.append(parse_dtype(s.dtype))
+            except ValueError as exc:
+                raise BadRequest(f"dtypes[{i}]: {exc}") from None
+        version = _version_arg(body.weight_version)
+        load_format = body.load_format
         if load_format not in (None, "flattened_bucket"):
             raise BadRequest(f"load_format {load_format!r} is not supported (None or 'flattened_bucket')")
-        group_name = body.get("group_name")
-        slot = self.slots.get(group_name) if isinstance(group_name, str) else None
+        group_name = body.group_name
+        slot = self.slots.get(group_name)
         if slot is None or slot.group is None:
             raise BadRequest(f"no weight group named {group_name!r}: call /init_weights_update_group first")
         group, gen = slot.group, slot.gen
@@ -270,13 +237,13 @@ class WeightReceiver:
         return (f"updated {len(names)} tensors ({len(names) - n} received in place) from group {group_name!r}"
                 + (f"; serving version {version}" if version is not None else ""))
 
-    async def update_from_disk(self, body: dict) -> str:
-        path = body.get("model_path")
-        if not isinstance(path, str) or not path:
+    async def update_from_disk(self, body: DiskUpdate) -> str:
+        path = body.model_path
+        if not path:
             raise BadRequest("model_path must be a path to a folder of *.safetensors or one .safetensors file")
         if not Path(path).exists():
             raise BadRequest(f"model_path {path!r} does not exist on this engine's host")
-        version = _version_arg(body)
+        version = _version_arg(body.weight_version)
         n = await run_in_thread(self.engine.load_weights_from_disk, path, version, name="rlstream-weights-disk")
         self.updates += 1
         return f"loaded {n} tensors from {path}" + (f"; serving version {version}" if version is not None else "")
@@ -285,21 +252,18 @@ class WeightReceiver:
 RECEIVER_KEY = web.AppKey("weight_receiver", WeightReceiver)
 
 
-def _answer(ok: bool, message: str, **extra: Any) -> web.Response:
-    return web.Response(body=_json.encode({"success": ok, "message": message, **extra}), status=200 if ok else 400,
+def _answer(ok: bool, message: str) -> web.Response:
+    return web.Response(body=api.encode(api.WeightsReply(success=ok, message=message)), status=200 if ok else 400,
                         content_type="application/json")
 
 
-def _route(op: Callable[[WeightReceiver, dict], Any]):
+def _route(route: api.Route, op: Callable[[WeightReceiver, Any], Any]):
     async def handler(request: web.Request) -> web.Response:
         receiver = request.app[RECEIVER_KEY]
-        raw = await request.read()
         try:
-            body = msgspec.json.decode(raw) if raw else {}
-        except msgspec.DecodeError as exc:
-            return _answer(False, f"{request.path}: body is not valid JSON: {exc}")
-        if not isinstance(body, dict):
-            return _answer(False, f"{request.path}: body must be a JSON object")
+            body = api.decode(await request.read(), route.body)
+        except BadRequest as exc:
+            return _answer(False, f"{request.path}: {exc}")
         try:
             result = op(receiver, body)
             if asyncio.iscoroutine(result):
@@ -326,10 +290,10 @@ def add_weight_routes(app: web.Application, engine: Any) -> WeightReceiver:
         receiver.close()
 
     app.on_cleanup.append(cleanup)
-    app.add_routes([
-        web.post("/init_weights_update_group", _route(WeightReceiver.init_group)),
-        web.post("/update_weights_from_distributed", _route(WeightReceiver.update_from_distributed)),
-        web.post("/update_weights_from_disk", _route(WeightReceiver.update_from_disk)),
-        web.post("/destroy_weights_update_group", _route(WeightReceiver.destroy_group)),
-    ])
+    app.add_routes([web.post(route.path, _route(route, op)) for route, op in (
+        (api.INIT_WEIGHTS_GROUP, WeightReceiver.init_group),
+        (api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, WeightReceiver.update_from_distributed),
+        (api.UPDATE_WEIGHTS_FROM_DISK, WeightReceiver.update_from_disk),
+        (api.DESTROY_WEIGHTS_GROUP, WeightReceiver.destroy_group),
+    )])
     return receiver

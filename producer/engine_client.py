@@ -17,6 +17,10 @@
   Pause/resume map to vLLM's `POST /pause?mode=abort` / `POST /resume` (dev-mode
   routes, `VLLM_SERVER_DEV_MODE=1`); an aborted request ends with `finish_reason` "abort".
 
+Every body sent and received is a struct of `common/engine_api.py` (`EngineClient.call`
+takes a route and a struct); the trainer's weight broadcaster reaches the SGLang
+control and weight-update routes of every engine kind through `SGLangClient.call` too.
+
 `ServerPool` spreads requests over every healthy server (`round_robin` or
 `least_inflight`), follows servers as they register and vanish through name resolve,
 health-checks them (`GET /health`), and retries a failed request on another healthy
@@ -31,17 +35,35 @@ import abc
 import asyncio
 import contextlib
 import itertools
-import json as jsonlib
 import random
 import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import aiohttp
+import msgspec
 
+from rlstream.common import engine_api as api
 from rlstream.common.config import Config, GenerationHyperparameters
+from rlstream.common.engine_api import (
+    ENGINES_SERVICE,
+    CompletionRequest,
+    CompletionResponse,
+    ContinueRequest,
+    EngineError,
+    EngineRequestError,
+    EngineUnavailable,
+    ErrorReply,
+    GenerateRequest,
+    GenerateResponse,
+    ModelInfo,
+    PauseRequest,
+    Route,
+    SamplingParams,
+    base_url,
+)
 from rlstream.common.logging import get_logger
-from rlstream.common.name_resolve import ENGINES_SERVICE, NameResolver, StaticNameResolver, make_name_resolver
+from rlstream.common.name_resolve import NameResolver, StaticNameResolver, make_name_resolver
 
 __all__ = [
     "ModelRequest",
@@ -55,27 +77,14 @@ __all__ = [
     "ServerPool",
     "make_engine_client",
     "make_engine_resolver",
-    "base_url",
 ]
 
-log = get_logger("rlstream.producer.engine_client")
+log = get_logger(__name__)
 
 FinishReason = Literal["stop", "length", "abort"]
 
 # gconfig.top_k at or above this means "no top-k" (AReaL's default is 1e8).
 TOP_K_OFF = 100_000_000
-
-
-class EngineError(RuntimeError):
-    """A request that failed on a server; retryable on another one."""
-
-
-class EngineRequestError(EngineError):
-    """The server refused the request itself (HTTP 4xx): retrying elsewhere will not help."""
-
-
-class EngineUnavailable(EngineError):
-    """The pool was closed while a request waited for a server."""
 
 
 @dataclass
@@ -118,24 +127,8 @@ class ModelResponse:
     latency: float = 0.0
 
 
-def base_url(address: str) -> str:
-    """`host:port` -> `http://host:port`; full URLs pass through."""
-    address = address.strip().rstrip("/")
-    return address if "://" in address else f"http://{address}"
-
-
-def _as_int(v: Any) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str) and v.lstrip("-").isdigit():
-        return int(v)
-    return None
-
-
 class EngineClient(abc.ABC):
-    """One inference server."""
+    """One inference server: `call` sends a contract struct on a route and decodes the answer."""
 
     def __init__(self, session: aiohttp.ClientSession, address: str, api_key: str | None = None,
                  request_timeout: float = 3600.0) -> None:
@@ -146,29 +139,37 @@ class EngineClient(abc.ABC):
         self.request_timeout = request_timeout
 
     # --------------------------------------------------------------- transport
-    async def _request(self, method: str, path: str, *, json: Any = None, params: dict | None = None,
-                       timeout: float | None = None) -> Any:
-        url = self.url + path
+    async def call(self, route: Route, body: msgspec.Struct | None = None, *, params: dict | None = None,
+                   timeout: float | None = None) -> Any:
+        """One request; the answer decoded as `route.reply` (None for an empty body).
+
+        EngineError names the URL: not answered (no connection, no reply within `timeout`),
+        or answered with an error (`answered=True`; EngineRequestError for a 4xx that
+        another server would refuse as well).
+        """
+        url = self.url + route.path
+        timeout = timeout or self.request_timeout
+        headers = self.headers
+        data = None
+        if body is not None:
+            data = api.encode(body)
+            headers = {**headers, "Content-Type": "application/json"}
         try:
-            async with self.session.request(method, url, json=json, params=params, headers=self.headers,
-                                            timeout=aiohttp.ClientTimeout(total=timeout or self.request_timeout)) as resp:
-                body = await resp.read()
-                if resp.status in (401, 403):
-                    raise EngineRequestError(f"{url}: HTTP {resp.status} (check rollout.api_key): {body[:200]!r}")
-                if 400 <= resp.status < 500 and resp.status not in (404, 408, 429):
-                    raise EngineRequestError(f"{url}: HTTP {resp.status}: {body[:500].decode(errors='replace')}")
-                if resp.status >= 400:
-                    raise EngineError(f"{url}: HTTP {resp.status}: {body[:500].decode(errors='replace')}")
-                if not body:
-                    return None
-                try:
-                    return jsonlib.loads(body)
-                except ValueError:
-                    return body.decode(errors="replace")
+            async with self.session.request(route.method, url, data=data, params=params, headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+                status, raw = resp.status, await resp.read()
         except asyncio.TimeoutError:
-            raise EngineError(f"{url}: no answer within {timeout or self.request_timeout:.0f}s") from None
+            raise EngineError(f"{url}: no answer within {timeout:.0f}s") from None
         except aiohttp.ClientError as exc:
             raise EngineError(f"{url}: {type(exc).__name__}: {exc}") from None
+        if status >= 400:
+            raise _http_error(url, status, raw)
+        if not raw or route.reply is None:
+            return None
+        try:
+            return msgspec.json.decode(raw, type=route.reply)
+        except msgspec.DecodeError as exc:
+            raise EngineError(f"{url}: unexpected answer ({exc}): {raw[:200]!r}", answered=True) from None
 
     # --------------------------------------------------------------- interface
     @abc.abstractmethod
@@ -177,7 +178,7 @@ class EngineClient(abc.ABC):
 
     async def health(self, timeout: float = 5.0) -> bool:
         try:
-            await self._request("GET", "/health", timeout=timeout)
+            await self.call(api.HEALTH, timeout=timeout)
             return True
         except EngineError:
             return False
@@ -190,70 +191,69 @@ class EngineClient(abc.ABC):
     async def resume(self) -> None:
         """Let generation continue after `pause`."""
 
-    async def model_info(self) -> dict[str, Any]:
-        return {}
+    async def model_info(self, timeout: float = 30.0) -> ModelInfo:
+        """`/get_model_info` (SGLang, the local engine, rlstream's vLLM server)."""
+        return await self.call(api.MODEL_INFO, timeout=timeout) or ModelInfo()
+
+
+def _http_error(url: str, status: int, raw: bytes) -> EngineError:
+    try:
+        detail = msgspec.json.decode(raw, type=ErrorReply).text() or raw[:500].decode(errors="replace")
+    except msgspec.DecodeError:
+        detail = raw[:500].decode(errors="replace")
+    if status in (401, 403):
+        return EngineRequestError(f"{url}: HTTP {status} (check rollout.api_key): {detail[:200]}")
+    if 400 <= status < 500 and status not in (404, 408, 429):
+        return EngineRequestError(f"{url}: HTTP {status}: {detail}")
+    return EngineError(f"{url}: HTTP {status}: {detail}", answered=True)
 
 
 class SGLangClient(EngineClient):
     """SGLang native HTTP: `/generate`, `/pause_generation`, `/continue_generation`."""
 
-    def payload(self, req: ModelRequest) -> dict[str, Any]:
-        sp: dict[str, Any] = {
-            "max_new_tokens": req.max_new_tokens,
-            "temperature": req.effective_temperature,
-            "top_p": req.top_p,
-        }
-        if req.top_k < TOP_K_OFF:  # absent = the server's "off"
-            sp["top_k"] = req.top_k
-        if req.min_new_tokens:
-            sp["min_new_tokens"] = req.min_new_tokens
-        if req.stop_token_ids:
-            sp["stop_token_ids"] = list(req.stop_token_ids)
-        body: dict[str, Any] = {"input_ids": list(req.input_ids), "sampling_params": sp, "return_logprob": True}
-        if req.rid:
-            body["rid"] = req.rid
-        return body
+    def payload(self, req: ModelRequest) -> GenerateRequest:
+        sp = SamplingParams(
+            max_new_tokens=req.max_new_tokens,
+            temperature=req.effective_temperature,
+            top_p=req.top_p,
+            top_k=req.top_k if req.top_k < TOP_K_OFF else -1,  # -1: the server's "off" (and not sent)
+            min_new_tokens=req.min_new_tokens,
+            stop_token_ids=list(req.stop_token_ids) or None,
+        )
+        return GenerateRequest(input_ids=list(req.input_ids), sampling_params=sp, return_logprob=True, rid=req.rid)
 
-    def parse(self, data: Any) -> ModelResponse:
-        if isinstance(data, list):  # batch form: one prompt sent, one answer
+    def parse(self, data: GenerateResponse | list[GenerateResponse] | None) -> ModelResponse:
+        if isinstance(data, list) and data:  # batch form: one prompt sent, one answer
             data = data[0]
-        if not isinstance(data, dict) or "meta_info" not in data:
-            raise EngineError(f"{self.url}/generate: unexpected response {str(data)[:200]}")
-        meta = data["meta_info"]
-        lp_rows = meta.get("output_token_logprobs") or []
-        ids = data.get("output_ids")
-        if ids is None:
-            ids = [int(r[1]) for r in lp_rows]
+        if not isinstance(data, GenerateResponse):
+            raise EngineError(f"{self.url}/generate: unexpected response {str(data)[:200]}", answered=True)
+        meta = data.meta_info
+        lp_rows = meta.output_token_logprobs or []
+        ids = data.output_ids if data.output_ids is not None else [int(r[1]) for r in lp_rows]
         if len(lp_rows) != len(ids):
             raise EngineError(f"{self.url}/generate: {len(ids)} output ids but {len(lp_rows)} logprobs "
-                              "(was return_logprob honoured?)")
-        logprobs = [float(r[0]) for r in lp_rows]
-        fr = meta.get("finish_reason") or {}
-        ftype = fr.get("type") if isinstance(fr, dict) else fr
+                              "(was return_logprob honoured?)", answered=True)
+        ftype = meta.finish_reason.type if meta.finish_reason is not None else None
         if ftype not in ("stop", "length", "abort"):
-            raise EngineError(f"{self.url}/generate: unknown finish_reason {fr!r}")
-        versions = meta.get("output_token_versions")
+            raise EngineError(f"{self.url}/generate: unknown finish_reason {meta.finish_reason!r}", answered=True)
+        versions = meta.output_token_versions
         if versions is not None and len(versions) != len(ids):
             versions = None
-        return ModelResponse(output_ids=[int(i) for i in ids], output_logprobs=logprobs, finish_reason=ftype,
-                             output_versions=[int(v) for v in versions] if versions is not None else None,
-                             weight_version=_as_int(meta.get("weight_version")), server=self.address)
+        return ModelResponse(output_ids=list(ids), output_logprobs=[float(r[0]) for r in lp_rows],
+                             finish_reason=ftype, output_versions=versions,
+                             weight_version=api.as_int(meta.weight_version), server=self.address)
 
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         t0 = time.monotonic()
-        out = self.parse(await self._request("POST", "/generate", json=self.payload(req)))
+        out = self.parse(await self.call(api.GENERATE, self.payload(req)))
         out.latency = time.monotonic() - t0
         return out
 
-    async def pause(self) -> None:
-        await self._request("POST", "/pause_generation", json={}, timeout=60)
+    async def pause(self, timeout: float = 60.0) -> None:
+        await self.call(api.PAUSE_GENERATION, PauseRequest(), timeout=timeout)
 
-    async def resume(self) -> None:
-        await self._request("POST", "/continue_generation", json={}, timeout=60)
-
-    async def model_info(self) -> dict[str, Any]:
-        data = await self._request("GET", "/get_model_info", timeout=30)
-        return data if isinstance(data, dict) else {}
+    async def resume(self, timeout: float = 60.0) -> None:
+        await self.call(api.CONTINUE_GENERATION, ContinueRequest(), timeout=timeout)
 
 
 class VLLMClient(EngineClient):
@@ -266,56 +266,45 @@ class VLLMClient(EngineClient):
     async def model_name(self) -> str:
         # /v1/completions needs the served model name; ask once.
         if self._model is None:
-            data = await self._request("GET", "/v1/models", timeout=30)
-            try:
-                self._model = data["data"][0]["id"]
-            except (KeyError, IndexError, TypeError):
-                raise EngineError(f"{self.url}/v1/models: no served model in {str(data)[:200]}") from None
+            models = await self.call(api.MODELS, timeout=30)
+            if not models or not models.data:
+                raise EngineError(f"{self.url}/v1/models: no served model in {models!r}", answered=True)
+            self._model = models.data[0].id
         return self._model
 
-    def payload(self, req: ModelRequest, model: str) -> dict[str, Any]:
-        body: dict[str, Any] = {
-            "model": model,
-            "prompt": list(req.input_ids),
-            "max_tokens": req.max_new_tokens,
-            "temperature": req.effective_temperature,
-            "top_p": req.top_p,
-            "logprobs": 0,
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-            "stream": False,
-        }
+    def payload(self, req: ModelRequest, model: str) -> CompletionRequest:
+        body = CompletionRequest(model=model, prompt=list(req.input_ids), max_tokens=req.max_new_tokens,
+                                 temperature=req.effective_temperature, top_p=req.top_p)
         if req.top_k < TOP_K_OFF:
-            body["top_k"] = req.top_k
+            body.top_k = req.top_k
         if req.min_new_tokens:
-            body["min_tokens"] = req.min_new_tokens
+            body.min_tokens = req.min_new_tokens
         if req.stop_token_ids:
-            body["stop_token_ids"] = list(req.stop_token_ids)
+            body.stop_token_ids = list(req.stop_token_ids)
         if req.rid:
-            body["request_id"] = req.rid
+            body.request_id = req.rid
         return body
 
-    def parse(self, data: Any) -> ModelResponse:
-        try:
-            choice = data["choices"][0]
-        except (KeyError, IndexError, TypeError):
-            raise EngineError(f"{self.url}/v1/completions: unexpected response {str(data)[:200]}") from None
-        lp = choice.get("logprobs") or {}
-        tokens = lp.get("tokens")
-        token_lps = lp.get("token_logprobs")
-        if tokens is None or token_lps is None:
-            raise EngineError(f"{self.url}/v1/completions: no logprobs in the answer (logprobs=0 was sent)")
+    def parse(self, data: CompletionResponse | None) -> ModelResponse:
+        if data is None or not data.choices:
+            raise EngineError(f"{self.url}/v1/completions: unexpected response {str(data)[:200]}", answered=True)
+        choice = data.choices[0]
+        lp = choice.logprobs
+        if lp is None or lp.tokens is None or lp.token_logprobs is None:
+            raise EngineError(f"{self.url}/v1/completions: no logprobs in the answer (logprobs=0 was sent)",
+                              answered=True)
         ids = []
-        for tok in tokens:
-            if not isinstance(tok, str) or not tok.startswith("token_id:"):
+        for tok in lp.tokens:
+            if not tok.startswith("token_id:"):
                 raise EngineError(f"{self.url}/v1/completions: token {tok!r} is not 'token_id:N' "
-                                  "(does this vLLM support return_tokens_as_token_ids?)")
+                                  "(does this vLLM support return_tokens_as_token_ids?)", answered=True)
             ids.append(int(tok[len("token_id:"):]))
-        if len(token_lps) != len(ids):
-            raise EngineError(f"{self.url}/v1/completions: {len(ids)} tokens but {len(token_lps)} logprobs")
+        if len(lp.token_logprobs) != len(ids):
+            raise EngineError(f"{self.url}/v1/completions: {len(ids)} tokens but {len(lp.token_logprobs)} logprobs",
+                              answered=True)
         # A logprob of -inf comes back as null/-9999 in some versions; keep it finite and very negative.
-        logprobs = [float(x) if x is not None else -9999.0 for x in token_lps]
-        fr = choice.get("finish_reason")
+        logprobs = [float(x) if x is not None else -9999.0 for x in lp.token_logprobs]
+        fr = choice.finish_reason
         if fr not in ("stop", "length", "abort"):
             # vLLM reports None while running and "abort" for aborted requests; anything else is a stop.
             fr = "abort" if fr is None else "stop"
@@ -324,24 +313,15 @@ class VLLMClient(EngineClient):
     async def agenerate(self, req: ModelRequest) -> ModelResponse:
         t0 = time.monotonic()
         model = await self.model_name()
-        out = self.parse(await self._request("POST", "/v1/completions", json=self.payload(req, model)))
+        out = self.parse(await self.call(api.COMPLETIONS, self.payload(req, model)))
         out.latency = time.monotonic() - t0
         return out
 
     async def pause(self) -> None:
-        await self._request("POST", "/pause", params={"mode": "abort"}, timeout=60)
+        await self.call(api.VLLM_PAUSE, params={"mode": "abort"}, timeout=60)
 
     async def resume(self) -> None:
-        await self._request("POST", "/resume", timeout=60)
-
-    async def model_info(self) -> dict[str, Any]:
-        # rlstream's vLLM server (engine/vllm_server.py) adds SGLang's /get_model_info with
-        # the weight version; plain vLLM has only /v1/models.
-        try:
-            data = await self._request("GET", "/get_model_info", timeout=30)
-        except EngineError:
-            data = await self._request("GET", "/v1/models", timeout=30)
-        return data if isinstance(data, dict) else {}
+        await self.call(api.VLLM_RESUME, timeout=60)
 
 
 _BACKENDS: dict[str, type[EngineClient]] = {"sglang": SGLangClient, "vllm": VLLMClient}

@@ -222,10 +222,13 @@ def recompute_logprobs(model, prompt: list[int], output: list[int], temperature:
     return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1)
 
 
-def behaviour_logprobs(result: dict):
+def behaviour_logprobs(result):
+    """The behaviour logprobs of a /generate answer (a JSON dict, or the engine's GenerateResponse)."""
     import torch
 
-    return torch.tensor([lp for lp, _tok, _ in result["meta_info"]["output_token_logprobs"]])
+    rows = (result["meta_info"]["output_token_logprobs"] if isinstance(result, dict)
+            else result.meta_info.output_token_logprobs)
+    return torch.tensor([lp for lp, _tok, _ in rows])
 
 
 def perturbed_state(model, seed: int = 1) -> dict:

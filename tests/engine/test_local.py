@@ -11,6 +11,7 @@ import asyncio
 import pytest
 import torch
 
+from rlstream.common.engine_api import FinishReason
 from rlstream.engine.local import LocalEngine
 from tests.helpers import PROMPTS, behaviour_logprobs, perturbed_state, recompute_logprobs
 
@@ -26,9 +27,9 @@ async def test_logprobs_match_trainer_recomputation(engine, trainer_model, tempe
                **({"top_p": 0.9, "top_k": 20} if i % 3 == 0 else {})} for i in range(8)]
     results = await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(PROMPTS[:8], params)))
     for prompt, res in zip(PROMPTS[:8], results):
-        out = res["output_ids"]
-        assert out and len(res["meta_info"]["output_token_logprobs"]) == len(out)
-        assert [t for _, t, _ in res["meta_info"]["output_token_logprobs"]] == out
+        out = res.output_ids
+        assert out and len(res.meta_info.output_token_logprobs) == len(out)
+        assert [t for _, t, _ in res.meta_info.output_token_logprobs] == out
         ref = recompute_logprobs(trainer_model, prompt, out, temperature)
         diff = (ref - behaviour_logprobs(res)).abs().max().item()
         assert diff < 1e-3, f"behaviour vs recomputed logprobs differ by {diff} at T={temperature}"
@@ -36,9 +37,9 @@ async def test_logprobs_match_trainer_recomputation(engine, trainer_model, tempe
 
 async def test_greedy_batched_equals_unbatched(engine):
     sp = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
-    alone = [(await engine.generate(p, sp))["output_ids"] for p in PROMPTS]
+    alone = [(await engine.generate(p, sp)).output_ids for p in PROMPTS]
     together = await asyncio.gather(*(engine.generate(p, sp) for p in PROMPTS))
-    assert [r["output_ids"] for r in together] == alone
+    assert [r.output_ids for r in together] == alone
 
     # Staggered arrivals: requests join a running batch of different lengths (cache merge,
     # left padding) and leave it at different steps (row removal, padding trim).
@@ -50,8 +51,8 @@ async def test_greedy_batched_equals_unbatched(engine):
     for i, (res, ref) in enumerate(zip(staggered, alone)):
         n = 8 + (i * 5) % 17
         if n <= 20:
-            assert res["output_ids"] == ref[:n], f"prompt {i} diverged when joining a running batch"
-        assert res["meta_info"]["finish_reason"] == {"type": "length", "length": n}
+            assert res.output_ids == ref[:n], f"prompt {i} diverged when joining a running batch"
+        assert res.meta_info.finish_reason == FinishReason(type="length", length=n)
     # Greedy logprobs follow the T=1 convention.
     assert all(lp <= 0 for lp in behaviour_logprobs(staggered[0]).tolist())
 
@@ -61,8 +62,8 @@ async def test_more_requests_than_batch_slots_queue_and_match(tiny_model_path, e
     try:
         sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
         results = await asyncio.gather(*(small.generate(p, sp) for p in PROMPTS[:10]))
-        alone = [(await engine.generate(p, sp))["output_ids"] for p in PROMPTS[:10]]
-        assert [r["output_ids"] for r in results] == alone
+        alone = [(await engine.generate(p, sp)).output_ids for p in PROMPTS[:10]]
+        assert [r.output_ids for r in results] == alone
         assert small.stats()["peak_running"] == 3 and small.stats()["waiting"] == 0
     finally:
         small.close()
@@ -72,21 +73,21 @@ async def test_top_k_one_is_greedy_and_stop_tokens(engine):
     prompt = PROMPTS[3]
     greedy = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True})
     topk1 = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 1.0, "top_k": 1, "ignore_eos": True})
-    assert topk1["output_ids"] == greedy["output_ids"]
+    assert topk1.output_ids == greedy.output_ids
     # Logprobs are taken before top-k filtering: top_k=1 does not make them 0.
     assert behaviour_logprobs(topk1).tolist() == pytest.approx(behaviour_logprobs(greedy).tolist(), abs=1e-5)
     assert max(behaviour_logprobs(topk1).tolist()) < 0
 
-    out = greedy["output_ids"]
+    out = greedy.output_ids
     stop = out[4]
     first = out.index(stop)
     res = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [stop], "ignore_eos": True})
-    assert res["output_ids"] == out[:first + 1]
-    assert res["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}
+    assert res.output_ids == out[:first + 1]
+    assert res.meta_info.finish_reason == FinishReason(type="stop", matched=stop)
     # min_new_tokens forbids the stop token before that many tokens.
     res = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [stop],
                                          "ignore_eos": True, "min_new_tokens": first + 1})
-    assert len(res["output_ids"]) > first + 1 and stop not in res["output_ids"][:first + 1]
+    assert len(res.output_ids) > first + 1 and stop not in res.output_ids[:first + 1]
 
 
 async def test_max_seq_len_caps_generation(tiny_model_path):
@@ -95,7 +96,7 @@ async def test_max_seq_len_caps_generation(tiny_model_path):
         prompt = PROMPTS[1][:5]
         assert len(prompt) == 5
         res = await eng.generate(prompt, {"max_new_tokens": 100, "temperature": 0, "ignore_eos": True})
-        assert len(res["output_ids"]) == 15 and res["meta_info"]["finish_reason"]["type"] == "length"
+        assert len(res.output_ids) == 15 and res.meta_info.finish_reason.type == "length"
         with pytest.raises(ValueError, match="max_seq_len=20"):
             await eng.generate(list(range(4, 24)), {"max_new_tokens": 1})
     finally:
@@ -116,7 +117,7 @@ async def test_weights_from_disk_and_bad_names(fresh_engine, trainer_model, tmp_
     for name, tensor in new.items():
         assert torch.equal(dict(eng.model.named_parameters())[name], tensor)
     res = await eng.generate(PROMPTS[1], {"max_new_tokens": 8, "temperature": 0.7})
-    assert res["meta_info"]["output_token_versions"] == [7] * len(res["output_ids"])
+    assert res.meta_info.output_token_versions == [7] * len(res.output_ids)
 
     with pytest.raises(KeyError, match="no.such.weight"):
         eng.apply_weights([("no.such.weight", torch.zeros(1))])

@@ -139,7 +139,7 @@ async def test_cancelled_client_leaves_the_batch(engine):
 async def test_http_concurrent_requests_are_batched(engine):
     sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     prompts = [PROMPTS[i % len(PROMPTS)] + [5 + i % 40] for i in range(32)]
-    alone = [(await engine.generate(p, sp))["output_ids"] for p in prompts[:6]]
+    alone = [(await engine.generate(p, sp)).output_ids for p in prompts[:6]]
     engine.peak_running = 0
     async with Served(engine) as srv:
         replies = await asyncio.gather(*(srv.post("/generate", gen_body(p, **sp)) for p in prompts))

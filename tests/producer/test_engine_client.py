@@ -7,9 +7,11 @@ import logging
 import time
 import uuid
 
+import msgspec
 import pytest
 
 from rlstream.common.config import load_config
+from rlstream.common.engine_api import CompletionResponse, base_url
 from rlstream.common.name_resolve import ENGINES_SERVICE, RedisNameResolver
 from rlstream.producer.engine_client import (
     EngineRequestError,
@@ -17,7 +19,6 @@ from rlstream.producer.engine_client import (
     ServerPool,
     SGLangClient,
     VLLMClient,
-    base_url,
 )
 
 from tests.helpers import EngineProcess, engine_overrides
@@ -76,7 +77,7 @@ async def test_sglang_client_against_local_engine(shared):
         sampled = await c.agenerate(req(6, temperature=0.7, top_p=0.9, top_k=20))
         assert len(sampled.output_ids) == 6
         info = await c.model_info()
-        assert info.get("weight_version") == 0
+        assert info.weight_version == 0
 
         no_key = SGLangClient(session, e0.address, None)
         with pytest.raises(EngineRequestError, match="HTTP 401.*rollout.api_key"):
@@ -203,19 +204,26 @@ VLLM_ANSWER = {
 
 def test_vllm_payload_and_parse():
     c = VLLMClient(None, "127.0.0.1:8000", "k")
-    body = c.payload(req(4, temperature=0.7, top_k=20, stop_token_ids=[2]), "tiny")
+
+    def wire(body):  # the JSON that crosses the wire
+        return msgspec.json.decode(msgspec.json.encode(body))
+
+    def answer(data):  # an answer as the client decodes it
+        return msgspec.convert(data, CompletionResponse)
+
+    body = wire(c.payload(req(4, temperature=0.7, top_k=20, stop_token_ids=[2]), "tiny"))
     assert body["prompt"] == [5, 6, 7] and body["max_tokens"] == 4 and body["min_tokens"] == 4
     assert body["logprobs"] == 0 and body["return_tokens_as_token_ids"] is True
     assert body["temperature"] == 0.7 and body["top_k"] == 20 and body["stop_token_ids"] == [2]
-    assert c.payload(req(1, greedy=True), "tiny")["temperature"] == 0.0
-    assert "top_k" not in c.payload(req(1), "tiny")
-    out = c.parse(VLLM_ANSWER)
+    assert wire(c.payload(req(1, greedy=True), "tiny"))["temperature"] == 0.0
+    assert "top_k" not in wire(c.payload(req(1), "tiny"))
+    out = c.parse(answer(VLLM_ANSWER))
     assert out.output_ids == [5, 6, 2] and out.output_logprobs == [-0.5, -1.25, -0.01]
     assert out.finish_reason == "stop" and out.output_versions is None and out.weight_version is None
     aborted = {"choices": [{**VLLM_ANSWER["choices"][0], "finish_reason": "abort"}]}
-    assert c.parse(aborted).finish_reason == "abort"
+    assert c.parse(answer(aborted)).finish_reason == "abort"
     bad = {"choices": [{**VLLM_ANSWER["choices"][0], "logprobs": {"tokens": ["12"], "token_logprobs": [-1.0]}}]}
     with pytest.raises(Exception, match="not 'token_id:N'"):
-        c.parse(bad)
+        c.parse(answer(bad))
     assert c.headers == {"Authorization": "Bearer k"}
     assert base_url("h:1") == "http://h:1" and base_url("https://h:1/") == "https://h:1"

@@ -1,0 +1,473 @@
+"""The engine HTTP contract, written once: routes and msgspec structs both ends import.
+
+Every body that crosses the engine HTTP boundary, in either direction, is one of these
+structs encoded with `msgspec.json`: the local engine's server (`engine/server.py`,
+`engine/weights.py`), rlstream's vLLM server (`engine/vllm_server.py`), the producer's
+engine clients (`producer/engine_client.py`) and the trainer's weight broadcaster
+(`trainer/weights/fleet.py`, through those clients).
+
+Two wire protocols, exactly as the real servers speak them:
+
+- SGLang's native HTTP API (`sglang.srt.managers.io_struct`, `sglang/srt/entrypoints/http_server.py`;
+  its `SamplingParams` is itself a msgspec Struct with `omit_defaults`): `/generate`,
+  pause/continue, model/server info, and the weight-update routes. The local engine serves
+  this subset; rlstream's vLLM server adds the control and weight routes to vLLM.
+  rlstream's extras are optional fields SGLang ignores: per-token `output_token_versions`,
+  `InitWeightsGroup.timeout`, `WeightUpdate.finish`.
+- vLLM's OpenAI-compatible `/v1/completions` with token-id prompts (`CompletionRequest`),
+  `/v1/models`, and its RL routes `/pause?mode=abort`, `/resume`, `/is_paused`.
+
+Request structs omit fields left at their default (SGLang's own defaults), so a client
+sends only what it sets; decoding ignores fields a newer server adds, except in
+`SamplingParams`, which (like SGLang) refuses keys it does not know.
+
+Nothing here imports torch or aiohttp: the producer, the trainer and the vLLM virtualenv
+(which has msgspec) all import this module.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, NamedTuple, Sequence, TypeVar
+
+import msgspec
+
+__all__ = [
+    "ENGINES_SERVICE", "DEFAULT_GROUP", "Route", "base_url", "as_int", "encode", "decode", "convert",
+    "EngineError", "EngineRequestError", "EngineUnavailable", "BadRequest",
+    "SamplingParams", "GenerateRequest", "FinishReason", "MetaInfo", "GenerateResponse",
+    "PauseRequest", "ContinueRequest", "ControlReply", "ServerInfo", "ModelInfo", "ErrorDetail", "ErrorReply",
+    "ParamSpec", "InitWeightsGroup", "WeightUpdate", "DiskUpdate", "DestroyWeightsGroup", "WeightsReply",
+    "CompletionRequest", "CompletionResponse", "ModelList", "PausedReply",
+]
+
+# Name-resolve service the engines register under (`{ns}:engines` with name_resolve=redis).
+ENGINES_SERVICE = "engines"
+# SGLang's default weight-update group name.
+DEFAULT_GROUP = "weight_update_group"
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------- errors
+
+
+class EngineError(RuntimeError):
+    """An engine could not do what was asked; the message names the engine and the reason.
+
+    `answered`: the engine replied (an HTTP error, or `success: false`), as opposed to no
+    connection or no reply in time. After a broken collective a live engine replies with
+    the collective's error although another engine caused it; the broadcaster blames
+    engines that did not answer first.
+    """
+
+    def __init__(self, message: str, *, answered: bool = False) -> None:
+        super().__init__(message)
+        self.answered = answered
+
+
+class EngineRequestError(EngineError):
+    """The engine refused the request itself (HTTP 4xx): sending it to another engine will not help."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, answered=True)
+
+
+class EngineUnavailable(EngineError):
+    """No engine to send a request to (the pool closed while the request waited)."""
+
+
+class BadRequest(ValueError):
+    """A body that does not fit the contract; the message names the field."""
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def base_url(address: str) -> str:
+    """`host:port` -> `http://host:port`; full URLs pass through (without a trailing slash)."""
+    address = address.strip().rstrip("/")
+    return address if "://" in address else f"http://{address}"
+
+
+def as_int(value: Any) -> int | None:
+    """An int from an int or a decimal string (SGLang sends weight versions as strings); else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str) and value.lstrip("-").isdigit():
+        return int(value)
+    return None
+
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(obj: Any) -> bytes:
+    """JSON bytes of a struct (or a list of structs)."""
+    return _encoder.encode(obj)
+
+
+def _explain(exc: msgspec.ValidationError, where: str) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.a.b`" as "where.a.b: expected `int`, got `str`"."""
+    text, _, path = str(exc).partition(" - at `$")
+    path = path.rstrip("`").lstrip(".")
+    if text.startswith("Object contains unknown field `"):
+        field = text.split("`")[1]
+        text, path = "unknown field", ".".join(p for p in (path, field) if p)
+    path = ".".join(p for p in (where, path) if p).replace(".[", "[")
+    return f"{path}: {text[:1].lower()}{text[1:]}" if path else text
+
+
+def decode(data: bytes, type_: type[T], *, where: str = "") -> T:
+    """A request or reply body as `type_`; BadRequest naming the field when it does not fit.
+
+    An empty body is the struct's defaults (or "missing required field ..." when it has none).
+    """
+    try:
+        return msgspec.json.decode(data or b"{}", type=type_)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(_explain(exc, where)) from None
+    except msgspec.DecodeError as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+
+
+def convert(obj: Any, type_: type[T], *, where: str = "") -> T:
+    """`decode` for already-parsed builtins (a dict from Python callers)."""
+    try:
+        return msgspec.convert(obj, type_)
+    except msgspec.ValidationError as exc:
+        raise BadRequest(_explain(exc, where)) from None
+
+
+class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A JSON object on the wire; fields at their default are not sent."""
+
+
+# ---------------------------------------------------------------------- SGLang: generation
+
+
+class SamplingParams(_Body, forbid_unknown_fields=True):
+    """SGLang's `sampling_params` (the API fields of `sglang.srt.sampling.sampling_params`).
+
+    Defaults are SGLang's; `top_k` -1 and `n` 1 mean off. A server rejects what it does
+    not implement (the local engine: see `engine/sampling.py`).
+    """
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int | None = 0
+    temperature: float | None = 1.0
+    top_p: float | None = 1.0
+    top_k: int | None = -1
+    min_p: float | None = 0.0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    stop_regex: str | list[str] | None = None
+    frequency_penalty: float | None = 0.0
+    presence_penalty: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    n: int | None = 1
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    ignore_eos: bool | None = False
+    skip_special_tokens: bool | None = True
+    spaces_between_special_tokens: bool | None = True
+    no_stop_trim: bool | None = False
+    custom_params: dict[str, Any] | None = None
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+
+
+class GenerateRequest(_Body):
+    """`POST /generate`: one prompt, or a batch (a list of prompts; then the answer is a list)."""
+
+    input_ids: list[int | list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: bool | list[bool] = False
+    top_logprobs_num: int | list[int] | None = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+class FinishReason(_Body):
+    """`{type: stop, matched}` / `{type: length, length}` / `{type: abort, message}`."""
+
+    type: str
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+
+class MetaInfo(_Body):
+    id: str | None = None
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    # [logprob, token id, token text or null] per output token (return_logprob)
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    # rlstream: the weight version that produced each output token
+    output_token_versions: list[int] | None = None
+    weight_version: int | str | None = None
+    e2e_latency: float | None = None
+
+
+class GenerateResponse(_Body):
+    """The answer to one prompt of `POST /generate`."""
+
+    text: str | None = None
+    output_ids: list[int] | None = None
+    meta_info: MetaInfo = msgspec.field(default_factory=MetaInfo)
+
+
+# ---------------------------------------------------------------------- SGLang: control and information
+
+
+class PauseRequest(_Body):
+    """`POST /pause_generation`: abort = running requests return now with finish_reason abort."""
+
+    mode: Literal["abort", "wait", "keep"] = "abort"
+
+
+class ContinueRequest(_Body):
+    """`POST /continue_generation` (no fields)."""
+
+
+class ControlReply(_Body):
+    """Answer of pause/continue/flush and of `/health_generate`."""
+
+    success: bool | None = None
+    status: str | None = None
+    message: str | None = None
+    paused: bool | None = None
+    weight_version: int | str | None = None
+    flushed: bool | None = None
+
+
+class ServerInfo(_Body):
+    """`GET /get_server_info` (and the local engine's `GET /health`): load figures and parallel sizes."""
+
+    status: str | None = None
+    running: int | None = None
+    waiting: int | None = None
+    paused: bool | None = None
+    total_tokens: int | None = None
+    total_requests: int | None = None
+    total_steps: int | None = None
+    peak_running: int | None = None
+    weight_version: int | str | None = None
+    busy_seconds: float | None = None
+    tp_size: int | None = None
+    pp_size: int | None = None
+    tensor_parallel_size: int | None = None
+    pipeline_parallel_size: int | None = None
+
+    def weight_sync_ranks(self) -> int:
+        """Ranks the engine takes in a weight-sync group: tp_size * pp_size (1 when it does not say)."""
+        tp = self.tp_size or self.tensor_parallel_size or 1
+        pp = self.pp_size or self.pipeline_parallel_size or 1
+        return max(1, tp) * max(1, pp)
+
+
+class ModelInfo(_Body):
+    """`GET /get_model_info`: what is served and the weight version (SGLang's fields plus rlstream's)."""
+
+    model_path: str | None = None
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    is_generation: bool | None = None
+    weight_version: int | str | None = None
+    paused: bool | None = None
+    update_in_progress: bool | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    max_model_len: int | None = None
+    max_batch_size: int | None = None
+    device: str | None = None
+    dtype: str | None = None
+    eos_token_ids: list[int] | None = None
+    logprobs_mode: str | None = None
+    engine: str | None = None
+    vllm_version: str | None = None
+
+
+class ErrorDetail(_Body):
+    message: str
+    code: int | None = None
+
+
+class ErrorReply(_Body):
+    """A failed request (4xx/5xx) of the generation and information routes: `{error: {message, code}}`."""
+
+    error: ErrorDetail | str | None = None
+    message: str | None = None  # weight routes and vLLM's RL routes
+    detail: Any = None  # FastAPI
+
+    def text(self) -> str | None:
+        if isinstance(self.error, ErrorDetail):
+            return self.error.message
+        return self.error or self.message or (str(self.detail) if self.detail is not None else None)
+
+
+# ---------------------------------------------------------------------- SGLang: weight updates
+
+
+class ParamSpec(NamedTuple):
+    """One tensor of a weight update: its name, dtype name (`bfloat16`; `torch.` prefix allowed) and shape."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class InitWeightsGroup(_Body):
+    """`POST /init_weights_update_group`: join the trainer's group (trainer = rank 0) as `rank_offset`."""
+
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = DEFAULT_GROUP
+    backend: str | None = None  # None: the server's default (SGLang nccl; rlstream's engines auto)
+    timeout: float | None = None  # rlstream: seconds every collective of the group may take
+
+
+class WeightUpdate(_Body):
+    """`POST /update_weights_from_distributed`: receive each tensor, in order, by a broadcast from rank 0."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[Annotated[int, msgspec.Meta(ge=0)]]]
+    group_name: str = DEFAULT_GROUP
+    flush_cache: bool = True
+    weight_version: int | str | None = None  # the version served once this update is in (SGLang: a string)
+    load_format: str | None = None  # None: one broadcast per tensor; "flattened_bucket": one flat tensor
+    finish: bool = False  # rlstream's vLLM server: the last bucket of a push ends its reload session
+
+    @classmethod
+    def of(cls, specs: Sequence[ParamSpec], **kw: Any) -> "WeightUpdate":
+        return cls(names=[s.name for s in specs], dtypes=[s.dtype for s in specs],
+                   shapes=[list(s.shape) for s in specs], **kw)
+
+    def specs(self) -> list[ParamSpec]:
+        """The tensors in order; BadRequest when names, dtypes and shapes differ in length."""
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise BadRequest(f"names/dtypes/shapes lengths {len(self.names)}/{len(self.dtypes)}/{len(self.shapes)} "
+                             "differ")
+        return [ParamSpec(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+
+
+class DiskUpdate(_Body):
+    """`POST /update_weights_from_disk`: load every *.safetensors of a folder (or one file)."""
+
+    model_path: str
+    weight_version: int | str | None = None
+    flush_cache: bool = True
+    load_format: str | None = None
+
+
+class DestroyWeightsGroup(_Body):
+    """`POST /destroy_weights_update_group`."""
+
+    group_name: str = DEFAULT_GROUP
+
+
+class WeightsReply(_Body):
+    """Answer of the weight routes: `{success, message}` (HTTP 200, or 4xx/5xx with success false)."""
+
+    success: bool
+    message: str = ""
+    num_tensors: int | None = None
+    flushed: bool | None = None
+    weight_version: int | str | None = None
+    session_open: bool | None = None
+    ranks: list[Any] | None = None
+
+
+# ---------------------------------------------------------------------- vLLM (OpenAI-compatible subset)
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    """`POST /v1/completions` with a token-id prompt; every returned token is `token_id:N`."""
+
+    model: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    logprobs: int = 0  # the sampled token's logprob only
+    return_tokens_as_token_ids: bool = True
+    skip_special_tokens: bool = False
+    stream: bool = False
+    top_k: int | msgspec.UnsetType = msgspec.UNSET
+    min_tokens: int | msgspec.UnsetType = msgspec.UNSET
+    stop_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    request_id: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str] | None = None
+    token_logprobs: list[float | None] | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    choices: list[CompletionChoice] = msgspec.field(default_factory=list)
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+
+
+class ModelList(msgspec.Struct):
+    """`GET /v1/models`."""
+
+    data: list[ModelCard] = msgspec.field(default_factory=list)
+
+
+class PausedReply(msgspec.Struct):
+    """`GET /is_paused` (vLLM)."""
+
+    is_paused: bool
+
+
+# ---------------------------------------------------------------------- routes
+
+
+class Route(NamedTuple):
+    """One HTTP route: method, path, the request struct (None: no body) and the struct its answer decodes into
+    (None: the answer is not read)."""
+
+    method: str
+    path: str
+    body: Any
+    reply: Any
+
+
+GENERATE = Route("POST", "/generate", GenerateRequest, GenerateResponse | list[GenerateResponse])
+PAUSE_GENERATION = Route("POST", "/pause_generation", PauseRequest, ControlReply)
+CONTINUE_GENERATION = Route("POST", "/continue_generation", ContinueRequest, ControlReply)
+FLUSH_CACHE = Route("POST", "/flush_cache", None, ControlReply)
+HEALTH = Route("GET", "/health", None, ServerInfo)  # SGLang and vLLM answer with an empty body
+HEALTH_GENERATE = Route("GET", "/health_generate", None, ControlReply)
+MODEL_INFO = Route("GET", "/get_model_info", None, ModelInfo)
+SERVER_INFO = Route("GET", "/get_server_info", None, ServerInfo)
+INIT_WEIGHTS_GROUP = Route("POST", "/init_weights_update_group", InitWeightsGroup, WeightsReply)
+UPDATE_WEIGHTS_FROM_DISTRIBUTED = Route("POST", "/update_weights_from_distributed", WeightUpdate, WeightsReply)
+UPDATE_WEIGHTS_FROM_DISK = Route("POST", "/update_weights_from_disk", DiskUpdate, WeightsReply)
+DESTROY_WEIGHTS_GROUP = Route("POST", "/destroy_weights_update_group", DestroyWeightsGroup, WeightsReply)
+
+COMPLETIONS = Route("POST", "/v1/completions", CompletionRequest, CompletionResponse)
+MODELS = Route("GET", "/v1/models", None, ModelList)
+VLLM_PAUSE = Route("POST", "/pause", None, None)  # ?mode=abort
+VLLM_RESUME = Route("POST", "/resume", None, None)
+IS_PAUSED = Route("GET", "/is_paused", None, PausedReply)
