@@ -36,6 +36,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlstream.common.config import ConfigError
+from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger
 from rlstream.trainer.parallel import Parallel
 
@@ -70,20 +71,12 @@ class RankState(msgspec.Struct, kw_only=True):
 _json = msgspec.json.Encoder()
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(path: Path) -> None:
     for f in path.iterdir():
         if f.is_file():
             with open(f, "rb+") as fh:
                 os.fsync(fh.fileno())
-    _fsync_dir(path)
+    fsync(path)
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -170,7 +163,7 @@ class Checkpointer:
             if final.exists():
                 shutil.rmtree(final)
             os.rename(tmp, final)
-            _fsync_dir(self.save_dir)
+            fsync(self.save_dir)
             log.info("saved HF checkpoint %s", final)
         self.par.barrier()
         return final
@@ -228,7 +221,7 @@ class Checkpointer:
         if self.par.is_main:
             _fsync_tree(tmp)
             os.rename(tmp, final)
-            _fsync_dir(self.recover_dir)
+            fsync(self.recover_dir)
             for old in self.recover_dir.iterdir():
                 if old != final and old.is_dir() and (old.name.startswith(_CKPT_PREFIX) or old.name.startswith(".tmp-")):
                     shutil.rmtree(old, ignore_errors=True)

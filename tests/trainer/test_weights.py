@@ -283,13 +283,13 @@ def test_engine_failing_during_update(mode, failure, engines, base_model, model_
     cfg = make_cfg(redis_url, experiment, model_path, tmp_path, mode,
                    ["rollout.health_check_interval=0.5", f"actor.weight_update_timeout={timeout}"])
     b = broadcasters(cfg, rclient, keys)
-    route = "/update_weights_from_distributed" if mode == "distributed" else "/update_weights_from_disk"
+    update = "/update_weights_from_distributed" if mode == "distributed" else "/update_weights_from_disk"
     real_call = b.fleet.call
     calls_to_victim = []
 
-    async def call(address, method, path, payload=None, *, timeout):
-        if address == victim.address and path == route:
-            calls_to_victim.append(path)
+    async def call(address, route, body=None, *, timeout):
+        if address == victim.address and route.path == update:
+            calls_to_victim.append(route.path)
             # Fail it in the middle of the update: paused, first bucket in, the second on the wire
             # (distributed); paused, the load requested (disk: killed first, a 2 MB load is too quick).
             if mode == "disk" and failure == "kill":
@@ -297,12 +297,12 @@ def test_engine_failing_during_update(mode, failure, engines, base_model, model_
             elif len(calls_to_victim) == 2:
                 if failure == "hang":
                     victim.proc.send_signal(signal.SIGSTOP)
-                    return await real_call(address, method, path, payload, timeout=timeout)
-                task = asyncio.ensure_future(real_call(address, method, path, payload, timeout=timeout))
+                    return await real_call(address, route, body, timeout=timeout)
+                task = asyncio.ensure_future(real_call(address, route, body, timeout=timeout))
                 await asyncio.sleep(0.02)
                 victim.kill()
                 return await task
-        return await real_call(address, method, path, payload, timeout=timeout)
+        return await real_call(address, route, body, timeout=timeout)
 
     b.fleet.call = call
     new = perturbed(base_model, 7)
@@ -469,7 +469,7 @@ def test_flattened_bucket_and_group_lifecycle(shared_engine, base_model):
     import concurrent.futures
 
     from rlstream.common.dist import init_weight_sync_group
-    from rlstream.trainer.weights_engines import weight_entries
+    from rlstream.trainer.weights.params import weight_entries
 
     new = perturbed(base_model, 404)
     entries = weight_entries(new)

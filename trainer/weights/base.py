@@ -1,9 +1,9 @@
-"""What the `distributed` and `disk` weight broadcasters share: the engines and one push.
+"""The weight broadcaster: the interface the trainer calls, and the push/reconcile state machine.
 
-`EngineFleet` finds the engines (`rollout.engine_addresses`, else name resolve) and
-speaks the SGLang-style HTTP routes to them (the local engine, SGLang and rlstream's
-vLLM server all answer them). `EngineBroadcaster` is the push both backends run on
-trainer rank 0:
+`WeightBroadcaster` is what `trainer/main.py` sees: `push(model, version)` after each
+step, on every rank. `NoneBroadcaster` only publishes the version (no engines).
+`EngineBroadcaster` is the push the `distributed` and `disk` backends share, run on
+trainer rank 0 against the engines of `fleet.EngineFleet`:
 
 1. (backend) prepare the version: the disk backend writes its files here;
 2. list the engines, keep those answering /health;
@@ -46,55 +46,62 @@ import abc
 import asyncio
 import concurrent.futures
 import contextlib
-import json
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable
 
+import msgspec
 import torch
 
-from rlstream.broker.versions import Event
+from rlstream.broker.keys import Keys
+from rlstream.broker.versions import Event, VersionRegistry
+from rlstream.common import engine_api as api
 from rlstream.common.config import Config
 from rlstream.common.dist import run_in_thread
+from rlstream.common.engine_api import ContinueRequest, EngineError, PauseRequest, Route
 from rlstream.common.logging import get_logger
-from rlstream.common.net import free_port, master_address_for
-from rlstream.trainer.weights import WeightBroadcaster
+from rlstream.trainer.weights.fleet import EngineFleet
+from rlstream.trainer.weights.params import ShardSync, WeightEntry, is_sharded, weight_entries
 
-__all__ = [
-    "EngineCallError",
-    "EngineFleet",
-    "EngineBroadcaster",
-    "TransferFailed",
-    "WeightEntry",
-    "weight_entries",
-    "plan_buckets",
-    "materialize",
-    "bits_checksum",
-    "is_sharded",
-    "master_address_for",
-    "free_port",
-    "ShardSync",
-    "PushReport",
-]
+__all__ = ["WeightBroadcaster", "NoneBroadcaster", "EngineBroadcaster", "TransferFailed", "PushReport"]
 
-log = get_logger("rlstream.trainer.weights")
-
-ENGINES_SERVICE = "engines"
-HEALTH_TIMEOUT = 5.0
+log = get_logger(__name__)
 
 
-class EngineCallError(RuntimeError):
-    """One engine failed a call; the message names the URL and the reason.
+class WeightBroadcaster(abc.ABC):
+    """Called by every trainer rank after each step; only rank 0 talks to engines."""
 
-    `answered`: the engine replied (with an error) — as opposed to no connection or no
-    reply in time. After a broken collective a live engine replies with the collective's
-    error although another engine caused it.
-    """
+    def __init__(self, cfg: Config, client: Any, keys: Keys, rank: int = 0) -> None:
+        self.cfg = cfg
+        self.client = client
+        self.keys = keys
+        self.rank = rank
+        self.versions = VersionRegistry(client, keys)
 
-    def __init__(self, message: str, answered: bool = False) -> None:
-        super().__init__(message)
-        self.answered = answered
+    @abc.abstractmethod
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        """Send `model`'s weights as `version`; returns once engines serve it and the version is published.
+
+        Collective: all trainer ranks call it (sharded models gather each parameter).
+        """
+
+    def publish(self, version: int, detail: str = "") -> None:
+        if self.rank == 0:
+            self.versions.set(version, detail)
+
+    def close(self) -> None:
+        """Release groups/connections."""
+
+
+class NoneBroadcaster(WeightBroadcaster):
+    """No engines to update: only publish the version."""
+
+    def push(self, model: torch.nn.Module, version: int) -> None:
+        self.publish(version, "none")
+
+
+# ---------------------------------------------------------------------- the push
 
 
 class TransferFailed(RuntimeError):
@@ -103,247 +110,6 @@ class TransferFailed(RuntimeError):
     def __init__(self, bad: dict[str, str], reason: str) -> None:
         super().__init__(reason)
         self.bad = bad
-
-
-def base_url(address: str) -> str:
-    address = address.strip().rstrip("/")
-    return address if address.startswith(("http://", "https://")) else f"http://{address}"
-
-
-def _int_or_none(v: Any) -> int | None:
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, str) and v.lstrip("-").isdigit():
-        return int(v)
-    return None
-
-
-# ---------------------------------------------------------------------- parameters
-
-
-@dataclass
-class WeightEntry:
-    """One tensor to send: its HF name, the live tensor (maybe a DTensor), global shape and dtype."""
-
-    name: str
-    tensor: torch.Tensor
-    shape: list[int]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
-
-    @property
-    def dtype_name(self) -> str:
-        return str(self.dtype).removeprefix("torch.")
-
-
-_WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _clean_name(name: str) -> str:
-    """The HF name engines know: without DDP/FSDP1/compile/checkpoint wrapper prefixes."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name.removeprefix("module.")
-
-
-def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
-    """Parameters (tied ones once) and persistent buffers, in module order."""
-    out: list[WeightEntry] = []
-    seen: set[int] = set()
-    for name, p in model.named_parameters():
-        seen.add(id(p))
-        out.append(WeightEntry(_clean_name(name), p, list(p.shape), p.dtype))
-    for mod_name, mod in model.named_modules():
-        for bname, b in mod.named_buffers(recurse=False):
-            if b is None or bname in mod._non_persistent_buffers_set or id(b) in seen:
-                continue
-            seen.add(id(b))
-            full = f"{mod_name}.{bname}" if mod_name else bname
-            out.append(WeightEntry(_clean_name(full), b, list(b.shape), b.dtype))
-    return out
-
-
-def plan_buckets(entries: list[WeightEntry], bucket_bytes: int) -> list[list[WeightEntry]]:
-    """Consecutive entries grouped into buckets of at most `bucket_bytes` (a bigger tensor gets its own)."""
-    buckets: list[list[WeightEntry]] = []
-    cur: list[WeightEntry] = []
-    size = 0
-    for e in entries:
-        if cur and size + e.nbytes > bucket_bytes:
-            buckets.append(cur)
-            cur, size = [], 0
-        cur.append(e)
-        size += e.nbytes
-    if cur:
-        buckets.append(cur)
-    return buckets
-
-
-def is_sharded(model: torch.nn.Module) -> bool:
-    """True when parameters are DTensors (FSDP2): gathering them is a collective."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full_tensor = getattr(t, "full_tensor", None)
-    return full_tensor() if full_tensor is not None else t
-
-
-def materialize(bucket: list[WeightEntry], device: torch.device) -> list[torch.Tensor]:
-    """The bucket's full tensors, contiguous on `device` (no copy when already there)."""
-    out = []
-    for e in bucket:
-        t = _full(e.tensor).detach()
-        if t.device != device:
-            t = t.to(device)
-        out.append(t.contiguous())
-    return out
-
-
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits_checksum(t: torch.Tensor) -> int:
-    """Sum of the raw bits (as integers): any change of an optimizer step shows."""
-    t = t.detach().contiguous()
-    if t.numel() == 0:
-        return 0
-    if t.dtype == torch.bool:
-        t = t.to(torch.int8)
-    return int(t.view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64))
-
-
-class ShardSync:
-    """Tells the other trainer ranks how many passes over the parameters rank 0 makes."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.dist = dist
-        nccl = dist.get_backend() == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-
-    def signal(self, go: bool) -> None:
-        self.dist.broadcast(torch.tensor([1 if go else 0], device=self.device), src=0)
-
-    def follow(self, entries: list[WeightEntry]) -> None:
-        """Non-zero ranks: join every gather rank 0 makes, until it says done."""
-        flag = torch.zeros(1, dtype=torch.long, device=self.device)
-        while True:
-            self.dist.broadcast(flag, src=0)
-            if not int(flag.item()):
-                return
-            for e in entries:
-                _full(e.tensor)
-
-
-# ---------------------------------------------------------------------- the engines
-
-
-class EngineFleet:
-    """The engines of the run: discovery plus the SGLang-style HTTP calls.
-
-    Lives on the broadcaster's event loop (created there: aiohttp and the async name
-    resolver bind to the loop that made them).
-    """
-
-    def __init__(self, cfg: Config) -> None:
-        import aiohttp
-
-        self.static = list(cfg.rollout.engine_addresses)
-        self.resolver = None
-        if not self.static:
-            from rlstream.common.name_resolve import make_name_resolver
-
-            self.resolver = make_name_resolver(cfg)
-        self.headers = {"Authorization": f"Bearer {cfg.rollout.api_key}"} if cfg.rollout.api_key else {}
-        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        self._ranks: dict[str, int] = {}
-
-    async def discover(self) -> list[str]:
-        if self.static:
-            return sorted(dict.fromkeys(self.static))
-        return sorted(await self.resolver.list(ENGINES_SERVICE))
-
-    async def call(self, address: str, method: str, path: str, payload: Any = None, *, timeout: float) -> dict:
-        """One call; EngineCallError (naming the URL) unless HTTP 200 and not `success: false`."""
-        import aiohttp
-
-        url = base_url(address) + path
-        try:
-            async with self.session.request(method, url, json=payload, headers=self.headers,
-                                            timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                status, text = resp.status, await resp.text()
-        except asyncio.TimeoutError:
-            raise EngineCallError(f"{method} {url}: no answer within {timeout:.0f}s") from None
-        except aiohttp.ClientError as exc:
-            raise EngineCallError(f"{method} {url}: {type(exc).__name__}: {exc}") from None
-        try:
-            data = json.loads(text) if text else {}
-        except ValueError:
-            data = {"message": text[:300]}
-        if not isinstance(data, dict):
-            data = {"result": data}
-        if status != 200 or data.get("success") is False:
-            msg = data.get("message") or data.get("error") or data.get("detail") or text[:300]
-            raise EngineCallError(f"{method} {url}: HTTP {status}: {msg}", answered=True)
-        return data
-
-    async def is_healthy(self, address: str, timeout: float = HEALTH_TIMEOUT) -> bool:
-        try:
-            await self.call(address, "GET", "/health", timeout=timeout)
-            return True
-        except EngineCallError:
-            return False
-
-    async def healthy(self, addresses: list[str], timeout: float = HEALTH_TIMEOUT) -> list[str]:
-        ok = await asyncio.gather(*(self.is_healthy(a, timeout) for a in addresses))
-        return [a for a, good in zip(addresses, ok) if good]
-
-    async def weight_version(self, address: str, timeout: float = HEALTH_TIMEOUT) -> int | None:
-        """The version the engine reports serving (None: it does not say, or did not answer)."""
-        try:
-            info = await self.call(address, "GET", "/get_model_info", timeout=timeout)
-        except EngineCallError:
-            return None
-        return _int_or_none(info.get("weight_version"))
-
-    async def ranks(self, address: str, timeout: float) -> int:
-        """Ranks the engine takes in a weight group: tp_size * pp_size (1 when it does not say)."""
-        if address not in self._ranks:
-            try:
-                info = await self.call(address, "GET", "/get_server_info", timeout=timeout)
-            except EngineCallError:
-                info = {}
-            tp = _int_or_none(info.get("tp_size", info.get("tensor_parallel_size"))) or 1
-            pp = _int_or_none(info.get("pp_size", info.get("pipeline_parallel_size"))) or 1
-            self._ranks[address] = max(1, tp) * max(1, pp)
-        return self._ranks[address]
-
-    async def forget(self, address: str) -> None:
-        """Out of producers' rotation: unregister from name resolve (a live engine's keepalive re-adds it)."""
-        self._ranks.pop(address, None)
-        if self.resolver is not None:
-            with contextlib.suppress(Exception):
-                await self.resolver.unregister(ENGINES_SERVICE, address)
-
-    async def close(self) -> None:
-        await self.session.close()
-        if self.resolver is not None:
-            with contextlib.suppress(Exception):
-                await self.resolver.close()
-
-
-# ---------------------------------------------------------------------- the push
 
 
 class _LoopThread:
@@ -526,23 +292,23 @@ class EngineBroadcaster(WeightBroadcaster):
                  f"; dropped {', '.join(report.dropped)}" if report.dropped else "")
 
     async def _pause(self, engines: list[str]) -> None:
-        await self._each(engines, "POST", "/pause_generation", {})
+        await self._each(engines, api.PAUSE_GENERATION, PauseRequest())
 
     async def _continue(self, engines: list[str]) -> None:
-        await self._each(engines, "POST", "/continue_generation", {})
+        await self._each(engines, api.CONTINUE_GENERATION, ContinueRequest())
 
-    async def _each(self, engines: list[str], method: str, path: str, payload: Any) -> None:
+    async def _each(self, engines: list[str], route: Route, body: msgspec.Struct) -> None:
         """The same call on every engine; TransferFailed names those to blame."""
-        results = await asyncio.gather(*(self.fleet.call(a, method, path, payload, timeout=self.timeout)
+        results = await asyncio.gather(*(self.fleet.call(a, route, body, timeout=self.timeout)
                                          for a in engines), return_exceptions=True)
         for r in results:
-            if isinstance(r, BaseException) and not isinstance(r, EngineCallError):
+            if isinstance(r, BaseException) and not isinstance(r, EngineError):
                 raise r
-        failed = {a: r for a, r in zip(engines, results) if isinstance(r, EngineCallError)}
+        failed = {a: r for a, r in zip(engines, results) if isinstance(r, EngineError)}
         if failed:
-            raise TransferFailed(await self.blame(engines, failed), f"{path} failed on {', '.join(failed)}")
+            raise TransferFailed(await self.blame(engines, failed), f"{route.path} failed on {', '.join(failed)}")
 
-    async def blame(self, engines: list[str], failed: dict[str, EngineCallError]) -> dict[str, str]:
+    async def blame(self, engines: list[str], failed: dict[str, EngineError]) -> dict[str, str]:
         """Which engines to drop after a failed step (engine -> why).
 
         First those that did not answer (no connection, or nothing within the timeout) or

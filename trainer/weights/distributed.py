@@ -7,7 +7,7 @@ start at `1 + i·tp·pp`; world = 1 + all engine ranks; tp·pp is read from each
 made again only when the set of engines changes or a transfer broke it. Backend:
 `actor.weight_update_backend` (auto: nccl on GPU, gloo on CPU) — the same code.
 
-Each version, between `/pause_generation` and `/continue_generation` (weights_engines.py),
+Each version, between `/pause_generation` and `/continue_generation` (base.py),
 the parameters go in buckets of `actor.weight_chunked_mem_mb`: one
 `/update_weights_from_distributed` `{names, dtypes, shapes, group_name}` per bucket per
 engine, concurrently with rank 0 broadcasting that bucket's tensors in the same order.
@@ -29,25 +29,25 @@ from typing import Any
 
 import torch
 
+from rlstream.common import engine_api as api
 from rlstream.common.config import Config
 from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
-from rlstream.trainer.weights import register_backend
-from rlstream.trainer.weights_engines import (
-    EngineBroadcaster,
-    EngineCallError,
-    TransferFailed,
-    WeightEntry,
+from rlstream.common.engine_api import DestroyWeightsGroup, EngineError, InitWeightsGroup, WeightUpdate
+from rlstream.common.logging import get_logger
+from rlstream.common.net import free_port, master_address_for
+from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed
+from rlstream.trainer.weights.params import (
     ShardSync,
+    WeightEntry,
     bits_checksum,
-    free_port,
-    log,
-    master_address_for,
     materialize,
     plan_buckets,
     weight_entries,
 )
 
 __all__ = ["DistributedBroadcaster", "GROUP_NAME", "CATCHUP_GROUP_NAME"]
+
+log = get_logger(__name__)
 
 GROUP_NAME = "rlstream_weights"
 CATCHUP_GROUP_NAME = "rlstream_catchup"
@@ -78,9 +78,9 @@ class DistributedBroadcaster(EngineBroadcaster):
         rank0 = run_in_thread(init_weight_sync_group, master, port, 0, world, name, self.backend, self.timeout,
                               name=f"rlstream-weights-init-{name}")
         calls = {a: asyncio.ensure_future(self.fleet.call(
-            a, "POST", "/init_weights_update_group",
-            {"master_address": master, "master_port": port, "rank_offset": off, "world_size": world,
-             "group_name": name, "backend": self.backend, "timeout": self.timeout},
+            a, api.INIT_WEIGHTS_GROUP,
+            InitWeightsGroup(master_address=master, master_port=port, rank_offset=off, world_size=world,
+                             group_name=name, backend=self.backend, timeout=self.timeout),
             timeout=self.timeout)) for a, off in zip(engines, offsets)}
         group, bad, err = await self._collect(rank0, calls)
         if bad or err is not None:
@@ -94,7 +94,7 @@ class DistributedBroadcaster(EngineBroadcaster):
         return group
 
     async def _collect(self, thread: asyncio.Future, calls: dict[str, asyncio.Future]
-                       ) -> tuple[Any, dict[str, EngineCallError], BaseException | None]:
+                       ) -> tuple[Any, dict[str, EngineError], BaseException | None]:
         """Wait for rank 0's blocking part and every engine's call; stop at the first failure.
 
         On failure the calls still running are cancelled (a broken collective would keep
@@ -113,7 +113,7 @@ class DistributedBroadcaster(EngineBroadcaster):
                     else:
                         err = exc
                 elif exc is not None:
-                    if not isinstance(exc, EngineCallError):
+                    if not isinstance(exc, EngineError):
                         raise exc
                     bad[address_of[f]] = exc
             if bad or err is not None:
@@ -165,16 +165,9 @@ class DistributedBroadcaster(EngineBroadcaster):
                 sums = await run_in_thread(lambda b=bucket: [bits_checksum(e.tensor) for e in b])
                 checksums.extend(zip(bucket, sums))
             last = i == len(buckets) - 1
-            payload: dict[str, Any] = {
-                "names": [e.name for e in bucket],
-                "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-                "shapes": [list(t.shape) for t in tensors],
-                "group_name": name,
-                "flush_cache": last,
-            }
-            if last:
-                payload["weight_version"] = str(version)  # SGLang's weight_version is a string
-            calls = {a: asyncio.ensure_future(self.fleet.call(a, "POST", "/update_weights_from_distributed", payload,
+            update = WeightUpdate.of([e.spec for e in bucket], group_name=name, flush_cache=last,
+                                     weight_version=str(version) if last else None)  # SGLang's version: a string
+            calls = {a: asyncio.ensure_future(self.fleet.call(a, api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, update,
                                                               timeout=self.timeout)) for a in engines}
             bcast = run_in_thread(group.broadcast_many, tensors, name=f"rlstream-weights-send-{name}")
             _, bad, err = await self._collect(bcast, calls)
@@ -226,8 +219,8 @@ class DistributedBroadcaster(EngineBroadcaster):
             await self._send(group, engines, CATCHUP_GROUP_NAME, buckets, self.current, None, checksums=sums)
         finally:
             group.shutdown(wait=False)
-            await asyncio.gather(*(self.fleet.call(a, "POST", "/destroy_weights_update_group",
-                                                   {"group_name": CATCHUP_GROUP_NAME}, timeout=10)
+            await asyncio.gather(*(self.fleet.call(a, api.DESTROY_WEIGHTS_GROUP,
+                                                   DestroyWeightsGroup(group_name=CATCHUP_GROUP_NAME), timeout=10)
                                    for a in engines), return_exceptions=True)
         moved = await run_in_thread(lambda: [e.name for e, c in sums if bits_checksum(e.tensor) != c])
         if moved:
@@ -242,7 +235,7 @@ class DistributedBroadcaster(EngineBroadcaster):
         self.group, self.members = None, []
         if group is not None:  # before the process exits (see WeightSyncGroup.shutdown)
             await run_in_thread(group.shutdown, True, 5.0)
-        await asyncio.gather(*(self.fleet.call(a, "POST", "/destroy_weights_update_group", {"group_name": GROUP_NAME},
+        await asyncio.gather(*(self.fleet.call(a, api.DESTROY_WEIGHTS_GROUP, DestroyWeightsGroup(group_name=GROUP_NAME),
                                                timeout=5) for a in members), return_exceptions=True)
 
 
@@ -250,5 +243,3 @@ def _retrieve(f: asyncio.Future) -> None:
     if not f.cancelled():
         f.exception()
 
-
-register_backend("distributed", DistributedBroadcaster)

@@ -8,7 +8,7 @@ sharded checkpoint (`model-0000i-of-0000n.safetensors`, one shard per
 folder is filled and fsynced under a temporary name, then renamed, so an engine never
 sees half a version. `{run_dir}/weights/latest.json` names the published version.
 
-Between `/pause_generation` and `/continue_generation` (weights_engines.py) every
+Between `/pause_generation` and `/continue_generation` (base.py) every
 engine loads the folder; once all confirmed the version is published and older folders
 are deleted (only the published one is kept: restarted engines are caught up from it).
 `cluster.fileroot` must be on a filesystem every engine host sees at the same path.
@@ -24,26 +24,24 @@ from typing import Any
 
 import torch
 
+from rlstream.common import engine_api as api
 from rlstream.common.config import Config
 from rlstream.common.dist import run_in_thread
-from rlstream.trainer.weights import register_backend
-from rlstream.trainer.weights_engines import EngineBroadcaster, ShardSync, WeightEntry, log, materialize, plan_buckets
+from rlstream.common.engine_api import DiskUpdate
+from rlstream.common.fs import fsync
+from rlstream.common.logging import get_logger
+from rlstream.trainer.weights.base import EngineBroadcaster
+from rlstream.trainer.weights.params import ShardSync, WeightEntry, materialize, plan_buckets
 
 __all__ = ["DiskBroadcaster", "version_folder", "write_checkpoint"]
+
+log = get_logger(__name__)
 
 LATEST = "latest.json"
 
 
 def version_folder(root: Path, version: int) -> Path:
     return root / f"v{version:08d}"
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
@@ -73,7 +71,7 @@ def write_checkpoint(root: Path, version: int, entries: list[WeightEntry], bucke
         tensors = materialize(bucket, cpu)
         save_file({e.name: t for e, t in zip(bucket, tensors)}, str(tmp / fname), metadata={"format": "pt"})
         os.chmod(tmp / fname, 0o644)  # engines may run as another user on a shared filesystem
-        _fsync(tmp / fname)
+        fsync(tmp / fname)
         for e, t in zip(bucket, tensors):
             weight_map[e.name] = fname
             total += t.numel() * t.element_size()
@@ -82,7 +80,7 @@ def write_checkpoint(root: Path, version: int, entries: list[WeightEntry], bucke
                        {"metadata": {"total_size": total, "rlstream_version": version}, "weight_map": weight_map})
     if config is not None and hasattr(config, "to_json_file"):
         config.to_json_file(str(tmp / "config.json"))
-    _fsync(tmp)
+    fsync(tmp)
     if final.exists():  # the same version pushed again (a trainer resumed from a checkpoint)
         trash = root / f".{final.name}.old-{os.getpid()}"
         os.replace(final, trash)
@@ -90,7 +88,7 @@ def write_checkpoint(root: Path, version: int, entries: list[WeightEntry], bucke
         shutil.rmtree(trash, ignore_errors=True)
     else:
         os.replace(tmp, final)
-    _fsync(root)
+    fsync(root)
     return final, total
 
 
@@ -117,16 +115,16 @@ class DiskBroadcaster(EngineBroadcaster):
 
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
                         sync: ShardSync | None) -> int:
-        await self._each(engines, "POST", "/update_weights_from_disk",
-                         {"model_path": str(self.folder(version)), "weight_version": str(version)})
+        await self._each(engines, api.UPDATE_WEIGHTS_FROM_DISK,
+                         DiskUpdate(model_path=str(self.folder(version)), weight_version=str(version)))
         return self._bytes
 
     def can_catch_up(self) -> bool:
         return self.folder(self.current).is_dir()
 
     async def _catch_up(self, engines: list[str]) -> bool:
-        await self._each(engines, "POST", "/update_weights_from_disk",
-                         {"model_path": str(self.folder(self.current)), "weight_version": str(self.current)})
+        await self._each(engines, api.UPDATE_WEIGHTS_FROM_DISK,
+                         DiskUpdate(model_path=str(self.folder(self.current)), weight_version=str(self.current)))
         log.info("caught up %s to version %d from %s", ", ".join(engines), self.current, self.folder(self.current))
         return True
 
@@ -139,5 +137,3 @@ class DiskBroadcaster(EngineBroadcaster):
             if stale_version or leftover:
                 shutil.rmtree(p, ignore_errors=True)
 
-
-register_backend("disk", DiskBroadcaster)
