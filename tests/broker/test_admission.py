@@ -32,6 +32,7 @@ WORKER = textwrap.dedent("""
     total = (eta + v + 1) * B
     inflight = ns + ":test:inflight"
     out = dict(committed=0, released=0, denied=0, max_inflight=0, violations=[])
+    c.incr(ns + ":test:ready")  # started and connected: the race starts once all are
     while not c.exists(ns + ":test:go"):
         time.sleep(0.005)
     deadline = time.time() + 90
@@ -89,8 +90,13 @@ def test_racing_producer_processes_never_exceed_the_budget(redis_url, rclient, k
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_child_env())
              for i in range(n_workers)]
     try:
-        time.sleep(0.5)
-        rclient.set(keys.ns + ":test:go", 1)  # start everyone at once
+        # Start everyone at once, once every worker is up (a fixed head start lost late
+        # starters on a loaded machine, and then the race was not contended).
+        deadline = time.time() + 120
+        while int(rclient.get(keys.ns + ":test:ready") or 0) < n_workers:
+            assert time.time() < deadline and all(p.poll() is None for p in procs), "workers did not start"
+            time.sleep(0.02)
+        rclient.set(keys.ns + ":test:go", 1)
         results = []
         for p in procs:
             out, err = p.communicate(timeout=180)
