@@ -199,10 +199,6 @@ def table(agg: dict) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
-    write_section(SECTION, text)
-
-
 def measure(args, steps: int, rounds: int, eval_n: int) -> list[dict]:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -283,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.json).write_text(json.dumps({"runs": runs, "aggregate": {str(k): v for k, v in agg.items()}},
                                               indent=2))
     if args.readme:
-        write_readme(text)
+        write_section(SECTION, text)
     headline = {"benchmark": "async_vs_sync", "steps": steps, "rounds": rounds,
                 **{f"speedup_eta{eta}": round(agg[eta]["speedup"], 3) for eta in args.etas[1:]},
                 **{f"wall_s_eta{eta}": round(agg[eta]["wall_s"], 2) for eta in args.etas},

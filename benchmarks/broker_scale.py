@@ -198,10 +198,6 @@ def render(m: dict, x: dict, args) -> str:
     return "\n".join(lines)
 
 
-def write_readme(text: str) -> None:
-    write_section(SECTION, text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="16 groups, 1 round")
@@ -224,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps({"measured": m, "step": x}, indent=2))
     if args.readme:
-        write_readme(text)
+        write_section(SECTION, text)
     print(json.dumps({"benchmark": "broker_scale", "entry_mb": round(m["entry_bytes"] / 1e6, 3),
                       "step_payload_gb": round(x["step_payload_gb"], 3),
                       "trainer_side_s_per_step": round(x["trainer_side_s"], 3),

@@ -204,10 +204,6 @@ def analysis(rows: list[dict]) -> str:
     return " ".join(parts)
 
 
-def write_readme(text: str) -> None:
-    write_section(SECTION, text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="300 groups per cell")
@@ -263,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
     if args.readme:
-        write_readme(text)
+        write_section(SECTION, text)
     best = {m: max(r["rollouts_per_s"] for r in rows if r["engines"] == m) for m in args.engines}
     print(json.dumps({"benchmark": "scaling", "groups": groups,
                       **{f"rollouts_per_s_e{r['engines']}_p{r['producers']}": round(r["rollouts_per_s"], 2)

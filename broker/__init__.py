@@ -1,6 +1,10 @@
-"""Everything that talks to Redis: keys, admission, versions, the trajectory stream, inspect.
+"""Everything that talks to Redis: keys, admission, versions + events, the trajectory stream, step log,
+producer records, name-resolve records, inspect.
 
-`rlstream.broker.inspect` (read-only queries for `rlstream inspect`) is imported on demand.
+Every operation is written once as a plan (`broker/plan.py`) and run by a thin sync or
+asyncio runner: `AdmissionController` / `AsyncAdmissionController`, `VersionRegistry` /
+`AsyncVersionRegistry`. `rlstream.broker.inspect` (read-only queries for `rlstream
+inspect`) and `rlstream.broker.registry` (name resolve) are imported on demand.
 """
 
 from rlstream.broker.admission import AdmissionController, AdmissionState, AsyncAdmissionController, Lease

@@ -31,26 +31,25 @@ retry after an unknown outcome commits only what did not happen: exactly once.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
-import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
 from rlstream.broker.connection import BrokerUnavailable
 from rlstream.broker.keys import TRAIN_GROUP, Keys
+from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Pipeline, Plan, Sleep, Sync, Watch, operation, script, scripts
 from rlstream.common.logging import get_logger
 
-__all__ = ["AdmissionState", "Lease", "AdmissionController", "AsyncAdmissionController", "capacity", "budget"]
+__all__ = ["AdmissionState", "Lease", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
+           "budget"]
 
-log = get_logger("rlstream.broker.admission")
+log = get_logger(__name__)
 
 # Lease ids: a random per-process prefix and a counter; unique across producers without
 # a urandom syscall per rollout (uuid4 measured ~40 us each under load).
@@ -70,16 +69,11 @@ WAIT_WINDOW_MS = 2000
 # Attempts of a commit whose outcome was unknown (connection lost) or raced; backoff in between.
 _COMMIT_ATTEMPTS = 12
 
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-
 # KEYS: running, accepted, version, waiting
 # ARGV: lease_id, ttl_ms, eta, B, max_concurrent, wait_window_ms
 # -> {admitted, capacity_after, running, accepted, version, expires_ms}
 # A lease's owner (its producer process) is its id up to the last `-` (see new_lease_id).
-_ACQUIRE = _NOW + """
+_ACQUIRE = LUA_NOW_MS + """
 local function owner_of(lease) return string.match(lease, '^(.*)%-[^%-]*$') or lease end
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local running = redis.call('ZCARD', KEYS[1])
@@ -135,7 +129,7 @@ return {live, 0}
 """
 
 # KEYS: running, accepted, version, rejected  -> {running, accepted, version, rejected}
-_PEEK = _NOW + """
+_PEEK = LUA_NOW_MS + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'),
         tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(redis.call('GET', KEYS[4]) or '0')}
@@ -168,7 +162,7 @@ return {backlog, known}
 
 # KEYS: running  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
 # (an expired lease is not revived: its capacity may already be someone else's)
-_RENEW = _NOW + """
+_RENEW = LUA_NOW_MS + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local n = 0
 for i = 2, #ARGV do
@@ -209,7 +203,10 @@ def capacity(eta: int, version: int, batch: int, max_concurrent: int, accepted: 
     return min(max_concurrent - running, budget(eta, version, batch) - (accepted + running))
 
 
-class _AdmissionBase:
+class Admission:
+    """The admission operations, each a plan (`broker/plan.py`) run by `AdmissionController`
+    (sync: tests, inspect, the trainer's recovery reset) or `AsyncAdmissionController` (producers)."""
+
     def __init__(self, client: Any, keys: Keys, *, max_head_offpolicyness: int, consumer_batch_size: int,
                  max_concurrent_rollouts: int, lease_ttl: float = 300.0) -> None:
         self.client = client
@@ -218,11 +215,6 @@ class _AdmissionBase:
         self.batch = consumer_batch_size
         self.max_concurrent = max_concurrent_rollouts
         self.lease_ttl_ms = int(lease_ttl * 1000)
-        self._acquire = client.register_script(_ACQUIRE)
-        self._release = client.register_script(_RELEASE)
-        self._peek = client.register_script(_PEEK)
-        self._renew = client.register_script(_RENEW)
-        self._reset = client.register_script(_RESET)
 
     @classmethod
     def from_config(cls, client: Any, keys: Keys, cfg: Any) -> Any:
@@ -231,153 +223,115 @@ class _AdmissionBase:
                    consumer_batch_size=cfg.rollout.consumer_batch_size,
                    max_concurrent_rollouts=cfg.max_concurrent_rollouts, lease_ttl=cfg.rollout.lease_ttl)
 
+    # ------------------------------------------------------------------ taking leases
+
     def _acquire_args(self, lease_id: str | None) -> tuple[list[str], list[Any], str]:
         lid = lease_id or new_lease_id()
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting]
         return keys, [lid, self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent, WAIT_WINDOW_MS], lid
-
-    def _release_args(self, lease_id: str) -> tuple[list[str], list[Any]]:
-        return ([self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id)],
-                [lease_id, DONE_TTL_MS])
-
-    def _queue_commit(self, pipe: Any, lease_id: str, fields: dict[str, Any]) -> None:
-        """The four commands of one commit, queued inside MULTI."""
-        pipe.zrem(self.keys.admit_running, lease_id)
-        pipe.execute_command("INCR", self.keys.admit_accepted)  # INCR, not redis-py's INCRBY: ACLs name it
-        pipe.xadd(self.keys.traj, fields)
-        pipe.set(self.keys.admit_done(lease_id), "1", px=DONE_TTL_MS)
-
-    @staticmethod
-    def _backoff(attempt: int) -> float:
-        return min(2.0, 0.02 * 2**attempt)
-
-    def _gave_up(self, items: list[tuple[str, dict[str, Any]]], exc: Exception) -> BrokerUnavailable:
-        return BrokerUnavailable(f"could not commit {len(items)} group(s) to {self.keys.traj} after "
-                                 f"{_COMMIT_ATTEMPTS} attempts: {exc}")
-
-    @staticmethod
-    def _warn_expired(lease_id: str, live: Any) -> None:
-        if not int(live):
-            # The rollout outlived its lease (producer stalled past lease_ttl). The group is
-            # written anyway, never dropped; the consumer's staleness check is the backstop.
-            log.warning("lease %s had expired before commit; group written anyway", lease_id)
-
-    def _reset_keys(self) -> list[str]:
-        return [self.keys.admit_accepted, self.keys.traj]
-
-    def _reset_args(self, version: int) -> list[Any]:
-        return [version * self.batch, TRAIN_GROUP]
-
-    def _reset_done(self, res: list[Any]) -> int:
-        backlog, known = int(res[0]), int(res[1])
-        if not known:
-            log.warning("admission reset: Redis cannot tell the train group's lag; counted only its %d pending "
-                        "entries as queued", backlog)
-        return backlog
-
-    def _peek_keys(self) -> list[str]:
-        return [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected]
 
     @staticmethod
     def _decision(res: list[Any], lease_id: str) -> tuple[AdmissionState, Lease | None]:
         st = AdmissionState(bool(int(res[0])), int(res[1]), int(res[2]), int(res[3]), int(res[4]))
         return st, (Lease(lease_id, int(res[5])) if st.admitted else None)
 
-    def _snapshot_state(self, res: list[Any]) -> AdmissionState:
-        running, accepted, version, rejected = (int(x) for x in res)
-        cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
-        return AdmissionState(cap > 0, cap, running, accepted, version, rejected)
-
-
-class AdmissionController(_AdmissionBase):
-    """Sync admission (tests, inspect, the trainer's recovery reset)."""
-
-    def try_acquire(self, lease_id: str | None = None) -> tuple[AdmissionState, Lease | None]:
+    @operation
+    def try_acquire(self, lease_id: str | None = None) -> Plan:
         """Take one rollout lease iff capacity > 0 (atomic). Returns the decision and the lease."""
         keys, args, lid = self._acquire_args(lease_id)
-        return self._decision(self._acquire(keys=keys, args=args), lid)
+        return self._decision((yield from script(_ACQUIRE, keys, args)), lid)
 
-    def try_acquire_many(self, n: int) -> list[tuple[AdmissionState, Lease | None]]:
+    @operation
+    def try_acquire_many(self, n: int) -> Plan:
         """`n` acquisitions in one round trip (pipelined; each one still atomic on its own)."""
         calls = [self._acquire_args(None) for _ in range(n)]
-        for attempt in range(2):
-            # EVALSHA straight into the pipeline: redis-py's own script handling in pipelines
-            # sends SCRIPT EXISTS first, which a least-privilege producer ACL does not grant.
-            pipe = self.client.pipeline(transaction=False)
-            for keys, args, _ in calls:
-                pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)
-            try:
-                results = pipe.execute()
-            except NoScriptError:  # a restarted Redis lost its script cache: nothing ran
-                if attempt:
-                    raise
-                self.client.script_load(_ACQUIRE)
-                continue
-            return [self._decision(res, lid) for res, (_, _, lid) in zip(results, calls)]
-        raise AssertionError("unreachable")
+        results = yield from scripts(_ACQUIRE, [(keys, args) for keys, args, _ in calls])
+        return [self._decision(res, lid) for res, (_, _, lid) in zip(results, calls)]
 
-    def commit(self, lease_id: str, fields: dict[str, Any]) -> bytes:
+    # ------------------------------------------------------------------ finishing
+
+    def _commit_calls(self, lease_id: str, fields: dict[str, Any]) -> list[Call]:
+        """The four commands of one commit, for inside MULTI."""
+        return [
+            Call("zrem", self.keys.admit_running, lease_id),
+            Call("execute_command", "INCR", self.keys.admit_accepted),  # INCR, not redis-py's INCRBY: ACLs name it
+            Call("xadd", self.keys.traj, fields),
+            Call("set", self.keys.admit_done(lease_id), "1", px=DONE_TTL_MS),
+        ]
+
+    @operation
+    def commit(self, lease_id: str, fields: dict[str, Any]) -> Plan:
         """Drop the lease, count the group accepted and XADD it, atomically; returns the entry id."""
-        return self.commit_many([(lease_id, fields)])[0]
+        return (yield from self._commit_many([(lease_id, fields)]))[0]
 
-    def commit_many(self, items: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
+    @operation
+    def commit_many(self, items: list[tuple[str, dict[str, Any]]]) -> Plan:
         """`commit` for several finished rollouts in one transaction; returns their entry ids.
 
         A lease committed before (by this call's earlier attempt or an earlier call) is not
         written again; its recorded entry id is returned.
         """
+        return (yield from self._commit_many(items))
+
+    def _commit_many(self, items: list[tuple[str, dict[str, Any]]]) -> Plan:
         if not items:
             return []
         done = [self.keys.admit_done(lid) for lid, _ in items]
+
+        def todo(prev: list[Any]) -> list[int]:
+            return [i for i, p in enumerate(prev) if p is None]
+
+        def queue(prev: list[Any]) -> list[Call]:
+            return [c for i in todo(prev) for c in self._commit_calls(*items[i])]
+
         last: Exception | None = None
         for attempt in range(_COMMIT_ATTEMPTS):
             try:
-                with self.client.pipeline(transaction=True) as pipe:
-                    pipe.watch(*done)
-                    prev = pipe.mget(done)
-                    todo = [i for i, p in enumerate(prev) if p is None]
-                    if todo:
-                        pipe.multi()
-                        for i in todo:
-                            self._queue_commit(pipe, *items[i])
-                        res = pipe.execute()
+                prev, res = yield Watch(done, Call("mget", done), queue)
             except (WatchError, RedisConnectionError, RedisTimeoutError) as exc:
                 # Reply lost (outcome unknown) or the same lease committed concurrently: the
                 # done markers tell what happened; the next attempt writes only what is missing.
                 last = exc
-                time.sleep(self._backoff(attempt))
+                yield Sleep(min(2.0, 0.02 * 2**attempt))
                 continue
-            out = list(prev)
-            for k, i in enumerate(todo):
-                self._warn_expired(items[i][0], res[4 * k])
+            out, fresh = list(prev), todo(prev)
+            for k, i in enumerate(fresh):
+                if not int(res[4 * k]):
+                    # The rollout outlived its lease (producer stalled past lease_ttl). The group is
+                    # written anyway, never dropped; the consumer's staleness check is the backstop.
+                    log.warning("lease %s had expired before commit; group written anyway", items[i][0])
                 out[i] = res[4 * k + 2]
-            if todo:
+            if fresh:
                 try:  # remember the ids so a repeated commit can return them (best effort)
-                    fix = self.client.pipeline(transaction=False)
-                    for i in todo:
-                        fix.set(done[i], out[i], xx=True, keepttl=True)
-                    fix.execute()
+                    yield Pipeline([Call("set", done[i], out[i], xx=True, keepttl=True) for i in fresh])
                 except (RedisConnectionError, RedisTimeoutError):
                     pass
             return out
-        raise self._gave_up(items, last)  # type: ignore[arg-type]
+        raise BrokerUnavailable(f"could not commit {len(items)} group(s) to {self.keys.traj} after "
+                                f"{_COMMIT_ATTEMPTS} attempts: {last}")
 
-    def release(self, lease_id: str) -> None:
+    @operation
+    def release(self, lease_id: str) -> Plan:
         """Drop the lease of a rejected rollout (counted as rejected, once)."""
-        keys, args = self._release_args(lease_id)
-        self._release(keys=keys, args=args)
+        yield from script(_RELEASE, [self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id)],
+                          [lease_id, DONE_TTL_MS])
 
-    def abandon(self, lease_ids: list[str]) -> int:
+    @operation
+    def abandon(self, lease_ids: list[str]) -> Plan:
         """Drop leases of rollouts that failed (not counted as rejected)."""
-        return self.client.zrem(self.keys.admit_running, *lease_ids) if lease_ids else 0
+        return (yield Call("zrem", self.keys.admit_running, *lease_ids)) if lease_ids else 0
 
-    def renew(self, lease_ids: list[str]) -> int:
+    @operation
+    def renew(self, lease_ids: list[str]) -> Plan:
         """Extend live leases by lease_ttl from now; returns how many were still live."""
         if not lease_ids:
             return 0
-        return int(self._renew(keys=[self.keys.admit_running], args=[self.lease_ttl_ms, *lease_ids]))
+        return int((yield from script(_RENEW, [self.keys.admit_running], [self.lease_ttl_ms, *lease_ids])))
 
-    def reset_accepted(self, version: int) -> int:
+    # ------------------------------------------------------------------ recovery and inspection
+
+    @operation
+    def reset_accepted(self, version: int) -> Plan:
         """After recovery to version v: accepted := v·B + the groups still queued for training.
 
         Queued = pending in or not yet delivered to the `train` group (one atomic script, so
@@ -385,89 +339,25 @@ class AdmissionController(_AdmissionBase):
         a whole new budget on top of the queue and the surplus would go stale. Returns the
         queued count (pending only, with a warning, when Redis cannot tell the lag).
         """
-        return self._reset_done(self._reset(keys=self._reset_keys(), args=self._reset_args(version)))
+        res = yield from script(_RESET, [self.keys.admit_accepted, self.keys.traj], [version * self.batch, TRAIN_GROUP])
+        backlog, known = int(res[0]), int(res[1])
+        if not known:
+            log.warning("admission reset: Redis cannot tell the train group's lag; counted only its %d pending "
+                        "entries as queued", backlog)
+        return backlog
 
-    def snapshot(self) -> AdmissionState:
+    @operation
+    def snapshot(self) -> Plan:
         """Current running/accepted/version/rejected and remaining capacity (takes no lease)."""
-        return self._snapshot_state(self._peek(keys=self._peek_keys(), args=[]))
+        keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected]
+        running, accepted, version, rejected = (int(x) for x in (yield from script(_PEEK, keys, [])))
+        cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
+        return AdmissionState(cap > 0, cap, running, accepted, version, rejected)
 
 
-class AsyncAdmissionController(_AdmissionBase):
-    """asyncio admission for producers (same scripts as `AdmissionController`)."""
+class AdmissionController(Admission, Sync):
+    """Sync admission (tests, inspect, the trainer's recovery reset)."""
 
-    async def try_acquire(self, lease_id: str | None = None) -> tuple[AdmissionState, Lease | None]:
-        keys, args, lid = self._acquire_args(lease_id)
-        return self._decision(await self._acquire(keys=keys, args=args), lid)
 
-    async def try_acquire_many(self, n: int) -> list[tuple[AdmissionState, Lease | None]]:
-        calls = [self._acquire_args(None) for _ in range(n)]
-        for attempt in range(2):
-            pipe = self.client.pipeline(transaction=False)
-            for keys, args, _ in calls:
-                pipe.evalsha(self._acquire.sha, len(keys), *keys, *args)
-            try:
-                results = await pipe.execute()
-            except NoScriptError:
-                if attempt:
-                    raise
-                await self.client.script_load(_ACQUIRE)
-                continue
-            return [self._decision(res, lid) for res, (_, _, lid) in zip(results, calls)]
-        raise AssertionError("unreachable")
-
-    async def commit(self, lease_id: str, fields: dict[str, Any]) -> bytes:
-        return (await self.commit_many([(lease_id, fields)]))[0]
-
-    async def commit_many(self, items: list[tuple[str, dict[str, Any]]]) -> list[bytes]:
-        """See `AdmissionController.commit_many`."""
-        if not items:
-            return []
-        done = [self.keys.admit_done(lid) for lid, _ in items]
-        last: Exception | None = None
-        for attempt in range(_COMMIT_ATTEMPTS):
-            try:
-                async with self.client.pipeline(transaction=True) as pipe:
-                    await pipe.watch(*done)
-                    prev = await pipe.mget(done)
-                    todo = [i for i, p in enumerate(prev) if p is None]
-                    if todo:
-                        pipe.multi()
-                        for i in todo:
-                            self._queue_commit(pipe, *items[i])
-                        res = await pipe.execute()
-            except (WatchError, RedisConnectionError, RedisTimeoutError) as exc:
-                last = exc
-                await asyncio.sleep(self._backoff(attempt))
-                continue
-            out = list(prev)
-            for k, i in enumerate(todo):
-                self._warn_expired(items[i][0], res[4 * k])
-                out[i] = res[4 * k + 2]
-            if todo:
-                try:
-                    fix = self.client.pipeline(transaction=False)
-                    for i in todo:
-                        fix.set(done[i], out[i], xx=True, keepttl=True)
-                    await fix.execute()
-                except (RedisConnectionError, RedisTimeoutError):
-                    pass
-            return out
-        raise self._gave_up(items, last)  # type: ignore[arg-type]
-
-    async def release(self, lease_id: str) -> None:
-        keys, args = self._release_args(lease_id)
-        await self._release(keys=keys, args=args)
-
-    async def abandon(self, lease_ids: list[str]) -> int:
-        return await self.client.zrem(self.keys.admit_running, *lease_ids) if lease_ids else 0
-
-    async def renew(self, lease_ids: list[str]) -> int:
-        if not lease_ids:
-            return 0
-        return int(await self._renew(keys=[self.keys.admit_running], args=[self.lease_ttl_ms, *lease_ids]))
-
-    async def reset_accepted(self, version: int) -> int:
-        return self._reset_done(await self._reset(keys=self._reset_keys(), args=self._reset_args(version)))
-
-    async def snapshot(self) -> AdmissionState:
-        return self._snapshot_state(await self._peek(keys=self._peek_keys(), args=[]))
+class AsyncAdmissionController(Admission, Async):
+    """asyncio admission for producers (the same plans as `AdmissionController`)."""

@@ -14,7 +14,6 @@ scripts) are idempotent on their own; see `admission.py`.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
@@ -28,15 +27,16 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
 
+from rlstream.broker.plan import Call, Close, Plan, arun, run
 from rlstream.common.config import RedisConfig, mask_url
 from rlstream.common.logging import get_logger
 
 __all__ = [
     "BrokerError", "BrokerUnavailable", "BrokerAuthError",
-    "connect", "connect_async", "mask_url", "is_auth_error", "explain",
+    "connect", "connect_async", "async_client", "mask_url", "is_auth_error", "explain",
 ]
 
-log = get_logger("rlstream.broker")
+log = get_logger(__name__)
 
 # Backoff between reconnect attempts: 0.05·2^k seconds with full jitter, at most 2 s.
 _BACKOFF_BASE = 0.05
@@ -99,45 +99,33 @@ def _log_attempt(url: str, error: Exception, attempt: int, retries: int) -> None
     log.warning("Redis at %s: %s; reconnecting (attempt %d of %d)", url, reason, attempt, retries)
 
 
-class _LoggingRetry(SyncRetry):
-    """redis-py's Retry that never retries auth errors and logs each failed attempt."""
+def _logging_retry(base: type, name: str) -> type:
+    """redis-py's Retry (sync or asyncio `base`) that never retries auth errors and logs each failed attempt."""
 
-    def __init__(self, url: str, retries: int) -> None:
-        super().__init__(ExponentialWithJitterBackoff(cap=_BACKOFF_CAP, base=_BACKOFF_BASE), retries,
-                         (RedisConnectionError, RedisTimeoutError, ConnectionResetError))
-        self._url = mask_url(url)
+    class LoggingRetry(base):  # type: ignore[misc, valid-type]
+        def __init__(self, url: str, retries: int) -> None:
+            super().__init__(ExponentialWithJitterBackoff(cap=_BACKOFF_CAP, base=_BACKOFF_BASE), retries,
+                             (RedisConnectionError, RedisTimeoutError, ConnectionResetError))
+            self._url = mask_url(url)
 
-    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
-        url, retries, attempt = self._url, self._retries, [0]
+        def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+            # Not `async def` even for asyncio: the base's call_with_retry returns the coroutine to
+            # await, and the base awaits `fail`'s result (a coroutine for the asyncio client's `fail`).
+            url, retries, attempt = self._url, self._retries, [0]
 
-        def logged_fail(error: Exception, *rest: Any) -> Any:
-            attempt[0] += 1
-            _log_attempt(url, error, attempt[0], retries)
-            return fail(error, *rest)
+            def logged_fail(error: Exception, *rest: Any) -> Any:
+                attempt[0] += 1
+                _log_attempt(url, error, attempt[0], retries)
+                return fail(error, *rest)
 
-        return super().call_with_retry(do, logged_fail, _retryable(is_retryable), with_failure_count)
+            return super().call_with_retry(do, logged_fail, _retryable(is_retryable), with_failure_count)
+
+    LoggingRetry.__name__ = LoggingRetry.__qualname__ = name
+    return LoggingRetry
 
 
-class _AsyncLoggingRetry(AsyncRetry):
-    """The asyncio twin of `_LoggingRetry`."""
-
-    def __init__(self, url: str, retries: int) -> None:
-        super().__init__(ExponentialWithJitterBackoff(cap=_BACKOFF_CAP, base=_BACKOFF_BASE), retries,
-                         (RedisConnectionError, RedisTimeoutError, ConnectionResetError))
-        self._url = mask_url(url)
-
-    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
-        url, retries, attempt = self._url, self._retries, [0]
-
-        async def logged_fail(error: Exception, *rest: Any) -> Any:
-            attempt[0] += 1
-            _log_attempt(url, error, attempt[0], retries)
-            res = fail(error, *rest)
-            if inspect.isawaitable(res):
-                res = await res
-            return res
-
-        return await super().call_with_retry(do, logged_fail, _retryable(is_retryable), with_failure_count)
+_LoggingRetry = _logging_retry(SyncRetry, "_LoggingRetry")
+_AsyncLoggingRetry = _logging_retry(AsyncRetry, "_AsyncLoggingRetry")
 
 
 def _kwargs(cfg: RedisConfig, is_async: bool, retries: int, client_name: str | None) -> dict[str, Any]:
@@ -195,40 +183,46 @@ def with_url(cfg: RedisConfig, url: str | None) -> RedisConfig:
     return msgspec.structs.replace(cfg, url=url) if url else cfg
 
 
+def _client(cls: Any, cfg: RedisConfig | str, retries: int | None, client_name: str | None) -> Any:
+    cfg = _resolve(cfg)
+    n = cfg.retries if retries is None else retries
+    try:
+        return cls.from_url(cfg.url, **_kwargs(cfg, cls is aioredis.Redis, n, client_name))
+    except (ValueError, TypeError) as exc:
+        raise BrokerUnavailable(f"cannot use Redis URL {mask_url(cfg.url)}: {exc}") from None
+
+
+def _check(cfg: RedisConfig | str) -> Plan:
+    """PING; any failure becomes one `BrokerError` line (and the client is closed)."""
+    cfg = _resolve(cfg)
+    try:
+        yield Call("ping")
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line
+        yield Close()
+        raise explain(cfg.url, exc, has_password=_has_password(cfg)) from None
+
+
 def connect(cfg: RedisConfig | str, *, check: bool = True, retries: int | None = None,
             client_name: str | None = None) -> redis.Redis:
     """A sync client; raises `BrokerError` with one line if Redis is unusable.
 
     `retries` overrides `cfg.retries` (a CLI looking once wants 0 or 1: fail fast).
     """
-    cfg = _resolve(cfg)
-    n = cfg.retries if retries is None else retries
-    try:
-        client = redis.Redis.from_url(cfg.url, **_kwargs(cfg, False, n, client_name))
-    except (ValueError, TypeError) as exc:
-        raise BrokerUnavailable(f"cannot use Redis URL {mask_url(cfg.url)}: {exc}") from None
+    client = _client(redis.Redis, cfg, retries, client_name)
     if check:
-        try:
-            client.ping()
-        except Exception as exc:  # noqa: BLE001 - every failure becomes one line
-            client.close()
-            raise explain(cfg.url, exc, has_password=_has_password(cfg)) from None
+        run(client, _check(cfg))
     return client
+
+
+def async_client(cfg: RedisConfig | str, *, retries: int | None = None, client_name: str | None = None) -> aioredis.Redis:
+    """An asyncio client that connects on first use (no check: for objects built outside a coroutine)."""
+    return _client(aioredis.Redis, cfg, retries, client_name)
 
 
 async def connect_async(cfg: RedisConfig | str, *, check: bool = True, retries: int | None = None,
                         client_name: str | None = None) -> aioredis.Redis:
     """An asyncio client; raises `BrokerError` with one line if Redis is unusable."""
-    cfg = _resolve(cfg)
-    n = cfg.retries if retries is None else retries
-    try:
-        client = aioredis.Redis.from_url(cfg.url, **_kwargs(cfg, True, n, client_name))
-    except (ValueError, TypeError) as exc:
-        raise BrokerUnavailable(f"cannot use Redis URL {mask_url(cfg.url)}: {exc}") from None
+    client = async_client(cfg, retries=retries, client_name=client_name)
     if check:
-        try:
-            await client.ping()
-        except Exception as exc:  # noqa: BLE001
-            await client.aclose()
-            raise explain(cfg.url, exc, has_password=_has_password(cfg)) from None
+        await arun(client, _check(cfg))
     return client

@@ -20,7 +20,7 @@ from rlstream.broker.meta import read_run_meta
 from rlstream.broker.steps import StepLog
 from rlstream.broker.stream import id_str, id_tuple
 
-__all__ = ["list_namespaces", "namespace_summary", "collect"]
+__all__ = ["list_namespaces", "namespace_exists", "namespace_summary", "collect", "trained_staleness"]
 
 # KEYS[1]: stream   ARGV: start, end, count (XRANGE syntax)  ->  flat {id, v, n, ...}
 _PICK_RANGE = """
@@ -106,6 +106,21 @@ def list_namespaces(client: Any) -> list[str]:
         if ns:
             found.add(ns)
     return sorted(found)
+
+
+def namespace_exists(client: Any, keys: Keys) -> bool:
+    """Whether any key of the namespace exists (a run was there)."""
+    return bool(client.exists(*keys.all()))
+
+
+def trained_staleness(client: Any, keys: Keys) -> dict[int, int]:
+    """Head staleness (the step's version minus the group's oldest output version) of every trained group
+    still in the stream, as a histogram (reads only the `v` field of each entry, not the payload)."""
+    hist: Counter[int] = Counter()
+    for rec in StepLog(client, keys).all():
+        if rec.entry_ids:
+            hist.update(rec.version - v for _, v, _n in _scan_ids(client, keys.traj, rec.entry_ids) if v is not None)
+    return dict(sorted(hist.items()))
 
 
 def namespace_summary(client: Any, ns: str) -> dict[str, Any]:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlstream.common.engine_api import ENGINES_SERVICE
+
 TRAIN_GROUP = "train"
 NAMESPACE_PREFIX = "rlstream"
 
@@ -84,10 +86,14 @@ class Keys:
         """Stream: which entry ids each train step consumed (exact replay)."""
         return self._k("steps")
 
+    def service(self, name: str) -> str:
+        """Sorted set: addresses registered under service `name` with name_resolve=redis, score = expiry ms."""
+        return self._k(name)
+
     @property
     def engines(self) -> str:
         """Sorted set: engine addresses registered with name_resolve=redis, score = expiry ms."""
-        return self._k("engines")
+        return self.service(ENGINES_SERVICE)
 
     @property
     def producers(self) -> str:

@@ -19,11 +19,12 @@ from typing import Any
 import msgspec
 
 from rlstream.broker.keys import Keys
+from rlstream.broker.plan import Call, Pipeline, Plan, arun, run
 from rlstream.common.logging import get_logger
 
 __all__ = ["RunMeta", "write_run_meta", "awrite_run_meta", "read_run_meta", "aread_run_meta", "meta_from_config"]
 
-log = get_logger("rlstream.broker.meta")
+log = get_logger(__name__)
 
 
 class RunMeta(msgspec.Struct, kw_only=True):
@@ -95,34 +96,34 @@ def _warn_if_different(old: RunMeta | None, new: RunMeta, where: str) -> None:
                     where, "; ".join(diff), old.writer)
 
 
+def _write(keys: Keys, cfg: Any, component: str) -> Plan:
+    meta = meta_from_config(cfg, component)
+    old_raw, _, _ = yield Pipeline([Call("hgetall", keys.meta),
+                                    Call("hsetnx", keys.meta, "created_at", str(meta.created_at)),
+                                    Call("hset", keys.meta, mapping=_to_hash(meta))], transaction=True)
+    _warn_if_different(_from_hash(old_raw), meta, keys.meta)
+    return (yield from _read(keys)) or meta
+
+
+def _read(keys: Keys) -> Plan:
+    return _from_hash((yield Call("hgetall", keys.meta)))
+
+
 def write_run_meta(client: Any, keys: Keys, cfg: Any, component: str = "") -> RunMeta:
     """Record this run's admission parameters (created_at kept from the first writer)."""
-    meta = meta_from_config(cfg, component)
-    pipe = client.pipeline(transaction=True)
-    pipe.hgetall(keys.meta)
-    pipe.hsetnx(keys.meta, "created_at", str(meta.created_at))
-    pipe.hset(keys.meta, mapping=_to_hash(meta))
-    old_raw, _, _ = pipe.execute()
-    _warn_if_different(_from_hash(old_raw), meta, keys.meta)
-    return read_run_meta(client, keys) or meta
+    return run(client, _write(keys, cfg, component))
 
 
 def read_run_meta(client: Any, keys: Keys) -> RunMeta | None:
     """The recorded metadata, or None when no process of the run has written it."""
-    return _from_hash(client.hgetall(keys.meta))
+    return run(client, _read(keys))
 
 
 async def awrite_run_meta(client: Any, keys: Keys, cfg: Any, component: str = "") -> RunMeta:
     """`write_run_meta` for an asyncio client."""
-    meta = meta_from_config(cfg, component)
-    pipe = client.pipeline(transaction=True)
-    pipe.hgetall(keys.meta)
-    pipe.hsetnx(keys.meta, "created_at", str(meta.created_at))
-    pipe.hset(keys.meta, mapping=_to_hash(meta))
-    old_raw, _, _ = await pipe.execute()
-    _warn_if_different(_from_hash(old_raw), meta, keys.meta)
-    return _from_hash(await client.hgetall(keys.meta)) or meta
+    return await arun(client, _write(keys, cfg, component))
 
 
 async def aread_run_meta(client: Any, keys: Keys) -> RunMeta | None:
-    return _from_hash(await client.hgetall(keys.meta))
+    """`read_run_meta` for an asyncio client."""
+    return await arun(client, _read(keys))

@@ -22,7 +22,7 @@ from rlstream.common.wire import TrajectoryGroup, WireError, decode_group, encod
 
 __all__ = ["Entry", "TrajectoryStream", "entry_fields", "id_str"]
 
-log = get_logger("rlstream.broker.stream")
+log = get_logger(__name__)
 
 
 def id_str(entry_id: bytes | str) -> str:
@@ -172,7 +172,27 @@ class TrajectoryStream:
             start = "(" + id_str(page[-1]["message_id"])
         return out
 
+    def consumers(self) -> list[tuple[str, int]]:
+        """(consumer name, pending entries) of this stream's group; ResponseError when there is no group yet."""
+        return [(id_str(c["name"]), int(c["pending"])) for c in self.client.xinfo_consumers(self.keys.traj, self.group)]
+
+    def pending_of(self, consumer: str, count: int = 1_000_000) -> list[str]:
+        """Ids delivered to `consumer` and not acknowledged, oldest first."""
+        pend = self.client.xpending_range(self.keys.traj, self.group, min="-", max="+", count=count,
+                                          consumername=consumer)
+        return [id_str(p["message_id"]) for p in pend]
+
+    def claim(self, ids: list[str], consumer: str, batch: int = 1000) -> None:
+        """Hand pending entries to `consumer` whatever their idle time (XCLAIM, in batches)."""
+        for i in range(0, len(ids), batch):
+            self.client.xclaim(self.keys.traj, self.group, consumer, 0, ids[i:i + batch])
+
     # ---------------------------------------------------------------- dead letters / dropped
+    def dead_letter_entry(self, entry_id: str, reason: str) -> None:
+        """`dead_letter` for an entry that decoded but cannot be trained on: its fields are read back first."""
+        raw = self.client.xrange(self.keys.traj, min=entry_id, max=entry_id, count=1)
+        self.dead_letter(entry_id, raw[0][1] if raw else {}, reason)
+
     def dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
         """Copy a bad entry to `{ns}:dead` with its reason, then ack it on the source group."""
         record: dict[Any, Any] = {"source_id": entry_id, "reason": reason, "group": self.group, "ts": time.time()}

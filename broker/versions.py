@@ -2,7 +2,13 @@
 
 `{ns}:version` is set only after every engine has the new weights. Each change is
 published on the `{ns}:events` channel (pub/sub, for live listeners) and appended to
-the `{ns}:events` stream (for late joiners and after a reconnect).
+the `{ns}:events` stream (for late joiners and after a reconnect). Producers follow the
+stream (`AsyncVersionRegistry.follow`): version bumps, the trainer's `shutdown`, pauses
+of the engines for a weight update, and engines dropped from or back in weight sync.
+
+Every operation is a plan (`broker/plan.py`): `VersionRegistry` runs them with a sync
+client (trainer, weight broadcaster, inspect), `AsyncVersionRegistry` with an asyncio one
+(producers).
 """
 
 from __future__ import annotations
@@ -13,13 +19,25 @@ from typing import Any, AsyncIterator, Literal
 import msgspec
 
 from rlstream.broker.keys import Keys
+from rlstream.broker.plan import Async, Call, Pipeline, Plan, Sleep, Sync, operation
+from rlstream.common.logging import get_logger
 
-__all__ = ["Event", "VersionRegistry", "AsyncVersionRegistry"]
+__all__ = ["Event", "VersionRegistry", "AsyncVersionRegistry", "decode_event"]
+
+log = get_logger(__name__)
 
 EVENTS_MAXLEN = 10_000
 
 
 class Event(msgspec.Struct, kw_only=True):
+    """One run event.
+
+    version: the served version moved (set only once every engine has it); pause /
+    resume: the weight broadcaster paused every engine for a push / let them continue;
+    shutdown: the trainer finished; engine_down / engine_up: an engine was dropped from
+    weight sync / serves the current version again.
+    """
+
     type: Literal["version", "pause", "resume", "shutdown", "engine_down", "engine_up"]
     version: int = -1
     ts: float = msgspec.field(default_factory=time.time)
@@ -35,95 +53,108 @@ def decode_event(data: bytes) -> Event:
     return _dec.decode(data)
 
 
-class VersionRegistry:
-    """Sync registry (trainer, weight broadcaster, inspect)."""
+class Versions:
+    """The version and event operations, each a plan."""
 
     def __init__(self, client: Any, keys: Keys) -> None:
         self.client = client
         self.keys = keys
 
-    def get(self) -> int:
-        return int(self.client.get(self.keys.version) or 0)
+    def _announce(self, data: bytes) -> list[Call]:
+        return [Call("xadd", self.keys.events, {"e": data}, maxlen=EVENTS_MAXLEN, approximate=True),
+                Call("publish", self.keys.events, data)]
 
-    def get_trainer_version(self) -> int:
-        return int(self.client.get(self.keys.trainer_version) or 0)
+    @operation
+    def get(self) -> Plan:
+        """The served version."""
+        return int((yield Call("get", self.keys.version)) or 0)
 
-    def set_trainer_version(self, version: int) -> None:
-        self.client.set(self.keys.trainer_version, version)
+    @operation
+    def get_trainer_version(self) -> Plan:
+        return int((yield Call("get", self.keys.trainer_version)) or 0)
 
-    def publish(self, event: Event) -> None:
-        data = _enc.encode(event)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.events, {"e": data}, maxlen=EVENTS_MAXLEN, approximate=True)
-        pipe.publish(self.keys.events, data)
-        pipe.execute()
+    @operation
+    def set_trainer_version(self, version: int) -> Plan:
+        yield Call("set", self.keys.trainer_version, version)
 
-    def set(self, version: int, detail: str = "") -> None:
+    @operation
+    def publish(self, event: Event) -> Plan:
+        """Append `event` to the events stream and publish it, in one MULTI."""
+        yield Pipeline(self._announce(_enc.encode(event)), transaction=True)
+
+    @operation
+    def set(self, version: int, detail: str = "") -> Plan:
         """Set the served version and announce it (call only once every engine has it).
 
         Key, event stream and pub/sub go in one MULTI: a crash cannot leave the
         version changed without the event late joiners catch up from.
         """
         data = _enc.encode(Event(type="version", version=version, detail=detail))
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(self.keys.version, version)
-        pipe.xadd(self.keys.events, {"e": data}, maxlen=EVENTS_MAXLEN, approximate=True)
-        pipe.publish(self.keys.events, data)
-        pipe.execute()
+        yield Pipeline([Call("set", self.keys.version, version), *self._announce(data)], transaction=True)
 
-    def events_since(self, last_id: str = "0", count: int = 1000) -> list[tuple[str, Event]]:
-        raw = self.client.xrange(self.keys.events, min=f"({last_id}" if last_id != "0" else "-", count=count)
+    @operation
+    def events_since(self, last_id: str = "0", count: int = 1000) -> Plan:
+        """Events after stream id `last_id` ("0": from the first), oldest first, as (id, event)."""
+        raw = yield Call("xrange", self.keys.events, min=f"({last_id}" if last_id != "0" else "-", count=count)
         return [(eid.decode(), decode_event(f[b"e"])) for eid, f in raw]
 
-
-class AsyncVersionRegistry:
-    """asyncio registry for producers: read the version, wait for a newer one."""
-
-    def __init__(self, client: Any, keys: Keys) -> None:
-        self.client = client
-        self.keys = keys
-
-    async def get(self) -> int:
-        return int(await self.client.get(self.keys.version) or 0)
-
-    async def get_trainer_version(self) -> int:
-        return int(await self.client.get(self.keys.trainer_version) or 0)
-
-    async def set(self, version: int, detail: str = "") -> None:
-        """Set the served version and announce it, atomically (see `VersionRegistry.set`)."""
-        data = _enc.encode(Event(type="version", version=version, detail=detail))
-        pipe = self.client.pipeline(transaction=True)
-        pipe.set(self.keys.version, version)
-        pipe.xadd(self.keys.events, {"e": data}, maxlen=EVENTS_MAXLEN, approximate=True)
-        pipe.publish(self.keys.events, data)
-        await pipe.execute()
-
-    async def events_since(self, last_id: str = "0", count: int = 1000) -> list[tuple[str, Event]]:
-        raw = await self.client.xrange(self.keys.events, min=f"({last_id}" if last_id != "0" else "-", count=count)
-        return [(eid.decode(), decode_event(f[b"e"])) for eid, f in raw]
-
-    async def publish(self, event: Event) -> None:
-        data = _enc.encode(event)
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.events, {"e": data}, maxlen=EVENTS_MAXLEN, approximate=True)
-        pipe.publish(self.keys.events, data)
-        await pipe.execute()
-
-    async def wait_for_version(self, above: int, timeout: float | None = None, poll: float = 0.2) -> int:
+    @operation
+    def wait_for_version(self, above: int, timeout: float | None = None, poll: float = 0.2) -> Plan:
         """Return once the served version is > `above` (polls the key: robust to lost pub/sub messages)."""
-        import asyncio
-
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            v = await self.get()
-            if v > above:
+            v = int((yield Call("get", self.keys.version)) or 0)
+            if v > above or (deadline is not None and time.monotonic() > deadline):
                 return v
-            if deadline is not None and time.monotonic() > deadline:
-                return v
-            await asyncio.sleep(poll)
+            yield Sleep(poll)
+
+    @operation
+    def last_event_id(self) -> Plan:
+        """The id of the newest event ("0-0" when there is none): follow from here for what comes next."""
+        last = yield Call("xrevrange", self.keys.events, count=1)
+        return last[0][0] if last else b"0-0"
+
+    @operation
+    def events_after(self, last_id: bytes | str, block_ms: int = 1000, count: int = 100) -> Plan:
+        """(events, new last id): what the stream got after `last_id`, waiting up to `block_ms` for some.
+
+        A read that fails (Redis restarting) is logged and answered with no events after a
+        second's pause; entries that do not decode as events are skipped.
+        """
+        try:
+            res = yield Call("xread", {self.keys.events: last_id}, block=block_ms, count=count)
+        except Exception as exc:  # noqa: BLE001 - a follower keeps following (Redis may be restarting)
+            log.warning("reading %s failed: %s", self.keys.events, exc)
+            yield Sleep(1.0)
+            return [], last_id
+        events = []
+        for _, entries in res or []:
+            for eid, fields in entries:
+                last_id = eid
+                try:
+                    events.append(decode_event(fields[b"e"]))
+                except (KeyError, msgspec.DecodeError):  # a foreign entry must not stop a follower
+                    continue
+        return events, last_id
+
+
+class VersionRegistry(Versions, Sync):
+    """Sync registry (trainer, weight broadcaster, inspect)."""
+
+
+class AsyncVersionRegistry(Versions, Async):
+    """asyncio registry for producers: read the version, wait for a newer one, follow the events."""
+
+    async def follow(self, block_ms: int = 1000) -> AsyncIterator[Event]:
+        """Every event published from now on, in order, for as long as the caller iterates."""
+        last = await self.last_event_id()
+        while True:
+            events, last = await self.events_after(last, block_ms)
+            for event in events:
+                yield event
 
     async def listen(self) -> AsyncIterator[Event]:
-        """Live events over pub/sub."""
+        """Live events over pub/sub (nothing published while not listening is seen: `follow` catches up)."""
         pubsub = self.client.pubsub()
         await pubsub.subscribe(self.keys.events)
         try:

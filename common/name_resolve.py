@@ -1,21 +1,17 @@
 """Service discovery: engines register `host:port`, producers list and watch them.
 
-Three backends, chosen by `cluster.name_resolve.type`:
+The interface (`NameResolver`) and the backends that need no Redis. Three backends,
+chosen by `cluster.name_resolve.type` through `rlstream.broker.registry.make_name_resolver`:
 
-- `redis` (default; nothing extra to run): a sorted set `{ns}:{service}` per service —
-  for `service="engines"` that is exactly the broker's `Keys.engines` — with
-  member = address and score = expiry in ms. A background keepalive pushes the expiry
-  forward every ttl/3; a crashed engine stops refreshing and drops out of `list` once
-  its expiry passes. Watching polls (cheap: one ZRANGEBYSCORE) so no pub/sub message
-  can be lost across a reconnect.
+- `redis` (default; nothing extra to run): `rlstream.broker.registry.RedisNameResolver`,
+  a sorted set `{ns}:{service}` per service (the broker's `Keys.engines` for engines).
 - `etcd` (v3 API through the maintained asyncio client `aetcd`): key
   `/rlstream/{ns}/{service}/{address}` attached to a lease refreshed by a keepalive;
   etcd deletes the key when the lease expires. Watching uses a prefix watch.
 - `static`: a fixed list (`cluster.name_resolve.static_servers` plus
   `rollout.engine_addresses`); registration is a no-op.
 
-This module is in `common/` and so imports nothing of ours except the config; it
-talks to Redis through redis-py directly rather than through `broker/`.
+Only `broker/` talks to Redis, so the Redis backend and the factory live there.
 """
 
 from __future__ import annotations
@@ -26,22 +22,11 @@ import contextlib
 import math
 from typing import Any, AsyncIterator
 
-from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
 
-__all__ = [
-    "ENGINES_SERVICE",
-    "NameResolveError",
-    "NameResolver",
-    "RedisNameResolver",
-    "EtcdNameResolver",
-    "StaticNameResolver",
-    "make_name_resolver",
-]
+__all__ = ["NameResolveError", "NameResolver", "EtcdNameResolver", "StaticNameResolver"]
 
-ENGINES_SERVICE = "engines"
-
-log = get_logger("name_resolve")
+log = get_logger(__name__)
 
 
 class NameResolveError(RuntimeError):
@@ -112,75 +97,6 @@ class NameResolver(abc.ABC):
         task = self._keepalives.pop((service, address), None)
         if task is not None:
             task.cancel()
-
-
-# ---------------------------------------------------------------------- redis
-
-
-# Expiry times come from the Redis server's clock (TIME inside the scripts), like the
-# broker's admission leases, so engines and producers with skewed clocks agree.
-_NOW = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-"""
-# KEYS: set  ARGV: address, ttl_ms. Also forgets registrations dead for a minute so the
-# set does not grow with old ports.
-_PUT = _NOW + """
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
-return now
-"""
-# KEYS: set -> live members
-_LIST = _NOW + """
-return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
-"""
-
-
-class RedisNameResolver(NameResolver):
-    """Sorted set `{ns}:{service}`: member = address, score = expiry ms (Redis server clock)."""
-
-    def __init__(self, client: Any, namespace: str, default_ttl: float, poll_interval: float = 0.5,
-                 owns_client: bool = False) -> None:
-        super().__init__(default_ttl, poll_interval)
-        self.client = client
-        self.ns = namespace
-        self._owns_client = owns_client
-        self._put_script = client.register_script(_PUT)
-        self._list_script = client.register_script(_LIST)
-
-    def key(self, service: str) -> str:
-        # Same hash tag as every other key of the run (broker/keys.py): `{ns}:engines`.
-        return "{" + self.ns + "}:" + service
-
-    async def _put(self, service: str, address: str, ttl: float) -> None:
-        await self._put_script(keys=[self.key(service)], args=[address, int(ttl * 1000)])
-
-    async def register(self, service: str, address: str, ttl: float | None = None) -> None:
-        ttl = float(ttl or self.default_ttl)
-        await self._put(service, address, ttl)
-        self._start_keepalive(service, address, self._keepalive(service, address, ttl))
-        log.info("registered %s under %s (redis, ttl %.1fs)", address, self.key(service), ttl)
-
-    async def _keepalive(self, service: str, address: str, ttl: float) -> None:
-        while True:
-            await asyncio.sleep(ttl / 3)
-            try:
-                await self._put(service, address, ttl)
-            except Exception as exc:  # noqa: BLE001 - keep trying; the TTL covers the gap
-                log.warning("keepalive of %s failed: %s", address, exc)
-
-    async def unregister(self, service: str, address: str) -> None:
-        self._stop_keepalive(service, address)
-        await self.client.zrem(self.key(service), address)
-
-    async def list(self, service: str) -> list[str]:
-        raw = await self._list_script(keys=[self.key(service)])
-        return sorted(m.decode() if isinstance(m, bytes) else m for m in raw)
-
-    async def _close_backend(self) -> None:
-        if self._owns_client:
-            with contextlib.suppress(Exception):
-                await self.client.aclose()
 
 
 # ---------------------------------------------------------------------- etcd
@@ -315,57 +231,3 @@ class StaticNameResolver(NameResolver):
         yield list(self.addresses)
         while not self._closed:
             await asyncio.sleep(3600)
-
-
-# ---------------------------------------------------------------------- factory
-
-
-def _redis_client(cfg: Config) -> Any:
-    """An asyncio client from `cfg.redis` (same options as broker/connection.py, which
-    `common/` may not import): credentials, TLS, reconnect with jittered backoff."""
-    import redis.asyncio as aioredis
-    from redis.asyncio.retry import Retry
-    from redis.backoff import ExponentialWithJitterBackoff
-    from redis.exceptions import ConnectionError as RedisConnectionError
-    from redis.exceptions import TimeoutError as RedisTimeoutError
-
-    r = cfg.redis
-    if not r.url:
-        raise NameResolveError("name_resolve.type=redis needs redis.url (or use name_resolve.type=static)")
-    errors = [RedisConnectionError, RedisTimeoutError, ConnectionResetError]
-    kw: dict[str, Any] = dict(socket_timeout=r.socket_timeout, socket_connect_timeout=r.connect_timeout,
-                              retry=Retry(ExponentialWithJitterBackoff(cap=2.0, base=0.05), r.retries),
-                              retry_on_error=errors, health_check_interval=30)
-    if r.username is not None:
-        kw["username"] = r.username
-    if r.password is not None:
-        kw["password"] = r.password
-    if r.url.startswith("rediss://"):
-        for name in ("ssl_ca_certs", "ssl_certfile", "ssl_keyfile"):
-            if getattr(r, name, None):
-                kw[name] = getattr(r, name)
-        reqs = getattr(r, "ssl_cert_reqs", "required")
-        kw["ssl_cert_reqs"] = reqs
-        kw["ssl_check_hostname"] = getattr(r, "ssl_check_hostname", True) and reqs != "none"
-    try:
-        return aioredis.Redis.from_url(r.url, **kw)
-    except (ValueError, TypeError) as exc:
-        from rlstream.common.config import mask_url
-
-        raise NameResolveError(f"name_resolve=redis: cannot use redis.url {mask_url(r.url)}: {type(exc).__name__}") from None
-
-
-def make_name_resolver(cfg: Config, *, redis_client: Any = None, poll_interval: float = 0.5) -> NameResolver:
-    """The resolver for `cluster.name_resolve.type`.
-
-    `redis_client`: an existing asyncio redis client to reuse (e.g. the producer's
-    broker connection); without one the resolver opens its own from `cfg.redis`.
-    """
-    nr = cfg.cluster.name_resolve
-    if nr.type == "static":
-        return StaticNameResolver(list(nr.static_servers) + list(cfg.rollout.engine_addresses))
-    if nr.type == "etcd":
-        return EtcdNameResolver(nr.etcd_address, cfg.namespace, nr.lease_ttl, poll_interval)
-    owns = redis_client is None
-    client = redis_client if redis_client is not None else _redis_client(cfg)
-    return RedisNameResolver(client, cfg.namespace, nr.lease_ttl, poll_interval, owns_client=owns)

@@ -28,12 +28,12 @@ from typing import Any, Iterable
 
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.broker.steps import StepLog, StepRecord
-from rlstream.broker.stream import Entry, TrajectoryStream, id_str
+from rlstream.broker.stream import Entry, TrajectoryStream
 from rlstream.common.logging import get_logger
 
 __all__ = ["StepData", "StepReader", "consumer_name"]
 
-log = get_logger("consumer")
+log = get_logger(__name__)
 
 CONSUMER_PREFIX = "trainer-r"
 
@@ -111,23 +111,19 @@ class StepReader:
         new entries for the replayed steps (nothing is lost or trained twice either way).
         """
         try:
-            consumers = self.client.xinfo_consumers(self.keys.traj, self.stream.group)
+            consumers = self.stream.consumers()
         except Exception:  # noqa: BLE001 - no stream or group yet: nothing to adopt
             return 0
         claimed = 0
-        for c in consumers:
-            name = id_str(c["name"])
+        for name, pending in consumers:
             suffix = name[len(CONSUMER_PREFIX):]
             if not (name.startswith(CONSUMER_PREFIX) and suffix.isdigit()) or int(suffix) < self.world_size:
                 continue
-            if int(c["pending"]) == 0:
+            if pending == 0:
                 continue
-            pend = self.client.xpending_range(self.keys.traj, self.stream.group, min="-", max="+",
-                                              count=1_000_000, consumername=name)
-            ids = [id_str(p["message_id"]) for p in pend]
+            ids = self.stream.pending_of(name)
             target = consumer_name(int(suffix) % self.world_size)
-            for i in range(0, len(ids), 1000):
-                self.client.xclaim(self.keys.traj, self.stream.group, target, 0, ids[i:i + 1000])
+            self.stream.claim(ids, target)
             claimed += len(ids)
             log.warning("%d pending entries of departed trainer rank %s go to %s", len(ids), name, target)
         return claimed
@@ -218,10 +214,8 @@ class StepReader:
         return True
 
     def _dead_letter(self, entry_id: str, reason: str) -> None:
-        raw = self.client.xrange(self.keys.traj, min=entry_id, max=entry_id, count=1)
-        fields = raw[0][1] if raw else {}
         log.error("stream entry %s moved to %s: %s", entry_id, self.keys.dead, reason)
-        self.stream.dead_letter(entry_id, fields, reason)
+        self.stream.dead_letter_entry(entry_id, reason)
 
     def ack(self, ids: Iterable[str]) -> int:
         """Acknowledge entries whose training a durable checkpoint now covers."""

@@ -23,6 +23,7 @@ SIGTERM/SIGINT: unregister, answer running requests with `abort`, exit 0.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import os
 import signal
@@ -33,6 +34,8 @@ from typing import Any
 
 from aiohttp import web
 
+from rlstream.broker.connection import BrokerError
+from rlstream.broker.registry import make_name_resolver
 from rlstream.common import engine_api as api
 from rlstream.common.engine_api import (
     ENGINES_SERVICE,
@@ -47,6 +50,7 @@ from rlstream.common.engine_api import (
     ServerInfo,
 )
 from rlstream.common.logging import get_logger
+from rlstream.common.name_resolve import NameResolveError, NameResolver
 from rlstream.engine.local import LocalEngine
 from rlstream.engine.sampling import resolve
 from rlstream.engine.weights import add_weight_routes
@@ -282,13 +286,8 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
         log.info("engine stopped")
 
 
-async def _register(cfg, address: str):
+async def _register(cfg, address: str) -> NameResolver | None:
     """Register under "engines"; None when discovery is not configured."""
-    try:
-        from rlstream.common.name_resolve import NameResolveError, make_name_resolver
-    except ImportError:
-        log.warning("common/name_resolve.py not available: not registering %s", address)
-        return None
     try:
         resolver = make_name_resolver(cfg)
     except NameResolveError as exc:
@@ -297,14 +296,8 @@ async def _register(cfg, address: str):
     try:
         await resolver.register(ENGINES_SERVICE, address, cfg.cluster.name_resolve.lease_ttl)
     except Exception as exc:
-        from rlstream.broker.connection import BrokerError
-
-        with_close = getattr(resolver, "close", None)
-        if with_close:
-            try:
-                await with_close()
-            except Exception:  # noqa: BLE001
-                pass
+        with contextlib.suppress(Exception):
+            await resolver.close()
         raise BrokerError(f"cannot register engine {address} with name resolve "
                           f"({cfg.cluster.name_resolve.type}): {type(exc).__name__}: {exc}") from None
     return resolver

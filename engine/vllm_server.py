@@ -150,6 +150,7 @@ def _rlstream_router():
         return reply(WeightsReply(success=False, message=f"{route}: {type(exc).__name__}: {exc}"), status)
 
     async def body_of(request: Request, route: api.Route) -> Any:
+        """The body as `route.body`; a BadRequest is answered 400 by `_bad_request`."""
         return api.decode(await request.body(), route.body)
 
     async def current_version(request: Request) -> int | str:
@@ -204,10 +205,7 @@ def _rlstream_router():
 
     @router.post(api.INIT_WEIGHTS_GROUP.path)
     async def init_weights_update_group(request: Request):
-        try:
-            body = await body_of(request, api.INIT_WEIGHTS_GROUP)
-        except api.BadRequest as exc:
-            return failed("/init_weights_update_group", exc, HTTPStatus.BAD_REQUEST)
+        body = await body_of(request, api.INIT_WEIGHTS_GROUP)
         try:
             res = await engine(request).collective_rpc("init_weight_update_group", kwargs={
                 "master_address": body.master_address, "master_port": body.master_port,
@@ -219,11 +217,8 @@ def _rlstream_router():
 
     @router.post(api.UPDATE_WEIGHTS_FROM_DISTRIBUTED.path)
     async def update_weights_from_distributed(request: Request):
-        try:
-            body = await body_of(request, api.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
-            body.specs()  # names, dtypes and shapes agree in length
-        except api.BadRequest as exc:
-            return failed("/update_weights_from_distributed", exc, HTTPStatus.BAD_REQUEST)
+        body = await body_of(request, api.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
+        body.specs()  # names, dtypes and shapes agree in length (BadRequest otherwise)
         async with session.lock:
             try:
                 await session.hold(request)
@@ -249,10 +244,7 @@ def _rlstream_router():
 
     @router.post(api.UPDATE_WEIGHTS_FROM_DISK.path)
     async def update_weights_from_disk(request: Request):
-        try:
-            body = await body_of(request, api.UPDATE_WEIGHTS_FROM_DISK)
-        except api.BadRequest as exc:
-            return failed("/update_weights_from_disk", exc, HTTPStatus.BAD_REQUEST)
+        body = await body_of(request, api.UPDATE_WEIGHTS_FROM_DISK)
         if not Path(body.model_path).exists():
             return failed("/update_weights_from_disk", FileNotFoundError(body.model_path), HTTPStatus.BAD_REQUEST)
         async with session.lock:
@@ -272,10 +264,7 @@ def _rlstream_router():
 
     @router.post(api.PAUSE_GENERATION.path)
     async def pause_generation(request: Request):
-        try:
-            body = await body_of(request, api.PAUSE_GENERATION)
-        except api.BadRequest as exc:
-            return failed("/pause_generation", exc, HTTPStatus.BAD_REQUEST)
+        body = await body_of(request, api.PAUSE_GENERATION)
         # abort: running requests return now with finish_reason "abort" (the producer continues
         # them after the update); the prefix cache goes with them since it holds old-weight KV.
         await engine(request).pause_generation(mode=body.mode, clear_cache=True)
@@ -322,6 +311,16 @@ def _rlstream_router():
     return router
 
 
+async def _bad_request(request, exc):
+    """A body that does not fit its struct: 400 `{success: false, message}` naming the route and the field."""
+    from fastapi.responses import Response
+
+    from rlstream.common import engine_api as api
+
+    body = api.WeightsReply(success=False, message=f"{request.url.path}: {type(exc).__name__}: {exc}")
+    return Response(content=api.encode(body), media_type="application/json", status_code=400)
+
+
 def _install_routes() -> None:
     """Add our routes to the app vLLM's own server builds.
 
@@ -332,6 +331,8 @@ def _install_routes() -> None:
     """
     from vllm.entrypoints.launchers.api_server import entry
     from vllm.entrypoints.rl.factories import register_rl_api_routers
+
+    from rlstream.common.engine_api import BadRequest
 
     if not hasattr(entry, "build_app"):
         raise SystemExit(f"this vLLM ({entry.__file__}) has no api_server.entry.build_app; "
@@ -344,6 +345,7 @@ def _install_routes() -> None:
         if "/pause" not in existing:  # VLLM_SERVER_DEV_MODE=1 registers them already
             register_rl_api_routers(app)
         app.include_router(_rlstream_router())
+        app.add_exception_handler(BadRequest, _bad_request)
         return app
 
     entry.build_app = build_app

@@ -40,7 +40,7 @@ from rlstream.launcher.procs import CHILD_ENV, Child, describe_exit, free_port, 
 
 __all__ = ["run", "LocalRun", "RunFailed"]
 
-log = get_logger("rlstream.launcher.local")
+log = get_logger(__name__)
 
 STALL_WARN_S = 120.0  # no new train step for this long: warn once
 
@@ -187,7 +187,9 @@ class LocalRun:
         from rlstream.broker.keys import Keys
 
         self.keys = Keys(cfg.namespace)
-        if cfg.recover.mode == "disabled" and self.client.exists(*self.keys.all()):
+        from rlstream.broker.inspect import namespace_exists
+
+        if cfg.recover.mode == "disabled" and namespace_exists(self.client, self.keys):
             raise RunFailed(f"namespace {cfg.namespace} already holds a run in {mask_url(self.redis_url)}: "
                             f"pick a new trial_name, or set recover.mode=auto to continue that run")
 
@@ -345,26 +347,10 @@ class LocalRun:
 
     def staleness_distribution(self) -> dict[str, Any] | None:
         """Head staleness (step version - oldest token version) of every trained group."""
-        from rlstream.broker.steps import StepLog
+        from rlstream.broker.inspect import trained_staleness
 
         try:
-            records = StepLog(self.client, self.keys).all()
-            hist: dict[int, int] = {}
-            for rec in records:
-                if not rec.entry_ids:
-                    continue
-                pipe = self.client.pipeline(transaction=False)
-                for eid in rec.entry_ids:
-                    pipe.xrange(self.keys.traj, eid, eid, count=1)
-                for rows in pipe.execute():
-                    if not rows:
-                        continue  # trimmed by retention
-                    fields = rows[0][1]
-                    v = fields.get(b"v", fields.get("v"))
-                    if v is None:
-                        continue
-                    s = rec.version - int(v)
-                    hist[s] = hist.get(s, 0) + 1
+            hist = trained_staleness(self.client, self.keys)
         except Exception as exc:  # noqa: BLE001 - a missing plot must not fail the run
             log.warning("could not read the staleness of trained groups: %s", exc)
             return None

@@ -23,17 +23,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import numpy as np
 
+from rlstream.broker.keys import Keys
+from rlstream.broker.producers import AsyncProducerRecords, ProducerState
 from rlstream.common.config import DatasetConfig
 from rlstream.common.logging import get_logger
 
-__all__ = ["DatasetError", "DatasetItem", "PromptDataset", "DatasetCursor", "ProducerState", "CURSOR_FIELD"]
+__all__ = ["DatasetError", "DatasetItem", "PromptDataset", "DatasetCursor"]
 
-log = get_logger("rlstream.producer.dataset")
+log = get_logger(__name__)
 
-CURSOR_FIELD = "cursor"
 _EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
@@ -154,33 +154,11 @@ class PromptDataset:
                            answer=answer, input_ids=list(ids), row=row)
 
 
-class ProducerState(msgspec.Struct, kw_only=True):
-    """Per-producer record in `{ns}:producers` (msgpack)."""
-
-    producer_id: str
-    host: str = ""
-    pid: int = 0
-    started_at: float = 0.0
-    updated_at: float = 0.0
-    last_position: int = -1
-    claimed: int = 0
-    accepted: int = 0
-    rejected: int = 0
-    failed: int = 0
-    done: bool = False
-
-
-_state_enc = msgspec.msgpack.Encoder()
-_state_dec = msgspec.msgpack.Decoder(ProducerState)
-
-
 class DatasetCursor:
-    """Shared run position in `{ns}:producers` (HINCRBY on the `cursor` field)."""
+    """The run's shared dataset position and this producer's state, in `{ns}:producers` (broker/producers.py)."""
 
-    def __init__(self, client: Any, producers_key: str, dataset: PromptDataset, *, epochs: int,
-                 producer_id: str) -> None:
-        self.client = client
-        self.key = producers_key
+    def __init__(self, client: Any, keys: Keys, dataset: PromptDataset, *, epochs: int, producer_id: str) -> None:
+        self.records = AsyncProducerRecords(client, keys)
         self.dataset = dataset
         self.total = epochs * len(dataset)
         self.producer_id = producer_id
@@ -189,23 +167,19 @@ class DatasetCursor:
 
     async def load_state(self) -> ProducerState:
         """Pick up this producer id's counters from a previous life (if any)."""
-        raw = await self.client.hget(self.key, self.producer_id)
-        if raw:
-            try:
-                old = _state_dec.decode(raw)
-                self.state.accepted, self.state.rejected, self.state.failed = old.accepted, old.rejected, old.failed
-                self.state.claimed, self.state.last_position = old.claimed, old.last_position
-            except msgspec.DecodeError:
-                log.warning("ignoring undecodable state of producer %s in %s", self.producer_id, self.key)
+        old = await self.records.load(self.producer_id)
+        if old is not None:
+            self.state.accepted, self.state.rejected, self.state.failed = old.accepted, old.rejected, old.failed
+            self.state.claimed, self.state.last_position = old.claimed, old.last_position
         self.state.done = False
         return self.state
 
     async def position(self) -> int:
-        return int(await self.client.hget(self.key, CURSOR_FIELD) or 0)
+        return await self.records.position()
 
     async def next(self) -> DatasetItem | None:
         """Claim the next position of the run; None once every epoch is handed out."""
-        pos = int(await self.client.hincrby(self.key, CURSOR_FIELD, 1)) - 1
+        pos = await self.records.claim()
         if pos >= self.total:
             return None
         self.state.claimed += 1
@@ -214,4 +188,4 @@ class DatasetCursor:
 
     async def save(self) -> None:
         self.state.updated_at = time.time()
-        await self.client.hset(self.key, self.producer_id, _state_enc.encode(self.state))
+        await self.records.save(self.state)

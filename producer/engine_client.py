@@ -43,6 +43,7 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
+from rlstream.broker.registry import make_name_resolver
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config, GenerationHyperparameters
 from rlstream.common.engine_api import (
@@ -63,7 +64,7 @@ from rlstream.common.engine_api import (
     base_url,
 )
 from rlstream.common.logging import get_logger
-from rlstream.common.name_resolve import NameResolver, StaticNameResolver, make_name_resolver
+from rlstream.common.name_resolve import NameResolver, StaticNameResolver
 
 __all__ = [
     "ModelRequest",

@@ -9,8 +9,8 @@ if its rollout failed. Leases of long rollouts are renewed in the background —
 while requests wait for an engine to appear — so only a dead producer's leases expire.
 
 When admission says no (capacity <= 0) the producer sleeps until one of its own
-rollouts finishes, a version event arrives on `{ns}:events`, or a short poll interval
-passes (other producers' completions are not announced).
+rollouts finishes, a version event arrives (it follows `{ns}:events` through the version
+registry), or a short poll interval passes (other producers' completions are not announced).
 
 It stops on SIGTERM/SIGINT (stop admitting, let in-flight rollouts finish for
 `producer.shutdown_timeout` seconds, release the rest, exit 0; a second signal releases
@@ -37,7 +37,7 @@ from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
 
 __all__ = ["produce", "Producer", "should_accept"]
 
-log = get_logger("rlstream.producer")
+log = get_logger(__name__)
 
 ADMIT_POLL_SECS = 0.25
 
@@ -81,6 +81,7 @@ class Producer:
         from transformers import AutoTokenizer
 
         from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, connect_async
+        from rlstream.broker.meta import awrite_run_meta
         from rlstream.producer.dataset import DatasetCursor, PromptDataset
         from rlstream.producer.engine_client import ServerPool
         from rlstream.producer.rewards import RewardPool
@@ -89,10 +90,7 @@ class Producer:
         cfg = self.cfg
         self.client = await connect_async(cfg.redis)
         self.keys = Keys(cfg.namespace)
-        self.admission = AsyncAdmissionController(
-            self.client, self.keys, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
-            consumer_batch_size=cfg.rollout.consumer_batch_size,
-            max_concurrent_rollouts=cfg.max_concurrent_rollouts, lease_ttl=cfg.rollout.lease_ttl)
+        self.admission = AsyncAdmissionController.from_config(self.client, self.keys, cfg)
         self.versions = AsyncVersionRegistry(self.client, self.keys)
         if not cfg.tokenizer:
             raise ValueError("no tokenizer: set actor.path (or tokenizer_path) to a local HF model folder")
@@ -102,23 +100,16 @@ class Producer:
             raise ValueError(f"cannot load the tokenizer from {cfg.tokenizer!r} (tokenizer_path/actor.path): "
                              f"{str(exc).splitlines()[0]}") from None
         self.dataset = PromptDataset(cfg.train_dataset, self.tokenizer, seed=cfg.seed)
-        self.cursor = DatasetCursor(self.client, self.keys.producers, self.dataset,
-                                    epochs=cfg.total_train_epochs, producer_id=self.producer_id)
+        self.cursor = DatasetCursor(self.client, self.keys, self.dataset, epochs=cfg.total_train_epochs,
+                                    producer_id=self.producer_id)
         await self.cursor.load_state()
         self.rewards = RewardPool(cfg.producer.reward_fn, cfg.producer.reward_workers, cfg.producer.reward_timeout)
         self.workflow = load_workflow(cfg, self.tokenizer, self.rewards)
         self.pool = ServerPool(cfg, redis_client=self.client)
         await self.pool.start()
         self.engine = RolloutEngine(self.pool, self.versions, resume_wait=cfg.actor.weight_update_timeout)
-        await self._write_meta()
-
-    async def _write_meta(self) -> None:
-        """Run metadata in `{ns}:meta` (admission parameters), when the broker provides it."""
-        try:
-            from rlstream.broker.meta import awrite_run_meta
-        except ImportError:
-            return
-        await awrite_run_meta(self.client, self.keys, self.cfg, component="producer")
+        # Run metadata in `{ns}:meta` (admission parameters) for inspect and a check against the trainer's.
+        await awrite_run_meta(self.client, self.keys, cfg, component="producer")
 
     async def _teardown(self) -> None:
         for t in self._bg:
@@ -164,34 +155,15 @@ class Producer:
             except Exception as exc:  # noqa: BLE001 - retried next period; the TTL covers a gap
                 log.warning("renewing %d leases failed: %s", len(self.inflight), exc)
 
-    async def _listen_events(self) -> None:
-        from rlstream.broker.versions import decode_event
-
-        last = await self.client.xrevrange(self.keys.events, count=1)
-        last_id = last[0][0] if last else b"0-0"
-        while True:
-            try:
-                res = await self.client.xread({self.keys.events: last_id}, block=1000, count=100)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                log.warning("reading %s failed: %s", self.keys.events, exc)
-                await asyncio.sleep(1.0)
-                continue
-            for _, entries in res or []:
-                for eid, fields in entries:
-                    last_id = eid
-                    try:
-                        ev = decode_event(fields[b"e"])
-                    except Exception:  # noqa: BLE001 - a foreign entry must not stop us
-                        continue
-                    if ev.type == "version":
-                        self.version = max(self.version, ev.version)
-                        self._wake.set()
-                    elif ev.type == "shutdown":
-                        self.request_stop(f"shutdown event ({ev.detail or 'trainer finished'})", force=True)
-                    elif ev.type in ("engine_down", "engine_up") and ev.address:
-                        self.pool.set_behind(ev.address, ev.type == "engine_down")
+    async def _follow_events(self) -> None:
+        async for ev in self.versions.follow():
+            if ev.type == "version":
+                self.version = max(self.version, ev.version)
+                self._wake.set()
+            elif ev.type == "shutdown":
+                self.request_stop(f"shutdown event ({ev.detail or 'trainer finished'})", force=True)
+            elif ev.type in ("engine_down", "engine_up") and ev.address:
+                self.pool.set_behind(ev.address, ev.type == "engine_down")
 
     async def _progress(self) -> None:
         period = self.cfg.stats_logger.log_every_secs
@@ -350,7 +322,7 @@ class Producer:
                      self.producer_id, len(self.dataset), self.cfg.total_train_epochs, await self.cursor.position(),
                      self.cfg.rollout.backend, self.cfg.namespace)
             self._bg = [asyncio.create_task(self._renew_leases(), name="renew-leases"),
-                        asyncio.create_task(self._listen_events(), name="events"),
+                        asyncio.create_task(self._follow_events(), name="events"),
                         asyncio.create_task(self._progress(), name="progress")]
             if self.stop_reason is None:
                 setup = self.cfg.rollout.setup_timeout

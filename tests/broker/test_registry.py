@@ -15,14 +15,9 @@ import time
 import pytest
 
 from rlstream.common.config import load_config
-from rlstream.common.name_resolve import (
-    ENGINES_SERVICE,
-    EtcdNameResolver,
-    NameResolveError,
-    RedisNameResolver,
-    StaticNameResolver,
-    make_name_resolver,
-)
+from rlstream.broker.registry import RedisNameResolver, make_name_resolver
+from rlstream.common.engine_api import ENGINES_SERVICE
+from rlstream.common.name_resolve import EtcdNameResolver, NameResolveError, StaticNameResolver
 
 from tests.helpers import free_port, stop_process
 
@@ -92,7 +87,7 @@ def _cfg(kind: str, redis_url: str, experiment: str, etcd_address: str = "127.0.
 _REGISTRAR = textwrap.dedent("""
     import asyncio, sys
     from rlstream.common.config import load_config
-    from rlstream.common.name_resolve import make_name_resolver
+    from rlstream.broker.registry import make_name_resolver
 
     async def main():
         cfg = load_config(None, sys.argv[2:])

@@ -50,7 +50,7 @@ from rlstream.broker import (
 )
 from rlstream.broker.meta import awrite_run_meta, read_run_meta, write_run_meta
 from rlstream.common.config import RedisConfig, load_config
-from rlstream.common.name_resolve import RedisNameResolver
+from rlstream.broker.registry import RedisNameResolver
 from tests.helpers import free_port
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "security.md"
@@ -185,7 +185,7 @@ def test_producer_acl_admits_and_commits_but_cannot_consume_delete_or_leave_its_
     assert read_run_meta(prod, keys) is None and write_run_meta(prod, keys, cfg, component="producer")
     assert VersionRegistry(prod, keys).get() == 0
     assert VersionRegistry(prod, keys).events_since()  # catch up on the events stream
-    # dataset cursor and state (producer/dataset.py) live in the producers hash
+    # dataset cursor and state (broker/producers.py) live in the producers hash
     assert prod.hincrby(keys.producers, "cursor", 1) == 1 and prod.hset(keys.producers, "p0", b"state") == 1
 
     async def producer_async() -> list:

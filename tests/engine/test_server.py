@@ -223,7 +223,7 @@ def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, re
 
         async def client() -> list[str]:
             from rlstream.common.config import load_config
-            from rlstream.common.name_resolve import make_name_resolver
+            from rlstream.broker.registry import make_name_resolver
 
             headers = {"Authorization": "Bearer tok"}
             async with aiohttp.ClientSession(headers=headers) as http:
@@ -275,7 +275,7 @@ def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, re
 
         async def listed() -> list[str]:
             from rlstream.common.config import load_config
-            from rlstream.common.name_resolve import make_name_resolver
+            from rlstream.broker.registry import make_name_resolver
 
             resolver = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}"]))
             try:

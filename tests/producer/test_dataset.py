@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlstream.common.config import DatasetConfig
-from rlstream.producer.dataset import DatasetCursor, DatasetError, ProducerState, PromptDataset
+from rlstream.broker.producers import ProducerState
+from rlstream.producer.dataset import DatasetCursor, DatasetError, PromptDataset
 
 
 @pytest.fixture(scope="module")
@@ -116,13 +117,13 @@ async def test_shared_cursor_resumes_and_ends(tmp_path, tokenizer, redis_url, ke
     ds = PromptDataset(DatasetConfig(path=str(p), prompt_key="q", answer_key="a"), tokenizer, seed=1)
     client = await connect_async(redis_url)
     try:
-        a = DatasetCursor(client, keys.producers, ds, epochs=2, producer_id="pa")
-        b = DatasetCursor(client, keys.producers, ds, epochs=2, producer_id="pb")
+        a = DatasetCursor(client, keys, ds, epochs=2, producer_id="pa")
+        b = DatasetCursor(client, keys, ds, epochs=2, producer_id="pb")
         got = [(await a.next()).position, (await b.next()).position, (await a.next()).position]
         assert got == [0, 1, 2]
         await a.save()
         # A restarted producer (same id) continues the run's position and keeps its counters.
-        a2 = DatasetCursor(client, keys.producers, ds, epochs=2, producer_id="pa")
+        a2 = DatasetCursor(client, keys, ds, epochs=2, producer_id="pa")
         st = await a2.load_state()
         assert st.claimed == 2 and st.last_position == 2
         rest = [await a2.next(), await b.next(), await a2.next()]

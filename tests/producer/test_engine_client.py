@@ -12,7 +12,8 @@ import pytest
 
 from rlstream.common.config import load_config
 from rlstream.common.engine_api import CompletionResponse, base_url
-from rlstream.common.name_resolve import ENGINES_SERVICE, RedisNameResolver
+from rlstream.broker.registry import RedisNameResolver
+from rlstream.common.engine_api import ENGINES_SERVICE
 from rlstream.producer.engine_client import (
     EngineRequestError,
     ModelRequest,

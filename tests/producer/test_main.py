@@ -108,7 +108,7 @@ def test_produce_fills_stream_and_restart_continues(shared_engine, producers, da
     assert adm.snapshot().accepted == 8 and adm.snapshot().running == 0
     import msgspec
 
-    from rlstream.producer.dataset import ProducerState
+    from rlstream.broker.producers import ProducerState
 
     st = msgspec.msgpack.decode(rclient.hget(keys.producers, "pA"), type=ProducerState)
     assert st.accepted == 8 and st.done and st.claimed == 8
@@ -222,7 +222,8 @@ def test_producer_waits_without_engines_keeping_leases(shared_engine, engines, p
 
     # Another engine registers under the run's namespace (as `rlstream serve` does).
     from rlstream.common.config import load_config
-    from rlstream.common.name_resolve import ENGINES_SERVICE, make_name_resolver
+    from rlstream.broker.registry import make_name_resolver
+    from rlstream.common.engine_api import ENGINES_SERVICE
 
     async def register_and_wait() -> int:
         reg = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}"]))

@@ -7,9 +7,10 @@ trainer rank 0 against the engines of `fleet.EngineFleet`:
 
 1. (backend) prepare the version: the disk backend writes its files here;
 2. list the engines, keep those answering /health;
-3. `/pause_generation` on each (in-flight requests come back aborted, new ones wait);
+3. `/pause_generation` on each (in-flight requests come back aborted, new ones wait),
+   announced by a `pause` event;
 4. (backend) transfer the weights; the last call carries `weight_version`;
-5. `/continue_generation`;
+5. `/continue_generation`, announced by a `resume` event;
 6. once every live engine confirmed: set `{ns}:version`, publish the event.
 
 An engine that fails or does not answer within `actor.weight_update_timeout` in any of
@@ -240,6 +241,8 @@ class EngineBroadcaster(WeightBroadcaster):
                 for a in sorted(set(listed) - set(engines)):
                     if a in self.in_sync or a in self.held:
                         report.dropped[a] = "not answering /health"
+                if engines:
+                    self._announce("pause", "", f"{len(engines)} engine(s) paused for version {version}", version)
                 while engines:
                     report.attempts += 1
                     try:
@@ -262,6 +265,8 @@ class EngineBroadcaster(WeightBroadcaster):
                         report.dropped.update(exc.bad)
                         engines = [a for a in engines if a not in exc.bad]
                     break
+                if report.attempts:
+                    self._announce("resume", "", f"{len(engines)} engine(s) continue with version {version}", version)
                 if sync is not None:
                     await _thread(sync.signal, False)
                     sync = None
@@ -346,7 +351,7 @@ class EngineBroadcaster(WeightBroadcaster):
             self.versions.publish(Event(type=kind, version=self.current if version is None else version,
                                         detail=detail, address=address))
         except Exception as exc:  # noqa: BLE001 - an event is informative; the push itself succeeded
-            log.warning("could not publish %s for %s: %s", kind, address, exc)
+            log.warning("could not publish %s%s: %s", kind, f" for {address}" if address else "", exc)
 
     # ------------------------------------------------------------ late joiners
 

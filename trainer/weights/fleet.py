@@ -16,7 +16,7 @@ from typing import Any
 import aiohttp
 import msgspec
 
-from rlstream.common.name_resolve import make_name_resolver
+from rlstream.broker.registry import make_name_resolver
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
 from rlstream.common.engine_api import ENGINES_SERVICE, EngineError, Route, base_url

@@ -1,0 +1,241 @@
+"""Broker operations written once: a plan yields Redis commands and receives their replies; a runner does the I/O.
+
+A plan is a generator that knows the keys, the arguments, the Lua scripts and how to
+read the replies, and touches no socket:
+
+    def snapshot(self):
+        running, accepted = yield Pipeline([Call("zcard", k1), Call("get", k2)])
+        return State(int(running), int(accepted or 0))
+
+An error of a command is raised inside the plan at its `yield` (so a plan retries, backs
+off with `yield Sleep(s)` or gives up on its own); a plan that does not catch it raises it
+to the caller. The runners are the only place sync and asyncio differ: `run(client, plan)`
+with a redis-py client returns the plan's result, `arun(client, plan)` with a
+redis.asyncio client is awaited for it. Even the commands' own I/O below is written once:
+each `steps(client)` yields the client's return values, which the sync runner passes
+back as they are and the asyncio runner awaits.
+
+Classes whose methods are plans mark them `@operation` and mix in `Sync` or `Async`:
+`AdmissionController(Admission, Sync)` and `AsyncAdmissionController(Admission, Async)`
+are one implementation with two runners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import hashlib
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Generator
+
+from redis.exceptions import NoScriptError
+
+__all__ = ["Call", "Pipeline", "Watch", "Sleep", "Close", "one", "script", "scripts", "run", "arun", "operation", "Sync",
+           "Async", "LUA_NOW_MS", "Plan"]
+
+Plan = Generator[Any, Any, Any]
+
+# Lua prologue: `now` = the Redis server's clock in ms (leases and registrations expire on one clock).
+LUA_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+
+# ---------------------------------------------------------------------- commands
+
+
+class Call:
+    """One client method: `Call("get", key)` is `client.get(key)`."""
+
+    __slots__ = ("method", "args", "kwargs")
+
+    def __init__(self, method: str, *args: Any, **kwargs: Any) -> None:
+        self.method, self.args, self.kwargs = method, args, kwargs
+
+    def on(self, target: Any) -> Any:
+        return getattr(target, self.method)(*self.args, **self.kwargs)
+
+    def steps(self, client: Any) -> Plan:
+        return (yield self.on(client))
+
+    def __repr__(self) -> str:
+        return f"Call({self.method!r}, {', '.join(map(repr, self.args))})"
+
+
+@dataclass
+class Pipeline:
+    """Several commands in one round trip (`transaction`: inside MULTI/EXEC); the reply is the list of replies."""
+
+    calls: list[Call]
+    transaction: bool = False
+
+    def steps(self, client: Any) -> Plan:
+        pipe = client.pipeline(transaction=self.transaction)
+        for c in self.calls:
+            c.on(pipe)
+        return (yield pipe.execute())
+
+
+@dataclass
+class Watch:
+    """Optimistic transaction: WATCH `keys`, run `read` at once, then MULTI/EXEC the commands `then(read_reply)` returns.
+
+    The reply is `(read_reply, exec_replies)`, `exec_replies` None when `then` returned none.
+    A key changed by another client after WATCH raises redis' WatchError (nothing applied).
+    """
+
+    keys: list[str]
+    read: Call
+    then: Callable[[Any], list[Call]]
+
+    def steps(self, client: Any) -> Plan:
+        pipe = client.pipeline(transaction=True)
+        try:
+            yield pipe.watch(*self.keys)
+            seen = yield self.read.on(pipe)  # immediate mode while watching
+            calls = self.then(seen)
+            if not calls:
+                return seen, None
+            pipe.multi()
+            for c in calls:
+                c.on(pipe)
+            return seen, (yield pipe.execute())
+        finally:
+            yield pipe.reset()  # unwatch, give the connection back
+
+
+@dataclass
+class Sleep:
+    """Wait (a backoff, a poll interval) without blocking an event loop."""
+
+    seconds: float
+
+    def steps(self, client: Any) -> Plan:
+        return (yield self)
+
+
+@dataclass
+class Close:
+    """Close the client's connections."""
+
+    def steps(self, client: Any) -> Plan:
+        return (yield client.aclose() if hasattr(client, "aclose") else client.close())
+
+
+@functools.lru_cache(maxsize=None)
+def _sha(lua: str) -> str:
+    return hashlib.sha1(lua.encode()).hexdigest()
+
+
+def one(command: Any) -> Plan:
+    """A plan of one command."""
+    return (yield command)
+
+
+def script(lua: str, keys: list[str], args: list[Any]) -> Plan:
+    """Sub-plan (`yield from`): run a Lua script by EVALSHA, loading it once if the server lost it."""
+    call = Call("evalsha", _sha(lua), len(keys), *keys, *args)
+    try:
+        return (yield call)
+    except NoScriptError:  # a restarted Redis lost its script cache: nothing ran
+        yield Call("script_load", lua)
+        return (yield call)
+
+
+def scripts(lua: str, calls: list[tuple[list[str], list[Any]]]) -> Plan:
+    """Sub-plan: one script many times in one pipeline (EVALSHA straight into it: redis-py's
+    own script handling in pipelines sends SCRIPT EXISTS first, which a least-privilege
+    producer ACL does not grant)."""
+    batch = Pipeline([Call("evalsha", _sha(lua), len(k), *k, *a) for k, a in calls])
+    try:
+        return (yield batch)
+    except NoScriptError:  # every call failed alike: nothing ran
+        yield Call("script_load", lua)
+        return (yield batch)
+
+
+# ---------------------------------------------------------------------- runners
+
+
+def _advance(gen: Plan, value: Any, error: BaseException | None) -> tuple[bool, Any]:
+    """Send `value` (or throw `error`) into `gen`: (True, what it yields next) or (False, what it returned)."""
+    try:
+        return True, (gen.send(value) if error is None else gen.throw(error))
+    except StopIteration as stop:
+        return False, stop.value
+
+
+def _expand(client: Any, plan: Plan) -> Plan:
+    """The plan with each command replaced by its steps against `client`."""
+    reply = error = None
+    while True:
+        going, cmd = _advance(plan, reply, error)
+        if not going:
+            return cmd
+        reply = error = None
+        try:
+            reply = yield from cmd.steps(client)
+        except Exception as exc:  # noqa: BLE001 - raised into the plan at its yield
+            error = exc
+
+
+def run(client: Any, plan: Plan) -> Any:
+    """Run `plan` with a redis-py client; returns its result."""
+    steps, value = _expand(client, plan), None
+    while True:
+        going, got = _advance(steps, value, None)
+        if not going:
+            return got
+        value = time.sleep(got.seconds) if isinstance(got, Sleep) else got
+
+
+async def arun(client: Any, plan: Plan) -> Any:
+    """Run `plan` with a redis.asyncio client; returns its result."""
+    steps, value, error = _expand(client, plan), None, None
+    while True:
+        going, got = _advance(steps, value, error)
+        if not going:
+            return got
+        value = error = None
+        try:
+            if isinstance(got, Sleep):
+                value = await asyncio.sleep(got.seconds)
+            else:
+                value = (await got) if inspect.isawaitable(got) else got
+        except BaseException as exc:  # noqa: BLE001 - into the command's steps (cancellation too: a
+            error = exc               # Watch gives its connection back), then the plan (errors only)
+
+
+class operation:
+    """Marks a method that returns a plan: called on a `Sync` object it runs the plan and returns the
+    result; on an `Async` object it returns an awaitable of the result."""
+
+    def __init__(self, fn: Callable[..., Plan]) -> None:
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return self
+        fn, runner = self.fn, obj._runner
+
+        @functools.wraps(fn)
+        def bound(*args: Any, **kwargs: Any) -> Any:
+            return runner(obj.client, fn(obj, *args, **kwargs))
+
+        return bound
+
+
+class Sync:
+    """`@operation` methods run on a redis-py client (`self.client`) and return their result."""
+
+    _runner = staticmethod(run)
+
+
+class Async:
+    """`@operation` methods run on a redis.asyncio client (`self.client`) and are awaited."""
+
+    _runner = staticmethod(arun)
