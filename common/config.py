@@ -111,7 +111,7 @@ class RolloutConfig(_Section):
     trial_name: D(str | None, "Defaults to the top-level trial_name.") = None
     backend: D(Literal["sglang", "vllm"], "Engine protocol: sglang (native /generate; also the local engine) or vllm (/v1/completions).") = "sglang"
     max_concurrent_rollouts: D(int | None, "Global cap on rollouts in flight (None = consumer_batch_size).", ge=1) = None
-    queue_size: D(int | None, "Per-producer bound on finished groups waiting to be written.", ge=1) = None
+    queue_size: D(int | None, "Accepted for compatibility with AReaL configs, not used: a finished group is written to Redis at once, so none wait in a producer.", ge=1) = None
     consumer_batch_size: D(int, "Groups the trainer consumes per step (B).", ge=1) = 1
     max_head_offpolicyness: D(int, "Off-policyness budget η: versions a group may lag the trainer.", ge=0) = 0
     schedule_policy: D(Literal["round_robin", "least_inflight"], "How a producer picks an engine for a request.") = "round_robin"
@@ -247,7 +247,7 @@ class DatasetConfig(_Section):
     answer_key: D(str, "Column with the reference answer.") = "answer"
     apply_chat_template: D(bool, "Wrap prompts with the tokenizer's chat template.") = False
     shuffle: D(bool, "Shuffle each epoch (seeded).") = True
-    batch_size: D(int, "Prompts per batch when evaluating.", ge=1) = 32
+    batch_size: D(int, "Accepted for compatibility with AReaL configs, not used yet: producers take prompts one at a time and held-out evaluation batches are fixed.", ge=1) = 32
     max_prompt_len: D(int | None, "Drop prompts longer than this many tokens.", ge=1) = None
 
 

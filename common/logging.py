@@ -42,7 +42,7 @@ class MaskingFormatter(logging.Formatter):
 
 
 def get_logger(name: str) -> logging.Logger:
-    """A logger under `rlstream.`; configures the root handler once per process."""
+    """A logger under `rlstream.` (modules pass `__name__`); configures the root handler once per process."""
     root = logging.getLogger("rlstream")
     if not root.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -50,4 +50,7 @@ def get_logger(name: str) -> logging.Logger:
         root.addHandler(handler)
         root.setLevel(os.environ.get("RLSTREAM_LOG_LEVEL", "INFO").upper())
         root.propagate = False
+    if name == "__main__":  # `python -m rlstream.launcher.slurm`: the module's own name
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        name = spec.name if spec is not None else name
     return logging.getLogger(name if name.startswith("rlstream") else f"rlstream.{name}")

@@ -27,7 +27,7 @@ from rlstream.common.logging import get_logger
 
 __all__ = ["prepare", "make_reverse_items", "demo_paths"]
 
-log = get_logger("rlstream.launcher.demo")
+log = get_logger(__name__)
 
 
 def make_reverse_items(n_train: int, n_valid: int, digits: int, seed: int) -> tuple[list[dict], list[dict]]:

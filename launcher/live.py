@@ -22,7 +22,7 @@ from rlstream.common.logging import get_logger
 
 __all__ = ["Monitor", "Snapshot"]
 
-log = get_logger("rlstream.launcher.live")
+log = get_logger(__name__)
 
 RATE_WINDOW_S = 10.0
 

@@ -28,7 +28,7 @@ from rlstream.common.logging import get_logger
 
 __all__ = ["sft", "SFT_MARKER", "sft_done"]
 
-log = get_logger("rlstream.launcher.sft")
+log = get_logger(__name__)
 
 SFT_MARKER = "rlstream_sft.json"
 

@@ -44,7 +44,7 @@ from rlstream.common.logging import get_logger
 
 __all__ = ["launch", "plan", "render_script", "Placement"]
 
-log = get_logger("rlstream.launcher.slurm")
+log = get_logger(__name__)
 
 
 @dataclass

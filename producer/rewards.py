@@ -43,7 +43,7 @@ __all__ = [
     "RewardPool",
 ]
 
-log = get_logger("rlstream.producer.rewards")
+log = get_logger(__name__)
 
 
 # ---------------------------------------------------------------------- import paths

@@ -31,7 +31,7 @@ from rlstream.producer.rewards import RewardResult, import_by_path
 
 __all__ = ["Workflow", "Generation", "RolloutEngine", "RLVRWorkflow", "load_workflow"]
 
-log = get_logger("rlstream.producer.workflow")
+log = get_logger(__name__)
 
 
 @runtime_checkable

@@ -42,7 +42,7 @@ from rlstream.trainer.parallel import Parallel
 
 __all__ = ["TrainState", "RankState", "Checkpointer"]
 
-log = get_logger("trainer.checkpoint")
+log = get_logger(__name__)
 
 _CKPT_PREFIX = "ckpt-"
 

@@ -45,7 +45,7 @@ from rlstream.trainer.weights import make_broadcaster
 
 __all__ = ["train", "check_config"]
 
-log = get_logger("trainer")
+log = get_logger(__name__)
 
 
 def check_config(cfg: Config, world_size: int) -> None:
