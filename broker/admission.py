@@ -27,6 +27,9 @@ loss): acquiring with a lease id that is already held answers "admitted" without
 second lease; a finished lease is marked under `{ns}:admit:done:{lease}` (kept for
 `DONE_TTL_MS`) inside the same transaction, and a commit WATCHes those markers, so a
 retry after an unknown outcome commits only what did not happen: exactly once.
+
+Each operation is written once, as a plan (`broker/plan.py`): `AdmissionController` runs
+them with a sync client, `AsyncAdmissionController` with an asyncio one.
 """
 
 from __future__ import annotations

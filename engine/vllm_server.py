@@ -126,6 +126,7 @@ def _check_cpu_head_size(model: str) -> None:
 
 def _rlstream_router():
     """FastAPI routes that map SGLang-style weight-sync calls onto the worker extension."""
+    import functools
     from http import HTTPStatus
     from typing import Any
 
@@ -150,8 +151,24 @@ def _rlstream_router():
         return reply(WeightsReply(success=False, message=f"{route}: {type(exc).__name__}: {exc}"), status)
 
     async def body_of(request: Request, route: api.Route) -> Any:
-        """The body as `route.body`; a BadRequest is answered 400 by `_bad_request`."""
+        """The body as `route.body` (BadRequest naming the field when it does not fit)."""
         return api.decode(await request.body(), route.body)
+
+    def checked(handler):
+        """A body that does not fit its struct is answered 400 `{success: false, message}`.
+
+        Per route, not an app exception handler: vLLM builds its middleware stack before our
+        routes are added, so a handler registered then is never consulted.
+        """
+
+        @functools.wraps(handler)
+        async def route(request: Request):
+            try:
+                return await handler(request)
+            except api.BadRequest as exc:
+                return failed(request.url.path, exc, HTTPStatus.BAD_REQUEST)
+
+        return route
 
     async def current_version(request: Request) -> int | str:
         v = await engine(request).get_weight_version()
@@ -204,6 +221,7 @@ def _rlstream_router():
     session = UpdateSession()
 
     @router.post(api.INIT_WEIGHTS_GROUP.path)
+    @checked
     async def init_weights_update_group(request: Request):
         body = await body_of(request, api.INIT_WEIGHTS_GROUP)
         try:
@@ -216,6 +234,7 @@ def _rlstream_router():
         return ok("weight update group initialised", ranks=res)
 
     @router.post(api.UPDATE_WEIGHTS_FROM_DISTRIBUTED.path)
+    @checked
     async def update_weights_from_distributed(request: Request):
         body = await body_of(request, api.UPDATE_WEIGHTS_FROM_DISTRIBUTED)
         body.specs()  # names, dtypes and shapes agree in length (BadRequest otherwise)
@@ -243,6 +262,7 @@ def _rlstream_router():
         return ok("weights received", num_tensors=counts[0] if counts else 0, **extra)
 
     @router.post(api.UPDATE_WEIGHTS_FROM_DISK.path)
+    @checked
     async def update_weights_from_disk(request: Request):
         body = await body_of(request, api.UPDATE_WEIGHTS_FROM_DISK)
         if not Path(body.model_path).exists():
@@ -263,6 +283,7 @@ def _rlstream_router():
         return ok(f"weights loaded from {body.model_path}", num_tensors=counts[0] if counts else 0, **extra)
 
     @router.post(api.PAUSE_GENERATION.path)
+    @checked
     async def pause_generation(request: Request):
         body = await body_of(request, api.PAUSE_GENERATION)
         # abort: running requests return now with finish_reason "abort" (the producer continues
@@ -311,16 +332,6 @@ def _rlstream_router():
     return router
 
 
-async def _bad_request(request, exc):
-    """A body that does not fit its struct: 400 `{success: false, message}` naming the route and the field."""
-    from fastapi.responses import Response
-
-    from rlstream.common import engine_api as api
-
-    body = api.WeightsReply(success=False, message=f"{request.url.path}: {type(exc).__name__}: {exc}")
-    return Response(content=api.encode(body), media_type="application/json", status_code=400)
-
-
 def _install_routes() -> None:
     """Add our routes to the app vLLM's own server builds.
 
@@ -331,8 +342,6 @@ def _install_routes() -> None:
     """
     from vllm.entrypoints.launchers.api_server import entry
     from vllm.entrypoints.rl.factories import register_rl_api_routers
-
-    from rlstream.common.engine_api import BadRequest
 
     if not hasattr(entry, "build_app"):
         raise SystemExit(f"this vLLM ({entry.__file__}) has no api_server.entry.build_app; "
@@ -345,7 +354,6 @@ def _install_routes() -> None:
         if "/pause" not in existing:  # VLLM_SERVER_DEV_MODE=1 registers them already
             register_rl_api_routers(app)
         app.include_router(_rlstream_router())
-        app.add_exception_handler(BadRequest, _bad_request)
         return app
 
     entry.build_app = build_app

@@ -425,20 +425,20 @@ def _main(argv: list[str] | None = None) -> int:
                 return False
 
         return _wait(redis_up, f"redis at {a.url}", a.timeout, a.watch)
-    import urllib.request
+    import asyncio
 
-    headers = {"Authorization": f"Bearer {cfg.rollout.api_key}"} if cfg.rollout.api_key else {}
+    import aiohttp
+
+    from rlstream.producer.engine_client import make_engine_client
+
+    async def health() -> bool:
+        async with aiohttp.ClientSession() as session:
+            clients = [make_engine_client(cfg.rollout.backend, session, addr, cfg.rollout.api_key)
+                       for addr in a.addresses]
+            return all(await asyncio.gather(*(c.health(timeout=2) for c in clients)))
 
     def all_healthy() -> bool:
-        for addr in a.addresses:
-            try:
-                req = urllib.request.Request(f"http://{addr}/health", headers=headers)
-                with urllib.request.urlopen(req, timeout=2) as r:
-                    if r.status != 200:
-                        return False
-            except OSError:
-                return False
-        return True
+        return asyncio.run(health())
 
     return _wait(all_healthy, f"engines {', '.join(a.addresses)}", a.timeout, a.watch)
 
