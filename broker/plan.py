@@ -226,6 +226,7 @@ class operation:
         def bound(*args: Any, **kwargs: Any) -> Any:
             return runner(obj.client, fn(obj, *args, **kwargs))
 
+        obj.__dict__[fn.__name__] = bound  # made once per object (a non-data descriptor: the instance wins)
         return bound
 
 
