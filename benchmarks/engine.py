@@ -325,19 +325,19 @@ def run_producer_overhead(*, groups: int = 64, concurrencies=(1, 8), n_samples: 
         engine_proc, address = _start_engine(work, model, redis_url, threads, device)
         print(f"producer overhead: engine {address}, {groups} groups x {n_samples} samples x <= {new_tokens} tokens",
               flush=True)
-        orig_request = EngineClient._request
+        orig_call = EngineClient.call
 
-        async def timed_request(self, method, path, **kw):
+        async def timed_call(self, route, body=None, **kw):
             rec = _ROLLOUT.get()
-            if rec is None or path not in GENERATE_PATHS:
-                return await orig_request(self, method, path, **kw)
+            if rec is None or route.path not in GENERATE_PATHS:
+                return await orig_call(self, route, body, **kw)
             t0 = time.perf_counter()
             try:
-                return await orig_request(self, method, path, **kw)
+                return await orig_call(self, route, body, **kw)
             finally:
                 rec.engine.append((t0, time.perf_counter()))
 
-        EngineClient._request = timed_request
+        EngineClient.call = timed_call
         try:
             for c in concurrencies:
                 # One namespace per run: a fresh dataset position and admission budget.
@@ -366,7 +366,7 @@ def run_producer_overhead(*, groups: int = 64, concurrencies=(1, 8), n_samples: 
                       f"{row['admission_ms']:.2f}, reward {row['reward_ms']:.2f}, commit {row['commit_ms']:.2f}, "
                       f"other {row['other_ms']:.2f} ms", flush=True)
         finally:
-            EngineClient._request = orig_request
+            EngineClient.call = orig_call
     finally:
         if engine_proc is not None:
             stop_process(engine_proc, 20)
