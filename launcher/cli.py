@@ -160,6 +160,14 @@ def run(ctx: typer.Context, config: Optional[str] = ConfigOpt,
     raise typer.Exit(code or 0)
 
 
+@app.command(context_settings=EXTRA)
+def report(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
+    """Follow a run until the trainer finishes, then write its plots and summary."""
+    from rlstream.launcher.report import report as report_main
+
+    raise typer.Exit(_guard(report_main, load(config, ctx.args)) or 0)
+
+
 @launch_app.command("slurm", context_settings=EXTRA)
 def launch_slurm(ctx: typer.Context, config: Optional[str] = ConfigOpt,
                  dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script only."),

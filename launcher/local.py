@@ -25,7 +25,6 @@ trainer resumes.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import signal
@@ -146,16 +145,9 @@ class LocalRun:
                 _echo("supervised warm start: already done for this model (rlstream_sft.json)")
 
     def evaluate(self, model_path: str | Path, when: str) -> float | None:
-        if self.cfg.launcher.eval_n <= 0 or self.cfg.valid_dataset is None or not self.cfg.valid_dataset.path:
-            return None
-        from rlstream.launcher.evaluate import evaluate_accuracy
+        from rlstream.launcher.report import evaluate
 
-        t = time.monotonic()
-        res = evaluate_accuracy(self.cfg, model_path)
-        _echo(f"held-out accuracy {when}: {res.accuracy:.1%} of {res.n} prompts (greedy, {time.monotonic() - t:.0f}s)")
-        for prompt, completion, answer in res.examples[:3]:
-            _echo(f"    {prompt!r} -> {completion!r} (answer {answer!r})")
-        return res.accuracy
+        return evaluate(self.cfg, model_path, when)
 
     def start_redis(self) -> None:
         from rlstream.broker.connection import connect, mask_url
@@ -346,18 +338,9 @@ class LocalRun:
                 live.stop()
 
     def staleness_distribution(self) -> dict[str, Any] | None:
-        """Head staleness (step version - oldest token version) of every trained group."""
-        from rlstream.broker.inspect import trained_staleness
+        from rlstream.launcher.report import staleness_distribution
 
-        try:
-            hist = trained_staleness(self.client, self.keys)
-        except Exception as exc:  # noqa: BLE001 - a missing plot must not fail the run
-            log.warning("could not read the staleness of trained groups: %s", exc)
-            return None
-        out = {"histogram": {str(k): hist[k] for k in sorted(hist)}, "n": sum(hist.values()),
-               "max_head_offpolicyness": self.cfg.rollout.max_head_offpolicyness}
-        (self.run_dir / "staleness.json").write_text(json.dumps(out, indent=2))
-        return out
+        return staleness_distribution(self.client, self.keys, self.run_dir, self.cfg.rollout.max_head_offpolicyness)
 
     def stop_all(self, graceful: bool) -> None:
         """Producers first (they release leases), then the trainer, engines, Redis last."""
@@ -403,7 +386,7 @@ class LocalRun:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self._fresh_start()
         self.logs.mkdir(parents=True, exist_ok=True)
-        acc_before = acc_after = None
+        acc_before = None
         # No children yet: Ctrl-C here is a plain KeyboardInterrupt.
         try:
             self.prepare()
@@ -443,24 +426,9 @@ class LocalRun:
                 signal.signal(s, h)
         if code != 0:
             return code
-        final = self.run_dir / "checkpoints" / "final"
-        if (final / "config.json").exists():
-            acc_after = self.evaluate(final, "after RL")
-        else:
-            _echo(f"no final checkpoint at {final}; skipping the evaluation after RL", err=True)
-        from rlstream.launcher.plots import make_plots
+        from rlstream.launcher.report import finish
 
-        plots = make_plots(self.run_dir, acc_before=acc_before, acc_after=acc_after,
-                           title=f"({cfg.experiment_name}/{cfg.trial_name})")
-        wall = time.monotonic() - self.t0
-        self.summary = {"acc_before": acc_before, "acc_after": acc_after, "wall_time_s": round(wall, 1),
-                        "final_checkpoint": str(final), "metrics": str(self.run_dir / "metrics.jsonl"),
-                        "plots": [str(p) for p in plots], "eval_n": cfg.launcher.eval_n}
-        (self.run_dir / "summary.json").write_text(json.dumps(self.summary, indent=2))
-        if acc_before is not None and acc_after is not None:
-            _echo(f"held-out accuracy: {acc_before:.1%} before RL -> {acc_after:.1%} after RL")
-        _echo(f"done in {wall:.0f}s: metrics {self.run_dir / 'metrics.jsonl'}, checkpoint {final}, "
-              f"plots in {self.run_dir / 'plots'}")
+        self.summary = finish(cfg, self.run_dir, acc_before=acc_before, t0=self.t0)
         return 0
 
 

@@ -1,0 +1,140 @@
+"""`rlstream report`: follow a run from Redis, then write its plots and summary.
+
+The closing part of `rlstream run`, for runs whose processes something else starts
+(docker compose, Slurm, by hand). Until the trainer publishes `shutdown` after its last
+step it prints a progress line every `stats_logger.log_every_secs` and appends the
+timeline the throughput plot reads (`launcher.live.Monitor`). Then it writes what
+`rlstream run` writes at its end, into `{run_dir}`:
+
+- `staleness.json`: head staleness of every trained group (from the step records);
+- held-out accuracy of `actor.path` (before RL) and of `checkpoints/final` (after RL)
+  on `launcher.eval_n` prompts, printed;
+- `plots/*.png` and `summary.json`.
+
+A run that has already finished is reported at once; a trainer that is restarted
+(`recover.mode=auto`) is followed to its end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rlstream.common.config import Config
+from rlstream.common.logging import get_logger
+
+__all__ = ["report", "staleness_distribution", "evaluate", "finish"]
+
+log = get_logger(__name__)
+
+
+def _echo(msg: str, err: bool = False) -> None:
+    print(msg, file=sys.stderr if err else sys.stdout, flush=True)
+
+
+def staleness_distribution(client: Any, keys: Any, run_dir: Path, eta: int) -> dict[str, Any] | None:
+    """Head staleness (step version - oldest token version) of every trained group -> staleness.json."""
+    from rlstream.broker.inspect import trained_staleness
+
+    try:
+        hist = trained_staleness(client, keys)
+    except Exception as exc:  # noqa: BLE001 - a missing plot must not fail the run
+        log.warning("could not read the staleness of trained groups: %s", exc)
+        return None
+    out = {"histogram": {str(k): hist[k] for k in sorted(hist)}, "n": sum(hist.values()),
+           "max_head_offpolicyness": eta}
+    (Path(run_dir) / "staleness.json").write_text(json.dumps(out, indent=2))
+    return out
+
+
+def evaluate(cfg: Config, model_path: str | Path, when: str) -> float | None:
+    """Held-out greedy accuracy of `model_path`, printed; None when `launcher.eval_n` is 0."""
+    if cfg.launcher.eval_n <= 0 or cfg.valid_dataset is None or not cfg.valid_dataset.path:
+        return None
+    from rlstream.launcher.evaluate import evaluate_accuracy
+
+    t = time.monotonic()
+    res = evaluate_accuracy(cfg, model_path)
+    _echo(f"held-out accuracy {when}: {res.accuracy:.1%} of {res.n} prompts (greedy, {time.monotonic() - t:.0f}s)")
+    for prompt, completion, answer in res.examples[:3]:
+        _echo(f"    {prompt!r} -> {completion!r} (answer {answer!r})")
+    return res.accuracy
+
+
+def finish(cfg: Config, run_dir: Path, *, acc_before: float | None, t0: float) -> dict[str, Any]:
+    """Accuracy after RL, plots and `summary.json` of a finished run; returns the summary."""
+    from rlstream.launcher.plots import make_plots
+
+    final = run_dir / "checkpoints" / "final"
+    acc_after = None
+    if (final / "config.json").exists():
+        acc_after = evaluate(cfg, final, "after RL")
+    else:
+        _echo(f"no final checkpoint at {final}; skipping the evaluation after RL", err=True)
+    plots = make_plots(run_dir, acc_before=acc_before, acc_after=acc_after,
+                       title=f"({cfg.experiment_name}/{cfg.trial_name})")
+    wall = time.monotonic() - t0
+    summary = {"acc_before": acc_before, "acc_after": acc_after, "wall_time_s": round(wall, 1),
+               "final_checkpoint": str(final), "metrics": str(run_dir / "metrics.jsonl"),
+               "plots": [str(p) for p in plots], "eval_n": cfg.launcher.eval_n}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if acc_before is not None and acc_after is not None:
+        _echo(f"held-out accuracy: {acc_before:.1%} before RL -> {acc_after:.1%} after RL")
+    _echo(f"done in {wall:.0f}s: metrics {run_dir / 'metrics.jsonl'}, checkpoint {final}, plots in {run_dir / 'plots'}")
+    return summary
+
+
+def _finished(client: Any, keys: Any, total_steps: int, last_id: str) -> tuple[bool, str]:
+    """Whether a `shutdown` event for the last step is in `{ns}:events` after `last_id`."""
+    from rlstream.broker.versions import VersionRegistry
+
+    done = False
+    for eid, ev in VersionRegistry(client, keys).events_since(last_id, count=10_000):
+        last_id = eid
+        done |= ev.type == "shutdown" and ev.version >= total_steps
+    return done, last_id
+
+
+def report(cfg: Config) -> int:
+    """Entry of `rlstream report --config X`: 0 once the run is reported."""
+    from rlstream.broker.connection import connect
+    from rlstream.broker.keys import Keys
+    from rlstream.launcher.live import Monitor, line
+    from rlstream.trainer.budget import resolve_total_steps
+
+    t0 = time.monotonic()
+    run_dir = Path(cfg.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    total = resolve_total_steps(cfg)[0]
+    client = connect(cfg.redis)
+    keys = Keys(cfg.namespace)
+    eta = cfg.rollout.max_head_offpolicyness
+    monitor = Monitor(client, keys, run_dir, eta=eta, batch=cfg.rollout.consumer_batch_size,
+                      max_concurrent=cfg.max_concurrent_rollouts, n_samples=cfg.gconfig.n_samples,
+                      total_steps=total, t0=t0)
+    _echo(f"following {cfg.namespace} until the trainer finishes {total} steps (run folder {run_dir})")
+    last_id, last_print, warned = "0", 0.0, False
+    while True:
+        try:
+            done, last_id = _finished(client, keys, total, last_id)
+        except Exception as exc:  # noqa: BLE001 - Redis restarting: keep following
+            if not warned:
+                warned = True
+                _echo(f"rlstream report: reading {keys.events} failed ({type(exc).__name__}: {exc}); retrying", err=True)
+            done = False
+        snap = monitor.sample()
+        if done:
+            _echo(line(snap))
+            break
+        if time.monotonic() - last_print >= cfg.stats_logger.log_every_secs:
+            last_print = time.monotonic()
+            _echo(line(snap))
+        time.sleep(1.0)
+    staleness_distribution(client, keys, run_dir, eta)
+    client.close()
+    acc_before = evaluate(cfg, cfg.actor.path, "before RL") if cfg.actor.path else None
+    finish(cfg, run_dir, acc_before=acc_before, t0=t0)
+    return 0
