@@ -3,7 +3,8 @@
 #
 #   bash scripts/bootstrap.sh          # run a job: redis-server, pinned CPU torch, rlstream
 #   bash scripts/bootstrap.sh --test   # + what the test suite needs: etcd, slurm, openssl,
-#                                      #   docker-compose (config check only), test extras,
+#                                      #   a Docker engine, docker-compose and debootstrap
+#                                      #   (tests/launcher/test_compose_up.py), test extras,
 #                                      #   and the vLLM (CPU) virtualenv
 #
 # Each step is skipped when what it installs is already there, so re-running is cheap.
@@ -24,7 +25,9 @@ declare -A APT=(
 if ((TEST)); then
   APT+=(
     [etcd]=etcd-server             # name_resolve.type=etcd tests
-    [docker-compose]=docker-compose  # compose file check (no Docker engine needed)
+    [docker-compose]=docker-compose  # Compose v1 (1.29): `docker-compose config` and the compose-up test
+    [dockerd]=docker.io            # the Docker engine the compose-up test starts (its own data root)
+    [debootstrap]=debootstrap      # stand-in base images built from Debian packages (no image registry)
     [openssl]=openssl              # certificates for the rediss:// (TLS) tests
     [slurmctld]=slurm-wlm          # one-node slurm cluster for the launcher test
     [munged]=munge                 # slurm's authentication daemon
@@ -37,8 +40,16 @@ done
 if ((${#missing[@]})); then
   SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
   log "apt-get install ${missing[*]}"
+  # Installing docker.io/containerd must not start system daemons (the test starts its own):
+  # a policy-rc.d that says "no" for the duration, as in Debian's container images.
+  guard=""
+  if [ ! -e /usr/sbin/policy-rc.d ]; then
+    guard=/usr/sbin/policy-rc.d
+    printf '#!/bin/sh\nexit 101\n' | $SUDO tee "$guard" >/dev/null && $SUDO chmod 755 "$guard"
+  fi
   $SUDO apt-get update -qq
   $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+  [ -z "$guard" ] || $SUDO rm -f "$guard"
 else
   log "system packages present: ${!APT[*]}"
 fi

@@ -1,12 +1,14 @@
 """docker-compose.yml: the resolved file (`docker-compose config`, Debian's docker-compose)
 has the services, profiles, volumes and commands a user relies on.
 
-No Docker engine exists where these tests run: this checks the file, not a running stack.
+This checks the file; tests/launcher/test_compose_up.py brings the stack up on a real
+Docker engine.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -84,3 +86,32 @@ def test_compose_config_interpolates_user_settings():
     assert cfg["services"]["producer"]["environment"]["RLSTREAM_CONFIG"] == "/cfg/x.yaml"
     vols = cfg["services"]["engine-sglang"]["volumes"]
     assert any("/data/models" in str(v) for v in vols)
+
+
+def test_compose_service_hygiene():
+    services = _compose()["services"]
+    # Healthchecks that ask the service itself; dependants wait on them.
+    assert "redis-cli ping" in " ".join(services["redis"]["healthcheck"]["test"])
+    assert "/health" in " ".join(services["engine"]["healthcheck"]["test"])
+    assert services["trainer"]["depends_on"]["engine"]["condition"] == "service_healthy"
+    assert services["report"]["depends_on"]["prepare"]["condition"] == "service_completed_successfully"
+    # Servers come back; producers and the trainer (recover.mode=auto) restart after a failure.
+    assert services["engine"]["restart"] == services["redis"]["restart"] == "unless-stopped"
+    assert services["producer"]["restart"] == "on-failure"
+    assert services["trainer"]["restart"].startswith("on-failure") and "recover.mode=auto" in _cmd(services["trainer"])
+    for name in ("prepare", "engine", "trainer", "producer", "report", "inspect"):
+        assert services[name]["init"] is True, name  # SIGTERM reaches rlstream (not PID 1)
+        assert "$${RLSTREAM_OVERRIDES}" in _cmd(services[name]) or "${RLSTREAM_OVERRIDES}" in _cmd(services[name]), name
+    # Official images by default, replaceable (a machine without a registry uses local stand-ins).
+    assert services["redis"]["image"] == "redis:7.4" and services["etcd"]["image"].startswith("quay.io/coreos/etcd:")
+    assert services["engine"]["build"]["args"]["RLSTREAM_BASE_IMAGE"] == "python:3.11-slim"
+    swapped = _compose(env={"REDIS_IMAGE": "local/redis:7", "RLSTREAM_BASE_IMAGE": "local/python:3.11"})["services"]
+    assert swapped["redis"]["image"] == "local/redis:7"
+    assert swapped["producer"]["build"]["args"]["RLSTREAM_BASE_IMAGE"] == "local/python:3.11"
+
+
+def test_env_example_lists_every_variable():
+    used = set(re.findall(r"(?<!\$)\$\{([A-Z_]+)", (ROOT / "docker-compose.yml").read_text()))
+    example = {line.split("=", 1)[0] for line in (ROOT / ".env.example").read_text().splitlines()
+               if line and not line.startswith("#")}
+    assert used and used | {"COMPOSE_PROFILES"} == example, (used, example)
