@@ -20,6 +20,7 @@ import abc
 import asyncio
 import contextlib
 import math
+import os
 from typing import Any, AsyncIterator
 
 from rlstream.common.logging import get_logger
@@ -108,6 +109,10 @@ class EtcdNameResolver(NameResolver):
     def __init__(self, address: str, namespace: str, default_ttl: float, poll_interval: float = 0.5,
                  username: str | None = None, password: str | None = None) -> None:
         super().__init__(default_ttl, poll_interval)
+        # Our processes fork+exec helpers (reward workers) while gRPC threads are busy; gRPC's
+        # fork handlers then abort the child before its exec (1 in ~30 spawns, seen under
+        # docker compose). The children never use gRPC, so its fork support is not needed.
+        os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
         try:
             import aetcd
         except ImportError as exc:  # pragma: no cover - depends on the install

@@ -262,7 +262,9 @@ class RewardPool:
                 with contextlib.suppress(Exception):
                     self._idle.put_nowait(await asyncio.shield(self._spawn()))
             raise
-        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, msgspec.DecodeError) as exc:
+        # RuntimeError: uvloop closed the pipes of a worker that died between calls.
+        except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, RuntimeError,
+                msgspec.DecodeError) as exc:
             self.errors += 1
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(w.proc.wait(), 2.0)  # reap it for the exit code

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import textwrap
+import time
 
 import pytest
 
@@ -122,3 +123,42 @@ async def test_crash_timeout_and_death_mark_the_sample_not_the_pool(user_module)
 def test_bad_reward_path_fails_in_the_producer():
     with pytest.raises(ValueError, match="producer.reward_fn='nope:f'"):
         RewardPool("nope:f")
+
+
+EXITS_AFTER_REPLY = textwrap.dedent("""
+    import os, threading
+
+    def exits_after_reply(prompt, completion, answer, **kw):
+        threading.Timer(0.2, os._exit, (4,)).start()
+        return 1.0
+""")
+
+
+def test_a_worker_that_died_between_calls_is_replaced(tmp_path, monkeypatch):
+    """On uvloop (the producer's loop) a dead worker's pipe is closed: writing to it raises
+    RuntimeError. That call scores 0 with the reason and the worker is replaced; before, the
+    worker was lost and, with reward_workers=1, every later rollout waited for it forever."""
+    import uvloop
+
+    (tmp_path / "exiting_rewards.py").write_text(EXITS_AFTER_REPLY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+
+    async def main() -> list:
+        pool = RewardPool("exiting_rewards:exits_after_reply", workers=1, timeout=30)
+        try:
+            first = await pool("p", "c", "a")
+            deadline = time.monotonic() + 30
+            while all(w.proc.returncode is None for w in pool._all):  # the worker exits after replying
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.05)
+            await asyncio.sleep(0.2)  # uvloop closes its pipes
+            return [first, await asyncio.wait_for(pool("p", "c", "a"), 30),
+                    await asyncio.wait_for(pool("p", "c", "a"), 30)]
+        finally:
+            await pool.close()
+
+    first, died, replaced = uvloop.run(main())
+    assert first.reward == 1.0 and first.error is None
+    assert died.reward == 0.0 and "reward worker died" in died.error, died
+    assert replaced.reward == 1.0 and replaced.error is None
