@@ -381,7 +381,7 @@ def test_scaled_producers_and_a_killed_trainer_resume(stack):
     # Kill the trainer mid-run, once it has taken a few steps (recover checkpoints every step).
     deadline = time.monotonic() + 600
     while len(metric_steps(metrics)) < 5:
-        assert time.monotonic() < deadline, f"no 5 train steps within 600 s\n{c.logs('trainer', tail=30)}"
+        assert time.monotonic() < deadline, f"no 5 train steps within 600 s\n{c.logs(tail=20)}"
         time.sleep(0.2)
     c("kill", "trainer", timeout=60)
     assert c.wait_exited("trainer", 60) == [137]
