@@ -23,6 +23,15 @@ ARG TORCH_WHEELS_IMAGE=no-local-wheels
 FROM scratch AS no-local-wheels
 FROM ${TORCH_WHEELS_IMAGE} AS torch-wheels
 
+# ---------------------------------------------------------------- requirements.txt
+# What pip installs besides rlstream, read from pyproject.toml. COPY --from below is cached by
+# content, so the install layer only reruns when this list changes.
+FROM ${RLSTREAM_BASE_IMAGE} AS requirements
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python3 -c "import tomllib; t = tomllib.load(open('/tmp/pyproject.toml', 'rb')); p = t['project']; \
+print('\n'.join(t['build-system']['requires'] + p['dependencies'] + p['optional-dependencies']['etcd'] \
++ p['optional-dependencies']['math']))" > /tmp/requirements.txt
+
 # ---------------------------------------------------------------- build: the virtualenv
 FROM ${RLSTREAM_BASE_IMAGE} AS build
 ARG TORCH_VERSION=2.13.0
@@ -45,16 +54,14 @@ RUN --mount=type=bind,from=torch-wheels,target=/wheels \
       pip install --index-url "${TORCH_INDEX}" "torch==${TORCH_VERSION}"; \
     fi
 
-# The dependencies and build requirements, from pyproject.toml alone: a code change
-# reinstalls neither (rlstream itself is installed in the last stage).
-COPY pyproject.toml /tmp/pyproject.toml
+# The dependencies and build requirements (from the requirements stage): an edit of the code
+# or of pyproject.toml that leaves them alone reinstalls nothing (rlstream itself is
+# installed in the last stage).
+COPY --from=requirements /tmp/requirements.txt /tmp/requirements.txt
 RUN --mount=type=secret,id=ca_bundle \
     --mount=type=cache,target=/root/.cache/pip \
     if [ -s /run/secrets/ca_bundle ]; then export PIP_CERT=/run/secrets/ca_bundle; fi; \
-    python3 -c "import tomllib; t = tomllib.load(open('/tmp/pyproject.toml', 'rb')); p = t['project']; \
-print('\n'.join(t['build-system']['requires'] + p['dependencies'] + p['optional-dependencies']['etcd'] \
-+ p['optional-dependencies']['math']))" > /tmp/requirements.txt \
- && pip install -r /tmp/requirements.txt "torch==${TORCH_VERSION}"
+    pip install -r /tmp/requirements.txt "torch==${TORCH_VERSION}"
 
 # ---------------------------------------------------------------- the image
 FROM ${RLSTREAM_BASE_IMAGE}

@@ -241,8 +241,8 @@ async def test_producer_pool_follows_a_real_engine_through_etcd(etcd_server, red
 # its exec (found by the docker compose test: a producer lost its only reward worker).
 _FORKER = textwrap.dedent("""
     import asyncio, sys, uvloop
+    from rlstream.broker.registry import make_name_resolver
     from rlstream.common.config import load_config
-    from rlstream.common.name_resolve import make_name_resolver
 
     async def main():
         r = make_name_resolver(load_config(None, sys.argv[1:]))

@@ -34,13 +34,14 @@ import fcntl
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+
+from rlstream.launcher.procs import stop_process
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(2400)]
 
@@ -146,13 +147,8 @@ class DockerEngine:
         pytest.fail(f"dockerd did not answer on {self.sock} within 90 s\n{_tail(self.log_path)}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # dockerd stops its containerd and any container
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, timeout=90)  # SIGTERM: dockerd stops its containerd and any container
         if self._lock is not None:
             self._lock.close()
 
@@ -235,7 +231,7 @@ import msgspec
 from rlstream.broker import Keys, StepLog, TRAIN_GROUP, connect
 from rlstream.common.config import load_config
 from rlstream.common.wire import decode_group, validate_group
-from rlstream.producer.dataset import ProducerState
+from rlstream.broker.producers import ProducerState
 
 cfg = load_config(os.environ["RLSTREAM_CONFIG"],
                   os.environ.get("RLSTREAM_OVERRIDES", "").split() + ["redis.url=redis://redis:6379/0"])
