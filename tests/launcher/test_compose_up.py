@@ -378,6 +378,8 @@ def test_scaled_producers_and_a_killed_trainer_resume(stack):
     deadline = time.monotonic() + 600
     while len(metric_steps(metrics)) < 5:
         assert time.monotonic() < deadline, f"no 5 train steps within 600 s\n{c.logs(tail=20)}"
+        if all(s["Status"] == "exited" and not s["Restarting"] for s in c.states("trainer")):
+            raise AssertionError(f"the trainer stopped before 5 steps\n{c.logs('trainer', tail=40)}")
         time.sleep(0.2)
     c("kill", "trainer", timeout=60)
     assert c.wait_exited("trainer", 60) == [137]
