@@ -69,6 +69,7 @@ class Producer:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._bg: list[asyncio.Task] = []
+        self._save_lock = asyncio.Lock()
         # progress counters
         self.accepted = self.rejected = self.failed = 0
         self.finished = 0
@@ -175,8 +176,7 @@ class Producer:
             self.log_progress((self.finished - last_fin) / dt, (self.out_tokens - last_tok) / dt)
             last_t, last_fin, last_tok = now, self.finished, self.out_tokens
             with contextlib.suppress(Exception):
-                self._sync_state()
-                await self.cursor.save()
+                await self._save_state()
 
     def log_progress(self, rollouts_s: float, tokens_s: float) -> None:
         st = self.last_state
@@ -192,6 +192,15 @@ class Producer:
         s = self.cursor.state
         s.accepted, s.rejected, s.failed = self._base[0] + self.accepted, self._base[1] + self.rejected, \
             self._base[2] + self.failed
+
+    async def _save_state(self, done: bool = False) -> None:
+        """Write this producer's counters; one write at a time, so a periodic save sent before
+        the final one can never land after it (on another pooled connection) with older counts."""
+        async with self._save_lock:
+            self._sync_state()
+            if done:
+                self.cursor.state.done = True
+            await self.cursor.save()
 
     # ------------------------------------------------------------------ rollouts
     async def _rollout(self, lease_id: str, item: Any) -> None:
@@ -341,9 +350,7 @@ class Producer:
             if self.stop_reason is None:
                 await self._admit_loop()
             await self._drain()
-            self._sync_state()
-            self.cursor.state.done = True
-            await self.cursor.save()
+            await self._save_state(done=True)
             with contextlib.suppress(Exception):
                 self.last_state = await self.admission.snapshot()
             elapsed = max(time.monotonic() - self._t_start, 1e-9)

@@ -218,10 +218,13 @@ class Compose:
     def inspect(self) -> dict:
         return json.loads(self("run", "--rm", "-T", "inspect", "--json", timeout=180).stdout)
 
-    def ledger(self) -> dict:
-        """The run's Redis state as JSON, read by the rlstream image on the compose network."""
+    def ledger(self, steps: int, n_producers: int) -> dict[str, int]:
+        """check_ledger on the run's Redis state, read by the rlstream image on the compose network."""
         out = self("run", "--rm", "-T", "--entrypoint", "python", "inspect", "-c", LEDGER_DUMP, timeout=180)
-        return json.loads(out.stdout.strip().splitlines()[-1])
+        try:
+            return check_ledger(json.loads(out.stdout.strip().splitlines()[-1]), steps, n_producers)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.logs('producer', 'trainer', tail=25)}") from None
 
 
 # Runs inside the rlstream image: the namespace from RLSTREAM_CONFIG + RLSTREAM_OVERRIDES.
@@ -346,7 +349,7 @@ def test_compose_up_runs_the_cpu_demo(stack):
     info = c.inspect()
     assert info["versions"] == {"served": STEPS_UP, "trainer": STEPS_UP}, info["versions"]
     st = info["staleness"]
-    ledger = check_ledger(c.ledger(), STEPS_UP, n_producers=1)
+    ledger = c.ledger(STEPS_UP, n_producers=1)
     # The queue holds nothing delivered-but-unacknowledged; what is left was never handed to
     # the trainer (producers run ahead of the last step by at most the admission budget).
     assert st["pending"] == 0 and st["queued"] == st["undelivered"] == ledger["undelivered"], (st, ledger)
@@ -390,7 +393,7 @@ def test_scaled_producers_and_a_killed_trainer_resume(stack):
     assert c.wait_exited("trainer", 900) == [0], c.logs("trainer")
     assert c.wait_exited("producer", 180, n=3) == [0, 0, 0], c.logs("producer")
     assert c.wait_exited("report", 300) == [0], c.logs("report")
-    ledger = check_ledger(c.ledger(), STEPS_SCALE, n_producers=3)
+    ledger = c.ledger(STEPS_SCALE, n_producers=3)
     print(f"ledger after the trainer restart: {ledger}")
     # The second life resumed from a checkpoint instead of starting over at step 1.
     steps = metric_steps(metrics)
