@@ -156,8 +156,16 @@ class MicroBatchSpec(_Section):
     packing: D(bool, "Pack sequences into one row (no padding) instead of padding to the longest.") = True
 
 
+class MegatronConfig(_Section):
+    tensor_parallel: D(int, "Tensor-parallel size (megatron backend; only 1 trains so far).", ge=1) = 1
+    pipeline_parallel: D(int, "Pipeline-parallel size (megatron backend; only 1 trains so far).", ge=1) = 1
+    context_parallel: D(int, "Context-parallel size (megatron backend; only 1 trains so far).", ge=1) = 1
+
+
 class ActorConfig(_Section):
     path: D(str, "Local path of the HF causal LM (no hub downloads).") = ""
+    backend: D(Literal["hf", "megatron"], "Model backend: hf (transformers; DDP/FSDP2 per actor.parallel) or megatron (megatron-core GPTModel for Llama/Qwen2; EXPERIMENTAL: one CUDA rank, TP=PP=CP=1, ran on an H100, see benchmarks/README.md).") = "hf"
+    megatron: D(MegatronConfig, "megatron-core parallel sizes for actor.backend=megatron (EXPERIMENTAL).") = msgspec.field(default_factory=MegatronConfig)
     init_from_scratch: D(bool, "Random init from the config at `path` instead of loading weights.") = False
     dtype: D(Literal["float32", "bfloat16", "float16"], "Parameter dtype.") = "float32"
     gradient_checkpointing: D(bool, "Recompute activations in backward to save memory.") = False
