@@ -1,10 +1,12 @@
 """HF Llama/Qwen2 <-> megatron-core GPTModel conversion against megatron-core's real modules, on CPU.
 
 megatron-core builds its GPTModel on CPU with `use_cpu_initialization` and the local
-(non-TransformerEngine) layer spec once a process group and its parallel state exist; its
-full forward hard-codes CUDA (rotary embeddings), so here the pieces that run on CPU are
-checked against HF's modules: the fused qkv projection, the GLU MLP, the norms and the
-output layer. The full-model logits are compared on a GPU by benchmarks/gpu.py.
+(non-TransformerEngine) layer spec once a process group and its parallel state exist.
+Its forward hard-codes CUDA in two places: the rotary frequencies move to
+`torch.cuda.current_device()` and attention forks the CUDA RNG tracker (for dropout,
+which is 0 here). `megatron_on_cpu` points those two at the CPU; everything else is
+megatron's own code, so the full forward and a PPO step are compared with HF's on CPU.
+The same comparison in bf16 on a GPU is in benchmarks/gpu.py (benchmarks/README.md, GPU).
 """
 
 from __future__ import annotations
@@ -290,3 +292,76 @@ def test_megatron_backend_says_what_it_runs(tiny_model_path):
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         load_model(str(tiny_model_path), ActorConfig(path=str(tiny_model_path), backend="megatron"),
                    torch.device("cpu"))
+
+
+@pytest.fixture
+def megatron_on_cpu(megatron_group, monkeypatch):
+    """Redirect megatron's two CUDA-only calls of a forward (see the module docstring) to the CPU."""
+    import contextlib
+
+    import megatron.core.tensor_parallel as tensor_parallel
+    import megatron.core.tensor_parallel.random as mrandom
+
+    class _NoRng:
+        def fork(self, *args, **kwargs):
+            return contextlib.nullcontext()
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: "cpu")
+    for mod in (tensor_parallel, mrandom):
+        monkeypatch.setattr(mod, "get_cuda_rng_tracker", lambda *a, **k: _NoRng())
+
+
+@pytest.mark.parametrize("kind", ["llama-tied", "qwen2"])
+def test_megatron_forward_equals_hf_on_cpu(megatron_on_cpu, kind):
+    """Full logits, fp32: one sequence per row, two sequences packed in a row, right padding."""
+    from rlstream.trainer.megatron.backend import build_megatron_lm
+
+    hf = _hf_model(kind, seed=4)
+    model = build_megatron_lm(hf, torch.float32).eval()
+    ids = torch.randint(0, hf.config.vocab_size, (2, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, atol=2e-5, rtol=1e-4)
+        pos = torch.cat([torch.arange(5), torch.arange(7)])[None]
+        packed = model(ids[:1], position_ids=pos).logits
+        torch.testing.assert_close(packed[:, :5], hf(ids[:1, :5]).logits, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(packed[:, 5:], hf(ids[:1, 5:]).logits, atol=2e-5, rtol=1e-4)
+        keep = torch.ones(2, 12, dtype=torch.long)
+        keep[1, 8:] = 0
+        padded, ref = model(ids, attention_mask=keep).logits, hf(ids, attention_mask=keep).logits
+        torch.testing.assert_close(padded[0], ref[0], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(padded[1, :8], ref[1, :8], atol=2e-5, rtol=1e-4)
+
+
+def test_megatron_ppo_step_equals_hf_on_cpu(megatron_on_cpu, tiny_model_path):
+    """One PPO step (packed micro-batches, AdamW) through megatron and through HF: same loss, grad norm, weights."""
+    from rlstream.broker.stream import Entry
+    from rlstream.common.config import load_config
+    from rlstream.consumer.collate import collate
+    from rlstream.consumer.synthetic import synthetic_groups
+    from rlstream.trainer.megatron.backend import build_megatron_lm
+    from rlstream.trainer.model import load_causal_lm
+    from rlstream.trainer.optim import build_optimizer, build_scheduler
+    from rlstream.trainer.parallel import Parallel
+    from rlstream.trainer.ppo import PPOActor
+
+    cfg = load_config(None, [f"actor.path={tiny_model_path}", "actor.kl_ctl=0.0", "actor.ppo_n_minibatches=2",
+                             "actor.adv_norm=null", "actor.mb_spec.max_tokens_per_mb=64", "total_train_steps=10",
+                             "actor.weight_update_mode=none"])
+    hf = load_causal_lm(str(tiny_model_path), cfg.actor)
+    mega = build_megatron_lm(load_causal_lm(str(tiny_model_path), cfg.actor, trainable=False), torch.float32).train()
+    groups = synthetic_groups(4, seed=1, vocab_size=hf.config.vocab_size, group_size=4, out_len=(3, 20))
+    batch = collate([Entry(f"{i}-0", g, 0) for i, g in enumerate(groups)])
+    stats = []
+    for model in (hf, mega):
+        opt = build_optimizer(model.parameters(), cfg.actor.optimizer)
+        stats.append(PPOActor(cfg, model, opt, build_scheduler(opt, cfg.actor.optimizer, 10), Parallel())
+                     .train_step(batch, 0))
+    ref, got = stats
+    assert abs(ref["loss/total"]) > 1e-3  # raw 0/1 advantages: a loss far from zero to compare
+    assert got["loss/total"] == pytest.approx(ref["loss/total"], rel=1e-5)
+    assert got["optim/grad_norm"] == pytest.approx(ref["optim/grad_norm"], rel=1e-5)
+    updated = dict(mega.hf_named_tensors())
+    start = load_causal_lm(str(tiny_model_path), cfg.actor, trainable=False).state_dict()
+    assert max(float((w - start[n]).abs().max()) for n, w in hf.state_dict().items()) > 1e-5  # the step moved them
+    for name, w in hf.state_dict().items():
+        torch.testing.assert_close(updated[name], w, atol=1e-6, rtol=1e-5, msg=name)

@@ -142,7 +142,9 @@ def build_megatron_lm(hf_model: torch.nn.Module, dtype: torch.dtype) -> Megatron
 
     arch = arch_from_hf(hf_model.config)
     cfg = TransformerConfig(**transformer_config_kwargs(arch, dtype, cpu_init=True))
-    gpt = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), **gpt_model_kwargs(arch))
+    # Norm weights are created in fp32 whatever params_dtype says; megatron's Float16Module casts
+    # the whole module, as does this (HF's bf16 models keep bf16 norms too).
+    gpt = GPTModel(cfg, get_gpt_layer_local_spec(normalization="RMSNorm"), **gpt_model_kwargs(arch)).to(dtype)
     sd = {k: v.to(dtype) for k, v in hf_to_mcore(hf_model.state_dict(), arch).items()}
     gpt.load_state_dict(sd, strict=True)
     return MegatronCausalLM(gpt, hf_model.config, arch)
