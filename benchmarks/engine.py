@@ -87,8 +87,8 @@ def _hf_run(model, prompts, concurrency: int, new_tokens: int, pad_id: int) -> t
         for i in range(0, len(prompts), concurrency):
             batch = prompts[i:i + concurrency]
             L = max(len(p) for p in batch)
-            ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in batch], device=model.device)
+            mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=model.device)
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                                  top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  pad_token_id=pad_id)

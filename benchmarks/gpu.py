@@ -231,8 +231,8 @@ def _init_dist() -> None:
                                 init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kw)
 
 
-def _fsdp2_actor(cfg, model_path: Path):
-    """The HF model under FSDP2 on a one-rank mesh (trainer.parallel's recipe) with its PPOActor."""
+def _fsdp2_actor(cfg, model_path: Path, shard: bool = True):
+    """The HF model under FSDP2 on a one-rank mesh (trainer.parallel's recipe; `shard=False`: plain) with its PPOActor."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -243,10 +243,11 @@ def _fsdp2_actor(cfg, model_path: Path):
 
     _init_dist()
     module = load_causal_lm(str(model_path), cfg.actor).to(DEVICE)
-    mesh = init_device_mesh(DEVICE, (1,))
-    for layer in module.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(module, mesh=mesh)
+    if shard:
+        mesh = init_device_mesh(DEVICE, (1,))
+        for layer in module.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(module, mesh=mesh)
     par = Parallel(rank=0, world_size=1, device=_dev(), backend="nccl" if DEVICE == "cuda" else "gloo", mode="fsdp")
     opt = build_optimizer(module.parameters(), cfg.actor.optimizer)
     return PPOActor(cfg, module, opt, build_scheduler(opt, cfg.actor.optimizer, 100), par, pad_token_id=0)
@@ -274,12 +275,12 @@ def part_trainer(ctx: dict) -> dict:
     batch = _get_batch(ctx)
     out = {"tokens": batch.n_tokens, "seqs": batch.n_seqs, "seq_len_min": int(batch.seq_lens.min()),
            "seq_len_max": int(batch.seq_lens.max())}
-    for packing in (True, False):
+    for key, packing, shard in (("packed", True, True), ("padded", False, True), ("packed, no FSDP2", True, False)):
         cfg = _cfg(ctx["model"], ctx["root"], ["actor.dtype=bfloat16", "actor.recompute_logprob=true",
                                                "actor.use_decoupled_loss=true", "actor.ppo_n_minibatches=2",
                                                "actor.mb_spec.max_tokens_per_mb=16384",
                                                f"actor.mb_spec.packing={str(packing).lower()}"])
-        actor = _fsdp2_actor(cfg, ctx["model"])
+        actor = _fsdp2_actor(cfg, ctx["model"], shard=shard)
         actor.train_step(batch, 0)  # warm-up (allocator, cuBLAS handles, SDPA kernel choice)
         times = []
         for _ in range(3):
@@ -288,11 +289,12 @@ def part_trainer(ctx: dict) -> dict:
             m = actor.train_step(batch, 0)
             _sync()
             times.append(time.perf_counter() - t)
+        if key == "packed" and DEVICE == "cuda":
+            out["profile_top"] = _profile(actor, batch)
         step = statistics.median(times)
         n_mm = _matmul_params(actor.module)
         flops = _step_flops(actor.module.config, batch, n_mm, passes=1 + 3)  # recompute fwd + fwd/bwd
-        key = "packed" if packing else "padded"
-        out[key] = {"step_s": step, "tokens_per_s": batch.n_tokens / step, "tflops": flops / step / 1e12,
+        out[key] = {"step_s": step, "logprobs_s": m["time/logprobs"], "update_s": m["time/update"], "tokens_per_s": batch.n_tokens / step, "tflops": flops / step / 1e12,
                     "mfu_datasheet": flops / step / H100_SXM_BF16_DENSE,
                     "mfu_measured_matmul": flops / step / ctx.get("peak_measured", float("nan")),
                     "loss": m["loss/total"], "grad_norm": m["optim/grad_norm"],
@@ -302,6 +304,23 @@ def part_trainer(ctx: dict) -> dict:
         _empty_cache()
     out["attention"] = "sdpa (packed rows; document mask from restarting position ids)"
     return out
+
+
+def _profile(actor, batch) -> list[dict]:
+    """Where one step's time goes: the top device and host ops of torch.profiler (self time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        actor.train_step(batch, 0)
+        _sync()
+    rows = []
+    for ev in prof.key_averages():
+        rows.append({"name": ev.key[:80], "calls": ev.count, "cuda_ms": getattr(ev, "self_device_time_total", 0) / 1e3,
+                     "cpu_ms": ev.self_cpu_time_total / 1e3})
+    top_cuda = sorted(rows, key=lambda r: -r["cuda_ms"])[:12]
+    top_cpu = sorted(rows, key=lambda r: -r["cpu_ms"])[:12]
+    total_cuda = sum(r["cuda_ms"] for r in rows)
+    return [{"total_cuda_ms": total_cuda}] + top_cuda + [{"--": "cpu"}] + top_cpu
 
 
 # --------------------------------------------------------------------------- agreement
@@ -357,8 +376,8 @@ def _full_hf_state(module) -> dict[str, torch.Tensor]:
 
 
 async def _greedy(engine, prompts, n: int) -> list[dict]:
-    return await asyncio.gather(*(engine.generate(p, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True})
-                                  for p in prompts))
+    """One request at a time: batch composition (left padding) changes bf16 rounding, and greedy follows it."""
+    return [await engine.generate(p, {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}) for p in prompts]
 
 
 def part_megatron(ctx: dict) -> dict:
@@ -517,7 +536,9 @@ def render(res: dict) -> str:
                   f"backward = 2), N = {t['matmul_params'] / 1e6:.1f}M matmul weights; median of 3 steps.", "",
                   "| layout | step s | tokens/s | TFLOP/s | MFU vs 989 | MFU vs measured matmul | peak GiB |",
                   "|---|---|---|---|---|---|---|"]
-        for k in ("packed", "padded"):
+        for k in ("packed", "padded", "packed, no FSDP2"):
+            if k not in t:
+                continue
             r = t[k]
             lines.append(f"| {k} | {r['step_s']:.3f} | {r['tokens_per_s']:.0f} | {r['tflops']:.1f} | "
                          f"{100 * r['mfu_datasheet']:.1f}% | {100 * r['mfu_measured_matmul']:.1f}% | {r['peak_mem_gib']:.1f} |")
