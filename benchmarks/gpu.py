@@ -37,7 +37,6 @@ import json
 import math
 import os
 import platform
-import socket
 import statistics
 import sys
 import tempfile
@@ -46,6 +45,8 @@ import traceback
 from pathlib import Path
 
 import torch
+
+from rlstream.common.net import free_port  # noqa: E402
 
 SECTION = "## GPU"
 SMOL_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -61,12 +62,6 @@ def _dev() -> torch.device:
 def _empty_cache() -> None:
     if DEVICE == "cuda":
         torch.cuda.empty_cache()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stats(x: torch.Tensor) -> dict:
@@ -228,7 +223,7 @@ def _init_dist() -> None:
     if not dist.is_initialized():
         kw = {"device_id": torch.device("cuda", 0)} if DEVICE == "cuda" else {}
         dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo",
-                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, **kw)
+                                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, **kw)
 
 
 def _fsdp2_actor(cfg, model_path: Path, shard: bool = True):
@@ -458,10 +453,107 @@ def part_megatron(ctx: dict) -> dict:
 # --------------------------------------------------------------------------- sync (colocated weight push)
 
 
-def part_sync(ctx: dict) -> dict:
-    import gpu_sync  # benchmarks/gpu_sync.py: needs the ipc weight-update mode
+def _serve(model: Path, workdir: Path, dtype: str):
+    """`rlstream serve` on this GPU in a child process; (Popen, address). Stopped by PID by the caller."""
+    import subprocess
 
-    return gpu_sync.run(ctx)
+    workdir.mkdir(parents=True, exist_ok=True)
+    addr = workdir / "addr"
+    log = open(workdir / "engine.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={model}",
+                             "server.host=127.0.0.1", "server.port=0", f"server.device={DEVICE}",
+                             f"server.dtype={dtype}", "server.register=false", "server.max_batch_size=8"],
+                            stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr)})
+    deadline = time.monotonic() + 180
+    while not addr.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"engine did not start: {(workdir / 'engine.log').read_text()[-2000:]}")
+        time.sleep(0.2)
+    return proc, addr.read_text().strip()
+
+
+def _median_push(b, model, first_version: int, n: int) -> tuple[float, list[float]]:
+    b.push(model, first_version)  # warm-up: connections, the engine's first IPC mapping, the first file write
+    times = []
+    for v in range(first_version + 1, first_version + 1 + n):
+        _sync()
+        t = time.perf_counter()
+        b.push(model, v)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), times
+
+
+def part_sync(ctx: dict) -> dict:
+    """Seconds per push to an engine process on the same GPU: ipc vs disk vs a same-process copy."""
+    from redis_child import RedisChild
+
+    from rlstream.broker import Keys, connect, namespace
+    from rlstream.engine.local import LocalEngine
+    from rlstream.launcher.procs import stop_process
+    from rlstream.trainer.model import load_causal_lm
+    from rlstream.trainer.weights import make_broadcaster
+    from rlstream.trainer.weights.params import weight_entries
+
+    dtype, n = ctx["dtype"], 5
+    cfg0 = _cfg(ctx["model"], ctx["root"], [f"actor.dtype={dtype}"])
+    model = load_causal_lm(str(ctx["model"]), cfg0.actor, trainable=False).to(_dev())
+    nbytes = sum(e.nbytes for e in weight_entries(model))
+    out: dict = {"bytes": nbytes, "tensors": len(weight_entries(model)), "dtype": dtype, "pushes": n}
+    redis = RedisChild()
+    proc, address = _serve(ctx["model"], ctx["root"] / "engine", dtype)
+    try:
+        client = connect(redis.url)
+        for mode in ("ipc", "disk") if DEVICE == "cuda" else ("disk",):  # no CUDA IPC in a CPU dry run
+            cfg = _cfg(ctx["model"], ctx["root"], [f"actor.dtype={dtype}", f"actor.weight_update_mode={mode}",
+                                                   f"redis.url={redis.url}", f"experiment_name=sync{mode}",
+                                                   f"rollout.engine_addresses=[{address}]",
+                                                   "rollout.health_check_interval=3600"])
+            keys = Keys(namespace(f"sync{mode}", "trial0"))
+            b = make_broadcaster(cfg, client, keys, 0)
+            try:
+                first = 1 if mode == "ipc" else 100
+                med, times = _median_push(b, model, first, n)
+                out[mode] = {"push_s": med, "all_s": times, "gb_per_s": nbytes / med / 1e9,
+                             "engines": b.last.engines, "dropped": b.last.dropped,
+                             "served_version": int(client.get(keys.version))}
+            finally:
+                b.close()
+        client.close()
+    finally:
+        stop_process(proc, 30)
+        redis.stop()
+    # Same process: the engine object in this process copies the trainer's tensors (no pause/HTTP/handles).
+    eng = LocalEngine(str(ctx["model"]), device=DEVICE, dtype=dtype, max_batch_size=8, seed=0)
+    try:
+        named = [(e.name, e.tensor.detach()) for e in weight_entries(model)]
+        eng.apply_weights(named, 1)
+        times = []
+        for v in range(2, 2 + n):
+            _sync()
+            t = time.perf_counter()
+            eng.apply_weights(named, v)
+            _sync()
+            times.append(time.perf_counter() - t)
+        out["same_process"] = {"push_s": statistics.median(times), "all_s": times,
+                               "gb_per_s": nbytes / statistics.median(times) / 1e9}
+    finally:
+        eng.close()
+    # The floor: one device-to-device copy of the same number of bytes.
+    src = torch.empty(nbytes, dtype=torch.uint8, device=_dev())
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    _sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        dst.copy_(src)
+    _sync()
+    out["raw_copy_s"] = (time.perf_counter() - t) / n
+    if "ipc" in out:
+        out["ipc_over_disk"] = out["ipc"]["push_s"] / out["disk"]["push_s"]
+        out["ipc_over_same_process"] = out["ipc"]["push_s"] / out["same_process"]["push_s"]
+    out["disk_root"] = str(ctx["root"])
+    return out
 
 
 PARTS = {"env": part_env, "engine": part_engine, "trainer": part_trainer, "agree": part_agree,
@@ -579,8 +671,23 @@ def render(res: dict) -> str:
     elif m:
         lines += [f"Megatron part failed: `{m.get('error')}`", ""]
     s = p.get("sync", {})
-    if s and "error" not in s:
-        lines += s.get("_readme", [])
+    if s and "error" not in s and "ipc" in s:
+        lines += ["### Colocated weight sync (trainer process and engine process on one GPU)", "",
+                  f"{s['tensors']} tensors, {s['bytes'] / 2**20:.0f} MiB ({s['dtype']}) per push to one `rlstream serve` "
+                  f"child on the same GPU, median of {s['pushes']} pushes after a warm-up push. A push = pause, "
+                  "transfer, continue, version published in Redis (base.py), as the trainer does it.", "",
+                  "| path | s per push | GB/s | vs ipc |", "|---|---|---|---|"]
+        ipc = s["ipc"]["push_s"]
+        for label, key in (("ipc: CUDA IPC handle per 1 GiB bucket, engine copies", "ipc"),
+                           (f"disk: safetensors under {s['disk_root']}, engine loads", "disk"),
+                           ("same process: `LocalEngine.apply_weights` (no pause/HTTP/handles)", "same_process")):
+            r = s[key]
+            lines.append(f"| {label} | {r['push_s']:.4f} | {r['gb_per_s']:.1f} | {r['push_s'] / ipc:.2f}× |")
+        lines += [f"| floor: one device-to-device copy of the same bytes | {s['raw_copy_s']:.5f} | "
+                  f"{s['bytes'] / s['raw_copy_s'] / 1e9:.0f} | {s['raw_copy_s'] / ipc:.3f}× |", "",
+                  "NCCL between a trainer and an engine process needs two GPUs (one process per GPU): that path "
+                  "(`actor.weight_update_mode: distributed` with NCCL) is unchanged and has not run; gloo runs in CI.",
+                  ""]
     elif s:
         lines += [f"Weight-sync part failed: `{s.get('error')}`", ""]
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -200,7 +200,7 @@ class ActorConfig(_Section):
     behav_imp_weight_cap: D(float | None, "Mask tokens whose behaviour importance weight exceeds this (None = off).", gt=0) = None
     importance_sampling_level: D(Literal["token", "sequence"], "token (PPO/GRPO) or sequence (GSPO) ratios.") = "token"
     loss_agg_mode: D(Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"], "How token losses become one number.") = "token-mean"
-    weight_update_mode: D(Literal["distributed", "disk", "none"], "How weights reach the engines after a step.") = "distributed"
+    weight_update_mode: D(Literal["distributed", "disk", "ipc", "none"], "How weights reach the engines after a step: distributed (torch.distributed broadcast; gloo ran on CPU, NCCL needs 2 GPUs and has not run), disk (safetensors), ipc (CUDA IPC handles, trainer and engines on one GPU; ran on an H100, benchmarks/README.md GPU), none.") = "distributed"
     weight_update_backend: D(Literal["auto", "nccl", "gloo"], "torch.distributed backend for weight_update_mode=distributed (auto: nccl on GPU).") = "auto"
     weight_chunked_mem_mb: D(int, "Bucket size in MB for one update call.", ge=1) = 1024
     weight_update_timeout: D(float, "Seconds an engine may take to confirm an update before it is dropped.", gt=0) = 120.0

@@ -11,25 +11,18 @@ The same comparison in bf16 on a GPU is in benchmarks/gpu.py (benchmarks/README.
 
 from __future__ import annotations
 
-import os
-import socket
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from rlstream.common.net import free_port
 from rlstream.trainer.megatron.convert import (arch_from_hf, gpt_model_kwargs, hf_to_mcore, mcore_to_hf, merge_tp,
                                                shard_tp, transformer_config_kwargs)
 
 warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
 torch.set_num_threads(1)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _hf_config(kind: str):
@@ -78,7 +71,7 @@ def megatron_group():
     from megatron.core import parallel_state
 
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     yield
     parallel_state.destroy_model_parallel()
@@ -191,7 +184,7 @@ def test_tensor_parallel_shards_match_megatron(kind):
     """Two gloo ranks build megatron's TP=2 GPTModel; our shards have its names and shapes and compute HF's function."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_tp_worker, args=(2, _free_port(), kind), nprocs=2, join=True)
+    mp.spawn(_tp_worker, args=(2, free_port(), kind), nprocs=2, join=True)
 
 
 def test_unsupported_architectures_name_the_reason():
@@ -256,7 +249,7 @@ def test_megatron_lm_exports_hf_names_and_checkpoints(megatron_group, tiny_model
 def test_megatron_mask_matches_the_packed_layout(tiny_model_path):
     """The boolean mask megatron gets from restarting position ids is the packed layout's explicit mask."""
     from rlstream.consumer.collate import collate
-    from rlstream.consumer.packing import packed_inputs, padded_inputs
+    from rlstream.trainer.packing import packed_inputs, padded_inputs
     from rlstream.consumer.synthetic import synthetic_groups
     from rlstream.broker.stream import Entry
     from rlstream.trainer.megatron.backend import _causal_mask

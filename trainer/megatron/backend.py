@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rlstream.common.config import ActorConfig, ConfigError
+from rlstream.common.net import free_port
 from rlstream.trainer.megatron.convert import (Arch, arch_from_hf, gpt_model_kwargs, hf_to_mcore, mcore_to_hf,
                                                transformer_config_kwargs)
 
@@ -55,19 +55,13 @@ def check_megatron_config(actor: ActorConfig, world_size: int = 1) -> None:
         raise ConfigError("actor.gradient_checkpointing=true is not wired for actor.backend=megatron")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_model_parallel(device: torch.device, tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1) -> None:
     """megatron's parallel state; a one-process group first when the trainer is not under torchrun."""
     from megatron.core import parallel_state
 
     if not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                 **({"device_id": device} if device.type == "cuda" else {}))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tp, pp, context_parallel_size=cp)
