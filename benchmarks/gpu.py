@@ -46,7 +46,7 @@ from pathlib import Path
 
 import torch
 
-from rlstream.common.net import free_port  # noqa: E402
+from rlstream.common.net import free_port
 
 SECTION = "## GPU"
 SMOL_SHAPE = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
