@@ -183,8 +183,8 @@ async def _rollouts(engine, n_groups: int, group_size: int, prompt_len: int, out
         trajs = []
         for k in range(group_size):
             o = outs[i * group_size + k]
-            lp = [x[0] for x in o["meta_info"]["output_token_logprobs"]]
-            trajs.append(Trajectory.from_arrays(prompts[i], o["output_ids"], lp, [0] * len(lp),
+            lp = [x[0] for x in o.meta_info.output_token_logprobs]
+            trajs.append(Trajectory.from_arrays(prompts[i], o.output_ids, lp, [0] * len(lp),
                                                 float(rewards[i][k]), "length"))
         groups.append(TrajectoryGroup(group_id=f"g{seed}-{i}", prompt_id=f"p{i}", producer_id="gpu-bench",
                                       trajectories=trajs))
@@ -356,10 +356,33 @@ def _megatron_actor(cfg, model_path: Path):
 
     _init_dist()
     dev = _dev()
-    module = load_model(str(model_path), cfg.actor, dev)
+    if DEVICE == "cuda":
+        module = load_model(str(model_path), cfg.actor, dev)
+    else:  # dry run: megatron's two CUDA-only calls pointed at the CPU, as tests/trainer/test_megatron_convert.py does
+        module = _megatron_on_cpu(model_path, cfg)
     par = Parallel(rank=0, world_size=1, device=dev, backend="nccl")
     opt = build_optimizer(module.parameters(), cfg.actor.optimizer)
     return PPOActor(cfg, module, opt, build_scheduler(opt, cfg.actor.optimizer, 100), par, pad_token_id=0)
+
+
+def _megatron_on_cpu(model_path: Path, cfg):
+    import contextlib
+
+    import megatron.core.tensor_parallel as tensor_parallel
+    import megatron.core.tensor_parallel.random as mrandom
+
+    from rlstream.trainer.megatron.backend import build_megatron_lm, init_model_parallel
+    from rlstream.trainer.model import DTYPES, load_causal_lm
+
+    class _NoRng:
+        def fork(self, *args, **kwargs):
+            return contextlib.nullcontext()
+
+    torch.cuda.current_device = lambda: "cpu"
+    tensor_parallel.get_cuda_rng_tracker = mrandom.get_cuda_rng_tracker = lambda *a, **k: _NoRng()
+    init_model_parallel(torch.device("cpu"))
+    hf = load_causal_lm(str(model_path), cfg.actor, trainable=False)
+    return build_megatron_lm(hf, DTYPES[cfg.actor.dtype]).train()
 
 
 def _full_hf_state(module) -> dict[str, torch.Tensor]:
@@ -437,10 +460,10 @@ def part_megatron(ctx: dict) -> dict:
         want = asyncio.run(_greedy(ref, prompts, 32))
         exported = dict(mega.module.hf_named_tensors())
         bits_equal = all(torch.equal(eng._named[k], v) for k, v in exported.items())
-        same_ids = all(a["output_ids"] == w["output_ids"] for a, w in zip(after, want))
-        lp = lambda r: torch.tensor([x[0] for x in r["meta_info"]["output_token_logprobs"]])  # noqa: E731
+        same_ids = all(a.output_ids == w.output_ids for a, w in zip(after, want))
+        lp = lambda r: torch.tensor([x[0] for x in r.meta_info.output_token_logprobs])  # noqa: E731
         max_lp = max(float((lp(a) - lp(w)).abs().max()) for a, w in zip(after, want))
-        changed = sum(b["output_ids"] != a["output_ids"] for b, a in zip(before, after))
+        changed = sum(b.output_ids != a.output_ids for b, a in zip(before, after))
         out["push"] = {"tensors": n, "seconds": push_s, "params_bit_equal": bits_equal,
                        "greedy_ids_equal": same_ids, "greedy_logprob_max_abs_diff": max_lp,
                        "prompts": len(prompts), "outputs_changed_by_step": changed}
