@@ -87,8 +87,8 @@ def _hf_run(model, prompts, concurrency: int, new_tokens: int, pad_id: int) -> t
         for i in range(0, len(prompts), concurrency):
             batch = prompts[i:i + concurrency]
             L = max(len(p) for p in batch)
-            ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in batch])
-            mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch])
+            ids = torch.tensor([[pad_id] * (L - len(p)) + p for p in batch], device=model.device)
+            mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in batch], device=model.device)
             out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
                                  top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  pad_token_id=pad_id)
@@ -132,7 +132,7 @@ async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int) -> lis
 
 def run_benchmark(*, quick: bool = False, model_path: str | None = None, requests: int | None = None,
                   new_tokens: int = 64, prompt_len: int = 16, concurrencies=(1, 8, 32), threads: int = 1,
-                  device: str = "cpu", repeat: int = 3) -> dict:
+                  device: str = "cpu", repeat: int = 3, dtype: str = "float32") -> dict:
     """Run the whole comparison; returns {"setup": ..., "rows": [...]}."""
     from rlstream.launcher.tiny import build_tiny_model
     from rlstream.engine.local import LocalEngine
@@ -145,7 +145,7 @@ def run_benchmark(*, quick: bool = False, model_path: str | None = None, request
     if model_path is None:
         tmp = tempfile.TemporaryDirectory(prefix="rlstream-bench-")
         model_path = str(build_tiny_model(Path(tmp.name) / "tiny"))
-    engine = LocalEngine(model_path, device=device, max_batch_size=max(concurrencies), seed=0)
+    engine = LocalEngine(model_path, device=device, dtype=dtype, max_batch_size=max(concurrencies), seed=0)
     try:
         prompts = make_prompts(requests, prompt_len, engine.vocab_size)
         n_params = sum(p.numel() for p in engine.model.parameters())
@@ -157,7 +157,7 @@ def run_benchmark(*, quick: bool = False, model_path: str | None = None, request
         if tmp is not None:
             tmp.cleanup()
     setup = {"params_m": round(n_params / 1e6, 3), "requests": requests, "new_tokens": new_tokens,
-             "prompt_len": prompt_len, "torch_threads": threads, "repeat": repeat, "device": str(device),
+             "prompt_len": prompt_len, "torch_threads": threads, "repeat": repeat, "device": str(device), "dtype": dtype,
              "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
              "cpu_count": os.cpu_count()}
     return {"setup": setup, "rows": rows}

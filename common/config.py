@@ -156,13 +156,21 @@ class MicroBatchSpec(_Section):
     packing: D(bool, "Pack sequences into one row (no padding) instead of padding to the longest.") = True
 
 
+class MegatronConfig(_Section):
+    tensor_parallel: D(int, "Tensor-parallel size (megatron backend; only 1 trains so far).", ge=1) = 1
+    pipeline_parallel: D(int, "Pipeline-parallel size (megatron backend; only 1 trains so far).", ge=1) = 1
+    context_parallel: D(int, "Context-parallel size (megatron backend; only 1 trains so far).", ge=1) = 1
+
+
 class ActorConfig(_Section):
     path: D(str, "Local path of the HF causal LM (no hub downloads).") = ""
+    backend: D(Literal["hf", "megatron"], "Model backend: hf (transformers; DDP/FSDP2 per actor.parallel) or megatron (megatron-core GPTModel for Llama/Qwen2; EXPERIMENTAL: one CUDA rank, TP=PP=CP=1, ran on an H100, see benchmarks/README.md).") = "hf"
+    megatron: D(MegatronConfig, "megatron-core parallel sizes for actor.backend=megatron (EXPERIMENTAL).") = msgspec.field(default_factory=MegatronConfig)
     init_from_scratch: D(bool, "Random init from the config at `path` instead of loading weights.") = False
     dtype: D(Literal["float32", "bfloat16", "float16"], "Parameter dtype.") = "float32"
     gradient_checkpointing: D(bool, "Recompute activations in backward to save memory.") = False
-    device: D(str, "Device: auto (cuda if present), cpu, cuda.") = "auto"
-    parallel: D(Literal["ddp", "fsdp"], "Data-parallel wrapper under torchrun.") = "ddp"
+    device: D(str, "Device: auto (cuda if present), cpu, cuda (one-rank FSDP2 bf16 ran on an H100, benchmarks/README.md GPU).") = "auto"
+    parallel: D(Literal["ddp", "fsdp"], "Data-parallel wrapper under torchrun (gloo on CPU in CI; NCCL over several GPUs has not run).") = "ddp"
     mb_spec: D(MicroBatchSpec, "Micro-batching.") = msgspec.field(default_factory=MicroBatchSpec)
     optimizer: D(OptimizerConfig, "Optimizer and schedule.") = msgspec.field(default_factory=OptimizerConfig)
     group_size: D(int, "Samples per prompt (0 = gconfig.n_samples).", ge=0) = 0
@@ -192,8 +200,8 @@ class ActorConfig(_Section):
     behav_imp_weight_cap: D(float | None, "Mask tokens whose behaviour importance weight exceeds this (None = off).", gt=0) = None
     importance_sampling_level: D(Literal["token", "sequence"], "token (PPO/GRPO) or sequence (GSPO) ratios.") = "token"
     loss_agg_mode: D(Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"], "How token losses become one number.") = "token-mean"
-    weight_update_mode: D(Literal["distributed", "disk", "none"], "How weights reach the engines after a step.") = "distributed"
-    weight_update_backend: D(Literal["auto", "nccl", "gloo"], "torch.distributed backend for weight_update_mode=distributed (auto: nccl on GPU).") = "auto"
+    weight_update_mode: D(Literal["distributed", "disk", "ipc", "none"], "How weights reach the engines after a step: distributed (torch.distributed broadcast; gloo ran on CPU, NCCL needs 2 GPUs and has not run), disk (safetensors), ipc (CUDA IPC handles, trainer and engines on one GPU; ran on an H100, benchmarks/README.md GPU), none.") = "distributed"
+    weight_update_backend: D(Literal["auto", "nccl", "gloo"], "torch.distributed backend for weight_update_mode=distributed (auto: nccl on GPU; nccl needs trainer and engines on separate GPUs and has not run).") = "auto"
     weight_chunked_mem_mb: D(int, "Bucket size in MB for one update call.", ge=1) = 1024
     weight_update_timeout: D(float, "Seconds an engine may take to confirm an update before it is dropped.", gt=0) = 120.0
 
@@ -269,7 +277,7 @@ class ServerConfig(_Section):
     host: D(str, "Bind address of the local engine (127.0.0.1 unless told otherwise).") = "127.0.0.1"
     port: D(int, "Port of the local engine (0 = pick a free one).", ge=0, le=65535) = 0
     model_path: D(str | None, "Model served (None = actor.path).") = None
-    device: D(str, "auto, cpu or cuda.") = "auto"
+    device: D(str, "auto, cpu or cuda (bf16 on CUDA ran on an H100, benchmarks/README.md GPU).") = "auto"
     dtype: D(Literal["float32", "bfloat16", "float16"], "Serving dtype.") = "float32"
     max_batch_size: D(int, "Sequences decoded together (continuous batching).", ge=1) = 64
     max_seq_len: D(int, "Longest prompt + output the engine accepts.", ge=1) = 4096

@@ -37,6 +37,7 @@ __all__ = [
     "SamplingParams", "GenerateRequest", "FinishReason", "MetaInfo", "GenerateResponse",
     "PauseRequest", "ContinueRequest", "ControlReply", "ServerInfo", "ModelInfo", "ErrorDetail", "ErrorReply",
     "ParamSpec", "InitWeightsGroup", "WeightUpdate", "DiskUpdate", "DestroyWeightsGroup", "WeightsReply",
+    "IpcBuffer", "IpcWeightUpdate",
     "CompletionRequest", "CompletionResponse", "ModelList", "PausedReply",
 ]
 
@@ -370,6 +371,49 @@ class DiskUpdate(_Body):
     load_format: str | None = None
 
 
+class IpcBuffer(_Body):
+    """A CUDA IPC handle of one flat uint8 GPU buffer: the fields torch.multiprocessing's
+    `reduce_tensor` produces for a CUDA storage, as data (the receiver rebuilds the storage
+    from them; nothing is unpickled)."""
+
+    nbytes: Annotated[int, msgspec.Meta(ge=0)]
+    storage_handle: bytes  # cudaIpcMemHandle of the allocation (base64 in JSON)
+    storage_size_bytes: int
+    storage_offset_bytes: int  # the buffer's offset inside that allocation
+    ref_counter_handle: bytes  # torch's shared-memory reference counter: the sender frees only after release
+    ref_counter_offset: int
+    event_handle: bytes | None = None  # cudaIpcEventHandle the receiver waits on before reading
+    event_sync_required: bool = False
+
+
+class IpcWeightUpdate(_Body):
+    """`POST /update_weights_from_ipc` (rlstream; colocated trainer and engine on one GPU): read each tensor
+    from a buffer the trainer shares by CUDA IPC, at its byte offset, and apply them between decode steps.
+
+    SGLang's `/update_weights_from_tensor` moves the same kind of handles, but pickled;
+    rlstream never unpickles what crossed a process boundary, so this route carries them
+    as fields. `gpu_uuid` and `host_id` say where the buffer lives: the engine refuses
+    a buffer of another GPU or host with a one-line reason.
+    """
+
+    buffer: IpcBuffer
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[Annotated[int, msgspec.Meta(ge=0)]]]
+    offsets: list[Annotated[int, msgspec.Meta(ge=0)]]  # byte offset of each tensor in the buffer
+    gpu_uuid: str
+    host_id: str
+    weight_version: int | str | None = None
+    flush_cache: bool = True
+
+    def specs(self) -> list[ParamSpec]:
+        """The tensors in order; BadRequest when names, dtypes, shapes and offsets differ in length."""
+        if not len(self.names) == len(self.dtypes) == len(self.shapes) == len(self.offsets):
+            raise BadRequest(f"names/dtypes/shapes/offsets lengths {len(self.names)}/{len(self.dtypes)}/"
+                             f"{len(self.shapes)}/{len(self.offsets)} differ")
+        return [ParamSpec(n, d, s) for n, d, s in zip(self.names, self.dtypes, self.shapes)]
+
+
 class DestroyWeightsGroup(_Body):
     """`POST /destroy_weights_update_group`."""
 
@@ -465,6 +509,7 @@ INIT_WEIGHTS_GROUP = Route("POST", "/init_weights_update_group", InitWeightsGrou
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = Route("POST", "/update_weights_from_distributed", WeightUpdate, WeightsReply)
 UPDATE_WEIGHTS_FROM_DISK = Route("POST", "/update_weights_from_disk", DiskUpdate, WeightsReply)
 DESTROY_WEIGHTS_GROUP = Route("POST", "/destroy_weights_update_group", DestroyWeightsGroup, WeightsReply)
+UPDATE_WEIGHTS_FROM_IPC = Route("POST", "/update_weights_from_ipc", IpcWeightUpdate, WeightsReply)  # rlstream
 
 COMPLETIONS = Route("POST", "/v1/completions", CompletionRequest, CompletionResponse)
 MODELS = Route("GET", "/v1/models", None, ModelList)

@@ -12,10 +12,15 @@
   `weight_version` (SGLang sends it as a string) becomes the served version.
 - `POST /update_weights_from_disk` `{model_path, weight_version?}`: load every
   *.safetensors of a folder (or one file) between two decode steps.
+- `POST /update_weights_from_ipc` `{buffer, names, dtypes, shapes, offsets, gpu_uuid, host_id,
+  weight_version?}` (rlstream; `actor.weight_update_mode: ipc`, trainer and engine on one
+  GPU): open the trainer's buffer by its CUDA IPC handle (`common/cuda_ipc.py`), copy each
+  tensor from its offset into the weights between two decode steps, release the buffer.
+  A CPU engine, another GPU or another host is refused with the reason.
 - `POST /destroy_weights_update_group` `{group_name}`.
 
 Bodies are the structs of `common/engine_api.py` (`InitWeightsGroup`, `WeightUpdate`,
-`DiskUpdate`, `DestroyWeightsGroup`); answers are `WeightsReply{success, message}` (200,
+`DiskUpdate`, `IpcWeightUpdate`, `DestroyWeightsGroup`); answers are `WeightsReply{success, message}` (200,
 or 400 with success false) like SGLang's.
 
 The collectives block, so each runs in its own thread: the event loop keeps answering
@@ -37,7 +42,8 @@ import torch
 from aiohttp import web
 
 from rlstream.common import engine_api as api
-from rlstream.common.engine_api import BadRequest, DestroyWeightsGroup, DiskUpdate, InitWeightsGroup, WeightUpdate
+from rlstream.common.engine_api import (BadRequest, DestroyWeightsGroup, DiskUpdate, InitWeightsGroup,
+                                        IpcWeightUpdate, WeightUpdate)
 from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype, resolve_backend, run_in_thread
 from rlstream.common.logging import get_logger
 
@@ -249,6 +255,45 @@ class WeightReceiver:
         return f"loaded {n} tensors from {path}" + (f"; serving version {version}" if version is not None else "")
 
 
+    async def update_from_ipc(self, body: IpcWeightUpdate) -> str:
+        from rlstream.common import cuda_ipc
+
+        dev = self.engine.device
+        if dev.type != "cuda":
+            raise BadRequest(f"CUDA IPC weight updates need a CUDA engine; this engine runs on {dev} "
+                             "(actor.weight_update_mode: distributed or disk)")
+        if body.host_id != cuda_ipc.host_id():
+            raise BadRequest(f"CUDA IPC needs the trainer on this engine's host: the buffer is on {body.host_id!r}, "
+                             f"this engine on {cuda_ipc.host_id()!r} (actor.weight_update_mode: distributed or disk)")
+        mine = cuda_ipc.gpu_uuid(dev)
+        if body.gpu_uuid != mine:
+            raise BadRequest(f"CUDA IPC (colocated) needs trainer and engine on the same GPU: the buffer is on "
+                             f"{body.gpu_uuid}, this engine on {mine}")
+        specs = body.specs()
+        dts = []
+        for i, sp in enumerate(specs):
+            try:
+                dts.append(parse_dtype(sp.dtype))
+            except ValueError as exc:
+                raise BadRequest(f"dtypes[{i}]: {exc}") from None
+        version = _version_arg(body.weight_version)
+
+        def receive_and_apply() -> int:
+            flat = cuda_ipc.open_shared(body.buffer, dev)
+            try:
+                tensors = cuda_ipc.unpack(flat, dts, [sp.shape for sp in specs], body.offsets)
+                n = self.engine.apply_weights(zip([sp.name for sp in specs], tensors), version)
+                torch.cuda.synchronize(dev)  # every copy out of the buffer is done before the trainer reuses it
+                return n
+            finally:
+                del flat
+
+        n = await run_in_thread(receive_and_apply, name="rlstream-weights-ipc")
+        self.updates += 1
+        return (f"updated {n} tensors from a CUDA IPC buffer of {body.buffer.nbytes} bytes"
+                + (f"; serving version {version}" if version is not None else ""))
+
+
 RECEIVER_KEY = web.AppKey("weight_receiver", WeightReceiver)
 
 
@@ -294,6 +339,7 @@ def add_weight_routes(app: web.Application, engine: Any) -> WeightReceiver:
         (api.INIT_WEIGHTS_GROUP, WeightReceiver.init_group),
         (api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, WeightReceiver.update_from_distributed),
         (api.UPDATE_WEIGHTS_FROM_DISK, WeightReceiver.update_from_disk),
+        (api.UPDATE_WEIGHTS_FROM_IPC, WeightReceiver.update_from_ipc),
         (api.DESTROY_WEIGHTS_GROUP, WeightReceiver.destroy_group),
     )])
     return receiver

@@ -14,6 +14,18 @@ import pytest
 from tests.helpers import EngineProcess, ProducerProcess, RedisServer, engine_overrides, make_group
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `cuda` are skipped, with the reason, where no CUDA GPU is visible (CI)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: runs on the lent GPU machine (benchmarks/README.md, GPU)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
     server = RedisServer(tmp_path_factory.mktemp("redis")).start()

@@ -128,7 +128,9 @@ class Checkpointer:
         """Full (unsharded) CPU state dict on rank 0 (collective under FSDP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # Non-tensor extra state (megatron-core's local linears report None) has nothing to save.
+        return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
     def _optim_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

@@ -37,7 +37,7 @@ from rlstream.consumer.collate import collate
 from rlstream.consumer.reader import StepReader
 from rlstream.trainer.budget import resolve_total_steps
 from rlstream.trainer.checkpoint import Checkpointer, RankState, TrainState
-from rlstream.trainer.model import load_causal_lm
+from rlstream.trainer.model import load_model
 from rlstream.trainer.optim import build_optimizer, build_scheduler
 from rlstream.trainer.parallel import Parallel, init_parallel
 from rlstream.trainer.ppo import PPOActor
@@ -59,6 +59,10 @@ def check_config(cfg: Config, world_size: int) -> None:
         raise ConfigError(f"actor.overlong_tokens={a.overlong_tokens} exceeds gconfig.max_new_tokens={cfg.gconfig.max_new_tokens}")
     if a.use_kl_loss and a.kl_ctl == 0:
         raise ConfigError("actor.use_kl_loss=true with actor.kl_ctl=0 has no effect: set actor.kl_ctl > 0")
+    if a.backend == "megatron":
+        from rlstream.trainer.megatron.backend import check_megatron_config
+
+        check_megatron_config(a, world_size)
     if a.use_decoupled_loss and a.prox_logp_method == "loglinear" and a.recompute_logprob:
         log.warning("actor.recompute_logprob=true is ignored with prox_logp_method=loglinear (no extra forward pass)")
 
@@ -107,13 +111,13 @@ def _train(cfg: Config, par: Parallel) -> None:
         write_run_meta(client, keys, cfg, component="trainer")
 
     # ---- model, reference, optimizer ------------------------------------------------
-    module = load_causal_lm(cfg.actor.path, cfg.actor, init_from_scratch=cfg.actor.init_from_scratch,
-                            seed=cfg.seed).to(par.device)
+    module = load_model(cfg.actor.path, cfg.actor, par.device, init_from_scratch=cfg.actor.init_from_scratch,
+                        seed=cfg.seed)
     vocab_size = module.get_input_embeddings().num_embeddings
     pad_token_id = module.config.pad_token_id if module.config.pad_token_id is not None else 0
     ref = None
     if cfg.actor.kl_ctl > 0:
-        ref = load_causal_lm(cfg.ref.path or cfg.actor.path, cfg.actor, key="ref.path", trainable=False).to(par.device)
+        ref = load_model(cfg.ref.path or cfg.actor.path, cfg.actor, par.device, key="ref.path", trainable=False)
     model = par.wrap(module)
     optimizer = build_optimizer(model.parameters(), cfg.actor.optimizer)
     scheduler = build_scheduler(optimizer, cfg.actor.optimizer, total_steps)

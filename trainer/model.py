@@ -1,4 +1,9 @@
-"""The policy and reference models: HF causal LMs from a local folder (never a hub name)."""
+"""The policy and reference models: HF causal LMs from a local folder (never a hub name).
+
+`load_model` is the one place the model backend is chosen (`actor.backend`): `hf` (a
+transformers model, wrapped in DDP/FSDP2 by `trainer.parallel`) or `megatron` (a
+megatron-core GPTModel behind the same call, `trainer/megatron/`; EXPERIMENTAL).
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import torch
 
 from rlstream.common.config import ActorConfig, ConfigError
 
-__all__ = ["DTYPES", "check_model_path", "load_causal_lm"]
+__all__ = ["DTYPES", "check_model_path", "load_causal_lm", "load_model"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,3 +58,15 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
         model.requires_grad_(False)
         model.eval()
     return model
+
+
+def load_model(path: str, actor: ActorConfig, device: torch.device, *, key: str = "actor.path",
+               trainable: bool = True, init_from_scratch: bool = False, seed: int = 1) -> torch.nn.Module:
+    """The policy (or reference) model of `actor.backend` on `device`."""
+    if actor.backend == "megatron":
+        from rlstream.trainer.megatron.backend import load_megatron_lm
+
+        return load_megatron_lm(path, actor, device, key=key, trainable=trainable,
+                                init_from_scratch=init_from_scratch, seed=seed)
+    return load_causal_lm(path, actor, key=key, trainable=trainable, init_from_scratch=init_from_scratch,
+                          seed=seed).to(device)

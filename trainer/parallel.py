@@ -103,7 +103,8 @@ class Parallel:
 
     def close(self, ok: bool = True) -> None:
         """Leave the process groups; `ok=False` (this rank failed) skips the closing barrier."""
-        if self.distributed and dist.is_initialized():
+        # Also a one-process group (the megatron backend makes one for its parallel state).
+        if dist.is_initialized():
             # Free FSDP modules and device meshes (reference cycles) and let every rank get
             # here before the groups go: a gloo worker thread that drops the last reference
             # to a finished collective after Python began finalizing aborts the process
@@ -111,6 +112,7 @@ class Parallel:
             gc.collect()
             if ok:
                 self.barrier()
+            _destroy_megatron_state()
             dist.destroy_process_group()
 
 
@@ -134,3 +136,12 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode)
+
+
+def _destroy_megatron_state() -> None:
+    """megatron-core's parallel state, when the megatron backend made one (it holds sub-groups)."""
+    import sys
+
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()

@@ -270,6 +270,65 @@ def test_weight_routes_reject_bad_input(shared_engine, tmp_path):
     assert served_version(shared_engine) == before, "a failed load does not bump the version"
 
 
+def _ipc_body(**kw) -> dict:
+    import base64
+
+    b64 = base64.b64encode(b"\x01" * 64).decode()
+    body = {"buffer": {"nbytes": 4, "storage_handle": b64, "storage_size_bytes": 4, "storage_offset_bytes": 0,
+                       "ref_counter_handle": b64, "ref_counter_offset": 0},
+            "names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[1]], "offsets": [0],
+            "gpu_uuid": "GPU-00000000-0000-0000-0000-000000000000", "host_id": "elsewhere/0"}
+    return {**body, **kw}
+
+
+def test_ipc_mode_needs_trainer_and_engines_on_one_gpu(shared_engine, model_path, redis_url, experiment, tmp_path):
+    """CUDA IPC cannot run without CUDA: the config check names the key, a CPU engine refuses the route."""
+    from rlstream.common.config import ConfigError
+    from rlstream.trainer.weights.ipc import check_ipc_config
+
+    def cfg(*extra):
+        return make_cfg(redis_url, experiment, model_path, tmp_path, "ipc", list(extra))
+
+    with pytest.raises(ConfigError, match="no CUDA GPU is visible to the trainer"):
+        check_ipc_config(cfg(), cuda_available=False)
+    with pytest.raises(ConfigError, match=r"actor\.device=cpu"):
+        check_ipc_config(cfg("actor.device=cpu"), cuda_available=True)
+    with pytest.raises(ConfigError, match=r"server\.device=cpu"):
+        check_ipc_config(cfg("server.device=cpu"), cuda_available=True)
+    check_ipc_config(cfg(), cuda_available=True)  # auto devices on a GPU machine: fine
+    code, out = http(shared_engine.url + "/update_weights_from_ipc", _ipc_body())
+    assert code == 400 and not out["success"]
+    assert "need a CUDA engine; this engine runs on cpu" in out["message"]
+    code, out = http(shared_engine.url + "/update_weights_from_ipc",
+                     {k: v for k, v in _ipc_body().items() if k != "offsets"})
+    assert code == 400 and "offsets" in out["message"]
+
+
+@pytest.mark.cuda
+def test_ipc_push_serves_new_weights(engines, base_model, model_path, redis_url, experiment, keys, rclient, tmp_path,
+                                     broadcasters):
+    """Colocated: an engine process on the trainer's GPU gets each version through CUDA IPC handles."""
+    from rlstream.common import cuda_ipc
+
+    engine = engines(["server.device=cuda", "server.register=false"])
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, "ipc", [f"rollout.engine_addresses=[{engine.address}]"])
+    b = broadcasters(cfg, rclient, keys)
+    old, new = perturbed(base_model, 200), perturbed(base_model, 201)
+    b.push(copy.deepcopy(old).cuda(), 1)
+    assert served_version(engine) == 1
+    b.push(copy.deepcopy(new).cuda(), 2)
+    assert int(rclient.get(keys.version)) == 2 and served_version(engine) == 2
+    assert_serves(engine, new, old)
+    n_bytes = sum(p.numel() * 4 for p in new.parameters())
+    assert b.last.engines == [engine.address] and b.last.bytes == n_bytes and not b.last.dropped
+    # A buffer said to be on another GPU (or host) is refused with the reason, and changes nothing.
+    code, out = http(engine.url + "/update_weights_from_ipc", _ipc_body(host_id=cuda_ipc.host_id()))
+    assert code == 400 and "same GPU" in out["message"]
+    code, out = http(engine.url + "/update_weights_from_ipc", _ipc_body())
+    assert code == 400 and "this engine's host" in out["message"]
+    assert served_version(engine) == 2
+
+
 @pytest.mark.parametrize("mode,failure", [("distributed", "kill"), ("disk", "kill"), ("distributed", "hang")])
 def test_engine_failing_during_update(mode, failure, engines, base_model, model_path, redis_url, experiment, keys,
                                       rclient, tmp_path, broadcasters):

@@ -5,6 +5,7 @@ few backends, an explicit factory, no `if mode == ...` through the trainer):
 
 - `distributed` (`distributed.py`): torch.distributed broadcast to every engine (NCCL on GPU, gloo on CPU)
 - `disk` (`disk.py`): safetensors on a shared path, engines load via /update_weights_from_disk
+- `ipc` (`ipc.py`): trainer and engines on one GPU: CUDA IPC handles of a flat buffer per bucket
 - `none`: only bump the version (trainer tests without engines)
 
 Every backend ends a push the same way (`base.py`): once every live engine confirmed the
@@ -21,15 +22,17 @@ from rlstream.common.config import Config, ConfigError
 from rlstream.trainer.weights.base import EngineBroadcaster, NoneBroadcaster, PushReport, WeightBroadcaster
 from rlstream.trainer.weights.disk import DiskBroadcaster
 from rlstream.trainer.weights.distributed import DistributedBroadcaster
+from rlstream.trainer.weights.ipc import IpcBroadcaster
 
 __all__ = ["WeightBroadcaster", "EngineBroadcaster", "NoneBroadcaster", "DistributedBroadcaster", "DiskBroadcaster",
-           "PushReport", "BROADCASTERS", "make_broadcaster"]
+           "IpcBroadcaster", "PushReport", "BROADCASTERS", "make_broadcaster"]
 
 # actor.weight_update_mode -> backend
 BROADCASTERS: dict[str, type[WeightBroadcaster]] = {
     "none": NoneBroadcaster,
     "distributed": DistributedBroadcaster,
     "disk": DiskBroadcaster,
+    "ipc": IpcBroadcaster,
 }
 
 

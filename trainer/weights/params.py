@@ -54,7 +54,14 @@ def _clean_name(name: str) -> str:
 
 
 def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
-    """Parameters (tied ones once) and persistent buffers, in module order."""
+    """Parameters (tied ones once) and persistent buffers, in module order.
+
+    A model that names its own HF tensors (`hf_named_tensors()`: the megatron backend,
+    whose fused parameters engines do not know) is sent under those names.
+    """
+    hf_named = getattr(model, "hf_named_tensors", None)
+    if hf_named is not None:
+        return [WeightEntry(n, t, list(t.shape), t.dtype) for n, t in hf_named()]
     out: list[WeightEntry] = []
     seen: set[int] = set()
     for name, p in model.named_parameters():

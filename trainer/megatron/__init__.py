@@ -1,0 +1,1 @@
+"""actor.backend=megatron (EXPERIMENTAL): HF <-> megatron-core conversion (convert.py) and the trainer-facing model (backend.py)."""
