@@ -278,7 +278,7 @@ class ServerConfig(_Section):
 
 
 class DemoTaskConfig(_Section):
-    task: D(Literal["none", "reverse"], "none, or reverse: reverse a digit string (exact-match reward); data and tiny model generated locally.") = "none"
+    task: D(Literal["none", "reverse", "word_problems"], "none; reverse: reverse a digit string (exact-match reward; data and tiny model generated locally); word_problems: one-step arithmetic word problems as one-shot chat prompts with \\boxed{} answers (math reward), for a real chat model.") = "none"
     digits: D(int, "Digits per demo prompt.", ge=2, le=12) = 4
     n_train: D(int, "Training prompts generated.", ge=1) = 3000
     n_valid: D(int, "Held-out prompts generated (disjoint from training).", ge=1) = 200

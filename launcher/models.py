@@ -44,7 +44,7 @@ __all__ = ["ModelPrepError", "get_model", "list_models", "gguf_metadata"]
 log = get_logger("rlstream.launcher.models")
 
 # Bump when the conversion or the tokenizer fix changes: older folders are then redone.
-CONVERTER_FORMAT = 1
+CONVERTER_FORMAT = 2
 
 
 class ModelPrepError(RuntimeError):
@@ -188,6 +188,8 @@ def fix_tokenizer(folder: Path, meta: dict[str, Any]) -> None:
         pad_token=name("tokenizer.ggml.padding_token_id") or eos,
         unk_token=name("tokenizer.ggml.unknown_token_id"),
         clean_up_tokenization_spaces=False,
+        # A decoder-only model takes no token_type_ids (`model(**tok(text))` and `generate` reject them).
+        model_input_names=["input_ids", "attention_mask"],
         model_max_length=int(meta.get(f"{meta.get('general.architecture', 'llama')}.context_length", 8192)),
     )
     if meta.get("tokenizer.chat_template"):
@@ -241,7 +243,9 @@ def verify_folder(folder: Path, meta: dict[str, Any], dtype: str) -> None:
         problems.append(f"{len(bad)} token ids differ from the GGUF vocabulary (first: id {bad[0]} "
                         f"{vocab[bad[0]]!r} vs {tokens[bad[0]]!r})")
     sample = "Tom has 12 apples and buys 305 more.  How many?\n\\boxed{317} é"
-    ids = tok(sample)["input_ids"]
+    enc = tok(sample)
+    ids = enc["input_ids"]
+    expect("tokenizer outputs", sorted(enc.keys()), ["attention_mask", "input_ids"])
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     expect("a BOS token is added", bool(ids) and bos_id is not None and ids[0] == int(bos_id), add_bos)
