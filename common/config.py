@@ -100,7 +100,7 @@ class GenerationHyperparameters(_Section):
     top_p: D(float, "Nucleus sampling probability.", gt=0, le=1) = 1.0
     top_k: D(int, "Top-k sampling (large = off).", ge=1) = 100_000_000
     temperature: D(float, "Sampling temperature; behaviour logprobs are of softmax(logits / T).", ge=0) = 1.0
-    stop_token_ids: D(list[int], "Token ids that end a sample (the tokenizer's EOS is added).") = msgspec.field(default_factory=list)
+    stop_token_ids: D(list[int], "Token ids that end a sample (the tokenizer's EOS and the model's generation_config eos ids are added).") = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- rollout

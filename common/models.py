@@ -19,12 +19,16 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
+from rlstream.common.config import Config, ConfigError
+
 __all__ = ["KnownModel", "KNOWN_MODELS", "MARKER", "ModelPathError", "model_cache_root", "prepared_model_dir",
-           "read_marker", "resolve_model_path", "stop_token_ids"]
+           "read_marker", "resolve_model_path", "resolve_model_paths", "check_model_folder", "stop_token_ids"]
 
 
-class ModelPathError(ValueError):
-    """A model path that cannot be used; the message names the config key."""
+class ModelPathError(ConfigError):
+    """A model path that cannot be used; the message names the config key (a ConfigError: one line, exit 2)."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +125,38 @@ def resolve_model_path(path: str, key: str = "actor.path") -> str:
                              f"({hf_home}); rlstream never downloads at run time: fetch it beforehand "
                              f"(`huggingface-cli download {path}`) or point {key} at a folder")
     raise ModelPathError(f"{key}={path!r}: no such folder")
+
+
+def resolve_model_paths(cfg: Config) -> Config:
+    """`cfg` with actor.path, tokenizer_path, ref.path and server.model_path as local folders.
+
+    Every process calls this at its start (`train`, `serve`, `produce`, `run`), so a prepared
+    model's name or a cached hub id works wherever a folder does. Empty values stay empty.
+    """
+    def res(value: str | None, key: str) -> str | None:
+        return resolve_model_path(value, key) if value else value
+
+    actor = msgspec.structs.replace(cfg.actor, path=res(cfg.actor.path, "actor.path") or "")
+    ref = msgspec.structs.replace(cfg.ref, path=res(cfg.ref.path, "ref.path"))
+    server = msgspec.structs.replace(cfg.server, model_path=res(cfg.server.model_path, "server.model_path"))
+    return msgspec.structs.replace(cfg, actor=actor, ref=ref, server=server,
+                                   tokenizer_path=res(cfg.tokenizer_path, "tokenizer_path"))
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def check_model_folder(path: str | os.PathLike, key: str, *, weights: bool = True, tokenizer: bool = False) -> Path:
+    """The folder, or a one-line ModelPathError naming it and what is missing (config, weights, tokenizer)."""
+    p = Path(path)
+    if not (p / "config.json").is_file():
+        raise ModelPathError(f"{key}={str(path)!r} is not an HF model folder: config.json is missing")
+    if weights and not any(p.glob("*.safetensors")) and not any(p.glob("*.bin")):
+        raise ModelPathError(f"{key}={str(path)!r} has no weights (*.safetensors or *.bin)")
+    if tokenizer and not any((p / f).is_file() for f in _TOKENIZER_FILES):
+        raise ModelPathError(f"{key}={str(path)!r} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}); "
+                             "set tokenizer_path to a folder that has one")
+    return p
 
 
 def stop_token_ids(tokenizer, model_folder: str | os.PathLike | None = None, extra: list[int] | tuple = ()) -> list[int]:

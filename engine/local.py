@@ -44,6 +44,7 @@ import torch
 
 from rlstream.common.engine_api import EngineError, FinishReason, GenerateResponse, MetaInfo, SamplingParams
 from rlstream.common.logging import get_logger
+from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
 from rlstream.engine.sampling import Sampling, resolve, sample
 
 __all__ = ["LocalEngine", "EngineError", "resolve_device", "DTYPES"]
@@ -66,6 +67,22 @@ def resolve_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"server.device must be auto, cpu or cuda, got {device!r}")
     return dev
+
+
+def _check_architecture(model_path: str) -> None:
+    """One line naming the folder when transformers has no causal LM for its config."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelPathError(f"server.model_path={model_path!r}: cannot read config.json: "
+                             f"{str(exc).splitlines()[0]}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        archs = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        raise ModelPathError(f"server.model_path={model_path!r}: architecture {archs} (model_type "
+                             f"{config.model_type!r}) is not a causal LM the local engine can serve")
 
 
 @dataclass(eq=False)
@@ -93,16 +110,20 @@ class LocalEngine:
                  max_seq_len: int = 4096, seed: int = 1, version: int = 0) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model_path = str(model_path)
-        self.tokenizer_path = str(tokenizer_path or model_path)
-        if not Path(self.model_path).is_dir():
-            raise FileNotFoundError(f"model path {self.model_path!r} is not a local folder (server.model_path / actor.path)")
+        self.model_path = resolve_model_path(str(model_path), "server.model_path")
+        self.tokenizer_path = resolve_model_path(str(tokenizer_path), "tokenizer_path") if tokenizer_path \
+            else self.model_path
+        check_model_folder(self.model_path, "server.model_path", weights=True)
+        check_model_folder(self.tokenizer_path, "tokenizer_path" if tokenizer_path else "server.model_path",
+                           weights=False, tokenizer=True)
         if dtype not in DTYPES:
             raise ValueError(f"server.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.device = resolve_device(device)
         self.dtype = DTYPES[dtype]
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        _check_architecture(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
+                                                          local_files_only=True).to(self.device).eval()
         self.model.requires_grad_(False)
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None)
@@ -162,16 +183,9 @@ class LocalEngine:
                    max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, seed=cfg.seed)
 
     def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gen = getattr(self.model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, (list, tuple)):
-            ids.update(int(e) for e in eos)
-        return frozenset(ids)
+        # The one source of stop tokens (tokenizer EOS + generation_config eos ids), shared with
+        # the producer's workflow and the held-out evaluation.
+        return frozenset(stop_token_ids(self.tokenizer, self.model_path))
 
     # ------------------------------------------------------------------ public surface
 

@@ -95,6 +95,7 @@ class WeightSyncWorkerExtension:
 
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)
+            self._rls_retie_lm_head()
         self._rls_session_open = False
         return True
 
@@ -155,6 +156,32 @@ class WeightSyncWorkerExtension:
             raise RuntimeError(f"no weight-sync group {group_name!r}: call /init_weights_update_group first "
                                f"(known: {sorted(groups)})")
         return groups[group_name]
+
+    def _rls_retie_lm_head(self) -> None:
+        """Tied embeddings (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B): make `lm_head` serve the pushed weights.
+
+        A push carries `embed_tokens.weight` only (the checkpoint has no `lm_head.weight`, and
+        vLLM's `load_weights` skips it for tied models), so the reload processes the embedding
+        layer and never `lm_head`. On CPU, `lm_head` computes its logits with a packed copy of
+        the weight that vLLM made when the model was loaded (`dispatch_cpu_unquantized_gemm`:
+        oneDNN / SGL packing), which would keep the OLD output embedding: the engine would
+        serve new layers with an old head. So: keep the tie (the shared parameter, updated in
+        place by the reload) and rebuild lm_head's kernel from it.
+        """
+        model = self.model_runner.model
+        text_config = getattr(self.vllm_config.model_config, "hf_text_config", None)
+        if not getattr(text_config, "tie_word_embeddings", False):
+            return
+        lm_head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if not isinstance(getattr(lm_head, "weight", None), torch.Tensor) or \
+                not isinstance(getattr(embed, "weight", None), torch.Tensor):
+            return  # pipeline stage without one of them, or another layout: nothing we know to re-tie
+        if lm_head.weight is not embed.weight:
+            lm_head.weight = embed.weight
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(lm_head)
 
     def _rls_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config

@@ -23,8 +23,8 @@ list of chat messages holding one solved example, answers checked in `\\boxed{}`
 prompts (it never writes `\\boxed{}`), while with one example in the chat it boxes an
 answer about half of the time when sampling at T=0.7 and is right on ~14% of samples
 (~31% greedy), so most groups of 8 have mixed rewards: a gradient to climb. Held-out
-problems differ from the training ones. The model is the prepared `actor.path`
-(`rlstream model get NAME` runs here when it is a known model name).
+problems differ from the training ones. The model is `actor.path` (`rlstream run` prepares
+a known model's name with `rlstream model get NAME` first).
 """
 
 from __future__ import annotations
@@ -166,10 +166,4 @@ def _prepare_word_problems(cfg: Config, paths: dict[str, Path]) -> dict[str, Pat
         _write_jsonl(paths["valid"], valid)
         log.info("demo task word_problems: wrote %d train, %d held-out problems under %s", len(train), len(valid),
                  paths["train"].parent)
-    from rlstream.common.models import KNOWN_MODELS
-
-    if cfg.actor.path in KNOWN_MODELS:
-        from rlstream.launcher.models import get_model
-
-        paths["model"] = get_model(cfg.actor.path)
     return paths

@@ -370,7 +370,9 @@ def produce(cfg: Config) -> int:
     # needs transformers' torch features sets USE_TORCH=1 in the environment.
     os.environ.setdefault("USE_TORCH", "0")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    producer = Producer(cfg)
+    from rlstream.common.models import resolve_model_paths
+
+    producer = Producer(resolve_model_paths(cfg))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS

@@ -33,6 +33,7 @@ from rlstream.broker.versions import Event, VersionRegistry
 from rlstream.common.config import Config, ConfigError
 from rlstream.common.logging import get_logger
 from rlstream.common.metrics import StatsLogger
+from rlstream.common.models import resolve_model_paths
 from rlstream.consumer.collate import collate
 from rlstream.consumer.reader import StepReader
 from rlstream.trainer.budget import resolve_total_steps
@@ -84,6 +85,7 @@ def _due(par: Parallel, step: int, last_t: float, freq_steps: int | None, freq_s
 
 def train(cfg: Config) -> None:
     """Entry point of `rlstream train`."""
+    cfg = resolve_model_paths(cfg)  # prepared model names and cached hub ids -> folders (before any rank work)
     par = init_parallel(cfg.actor.device, cfg.actor.parallel)
     ok = False
     try:

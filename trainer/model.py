@@ -1,4 +1,9 @@
-"""The policy and reference models: HF causal LMs from a local folder (never a hub name)."""
+"""The policy and reference models: HF causal LMs from a local folder (never downloaded).
+
+`path` may also be a prepared model's name or a hub id already in the local HF cache
+(`common/models.resolve_model_path`). Tied input/output embeddings (SmolLM2, Qwen2.5,
+Llama-3.2) stay tied: one parameter, trained and pushed once.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ from pathlib import Path
 import torch
 
 from rlstream.common.config import ActorConfig, ConfigError
+from rlstream.common.models import check_model_folder, resolve_model_path
 
 __all__ = ["DTYPES", "check_model_path", "load_causal_lm"]
 
@@ -17,11 +23,7 @@ def check_model_path(path: str, key: str) -> Path:
     """A local HF model folder, or a one-line error naming the config key."""
     if not path:
         raise ConfigError(f"{key} is empty: set it to a local HF model folder")
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"{key}={path!r} is not a local HF model folder (no config.json); "
-                         "rlstream never downloads from a model hub")
-    return p
+    return check_model_folder(resolve_model_path(path, key), key, weights=False)
 
 
 def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", trainable: bool = True,
@@ -32,6 +34,8 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
     import transformers
 
     p = check_model_path(path, key)
+    if not init_from_scratch:
+        check_model_folder(p, key, weights=True)
     dtype = DTYPES[actor.dtype]
     # transformers 4.56 renamed `torch_dtype` to `dtype`.
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])

@@ -22,9 +22,9 @@ from rlstream.launcher.models import ModelPrepError, get_model
 NAME = "smollm2-135m-instruct"
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    return get_model(NAME)
+@pytest.fixture
+def smollm2(smollm2_path) -> Path:
+    return smollm2_path
 
 
 def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
