@@ -156,6 +156,15 @@ class MicroBatchSpec(_Section):
     packing: D(bool, "Pack sequences into one row (no padding) instead of padding to the longest.") = True
 
 
+class LoRAConfig(_Section):
+    rank: D(int, "LoRA rank r (peft `r`, AReaL `lora_rank`).", ge=1) = 16
+    alpha: D(float, "LoRA alpha (peft `lora_alpha`); the update is scaled by alpha / rank.", gt=0) = 32.0
+    dropout: D(float, "Dropout on the LoRA input (peft `lora_dropout`); engines serve without it.", ge=0, lt=1) = 0.0
+    target_modules: D(list[str], "Linear modules adapted, by name (peft `target_modules`: leaf names such as q_proj, or 'all-linear').") = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    use_rslora: D(bool, "Rank-stabilised LoRA: scale by alpha / sqrt(rank).") = False
+
+
 class ActorConfig(_Section):
     path: D(str, "Local path of the HF causal LM (no hub downloads).") = ""
     init_from_scratch: D(bool, "Random init from the config at `path` instead of loading weights.") = False
@@ -196,6 +205,7 @@ class ActorConfig(_Section):
     weight_update_backend: D(Literal["auto", "nccl", "gloo"], "torch.distributed backend for weight_update_mode=distributed (auto: nccl on GPU).") = "auto"
     weight_chunked_mem_mb: D(int, "Bucket size in MB for one update call.", ge=1) = 1024
     weight_update_timeout: D(float, "Seconds an engine may take to confirm an update before it is dropped.", gt=0) = 120.0
+    lora: D(LoRAConfig | None, "Train a LoRA adapter (peft) instead of all weights; pushes send only the adapter, engines merge it (None = full fine-tuning).") = None
 
 
 class RefConfig(_Section):

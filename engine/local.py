@@ -45,6 +45,7 @@ import torch
 from rlstream.common.engine_api import EngineError, FinishReason, GenerateResponse, MetaInfo, SamplingParams
 from rlstream.common.logging import get_logger
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
+from rlstream.engine.lora import ADAPTER_CONFIG, AdapterMerger, is_adapter_tensor
 from rlstream.engine.sampling import Sampling, resolve, sample
 
 __all__ = ["LocalEngine", "EngineError", "resolve_device", "DTYPES"]
@@ -146,6 +147,7 @@ class LocalEngine:
         # name -> tensor for every parameter and buffer, tied aliases included.
         self._named = dict(self.model.named_parameters(remove_duplicate=False))
         self._named.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        self._merger: AdapterMerger | None = None  # made at the first LoRA push
 
         # Shared with the decode thread; guarded by _cv.
         self._cv = threading.Condition()
@@ -289,17 +291,36 @@ class LocalEngine:
             self._paused = False
             self._cv.notify_all()
 
-    def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+    def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
+                      lora_scaling: float | None = None) -> int:
         """Copy tensors into the parameters/buffers of the same HF name, between decode steps.
 
         Safe from any thread; it blocks until the current decode step ends, so async code
         calls it through an executor (`loop.run_in_executor(None, ...)`). Raises KeyError for an unknown name and ValueError for a
         shape mismatch (tensors before the bad one are already applied). Bumps the served
         version when `version` is given. Returns the number of tensors applied.
+
+        LoRA adapter tensors (`…lora_A.weight` / `…lora_B.weight`, with `lora_scaling`) are
+        merged into the base weights (`engine/lora.py`) and the merged weights applied.
         """
         n = 0
-        with self._step_lock, torch.no_grad():
+        adapters: list[tuple[str, torch.Tensor]] = []
+
+        def plain():
             for name, tensor in named_tensors:
+                if is_adapter_tensor(name):
+                    adapters.append((name, tensor))
+                    continue
+                yield name, tensor
+            if adapters:
+                if lora_scaling is None:
+                    raise ValueError(f"LoRA adapter tensors ({adapters[0][0]}, ...) came without lora_scaling")
+                if self._merger is None:
+                    self._merger = AdapterMerger(self.model_path)
+                yield from self._merger.add(adapters, lora_scaling)
+
+        with self._step_lock, torch.no_grad():
+            for name, tensor in plain():
                 dst = self._named.get(name)
                 if dst is None:
                     raise KeyError(f"unknown parameter {name!r} for the served model {self.model_path!r}")
@@ -317,6 +338,12 @@ class LocalEngine:
         from safetensors import safe_open
 
         p = Path(path)
+        if p.is_dir() and (p / ADAPTER_CONFIG).is_file():  # a LoRA adapter folder (peft format)
+            if self._merger is None:
+                self._merger = AdapterMerger(self.model_path)
+            n = self.apply_weights(self._merger.load_folder(p), version)
+            log.info("merged a LoRA adapter from %s into %d weights (version %s)", p, n, self._version)
+            return n
         if p.is_file():
             files = [p]
         elif p.is_dir():

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import torch
 
-from rlstream.common.config import ActorConfig, ConfigError
+from rlstream.common.config import ActorConfig, ConfigError, LoRAConfig
 from rlstream.common.models import check_model_folder, resolve_model_path
 
-__all__ = ["DTYPES", "check_model_path", "load_causal_lm"]
+__all__ = ["DTYPES", "check_model_path", "load_causal_lm", "apply_lora", "is_lora"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,6 +48,8 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
             model = AutoModelForCausalLM.from_config(config, **dkw)
     else:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, **dkw)
+    if trainable and actor.lora is not None:
+        model = apply_lora(model, actor.lora)
     if trainable:
         if actor.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -57,3 +59,34 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
         model.requires_grad_(False)
         model.eval()
     return model
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """A peft model (maybe inside a DDP wrapper): only its adapter trains and is pushed."""
+    from peft import PeftModel
+
+    return isinstance(getattr(model, "module", model), PeftModel)
+
+
+def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> torch.nn.Module:
+    """Wrap `model` with a peft LoRA adapter: only the adapter's A/B matrices require grad.
+
+    A target name that matches no linear module is a ConfigError listing the ones there are
+    (peft matches a name against the end of each module's dotted path).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    targets = list(lora.target_modules)
+    if not targets:
+        raise ConfigError(f"actor.lora.target_modules is empty; linear modules of this model: {', '.join(leaves)}")
+    if targets != ["all-linear"]:
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
+        if missing:
+            raise ConfigError(f"actor.lora.target_modules {missing} match no module of the model; its linear "
+                              f"modules are: {', '.join(leaves)} (or use 'all-linear')")
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
+                        target_modules=targets[0] if targets == ["all-linear"] else targets, bias="none",
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
