@@ -221,6 +221,18 @@ class SaverConfig(_Section):
     freq_secs: D(int | None, "Save an HF checkpoint every N seconds.", ge=1) = None
 
 
+class EvaluatorConfig(_Section):
+    freq_steps: D(int | None, "Evaluate the served version on valid_dataset every N train steps (versions); None = off.", ge=1) = None
+    freq_epochs: D(int | None, "Evaluate every N epochs of train_dataset.", ge=1) = None
+    freq_secs: D(int | None, "Evaluate when this many seconds passed since the last evaluation.", ge=1) = None
+    max_prompts: D(int | None, "Evaluate on the first N prompts of valid_dataset (None = all).", ge=1) = None
+    concurrency: D(int, "Evaluation requests in flight at once (they share the engines with rollouts).", ge=1) = 32
+
+    @property
+    def enabled(self) -> bool:
+        return any(f is not None for f in (self.freq_steps, self.freq_epochs, self.freq_secs))
+
+
 class RecoverConfig(_Section):
     mode: D(Literal["disabled", "auto", "resume", "fault"], "disabled; auto/resume: resume from the last recover checkpoint if any; fault: only after a crash.") = "disabled"
     freq_steps: D(int | None, "Write a recover checkpoint every N steps.", ge=1) = 1
@@ -344,6 +356,8 @@ class Config(_Section):
     redis: D(RedisConfig, "The Redis broker.") = msgspec.field(default_factory=RedisConfig)
     rollout: D(RolloutConfig, "Rollout admission and engine clients.") = msgspec.field(default_factory=RolloutConfig)
     gconfig: D(GenerationHyperparameters, "Sampling parameters.") = msgspec.field(default_factory=GenerationHyperparameters)
+    eval_gconfig: D(GenerationHyperparameters | None, "Sampling for evaluation during training (None = greedy, one sample, gconfig's max_new_tokens and stop tokens); n_samples > 1 adds pass@n.") = None
+    evaluator: D(EvaluatorConfig, "Evaluation during training (AReaL's evaluator): the served version on valid_dataset, through the engines.") = msgspec.field(default_factory=EvaluatorConfig)
     actor: D(ActorConfig, "Policy model and PPO/GRPO algorithm.") = msgspec.field(default_factory=ActorConfig)
     ref: D(RefConfig, "Reference model for KL.") = msgspec.field(default_factory=RefConfig)
     saver: D(SaverConfig, "HF checkpoints.") = msgspec.field(default_factory=SaverConfig)
@@ -554,8 +568,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if not isinstance(data, dict):
         raise ConfigError(f"config root must be a mapping{where}")
     cfg = _convert(data)
+    _check(cfg)
     _register_secrets(config_to_dict(cfg))
     return cfg
+
+
+def _check(cfg: "Config") -> None:
+    """Rules across sections, at load: every process refuses the same bad config at its start."""
+    if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.path):
+        keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
+                if getattr(cfg.evaluator, k) is not None]
+        raise ConfigError(f"{', '.join(keys)} asks for evaluation during training but valid_dataset.path is not set: "
+                          "point valid_dataset.path at held-out prompts, or drop the evaluator frequency")
 
 
 def _register_secrets(obj: Any) -> None:
