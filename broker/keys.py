@@ -105,11 +105,21 @@ class Keys:
         """Hash: run metadata (config snapshot digest, created_at, consumer_batch_size)."""
         return self._k("meta")
 
+    @property
+    def evals(self) -> str:
+        """Stream: one held-out evaluation record per evaluated version (broker/evals.py)."""
+        return self._k("eval")
+
+    @property
+    def eval_claim(self) -> str:
+        """String (expires): `version:owner` of the evaluation running now."""
+        return self._k("eval:claim")
+
     def all(self) -> list[str]:
         return [
             self.traj, self.version, self.trainer_version, self.events, self.admit_accepted,
             self.admit_running, self.admit_waiting, self.admit_rejected, self.dead, self.dropped, self.steps,
-            self.engines, self.producers, self.meta,
+            self.engines, self.producers, self.meta, self.evals, self.eval_claim,
         ]
 
 

@@ -100,7 +100,7 @@ class GenerationHyperparameters(_Section):
     top_p: D(float, "Nucleus sampling probability.", gt=0, le=1) = 1.0
     top_k: D(int, "Top-k sampling (large = off).", ge=1) = 100_000_000
     temperature: D(float, "Sampling temperature; behaviour logprobs are of softmax(logits / T).", ge=0) = 1.0
-    stop_token_ids: D(list[int], "Token ids that end a sample (the tokenizer's EOS is added).") = msgspec.field(default_factory=list)
+    stop_token_ids: D(list[int], "Token ids that end a sample (the tokenizer's EOS and the model's generation_config eos ids are added).") = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- rollout
@@ -162,6 +162,15 @@ class MegatronConfig(_Section):
     context_parallel: D(int, "Context-parallel size (megatron backend; only 1 trains so far).", ge=1) = 1
 
 
+class LoRAConfig(_Section):
+    rank: D(int, "LoRA rank r (peft `r`, AReaL `lora_rank`).", ge=1) = 16
+    alpha: D(float, "LoRA alpha (peft `lora_alpha`); the update is scaled by alpha / rank.", gt=0) = 32.0
+    dropout: D(float, "Dropout on the LoRA input (peft `lora_dropout`); engines serve without it.", ge=0, lt=1) = 0.0
+    target_modules: D(list[str], "Linear modules adapted, by name (peft `target_modules`: leaf names such as q_proj, or 'all-linear').") = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    use_rslora: D(bool, "Rank-stabilised LoRA: scale by alpha / sqrt(rank).") = False
+
+
 class ActorConfig(_Section):
     path: D(str, "Local path of the HF causal LM (no hub downloads).") = ""
     backend: D(Literal["hf", "megatron"], "Model backend: hf (transformers; DDP/FSDP2 per actor.parallel) or megatron (megatron-core GPTModel for Llama/Qwen2; EXPERIMENTAL: one CUDA rank, TP=PP=CP=1, ran on an H100, see benchmarks/README.md).") = "hf"
@@ -204,6 +213,7 @@ class ActorConfig(_Section):
     weight_update_backend: D(Literal["auto", "nccl", "gloo"], "torch.distributed backend for weight_update_mode=distributed (auto: nccl on GPU; nccl needs trainer and engines on separate GPUs and has not run).") = "auto"
     weight_chunked_mem_mb: D(int, "Bucket size in MB for one update call.", ge=1) = 1024
     weight_update_timeout: D(float, "Seconds an engine may take to confirm an update before it is dropped.", gt=0) = 120.0
+    lora: D(LoRAConfig | None, "Train a LoRA adapter (peft) instead of all weights; pushes send only the adapter, engines merge it (None = full fine-tuning).") = None
 
 
 class RefConfig(_Section):
@@ -217,6 +227,18 @@ class SaverConfig(_Section):
     freq_steps: D(int | None, "Save an HF checkpoint every N steps (None = only at the end).", ge=1) = None
     freq_epochs: D(int | None, "Save an HF checkpoint every N epochs.", ge=1) = None
     freq_secs: D(int | None, "Save an HF checkpoint every N seconds.", ge=1) = None
+
+
+class EvaluatorConfig(_Section):
+    freq_steps: D(int | None, "Evaluate the served version on valid_dataset every N train steps (versions); None = off.", ge=1) = None
+    freq_epochs: D(int | None, "Evaluate every N epochs of train_dataset.", ge=1) = None
+    freq_secs: D(int | None, "Evaluate when this many seconds passed since the last evaluation.", ge=1) = None
+    max_prompts: D(int | None, "Evaluate on the first N prompts of valid_dataset (None = all).", ge=1) = None
+    concurrency: D(int, "Evaluation requests in flight at once (they share the engines with rollouts).", ge=1) = 32
+
+    @property
+    def enabled(self) -> bool:
+        return any(f is not None for f in (self.freq_steps, self.freq_epochs, self.freq_secs))
 
 
 class RecoverConfig(_Section):
@@ -286,7 +308,7 @@ class ServerConfig(_Section):
 
 
 class DemoTaskConfig(_Section):
-    task: D(Literal["none", "reverse"], "none, or reverse: reverse a digit string (exact-match reward); data and tiny model generated locally.") = "none"
+    task: D(Literal["none", "reverse", "word_problems"], "none; reverse: reverse a digit string (exact-match reward; data and tiny model generated locally); word_problems: one-step arithmetic word problems as one-shot chat prompts with \\boxed{} answers (math reward), for a real chat model.") = "none"
     digits: D(int, "Digits per demo prompt.", ge=2, le=12) = 4
     n_train: D(int, "Training prompts generated.", ge=1) = 3000
     n_valid: D(int, "Held-out prompts generated (disjoint from training).", ge=1) = 200
@@ -342,6 +364,8 @@ class Config(_Section):
     redis: D(RedisConfig, "The Redis broker.") = msgspec.field(default_factory=RedisConfig)
     rollout: D(RolloutConfig, "Rollout admission and engine clients.") = msgspec.field(default_factory=RolloutConfig)
     gconfig: D(GenerationHyperparameters, "Sampling parameters.") = msgspec.field(default_factory=GenerationHyperparameters)
+    eval_gconfig: D(GenerationHyperparameters | None, "Sampling for evaluation during training (None = greedy, one sample, gconfig's max_new_tokens and stop tokens); n_samples > 1 adds pass@n.") = None
+    evaluator: D(EvaluatorConfig, "Evaluation during training (AReaL's evaluator): the served version on valid_dataset, through the engines.") = msgspec.field(default_factory=EvaluatorConfig)
     actor: D(ActorConfig, "Policy model and PPO/GRPO algorithm.") = msgspec.field(default_factory=ActorConfig)
     ref: D(RefConfig, "Reference model for KL.") = msgspec.field(default_factory=RefConfig)
     saver: D(SaverConfig, "HF checkpoints.") = msgspec.field(default_factory=SaverConfig)
@@ -552,8 +576,18 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
     if not isinstance(data, dict):
         raise ConfigError(f"config root must be a mapping{where}")
     cfg = _convert(data)
+    _check(cfg)
     _register_secrets(config_to_dict(cfg))
     return cfg
+
+
+def _check(cfg: "Config") -> None:
+    """Rules across sections, at load: every process refuses the same bad config at its start."""
+    if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.path):
+        keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
+                if getattr(cfg.evaluator, k) is not None]
+        raise ConfigError(f"{', '.join(keys)} asks for evaluation during training but valid_dataset.path is not set: "
+                          "point valid_dataset.path at held-out prompts, or drop the evaluator frequency")
 
 
 def _register_secrets(obj: Any) -> None:

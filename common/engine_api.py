@@ -348,6 +348,9 @@ class WeightUpdate(_Body):
     weight_version: int | str | None = None  # the version served once this update is in (SGLang: a string)
     load_format: str | None = None  # None: one broadcast per tensor; "flattened_bucket": one flat tensor
     finish: bool = False  # rlstream's vLLM server: the last bucket of a push ends its reload session
+    # LoRA (rlstream): tensors named `…lora_A.weight` / `…lora_B.weight` are an adapter the engine
+    # merges into its base weights as W0 + lora_scaling·B·A (engine/lora.py); None: no adapter here.
+    lora_scaling: float | None = None
 
     @classmethod
     def of(cls, specs: Sequence[ParamSpec], **kw: Any) -> "WeightUpdate":

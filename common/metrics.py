@@ -100,6 +100,28 @@ class StatsLogger:
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
 
+    def log_eval(self, version: int, metrics: Mapping[str, float]) -> None:
+        """An evaluation of version `version` (`eval/*` keys): a line, a JSONL record at step =
+        version (a version is the number of train steps behind it), TensorBoard at that step,
+        wandb against `eval/version` (wandb's own step must only grow; evaluations arrive late)."""
+        if not self.enabled:
+            return
+        clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        clean["eval/version"] = float(version)
+        parts = [f"{k.removeprefix('eval/')} {v:.4g}" for k, v in clean.items() if k != "eval/version"]
+        print(f"eval v{version} | " + " ".join(parts), file=self.stdout, flush=True)
+        self._jsonl.write(json.dumps({"step": version, "ts": time.time(), **clean}) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for k, v in clean.items():
+                self._tb.add_scalar(k, v, version)
+            self._tb.flush()
+        if self._wandb is not None:
+            if not getattr(self, "_wandb_eval_axis", False):
+                self._wandb.define_metric("eval/*", step_metric="eval/version")
+                self._wandb_eval_axis = True
+            self._wandb.log(clean)
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

@@ -44,6 +44,8 @@ import torch
 
 from rlstream.common.engine_api import EngineError, FinishReason, GenerateResponse, MetaInfo, SamplingParams
 from rlstream.common.logging import get_logger
+from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
+from rlstream.engine.lora import ADAPTER_CONFIG, AdapterMerger, is_adapter_tensor
 from rlstream.engine.sampling import Sampling, resolve, sample
 
 __all__ = ["LocalEngine", "EngineError", "resolve_device", "DTYPES"]
@@ -66,6 +68,22 @@ def resolve_device(device: str) -> torch.device:
     if dev.type not in ("cpu", "cuda"):
         raise ValueError(f"server.device must be auto, cpu or cuda, got {device!r}")
     return dev
+
+
+def _check_architecture(model_path: str) -> None:
+    """One line naming the folder when transformers has no causal LM for its config."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelPathError(f"server.model_path={model_path!r}: cannot read config.json: "
+                             f"{str(exc).splitlines()[0]}") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        archs = ", ".join(getattr(config, "architectures", None) or [config.model_type])
+        raise ModelPathError(f"server.model_path={model_path!r}: architecture {archs} (model_type "
+                             f"{config.model_type!r}) is not a causal LM the local engine can serve")
 
 
 @dataclass(eq=False)
@@ -93,16 +111,20 @@ class LocalEngine:
                  max_seq_len: int = 4096, seed: int = 1, version: int = 0) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.model_path = str(model_path)
-        self.tokenizer_path = str(tokenizer_path or model_path)
-        if not Path(self.model_path).is_dir():
-            raise FileNotFoundError(f"model path {self.model_path!r} is not a local folder (server.model_path / actor.path)")
+        self.model_path = resolve_model_path(str(model_path), "server.model_path")
+        self.tokenizer_path = resolve_model_path(str(tokenizer_path), "tokenizer_path") if tokenizer_path \
+            else self.model_path
+        check_model_folder(self.model_path, "server.model_path", weights=True)
+        check_model_folder(self.tokenizer_path, "tokenizer_path" if tokenizer_path else "server.model_path",
+                           weights=False, tokenizer=True)
         if dtype not in DTYPES:
             raise ValueError(f"server.dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
         self.device = resolve_device(device)
         self.dtype = DTYPES[dtype]
-        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).to(self.device).eval()
+        _check_architecture(self.model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
+        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
+                                                          local_files_only=True).to(self.device).eval()
         self.model.requires_grad_(False)
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None)
@@ -125,6 +147,7 @@ class LocalEngine:
         # name -> tensor for every parameter and buffer, tied aliases included.
         self._named = dict(self.model.named_parameters(remove_duplicate=False))
         self._named.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        self._merger: AdapterMerger | None = None  # made at the first LoRA push
 
         # Shared with the decode thread; guarded by _cv.
         self._cv = threading.Condition()
@@ -162,16 +185,9 @@ class LocalEngine:
                    max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, seed=cfg.seed)
 
     def _eos_ids(self) -> frozenset[int]:
-        ids: set[int] = set()
-        if self.tokenizer.eos_token_id is not None:
-            ids.add(int(self.tokenizer.eos_token_id))
-        gen = getattr(self.model, "generation_config", None)
-        eos = getattr(gen, "eos_token_id", None) if gen is not None else None
-        if isinstance(eos, int):
-            ids.add(eos)
-        elif isinstance(eos, (list, tuple)):
-            ids.update(int(e) for e in eos)
-        return frozenset(ids)
+        # The one source of stop tokens (tokenizer EOS + generation_config eos ids), shared with
+        # the producer's workflow and the held-out evaluation.
+        return frozenset(stop_token_ids(self.tokenizer, self.model_path))
 
     # ------------------------------------------------------------------ public surface
 
@@ -275,17 +291,36 @@ class LocalEngine:
             self._paused = False
             self._cv.notify_all()
 
-    def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None) -> int:
+    def apply_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int | None = None,
+                      lora_scaling: float | None = None) -> int:
         """Copy tensors into the parameters/buffers of the same HF name, between decode steps.
 
         Safe from any thread; it blocks until the current decode step ends, so async code
         calls it through an executor (`loop.run_in_executor(None, ...)`). Raises KeyError for an unknown name and ValueError for a
         shape mismatch (tensors before the bad one are already applied). Bumps the served
         version when `version` is given. Returns the number of tensors applied.
+
+        LoRA adapter tensors (`…lora_A.weight` / `…lora_B.weight`, with `lora_scaling`) are
+        merged into the base weights (`engine/lora.py`) and the merged weights applied.
         """
         n = 0
-        with self._step_lock, torch.no_grad():
+        adapters: list[tuple[str, torch.Tensor]] = []
+
+        def plain():
             for name, tensor in named_tensors:
+                if is_adapter_tensor(name):
+                    adapters.append((name, tensor))
+                    continue
+                yield name, tensor
+            if adapters:
+                if lora_scaling is None:
+                    raise ValueError(f"LoRA adapter tensors ({adapters[0][0]}, ...) came without lora_scaling")
+                if self._merger is None:
+                    self._merger = AdapterMerger(self.model_path)
+                yield from self._merger.add(adapters, lora_scaling)
+
+        with self._step_lock, torch.no_grad():
+            for name, tensor in plain():
                 dst = self._named.get(name)
                 if dst is None:
                     raise KeyError(f"unknown parameter {name!r} for the served model {self.model_path!r}")
@@ -303,6 +338,12 @@ class LocalEngine:
         from safetensors import safe_open
 
         p = Path(path)
+        if p.is_dir() and (p / ADAPTER_CONFIG).is_file():  # a LoRA adapter folder (peft format)
+            if self._merger is None:
+                self._merger = AdapterMerger(self.model_path)
+            n = self.apply_weights(self._merger.load_folder(p), version)
+            log.info("merged a LoRA adapter from %s into %d weights (version %s)", p, n, self._version)
+            return n
         if p.is_file():
             files = [p]
         elif p.is_dir():

@@ -318,6 +318,9 @@ async def _progress(engine: LocalEngine, every: float) -> None:
 
 def serve(cfg) -> None:
     """Entry of `rlstream serve --config X`."""
+    from rlstream.common.models import resolve_model_paths
+
+    cfg = resolve_model_paths(cfg)
     try:
         import uvloop
 

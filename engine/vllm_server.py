@@ -243,7 +243,7 @@ def _rlstream_router():
                 await session.hold(request)
                 counts = await engine(request).collective_rpc("update_weights_from_distributed", kwargs={
                     "names": body.names, "dtypes": body.dtypes, "shapes": body.shapes,
-                    "group_name": body.group_name})
+                    "group_name": body.group_name, "lora_scaling": body.lora_scaling})
             except Exception as exc:  # noqa: BLE001
                 # A request refused before any tensor moved leaves no session: serve on as before.
                 # One that failed mid-broadcast leaves the model partly loaded: it stays paused

@@ -27,6 +27,15 @@ is re-processed as soon as all its checkpoint tensors arrived (a fused qkv_proj 
 two buckets); `end_weight_update` finishes the rest (padded vocab rows, layers the push did
 not touch keep their current weights). The server keeps generation paused while a
 session is open, since unloaded layers sit on the meta device meanwhile.
+
+LoRA (`actor.lora`): a push carries only adapter tensors (`…lora_A.weight`,
+`…lora_B.weight`) and their scaling. They are collected during the session and merged into
+the base weights at its end (`engine/lora.py`: W0 + s·B·A, W0 read from the model folder),
+then loaded like any update. A merged module that vLLM fuses with others (q/k/v into
+qkv_proj, gate/up into gate_up_proj) is loaded together with its siblings' current
+weights, because a fused layer is rebuilt only from a complete set of its checkpoint
+tensors. An adapter folder (adapter_config.json) given to `update_weights_from_disk` is
+merged the same way.
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from typing import Any
 import torch
 
 from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype
+from rlstream.engine.lora import ADAPTER_CONFIG, AdapterMerger, is_adapter_tensor
 
 __all__ = ["WeightSyncWorkerExtension"]
 
@@ -93,8 +103,12 @@ class WeightSyncWorkerExtension:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
+        adapter = self._rls_adapter_weights()
+        if adapter:
+            self._rls_load(adapter)
         with set_current_vllm_config(self.vllm_config):
             finalize_layerwise_reload(self.model_runner.model, self.vllm_config.model_config)
+            self._rls_retie_lm_head()
         self._rls_session_open = False
         return True
 
@@ -102,7 +116,7 @@ class WeightSyncWorkerExtension:
         return bool(getattr(self, "_rls_session_open", False))
 
     def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
-                                        group_name: str | None = None) -> int:
+                                        group_name: str | None = None, lora_scaling: float | None = None) -> int:
         """Receive one bucket (each tensor broadcast from rank 0, in `names` order) into the session.
 
         The request is checked before the session opens, so a bad one leaves the model as it was.
@@ -112,20 +126,33 @@ class WeightSyncWorkerExtension:
         group = self._rls_group(group_name)
         specs = [(name, parse_dtype(dtype), tuple(int(s) for s in shape))
                  for name, dtype, shape in zip(names, dtypes, shapes)]
+        if lora_scaling is None and any(is_adapter_tensor(n) for n, _d, _s in specs):
+            raise ValueError(f"LoRA adapter tensors ({specs[0][0]}, ...) came without lora_scaling")
         self.begin_weight_update()
-        weights = []
+        weights, adapter = [], []
         for name, dtype, shape in specs:
             tensor = torch.empty(shape, dtype=dtype, device=group.device)
             group.broadcast(tensor, src=0)
-            weights.append((name, tensor))
-        self._rls_load(weights)
-        return len(weights)
+            (adapter if is_adapter_tensor(name) else weights).append((name, tensor))
+        if adapter:  # merged at the end of the session, once every A has its B
+            self._rls_pending_adapter().append((adapter, float(lora_scaling)))
+        if weights:
+            self._rls_load(weights)
+        return len(weights) + len(adapter)
 
     def update_weights_from_disk(self, model_path: str) -> int:
         """Load every `*.safetensors` under `model_path` (a folder or one file) as one complete session."""
         from safetensors import safe_open
 
         path = Path(model_path)
+        if path.is_dir() and (path / ADAPTER_CONFIG).is_file():  # a LoRA adapter folder: merge, then load
+            self.begin_weight_update()
+            try:
+                merged = self._rls_merger().load_folder(path)
+                self._rls_load(self._rls_with_fused_siblings(merged))
+            finally:
+                self.end_weight_update()
+            return len(merged)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.is_file() for f in files):
             raise FileNotFoundError(f"update_weights_from_disk: no safetensors file at {model_path!r}")
@@ -155,6 +182,68 @@ class WeightSyncWorkerExtension:
             raise RuntimeError(f"no weight-sync group {group_name!r}: call /init_weights_update_group first "
                                f"(known: {sorted(groups)})")
         return groups[group_name]
+
+    def _rls_merger(self) -> AdapterMerger:
+        if getattr(self, "_rls_adapter_merger", None) is None:
+            self._rls_adapter_merger = AdapterMerger(self.vllm_config.model_config.model)
+        return self._rls_adapter_merger
+
+    def _rls_pending_adapter(self) -> list:
+        if not hasattr(self, "_rls_adapter_buckets"):
+            self._rls_adapter_buckets: list = []
+        return self._rls_adapter_buckets
+
+    def _rls_adapter_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """The merged weights of the adapter tensors this session received (with fused siblings)."""
+        buckets, self._rls_adapter_buckets = self._rls_pending_adapter(), []
+        merger = self._rls_merger() if buckets else None
+        merged = [w for named, scaling in buckets for w in merger.add(named, scaling)]
+        if merger is not None and merger.pending:
+            raise ValueError(f"LoRA push ended without the other half of {sorted(merger.pending)[:3]}")
+        return self._rls_with_fused_siblings(merged)
+
+    def _rls_with_fused_siblings(self, merged: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        """`merged` plus the current weights of every module vLLM fuses with a merged one."""
+        packed = getattr(self.model_runner.model, "packed_modules_mapping", {}) or {}
+        have = {name for name, _ in merged}
+        out = list(merged)
+        for name, _ in merged:
+            prefix, _, leaf_w = name.rpartition(".")  # ...q_proj, weight
+            parent, _, leaf = prefix.rpartition(".")
+            for group in packed.values():
+                if leaf in group:
+                    for sib in group:
+                        sname = f"{parent}.{sib}.{leaf_w}"
+                        if sname not in have:
+                            have.add(sname)
+                            out.append((sname, self._rls_merger().current(sname)))
+        return out
+
+    def _rls_retie_lm_head(self) -> None:
+        """Tied embeddings (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B): make `lm_head` serve the pushed weights.
+
+        A push carries `embed_tokens.weight` only (the checkpoint has no `lm_head.weight`, and
+        vLLM's `load_weights` skips it for tied models), so the reload processes the embedding
+        layer and never `lm_head`. On CPU, `lm_head` computes its logits with a packed copy of
+        the weight that vLLM made when the model was loaded (`dispatch_cpu_unquantized_gemm`:
+        oneDNN / SGL packing), which would keep the OLD output embedding: the engine would
+        serve new layers with an old head. So: keep the tie (the shared parameter, updated in
+        place by the reload) and rebuild lm_head's kernel from it.
+        """
+        model = self.model_runner.model
+        text_config = getattr(self.vllm_config.model_config, "hf_text_config", None)
+        if not getattr(text_config, "tie_word_embeddings", False):
+            return
+        lm_head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        if not isinstance(getattr(lm_head, "weight", None), torch.Tensor) or \
+                not isinstance(getattr(embed, "weight", None), torch.Tensor):
+            return  # pipeline stage without one of them, or another layout: nothing we know to re-tie
+        if lm_head.weight is not embed.weight:
+            lm_head.weight = embed.weight
+        method = getattr(lm_head, "quant_method", None)
+        if method is not None and hasattr(method, "process_weights_after_loading"):
+            method.process_weights_after_loading(lm_head)
 
     def _rls_load(self, weights: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.config import set_current_vllm_config

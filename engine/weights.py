@@ -236,7 +236,7 @@ class WeightReceiver:
                 raise RuntimeError(f"weight group {group_name!r} was replaced during the update; version not changed")
             # The rest (other dtype/device than served, or an engine without live access) is copied in
             # here, between decode steps; an empty list still moves the version.
-            return self.engine.apply_weights(received, version)
+            return self.engine.apply_weights(received, version, lora_scaling=body.lora_scaling)
 
         n = await run_in_thread(receive_and_apply, name=f"rlstream-weights-recv-{group_name}")
         self.updates += 1

@@ -18,8 +18,10 @@ import typer
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlstream: asynchronous RL post-training on Redis streams.")
 config_app = typer.Typer(no_args_is_help=True, help="Show and document configuration.")
 launch_app = typer.Typer(no_args_is_help=True, help="Launch on a cluster scheduler.")
+model_app = typer.Typer(no_args_is_help=True, help="Prepare local model folders (no hub at run time).")
 app.add_typer(config_app, name="config")
 app.add_typer(launch_app, name="launch")
+app.add_typer(model_app, name="model")
 
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file.")
@@ -177,6 +179,35 @@ def launch_slurm(ctx: typer.Context, config: Optional[str] = ConfigOpt,
 
     code = _guard(slurm_main, load(config, ctx.args), dry_run=dry_run, redis_url=redis)
     raise typer.Exit(code or 0)
+
+
+@model_app.command("get")
+def model_get(name: str = typer.Argument(..., help="A known model (see `rlstream model list`)."),
+              cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Model cache (default: $RLSTREAM_MODEL_CACHE or ~/.cache/rlstream/models)."),
+              dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+              force: bool = typer.Option(False, "--force", help="Convert again even if the folder is ready.")) -> None:
+    """Fetch, convert and check a known model once; print its folder (instant when cached)."""
+    from rlstream.launcher.models import ModelPrepError, get_model
+
+    if dtype not in ("float32", "bfloat16", "float16"):
+        _fail(f"--dtype {dtype!r}; allowed: float32, bfloat16, float16", 2)
+    try:
+        path = get_model(name, cache_dir=cache_dir, dtype=dtype, force=force,
+                         progress=lambda msg: typer.echo(f"rlstream: {msg}", err=True))
+    except ModelPrepError as exc:
+        _fail(str(exc))
+    typer.echo(str(path))
+
+
+@model_app.command("list")
+def model_list(cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help="Model cache to look in.")) -> None:
+    """Known models and the dtypes already prepared."""
+    from rlstream.common.models import prepared_model_dir
+    from rlstream.launcher.models import list_models
+
+    for name, desc, ready in list_models(cache_dir):
+        where = ", ".join(f"{d}: {prepared_model_dir(name, d, cache_dir)}" for d in ready) or "not prepared"
+        typer.echo(f"{name}  {desc}  [{where}]")
 
 
 @app.command()

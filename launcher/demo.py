@@ -1,7 +1,7 @@
-"""The built-in CPU demo task, generated on the spot (no hub): reverse a digit string.
+"""The built-in CPU tasks, generated on the spot (no hub).
 
-Prompt `"4821="`, answer `"1284"`, scored by `producer.rewards:exact_match_reward`.
-`prepare(cfg)` writes, when missing:
+`launcher.demo.task=reverse` (the tiny-model demo): prompt `"4821="`, answer `"1284"`,
+scored by `producer.rewards:exact_match_reward`. `prepare(cfg)` writes, when missing:
 
 - `train_dataset.path`: training prompts with answers (JSONL);
 - `valid_dataset.path`: held-out prompts, disjoint from the training ones;
@@ -14,6 +14,17 @@ output format and both behaviours (echo and reverse) but prefers echoing, so gre
 accuracy is low while some of its `n_samples` samples are right — exactly the regime
 where exact-match RL (GRPO) has a signal and lifts held-out accuracy quickly, which a
 2-core CPU can show within minutes.
+
+`launcher.demo.task=word_problems` (the real-model config, `configs/smollm2-cpu.yaml`):
+one-step arithmetic word problems ("Ava has 18 coins. Ava gets 8 more coins. How many
+coins does Ava have now?"; sums, differences, products of small numbers), each prompt a
+list of chat messages holding one solved example, answers checked in `\\boxed{}` by
+`producer.rewards:math_reward`. Why this shape: SmolLM2-135M-Instruct scores 0 on bare
+prompts (it never writes `\\boxed{}`), while with one example in the chat it boxes an
+answer about half of the time when sampling at T=0.7 and is right on ~14% of samples
+(~31% greedy), so most groups of 8 have mixed rewards: a gradient to climb. Held-out
+problems differ from the training ones. The model is `actor.path` (`rlstream run` prepares
+a known model's name with `rlstream model get NAME` first).
 """
 
 from __future__ import annotations
@@ -25,7 +36,7 @@ from pathlib import Path
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
 
-__all__ = ["prepare", "make_reverse_items", "demo_paths"]
+__all__ = ["prepare", "make_reverse_items", "make_word_problem_items", "demo_paths"]
 
 log = get_logger(__name__)
 
@@ -42,6 +53,51 @@ def make_reverse_items(n_train: int, n_valid: int, digits: int, seed: int) -> tu
     for k in picks:
         s = f"{k:0{digits}d}"
         rows.append({"prompt": f"{s}=", "answer": s[::-1]})
+    return rows[n_valid:], rows[:n_valid]
+
+
+_NAMES = ["Tom", "Anna", "Ben", "Lily", "Sam", "Mia", "Jack", "Emma", "Leo", "Zoe", "Max", "Ava", "Noah", "Ella",
+          "Liam", "Ruby"]
+_ITEMS = ["apples", "marbles", "stickers", "books", "pencils", "cookies", "cards", "balloons", "shells", "coins",
+          "stamps", "toys"]
+# The one solved example every prompt carries (as a user/assistant exchange before the question).
+WORD_PROBLEM_EXAMPLE = ("Kate has 4 pens. She buys 3 more pens. How many pens does Kate have now?",
+                        "Kate has 4 + 3 = 7 pens. The answer is \\boxed{7}.")
+
+
+def _word_problem(rng: random.Random) -> tuple[str, int]:
+    name, item = rng.choice(_NAMES), rng.choice(_ITEMS)
+    kind = rng.randrange(3)
+    if kind == 0:
+        a, b = rng.randint(2, 20), rng.randint(2, 20)
+        return f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?", a + b
+    if kind == 1:
+        a = rng.randint(10, 30)
+        b = rng.randint(1, a - 1)
+        return f"{name} has {a} {item}. {name} gives away {b} {item}. How many {item} does {name} have left?", a - b
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    return f"{name} has {a} boxes. Each box holds {b} {item}. How many {item} does {name} have in total?", a * b
+
+
+def word_problem_messages(question: str) -> list[dict[str, str]]:
+    """The chat prompt of one problem: the solved example, then the question."""
+    q, a = WORD_PROBLEM_EXAMPLE
+    return [{"role": "user", "content": q}, {"role": "assistant", "content": a}, {"role": "user", "content": question}]
+
+
+def make_word_problem_items(n_train: int, n_valid: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Disjoint train / held-out rows: `prompt` (chat messages), `answer`, `question` (the bare text)."""
+    rng = random.Random(seed)
+    seen: dict[str, int] = {}
+    for _ in range(50 * (n_train + n_valid)):  # ~300k distinct problems exist; duplicates are skipped
+        if len(seen) == n_train + n_valid:
+            break
+        question, answer = _word_problem(rng)
+        seen.setdefault(question, answer)
+    else:
+        raise ValueError(f"launcher.demo: cannot draw {n_train} + {n_valid} distinct word problems; lower "
+                         "launcher.demo.n_train/n_valid")
+    rows = [{"prompt": word_problem_messages(q), "answer": str(a), "question": q} for q, a in seen.items()]
     return rows[n_valid:], rows[:n_valid]
 
 
@@ -78,6 +134,8 @@ def prepare(cfg: Config) -> dict[str, Path]:
     if demo.task == "none":
         return {}
     paths = demo_paths(cfg)
+    if demo.task == "word_problems":
+        return _prepare_word_problems(cfg, paths)
     if not (paths["train"].exists() and paths["valid"].exists() and paths["sft"].exists()):
         train, valid = make_reverse_items(demo.n_train, demo.n_valid, demo.digits, cfg.seed)
         rng = random.Random(cfg.seed + 1)
@@ -97,4 +155,15 @@ def prepare(cfg: Config) -> dict[str, Path]:
                          intermediate_size=4 * demo.hidden_size, seed=cfg.seed)
         log.info("demo task %s: built a tiny model (hidden %d, %d layers) at %s", demo.task, demo.hidden_size,
                  demo.num_layers, paths["model"])
+    return paths
+
+
+def _prepare_word_problems(cfg: Config, paths: dict[str, Path]) -> dict[str, Path]:
+    demo = cfg.launcher.demo
+    if not (paths["train"].exists() and paths["valid"].exists()):
+        train, valid = make_word_problem_items(demo.n_train, demo.n_valid, cfg.seed)
+        _write_jsonl(paths["train"], train)
+        _write_jsonl(paths["valid"], valid)
+        log.info("demo task word_problems: wrote %d train, %d held-out problems under %s", len(train), len(valid),
+                 paths["train"].parent)
     return paths

@@ -49,6 +49,8 @@ class Snapshot:
     dead: int = 0
     engines: int = 0
     eta_s: float | None = None
+    eval_accuracy: float | None = None  # the newest evaluation during training (evaluator.*)
+    eval_version: int | None = None
     children: dict[str, str] = field(default_factory=dict)  # name -> state
 
 
@@ -67,6 +69,7 @@ class Monitor:
         self.t0 = t0
         self._pos = 0
         self._last_metrics: dict[str, float] = {}
+        self._last_eval: dict[str, float] = {}
         self._history: deque[tuple[float, int]] = deque()  # (t, accepted groups)
         self.rows: list[dict[str, float]] = []
         self._warned = False
@@ -87,7 +90,10 @@ class Monitor:
             except json.JSONDecodeError:
                 continue
             self.rows.append(row)
-            self._last_metrics = row
+            if "eval/version" in row:  # an evaluation record, logged under its version's step
+                self._last_eval = row
+            else:
+                self._last_metrics = row
 
     def sample(self, children: dict[str, str] | None = None) -> Snapshot:
         from rlstream.broker.inspect import collect
@@ -103,6 +109,9 @@ class Monitor:
             snap.staleness_mean = m.get("staleness/mean")
             snap.staleness_max = m.get("staleness/max")
             snap.trainer_tokens_per_s = m.get("perf/tokens_per_s")
+        if self._last_eval:
+            snap.eval_accuracy = self._last_eval.get("eval/accuracy")
+            snap.eval_version = int(self._last_eval["eval/version"])
         try:
             info = collect(self.client, self.keys, self.eta, self.batch, self.max_concurrent, window_s=RATE_WINDOW_S,
                            recent=1, scan_limit=5000)
@@ -160,7 +169,9 @@ def line(s: Snapshot) -> str:
     """One-line summary (logs, non-terminal output)."""
     steps = f"{s.step}/{s.total_steps}" if s.total_steps else str(s.step)
     return (f"[{_fmt_secs(s.t)}] step {steps} v{s.served_version} (trainer v{s.trainer_version}) "
-            f"reward {_fmt(s.reward)} stale {_fmt(s.staleness_mean, '{:.2f}')} queue {s.queue_depth} "
+            f"reward {_fmt(s.reward)} "
+            + (f"eval {_fmt(s.eval_accuracy)}@v{s.eval_version} " if s.eval_version is not None else "")
+            + f"stale {_fmt(s.staleness_mean, '{:.2f}')} queue {s.queue_depth} "
             f"running {s.running} rollouts/s {s.rollouts_per_s:.1f} tokens/s {s.tokens_per_s:.0f} "
             f"ETA {_fmt_secs(s.eta_s)}")
 
@@ -176,6 +187,8 @@ def render(s: Snapshot, title: str):
     t.add_row("step", f"{steps}   elapsed {_fmt_secs(s.t)}   ETA {_fmt_secs(s.eta_s)}")
     t.add_row("version", f"served {s.served_version}   trainer {s.trainer_version}")
     t.add_row("reward", f"{_fmt(s.reward)}   batch accuracy {_fmt(s.accuracy)}")
+    if s.eval_version is not None:
+        t.add_row("eval", f"held-out accuracy {_fmt(s.eval_accuracy)} of version {s.eval_version}")
     t.add_row("staleness", f"mean {_fmt(s.staleness_mean, '{:.2f}')}   max {_fmt(s.staleness_max, '{:.0f}')}"
                            f"   dropped {s.dropped_stale}")
     t.add_row("queue", f"{s.queue_depth} groups waiting   {s.running} rollouts running   "

@@ -127,10 +127,17 @@ class LocalRun:
     def prepare(self) -> None:
         from rlstream.launcher.demo import prepare as prepare_demo
 
+        from rlstream.common.models import KNOWN_MODELS, resolve_model_paths
+        from rlstream.launcher.models import get_model
+
         cfg = self.cfg
+        # A known model named in the config is fetched and converted once (then cached).
+        for name in sorted({cfg.actor.path, cfg.tokenizer_path, cfg.ref.path, cfg.server.model_path} & set(KNOWN_MODELS)):
+            get_model(name, progress=_echo)
         paths = prepare_demo(cfg)
+        self.cfg = cfg = resolve_model_paths(cfg)  # children get folders in their config
         if paths:
-            _echo(f"demo task '{cfg.launcher.demo.task}': data in {paths['train'].parent}, model in {paths['model']}")
+            _echo(f"demo task '{cfg.launcher.demo.task}': data in {paths['train'].parent}, model in {cfg.actor.path}")
         if not cfg.actor.path or not (Path(cfg.actor.path) / "config.json").exists():
             raise ConfigError(f"actor.path={cfg.actor.path!r} is not a local HF model folder (no config.json)")
         if cfg.launcher.sft_steps:
@@ -390,6 +397,7 @@ class LocalRun:
         # No children yet: Ctrl-C here is a plain KeyboardInterrupt.
         try:
             self.prepare()
+            cfg = self.cfg  # model paths resolved to folders
             acc_before = self.evaluate(cfg.actor.path, "before RL")
         except ValueError as exc:  # bad data/model paths: one line naming the key (DatasetError is one)
             raise ConfigError(str(exc)) from None

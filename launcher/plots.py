@@ -5,7 +5,8 @@ the launcher's `launcher_timeline.jsonl` (Redis-side snapshots over time) and
 `staleness.json` (head staleness of every trained group, from the step records).
 Outputs in `{run_dir}/plots/`:
 
-- `reward.png`: batch reward and accuracy per step, held-out accuracy before/after;
+- `reward.png`: batch reward and accuracy per step, held-out accuracy during training
+  (`eval/accuracy` rows, at their version's step) and before/after;
 - `staleness.png`: distribution of head staleness (trainer version - oldest token version) of trained groups;
 - `throughput.png`: rollouts/s and tokens/s over wall time (producers and trainer);
 - `time_split.png`: where each step's time went (waiting for data, logprobs, update, weight push, ...).
@@ -74,6 +75,11 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
             xs, ys = _series(metrics, key)
             if xs:
                 ax.plot(xs, ys, label=label, **style)
+        xs, ys = _series(metrics, "eval/accuracy")  # evaluation during training, at its version's step
+        if xs:
+            order = sorted(range(len(xs)), key=xs.__getitem__)
+            ax.plot([xs[i] for i in order], [ys[i] for i in order], "o-", color="tab:purple", lw=2,
+                    label="held-out accuracy (eval during training)")
         last = max((r.get("step", 0) for r in metrics), default=1)
         if acc_before is not None:
             ax.scatter([0], [acc_before], color="tab:red", zorder=5, label=f"held-out acc before RL: {acc_before:.0%}")

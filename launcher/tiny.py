@@ -35,8 +35,14 @@ def build_tokenizer():
 
 
 def build_tiny_model(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                     intermediate_size: int = 256, max_position_embeddings: int = 512, seed: int = 0) -> Path:
-    """Write a randomly initialised tiny LlamaForCausalLM + tokenizer to `path`."""
+                     intermediate_size: int = 256, max_position_embeddings: int = 512, seed: int = 0,
+                     tie_word_embeddings: bool = False) -> Path:
+    """Write a randomly initialised tiny LlamaForCausalLM + tokenizer to `path`.
+
+    `tie_word_embeddings=True` shares `lm_head.weight` with `embed_tokens.weight`, as most
+    small real chat models do (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B): the checkpoint then
+    holds one tensor for both, and a weight push sends it once.
+    """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -54,7 +60,7 @@ def build_tiny_model(path: str | Path, *, hidden_size: int = 64, num_layers: int
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         torch_dtype="float32",
     )
     torch.manual_seed(seed)

@@ -109,8 +109,23 @@ class Producer:
         self.pool = ServerPool(cfg, redis_client=self.client)
         await self.pool.start()
         self.engine = RolloutEngine(self.pool, self.versions, resume_wait=cfg.actor.weight_update_timeout)
+        self.evaluator = self._make_evaluator() if cfg.evaluator.enabled else None
         # Run metadata in `{ns}:meta` (admission parameters) for inspect and a check against the trainer's.
         await awrite_run_meta(self.client, self.keys, cfg, component="producer")
+
+    def _make_evaluator(self):
+        from rlstream.broker.evals import AsyncEvalLog
+        from rlstream.common.models import stop_token_ids
+        from rlstream.producer.dataset import PromptDataset
+        from rlstream.producer.evaluator import Evaluator
+
+        cfg = self.cfg
+        valid = PromptDataset(cfg.valid_dataset, self.tokenizer, seed=cfg.seed, key="valid_dataset")
+        return Evaluator(cfg, dataset=valid, tokenizer=self.tokenizer, engine=self.engine, reward=self.rewards,
+                         versions=self.versions, evals=AsyncEvalLog(self.client, self.keys),
+                         stop_ids=stop_token_ids(self.tokenizer, cfg.actor.path or None, cfg.gconfig.stop_token_ids),
+                         owner=self.producer_id,
+                         steps_per_epoch=len(self.dataset) // cfg.rollout.consumer_batch_size or None)
 
     async def _teardown(self) -> None:
         for t in self._bg:
@@ -333,6 +348,8 @@ class Producer:
             self._bg = [asyncio.create_task(self._renew_leases(), name="renew-leases"),
                         asyncio.create_task(self._follow_events(), name="events"),
                         asyncio.create_task(self._progress(), name="progress")]
+            if self.evaluator is not None:
+                self._bg.append(asyncio.create_task(self.evaluator.run(self._stop), name="evaluator"))
             if self.stop_reason is None:
                 setup = self.cfg.rollout.setup_timeout
                 waiter = asyncio.create_task(self.pool.wait_for_servers(1, setup))
@@ -377,7 +394,9 @@ def produce(cfg: Config) -> int:
     # needs transformers' torch features sets USE_TORCH=1 in the environment.
     os.environ.setdefault("USE_TORCH", "0")
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    producer = Producer(cfg)
+    from rlstream.common.models import resolve_model_paths
+
+    producer = Producer(resolve_model_paths(cfg))
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS

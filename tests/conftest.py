@@ -86,6 +86,23 @@ def tiny_model_path(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="session")
+def tiny_tied_model_path(tmp_path_factory) -> Path:
+    """The tiny model with lm_head tied to embed_tokens (like SmolLM2, Qwen2.5, Llama-3.2)."""
+    from rlstream.launcher.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-tied") / "model", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    """The real model, SmolLM2-135M-Instruct, as the cached HF folder `rlstream model get` prepares
+    (`bootstrap.sh --test` prepares it; the first test that needs it does when it is missing)."""
+    from rlstream.launcher.models import get_model
+
+    return get_model("smollm2-135m-instruct")
+
+
 @pytest.fixture
 def group_factory():
     return make_group

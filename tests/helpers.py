@@ -27,7 +27,7 @@ from rlstream.launcher.procs import CHILD_ENV, stop_process, wait_for_port
 __all__ = [
     "free_port", "stop_process", "child_env", "cli", "redis_server_binary", "RedisServer", "EngineProcess",
     "ProducerProcess", "make_group", "write_arith_dataset", "engine_overrides", "producer_overrides",
-    "PROMPTS", "recompute_logprobs", "behaviour_logprobs", "perturbed_state",
+    "PROMPTS", "recompute_logprobs", "behaviour_logprobs", "perturbed_state", "vllm_python_or_skip", "VllmServer",
 ]
 
 
@@ -236,3 +236,83 @@ def perturbed_state(model, seed: int = 1) -> dict:
 
     g = torch.Generator().manual_seed(seed)
     return {n: p.detach() + 0.05 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------- vLLM (CPU) in its venv
+
+VLLM_REQUIRE_ENV = "RLSTREAM_REQUIRE_VLLM"
+
+
+def vllm_python_or_skip() -> Path:
+    """The vLLM venv's python; skip without it, except with RLSTREAM_REQUIRE_VLLM=1 (CI), where it fails."""
+    from rlstream.engine.vllm_server import VENV_ENV, venv_python
+
+    py = venv_python()
+    if not py.is_file():
+        msg = f"vLLM venv not found ({py}): run `bash scripts/setup_vllm_venv.sh` (or point {VENV_ENV} at one)"
+        if os.environ.get(VLLM_REQUIRE_ENV) == "1":
+            pytest.fail(f"{VLLM_REQUIRE_ENV}=1 but {msg}")
+        pytest.skip(msg)
+    return py
+
+
+class VllmServer:
+    """`python engine/vllm_server.py` in the venv on a free port, in its own session; stopped with its children."""
+
+    def __init__(self, model: Path, log_path: Path, extra: list[str]) -> None:
+        self.model, self.log_path, self.extra = model, log_path, extra
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float | None = None) -> "VllmServer":
+        import urllib.request
+
+        from rlstream.engine.vllm_server import server_command
+
+        timeout = timeout or float(os.environ.get("RLSTREAM_VLLM_START_TIMEOUT", "900"))
+        env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1",  # GiB; the default would take a share of RAM
+                   VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                   TOKENIZERS_PARALLELISM="false")
+        cmd = server_command(self.model, self.port, extra=self.extra)
+        t0 = time.monotonic()
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"vLLM server exited with {self.proc.returncode} before it was healthy:\n{self.log_tail()}")
+            if time.monotonic() - t0 > timeout:
+                self.stop()
+                pytest.fail(f"vLLM server not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as resp:
+                    if resp.status == 200:
+                        break
+            except OSError:
+                pass
+            time.sleep(1.0)
+        print(f"vLLM server healthy after {time.monotonic() - t0:.1f}s (log: {self.log_path})")
+        return self
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        proc = self.proc
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        # vLLM's engine-core/worker children live in the session we started; none may outlive it.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

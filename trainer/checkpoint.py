@@ -150,14 +150,30 @@ class Checkpointer:
         return self._tokenizer or None
 
     def save_hf(self, model: torch.nn.Module, module: torch.nn.Module, name: str) -> Path:
-        """Export `{run_dir}/checkpoints/{name}` in HF format (collective)."""
-        sd = self._model_state(model)
+        """Export `{run_dir}/checkpoints/{name}` in HF format (collective).
+
+        A LoRA (peft) model saves its adapter in peft format (adapter_config.json +
+        adapter_model.safetensors, loadable with `PeftModel.from_pretrained(base, folder)`);
+        `final` is the merged model as a plain HF folder, with the adapter in `final/adapter`.
+        """
+        from rlstream.trainer.model import is_lora
+
+        lora = is_lora(module)
+        sd = None if lora else self._model_state(model)  # a LoRA adapter is the same on every rank
         final = self.save_dir / name
         if self.par.is_main:
             tmp = self.save_dir / f".tmp-{name}-{os.getpid()}"
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-            module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            if not lora:
+                module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+            elif name == "final":
+                import copy
+
+                copy.deepcopy(module).merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+                module.save_pretrained(tmp / "adapter", safe_serialization=True)
+            else:
+                module.save_pretrained(tmp, safe_serialization=True)
             tok = self._tokenizer_obj()
             if tok is not None:
                 tok.save_pretrained(tmp)

@@ -33,6 +33,7 @@ from rlstream.broker.versions import Event, VersionRegistry
 from rlstream.common.config import Config, ConfigError
 from rlstream.common.logging import get_logger
 from rlstream.common.metrics import StatsLogger
+from rlstream.common.models import resolve_model_paths
 from rlstream.consumer.collate import collate
 from rlstream.consumer.reader import StepReader
 from rlstream.trainer.budget import resolve_total_steps
@@ -67,6 +68,38 @@ def check_config(cfg: Config, world_size: int) -> None:
         log.warning("actor.recompute_logprob=true is ignored with prox_logp_method=loglinear (no extra forward pass)")
 
 
+class EvalFeed:
+    """Evaluations the producers recorded in `{ns}:eval` (broker/evals.py), logged once each as `eval/*`."""
+
+    def __init__(self, client, keys: Keys, enabled: bool) -> None:
+        from rlstream.broker.evals import EvalLog
+
+        self.log = EvalLog(client, keys) if enabled else None
+        self.last_id = "0"
+
+    def skip_logged(self) -> None:
+        if self.log is not None:
+            for eid, _r in self.log.since("0", count=100_000):
+                self.last_id = eid
+
+    def log_new(self, stats: StatsLogger) -> None:
+        if self.log is None:
+            return
+        try:
+            new = self.log.since(self.last_id)
+        except Exception as exc:  # noqa: BLE001 - metrics never stop training
+            log.warning("reading evaluation records failed: %s", exc)
+            return
+        for eid, r in new:
+            self.last_id = eid
+            metrics = {"eval/accuracy": r.accuracy, "eval/mean_reward": r.mean_reward, "eval/n_prompts": r.n_prompts,
+                       "eval/output_len": r.mean_output_len, "eval/offversion_frac": r.offversion_frac,
+                       "eval/seconds": r.finished_at - r.started_at}
+            if r.pass_at_k is not None:
+                metrics[f"eval/pass@{r.n_samples}"] = r.pass_at_k
+            stats.log_eval(r.version, metrics)
+
+
 def _recovering(mode: str) -> bool:
     if mode in ("auto", "resume"):
         return True
@@ -88,6 +121,7 @@ def _due(par: Parallel, step: int, last_t: float, freq_steps: int | None, freq_s
 
 def train(cfg: Config) -> None:
     """Entry point of `rlstream train`."""
+    cfg = resolve_model_paths(cfg)  # prepared model names and cached hub ids -> folders (before any rank work)
     par = init_parallel(cfg.actor.device, cfg.actor.parallel)
     ok = False
     try:
@@ -157,6 +191,9 @@ def _train(cfg: Config, par: Parallel) -> None:
         # Engines may serve weights of lost steps: give them the recovered ones.
         broadcaster.push(par.unwrap(model), state.version)
     stats = StatsLogger(cfg, enabled=par.is_main, total_steps=total_steps)
+    evals = EvalFeed(client, keys, enabled=par.is_main and cfg.evaluator.enabled)
+    if state.step > 0:
+        evals.skip_logged()  # a resumed run logged the earlier evaluations already
     log.info("training %d steps of %d groups (%d per rank x %d ranks) from step %d",
              total_steps, B, B // par.world_size, par.world_size, state.step)
 
@@ -223,9 +260,11 @@ def _train(cfg: Config, par: Parallel) -> None:
             "perf/tokens_per_s": metrics["data/n_tokens"] / compute if compute > 0 else 0.0,
         })
         stats.log(state.step, metrics)
+        evals.log_new(stats)
 
     # ---- the end ---------------------------------------------------------------------
     ckpt.save_hf(model, par.unwrap(model), "final")
+    evals.log_new(stats)
     if par.is_main:
         versions.publish(Event(type="shutdown", version=state.version, detail=f"trainer finished {state.step} steps"))
         log.info("finished %d steps (version %d); published shutdown", state.step, state.version)

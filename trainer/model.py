@@ -1,8 +1,12 @@
-"""The policy and reference models: HF causal LMs from a local folder (never a hub name).
+"""The policy and reference models: HF causal LMs from a local folder (never downloaded).
 
 `load_model` is the one place the model backend is chosen (`actor.backend`): `hf` (a
 transformers model, wrapped in DDP/FSDP2 by `trainer.parallel`) or `megatron` (a
 megatron-core GPTModel behind the same call, `trainer/megatron/`; EXPERIMENTAL).
+
+`path` may also be a prepared model's name or a hub id already in the local HF cache
+(`common/models.resolve_model_path`). Tied input/output embeddings (SmolLM2, Qwen2.5,
+Llama-3.2) stay tied: one parameter, trained and pushed once.
 """
 
 from __future__ import annotations
@@ -11,9 +15,10 @@ from pathlib import Path
 
 import torch
 
-from rlstream.common.config import ActorConfig, ConfigError
+from rlstream.common.config import ActorConfig, ConfigError, LoRAConfig
+from rlstream.common.models import check_model_folder, resolve_model_path
 
-__all__ = ["DTYPES", "check_model_path", "load_causal_lm", "load_model"]
+__all__ = ["DTYPES", "check_model_path", "load_causal_lm", "load_model", "apply_lora", "is_lora"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -22,11 +27,7 @@ def check_model_path(path: str, key: str) -> Path:
     """A local HF model folder, or a one-line error naming the config key."""
     if not path:
         raise ConfigError(f"{key} is empty: set it to a local HF model folder")
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise ConfigError(f"{key}={path!r} is not a local HF model folder (no config.json); "
-                         "rlstream never downloads from a model hub")
-    return p
+    return check_model_folder(resolve_model_path(path, key), key, weights=False)
 
 
 def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", trainable: bool = True,
@@ -37,6 +38,8 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
     import transformers
 
     p = check_model_path(path, key)
+    if not init_from_scratch:
+        check_model_folder(p, key, weights=True)
     dtype = DTYPES[actor.dtype]
     # transformers 4.56 renamed `torch_dtype` to `dtype`.
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
@@ -49,6 +52,8 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
             model = AutoModelForCausalLM.from_config(config, **dkw)
     else:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, **dkw)
+    if trainable and actor.lora is not None:
+        model = apply_lora(model, actor.lora)
     if trainable:
         if actor.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -70,3 +75,34 @@ def load_model(path: str, actor: ActorConfig, device: torch.device, *, key: str 
                                 init_from_scratch=init_from_scratch, seed=seed)
     return load_causal_lm(path, actor, key=key, trainable=trainable, init_from_scratch=init_from_scratch,
                           seed=seed).to(device)
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    """A peft model (maybe inside a DDP wrapper): only its adapter trains and is pushed."""
+    from peft import PeftModel
+
+    return isinstance(getattr(model, "module", model), PeftModel)
+
+
+def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> torch.nn.Module:
+    """Wrap `model` with a peft LoRA adapter: only the adapter's A/B matrices require grad.
+
+    A target name that matches no linear module is a ConfigError listing the ones there are
+    (peft matches a name against the end of each module's dotted path).
+    """
+    from peft import LoraConfig, get_peft_model
+
+    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
+    targets = list(lora.target_modules)
+    if not targets:
+        raise ConfigError(f"actor.lora.target_modules is empty; linear modules of this model: {', '.join(leaves)}")
+    if targets != ["all-linear"]:
+        missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
+        if missing:
+            raise ConfigError(f"actor.lora.target_modules {missing} match no module of the model; its linear "
+                              f"modules are: {', '.join(leaves)} (or use 'all-linear')")
+    config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
+                        target_modules=targets[0] if targets == ["all-linear"] else targets, bias="none",
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)

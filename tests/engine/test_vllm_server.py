@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
 import threading
 import time
 import urllib.error
@@ -38,15 +35,12 @@ import aiohttp
 import pytest
 import torch
 
-from rlstream.engine.vllm_server import VENV_ENV, server_command, venv_python
-from tests.helpers import free_port
+from tests.helpers import VllmServer, free_port, vllm_python_or_skip
 
 pytestmark = pytest.mark.vllm
 
 torch.set_num_threads(1)
 
-REQUIRE_ENV = "RLSTREAM_REQUIRE_VLLM"
-START_TIMEOUT_S = float(os.environ.get("RLSTREAM_VLLM_START_TIMEOUT", "900"))
 ATOL = 1e-3  # fp32 on both sides; observed differences are ~1e-6
 PROMPTS = [[1, 10, 11, 12, 40], [1, 30, 31, 32, 33, 34, 50, 36], [1, 4, 5]]
 
@@ -99,24 +93,10 @@ def recompute(model, prompt: list[int], output: list[int], temperature: float) -
     return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1), logits
 
 
-def log_tail(path: Path, n: int = 60) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
-    py = venv_python()
-    if not py.is_file():
-        msg = (f"vLLM venv not found ({py}): run `bash scripts/setup_vllm_venv.sh` "
-               f"(or point {VENV_ENV} at one)")
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{REQUIRE_ENV}=1 but {msg}")
-        pytest.skip(msg)
-    return py
+    return vllm_python_or_skip()
 
 
 @pytest.fixture(scope="module")
@@ -148,54 +128,15 @@ def new_state(vllm_model, tmp_path_factory) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def vllm_server(vllm_python, vllm_model, tmp_path_factory):
     """`python engine/vllm_server.py` in the venv on a free port; yields its base URL."""
-    port = free_port()
-    log_path = tmp_path_factory.mktemp("vllm_log") / "vllm_server.log"
-    env = dict(os.environ)
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the default would take a share of RAM
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    })
-    cmd = server_command(vllm_model, port, extra=[
+    server = VllmServer(vllm_model, tmp_path_factory.mktemp("vllm_log") / "vllm_server.log", [
         "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
         "--enforce-eager",  # no torch.compile warm-up: minutes saved on 2 cores
         "--seed", "0", "--disable-log-stats",
         "--enable-server-load-tracking"])  # /load: the pause test waits for its request
-    t0 = time.monotonic()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM server exited with {proc.returncode} before it was healthy:\n{log_tail(log_path)}")
-            if time.monotonic() - t0 > START_TIMEOUT_S:
-                pytest.fail(f"vLLM server not healthy after {START_TIMEOUT_S:.0f}s:\n{log_tail(log_path)}")
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=2) as resp:
-                    if resp.status == 200:
-                        break
-            except OSError:
-                pass
-            time.sleep(1.0)
-        print(f"vLLM server healthy after {time.monotonic() - t0:.1f}s (log: {log_path})")
-        yield url
+        yield server.start().url
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        # vLLM's engine-core/worker children live in the session we started; none may outlive it.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        server.stop()
 
 
 @pytest.fixture

@@ -274,7 +274,7 @@ def test_megatron_mask_matches_the_packed_layout(tiny_model_path):
 
 
 def test_megatron_backend_says_what_it_runs(tiny_model_path):
-    from rlstream.common.config import ActorConfig, ConfigError, MegatronConfig
+    from rlstream.common.config import ActorConfig, ConfigError, LoRAConfig, MegatronConfig
     from rlstream.trainer.megatron.backend import check_megatron_config
     from rlstream.trainer.model import load_model
 
@@ -282,6 +282,8 @@ def test_megatron_backend_says_what_it_runs(tiny_model_path):
         check_megatron_config(ActorConfig(backend="megatron", megatron=MegatronConfig(tensor_parallel=2)))
     with pytest.raises(ConfigError, match="one trainer rank"):
         check_megatron_config(ActorConfig(backend="megatron"), world_size=2)
+    with pytest.raises(ConfigError, match=r"actor\.lora is set"):
+        check_megatron_config(ActorConfig(backend="megatron", lora=LoRAConfig()))
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         load_model(str(tiny_model_path), ActorConfig(path=str(tiny_model_path), backend="megatron"),
                    torch.device("cpu"))

@@ -53,6 +53,9 @@ def check_megatron_config(actor: ActorConfig, world_size: int = 1) -> None:
         raise ConfigError(f"actor.backend=megatron runs on one trainer rank so far, got {world_size} ranks")
     if actor.gradient_checkpointing:
         raise ConfigError("actor.gradient_checkpointing=true is not wired for actor.backend=megatron")
+    if actor.lora is not None:
+        raise ConfigError("actor.lora is set but actor.backend=megatron trains full weights only; "
+                          "use actor.backend=hf for LoRA")
 
 
 def init_model_parallel(device: torch.device, tp: int = 1, pp: int = 1, cp: int = 1, seed: int = 1) -> None:

@@ -63,7 +63,7 @@ from rlstream.common.dist import run_in_thread
 from rlstream.common.engine_api import ContinueRequest, EngineError, PauseRequest, Route
 from rlstream.common.logging import get_logger
 from rlstream.trainer.weights.fleet import EngineFleet
-from rlstream.trainer.weights.params import ShardSync, WeightEntry, is_sharded, weight_entries
+from rlstream.trainer.weights.params import ShardSync, WeightEntry, is_sharded, lora_scaling, weight_entries
 
 __all__ = ["WeightBroadcaster", "NoneBroadcaster", "EngineBroadcaster", "TransferFailed", "PushReport"]
 
@@ -172,6 +172,7 @@ class EngineBroadcaster(WeightBroadcaster):
         self._backoff: dict[str, _Backoff] = {}
         self._warned: set[str] = set()  # engines already reported as impossible to catch up now
         self._model: torch.nn.Module | None = None
+        self.lora_scaling: float | None = None
         self._sharded = False
         self._closed = False
         self._io: _LoopThread | None = None
@@ -221,6 +222,7 @@ class EngineBroadcaster(WeightBroadcaster):
     def push(self, model: torch.nn.Module, version: int) -> None:
         sharded = is_sharded(model)
         entries = weight_entries(model)
+        self.lora_scaling = lora_scaling(model)  # None unless only a LoRA adapter is pushed
         if self.rank != 0:
             if sharded:
                 ShardSync().follow(entries)

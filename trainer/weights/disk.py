@@ -54,8 +54,12 @@ def _write_json_atomic(path: Path, data: Any) -> None:
 
 
 def write_checkpoint(root: Path, version: int, entries: list[WeightEntry], bucket_bytes: int,
-                     config: Any = None) -> tuple[Path, int]:
-    """Write `entries` as version `version` under `root`, atomically; returns (folder, bytes)."""
+                     config: Any = None, adapter_config: dict | None = None) -> tuple[Path, int]:
+    """Write `entries` as version `version` under `root`, atomically; returns (folder, bytes).
+
+    With `adapter_config` (a LoRA push: only adapter tensors) the folder is a peft adapter:
+    `adapter_config.json` instead of the model's config.json; engines merge it.
+    """
     from safetensors.torch import save_file
 
     final = version_folder(root, version)
@@ -78,7 +82,9 @@ def write_checkpoint(root: Path, version: int, entries: list[WeightEntry], bucke
         del tensors
     _write_json_atomic(tmp / "model.safetensors.index.json",
                        {"metadata": {"total_size": total, "rlstream_version": version}, "weight_map": weight_map})
-    if config is not None and hasattr(config, "to_json_file"):
+    if adapter_config is not None:
+        _write_json_atomic(tmp / "adapter_config.json", adapter_config)
+    elif config is not None and hasattr(config, "to_json_file"):
         config.to_json_file(str(tmp / "config.json"))
     fsync(tmp)
     if final.exists():  # the same version pushed again (a trainer resumed from a checkpoint)
@@ -90,6 +96,15 @@ def write_checkpoint(root: Path, version: int, entries: list[WeightEntry], bucke
         os.replace(tmp, final)
     fsync(root)
     return final, total
+
+
+def _adapter_config(model: torch.nn.Module) -> dict | None:
+    """peft's adapter_config.json content of a LoRA model's active adapter (None for a plain model)."""
+    peft_config = getattr(model, "peft_config", None)
+    if not peft_config:
+        return None
+    cfg = peft_config[model.active_adapter].to_dict()
+    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
 
 
 class DiskBroadcaster(EngineBroadcaster):
@@ -110,7 +125,8 @@ class DiskBroadcaster(EngineBroadcaster):
         if sync is not None:  # every rank gathers each parameter while rank 0 writes it
             await run_in_thread(sync.signal, True)
         folder, self._bytes = await run_in_thread(write_checkpoint, self.root, version, entries, self.bucket_bytes,
-                                                  getattr(model, "config", None), name="rlstream-weights-write")
+                                                  getattr(model, "config", None), _adapter_config(model),
+                                                  name="rlstream-weights-write")
         log.info("version %d written to %s (%.1f MB)", version, folder, self._bytes / 2**20)
 
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,

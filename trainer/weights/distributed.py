@@ -166,7 +166,8 @@ class DistributedBroadcaster(EngineBroadcaster):
                 checksums.extend(zip(bucket, sums))
             last = i == len(buckets) - 1
             update = WeightUpdate.of([e.spec for e in bucket], group_name=name, flush_cache=last,
-                                     weight_version=str(version) if last else None)  # SGLang's version: a string
+                                     weight_version=str(version) if last else None,  # SGLang's version: a string
+                                     lora_scaling=self.lora_scaling)
             calls = {a: asyncio.ensure_future(self.fleet.call(a, api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, update,
                                                               timeout=self.timeout)) for a in engines}
             bcast = run_in_thread(group.broadcast_many, tensors, name=f"rlstream-weights-send-{name}")

@@ -16,8 +16,8 @@ import torch
 from rlstream.common.dist import dtype_name
 from rlstream.common.engine_api import ParamSpec
 
-__all__ = ["WeightEntry", "weight_entries", "plan_buckets", "is_sharded", "materialize", "bits_checksum",
-           "ShardSync"]
+__all__ = ["WeightEntry", "weight_entries", "lora_scaling", "plan_buckets", "is_sharded", "materialize",
+           "bits_checksum", "ShardSync"]
 
 
 @dataclass
@@ -53,15 +53,27 @@ def _clean_name(name: str) -> str:
     return name.removeprefix("module.")
 
 
+def _peft_adapter(model: torch.nn.Module) -> str | None:
+    """The active adapter's name when `model` is a peft model, else None."""
+    return getattr(model, "active_adapter", None) if hasattr(model, "peft_config") else None
+
+
 def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
     """Parameters (tied ones once) and persistent buffers, in module order.
 
     A model that names its own HF tensors (`hf_named_tensors()`: the megatron backend,
-    whose fused parameters engines do not know) is sent under those names.
+    whose fused parameters engines do not know) is sent under those names. A LoRA (peft)
+    model sends only what trains: its adapter's A/B matrices, named as peft saves them
+    (`base_model.model.<module>.lora_A.weight`); the engines merge them into the base
+    weights they hold (engine/lora.py) with the scaling of `lora_scaling(model)`.
     """
     hf_named = getattr(model, "hf_named_tensors", None)
     if hf_named is not None:
         return [WeightEntry(n, t, list(t.shape), t.dtype) for n, t in hf_named()]
+    adapter = _peft_adapter(model)
+    if adapter is not None:
+        return [WeightEntry(_clean_name(name).replace(f".{adapter}.", "."), p, list(p.shape), p.dtype)
+                for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name]
     out: list[WeightEntry] = []
     seen: set[int] = set()
     for name, p in model.named_parameters():
@@ -75,6 +87,19 @@ def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
             full = f"{mod_name}.{bname}" if mod_name else bname
             out.append(WeightEntry(_clean_name(full), b, list(b.shape), b.dtype))
     return out
+
+
+def lora_scaling(model: torch.nn.Module) -> float | None:
+    """The LoRA scaling s (W = W0 + s·B·A) of a peft model's adapter, None for a plain model."""
+    adapter = _peft_adapter(model)
+    if adapter is None:
+        return None
+    scalings = {float(m.scaling[adapter]) for m in model.modules()
+                if isinstance(getattr(m, "scaling", None), dict) and adapter in m.scaling}
+    if len(scalings) != 1:
+        raise ValueError(f"LoRA modules with {len(scalings)} different scalings {sorted(scalings)}: the push "
+                         "carries one (rank/alpha patterns are not supported)")
+    return scalings.pop()
 
 
 def plan_buckets(entries: list[WeightEntry], bucket_bytes: int) -> list[list[WeightEntry]]:
