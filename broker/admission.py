@@ -71,6 +71,8 @@ DONE_TTL_MS = 600_000
 WAIT_WINDOW_MS = 2000
 # Attempts of a commit whose outcome was unknown (connection lost) or raced; backoff in between.
 _COMMIT_ATTEMPTS = 12
+# Entries per XRANGE when the recovery reset counts undelivered entries itself (lag unknown).
+_RESET_CHUNK = 100
 
 # KEYS: running, accepted, version, waiting
 # ARGV: lease_id, ttl_ms, eta, B, max_concurrent, wait_window_ms
@@ -138,10 +140,14 @@ return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'
         tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
 
-# KEYS: accepted, traj   ARGV: v·B, consumer group  -> {backlog, lag_known}
-# backlog = entries of `traj` the group has still to train: pending + not yet delivered
+# KEYS: accepted, traj   ARGV: v·B, consumer group, chunk  -> {backlog, counted}
+# backlog = entries of `traj` the group has still to train: pending + not yet delivered.
+# Redis reports the group's lag as null after an AOF reload (or entries deleted mid-stream),
+# so the undelivered part is then counted from the stream itself: the entries after the
+# group's last-delivered id, in chunks. They are at most the admission budget's worth, so
+# the count is bounded, and it runs inside this script, so it stays atomic.
 _RESET = """
-local backlog, known = 0, 1
+local backlog, counted = 0, 0
 if redis.call('EXISTS', KEYS[2]) == 1 then
   local found = false
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', KEYS[2])) do
@@ -153,14 +159,21 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
       if type(f['lag']) == 'number' then
         backlog = backlog + f['lag']
       else
-        known = 0  -- Redis cannot tell the lag (entries deleted mid-stream)
+        local chunk, start = tonumber(ARGV[3]), '(' .. f['last-delivered-id']
+        while true do
+          local got = redis.call('XRANGE', KEYS[2], start, '+', 'COUNT', chunk)
+          counted = counted + #got
+          if #got < chunk then break end
+          start = '(' .. got[#got][1]
+        end
+        backlog = backlog + counted
       end
     end
   end
   if not found then backlog = redis.call('XLEN', KEYS[2]) end
 end
 redis.call('SET', KEYS[1], tonumber(ARGV[1]) + backlog)
-return {backlog, known}
+return {backlog, counted}
 """
 
 # KEYS: running  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
@@ -340,13 +353,15 @@ class Admission:
         Queued = pending in or not yet delivered to the `train` group (one atomic script, so
         a commit racing with it is counted exactly once). Without them producers would fill
         a whole new budget on top of the queue and the surplus would go stale. Returns the
-        queued count (pending only, with a warning, when Redis cannot tell the lag).
+        queued count. When Redis cannot tell the group's lag (after an AOF reload) the
+        undelivered entries are counted from the stream, after the last-delivered id.
         """
-        res = yield from script(_RESET, [self.keys.admit_accepted, self.keys.traj], [version * self.batch, TRAIN_GROUP])
-        backlog, known = int(res[0]), int(res[1])
-        if not known:
-            log.warning("admission reset: Redis cannot tell the train group's lag; counted only its %d pending "
-                        "entries as queued", backlog)
+        res = yield from script(_RESET, [self.keys.admit_accepted, self.keys.traj],
+                                [version * self.batch, TRAIN_GROUP, _RESET_CHUNK])
+        backlog, counted = int(res[0]), int(res[1])
+        if counted:
+            log.info("admission reset: Redis cannot tell the train group's lag; counted %d undelivered entries "
+                     "from the stream", counted)
         return backlog
 
     @operation

@@ -187,6 +187,38 @@ def test_reset_accepted_after_recovery_counts_the_queued_groups(rclient, keys, g
     assert fresh_adm.reset_accepted(0) == 1 and fresh_adm.snapshot().accepted == 1
 
 
+@pytest.mark.parametrize("chunk", [100, 3])
+def test_reset_accepted_is_exact_after_an_aof_reload(redis_factory, group_factory, monkeypatch, chunk):
+    """After Redis reloads its AOF, XINFO GROUPS reports the group's lag as null: the reset
+    still counts pending + never-delivered exactly (it used to count only the pending ones)."""
+    from rlstream.broker import connect
+    from rlstream.common.config import RedisConfig
+
+    monkeypatch.setattr(admission, "_RESET_CHUNK", chunk, raising=False)  # also the multi-chunk path of the count
+    server = redis_factory(["--appendonly", "yes", "--appendfsync", "always"])
+    client = connect(RedisConfig(url=server.url, retries=20))
+    keys = Keys("rlstream:aof:reload")
+    adm = AdmissionController(client, keys, max_head_offpolicyness=4, consumer_batch_size=2, max_concurrent_rollouts=100)
+    stream = TrajectoryStream(client, keys)
+    stream.ensure_group()
+    for _ in range(10):
+        _, lease = adm.try_acquire()
+        adm.commit(lease.lease_id, entry_fields(group_factory()))
+    delivered = stream.read("t0", count=4, block_ms=100)
+    assert stream.ack([e.id for e in delivered[:2]]) == 2  # 2 trained, 2 pending, 6 never delivered
+
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    server.start()
+    group = next(g for g in client.xinfo_groups(keys.traj) if g["name"] in (b"train", "train"))
+    assert group["pending"] == 2 and client.xlen(keys.traj) == 10  # the state survived the restart
+
+    VersionRegistry(client, keys).set(1)
+    assert adm.reset_accepted(1) == 2 + 6
+    assert int(client.get(keys.admit_accepted)) == 1 * 2 + 8
+    client.close()
+
+
 def test_finish_and_acquire_are_idempotent_under_retry(rclient, keys, group_factory):
     """A reply lost after the server ran a script makes the client run it again: no double effects."""
     adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=4, max_concurrent_rollouts=4)
