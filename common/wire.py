@@ -1,9 +1,21 @@
 """Wire schema: `TrajectoryGroup` / `Trajectory` as msgspec msgpack, no pickle anywhere.
 
-Token ids, logprobs and versions travel as little-endian raw bytes (int32 / float32 /
-int32), one value per position of `input_ids` (prompt + output). On decode the byte
-fields are `memoryview`s into the received buffer, so `np.frombuffer` reads them
-without a copy. Prompt positions carry version -1 and logprob 0.
+Token ids, logprobs, versions and the loss mask travel as little-endian raw bytes
+(int32 / float32 / int32 / uint8), one value per position of `input_ids`. On decode the
+byte fields are `memoryview`s into the received buffer, so `np.frombuffer` reads them
+without a copy.
+
+Schema 2 (written): a trajectory is one token sequence of segments: the prompt
+(`prompt_len` tokens), then model turns and tool/environment observations in any order.
+Per token: the behaviour logprob, the version that sampled it (-1 where the model did
+not generate the token, logprob 0 there) and the loss mask (1 only on model-generated
+tokens; a writer may leave a model token out of the loss with 0). Optional
+`turn_rewards` hold one reward per model turn (a maximal run of model tokens), on top
+of the final `reward`. A trajectory without `loss_mask` is single-turn: every token
+after the prompt is model-generated and trained on.
+
+Schema 1 (read only) is exactly that single-turn case: entries written by it decode
+unchanged (no mask, every output token trained).
 
 `decode_group` validates everything a trainer relies on and raises `WireError` with
 a reason; the broker moves such entries to the dead-letter stream.
@@ -26,12 +38,15 @@ __all__ = [
     "encode_group",
     "decode_group",
     "validate_group",
+    "model_turns",
 ]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
+_U8 = np.dtype("u1")
 
 FINISH_REASONS = ("stop", "length", "abort")
 
@@ -42,20 +57,39 @@ class WireError(ValueError):
     """An entry that cannot be trained on; the message is the dead-letter reason."""
 
 
-class Trajectory(msgspec.Struct, kw_only=True):
-    """One sample: prompt + output tokens with behaviour logprobs and weight versions.
+class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One sample: a prompt, then model turns and observations, with per-token logprobs,
+    weight versions and loss mask.
 
     The byte fields are typed `memoryview` so decoding is zero-copy; building one,
     any bytes-like object (bytes, numpy `.tobytes()`) is accepted.
     """
 
-    input_ids: memoryview  # int32 LE, prompt + output
-    prompt_len: int
-    logprobs: memoryview  # float32 LE, same length; 0 on prompt positions
-    versions: memoryview  # int32 LE, same length; -1 exactly on prompt positions
+    input_ids: memoryview  # int32 LE, every token of the sequence
+    prompt_len: int  # the first segment: tokens the model was given before its first turn
+    logprobs: memoryview  # float32 LE, same length; 0 where the model did not generate the token
+    versions: memoryview  # int32 LE, same length; -1 exactly where the model did not generate the token
     reward: float
     finish_reason: str  # stop | length | abort
     metadata: dict[str, Scalar] = {}
+    loss_mask: memoryview | None = None  # uint8, same length; 1 only on model tokens. None: single turn
+    turn_rewards: list[float] | None = None  # one per model turn, added to that turn's last token
+
+    @property
+    def loss_mask_np(self) -> np.ndarray:
+        """uint8 [seq_len]: 1 on trained tokens (derived for single-turn entries)."""
+        if self.loss_mask is not None:
+            return np.frombuffer(self.loss_mask, dtype=_U8)
+        m = np.zeros(self.seq_len, dtype=_U8)
+        m[self.prompt_len:] = 1
+        return m
+
+    @property
+    def n_model_tokens(self) -> int:
+        """Tokens the model generated (version >= 0)."""
+        if self.loss_mask is None:
+            return self.output_len
+        return int(np.count_nonzero(self.versions_np >= 0))
 
     # ---- numpy views (zero-copy on decoded entries) ---------------------------
     @property
@@ -97,6 +131,8 @@ class Trajectory(msgspec.Struct, kw_only=True):
         logp[n_p:] = np.asarray(output_logprobs, dtype=_F32)
         vers = np.full(n_p + n_o, -1, dtype=_I32)
         vers[n_p:] = np.asarray(output_versions, dtype=_I32)
+        mask = np.zeros(n_p + n_o, dtype=_U8)
+        mask[n_p:] = 1
         return cls(
             input_ids=np.concatenate([prompt, out]).tobytes(),
             prompt_len=n_p,
@@ -105,7 +141,53 @@ class Trajectory(msgspec.Struct, kw_only=True):
             reward=float(reward),
             finish_reason=finish_reason,
             metadata=dict(metadata or {}),
+            loss_mask=mask.tobytes(),
         )
+
+    @classmethod
+    def from_segments(
+        cls,
+        segments: list[tuple[Any, Any, Any]],
+        prompt_len: int,
+        reward: float,
+        finish_reason: str,
+        turn_rewards: list[float] | None = None,
+        metadata: dict[str, Scalar] | None = None,
+    ) -> "Trajectory":
+        """Build from `(ids, logprobs, versions)` segments in order; `logprobs`/`versions` None
+        mark a segment the model did not generate (prompt, observation: version -1, mask 0).
+        The first `prompt_len` tokens are the prompt."""
+        ids, logps, vers, masks = [], [], [], []
+        for seg_ids, seg_logp, seg_vers in segments:
+            a = np.asarray(seg_ids, dtype=_I32)
+            ids.append(a)
+            if seg_vers is None:
+                logps.append(np.zeros(len(a), dtype=_F32))
+                vers.append(np.full(len(a), -1, dtype=_I32))
+                masks.append(np.zeros(len(a), dtype=_U8))
+            else:
+                logps.append(np.asarray(seg_logp, dtype=_F32))
+                vers.append(np.asarray(seg_vers, dtype=_I32))
+                masks.append(np.ones(len(a), dtype=_U8))
+        cat = (lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dtype=dt))
+        return cls(
+            input_ids=cat(ids, _I32).tobytes(),
+            prompt_len=int(prompt_len),
+            logprobs=cat(logps, _F32).tobytes(),
+            versions=cat(vers, _I32).tobytes(),
+            reward=float(reward),
+            finish_reason=finish_reason,
+            metadata=dict(metadata or {}),
+            loss_mask=cat(masks, _U8).tobytes(),
+            turn_rewards=None if turn_rewards is None else [float(r) for r in turn_rewards],
+        )
+
+
+def model_turns(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) arrays of the maximal runs of model tokens (version >= 0); end exclusive."""
+    m = np.concatenate([[False], versions >= 0, [False]])
+    edges = np.flatnonzero(m[1:] != m[:-1])
+    return edges[0::2], edges[1::2]
 
 
 class TrajectoryGroup(msgspec.Struct, kw_only=True):
@@ -125,20 +207,18 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True):
         return len(self.trajectories)
 
     def min_version(self) -> int:
-        """Oldest weight version among output tokens (head staleness = trainer − this)."""
-        starts, is_out = _segments(self)
-        if not any(is_out):
+        """Oldest weight version among model tokens (head staleness = trainer − this); -1: none."""
+        if not self.trajectories:
             return -1
-        mins = np.minimum.reduceat(_joined([t.versions for t in self.trajectories], _I32), starts).tolist()
-        return min(m for m, out in zip(mins, is_out) if out)
+        v = _joined([t.versions for t in self.trajectories], _I32)
+        v = v[v >= 0]
+        return int(v.min()) if len(v) else -1
 
     def max_version(self) -> int:
-        hi = -1
-        for t in self.trajectories:
-            v = t.versions_np[t.prompt_len :]
-            if len(v):
-                hi = max(hi, int(v.max()))
-        return hi
+        if not self.trajectories:
+            return -1
+        v = _joined([t.versions for t in self.trajectories], _I32)
+        return int(v.max()) if len(v) else -1
 
     def n_tokens(self) -> int:
         return sum(t.seq_len for t in self.trajectories)
@@ -159,24 +239,6 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     return _encoder.encode(group)
 
 
-def _segments(group: TrajectoryGroup) -> tuple[list[int], list[bool]]:
-    """Start offsets of the non-empty prompt and output segments of the joined arrays, and which are outputs."""
-    starts: list[int] = []
-    is_out: list[bool] = []
-    pos = 0
-    for t in group.trajectories:
-        n_out = t.seq_len - t.prompt_len
-        if t.prompt_len > 0:
-            starts.append(pos)
-            is_out.append(False)
-        pos += t.prompt_len
-        if n_out > 0:
-            starts.append(pos)
-            is_out.append(True)
-        pos += n_out
-    return starts, is_out
-
-
 def _joined(views: list[memoryview], dtype: np.dtype) -> np.ndarray:
     return np.frombuffer(b"".join(views), dtype=dtype) if len(views) > 1 else np.frombuffer(views[0], dtype=dtype)
 
@@ -184,20 +246,25 @@ def _joined(views: list[memoryview], dtype: np.dtype) -> np.ndarray:
 def validate_group(group: TrajectoryGroup) -> None:
     """Raise `WireError` naming the first inconsistency.
 
-    Scalar checks run per trajectory. The array checks run over the whole group at once:
-    the group's arrays are joined and reduced per prompt/output segment with
-    `ufunc.reduceat` (four numpy calls per group instead of several per trajectory, which
-    had made validation 10x slower than decoding). Only when something is wrong does the
-    per-trajectory pass run, to name the trajectory and the reason.
+    Scalar checks run per trajectory. The array rules run over the whole group at once on
+    the joined arrays (a handful of numpy calls per group instead of several per
+    trajectory, which had made validation 10x slower than decoding). Only when something
+    is wrong does the per-trajectory pass run, to name the trajectory and the reason.
+
+    The rules: prompt positions have version -1 and mask 0; versions are >= -1; a token
+    is model-generated iff its version is >= 0, and then its logprob is finite and <= 0,
+    otherwise exactly 0; mask is 0/1 and 1 only on model tokens; a trajectory without a
+    mask is single-turn (every token after the prompt is model-generated).
     """
-    if group.schema_version != SCHEMA_VERSION:
-        raise WireError(f"schema_version {group.schema_version} != supported {SCHEMA_VERSION}")
+    if group.schema_version not in READABLE_VERSIONS:
+        raise WireError(f"schema_version {group.schema_version} not in supported {READABLE_VERSIONS}")
     trajs = group.trajectories
     if not trajs:
         raise WireError("group has no trajectories")
-    # One pass: scalar checks, and the segment offsets for the array checks below.
-    starts: list[int] = []
-    is_out: list[bool] = []
+    # One pass: scalar checks, and where the prompts / single-turn outputs sit in the joined arrays.
+    prompt_spans: list[tuple[int, int]] = []
+    output_spans: list[tuple[int, int]] = []  # single-turn trajectories: all of these must be model tokens
+    masks: list[Any] = []
     pos = 0
     isfinite = math.isfinite
     for i, t in enumerate(trajs):
@@ -215,44 +282,69 @@ def validate_group(group: TrajectoryGroup) -> None:
             raise WireError(f"trajectory {i}: non-finite reward {t.reward}")
         if t.finish_reason not in FINISH_REASONS:
             raise WireError(f"trajectory {i}: finish_reason {t.finish_reason!r} not in {FINISH_REASONS}")
-        starts.append(pos)
-        is_out.append(False)
-        if n > p:
-            starts.append(pos + p)
-            is_out.append(True)
+        if t.loss_mask is None:
+            masks.append(t.loss_mask_np.tobytes())
+            output_spans.append((pos + p, pos + n))
+        elif len(t.loss_mask) != n:
+            raise WireError(f"trajectory {i}: loss_mask length {len(t.loss_mask)} != {n} tokens")
+        else:
+            masks.append(t.loss_mask)
+        if t.turn_rewards is not None and not all(isfinite(r) for r in t.turn_rewards):
+            raise WireError(f"trajectory {i}: non-finite turn_rewards")
+        prompt_spans.append((pos, pos + p))
         pos += n
 
     vers = _joined([t.versions for t in trajs], _I32)
     logp = _joined([t.logprobs for t in trajs], _F32)
-    vmin = np.minimum.reduceat(vers, starts).tolist()
-    vmax = np.maximum.reduceat(vers, starts).tolist()
-    lmin = np.minimum.reduceat(logp, starts).tolist()
-    lmax = np.maximum.reduceat(logp, starts).tolist()
-    for j, out in enumerate(is_out):
-        if out:
-            # NaN fails both comparisons; +inf fails the max, -inf the isfinite
-            ok = vmin[j] >= 0 and lmax[j] <= 1e-4 and isfinite(lmin[j])
-        else:
-            ok = vmin[j] == -1 and vmax[j] == -1
-        if not ok:
-            _explain_arrays(group)
-            raise WireError("inconsistent versions or logprobs")  # unreachable: _explain_arrays names it
+    mask = np.frombuffer(b"".join(masks), dtype=_U8)
+    model = vers >= 0
+    must_model = np.zeros(pos, dtype=bool)
+    for a, b in output_spans:
+        must_model[a:b] = True
+    in_prompt = np.zeros(pos, dtype=bool)
+    for a, b in prompt_spans:
+        in_prompt[a:b] = True
+    lm = logp[model]
+    ok = (int(vers.min()) >= -1
+          and not (in_prompt & model).any()
+          and not (must_model & ~model).any()
+          and int(mask.max()) <= 1
+          and not (mask.view(bool) & ~model).any()
+          and bool(np.isfinite(lm).all()) and (len(lm) == 0 or float(lm.max()) <= 1e-4)
+          and not logp[~model].any())
+    if not ok:
+        _explain_arrays(group)
+        raise WireError("inconsistent versions, logprobs or loss mask")  # unreachable: _explain_arrays names it
+    for i, t in enumerate(trajs):
+        if t.turn_rewards is not None:
+            n_turns = len(model_turns(t.versions_np)[0])
+            if len(t.turn_rewards) != n_turns:
+                raise WireError(f"trajectory {i}: {len(t.turn_rewards)} turn_rewards for {n_turns} model turns")
 
 
 def _explain_arrays(group: TrajectoryGroup) -> None:
     """The slow path: find which trajectory breaks which array rule."""
     for i, t in enumerate(group.trajectories):
         where = f"trajectory {i}"
-        v = t.versions_np
-        if (v[: t.prompt_len] != -1).any():
+        v, p = t.versions_np, t.prompt_len
+        if (v[:p] != -1).any():
             raise WireError(f"{where}: prompt positions must have version -1")
-        if (v[t.prompt_len :] < 0).any():
+        if (v < -1).any():
+            raise WireError(f"{where}: versions must be >= -1 (-1: not generated by the model)")
+        if t.loss_mask is None and (v[p:] < 0).any():
             raise WireError(f"{where}: output positions must have version >= 0")
-        lp = t.logprobs_np[t.prompt_len :]
-        if not np.isfinite(lp).all():
+        m = t.loss_mask_np
+        if (m > 1).any():
+            raise WireError(f"{where}: loss_mask values must be 0 or 1")
+        if (m[v < 0] != 0).any():
+            raise WireError(f"{where}: loss_mask 1 on a token the model did not generate (version -1)")
+        lp = t.logprobs_np
+        if not np.isfinite(lp[v >= 0]).all():
             raise WireError(f"{where}: non-finite logprobs")
-        if (lp > 1e-4).any():
+        if (lp[v >= 0] > 1e-4).any():
             raise WireError(f"{where}: logprobs must be <= 0")
+        if (lp[v < 0] != 0).any():
+            raise WireError(f"{where}: logprobs must be 0 on tokens the model did not generate")
 
 
 def decode_group(data: bytes | memoryview, validate: bool = True) -> TrajectoryGroup:
@@ -267,8 +359,8 @@ def decode_group(data: bytes | memoryview, validate: bool = True) -> TrajectoryG
             hdr = _header_decoder.decode(data)
         except (ValueError, RecursionError, OverflowError, TypeError):
             hdr = None
-        if hdr is not None and hdr.schema_version != SCHEMA_VERSION:
-            raise WireError(f"schema_version {hdr.schema_version} != supported {SCHEMA_VERSION}: {exc}") from None
+        if hdr is not None and hdr.schema_version not in READABLE_VERSIONS:
+            raise WireError(f"schema_version {hdr.schema_version} not in supported {READABLE_VERSIONS}: {exc}") from None
         raise WireError(f"undecodable entry: {type(exc).__name__}: {str(exc)[:200]}") from None
     if validate:
         try:

@@ -5,8 +5,11 @@ marks the boundaries), so the batch is already in the packed layout the model ru
 padding, when asked for, is made from it per micro-batch (`trainer.packing`).
 
 Per-token arrays are aligned with `input_ids`: position t holds what belongs to token t
-(its behaviour logprob, the version that sampled it, whether it is trained on). Prompt
-positions have loss_mask False, version -1 and logprob 0, exactly as on the wire.
+(its behaviour logprob, the version that sampled it, whether it is trained on), exactly
+as on the wire: tokens the model did not generate (prompt, tool/environment
+observations) have loss_mask False, version -1 and logprob 0. Multi-turn sequences
+(schema 2) interleave model turns and observations after the prompt, so "output" below
+means everything after the prompt; only `loss_mask` says what is trained.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 import torch
 
 from rlstream.broker.stream import Entry
+from rlstream.common.wire import model_turns
 
 __all__ = ["SeqBatch", "collate", "BadEntry"]
 
@@ -38,13 +42,19 @@ class SeqBatch:
     input_ids: torch.Tensor  # [T] int64
     cu_seqlens: torch.Tensor  # [N+1] int64
     prompt_lens: torch.Tensor  # [N] int64
-    loss_mask: torch.Tensor  # [T] bool: output tokens (minus samples masked by mask_no_eos_with_zero)
+    loss_mask: torch.Tensor  # [T] bool: trained (model-generated) tokens, as on the wire
     behav_logp: torch.Tensor  # [T] float32: behaviour logprob of token t
     versions: torch.Tensor  # [T] int64: weight version that sampled token t (-1: prompt)
     rewards: torch.Tensor  # [N] float32, raw task rewards
     no_eos: torch.Tensor  # [N] bool: finished without EOS (length / abort)
     group_ids: torch.Tensor  # [N] int64: index of the group (0..G-1) each sequence belongs to
     entry_ids: list[str] = field(default_factory=list)  # [G] stream ids, in batch order
+    turn_rewards: torch.Tensor | None = None  # [T] float32: per-turn rewards on each turn's last token; None: none
+
+    @property
+    def model_lens(self) -> torch.Tensor:
+        """[N]: trained tokens per sequence (the output length of a single-turn sequence)."""
+        return torch.zeros(self.n_seqs, dtype=torch.long).index_add_(0, self.seq_index(), self.loss_mask.long())
 
     # ---- sizes -------------------------------------------------------------------
     @property
@@ -97,6 +107,7 @@ class SeqBatch:
             loss_mask=self.loss_mask[tok], behav_logp=self.behav_logp[tok], versions=self.versions[tok],
             rewards=self.rewards[idx], no_eos=self.no_eos[idx], group_ids=self.group_ids[idx],
             entry_ids=list(self.entry_ids),
+            turn_rewards=None if self.turn_rewards is None else self.turn_rewards[tok],
         )
 
 
@@ -107,7 +118,9 @@ def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch
     (the reader checks this before an entry is ever recorded, so a trainer never crashes
     half-way through a step on it).
     """
-    ids, logps, vers, plens, slens, rewards, no_eos, gids = [], [], [], [], [], [], [], []
+    ids, logps, vers, masks, plens, slens, rewards, no_eos, gids = [], [], [], [], [], [], [], [], []
+    turn_rewards: dict[int, np.ndarray] = {}  # offset of the sequence -> its [len] turn reward row
+    offset = 0
     for g, entry in enumerate(entries):
         for t in entry.group.trajectories:
             tok = t.input_ids_np
@@ -116,6 +129,13 @@ def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch
             ids.append(tok)
             logps.append(t.logprobs_np)
             vers.append(t.versions_np)
+            masks.append(t.loss_mask_np)
+            if t.turn_rewards:
+                row = np.zeros(len(tok), dtype=np.float32)
+                _, ends = model_turns(t.versions_np)
+                row[ends - 1] = t.turn_rewards
+                turn_rewards[offset] = row
+            offset += len(tok)
             plens.append(t.prompt_len)
             slens.append(len(tok))
             rewards.append(t.reward)
@@ -129,12 +149,15 @@ def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch
     versions = torch.from_numpy(np.concatenate(vers).astype(np.int64)) if n else torch.zeros(0, dtype=torch.long)
     prompt_lens = torch.tensor(plens, dtype=torch.long)
     cu_t = torch.from_numpy(cu)
-    # Output positions are exactly those with version >= 0 (the wire schema guarantees
-    # -1 on prompt positions and >= 0 on outputs).
-    loss_mask = versions >= 0
+    loss_mask = torch.from_numpy(np.concatenate(masks).astype(bool)) if n else torch.zeros(0, dtype=torch.bool)
+    turn_t = None
+    if turn_rewards:
+        turn_t = torch.zeros(len(input_ids), dtype=torch.float32)
+        for off, row in turn_rewards.items():
+            turn_t[off:off + len(row)] = torch.from_numpy(row)
     return SeqBatch(
         input_ids=input_ids, cu_seqlens=cu_t, prompt_lens=prompt_lens, loss_mask=loss_mask,
         behav_logp=behav, versions=versions, rewards=torch.tensor(rewards, dtype=torch.float32),
         no_eos=torch.tensor(no_eos, dtype=torch.bool), group_ids=torch.tensor(gids, dtype=torch.long),
-        entry_ids=[e.id for e in entries],
+        entry_ids=[e.id for e in entries], turn_rewards=turn_t,
     )

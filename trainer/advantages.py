@@ -4,11 +4,18 @@
    clipped to ±reward_clip;
 2. `reward_norm` over sequences (GRPO: group mean/std; RLOO: leave-one-out mean);
 3. `mask_no_eos_with_zero`: samples without EOS get reward 0 (and no loss);
-4. token rewards: the sequence reward on its last output token, plus −kl_ctl·KL(old‖ref)
-   on every output token when the KL penalty goes into the reward (AReaL's default);
-5. GAE without a critic (values 0): A_t = Σ_{k≥t} (γλ)^{k−t} r_k — with γ = λ = 1 and no
-   KL reward that is the outcome reward broadcast to every output token;
+4. token rewards: the sequence reward on its last trained (model) token, per-turn
+   rewards (schema 2, scaled by `reward_scaling`, not normalised) on the last token of
+   their turn, plus −kl_ctl·KL(old‖ref) on every trained token when the KL penalty goes
+   into the reward (AReaL's default);
+5. GAE without a critic (values 0) over the trained tokens only — observation tokens
+   between turns are skipped, not discounted: A_t = Σ_{k≥t} (γλ)^{k−t} r_k — with
+   γ = λ = 1 and no KL or turn rewards that is the outcome reward broadcast to every
+   trained token, and with turn rewards each turn gets the rewards from its own on;
 6. `adv_norm` over loss tokens.
+
+A single-turn sequence's trained tokens are exactly its output, so all of this is the
+single-turn computation unchanged.
 
 `Normalization` follows AReaL's semantics: statistics over masked elements, "group"
 within each prompt group (by the real group boundaries of the batch), "batch" over the
@@ -140,7 +147,8 @@ def compute_advantages(batch: SeqBatch, actor: ActorConfig, max_new_tokens: int,
                        kl_in_reward: bool = False, reduce: Reduce = _no_reduce) -> Advantages:
     """Per-token advantages of a collated batch (see the module docstring for the steps)."""
     n, out_lens = batch.n_seqs, batch.output_lens
-    rewards = shape_rewards(batch.rewards, out_lens, actor, max_new_tokens)
+    # The overlong penalty counts generated tokens: the output of a single-turn sequence.
+    rewards = shape_rewards(batch.rewards, batch.model_lens, actor, max_new_tokens)
     if actor.reward_norm is not None:
         rewards = Normalization(actor.reward_norm)(rewards, None, batch.group_ids, reduce)
     loss_mask = batch.loss_mask.clone()
@@ -162,9 +170,16 @@ def compute_advantages(batch: SeqBatch, actor: ActorConfig, max_new_tokens: int,
         kl = -actor.kl_ctl * kl_estimate(old_logp, ref_logp, actor.kl_estimator)
         kl_rewards = torch.where(loss_mask, kl, torch.zeros_like(kl))
         token_rewards[grid_mask] = kl_rewards[flat_pos]
-    has_out = out_lens > 0
+    if batch.turn_rewards is not None:
+        turn = torch.where(loss_mask, batch.turn_rewards * actor.reward_scaling, torch.zeros_like(batch.turn_rewards))
+        token_rewards[grid_mask] += turn[flat_pos]
+    # The sequence reward sits on the last trained token (the last output token of a single turn).
+    wire_mask = torch.zeros(n, width, dtype=torch.bool)
+    wire_mask[grid_mask] = batch.loss_mask[flat_pos]
+    last = torch.where(wire_mask, torch.arange(width)[None, :], -1).amax(1) if width else torch.full((n,), -1)
+    has_out = last >= 0
     rows = torch.arange(n)[has_out]
-    token_rewards[rows, out_lens[has_out] - 1] += rewards[has_out]
+    token_rewards[rows, last[has_out]] += rewards[has_out]
     grid_loss = torch.zeros(n, width, dtype=torch.bool)
     grid_loss[grid_mask] = loss_mask[flat_pos]
     adv_grid = gae(token_rewards, grid_loss, actor.discount, actor.gae_lambda)

@@ -175,7 +175,7 @@ def test_validation_reasons(kw, reason):
 def test_schema_version_mismatch_is_named():
     g = _group()
     g.schema_version = SCHEMA_VERSION + 1
-    with pytest.raises(WireError, match=f"schema_version {SCHEMA_VERSION + 1} != supported {SCHEMA_VERSION}"):
+    with pytest.raises(WireError, match=rf"schema_version {SCHEMA_VERSION + 1} not in supported \(1, 2\)"):
         decode_group(encode_group(g))
     with pytest.raises(WireError, match="no trajectories"):
         decode_group(encode_group(TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[])))
@@ -186,3 +186,102 @@ def test_no_pickle_on_the_wire():
     assert not data.startswith(b"\x80")  # a pickle protocol header
     with pytest.raises(WireError):
         decode_group(pickle.dumps({"a": 1}))
+
+
+# ------------------------------------------------------------------------ schema 2: segments and the loss mask
+
+
+class _V1Trajectory(msgspec.Struct, kw_only=True):
+    """The schema-1 trajectory exactly as schema-1 producers encoded it (no loss mask, no turn rewards)."""
+
+    input_ids: bytes
+    prompt_len: int
+    logprobs: bytes
+    versions: bytes
+    reward: float
+    finish_reason: str
+    metadata: dict = {}
+
+
+class _V1Group(msgspec.Struct, kw_only=True):
+    schema_version: int = 1
+    group_id: str
+    prompt_id: str
+    producer_id: str
+    created_at: float = 0.0
+    finished_at: float = 0.0
+    trajectories: list[_V1Trajectory]
+    metadata: dict = {}
+
+
+def _multi_turn() -> Trajectory:
+    # prompt 1 2 3 | model 4 5 (v0) | tool observation 6 7 | model 8 (v0) 9 (v1, after a weight update)
+    return Trajectory.from_segments(
+        [([1, 2, 3], None, None), ([4, 5], [-0.1, -0.2], [0, 0]), ([6, 7], None, None), ([8, 9], [-0.3, -0.4], [0, 1])],
+        prompt_len=3, reward=1.0, finish_reason="stop", turn_rewards=[0.5, 0.0], metadata={"turns": 2})
+
+
+def test_v2_multi_turn_round_trip():
+    g = TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[_multi_turn()])
+    data = encode_group(g)
+    back = decode_group(data)
+    t = back.trajectories[0]
+    assert back.schema_version == 2 == SCHEMA_VERSION
+    assert t.input_ids_np.tolist() == list(range(1, 10))
+    assert t.versions_np.tolist() == [-1, -1, -1, 0, 0, -1, -1, 0, 1]
+    assert t.loss_mask_np.tolist() == [0, 0, 0, 1, 1, 0, 0, 1, 1]
+    assert np.allclose(t.logprobs_np, [0, 0, 0, -0.1, -0.2, 0, 0, -0.3, -0.4])
+    assert t.turn_rewards == [0.5, 0.0] and t.metadata == {"turns": 2} and t.n_model_tokens == 4
+    assert isinstance(t.loss_mask, memoryview)
+    assert encode_group(back) == data
+    assert back.min_version() == 0 and back.max_version() == 1
+
+
+def test_v1_entries_decode_as_one_model_turn():
+    rng = np.random.default_rng(3)
+    t = Trajectory.from_arrays(rng.integers(0, 100, 4), rng.integers(0, 100, 6), -rng.random(6), [2] * 6, 1.0, "length")
+    old = _V1Group(group_id="g", prompt_id="p", producer_id="x", trajectories=[_V1Trajectory(
+        input_ids=bytes(t.input_ids), prompt_len=4, logprobs=bytes(t.logprobs), versions=bytes(t.versions),
+        reward=1.0, finish_reason="length")])
+    back = decode_group(msgspec.msgpack.encode(old))
+    b = back.trajectories[0]
+    assert back.schema_version == 1 and b.loss_mask is None and b.turn_rewards is None
+    assert b.loss_mask_np.tolist() == [0] * 4 + [1] * 6 and b.n_model_tokens == 6
+    assert np.array_equal(b.input_ids_np, t.input_ids_np) and np.array_equal(b.logprobs_np, t.logprobs_np)
+    assert back.min_version() == 2
+    # the same schema-1 rules still hold for it (an output token without a version is rejected)
+    old.trajectories[0].versions = np.array([-1] * 4 + [2] * 5 + [-1], "<i4").tobytes()
+    with pytest.raises(WireError, match="output positions must have version >= 0"):
+        decode_group(msgspec.msgpack.encode(old))
+
+
+def _v2(**kw):
+    t = msgspec.structs.replace(_multi_turn(), **kw)
+    return TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[_group().trajectories[0], t])
+
+
+@pytest.mark.parametrize(
+    "kw, reason",
+    [
+        (dict(loss_mask=bytes([0, 0, 0, 1, 1, 1, 0, 1, 1])), "trajectory 1: loss_mask 1 on a token the model did not"),
+        (dict(loss_mask=bytes([0, 0, 0, 1, 1, 0, 0, 1, 2])), "trajectory 1: loss_mask values must be 0 or 1"),
+        (dict(loss_mask=bytes([0, 0, 0, 1])), "trajectory 1: loss_mask length 4 != 9 tokens"),
+        (dict(loss_mask=bytes([1, 0, 0, 1, 1, 0, 0, 1, 1])), "trajectory 1: loss_mask 1 on a token"),
+        (dict(versions=np.array([-1, -1, -1, 0, 0, -1, -2, 0, 1], "<i4").tobytes()), "versions must be >= -1"),
+        (dict(versions=np.array([-1, -1, 0, 0, 0, -1, -1, 0, 1], "<i4").tobytes()), "prompt positions must have"),
+        (dict(logprobs=np.array([0, 0, 0, -0.1, -0.2, -1, 0, -0.3, -0.4], "<f4").tobytes()),
+         "logprobs must be 0 on tokens the model did not generate"),
+        (dict(logprobs=np.array([0, 0, 0, -0.1, np.inf, 0, 0, -0.3, -0.4], "<f4").tobytes()), "non-finite logprobs"),
+        (dict(turn_rewards=[1.0]), "trajectory 1: 1 turn_rewards for 2 model turns"),
+        (dict(turn_rewards=[1.0, math.nan]), "non-finite turn_rewards"),
+    ],
+)
+def test_v2_validation_reasons(kw, reason):
+    with pytest.raises(WireError, match=reason):
+        decode_group(encode_group(_v2(**kw)))
+
+
+def test_model_tokens_excluded_from_the_loss_are_allowed():
+    """A writer may leave a model turn out of the loss (mask 0 on version >= 0 tokens)."""
+    back = decode_group(encode_group(_v2(loss_mask=bytes([0, 0, 0, 0, 0, 0, 0, 1, 1]))))
+    assert back.trajectories[1].loss_mask_np.sum() == 2 and back.trajectories[1].n_model_tokens == 4

@@ -86,11 +86,28 @@ def bad_entries() -> list[tuple[str, dict[str, bytes], str]]:
         ("positive logprobs", {"d": encode_group(_group(_traj(out_logprobs=(-0.5, 3.0))))}, "<= 0"),
         ("prompt versions not -1", {"d": encode_group(_group(_traj(versions=_i32(-1, 0, -1, 0, 0))))},
          "prompt positions must have version -1"),
-        ("negative output version", {"d": encode_group(_group(_traj(out_versions=(0, -1))))}, "version >= 0"),
+        ("negative output version", {"d": encode_group(_group(_traj(out_versions=(0, -1))))},
+         "loss_mask 1 on a token the model did not generate (version -1)"),
+        ("negative output version, v1", {"d": encode_group(_group(_traj(out_versions=(0, -1), loss_mask=None),
+                                                                   schema_version=1))}, "version >= 0"),
         ("prompt_len 0", {"d": encode_group(_group(_traj(prompt_len=0)))}, "prompt_len"),
         ("infinite reward", {"d": encode_group(_group(_traj(reward=float("inf"))))}, "non-finite reward"),
         ("unknown finish reason", {"d": encode_group(_group(_traj(finish_reason="exploded")))}, "finish_reason"),
         ("no trajectories", {"d": encode_group(_group(trajectories=[]))}, "no trajectories"),
+        # schema 2: prompt 5 6 7, model 8, observation 9 (version -1), loss mask per token
+        ("v2 mask on an observation", {"d": encode_group(_group(_traj(
+            versions=_i32(-1, -1, -1, 0, -1), logprobs=_f32(0, 0, 0, -0.5, 0), loss_mask=bytes([0, 0, 0, 1, 1]))))},
+         "loss_mask 1 on a token the model did not generate"),
+        ("v2 mask length", {"d": encode_group(_group(_traj(loss_mask=bytes([0, 0, 0, 1]))))}, "loss_mask length"),
+        ("v2 mask value", {"d": encode_group(_group(_traj(loss_mask=bytes([0, 0, 0, 1, 7]))))}, "0 or 1"),
+        ("v2 logprob on an observation", {"d": encode_group(_group(_traj(
+            versions=_i32(-1, -1, -1, 0, -1), logprobs=_f32(0, 0, 0, -0.5, -0.2), loss_mask=bytes([0, 0, 0, 1, 0]))))},
+         "logprobs must be 0 on tokens the model did not generate"),
+        ("v2 turn rewards count", {"d": encode_group(_group(_traj(turn_rewards=[1.0, 2.0])))},
+         "2 turn_rewards for 1 model turns"),
+        ("v2 version below -1", {"d": encode_group(_group(_traj(
+            versions=_i32(-1, -1, -1, 0, -2), logprobs=_f32(0, 0, 0, -0.5, 0), loss_mask=bytes([0, 0, 0, 1, 0]))))},
+         "versions must be >= -1"),
     ]
 
 
@@ -197,7 +214,7 @@ def test_trainer_step_reader_fills_every_step_with_valid_groups_only(rclient, ke
 
 def _assert_trainable(g: TrajectoryGroup) -> None:
     """What a decoded (validated) group guarantees to the trainer."""
-    assert g.schema_version == SCHEMA_VERSION and g.trajectories
+    assert g.schema_version in (1, SCHEMA_VERSION) and g.trajectories
     for t in g.trajectories:
         n = t.seq_len
         assert len(t.input_ids) == len(t.logprobs) == len(t.versions) == 4 * n
@@ -264,10 +281,10 @@ def _near_valid_trajectory(draw) -> tuple[dict, bool]:
 @st.composite
 def _near_valid_group(draw) -> tuple[dict, bool]:
     trajs = draw(st.lists(_near_valid_trajectory(), min_size=0, max_size=3))
-    schema = draw(st.sampled_from([SCHEMA_VERSION] * 6 + [0, 2, -1]))
+    schema = draw(st.sampled_from([SCHEMA_VERSION] * 3 + [1] * 3 + [0, 3, -1]))
     obj = {"schema_version": schema, "group_id": "g", "prompt_id": "p", "producer_id": "x",
            "trajectories": [t for t, _ in trajs]}
-    return obj, schema == SCHEMA_VERSION and bool(trajs) and all(ok for _, ok in trajs)
+    return obj, schema in (1, SCHEMA_VERSION) and bool(trajs) and all(ok for _, ok in trajs)
 
 
 @settings(FUZZ, max_examples=300)
