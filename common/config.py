@@ -171,6 +171,24 @@ class LoRAConfig(_Section):
     use_rslora: D(bool, "Rank-stabilised LoRA: scale by alpha / sqrt(rank).") = False
 
 
+class RejectionSamplingConfig(_Section):
+    """AReaL's `actor.rejection_sampling`, plus `weight` to express the corrections of other systems.
+
+    It acts on the behaviour importance weight w = π_prox / π_behav of every loss token (π_prox: the
+    recomputed proximal/old policy, π_behav: the engine that sampled) before the policy loss is
+    multiplied by it. configs/algorithms/{tis,icepop,mis,seq_mask_tis,geo_mask}.yaml spell out the
+    peers' corrections (slime, OpenRLHF, SkyRL) in these keys.
+    """
+
+    level: D(Literal["token", "sequence"], "Granularity of the decision: each token alone, or every token of a sequence together.") = "token"
+    action: D(Literal["mask", "clamp"], "mask: drop tokens (sequences) whose metric is outside [lower, upper] from the loss (their weight is 0; they still count in the loss denominators); clamp: truncate the weight to [lower, upper] (metric=ratio only).") = "mask"
+    metric: D(Literal["ratio", "kl_k1", "kl_k2", "kl_k3"], "What is bounded: the ratio π_prox/π_behav, or a KL estimator of log(π_prox/π_behav) (k1 = lr, k2 = lr²/2, k3 = e^-lr - 1 + lr).") = "ratio"
+    agg: D(Literal["sum", "mean", "max"], "level=sequence: how token metrics become the sequence's (ratio: in log space, so mean = geometric mean; KL: arithmetic).") = "mean"
+    upper: D(float, "Upper bound of the metric (ratio: > 1).") = 5.0
+    lower: D(float | None, "Lower bound of the metric (None = none; clamp: None means 0).") = None
+    weight: D(Literal["auto", "token", "sequence", "none"], "Importance weight multiplied into the loss of kept tokens: auto (AReaL: the sequence's geometric-mean ratio at level=sequence with metric=ratio, else the token ratio), token, sequence, or none (mask only, as SkyRL's sequence masks).") = "auto"
+
+
 class ActorConfig(_Section):
     path: D(str, "Local path of the HF causal LM (no hub downloads).") = ""
     backend: D(Literal["hf", "megatron"], "Model backend: hf (transformers; DDP/FSDP2 per actor.parallel) or megatron (megatron-core GPTModel for Llama/Qwen2; EXPERIMENTAL: one CUDA rank, TP=PP=CP=1, ran on an H100, see benchmarks/README.md).") = "hf"
@@ -206,7 +224,9 @@ class ActorConfig(_Section):
     recompute_logprob: D(bool, "Recompute proximal logprobs with the current weights before the update.") = False
     use_decoupled_loss: D(bool, "Decoupled PPO: proximal policy separate from the behaviour policy.") = False
     prox_logp_method: D(Literal["recompute", "loglinear"], "Proximal logprobs: recompute, or interpolate log-linearly between behaviour and current.") = "recompute"
-    behav_imp_weight_cap: D(float | None, "Mask tokens whose behaviour importance weight exceeds this (None = off).", gt=0) = None
+    behav_imp_weight_cap: D(float | None, "Old spelling of rejection_sampling {level: token, action: mask, metric: ratio, upper: this} (None = off).", gt=0) = None
+    rejection_sampling: D(RejectionSamplingConfig | None, "Off-policy correction of the behaviour importance weight π_prox/π_behav (AReaL's rejection_sampling; also TIS, IcePop, MIS, sequence masks); needs use_decoupled_loss or recompute_logprob. None: the weight is applied unchanged (decoupled loss) or not at all.") = None
+    policy_loss: D(Literal["ppo", "cispo"], "ppo: clipped surrogate max(-A·r, -A·clip(r)); cispo (MiniMax-M1): -sg(clip(r, 1-eps_clip, 1+eps_clip_higher))·A·log π_θ, every token keeps a gradient.") = "ppo"
     importance_sampling_level: D(Literal["token", "sequence"], "token (PPO/GRPO) or sequence (GSPO) ratios.") = "token"
     loss_agg_mode: D(Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"], "How token losses become one number.") = "token-mean"
     weight_update_mode: D(Literal["distributed", "disk", "ipc", "none"], "How weights reach the engines after a step: distributed (torch.distributed broadcast; gloo ran on CPU, NCCL needs 2 GPUs and has not run), disk (safetensors), ipc (CUDA IPC handles, trainer and engines on one GPU; ran on an H100, benchmarks/README.md GPU), none.") = "distributed"
@@ -214,6 +234,16 @@ class ActorConfig(_Section):
     weight_chunked_mem_mb: D(int, "Bucket size in MB for one update call.", ge=1) = 1024
     weight_update_timeout: D(float, "Seconds an engine may take to confirm an update before it is dropped.", gt=0) = 120.0
     lora: D(LoRAConfig | None, "Train a LoRA adapter (peft) instead of all weights; pushes send only the adapter, engines merge it (None = full fine-tuning).") = None
+
+
+    @property
+    def correction(self) -> RejectionSamplingConfig | None:
+        """The behaviour-weight correction in force: rejection_sampling, or the old behav_imp_weight_cap spelling."""
+        if self.rejection_sampling is not None:
+            return self.rejection_sampling
+        if self.behav_imp_weight_cap is not None:
+            return RejectionSamplingConfig(level="token", action="mask", metric="ratio", upper=self.behav_imp_weight_cap)
+        return None
 
 
 class RefConfig(_Section):
@@ -439,14 +469,11 @@ def _check_unknown_keys(data: Any, tp: Any, path: str) -> None:
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in fields:
-            hint = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
-            # Also look one level away: `lr` given at `actor.lr` should point to actor.optimizer.lr.
+            # An exact name one level down first: `lr` given at `actor.lr` means actor.optimizer.lr
+            # (not the look-alike actor.lora); then a look-alike at this level.
+            hint = [f"{name}.{key}" for name, sub in fields.items() if key in (_struct_fields(sub) or {})][:1]
             if not hint:
-                for name, sub in fields.items():
-                    subfields = _struct_fields(sub) or {}
-                    if key in subfields:
-                        hint = [f"{name}.{key}"]
-                        break
+                hint = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
             suggestion = f"; did you mean '{(path + '.' if path else '') + hint[0]}'?" if hint else ""
             allowed = ", ".join(sorted(fields))
             raise ConfigError(f"unknown config key '{full}'{suggestion} (allowed at this level: {allowed})")
@@ -583,11 +610,40 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 
 def _check(cfg: "Config") -> None:
     """Rules across sections, at load: every process refuses the same bad config at its start."""
+    _check_correction(cfg.actor)
     if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.path):
         keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
                 if getattr(cfg.evaluator, k) is not None]
         raise ConfigError(f"{', '.join(keys)} asks for evaluation during training but valid_dataset.path is not set: "
                           "point valid_dataset.path at held-out prompts, or drop the evaluator frequency")
+
+
+def _check_correction(a: ActorConfig) -> None:
+    rs = a.rejection_sampling
+    if rs is not None and a.behav_imp_weight_cap is not None:
+        raise ConfigError("actor.behav_imp_weight_cap and actor.rejection_sampling are both set: behav_imp_weight_cap is "
+                          "the old spelling of rejection_sampling {level: token, action: mask, metric: ratio, upper: cap}; keep one")
+    if a.correction is not None and not (a.use_decoupled_loss or a.recompute_logprob):
+        key = "actor.rejection_sampling" if rs is not None else "actor.behav_imp_weight_cap"
+        raise ConfigError(f"{key} corrects π_prox/π_behav, which is 1 without a recomputed policy: "
+                          "set actor.use_decoupled_loss=true or actor.recompute_logprob=true, or drop it")
+    if rs is None:
+        return
+    if rs.lower is not None and rs.lower > rs.upper:
+        raise ConfigError(f"actor.rejection_sampling.lower ({rs.lower}) is above upper ({rs.upper})")
+    if rs.metric == "ratio":
+        if rs.upper <= 1.0:
+            raise ConfigError(f"actor.rejection_sampling.upper must be > 1 for metric=ratio (else every token that "
+                              f"differs is dropped), got {rs.upper}")
+        if rs.lower is not None and rs.lower <= 0:
+            raise ConfigError(f"actor.rejection_sampling.lower must be > 0 for metric=ratio, got {rs.lower}")
+    elif rs.metric in ("kl_k2", "kl_k3") and rs.upper <= 0:
+        raise ConfigError(f"actor.rejection_sampling.upper must be > 0 for metric={rs.metric}, got {rs.upper}")
+    if rs.action == "clamp" and rs.metric != "ratio":
+        raise ConfigError(f"actor.rejection_sampling.action=clamp truncates the ratio itself: it needs metric=ratio, "
+                          f"got {rs.metric} (use action=mask to filter on a KL estimate)")
+    if rs.action == "clamp" and rs.weight == "none":
+        raise ConfigError("actor.rejection_sampling.action=clamp with weight=none clamps nothing: use action=mask")
 
 
 def _register_secrets(obj: Any) -> None:

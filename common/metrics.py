@@ -23,7 +23,8 @@ __all__ = ["StatsLogger", "format_line"]
 _LINE = [
     ("reward/mean", "reward", "{:.3f}"), ("reward/std", "±", "{:.3f}"), ("reward/accuracy", "acc", "{:.3f}"),
     ("staleness/mean", "stale", "{:.2f}"), ("ppo/importance_ratio", "ratio", "{:.3f}"),
-    ("imp_weight/masked_frac", "masked", "{:.3f}"), ("ppo/clip_frac", "clip", "{:.3f}"),
+    ("imp_weight/masked_frac", "masked", "{:.3f}"), ("imp_weight/clamped_frac", "clamped", "{:.3f}"),
+    ("behav_kl/k3", "behav_kl", "{:.4f}"), ("ppo/clip_frac", "clip", "{:.3f}"),
     ("kl/ref", "kl", "{:.4f}"), ("ppo/entropy", "ent", "{:.3f}"), ("loss/total", "loss", "{:+.4f}"),
     ("optim/grad_norm", "gnorm", "{:.3f}"), ("optim/lr", "lr", "{:.2e}"),
     ("perf/tokens_per_s", "tok/s", "{:.0f}"), ("time/wait_data", "wait", "{:.2f}s"),

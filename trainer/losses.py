@@ -1,5 +1,6 @@
-"""Policy losses on flat token tensors: PPO clip (+ clip-higher, dual clip), decoupled PPO,
-GSPO sequence ratios, KL estimators, aggregation modes.
+"""Policy losses on flat token tensors: PPO clip (+ clip-higher, dual clip) or CISPO, decoupled
+PPO with off-policy corrections of the behaviour weight, GSPO sequence ratios, KL estimators,
+aggregation modes.
 
 All tensors are 1-D over the tokens of a micro-batch (sequences end to end); `seq_idx`
 says which sequence each token belongs to. Only tokens with `loss_mask` count.
@@ -9,21 +10,29 @@ sampled), proximal logprobs `prox` and current `logp`,
 
     r  = exp(logp - prox)                      (GSPO: exp(mean_t(logp - prox)) per sequence)
     pg = max(-A·r, -A·clip(r, 1-eps, 1+eps_high)),   dual clip: min(pg, c·|A|)
-    w  = exp(prox - behav); tokens with w > behav_imp_weight_cap get w = 0 (masked)
+         CISPO: -sg(clip(r, 1-eps, 1+eps_high))·A·logp
+    w  = exp(prox - behav), then corrected (`behaviour_correction`: masked or truncated by
+         `rejection_sampling`: AReaL's rejection sampling, TIS, IcePop, MIS, sequence masks)
     token loss = pg · w
 
-Without the decoupled loss `prox` is the old policy itself and w = 1 (standard PPO).
+Without the decoupled loss `prox` is the old policy itself (recomputed or the behaviour
+logprobs); w is applied only when a correction is configured and the old policy was
+recomputed (slime/OpenRLHF TIS: the engine-vs-trainer mismatch).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 
+from rlstream.common.config import RejectionSamplingConfig
+
 __all__ = [
-    "kl_estimate", "loglinear_prox_logp", "PPOLossOut", "ppo_token_loss", "aggregate", "seq_token_counts",
+    "kl_estimate", "loglinear_prox_logp", "Correction", "behaviour_correction", "PPOLossOut", "ppo_token_loss",
+    "aggregate", "seq_token_counts",
 ]
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -68,14 +77,103 @@ def seq_token_counts(loss_mask: torch.Tensor, seq_idx: torch.Tensor, n_seqs: int
     return torch.zeros(n_seqs, dtype=torch.float32, device=loss_mask.device).index_add_(0, seq_idx, loss_mask.float())
 
 
+def _seq_sum(values: torch.Tensor, seq_idx: torch.Tensor, n_seqs: int) -> torch.Tensor:
+    return torch.zeros(n_seqs, dtype=values.dtype, device=values.device).index_add(0, seq_idx, values)
+
+
+@dataclass
+class Correction:
+    """The behaviour weight of every token after the off-policy correction."""
+
+    weight: torch.Tensor  # [T] detached weight multiplied into the token loss; 0 off `kept`
+    kept: torch.Tensor  # [T] bool: loss tokens still trained on (not masked by the correction)
+    raw_weight: torch.Tensor  # [T] exp(prox - behav) per token, before any correction
+    clamped: torch.Tensor  # [T] bool: loss tokens whose weight the clamp changed
+
+
+def behaviour_correction(prox_logp: torch.Tensor, behav_logp: torch.Tensor, loss_mask: torch.Tensor,
+                         rs: RejectionSamplingConfig | None, seq_idx: torch.Tensor | None = None,
+                         n_seqs: int | None = None) -> Correction:
+    """w = π_prox/π_behav per token, masked or truncated as `rs` says (None: unchanged).
+
+    level=token: the metric of each token is checked against [lower, upper];
+    level=sequence: the metric aggregated over the sequence's loss tokens (`agg`; for the
+    ratio in log space, so mean is the geometric mean) decides for all its tokens.
+    action=mask: tokens out of bounds get weight 0; action=clamp: weights out of bounds are
+    truncated to [lower or 0, upper] (at level=sequence only in sequences out of bounds).
+    `weight` picks what multiplies the loss: the token ratio, the sequence geometric mean,
+    none (1), or auto (AReaL: the geometric mean at level=sequence with metric=ratio).
+    """
+    mask = loss_mask.bool()
+    lr = prox_logp.detach().float() - behav_logp.detach().float()
+    lr = torch.where(torch.isfinite(lr) & mask, lr, torch.zeros_like(lr))  # -inf - -inf and padding: no signal
+    token_w = torch.exp(lr)
+    if rs is None:
+        return Correction(torch.where(mask, token_w, 0.0), mask, token_w, torch.zeros_like(mask))
+    seq_level = rs.level == "sequence" or rs.weight == "sequence"
+    if seq_level and (seq_idx is None or n_seqs is None):
+        raise ValueError("a sequence-level correction needs seq_idx and n_seqs")
+    if seq_level:
+        counts = _seq_sum(mask.float(), seq_idx, n_seqs)
+        geo_w = torch.exp(_seq_sum(lr, seq_idx, n_seqs) / counts.clamp(min=1.0))[seq_idx]
+
+    if rs.metric == "ratio":
+        metric = token_w
+    else:
+        metric = kl_estimate(prox_logp.detach(), behav_logp.detach(), rs.metric.removeprefix("kl_"), clamp=None)
+        metric = torch.where(mask, metric, torch.zeros_like(metric))
+    if rs.level == "sequence":
+        log_space = rs.metric == "ratio"
+        vals = lr if log_space else metric
+        if rs.agg == "max":
+            agg = torch.full((n_seqs,), -math.inf, dtype=vals.dtype, device=vals.device).scatter_reduce(
+                0, seq_idx, torch.where(mask, vals, -math.inf), reduce="amax")
+            agg = torch.where(counts > 0, agg, torch.zeros_like(agg))  # no loss token: nothing to judge
+        else:
+            agg = _seq_sum(vals, seq_idx, n_seqs)
+            if rs.agg == "mean":
+                agg = agg / counts.clamp(min=1.0)
+        metric = (torch.exp(agg) if log_space else agg)[seq_idx]
+    in_bounds = metric <= rs.upper
+    if rs.lower is not None:
+        in_bounds &= metric >= rs.lower
+
+    if rs.weight == "none":
+        weight = torch.ones_like(token_w)
+    elif rs.weight == "sequence" or (rs.weight == "auto" and rs.level == "sequence" and rs.metric == "ratio"):
+        weight = geo_w
+    else:
+        weight = token_w
+    clamped = torch.zeros_like(mask)
+    kept = mask
+    if rs.action == "mask":
+        kept = mask & in_bounds
+    else:
+        bounded = weight.clamp(min=rs.lower if rs.lower is not None else 0.0, max=rs.upper)
+        if rs.level == "sequence":
+            bounded = torch.where(in_bounds, weight, bounded)
+        clamped = mask & (bounded != weight)
+        weight = bounded
+    return Correction(torch.where(kept, weight, 0.0), kept, token_w, clamped)
+
+
 @dataclass
 class PPOLossOut:
     token_loss: torch.Tensor  # [T] pg loss × behaviour weight; 0 off the loss mask
     ratio: torch.Tensor  # [T] detached importance ratio π_θ / π_prox (0 off the mask)
     clip_mask: torch.Tensor  # [T] bool: the clipped branch was taken
     dual_clip_mask: torch.Tensor  # [T] bool: the dual clip bound was taken
-    behav_weight: torch.Tensor | None = None  # [T] detached exp(prox - behav), before masking
-    behav_mask: torch.Tensor | None = None  # [T] bool: tokens kept (weight within cap)
+    correction: Correction | None = None  # the behaviour weight, when one was applied
+
+    @property
+    def behav_weight(self) -> torch.Tensor | None:
+        """[T] exp(prox - behav) before any correction."""
+        return None if self.correction is None else self.correction.raw_weight
+
+    @property
+    def behav_mask(self) -> torch.Tensor | None:
+        """[T] bool: loss tokens the correction kept."""
+        return None if self.correction is None else self.correction.kept
 
 
 def ppo_token_loss(
@@ -88,25 +186,36 @@ def ppo_token_loss(
     eps_clip_higher: float | None = None,
     c_clip: float | None = None,
     behav_logp: torch.Tensor | None = None,
+    correction: RejectionSamplingConfig | None = None,
     behav_imp_weight_cap: float | None = None,
     importance_sampling_level: str = "token",
+    policy_loss: str = "ppo",
     seq_idx: torch.Tensor | None = None,
     n_seqs: int | None = None,
 ) -> PPOLossOut:
-    """Per-token clipped surrogate (see module docstring); `behav_logp` given = decoupled loss."""
+    """Per-token policy loss (see module docstring); `behav_logp` given = weighted by π_prox/π_behav.
+
+    `behav_imp_weight_cap` is the old spelling of `correction` {token, mask, ratio, upper=cap}.
+    """
+    if behav_imp_weight_cap is not None:
+        if correction is not None:
+            raise ValueError("give correction or behav_imp_weight_cap, not both")
+        correction = RejectionSamplingConfig(level="token", action="mask", metric="ratio", upper=behav_imp_weight_cap)
     mask = loss_mask.bool()
     prox_logp = prox_logp.detach()
+    corr = None
+    if behav_logp is not None:
+        corr = behaviour_correction(prox_logp, behav_logp, mask, correction, seq_idx, n_seqs)
+        mask = corr.kept  # masked tokens leave the ratio too (GSPO's sequence mean), as in AReaL
     log_ratio = logp - prox_logp
     if importance_sampling_level == "sequence":
         if seq_idx is None or n_seqs is None:
             raise ValueError("importance_sampling_level=sequence needs seq_idx and n_seqs")
         counts = seq_token_counts(mask, seq_idx, n_seqs).clamp(min=1.0)
-        lr_sum = torch.zeros(n_seqs, dtype=log_ratio.dtype, device=log_ratio.device).index_add(
-            0, seq_idx, torch.where(mask, log_ratio, torch.zeros_like(log_ratio)))
+        lr_sum = _seq_sum(torch.where(mask, log_ratio, torch.zeros_like(log_ratio)), seq_idx, n_seqs)
         ratio = torch.exp(lr_sum / counts)[seq_idx]
         # GSPO's objective is per sequence: one advantage per sequence (their mean).
-        adv_sum = torch.zeros(n_seqs, dtype=advantages.dtype, device=advantages.device).index_add(
-            0, seq_idx, torch.where(mask, advantages, torch.zeros_like(advantages)))
+        adv_sum = _seq_sum(torch.where(mask, advantages, torch.zeros_like(advantages)), seq_idx, n_seqs)
         advantages = (adv_sum / counts.to(advantages.dtype))[seq_idx]
     elif importance_sampling_level == "token":
         ratio = torch.exp(log_ratio)
@@ -116,27 +225,32 @@ def ppo_token_loss(
 
     high = eps_clip if eps_clip_higher is None else eps_clip_higher
     clipped = ratio.clamp(1.0 - eps_clip, 1.0 + high)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * clipped
-    clip_mask = (pg1.detach() < pg2.detach()) & mask
-    pg = torch.maximum(pg1, pg2)
-    if c_clip is not None:
-        if c_clip <= 1.0:
-            raise ValueError(f"actor.c_clip must be > 1, got {c_clip}")
-        pg3 = c_clip * advantages.abs()  # only binds for A < 0: -A·r is bounded by c·|A|
-        dual_clip_mask = (pg3.detach() < pg.detach()) & mask
-        pg = torch.minimum(pg, pg3)
-    else:
+    if policy_loss == "cispo":
+        # MiniMax-M1 (2025) eq. 4: the clipped ratio is a stop-gradient weight on the REINFORCE
+        # term, so clipped tokens still pass a gradient through log π_θ.
+        pg = -clipped.detach() * advantages * logp
+        clip_mask = (ratio.detach() != clipped.detach()) & mask
         dual_clip_mask = torch.zeros_like(mask)
+    elif policy_loss == "ppo":
+        pg1 = -advantages * ratio
+        pg2 = -advantages * clipped
+        clip_mask = (pg1.detach() < pg2.detach()) & mask
+        pg = torch.maximum(pg1, pg2)
+        if c_clip is not None:
+            if c_clip <= 1.0:
+                raise ValueError(f"actor.c_clip must be > 1, got {c_clip}")
+            pg3 = c_clip * advantages.abs()  # only binds for A < 0: -A·r is bounded by c·|A|
+            dual_clip_mask = (pg3.detach() < pg.detach()) & mask
+            pg = torch.minimum(pg, pg3)
+        else:
+            dual_clip_mask = torch.zeros_like(mask)
+    else:
+        raise ValueError(f"actor.policy_loss must be ppo or cispo, got {policy_loss!r}")
 
-    behav_weight = behav_mask = None
-    if behav_logp is not None:
-        behav_weight = torch.exp(prox_logp - behav_logp.detach())
-        behav_mask = mask if behav_imp_weight_cap is None else (behav_weight <= behav_imp_weight_cap) & mask
-        pg = pg * torch.where(behav_mask, behav_weight, torch.zeros_like(behav_weight))
+    if corr is not None:
+        pg = pg * corr.weight.to(pg.dtype)
     token_loss = torch.where(mask, pg, torch.zeros_like(pg))
-    return PPOLossOut(token_loss, ratio.detach(), clip_mask, dual_clip_mask,
-                      None if behav_weight is None else behav_weight.detach(), behav_mask)
+    return PPOLossOut(token_loss, ratio.detach(), clip_mask, dual_clip_mask, corr)
 
 
 def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, mode: AggMode = "token-mean", *,

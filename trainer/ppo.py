@@ -7,7 +7,16 @@ Which logprobs play which role (AReaL's conventions):
 | false              | false             | behaviour (from the engine) | none                      |
 | false              | true              | recomputed at step start    | none                      |
 | true               | any               | proximal: recomputed, or    | exp(prox − behaviour),    |
-|                    |                   | log-linear (prox_logp_method)| masked above the cap     |
+|                    |                   | log-linear (prox_logp_method)| corrected (see below)    |
+
+The behaviour weight is corrected by `actor.rejection_sampling` (or its old spelling
+`behav_imp_weight_cap`); with `recompute_logprob` and no decoupled loss, a configured
+correction weights the loss by the engine-vs-trainer ratio exp(old − behaviour), as TIS does
+in slime and OpenRLHF. Every step logs what the correction did: `imp_weight/mean` (raw),
+`imp_weight/applied_mean`, `imp_weight/masked_frac`, `imp_weight/clamped_frac`, and the
+KL(π_behav ‖ π_prox) estimates `behav_kl/k1`, `behav_kl/k3` over all loss tokens and
+`behav_kl/k3_same_version` over tokens sampled by the very weights the trainer recomputed
+with (the pure engine-vs-trainer mismatch; absent when no such token was in the step).
 
 Loss normalisation is exact across micro-batches and data-parallel ranks: every
 micro-batch divides by the token / sequence count of its whole minibatch over all
@@ -40,7 +49,8 @@ __all__ = ["PPOActor"]
 _MEANS = ["reward/mean", "reward/_sq", "reward/_pos", "reward/shaped_mean", "adv/mean", "adv/_sq",
           "staleness/mean", "seq/output_len", "seq/no_eos_frac", "ppo/importance_ratio", "ppo/clip_frac",
           "ppo/dual_clip_frac", "ppo/approx_kl", "ppo/entropy", "imp_weight/mean", "imp_weight/masked_frac",
-          "kl/ref", "optim/grad_norm"]
+          "imp_weight/applied_mean", "imp_weight/clamped_frac", "behav_kl/k1", "behav_kl/k3",
+          "behav_kl/k3_same_version", "kl/ref", "optim/grad_norm"]
 _MINMAX = ["staleness", "adv", "ppo/importance_ratio", "imp_weight"]
 _TOTALS = ["data/n_seqs", "data/n_tokens", "data/n_loss_tokens", "reward/_nonbin01", "reward/_nonbinpm",
            "loss/pg", "loss/kl", "loss/entropy", "loss/total", "optim/skipped_steps"]
@@ -66,6 +76,9 @@ class PPOActor:
         if a.kl_ctl > 0 and ref is None:
             raise ValueError("actor.kl_ctl > 0 needs a reference model")
         self.recompute = a.recompute_logprob or (a.use_decoupled_loss and a.prox_logp_method == "recompute")
+        self.correction = a.correction
+        # π_prox/π_behav is weighed in: decoupled loss, or TIS-style on a recomputed old policy.
+        self.behav_weighted = a.use_decoupled_loss or (a.recompute_logprob and self.correction is not None)
 
     # ------------------------------------------------------------------ helpers
     def _reduce_sum(self, tensors: list[torch.Tensor]) -> None:
@@ -182,16 +195,15 @@ class PPOActor:
         seq_idx = sub.seq_index().to(dev)
         n = len(seqs)
         behav_mb = behav[tok].to(dev)
-        if a.use_decoupled_loss:
-            prox = prox_all[tok].to(dev) if prox_all is not None else \
-                loglinear_prox_logp(behav_mb, logp, sub.versions.to(dev), version)
-            behav_arg = behav_mb
+        if a.use_decoupled_loss and prox_all is None:
+            prox = loglinear_prox_logp(behav_mb, logp, sub.versions.to(dev), version)
         else:
-            prox, behav_arg = prox_all[tok].to(dev), None
+            prox = prox_all[tok].to(dev)
         out = ppo_token_loss(logp, prox, adv.advantages[tok].to(dev), mask, eps_clip=a.eps_clip,
-                             eps_clip_higher=a.eps_clip_higher, c_clip=a.c_clip, behav_logp=behav_arg,
-                             behav_imp_weight_cap=a.behav_imp_weight_cap,
-                             importance_sampling_level=a.importance_sampling_level, seq_idx=seq_idx, n_seqs=n)
+                             eps_clip_higher=a.eps_clip_higher, c_clip=a.c_clip,
+                             behav_logp=behav_mb if self.behav_weighted else None, correction=self.correction,
+                             importance_sampling_level=a.importance_sampling_level, policy_loss=a.policy_loss,
+                             seq_idx=seq_idx, n_seqs=n)
         agg = partial(aggregate, loss_mask=mask, mode=a.loss_agg_mode, seq_idx=seq_idx, n_seqs=n,
                       token_denom=token_denom, seq_denom=seq_denom)
         pg = agg(out.token_loss)
@@ -219,12 +231,29 @@ class PPOActor:
         tally.mean("ppo/dual_clip_frac", float(out.dual_clip_mask.sum()), nm)
         tally.mean("ppo/approx_kl", float((logp.detach() - prox)[mask].sum()), nm)
         tally.mean("ppo/entropy", float(ent.detach()[mask].sum()), nm)
-        if out.behav_weight is not None:
-            w = out.behav_weight[mask]
-            tally.mean("imp_weight/mean", float(w.sum()), nm)
-            tally.minmax("imp_weight", w)
-            tally.mean("imp_weight/masked_frac", float((mask & ~out.behav_mask).sum()), nm)
+        if out.correction is not None:
+            self._correction_stats(tally, out.correction, mask, prox, behav_mb, sub.versions.to(dev), version)
         return loss
+
+    @staticmethod
+    def _correction_stats(tally: Tally, c, mask: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor,
+                          versions: torch.Tensor, version: int) -> None:
+        """What the off-policy correction did on this micro-batch's loss tokens, and how far apart the policies are."""
+        nm = float(mask.sum())
+        w = c.raw_weight[mask]
+        tally.mean("imp_weight/mean", float(w.sum()), nm)
+        tally.minmax("imp_weight", w)
+        tally.mean("imp_weight/applied_mean", float(c.weight[mask].sum()), nm)
+        tally.mean("imp_weight/masked_frac", float((mask & ~c.kept).sum()), nm)
+        tally.mean("imp_weight/clamped_frac", float(c.clamped.sum()), nm)
+        # KL(π_behav ‖ π_prox) from samples of π_behav: k1 = log(b/p), k3 = p/b - 1 - log(p/b) (Schulman 2020).
+        lr = (prox.detach().float() - behav.float())
+        lr = torch.where(mask & torch.isfinite(lr), lr, torch.zeros_like(lr))
+        k3 = torch.exp(lr) - 1.0 - lr
+        tally.mean("behav_kl/k1", float(-lr.sum()), nm)
+        tally.mean("behav_kl/k3", float(k3.sum()), nm)
+        same = mask & (versions == version)
+        tally.mean("behav_kl/k3_same_version", float(k3[same].sum()), float(same.sum()))
 
     def _batch_stats(self, tally: Tally, batch: SeqBatch, adv: torch.Tensor, loss_mask: torch.Tensor,
                      shaped: torch.Tensor, version: int) -> None:
@@ -276,8 +305,8 @@ class PPOActor:
             res.pop("loss/entropy", None)
         if self.ref is None:
             res.pop("kl/ref", None)
-        if not self.a.use_decoupled_loss:
-            for k in [k for k in res if k.startswith("imp_weight")]:
+        if not self.behav_weighted:
+            for k in [k for k in res if k.startswith(("imp_weight", "behav_kl"))]:
                 res.pop(k)
         res["optim/lr"] = lr
         return res

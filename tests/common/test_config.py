@@ -189,3 +189,32 @@ def test_config_show_cli_bad_key_is_one_line(tmp_path):
     assert len(lines) == 1, res.stderr
     assert "rollout.max_head_offpolicness" in lines[0] and "did you mean 'rollout.max_head_offpolicyness'" in lines[0]
     assert "Traceback" not in res.stderr
+
+
+def test_rejection_sampling_and_its_old_spelling():
+    from rlstream.common.config import RejectionSamplingConfig
+
+    old = load_config(None, ["actor.use_decoupled_loss=true", "actor.behav_imp_weight_cap=3.0"])
+    assert old.actor.correction == RejectionSamplingConfig(level="token", action="mask", metric="ratio", upper=3.0)
+    new = load_config(None, ["actor.use_decoupled_loss=true", "actor.rejection_sampling.level=sequence",
+                             "actor.rejection_sampling.metric=kl_k3", "actor.rejection_sampling.upper=0.5"])
+    assert new.actor.correction.level == "sequence" and new.actor.correction.action == "mask"
+    assert load_config(None, []).actor.correction is None
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["actor.use_decoupled_loss=true", "actor.behav_imp_weight_cap=3", "actor.rejection_sampling.upper=3"],
+     "both set"),
+    (["actor.rejection_sampling.upper=3"], "set actor.use_decoupled_loss=true or actor.recompute_logprob=true"),
+    (["actor.behav_imp_weight_cap=3"], "actor.behav_imp_weight_cap corrects"),
+    (["actor.recompute_logprob=true", "actor.rejection_sampling.upper=0.9"], "upper must be > 1 for metric=ratio"),
+    (["actor.recompute_logprob=true", "actor.rejection_sampling.action=clamp", "actor.rejection_sampling.metric=kl_k3"],
+     "needs metric=ratio"),
+    (["actor.recompute_logprob=true", "actor.rejection_sampling.lower=6"], "lower (6.0) is above upper"),
+    (["actor.recompute_logprob=true", "actor.rejection_sampling.level=chunk"], "'actor.rejection_sampling.level'"),
+    (["actor.policy_loss=grpo"], "'actor.policy_loss'"),
+])
+def test_bad_rejection_sampling_is_named(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)

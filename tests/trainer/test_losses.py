@@ -157,3 +157,204 @@ def test_gradcheck_token_and_sequence_losses():
     r, w = torch.exp(logp.detach() - prox), torch.exp(prox - behav)
     expected = torch.where(mask, -adv * r * w / mask.sum(), torch.zeros_like(r))
     assert torch.allclose(g, expected)
+
+
+# --------------------------------------------------------------------------- off-policy corrections
+# Each correction of the behaviour weight π_prox/π_behav is checked against a direct numpy
+# transcription of its published formula, on random tensors of three packed sequences (one
+# with a prompt token off the loss mask), through the one loss: token loss = PPO term × weight.
+
+import numpy as np  # noqa: E402
+
+from rlstream.common.config import RejectionSamplingConfig as RS  # noqa: E402
+from rlstream.trainer.losses import behaviour_correction  # noqa: E402
+
+_LENS = [5, 7, 4]
+_SEQ = np.repeat(np.arange(3), _LENS)
+
+
+def _batch(seed=0, spread=0.8):
+    g = np.random.default_rng(seed)
+    T = sum(_LENS)
+    prox = -g.random(T) * 2 - 0.1
+    behav = prox - g.normal(0.0, spread, T)  # log(π_prox/π_behav) ~ N(0, spread²)
+    logp = prox + g.normal(0.0, 0.3, T)
+    adv = g.normal(0.0, 1.0, T)
+    mask = np.ones(T, dtype=bool)
+    mask[0] = False  # a prompt token of sequence 0
+    return prox, behav, logp, adv, mask
+
+
+def _t(x):
+    return torch.tensor(x, dtype=torch.float64) if x.dtype != bool else torch.tensor(x)
+
+
+def _loss_with(rs, seed=0, spread=0.8, **kw):
+    prox, behav, logp, adv, mask = _batch(seed, spread)
+    args = (_t(logp), _t(prox), _t(adv), _t(mask))
+    common = dict(eps_clip=0.2, seq_idx=torch.tensor(_SEQ), n_seqs=3, **kw)
+    plain = ppo_token_loss(*args, **common).token_loss.numpy()  # the PPO term, unweighted
+    out = ppo_token_loss(*args, behav_logp=_t(behav), correction=rs, **common)
+    return plain, out, (prox, behav, mask)
+
+
+def _seq_geo_mean(lr, mask):
+    s = np.array([lr[(_SEQ == i) & mask].sum() for i in range(3)])
+    n = np.array([max(((_SEQ == i) & mask).sum(), 1) for i in range(3)])
+    return np.exp(s / n)
+
+
+def _areal_reference(prox, behav, mask, level, action, metric, agg, upper, lower):
+    """AReaL `apply_rejection_sampling` (areal/utils/functional/functional.py, inclusionAI/AReaL
+    4aef98d) + the weighting in `ppo_actor_loss_fn`, transcribed: metric of log r = prox - behav
+    (ratio r, or KL k1 = lr, k2 = lr²/2, k3 = e^-lr - 1 + lr); sequence level aggregates log r
+    (ratio) or the KL (sum/mean/max) over loss tokens; mask zeroes out-of-bound tokens, clamp
+    truncates the weight to [lower or 0, upper]; the weight is the sequence geometric mean for
+    (sequence, ratio), else the token ratio; the result is multiplied by the loss mask."""
+    lr = np.where(mask, prox - behav, 0.0)
+    r = np.exp(lr)
+    kl = {"ratio": r, "kl_k1": lr, "kl_k2": lr ** 2 / 2, "kl_k3": np.exp(-lr) - 1 + lr}[metric]
+    w = r
+    if level == "sequence":
+        vals = lr if metric == "ratio" else kl
+        per = []
+        for i in range(3):
+            v = vals[(_SEQ == i) & mask]
+            per.append({"sum": v.sum(), "mean": v.mean(), "max": v.max()}[agg])
+        per = np.array(per)
+        m = np.exp(per)[_SEQ] if metric == "ratio" else per[_SEQ]
+        if metric == "ratio":
+            w = _seq_geo_mean(lr, mask)[_SEQ]
+    else:
+        m = kl
+    ok = (m <= upper) & (m >= lower if lower is not None else True)
+    if action == "mask":
+        keep = mask & ok
+        return np.where(keep, w, 0.0), keep
+    lo = lower if lower is not None else 0.0
+    wc = np.clip(w, lo, upper)
+    if level == "sequence":
+        wc = np.where(ok, w, wc)
+    return np.where(mask, wc, 0.0), mask
+
+
+_BOUNDS = [("mask", "ratio", 2.0, None), ("mask", "ratio", 1.5, 0.6), ("clamp", "ratio", 1.5, None),
+           ("clamp", "ratio", 2.0, 0.5), ("mask", "kl_k1", 0.3, -0.3), ("mask", "kl_k2", 0.1, None),
+           ("mask", "kl_k3", 0.1, None)]
+
+
+@pytest.mark.parametrize("level,agg,action,metric,upper,lower",
+                         [("token", "mean", *b) for b in _BOUNDS]
+                         + [("sequence", agg, *b) for agg in ("mean", "sum", "max") for b in _BOUNDS])
+def test_areal_rejection_sampling_matches_transcription(level, agg, action, metric, upper, lower):
+    """AReaL's `actor.rejection_sampling` (see `_areal_reference` for the source) in every combination."""
+    rs = RS(level=level, action=action, metric=metric, agg=agg, upper=upper, lower=lower)
+    acted = untouched = 0
+    for spread in (0.1, 0.4, 1.0, 2.0):
+        for seed in range(4):
+            plain, out, (prox, behav, mask) = _loss_with(rs, seed, spread)
+            w_ref, keep_ref = _areal_reference(prox, behav, mask, level, action, metric, agg, upper, lower)
+            c = out.correction
+            assert c.weight.numpy() == pytest.approx(w_ref, rel=1e-6, abs=1e-12)
+            assert c.kept.numpy().tolist() == keep_ref.tolist()
+            assert out.token_loss.numpy() == pytest.approx(np.where(keep_ref, plain, 0.0) * w_ref, rel=1e-6, abs=1e-12)
+            changed = (mask & ~c.kept.numpy()) | c.clamped.numpy()
+            acted += int(changed.sum())
+            untouched += int((mask & ~changed).sum())
+    assert acted > 0 and untouched > 0  # the bounds did something, and not to everything
+
+
+def test_old_cap_spelling_is_token_mask_ratio():
+    """`behav_imp_weight_cap: X` = rejection_sampling {token, mask, ratio, upper: X} (AReaL's migration
+    table in areal/api/cli_args.py, `_LEGACY_MIGRATION_MESSAGE`); it is also MIS, the token-level
+    masked importance sampling of Yao et al. 2025 ("Your efficient RL framework secretly brings you
+    off-policy RL training", fengyao.notion.site/off-policy-rl): w = r·1[r ≤ C]."""
+    prox, behav, logp, adv, mask = _batch(1)
+    args = (_t(logp), _t(prox), _t(adv), _t(mask))
+    old = ppo_token_loss(*args, eps_clip=0.2, behav_logp=_t(behav), behav_imp_weight_cap=2.0)
+    new = ppo_token_loss(*args, eps_clip=0.2, behav_logp=_t(behav), correction=RS(upper=2.0))
+    assert torch.equal(old.token_loss, new.token_loss)
+    r = np.exp(prox - behav)
+    plain = ppo_token_loss(*args, eps_clip=0.2).token_loss.numpy()
+    assert old.token_loss.numpy() == pytest.approx(np.where(mask & (r <= 2.0), plain * r, 0.0))
+    assert (r[mask] > 2.0).any() and (r[mask] <= 2.0).any()  # the cap did something
+
+
+def test_tis_truncated_importance_sampling():
+    """slime `--use-tis` (slime/backends/megatron_utils/loss.py `vanilla_tis_function`, THUDM/slime) and
+    OpenRLHF `tis` (openrlhf/models/loss.py `PolicyLoss`): w = clamp(exp(old - rollout), low, C), the
+    loss multiplied by w; Yao et al. 2025 (fengyao.notion.site/off-policy-rl) eq. for TIS."""
+    plain, out, (prox, behav, mask) = _loss_with(RS(action="clamp", upper=2.0, lower=0.5))
+    w = np.clip(np.exp(prox - behav), 0.5, 2.0)
+    assert out.token_loss.numpy() == pytest.approx(np.where(mask, plain * w, 0.0))
+    assert out.correction.clamped.any() and out.correction.kept.tolist() == mask.tolist()
+
+
+def test_icepop_token_masking():
+    """IcePop (Ring-1T / Ling team 2025; slime `icepop_function`, OpenRLHF `icepop`): w = r where
+    lo ≤ r ≤ hi, else 0 (token dropped), with r = exp(old - rollout); OpenRLHF defaults [0.5, 5]."""
+    plain, out, (prox, behav, mask) = _loss_with(RS(action="mask", lower=0.5, upper=5.0), seed=2)
+    r = np.exp(prox - behav)
+    w = np.where((r >= 0.5) & (r <= 5.0), r, 0.0)
+    assert out.token_loss.numpy() == pytest.approx(np.where(mask, plain * w, 0.0))
+    assert (mask & ((r < 0.5) | (r > 5.0))).any()
+
+
+def test_seq_mask_tis():
+    """OpenRLHF `seq-mask-tis` (openrlhf/models/loss.py `PolicyLoss`): a sequence is kept when the
+    geometric mean of its ratios exp(mean_t(old - rollout)) lies in [lo, hi]; kept tokens are weighted
+    by their own token ratio exp(old - rollout). rlstream: {sequence, mask, ratio, weight: token}."""
+    rs = RS(level="sequence", action="mask", lower=0.8, upper=1.25, weight="token")
+    for seed in range(4):
+        plain, out, (prox, behav, mask) = _loss_with(rs, seed)
+        lr = prox - behav
+        geo = _seq_geo_mean(np.where(mask, lr, 0.0), mask)
+        seq_ok = ((geo >= 0.8) & (geo <= 1.25))[_SEQ]
+        assert out.token_loss.numpy() == pytest.approx(np.where(mask & seq_ok, plain * np.exp(lr), 0.0))
+
+
+def test_geometric_sequence_mask():
+    """SkyRL `sequence_mask_metric: geometric` (skyrl/backends/skyrl_train/utils/off_policy_correction_utils.py
+    `compute_sequence_mask`, NovaSky-AI/SkyRL): mask = geo_mask_low ≤ exp(Σ_t lr / n) ≤ geo_mask_high,
+    multiplied into the loss with no importance weight. rlstream: {sequence, mask, ratio, weight: none}."""
+    rs = RS(level="sequence", action="mask", lower=0.9, upper=1.1, weight="none")
+    seen = set()
+    for seed in range(6):
+        plain, out, (prox, behav, mask) = _loss_with(rs, seed)
+        geo = _seq_geo_mean(np.where(mask, prox - behav, 0.0), mask)
+        seq_ok = ((geo >= 0.9) & (geo <= 1.1))
+        seen |= set(seq_ok.tolist())
+        assert out.token_loss.numpy() == pytest.approx(np.where(mask & seq_ok[_SEQ], plain, 0.0))
+    assert seen == {True, False}
+
+
+def test_cispo_loss_and_gradient():
+    """CISPO (MiniMax-M1 report, Chen et al. 2025, eq. 4; ROLL `_compute_cispo_loss` in
+    roll/pipeline/agentic/agentic_actor_pg_worker.py): J = sg(clip(r, 1-ε_low, 1+ε_high))·A·log π_θ,
+    r = π_θ/π_old. Loss = -J; its gradient w.r.t. log π_θ is -clip(r)·A, also for clipped tokens."""
+    prox, behav, logp, adv, mask = _batch(3)
+    lp = _t(logp).requires_grad_(True)
+    out = ppo_token_loss(lp, _t(prox), _t(adv), _t(mask), eps_clip=0.2, eps_clip_higher=0.28, policy_loss="cispo")
+    clipped = np.clip(np.exp(logp - prox), 0.8, 1.28)
+    assert out.token_loss.detach().numpy() == pytest.approx(np.where(mask, -clipped * adv * logp, 0.0))
+    out.token_loss.sum().backward()
+    assert lp.grad.numpy() == pytest.approx(np.where(mask, -clipped * adv, 0.0))
+    assert out.clip_mask.any()  # some tokens clipped, and their gradient above is not zero
+    # with a behaviour weight the CISPO term is weighted like the PPO one
+    w = ppo_token_loss(_t(logp), _t(prox), _t(adv), _t(mask), eps_clip=0.2, eps_clip_higher=0.28,
+                       policy_loss="cispo", behav_logp=_t(behav), correction=RS(action="clamp", upper=2.0))
+    assert w.token_loss.numpy() == pytest.approx(
+        np.where(mask, -clipped * adv * logp * np.clip(np.exp(prox - behav), 0, 2.0), 0.0))
+
+
+def test_no_correction_keeps_the_raw_weight():
+    plain, out, (prox, behav, mask) = _loss_with(None)
+    assert out.token_loss.numpy() == pytest.approx(np.where(mask, plain * np.exp(prox - behav), 0.0))
+    assert not out.correction.clamped.any() and out.correction.kept.tolist() == mask.tolist()
+
+
+def test_non_finite_logprobs_give_no_nan():
+    prox = torch.tensor([-1.0, -math.inf, -0.5])
+    behav = torch.tensor([-1.0, -math.inf, -0.7])
+    c = behaviour_correction(prox, behav, torch.ones(3, dtype=torch.bool), RS(upper=2.0))
+    assert torch.isfinite(c.weight).all() and c.weight[1] == 1.0
