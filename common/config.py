@@ -325,6 +325,31 @@ class ProducerConfig(_Section):
     shutdown_timeout: D(float, "Seconds a stopping producer (SIGTERM/SIGINT) lets in-flight rollouts finish before releasing their leases.", ge=0) = 30.0
 
 
+class SandboxConfig(_Section):
+    cpu_seconds: D(float, "RLIMIT_CPU of one sandboxed run (CPU seconds).", gt=0) = 5.0
+    wall_timeout: D(float, "Wall-clock seconds before a sandboxed run is killed.", gt=0) = 10.0
+    memory_mb: D(int, "RLIMIT_AS of one sandboxed run (MB of address space).", ge=64) = 512
+    file_size_mb: D(int, "RLIMIT_FSIZE: largest file (and captured output) a run may write, MB.", ge=1) = 16
+    max_processes: D(int, "RLIMIT_NPROC of a run's own uid (enforced when isolation is on).", ge=1) = 16
+    max_output_chars: D(int, "Tool output longer than this is cut, with a truncation marker.", ge=16) = 2000
+    python: D(str, "Interpreter that runs the code (empty = /usr/bin/python3 when present, else the producer's own; it must be executable by an unprivileged uid).") = ""
+    isolation: D(Literal["auto", "required", "off"], "Own uid + network/mount namespaces: auto = when running as root, required = fail without them, off = rlimits and timeout only.") = "auto"
+
+
+class AgentConfig(_Section):
+    environment: D(str, "Environment import path `module:callable(cfg=, tokenizer=, reward=, tools=)`, one built per episode.") = "rlstream.producer.environment:ToolEnvironment"
+    tools: D(list[str], "Tool import paths `module:callable(cfg=)` offered to the model (built-in: rlstream.producer.tools:calculator, :python).") = msgspec.field(default_factory=lambda: ["rlstream.producer.tools:calculator"])
+    tool_parser: D(str, "Tool-call parser import path `module:callable(text) -> ParsedTurn` (built-in: Hermes/Qwen <tool_call>{json}</tool_call>).") = "rlstream.producer.toolcalls:parse_hermes"
+    system_prompt: D(str | None, "System message put before the prompt (None = none).") = None
+    max_turns: D(int, "Model turns per episode; the episode stops (finish_reason length) after this many.", ge=1) = 4
+    max_total_tokens: D(int, "Prompt + every turn + observations; a turn may generate only what is left.", ge=2) = 1024
+    turn_timeout: D(float, "Seconds one model turn may take (incl. waits for weight updates) before the episode is aborted.", gt=0) = 120.0
+    episode_timeout: D(float, "Seconds one whole episode may take before it is aborted.", gt=0) = 600.0
+    tool_timeout: D(float, "Seconds one tool call may take before it returns an error observation.", gt=0) = 15.0
+    on_env_error: D(Literal["fail_sample", "reject_group"], "An environment that raises: fail_sample = that sample gets reward 0 and metadata env_error; reject_group = the whole group is dropped.") = "fail_sample"
+    sandbox: D(SandboxConfig, "Limits of the process the python tool runs code in.") = msgspec.field(default_factory=SandboxConfig)
+
+
 class ServerConfig(_Section):
     host: D(str, "Bind address of the local engine (127.0.0.1 unless told otherwise).") = "127.0.0.1"
     port: D(int, "Port of the local engine (0 = pick a free one).", ge=0, le=65535) = 0
@@ -404,6 +429,7 @@ class Config(_Section):
     train_dataset: D(DatasetConfig, "Training prompts.") = msgspec.field(default_factory=DatasetConfig)
     valid_dataset: D(DatasetConfig | None, "Held-out prompts for evaluation.") = None
     producer: D(ProducerConfig, "Rollout producers.") = msgspec.field(default_factory=ProducerConfig)
+    agent: D(AgentConfig, "Multi-turn episodes with tools (producer.workflow=rlstream.producer.agent:AgentWorkflow).") = msgspec.field(default_factory=AgentConfig)
     server: D(ServerConfig, "The local CPU/GPU engine (`rlstream serve`).") = msgspec.field(default_factory=ServerConfig)
     launcher: D(LauncherConfig, "`rlstream run` placement on one machine.") = msgspec.field(default_factory=LauncherConfig)
 

@@ -11,19 +11,40 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
-__all__ = ["CHARS", "SPECIAL_TOKENS", "build_tokenizer", "build_tiny_model"]
+__all__ = ["CHARS", "CHAT_CHARS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tokenizer", "build_tiny_model"]
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
 CHARS = list(string.digits + string.ascii_lowercase + " +-*/=?:.,()[]<>#")
+# With `chat=True`: the characters of chat turns and Hermes tool calls (`<tool_call>{"name": ...}`),
+# appended so the ids of CHARS stay the same.
+CHAT_CHARS = list('_{}"\'\n;!')
+
+# A compact chat template with tools (one character per token, so every byte counts): the tool
+# names on a first line, `u:`/`a:`/`t:`/`s:` turns, an assistant turn ends with EOS then a newline,
+# tool calls in the Hermes/Qwen markup `<tool_call>{json}</tool_call>`.
+CHAT_TEMPLATE = (  # newlines as expressions: HF renders templates with trim_blocks
+    "{%- if tools %}tools:{% for t in tools %} {{ t.function.name if t.function is defined else t.name }}{% endfor %}"
+    "{{ '\\n' }}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'system' %}s:{{ m.content }}{{ '\\n' }}"
+    "{%- elif m.role == 'user' %}u:{{ m.content }}{{ '\\n' }}"
+    "{%- elif m.role == 'assistant' %}a:{{ m.content }}"
+    "{%- if m.tool_calls is defined and m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function | tojson }}"
+    "</tool_call>{% endfor %}{% endif %}</s>{{ '\\n' }}"
+    "{%- elif m.role == 'tool' %}t:{{ m.content }}{{ '\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}a:{% endif %}"
+)
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer: pad=0, bos=1, eos=2, unk=3."""
+def build_tokenizer(chat: bool = False):
+    """A character-level fast tokenizer: pad=0, bos=1, eos=2, unk=3; `chat`: + CHAT_CHARS and CHAT_TEMPLATE."""
     from tokenizers import Regex, Tokenizer, decoders, pre_tokenizers
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS + (CHAT_CHARS if chat else []))}
     tok = Tokenizer(WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
@@ -31,24 +52,27 @@ def build_tokenizer():
         tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>", unk_token="<unk>",
         clean_up_tokenization_spaces=False,
     )
+    if chat:
+        fast.chat_template = CHAT_TEMPLATE
     return fast
 
 
 def build_tiny_model(path: str | Path, *, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                      intermediate_size: int = 256, max_position_embeddings: int = 512, seed: int = 0,
-                     tie_word_embeddings: bool = False) -> Path:
+                     tie_word_embeddings: bool = False, chat: bool = False) -> Path:
     """Write a randomly initialised tiny LlamaForCausalLM + tokenizer to `path`.
 
     `tie_word_embeddings=True` shares `lm_head.weight` with `embed_tokens.weight`, as most
     small real chat models do (SmolLM2, Qwen2.5-0.5B, Llama-3.2-1B): the checkpoint then
-    holds one tensor for both, and a weight push sends it once.
+    holds one tensor for both, and a weight push sends it once. `chat=True` adds the chat
+    template with tool markup (and its characters) to the tokenizer.
     """
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat=chat)
     cfg = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

@@ -1,0 +1,74 @@
+"""Token ids of a conversation through the tokenizer's chat template, turn by turn.
+
+Token-in, token-out: the model's generated ids are never decoded and re-tokenized. What
+the template adds between two model turns is computed as a token delta:
+
+1. `close_turn(generated)`: the template's end-of-turn tokens that the model did not
+   generate itself (Qwen/SmolLM: the `\\n` after `<|im_end|>`), found by rendering a
+   fixed two-message conversation with and without its assistant turn;
+2. `observation(history, new)`: render the conversation with the new messages (and the
+   next generation prompt) and without them; the delta is the suffix. Templates that
+   re-render earlier turns (Qwen3 drops old `<think>` blocks, some number tool calls)
+   break the prefix property; then the delta is taken against a fixed base
+   conversation instead, which renders the new messages exactly as they would follow
+   any assistant turn.
+
+Tools are offered through `tools=` (the template renders their schemas).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["ChatTemplate"]
+
+_BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+
+
+class ChatTemplate:
+    """A tokenizer's chat template with a fixed tool list."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("multi-turn episodes need a tokenizer with a chat template "
+                             f"({getattr(tokenizer, 'name_or_path', '?')} has none)")
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+        self._base_ids = self.ids(_BASE, add_generation_prompt=False)
+        gen = self.ids(_BASE[:1], add_generation_prompt=True)
+        y = tokenizer.encode("y", add_special_tokens=False)
+        rest = self._base_ids[len(gen):] if self._base_ids[:len(gen)] == gen else []
+        # What the template writes after an assistant's content: end-of-turn token(s).
+        self.turn_tail: list[int] = rest[len(y):] if rest[:len(y)] == y else []
+
+    def ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=True,
+                                                 add_generation_prompt=add_generation_prompt)
+        if isinstance(out, dict) or hasattr(out, "input_ids"):
+            out = out["input_ids"]
+        return [int(t) for t in out]
+
+    def prompt(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The first model input: the conversation so far plus the generation prompt."""
+        return self.ids(messages, add_generation_prompt=True)
+
+    def close_turn(self, generated: list[int]) -> list[int]:
+        """End-of-turn tokens still missing after the model's own tokens (it may have generated part of them)."""
+        tail = self.turn_tail
+        for k in range(min(len(tail), len(generated)), 0, -1):
+            if generated[-k:] == tail[:k]:
+                return tail[k:]
+        return list(tail)
+
+    def observation(self, history: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[int]:
+        """Tokens the template puts after `history` (ending with an assistant turn) for the
+        `new` messages, up to and including the next generation prompt."""
+        full = self.ids(history + new, add_generation_prompt=True)
+        prev = self.ids(history, add_generation_prompt=False)
+        if full[:len(prev)] == prev:
+            return full[len(prev):]
+        full = self.ids(_BASE + new, add_generation_prompt=True)
+        if full[:len(self._base_ids)] != self._base_ids:
+            raise ValueError("the chat template renders an assistant turn differently when messages follow it; "
+                             "cannot compute the observation's token delta")
+        return full[len(self._base_ids):]
