@@ -24,6 +24,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "load_config",
+    "load_config_dict",
     "config_to_dict",
     "masked_config_dict",
     "mask_url",
@@ -129,9 +130,9 @@ class RolloutConfig(_Section):
 
 
 class NormConfig(_Section):
-    mean_level: D(Literal["batch", "group", "none"], "Subtract the mean over the batch, the group, or not at all.") = "batch"
+    mean_level: D(Literal["batch", "group", "none"] | None, "Subtract the mean over the batch, the group, or not at all (none; null as in AReaL means none).") = "batch"
     mean_leave1out: D(bool, "Leave-one-out mean (RLOO).") = False
-    std_level: D(Literal["batch", "group", "none"], "Divide by the std over the batch, the group, or not at all.") = "batch"
+    std_level: D(Literal["batch", "group", "none"] | None, "Divide by the std over the batch, the group, or not at all (none; null as in AReaL means none).") = "batch"
     std_unbiased: D(bool, "Unbiased (n-1) standard deviation.") = True
     eps: D(float, "Added to the std before dividing.", ge=0) = 1e-5
     group_size: D(int, "Samples per group for group-level statistics (0 = n_samples).", ge=0) = 0
@@ -206,6 +207,8 @@ class ActorConfig(_Section):
     eps_clip_higher: D(float | None, "Upper clip ε_high (DAPO clip-higher); None = eps_clip.", gt=0) = None
     c_clip: D(float | None, "Dual-clip constant c > 1 (None = off).", gt=1) = None
     temperature: D(float, "Temperature applied to logits when computing logprobs (match gconfig).", gt=0) = 1.0
+    max_new_tokens: D(int | None, "AReaL's copy of gconfig.max_new_tokens (None = gconfig's); when set it must equal gconfig.max_new_tokens.", ge=1) = None
+    disable_dropout: D(bool, "Set every dropout probability of the model to 0 (nn.Dropout modules and attention dropout).") = False
     reward_norm: D(NormConfig | None, "Reward normalisation (None = off).") = None
     reward_scaling: D(float, "Multiply rewards by this.") = 1.0
     reward_bias: D(float, "Add this to rewards (before scaling).") = 0.0
@@ -302,13 +305,14 @@ class StatsLoggerConfig(_Section):
 
 class DatasetConfig(_Section):
     path: D(str, "Local JSONL / Parquet / CSV file or folder (never a hub name).") = ""
-    type: D(Literal["auto", "json", "parquet", "csv"], "File format (auto: by extension).") = "auto"
+    type: D(Literal["auto", "json", "parquet", "csv", "rl"], "File format (auto: by extension; rl, AReaL's prompt-dataset type, is read as auto).") = "auto"
     prompt_key: D(str, "Column with the prompt text.") = "prompt"
     answer_key: D(str, "Column with the reference answer.") = "answer"
     apply_chat_template: D(bool, "Wrap prompts with the tokenizer's chat template.") = False
     shuffle: D(bool, "Shuffle each epoch (seeded).") = True
-    batch_size: D(int, "Accepted for compatibility with AReaL configs, not used yet: producers take prompts one at a time and held-out evaluation batches are fixed.", ge=1) = 32
+    batch_size: D(int | None, "Prompts per batch as AReaL reads it: train_dataset: prompts per train step, i.e. rollout.consumer_batch_size groups of n_samples (sets it when not given, must equal it when given); valid_dataset: evaluation requests in flight (sets evaluator.concurrency when not given).", ge=1) = None
     max_prompt_len: D(int | None, "Drop prompts longer than this many tokens.", ge=1) = None
+    max_length: D(int | None, "AReaL's name for max_prompt_len (must agree with it when both are set).", ge=1) = None
 
 
 # --------------------------------------------------------------------------- producer / engine
@@ -561,8 +565,33 @@ def _lookup(data: Any, dotted: str) -> Any:
     return data
 
 
+def _areal_batch_sizes(data: dict[str, Any]) -> None:
+    """`train_dataset.batch_size` / `valid_dataset.batch_size` read as AReaL reads them (in the raw dict:
+    whether consumer_batch_size / evaluator.concurrency were given is known only here)."""
+    train = data.get("train_dataset")
+    bs = train.get("batch_size") if isinstance(train, dict) else None
+    if isinstance(bs, int) and not isinstance(bs, bool):
+        rollout = data.setdefault("rollout", {})
+        if isinstance(rollout, dict):
+            given = rollout.get("consumer_batch_size")
+            if given is None:
+                rollout["consumer_batch_size"] = bs
+            elif given != bs:
+                raise ConfigError(
+                    f"train_dataset.batch_size={bs} and rollout.consumer_batch_size={given} disagree: as in AReaL, "
+                    f"train_dataset.batch_size is the prompts per train step, i.e. the groups (of gconfig.n_samples "
+                    f"samples) the trainer consumes per step; set one of them, or both to the same value")
+    valid = data.get("valid_dataset")
+    vbs = valid.get("batch_size") if isinstance(valid, dict) else None
+    if isinstance(vbs, int) and not isinstance(vbs, bool):
+        ev = data.setdefault("evaluator", {})
+        if isinstance(ev, dict) and ev.get("concurrency") is None:
+            ev["concurrency"] = vbs
+
+
 def _convert(data: dict[str, Any]) -> Config:
     _check_unknown_keys(data, Config, "")
+    _areal_batch_sizes(data)
     try:
         return msgspec.convert(data, Config, strict=False)
     except msgspec.ValidationError as exc:
@@ -628,10 +657,38 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"config root must be a mapping{where}")
+    return load_config_dict(data)
+
+
+def load_config_dict(data: dict[str, Any]) -> Config:
+    """Validate a plain nested dict (interpolations already resolved) as load_config does."""
     cfg = _convert(data)
+    _normalise(cfg)
     _check(cfg)
     _register_secrets(config_to_dict(cfg))
     return cfg
+
+
+def _normalise(cfg: "Config") -> None:
+    """AReaL spellings that mean the same as ours, folded into ours (so `config show` prints one form)."""
+    for norm in (cfg.actor.adv_norm, cfg.actor.reward_norm):
+        if norm is not None:
+            norm.mean_level = norm.mean_level or "none"
+            norm.std_level = norm.std_level or "none"
+    for key, ds in (("train_dataset", cfg.train_dataset), ("valid_dataset", cfg.valid_dataset)):
+        if ds is None:
+            continue
+        if ds.type == "rl":
+            ds.type = "auto"
+        if ds.max_length is not None:
+            if ds.max_prompt_len is not None and ds.max_prompt_len != ds.max_length:
+                raise ConfigError(f"{key}.max_length={ds.max_length} and {key}.max_prompt_len={ds.max_prompt_len} "
+                                  f"disagree: max_length is AReaL's name for max_prompt_len; keep one")
+            ds.max_prompt_len, ds.max_length = ds.max_length, None
+    mnt = cfg.actor.max_new_tokens
+    if mnt is not None and mnt != cfg.gconfig.max_new_tokens:
+        raise ConfigError(f"actor.max_new_tokens={mnt} differs from gconfig.max_new_tokens={cfg.gconfig.max_new_tokens}: "
+                          "in AReaL it is a copy of gconfig.max_new_tokens (${{gconfig.max_new_tokens}}); drop it or make them equal")
 
 
 def _check(cfg: "Config") -> None:

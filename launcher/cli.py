@@ -92,6 +92,29 @@ def config_show(ctx: typer.Context, config: Optional[str] = ConfigOpt,
     typer.echo(json.dumps(data, indent=2) if as_json else OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
+@config_app.command("import-areal")
+def config_import_areal(file: str = typer.Argument(..., help="An AReaL experiment YAML (e.g. examples/math/gsm8k_grpo.yaml).")) -> None:
+    """Translate an AReaL experiment file: the rlstream YAML on stdout, the summary (translated, same, dropped) on stderr."""
+    import yaml
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from rlstream.common.areal import translate_areal
+    from rlstream.common.config import ConfigError, load_config_dict
+
+    try:
+        data = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
+        t = translate_areal(data)
+        load_config_dict(t.config)  # what we print must load
+    except (OSError, yaml.YAMLError, OmegaConfBaseException) as exc:
+        _fail(f"cannot read AReaL file {file}: {str(exc).splitlines()[0]}", 2)
+    except ConfigError as exc:
+        _fail(f"{file}: {exc}", 2)
+    header = "\n".join(f"# {line}" for line in [f"translated from AReaL {file} by rlstream config import-areal", *t.summary().splitlines()])
+    typer.echo(header + "\n" + yaml.safe_dump(t.config, sort_keys=False))
+    typer.echo(t.summary(), err=True)
+
+
 @config_app.command("docs")
 def config_docs() -> None:
     """Every config key with its default and one-line description."""

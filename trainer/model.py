@@ -18,7 +18,7 @@ import torch
 from rlstream.common.config import ActorConfig, ConfigError, LoRAConfig
 from rlstream.common.models import check_model_folder, resolve_model_path
 
-__all__ = ["DTYPES", "check_model_path", "load_causal_lm", "load_model", "apply_lora", "is_lora"]
+__all__ = ["DTYPES", "check_model_path", "load_causal_lm", "load_model", "disable_dropout", "apply_lora", "is_lora"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -52,6 +52,8 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
             model = AutoModelForCausalLM.from_config(config, **dkw)
     else:
         model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, **dkw)
+    if actor.disable_dropout:
+        disable_dropout(model)
     if trainable and actor.lora is not None:
         model = apply_lora(model, actor.lora)
     if trainable:
@@ -63,6 +65,21 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
         model.requires_grad_(False)
         model.eval()
     return model
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Every dropout of the model to 0 (AReaL's actor.disable_dropout): nn.Dropout modules, and the
+    attention dropout HF attention modules read from an attribute at each call, and the config."""
+    for m in model.modules():
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd):
+            m.p = 0.0
+        for attr in ("attention_dropout", "dropout"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+    cfg = getattr(model, "config", None)
+    for name in list(vars(cfg)) if cfg is not None else []:
+        if "dropout" in name and isinstance(getattr(cfg, name), float):
+            setattr(cfg, name, 0.0)
 
 
 def load_model(path: str, actor: ActorConfig, device: torch.device, *, key: str = "actor.path",
