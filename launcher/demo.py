@@ -25,6 +25,15 @@ answer about half of the time when sampling at T=0.7 and is right on ~14% of sam
 (~31% greedy), so most groups of 8 have mixed rewards: a gradient to climb. Held-out
 problems differ from the training ones. The model is `actor.path` (`rlstream run` prepares
 a known model's name with `rlstream model get NAME` first).
+
+`launcher.demo.task=tool_multiply` (the multi-turn demo, `configs/tools-cpu.yaml`): prompt
+`"347*29=?"`, answer `"10063"` (exact match), episodes through `AgentWorkflow` with the
+`calculator` tool. The tiny model cannot multiply by itself; the warm start shows it
+both ways: a fraction `launcher.demo.tool_rate` of the demonstrations call the calculator
+(`<tool_call>{"name": "calculator", "arguments": {"expression": "347*29"}}</tool_call>`,
+then copy the tool's answer), the others answer directly (correct products it cannot
+learn to compute). Greedy, it mostly answers directly and is mostly wrong; sampled
+episodes that call the tool score, so RL raises the tool-call rate and the accuracy.
 """
 
 from __future__ import annotations
@@ -101,6 +110,26 @@ def make_word_problem_items(n_train: int, n_valid: int, seed: int) -> tuple[list
     return rows[n_valid:], rows[:n_valid]
 
 
+def make_multiply_items(n_train: int, n_valid: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """Disjoint train / held-out rows `{"prompt": "347*29=?", "answer": "10063"}`."""
+    rng = random.Random(seed)
+    pairs = rng.sample([(a, b) for a in range(100, 1000) for b in range(10, 100)], n_train + n_valid)
+    rows = [{"prompt": f"{a}*{b}=?", "answer": str(a * b)} for a, b in pairs]
+    return rows[n_valid:], rows[:n_valid]
+
+
+def multiply_demonstration(row: dict, use_tool: bool) -> list[dict]:
+    """The warm-start conversation of one row: with a calculator call, or a direct answer."""
+    question = row["prompt"]
+    if not use_tool:
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": row["answer"]}]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": question[:-2]}})
+    return [{"role": "user", "content": question},
+            {"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+            {"role": "tool", "name": "calculator", "content": row["answer"]},
+            {"role": "assistant", "content": row["answer"]}]
+
+
 def demo_paths(cfg: Config) -> dict[str, Path]:
     """Where the demo's files go (all configurable through the usual keys)."""
     if not cfg.train_dataset.path:
@@ -136,6 +165,8 @@ def prepare(cfg: Config) -> dict[str, Path]:
     paths = demo_paths(cfg)
     if demo.task == "word_problems":
         return _prepare_word_problems(cfg, paths)
+    if demo.task == "tool_multiply":
+        return _prepare_tool_multiply(cfg, paths)
     if not (paths["train"].exists() and paths["valid"].exists() and paths["sft"].exists()):
         train, valid = make_reverse_items(demo.n_train, demo.n_valid, demo.digits, cfg.seed)
         rng = random.Random(cfg.seed + 1)
@@ -166,4 +197,26 @@ def _prepare_word_problems(cfg: Config, paths: dict[str, Path]) -> dict[str, Pat
         _write_jsonl(paths["valid"], valid)
         log.info("demo task word_problems: wrote %d train, %d held-out problems under %s", len(train), len(valid),
                  paths["train"].parent)
+    return paths
+
+
+def _prepare_tool_multiply(cfg: Config, paths: dict[str, Path]) -> dict[str, Path]:
+    demo = cfg.launcher.demo
+    if not (paths["train"].exists() and paths["valid"].exists() and paths["sft"].exists()):
+        train, valid = make_multiply_items(demo.n_train, demo.n_valid, cfg.seed)
+        rng = random.Random(cfg.seed + 1)
+        sft = [{"messages": multiply_demonstration(r, rng.random() < demo.tool_rate)} for r in train]
+        _write_jsonl(paths["train"], train)
+        _write_jsonl(paths["valid"], valid)
+        if paths["sft"] != paths["train"]:
+            _write_jsonl(paths["sft"], sft)
+        log.info("demo task tool_multiply: wrote %d train, %d held-out, %d warm-start conversations under %s",
+                 len(train), len(valid), len(sft), paths["train"].parent)
+    if not (paths["model"] / "config.json").exists():
+        from rlstream.launcher.tiny import build_tiny_model
+
+        build_tiny_model(paths["model"], hidden_size=demo.hidden_size, num_layers=demo.num_layers,
+                         intermediate_size=4 * demo.hidden_size, seed=cfg.seed, chat=True)
+        log.info("demo task tool_multiply: built a tiny chat model (hidden %d, %d layers) at %s", demo.hidden_size,
+                 demo.num_layers, paths["model"])
     return paths

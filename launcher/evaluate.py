@@ -1,5 +1,10 @@
 """Held-out accuracy of a checkpoint: greedy, batched `generate`, scored by the run's reward.
 
+Multi-turn workflows (`AgentWorkflow`) are evaluated by running their episodes, greedy
+and one per prompt, against an in-process local engine (`evaluate_episodes`): the same
+environment, tools, template deltas and reward as training, plus the tool-call rate
+and turns per episode.
+
 Used by `rlstream run` before RL (on `actor.path`) and after it (on the final
 checkpoint). Prompts are tokenized by the producer's `PromptDataset` and completions
 decoded the way the producer decodes them (up to EOS, special tokens skipped), then
@@ -12,13 +17,16 @@ user message of a chat prompt), not the whole templated prompt.
 
 from __future__ import annotations
 
+import asyncio
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlstream.common.config import Config
+from rlstream.producer.rewards import import_by_path
 
-__all__ = ["EvalResult", "evaluate_accuracy"]
+__all__ = ["EvalResult", "evaluate_accuracy", "evaluate_episodes"]
 
 
 @dataclass
@@ -27,6 +35,7 @@ class EvalResult:
     n: int
     mean_reward: float
     examples: list[tuple[str, str, str]]  # (question, completion, answer), a few for the log
+    episode_stats: dict[str, float] = field(default_factory=dict)  # multi-turn: tool_call_rate, turns
 
 
 def question_of(row: dict, prompt_key: str, text: str) -> str:
@@ -45,11 +54,15 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlstream.producer.dataset import PromptDataset
-    from rlstream.producer.rewards import import_by_path
 
     if cfg.valid_dataset is None or not cfg.valid_dataset.path:
         raise ValueError("valid_dataset.path is empty: nothing to evaluate on (or set launcher.eval_n=0)")
     n = cfg.launcher.eval_n if n is None else n
+    from rlstream.producer.agent import AgentWorkflow
+
+    workflow = import_by_path(cfg.producer.workflow, "producer.workflow")
+    if isinstance(workflow, type) and issubclass(workflow, AgentWorkflow):
+        return evaluate_episodes(cfg, model_path, n)
     from rlstream.common.models import stop_token_ids
 
     # `rlstream run` evaluates before the children start and after they stopped: the cores are ours.
@@ -87,3 +100,70 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
         return EvalResult(0.0, 0, 0.0, [])
     acc = sum(r > 0.5 for r in rewards) / len(rewards)
     return EvalResult(acc, len(rewards), sum(rewards) / len(rewards), examples)
+
+
+class _InProcessEngine:
+    """`RolloutEngine`'s `agenerate` on a `LocalEngine` in this process (greedy evaluation)."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def agenerate(self, req: Any) -> Any:
+        from rlstream.producer.workflow import Generation
+
+        resp = await self.engine.generate(req.input_ids, {
+            "max_new_tokens": req.max_new_tokens, "min_new_tokens": req.min_new_tokens,
+            "temperature": req.effective_temperature, "top_p": req.top_p, "stop_token_ids": list(req.stop_token_ids)})
+        meta = resp.meta_info
+        return Generation(input_ids=list(req.input_ids), output_ids=list(resp.output_ids),
+                          output_logprobs=[lp for lp, _, _ in meta.output_token_logprobs],
+                          output_versions=list(meta.output_token_versions or [0] * len(resp.output_ids)),
+                          finish_reason=meta.finish_reason.type)
+
+
+def evaluate_episodes(cfg: Config, model_path: str | Path, n: int) -> EvalResult:
+    """Greedy multi-turn episodes on the first `n` held-out prompts: accuracy (reward > 0.5),
+    tool-call rate (episodes with at least one tool call) and mean turns."""
+    import msgspec
+    import torch
+    from transformers import AutoTokenizer
+
+    from rlstream.engine.local import LocalEngine
+    from rlstream.producer.agent import AgentWorkflow
+    from rlstream.producer.dataset import PromptDataset
+    from rlstream.producer.rewards import RewardResult
+
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
+    ds = PromptDataset(cfg.valid_dataset, tokenizer, seed=cfg.seed, key="valid_dataset")
+    reward_fn = import_by_path(cfg.producer.reward_fn)
+
+    async def reward(prompt: str, completion: str, answer: Any, **kw: Any) -> RewardResult:
+        return RewardResult(float(reward_fn(prompt, completion, answer)))
+
+    greedy = msgspec.structs.replace(cfg.gconfig, n_samples=1, greedy=True, temperature=0.0)
+    ecfg = msgspec.structs.replace(cfg, gconfig=greedy)
+    wf = AgentWorkflow(cfg=ecfg, tokenizer=tokenizer, reward=reward)
+    engine = LocalEngine(model_path, tokenizer_path=cfg.tokenizer, device="cpu", max_batch_size=256,
+                         seed=cfg.seed)
+    items = [ds.at(i) for i in range(min(n, len(ds)))]
+
+    async def run_all() -> list[Any]:
+        eng = _InProcessEngine(engine)
+        return await asyncio.gather(*(wf.run_episode(eng, item) for item in items))
+
+    try:
+        episodes = asyncio.run(run_all())
+    finally:
+        engine.close()
+    if not episodes:
+        return EvalResult(0.0, 0, 0.0, [])
+    rewards = [e.reward if e.failed is None else 0.0 for e in episodes]
+    examples = []
+    for e, item in list(zip(episodes, items))[:5]:
+        text = tokenizer.decode(e.ids[len(e.prompt_ids):], skip_special_tokens=True)
+        examples.append((question_of(item.row, cfg.valid_dataset.prompt_key, item.prompt), text, str(item.answer)))
+    stats = {"tool_call_rate": sum(e.metadata.get("tool_calls", 0) > 0 for e in episodes) / len(episodes),
+             "turns": sum(e.n_turns for e in episodes) / len(episodes)}
+    return EvalResult(sum(r > 0.5 for r in rewards) / len(rewards), len(rewards), sum(rewards) / len(rewards),
+                      examples, stats)

@@ -5,6 +5,7 @@ the launcher's `launcher_timeline.jsonl` (Redis-side snapshots over time) and
 `staleness.json` (head staleness of every trained group, from the step records).
 Outputs in `{run_dir}/plots/`:
 
+- `agent.png` (multi-turn runs): reward next to the tool-call rate, and turns per episode
 - `reward.png`: batch reward and accuracy per step, held-out accuracy during training
   (`eval/accuracy` rows, at their version's step) and before/after;
 - `staleness.png`: distribution of head staleness (trainer version - oldest token version) of trained groups;
@@ -92,6 +93,26 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right", fontsize=8)
         save(fig, "reward.png")
+
+    # ---- multi-turn episodes: reward next to tool-call rate and turns per episode
+    xs_tool, ys_tool = _series(metrics, "agent/tool_call_rate")
+    if xs_tool:
+        fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
+        xs, ys = _series(metrics, "reward/mean")
+        ax_r.plot(xs, ys, lw=2, alpha=0.7, label="batch reward (mean)")
+        ax_r.plot(xs_tool, ys_tool, lw=2, label="tool-call rate (episodes with a tool call)")
+        ax_r.set_ylim(-0.05, 1.05)
+        ax_r.set_xlabel("train step")
+        ax_r.set_title("Reward and tool-call rate")
+        ax_r.grid(alpha=0.3)
+        ax_r.legend(loc="lower right", fontsize=8)
+        xs, ys = _series(metrics, "agent/turns")
+        ax_k.plot(xs, ys, color="tab:orange", lw=2)
+        ax_k.set_xlabel("train step")
+        ax_k.set_ylabel("model turns per episode (mean)")
+        ax_k.set_title(f"Turns per episode {title}".strip())
+        ax_k.grid(alpha=0.3)
+        save(fig, "agent.png")
 
     # ---- staleness distribution
     stale_path = run_dir / "staleness.json"

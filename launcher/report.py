@@ -50,6 +50,10 @@ def staleness_distribution(client: Any, keys: Any, run_dir: Path, eta: int) -> d
     return out
 
 
+# Multi-turn episode statistics (tool-call rate, turns) of the last evaluation, by `when`.
+EPISODE_STATS: dict[str, dict[str, float]] = {}
+
+
 def evaluate(cfg: Config, model_path: str | Path, when: str) -> float | None:
     """Held-out greedy accuracy of `model_path`, printed; None when `launcher.eval_n` is 0."""
     if cfg.launcher.eval_n <= 0 or cfg.valid_dataset is None or not cfg.valid_dataset.path:
@@ -59,6 +63,10 @@ def evaluate(cfg: Config, model_path: str | Path, when: str) -> float | None:
     t = time.monotonic()
     res = evaluate_accuracy(cfg, model_path)
     _echo(f"held-out accuracy {when}: {res.accuracy:.1%} of {res.n} prompts (greedy, {time.monotonic() - t:.0f}s)")
+    if res.episode_stats:
+        EPISODE_STATS[when] = res.episode_stats
+        _echo(f"held-out tool-call rate {when}: {res.episode_stats['tool_call_rate']:.1%} of episodes, "
+              f"{res.episode_stats['turns']:.2f} turns per episode")
     for prompt, completion, answer in res.examples[:3]:
         _echo(f"    {prompt!r} -> {completion!r} (answer {answer!r})")
     return res.accuracy
@@ -83,6 +91,12 @@ def finish(cfg: Config, run_dir: Path, *, acc_before: float | None, t0: float) -
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if acc_before is not None and acc_after is not None:
         _echo(f"held-out accuracy: {acc_before:.1%} before RL -> {acc_after:.1%} after RL")
+    before, after = EPISODE_STATS.get("before RL"), EPISODE_STATS.get("after RL")
+    if before and after:
+        summary.update(tool_call_rate_before=before["tool_call_rate"], tool_call_rate_after=after["tool_call_rate"])
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        _echo(f"held-out tool-call rate: {before['tool_call_rate']:.1%} before RL -> {after['tool_call_rate']:.1%} "
+              f"after RL")
     _echo(f"done in {wall:.0f}s: metrics {run_dir / 'metrics.jsonl'}, checkpoint {final}, plots in {run_dir / 'plots'}")
     return summary
 

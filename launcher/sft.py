@@ -3,7 +3,9 @@
 Trains the causal LM at `actor.path` for `launcher.sft_steps` Adam steps (lr
 `launcher.sft_lr`, `launcher.sft_batch_size` sequences a step) on prompt/answer rows of
 `launcher.sft_dataset` (empty: `train_dataset.path`), with the loss on the answer tokens
-and EOS only. Prompts are tokenized by the producer's own `PromptDataset`, so the
+and EOS only. Rows holding a `messages` list are whole multi-turn conversations
+(assistant turns, tool results), tokenized exactly as `AgentWorkflow` builds episodes
+(`ChatTemplate.conversation`), with the loss on the assistant turns. Prompts are tokenized by the producer's own `PromptDataset`, so the
 warm-started model sees exactly the token ids it will be prompted with during RL.
 
 With `launcher.demo.task` set, the demo's data and tiny model are generated first when
@@ -41,12 +43,39 @@ def sft_done(model_path: str | Path) -> dict | None:
     return None
 
 
+def _conversations(cfg: Config, tokenizer, path: str) -> list[tuple[list[int], list[int]]] | None:
+    """Multi-turn demonstrations (JSONL rows with a `messages` list), tokenized the way
+    `AgentWorkflow` builds episodes (tools from `agent.tools`); None if the file has none."""
+    from rlstream.producer.chat import ChatTemplate
+    from rlstream.producer.tools import load_tools
+
+    p = Path(path)
+    if not p.is_file() or p.suffix != ".jsonl":
+        return None
+    with open(p) as f:
+        first = f.readline()
+    if not first.strip() or "messages" not in json.loads(first):
+        return None
+    chat = ChatTemplate(tokenizer, [t.schema for t in load_tools(cfg).values()])
+    out = []
+    with open(p) as f:
+        for line in f:
+            if line.strip():
+                ids, mask = chat.conversation(json.loads(line)["messages"])
+                out.append((ids, mask))
+    return out
+
+
 def _examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, answer ids + EOS) for every demonstration row."""
+    """(token ids, loss mask) for every demonstration row: prompt + answer + EOS with the loss
+    on the answer and EOS, or a whole conversation with the loss on the assistant turns."""
     from rlstream.producer.dataset import PromptDataset
 
     path = cfg.launcher.sft_dataset or cfg.train_dataset.path
     key = "launcher.sft_dataset" if cfg.launcher.sft_dataset else "train_dataset"
+    convs = _conversations(cfg, tokenizer, path)
+    if convs is not None:
+        return convs
     dcfg = DatasetConfig(path=path, type=cfg.train_dataset.type, prompt_key=cfg.train_dataset.prompt_key,
                          answer_key=cfg.train_dataset.answer_key,
                          apply_chat_template=cfg.train_dataset.apply_chat_template, shuffle=False,
@@ -58,8 +87,8 @@ def _examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
     out = []
     for i in range(len(ds)):
         item = ds.at(i)
-        ans = list(tokenizer(str(item.answer), add_special_tokens=False)["input_ids"])
-        out.append((list(item.input_ids), ans + [eos]))
+        ans = list(tokenizer(str(item.answer), add_special_tokens=False)["input_ids"]) + [eos]
+        out.append((list(item.input_ids) + ans, [0] * len(item.input_ids) + [1] * len(ans)))
     return out
 
 
@@ -99,14 +128,14 @@ def sft(cfg: Config) -> dict | None:
     loss_val = float("nan")
     for step in range(1, lc.sft_steps + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(lc.sft_batch_size)]
-        width = max(len(p) + len(a) for p, a in batch)
+        width = max(len(seq) for seq, _ in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, (p, a) in enumerate(batch):
-            seq = p + a
-            ids[r, : len(seq)] = torch.tensor(seq)
-            labels[r, len(p) : len(seq)] = torch.tensor(a)  # loss on the answer and EOS only
+        for r, (seq, mask) in enumerate(batch):
+            t = torch.tensor(seq)
+            ids[r, : len(seq)] = t
+            labels[r, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)  # model turns only
             attn[r, : len(seq)] = 1
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
         opt.zero_grad(set_to_none=True)

@@ -72,3 +72,30 @@ class ChatTemplate:
             raise ValueError("the chat template renders an assistant turn differently when messages follow it; "
                              "cannot compute the observation's token delta")
         return full[len(self._base_ids):]
+
+    def conversation(self, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+        """(ids, loss mask) of a whole conversation built the way an episode builds it: the
+        prompt (messages before the first assistant turn), each assistant turn as its text's
+        tokens plus the stop token (mask 1), each observation as the template's delta (mask 0).
+        Warm-start demonstrations so train on exactly the token layout RL will produce."""
+        first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant"), len(messages))
+        ids = self.prompt(messages[:first])
+        mask = [0] * len(ids)
+        stop = self.turn_tail[0] if self.turn_tail else self.tokenizer.eos_token_id
+        history = list(messages[:first])
+        i = first
+        while i < len(messages):
+            turn = self.tokenizer.encode(messages[i]["content"], add_special_tokens=False) + [stop]
+            ids += turn
+            mask += [1] * len(turn)
+            history.append(messages[i])
+            j = i + 1
+            while j < len(messages) and messages[j].get("role") != "assistant":
+                j += 1
+            if j > i + 1 or j < len(messages):
+                obs = self.close_turn(turn) + self.observation(history, messages[i + 1:j])
+                ids += obs
+                mask += [0] * len(obs)
+                history += messages[i + 1:j]
+            i = j
+        return ids, mask

@@ -108,6 +108,19 @@ def _recovering(mode: str) -> bool:
     return False
 
 
+def _episode_counts(entries) -> torch.Tensor:
+    """[episodes, turns, episodes with a tool call] of multi-turn trajectories (metadata `turns`)."""
+    n = turns = tools = 0.0
+    for e in entries:
+        for t in e.group.trajectories:
+            k = t.metadata.get("turns")
+            if isinstance(k, (int, float)) and not isinstance(k, bool):
+                n += 1
+                turns += k
+                tools += float((t.metadata.get("tool_calls") or 0) > 0)
+    return torch.tensor([n, turns, tools], dtype=torch.float64)
+
+
 def _due(par: Parallel, step: int, last_t: float, freq_steps: int | None, freq_secs: int | None,
          freq_epochs: int | None = None, steps_per_epoch: int | None = None) -> bool:
     """Whether a periodic action is due after `step` completed steps; rank 0 decides for all."""
@@ -247,8 +260,9 @@ def _train(cfg: Config, par: Parallel) -> None:
         data_stats = torch.tensor([data.wait_s, t_collate], dtype=torch.float64)
         counts = torch.tensor([data.n_dropped_stale, data.n_dead, float(data.replayed), len(data.entries)],
                               dtype=torch.float64)
+        episodes = _episode_counts(data.entries)
         par.all_reduce([data_stats], "max")
-        par.all_reduce([counts], "sum")
+        par.all_reduce([counts, episodes], "sum")
         step_time = time.perf_counter() - t_step
         compute = metrics["time/logprobs"] + metrics["time/update"]
         metrics.update({
@@ -259,6 +273,9 @@ def _train(cfg: Config, par: Parallel) -> None:
             "data/replayed": float(counts[2] > 0),
             "perf/tokens_per_s": metrics["data/n_tokens"] / compute if compute > 0 else 0.0,
         })
+        if episodes[0] > 0:  # multi-turn episodes (AgentWorkflow metadata)
+            metrics["agent/turns"] = float(episodes[1] / episodes[0])
+            metrics["agent/tool_call_rate"] = float(episodes[2] / episodes[0])
         stats.log(state.step, metrics)
         evals.log_new(stats)
 

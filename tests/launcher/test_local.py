@@ -203,3 +203,30 @@ def test_sft_cli_prepares_the_demo_and_warm_starts_once(tmp_path):
     assert "already warm-started" in second.stderr
     again = load_file(str(model / "model.safetensors"))
     assert all((weights[k] == again[k]).all() for k in weights)
+
+
+def test_tools_demo_runs_end_to_end(tmp_path):
+    """`configs/tools-cpu.yaml`, small: multi-turn warm start, episodes with the calculator, RL steps,
+    held-out accuracy and tool-call rate before/after, the agent plot."""
+    args = [sys.executable, "-m", "rlstream.launcher.cli", "run", "--config", str(ROOT / "configs" / "tools-cpu.yaml"),
+            f"cluster.fileroot={tmp_path / 'runs'}", "launcher.demo.n_train=128", "launcher.demo.n_valid=8",
+            "launcher.eval_n=8", "launcher.sft_steps=10", "rollout.consumer_batch_size=2", "gconfig.n_samples=2",
+            "total_train_steps=2", "stats_logger.tensorboard.enabled=false"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=600)
+    finally:
+        _stop(proc)
+    run_dir = tmp_path / "runs" / "tools-cpu" / "run0"
+    assert proc.returncode == 0, f"rlstream run failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert all(0 <= r["agent/tool_call_rate"] <= 1 and r["agent/turns"] >= 1 for r in rows)
+    assert "held-out accuracy: " in out and " before RL -> " in out
+    assert "held-out tool-call rate: " in out
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert 0 <= summary["tool_call_rate_before"] <= 1 and 0 <= summary["tool_call_rate_after"] <= 1
+    png = run_dir / "plots" / "agent.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert _run_processes(run_dir) == []

@@ -264,3 +264,26 @@ async def test_bad_tool_calls_become_error_observations_and_the_episode_goes_on(
     assert out[4] == "error: tool 'python' timed out after 2s"
     assert out[5].startswith("error: exited with status 3")
     assert env.stats() == {"tool_calls": 5, "tool_errors": 5}
+
+
+def test_warm_start_conversations_use_the_episode_token_layout():
+    """A demonstration is tokenized as an episode would be: assistant turns = text + stop (mask 1),
+    tool results = the template delta (mask 0)."""
+    from rlstream.launcher.demo import multiply_demonstration
+    from rlstream.launcher.tiny import build_tokenizer
+    from rlstream.producer.chat import ChatTemplate
+    from rlstream.producer.tools import Calculator
+
+    tok = build_tokenizer(chat=True)
+    chat = ChatTemplate(tok, [Calculator.schema])
+    msgs = multiply_demonstration({"prompt": "347*29=?", "answer": "10063"}, use_tool=True)
+    ids, mask = chat.conversation(msgs)
+    full = tok.apply_chat_template(msgs, tools=[Calculator.schema], tokenize=True)
+    assert ids == full[: len(ids)] and tok.decode(full[len(ids):]) == "\n"  # the template's newline after the last EOS
+    trained = "".join(tok.decode([i]) for i, m in zip(ids, mask) if m)
+    assert trained == '<tool_call>{"name": "calculator", "arguments": {"expression": "347*29"}}</tool_call></s>10063</s>'
+    first = msgs[:2]
+    prompt = chat.prompt(first[:1])
+    turn = tok.encode(first[1]["content"], add_special_tokens=False) + [tok.eos_token_id]
+    obs = chat.close_turn(turn) + chat.observation(first, msgs[2:3])
+    assert ids[: len(prompt) + len(turn) + len(obs)] == prompt + turn + obs
