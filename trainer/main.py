@@ -276,6 +276,9 @@ def _train(cfg: Config, par: Parallel) -> None:
         if episodes[0] > 0:  # multi-turn episodes (AgentWorkflow metadata)
             metrics["agent/turns"] = float(episodes[1] / episodes[0])
             metrics["agent/tool_call_rate"] = float(episodes[2] / episodes[0])
+        report = getattr(broadcaster, "last", None)
+        if report is not None and report.version == state.version:  # bytes per engine (a LoRA push: the adapter)
+            metrics["perf/push_bytes"] = float(report.bytes)
         stats.log(state.step, metrics)
         evals.log_new(stats)
 

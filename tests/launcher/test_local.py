@@ -114,6 +114,41 @@ def test_run_end_to_end(tmp_path):
         assert _port_free(port), f"port {port} still bound after the run"
 
 
+def test_lora_run_evaluates_during_training(tmp_path):
+    """`actor.lora` + `evaluator.freq_steps`: every push carries the adapter's bytes only, the producer
+    evaluates the served version on valid_dataset every >= 2 versions starting at the base model
+    (eval/accuracy rows in metrics.jsonl), and `final` is the merged model with the adapter beside it."""
+    from safetensors import safe_open
+
+    proc = _start(tmp_path, "total_train_steps=8", "actor.lora.rank=4", "actor.lora.alpha=8",
+                  "actor.optimizer.lr=1e-3", "evaluator.freq_steps=2", "evaluator.max_prompts=8")
+    try:
+        out, err = proc.communicate(timeout=420)
+    finally:
+        _stop(proc)
+    run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
+    assert proc.returncode == 0, f"rlstream run failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss/total" in r]
+    evals = [r for r in rows if "eval/accuracy" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    versions = [int(r["eval/version"]) for r in evals]
+    assert versions[0] == 0 and len(versions) >= 2, versions  # the base model, then at least one trained version
+    assert all(b - a >= 2 for a, b in zip(versions, versions[1:])), versions
+    assert all(r["step"] == int(r["eval/version"]) and 0 <= r["eval/accuracy"] <= 1 and r["eval/n_prompts"] == 8
+               for r in evals)
+
+    final = run_dir / "checkpoints" / "final"
+    with safe_open(str(final / "adapter" / "adapter_model.safetensors"), framework="pt") as fh:
+        names = list(fh.keys())
+        adapter_bytes = sum(fh.get_tensor(k).numel() * fh.get_tensor(k).element_size() for k in names)
+    assert names and all(".lora_A." in n or ".lora_B." in n for n in names)
+    with safe_open(str(final / "model.safetensors"), framework="pt") as fh:
+        merged = list(fh.keys())
+    assert merged and not any("lora" in k for k in merged)  # a plain HF folder
+    assert all(r["perf/push_bytes"] == adapter_bytes for r in steps), (adapter_bytes, [r.get("perf/push_bytes") for r in steps])
+
+
 @pytest.mark.parametrize("victim", ["engine-0", "producer-0"])
 def test_killed_child_stops_the_run(tmp_path, victim, redis_url, experiment):
     # Against an external Redis (`--redis`): the other path of the launcher's Redis handling.
