@@ -395,6 +395,12 @@ class SlurmConfig(_Section):
     redis_port: D(int, "Port of the Redis started on the first node (0 = 20000 + job id mod 20000).", ge=0, le=65535) = 0
 
 
+class ThreadsConfig(_Section):
+    trainer: D(int, "torch/OpenMP threads of each trainer process (0 = this machine's cores divided among launcher.n_trainer_procs).", ge=0) = 0
+    engine: D(int, "torch/OpenMP threads of each local engine (it mostly waits on the trainer between versions).", ge=1) = 1
+    producer: D(int, "OpenMP threads of each producer (asyncio + reward workers: no heavy math).", ge=1) = 1
+
+
 class LauncherConfig(_Section):
     n_engines: D(int, "Local engines `rlstream run` starts.", ge=0) = 1
     n_producers: D(int, "Producers `rlstream run` starts.", ge=0) = 1
@@ -405,6 +411,7 @@ class LauncherConfig(_Section):
     sft_lr: D(float, "Learning rate of the supervised warm start (Adam).", gt=0) = 1e-3
     sft_batch_size: D(int, "Sequences per supervised warm-start step.", ge=1) = 64
     sft_dataset: D(str, "JSONL/Parquet/CSV of prompt/answer demonstrations for `rlstream sft` (empty = train_dataset.path).") = ""
+    threads: D(ThreadsConfig, "Threads per child of `rlstream run` (OMP_NUM_THREADS/MKL_NUM_THREADS): the trainer gets the cores, engines and producers one each.") = msgspec.field(default_factory=ThreadsConfig)
     live_view: D(bool, "Show the rich live view (off: one progress line every stats_logger.log_every_secs).") = True
     demo: D(DemoTaskConfig, "The built-in CPU demo task, generated on the spot when its files are missing.") = msgspec.field(default_factory=DemoTaskConfig)
     slurm: D(SlurmConfig, "`rlstream launch slurm`: sbatch options and placement.") = msgspec.field(default_factory=SlurmConfig)

@@ -35,7 +35,7 @@ from typing import Any
 
 from rlstream.common.config import Config, ConfigError, config_to_dict
 from rlstream.common.logging import get_logger
-from rlstream.launcher.procs import CHILD_ENV, Child, describe_exit, free_port, wait_for_port
+from rlstream.launcher.procs import CHILD_ENV, Child, describe_exit, free_port, thread_env, trainer_threads, wait_for_port
 
 __all__ = ["run", "LocalRun", "RunFailed"]
 
@@ -97,10 +97,10 @@ class LocalRun:
     def children(self) -> list[Child]:
         return [c for c in [*self.producers, self.trainer, *self.engines, self.own_redis] if c is not None]
 
-    def _env(self, **extra: str) -> dict[str, str]:
+    def _env(self, threads: int = 1, **extra: str) -> dict[str, str]:
         # RLSTREAM_RUN_DIR marks every process of this run (grandchildren inherit it): tools and
         # tests can find them all.
-        return {**CHILD_ENV, "RLSTREAM_RUN_DIR": str(self.run_dir.resolve()), **extra}
+        return {**CHILD_ENV, **thread_env(threads), "RLSTREAM_RUN_DIR": str(self.run_dir.resolve()), **extra}
 
     def _argv(self, command: str, *overrides: str) -> list[str]:
         return [sys.executable, "-m", "rlstream.launcher.cli", command, "--config", str(self.child_config), *overrides]
@@ -210,7 +210,7 @@ class LocalRun:
             addr_file = addr_dir / f"engine-{i}.addr"
             addr_file.unlink(missing_ok=True)
             child = Child(f"engine-{i}", "engine", self._argv("serve", "server.port=0"), self.logs / f"engine-{i}.log",
-                          env=self._env(RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))).start()
+                          env=self._env(lc.threads.engine, RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))).start()
             self.engines.append(child)
         deadline = time.monotonic() + lc.startup_timeout
         self.engine_addresses: list[str] = []
@@ -234,13 +234,15 @@ class LocalRun:
         else:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                     "-m", *self._argv("train")[2:]]
-        self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=self._env()).start()
-        _echo(f"trainer: pid {self.trainer.pid}" + (f" (torchrun, {n} processes)" if n > 1 else ""))
+        threads = trainer_threads(self.cfg.launcher)
+        self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=self._env(threads)).start()
+        _echo(f"trainer: pid {self.trainer.pid}" + (f" (torchrun, {n} processes)" if n > 1 else "")
+              + f", {threads} thread(s) each")
 
     def start_producers(self) -> None:
         for j in range(self.cfg.launcher.n_producers):
             child = Child(f"producer-{j}", "producer", self._argv("produce", f"producer.producer_id=producer-{j}"),
-                          self.logs / f"producer-{j}.log", env=self._env()).start()
+                          self.logs / f"producer-{j}.log", env=self._env(self.cfg.launcher.threads.producer)).start()
             self.producers.append(child)
         if self.producers:
             _echo(f"producers: {', '.join(f'{c.name} pid {c.pid}' for c in self.producers)}")

@@ -20,10 +20,12 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlstream.common.net import free_port
 
-__all__ = ["CHILD_ENV", "Child", "describe_exit", "free_port", "stop_process", "wait_for_port"]
+__all__ = ["CHILD_ENV", "Child", "describe_exit", "free_port", "stop_process", "thread_env", "trainer_threads",
+           "wait_for_port"]
 
 _PR_SET_PDEATHSIG = 1
 
@@ -37,6 +39,24 @@ CHILD_ENV = {
     "TRANSFORMERS_OFFLINE": "1",
     "PYTHONUNBUFFERED": "1",
 }
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """OMP/MKL thread counts of one child (torch sizes its intra-op pool from OMP_NUM_THREADS)."""
+    return {"OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+
+
+def trainer_threads(launcher: Any) -> int:
+    """`launcher.threads.trainer`, or (0) the cores this process may use divided among the trainer processes.
+
+    Why the trainer gets the cores: on a small machine it is the bottleneck of a step (an
+    engine at the off-policyness bound waits for the next version anyway), and one thread
+    left it using half of a 2-core machine (issue 19).
+    """
+    if launcher.threads.trainer:
+        return launcher.threads.trainer
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // launcher.n_trainer_procs)
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec

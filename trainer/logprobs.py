@@ -8,6 +8,8 @@ the wire.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from rlstream.consumer.collate import SeqBatch
@@ -30,29 +32,70 @@ def model_inputs(batch: SeqBatch, packing: bool, pad_token_id: int = 0, one_row:
     return padded_inputs(batch, pad_token_id)
 
 
+def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the (unwrapped) model computes logits only at chosen positions (HF `logits_to_keep`)."""
+    inner = getattr(model, "module", model)  # DDP
+    get_base = getattr(inner, "get_base_model", None)  # peft
+    inner = get_base() if callable(get_base) else inner
+    flag = getattr(inner, "_rls_logits_to_keep", None)
+    if flag is None:
+        try:
+            flag = "logits_to_keep" in inspect.signature(inner.forward).parameters
+        except (TypeError, ValueError):
+            flag = False
+        inner._rls_logits_to_keep = flag
+    return flag
+
+
 def token_logprobs(model: torch.nn.Module, batch: SeqBatch, *, temperature: float = 1.0, packing: bool = True,
                    with_entropy: bool = False, entropy_grad: bool = False, device: torch.device | str = "cpu",
-                   pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   pad_token_id: int = 0, outputs_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`([T] logprobs, [T] entropy or None)` on `device`.
 
     Logprobs are differentiable unless called under no_grad; the entropy only with
     `entropy_grad` (the entropy bonus), otherwise it is a detached statistic.
+
+    `outputs_only`: only output tokens (version >= 0, what losses and statistics read) get
+    values, prompt tokens 0. The LM head and the fp32 log-softmax over the vocabulary then
+    run only at the grid columns that predict an output token (HF `logits_to_keep`): with
+    chat prompts most tokens are prompt, and `[T, vocab]` fp32 logits are most of a step's
+    memory (49k vocabulary: 0.2 MB per token) and a good part of its time.
     """
     dtype = next(model.parameters()).dtype
     inputs = model_inputs(batch, packing, pad_token_id, one_row_packing(model), dtype).to(device)
-    out = model(**inputs.kwargs, use_cache=False)
-    logits = next_token_logits(out.logits, inputs).float() / temperature
     ids = batch.input_ids.to(device)
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, ids[:, None]).squeeze(-1) - lse
     starts = batch.cu_seqlens[:-1].to(device)
-    first = torch.zeros_like(logp, dtype=torch.bool)
+    first = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     first[starts] = True
-    logp = torch.where(first, torch.zeros_like(logp), logp)
+    want = None
+    if outputs_only and _accepts_logits_to_keep(model):
+        want = ((batch.versions >= 0).to(device) & ~first).nonzero().squeeze(1)
+    if want is None:
+        out = model(**inputs.kwargs, use_cache=False)
+        logits = next_token_logits(out.logits, inputs).float() / temperature
+        tok = ids
+    else:
+        # Token t at grid position p is predicted at p - 1 (same row: t is not a sequence start).
+        rows, width = inputs.kwargs["input_ids"].shape
+        pred = inputs.flat_index[want] - 1
+        cols, col_of = torch.unique(pred % width, sorted=True, return_inverse=True)
+        out = model(**inputs.kwargs, use_cache=False, logits_to_keep=cols)
+        logits = out.logits.reshape(rows * cols.numel(), -1)[(pred // width) * cols.numel() + col_of]
+        logits = logits.float() / temperature
+        tok = ids[want]
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, tok[:, None]).squeeze(-1) - lse
     entropy = None
     if with_entropy:
         with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
             x = logits if entropy_grad else logits.detach()
             entropy = torch.logsumexp(x, dim=-1) - (torch.softmax(x, dim=-1) * x).sum(-1)
+    if want is None:
+        logp = torch.where(first, torch.zeros_like(logp), logp)
+        if entropy is not None:
             entropy = torch.where(first, torch.zeros_like(entropy), entropy)
-    return logp, entropy
+        return logp, entropy
+    full = torch.zeros(ids.shape[0], dtype=logp.dtype, device=device).index_put((want,), logp)
+    if entropy is not None:
+        entropy = torch.zeros(ids.shape[0], dtype=entropy.dtype, device=device).index_put((want,), entropy)
+    return full, entropy
