@@ -265,3 +265,17 @@ def test_tools_demo_runs_end_to_end(tmp_path):
     png = run_dir / "plots" / "agent.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _run_processes(run_dir) == []
+
+
+def test_thread_counts_per_child():
+    """`launcher.threads`: the trainer's processes share the cores (0 = auto), engines and producers get their own."""
+    from rlstream.common.config import load_config
+    from rlstream.launcher.procs import thread_env, trainer_threads
+
+    cores = len(os.sched_getaffinity(0))
+    cfg = load_config(None, [])
+    assert trainer_threads(cfg.launcher) == cores and cfg.launcher.threads.engine == cfg.launcher.threads.producer == 1
+    assert trainer_threads(load_config(None, ["launcher.n_trainer_procs=4"]).launcher) == max(1, cores // 4)
+    assert trainer_threads(load_config(None, ["launcher.threads.trainer=3"]).launcher) == 3
+    assert thread_env(3) == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
+    assert trainer_threads(load_config(CONFIG, []).launcher) == 1  # the tiny demo: the engine is its bottleneck
