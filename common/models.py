@@ -127,16 +127,20 @@ def resolve_model_path(path: str, key: str = "actor.path") -> str:
     raise ModelPathError(f"{key}={path!r}: no such folder")
 
 
-def resolve_model_paths(cfg: Config) -> Config:
+def resolve_model_paths(cfg: Config, *, serving: bool = False) -> Config:
     """`cfg` with actor.path, tokenizer_path, ref.path and server.model_path as local folders.
 
     Every process calls this at its start (`train`, `serve`, `produce`, `run`), so a prepared
     model's name or a cached hub id works wherever a folder does. Empty values stay empty.
+    `serving`: an engine given server.model_path serves that folder and never reads actor.path,
+    so an actor.path that does not exist where the engine runs is not an error there.
     """
     def res(value: str | None, key: str) -> str | None:
         return resolve_model_path(value, key) if value else value
 
-    actor = msgspec.structs.replace(cfg.actor, path=res(cfg.actor.path, "actor.path") or "")
+    skip_actor = serving and bool(cfg.server.model_path)
+    actor = msgspec.structs.replace(
+        cfg.actor, path=cfg.actor.path if skip_actor else (res(cfg.actor.path, "actor.path") or ""))
     ref = msgspec.structs.replace(cfg.ref, path=res(cfg.ref.path, "ref.path"))
     server = msgspec.structs.replace(cfg.server, model_path=res(cfg.server.model_path, "server.model_path"))
     return msgspec.structs.replace(cfg, actor=actor, ref=ref, server=server,

@@ -320,7 +320,7 @@ def serve(cfg) -> None:
     """Entry of `rlstream serve --config X`."""
     from rlstream.common.models import resolve_model_paths
 
-    cfg = resolve_model_paths(cfg)
+    cfg = resolve_model_paths(cfg, serving=True)
     try:
         import uvloop
 

@@ -111,3 +111,17 @@ def test_cli_unknown_model_and_list():
     assert proc.stderr.strip().splitlines() == [f"rlstream: error: unknown model 'no-such-model'; known: {NAME}"]
     proc = _cli("model", "list")
     assert proc.returncode == 0 and NAME in proc.stdout and "float32" in proc.stdout
+
+
+def test_an_engine_given_server_model_path_ignores_actor_path(tiny_model_path, tmp_path):
+    """`rlstream serve server.model_path=X` with a config whose actor.path is absent on that machine
+    (benchmarks/scaling.py serves a prepared model with configs/tiny-cpu.yaml) serves X; the
+    trainer side (serving=False) still names the missing actor.path."""
+    from rlstream.common.config import ActorConfig, Config, ServerConfig
+    from rlstream.common.models import resolve_model_paths
+
+    cfg = Config(actor=ActorConfig(path=str(tmp_path / "absent")), server=ServerConfig(model_path=str(tiny_model_path)))
+    served = resolve_model_paths(cfg, serving=True)
+    assert served.server.model_path == str(tiny_model_path)
+    with pytest.raises(ModelPathError, match=r"actor\.path=.*no such folder"):
+        resolve_model_paths(cfg)
