@@ -5,10 +5,16 @@ Rank r reads its B/D groups through the `train` consumer group as consumer
 
 1. a recorded step that a crash lost (its `{ns}:steps` record exists, no durable
    checkpoint covers it) is re-read by id: the same entries in the same grouping;
-2. otherwise entries this consumer was delivered but never recorded (read, then a
-   crash) are used first, oldest first: they are exactly what an uninterrupted run
-   would have read next;
-3. then new entries (XREADGROUP `>`).
+2. otherwise the step's groups come from this rank's pool: entries delivered to this
+   consumer and not yet recorded, topped up from new entries (XREADGROUP `>`) to at most
+   (η + 1) × the groups per step (one trainer rank; with several, one step's groups, so no
+   rank's read-ahead can starve another), and taken oldest head version first (ties in
+   stream order). A group whose samples were aborted by a weight push and resumed commits
+   after groups admitted later; read in commit order it would wait behind them until it
+   exceeds η and be thrown away. Oldest-version-first trains it while it still counts.
+   With η = 0 the pool holds one step's groups and the order is the stream's.
+   After a crash the pool is exactly the consumer's delivered-but-unrecorded entries,
+   the same pool an uninterrupted run would have held, so the next steps choose alike.
 
 Fresh entries are checked at read time: head staleness (trainer version minus the
 oldest output version) above `max_head_offpolicyness` moves the entry to
@@ -22,7 +28,6 @@ entry is trained twice in the durable history.
 from __future__ import annotations
 
 import time
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -90,7 +95,11 @@ class StepReader:
         self.stream = TrajectoryStream(client, keys, group)
         self.steplog = StepLog(client, keys)
         self._replay: dict[int, list[str]] = {}
-        self._leftover: deque[Entry] = deque()
+        self._pool: list[Entry] = []  # delivered to this consumer, not yet recorded in a step
+        # The admission budget lets at most (η + 1)·B groups be outstanding, so one rank may hold them
+        # all. With several ranks, one rank's read-ahead could starve another of the groups it needs
+        # while the first waits for it in a collective: they read one step at a time, in stream order.
+        self.pool_cap = groups_per_step * (max_head_offpolicyness + 1 if world_size == 1 else 1)
 
     # ------------------------------------------------------------------ start-up
     def _last_records(self) -> dict[tuple[int, int], StepRecord]:
@@ -160,8 +169,8 @@ class StepReader:
             info.acked = self.stream.ack(durable) if durable else 0
         info.replay_steps = sorted(self._replay)
         skip = set(durable) | {i for ids in self._replay.values() for i in ids}
-        self._leftover = deque(e for e in pending if e.id not in skip)
-        info.leftover = len(self._leftover)
+        self._pool = [e for e in pending if e.id not in skip]
+        info.leftover = len(self._pool)
         return info
 
     # ------------------------------------------------------------------ per step
@@ -179,14 +188,14 @@ class StepReader:
 
         data = StepData(step, version, [])
         last_log = t0
-        while len(data.entries) < self.need:
-            if self._leftover:
-                batch = [self._leftover.popleft()]
-            else:
-                batch = self.stream.read(self.consumer, count=self.need - len(data.entries), block_ms=self.block_ms)
-            for entry in batch:
-                if self._admit(entry, version, data):
-                    data.entries.append(entry)
+        while True:
+            if len(self._pool) < self.pool_cap:  # what is there now, without waiting
+                self._pool += self.stream.read(self.consumer, count=self.pool_cap - len(self._pool), block_ms=None)
+            self._take(data, version)
+            if len(data.entries) >= self.need:
+                break
+            batch = self.stream.read(self.consumer, count=self.need - len(data.entries), block_ms=self.block_ms)
+            self._pool += batch
             now = time.monotonic()
             if not batch and now - last_log >= self.log_every_secs:
                 log.info("rank %d waiting for data: %d/%d groups for step %d (version %d)",
@@ -196,6 +205,20 @@ class StepReader:
                                        ts=time.time()))
         data.wait_s = time.monotonic() - t0
         return data
+
+    def _take(self, data: StepData, version: int) -> None:
+        """Move the pool's oldest-version entries into the step (dropping those too stale to train)."""
+        self._pool.sort(key=lambda e: (e.min_version, _id_key(e.id)))
+        keep = []
+        for entry in self._pool:
+            if len(data.entries) < self.need:
+                if self._admit(entry, version, data):
+                    data.entries.append(entry)
+            elif version - entry.min_version > self.eta:  # never trainable again: the version only grows
+                self._admit(entry, version, data)
+            else:
+                keep.append(entry)
+        self._pool = keep
 
     def _admit(self, entry: Entry, version: int, data: StepData) -> bool:
         staleness = version - entry.min_version
@@ -220,3 +243,8 @@ class StepReader:
     def ack(self, ids: Iterable[str]) -> int:
         """Acknowledge entries whose training a durable checkpoint now covers."""
         return self.stream.ack(ids)
+
+
+def _id_key(entry_id: str) -> tuple[int, int]:
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)

@@ -38,15 +38,15 @@ def test_reader_replays_lost_steps_and_pending_first(rclient, keys):
     r.resume(0, replay=True)
     s0, s1, s2 = r.next(0, 0), r.next(1, 1), r.next(2, 2)
     assert [s0.ids, s1.ids, s2.ids] == [ids[0:2], ids[2:4], ids[4:6]]
-    r.ack(s0.ids)  # a checkpoint covered step 0 ...
-    r.stream.read(r.consumer, count=1, block_ms=50)  # ... and step 3's first entry was read, then a crash
+    r.ack(s0.ids)  # a checkpoint covered step 0 ... then a crash
     # Restart from a checkpoint after step 1: step 1 was covered but not yet acknowledged.
     r2 = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
     info = r2.resume(2, replay=True, covered_ids=s1.ids)
-    assert info.replay_steps == [2] and info.leftover == 1
+    # The reader's pool had read ahead (up to (η + 1)·2 groups): the last two were delivered, never recorded.
+    assert info.replay_steps == [2] and info.leftover == 2
     again = r2.next(2, 2)
     assert again.replayed and again.ids == s2.ids
-    s3 = r2.next(3, 3)  # the read-but-unrecorded entry first, then a new one: what an uninterrupted run reads
+    s3 = r2.next(3, 3)  # the read-but-unrecorded entries: what the uninterrupted run would have trained next
     assert not s3.replayed and s3.ids == ids[6:8]
     pending = {p["message_id"].decode() for p in rclient.xpending_range(keys.traj, "train", "-", "+", 100)}
     assert pending == set(s2.ids) | set(s3.ids)  # steps 0 and 1 acknowledged, 2 and 3 await a checkpoint
@@ -60,7 +60,8 @@ def test_acknowledged_history_is_never_replayed(rclient, keys):
     first.ack(first.next(0, 0).ids)  # an earlier run without recovery trained and acked step 0
     again = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=5, block_ms=50)
     info = again.resume(0, replay=True)  # now with recovery, and no checkpoint yet
-    assert info.replay_steps == [] and info.leftover == 0
+    # the first reader's read-ahead: delivered, never recorded, so they come next
+    assert info.replay_steps == [] and info.leftover == 2
     assert again.next(0, 0).ids == ids[2:4]
 
 
@@ -84,3 +85,24 @@ def test_restart_with_fewer_ranks_keeps_global_grouping(rclient, keys):
     assert solo.next(2, 2).ids == ids[4:6]
     pending = {p["message_id"].decode() for p in rclient.xpending_range(keys.traj, "train", "-", "+", 100)}
     assert pending == set(ids[2:6])  # step 0 acknowledged; steps 1-2 wait for a checkpoint
+
+
+def test_oldest_version_first_trains_late_commits_instead_of_dropping(rclient, keys):
+    """A group aborted by a weight push commits after later-admitted ones: read in commit order it
+    would wait behind them past η and be dropped; oldest-version-first trains it in time."""
+    stream = TrajectoryStream(rclient, keys)
+    ids = [stream.append(_group(version=2)) for _ in range(4)]
+    late = stream.append(_group(version=1))  # admitted at version 1, committed last
+    r = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=2, block_ms=50)
+    r.resume(0, replay=True)
+    s0 = r.next(0, 3)
+    assert s0.ids == [late, ids[0]] and s0.n_dropped_stale == 0
+    # a crash now: the restarted reader replays step 0 and then chooses from the same pool
+    r2 = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=2, block_ms=50)
+    info = r2.resume(0, replay=True)
+    assert info.replay_steps == [0] and info.leftover == 3
+    assert r2.next(0, 3).ids == s0.ids
+    s1 = r2.next(1, 4)
+    assert s1.ids == ids[1:3] and s1.n_dropped_stale == 0
+    assert r.next(1, 4).ids == s1.ids  # what the uninterrupted reader takes next, too
+    assert rclient.xlen(keys.dropped) == 0
