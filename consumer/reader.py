@@ -174,8 +174,12 @@ class StepReader:
         return info
 
     # ------------------------------------------------------------------ per step
-    def next(self, step: int, version: int) -> StepData:
-        """The groups of `step`, recorded in `{ns}:steps` before returning (fresh steps)."""
+    def next(self, step: int, version: int, steps_left: int | None = None) -> StepData:
+        """The groups of `step`, recorded in `{ns}:steps` before returning (fresh steps).
+
+        `steps_left` (this one included; None = no end in sight) bounds the read-ahead, so a run
+        that ends leaves nothing delivered-but-untrained behind.
+        """
         t0 = time.monotonic()
         if step in self._replay:
             ids = self._replay.pop(step)
@@ -188,9 +192,10 @@ class StepReader:
 
         data = StepData(step, version, [])
         last_log = t0
+        cap = self.pool_cap if steps_left is None else min(self.pool_cap, self.need * max(steps_left, 1))
         while True:
-            if len(self._pool) < self.pool_cap:  # what is there now, without waiting
-                self._pool += self.stream.read(self.consumer, count=self.pool_cap - len(self._pool), block_ms=None)
+            if len(self._pool) < cap:  # what is there now, without waiting
+                self._pool += self.stream.read(self.consumer, count=cap - len(self._pool), block_ms=None)
             self._take(data, version)
             if len(data.entries) >= self.need:
                 break

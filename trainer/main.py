@@ -216,7 +216,7 @@ def _train(cfg: Config, par: Parallel) -> None:
     while state.step < total_steps:
         t_step = time.perf_counter()
         # 1. this rank's groups (recorded in {ns}:steps before training)
-        data = reader.next(state.step, state.version)
+        data = reader.next(state.step, state.version, steps_left=total_steps - state.step)
         t0 = time.perf_counter()
         batch = collate(data.entries)
         t_collate = time.perf_counter() - t0
