@@ -61,13 +61,27 @@ def test_one_full_train_step(tmp_path, redis_url, rclient, experiment, tiny, tin
     assert [e.type for _, e in reg.events_since()][-1] == "shutdown"
 
 
-@pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo"])
+@pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo", "areal-gsm8k-grpo"])
 def test_algorithm_configs_train_a_step(algo, tmp_path, redis_url, rclient, experiment, tiny, tiny_model_path):
-    """Each configs/algorithms/*.yaml, shrunk to the tiny model, runs a real step."""
+    """Each configs/algorithms/*.yaml, shrunk to the tiny model, runs a real step; so does the
+    translation of an AReaL experiment file (`rlstream config import-areal`, tests/common/test_areal.py)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from rlstream.common.areal import translate_areal
     from rlstream.trainer.main import train
 
-    path = Path(__file__).resolve().parents[2] / "configs" / "algorithms" / f"{algo}.yaml"
-    cfg = load_config(path, [
+    root = Path(__file__).resolve().parents[2]
+    path = root / "configs" / "algorithms" / f"{algo}.yaml"
+    extra = []
+    if algo == "areal-gsm8k-grpo":
+        areal = OmegaConf.to_container(OmegaConf.load(root / "tests" / "common" / "data" / "areal_gsm8k_grpo.yaml"),
+                                       resolve=True)
+        path = tmp_path / "mine.yaml"
+        path.write_text(yaml.safe_dump(translate_areal(areal).config))
+        extra = ["train_dataset.batch_size=2", "valid_dataset=null", "evaluator.freq_epochs=null",
+                 "actor.max_new_tokens=16", "tokenizer_path=null", f"ref.path={tiny_model_path}"]
+    cfg = load_config(path, [*extra,
         f"experiment_name={experiment}", f"redis.url={redis_url}", f"actor.path={tiny_model_path}",
         f"cluster.fileroot={tmp_path / 'runs'}", "train_dataset.path=''", "total_train_steps=1",
         "rollout.consumer_batch_size=2", "gconfig.n_samples=4", "gconfig.max_new_tokens=16",
