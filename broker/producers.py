@@ -73,6 +73,11 @@ class Producers:
         return int((yield Call("hget", self.keys.producers, CURSOR_FIELD)) or 0)
 
     @operation
+    def dropped(self) -> Plan:
+        """Groups the trainer dropped as stale so far (`{ns}:dropped`): their prompts go back to the data budget."""
+        return int((yield Call("xlen", self.keys.dropped)) or 0)
+
+    @operation
     def claim(self) -> Plan:
         """Take the run's next dataset position (atomically, across producers); returns it."""
         return int((yield Call("hincrby", self.keys.producers, CURSOR_FIELD, 1))) - 1

@@ -424,8 +424,8 @@ class Config(_Section):
     experiment_name: D(str, "Experiment name; part of the Redis namespace and run folder.") = "rlstream"
     trial_name: D(str, "Trial name; part of the Redis namespace and run folder.") = "trial0"
     seed: D(int, "Global random seed.") = 1
-    total_train_epochs: D(int, "Passes over the training dataset.", ge=1) = 1
-    total_train_steps: D(int | None, "Stop after this many train steps (None = epochs decide).", ge=1) = None
+    total_train_epochs: D(int | None, "Passes over the training dataset (None = 1, or as many as total_train_steps needs); with total_train_steps too, the smaller budget wins.", ge=1) = None
+    total_train_steps: D(int | None, "Stop after this many train steps (None = total_train_epochs decide); producers keep feeding epochs until it is reached.", ge=1) = None
     tokenizer_path: D(str | None, "Tokenizer path (None = actor.path).") = None
     cluster: D(ClusterConfig, "Placement and discovery.") = msgspec.field(default_factory=ClusterConfig)
     redis: D(RedisConfig, "The Redis broker.") = msgspec.field(default_factory=RedisConfig)
@@ -467,6 +467,13 @@ class Config(_Section):
     def max_concurrent_rollouts(self) -> int:
         """Global cap on rollouts in flight."""
         return self.rollout.max_concurrent_rollouts or self.rollout.consumer_batch_size
+
+    @property
+    def data_epochs(self) -> int | None:
+        """Passes over train_dataset producers hand out; None = as many as the trainer's total_train_steps needs."""
+        if self.total_train_epochs is None and self.total_train_steps is not None:
+            return None
+        return self.total_train_epochs or 1
 
     @property
     def tokenizer(self) -> str:

@@ -15,7 +15,10 @@ Order of a run:
    Ctrl-C / SIGTERM, stops everything with a one-line reason naming the child;
 5. finish: stop producers, engines, then Redis (ours only); held-out accuracy *after*
    RL on `{run_dir}/checkpoints/final`; the staleness distribution of the trained
-   groups; PNG plots; `{run_dir}/summary.json`.
+   groups; PNG plots; `{run_dir}/summary.json`. A run that stops early for any reason
+   (a child died, the data ran out, Ctrl-C) does the same with what was trained: the
+   trainer, if alive, gets SIGTERM and saves its steps as `final`; the summary names
+   the reason (`stop_reason`) and the exit code stays non-zero.
 
 A fresh run (`recover.mode=disabled`) starts from a clean slate in the run folder
 (old metrics, plots, logs and the embedded Redis' AOF are removed; the prepared data
@@ -42,6 +45,8 @@ __all__ = ["run", "LocalRun", "RunFailed"]
 log = get_logger(__name__)
 
 STALL_WARN_S = 120.0  # no new train step for this long: warn once
+DATA_OUT_S = 30.0  # every producer finished and no new step for this long: no data is coming, stop early
+TRAINER_STOP_S = 120.0  # a stopping trainer's time to finish its step and save `final`
 
 
 class RunFailed(RuntimeError):
@@ -266,11 +271,17 @@ class LocalRun:
             if code is not None:
                 self._fail(self.trainer)
         if not starting and self.producers and all(c.poll() == 0 for c in self.producers):
-            # Every producer finished its data; the trainer may still drain the queue.
-            self._producers_done_at = getattr(self, "_producers_done_at", None) or time.monotonic()
-            if time.monotonic() - self._producers_done_at > 120:
-                raise RunFailed("every producer finished (dataset exhausted) but the trainer still waits for "
-                                "data after 120s; lower total_train_steps or raise total_train_epochs")
+            # Every producer finished its data (epochs handed out, producer.max_groups); the trainer
+            # may still drain the queue, but once no step came for DATA_OUT_S no more data is coming.
+            step = self._trained_steps()
+            if step != getattr(self, "_last_seen_step", None):
+                self._last_seen_step, self._step_seen_at = step, time.monotonic()
+            if time.monotonic() - self._step_seen_at > DATA_OUT_S:
+                pc = self.cfg.producer
+                why = (f"producer.max_groups={pc.max_groups} reached" if pc.max_groups is not None else
+                       f"total_train_epochs={self.cfg.data_epochs} handed out; groups rejected or failed cost data too")
+                raise RunFailed(f"every producer finished its data ({why}) and no step came for {DATA_OUT_S:.0f}s: "
+                                f"the data ran out at step {step} of {self.budget.total_steps}")
         return False
 
     def _fail(self, child: Child) -> None:
@@ -287,13 +298,7 @@ class LocalRun:
         from rlstream.launcher.live import Monitor, line, render
 
         cfg = self.cfg
-        total = None
-        try:
-            from rlstream.trainer.budget import resolve_total_steps
-
-            total = resolve_total_steps(cfg)[0]
-        except Exception:  # noqa: BLE001 - the ETA is optional
-            total = cfg.total_train_steps
+        total = self.budget.total_steps
         self.monitor = Monitor(self.client, self.keys, self.run_dir, eta=cfg.rollout.max_head_offpolicyness,
                                batch=cfg.rollout.consumer_batch_size, max_concurrent=cfg.max_concurrent_rollouts,
                                n_samples=cfg.gconfig.n_samples, total_steps=total, t0=self.t0)
@@ -363,9 +368,18 @@ class LocalRun:
             for c in group:
                 if c.running:
                     log.debug("stopping %s (pid %s)", c.name, c.pid)
+                    if c.role == "trainer":
+                        _echo(f"stopping the trainer: it saves the {self._trained_steps()} steps trained so far "
+                              f"as checkpoints/final")
             for c in group:
-                c.stop(timeout)
+                # SIGTERM: a trainer finishes its step and writes `final` (TRAINER_STOP_S to do so).
+                c.stop(TRAINER_STOP_S if c.role == "trainer" else timeout)
         self._sweep()
+
+    def _trained_steps(self) -> int:
+        from rlstream.launcher.report import trained_steps
+
+        return trained_steps(self.run_dir)
 
     def stop_redis(self) -> None:
         if getattr(self, "client", None) is not None:
@@ -400,6 +414,10 @@ class LocalRun:
         try:
             self.prepare()
             cfg = self.cfg  # model paths resolved to folders
+            from rlstream.trainer.budget import resolve_budget
+
+            self.budget = resolve_budget(cfg)  # refuses at start when no step count can be derived
+            _echo(f"budget: {self.budget.reason}")
             acc_before = self.evaluate(cfg.actor.path, "before RL")
         except ValueError as exc:  # bad data/model paths: one line naming the key (DatasetError is one)
             raise ConfigError(str(exc)) from None
@@ -411,35 +429,44 @@ class LocalRun:
                 self.start_redis()
                 self.write_child_config()
                 self.start_engines()
+                self.t0 = time.monotonic()  # elapsed and rates count from here: set-up is not training
                 self.start_trainer()
                 self.start_producers()
                 self.watch()
                 _echo(f"training finished in {time.monotonic() - self.t0:.0f}s; stopping producers and engines")
-                self.staleness_distribution()
-                self.stop_all(graceful=True)
             except RunFailed as exc:
                 self.stop_reason = str(exc)
                 code = 130 if self._signal is not None else 1
                 _echo(f"rlstream: run stopped: {exc}", err=True)
-                self.stop_all(graceful=False)
             except KeyboardInterrupt:
                 self.stop_reason = "interrupted twice"
                 code = 130
                 _echo("rlstream: run stopped: interrupted", err=True)
                 self.stop_all(graceful=False)
-            except BaseException:
-                self.stop_all(graceful=False)
-                raise
+            if code != 130 or self.stop_reason != "interrupted twice":
+                # Also after a failure: the trainer (if alive) saves what it trained as `final`.
+                self.stop_all(graceful=code == 0)
+                if getattr(self, "client", None) is not None:
+                    self.staleness_distribution()
+        except BaseException:
+            self.stop_all(graceful=False)
+            raise
         finally:
             self.stop_redis()
             for s, h in old.items():
                 signal.signal(s, h)
-        if code != 0:
+        if self.trainer is None or self.stop_reason == "interrupted twice":
             return code
         from rlstream.launcher.report import finish
 
-        self.summary = finish(cfg, self.run_dir, acc_before=acc_before, t0=self.t0)
-        return 0
+        try:
+            self.summary = finish(cfg, self.run_dir, acc_before=acc_before, t0=self.t0,
+                                  total_steps=self.budget.total_steps, stop_reason=self.stop_reason)
+        except Exception as exc:  # noqa: BLE001 - after a failure the report is best effort
+            if code == 0:
+                raise
+            _echo(f"rlstream: could not write the report of the stopped run: {type(exc).__name__}: {exc}", err=True)
+        return code
 
 
 def run(cfg: Config, redis_url: str | None = None) -> int:

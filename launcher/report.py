@@ -26,7 +26,7 @@ from typing import Any
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
 
-__all__ = ["report", "staleness_distribution", "evaluate", "finish"]
+__all__ = ["report", "staleness_distribution", "evaluate", "finish", "trained_steps"]
 
 log = get_logger(__name__)
 
@@ -72,21 +72,35 @@ def evaluate(cfg: Config, model_path: str | Path, when: str) -> float | None:
     return res.accuracy
 
 
-def finish(cfg: Config, run_dir: Path, *, acc_before: float | None, t0: float) -> dict[str, Any]:
-    """Accuracy after RL, plots and `summary.json` of a finished run; returns the summary."""
+def trained_steps(run_dir: Path) -> int:
+    """The last train step in `{run_dir}/metrics.jsonl` (0: none)."""
+    from rlstream.launcher.plots import read_jsonl
+
+    steps = [r["step"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "step" in r and "eval/accuracy" not in r]
+    return int(max(steps)) if steps else 0
+
+
+def finish(cfg: Config, run_dir: Path, *, acc_before: float | None, t0: float, total_steps: int | None = None,
+           stop_reason: str | None = None) -> dict[str, Any]:
+    """Accuracy after RL, plots and `summary.json` of a run, finished or stopped early; returns the summary."""
     from rlstream.launcher.plots import make_plots
 
     final = run_dir / "checkpoints" / "final"
+    steps = trained_steps(run_dir)
     acc_after = None
     if (final / "config.json").exists():
-        acc_after = evaluate(cfg, final, "after RL")
+        acc_after = evaluate(cfg, final, "after RL")  # of what was trained (a stopped run: its steps so far)
     else:
-        _echo(f"no final checkpoint at {final}; skipping the evaluation after RL", err=True)
+        _echo(f"no final checkpoint at {final} (the trainer could not save one); skipping the evaluation after RL",
+              err=True)
     plots = make_plots(run_dir, acc_before=acc_before, acc_after=acc_after,
                        title=f"({cfg.experiment_name}/{cfg.trial_name})")
     wall = time.monotonic() - t0
     summary = {"acc_before": acc_before, "acc_after": acc_after, "wall_time_s": round(wall, 1),
-               "final_checkpoint": str(final), "metrics": str(run_dir / "metrics.jsonl"),
+               "steps": steps, "total_steps": total_steps, "finished": stop_reason is None,
+               "stop_reason": stop_reason,
+               "final_checkpoint": str(final) if (final / "config.json").exists() else None,
+               "metrics": str(run_dir / "metrics.jsonl"),
                "plots": [str(p) for p in plots], "eval_n": cfg.launcher.eval_n}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     if acc_before is not None and acc_after is not None:
@@ -97,6 +111,8 @@ def finish(cfg: Config, run_dir: Path, *, acc_before: float | None, t0: float) -
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         _echo(f"held-out tool-call rate: {before['tool_call_rate']:.1%} before RL -> {after['tool_call_rate']:.1%} "
               f"after RL")
+    if stop_reason is not None:
+        _echo(f"stopped early after {steps} of {total_steps} steps; what was trained is kept:")
     _echo(f"done in {wall:.0f}s: metrics {run_dir / 'metrics.jsonl'}, checkpoint {final}, plots in {run_dir / 'plots'}")
     return summary
 
@@ -150,5 +166,5 @@ def report(cfg: Config) -> int:
     staleness_distribution(client, keys, run_dir, eta)
     client.close()
     acc_before = evaluate(cfg, cfg.actor.path, "before RL") if cfg.actor.path else None
-    finish(cfg, run_dir, acc_before=acc_before, t0=t0)
+    finish(cfg, run_dir, acc_before=acc_before, t0=t0, total_steps=total)
     return 0

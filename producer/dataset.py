@@ -9,7 +9,9 @@ Order: epoch e visits the rows in a permutation seeded by `(seed, e)`, identical
 every producer process. `DatasetCursor` hands out positions of that global order from
 one Redis counter (`cursor` field of `{ns}:producers`), so several producers share one
 pass over the data without duplicates, a restarted producer continues where the run
-left off, and `producer.max_groups`/epochs bound the total. Each producer also stores
+left off, and `producer.max_groups`/epochs bound the total (groups dropped as stale
+give their prompt back; with only `total_train_steps` set, epochs continue until the
+trainer's shutdown). Each producer also stores
 its own state (msgspec msgpack) under its id in the same hash, for `inspect`.
 """
 
@@ -157,10 +159,11 @@ class PromptDataset:
 class DatasetCursor:
     """The run's shared dataset position and this producer's state, in `{ns}:producers` (broker/producers.py)."""
 
-    def __init__(self, client: Any, keys: Keys, dataset: PromptDataset, *, epochs: int, producer_id: str) -> None:
+    def __init__(self, client: Any, keys: Keys, dataset: PromptDataset, *, epochs: int | None, producer_id: str) -> None:
         self.records = AsyncProducerRecords(client, keys)
         self.dataset = dataset
-        self.total = epochs * len(dataset)
+        # None: no data limit, the trainer's total_train_steps ends the run (its `shutdown` stops us).
+        self.total = None if epochs is None else epochs * len(dataset)
         self.producer_id = producer_id
         self.state = ProducerState(producer_id=producer_id, host=socket.gethostname(), pid=os.getpid(),
                                    started_at=time.time())
@@ -178,9 +181,13 @@ class DatasetCursor:
         return await self.records.position()
 
     async def next(self) -> DatasetItem | None:
-        """Claim the next position of the run; None once every epoch is handed out."""
+        """Claim the next position of the run; None once every epoch is handed out.
+
+        A group the trainer dropped as stale was never trained on: each one extends the
+        budget by a prompt, so the epochs' steps stay reachable whatever the staleness.
+        """
         pos = await self.records.claim()
-        if pos >= self.total:
+        if self.total is not None and pos >= self.total and pos >= self.total + await self.records.dropped():
             return None
         self.state.claimed += 1
         self.state.last_position = pos

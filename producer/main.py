@@ -101,7 +101,7 @@ class Producer:
             raise ValueError(f"cannot load the tokenizer from {cfg.tokenizer!r} (tokenizer_path/actor.path): "
                              f"{str(exc).splitlines()[0]}") from None
         self.dataset = PromptDataset(cfg.train_dataset, self.tokenizer, seed=cfg.seed)
-        self.cursor = DatasetCursor(self.client, self.keys, self.dataset, epochs=cfg.total_train_epochs,
+        self.cursor = DatasetCursor(self.client, self.keys, self.dataset, epochs=cfg.data_epochs,
                                     producer_id=self.producer_id)
         await self.cursor.load_state()
         self.rewards = RewardPool(cfg.producer.reward_fn, cfg.producer.reward_workers, cfg.producer.reward_timeout)
@@ -302,7 +302,7 @@ class Producer:
             if item is None:
                 await self.admission.abandon([lease.lease_id])
                 self.exhausted = True
-                self.request_stop(f"dataset exhausted ({self.cfg.total_train_epochs} epoch(s) handed out)")
+                self.request_stop(f"dataset exhausted ({self.cfg.data_epochs} epoch(s) handed out)")
                 break
             self.inflight[lease.lease_id] = asyncio.create_task(self._rollout(lease.lease_id, item),
                                                                 name=f"rollout:{item.prompt_id}")
@@ -342,8 +342,11 @@ class Producer:
                 raise SetupError(str(exc)) from None
             self._base = (self.cursor.state.accepted, self.cursor.state.rejected, self.cursor.state.failed)
             self._t_start = time.monotonic()
-            log.info("producer %s: %d prompts x %d epoch(s), run position %d, %s backend, namespace %s",
-                     self.producer_id, len(self.dataset), self.cfg.total_train_epochs, await self.cursor.position(),
+            epochs = self.cfg.data_epochs
+            log.info("producer %s: %d prompts x %s, run position %d, %s backend, namespace %s",
+                     self.producer_id, len(self.dataset),
+                     f"{epochs} epoch(s)" if epochs else "as many epochs as total_train_steps needs",
+                     await self.cursor.position(),
                      self.cfg.rollout.backend, self.cfg.namespace)
             self._bg = [asyncio.create_task(self._renew_leases(), name="renew-leases"),
                         asyncio.create_task(self._follow_events(), name="events"),

@@ -2,7 +2,8 @@
 
 One epoch is ⌊prompts / consumer_batch_size⌋ steps (AReaL's drop-last dataloader), with
 prompts counted from `train_dataset.path` (rows of JSONL / JSON / Parquet / CSV files,
-or of every such file in a folder). `total_train_steps` caps the epoch-derived count.
+or of every such file in a folder). `total_train_steps` alone sets the count (producers
+feed as many epochs as it needs); with `total_train_epochs` too, the smaller one wins.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 from rlstream.common.config import Config, ConfigError
 
-__all__ = ["count_rows", "resolve_total_steps"]
+__all__ = ["Budget", "count_rows", "resolve_budget", "resolve_total_steps"]
 
 _EXT = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
@@ -51,21 +53,53 @@ def count_rows(path: str, kind: str = "auto") -> int:
     return total
 
 
-def resolve_total_steps(cfg: Config) -> tuple[int, int | None]:
-    """(total train steps, steps per epoch or None when no dataset is configured)."""
+class Budget(NamedTuple):
+    """The run's step budget and, in words, what sets it."""
+
+    total_steps: int
+    steps_per_epoch: int | None
+    reason: str
+
+
+def resolve_budget(cfg: Config) -> Budget:
+    """Steps the trainer runs and why: `total_train_steps`, epochs, or the smaller of both when both are set.
+
+    With only `total_train_steps`, producers keep feeding epochs until the trainer has
+    its steps (groups dropped as stale or rejected cost data, not steps). With epochs,
+    producers hand out that many passes plus one prompt per group dropped as stale.
+    """
     batch = cfg.rollout.consumer_batch_size
-    steps_per_epoch = None
+    steps_per_epoch, rows = None, None
     if cfg.train_dataset.path:
         rows = count_rows(cfg.train_dataset.path, cfg.train_dataset.type)
         steps_per_epoch = rows // batch
         if steps_per_epoch == 0 and cfg.total_train_steps is None:
             raise ConfigError(f"train_dataset.path has {rows} prompts, fewer than rollout.consumer_batch_size={batch}: "
-                             "no full step per epoch (set total_train_steps)")
-    if cfg.total_train_steps is not None:
-        total = cfg.total_train_steps
-        if steps_per_epoch:
-            total = min(total, steps_per_epoch * cfg.total_train_epochs)
-        return total, steps_per_epoch
+                              "no full step per epoch (set total_train_steps)")
+    epoch_words = (f"an epoch is {steps_per_epoch} steps ({rows} prompts / rollout.consumer_batch_size {batch})"
+                   if steps_per_epoch is not None else "no train_dataset.path to count epochs")
+    steps, epochs = cfg.total_train_steps, cfg.total_train_epochs
+    if steps is not None:
+        if epochs is not None and steps_per_epoch:
+            cap = steps_per_epoch * epochs
+            if cap < steps:
+                return Budget(cap, steps_per_epoch,
+                              f"{cap} steps: total_train_steps={steps} is capped by total_train_epochs={epochs}; "
+                              f"{epoch_words}. Unset total_train_epochs to train {steps} steps")
+            return Budget(steps, steps_per_epoch, f"{steps} steps (total_train_steps; within total_train_epochs={epochs}; "
+                                                  f"{epoch_words})")
+        more = ""
+        if steps_per_epoch and steps > steps_per_epoch:
+            more = f"; producers feed {-(-steps // steps_per_epoch)} epochs or more (stale drops cost data, not steps)"
+        return Budget(steps, steps_per_epoch, f"{steps} steps (total_train_steps; {epoch_words}{more})")
     if steps_per_epoch is None:
         raise ConfigError("set total_train_steps or train_dataset.path: the trainer needs to know when to stop")
-    return steps_per_epoch * cfg.total_train_epochs, steps_per_epoch
+    epochs = epochs or 1
+    return Budget(steps_per_epoch * epochs, steps_per_epoch,
+                  f"{steps_per_epoch * epochs} steps (total_train_epochs={epochs}; {epoch_words})")
+
+
+def resolve_total_steps(cfg: Config) -> tuple[int, int | None]:
+    """(total train steps, steps per epoch or None when no dataset is configured)."""
+    budget = resolve_budget(cfg)
+    return budget.total_steps, budget.steps_per_epoch

@@ -9,6 +9,8 @@ Read top to bottom; each numbered block is a step of ARCHITECTURE.md "One train 
 
 Stops after the step budget (total_train_steps / epochs), writes
 `{run_dir}/checkpoints/final` and publishes a `shutdown` event so producers stop.
+SIGTERM/SIGINT (one process) stops early the same way: after the step in progress, or
+at once while waiting for data, with `final` holding the steps trained so far.
 
 Recovery (`recover.mode`): `auto`/`resume` resume from the newest recover checkpoint if
 there is one; `fault` does so only when relaunched after a failure (the launcher sets
@@ -20,7 +22,10 @@ from __future__ import annotations
 
 import os
 import random
+import signal
+import threading
 import time
+from typing import Any
 
 import numpy as np
 import torch
@@ -132,6 +137,36 @@ def _due(par: Parallel, step: int, last_t: float, freq_steps: int | None, freq_s
     return bool(flag.item())
 
 
+class _StopRequested(Exception):
+    """SIGTERM/SIGINT while the trainer waited for data."""
+
+
+class _StopFlag:
+    """SIGTERM/SIGINT ask for an early stop: at once while waiting for data, else after the current step.
+
+    Only with one process: ranks under torchrun would stop at different steps and the
+    final save's collectives would not match, so there a signal keeps its default effect.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.requested: str | None = None
+        self.waiting = False
+        self._old: dict[int, Any] = {}
+        if enabled and threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+
+    def _on_signal(self, signum: int, _frame: Any) -> None:
+        if self.requested is not None:  # a second signal: stop now, without the final save
+            raise KeyboardInterrupt
+        self.requested = signal.Signals(signum).name
+        if self.waiting:
+            raise _StopRequested
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+
 def train(cfg: Config) -> None:
     """Entry point of `rlstream train`."""
     cfg = resolve_model_paths(cfg)  # prepared model names and cached hub ids -> folders (before any rank work)
@@ -213,10 +248,17 @@ def _train(cfg: Config, par: Parallel) -> None:
     recover_on = cfg.recover.mode != "disabled"
     unacked: list[str] = []  # entries trained since the last durable recover checkpoint
     last_save_t = last_recover_t = time.monotonic()
-    while state.step < total_steps:
+    stop = _StopFlag(enabled=par.world_size == 1)
+    while state.step < total_steps and stop.requested is None:
         t_step = time.perf_counter()
         # 1. this rank's groups (recorded in {ns}:steps before training)
-        data = reader.next(state.step, state.version, steps_left=total_steps - state.step)
+        try:
+            stop.waiting = True
+            data = reader.next(state.step, state.version, steps_left=total_steps - state.step)
+        except _StopRequested:
+            break
+        finally:
+            stop.waiting = False
         t0 = time.perf_counter()
         batch = collate(data.entries)
         t_collate = time.perf_counter() - t0
@@ -283,11 +325,21 @@ def _train(cfg: Config, par: Parallel) -> None:
         evals.log_new(stats)
 
     # ---- the end ---------------------------------------------------------------------
+    if stop.requested is not None:
+        log.warning("stopping early on %s after %d of %d steps: saving what was trained", stop.requested,
+                    state.step, total_steps)
+        if recover_on and unacked:  # a resumed run continues from here, without replaying these steps
+            ckpt.save_recover(model, optimizer, scheduler, state,
+                              RankState(rank=par.rank, consumer=reader.consumer, covered_ids=unacked))
+            reader.ack(unacked)
     ckpt.save_hf(model, par.unwrap(model), "final")
+    stop.restore()
     evals.log_new(stats)
     if par.is_main:
-        versions.publish(Event(type="shutdown", version=state.version, detail=f"trainer finished {state.step} steps"))
-        log.info("finished %d steps (version %d); published shutdown", state.step, state.version)
+        done = f"trainer finished {state.step} steps" if stop.requested is None else \
+            f"trainer stopped early ({stop.requested}) after {state.step} of {total_steps} steps"
+        versions.publish(Event(type="shutdown", version=state.version, detail=done))
+        log.info("%s (version %d); published shutdown", done, state.version)
     broadcaster.close()
     stats.close()
     client.close()

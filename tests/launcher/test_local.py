@@ -1,9 +1,12 @@
 """`rlstream run` end to end, as a user runs it: real redis-server, engine, producer, trainer.
 
-- a short run of the CPU demo config finishes and leaves metrics, plots, the final
+- a short run of the CPU demo config (past one epoch) finishes and leaves metrics, plots, the final
   checkpoint and the before/after accuracy behind, with no process of the run left;
+- a run whose data runs out stops early (exit 1, the reason) and still leaves plots,
+  summary and a final checkpoint of what it trained;
 - SIGKILL of one child (an engine, a producer) stops the whole run with a message
-  naming that child; nothing of the run survives and its ports are free again.
+  naming that child; nothing of the run survives and its ports are free again, and
+  the trainer's steps are kept as `final`.
 """
 
 from __future__ import annotations
@@ -86,7 +89,8 @@ def _ports_of_run(run_dir: Path, with_redis: bool = True) -> list[int]:
 
 
 def test_run_end_to_end(tmp_path):
-    proc = _start(tmp_path, "total_train_steps=3")
+    # 16 prompts / batch 4 = 4 steps per epoch: 6 steps need the producer to feed a second epoch.
+    proc = _start(tmp_path, "total_train_steps=6", "launcher.demo.n_train=16")
     try:
         out, err = proc.communicate(timeout=420)
     finally:
@@ -94,8 +98,9 @@ def test_run_end_to_end(tmp_path):
     run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
     assert proc.returncode == 0, f"rlstream run failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all("reward/mean" in r for r in rows)
+    assert "budget: 6 steps (total_train_steps; an epoch is 4 steps (16 prompts" in out
     assert (run_dir / "checkpoints" / "final" / "config.json").exists()
     assert list((run_dir / "checkpoints" / "final").glob("*.safetensors"))
     for name in ("reward", "staleness", "throughput", "time_split"):
@@ -105,7 +110,8 @@ def test_run_end_to_end(tmp_path):
     assert 0.0 <= summary["acc_before"] <= 1.0 and 0.0 <= summary["acc_after"] <= 1.0
     assert "held-out accuracy before RL" in out and "held-out accuracy after RL" in out
     stale = json.loads((run_dir / "staleness.json").read_text())
-    assert stale["n"] == 3 * 4  # every trained group, B = 4 per step
+    assert stale["n"] == 6 * 4  # every trained group, B = 4 per step
+    assert summary["steps"] == summary["total_steps"] == 6 and summary["finished"] and summary["stop_reason"] is None
     assert max(int(k) for k in stale["histogram"]) <= 1  # within the budget eta = 1
     for name in ("redis", "engine-0", "producer-0", "trainer"):
         assert (run_dir / "logs" / f"{name}.log").stat().st_size > 0, name
@@ -149,6 +155,27 @@ def test_lora_run_evaluates_during_training(tmp_path):
     assert all(r["perf/push_bytes"] == adapter_bytes for r in steps), (adapter_bytes, [r.get("perf/push_bytes") for r in steps])
 
 
+def test_run_that_runs_out_of_data_keeps_what_it_trained(tmp_path):
+    """The producer stops after 6 groups (1 step of 4 + 2): the run stops early, exit 1, with the
+    reason, and still leaves the plots, the summary and a final checkpoint of the step trained."""
+    proc = _start(tmp_path, "total_train_steps=40", "producer.max_groups=6", "launcher.eval_n=0")
+    try:
+        out, err = proc.communicate(timeout=420)
+    finally:
+        _stop(proc)
+    run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
+    assert proc.returncode == 1, f"({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+    assert "producer.max_groups=6 reached" in err and "the data ran out at step 1 of 40" in err
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 1 and summary["total_steps"] == 40 and not summary["finished"]
+    assert "the data ran out at step 1 of 40" in summary["stop_reason"]
+    final = run_dir / "checkpoints" / "final"
+    assert summary["final_checkpoint"] == str(final) and list(final.glob("*.safetensors"))
+    for name in ("reward", "staleness", "throughput", "time_split"):
+        assert (run_dir / "plots" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+    assert _run_processes(run_dir) == []
+
+
 @pytest.mark.parametrize("victim", ["engine-0", "producer-0"])
 def test_killed_child_stops_the_run(tmp_path, victim, redis_url, experiment):
     # Against an external Redis (`--redis`): the other path of the launcher's Redis handling.
@@ -184,6 +211,10 @@ def test_killed_child_stops_the_run(tmp_path, victim, redis_url, experiment):
         assert _port_free(port), f"port {port} still bound after the run stopped"
     assert "redis: using redis://127.0.0.1:" in out  # the external one, not a started one
     assert not (run_dir / "logs" / "redis.log").exists()
+    # Stopped early, the run still reports what it trained (the trainer saved it as `final`).
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert victim in summary["stop_reason"] and not summary["finished"] and summary["steps"] >= 1
+    assert summary["final_checkpoint"] and list((run_dir / "checkpoints" / "final").glob("*.safetensors"))
 
 
 def test_live_view_renders_a_snapshot():

@@ -133,3 +133,33 @@ async def test_shared_cursor_resumes_and_ends(tmp_path, tokenizer, redis_url, ke
         assert msgspec.msgpack.decode(raw, type=ProducerState).producer_id == "pa"
     finally:
         await client.aclose()
+
+
+async def test_stale_drops_give_prompts_back_and_no_epoch_limit(tmp_path, tokenizer, redis_url, keys, rclient,
+                                                                 group_factory):
+    """Each group the trainer dropped as stale extends the epochs by a prompt; epochs=None never ends."""
+    from rlstream.broker import TrajectoryStream, connect_async
+
+    p = _write(tmp_path, "jsonl", _rows(3))
+    ds = PromptDataset(DatasetConfig(path=str(p), prompt_key="q", answer_key="a"), tokenizer, seed=1)
+    client = await connect_async(redis_url)
+    try:
+        cur = DatasetCursor(client, keys, ds, epochs=1, producer_id="pa")
+        assert [(await cur.next()).position for _ in range(3)] == [0, 1, 2]
+        assert await cur.next() is None  # position 3: one epoch handed out, nothing dropped
+        # The trainer drops two groups as stale (the real path: stream entry -> drop_stale).
+        stream = TrajectoryStream(rclient, keys)
+        stream.ensure_group()
+        for i in range(2):
+            stream.append(group_factory(prompt_id=f"g{i}"))
+        for entry in stream.read("c0", count=2, block_ms=100):
+            stream.drop_stale(entry, 5, "head staleness 5 > max_head_offpolicyness 1")
+        assert rclient.xlen(keys.dropped) == 2
+        item = await cur.next()  # position 4 < 3 + 2 drops
+        assert item is not None and item.position == 4 and item.epoch == 1
+        assert await cur.next() is None  # position 5 = 3 + 2
+        endless = DatasetCursor(client, keys, ds, epochs=None, producer_id="pb")
+        positions = [(await endless.next()).position for _ in range(7)]
+        assert positions == list(range(6, 13)) and ds.at(12).epoch == 4
+    finally:
+        await client.aclose()

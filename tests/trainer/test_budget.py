@@ -1,0 +1,45 @@
+"""The step budget (`trainer.budget.resolve_budget`): what sets it, and the sentence `rlstream run` prints."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlstream.common.config import ConfigError, load_config
+from rlstream.trainer.budget import resolve_budget
+
+
+@pytest.fixture
+def data(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(f'{{"question": "{i}=", "answer": "{i}"}}\n' for i in range(3000)))
+    return path
+
+
+def _cfg(data, *overrides):
+    return load_config(None, [f"train_dataset.path={data}", "rollout.consumer_batch_size=8", *overrides])
+
+
+def test_steps_alone_are_reached_past_one_epoch(data):
+    cfg = _cfg(data, "total_train_steps=600")
+    b = resolve_budget(cfg)
+    assert (b.total_steps, b.steps_per_epoch) == (600, 375)
+    assert cfg.data_epochs is None  # producers feed epochs until the trainer has its steps
+    assert "600 steps (total_train_steps" in b.reason and "375 steps (3000 prompts" in b.reason
+    assert "producers feed 2 epochs" in b.reason
+
+
+def test_epochs_alone_and_the_smaller_of_both(data):
+    b = resolve_budget(_cfg(data))
+    assert b.total_steps == 375 and "total_train_epochs=1" in b.reason
+    assert _cfg(data).data_epochs == 1
+    assert resolve_budget(_cfg(data, "total_train_epochs=3")).total_steps == 1125
+    capped = resolve_budget(_cfg(data, "total_train_steps=600", "total_train_epochs=1"))
+    assert capped.total_steps == 375
+    assert "total_train_steps=600 is capped by total_train_epochs=1" in capped.reason
+    assert _cfg(data, "total_train_steps=600", "total_train_epochs=1").data_epochs == 1
+    assert resolve_budget(_cfg(data, "total_train_steps=100", "total_train_epochs=1")).total_steps == 100
+
+
+def test_no_way_to_count_steps_is_refused():
+    with pytest.raises(ConfigError, match="set total_train_steps or train_dataset.path"):
+        resolve_budget(load_config(None, []))
