@@ -483,7 +483,15 @@ class Config(_Section):
 
 # --------------------------------------------------------------------------- loading
 
-SECRET_KEYS = ("password", "api_key", "token", "secret")
+# Keys that hold credentials: the whole key or its last `_` part (`hf_token`, `client_secret`),
+# never a substring (`max_new_tokens`, `stop_token_ids` and `tokenizer_path` are settings).
+CREDENTIAL_KEYS = ("password", "passwd", "secret", "token", "api_key", "apikey", "credentials")
+
+
+def is_credential_key(key: Any) -> bool:
+    """Whether a config key names a credential (masked in `config show` and in every log line)."""
+    k = str(key).lower().replace("-", "_")
+    return any(k == w or k.endswith("_" + w) for w in CREDENTIAL_KEYS)
 
 
 def _struct_fields(tp: Any) -> dict[str, Any] | None:
@@ -750,7 +758,7 @@ def _register_secrets(obj: Any) -> None:
 
     if isinstance(obj, dict):
         for k, v in obj.items():
-            if isinstance(v, str) and any(s in str(k).lower() for s in SECRET_KEYS):
+            if isinstance(v, str) and v and is_credential_key(k):
                 register_secret(v)
             else:
                 _register_secrets(v)
@@ -791,7 +799,7 @@ def _mask(obj: Any) -> Any:
     if isinstance(obj, dict):
         out = {}
         for k, v in obj.items():
-            if any(s in str(k).lower() for s in SECRET_KEYS) and v not in (None, ""):
+            if isinstance(v, str) and v and is_credential_key(k):
                 out[k] = "****"
             elif isinstance(v, str) and "://" in v:
                 out[k] = mask_url(v)
@@ -804,7 +812,7 @@ def _mask(obj: Any) -> Any:
 
 
 def masked_config_dict(cfg: msgspec.Struct) -> dict[str, Any]:
-    """The config as builtins with passwords, tokens and URL credentials masked."""
+    """The config as builtins with credentials masked: passwords, API keys, bearer tokens, URLs' passwords."""
     return _mask(config_to_dict(cfg))
 
 

@@ -150,9 +150,29 @@ def test_masking():
     assert mask_url("unix:///run/redis.sock") == "unix:///run/redis.sock"
     cfg = load_config(None, ["redis.url=redis://u:hunter2@h:6379/0", "redis.password=s3cret",
                              "rollout.api_key=tok-123", "stats_logger.wandb.api_key=wb-999"])
-    text = json.dumps(masked_config_dict(cfg))
+    masked = masked_config_dict(cfg)
+    text = json.dumps(masked)
     for secret in ("hunter2", "s3cret", "tok-123", "wb-999"):
         assert secret not in text
+    assert masked["redis"]["password"] == masked["rollout"]["api_key"] == masked["stats_logger"]["wandb"]["api_key"] == "****"
+
+
+def test_masking_leaves_settings_alone():
+    """Only credentials are masked: token counts, stop token ids and the tokenizer path are settings."""
+    from rlstream.common.config import is_credential_key
+
+    cfg = load_config(None, ["gconfig.max_new_tokens=8", "gconfig.min_new_tokens=2", "gconfig.stop_token_ids=[3,4]",
+                             "actor.mb_spec.max_tokens_per_mb=512", "tokenizer_path=/models/tok",
+                             "server.api_key=srv-1"])
+    masked = masked_config_dict(cfg)
+    g = masked["gconfig"]
+    assert (g["max_new_tokens"], g["min_new_tokens"], g["stop_token_ids"]) == (8, 2, [3, 4])
+    assert masked["actor"]["mb_spec"]["max_tokens_per_mb"] == 512
+    assert masked["tokenizer_path"] == "/models/tok" and masked["server"]["api_key"] == "****"
+    assert masked["redis"]["password"] is None  # nothing set: nothing to hide
+    assert all(is_credential_key(k) for k in ("password", "api_key", "hf_token", "access_token", "client_secret"))
+    assert not any(is_credential_key(k) for k in ("max_new_tokens", "stop_token_ids", "tokenizer_path",
+                                                   "max_tokens_per_mb", "importance_sampling_level"))
 
 
 def _cli(*args: str, **kw) -> subprocess.CompletedProcess:
@@ -176,6 +196,7 @@ def test_config_show_cli_masks_and_resolves(tmp_path):
     assert data["rollout"]["consumer_batch_size"] == 16
     assert data["redis"]["url"] == "redis://alice:****@127.0.0.1:6379/0"
     assert data["redis"]["password"] == "****" and data["rollout"]["api_key"] == "****"
+    assert isinstance(data["gconfig"]["max_new_tokens"], int) and "****" not in json.dumps(data["gconfig"])
     for secret in ("hunter2", "s3cret", "tok-123", "wb-999"):
         assert secret not in res.stdout + res.stderr
     yaml_out = _cli("config", "show", "--config", str(p))
