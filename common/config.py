@@ -817,7 +817,7 @@ def masked_config_dict(cfg: msgspec.Struct) -> dict[str, Any]:
 
 
 def field_docs(tp: Any = Config, prefix: str = "") -> list[tuple[str, str, Any]]:
-    """(dotted key, description, default) for every field, depth first."""
+    """(dotted key, description, default as JSON text or `(section)`) for every field, depth first."""
     out: list[tuple[str, str, Any]] = []
     fields = _struct_fields(tp) or {}
     defaults = {}
@@ -835,9 +835,12 @@ def field_docs(tp: Any = Config, prefix: str = "") -> list[tuple[str, str, Any]]
         if isinstance(default, msgspec._core.Factory):  # type: ignore[attr-defined]
             default = default.factory()
         sub = _struct_fields(ftp)
-        if sub is not None:
-            out.append((key, desc, None))
+        if sub is not None and default is not None:
+            out.append((key, desc, "(section)"))
             out.extend(field_docs(ftp, key + "."))
         else:
-            out.append((key, desc, msgspec.to_builtins(default) if default is not None else None))
+            # JSON spelling (null, true, "text"): what a YAML file or a KEY=VALUE override takes.
+            out.append((key, desc, msgspec.json.encode(default).decode()))
+            if sub is not None:  # an optional section, off by default: its keys once it is set
+                out.extend(field_docs(ftp, key + "."))
     return out

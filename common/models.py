@@ -18,12 +18,13 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from rlstream.common.config import Config, ConfigError
 
-__all__ = ["KnownModel", "KNOWN_MODELS", "MARKER", "ModelPathError", "model_cache_root", "prepared_model_dir",
+__all__ = ["dtype_kwargs", "KnownModel", "KNOWN_MODELS", "MARKER", "ModelPathError", "model_cache_root", "prepared_model_dir",
            "read_marker", "resolve_model_path", "resolve_model_paths", "check_model_folder", "stop_token_ids"]
 
 
@@ -59,6 +60,14 @@ KNOWN_MODELS: dict[str, KnownModel] = {
 # Written last into a prepared folder: its presence means the folder is complete and checked.
 MARKER = ".rlstream-model.json"
 _DTYPE_SUFFIX = {"float32": "", "bfloat16": "-bf16", "float16": "-fp16"}
+
+
+def dtype_kwargs(dtype: Any) -> dict[str, Any]:
+    """`{"dtype": dtype}` for `from_pretrained`/configs; `torch_dtype` before transformers 4.56 (no deprecation warning)."""
+    import transformers
+
+    major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
+    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
 
 
 def model_cache_root(cache_dir: str | os.PathLike | None = None) -> Path:

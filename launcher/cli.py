@@ -15,7 +15,11 @@ from typing import Optional
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="rlstream: asynchronous RL post-training on Redis streams.")
+OVERRIDES_HELP = ("Any config key can be overridden after the options as KEY=VALUE, dotted for nested keys: "
+                  "`rlstream run --config configs/tiny-cpu.yaml total_train_steps=600 actor.optimizer.lr=1e-4`. "
+                  "`rlstream config docs` lists every key with its default.")
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help=f"rlstream: asynchronous RL post-training on Redis streams.\n\n{OVERRIDES_HELP}")
 config_app = typer.Typer(no_args_is_help=True, help="Show and document configuration.")
 launch_app = typer.Typer(no_args_is_help=True, help="Launch on a cluster scheduler.")
 model_app = typer.Typer(no_args_is_help=True, help="Prepare local model folders (no hub at run time).")
@@ -24,7 +28,8 @@ app.add_typer(launch_app, name="launch")
 app.add_typer(model_app, name="model")
 
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file.")
+KV = "[OPTIONS] [KEY=VALUE]..."  # usage line of the commands that take config overrides
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML config file; KEY=VALUE overrides may follow the options.")
 
 
 def _fail(msg: str, code: int = 1) -> None:
@@ -79,7 +84,7 @@ def _exit_after_clean_stop() -> None:
     os._exit(0)
 
 
-@config_app.command("show", context_settings=EXTRA)
+@config_app.command("show", context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def config_show(ctx: typer.Context, config: Optional[str] = ConfigOpt,
                 as_json: bool = typer.Option(False, "--json", help="JSON instead of YAML.")) -> None:
     """Print the resolved config (secrets masked)."""
@@ -117,14 +122,14 @@ def config_import_areal(file: str = typer.Argument(..., help="An AReaL experimen
 
 @config_app.command("docs")
 def config_docs() -> None:
-    """Every config key with its default and one-line description."""
+    """Every config key, one line each: `key = default  # description` (defaults as YAML/JSON; sections `(section)`)."""
     from rlstream.common.config import field_docs
 
     for key, desc, default in field_docs():
-        typer.echo(f"{key} = {default!r}  # {desc}" if default is not None or "." in key else f"{key}: {desc}")
+        typer.echo(f"{key} = {default}  # {desc}")
 
 
-@app.command(context_settings=EXTRA)
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def inspect(ctx: typer.Context,
             redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL (default: the config's redis.url)."),
             namespace: Optional[str] = typer.Option(None, "--namespace", "-n", help="rlstream:{experiment}:{trial} (default: from the config)."),
@@ -140,7 +145,7 @@ def inspect(ctx: typer.Context,
     _guard(inspect_main, cfg, redis_url=redis, namespace=namespace, as_json=as_json, watch=watch, list_only=list_)
 
 
-@app.command(context_settings=EXTRA)
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Run the local inference engine (SGLang-compatible HTTP subset)."""
     from rlstream.engine.server import serve as serve_main
@@ -149,7 +154,7 @@ def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     _exit_after_clean_stop()
 
 
-@app.command(context_settings=EXTRA)
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def produce(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Run one rollout producer: dataset -> engines -> rewards -> Redis."""
     from rlstream.producer.main import produce as produce_main
@@ -158,7 +163,7 @@ def produce(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     raise typer.Exit(code or 0)
 
 
-@app.command(context_settings=EXTRA)
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def train(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Run the trainer (one process, or each rank under torchrun)."""
     from rlstream.trainer.main import train as train_main
@@ -167,7 +172,7 @@ def train(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     _exit_after_clean_stop()
 
 
-@app.command(context_settings=EXTRA)
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def sft(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Supervised warm start of actor.path on the training answers."""
     from rlstream.launcher.sft import sft as sft_main
@@ -175,17 +180,20 @@ def sft(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     _guard(sft_main, load(config, ctx.args))
 
 
-@app.command(context_settings=EXTRA)
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def run(ctx: typer.Context, config: Optional[str] = ConfigOpt,
         redis: Optional[str] = typer.Option(None, "--redis", help="Use this Redis instead of starting one.")) -> None:
     """Run a whole job on this machine: Redis, engines, producers and the trainer."""
     from rlstream.launcher.local import run as run_main
 
+    if config is None:
+        _fail("rlstream run needs a config: --config FILE (e.g. --config configs/tiny-cpu.yaml), "
+              "then any KEY=VALUE overrides", 2)
     code = _guard(run_main, load(config, ctx.args), redis_url=redis)
     raise typer.Exit(code or 0)
 
 
-@app.command(context_settings=EXTRA)
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def report(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Follow a run until the trainer finishes, then write its plots and summary."""
     from rlstream.launcher.report import report as report_main
@@ -193,7 +201,7 @@ def report(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     raise typer.Exit(_guard(report_main, load(config, ctx.args)) or 0)
 
 
-@launch_app.command("slurm", context_settings=EXTRA)
+@launch_app.command("slurm", context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def launch_slurm(ctx: typer.Context, config: Optional[str] = ConfigOpt,
                  dry_run: bool = typer.Option(False, "--dry-run", help="Print the sbatch script only."),
                  redis: Optional[str] = typer.Option(None, "--redis", help="External Redis URL (default: start one on the first node).")) -> None:

@@ -177,14 +177,14 @@ def prepare(cfg: Config) -> dict[str, Path]:
         _write_jsonl(paths["valid"], valid)
         if paths["sft"] != paths["train"]:
             _write_jsonl(paths["sft"], sft)
-        log.info("demo task %s: wrote %d train, %d held-out, %d warm-start rows under %s", demo.task, len(train),
+        log.debug("demo task %s: wrote %d train, %d held-out, %d warm-start rows under %s", demo.task, len(train),
                  len(valid), len(sft), paths["train"].parent)
     if not (paths["model"] / "config.json").exists():
         from rlstream.launcher.tiny import build_tiny_model
 
         build_tiny_model(paths["model"], hidden_size=demo.hidden_size, num_layers=demo.num_layers,
                          intermediate_size=4 * demo.hidden_size, seed=cfg.seed)
-        log.info("demo task %s: built a tiny model (hidden %d, %d layers) at %s", demo.task, demo.hidden_size,
+        log.debug("demo task %s: built a tiny model (hidden %d, %d layers) at %s", demo.task, demo.hidden_size,
                  demo.num_layers, paths["model"])
     return paths
 
@@ -195,7 +195,7 @@ def _prepare_word_problems(cfg: Config, paths: dict[str, Path]) -> dict[str, Pat
         train, valid = make_word_problem_items(demo.n_train, demo.n_valid, cfg.seed)
         _write_jsonl(paths["train"], train)
         _write_jsonl(paths["valid"], valid)
-        log.info("demo task word_problems: wrote %d train, %d held-out problems under %s", len(train), len(valid),
+        log.debug("demo task word_problems: wrote %d train, %d held-out problems under %s", len(train), len(valid),
                  paths["train"].parent)
     return paths
 

@@ -172,7 +172,7 @@ def line(s: Snapshot) -> str:
             f"reward {_fmt(s.reward)} "
             + (f"eval {_fmt(s.eval_accuracy)}@v{s.eval_version} " if s.eval_version is not None else "")
             + f"stale {_fmt(s.staleness_mean, '{:.2f}')} queue {s.queue_depth} "
-            f"running {s.running} rollouts/s {s.rollouts_per_s:.1f} tokens/s {s.tokens_per_s:.0f} "
+            f"running {s.running} samples/s {s.rollouts_per_s:.1f} tokens/s {s.tokens_per_s:.0f} "
             f"ETA {_fmt_secs(s.eta_s)}")
 
 
@@ -190,10 +190,12 @@ def render(s: Snapshot, title: str):
     if s.eval_version is not None:
         t.add_row("eval", f"held-out accuracy {_fmt(s.eval_accuracy)} of version {s.eval_version}")
     t.add_row("staleness", f"mean {_fmt(s.staleness_mean, '{:.2f}')}   max {_fmt(s.staleness_max, '{:.0f}')}"
-                           f"   dropped {s.dropped_stale}")
-    t.add_row("queue", f"{s.queue_depth} groups waiting   {s.running} rollouts running   "
-                       f"accepted {s.accepted} rejected {s.rejected}   dead {s.dead}")
-    tok_train = f"   trainer {s.trainer_tokens_per_s:.0f} tok/s" if s.trainer_tokens_per_s else ""
-    t.add_row("throughput", f"{s.rollouts_per_s:.1f} rollouts/s   {s.tokens_per_s:.0f} tokens/s{tok_train}")
-    t.add_row("processes", "  ".join(f"{k}:{v}" for k, v in s.children.items()) + f"   engines registered {s.engines}")
+                           f"   dropped {s.dropped_stale} groups")
+    # Short rows: the box must fit an 80-column terminal without wrapping.
+    t.add_row("queue", f"{s.queue_depth} groups waiting   {s.running} rollouts running")
+    t.add_row("groups", f"accepted {s.accepted}   rejected {s.rejected}   dead {s.dead}")
+    tok_train = f"   trainer {s.trainer_tokens_per_s:.0f} tokens/s" if s.trainer_tokens_per_s else ""
+    t.add_row("throughput", f"{s.rollouts_per_s:.1f} samples/s   {s.tokens_per_s:.0f} tokens/s{tok_train}")
+    t.add_row("processes", "  ".join(f"{k}:{v}" for k, v in s.children.items()))
+    t.add_row("engines", f"{s.engines} registered")
     return t

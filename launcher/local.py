@@ -150,9 +150,7 @@ class LocalRun:
 
             if sft_done(cfg.actor.path) is None:
                 _echo(f"supervised warm start: {cfg.launcher.sft_steps} steps ...")
-                marker = sft(cfg)
-                if marker:
-                    _echo(f"warm start done in {marker['seconds']:.0f}s (final loss {marker['final_loss']:.3f})")
+                sft(cfg)  # logs its progress and the final loss
             else:
                 _echo("supervised warm start: already done for this model (rlstream_sft.json)")
 

@@ -83,9 +83,9 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
                     label="held-out accuracy (eval during training)")
         last = max((r.get("step", 0) for r in metrics), default=1)
         if acc_before is not None:
-            ax.scatter([0], [acc_before], color="tab:red", zorder=5, label=f"held-out acc before RL: {acc_before:.0%}")
+            ax.scatter([0], [acc_before], color="tab:red", zorder=5, label=f"held-out acc before RL: {acc_before:.1%}")
         if acc_after is not None:
-            ax.scatter([last], [acc_after], color="tab:green", zorder=5, label=f"held-out acc after RL: {acc_after:.0%}")
+            ax.scatter([last], [acc_after], color="tab:green", zorder=5, label=f"held-out acc after RL: {acc_after:.1%}")
         ax.set_xlabel("train step")
         ax.set_ylabel("reward / accuracy")
         ax.set_ylim(-0.05, 1.05)

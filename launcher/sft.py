@@ -27,6 +27,7 @@ from pathlib import Path
 
 from rlstream.common.config import Config, DatasetConfig
 from rlstream.common.logging import get_logger
+from rlstream.common.models import dtype_kwargs
 
 __all__ = ["sft", "SFT_MARKER", "sft_done"]
 
@@ -118,7 +119,7 @@ def sft(cfg: Config) -> dict | None:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, **dtype_kwargs(torch.float32))
     model.train()
     examples = _examples(cfg, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

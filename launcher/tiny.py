@@ -11,6 +11,8 @@ from __future__ import annotations
 import string
 from pathlib import Path
 
+from rlstream.common.models import dtype_kwargs
+
 __all__ = ["CHARS", "CHAT_CHARS", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build_tokenizer", "build_tiny_model"]
 
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]
@@ -85,7 +87,7 @@ def build_tiny_model(path: str | Path, *, hidden_size: int = 64, num_layers: int
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=tie_word_embeddings,
-        torch_dtype="float32",
+        **dtype_kwargs("float32"),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -239,3 +240,28 @@ def test_bad_rejection_sampling_is_named(overrides, message):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert message in str(e.value)
+
+
+def test_config_docs_is_one_line_format_with_defaults():
+    import re
+
+    res = _cli("config", "docs")
+    assert res.returncode == 0, res.stderr
+    lines = res.stdout.splitlines()
+    assert len(lines) > 100
+    bad = [ln for ln in lines if not re.fullmatch(r"[a-z0-9_.]+ = \S.*  # \S.*", ln)]
+    assert not bad, bad[:5]
+    assert any(re.fullmatch(r"gconfig\.max_new_tokens = \d+  # .+", ln) for ln in lines)
+    assert 'cluster.fileroot = "./runs"  # ' in res.stdout and "total_train_steps = null  # " in res.stdout
+    assert "redis = (section)  # " in res.stdout
+
+
+def test_run_without_config_says_so_and_help_mentions_overrides():
+    res = _cli("run")
+    assert res.returncode == 2
+    assert res.stderr.strip().splitlines() == [
+        "rlstream: error: rlstream run needs a config: --config FILE (e.g. --config configs/tiny-cpu.yaml), "
+        "then any KEY=VALUE overrides"]
+    for args in (["--help"], ["run", "--help"]):
+        out = _cli(*args, env={**os.environ, "COLUMNS": "200"})
+        assert out.returncode == 0 and "KEY=VALUE" in out.stdout and "total_train_steps=600" in out.stdout, args

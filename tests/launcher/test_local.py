@@ -109,6 +109,9 @@ def test_run_end_to_end(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert 0.0 <= summary["acc_before"] <= 1.0 and 0.0 <= summary["acc_after"] <= 1.0
     assert "held-out accuracy before RL" in out and "held-out accuracy after RL" in out
+    # The first screen: each message once, no library deprecation noise.
+    assert "deprecated" not in out + err
+    assert (out + err).count("demo task") == 1 and (out + err).count("warm start done") == 1
     stale = json.loads((run_dir / "staleness.json").read_text())
     assert stale["n"] == 6 * 4  # every trained group, B = 4 per step
     assert summary["steps"] == summary["total_steps"] == 6 and summary["finished"] and summary["stop_reason"] is None
@@ -229,9 +232,13 @@ def test_live_view_renders_a_snapshot():
     console = Console(record=True, width=160)
     console.print(render(snap, "rlstream run demo"))
     text = console.export_text()
-    for want in ("12/200", "served 12", "trainer 13", "0.625", "5 groups waiting", "41.5 rollouts/s",
+    for want in ("12/200", "served 12", "trainer 13", "0.625", "5 groups waiting", "41.5 samples/s",
                  "410 tokens/s", "2m10s", "engine-0:up"):
         assert want in text, want
+    # An 80-column terminal shows the same box: no row wraps onto a second line.
+    narrow = Console(record=True, width=80)
+    narrow.print(render(snap, "rlstream run demo"))
+    assert narrow.export_text().splitlines() == text.splitlines()
     assert "step 12/200 v12 (trainer v13) reward 0.625" in line(snap)
 
 
