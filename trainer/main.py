@@ -1,6 +1,6 @@
 """`rlstream train`: the trainer loop, one process or one rank under torchrun.
 
-Read top to bottom; each numbered block is a step of ARCHITECTURE.md "One train step":
+Read top to bottom; each numbered block is a step of docs/ARCHITECTURE.md "One train step":
 
     1. read B/D groups for this rank (exact replays after a crash come first)
     2-4. reference/proximal logprobs, advantages, PPO minibatch updates (trainer.ppo)
