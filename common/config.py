@@ -393,6 +393,8 @@ class SlurmConfig(_Section):
     engine_port: D(int, "Port of the first engine server on a node (the next ones count up).", ge=1, le=65535) = 30000
     engine_args: D(list[str], "Extra arguments for the engine server command.") = msgspec.field(default_factory=list)
     redis_port: D(int, "Port of the Redis started on the first node (0 = 20000 + job id mod 20000).", ge=0, le=65535) = 0
+    redis_tls_cert: D(str, "Server certificate (PEM) of the job's Redis: with redis_tls_key it serves TLS only and tasks connect with rediss:// (clients check it against redis.ssl_ca_certs).") = ""
+    redis_tls_key: D(str, "Private key (PEM) of redis_tls_cert.") = ""
 
 
 class ThreadsConfig(_Section):

@@ -11,6 +11,9 @@ Placement (`cluster.n_nodes` nodes, `cluster.n_gpus_per_node` GPUs each):
   `launcher.n_engines` spread over them on CPU-only nodes;
 - Redis on the first node (AOF in `{run_dir}/redis`), unless `--redis URL` / `redis.url`
   names an external one; producers are CPU-only tasks spread over the engine nodes.
+  That Redis listens on every interface behind a per-job random password (TLS only with
+  `launcher.slurm.redis_tls_cert`/`redis_tls_key`); the password reaches the tasks in the
+  0600 `slurm/config.yaml` and `slurm/redis.conf`, never on a command line or in the output.
 
 Addresses travel as overrides on each task's command line: `redis.url=redis://NODE:PORT/0`
 and `rollout.engine_addresses=[node:port, ...]` (fixed engine ports, so SGLang and vLLM
@@ -42,7 +45,7 @@ from pathlib import Path
 from rlstream.common.config import Config, ConfigError, config_to_dict
 from rlstream.common.logging import get_logger
 
-__all__ = ["launch", "plan", "render_script", "Placement"]
+__all__ = ["launch", "plan", "render_script", "Placement", "redis_conf_text", "redis_server_command"]
 
 log = get_logger(__name__)
 
@@ -158,11 +161,11 @@ trap 'fail "interrupted (job cancelled or out of time)"' TERM INT
 """
 
 _REDIS_OWN = """
-# ---- Redis on the first node
+# ---- Redis on the first node: the per-job password (and TLS when configured) are in the
+# 0600 redis.conf; tasks read the password from the 0600 config, never from a command line
 REDIS_PORT={port}
-task redis --nodes=1 --ntasks=1 --nodelist="${{NODES[{node}]}}" -- redis-server {conf}--port "$REDIS_PORT" \\
-  --bind 0.0.0.0 --protected-mode no --dir "$RUN_DIR/redis" --save "" --appendonly {aof} --appendfsync {fsync}
-REDIS_URL="redis://${{NODES[{node}]}}:$REDIS_PORT/0"
+task redis --nodes=1 --ntasks=1 --nodelist="${{NODES[{node}]}}" -- {redis_cmd}
+REDIS_URL="{scheme}://${{NODES[{node}]}}:$REDIS_PORT/0"
 "$PY" -m rlstream.launcher.slurm wait-redis "$REDIS_URL" --config "$CONFIG" --timeout {timeout} \\
   --watch "redis:${{PIDS[-1]}}" || fail "redis did not come up; see $LOGS/redis.log"
 """
@@ -176,6 +179,38 @@ REDIS_URL={url}
 
 def _q(s: str | Path) -> str:
     return shlex.quote(str(s))
+
+
+def redis_tls(cfg: Config) -> bool:
+    """Whether the job's Redis serves TLS only (`launcher.slurm.redis_tls_cert` and `redis_tls_key` set)."""
+    sc = cfg.launcher.slurm
+    if bool(sc.redis_tls_cert) != bool(sc.redis_tls_key):
+        raise ConfigError("launcher.slurm.redis_tls_cert and launcher.slurm.redis_tls_key go together: set both or neither")
+    return bool(sc.redis_tls_cert)
+
+
+def redis_conf_text(cfg: Config, password: str) -> str:
+    """The job's redis.conf (written 0600): the password and, when configured, TLS."""
+    lines = [f"requirepass {password}", "protected-mode yes"]
+    if redis_tls(cfg):
+        sc, rc = cfg.launcher.slurm, cfg.redis
+        lines += [f"tls-cert-file {Path(sc.redis_tls_cert).resolve()}", f"tls-key-file {Path(sc.redis_tls_key).resolve()}"]
+        if rc.ssl_ca_certs:
+            lines.append(f"tls-ca-cert-file {Path(rc.ssl_ca_certs).resolve()}")
+        # Client certificates are checked when the tasks present one (redis.ssl_certfile).
+        lines.append(f"tls-auth-clients {'yes' if rc.ssl_certfile else 'no'}")
+    return "\n".join(lines) + "\n"
+
+
+def redis_server_command(cfg: Config, conf: str | Path, *, port: str, data_dir: str) -> str:
+    """The redis-server command line of the job (shell words; `port` and `data_dir` already quoted).
+
+    Every node must reach it, so it binds every interface; the password in `conf` keeps
+    everyone else out (protected mode stays on as a second guard).
+    """
+    ports = f"--port 0 --tls-port {port}" if redis_tls(cfg) else f"--port {port}"
+    return (f"redis-server {_q(conf)} {ports} --bind 0.0.0.0 --dir {data_dir} --save '' "
+            f"--appendonly {'yes' if cfg.redis.appendonly else 'no'} --appendfsync {cfg.redis.appendfsync}")
 
 
 def _engine_cmd(cfg: Config, port: int) -> str:
@@ -223,9 +258,10 @@ def render_script(cfg: Config, pl: Placement, *, config_path: Path, redis_url: s
         out.append(_REDIS_EXTERNAL.format(url=_q(redis_url), timeout=timeout))
     else:
         port = str(sc.redis_port) if sc.redis_port else "$((20000 + SLURM_JOB_ID % 20000))"
-        out.append(_REDIS_OWN.format(port=port, node=pl.redis_node, timeout=timeout,
-                                     conf=f"{_q(redis_conf)} " if redis_conf else "",
-                                     aof="yes" if cfg.redis.appendonly else "no", fsync=cfg.redis.appendfsync))
+        conf = redis_conf or Path(cfg.run_dir).resolve() / "slurm" / "redis.conf"
+        out.append(_REDIS_OWN.format(port=port, node=pl.redis_node, timeout=timeout, scheme="rediss" if redis_tls(cfg) else "redis",
+                                     redis_cmd=redis_server_command(cfg, conf, port='"$REDIS_PORT"',
+                                                                    data_dir='"$RUN_DIR/redis"')))
 
     out.append("""
 # ---- prepare: demo data/model and the supervised warm start when configured (must succeed)
@@ -315,8 +351,24 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+def _finished_run(run_dir: Path) -> str | None:
+    """What shows that `run_dir` already holds a run (a summary, a final checkpoint, metrics), if anything."""
+    for name in ("summary.json", "checkpoints/final", "metrics.jsonl"):
+        if (run_dir / name).exists():
+            return name
+    return None
+
+
 def launch(cfg: Config, dry_run: bool = False, redis_url: str | None = None) -> int:
-    """Entry of `rlstream launch slurm`: print (`--dry-run`) or submit the sbatch script."""
+    """Entry of `rlstream launch slurm`: write the job's files, then print (`--dry-run`) or submit the script.
+
+    Both write `{run_dir}/slurm/`: `config.yaml` (the resolved config every task loads, 0600),
+    `redis.conf` (0600) and `job.sbatch`, so a dry run's script can be submitted as it is.
+    A Redis the job starts gets a fresh random password (or `redis.password`), which
+    travels only inside those two 0600 files: never on a command line, never printed.
+    """
+    import secrets
+
     from omegaconf import OmegaConf
 
     redis_url = redis_url or cfg.redis.url or None
@@ -324,11 +376,13 @@ def launch(cfg: Config, dry_run: bool = False, redis_url: str | None = None) -> 
     run_dir = Path(cfg.run_dir).resolve()
     slurm_dir = run_dir / "slurm"
     config_path = slurm_dir / "config.yaml"
-    redis_conf = slurm_dir / "redis.conf" if (cfg.redis.password and redis_url is None) else None
+    redis_conf = slurm_dir / "redis.conf" if redis_url is None else None
     script = render_script(cfg, pl, config_path=config_path, redis_url=redis_url, redis_conf=redis_conf)
-    if dry_run:
-        print(script)
-        return 0
+    old = _finished_run(run_dir)
+    if old:
+        print(f"rlstream: warning: {run_dir} already holds a run ({old}); the job would write over it and, with "
+              f"the same namespace in Redis, mix with it: pick a new trial_name=... unless you mean to continue it "
+              f"(recover.mode=auto)", file=sys.stderr)
     # Paths in the config become absolute: tasks may start in another directory.
     data = config_to_dict(cfg)
     data["cluster"]["fileroot"] = str(Path(cfg.cluster.fileroot).resolve())
@@ -336,12 +390,20 @@ def launch(cfg: Config, dry_run: bool = False, redis_url: str | None = None) -> 
                       ("launcher", "sft_dataset"), ("ref", "path"), ("server", "model_path")):
         if data.get(sect) and data[sect].get(key):
             data[sect][key] = str(Path(data[sect][key]).resolve())
+    if redis_conf is not None:
+        password = cfg.redis.password or secrets.token_urlsafe(32)
+        data["redis"]["password"] = password
+        _write_private(redis_conf, redis_conf_text(cfg, password))
     _write_private(config_path, OmegaConf.to_yaml(OmegaConf.create(data)))
-    if redis_conf is not None:  # the password stays out of the script (sbatch scripts are readable)
-        _write_private(redis_conf, f"requirepass {cfg.redis.password}\n")
     script_path = slurm_dir / "job.sbatch"
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     script_path.write_text(script)
+    if dry_run:
+        print(script)
+        print(f"rlstream: wrote {script_path} and the files it uses ({config_path}"
+              + (f", {redis_conf}" if redis_conf else "") + f"); submit it with: sbatch {script_path}",
+              file=sys.stderr)
+        return 0
     try:
         res = subprocess.run(["sbatch", "--parsable", str(script_path)], capture_output=True, text=True, timeout=60)
     except FileNotFoundError:

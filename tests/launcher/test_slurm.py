@@ -5,7 +5,11 @@ started by tests/launcher/slurm_cluster.sh on this machine, stopped by PID after
   leaves metrics and the final checkpoint;
 - a task that fails (a producer with a reward function that does not import) fails the
   whole job, and the job's output names the task;
-- `--dry-run` placement for a multi-node GPU layout (no cluster needed).
+- `--dry-run` placement for a multi-node GPU layout (no cluster needed);
+- the job's own Redis: a real redis-server started with the generated command line
+  refuses a client without the per-job password, which is never printed; TLS by config;
+- a dry run saves the script with the config it references, and warns about a run
+  folder that already holds a run.
 """
 
 from __future__ import annotations
@@ -134,7 +138,11 @@ def test_dry_run_multi_node_gpu_placement(tmp_path):
                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr
     script = out.stdout
-    assert not (tmp_path / "tiny-cpu").exists()  # a dry run writes nothing
+    # The script is saved with the files it uses: `sbatch` of it works as it is.
+    slurm_dir = tmp_path / "tiny-cpu" / "run0" / "slurm"
+    assert (slurm_dir / "job.sbatch").read_text() + "\n" == script
+    assert (slurm_dir / "config.yaml").stat().st_mode & 0o777 == 0o600
+    assert not (slurm_dir / "redis.conf").exists()  # external Redis: nothing to start
     syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
     assert "#SBATCH --nodes=4" in script and "#SBATCH --gpus-per-node=8" in script
@@ -174,3 +182,126 @@ def test_gpu_example_configs_load_and_render(tmp_path, name, engine):
     syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
     assert engine in script and "--nproc-per-node=8" in script and "task redis" in script
+
+
+def _dry_run(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(CONFIG),
+                           "--dry-run", f"cluster.fileroot={tmp_path}", *overrides],
+                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
+
+
+def _start_job_redis(script: str, port: int, data_dir: Path) -> subprocess.Popen:
+    """redis-server exactly as the job's `task redis` line starts it, on a free port here."""
+    import shlex
+
+    line = next(ln for ln in script.splitlines() if ln.startswith("task redis "))
+    argv = shlex.split(line.split(" -- ", 1)[1].replace("$REDIS_PORT", str(port)).replace("$RUN_DIR/redis", str(data_dir)))
+    assert argv[0] == "redis-server"
+    data_dir.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def _ready(client_factory, deadline_s: float = 30.0):
+    """The first answer of a freshly started server (connection refused until it listens)."""
+    import redis
+
+    deadline = time.monotonic() + deadline_s
+    while True:
+        try:
+            return client_factory().ping()
+        except redis.ConnectionError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+
+
+def test_job_redis_refuses_clients_without_the_per_job_password(tmp_path):
+    import redis
+
+    from rlstream.broker.connection import connect
+    from rlstream.common.config import load_config
+    from rlstream.launcher.procs import stop_process
+
+    out = _dry_run(tmp_path)
+    assert out.returncode == 0, out.stderr
+    slurm_dir = tmp_path / "tiny-cpu" / "run0" / "slurm"
+    job_cfg = load_config(str(slurm_dir / "config.yaml"))
+    password = job_cfg.redis.password
+    assert password and len(password) >= 32
+    for f in ("config.yaml", "redis.conf"):
+        assert (slurm_dir / f).stat().st_mode & 0o777 == 0o600, f
+    # Never printed, never on a command line (argv is visible to every user of the node).
+    assert password not in out.stdout + out.stderr and password not in (slurm_dir / "job.sbatch").read_text()
+    assert "--protected-mode no" not in out.stdout and "requirepass" not in out.stdout
+    port = free_port()
+    server = _start_job_redis(out.stdout, port, tmp_path / "redis-data")
+    try:
+        with pytest.raises(redis.AuthenticationError):  # NOAUTH: no password, no access
+            _ready(lambda: redis.Redis(host="127.0.0.1", port=port, socket_timeout=5))
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, password="guess", socket_timeout=5).ping()
+        # A task: the job's config (with redis.url as the script passes it) gets in.
+        import msgspec
+
+        task_cfg = msgspec.structs.replace(job_cfg.redis, url=f"redis://127.0.0.1:{port}/0")
+        client = connect(task_cfg, retries=2)
+        assert client.set("{rlstream:tiny-cpu:run0}:probe", 1) and client.get("{rlstream:tiny-cpu:run0}:probe") == b"1"
+        client.close()
+    finally:
+        stop_process(server)
+    # A second launch gets a new password.
+    assert _dry_run(tmp_path).returncode == 0
+    assert load_config(str(slurm_dir / "config.yaml")).redis.password != password
+
+
+def test_job_redis_serves_tls_when_configured(tmp_path):
+    import msgspec
+    import redis
+
+    from rlstream.broker.connection import connect
+    from rlstream.common.config import load_config
+    from rlstream.launcher.procs import stop_process
+    from tests.broker.test_connection import _make_certs
+
+    certs_dir = tmp_path / "certs"
+    certs_dir.mkdir()
+    certs = _make_certs(certs_dir)
+    out = _dry_run(tmp_path, f"launcher.slurm.redis_tls_cert={certs['server.crt']}",
+                   f"launcher.slurm.redis_tls_key={certs['server.key']}", f"redis.ssl_ca_certs={certs['ca.crt']}")
+    assert out.returncode == 0, out.stderr
+    assert 'REDIS_URL="rediss://' in out.stdout and "--port 0 --tls-port" in out.stdout
+    job_cfg = load_config(str(tmp_path / "tiny-cpu" / "run0" / "slurm" / "config.yaml"))
+    port = free_port()
+    server = _start_job_redis(out.stdout, port, tmp_path / "redis-data")
+    try:
+        with pytest.raises(redis.ConnectionError):  # no plain-text port at all
+            _ready(lambda: redis.Redis(host="127.0.0.1", port=port, password=job_cfg.redis.password,
+                                       socket_timeout=5), deadline_s=3)
+        task_cfg = msgspec.structs.replace(job_cfg.redis, url=f"rediss://127.0.0.1:{port}/0")
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                client = connect(task_cfg, retries=0)
+                break
+            except Exception:  # noqa: BLE001 - not listening yet
+                assert time.monotonic() < deadline, "TLS redis did not come up"
+                time.sleep(0.3)
+        assert client.ping()
+        client.close()
+        no_password = msgspec.structs.replace(task_cfg, password=None)
+        with pytest.raises(Exception, match="(?i)auth"):
+            connect(no_password, retries=0).ping()
+    finally:
+        stop_process(server)
+
+
+def test_dry_run_warns_about_a_run_folder_that_holds_a_run(tmp_path):
+    run_dir = tmp_path / "tiny-cpu" / "run0"
+    fresh = _dry_run(tmp_path)
+    assert fresh.returncode == 0 and "warning" not in fresh.stderr
+    (run_dir / "summary.json").write_text("{}")
+    out = _dry_run(tmp_path)
+    assert out.returncode == 0
+    warning = [ln for ln in out.stderr.splitlines() if "warning" in ln]
+    assert len(warning) == 1 and "already holds a run (summary.json)" in warning[0] and "trial_name" in warning[0]
+    assert "sbatch " + str(run_dir / "slurm" / "job.sbatch") in out.stderr
