@@ -196,16 +196,36 @@ def _pending(client: Any, keys: Keys, group: str, limit: int) -> tuple[list[dict
     return out, ids, len(rows) >= limit
 
 
+_NUMBER_FIELDS = {"min_version": int, "trainer_version": int, "ts": float}
+
+
 def _records(client: Any, key: str, recent: int, fields: tuple[str, ...]) -> dict[str, Any]:
+    """Count and newest records of a record stream; numeric fields as numbers (JSON stays typed)."""
     count = _int(client.xlen(key))
     rows = []
     for eid, f in client.xrevrange(key, count=recent) if count else []:
         row: dict[str, Any] = {"id": id_str(eid)}
         for name in fields:
             raw = f.get(name.encode())
-            row[name] = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            text = raw.decode(errors="replace") if isinstance(raw, bytes) else raw
+            kind = _NUMBER_FIELDS.get(name)
+            if kind is not None and text is not None:
+                try:
+                    text = kind(text)
+                except ValueError:
+                    pass  # a malformed record shows as it is
+            row[name] = text
         rows.append(row)
     return {"count": count, "recent": rows}
+
+
+def _run_start_ms(client: Any, keys: Keys, meta: Any) -> int | None:
+    """When the run began: its metadata's creation, else its first step or stream entry still present."""
+    if meta is not None and meta.created_at:
+        return int(meta.created_at * 1000)
+    first = [id_tuple(id_str(rows[0][0]))[0] for key in (keys.steps, keys.traj)
+             if (rows := client.xrange(key, count=1))]
+    return min(first) if first else None
 
 
 def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, *,
@@ -281,14 +301,19 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "truncated": und_capped or pending_capped,
     }
 
-    # ---- throughput over the last window
+    # ---- throughput over the last window, or over the run's life while it is younger
+    start_ms = _run_start_ms(client, keys, meta)
+    requested_s = window_s
+    if start_ms is not None:
+        window_s = min(window_s, max(1.0, (now - start_ms) / 1000))
     since = now - int(window_s * 1000)
     recent_entries, thr_capped = _scan_range(client, keys.traj, str(since), "+", scan_limit) if length else ([], False)
     steps = StepLog(client, keys).recent(since)
     step_numbers = {rec.step for _, rec in steps}
     consumed = sum(len(rec.entry_ids) for _, rec in steps)
     throughput = {
-        "window_s": window_s,
+        "window_s": window_s,  # the requested window, or the run's age when shorter
+        "window_requested_s": requested_s,
         "producer_groups": len(recent_entries),
         "producer_groups_per_s": len(recent_entries) / window_s,
         "producer_tokens_per_s": sum(n for _, _, n in recent_entries) / window_s,

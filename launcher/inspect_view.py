@@ -178,6 +178,15 @@ def inspect_main(cfg: Any, redis_url: str | None = None, namespace: str | None =
     # Looking once: fail fast. Watching: ride out a short Redis restart between refreshes.
     client = connect(rcfg, retries=0 if not watch else 2, client_name="rlstream-inspect")
     ns = namespace or cfg.namespace
+    if namespace is None and not list_only:
+        try:
+            present = list_namespaces(client)
+        except Exception as exc:  # noqa: BLE001 - one line, as everywhere in the CLI
+            raise explain(url, exc) from None
+        if ns not in present and len(present) == 1:
+            # One run in this Redis and none named: that is the one meant.
+            ns = present[0]
+            print(f"rlstream: inspecting {ns}, the only namespace at {mask_url(url)}", file=sys.stderr)
     keys = Keys(ns)
     eta, batch, max_conc = _params(cfg)
     console = Console(highlight=False)

@@ -195,6 +195,14 @@ class LocalRun:
             raise RunFailed(f"namespace {cfg.namespace} already holds a run in {mask_url(self.redis_url)}: "
                             f"pick a new trial_name, or set recover.mode=auto to continue that run")
 
+    def inspect_command(self) -> str:
+        """The ready-to-paste `rlstream inspect` line for this run (a password stays in the 0600 config)."""
+        from rlstream.broker.connection import mask_url
+
+        if self.cfg.redis.password or "****" in mask_url(self.redis_url):
+            return f"rlstream inspect --config {self.child_config}"
+        return f"rlstream inspect --redis {self.redis_url} -n {self.cfg.namespace}"
+
     def write_child_config(self) -> None:
         """The resolved config every child loads (0600: it may hold the Redis password)."""
         from omegaconf import OmegaConf
@@ -426,6 +434,7 @@ class LocalRun:
             try:
                 self.start_redis()
                 self.write_child_config()
+                _echo(f"inspect: {self.inspect_command()}")
                 self.start_engines()
                 self.t0 = time.monotonic()  # elapsed and rates count from here: set-up is not training
                 self.start_trainer()

@@ -118,6 +118,39 @@ def test_cli_json(redis_url, populated):
     assert s["stream"]["length"] == 7 and s["versions"] == {"served": 1, "trainer": 3}
     assert s["admission"]["capacity"] == 7 and s["admission"]["params_from"] == "meta"
     assert s["staleness"]["histogram"] == {"1": 1, "2": 2, "3": 3}
+    # Numbers stay numbers in --json (no "min_version": "36").
+    dropped = s["dropped"]["recent"][0]
+    assert (dropped["trainer_version"], type(dropped["min_version"]), type(dropped["ts"])) == (3, int, float)
+
+
+def test_rates_divide_by_the_run_age_while_it_is_younger_than_the_window(rclient, populated):
+    """The populated run is seconds old: its one step over a 60 s window would read 1/60 steps/s."""
+    _cfg, keys, _ = populated
+    t0 = time.monotonic()
+    s = collect(rclient, keys, 0, 1, 1, window_s=60.0)
+    age_bound = time.monotonic() - t0 + 30  # the fixture ran moments ago; a busy machine is slow
+    thr = s["throughput"]
+    assert thr["window_requested_s"] == 60.0 and 1.0 <= thr["window_s"] <= age_bound
+    assert thr["consumer_steps_per_s"] == pytest.approx(1 / thr["window_s"])
+    assert thr["producer_groups_per_s"] == pytest.approx(7 / thr["window_s"])
+    # An old run keeps the full window.
+    rclient.hset(keys.meta, "created_at", time.time() - 3600)
+    assert collect(rclient, keys, 0, 1, 1, window_s=60.0)["throughput"]["window_s"] == 60.0
+
+
+def test_cli_picks_the_only_namespace(redis_factory, group_factory):
+    """No -n and no config naming the run: with one namespace in this Redis, that one is inspected."""
+    from rlstream.broker import connect
+
+    server = redis_factory()
+    client = connect(f"redis://127.0.0.1:{server.port}/0")
+    keys = Keys("rlstream:solo:t9")
+    TrajectoryStream(client, keys).append(group_factory())
+    client.close()
+    res = _cli("inspect", "--redis", f"redis://127.0.0.1:{server.port}/0", "--json")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout)["namespace"] == "rlstream:solo:t9"
+    assert "inspecting rlstream:solo:t9, the only namespace" in res.stderr
 
 
 def test_cli_tables_and_namespace_from_config(redis_url, populated, tmp_path):

@@ -101,6 +101,8 @@ def test_run_end_to_end(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all("reward/mean" in r for r in rows)
     assert "budget: 6 steps (total_train_steps; an epoch is 4 steps (16 prompts" in out
+    inspect_line = next(ln for ln in out.splitlines() if ln.startswith("inspect: rlstream inspect --redis redis://"))
+    assert inspect_line.endswith(" -n rlstream:tiny-cpu:run0")
     assert (run_dir / "checkpoints" / "final" / "config.json").exists()
     assert list((run_dir / "checkpoints" / "final").glob("*.safetensors"))
     for name in ("reward", "staleness", "throughput", "time_split"):
