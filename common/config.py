@@ -294,8 +294,15 @@ class TensorBoardConfig(_Section):
     enabled: D(bool, "Write TensorBoard event files.") = True
 
 
+class PrometheusConfig(_Section):
+    enabled: D(bool, "Serve Prometheus metrics at http://host:port/metrics from the trainer (rank 0) and each producer (engines always serve /metrics on their own port).") = False
+    host: D(str, "Interface the metrics endpoint binds (0.0.0.0 for a scraper on another host).") = "127.0.0.1"
+    port: D(int, "Port of the metrics endpoint (0 = any free port; the address is logged and written to {run_dir}/prometheus/NAME.addr).", ge=0, le=65535) = 0
+
+
 class StatsLoggerConfig(_Section):
     wandb: D(WandbConfig, "Weights & Biases.") = msgspec.field(default_factory=WandbConfig)
+    prometheus: D(PrometheusConfig, "Prometheus /metrics endpoints (prometheus-client).") = msgspec.field(default_factory=PrometheusConfig)
     tensorboard: D(TensorBoardConfig, "TensorBoard.") = msgspec.field(default_factory=TensorBoardConfig)
     log_every_secs: D(float, "Seconds between one-line progress summaries of long-running processes.", gt=0) = 10.0
 

@@ -1,4 +1,4 @@
-"""Metrics sinks: one stdout line per step, `{run_dir}/metrics.jsonl`, TensorBoard, wandb.
+"""Metrics sinks: one stdout line per step, `{run_dir}/metrics.jsonl`, TensorBoard, wandb, Prometheus.
 
 Only the process that owns the sinks writes (the trainer's rank 0); other ranks make a
 logger that does nothing. `stats_logger.wandb.mode`: `online`, `offline` (no network:
@@ -70,6 +70,16 @@ class StatsLogger:
             self._tb = SummaryWriter(log_dir=sl.tensorboard.path or str(run_dir / "tensorboard"))
         if sl.wandb.mode != "disabled":
             self._wandb = self._init_wandb(cfg, run_dir)
+        self.registry = None  # Prometheus: the trainer adds the run's queue numbers to it
+        self._last: dict[str, float] = {}
+        if sl.prometheus.enabled:
+            from rlstream.common.logging import get_logger
+            from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, serve
+
+            self.registry = CollectorRegistry()
+            self.registry.register(ValuesCollector("rlstream_trainer", lambda: self._last))
+            address = serve(self.registry, sl.prometheus.host, sl.prometheus.port, run_dir=run_dir, name="trainer")
+            get_logger(__name__).info("prometheus metrics at http://%s/metrics", address)
 
     @staticmethod
     def _init_wandb(cfg: Config, run_dir: Path) -> Any:
@@ -91,6 +101,7 @@ class StatsLogger:
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
+        self._last = {"step": float(step), **clean}  # what a Prometheus scrape reads (one dict swap: atomic)
         print(format_line(step, clean, self.total_steps), file=self.stdout, flush=True)
         self._jsonl.write(json.dumps({"step": step, "ts": time.time(), **clean}) + "\n")
         self._jsonl.flush()
@@ -109,6 +120,7 @@ class StatsLogger:
             return
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
         clean["eval/version"] = float(version)
+        self._last = {**self._last, **clean}  # Prometheus shows the newest evaluation next to the step metrics
         parts = [f"{k.removeprefix('eval/')} {v:.4g}" for k, v in clean.items() if k != "eval/version"]
         print(f"eval v{version} | " + " ".join(parts), file=self.stdout, flush=True)
         self._jsonl.write(json.dumps({"step": version, "ts": time.time(), **clean}) + "\n")

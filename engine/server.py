@@ -10,6 +10,8 @@ follow SGLang so one client speaks to both):
 - `POST /pause_generation`: running requests return at once with `abort`; new ones wait.
 - `POST /continue_generation`, `GET /health`, `GET /health_generate`,
   `GET /get_model_info`, `GET /get_server_info`, `POST /flush_cache` (no-op: no prefix cache).
+- `GET /metrics`: Prometheus text format (`rlstream_engine_*`: batch size, waiting
+  requests, KV rows in use, tokens, requests, weight version), read at scrape time.
 - The weight-update routes (`/init_weights_update_group`, `/update_weights_from_distributed`,
   `/update_weights_from_disk`, `/destroy_weights_update_group`) come from `engine/weights.py`.
 
@@ -51,6 +53,7 @@ from rlstream.common.engine_api import (
 )
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolveError, NameResolver
+from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, exposition
 from rlstream.engine.local import LocalEngine
 from rlstream.engine.sampling import resolve
 from rlstream.engine.weights import add_weight_routes
@@ -60,6 +63,7 @@ __all__ = ["serve", "build_app", "run_server", "ENGINE_KEY", "ADDR_FILE_ENV"]
 log = get_logger(__name__)
 
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
+METRICS_KEY = web.AppKey("metrics", CollectorRegistry)
 ADDR_FILE_ENV = "RLSTREAM_ENGINE_ADDR_FILE"
 
 
@@ -195,6 +199,29 @@ async def get_server_info(request: web.Request) -> web.Response:
     return json_response(ServerInfo(**request.app[ENGINE_KEY].stats()))
 
 
+async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text format: batch, queue, KV rows, tokens, weight version (prometheus-client)."""
+    body, content_type = exposition(request.app[METRICS_KEY])
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def _engine_registry(engine: LocalEngine) -> CollectorRegistry:
+    def values() -> dict[str, float]:
+        st = engine.stats()
+        return {"running_requests": st["running"], "waiting_requests": st["waiting"], "paused": st["paused"],
+                "batch_size": st["running"], "max_batch_size": engine.max_batch_size,
+                # KV use: the batch cache holds one row per running sequence, up to max_batch_size rows
+                "kv_rows_used_ratio": st["running"] / max(engine.max_batch_size, 1),
+                "peak_batch_size": st["peak_running"], "weight_version": st["weight_version"],
+                "generated_tokens": st["total_tokens"], "requests": st["total_requests"],
+                "decode_steps": st["total_steps"], "busy_seconds": st["busy_seconds"]}
+
+    registry = CollectorRegistry()
+    registry.register(ValuesCollector("rlstream_engine", values,
+                                      counters=("generated_tokens", "requests", "decode_steps", "busy_seconds")))
+    return registry
+
+
 async def flush_cache(request: web.Request) -> web.Response:
     return json_response(ControlReply(status="ok"))
 
@@ -204,7 +231,9 @@ def build_app(engine: LocalEngine, *, api_key: str | None = None) -> web.Applica
     middlewares = [_auth_middleware(api_key)] if api_key else []
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
+    app[METRICS_KEY] = _engine_registry(engine)
     app.add_routes([
+        web.get("/metrics", metrics),
         web.post(api.GENERATE.path, generate),
         web.post(api.PAUSE_GENERATION.path, pause_generation),
         web.post(api.CONTINUE_GENERATION.path, continue_generation),

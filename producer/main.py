@@ -193,6 +193,28 @@ class Producer:
             with contextlib.suppress(Exception):
                 await self._save_state()
 
+    def _serve_prometheus(self) -> None:
+        """`stats_logger.prometheus`: this producer's counters at /metrics, read at scrape time."""
+        pc = self.cfg.stats_logger.prometheus
+        if not pc.enabled:
+            return
+        from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, serve
+
+        def values() -> dict[str, float]:
+            ps = self.pool.stats()
+            return {"accepted_groups": self.accepted, "rejected_groups": self.rejected, "failed_groups": self.failed,
+                    "finished_groups": self.finished, "generated_tokens": self.out_tokens,
+                    "inflight_rollouts": len(self.inflight), "version": self.version,
+                    "engines_healthy": ps["healthy"], "engine_requests_waiting": ps["waiting"],
+                    "engine_retries": ps["retries"]}
+
+        registry = CollectorRegistry()
+        registry.register(ValuesCollector("rlstream_producer", values, labels={"producer": self.producer_id},
+                                          counters=("accepted_groups", "rejected_groups", "failed_groups",
+                                                    "finished_groups", "generated_tokens", "engine_retries")))
+        address = serve(registry, pc.host, pc.port, run_dir=self.cfg.run_dir, name=self.producer_id)
+        log.info("%s: prometheus metrics at http://%s/metrics", self.producer_id, address)
+
     def log_progress(self, rollouts_s: float, tokens_s: float) -> None:
         st = self.last_state
         ps = self.pool.stats()
@@ -348,6 +370,7 @@ class Producer:
                      f"{epochs} epoch(s)" if epochs else "as many epochs as total_train_steps needs",
                      await self.cursor.position(),
                      self.cfg.rollout.backend, self.cfg.namespace)
+            self._serve_prometheus()
             self._bg = [asyncio.create_task(self._renew_leases(), name="renew-leases"),
                         asyncio.create_task(self._follow_events(), name="events"),
                         asyncio.create_task(self._progress(), name="progress")]

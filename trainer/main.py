@@ -239,6 +239,11 @@ def _train(cfg: Config, par: Parallel) -> None:
         # Engines may serve weights of lost steps: give them the recovered ones.
         broadcaster.push(par.unwrap(model), state.version)
     stats = StatsLogger(cfg, enabled=par.is_main, total_steps=total_steps)
+    if stats.registry is not None:  # Prometheus: the run's queue numbers next to the step metrics
+        from rlstream.broker.prometheus import RunCollector
+
+        stats.registry.register(RunCollector(client, keys, eta=cfg.rollout.max_head_offpolicyness, batch=B,
+                                             max_concurrent=cfg.max_concurrent_rollouts))
     evals = EvalFeed(client, keys, enabled=par.is_main and cfg.evaluator.enabled)
     if state.step > 0:
         evals.skip_logged()  # a resumed run logged the earlier evaluations already

@@ -203,7 +203,19 @@ async def test_bearer_token_and_model_info(fresh_engine):
 # ---------------------------------------------------------------------- the real process
 
 
+def _prometheus_values(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name: sample.value for fam in text_string_to_metric_families(text) for sample in fam.samples}
+
+
 # ---------------------------------------------------------------------- the real process
+
+
+def _prometheus_values(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name: sample.value for fam in text_string_to_metric_families(text) for sample in fam.samples}
 
 
 def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, redis_url, experiment, tmp_path):
@@ -240,6 +252,14 @@ def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, re
                 async with aiohttp.ClientSession() as anon:
                     async with anon.get(f"http://{address}/health") as r:
                         assert r.status == 401
+                # Prometheus scrape of the running engine (behind the same bearer token).
+                async with http.get(f"http://{address}/metrics") as r:
+                    assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
+                    scraped = _prometheus_values(await r.text())
+                assert scraped["rlstream_engine_requests_total"] >= len(PROMPTS)
+                assert scraped["rlstream_engine_generated_tokens_total"] >= sum(
+                    r["meta_info"]["completion_tokens"] for r in results)
+                assert scraped["rlstream_engine_max_batch_size"] > 0 and "rlstream_engine_kv_rows_used_ratio" in scraped
             resolver = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}"]))
             try:
                 return await resolver.list("engines")
