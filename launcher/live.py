@@ -36,13 +36,15 @@ class Snapshot:
     trainer_version: int = 0
     reward: float | None = None
     accuracy: float | None = None
-    staleness_mean: float | None = None
-    staleness_max: float | None = None
+    staleness_mean: float | None = None  # the last step's
+    staleness_max: float | None = None  # the last step's
+    staleness_run_mean: float | None = None  # over every step so far
+    staleness_run_max: float | None = None
     queue_depth: int = 0  # groups written but not yet trained (undelivered + pending)
     running: int = 0  # rollouts in flight (live leases)
-    accepted: int = 0
+    accepted: int = 0  # groups, net of those dropped as stale (admission's count)
     rejected: int = 0
-    rollouts_per_s: float = 0.0  # trajectories (samples) accepted per second, recent
+    rollouts_per_s: float = 0.0  # samples (trajectories) accepted per second, recent
     tokens_per_s: float = 0.0  # generated tokens per second, recent (producer side)
     trainer_tokens_per_s: float | None = None
     dropped_stale: int = 0
@@ -70,6 +72,7 @@ class Monitor:
         self._pos = 0
         self._last_metrics: dict[str, float] = {}
         self._last_eval: dict[str, float] = {}
+        self._stale_sum, self._stale_n, self._stale_max = 0.0, 0, 0.0
         self._history: deque[tuple[float, int]] = deque()  # (t, accepted groups)
         self.rows: list[dict[str, float]] = []
         self._warned = False
@@ -94,6 +97,10 @@ class Monitor:
                 self._last_eval = row
             else:
                 self._last_metrics = row
+                if "staleness/mean" in row:
+                    self._stale_sum += row["staleness/mean"]
+                    self._stale_n += 1
+                    self._stale_max = max(self._stale_max, row.get("staleness/max", row["staleness/mean"]))
 
     def sample(self, children: dict[str, str] | None = None) -> Snapshot:
         from rlstream.broker.inspect import collect
@@ -108,6 +115,8 @@ class Monitor:
             snap.accuracy = m.get("reward/accuracy")
             snap.staleness_mean = m.get("staleness/mean")
             snap.staleness_max = m.get("staleness/max")
+        if self._stale_n:
+            snap.staleness_run_mean, snap.staleness_run_max = self._stale_sum / self._stale_n, self._stale_max
             snap.trainer_tokens_per_s = m.get("perf/tokens_per_s")
         if self._last_eval:
             snap.eval_accuracy = self._last_eval.get("eval/accuracy")
@@ -171,7 +180,7 @@ def line(s: Snapshot) -> str:
     return (f"[{_fmt_secs(s.t)}] step {steps} v{s.served_version} (trainer v{s.trainer_version}) "
             f"reward {_fmt(s.reward)} "
             + (f"eval {_fmt(s.eval_accuracy)}@v{s.eval_version} " if s.eval_version is not None else "")
-            + f"stale {_fmt(s.staleness_mean, '{:.2f}')} queue {s.queue_depth} "
+            + f"stale {_fmt(s.staleness_run_mean, '{:.2f}')} queue {s.queue_depth} groups "
             f"running {s.running} samples/s {s.rollouts_per_s:.1f} tokens/s {s.tokens_per_s:.0f} "
             f"ETA {_fmt_secs(s.eta_s)}")
 
@@ -189,11 +198,12 @@ def render(s: Snapshot, title: str):
     t.add_row("reward", f"{_fmt(s.reward)}   batch accuracy {_fmt(s.accuracy)}")
     if s.eval_version is not None:
         t.add_row("eval", f"held-out accuracy {_fmt(s.eval_accuracy)} of version {s.eval_version}")
-    t.add_row("staleness", f"mean {_fmt(s.staleness_mean, '{:.2f}')}   max {_fmt(s.staleness_max, '{:.0f}')}"
-                           f"   dropped {s.dropped_stale} groups")
+    t.add_row("staleness", f"run mean {_fmt(s.staleness_run_mean, '{:.2f}')} max "
+                           f"{_fmt(s.staleness_run_max, '{:.0f}')}   last step {_fmt(s.staleness_mean, '{:.2f}')}   "
+                           f"dropped {s.dropped_stale}")
     # Short rows: the box must fit an 80-column terminal without wrapping.
     t.add_row("queue", f"{s.queue_depth} groups waiting   {s.running} rollouts running")
-    t.add_row("groups", f"accepted {s.accepted}   rejected {s.rejected}   dead {s.dead}")
+    t.add_row("groups", f"accepted {s.accepted} (net of drops)   rejected {s.rejected}   dead {s.dead}")
     tok_train = f"   trainer {s.trainer_tokens_per_s:.0f} tokens/s" if s.trainer_tokens_per_s else ""
     t.add_row("throughput", f"{s.rollouts_per_s:.1f} samples/s   {s.tokens_per_s:.0f} tokens/s{tok_train}")
     t.add_row("processes", "  ".join(f"{k}:{v}" for k, v in s.children.items()))

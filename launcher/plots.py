@@ -8,8 +8,9 @@ Outputs in `{run_dir}/plots/`:
 - `agent.png` (multi-turn runs): reward next to the tool-call rate, and turns per episode
 - `reward.png`: batch reward and accuracy per step, held-out accuracy during training
   (`eval/accuracy` rows, at their version's step) and before/after;
-- `staleness.png`: distribution of head staleness (trainer version - oldest token version) of trained groups;
-- `throughput.png`: rollouts/s and tokens/s over wall time (producers and trainer);
+- `staleness.png`: distribution of head staleness (trainer version - oldest model-token version) of
+  trained groups, the budget η and the groups dropped beyond it;
+- `throughput.png`: samples/s and tokens/s produced and trained, over the same 10 s windows;
 - `time_split.png`: where each step's time went (waiting for data, logprobs, update, weight push, ...).
 """
 
@@ -71,11 +72,16 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
     # ---- reward / accuracy per step
     if metrics:
         fig, ax = plt.subplots(figsize=(7, 4))
-        for key, label, style in (("reward/mean", "batch reward (mean)", dict(lw=2.5, alpha=0.6)),
-                                  ("reward/accuracy", "batch accuracy", dict(lw=1, ls="--"))):
-            xs, ys = _series(metrics, key)
-            if xs:
-                ax.plot(xs, ys, label=label, **style)
+        xs_r, ys_r = _series(metrics, "reward/mean")
+        xs_a, ys_a = _series(metrics, "reward/accuracy")
+        if xs_r and xs_r == xs_a and all(abs(r - a) < 1e-6 for r, a in zip(ys_r, ys_a)):
+            # Exact-match rewards: accuracy is the reward, and two lines would lie on top of each other.
+            ax.plot(xs_r, ys_r, lw=1.5, label="batch reward = batch accuracy (exact match)")
+        else:
+            if xs_r:
+                ax.plot(xs_r, ys_r, lw=2.5, alpha=0.6, label="batch reward (mean)")
+            if xs_a:
+                ax.plot(xs_a, ys_a, lw=1, ls="--", color="tab:orange", label="batch accuracy")
         xs, ys = _series(metrics, "eval/accuracy")  # evaluation during training, at its version's step
         if xs:
             order = sorted(range(len(xs)), key=xs.__getitem__)
@@ -117,8 +123,12 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
     # ---- staleness distribution
     stale_path = run_dir / "staleness.json"
     hist: dict[int, int] = {}
+    eta = None
     if stale_path.exists():
-        hist = {int(k): int(v) for k, v in json.loads(stale_path.read_text()).get("histogram", {}).items()}
+        stale = json.loads(stale_path.read_text())
+        hist = {int(k): int(v) for k, v in stale.get("histogram", {}).items()}
+        eta = stale.get("max_head_offpolicyness")
+    dropped = int(sum(r.get("data/dropped_stale", 0.0) for r in metrics))
     source = "trained groups"
     if not hist and metrics:  # fall back to the per-step mean staleness
         source = "steps (mean staleness, rounded)"
@@ -129,15 +139,25 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
     if hist:
         fig, ax = plt.subplots(figsize=(6, 4))
         ks = sorted(hist)
-        ax.bar([str(k) for k in ks], [hist[k] for k in ks], color="tab:purple")
-        ax.set_xlabel("head staleness (trainer version - oldest token version)")
-        ax.set_ylabel(f"count of {source}")
+        ax.bar([str(k) for k in ks], [hist[k] for k in ks], color="tab:purple", label=f"{source}")
+        if eta is not None:
+            # The budget η: trained groups sit at or left of it; groups beyond it were dropped, not trained.
+            ax.axvline(ks.index(eta) + 0.5 if eta in ks else len(ks) - 0.5, color="tab:red", ls="--",
+                       label=f"η = max_head_offpolicyness = {eta}")
+            ax.bar([f"> {eta}\n(dropped)"], [dropped], color="tab:red", alpha=0.6,
+                   label=f"dropped as stale: {dropped} groups")
+        ax.set_xlabel("head staleness (trainer version - oldest model-token version)")
+        ax.set_ylabel(f"count of {source}" if eta is None else "groups")
         ax.set_title("Staleness distribution")
+        ax.legend(fontsize=8)
         ax.grid(alpha=0.3, axis="y")
         save(fig, "staleness.png")
 
-    # ---- throughput over time: rollouts/s (top) and tokens/s (bottom), producers and trainer
+    # ---- throughput over time: samples/s (top) and tokens/s (bottom), produced and trained,
+    # both as rates over the same RATE_WINDOW_S, in seconds since the run's processes started
     if timeline or metrics:
+        from rlstream.launcher.live import RATE_WINDOW_S
+
         fig, (ax_r, ax_t) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
         t_first = None
         if timeline:
@@ -145,30 +165,35 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
             ts = [r["t"] for r in timeline]
             ax_r.plot(ts, [r.get("rollouts_per_s", 0.0) for r in timeline], label="produced (accepted samples/s)")
             ax_t.plot(ts, [r.get("tokens_per_s", 0.0) for r in timeline], label="generated tokens/s (producers)")
-        if metrics and "ts" in metrics[0]:
-            t_first = metrics[0]["ts"] if t_first is None else t_first
+        steps = [r for r in metrics if "ts" in r and "eval/version" not in r]
+        if steps:
+            t_first = steps[0]["ts"] if t_first is None else t_first
             xs, rs, toks = [], [], []
-            for i, r in enumerate(metrics):  # consumption rate over the last few steps
-                j = max(0, i - 5)
-                dt = r["ts"] - metrics[j]["ts"]
-                if dt <= 0:
+            j = 0
+            for i, r in enumerate(steps):  # trained in the last RATE_WINDOW_S, like the produced rate
+                while steps[j]["ts"] < r["ts"] - RATE_WINDOW_S:
+                    j += 1
+                window = min(RATE_WINDOW_S, r["ts"] - t_first)
+                if window <= 0:
                     continue
                 xs.append(r["ts"] - t_first)
-                rs.append(sum(m.get("data/n_seqs", 0.0) for m in metrics[j + 1 : i + 1]) / dt)
-                toks.append(sum(m.get("data/n_tokens", 0.0) for m in metrics[j + 1 : i + 1]) / dt)
+                rs.append(sum(m.get("data/n_seqs", 0.0) for m in steps[j : i + 1]) / window)
+                toks.append(sum(m.get("data/n_tokens", 0.0) for m in steps[j : i + 1]) / window)
             if xs:
                 ax_r.plot(xs, rs, label="trained (samples/s)")
                 ax_t.plot(xs, toks, label="trained tokens/s (prompt + output)")
-        ax_r.set_ylabel("rollouts/s")
-        ax_r.set_title("Throughput over time")
+        ax_r.set_ylabel("samples/s")
+        ax_r.set_title(f"Throughput over time ({RATE_WINDOW_S:.0f} s windows)")
         ax_t.set_ylabel("tokens/s")
-        ax_t.set_xlabel("seconds since start")
+        ax_t.set_xlabel("seconds since the run's processes started")
+        ax_t.set_xlim(left=0)
         for ax in (ax_r, ax_t):
             ax.grid(alpha=0.3)
             ax.legend(loc="upper left", fontsize=8)
         save(fig, "throughput.png")
 
     # ---- time split per step
+    metrics = [r for r in metrics if "eval/version" not in r]  # evaluation records have no step times
     present = [(k, lbl) for k, lbl in _TIME_KEYS if any(k in r for r in metrics)]
     if present:
         fig, ax = plt.subplots(figsize=(7, 4))

@@ -215,14 +215,14 @@ class Producer:
         address = serve(registry, pc.host, pc.port, run_dir=self.cfg.run_dir, name=self.producer_id)
         log.info("%s: prometheus metrics at http://%s/metrics", self.producer_id, address)
 
-    def log_progress(self, rollouts_s: float, tokens_s: float) -> None:
+    def log_progress(self, groups_s: float, tokens_s: float) -> None:
         st = self.last_state
         ps = self.pool.stats()
         cap = f"capacity {st.capacity} (running {st.running}, accepted {st.accepted})" if st is not None else "capacity ?"
         wait = f", {ps['waiting']} requests waiting for an engine" if ps["waiting"] else ""
-        log.info("%s: %.2f rollouts/s %.1f tokens/s | accepted %d rejected %d failed %d | in flight %d | "
+        log.info("%s: %.2f groups/s %.1f tokens/s | groups accepted %d rejected %d failed %d | rollouts in flight %d | "
                  "version %d %s | engines %d/%d healthy, %d retries%s",
-                 self.producer_id, rollouts_s, tokens_s, self.accepted, self.rejected, self.failed,
+                 self.producer_id, groups_s, tokens_s, self.accepted, self.rejected, self.failed,
                  len(self.inflight), self.version, cap, ps["healthy"], ps["engines"], ps["retries"], wait)
 
     def _sync_state(self) -> None:

@@ -228,14 +228,16 @@ def test_live_view_renders_a_snapshot():
     from rlstream.launcher.live import Snapshot, line, render
 
     snap = Snapshot(t=75.0, step=12, total_steps=200, served_version=12, trainer_version=13, reward=0.625,
-                    accuracy=0.625, staleness_mean=0.75, staleness_max=1, queue_depth=5, running=8,
-                    accepted=120, rollouts_per_s=41.5, tokens_per_s=410.0, eta_s=130.0,
+                    accuracy=0.625, staleness_mean=0.75, staleness_max=1, staleness_run_mean=0.5, staleness_run_max=1,
+                    queue_depth=5, running=8, accepted=123456, rejected=12345, dead=123, dropped_stale=12345,
+                    rollouts_per_s=41.5, tokens_per_s=410.0, eta_s=130.0,
                     children={"engine-0": "up", "trainer": "up", "producer-0": "up"})
     console = Console(record=True, width=160)
     console.print(render(snap, "rlstream run demo"))
     text = console.export_text()
     for want in ("12/200", "served 12", "trainer 13", "0.625", "5 groups waiting", "41.5 samples/s",
-                 "410 tokens/s", "2m10s", "engine-0:up"):
+                 "410 tokens/s", "2m10s", "engine-0:up", "run mean 0.50 max 1   last step 0.75",
+                 "accepted 123456 (net of drops)", "dropped 12345"):
         assert want in text, want
     # An 80-column terminal shows the same box: no row wraps onto a second line.
     narrow = Console(record=True, width=80)

@@ -76,7 +76,7 @@ def test_produce_fills_stream_and_restart_continues(shared_engine, producers, da
     p = producers(base, "first")
     assert p.wait(180) == 0, p.log()[-3000:]
     log = p.log()
-    assert "rollouts/s" in log and "tokens/s" in log and "producer.max_groups=4" in log
+    assert "groups/s" in log and "tokens/s" in log and "producer.max_groups=4" in log
 
     groups = stream_groups(rclient, keys)
     assert len(groups) == 4
