@@ -450,7 +450,7 @@ class LocalRun:
                 code = 130
                 _echo("rlstream: run stopped: interrupted", err=True)
                 self.stop_all(graceful=False)
-            if code != 130 or self.stop_reason != "interrupted twice":
+            if self.stop_reason != "interrupted twice":
                 # Also after a failure: the trainer (if alive) saves what it trained as `final`.
                 self.stop_all(graceful=code == 0)
                 if getattr(self, "client", None) is not None:
