@@ -375,7 +375,7 @@ class ServerConfig(_Section):
 
 class DemoTaskConfig(_Section):
     task: D(Literal["none", "reverse", "word_problems", "tool_multiply"], "none; reverse: reverse a digit string (exact-match reward; data and tiny model generated locally); word_problems: one-step arithmetic word problems as one-shot chat prompts with \\boxed{} answers (math reward), for a real chat model; tool_multiply: multiply a 3-digit by a 2-digit number, with the calculator tool (multi-turn, tiny chat model).") = "none"
-    tool_rate: D(float, "tool_multiply: fraction of warm-start demonstrations that call the calculator (the others answer directly).", ge=0, le=1) = 0.3
+    tool_rate: D(float, "tool_multiply: fraction of warm-start demonstrations that call the calculator (the others answer directly).", ge=0, le=1) = 0.15
     digits: D(int, "Digits per demo prompt.", ge=2, le=12) = 4
     n_train: D(int, "Training prompts generated.", ge=1) = 3000
     n_valid: D(int, "Held-out prompts generated (disjoint from training).", ge=1) = 200
