@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -402,10 +401,16 @@ def check_ledger(p: Pipeline) -> dict[str, int]:
             "undelivered": len(ids) - len(delivered)}
 
 
-def producer_summaries(proc: Proc) -> list[tuple[int, int, int]]:
-    """(accepted, rejected, failed) of every life of a producer that ended normally."""
-    return [tuple(map(int, m)) for m in
-            re.findall(r"done \(.*\): accepted (\d+), rejected (\d+), failed (\d+)", proc.log())]
+def producer_state(p: Pipeline, proc: Proc):
+    """The producer's record in `{ns}:producers` (counters summed over its lives, pid of the last one)."""
+    from rlstream.broker.producers import ProducerRecords
+
+    return ProducerRecords(p.rclient, p.keys).load(proc.name)
+
+
+def version_events(p: Pipeline, engines: int) -> list[int]:
+    """Versions published with exactly `engines` engines updated (the `version` event's detail)."""
+    return [e.version for e in p.events() if e.type == "version" and e.detail.endswith(f": {engines} engine(s)")]
 
 
 def admission(p: Pipeline):
@@ -458,16 +463,15 @@ def test_producer_and_trainer_sigkilled(pipeline):
     cursor_at_restart = p.cursor()
     t_restart = time.time()
     p1.start()
-    wait_until(lambda: p1.log().count("run position") == 2, 120, "producer-1 to start again", p1, alive=(p1,))
+    wait_until(lambda: (lambda s: s is not None and s.pid == p1.pid)(producer_state(p, p1)), 120,
+               "producer-1 to start again (its record names the new pid)", p1, alive=(p1,))
     p.trainer.start()
     p.finish()
 
     counts = check_ledger(p)
     # The restarted trainer re-ran the killed step from its record (the ledger checked that the
     # step's metrics match the recorded entries).
-    log = p.trainer.log()
-    assert "resumed from" in log and f"will replay steps [{killed_step}]" in log, p.trainer.tail()
-    assert p.metrics()[killed_step + 1]["data/replayed"] == 1.0
+    assert p.metrics()[killed_step + 1]["data/replayed"] == 1.0, p.trainer.tail()
 
     # The restarted producer continued from the run's dataset position, not from its start;
     # the killed life's in-flight rollouts left nothing behind (their positions are simply skipped).
@@ -478,15 +482,12 @@ def test_producer_and_trainer_sigkilled(pipeline):
     skipped = [pos for pos in range(cursor_at_restart) if pos not in written]
     assert len(skipped) <= len(dead), (skipped, dead)
     for proc in p.producers:
-        assert all(failed == 0 for _a, _r, failed in producer_summaries(proc)), proc.tail()
+        st = producer_state(p, proc)
+        assert st is not None and st.done and st.failed == 0, (st, proc.tail())
     print(f"ledger {counts}, dead leases {len(dead)}, skipped positions {skipped}, killed step {killed_step}")
 
 
 # ---------------------------------------------------------------------- faults 3 and 6
-
-
-def producer_logs(p: Pipeline) -> str:
-    return "\n".join(proc.log() for proc in p.producers)
 
 
 def kill_during_update(p: Pipeline, victim: Engine, other: Engine, attempts: int = 20) -> int:
@@ -533,9 +534,10 @@ def test_engines_sigkilled_and_stalled(pipeline):
                e1, poll=0.002, alive=(e1,))
     dead_addr = e1.address
     e1.kill9()
-    wait_until(lambda: re.search(rf"engine request failed \(http://{re.escape(dead_addr)}/generate: .*\); "
-                                 r"retrying on another engine", producer_logs(p)),
-               60, "a producer to retry engine-1's request elsewhere", *p.producers)
+    # Its requests move to engine-0: groups keep being committed (none fails: checked at the end).
+    committed = p.rclient.xlen(p.keys.traj)
+    wait_until(lambda: p.rclient.xlen(p.keys.traj) >= committed + 2, 60, "groups committed with engine-1 dead",
+               *p.producers)
     e1.start().wait_ready()
     assert e1.address != dead_addr
     wait_until(lambda: p.at_served_version(e1), 120, "the restarted engine-1 to serve the published version",
@@ -549,14 +551,9 @@ def test_engines_sigkilled_and_stalled(pipeline):
     progress = p.steps_recorded() - stopped_at
     e0.signal(signal.SIGCONT)
     assert progress >= 1, f"no train step while engine-0 was stopped (deadlock?)\n{p.trainer.tail()}"
-    logs = producer_logs(p)
-    assert re.search(rf"engine request failed \(http://{re.escape(e0.address)}/generate: no answer within "
-                     rf"{REQUEST_TIMEOUT:.0f}s\); retrying on another engine", logs), logs[-4000:]
-    assert f"engine {e0.address} is not answering /health" in logs, logs[-4000:]
-    # The trainer pushed the versions of the stall to engine-1 alone (engine-0 failed its health check,
-    # or its name-resolve registration expired meanwhile).
-    alone = [int(v) for v in re.findall(r"version (\d+) on 1 engine\(s\)", p.trainer.log())]
-    assert any(v > version_at_stop for v in alone), p.trainer.tail()
+    # The trainer published the versions of the stall with engine-1 alone (engine-0 failed its health
+    # check, its pause timed out, or its name-resolve registration expired meanwhile: any of them).
+    assert any(v > version_at_stop for v in version_events(p, 1)), (p.events()[-20:], p.trainer.tail())
     wait_until(lambda: p.at_served_version(e0), 120, "engine-0 to serve the published version again",
                e0, p.trainer, alive=(e0, p.trainer), poll=0.2)
 
@@ -566,8 +563,9 @@ def test_engines_sigkilled_and_stalled(pipeline):
     pushing = kill_during_update(p, e0, e1)
     wait_until(lambda: p.version() >= pushing, 60, f"version {pushing} to be published", p.trainer,
                alive=(p.trainer,))
-    assert re.search(rf"version {pushing} on 1 engine\(s\) in [0-9.]+s; dropped {re.escape(victim_addr)}",
-                     p.trainer.log()), p.trainer.tail()
+    # Published with engine-1 alone, whether the push dropped engine-0 on its first attempt or
+    # retried without it: the version event and engine-0's engine_down event say so.
+    assert pushing in version_events(p, 1), (p.events()[-20:], p.trainer.tail())
     down = [e for e in p.events() if e.type == "engine_down" and e.version == pushing and victim_addr in e.detail]
     assert down and all(e.detail != f"{victim_addr}: not answering /health" for e in down), down
     e0.start().wait_ready()
@@ -580,6 +578,6 @@ def test_engines_sigkilled_and_stalled(pipeline):
     for e in p.engines:
         assert e.info()["weight_version"] == p.steps, f"{e.name} does not serve the final version"
     for proc in p.producers:
-        lives = producer_summaries(proc)
-        assert len(lives) == 1 and lives[0][2] == 0, f"failed rollouts in {proc.name}\n{proc.tail()}"
+        st = producer_state(p, proc)
+        assert st is not None and st.done and st.failed == 0, (f"failed rollouts in {proc.name}: {st}", proc.tail())
     print(f"ledger {counts}, steps during the stall {progress}, version at the mid-update kill {pushing}")
