@@ -490,6 +490,26 @@ def test_producer_and_trainer_sigkilled(pipeline):
 # ---------------------------------------------------------------------- faults 3 and 6
 
 
+def restart_engine(p: Pipeline, engine: Engine) -> None:
+    """Start `engine` again and wait until it serves the published version, with the run still going.
+
+    The producers are held (SIGSTOP) while the engine loads: the trainer then runs out of
+    queued groups and waits for data instead of finishing the run before a slow restart on
+    a busy machine is done (which it did). Once the engine is registered they go on, and
+    the next push brings it to the current version.
+    """
+    p.running_before(left=ETA + 2)  # the queue holds at most η + 1 steps' groups: steps remain after it
+    for proc in p.producers:
+        proc.signal(signal.SIGSTOP)
+    try:
+        engine.start().wait_ready()
+    finally:
+        for proc in p.producers:
+            proc.signal(signal.SIGCONT)
+    wait_until(lambda: p.at_served_version(engine), 120, f"the restarted {engine.name} to serve the published version",
+               engine, p.trainer, alive=(engine, p.trainer), poll=0.2)
+
+
 def kill_during_update(p: Pipeline, victim: Engine, other: Engine, attempts: int = 20) -> int:
     """SIGKILL `victim` in the middle of a weight push; returns the version being pushed.
 
@@ -538,10 +558,8 @@ def test_engines_sigkilled_and_stalled(pipeline):
     committed = p.rclient.xlen(p.keys.traj)
     wait_until(lambda: p.rclient.xlen(p.keys.traj) >= committed + 2, 60, "groups committed with engine-1 dead",
                *p.producers)
-    e1.start().wait_ready()
+    restart_engine(p, e1)
     assert e1.address != dead_addr
-    wait_until(lambda: p.at_served_version(e1), 120, "the restarted engine-1 to serve the published version",
-               e1, p.trainer, alive=(e1, p.trainer), poll=0.2)
 
     # ---- fault 6: engine-0 stops answering (SIGSTOP) longer than request and health timeouts.
     p.running_before(left=20)
@@ -568,9 +586,7 @@ def test_engines_sigkilled_and_stalled(pipeline):
     assert pushing in version_events(p, 1), (p.events()[-20:], p.trainer.tail())
     down = [e for e in p.events() if e.type == "engine_down" and e.version == pushing and victim_addr in e.detail]
     assert down and all(e.detail != f"{victim_addr}: not answering /health" for e in down), down
-    e0.start().wait_ready()
-    wait_until(lambda: p.at_served_version(e0), 120, "the restarted engine-0 to serve the published version",
-               e0, p.trainer, alive=(e0, p.trainer), poll=0.2)
+    restart_engine(p, e0)
     p.running_before(left=1)
 
     p.finish()
