@@ -14,6 +14,13 @@ its own rollout ends cannot starve the ones that poll. Finishing
 a rollout is one script too: drop the lease and, if accepted, INCR accepted and XADD
 the group, so a crash between the two cannot leave the counter and the stream apart.
 
+Leases are tied to their producer's liveness: a producer heartbeats a record in
+`{ns}:admit:alive` every `HEARTBEAT_SECS` (expiring after `ALIVE_TTL_MS`, 3x that), and
+the scripts that look at leases first free every lease of an owner whose record expired.
+A SIGKILLed producer's slots so come back within ~10 s, while a live producer keeps its
+leases for rollouts of any length (each still renewed within `lease_ttl`, the backstop
+for owners that never heartbeat, e.g. tools).
+
 Lease times come from the Redis server's clock (`TIME` inside the scripts), so
 producers on machines with skewed clocks cannot expire each other's leases.
 
@@ -60,8 +67,13 @@ _LEASE_PREFIX = uuid.uuid4().hex[:16]
 _lease_seq = itertools.count()
 
 
+def lease_owner() -> str:
+    """This process's owner id: the prefix of its lease ids, the key of its liveness record."""
+    return f"{_LEASE_PREFIX}-{os.getpid()}"
+
+
 def new_lease_id() -> str:
-    return f"{_LEASE_PREFIX}-{os.getpid()}-{next(_lease_seq)}"
+    return f"{lease_owner()}-{next(_lease_seq)}"
 
 
 # How long a finished lease's answer is remembered so a retried finish is not applied twice.
@@ -74,13 +86,35 @@ _COMMIT_ATTEMPTS = 12
 # Entries per XRANGE when the recovery reset counts undelivered entries itself (lag unknown).
 _RESET_CHUNK = 100
 
-# KEYS: running, accepted, version, waiting
+# Seconds between a producer's liveness heartbeats; its record expires after 3 missed ones.
+HEARTBEAT_SECS = 2.0
+ALIVE_TTL_MS = 6000
+
+# Lua prologue: `owner_of(lease)` (a lease's owner, its producer process, is its id up to the
+# last `-`, see new_lease_id) and `reap(running, alive)`: drop expired liveness records and
+# every lease of those owners, then leases past their own expiry. O(leases) only when an
+# owner died; owners without a record (tools, tests) rely on the lease expiry alone.
+_LUA_REAP = LUA_NOW_MS + """
+local function owner_of(lease) return string.match(lease, '^(.*)%-[^%-]*$') or lease end
+local function reap(running, alive)
+  local dead = redis.call('ZRANGEBYSCORE', alive, '-inf', now)
+  if #dead > 0 then
+    redis.call('ZREMRANGEBYSCORE', alive, '-inf', now)
+    local gone = {}
+    for _, o in ipairs(dead) do gone[o] = true end
+    for _, lease in ipairs(redis.call('ZRANGE', running, 0, -1)) do
+      if gone[owner_of(lease)] then redis.call('ZREM', running, lease) end
+    end
+  end
+  redis.call('ZREMRANGEBYSCORE', running, '-inf', now)
+end
+"""
+
+# KEYS: running, accepted, version, waiting, alive
 # ARGV: lease_id, ttl_ms, eta, B, max_concurrent, wait_window_ms
 # -> {admitted, capacity_after, running, accepted, version, expires_ms}
-# A lease's owner (its producer process) is its id up to the last `-` (see new_lease_id).
-_ACQUIRE = LUA_NOW_MS + """
-local function owner_of(lease) return string.match(lease, '^(.*)%-[^%-]*$') or lease end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+_ACQUIRE = _LUA_REAP + """
+reap(KEYS[1], KEYS[5])
 local running = redis.call('ZCARD', KEYS[1])
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local v = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -122,6 +156,11 @@ redis.call('ZADD', KEYS[4], now, owner)
 return {0, cap, running, accepted, v, 0}
 """
 
+# KEYS: alive  ARGV: owner, ttl_ms  (server clock)
+_HEARTBEAT = LUA_NOW_MS + """
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+"""
+
 # KEYS: running, rejected, done   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
 _RELEASE = """
 if redis.call('EXISTS', KEYS[3]) == 1 then
@@ -133,9 +172,9 @@ redis.call('SET', KEYS[3], '-', 'PX', ARGV[2])
 return {live, 0}
 """
 
-# KEYS: running, accepted, version, rejected  -> {running, accepted, version, rejected}
-_PEEK = LUA_NOW_MS + """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+# KEYS: running, accepted, version, rejected, alive  -> {running, accepted, version, rejected}
+_PEEK = _LUA_REAP + """
+reap(KEYS[1], KEYS[5])
 return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'),
         tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
@@ -176,10 +215,10 @@ redis.call('SET', KEYS[1], tonumber(ARGV[1]) + backlog)
 return {backlog, counted}
 """
 
-# KEYS: running  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
+# KEYS: running, alive  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
 # (an expired lease is not revived: its capacity may already be someone else's)
-_RENEW = LUA_NOW_MS + """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+_RENEW = _LUA_REAP + """
+reap(KEYS[1], KEYS[2])
 local n = 0
 for i = 2, #ARGV do
   if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
@@ -243,7 +282,8 @@ class Admission:
 
     def _acquire_args(self, lease_id: str | None) -> tuple[list[str], list[Any], str]:
         lid = lease_id or new_lease_id()
-        keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting]
+        keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting,
+                self.keys.admit_alive]
         return keys, [lid, self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent, WAIT_WINDOW_MS], lid
 
     @staticmethod
@@ -342,7 +382,16 @@ class Admission:
         """Extend live leases by lease_ttl from now; returns how many were still live."""
         if not lease_ids:
             return 0
-        return int((yield from script(_RENEW, [self.keys.admit_running], [self.lease_ttl_ms, *lease_ids])))
+        return int((yield from script(_RENEW, [self.keys.admit_running, self.keys.admit_alive],
+                                      [self.lease_ttl_ms, *lease_ids])))
+
+    @operation
+    def heartbeat(self, owner: str | None = None) -> Plan:
+        """Mark this producer process alive for `ALIVE_TTL_MS` (call every `HEARTBEAT_SECS`).
+
+        From the first heartbeat on, its leases live only as long as its record does. The record
+        is left to expire on exit: any lease a crash left behind goes with it."""
+        yield from script(_HEARTBEAT, [self.keys.admit_alive], [owner or lease_owner(), ALIVE_TTL_MS])
 
     # ------------------------------------------------------------------ recovery and inspection
 
@@ -367,7 +416,8 @@ class Admission:
     @operation
     def snapshot(self) -> Plan:
         """Current running/accepted/version/rejected and remaining capacity (takes no lease)."""
-        keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected]
+        keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected,
+                self.keys.admit_alive]
         running, accepted, version, rejected = (int(x) for x in (yield from script(_PEEK, keys, [])))
         cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
         return AdmissionState(cap > 0, cap, running, accepted, version, rejected)

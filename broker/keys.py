@@ -63,6 +63,11 @@ class Keys:
         return self._k("admit:waiting")
 
     @property
+    def admit_alive(self) -> str:
+        """Sorted set: producer liveness records (lease owner -> expiry ms); a dead owner's leases are freed."""
+        return self._k("admit:alive")
+
+    @property
     def admit_rejected(self) -> str:
         """Counter: groups finished but rejected by `should_accept`."""
         return self._k("admit:rejected")
@@ -118,7 +123,7 @@ class Keys:
     def all(self) -> list[str]:
         return [
             self.traj, self.version, self.trainer_version, self.events, self.admit_accepted,
-            self.admit_running, self.admit_waiting, self.admit_rejected, self.dead, self.dropped, self.steps,
+            self.admit_running, self.admit_waiting, self.admit_alive, self.admit_rejected, self.dead, self.dropped, self.steps,
             self.engines, self.producers, self.meta, self.evals, self.eval_claim,
         ]
 

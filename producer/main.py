@@ -7,6 +7,9 @@ finished group is committed (lease dropped, counted, XADDed: one script) if it p
 `should_accept`, released (counted as rejected) if not, and abandoned (lease dropped)
 if its rollout failed. Leases of long rollouts are renewed in the background — also
 while requests wait for an engine to appear — so only a dead producer's leases expire.
+A liveness heartbeat (`broker.admission.HEARTBEAT_SECS`) ties the leases to this process:
+once it stops (SIGKILL, a lost machine) its leases are freed within ~10 s, whatever
+`rollout.lease_ttl` says.
 
 When admission says no (capacity <= 0) the producer sleeps until one of its own
 rollouts finishes, a version event arrives (it follows `{ns}:events` through the version
@@ -170,6 +173,16 @@ class Producer:
                 await self.admission.renew(list(self.inflight))
             except Exception as exc:  # noqa: BLE001 - retried next period; the TTL covers a gap
                 log.warning("renewing %d leases failed: %s", len(self.inflight), exc)
+
+    async def _heartbeat(self) -> None:
+        from rlstream.broker.admission import HEARTBEAT_SECS
+
+        while True:
+            await asyncio.sleep(HEARTBEAT_SECS)
+            try:
+                await self.admission.heartbeat()
+            except Exception as exc:  # noqa: BLE001 - retried next period; 3 may be missed
+                log.warning("liveness heartbeat failed: %s", exc)
 
     async def _follow_events(self) -> None:
         async for ev in self.versions.follow():
@@ -371,7 +384,9 @@ class Producer:
                      await self.cursor.position(),
                      self.cfg.rollout.backend, self.cfg.namespace)
             self._serve_prometheus()
-            self._bg = [asyncio.create_task(self._renew_leases(), name="renew-leases"),
+            await self.admission.heartbeat()  # before the first lease: its leases live as long as we do
+            self._bg = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
+                        asyncio.create_task(self._renew_leases(), name="renew-leases"),
                         asyncio.create_task(self._follow_events(), name="events"),
                         asyncio.create_task(self._progress(), name="progress")]
             if self.evaluator is not None:

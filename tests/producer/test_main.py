@@ -196,6 +196,42 @@ def test_sigterm_finishes_or_releases_in_flight_rollouts(shared_engine, producer
     assert s.running == 0 and s.accepted == 2 and len(stream_groups(rclient, keys)) == 2
 
 
+def test_sigkilled_producer_frees_its_leases_in_seconds_not_lease_ttl(shared_engine, producers, data,
+                                                                      tiny_model_path, redis_url, experiment, rclient):
+    """Leases are tied to the producer's liveness record: a live producer keeps its leases through
+    rollouts that outlast several heartbeat expiries; once SIGKILLed, its slots come back long
+    before rollout.lease_ttl=300 s (they used to stay taken for all of it)."""
+    from rlstream.broker.admission import ALIVE_TTL_MS
+
+    keys = ns_keys(experiment)
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=10, consumer_batch_size=2, max_concurrent_rollouts=2)
+    pause(shared_engine)  # the engine holds new requests: rollouts stay in flight
+    try:
+        p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
+                                         f"rollout.engine_addresses=[{shared_engine.address}]",
+                                         "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=2",
+                                         "rollout.max_head_offpolicyness=10", "rollout.lease_ttl=300"), "holder")
+        wait_for(lambda: adm.snapshot().running == 2, what="2 rollouts in flight", proc=p)
+        held = set(rclient.zrange(keys.admit_running, 0, -1))
+        owner = next(iter(held)).decode().rsplit("-", 1)[0]
+        assert rclient.zscore(keys.admit_alive, owner) is not None  # its liveness record
+        # Alive: the leases outlast two liveness expiries (the heartbeat keeps the record fresh).
+        deadline = time.monotonic() + 2 * ALIVE_TTL_MS / 1000 + 1
+        while time.monotonic() < deadline:
+            assert adm.snapshot().running == 2 and p.proc.poll() is None
+            time.sleep(0.5)
+        assert set(rclient.zrange(keys.admit_running, 0, -1)) == held
+
+        p.signal(signal.SIGKILL)
+        p.proc.wait(30)
+        # Dead: freed once its record expires (~6 s); 60 s is generous and far below lease_ttl.
+        wait_for(lambda: adm.snapshot().running == 0, timeout=60, what="the dead producer's leases to be freed")
+        assert rclient.zcard(keys.admit_running) == 0 and rclient.zscore(keys.admit_alive, owner) is None
+        assert adm.snapshot().capacity == 2  # its slots are usable again
+    finally:
+        resume(shared_engine)
+
+
 def test_producer_waits_without_engines_keeping_leases(shared_engine, engines, producers, data, tiny_model_path,
                                                       redis_url, experiment, rclient):
     """The only engine is SIGKILLed mid-request: the producer waits, reports, renews its leases; an
