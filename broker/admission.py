@@ -110,11 +110,16 @@ local function reap(running, alive)
 end
 """
 
-# KEYS: running, accepted, version, waiting, alive
+# KEYS: running, accepted, version, waiting, alive, run
 # ARGV: lease_id, ttl_ms, eta, B, max_concurrent, wait_window_ms
-# -> {admitted, capacity_after, running, accepted, version, expires_ms}
+# -> {admitted, capacity_after, running, accepted, version, expires_ms, run_finished}
+# No lease once the trainer marked the run finished (`{ns}:run`): a late producer commits nothing.
 _ACQUIRE = _LUA_REAP + """
 reap(KEYS[1], KEYS[5])
+if redis.call('HGET', KEYS[6], 'state') == 'finished' then
+  return {0, 0, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'),
+          tonumber(redis.call('GET', KEYS[3]) or '0'), 0, 1}
+end
 local running = redis.call('ZCARD', KEYS[1])
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local v = tonumber(redis.call('GET', KEYS[3]) or '0')
@@ -124,7 +129,7 @@ local cap = math.min(tonumber(ARGV[5]) - running, (eta + v + 1) * B - (accepted 
 local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
 if held then
   -- a retry whose first attempt took the lease (reply lost): same answer, no second lease
-  return {1, cap, running, accepted, v, tonumber(held)}
+  return {1, cap, running, accepted, v, tonumber(held), 0}
 end
 local owner = owner_of(ARGV[1])
 if cap > 0 then
@@ -144,16 +149,16 @@ if cap > 0 then
     end
     if mine >= math.ceil((running + cap) / n) then
       redis.call('ZADD', KEYS[4], now, owner)
-      return {0, cap, running, accepted, v, 0}
+      return {0, cap, running, accepted, v, 0, 0}
     end
   end
   redis.call('ZREM', KEYS[4], owner)
   local expires = now + tonumber(ARGV[2])
   redis.call('ZADD', KEYS[1], expires, ARGV[1])
-  return {1, cap - 1, running + 1, accepted, v, expires}
+  return {1, cap - 1, running + 1, accepted, v, expires, 0}
 end
 redis.call('ZADD', KEYS[4], now, owner)
-return {0, cap, running, accepted, v, 0}
+return {0, cap, running, accepted, v, 0, 0}
 """
 
 # KEYS: alive  ARGV: owner, ttl_ms  (server clock)
@@ -240,6 +245,7 @@ class AdmissionState:
     accepted: int
     version: int
     rejected: int = 0  # filled by snapshot()
+    run_finished: bool = False  # the trainer marked the run finished: no more leases, stop producing
 
 
 @dataclass(frozen=True)
@@ -283,12 +289,13 @@ class Admission:
     def _acquire_args(self, lease_id: str | None) -> tuple[list[str], list[Any], str]:
         lid = lease_id or new_lease_id()
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting,
-                self.keys.admit_alive]
+                self.keys.admit_alive, self.keys.run]
         return keys, [lid, self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent, WAIT_WINDOW_MS], lid
 
     @staticmethod
     def _decision(res: list[Any], lease_id: str) -> tuple[AdmissionState, Lease | None]:
-        st = AdmissionState(bool(int(res[0])), int(res[1]), int(res[2]), int(res[3]), int(res[4]))
+        st = AdmissionState(bool(int(res[0])), int(res[1]), int(res[2]), int(res[3]), int(res[4]),
+                            run_finished=bool(int(res[6])))
         return st, (Lease(lease_id, int(res[5])) if st.admitted else None)
 
     @operation

@@ -246,7 +246,8 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
     pipe.zcount(keys.admit_running, f"({now}", "+inf")
     pipe.zrange(keys.engines, 0, -1, withscores=True)
     pipe.hkeys(keys.producers)
-    n_keys, length, served, trainer, accepted, rejected, running, engines, producers = pipe.execute()
+    pipe.hget(keys.run, "state")
+    n_keys, length, served, trainer, accepted, rejected, running, engines, producers, run_state = pipe.execute()
     served, trainer = _int(served), _int(trainer)
     accepted, rejected, running = _int(accepted), _int(rejected), _int(running)
 
@@ -332,6 +333,7 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "stream": {"key": keys.traj, "length": _int(length), "groups": groups},
         "pending": pending_rows,
         "versions": {"served": served, "trainer": trainer},
+        "run": id_str(run_state) if run_state else None,  # running | finished (None: no trainer started yet)
         "admission": admission,
         "staleness": staleness,
         "dead_letters": _records(client, keys.dead, recent, ("source_id", "reason", "ts")),

@@ -77,6 +77,11 @@ class Keys:
         return self._k("admit:done:" + lease_id)
 
     @property
+    def run(self) -> str:
+        """Hash: the run's durable state (`state` = running | finished, set by the trainer; `updated_at`, `detail`)."""
+        return self._k("run")
+
+    @property
     def dead(self) -> str:
         """Stream: entries that failed to decode or validate, with the reason."""
         return self._k("dead")
@@ -124,7 +129,7 @@ class Keys:
         return [
             self.traj, self.version, self.trainer_version, self.events, self.admit_accepted,
             self.admit_running, self.admit_waiting, self.admit_alive, self.admit_rejected, self.dead, self.dropped, self.steps,
-            self.engines, self.producers, self.meta, self.evals, self.eval_claim,
+            self.engines, self.producers, self.meta, self.run, self.evals, self.eval_claim,
         ]
 
 

@@ -6,6 +6,11 @@ the `{ns}:events` stream (for late joiners and after a reconnect). Producers fol
 stream (`AsyncVersionRegistry.follow`): version bumps, the trainer's `shutdown`, pauses
 of the engines for a weight update, and engines dropped from or back in weight sync.
 
+The run's durable state `{ns}:run` (`running` / `finished`) lives here too: the trainer
+sets it at start and, in the same MULTI as its `shutdown` event, at the end, so a
+component that starts late or missed the event still learns that the run is over
+(the admission script refuses leases once it says `finished`).
+
 Every operation is a plan (`broker/plan.py`): `VersionRegistry` runs them with a sync
 client (trainer, weight broadcaster, inspect), `AsyncVersionRegistry` with an asyncio one
 (producers).
@@ -22,11 +27,12 @@ from rlstream.broker.keys import Keys
 from rlstream.broker.plan import Async, Call, Pipeline, Plan, Sleep, Sync, operation
 from rlstream.common.logging import get_logger
 
-__all__ = ["Event", "VersionRegistry", "AsyncVersionRegistry", "decode_event"]
+__all__ = ["Event", "VersionRegistry", "AsyncVersionRegistry", "decode_event", "RUN_RUNNING", "RUN_FINISHED"]
 
 log = get_logger(__name__)
 
 EVENTS_MAXLEN = 10_000
+RUN_RUNNING, RUN_FINISHED = "running", "finished"
 
 
 class Event(msgspec.Struct, kw_only=True):
@@ -81,6 +87,24 @@ class Versions:
     def publish(self, event: Event) -> Plan:
         """Append `event` to the events stream and publish it, in one MULTI."""
         yield Pipeline(self._announce(_enc.encode(event)), transaction=True)
+
+    @operation
+    def start_run(self, detail: str = "") -> Plan:
+        """Mark the run running (the trainer, at every start: a resumed run is running again)."""
+        yield Call("hset", self.keys.run, mapping={"state": RUN_RUNNING, "updated_at": time.time(), "detail": detail})
+
+    @operation
+    def finish_run(self, event: Event) -> Plan:
+        """Mark the run finished and announce `event` (the trainer's `shutdown`), in one MULTI."""
+        yield Pipeline([Call("hset", self.keys.run, mapping={"state": RUN_FINISHED, "updated_at": time.time(),
+                                                            "detail": event.detail}),
+                        *self._announce(_enc.encode(event))], transaction=True)
+
+    @operation
+    def run_state(self) -> Plan:
+        """`running`, `finished`, or "" when no trainer has started on this namespace yet."""
+        raw = yield Call("hget", self.keys.run, "state")
+        return raw.decode() if isinstance(raw, bytes) else (raw or "")
 
     @operation
     def set(self, version: int, detail: str = "") -> Plan:

@@ -92,6 +92,7 @@ def render_state(s: dict[str, Any], url: str) -> Any:
                  f"{a['max_head_offpolicyness']} / {a['consumer_batch_size']} / {a['max_concurrent_rollouts']}",
                  "params from", "run meta" if a["params_from"] == "meta" else "config")
     over.add_row("dead letters", str(s["dead_letters"]["count"]), "dropped (stale)", str(s["dropped"]["count"]))
+    over.add_row("run", s.get("run") or "not started", "", "")
     parts.append(over)
 
     groups = Table(title="consumer groups", title_justify="left")

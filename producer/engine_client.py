@@ -45,6 +45,7 @@ import msgspec
 
 from rlstream.broker.registry import make_name_resolver
 from rlstream.common import engine_api as api
+from rlstream.common.tasks import cancel_and_wait
 from rlstream.common.config import Config, GenerationHyperparameters
 from rlstream.common.engine_api import (
     ENGINES_SERVICE,
@@ -392,11 +393,7 @@ class ServerPool:
     async def close(self) -> None:
         self._closed = True
         self._changed.set()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_and_wait(self._tasks)
         with contextlib.suppress(Exception):
             await self.resolver.close()
         if self._session is not None:

@@ -15,7 +15,9 @@ When admission says no (capacity <= 0) the producer sleeps until one of its own
 rollouts finishes, a version event arrives (it follows `{ns}:events` through the version
 registry), or a short poll interval passes (other producers' completions are not announced).
 
-It stops on SIGTERM/SIGINT (stop admitting, let in-flight rollouts finish for
+It stops when the run is finished (the trainer's durable `{ns}:run` state, checked at
+start and by every admission, so even a producer started after the trainer ended or
+one that missed the event commits nothing), on SIGTERM/SIGINT (stop admitting, let in-flight rollouts finish for
 `producer.shutdown_timeout` seconds, release the rest, exit 0; a second signal releases
 at once), on a `shutdown` event, after `producer.max_groups` accepted groups, or when
 the dataset's epochs are handed out.
@@ -33,8 +35,10 @@ from typing import Any
 
 import msgspec
 
+from rlstream.broker.versions import RUN_FINISHED
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
+from rlstream.common.tasks import cancel_and_wait
 from rlstream.common.name_resolve import NameResolveError
 from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
 
@@ -131,11 +135,7 @@ class Producer:
                          steps_per_epoch=len(self.dataset) // cfg.rollout.consumer_batch_size or None)
 
     async def _teardown(self) -> None:
-        for t in self._bg:
-            t.cancel()
-        for t in self._bg:
-            with contextlib.suppress(BaseException):
-                await t
+        await cancel_and_wait(self._bg)
         for name in ("pool", "rewards"):
             obj = getattr(self, name, None)
             if obj is not None:
@@ -329,6 +329,9 @@ class Producer:
                     continue
             st, lease = await self.admission.try_acquire()
             self.last_state = st
+            if st.run_finished:
+                self.request_stop(f"the run is finished ({self.keys.run})")
+                break
             self.version = max(self.version, st.version)
             if lease is None:
                 await self._wait_wake(ADMIT_POLL_SECS)
@@ -385,6 +388,8 @@ class Producer:
                      self.cfg.rollout.backend, self.cfg.namespace)
             self._serve_prometheus()
             await self.admission.heartbeat()  # before the first lease: its leases live as long as we do
+            if await self.versions.run_state() == RUN_FINISHED:
+                self.request_stop(f"the run is finished ({self.keys.run})")
             self._bg = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
                         asyncio.create_task(self._renew_leases(), name="renew-leases"),
                         asyncio.create_task(self._follow_events(), name="events"),

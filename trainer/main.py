@@ -191,6 +191,7 @@ def _train(cfg: Config, par: Parallel) -> None:
     versions = VersionRegistry(client, keys)
     if par.rank == 0:  # admission parameters for `rlstream inspect` and a check against the producers'
         write_run_meta(client, keys, cfg, component="trainer")
+        versions.start_run("trainer started")  # durable run state {ns}:run (a resumed run is running again)
 
     # ---- model, reference, optimizer ------------------------------------------------
     module = load_model(cfg.actor.path, cfg.actor, par.device, init_from_scratch=cfg.actor.init_from_scratch,
@@ -343,7 +344,9 @@ def _train(cfg: Config, par: Parallel) -> None:
     if par.is_main:
         done = f"trainer finished {state.step} steps" if stop.requested is None else \
             f"trainer stopped early ({stop.requested}) after {state.step} of {total_steps} steps"
-        versions.publish(Event(type="shutdown", version=state.version, detail=done))
+        # The durable run state and the event in one MULTI: a producer that starts later, or
+        # misses the event, still stops (its admission script refuses leases from now on).
+        versions.finish_run(Event(type="shutdown", version=state.version, detail=done))
         log.info("%s (version %d); published shutdown", done, state.version)
     broadcaster.close()
     stats.close()

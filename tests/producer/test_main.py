@@ -232,6 +232,43 @@ def test_sigkilled_producer_frees_its_leases_in_seconds_not_lease_ttl(shared_eng
         resume(shared_engine)
 
 
+def test_producer_started_after_the_trainer_finished_commits_nothing(shared_engine, producers, data, tmp_path,
+                                                                      tiny_model_path, redis_url, experiment, rclient):
+    """The run state is durable ({ns}:run): a producer that starts after the trainer finished (it
+    missed the shutdown event, which it follows from the newest one on) stops at once and commits
+    nothing (it used to commit a budget's worth of groups no one trains, then idle forever)."""
+    import subprocess
+
+    from transformers import AutoConfig
+
+    from rlstream.consumer.synthetic import synthetic_groups
+    from tests.helpers import child_env, cli
+
+    keys = ns_keys(experiment)
+    stream = TrajectoryStream(rclient, keys)
+    vocab = AutoConfig.from_pretrained(tiny_model_path).vocab_size
+    for g in synthetic_groups(4, seed=3, vocab_size=vocab):
+        stream.append(g)
+    with open(tmp_path / "train.log", "wb") as log:
+        trainer = subprocess.run(
+            cli("train", f"experiment_name={experiment}", f"redis.url={redis_url}", f"actor.path={tiny_model_path}",
+                f"cluster.fileroot={tmp_path / 'runs'}", "total_train_steps=2", "rollout.consumer_batch_size=2",
+                "gconfig.n_samples=4", "actor.weight_update_mode=none", "actor.kl_ctl=0.0",
+                "rollout.max_head_offpolicyness=10", "recover.mode=disabled", "stats_logger.tensorboard.enabled=false"),
+            stdout=log, stderr=subprocess.STDOUT, env=child_env(), timeout=300)
+    assert trainer.returncode == 0, (tmp_path / "train.log").read_text()[-3000:]
+    assert rclient.hget(keys.run, "state") == b"finished"
+    accepted = int(rclient.get(keys.admit_accepted) or 0)
+
+    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
+                                     f"rollout.engine_addresses=[{shared_engine.address}]",
+                                     "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=2",
+                                     "rollout.max_head_offpolicyness=10"), "late")
+    assert p.wait(120) == 0, p.log()[-3000:]
+    assert stream.length() == 4 and int(rclient.get(keys.admit_accepted) or 0) == accepted
+    assert rclient.zcard(keys.admit_running) == 0
+
+
 def test_producer_waits_without_engines_keeping_leases(shared_engine, engines, producers, data, tiny_model_path,
                                                       redis_url, experiment, rclient):
     """The only engine is SIGKILLed mid-request: the producer waits, reports, renews its leases; an
