@@ -5,8 +5,11 @@
 stack trace later.
 
 Retries: every command is retried with jittered exponential backoff when the
-connection drops or times out (a Redis restart, a failover, a network blip); each
-attempt is logged as one warning naming the URL. Authentication failures are never
+connection drops or times out (a Redis restart, a failover, a network blip); each of
+the first `redis.retries` attempts is logged as one warning naming the URL. An outage
+is then ridden out for `redis.outage_tolerance` seconds: the call blocks, one line per
+~10 s says so, and it resumes when Redis answers. Past the tolerance it raises
+`BrokerUnavailable` (one line; the CLI exits 1 without a traceback). Authentication failures are never
 retried: a wrong password does not get better by waiting. Writes that must not be
 applied twice when a reply is lost after the server ran them (the admission
 scripts) are idempotent on their own; see `admission.py`.
@@ -14,7 +17,9 @@ scripts) are idempotent on their own; see `admission.py`.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import asyncio
+import time
+from typing import Any
 from urllib.parse import urlsplit
 
 import msgspec
@@ -41,6 +46,8 @@ log = get_logger(__name__)
 # Backoff between reconnect attempts: 0.05·2^k seconds with full jitter, at most 2 s.
 _BACKOFF_BASE = 0.05
 _BACKOFF_CAP = 2.0
+# While an outage lasts, one "still waiting" line per this many seconds (per client).
+_OUTAGE_LOG_EVERY = 10.0
 
 
 class BrokerError(RuntimeError):
@@ -82,15 +89,6 @@ def explain(url: str, exc: BaseException, *, has_password: bool = True) -> Broke
     return BrokerUnavailable(f"cannot reach Redis at {where}: {first}")
 
 
-def _retryable(is_retryable: Callable[[Exception], bool] | None) -> Callable[[Exception], bool]:
-    def check(err: Exception) -> bool:
-        if is_auth_error(err):
-            return False
-        return is_retryable(err) if is_retryable is not None else True
-
-    return check
-
-
 def _log_attempt(url: str, error: Exception, attempt: int, retries: int) -> None:
     """One warning per retry that will actually happen (none when the call gives up)."""
     if is_auth_error(error) or attempt > retries:
@@ -99,37 +97,85 @@ def _log_attempt(url: str, error: Exception, attempt: int, retries: int) -> None
     log.warning("Redis at %s: %s; reconnecting (attempt %d of %d)", url, reason, attempt, retries)
 
 
-def _logging_retry(base: type, name: str) -> type:
-    """redis-py's Retry (sync or asyncio `base`) that never retries auth errors and logs each failed attempt."""
+class _Outage:
+    """The retry decisions of one client: log, wait, or give up (shared by its calls and connections)."""
 
-    class LoggingRetry(base):  # type: ignore[misc, valid-type]
-        def __init__(self, url: str, retries: int) -> None:
-            super().__init__(ExponentialWithJitterBackoff(cap=_BACKOFF_CAP, base=_BACKOFF_BASE), retries,
-                             (RedisConnectionError, RedisTimeoutError, ConnectionResetError))
-            self._url = mask_url(url)
+    def __init__(self, url: str, retries: int, tolerance: float) -> None:
+        self.url, self.retries, self.tolerance = url, retries, tolerance
+        self._last_log = 0.0  # no lock: redis-py deep-copies the Retry per connection (a race only logs twice)
 
-        def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
-            # Not `async def` even for asyncio: the base's call_with_retry returns the coroutine to
-            # await, and the base awaits `fail`'s result (a coroutine for the asyncio client's `fail`).
-            url, retries, attempt = self._url, self._retries, [0]
+    def failed(self, error: Exception, failures: int, since: float) -> None:
+        """After the `failures`-th failed attempt of a call that first failed at `since`:
+        return to retry, or raise (the error itself, or BrokerUnavailable past the tolerance)."""
+        now = time.monotonic()
+        if is_auth_error(error) or self.retries == 0:
+            raise error
+        if failures <= self.retries:
+            _log_attempt(self.url, error, failures, self.retries)
+            return
+        waited = now - since
+        if waited >= self.tolerance:
+            if self.tolerance <= 0:
+                raise error
+            reason = (str(error).splitlines()[0] if str(error) else type(error).__name__).rstrip(".")
+            raise BrokerUnavailable(f"Redis at {self.url} unreachable for {waited:.0f}s, longer than "
+                                    f"redis.outage_tolerance={self.tolerance:g}s: {reason}") from None
+        if now - self._last_log >= _OUTAGE_LOG_EVERY:
+            self._last_log = now
+            log.warning("redis at %s unreachable for %.0f s, still waiting (gives up after "
+                        "redis.outage_tolerance=%g s)", self.url, waited, self.tolerance)
 
-            def logged_fail(error: Exception, *rest: Any) -> Any:
-                attempt[0] += 1
-                _log_attempt(url, error, attempt[0], retries)
-                return fail(error, *rest)
 
-            return super().call_with_retry(do, logged_fail, _retryable(is_retryable), with_failure_count)
-
-    LoggingRetry.__name__ = LoggingRetry.__qualname__ = name
-    return LoggingRetry
+_RETRY_ON = (RedisConnectionError, RedisTimeoutError, ConnectionResetError)
 
 
-_LoggingRetry = _logging_retry(SyncRetry, "_LoggingRetry")
-_AsyncLoggingRetry = _logging_retry(AsyncRetry, "_AsyncLoggingRetry")
+class _LoggingRetry(SyncRetry):
+    """redis-py's Retry that never retries auth errors, logs, and rides out an outage up to a tolerance."""
+
+    def __init__(self, url: str, retries: int, tolerance: float = 0.0) -> None:
+        super().__init__(ExponentialWithJitterBackoff(cap=_BACKOFF_CAP, base=_BACKOFF_BASE), retries, _RETRY_ON)
+        self._outage = _Outage(mask_url(url), retries, tolerance)
+
+    def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        failures, since = 0, 0.0
+        while True:
+            try:
+                return do()
+            except _RETRY_ON as error:
+                if is_retryable is not None and not is_retryable(error):
+                    raise
+                failures += 1
+                since = since or time.monotonic()
+                fail(error, failures) if with_failure_count else fail(error)
+                self._outage.failed(error, failures, since)
+                time.sleep(self._backoff.compute(failures))
 
 
-def _kwargs(cfg: RedisConfig, is_async: bool, retries: int, client_name: str | None) -> dict[str, Any]:
-    retry = (_AsyncLoggingRetry if is_async else _LoggingRetry)(cfg.url, retries)
+class _AsyncLoggingRetry(AsyncRetry):
+    """`_LoggingRetry` for redis.asyncio clients."""
+
+    def __init__(self, url: str, retries: int, tolerance: float = 0.0) -> None:
+        super().__init__(ExponentialWithJitterBackoff(cap=_BACKOFF_CAP, base=_BACKOFF_BASE), retries, _RETRY_ON)
+        self._outage = _Outage(mask_url(url), retries, tolerance)
+
+    async def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):  # type: ignore[override]
+        failures, since = 0, 0.0
+        while True:
+            try:
+                return await do()
+            except _RETRY_ON as error:
+                if is_retryable is not None and not is_retryable(error):
+                    raise
+                failures += 1
+                since = since or time.monotonic()
+                await (fail(error, failures) if with_failure_count else fail(error))
+                self._outage.failed(error, failures, since)
+                await asyncio.sleep(self._backoff.compute(failures))
+
+
+def _kwargs(cfg: RedisConfig, is_async: bool, retries: int, tolerance: float,
+            client_name: str | None) -> dict[str, Any]:
+    retry = (_AsyncLoggingRetry if is_async else _LoggingRetry)(cfg.url, retries, tolerance)
     kw: dict[str, Any] = dict(
         socket_timeout=cfg.socket_timeout,
         socket_connect_timeout=cfg.connect_timeout,
@@ -185,9 +231,10 @@ def with_url(cfg: RedisConfig, url: str | None) -> RedisConfig:
 
 def _client(cls: Any, cfg: RedisConfig | str, retries: int | None, client_name: str | None) -> Any:
     cfg = _resolve(cfg)
-    n = cfg.retries if retries is None else retries
+    # An explicit `retries` (a CLI or launcher check that wants an answer now) means just that many.
+    n, tolerance = (cfg.retries, cfg.outage_tolerance) if retries is None else (retries, 0.0)
     try:
-        return cls.from_url(cfg.url, **_kwargs(cfg, cls is aioredis.Redis, n, client_name))
+        return cls.from_url(cfg.url, **_kwargs(cfg, cls is aioredis.Redis, n, tolerance, client_name))
     except (ValueError, TypeError) as exc:
         raise BrokerUnavailable(f"cannot use Redis URL {mask_url(cfg.url)}: {exc}") from None
 

@@ -48,6 +48,8 @@ class EpisodeLease:
             st, lease = await admission.try_acquire()
             if lease is not None:
                 return cls(admission, lease.lease_id, max(0.2, admission.lease_ttl_ms / 3000))
+            if st.run_finished:
+                raise NoCapacity(f"the run is finished ({admission.keys.run})")
             if loop.time() >= deadline:
                 raise NoCapacity(f"no admission capacity within {timeout:g}s (running {st.running}, "
                                  f"accepted {st.accepted}, served version {st.version})")

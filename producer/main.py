@@ -35,6 +35,7 @@ from typing import Any
 
 import msgspec
 
+from rlstream.broker.connection import BrokerError
 from rlstream.broker.versions import RUN_FINISHED
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
@@ -450,5 +451,8 @@ def produce(cfg: Config) -> int:
     try:
         return uvloop.run(producer.run()) if uvloop is not None else asyncio.run(producer.run())
     except SetupError as exc:
+        log.error("%s", exc)
+        return 1
+    except BrokerError as exc:  # e.g. Redis unreachable for longer than redis.outage_tolerance: one line
         log.error("%s", exc)
         return 1

@@ -378,7 +378,8 @@ def test_redis_stall_times_out_retries_logs_and_resumes(redis_factory, experimen
 def test_stall_longer_than_the_retry_budget_fails_cleanly_and_recovers(redis_factory, broker_log):
     """Past its retries a call raises (no hang, one log line per attempt); after SIGCONT the same client works."""
     server = redis_factory()
-    client = connect(RedisConfig(url=server.url, socket_timeout=0.3, connect_timeout=0.3, retries=1))
+    client = connect(RedisConfig(url=server.url, socket_timeout=0.3, connect_timeout=0.3, retries=1,
+                                 outage_tolerance=0))
     assert client.set("k", "v")
     server.proc.send_signal(signal.SIGSTOP)
     try:

@@ -269,6 +269,34 @@ def test_producer_started_after_the_trainer_finished_commits_nothing(shared_engi
     assert rclient.zcard(keys.admit_running) == 0
 
 
+def test_redis_gone_longer_than_the_outage_tolerance_is_one_line_and_exit_1(shared_engine, producers, data,
+                                                                            tiny_model_path, redis_factory, experiment):
+    """Past redis.outage_tolerance a producer gives up: one clear line, exit 1, no traceback."""
+    server = redis_factory()
+    pause(shared_engine)  # rollouts stay in flight, the admission loop keeps asking Redis
+    try:
+        p = producers(producer_overrides(tiny_model_path, server.url, experiment, data,
+                                         f"rollout.engine_addresses=[{shared_engine.address}]",
+                                         "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=2",
+                                         "rollout.max_head_offpolicyness=10", "redis.outage_tolerance=3",
+                                         "redis.retries=2"), "gone")
+        from rlstream.broker import AdmissionController, connect
+
+        c = connect(server.url)
+        adm = AdmissionController(c, ns_keys(experiment), max_head_offpolicyness=10, consumer_batch_size=2,
+                                  max_concurrent_rollouts=2)
+        wait_for(lambda: adm.snapshot().running == 2, what="2 rollouts in flight", proc=p)
+        c.close()
+        server.stop()
+        assert p.wait(120) == 1, p.log()[-3000:]
+    finally:
+        resume(shared_engine)
+    log = p.log()
+    assert "Traceback" not in log, log[-3000:]
+    errors = [line for line in log.splitlines() if " E [rlstream.producer.main" in line]
+    assert errors and "longer than redis.outage_tolerance=3s" in errors[-1], log[-3000:]  # why it exits
+
+
 def test_producer_waits_without_engines_keeping_leases(shared_engine, engines, producers, data, tiny_model_path,
                                                       redis_url, experiment, rclient):
     """The only engine is SIGKILLed mid-request: the producer waits, reports, renews its leases; an
