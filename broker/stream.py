@@ -74,6 +74,7 @@ class TrajectoryStream:
         self.keys = keys
         self.group = group
         self._drop_script = client.register_script(_DROP_STALE)
+        self.dead_lettered = 0  # entries this object moved to `{ns}:dead` (undecodable ones included)
 
     # ---------------------------------------------------------------- writing
     def append(self, group: TrajectoryGroup) -> str:
@@ -202,6 +203,7 @@ class TrajectoryStream:
         pipe.xadd(self.keys.dead, record)
         pipe.xack(self.keys.traj, self.group, entry_id)
         pipe.execute()
+        self.dead_lettered += 1
 
     def drop_stale(self, entry: Entry, trainer_version: int, reason: str) -> None:
         """Record a too-stale entry in `{ns}:dropped`, ack it, and give its admission slot back.

@@ -100,6 +100,7 @@ class StepReader:
         # all. With several ranks, one rank's read-ahead could starve another of the groups it needs
         # while the first waits for it in a collective: they read one step at a time, in stream order.
         self.pool_cap = groups_per_step * (max_head_offpolicyness + 1 if world_size == 1 else 1)
+        self._dead_reported = 0  # of self.stream.dead_lettered, already in a step's n_dead
 
     # ------------------------------------------------------------------ start-up
     def _last_records(self) -> dict[tuple[int, int], StepRecord]:
@@ -209,6 +210,10 @@ class StepReader:
         self.steplog.record(StepRecord(step=step, version=version, entry_ids=data.ids, rank=self.rank,
                                        ts=time.time()))
         data.wait_s = time.monotonic() - t0
+        # Every entry this reader moved to {ns}:dead since the last step (undecodable ones met while
+        # reading or reclaiming included), so the steps' data/dead add up to the dead-letter stream.
+        data.n_dead = self.stream.dead_lettered - self._dead_reported
+        self._dead_reported = self.stream.dead_lettered
         return data
 
     def _take(self, data: StepData, version: int) -> None:
@@ -237,7 +242,6 @@ class StepReader:
                 if len(tok) and (int(tok.max()) >= self.vocab_size or int(tok.min()) < 0):
                     self._dead_letter(entry.id, f"trajectory {i}: token id outside [0, {self.vocab_size}) "
                                                 f"of the trainer's model (max {int(tok.max())})")
-                    data.n_dead += 1
                     return False
         return True
 

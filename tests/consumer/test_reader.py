@@ -31,6 +31,24 @@ def test_reader_drops_stale_and_dead_letters_bad_tokens(rclient, keys):
     assert reader.ack(good) == 2
 
 
+def test_every_dead_letter_is_counted_in_the_steps(rclient, keys):
+    """data/dead counts every entry the reader moved to {ns}:dead: undecodable ones as well as
+    ones with token ids outside the vocabulary (it counted 1 of 5 in a chaos run)."""
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    stream.append_raw({"d": b"\x00not msgpack"})
+    stream.append_raw({"x": b"no payload field"})
+    stream.append(_group(version=0, token=999))
+    good = [stream.append(_group(version=0)) for _ in range(2)]
+    stream.append_raw({"d": b"garbage again"})
+    more = [stream.append(_group(version=0)) for _ in range(2)]
+    reader = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=2, vocab_size=64, block_ms=50)
+    reader.resume(0, replay=True)
+    steps = [reader.next(step=0, version=0), reader.next(step=1, version=1)]
+    assert [d.ids for d in steps] == [good, more]
+    assert sum(d.n_dead for d in steps) == rclient.xlen(keys.dead) == 4
+
+
 def test_reader_replays_lost_steps_and_pending_first(rclient, keys):
     stream = TrajectoryStream(rclient, keys)
     ids = [stream.append(_group(version=0)) for _ in range(8)]
