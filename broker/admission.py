@@ -53,6 +53,7 @@ from redis.exceptions import WatchError
 
 from rlstream.broker.connection import BrokerUnavailable
 from rlstream.broker.keys import TRAIN_GROUP, Keys
+from rlstream.broker.producers import accepted_field
 from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Pipeline, Plan, Sleep, Sync, Watch, operation, script, scripts
 from rlstream.common.logging import get_logger
 
@@ -269,8 +270,11 @@ class Admission:
     (sync: tests, inspect, the trainer's recovery reset) or `AsyncAdmissionController` (producers)."""
 
     def __init__(self, client: Any, keys: Keys, *, max_head_offpolicyness: int, consumer_batch_size: int,
-                 max_concurrent_rollouts: int, lease_ttl: float = 300.0) -> None:
+                 max_concurrent_rollouts: int, lease_ttl: float = 300.0, producer_id: str | None = None) -> None:
         self.client = client
+        # Set for a producer: each commit also counts the group in its `accepted:{id}` field of
+        # `{ns}:producers`, in the same transaction, so the per-producer count survives a SIGKILL.
+        self.producer_id = producer_id
         self.keys = keys
         self.eta = max_head_offpolicyness
         self.batch = consumer_batch_size
@@ -278,11 +282,12 @@ class Admission:
         self.lease_ttl_ms = int(lease_ttl * 1000)
 
     @classmethod
-    def from_config(cls, client: Any, keys: Keys, cfg: Any) -> Any:
+    def from_config(cls, client: Any, keys: Keys, cfg: Any, producer_id: str | None = None) -> Any:
         """Controller with η, B, max_concurrent and lease_ttl from a `Config`."""
         return cls(client, keys, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                    consumer_batch_size=cfg.rollout.consumer_batch_size,
-                   max_concurrent_rollouts=cfg.max_concurrent_rollouts, lease_ttl=cfg.rollout.lease_ttl)
+                   max_concurrent_rollouts=cfg.max_concurrent_rollouts, lease_ttl=cfg.rollout.lease_ttl,
+                   producer_id=producer_id)
 
     # ------------------------------------------------------------------ taking leases
 
@@ -314,13 +319,16 @@ class Admission:
     # ------------------------------------------------------------------ finishing
 
     def _commit_calls(self, lease_id: str, fields: dict[str, Any]) -> list[Call]:
-        """The four commands of one commit, for inside MULTI."""
-        return [
+        """The commands of one commit, for inside MULTI (the lease's ZREM first, the XADD third)."""
+        calls = [
             Call("zrem", self.keys.admit_running, lease_id),
             Call("execute_command", "INCR", self.keys.admit_accepted),  # INCR, not redis-py's INCRBY: ACLs name it
             Call("xadd", self.keys.traj, fields),
             Call("set", self.keys.admit_done(lease_id), "1", px=DONE_TTL_MS),
         ]
+        if self.producer_id:
+            calls.append(Call("hincrby", self.keys.producers, accepted_field(self.producer_id), 1))
+        return calls
 
     @operation
     def commit(self, lease_id: str, fields: dict[str, Any]) -> Plan:
@@ -358,12 +366,13 @@ class Admission:
                 yield Sleep(min(2.0, 0.02 * 2**attempt))
                 continue
             out, fresh = list(prev), todo(prev)
+            per = len(self._commit_calls("", {}))
             for k, i in enumerate(fresh):
-                if not int(res[4 * k]):
+                if not int(res[per * k]):
                     # The rollout outlived its lease (producer stalled past lease_ttl). The group is
                     # written anyway, never dropped; the consumer's staleness check is the backstop.
                     log.warning("lease %s had expired before commit; group written anyway", items[i][0])
-                out[i] = res[4 * k + 2]
+                out[i] = res[per * k + 2]
             if fresh:
                 try:  # remember the ids so a repeated commit can return them (best effort)
                     yield Pipeline([Call("set", done[i], out[i], xx=True, keepttl=True) for i in fresh])

@@ -341,6 +341,6 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "throughput": throughput,
         "engines": [{"address": id_str(addr), "expires_in_ms": int(score) - now, "alive": score > now}
                     for addr, score in engines],
-        "producers": sorted(id_str(p) for p in producers),
+        "producers": sorted(id_str(p) for p in producers if not id_str(p).startswith("accepted:")),
         "meta": None if meta is None else {k: getattr(meta, k) for k in meta.__struct_fields__},
     }

@@ -4,7 +4,9 @@ One hash per run: field `cursor` is the next dataset position of the whole run (
 so any number of producers hand out every position exactly once, and a restarted
 producer continues the run rather than its own); field `<producer id>` is that
 producer's msgpack `ProducerState` (counters, last position), so a producer restarted
-under the same id keeps its counters. `rlstream inspect` lists the producers from it.
+under the same id keeps its counters; field `accepted:<producer id>` counts its committed
+groups exactly (HINCRBY inside each commit's transaction, `broker/admission.py`), so the
+count survives a SIGKILL between two periodic state saves. `rlstream inspect` lists the producers from it.
 """
 
 from __future__ import annotations
@@ -17,11 +19,16 @@ from rlstream.broker.keys import Keys
 from rlstream.broker.plan import Async, Call, Plan, Sync, operation
 from rlstream.common.logging import get_logger
 
-__all__ = ["ProducerState", "ProducerRecords", "AsyncProducerRecords", "CURSOR_FIELD"]
+__all__ = ["ProducerState", "ProducerRecords", "AsyncProducerRecords", "CURSOR_FIELD", "accepted_field"]
 
 log = get_logger(__name__)
 
 CURSOR_FIELD = "cursor"
+
+
+def accepted_field(producer_id: str) -> str:
+    """The field counting a producer's committed groups (written by its commits)."""
+    return f"accepted:{producer_id}"
 
 
 class ProducerState(msgspec.Struct, kw_only=True):
@@ -54,14 +61,17 @@ class Producers:
     @operation
     def load(self, producer_id: str) -> Plan:
         """The recorded state of `producer_id` (None: none yet, or undecodable — then with a warning)."""
-        raw = yield Call("hget", self.keys.producers, producer_id)
-        if not raw:
-            return None
+        raw, accepted = yield Call("hmget", self.keys.producers, [producer_id, accepted_field(producer_id)])
+        if not raw:  # killed before its first state save: its commits were counted all the same
+            return None if accepted is None else ProducerState(producer_id=producer_id, accepted=int(accepted))
         try:
-            return _dec.decode(raw)
+            state = _dec.decode(raw)
         except msgspec.DecodeError:
             log.warning("ignoring undecodable state of producer %s in %s", producer_id, self.keys.producers)
             return None
+        if accepted is not None:  # the exact count, written with the commits themselves
+            state.accepted = int(accepted)
+        return state
 
     @operation
     def save(self, state: ProducerState) -> Plan:

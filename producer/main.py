@@ -99,7 +99,7 @@ class Producer:
         cfg = self.cfg
         self.client = await connect_async(cfg.redis)
         self.keys = Keys(cfg.namespace)
-        self.admission = AsyncAdmissionController.from_config(self.client, self.keys, cfg)
+        self.admission = AsyncAdmissionController.from_config(self.client, self.keys, cfg, producer_id=self.producer_id)
         self.versions = AsyncVersionRegistry(self.client, self.keys)
         if not cfg.tokenizer:
             raise ValueError("no tokenizer: set actor.path (or tokenizer_path) to a local HF model folder")
