@@ -138,7 +138,8 @@ async def test_register_watch_and_expire_after_crash(kind, request, redis_url, e
     proc = subprocess.Popen([sys.executable, "-c", _REGISTRAR, "127.0.0.1:2222", *overrides],
                             stdout=subprocess.PIPE, env=env)
     try:
-        assert proc.stdout.readline().strip() == b"registered"
+        # read in a thread: a blocking read here would stall this loop and the keepalive of 1111 with it
+        assert (await asyncio.to_thread(proc.stdout.readline)).strip() == b"registered"
         seen = await _watch_until(watch, lambda a: "127.0.0.1:2222" in a)
         assert seen == ["127.0.0.1:1111", "127.0.0.1:2222"]
         os.kill(proc.pid, signal.SIGKILL)
