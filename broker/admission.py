@@ -84,6 +84,8 @@ DONE_TTL_MS = 600_000
 WAIT_WINDOW_MS = 2000
 # Attempts of a commit whose outcome was unknown (connection lost) or raced; backoff in between.
 _COMMIT_ATTEMPTS = 12
+# How long a commit waits at most for redis.wait_replicas replicas to confirm it.
+_WAIT_TIMEOUT_S = 10.0
 # Entries per XRANGE when the recovery reset counts undelivered entries itself (lag unknown).
 _RESET_CHUNK = 100
 
@@ -270,8 +272,11 @@ class Admission:
     (sync: tests, inspect, the trainer's recovery reset) or `AsyncAdmissionController` (producers)."""
 
     def __init__(self, client: Any, keys: Keys, *, max_head_offpolicyness: int, consumer_batch_size: int,
-                 max_concurrent_rollouts: int, lease_ttl: float = 300.0, producer_id: str | None = None) -> None:
+                 max_concurrent_rollouts: int, lease_ttl: float = 300.0, producer_id: str | None = None,
+                 wait_replicas: int = 0, wait_timeout: float = 10.0) -> None:
         self.client = client
+        self.wait_replicas = wait_replicas  # replicas that must confirm a commit (WAIT) before it returns
+        self.wait_timeout_ms = int(wait_timeout * 1000)  # below the socket timeout: WAIT blocks the reply
         # Set for a producer: each commit also counts the group in its `accepted:{id}` field of
         # `{ns}:producers`, in the same transaction, so the per-producer count survives a SIGKILL.
         self.producer_id = producer_id
@@ -287,7 +292,8 @@ class Admission:
         return cls(client, keys, max_head_offpolicyness=cfg.rollout.max_head_offpolicyness,
                    consumer_batch_size=cfg.rollout.consumer_batch_size,
                    max_concurrent_rollouts=cfg.max_concurrent_rollouts, lease_ttl=cfg.rollout.lease_ttl,
-                   producer_id=producer_id)
+                   producer_id=producer_id, wait_replicas=cfg.redis.wait_replicas,
+                   wait_timeout=min(_WAIT_TIMEOUT_S, cfg.redis.socket_timeout / 2))
 
     # ------------------------------------------------------------------ taking leases
 
@@ -373,6 +379,13 @@ class Admission:
                     # written anyway, never dropped; the consumer's staleness check is the backstop.
                     log.warning("lease %s had expired before commit; group written anyway", items[i][0])
                 out[i] = res[per * k + 2]
+            if fresh and self.wait_replicas:
+                # Redis replicates asynchronously: a failover right now would lose these commits unless
+                # the replicas have them. WAIT blocks until they confirm (or the timeout passes).
+                got = int((yield Call("execute_command", "WAIT", self.wait_replicas, self.wait_timeout_ms)))
+                if got < self.wait_replicas:
+                    log.warning("commit confirmed by %d of %d replicas within %d ms (redis.wait_replicas)", got,
+                                self.wait_replicas, self.wait_timeout_ms)
             if fresh:
                 try:  # remember the ids so a repeated commit can return them (best effort)
                     yield Pipeline([Call("set", done[i], out[i], xx=True, keepttl=True) for i in fresh])

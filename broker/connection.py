@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import msgspec
 import redis
@@ -211,10 +211,50 @@ def _resolve(cfg: RedisConfig | str) -> RedisConfig:
     if not cfg.url:
         raise BrokerUnavailable("no Redis URL configured (set redis.url or pass --redis)")
     scheme = cfg.url.partition("://")[0].lower()
-    if scheme not in ("redis", "rediss", "unix"):
+    if scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME):
         raise BrokerUnavailable(
-            f"cannot use Redis URL {mask_url(cfg.url)}: scheme must be redis://, rediss:// (TLS) or unix://")
+            f"cannot use Redis URL {mask_url(cfg.url)}: scheme must be redis://, rediss:// (TLS), unix:// or "
+            f"{SENTINEL_SCHEME}://host:port[,host:port]/service[/db]")
     return cfg
+
+
+SENTINEL_SCHEME = "redis+sentinel"
+
+
+def _parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None, str | None]:
+    """`redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]` ->
+    (sentinels, service, db, username, password); the credentials are the primary's."""
+    rest = url.split("://", 1)[1]
+    creds, _, rest = rest.rpartition("@")
+    hosts, _, path = rest.partition("/")
+    username = password = None
+    if creds:
+        user, _, pw = creds.partition(":")
+        username, password = unquote(user) or None, unquote(pw) or None
+    sentinels = []
+    for hp in hosts.split(","):
+        host, _, port = hp.strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"sentinel address {hp!r} is not host:port")
+        sentinels.append((host, int(port)))
+    parts = [x for x in path.split("/") if x]
+    if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
+        raise ValueError("expected /service[/db] after the sentinel addresses")
+    return sentinels, parts[0], int(parts[1]) if len(parts) == 2 else 0, username, password
+
+
+def _sentinel_client(cls: Any, cfg: RedisConfig, kw: dict[str, Any]) -> Any:
+    """The primary of a Sentinel-monitored service: a client that asks the sentinels where the primary
+    is on every (re)connect, so after a failover the retries above land on the promoted replica."""
+    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+    from redis.sentinel import Sentinel
+
+    sentinels, service, db, username, password = _parse_sentinel_url(cfg.url)
+    kw.setdefault("username", username)
+    kw.setdefault("password", password)
+    sentinel_kw = {"socket_timeout": cfg.connect_timeout, "socket_connect_timeout": cfg.connect_timeout}
+    manager = (AsyncSentinel if cls is aioredis.Redis else Sentinel)(sentinels, sentinel_kwargs=sentinel_kw)
+    return manager.master_for(service, redis_class=cls, db=db, **kw)
 
 
 def _has_password(cfg: RedisConfig) -> bool:
@@ -234,7 +274,10 @@ def _client(cls: Any, cfg: RedisConfig | str, retries: int | None, client_name: 
     # An explicit `retries` (a CLI or launcher check that wants an answer now) means just that many.
     n, tolerance = (cfg.retries, cfg.outage_tolerance) if retries is None else (retries, 0.0)
     try:
-        return cls.from_url(cfg.url, **_kwargs(cfg, cls is aioredis.Redis, n, tolerance, client_name))
+        kw = _kwargs(cfg, cls is aioredis.Redis, n, tolerance, client_name)
+        if cfg.url.lower().startswith(SENTINEL_SCHEME + "://"):
+            return _sentinel_client(cls, cfg, kw)
+        return cls.from_url(cfg.url, **kw)
     except (ValueError, TypeError) as exc:
         raise BrokerUnavailable(f"cannot use Redis URL {mask_url(cfg.url)}: {exc}") from None
 

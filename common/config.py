@@ -80,6 +80,8 @@ class RedisConfig(_Section):
     socket_timeout: D(float, "Seconds a single Redis command may take before it is retried.", gt=0) = 30.0
     connect_timeout: D(float, "Seconds to wait for a TCP/TLS connection.", gt=0) = 5.0
     retries: D(int, "Reconnect attempts (exponential backoff) before an operation fails.", ge=0) = 8
+    wait_replicas: D(int, "Replicas that must confirm each commit (Redis WAIT) before it counts as done; closes the "
+                     "window in which a failover loses the newest commits (0 = off).", ge=0) = 0
     outage_tolerance: D(float, "Seconds a component rides out an unreachable Redis (blocks, logs every ~10 s) "
                         "before it exits with one line; 0: only redis.retries attempts.", ge=0) = 120.0
     ssl_ca_certs: D(str | None, "CA bundle for rediss:// URLs.") = None

@@ -200,3 +200,68 @@ def test_unix_socket(redis_factory, tmp_path):
     c.close()
     with pytest.raises(BrokerUnavailable, match=f"unix://{tmp_path}/missing.sock"):
         connect(f"unix://{tmp_path}/missing.sock", retries=0)
+
+
+@pytest.fixture
+def sentinels(tmp_path):
+    """Factory: `sentinels(primary_port, n=3)` -> ports of `redis-server --sentinel` processes monitoring
+    service `rls` on 127.0.0.1 (quorum 2, down after 1 s); each stopped by its PID."""
+    from rlstream.launcher.procs import stop_process, wait_for_port
+    from tests.helpers import redis_server_binary
+
+    procs: list[subprocess.Popen] = []
+
+    def start(primary_port: int, n: int = 3) -> list[int]:
+        ports = []
+        for i in range(n):
+            port = free_port()
+            conf = tmp_path / f"sentinel-{i}.conf"  # sentinel rewrites its file: one each
+            conf.write_text(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {tmp_path}\n"
+                            f"sentinel monitor rls 127.0.0.1 {primary_port} 2\n"
+                            "sentinel down-after-milliseconds rls 1000\nsentinel failover-timeout rls 5000\n"
+                            "sentinel parallel-syncs rls 1\n")
+            procs.append(subprocess.Popen([redis_server_binary(), str(conf), "--sentinel"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            assert wait_for_port("127.0.0.1", port, 10), "sentinel did not start"
+            ports.append(port)
+        return ports
+
+    yield start
+    for p in procs:
+        stop_process(p, 5)
+
+
+def test_sentinel_url_follows_a_failover(redis_factory, sentinels, group_factory):
+    """redis+sentinel://: the client finds the primary through 3 sentinels; the primary is SIGKILLed,
+    the replica promoted, and the same client carries on there with nothing it wrote lost."""
+    primary = redis_factory(["--appendonly", "yes", "--appendfsync", "always"])
+    replica = redis_factory(["--replicaof", "127.0.0.1", str(primary.port)])
+    ports = sentinels(primary.port)
+    direct = connect(replica.url)
+    deadline = time.monotonic() + 60
+    while direct.info("replication").get("master_link_status") != "up":  # the replica has synced once
+        assert time.monotonic() < deadline, direct.info("replication")
+        time.sleep(0.1)
+    url = "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/rls/0"
+    client = connect(RedisConfig(url=url, connect_timeout=1.0, socket_timeout=2.0))
+    keys = Keys(namespace("sentinel", "t"))
+    # redis.wait_replicas=1: a commit returns once the replica has it (Redis WAIT), so a failover
+    # right after cannot lose it (replication is asynchronous otherwise).
+    adm = AdmissionController(client, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                              max_concurrent_rollouts=4, wait_replicas=1, wait_timeout=0.5)
+    before = []
+    for _ in range(4):
+        _, lease = adm.try_acquire()
+        before.append(adm.commit(lease.lease_id, entry_fields(group_factory())))
+    assert [eid for eid, _ in direct.xrange(keys.traj)] == before  # on the replica already
+    primary.proc.send_signal(signal.SIGKILL)
+    primary.proc.wait()
+    after = []
+    for _ in range(4):  # blocks through the failover (redis.outage_tolerance), then lands on the new primary
+        _, lease = adm.try_acquire()
+        after.append(adm.commit(lease.lease_id, entry_fields(group_factory())))
+    assert direct.execute_command("ROLE")[0] == b"master"  # promoted
+    assert [eid for eid, _ in direct.xrange(keys.traj)] == before + after
+    assert int(direct.get(keys.admit_accepted)) == 8
+    direct.close()
+    client.close()
