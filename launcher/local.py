@@ -249,6 +249,11 @@ class LocalRun:
         self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=self._env(threads)).start()
         _echo(f"trainer: pid {self.trainer.pid}" + (f" (torchrun, {n} processes)" if n > 1 else "")
               + f", {threads} thread(s) each")
+        from rlstream.broker import VersionRegistry
+
+        # The run is running from now on, before any producer starts: a producer must not read the
+        # `finished` of an earlier run in this namespace while the new trainer is still loading.
+        VersionRegistry(self.client, self.keys).start_run("launcher started the trainer")
 
     def start_producers(self) -> None:
         for j in range(self.cfg.launcher.n_producers):
