@@ -230,11 +230,10 @@ class Compose:
 # Runs inside the rlstream image: the namespace from RLSTREAM_CONFIG + RLSTREAM_OVERRIDES.
 LEDGER_DUMP = """
 import json, os
-import msgspec
 from rlstream.broker import Keys, StepLog, TRAIN_GROUP, connect
 from rlstream.common.config import load_config
 from rlstream.common.wire import decode_group, validate_group
-from rlstream.broker.producers import ProducerState
+from rlstream.broker.producers import CURSOR_FIELD, ProducerRecords, accepted_field
 
 cfg = load_config(os.environ["RLSTREAM_CONFIG"],
                   os.environ.get("RLSTREAM_OVERRIDES", "").split() + ["redis.url=redis://redis:6379/0"])
@@ -245,8 +244,10 @@ for eid, f in r.xrange(k.traj):
     validate_group(g)
     entries.append({"id": eid.decode(), "producer": g.producer_id, "position": g.metadata.get("position")})
 group = next(g for g in r.xinfo_groups(k.traj) if g["name"].decode() == TRAIN_GROUP)
-producers = {f.decode(): msgspec.msgpack.decode(v, type=ProducerState).accepted
-             for f, v in r.hgetall(k.producers).items() if f != b"cursor"}
+# fields: cursor, <producer id> (its state), accepted:<producer id> (its exact commit count)
+ids = {f.decode().removeprefix(accepted_field("")) for f in r.hkeys(k.producers) if f.decode() != CURSOR_FIELD}
+records = ProducerRecords(r, k)
+producers = {pid: records.load(pid).accepted for pid in ids}
 print(json.dumps({
     "entries": entries,
     "steps": [{"step": s.step, "version": s.version, "rank": s.rank, "ids": s.entry_ids} for s in StepLog(r, k).all()],
