@@ -57,6 +57,8 @@ class StatsLogger:
         self._jsonl = None
         self._tb = None
         self._wandb = None
+        self.registry = None  # Prometheus: the trainer adds the run's queue numbers to it (rank 0 only)
+        self._last: dict[str, float] = {}
         if not enabled:
             return
         run_dir = Path(cfg.run_dir)
@@ -70,8 +72,6 @@ class StatsLogger:
             self._tb = SummaryWriter(log_dir=sl.tensorboard.path or str(run_dir / "tensorboard"))
         if sl.wandb.mode != "disabled":
             self._wandb = self._init_wandb(cfg, run_dir)
-        self.registry = None  # Prometheus: the trainer adds the run's queue numbers to it
-        self._last: dict[str, float] = {}
         if sl.prometheus.enabled:
             from rlstream.common.logging import get_logger
             from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, serve
