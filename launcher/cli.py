@@ -194,6 +194,23 @@ def run(ctx: typer.Context, config: Optional[str] = ConfigOpt,
 
 
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
+def chaos(ctx: typer.Context, config: Optional[str] = ConfigOpt,
+          duration: float = typer.Option(120.0, "--duration", help="Seconds of fault injection."),
+          seed: int = typer.Option(0, "--seed", help="Seed of the fault schedule."),
+          mean_gap: float = typer.Option(15.0, "--mean-gap", help="Mean seconds between two faults.")) -> None:
+    """`rlstream run` with its children and Redis killed/stopped/restarted at seeded moments; prints the ledger."""
+    from rlstream.launcher.chaos import CHAOS_OVERRIDES
+    from rlstream.launcher.chaos import chaos as chaos_main
+
+    if config is None:
+        _fail("rlstream chaos needs a config: --config FILE (e.g. --config configs/tiny-cpu.yaml)", 2)
+    result = _guard(chaos_main, load(config, [*CHAOS_OVERRIDES, *ctx.args]), duration, seed, mean_gap)
+    bad = {k: result[k] for k in ("lost", "trained_twice", "unaccounted", "over_admissions", "in_two_states")
+           if result[k]}
+    raise typer.Exit(1 if bad else 0)
+
+
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def report(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Follow a run until the trainer finishes, then write its plots and summary."""
     from rlstream.launcher.report import report as report_main

@@ -119,9 +119,9 @@ class LocalRun:
         if self._signal is not None:
             raise RunFailed(f"interrupted by {signal.Signals(self._signal).name}")
 
-    def _fresh_start(self) -> None:
-        """A run without recovery starts clean: nothing of an older run is mixed in."""
-        if self.cfg.recover.mode != "disabled":
+    def _fresh_start(self, force: bool = False) -> None:
+        """A run without recovery (or `force`) starts clean: nothing of an older run is mixed in."""
+        if self.cfg.recover.mode != "disabled" and not force:
             return
         for name in ("metrics.jsonl", "launcher_timeline.jsonl", "staleness.json", "summary.json"):
             (self.run_dir / name).unlink(missing_ok=True)

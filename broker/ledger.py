@@ -1,0 +1,132 @@
+"""The run's ledger: where every entry of `{ns}:traj` ended up, read from Redis alone.
+
+Each entry of the trajectory stream is in exactly one of these states once a trainer
+stopped (a crash or a clean stop):
+
+- trained: named by the record of a step the trainer completed (steps below the
+  trainer version; a step re-run after a crash counts once: its records must agree);
+- dropped stale: in `{ns}:dropped` (the reader's too-stale drop, slot given back);
+- dead-lettered: in `{ns}:dead` (undecodable or invalid, copied with its reason);
+- pending: delivered to the `train` group and not acknowledged (the read-ahead pool, or
+  a recorded step not completed yet): a restarted trainer replays them;
+- never delivered: after the group's last-delivered id (queued when the run stopped).
+
+Anything else is *unaccounted* (lost inside the pipeline); an entry in two of the
+sets, or in the steps of two different steps, is counted as such. `lost` compares
+the producers' exact commit counters (`accepted:<id>`, bumped in each commit's
+transaction) with the decodable groups the stream holds. Only reads; used by
+`rlstream chaos` (launcher/chaos.py) and its tests.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from rlstream.broker.keys import TRAIN_GROUP, Keys
+from rlstream.broker.producers import accepted_field
+from rlstream.broker.stream import id_str, id_tuple
+from rlstream.broker.steps import StepLog
+
+__all__ = ["ledger"]
+
+
+def _ms(entry_id: str) -> int:
+    return int(entry_id.split("-")[0])
+
+
+def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_gap_s: float = 10.0) -> dict[str, Any]:
+    """Counts of the ledger (see the module doc); `redis_restarts_ms`: when Redis came back (server ms).
+
+    `stall_seconds` adds up the gaps longer than `stall_gap_s` between the first records of
+    consecutive steps (the time no new step started: a crashed trainer's restart, an outage).
+
+    `stale_waste_after_redis_restarts` is the share of the groups consumed (trained or dropped)
+    after the first restart that were dropped as too stale (a wrong admission count after an AOF
+    reload shows up there as a lasting drop loop)."""
+    from rlstream.common.wire import WireError, decode_group
+
+    ids: list[str] = []
+    groups = 0
+    garbage_in_stream = 0
+    for eid, fields in client.xrange(keys.traj):
+        ids.append(id_str(eid))
+        try:
+            decode_group(fields[b"d"])
+            groups += 1
+        except (KeyError, WireError):
+            garbage_in_stream += 1
+    present = set(ids)
+
+    # Steps: the trainer version says how many steps completed; records of later steps were
+    # planned, not trained (a restart replays them).
+    trainer_version = int(client.get(keys.trainer_version) or 0)
+    plans: dict[int, list[list[str]]] = {}
+    first_ts: dict[int, float] = {}
+    for rec in StepLog(client, keys).all():
+        plans.setdefault(rec.step, []).append(rec.entry_ids)
+        first_ts.setdefault(rec.step, rec.ts)
+    replayed_differently = sum(1 for p in plans.values() if any(ids_ != p[0] for ids_ in p))
+    trained_count: Counter[str] = Counter()
+    for step in range(trainer_version):
+        for eid in plans.get(step, [[]])[0]:
+            trained_count[eid] += 1
+    steps_missing = [s for s in range(trainer_version) if s not in plans]
+    planned_not_trained = {eid for step, p in plans.items() if step >= trainer_version for eid in p[0]}
+
+    dropped_rows = [(id_str(eid), id_str(f.get(b"source_id", b""))) for eid, f in client.xrange(keys.dropped)]
+    dead_rows = [id_str(f.get(b"source_id", b"")) for _eid, f in client.xrange(keys.dead)]
+    dropped, dead = {s for _, s in dropped_rows}, set(dead_rows)
+
+    pending: set[str] = set()
+    last_delivered = (0, 0)
+    for g in client.xinfo_groups(keys.traj) if client.exists(keys.traj) else []:
+        if id_str(g["name"]) == TRAIN_GROUP:
+            last_delivered = id_tuple(id_str(g["last-delivered-id"]))
+            for p in client.xpending_range(keys.traj, TRAIN_GROUP, min="-", max="+", count=10_000_000):
+                pending.add(id_str(p["message_id"]))
+    undelivered = {i for i in ids if id_tuple(i) > last_delivered}
+
+    trained = set(trained_count)
+    states = [trained, dropped, dead, pending - trained, undelivered]
+    in_two = sum(1 for i in present if sum(i in s for s in states) > 1)
+    accounted = set().union(*states)
+    committed = sum(int(v) for k, v in client.hgetall(keys.producers).items()
+                    if id_str(k).startswith(accepted_field("")))
+
+    out: dict[str, Any] = {
+        "entries_added": len(ids),
+        "groups_committed": committed,
+        "garbage_in_stream": garbage_in_stream,
+        "lost": max(0, committed - groups),
+        "trained_once": sum(1 for n in trained_count.values() if n == 1),
+        "trained_twice": sum(1 for n in trained_count.values() if n > 1),
+        "trained_missing_from_stream": len(trained - present),
+        "steps_trained": trainer_version,
+        "steps_without_record": len(steps_missing),
+        "steps_replayed_with_other_entries": replayed_differently,
+        "dropped_stale": len(dropped),
+        "dropped_twice": len(dropped_rows) - len(dropped),
+        "dead_lettered": len(dead),
+        "dead_lettered_twice": len(dead_rows) - len(dead),
+        "pending": len(pending - trained),
+        "pending_trained": len(pending & trained),
+        "planned_not_trained": len(planned_not_trained),
+        "never_delivered": len(undelivered),
+        "in_two_states": in_two,
+        "unaccounted": len(present - accounted),
+        "waste_groups": groups - len(trained & present),
+    }
+    starts = sorted(first_ts[s] for s in plans)
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    out["stall_seconds"] = round(sum(g for g in gaps if g > stall_gap_s), 1)
+    out["longest_stall_s"] = round(max(gaps, default=0.0), 1)
+    out["waste_frac"] = out["waste_groups"] / groups if groups else 0.0
+    if redis_restarts_ms:
+        since = min(redis_restarts_ms)
+        drops_after = sum(1 for did, _ in dropped_rows if _ms(did) >= since)
+        trained_after = sum(len(plans[s][0]) for s in range(trainer_version)
+                            if s in plans and first_ts[s] * 1000 >= since)
+        consumed = drops_after + trained_after
+        out["stale_waste_after_redis_restarts"] = drops_after / consumed if consumed else 0.0
+    return out

@@ -1,0 +1,286 @@
+"""`rlstream chaos`: `rlstream run` under faults for a given time, then the run's ledger.
+
+The same children as `rlstream run` (its own redis-server with AOF, `launcher.n_engines`
+engines, `launcher.n_producers` producers and the trainer with `recover.mode=auto` and a
+recover checkpoint every step; defaults 2 and 2 here). For `--duration` seconds, at
+moments drawn from a seeded RNG, one fault at a time:
+
+- `trainer_kill`: SIGKILL the trainer (anywhere in a step), restart it (it resumes);
+- `producer_kill`: SIGKILL a producer (and its reward workers), restart it under its id;
+- `engine_kill`: SIGKILL an engine, restart it (it registers again; the next push updates it);
+- `engine_stop`: SIGSTOP an engine for a few seconds, then SIGCONT;
+- `redis_kill`: SIGKILL redis-server, leave it down a few seconds, restart it from its AOF
+  (`appendfsync always`: an acknowledged commit is on disk);
+- `garbage`: XADD undecodable or invalid entries into `{ns}:traj`.
+
+The first faults go through every kind once (in a seeded order), then kinds are drawn at
+random; the time between two faults is uniform in [0.5, 1.5]·`--mean-gap`. While it runs the admission state is sampled every ~0.5 s (`over_admissions`
+counts samples with accepted + running above (η + v + 1)·B). Afterwards the trainer gets
+SIGTERM (it finishes its step, checkpoints, acknowledges and publishes `shutdown`), the
+producers follow, and the ledger (`rlstream.broker.ledger`) is printed and written to
+`{run_dir}/chaos.json`, with the faults and their times. A child that exits without being
+killed is restarted too and counted in `unexpected_exits`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+from rlstream.common.config import Config, ConfigError
+from rlstream.common.logging import get_logger
+from rlstream.launcher.local import LocalRun, RunFailed, _echo
+from rlstream.launcher.procs import Child
+
+__all__ = ["CHAOS_OVERRIDES", "FAULTS", "ChaosRun", "chaos"]
+
+log = get_logger(__name__)
+
+# Applied before the user's overrides (which win).
+CHAOS_OVERRIDES = [
+    "launcher.n_engines=2", "launcher.n_producers=2", "launcher.live_view=false", "launcher.eval_n=0",
+    "recover.mode=auto", "recover.freq_steps=1", "total_train_steps=1000000",
+    "redis.appendonly=true", "redis.appendfsync=always",
+    # A killed engine's registration and a stopped engine's requests are given up in seconds.
+    "cluster.name_resolve.lease_ttl=3", "rollout.request_timeout=10", "rollout.request_retries=20",
+    "rollout.health_check_interval=1",
+]
+
+FAULTS = ("trainer_kill", "producer_kill", "engine_kill", "engine_stop", "redis_kill", "garbage")
+SAMPLE_S = 0.5
+FINISH_TIMEOUT_S = 180.0  # the trainer's graceful stop, then the producers'
+
+
+class ChaosRun(LocalRun):
+    """A LocalRun whose watch loop injects faults; `run` returns the ledger."""
+
+    def __init__(self, cfg: Config, duration: float, seed: int, mean_gap: float = 15.0) -> None:
+        if cfg.redis.url:
+            raise ConfigError("rlstream chaos starts and kills its own redis-server: leave redis.url empty")
+        super().__init__(cfg)
+        self.duration, self.seed, self.gap = duration, seed, (0.5 * mean_gap, 1.5 * mean_gap)
+        self.rng = random.Random(seed)
+        self.faults: list[dict[str, Any]] = []
+        self.redis_restarts_ms: list[int] = []
+        self.unexpected: list[str] = []
+        self.samples = self.over_admissions = 0
+        self.max_over = 0
+        self.garbage = 0
+
+    # ------------------------------------------------------------------ faults
+    def _kill(self, child: Child) -> None:
+        child._signal_group(signal.SIGCONT)  # a stopped process must be able to die
+        child._signal_group(signal.SIGKILL)
+        child.proc.wait(30)
+
+    def _restart_after(self, child: Child, low: float, high: float) -> float:
+        down = self.rng.uniform(low, high)
+        self._sleep(down)
+        child.start()
+        return down
+
+    def trainer_kill(self) -> str:
+        self._kill(self.trainer)
+        return f"down {self._restart_after(self.trainer, 0.0, 3.0):.1f}s, at step {self._trained_steps()}"
+
+    def producer_kill(self) -> str:
+        child = self.rng.choice(self.producers)
+        self._kill(child)
+        return f"{child.name}, down {self._restart_after(child, 0.0, 5.0):.1f}s"
+
+    def engine_kill(self) -> str:
+        child = self.rng.choice(self.engines)
+        self._kill(child)
+        return f"{child.name}, down {self._restart_after(child, 0.0, 3.0):.1f}s"
+
+    def engine_stop(self) -> str:
+        child = self.rng.choice(self.engines)
+        stopped = self.rng.uniform(2.0, 12.0)
+        child._signal_group(signal.SIGSTOP)
+        try:
+            self._sleep(stopped)
+        finally:
+            child._signal_group(signal.SIGCONT)
+        return f"{child.name}, stopped {stopped:.1f}s"
+
+    def redis_kill(self) -> str:
+        self._kill(self.own_redis)
+        down = self.rng.uniform(1.0, 8.0)
+        self._sleep(down)
+        self.own_redis.start()
+        self.redis_restarts_ms.append(int(time.time() * 1000))
+        return f"down {down:.1f}s"
+
+    def garbage_entries(self) -> str:
+        from rlstream.broker import TrajectoryStream
+
+        n = self.rng.randint(1, 3)
+        stream = TrajectoryStream(self.client, self.keys)
+        kinds = [{"d": self.rng.randbytes(self.rng.randint(0, 200))}, {"x": b"no payload"},
+                 {"d": b"\x85\xa1a\x01"}]  # random bytes, no `d` field, msgpack that is not a group
+        for _ in range(n):
+            stream.append_raw(self.rng.choice(kinds))
+        self.garbage += n
+        return f"{n} entries"
+
+    def inject(self, kind: str) -> None:
+        act: Callable[[], str] = getattr(self, "garbage_entries" if kind == "garbage" else kind)
+        t = time.monotonic() - self.t0
+        detail = act()
+        self.faults.append({"t": round(t, 1), "kind": kind, "detail": detail})
+        _echo(f"chaos {t:6.0f}s  {kind:<13} {detail}")
+
+    # ------------------------------------------------------------------ watching
+    def _sleep(self, seconds: float) -> None:
+        """Sleep while sampling admission and restarting children that died by themselves."""
+        end = time.monotonic() + seconds
+        while True:
+            self._check_signal()
+            self._sample()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(SAMPLE_S, left))
+
+    def _sample(self) -> None:
+        from rlstream.broker.admission import AdmissionController, budget
+
+        if not (self.own_redis and self.own_redis.running):
+            return
+        for child in [*self.engines, *self.producers, self.trainer]:
+            if child.proc is not None and child.proc.returncode is None and child.poll() is not None \
+                    and not getattr(self, "_stopping", False):
+                self.unexpected.append(f"{child.name} {child.proc.returncode}")
+                _echo(f"chaos: {child.name} exited by itself ({child.proc.returncode}); restarting; see "
+                      f"{child.log_path}", err=True)
+                child.start()
+        try:
+            s = AdmissionController.from_config(self.client, self.keys, self.cfg).snapshot()
+        except Exception as exc:  # noqa: BLE001 - Redis restarting: no sample
+            log.debug("admission sample failed: %s", exc)
+            return
+        self.samples += 1
+        over = s.accepted + s.running - budget(self.cfg.rollout.max_head_offpolicyness, s.version,
+                                                self.cfg.rollout.consumer_batch_size)
+        if over > 0:
+            self.over_admissions += 1
+            self.max_over = max(self.max_over, over)
+
+    # ------------------------------------------------------------------ the run
+    def stop_gracefully(self) -> None:
+        """SIGTERM the trainer (it finishes its step and publishes `shutdown`); producers follow."""
+        self._stopping = True
+        self.trainer._signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + FINISH_TIMEOUT_S
+        while any(c.running for c in [self.trainer, *self.producers]) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        stuck = [c.name for c in [self.trainer, *self.producers] if c.running]
+        if stuck:
+            self.unexpected.append(f"not stopped after the shutdown: {', '.join(stuck)}")
+        self.stop_all(graceful=False)
+
+    def chaos_loop(self) -> None:
+        order = list(FAULTS)
+        self.rng.shuffle(order)  # every kind once, in a seeded order, then at random
+        end = time.monotonic() + self.duration
+        # Faults start once the run trains (the first step is recorded).
+        while self._trained_steps() < 1:
+            self._sleep(1.0)
+            if time.monotonic() > end + self.cfg.launcher.startup_timeout:
+                raise RunFailed("no train step before the chaos started; see the logs in " + str(self.logs))
+        while True:
+            self._sleep(self.rng.uniform(*self.gap))
+            if time.monotonic() >= end:
+                break
+            self.inject(order.pop(0) if order else self.rng.choice(FAULTS))
+        # Let the run show that it recovered: one more step after the last fault.
+        steps, deadline = self._trained_steps(), time.monotonic() + FINISH_TIMEOUT_S
+        while self._trained_steps() <= steps and time.monotonic() < deadline:
+            self._sleep(1.0)
+
+    def run(self) -> dict[str, Any]:  # type: ignore[override]
+        from rlstream.broker.ledger import ledger
+        from rlstream.trainer.budget import resolve_budget
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._fresh_start(force=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.prepare()
+        self.budget = resolve_budget(self.cfg)
+        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start_redis()
+            self.write_child_config()
+            _echo(f"inspect: {self.inspect_command()}")
+            self.start_engines()
+            self.t0 = time.monotonic()
+            self.start_trainer()
+            self.start_producers()
+            _echo(f"chaos: {self.duration:.0f}s of faults, seed {self.seed}")
+            self.chaos_loop()
+            _echo("chaos: faults over; stopping the trainer (SIGTERM), then the producers and engines")
+            self.stop_gracefully()
+            result = ledger(self.client, self.keys, redis_restarts_ms=self.redis_restarts_ms)
+        except BaseException:
+            self.stop_all(graceful=False)
+            raise
+        finally:
+            self.stop_redis()
+            for s, h in old.items():
+                signal.signal(s, h)
+        result.update({
+            "garbage_injected": self.garbage, "over_admissions": self.over_admissions,
+            "max_over_admission": self.max_over, "admission_samples": self.samples,
+            "unexpected_exits": len(self.unexpected), "unexpected": self.unexpected,
+            "duration_s": round(time.monotonic() - self.t0, 1), "seed": self.seed,
+            "faults": dict(sorted({k: sum(f["kind"] == k for f in self.faults) for k in FAULTS}.items())),
+            "fault_log": self.faults,
+        })
+        (self.run_dir / "chaos.json").write_text(json.dumps(result, indent=1))
+        return result
+
+
+LEDGER_LINES = [
+    ("entries added", "entries_added"), ("groups committed by producers", "groups_committed"),
+    ("garbage injected / dead-lettered", ("garbage_injected", "dead_lettered")),
+    ("trained once", "trained_once"), ("trained twice", "trained_twice"), ("dropped stale", "dropped_stale"),
+    ("pending (replayed on restart)", "pending"), ("never delivered (queued at the end)", "never_delivered"),
+    ("lost (committed, not in the stream)", "lost"), ("unaccounted", "unaccounted"),
+    ("in two states", "in_two_states"), ("over-admissions (samples)", ("over_admissions", "admission_samples")),
+    ("steps trained", "steps_trained"), ("stall seconds (gaps > 10 s)", "stall_seconds"),
+    ("longest stall (s)", "longest_stall_s"), ("waste: groups generated, not trained", ("waste_groups", "waste_frac")),
+    ("stale waste after Redis restarts", "stale_waste_after_redis_restarts"),
+    ("unexpected exits", "unexpected_exits"),
+]
+
+
+def format_ledger(result: dict[str, Any]) -> list[str]:
+    """The ledger as aligned `name  value` lines."""
+    out = []
+    for name, key in LEDGER_LINES:
+        if isinstance(key, tuple):
+            a, b = (result.get(k) for k in key)
+            value = f"{a} ({b:.1%})" if isinstance(b, float) else f"{a} / {b}"
+        else:
+            v = result.get(key)
+            value = f"{v:.2%}" if isinstance(v, float) and key.endswith("restarts") else str(v)
+        out.append(f"{name:<40} {value}")
+    out.append(f"{'faults':<40} " + ", ".join(f"{k} {n}" for k, n in result["faults"].items()))
+    return out
+
+
+def chaos(cfg: Config, duration: float, seed: int, mean_gap: float = 15.0) -> dict[str, Any]:
+    """Entry of `rlstream chaos`: runs, prints the ledger, returns it."""
+    try:
+        result = ChaosRun(cfg, duration, seed, mean_gap).run()
+    except RunFailed as exc:
+        _echo(f"rlstream: chaos stopped: {exc}", err=True)
+        raise SystemExit(1) from None
+    _echo(f"ledger ({Path(cfg.run_dir) / 'chaos.json'}):")
+    for line in format_ledger(result):
+        _echo("  " + line)
+    return result
