@@ -233,7 +233,7 @@ class ChaosRun(LocalRun):
             for s, h in old.items():
                 signal.signal(s, h)
         result.update({
-            "garbage_injected": self.garbage, "over_admissions": self.over_admissions,
+            "garbage_injected": self.garbage, "redis_restarts": len(self.redis_restarts_ms), "over_admissions": self.over_admissions,
             "max_over_admission": self.max_over, "admission_samples": self.samples,
             "unexpected_exits": len(self.unexpected), "unexpected": self.unexpected,
             "duration_s": round(time.monotonic() - self.t0, 1), "seed": self.seed,

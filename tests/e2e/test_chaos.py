@@ -1,0 +1,51 @@
+"""The short chaos soak: `rlstream chaos` on the CPU demo (2 engines, 2 producers, the trainer with
+recover.mode=auto and a recover checkpoint every step, its own AOF Redis) for ~80 s of faults at
+seeded moments: every kind at least once (trainer, producer and engine SIGKILL + restart, an engine
+SIGSTOP/SIGCONT, Redis SIGKILL + restart from its AOF, garbage entries).
+
+The ledger is read from Redis after the trainer stopped (`rlstream.broker.ledger`, written to
+`{run_dir}/chaos.json`): nothing lost, nothing trained twice, nothing unaccounted, never over
+the admission budget, every garbage entry dead-lettered, no child exiting by itself. The
+long version is benchmarks/chaos.py (its ledger is in benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.helpers import child_env, cli
+
+ROOT_CONFIG = "configs/tiny-cpu.yaml"
+
+
+def test_short_chaos_soak_loses_nothing(tmp_path):
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    log = tmp_path / "chaos.log"
+    with open(log, "wb") as out:
+        proc = subprocess.run(
+            cli("chaos", "--config", str(root / ROOT_CONFIG), "--duration", "80", "--seed", "3", "--mean-gap", "9",
+                f"cluster.fileroot={tmp_path / 'runs'}", "launcher.sft_steps=0", "launcher.demo.n_train=2000"),
+            stdout=out, stderr=subprocess.STDOUT, env=child_env(), cwd=tmp_path, timeout=900)
+    text = log.read_text(errors="replace")
+    result_path = tmp_path / "runs" / "tiny-cpu" / "run0" / "chaos.json"
+    assert result_path.exists(), text[-4000:]
+    r = json.loads(result_path.read_text())
+    assert proc.returncode == 0, text[-4000:]
+
+    # Every fault kind happened.
+    assert all(n >= 1 for n in r["faults"].values()), r["faults"]
+    assert r["redis_restarts"] == r["faults"]["redis_kill"] >= 1
+    # The ledger: every entry is in exactly one place.
+    assert r["steps_trained"] > 0 and r["trained_once"] == r["steps_trained"] * 8, r
+    for key in ("lost", "trained_twice", "unaccounted", "in_two_states", "over_admissions", "unexpected_exits",
+                "steps_without_record", "steps_replayed_with_other_entries", "trained_missing_from_stream",
+                "dropped_twice", "dead_lettered_twice", "pending_trained"):
+        assert r[key] == 0, (key, r, text[-3000:])
+    assert r["admission_samples"] > 0
+    assert r["dead_lettered"] == r["garbage_injected"] == r["garbage_in_stream"] >= 1, r
+    assert r["groups_committed"] + r["garbage_injected"] == r["entries_added"], r
+    assert (r["trained_once"] + r["dropped_stale"] + r["dead_lettered"] + r["pending"] + r["never_delivered"]
+            == r["entries_added"]), r
