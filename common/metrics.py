@@ -65,6 +65,8 @@ class StatsLogger:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / "metrics.jsonl"
         self._jsonl = open(self.path, "a", encoding="utf-8")
+        if self._jsonl.tell() > 0 and not self.path.read_bytes().endswith(b"\n"):
+            self._jsonl.write("\n")  # a process killed mid-line: the next row starts on its own line
         sl = cfg.stats_logger
         if sl.tensorboard.enabled:
             from torch.utils.tensorboard import SummaryWriter
@@ -111,6 +113,20 @@ class StatsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
+
+    def logged_steps(self) -> set[int]:
+        """Train steps with a row in metrics.jsonl (evaluation rows and torn lines aside)."""
+        if not self.enabled or not self.path.exists():
+            return set()
+        steps = set()
+        for line in self.path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and "step" in row and "eval/version" not in row:
+                steps.add(int(row["step"]))
+        return steps
 
     def log_eval(self, version: int, metrics: Mapping[str, float]) -> None:
         """An evaluation of version `version` (`eval/*` keys): a line, a JSONL record at step =

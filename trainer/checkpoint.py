@@ -56,6 +56,7 @@ class TrainState(msgspec.Struct, kw_only=True):
     total_train_steps: int = 0
     optimizer: str = ""  # actor.optimizer.type: its state only loads into the same kind
     created_at: float = 0.0
+    last_metrics: dict[str, float] = {}  # metrics row of the step this checkpoint ends (its time/step excepted)
 
 
 class RankState(msgspec.Struct, kw_only=True):

@@ -20,6 +20,7 @@ acknowledges entries right after their step.
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import signal
@@ -245,6 +246,8 @@ def _train(cfg: Config, par: Parallel) -> None:
 
         stats.registry.register(RunCollector(client, keys, eta=cfg.rollout.max_head_offpolicyness, batch=B,
                                              max_concurrent=cfg.max_concurrent_rollouts))
+    if state.step > 0 and state.last_metrics and state.step not in stats.logged_steps():
+        stats.log(state.step, state.last_metrics)  # killed after the checkpoint, before the row was written
     evals = EvalFeed(client, keys, enabled=par.is_main and cfg.evaluator.enabled)
     if state.step > 0:
         evals.skip_logged()  # a resumed run logged the earlier evaluations already
@@ -282,7 +285,31 @@ def _train(cfg: Config, par: Parallel) -> None:
         broadcaster.push(par.unwrap(model), state.version)
         t_push = time.perf_counter() - t0
 
-        # 6. checkpoints; entries are acknowledged once a durable checkpoint covers them
+        data_stats = torch.tensor([data.wait_s, t_collate], dtype=torch.float64)
+        counts = torch.tensor([data.n_dropped_stale, data.n_dead, float(data.replayed), len(data.entries)],
+                              dtype=torch.float64)
+        episodes = _episode_counts(data.entries)
+        par.all_reduce([data_stats], "max")
+        par.all_reduce([counts, episodes], "sum")
+        compute = metrics["time/logprobs"] + metrics["time/update"]
+        metrics.update({
+            "version": state.version, "epoch": state.step / steps_per_epoch if steps_per_epoch else 0.0,
+            "time/wait_data": float(data_stats[0]), "time/collate": float(data_stats[1]),
+            "time/weight_push": t_push,
+            "data/n_groups": float(counts[3]), "data/dropped_stale": float(counts[0]), "data/dead": float(counts[1]),
+            "data/replayed": float(counts[2] > 0),
+            "perf/tokens_per_s": metrics["data/n_tokens"] / compute if compute > 0 else 0.0,
+        })
+        if episodes[0] > 0:  # multi-turn episodes (AgentWorkflow metadata)
+            metrics["agent/turns"] = float(episodes[1] / episodes[0])
+            metrics["agent/tool_call_rate"] = float(episodes[2] / episodes[0])
+        report = getattr(broadcaster, "last", None)
+        if report is not None and report.version == state.version:  # bytes per engine (a LoRA push: the adapter)
+            metrics["perf/push_bytes"] = float(report.bytes)
+        # 6. checkpoints; entries are acknowledged once a durable checkpoint covers them. The
+        # step's metrics row goes into the recover checkpoint: a kill after it is durable and
+        # before the row is written would leave metrics.jsonl without the step (it is not re-run).
+        state.last_metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
         t0 = time.perf_counter()
         if _due(par, state.step, last_save_t, cfg.saver.freq_steps, cfg.saver.freq_secs,
                 cfg.saver.freq_epochs, steps_per_epoch) and state.step < total_steps:
@@ -303,30 +330,7 @@ def _train(cfg: Config, par: Parallel) -> None:
             # Retention: only entries every consumer group acknowledged are trimmed, so the
             # entries of steps a crash would replay (unacked) always stay.
             reader.stream.trim_acked(keep=cfg.redis.stream_maxlen)
-        t_ckpt = time.perf_counter() - t0
-
-        data_stats = torch.tensor([data.wait_s, t_collate], dtype=torch.float64)
-        counts = torch.tensor([data.n_dropped_stale, data.n_dead, float(data.replayed), len(data.entries)],
-                              dtype=torch.float64)
-        episodes = _episode_counts(data.entries)
-        par.all_reduce([data_stats], "max")
-        par.all_reduce([counts, episodes], "sum")
-        step_time = time.perf_counter() - t_step
-        compute = metrics["time/logprobs"] + metrics["time/update"]
-        metrics.update({
-            "version": state.version, "epoch": state.step / steps_per_epoch if steps_per_epoch else 0.0,
-            "time/wait_data": float(data_stats[0]), "time/collate": float(data_stats[1]),
-            "time/weight_push": t_push, "time/checkpoint": t_ckpt, "time/step": step_time,
-            "data/n_groups": float(counts[3]), "data/dropped_stale": float(counts[0]), "data/dead": float(counts[1]),
-            "data/replayed": float(counts[2] > 0),
-            "perf/tokens_per_s": metrics["data/n_tokens"] / compute if compute > 0 else 0.0,
-        })
-        if episodes[0] > 0:  # multi-turn episodes (AgentWorkflow metadata)
-            metrics["agent/turns"] = float(episodes[1] / episodes[0])
-            metrics["agent/tool_call_rate"] = float(episodes[2] / episodes[0])
-        report = getattr(broadcaster, "last", None)
-        if report is not None and report.version == state.version:  # bytes per engine (a LoRA push: the adapter)
-            metrics["perf/push_bytes"] = float(report.bytes)
+        metrics = {**metrics, "time/checkpoint": time.perf_counter() - t0, "time/step": time.perf_counter() - t_step}
         stats.log(state.step, metrics)
         evals.log_new(stats)
 

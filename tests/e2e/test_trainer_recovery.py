@@ -149,3 +149,48 @@ def test_stream_maxlen_trims_only_acknowledged_entries(tmp_path, redis_url, rcli
     assert rclient.xpending(keys.traj, "train")["pending"] == 0
     # the step log still names the trimmed entries: the history of what was trained is kept
     assert sum(len(r.entry_ids) for r in StepLog(rclient, keys).all()) == trained
+
+
+def test_step_whose_checkpoint_was_durable_before_a_kill_keeps_its_metrics_row(tmp_path, redis_url, rclient,
+                                                                               experiment, tiny_model_path):
+    """A SIGKILL after step 4's recover checkpoint is durable and before its metrics.jsonl row is
+    written leaves exactly this state: checkpoint at step 4, rows 1-3 (step 4 is not re-run on
+    resume, so its row used to be missing for good). The resumed trainer writes the row from the
+    checkpoint; every step then has one row with the step's own numbers."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    stream = TrajectoryStream(rclient, Keys(namespace(experiment, "trial0")))
+    for g in synthetic_groups(STEPS * BATCH, seed=3, vocab_size=model.config.vocab_size, model=model):
+        stream.append(g)
+    metrics = tmp_path / "runs" / experiment / "trial0" / "metrics.jsonl"
+    log = tmp_path / "train.log"
+    proc = _start([*_cmd(tmp_path, redis_url, experiment, tiny_model_path), "recover.freq_steps=1",
+                   "total_train_steps=4"], log)
+    try:
+        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        _stop(proc)
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    removed = rows.pop()
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"step": 4, "ts": 1')  # torn mid-line too
+
+    proc = _start(_cmd(tmp_path, redis_url, experiment, tiny_model_path), log)
+    try:
+        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+    finally:
+        _stop(proc)
+    rows = []
+    for line in metrics.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            assert line == '{"step": 4, "ts": 1', line  # the torn line stays alone on its line
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    restored = rows[3]
+    for k, v in removed.items():
+        if k not in ("ts", "time/step", "time/checkpoint"):
+            assert restored[k] == v, (k, restored[k], v)
