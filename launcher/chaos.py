@@ -15,7 +15,8 @@ moments drawn from a seeded RNG, one fault at a time:
 
 The first faults go through every kind once (in a seeded order), then kinds are drawn at
 random; the time between two faults is uniform in [0.5, 1.5]·`--mean-gap`. While it runs the admission state is sampled every ~0.5 s (`over_admissions`
-counts samples with accepted + running above (η + v + 1)·B). Afterwards the trainer gets
+counts samples with accepted + running above (η + v + 1)·B, apart from those while a resumed
+trainer republished an older version, see `_sample`). Afterwards the trainer gets
 SIGTERM (it finishes its step, checkpoints, acknowledges and publishes `shutdown`), the
 producers follow, and the ledger (`rlstream.broker.ledger`) is printed and written to
 `{run_dir}/chaos.json`, with the faults and their times. A child that exits without being
@@ -67,7 +68,8 @@ class ChaosRun(LocalRun):
         self.faults: list[dict[str, Any]] = []
         self.redis_restarts_ms: list[int] = []
         self.unexpected: list[str] = []
-        self.samples = self.over_admissions = 0
+        self.samples = self.over_admissions = self.over_after_rollback = self.max_version = 0
+        self.over_rows: list[dict[str, Any]] = []
         self.max_over = 0
         self.garbage = 0
 
@@ -166,9 +168,22 @@ class ChaosRun(LocalRun):
         self.samples += 1
         over = s.accepted + s.running - budget(self.cfg.rollout.max_head_offpolicyness, s.version,
                                                 self.cfg.rollout.consumer_batch_size)
+        rolled_back = s.version < self.max_version
+        self.max_version = max(self.max_version, s.version)
         if over > 0:
-            self.over_admissions += 1
-            self.max_over = max(self.max_over, over)
+            # A trainer killed between publishing version V and its checkpoint resumes at V-1 and
+            # republishes it: the budget shrinks by B while the replayed step's groups are queued
+            # again, so the count exceeds it by up to B until the step is trained again. Nothing is
+            # admitted meanwhile (capacity < 0); those samples are counted apart.
+            row = {"t": round(time.monotonic() - self.t0, 1), "accepted": s.accepted, "running": s.running,
+                   "version": s.version, "max_version": self.max_version, "over": over}
+            if rolled_back and over <= self.cfg.rollout.consumer_batch_size:
+                self.over_after_rollback += 1
+            else:
+                self.over_admissions += 1
+                self.max_over = max(self.max_over, over)
+            if len(self.over_rows) < 20:
+                self.over_rows.append(row)
 
     # ------------------------------------------------------------------ the run
     def stop_gracefully(self) -> None:
@@ -234,7 +249,8 @@ class ChaosRun(LocalRun):
                 signal.signal(s, h)
         result.update({
             "garbage_injected": self.garbage, "redis_restarts": len(self.redis_restarts_ms), "over_admissions": self.over_admissions,
-            "max_over_admission": self.max_over, "admission_samples": self.samples,
+            "max_over_admission": self.max_over, "over_budget_after_rollback": self.over_after_rollback,
+            "over_budget_samples": self.over_rows, "admission_samples": self.samples,
             "unexpected_exits": len(self.unexpected), "unexpected": self.unexpected,
             "duration_s": round(time.monotonic() - self.t0, 1), "seed": self.seed,
             "faults": dict(sorted({k: sum(f["kind"] == k for f in self.faults) for k in FAULTS}.items())),
@@ -251,6 +267,7 @@ LEDGER_LINES = [
     ("pending (replayed on restart)", "pending"), ("never delivered (queued at the end)", "never_delivered"),
     ("lost (committed, not in the stream)", "lost"), ("unaccounted", "unaccounted"),
     ("in two states", "in_two_states"), ("over-admissions (samples)", ("over_admissions", "admission_samples")),
+    ("over budget after a version rollback (samples)", "over_budget_after_rollback"),
     ("steps trained", "steps_trained"), ("stall seconds (gaps > 10 s)", "stall_seconds"),
     ("longest stall (s)", "longest_stall_s"), ("waste: groups generated, not trained", ("waste_groups", "waste_frac")),
     ("stale waste after Redis restarts", "stale_waste_after_redis_restarts"),

@@ -14,7 +14,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from rlstream.broker.connection import BrokerError, connect, explain, mask_url, with_url
+from rlstream.broker.connection import BrokerError, BrokerUnavailable, connect, explain, mask_url, with_url
 from rlstream.broker.inspect import collect, list_namespaces, namespace_summary
 from rlstream.broker.keys import Keys
 
@@ -176,8 +176,10 @@ def inspect_main(cfg: Any, redis_url: str | None = None, namespace: str | None =
 
     rcfg = with_url(cfg.redis, redis_url)
     url = rcfg.url
-    # Looking once: fail fast. Watching: ride out a short Redis restart between refreshes.
-    client = connect(rcfg, retries=0 if not watch else 2, client_name="rlstream-inspect")
+    # Looking once: fail fast. Watching: ride out an outage like every component (redis.retries
+    # logged attempts, then one "still waiting" line per ~10 s up to redis.outage_tolerance,
+    # then one line and exit 1).
+    client = connect(rcfg, retries=0 if not watch else None, client_name="rlstream-inspect")
     ns = namespace or cfg.namespace
     if namespace is None and not list_only:
         try:
@@ -226,6 +228,8 @@ def inspect_main(cfg: Any, redis_url: str | None = None, namespace: str | None =
                 try:
                     data, _ = snapshot_or_error()
                     line = data
+                except BrokerUnavailable:
+                    raise  # past redis.outage_tolerance
                 except BrokerError as exc:
                     line = {"error": str(exc), "ts": time.time()}
                 sys.stdout.write(json.dumps(line, default=str) + "\n")
@@ -241,6 +245,8 @@ def inspect_main(cfg: Any, redis_url: str | None = None, namespace: str | None =
             while True:
                 try:
                     _, view = snapshot_or_error()
+                except BrokerUnavailable:
+                    raise
                 except BrokerError as exc:
                     view = Text(str(exc), style="red")
                 console.print(Rule())
@@ -252,7 +258,9 @@ def inspect_main(cfg: Any, redis_url: str | None = None, namespace: str | None =
             while True:
                 try:
                     _, view = snapshot_or_error()
-                except BrokerError as exc:  # keep watching: Redis may come back
+                except BrokerUnavailable:
+                    raise
+                except BrokerError as exc:  # keep watching: the namespace may appear
                     view = Text(f"{exc} (retrying every {interval:g} s; Ctrl-C to stop)", style="red")
                 live.update(view)
                 time.sleep(interval)

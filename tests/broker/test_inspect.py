@@ -20,6 +20,7 @@ from rlstream.broker import (
     StepRecord,
     TrajectoryStream,
     VersionRegistry,
+    connect,
     namespace,
     write_run_meta,
 )
@@ -246,6 +247,55 @@ def test_cli_watch_refreshes_and_ctrl_c_exits_zero(redis_url, populated, as_json
         err = p.stderr.read()
         assert p.returncode == 0, err
         assert "Traceback" not in err
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def test_cli_watch_rides_out_a_redis_outage(redis_factory, experiment, group_factory, tmp_path):
+    """`inspect --watch` through a Redis SIGKILL + restart from its AOF (~13 s down): it keeps running,
+    logs that it is waiting (not one error per refresh), and shows the namespace again afterwards;
+    nothing it printed is an error document. Past redis.outage_tolerance it exits 1 with one line."""
+    server = redis_factory(["--appendonly", "yes", "--appendfsync", "always"])
+    client = connect(server.url)
+    keys = Keys(namespace(experiment, "t1"))
+    stream = TrajectoryStream(client, keys)
+    stream.ensure_group()
+    for _ in range(3):
+        stream.append(group_factory())
+    client.close()
+    err_path = tmp_path / "inspect.err"
+    args = [sys.executable, "-m", "rlstream.launcher.cli", "inspect", "--redis", server.url, "--namespace",
+            keys.ns, "--watch", "0.5", "--json", "redis.outage_tolerance=25"]
+    with open(err_path, "w") as err:
+        p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        lines = _lines(p.stdout)
+        assert json.loads(lines.get(timeout=60))["stream"]["length"] == 3
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        time.sleep(13)
+        assert p.poll() is None, err_path.read_text()
+        server.start()
+        # After the restart the refreshes show the namespace again; none was an error document.
+        docs = []
+        while True:
+            line = lines.get(timeout=60)
+            assert line is not None, err_path.read_text()
+            docs.append(json.loads(line))
+            assert "error" not in docs[-1], docs[-1]
+            if docs[-1]["stream"]["length"] == 3 and len(docs) >= 2:
+                break
+        err = err_path.read_text()
+        assert "still waiting" in err and "Traceback" not in err, err
+
+        # Gone for longer than the tolerance: one line naming it, exit 1.
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        assert p.wait(timeout=120) == 1
+        err = err_path.read_text()
+        assert "redis.outage_tolerance=25" in err.strip().splitlines()[-1] and "Traceback" not in err, err
     finally:
         if p.poll() is None:
             p.kill()
