@@ -365,6 +365,16 @@ class AgentConfig(_Section):
     sandbox: D(SandboxConfig, "Limits of the process the python tool runs code in.") = msgspec.field(default_factory=SandboxConfig)
 
 
+class GatewayConfig(_Section):
+    host: D(str, "Bind address of the OpenAI-compatible gateway (`rlstream gateway`).") = "127.0.0.1"
+    port: D(int, "Port of the gateway (0 = pick a free one).", ge=0, le=65535) = 0
+    group_size: D(int | None, "Sessions (episodes) of one prompt or named group that form one trajectory group (None = gconfig.n_samples).", ge=1) = None
+    session_timeout: D(float, "Seconds a session may stay idle (no call, no reward) before it is abandoned; a group that waits this long for members commits what finished.", gt=0) = 300.0
+    admission_timeout: D(float, "Seconds the first call of a group waits for an admission lease before answering 503.", gt=0) = 600.0
+    sampling: D(Literal["config", "request"], "config = temperature/top_p/top_k from gconfig whatever a request says (the trainer recomputes logprobs at actor.temperature); request = the request's temperature/top_p (0 = greedy).") = "config"
+    gateway_id: D(str | None, "Producer id the gateway commits under (None = gateway-hostname-pid).") = None
+
+
 class ServerConfig(_Section):
     host: D(str, "Bind address of the local engine (127.0.0.1 unless told otherwise).") = "127.0.0.1"
     port: D(int, "Port of the local engine (0 = pick a free one).", ge=0, le=65535) = 0
@@ -456,6 +466,7 @@ class Config(_Section):
     producer: D(ProducerConfig, "Rollout producers.") = msgspec.field(default_factory=ProducerConfig)
     agent: D(AgentConfig, "Multi-turn episodes with tools (producer.workflow=rlstream.producer.agent:AgentWorkflow).") = msgspec.field(default_factory=AgentConfig)
     server: D(ServerConfig, "The local CPU/GPU engine (`rlstream serve`).") = msgspec.field(default_factory=ServerConfig)
+    gateway: D(GatewayConfig, "The OpenAI-compatible gateway (`rlstream gateway`): agents' calls recorded token-in/token-out as episodes.") = msgspec.field(default_factory=GatewayConfig)
     launcher: D(LauncherConfig, "`rlstream run` placement on one machine.") = msgspec.field(default_factory=LauncherConfig)
 
     # ---- derived values (not config keys) ----------------------------------------

@@ -164,6 +164,14 @@ def produce(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
 
 
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
+def gateway(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
+    """Serve an OpenAI-compatible API that records agents' calls as training episodes (docs/agentic.md)."""
+    from rlstream.producer.gateway import serve as gateway_main
+
+    _guard(gateway_main, load(config, ctx.args))
+
+
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def train(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Run the trainer (one process, or each rank under torchrun)."""
     from rlstream.trainer.main import train as train_main

@@ -26,7 +26,7 @@ from rlstream.launcher.procs import CHILD_ENV, stop_process, wait_for_port
 
 __all__ = [
     "free_port", "stop_process", "child_env", "cli", "redis_server_binary", "RedisServer", "EngineProcess",
-    "ProducerProcess", "make_group", "write_arith_dataset", "engine_overrides", "producer_overrides",
+    "ProducerProcess", "GatewayProcess", "make_group", "write_arith_dataset", "engine_overrides", "producer_overrides",
     "PROMPTS", "recompute_logprobs", "behaviour_logprobs", "perturbed_state", "vllm_python_or_skip", "VllmServer",
 ]
 
@@ -124,6 +124,21 @@ class EngineProcess:
             stop_process(self.proc, 20)
         if getattr(self, "_log", None):
             self._log.close()
+
+
+class GatewayProcess(EngineProcess):
+    """`rlstream gateway` on a free 127.0.0.1 port; learns its address from RLSTREAM_GATEWAY_ADDR_FILE."""
+
+    def launch(self) -> "GatewayProcess":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.addr_file = self.workdir / "addr"
+        self.addr_file.unlink(missing_ok=True)
+        self.log_path = self.workdir / "gateway.log"
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(cli("gateway", "gateway.host=127.0.0.1", "gateway.port=0", *self.overrides),
+                                     stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=child_env(RLSTREAM_GATEWAY_ADDR_FILE=str(self.addr_file)))
+        return self
 
 
 class ProducerProcess:
