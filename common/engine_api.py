@@ -262,6 +262,10 @@ class ServerInfo(_Body):
     peak_running: int | None = None
     weight_version: int | str | None = None
     busy_seconds: float | None = None
+    prefill_tokens: int | None = None  # rlstream local engine: prompt tokens run through the model
+    cached_prompt_tokens: int | None = None  # ... and those whose KV came from its prefix cache
+    prefix_cache_entries: int | None = None
+    prefix_cache_used_tokens: int | None = None
     tp_size: int | None = None
     pp_size: int | None = None
     tensor_parallel_size: int | None = None

@@ -24,6 +24,15 @@ in `engine/sampling.py`. Results are the contract's `GenerateResponse`
 
 Weights change only between decode steps (`apply_weights` takes the step lock), and
 every output token records the weight version that produced it.
+
+Prefix reuse (as SGLang's radix cache, in its simplest form): when a request finishes,
+the KV of its tokens (prompt + output, less the last sampled token, which was never fed)
+is kept in an LRU of at most `prefix_cache_tokens` tokens. A later prompt that shares a
+prefix with a kept entry — the next turn of a multi-turn episode is the previous turn's
+prompt and output plus the observation — is prefilled from that KV: only the tokens after
+the common prefix go through the model. A weight update empties the cache (its KV came
+from the old weights). The outputs are those of a full prefill up to float rounding
+(the kept KV of output tokens was computed one decode step at a time).
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import itertools
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,7 +117,7 @@ class LocalEngine:
 
     def __init__(self, model_path: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None,
                  device: str = "auto", dtype: str = "float32", max_batch_size: int = 64,
-                 max_seq_len: int = 4096, seed: int = 1, version: int = 0) -> None:
+                 max_seq_len: int = 4096, seed: int = 1, version: int = 0, prefix_cache_tokens: int = 0) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = resolve_model_path(str(model_path), "server.model_path")
@@ -173,6 +182,14 @@ class LocalEngine:
         self.total_steps = 0
         self.busy_seconds = 0.0  # wall time spent in prefill/decode steps (idle fraction for benchmarks)
         self.peak_running = 0  # most sequences ever decoded in one step
+        self.prefill_tokens = 0  # prompt tokens run through the model in prefills
+        self.cached_prompt_tokens = 0  # prompt tokens whose KV came from the prefix cache instead
+
+        # Prefix cache (decode thread, and apply_weights under the step lock): token ids -> per-layer KV.
+        self.prefix_cache_tokens = max(0, int(prefix_cache_tokens))
+        self._prefixes: OrderedDict[int, _Prefix] = OrderedDict()
+        self._prefix_total = 0
+        self._prefix_ids = itertools.count()
 
     @classmethod
     def from_config(cls, cfg) -> "LocalEngine":
@@ -182,7 +199,8 @@ class LocalEngine:
         if not model_path:
             raise ValueError("no model to serve: set server.model_path or actor.path")
         return cls(model_path, tokenizer_path=cfg.tokenizer_path or model_path, device=s.device, dtype=s.dtype,
-                   max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, seed=cfg.seed)
+                   max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, seed=cfg.seed,
+                   prefix_cache_tokens=s.prefix_cache_tokens)
 
     def _eos_ids(self) -> frozenset[int]:
         # The one source of stop tokens (tokenizer EOS + generation_config eos ids), shared with
@@ -329,6 +347,8 @@ class LocalEngine:
                                      f"served model's {tuple(dst.shape)}")
                 dst.copy_(tensor)
                 n += 1
+            if n:
+                self._clear_prefixes()  # their KV came from the old weights
             if version is not None:
                 self._version = int(version)
         return n
@@ -368,7 +388,14 @@ class LocalEngine:
         return {"running": len(self._rows), "waiting": len(self._waiting), "paused": self._paused,
                 "total_tokens": self.total_tokens, "total_requests": self.total_requests,
                 "total_steps": self.total_steps, "peak_running": self.peak_running, "weight_version": self._version,
-                "busy_seconds": round(self.busy_seconds, 6)}
+                "busy_seconds": round(self.busy_seconds, 6), "prefill_tokens": self.prefill_tokens,
+                "cached_prompt_tokens": self.cached_prompt_tokens, "prefix_cache_entries": len(self._prefixes),
+                "prefix_cache_used_tokens": self._prefix_total}
+
+    def flush_cache(self) -> None:
+        """Drop every kept prefix (SGLang's /flush_cache)."""
+        with self._step_lock:
+            self._clear_prefixes()
 
     # ------------------------------------------------------------------ results
 
@@ -504,6 +531,32 @@ class LocalEngine:
         return torch.where(keep, zero, torch.finfo(self.dtype).min)
 
     def _prefill(self, reqs: list[_Request]) -> None:
+        fresh = []
+        for r in reqs:
+            hit = self._lookup_prefix(r.prompt)
+            if hit is None:
+                fresh.append(r)
+            else:
+                self._prefill_from(r, *hit)
+        if fresh:
+            self._prefill_batch(fresh)
+
+    def _prefill_from(self, req: _Request, entry: "_Prefix", n: int) -> None:
+        """Prefill one request whose first `n` prompt tokens have kept KV: only the rest runs."""
+        dev = self.device
+        cache = _make_cache([(k[:, :, :n], v[:, :, :n]) for k, v in entry.kv])
+        rest = torch.tensor([req.prompt[n:]], dtype=torch.long, device=dev)
+        L = len(req.prompt)
+        mask = torch.ones((1, L), dtype=torch.long, device=dev)
+        pos = torch.arange(n, L, dtype=torch.long, device=dev)[None]
+        logits, cache = self._forward(rest, mask, pos, cache)
+        self.total_requests += 1
+        self.prefill_tokens += L - n
+        self.cached_prompt_tokens += n
+        self._merge([req], cache, mask, torch.tensor([L], dtype=torch.long, device=dev))
+        self._sample_and_advance(logits, rows=[len(self._rows) - 1])
+
+    def _prefill_batch(self, reqs: list[_Request]) -> None:
         from transformers import DynamicCache
 
         dev = self.device
@@ -518,6 +571,7 @@ class LocalEngine:
         logits, cache = self._forward(ids, mask, pos, DynamicCache())
         next_pos = mask.sum(-1)
         self.total_requests += n
+        self.prefill_tokens += sum(len(r.prompt) for r in reqs)
         self._merge(reqs, cache, mask, next_pos)
         self._sample_and_advance(logits, rows=list(range(len(self._rows) - n, len(self._rows))))
 
@@ -589,10 +643,65 @@ class LocalEngine:
             elif n >= r.params.max_new_tokens or len(r.prompt) + n >= self.max_seq_len:
                 finish = FinishReason(type="length", length=n)
             if finish is not None:
+                self._keep_prefix(i, r)
                 self._deliver(r, finish)
                 finished.add(i)
         if finished:
             self._select_rows([i for i in range(len(self._rows)) if i not in finished])
+
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def _keep_prefix(self, row: int, req: _Request) -> None:
+        """Keep the KV of a finished row: its prompt and every output token but the last (never fed)."""
+        if not self.prefix_cache_tokens:
+            return
+        n = len(req.prompt) + len(req.output_ids) - 1
+        if n < 2 or n > self.prefix_cache_tokens:
+            return
+        tokens = torch.tensor(req.prompt + req.output_ids[:-1], dtype=torch.long)
+        # This row's real tokens are its last n cache columns (rows are left-padded).
+        kv = [(k[row:row + 1, :, -n:].clone(), v[row:row + 1, :, -n:].clone()) for k, v in _layers(self._cache)]
+        for key, e in list(self._prefixes.items()):  # an entry the new one extends is no longer needed
+            if len(e.tokens) <= n and torch.equal(e.tokens, tokens[:len(e.tokens)]):
+                self._drop_prefix(key)
+        self._prefixes[next(self._prefix_ids)] = _Prefix(tokens, kv)
+        self._prefix_total += n
+        while self._prefix_total > self.prefix_cache_tokens:
+            self._drop_prefix(next(iter(self._prefixes)))
+
+    def _lookup_prefix(self, prompt: list[int]) -> "tuple[_Prefix, int] | None":
+        """The kept entry sharing the longest prefix with `prompt` and that length (< len(prompt)), if any."""
+        if not self._prefixes or len(prompt) < 2:
+            return None
+        p = torch.tensor(prompt, dtype=torch.long)
+        best, best_n, best_key = None, 0, None
+        for key, e in self._prefixes.items():
+            m = min(len(e.tokens), len(p) - 1)  # at least one prompt token must run, for its logits
+            if m <= best_n:
+                continue
+            diff = (e.tokens[:m] != p[:m]).nonzero()
+            n = int(diff[0]) if len(diff) else m
+            if n > best_n:
+                best, best_n, best_key = e, n, key
+        if best is None or 2 * best_n < len(prompt):
+            return None  # a short shared head (a system prompt) is cheaper in the batched prefill
+        self._prefixes.move_to_end(best_key)
+        return best, best_n
+
+    def _drop_prefix(self, key: int) -> None:
+        e = self._prefixes.pop(key)
+        self._prefix_total -= len(e.tokens)
+
+    def _clear_prefixes(self) -> None:
+        self._prefixes.clear()
+        self._prefix_total = 0
+
+
+@dataclass(eq=False)
+class _Prefix:
+    tokens: torch.Tensor  # [n] token ids on the CPU
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [1, H, n, D]
 
 
 # ---------------------------------------------------------------------- cache helpers

@@ -9,7 +9,8 @@ follow SGLang so one client speaks to both):
   a list of prompts gives a list of results.
 - `POST /pause_generation`: running requests return at once with `abort`; new ones wait.
 - `POST /continue_generation`, `GET /health`, `GET /health_generate`,
-  `GET /get_model_info`, `GET /get_server_info`, `POST /flush_cache` (no-op: no prefix cache).
+  `GET /get_model_info`, `GET /get_server_info`, `POST /flush_cache` (drops the kept prefixes of the
+  prefix cache).
 - `GET /metrics`: Prometheus text format (`rlstream_engine_*`: batch size, waiting
   requests, KV rows in use, tokens, requests, weight version), read at scrape time.
 - The weight-update routes (`/init_weights_update_group`, `/update_weights_from_distributed`,
@@ -214,16 +215,20 @@ def _engine_registry(engine: LocalEngine) -> CollectorRegistry:
                 "kv_rows_used_ratio": st["running"] / max(engine.max_batch_size, 1),
                 "peak_batch_size": st["peak_running"], "weight_version": st["weight_version"],
                 "generated_tokens": st["total_tokens"], "requests": st["total_requests"],
-                "decode_steps": st["total_steps"], "busy_seconds": st["busy_seconds"]}
+                "decode_steps": st["total_steps"], "busy_seconds": st["busy_seconds"],
+                "prefill_tokens": st["prefill_tokens"], "cached_prompt_tokens": st["cached_prompt_tokens"],
+                "prefix_cache_tokens": st["prefix_cache_used_tokens"]}
 
     registry = CollectorRegistry()
     registry.register(ValuesCollector("rlstream_engine", values,
-                                      counters=("generated_tokens", "requests", "decode_steps", "busy_seconds")))
+                                      counters=("generated_tokens", "requests", "decode_steps", "busy_seconds",
+                                                "prefill_tokens", "cached_prompt_tokens")))
     return registry
 
 
 async def flush_cache(request: web.Request) -> web.Response:
-    return json_response(ControlReply(status="ok"))
+    await asyncio.get_running_loop().run_in_executor(None, request.app[ENGINE_KEY].flush_cache)
+    return json_response(ControlReply(status="ok", flushed=True))
 
 
 def build_app(engine: LocalEngine, *, api_key: str | None = None) -> web.Application:
