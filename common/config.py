@@ -238,6 +238,7 @@ class ActorConfig(_Section):
     loss_agg_mode: D(Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"], "How token losses become one number.") = "token-mean"
     weight_update_mode: D(Literal["distributed", "disk", "ipc", "none"], "How weights reach the engines after a step: distributed (torch.distributed broadcast; gloo ran on CPU, NCCL needs 2 GPUs and has not run), disk (safetensors), ipc (CUDA IPC handles, trainer and engines on one GPU; ran on an H100, benchmarks/README.md GPU), none.") = "distributed"
     weight_update_backend: D(Literal["auto", "nccl", "gloo"], "torch.distributed backend for weight_update_mode=distributed (auto: nccl on GPU; nccl needs trainer and engines on separate GPUs and has not run).") = "auto"
+    weight_update_delta: D(Literal["none", "xor_zstd", "sparse"], "Send each push as the change against the last pushed version, for weight_update_mode distributed/disk with rlstream's engines: xor_zstd (zstd of the xor of the bits), sparse (changed elements), none (full weights); engines not at that version, or whose checksum misses, get the full weights.") = "none"
     weight_chunked_mem_mb: D(int, "Bucket size in MB for one update call.", ge=1) = 1024
     weight_update_timeout: D(float, "Seconds an engine may take to confirm an update before it is dropped.", gt=0) = 120.0
     lora: D(LoRAConfig | None, "Train a LoRA adapter (peft) instead of all weights; pushes send only the adapter, engines merge it (None = full fine-tuning).") = None

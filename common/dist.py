@@ -59,6 +59,8 @@ class WeightSyncGroup:
             raise RuntimeError(f"weight sync group {self.name!r} is shut down")
         works = []
         for t in tensors:
+            if not t.numel():  # both ends skip empty tensors (a delta of an unchanged tensor)
+                continue
             opts = dist.BroadcastOptions()
             opts.rootRank = src
             opts.rootTensor = 0

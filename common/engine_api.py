@@ -37,7 +37,8 @@ __all__ = [
     "SamplingParams", "GenerateRequest", "FinishReason", "MetaInfo", "GenerateResponse",
     "PauseRequest", "ContinueRequest", "ControlReply", "ServerInfo", "ModelInfo", "ErrorDetail", "ErrorReply",
     "ParamSpec", "InitWeightsGroup", "WeightUpdate", "DiskUpdate", "DestroyWeightsGroup", "WeightsReply",
-    "IpcBuffer", "IpcWeightUpdate",
+    "IpcBuffer", "IpcWeightUpdate", "DELTA_FORMAT", "DELTA_ENCODINGS", "DeltaTensor", "WeightDelta",
+    "WeightsChecksumRequest", "WeightsChecksumReply", "WeightsByName", "WeightsByNameReply",
     "CompletionRequest", "CompletionResponse", "ModelList", "PausedReply",
 ]
 
@@ -341,6 +342,37 @@ class InitWeightsGroup(_Body):
     timeout: float | None = None  # rlstream: seconds every collective of the group may take
 
 
+# rlstream's delta updates (`actor.weight_update_delta`): `load_format` of an update whose tensors are the
+# changes against the served version, described by a `WeightDelta`.
+DELTA_FORMAT = "rlstream_delta"
+DELTA_ENCODINGS = ("xor_zstd", "sparse")
+
+
+class DeltaTensor(_Body):
+    """One served tensor a delta update rewrites; `checksum` is the result's bit checksum (`bits_checksum`)."""
+
+    name: str
+    dtype: str
+    shape: list[Annotated[int, msgspec.Meta(ge=0)]]
+    checksum: int
+
+
+class WeightDelta(_Body):
+    """rlstream: the tensors of an update are changes against the served `base_version`.
+
+    Per target, in order, the payload tensors are: `sparse`: `{name}:idx` (int32/int64 flat
+    indices of the changed elements, or the single index -1: `val` is the whole tensor)
+    and `{name}:val` (their new values); `xor_zstd`:
+    `{name}:xor` (uint8: zstd of the target's bits xor the base's bits). An engine that
+    does not serve `base_version`, or whose result misses a checksum, applies nothing and
+    answers `delta_rejected`; the trainer then sends the full weights.
+    """
+
+    encoding: Literal["xor_zstd", "sparse"]
+    base_version: int
+    tensors: list[DeltaTensor]
+
+
 class WeightUpdate(_Body):
     """`POST /update_weights_from_distributed`: receive each tensor, in order, by a broadcast from rank 0."""
 
@@ -355,6 +387,7 @@ class WeightUpdate(_Body):
     # LoRA (rlstream): tensors named `…lora_A.weight` / `…lora_B.weight` are an adapter the engine
     # merges into its base weights as W0 + lora_scaling·B·A (engine/lora.py); None: no adapter here.
     lora_scaling: float | None = None
+    delta: WeightDelta | None = None  # rlstream: with load_format "rlstream_delta", what the tensors change
 
     @classmethod
     def of(cls, specs: Sequence[ParamSpec], **kw: Any) -> "WeightUpdate":
@@ -437,6 +470,33 @@ class WeightsReply(_Body):
     weight_version: int | str | None = None
     session_open: bool | None = None
     ranks: list[Any] | None = None
+    delta_rejected: str | None = None  # rlstream: a delta update applied nothing, why (send the full weights)
+
+
+class WeightsChecksumRequest(_Body):
+    """`POST /get_weights_checksum` (rlstream): the bit checksum of each named served tensor (all when empty)."""
+
+    names: list[str] = msgspec.field(default_factory=list)
+
+
+class WeightsChecksumReply(_Body):
+    checksums: dict[str, int]
+    weight_version: int | str | None = None
+
+
+class WeightsByName(_Body):
+    """`POST /get_weights_bits` (rlstream; SGLang's /get_weights_by_name answers rounded floats): one served tensor."""
+
+    name: str
+
+
+class WeightsByNameReply(_Body):
+    """The tensor's raw bits (exact for every dtype), with its dtype and shape."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    bits: bytes  # the raw little-endian bytes of the (truncated) tensor, base64 in JSON
 
 
 # ---------------------------------------------------------------------- vLLM (OpenAI-compatible subset)
@@ -517,6 +577,8 @@ UPDATE_WEIGHTS_FROM_DISTRIBUTED = Route("POST", "/update_weights_from_distribute
 UPDATE_WEIGHTS_FROM_DISK = Route("POST", "/update_weights_from_disk", DiskUpdate, WeightsReply)
 DESTROY_WEIGHTS_GROUP = Route("POST", "/destroy_weights_update_group", DestroyWeightsGroup, WeightsReply)
 UPDATE_WEIGHTS_FROM_IPC = Route("POST", "/update_weights_from_ipc", IpcWeightUpdate, WeightsReply)  # rlstream
+WEIGHTS_CHECKSUM = Route("POST", "/get_weights_checksum", WeightsChecksumRequest, WeightsChecksumReply)  # rlstream
+GET_WEIGHTS_BITS = Route("POST", "/get_weights_bits", WeightsByName, WeightsByNameReply)  # rlstream
 
 COMPLETIONS = Route("POST", "/v1/completions", CompletionRequest, CompletionResponse)
 MODELS = Route("GET", "/v1/models", None, ModelList)

@@ -18,6 +18,16 @@
   tensor from its offset into the weights between two decode steps, release the buffer.
   A CPU engine, another GPU or another host is refused with the reason.
 - `POST /destroy_weights_update_group` `{group_name}`.
+- Delta updates (rlstream, `actor.weight_update_delta`): `load_format: "rlstream_delta"` on
+  `/update_weights_from_distributed` (with `delta`: a `WeightDelta`; the broadcast tensors
+  are its payload) or on `/update_weights_from_disk` (the folder holds `delta.json` and the
+  payload in *.safetensors). The delta is decoded against the served weights and every
+  result checked against the trainer's checksum (`common/weight_delta.py`) before
+  anything is applied; an engine not serving the delta's base version, or a result that
+  does not match, applies nothing and answers `success: true, delta_rejected: why`, and
+  the trainer sends the full weights.
+- `POST /get_weights_checksum` `{names?}` and `POST /get_weights_bits` `{name}` (rlstream):
+  the served tensors' bit checksums, one served tensor's raw bits (tests, debugging).
 
 Bodies are the structs of `common/engine_api.py` (`InitWeightsGroup`, `WeightUpdate`,
 `DiskUpdate`, `IpcWeightUpdate`, `DestroyWeightsGroup`); answers are `WeightsReply{success, message}` (200,
@@ -38,14 +48,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import msgspec
 import torch
 from aiohttp import web
 
 from rlstream.common import engine_api as api
-from rlstream.common.engine_api import (BadRequest, DestroyWeightsGroup, DiskUpdate, InitWeightsGroup,
-                                        IpcWeightUpdate, WeightUpdate)
+from rlstream.common.engine_api import (DELTA_FORMAT, BadRequest, DestroyWeightsGroup, DiskUpdate, InitWeightsGroup,
+                                        IpcWeightUpdate, WeightDelta, WeightsByName, WeightsByNameReply,
+                                        WeightsChecksumReply, WeightsChecksumRequest, WeightsReply, WeightUpdate)
 from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype, resolve_backend, run_in_thread
 from rlstream.common.logging import get_logger
+from rlstream.common.weight_delta import DeltaMismatch, apply_delta, bits_checksum
 
 __all__ = ["add_weight_routes", "WeightReceiver", "GROUP_TIMEOUT_ENV"]
 
@@ -199,8 +212,12 @@ class WeightReceiver:
                 raise BadRequest(f"dtypes[{i}]: {exc}") from None
         version = _version_arg(body.weight_version)
         load_format = body.load_format
-        if load_format not in (None, "flattened_bucket"):
-            raise BadRequest(f"load_format {load_format!r} is not supported (None or 'flattened_bucket')")
+        if load_format not in (None, "flattened_bucket", DELTA_FORMAT):
+            raise BadRequest(f"load_format {load_format!r} is not supported (None, 'flattened_bucket' or "
+                             f"{DELTA_FORMAT!r})")
+        delta = body.delta
+        if (load_format == DELTA_FORMAT) != (delta is not None):
+            raise BadRequest(f"a delta update needs both load_format {DELTA_FORMAT!r} and delta")
         group_name = body.group_name
         slot = self.slots.get(group_name)
         if slot is None or slot.group is None:
@@ -223,23 +240,31 @@ class WeightReceiver:
                     out.append((name, flat[start:start + n].view(s).to(d)))
                     start += n
                 return out
-            live = _live_targets(self.engine, names, dts, shapes, dev)
+            live = ([None] * len(names) if delta is not None  # the payload, not served tensors
+                    else _live_targets(self.engine, names, dts, shapes, dev))
             tensors = [t if t is not None else torch.empty(s, dtype=d, device=dev)
                        for t, s, d in zip(live, shapes, dts)]
             group.broadcast_many(tensors)
             self.received_in_place += sum(t is not None for t in live)
             return [(n, t) for n, t, lv in zip(names, tensors, live) if lv is None]
 
-        def receive_and_apply() -> int:
+        def receive_and_apply() -> int | str:
             received = receive()
             if slot.gen != gen:
                 raise RuntimeError(f"weight group {group_name!r} was replaced during the update; version not changed")
+            if delta is not None:
+                return self._apply_delta(delta, dict(received), version)
             # The rest (other dtype/device than served, or an engine without live access) is copied in
             # here, between decode steps; an empty list still moves the version.
             return self.engine.apply_weights(received, version, lora_scaling=body.lora_scaling)
 
         n = await run_in_thread(receive_and_apply, name=f"rlstream-weights-recv-{group_name}")
+        if isinstance(n, str):
+            return WeightsReply(success=True, message=f"delta rejected: {n}", delta_rejected=n)
         self.updates += 1
+        if delta is not None:
+            return (f"applied a {delta.encoding} delta to {n} tensors from group {group_name!r}"
+                    + (f"; serving version {version}" if version is not None else ""))
         return (f"updated {len(names)} tensors ({len(names) - n} received in place) from group {group_name!r}"
                 + (f"; serving version {version}" if version is not None else ""))
 
@@ -250,10 +275,70 @@ class WeightReceiver:
         if not Path(path).exists():
             raise BadRequest(f"model_path {path!r} does not exist on this engine's host")
         version = _version_arg(body.weight_version)
+        if body.load_format == DELTA_FORMAT:
+            n = await run_in_thread(self._load_delta_folder, Path(path), version, name="rlstream-weights-disk")
+            if isinstance(n, str):
+                return WeightsReply(success=True, message=f"delta rejected: {n}", delta_rejected=n)
+            self.updates += 1
+            return f"applied a delta to {n} tensors from {path}" + (
+                f"; serving version {version}" if version is not None else "")
+        if body.load_format is not None:
+            raise BadRequest(f"load_format {body.load_format!r} is not supported (None or {DELTA_FORMAT!r})")
         n = await run_in_thread(self.engine.load_weights_from_disk, path, version, name="rlstream-weights-disk")
         self.updates += 1
         return f"loaded {n} tensors from {path}" + (f"; serving version {version}" if version is not None else "")
 
+    # ------------------------------------------------------------------ deltas
+
+    def _apply_delta(self, delta: WeightDelta, payload: dict[str, torch.Tensor], version: int | None) -> int | str:
+        """Decode, check, then apply; the number of tensors applied, or why nothing was (a str)."""
+        named = getattr(self.engine, "_named", None)
+        if not isinstance(named, dict):
+            return "this engine cannot read its served tensors to apply a delta"
+        served = getattr(self.engine, "version", None)
+        if served != delta.base_version:
+            return f"the delta is against version {delta.base_version}, this engine serves {served}"
+        try:
+            new = apply_delta(delta, payload, named)
+        except DeltaMismatch as exc:
+            log.warning("delta against version %d rejected: %s", delta.base_version, exc)
+            return str(exc)
+        return self.engine.apply_weights(new, version)
+
+    def _load_delta_folder(self, folder: Path, version: int | None) -> int | str:
+        from safetensors import safe_open
+
+        manifest = folder / "delta.json"
+        try:
+            delta = api.decode(manifest.read_bytes(), WeightDelta)
+        except (OSError, BadRequest) as exc:
+            return f"{manifest}: {exc}"
+        payload: dict[str, torch.Tensor] = {}
+        for f in sorted(folder.glob("*.safetensors")):
+            try:
+                with safe_open(str(f), framework="pt", device="cpu") as fh:
+                    for name in fh.keys():
+                        payload[name] = fh.get_tensor(name)
+            except Exception as exc:  # noqa: BLE001 - a truncated/corrupted file: the full push repairs it
+                return f"{f.name}: {type(exc).__name__}: {exc}"
+        return self._apply_delta(delta, payload, version)
+
+    def checksums(self, body: WeightsChecksumRequest) -> WeightsChecksumReply:
+        named = getattr(self.engine, "_named", None) or {}
+        names = body.names or sorted(named)
+        unknown = [n for n in names if n not in named]
+        if unknown:
+            raise BadRequest(f"unknown tensor(s) {', '.join(unknown[:3])}")
+        return WeightsChecksumReply(checksums={n: bits_checksum(named[n]) for n in names},
+                                    weight_version=getattr(self.engine, "version", None))
+
+    def tensor_bits(self, body: WeightsByName) -> WeightsByNameReply:
+        t = (getattr(self.engine, "_named", None) or {}).get(body.name)
+        if t is None:
+            raise BadRequest(f"unknown tensor {body.name!r}")
+        t = t.detach().cpu().contiguous()
+        return WeightsByNameReply(name=body.name, dtype=str(t.dtype).removeprefix("torch."), shape=list(t.shape),
+                                  bits=t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
     async def update_from_ipc(self, body: IpcWeightUpdate) -> str:
         from rlstream.common import cuda_ipc
@@ -297,9 +382,9 @@ class WeightReceiver:
 RECEIVER_KEY = web.AppKey("weight_receiver", WeightReceiver)
 
 
-def _answer(ok: bool, message: str) -> web.Response:
-    return web.Response(body=api.encode(api.WeightsReply(success=ok, message=message)), status=200 if ok else 400,
-                        content_type="application/json")
+def _answer(ok: bool, message: Any) -> web.Response:
+    reply = message if isinstance(message, msgspec.Struct) else api.WeightsReply(success=ok, message=message)
+    return web.Response(body=api.encode(reply), status=200 if ok else 400, content_type="application/json")
 
 
 def _route(route: api.Route, op: Callable[[WeightReceiver, Any], Any]):
@@ -341,5 +426,7 @@ def add_weight_routes(app: web.Application, engine: Any) -> WeightReceiver:
         (api.UPDATE_WEIGHTS_FROM_DISK, WeightReceiver.update_from_disk),
         (api.UPDATE_WEIGHTS_FROM_IPC, WeightReceiver.update_from_ipc),
         (api.DESTROY_WEIGHTS_GROUP, WeightReceiver.destroy_group),
+        (api.WEIGHTS_CHECKSUM, WeightReceiver.checksums),
+        (api.GET_WEIGHTS_BITS, WeightReceiver.tensor_bits),
     )])
     return receiver

@@ -8,6 +8,9 @@ few backends, an explicit factory, no `if mode == ...` through the trainer):
 - `ipc` (`ipc.py`): trainer and engines on one GPU: CUDA IPC handles of a flat buffer per bucket
 - `none`: only bump the version (trainer tests without engines)
 
+`actor.weight_update_delta` makes the distributed and disk pushes send only what changed
+since the last push (`delta.py`), with a full push as the fallback.
+
 Every backend ends a push the same way (`base.py`): once every live engine confirmed the
 new weights, `{ns}:version` is set and the version event published. `fleet.py` is the
 engines (discovery and calls), `params.py` the tensors (entries, buckets, shard sync).

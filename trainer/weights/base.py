@@ -35,6 +35,13 @@ bring it forward (a catch-up now, or a next push that can only come if another e
 serves): otherwise it keeps serving, its tokens labelled with its own (old) version,
 which the staleness check handles.
 
+Delta pushes (`actor.weight_update_delta`, `delta.py`): rank 0 keeps a CPU copy of the
+last pushed version; when every engine of a push confirmed serving it, the backend sends
+only the change (`common/weight_delta.py`), and each engine checks the result against the
+trainer's checksums before applying anything. Engines that are behind, and engines that
+reject the delta (other base, checksum miss), get the full weights in the same push. A
+failed push, a sharded or a LoRA model leave no base: the next push is full.
+
 Sharded trainers (FSDP2 DTensor parameters): every rank calls `push`; each parameter is
 gathered with `full_tensor()` (a collective) on all ranks, in the same order, and only
 rank 0 sends. Rank 0 tells the other ranks through the default process group how many
@@ -62,6 +69,7 @@ from rlstream.common.config import Config
 from rlstream.common.dist import run_in_thread
 from rlstream.common.engine_api import ContinueRequest, EngineError, PauseRequest, Route
 from rlstream.common.logging import get_logger
+from rlstream.trainer.weights.delta import DeltaBase
 from rlstream.trainer.weights.fleet import EngineFleet
 from rlstream.trainer.weights.params import ShardSync, WeightEntry, is_sharded, lora_scaling, weight_entries
 
@@ -152,6 +160,8 @@ class PushReport:
     attempts: int = 0
     seconds: float = 0.0
     bytes: int = 0
+    kind: str = "full"  # full | delta | fallback (a delta some engine rejected, then the full weights)
+    rejected: dict[str, str] = field(default_factory=dict)  # engines that rejected a delta -> why
 
 
 class EngineBroadcaster(WeightBroadcaster):
@@ -175,6 +185,10 @@ class EngineBroadcaster(WeightBroadcaster):
         self.lora_scaling: float | None = None
         self._sharded = False
         self._closed = False
+        encoding = cfg.actor.weight_update_delta
+        self.delta: DeltaBase | None = DeltaBase(encoding) if encoding != "none" and rank == 0 else None
+        self._report: PushReport | None = None  # the push in progress (backends fill kind/rejected)
+        self._delta_ready = False  # the transfer left the delta base holding exactly this version
         self._io: _LoopThread | None = None
         self._watcher: concurrent.futures.Future | None = None
         if rank == 0:
@@ -208,6 +222,17 @@ class EngineBroadcaster(WeightBroadcaster):
         """Whether `_catch_up` can run now (without a new push)."""
         return False
 
+    def delta_possible(self, engines: list[str], entries: list[WeightEntry], sync: ShardSync | None) -> bool:
+        """A delta push can go to `engines`: all serve the base version, a plain (unsharded, non-LoRA) model."""
+        return (self.delta is not None and sync is None and self.lora_scaling is None and bool(engines)
+                and all(a in self.in_sync for a in engines) and self.delta.usable(entries, self.current))
+
+    def delta_recorder(self, sync: ShardSync | None) -> Any:
+        """What a full transfer calls with each bucket's tensors so the next push can be a delta (or None)."""
+        if self.delta is None or sync is not None or self.lora_scaling is not None:
+            return None
+        return self.delta.record
+
     async def _after_publish(self, version: int) -> None:
         """After `{ns}:version` moved (the disk backend deletes old versions)."""
 
@@ -235,6 +260,7 @@ class EngineBroadcaster(WeightBroadcaster):
         t0 = time.perf_counter()
         sharded = sync is not None
         report = PushReport(version=version)
+        self._report, self._delta_ready = report, False
         try:
             async with self.lock:
                 await self._prepare(model, entries, version, sync)
@@ -275,6 +301,11 @@ class EngineBroadcaster(WeightBroadcaster):
                 for a, why in report.dropped.items():
                     await self._mark_down(a, why, version)
                 new = [a for a in engines if a not in self.in_sync]
+                if self.delta is not None:  # the next push is a delta only against exactly this version
+                    if self._delta_ready and engines:
+                        self.delta.commit(version, entries)
+                    else:
+                        self.delta.invalidate()
                 self.current = version
                 self.in_sync = set(engines)
                 self.held -= self.in_sync
@@ -289,14 +320,18 @@ class EngineBroadcaster(WeightBroadcaster):
                     self.down.pop(a, None)
                     self._backoff.pop(a, None)
                 await self._after_publish(version)
+        except BaseException:
+            if self.delta is not None:
+                self.delta.invalidate()
+            raise
         finally:
             if sync is not None:  # a failure before the normal end: release the other ranks
                 with contextlib.suppress(Exception):
                     await _thread(sync.signal, False)
             report.seconds = time.perf_counter() - t0
             self.last = report
-        log.info("version %d on %d engine(s) in %.2fs%s", version, len(report.engines), report.seconds,
-                 f"; dropped {', '.join(report.dropped)}" if report.dropped else "")
+        log.info("version %d (%s, %.1f MB per engine) on %d engine(s) in %.2fs%s", version, report.kind,
+                 report.bytes / 2**20, len(report.engines), report.seconds, f"; dropped {', '.join(report.dropped)}" if report.dropped else "")
 
     async def _pause(self, engines: list[str]) -> None:
         await self._each(engines, api.PAUSE_GENERATION, PauseRequest())
@@ -304,8 +339,8 @@ class EngineBroadcaster(WeightBroadcaster):
     async def _continue(self, engines: list[str]) -> None:
         await self._each(engines, api.CONTINUE_GENERATION, ContinueRequest())
 
-    async def _each(self, engines: list[str], route: Route, body: msgspec.Struct) -> None:
-        """The same call on every engine; TransferFailed names those to blame."""
+    async def _each(self, engines: list[str], route: Route, body: msgspec.Struct) -> dict[str, Any]:
+        """The same call on every engine; their replies. TransferFailed names those to blame."""
         results = await asyncio.gather(*(self.fleet.call(a, route, body, timeout=self.timeout)
                                          for a in engines), return_exceptions=True)
         for r in results:
@@ -314,6 +349,7 @@ class EngineBroadcaster(WeightBroadcaster):
         failed = {a: r for a, r in zip(engines, results) if isinstance(r, EngineError)}
         if failed:
             raise TransferFailed(await self.blame(engines, failed), f"{route.path} failed on {', '.join(failed)}")
+        return dict(zip(engines, results))
 
     async def blame(self, engines: list[str], failed: dict[str, EngineError]) -> dict[str, str]:
         """Which engines to drop after a failed step (engine -> why).

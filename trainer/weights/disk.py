@@ -20,28 +20,34 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
 from rlstream.common.dist import run_in_thread
-from rlstream.common.engine_api import DiskUpdate
+from rlstream.common.engine_api import DELTA_FORMAT, DeltaTensor, DiskUpdate, WeightDelta
 from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger
 from rlstream.trainer.weights.base import EngineBroadcaster
+from rlstream.trainer.weights.delta import DeltaBase
 from rlstream.trainer.weights.params import ShardSync, WeightEntry, materialize, plan_buckets
 
-__all__ = ["DiskBroadcaster", "version_folder", "write_checkpoint"]
+__all__ = ["DiskBroadcaster", "version_folder", "delta_folder", "write_checkpoint", "write_delta"]
 
 log = get_logger(__name__)
 
 LATEST = "latest.json"
+DELTA_MANIFEST = "delta.json"
 
 
 def version_folder(root: Path, version: int) -> Path:
     return root / f"v{version:08d}"
+
+
+def delta_folder(root: Path, version: int) -> Path:
+    return root / f"d{version:08d}"
 
 
 def _write_json_atomic(path: Path, data: Any) -> None:
@@ -53,29 +59,59 @@ def _write_json_atomic(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
+def _shard_name(i: int, n: int) -> str:
+    return f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+
+
+def _save_shard(folder: Path, fname: str, tensors: dict[str, torch.Tensor]) -> None:
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(folder / fname), metadata={"format": "pt"})
+    os.chmod(folder / fname, 0o644)  # engines may run as another user on a shared filesystem
+    fsync(folder / fname)
+
+
+def _install(root: Path, tmp: Path, final: Path) -> None:
+    """Rename the filled `tmp` to `final` (replacing an older one of the same name), durably."""
+    fsync(tmp)
+    if final.exists():  # the same version pushed again (a trainer resumed from a checkpoint)
+        trash = root / f".{final.name}.old-{os.getpid()}"
+        os.replace(final, trash)
+        os.replace(tmp, final)
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    fsync(root)
+
+
+def _fresh_tmp(root: Path, final: Path) -> Path:
+    tmp = root / f".{final.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
 def write_checkpoint(root: Path, version: int, entries: list[WeightEntry], bucket_bytes: int,
-                     config: Any = None, adapter_config: dict | None = None) -> tuple[Path, int]:
+                     config: Any = None, adapter_config: dict | None = None,
+                     record: Callable[[list[WeightEntry], list[torch.Tensor]], None] | None = None) -> tuple[Path, int]:
     """Write `entries` as version `version` under `root`, atomically; returns (folder, bytes).
 
     With `adapter_config` (a LoRA push: only adapter tensors) the folder is a peft adapter:
     `adapter_config.json` instead of the model's config.json; engines merge it.
+    `record(bucket, tensors)` sees every bucket (the delta base of the next push).
     """
-    from safetensors.torch import save_file
-
     final = version_folder(root, version)
-    tmp = root / f".{final.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
+    tmp = _fresh_tmp(root, final)
     buckets = plan_buckets(entries, bucket_bytes)
     weight_map: dict[str, str] = {}
     total = 0
     cpu = torch.device("cpu")
     for i, bucket in enumerate(buckets):
-        fname = f"model-{i + 1:05d}-of-{len(buckets):05d}.safetensors"
+        fname = _shard_name(i, len(buckets))
         tensors = materialize(bucket, cpu)
-        save_file({e.name: t for e, t in zip(bucket, tensors)}, str(tmp / fname), metadata={"format": "pt"})
-        os.chmod(tmp / fname, 0o644)  # engines may run as another user on a shared filesystem
-        fsync(tmp / fname)
+        _save_shard(tmp, fname, {e.name: t for e, t in zip(bucket, tensors)})
+        if record is not None:
+            record(bucket, tensors)
         for e, t in zip(bucket, tensors):
             weight_map[e.name] = fname
             total += t.numel() * t.element_size()
@@ -86,15 +122,33 @@ def write_checkpoint(root: Path, version: int, entries: list[WeightEntry], bucke
         _write_json_atomic(tmp / "adapter_config.json", adapter_config)
     elif config is not None and hasattr(config, "to_json_file"):
         config.to_json_file(str(tmp / "config.json"))
-    fsync(tmp)
-    if final.exists():  # the same version pushed again (a trainer resumed from a checkpoint)
-        trash = root / f".{final.name}.old-{os.getpid()}"
-        os.replace(final, trash)
-        os.replace(tmp, final)
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        os.replace(tmp, final)
-    fsync(root)
+    _install(root, tmp, final)
+    return final, total
+
+
+def write_delta(root: Path, version: int, entries: list[WeightEntry], bucket_bytes: int,
+                base: DeltaBase) -> tuple[Path, int]:
+    """Write version `version` as a delta against `base` (which moves to it), atomically; returns (folder, bytes).
+
+    The folder holds the payload tensors in shards and `delta.json` (a `WeightDelta`).
+    """
+    final = delta_folder(root, version)
+    tmp = _fresh_tmp(root, final)
+    base_version = base.begin()
+    buckets = plan_buckets(entries, bucket_bytes)
+    targets: list[DeltaTensor] = []
+    total = 0
+    cpu = torch.device("cpu")
+    for i, bucket in enumerate(buckets):
+        enc = base.encode(bucket, materialize(bucket, cpu), cpu)
+        # safetensors refuses empty tensors that share storage; unchanged tensors have empty payloads
+        _save_shard(tmp, _shard_name(i, len(buckets)),
+                    {sp.name: t.clone() if not t.numel() else t for sp, t in zip(enc.specs, enc.tensors)})
+        targets.extend(enc.targets)
+        total += enc.nbytes
+    manifest = WeightDelta(encoding=base.encoding, base_version=base_version, tensors=targets)
+    (tmp / DELTA_MANIFEST).write_bytes(api.encode(manifest))
+    _install(root, tmp, final)
     return final, total
 
 
@@ -113,6 +167,9 @@ class DiskBroadcaster(EngineBroadcaster):
     def __init__(self, cfg: Config, client: Any, keys: Any, rank: int = 0) -> None:
         self.root = (Path(cfg.run_dir) / "weights").resolve()
         self._bytes = 0
+        self._delta_bytes = 0
+        self._config: Any = None  # the model's HF config, for full folders written later from the delta base
+        self._written: set[Path] = set()  # folders of the push in progress
         super().__init__(cfg, client, keys, rank)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -122,34 +179,87 @@ class DiskBroadcaster(EngineBroadcaster):
 
     async def _prepare(self, model: torch.nn.Module, entries: list[WeightEntry], version: int,
                        sync: ShardSync | None) -> None:
+        self._written.clear()
+        self._config = getattr(model, "config", None)
+        if self.delta is not None and sync is None and self.lora_scaling is None and self.in_sync \
+                and self.delta.usable(entries, self.current):
+            # Engines not at the base version (and those rejecting the delta) get a full folder, written
+            # from the base once it moved to this version (_full_folder).
+            folder, self._delta_bytes = await run_in_thread(write_delta, self.root, version, entries,
+                                                            self.bucket_bytes, self.delta,
+                                                            name="rlstream-weights-write")
+            self._written.add(folder)
+            self._delta_ready = True
+            log.info("version %d written as a %s delta to %s (%.2f MB)", version, self.delta.encoding, folder,
+                     self._delta_bytes / 2**20)
+            return
         if sync is not None:  # every rank gathers each parameter while rank 0 writes it
             await run_in_thread(sync.signal, True)
+        record = self.delta_recorder(sync)
         folder, self._bytes = await run_in_thread(write_checkpoint, self.root, version, entries, self.bucket_bytes,
-                                                  getattr(model, "config", None), _adapter_config(model),
+                                                  self._config, _adapter_config(model), record,
                                                   name="rlstream-weights-write")
+        self._written.add(folder)
+        self._delta_ready = record is not None
         log.info("version %d written to %s (%.1f MB)", version, folder, self._bytes / 2**20)
+
+    async def _full_folder(self, version: int) -> Path:
+        """The full folder of `version` (the version the delta base holds), written now if missing."""
+        folder = self.folder(version)
+        if folder not in self._written and not folder.is_dir():
+            assert self.delta is not None and self.delta.version in (None, version)
+            folder, self._bytes = await run_in_thread(write_checkpoint, self.root, version, self.delta.entries(),
+                                                      self.bucket_bytes, self._config,
+                                                      name="rlstream-weights-write")
+            self._written.add(folder)
+            log.info("version %d written in full to %s for engines a delta cannot serve", version, folder)
+        return folder
 
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
                         sync: ShardSync | None) -> int:
-        await self._each(engines, api.UPDATE_WEIGHTS_FROM_DISK,
-                         DiskUpdate(model_path=str(self.folder(version)), weight_version=str(version)))
-        return self._bytes
+        assert self._report is not None
+        delta = delta_folder(self.root, version)
+        to_delta = [a for a in engines if a in self.in_sync] if delta in self._written else []
+        full = [a for a in engines if a not in to_delta]
+        sent = 0
+        if to_delta:
+            replies = await self._each(to_delta, api.UPDATE_WEIGHTS_FROM_DISK,
+                                       DiskUpdate(model_path=str(delta), weight_version=str(version),
+                                                  load_format=DELTA_FORMAT))
+            rejected = {a: r.delta_rejected for a, r in replies.items() if r is not None and r.delta_rejected}
+            sent = self._delta_bytes
+            self._report.kind = "fallback" if rejected else "delta"
+            if rejected:
+                self._report.rejected = rejected
+                log.warning("delta of version %d rejected by %s; loading the full weights", version,
+                            "; ".join(f"{a}: {why}" for a, why in rejected.items()))
+                full += list(rejected)
+        if full:
+            folder = await self._full_folder(version) if delta in self._written else self.folder(version)
+            await self._each(full, api.UPDATE_WEIGHTS_FROM_DISK,
+                             DiskUpdate(model_path=str(folder), weight_version=str(version)))
+            sent += self._bytes
+        return sent
 
     def can_catch_up(self) -> bool:
-        return self.folder(self.current).is_dir()
+        return self.folder(self.current).is_dir() or (self.delta is not None and self.delta.version == self.current)
 
     async def _catch_up(self, engines: list[str]) -> bool:
+        folder = self.folder(self.current)
+        if not folder.is_dir():
+            folder = await self._full_folder(self.current)
         await self._each(engines, api.UPDATE_WEIGHTS_FROM_DISK,
-                         DiskUpdate(model_path=str(self.folder(self.current)), weight_version=str(self.current)))
-        log.info("caught up %s to version %d from %s", ", ".join(engines), self.current, self.folder(self.current))
+                         DiskUpdate(model_path=str(folder), weight_version=str(self.current)))
+        log.info("caught up %s to version %d from %s", ", ".join(engines), self.current, folder)
         return True
 
     async def _after_publish(self, version: int) -> None:
-        keep = self.folder(version)
-        _write_json_atomic(self.root / LATEST, {"version": version, "path": str(keep)})
+        keep = {self.folder(version), delta_folder(self.root, version)}
+        path = next((p for p in sorted(keep) if p.is_dir() and p.name.startswith("v")), None) or \
+            delta_folder(self.root, version)
+        _write_json_atomic(self.root / LATEST, {"version": version, "path": str(path)})
         for p in self.root.iterdir():
-            stale_version = p.is_dir() and p.name.startswith("v") and p != keep
-            leftover = p.name.startswith(".v") and (".tmp-" in p.name or ".old-" in p.name)
+            stale_version = p.is_dir() and p.name[:1] in ("v", "d") and p not in keep
+            leftover = p.name[:2] in (".v", ".d") and (".tmp-" in p.name or ".old-" in p.name)
             if stale_version or leftover:
                 shutil.rmtree(p, ignore_errors=True)
-

@@ -32,7 +32,8 @@ import torch
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
 from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
-from rlstream.common.engine_api import DestroyWeightsGroup, EngineError, InitWeightsGroup, WeightUpdate
+from rlstream.common.engine_api import (DELTA_FORMAT, DestroyWeightsGroup, EngineError, InitWeightsGroup, WeightDelta,
+                                        WeightUpdate)
 from rlstream.common.logging import get_logger
 from rlstream.common.net import free_port, master_address_for
 from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed
@@ -142,8 +143,14 @@ class DistributedBroadcaster(EngineBroadcaster):
 
     async def _send(self, group: WeightSyncGroup, engines: list[str], name: str, buckets: list[list[WeightEntry]],
                     version: int, sync: ShardSync | None,
-                    checksums: list[tuple[WeightEntry, int]] | None = None) -> int:
-        """Every bucket to every engine; returns the bytes sent. TransferFailed on any failure."""
+                    checksums: list[tuple[WeightEntry, int]] | None = None, record: Any = None,
+                    delta_base: int | None = None) -> tuple[int, dict[str, str]]:
+        """Every bucket to every engine; returns the bytes sent and the engines that rejected a delta.
+
+        `record(bucket, tensors)` sees every bucket of a full push (the next delta's base).
+        With `delta_base` each bucket goes as a delta against that version; the first
+        bucket some engine rejects ends the pass. TransferFailed on any failure.
+        """
         dev = group.device
         total = 0
 
@@ -165,9 +172,19 @@ class DistributedBroadcaster(EngineBroadcaster):
                 sums = await run_in_thread(lambda b=bucket: [bits_checksum(e.tensor) for e in b])
                 checksums.extend(zip(bucket, sums))
             last = i == len(buckets) - 1
-            update = WeightUpdate.of([e.spec for e in bucket], group_name=name, flush_cache=last,
+            specs, extra = [e.spec for e in bucket], {}
+            if delta_base is not None:
+                assert self.delta is not None
+                enc = await run_in_thread(self.delta.encode, bucket, tensors, dev)
+                specs, tensors = enc.specs, enc.tensors
+                extra = {"load_format": DELTA_FORMAT,
+                         "delta": WeightDelta(encoding=self.delta.encoding, base_version=delta_base,
+                                              tensors=enc.targets)}
+            elif record is not None:
+                await run_in_thread(record, bucket, tensors)
+            update = WeightUpdate.of(specs, group_name=name, flush_cache=last,
                                      weight_version=str(version) if last else None,  # SGLang's version: a string
-                                     lora_scaling=self.lora_scaling)
+                                     lora_scaling=self.lora_scaling, **extra)
             calls = {a: asyncio.ensure_future(self.fleet.call(a, api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, update,
                                                               timeout=self.timeout)) for a in engines}
             bcast = run_in_thread(group.broadcast_many, tensors, name=f"rlstream-weights-send-{name}")
@@ -184,7 +201,11 @@ class DistributedBroadcaster(EngineBroadcaster):
                        else "; ".join(map(str, bad.values())))
                 raise TransferFailed(blamed, f"bucket {i + 1}/{len(buckets)} of group {name}: {why}")
             total += sum(t.numel() * t.element_size() for t in tensors)
-        return total
+            rejected = {a: f.result().delta_rejected for a, f in calls.items()
+                        if f.result() is not None and f.result().delta_rejected}
+            if rejected:
+                return total, rejected
+        return total, {}
 
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
                         sync: ShardSync | None) -> int:
@@ -194,9 +215,24 @@ class DistributedBroadcaster(EngineBroadcaster):
             self.members = list(engines)
         if sync is not None:
             await run_in_thread(sync.signal, True)
+        buckets = plan_buckets(entries, self.bucket_bytes)
         try:
-            return await self._send(self.group, engines, GROUP_NAME, plan_buckets(entries, self.bucket_bytes),
-                                    version, sync)
+            sent = 0
+            if self.delta_possible(engines, entries, sync):
+                assert self.delta is not None and self._report is not None
+                sent, rejected = await self._send(self.group, engines, GROUP_NAME, buckets, version, sync,
+                                                  delta_base=self.delta.begin())
+                if not rejected:
+                    self._report.kind, self._delta_ready = "delta", True
+                    return sent
+                # The group is intact (every engine answered): the full weights go to all of them.
+                self._report.kind, self._report.rejected = "fallback", rejected
+                log.warning("delta push of version %d rejected by %s; sending the full weights", version,
+                            "; ".join(f"{a}: {why}" for a, why in rejected.items()))
+            record = self.delta_recorder(sync)
+            full, _ = await self._send(self.group, engines, GROUP_NAME, buckets, version, sync, record=record)
+            self._delta_ready = record is not None
+            return sent + full
         except TransferFailed:
             self._reset_main()  # a failed collective leaves the group unusable
             raise

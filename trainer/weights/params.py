@@ -15,6 +15,7 @@ import torch
 
 from rlstream.common.dist import dtype_name
 from rlstream.common.engine_api import ParamSpec
+from rlstream.common.weight_delta import bits_checksum
 
 __all__ = ["WeightEntry", "weight_entries", "lora_scaling", "plan_buckets", "is_sharded", "materialize",
            "bits_checksum", "ShardSync"]
@@ -141,19 +142,6 @@ def materialize(bucket: list[WeightEntry], device: torch.device) -> list[torch.T
             t = t.to(device)
         out.append(t.contiguous())
     return out
-
-
-_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def bits_checksum(t: torch.Tensor) -> int:
-    """Sum of the raw bits (as integers): any change of an optimizer step shows."""
-    t = t.detach().contiguous()
-    if t.numel() == 0:
-        return 0
-    if t.dtype == torch.bool:
-        t = t.to(torch.int8)
-    return int(t.view(_INT_OF_SIZE[t.element_size()]).sum(dtype=torch.int64))
 
 
 class ShardSync:
