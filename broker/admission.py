@@ -364,7 +364,7 @@ class Admission:
         last: Exception | None = None
         for attempt in range(_COMMIT_ATTEMPTS):
             try:
-                prev, res = yield Watch(done, Call("mget", done), queue)
+                prev, res = yield Watch(done, Call("execute_command", "MGET", *done), queue)
             except (WatchError, RedisConnectionError, RedisTimeoutError) as exc:
                 # Reply lost (outcome unknown) or the same lease committed concurrently: the
                 # done markers tell what happened; the next attempt writes only what is missing.

@@ -38,7 +38,7 @@ from rlstream.common.logging import get_logger
 
 __all__ = [
     "BrokerError", "BrokerUnavailable", "BrokerAuthError",
-    "connect", "connect_async", "async_client", "mask_url", "is_auth_error", "explain",
+    "connect", "connect_async", "async_client", "mask_url", "is_auth_error", "explain", "is_cluster", "is_cluster_client",
 ]
 
 log = get_logger(__name__)
@@ -211,19 +211,19 @@ def _resolve(cfg: RedisConfig | str) -> RedisConfig:
     if not cfg.url:
         raise BrokerUnavailable("no Redis URL configured (set redis.url or pass --redis)")
     scheme = cfg.url.partition("://")[0].lower()
-    if scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME):
+    if scheme not in ("redis", "rediss", "unix", SENTINEL_SCHEME, CLUSTER_SCHEME):
         raise BrokerUnavailable(
-            f"cannot use Redis URL {mask_url(cfg.url)}: scheme must be redis://, rediss:// (TLS), unix:// or "
-            f"{SENTINEL_SCHEME}://host:port[,host:port]/service[/db]")
+            f"cannot use Redis URL {mask_url(cfg.url)}: scheme must be redis://, rediss:// (TLS), unix://, "
+            f"{SENTINEL_SCHEME}://host:port[,host:port]/service[/db] or {CLUSTER_SCHEME}://host:port[,host:port]")
     return cfg
 
 
 SENTINEL_SCHEME = "redis+sentinel"
+CLUSTER_SCHEME = "redis+cluster"
 
 
-def _parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None, str | None]:
-    """`redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]` ->
-    (sentinels, service, db, username, password); the credentials are the primary's."""
+def _split_hosts(url: str, what: str) -> tuple[list[tuple[str, int]], str, str | None, str | None]:
+    """`scheme://[user:password@]host:port[,host:port...][/path]` -> (addresses, path, username, password)."""
     rest = url.split("://", 1)[1]
     creds, _, rest = rest.rpartition("@")
     hosts, _, path = rest.partition("/")
@@ -231,12 +231,19 @@ def _parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str 
     if creds:
         user, _, pw = creds.partition(":")
         username, password = unquote(user) or None, unquote(pw) or None
-    sentinels = []
+    addresses = []
     for hp in hosts.split(","):
         host, _, port = hp.strip().rpartition(":")
         if not host or not port.isdigit():
-            raise ValueError(f"sentinel address {hp!r} is not host:port")
-        sentinels.append((host, int(port)))
+            raise ValueError(f"{what} address {hp!r} is not host:port")
+        addresses.append((host, int(port)))
+    return addresses, path, username, password
+
+
+def _parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str | None, str | None]:
+    """`redis+sentinel://[user:password@]host:port[,host:port...]/service[/db]` ->
+    (sentinels, service, db, username, password); the credentials are the primary's."""
+    sentinels, path, username, password = _split_hosts(url, "sentinel")
     parts = [x for x in path.split("/") if x]
     if not parts or len(parts) > 2 or (len(parts) == 2 and not parts[1].isdigit()):
         raise ValueError("expected /service[/db] after the sentinel addresses")
@@ -255,6 +262,37 @@ def _sentinel_client(cls: Any, cfg: RedisConfig, kw: dict[str, Any]) -> Any:
     sentinel_kw = {"socket_timeout": cfg.connect_timeout, "socket_connect_timeout": cfg.connect_timeout}
     manager = (AsyncSentinel if cls is aioredis.Redis else Sentinel)(sentinels, sentinel_kwargs=sentinel_kw)
     return manager.master_for(service, redis_class=cls, db=db, **kw)
+
+
+def _cluster_client(cls: Any, cfg: RedisConfig, kw: dict[str, Any]) -> Any:
+    """A Redis Cluster client seeded by the URL's nodes; it learns the slot map from them and routes
+    each command to the primary owning its key's slot. A run's keys share one hash tag (`keys.py`), so
+    its scripts, pipelines and transactions all land on one node; different runs spread over the shards."""
+    from redis.asyncio.cluster import ClusterNode as AsyncClusterNode
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes, path, username, password = _split_hosts(cfg.url, "cluster")
+    if path.strip("/") not in ("", "0"):
+        raise ValueError("Redis Cluster has only database 0: drop the /db path")
+    kw.setdefault("username", username)
+    kw.setdefault("password", password)
+    if cls is aioredis.Redis:
+        return AsyncRedisCluster(startup_nodes=[AsyncClusterNode(h, p) for h, p in nodes], **kw)
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], **kw)
+
+
+def is_cluster_client(client: Any) -> bool:
+    """True for a Redis Cluster client (sync or asyncio)."""
+    from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+    from redis.cluster import RedisCluster
+
+    return isinstance(client, (RedisCluster, AsyncRedisCluster))
+
+
+def is_cluster(url: str) -> bool:
+    """True for a `redis+cluster://` URL (no MULTI across runs, no SELECT, keys spread over shards)."""
+    return url.lower().startswith(CLUSTER_SCHEME + "://")
 
 
 def _has_password(cfg: RedisConfig) -> bool:
@@ -277,6 +315,8 @@ def _client(cls: Any, cfg: RedisConfig | str, retries: int | None, client_name: 
         kw = _kwargs(cfg, cls is aioredis.Redis, n, tolerance, client_name)
         if cfg.url.lower().startswith(SENTINEL_SCHEME + "://"):
             return _sentinel_client(cls, cfg, kw)
+        if is_cluster(cfg.url):
+            return _cluster_client(cls, cfg, kw)
         return cls.from_url(cfg.url, **kw)
     except (ValueError, TypeError) as exc:
         raise BrokerUnavailable(f"cannot use Redis URL {mask_url(cfg.url)}: {exc}") from None

@@ -137,7 +137,7 @@ def one(command: Any) -> Plan:
 
 def script(lua: str, keys: list[str], args: list[Any]) -> Plan:
     """Sub-plan (`yield from`): run a Lua script by EVALSHA, loading it once if the server lost it."""
-    call = Call("evalsha", _sha(lua), len(keys), *keys, *args)
+    call = Call("execute_command", "EVALSHA", _sha(lua), len(keys), *keys, *args)
     try:
         return (yield call)
     except NoScriptError:  # a restarted Redis lost its script cache: nothing ran
@@ -148,8 +148,9 @@ def script(lua: str, keys: list[str], args: list[Any]) -> Plan:
 def scripts(lua: str, calls: list[tuple[list[str], list[Any]]]) -> Plan:
     """Sub-plan: one script many times in one pipeline (EVALSHA straight into it: redis-py's
     own script handling in pipelines sends SCRIPT EXISTS first, which a least-privilege
-    producer ACL does not grant)."""
-    batch = Pipeline([Call("evalsha", _sha(lua), len(k), *k, *a) for k, a in calls])
+    producer ACL does not grant). `execute_command`: redis-py's cluster pipeline refuses its `evalsha`
+    method, though EVALSHA with keys of one hash tag is routed like any keyed command."""
+    batch = Pipeline([Call("execute_command", "EVALSHA", _sha(lua), len(k), *k, *a) for k, a in calls])
     try:
         return (yield batch)
     except NoScriptError:  # every call failed alike: nothing ran

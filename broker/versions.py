@@ -23,6 +23,7 @@ from typing import Any, AsyncIterator, Literal
 
 import msgspec
 
+from rlstream.broker.connection import is_cluster_client
 from rlstream.broker.keys import Keys
 from rlstream.broker.plan import Async, Call, Pipeline, Plan, Sleep, Sync, operation
 from rlstream.common.logging import get_logger
@@ -65,10 +66,13 @@ class Versions:
     def __init__(self, client: Any, keys: Keys) -> None:
         self.client = client
         self.keys = keys
+        # On Redis Cluster a plain PUBLISH is broadcast to every node and is not allowed in a pipeline;
+        # SPUBLISH (sharded pub/sub, Redis 7) stays on the node that owns the run's hash tag, in its MULTI.
+        self.sharded = is_cluster_client(client)
 
     def _announce(self, data: bytes) -> list[Call]:
         return [Call("xadd", self.keys.events, {"e": data}, maxlen=EVENTS_MAXLEN, approximate=True),
-                Call("publish", self.keys.events, data)]
+                Call("spublish" if self.sharded else "publish", self.keys.events, data)]
 
     @operation
     def get(self) -> Plan:
@@ -180,10 +184,10 @@ class AsyncVersionRegistry(Versions, Async):
     async def listen(self) -> AsyncIterator[Event]:
         """Live events over pub/sub (nothing published while not listening is seen: `follow` catches up)."""
         pubsub = self.client.pubsub()
-        await pubsub.subscribe(self.keys.events)
+        await (pubsub.ssubscribe if self.sharded else pubsub.subscribe)(self.keys.events)
         try:
             async for msg in pubsub.listen():
-                if msg.get("type") == "message":
+                if msg.get("type") in ("message", "smessage"):
                     yield decode_event(msg["data"])
         finally:
             await pubsub.aclose()

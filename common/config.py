@@ -74,7 +74,7 @@ class ClusterConfig(_Section):
 
 
 class RedisConfig(_Section):
-    url: D(str, "Redis URL: redis://host:port/db, rediss:// for TLS, unix:///path.sock. Empty: `rlstream run` starts one.") = ""
+    url: D(str, "Redis URL: redis://host:port/db, rediss:// for TLS, unix:///path.sock, redis+sentinel://h:p,h:p/service, redis+cluster://h:p,h:p. Empty: `rlstream run` starts one.") = ""
     username: D(str | None, "ACL user name (overrides the URL's).") = None
     password: D(str | None, "Password (overrides the URL's); masked in logs and `config show`.") = None
     socket_timeout: D(float, "Seconds a single Redis command may take before it is retried.", gt=0) = 30.0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import EngineProcess, ProducerProcess, RedisServer, engine_overrides, make_group
+from tests.helpers import EngineProcess, ProducerProcess, RedisCluster, RedisServer, engine_overrides, make_group
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,7 +28,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    # RLSTREAM_TEST_REDIS=cluster runs the tests that only need `redis_url` against a 3-primary Redis Cluster.
+    if os.environ.get("RLSTREAM_TEST_REDIS") == "cluster":
+        server = RedisCluster(tmp_path_factory.mktemp("redis-cluster")).start()
+    else:
+        server = RedisServer(tmp_path_factory.mktemp("redis")).start()
     yield server
     server.stop()
 

@@ -25,7 +25,7 @@ from rlstream.launcher.local import redis_server_binary as launcher_redis_binary
 from rlstream.launcher.procs import CHILD_ENV, stop_process, wait_for_port
 
 __all__ = [
-    "free_port", "stop_process", "child_env", "cli", "redis_server_binary", "RedisServer", "EngineProcess",
+    "free_port", "stop_process", "child_env", "cli", "redis_server_binary", "RedisServer", "RedisCluster", "EngineProcess",
     "ProducerProcess", "GatewayProcess", "make_group", "write_arith_dataset", "engine_overrides", "producer_overrides",
     "PROMPTS", "recompute_logprobs", "behaviour_logprobs", "perturbed_state", "vllm_python_or_skip", "VllmServer",
 ]
@@ -72,6 +72,48 @@ class RedisServer:
     def stop(self) -> None:
         if self.proc:
             stop_process(self.proc, 5)
+
+
+class RedisCluster:
+    """A real Redis Cluster of `primaries` redis-servers (no replicas) on free 127.0.0.1 ports,
+    slots assigned by `redis-cli --cluster create`; `url` is the `redis+cluster://` seed list."""
+
+    def __init__(self, workdir: Path, primaries: int = 3) -> None:
+        self.servers = [RedisServer(workdir / f"node-{i}", extra=["--cluster-enabled", "yes",
+                                                                 "--cluster-port", str(free_port()),
+                                                                 "--cluster-config-file", "nodes.conf",
+                                                                 "--cluster-node-timeout", "5000",
+                                                                 "--appendonly", "no"])
+                        for i in range(primaries)]
+
+    @property
+    def ports(self) -> list[int]:
+        return [s.port for s in self.servers]
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def start(self, timeout: float = 60.0) -> "RedisCluster":
+        for server in self.servers:
+            server.start()
+        cli_exe = str(Path(redis_server_binary()).with_name("redis-cli"))
+        subprocess.run([cli_exe, "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, timeout=timeout,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while True:  # every node must agree the cluster is up (slots propagate by gossip)
+            states = [subprocess.run([cli_exe, "-p", str(p), "cluster", "info"], capture_output=True, text=True,
+                                     timeout=10).stdout for p in self.ports]
+            if all("cluster_state:ok" in s for s in states):
+                return self
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"redis cluster not ok after {timeout:.0f}s: {states}")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        for server in self.servers:
+            server.stop()
 
 
 class EngineProcess:
