@@ -1,0 +1,407 @@
+"""A simulated GPU cluster driving rlstream's real control plane: how the async schedule scales with η.
+
+Everything but the GPU arithmetic is real: a real redis-server, the real admission scripts
+(`AsyncAdmissionController`: leases under the budget (η + v + 1)·B, atomic commits into the
+stream), the real trainer read path (`consumer.StepReader`: B groups per step, stale drops,
+the `{ns}:steps` record), acks and version events (`VersionRegistry.set`). The engines are
+`engine.simulated.SimulatedEngine`s (timing model from `configs/cluster_sim.yaml`), all in this
+one asyncio loop; the trainer's compute is a sleep of 6·N·tokens / (GPUs·peak·MFU), its weight
+push pauses every engine, takes bytes / bandwidth, and resumes them (interrupted requests
+continue under the new version, like AReaL's partial rollouts). Modeled time runs `--accel`
+times faster than the wall clock.
+
+    python benchmarks/cluster_sim.py --quick                 # CI: small run, asserts the invariants
+    nice -n 10 python benchmarks/cluster_sim.py --write      # full table into benchmarks/README.md
+
+For each η it reports trainer tokens/s, engine utilisation, the staleness of trained groups,
+stale drops, Redis CPU per step (INFO cpu of the real server), admission latency p50/p99 (the
+real acquire script's round trip), the weight-push share of the step, and the speedup over
+η = 0 next to the ideal bound from the same timing model: a perfectly overlapped schedule
+keeps every engine decoding as many sequences as η allows in flight ((η + 1)·B groups, at
+most the engine's batch and KV budget) and the trainer busy, so its step takes max(G*, T)
+with G* = the step's output tokens / (engines x one engine's steady decode throughput at
+that batch) and T = train + push; the bound is the η = 0 step time / max(G*, T).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import sys
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from redis_child import RedisChild  # noqa: E402
+
+from rlstream.broker import AsyncAdmissionController, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
+from rlstream.broker.admission import budget  # noqa: E402
+from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
+from rlstream.broker.stream import entry_fields  # noqa: E402
+from rlstream.common.wire import Trajectory, TrajectoryGroup  # noqa: E402
+from rlstream.consumer.reader import StepReader  # noqa: E402
+from rlstream.engine.simulated import LengthModel, SimClock, SimulatedEngine, TimingModel, load_timing  # noqa: E402
+
+
+@dataclass
+class Setting:
+    name: str
+    hardware: str = "H100"
+    model: str = "qwen2.5-1.5b"
+    engines: int = 4  # one GPU each
+    train_gpus: int = 4
+    producers: int = 2
+    batch: int = 32  # groups per step (B)
+    n_samples: int = 8
+    prompt_len: int = 256
+    len_median: float = 1024.0
+    len_sigma: float = 1.0
+    max_new_tokens: int = 8192
+    steps: int = 12
+    accel: float = 20.0
+    max_running: int = 256  # sequences per engine batch
+
+
+@dataclass
+class Result:
+    eta: int
+    wall_s: float = 0.0
+    modeled_s: float = 0.0
+    trained_tokens: int = 0
+    steps: int = 0
+    utilisation: float = 0.0
+    staleness: list[int] = field(default_factory=list)
+    stale_drops: int = 0
+    redis_cpu_s: float = 0.0
+    admission_ms: list[float] = field(default_factory=list)
+    push_s: float = 0.0
+    train_s: float = 0.0
+    gen_wait_s: float = 0.0
+    max_over_budget: int = 0
+    checks: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.trained_tokens / self.modeled_s if self.modeled_s else 0.0
+
+    @property
+    def step_s(self) -> float:
+        return self.modeled_s / max(self.steps, 1)
+
+
+def _group(prompt_len: int, outs: list[tuple[int, list[int]]], producer: str) -> TrajectoryGroup:
+    trajs = []
+    for n, versions in outs:
+        out = np.full(n, 7, dtype=np.int32)
+        trajs.append(Trajectory.from_arrays(np.full(prompt_len, 5, dtype=np.int32), out,
+                                            np.full(n, -1.0, dtype=np.float32), versions, 1.0, "length"))
+    return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=uuid.uuid4().hex, producer_id=producer,
+                           trajectories=trajs)
+
+
+class Cluster:
+    """The engines, producers and trainer of one η, sharing one Redis namespace."""
+
+    def __init__(self, s: Setting, timing: TimingModel, eta: int, redis_url: str) -> None:
+        self.s, self.timing, self.eta, self.url = s, timing, eta, redis_url
+        self.keys = Keys(namespace(f"sim{uuid.uuid4().hex[:8]}", f"eta{eta}"))
+        self.clock = SimClock(s.accel)
+        lengths = LengthModel(s.len_median, s.len_sigma, s.max_new_tokens)
+        self.engines = [SimulatedEngine(timing, self.clock, lengths, seed=1000 * eta + i, max_running=s.max_running,
+                                        name=f"engine-{i}") for i in range(s.engines)]
+        self.result = Result(eta)
+        self.stop = asyncio.Event()
+        self._rr = 0
+
+    # ------------------------------------------------------------------ producers
+    def _pick_engine(self) -> SimulatedEngine:
+        """The least loaded engine (what the producer's engine client does by in-flight count)."""
+        return min(self.engines, key=lambda e: len(e._running) + len(e._waiting))
+
+    async def _sample(self, target: int) -> tuple[int, list[int]]:
+        """One sample to `target` tokens; a pause (weight push) returns it early and it continues."""
+        versions: list[int] = []
+        while len(versions) < target:
+            engine = self._pick_engine()
+            while engine.paused:
+                await asyncio.sleep(0.002)
+            res = await engine.generate(self.s.prompt_len + len(versions), self.s.max_new_tokens,
+                                        target=target - len(versions))
+            versions += res.meta_info.output_token_versions or []
+            if self.stop.is_set():
+                break
+        return len(versions), versions
+
+    async def _rollout(self, adm: AsyncAdmissionController, lease_id: str, producer: str) -> None:
+        rng_engine = self._pick_engine()
+        targets = [rng_engine.draw_length(self.s.max_new_tokens) for _ in range(self.s.n_samples)]
+        outs = await asyncio.gather(*(self._sample(t) for t in targets))
+        if self.stop.is_set():
+            return
+        await adm.commit(lease_id, entry_fields(_group(self.s.prompt_len, outs, producer)))
+
+    async def producer(self, pid: int, concurrency: int) -> None:
+        client = await connect_async(self.url)
+        adm = AsyncAdmissionController(client, self.keys, max_head_offpolicyness=self.eta,
+                                       consumer_batch_size=self.s.batch, max_concurrent_rollouts=10**6,
+                                       lease_ttl=3600.0, producer_id=f"producer-{pid}")
+        tasks: set[asyncio.Task] = set()
+        try:
+            while not self.stop.is_set():
+                if len(tasks) >= concurrency:
+                    _, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                t0 = time.perf_counter()
+                st, lease = await adm.try_acquire()
+                self.result.admission_ms.append((time.perf_counter() - t0) * 1000)
+                if lease is None:
+                    await asyncio.sleep(0.005)  # the real producer waits for a version event; a short poll here
+                    continue
+                task = asyncio.create_task(self._rollout(adm, lease.lease_id, f"producer-{pid}"))
+                tasks.add(task)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await client.aclose()
+
+    # ------------------------------------------------------------------ trainer (real read path, modeled compute)
+    def trainer(self, loop: asyncio.AbstractEventLoop) -> None:
+        s, r = self.s, self.result
+        client = connect(self.url)
+        versions = VersionRegistry(client, self.keys)
+        reader = StepReader(client, self.keys, groups_per_step=s.batch, max_head_offpolicyness=self.eta,
+                            block_ms=50, log_every_secs=3600)
+        reader.stream.ensure_group()
+        cursor = self.clock.now()
+        try:
+            for step in range(s.steps):
+                t_wait = self.clock.now()
+                data = reader.next(step, step, steps_left=s.steps - step)
+                cursor = max(cursor, self.clock.now())
+                r.gen_wait_s += self.clock.now() - t_wait
+                tokens = sum(len(t.input_ids_np) for e in data.entries for t in e.group.trajectories)
+                r.trained_tokens += tokens
+                r.staleness += [step - e.min_version for e in data.entries]
+                r.stale_drops += data.n_dropped_stale
+                train = self.timing.train_step_s(tokens, s.train_gpus)
+                r.train_s += train
+                cursor += train
+                time.sleep(max(0.0, cursor - self.clock.now()) / s.accel)
+                versions.set_trainer_version(step + 1)
+                t_push = self.clock.now()
+                asyncio.run_coroutine_threadsafe(self._push(step + 1), loop).result()
+                r.push_s += self.clock.now() - t_push
+                cursor = max(cursor + self.timing.push_s(), self.clock.now())
+                versions.set(step + 1, detail=f"simulated push: {s.engines} engine(s)")
+                reader.ack(data.ids)
+                r.steps += 1
+                st = self._over_budget(client, step + 1)
+                r.max_over_budget = max(r.max_over_budget, st)
+        finally:
+            r.modeled_s = self.clock.now()
+            client.close()
+            loop.call_soon_threadsafe(self.stop.set)
+
+    def _over_budget(self, client, version: int) -> int:
+        """accepted + running minus the budget at `version` (must never be > 0)."""
+        accepted = int(client.get(self.keys.admit_accepted) or 0)
+        running = int(client.zcard(self.keys.admit_running))
+        return accepted + running - budget(self.eta, version, self.s.batch)
+
+    async def _push(self, version: int) -> None:
+        for e in self.engines:
+            await e.pause()
+        await asyncio.gather(*(e.update_weights(version) for e in self.engines))
+        for e in self.engines:
+            await e.resume()
+
+    # ------------------------------------------------------------------ one run
+    async def run(self) -> Result:
+        loop = asyncio.get_running_loop()
+        per_producer = max(1, (self.s.engines * self.s.max_running) // (self.s.n_samples * self.s.producers))
+        producers = [asyncio.create_task(self.producer(i, per_producer)) for i in range(self.s.producers)]
+        t0 = time.monotonic()
+        await loop.run_in_executor(None, self.trainer, loop)
+        await self.stop.wait()
+        await asyncio.gather(*producers, return_exceptions=True)
+        for e in self.engines:
+            await e.close()
+        r = self.result
+        r.wall_s = time.monotonic() - t0
+        r.utilisation = sum(e.busy_s for e in self.engines) / (len(self.engines) * r.modeled_s)
+        return r
+
+
+def _redis_cpu(client) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+def check(result: Result, url: str, keys: Keys, s: Setting) -> dict:
+    """The invariants: no over-admission, nothing lost, staleness <= η for trained groups."""
+    client = connect(url)
+    try:
+        assert result.max_over_budget <= 0, f"η={result.eta}: accepted + running exceeded the budget by {result.max_over_budget}"
+        assert result.steps == s.steps, f"η={result.eta}: {result.steps} of {s.steps} steps"
+        assert all(0 <= x <= result.eta for x in result.staleness), f"η={result.eta}: staleness {max(result.staleness)}"
+        records = [r for _, r in sorted(_records(client, keys).items())]
+        trained = [i for r in records for i in r]
+        assert len(trained) == len(set(trained)) == s.steps * s.batch, "a group was trained twice or is missing"
+        assert client.xpending(keys.traj, TRAIN_GROUP)["pending"] == 0, "delivered but not acked"
+        ids = [eid.decode() for eid, _ in client.xrange(keys.traj)]
+        dropped = [f[b"source_id"].decode() for _, f in client.xrange(keys.dropped)]
+        info = next(g for g in client.xinfo_groups(keys.traj) if g["name"].decode() == TRAIN_GROUP)
+        last = info["last-delivered-id"].decode()
+        delivered = [i for i in ids if _idt(i) <= _idt(last)]
+        assert set(delivered) == set(trained) | set(dropped), "a delivered group was neither trained nor dropped"
+        assert not set(trained) & set(dropped)
+        assert client.xlen(keys.dead) == 0
+        return {"entries": len(ids), "trained": len(trained), "dropped": len(dropped),
+                "undelivered": len(ids) - len(delivered)}
+    finally:
+        client.close()
+
+
+def _idt(i: str) -> tuple[int, int]:
+    a, _, b = i.partition("-")
+    return int(a), int(b or 0)
+
+
+def _records(client, keys: Keys) -> dict[int, list[str]]:
+    from rlstream.broker import StepLog
+
+    return {r.step: r.entry_ids for r in StepLog(client, keys).all()}
+
+
+def run_eta(s: Setting, timing: TimingModel, eta: int, redis_url: str, client) -> Result:
+    cluster = Cluster(s, timing, eta, redis_url)
+    cpu0 = _redis_cpu(client)
+    result = asyncio.run(cluster.run())
+    result.redis_cpu_s = _redis_cpu(client) - cpu0
+    result.checks = check(result, redis_url, cluster.keys, s)
+    return result
+
+
+def ideal_step_s(s: Setting, timing: TimingModel, base: Result, eta: int) -> tuple[float, float, float]:
+    """(G*, T, ideal step) at η: G* = one step's generation with every engine at its steady batch."""
+    mean_len = LengthModel(s.len_median, s.len_sigma, s.max_new_tokens).mean()
+    per_seq_kv = s.prompt_len + mean_len / 2  # a running sequence is half way through on average
+    in_flight = (eta + 1) * s.batch * s.n_samples / s.engines  # the admission budget's cap per engine
+    batch = max(1.0, min(s.max_running, timing.kv_budget_tokens() / (s.prompt_len + mean_len), in_flight))
+    engine_tps = batch / timing.decode_step_s(int(batch * per_seq_kv))
+    seqs = s.batch * s.n_samples
+    g_star = seqs * mean_len / (s.engines * engine_tps) + timing.prefill_s(seqs * s.prompt_len) / s.engines
+    t = (base.train_s + base.push_s) / base.steps
+    return g_star, t, max(g_star, t)
+
+
+def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, dict]:
+    base = results[0]
+    assert base.eta == 0
+    ideals = {r.eta: ideal_step_s(s, timing, base, r.eta) for r in results}
+    lines = [
+        f"setting `{s.name}`: {s.model} on {s.hardware}, {s.engines} engine GPUs + {s.train_gpus} trainer GPUs, "
+        f"{s.producers} producers, B={s.batch} groups x {s.n_samples} samples, prompt {s.prompt_len}, output "
+        f"lognormal(median {s.len_median:g}, sigma {s.len_sigma:g}) capped at {s.max_new_tokens}, {s.steps} steps, "
+        f"time x{s.accel:g}",
+        "",
+        "| η | trainer tok/s | engine util | staleness mean / max | stale drops | Redis CPU ms/step | "
+        "admission p50 / p99 ms | push share | step s | speedup | ideal bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    rows = {}
+    for r in results:
+        st = r.staleness or [0]
+        adm = sorted(r.admission_ms) or [0.0]
+        p50, p99 = adm[len(adm) // 2], adm[min(len(adm) - 1, int(len(adm) * 0.99))]
+        speed = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+        bound = base.step_s / ideals[r.eta][2]
+        lines.append(f"| {r.eta} | {r.tokens_per_s:,.0f} | {r.utilisation:.0%} | {statistics.mean(st):.2f} / {max(st)} | "
+                     f"{r.stale_drops} | {1000 * r.redis_cpu_s / r.steps:.1f} | {p50:.2f} / {p99:.2f} | "
+                     f"{r.push_s / r.modeled_s:.1%} | {r.step_s:.1f} | {speed:.2f}x | {bound:.2f}x |")
+        rows[r.eta] = {"tokens_per_s": r.tokens_per_s, "utilisation": r.utilisation, "speedup": speed, "bound": bound,
+                       "redis_cpu_ms_per_step": 1000 * r.redis_cpu_s / r.steps, "step_s": r.step_s,
+                       "control_plane_share": r.redis_cpu_s / r.steps / r.step_s, "checks": r.checks, "accel": s.accel,
+                       "admission_p50_ms": p50, "admission_p99_ms": p99, "push_share": r.push_s / r.modeled_s,
+                       "wall_s": r.wall_s}
+    lines.append("")
+    g = ", ".join(f"η={e}: {v[0]:.2f} s" for e, v in ideals.items())
+    lines.append(f"Ideal bound = η=0 step {base.step_s:.2f} s / max(G*, T); G* (the step's tokens with every engine "
+                 f"at the batch η allows in flight) {g}; T = train + push = {ideals[0][1]:.2f} s "
+                 f"(push {timing.push_s():.3f} s).")
+    return "\n".join(lines), rows
+
+
+SETTINGS = {
+    # AReaL Table 7's setting: 1.5B on 8 GPUs (here 4 engines + 4 trainer GPUs).
+    "areal-1.5b-8gpu": Setting("areal-1.5b-8gpu", model="qwen2.5-1.5b", engines=4, train_gpus=4, producers=2,
+                               batch=32, n_samples=8, steps=12, accel=20.0),
+    # verl fully-async 7B on 128 GPUs: 64 engine GPUs + 64 trainer GPUs.
+    "verl-7b-128gpu": Setting("verl-7b-128gpu", model="qwen2.5-7b", engines=64, train_gpus=64, producers=8,
+                              batch=256, n_samples=8, steps=8, accel=10.0),
+    "quick": Setting("quick", model="qwen2.5-1.5b", engines=4, train_gpus=4, producers=2, batch=8, n_samples=4,
+                     prompt_len=128, len_median=256, len_sigma=0.8, max_new_tokens=2048, steps=6, accel=5.0),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small run (CI): asserts the invariants")
+    ap.add_argument("--setting", default=None, choices=sorted(SETTINGS), help="which preset (default: all but quick)")
+    ap.add_argument("--etas", default=None, help="comma-separated η values (default 0,1,2,4,8; --quick 0,1,2)")
+    ap.add_argument("--accel", type=float, default=None, help="override the time-acceleration factor")
+    ap.add_argument("--steps", type=int, default=None, help="override the number of train steps")
+    ap.add_argument("--write", action="store_true", help="write the table into benchmarks/README.md")
+    ap.add_argument("--json", default=None, help="also write the rows as JSON here")
+    args = ap.parse_args(argv)
+    names = ["quick"] if args.quick else ([args.setting] if args.setting else ["areal-1.5b-8gpu", "verl-7b-128gpu"])
+    etas = [int(x) for x in (args.etas or ("0,1,2" if args.quick else "0,1,2,4,8")).split(",")]
+    if etas[0] != 0:
+        raise SystemExit("--etas must start with 0 (the baseline)")
+    redis = RedisChild()
+    out, all_rows = [], {}
+    try:
+        client = connect(redis.url)
+        for name in names:
+            s = SETTINGS[name]
+            if args.accel:
+                s.accel = args.accel
+            if args.steps:
+                s.steps = args.steps
+            timing = load_timing(s.hardware, s.model)
+            results = []
+            for eta in etas:
+                r = run_eta(s, timing, eta, redis.url, client)
+                print(f"[{name}] η={eta}: {r.tokens_per_s:,.0f} tok/s modeled, {r.steps} steps in "
+                      f"{r.modeled_s:.0f} modeled s ({r.wall_s:.1f} s wall), ledger {r.checks}", flush=True)
+                results.append(r)
+            text, rows = table(s, results, timing)
+            print(text, flush=True)
+            out.append(text)
+            all_rows[name] = {str(k): v for k, v in rows.items()}
+        client.close()
+    finally:
+        redis.stop()
+    if args.json:
+        Path(args.json).write_text(json.dumps(all_rows, indent=2))
+    if args.write:
+        from readme_section import write_section
+
+        write_section("## Simulated cluster (cluster_sim.py)", "## Simulated cluster (cluster_sim.py)\n\n" +
+                      "\n\n".join(out) + "\n\n" + COMPARISON)
+    return 0
+
+
+COMPARISON = ""  # filled in below after the full run
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,323 @@
+"""A simulated GPU engine and trainer compute: the timing model and an engine that keeps only the timing.
+
+`TimingModel` turns hardware and model numbers (`configs/cluster_sim.yaml`, each with its
+source) into seconds:
+
+- prefill of `n` tokens: 2·N·n FLOPs / (peak · prefill_mfu) (compute bound);
+- one decode step of a running batch: (weight bytes + KV bytes of every running sequence)
+  / (HBM bandwidth · decode_bw_efficiency) + a fixed scheduler overhead (memory bound);
+- one train step over `n` tokens on `g` GPUs: 6·N·n / (g · peak · train_mfu);
+- one weight push: 2·N bytes (bf16) / the per-GPU interconnect bandwidth.
+
+`SimulatedEngine` keeps the engine's behaviour and drops the arithmetic: continuous batching
+up to a KV token budget, output lengths drawn from a lognormal with a cap (reasoning traces
+are long-tailed), every output token stamped with the weight version that produced it, pause
+(running requests return at once with `abort`, new ones wait), continue, and a weight update
+that takes the modeled push time. Many of them share one asyncio loop (no thread, no model),
+so one process hosts hundreds. Time runs `accel` times faster than the modeled time: every
+modeled duration is slept as duration / accel, and all figures it reports are modeled seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rlstream.common.engine_api import FinishReason, GenerateResponse, MetaInfo
+
+__all__ = ["Hardware", "ModelSpec", "TimingModel", "SimClock", "LengthModel", "SimulatedEngine", "load_timing",
+           "DEFAULT_PARAMS"]
+
+DEFAULT_PARAMS = Path(__file__).resolve().parent.parent / "configs" / "cluster_sim.yaml"
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    peak_tflops: float
+    hbm_gbps: float
+    hbm_gib: float
+    interconnect_gbps: float
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    params: float
+    layers: int
+    kv_heads: int
+    head_dim: int
+
+    @property
+    def weight_bytes(self) -> float:
+        return 2.0 * self.params  # bf16
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        return 2.0 * self.layers * self.kv_heads * self.head_dim * 2.0  # K and V, bf16
+
+
+@dataclass(frozen=True)
+class TimingModel:
+    hw: Hardware
+    model: ModelSpec
+    train_mfu: float
+    prefill_mfu: float
+    decode_bw_efficiency: float
+    decode_step_overhead_s: float
+
+    def prefill_s(self, tokens: int) -> float:
+        return 2.0 * self.model.params * tokens / (self.hw.peak_tflops * 1e12 * self.prefill_mfu)
+
+    def decode_step_s(self, kv_tokens: int) -> float:
+        moved = self.model.weight_bytes + self.model.kv_bytes_per_token * kv_tokens
+        return moved / (self.hw.hbm_gbps * 1e9 * self.decode_bw_efficiency) + self.decode_step_overhead_s
+
+    def train_step_s(self, tokens: int, gpus: int) -> float:
+        return 6.0 * self.model.params * tokens / (gpus * self.hw.peak_tflops * 1e12 * self.train_mfu)
+
+    def push_s(self) -> float:
+        return self.model.weight_bytes / (self.hw.interconnect_gbps * 1e9)
+
+    def kv_budget_tokens(self, memory_fraction: float = 0.85) -> int:
+        """KV tokens one engine GPU holds beside its weights (SGLang's mem_fraction_static-like share)."""
+        free = self.hw.hbm_gib * 2**30 * memory_fraction - self.model.weight_bytes
+        return max(1, int(free / self.model.kv_bytes_per_token))
+
+
+def load_timing(hardware: str, model: str, path: Path | str = DEFAULT_PARAMS) -> TimingModel:
+    """The timing model of `hardware` x `model` from the parameter file; unknown names are one clear error."""
+    doc = yaml.safe_load(Path(path).read_text())
+    if hardware not in doc["hardware"]:
+        raise ValueError(f"unknown hardware {hardware!r}; allowed: {', '.join(doc['hardware'])}")
+    if model not in doc["models"]:
+        raise ValueError(f"unknown model {model!r}; allowed: {', '.join(doc['models'])}")
+    eff = {k: float(v) for k, v in doc["efficiency"].items()}
+    hw = {k: float(v) for k, v in doc["hardware"][hardware].items()}
+    m = doc["models"][model]  # PyYAML reads 1.5e9 (no dot) as a string: convert explicitly
+    spec = ModelSpec(model, params=float(m["params"]), layers=int(m["layers"]), kv_heads=int(m["kv_heads"]),
+                     head_dim=int(m["head_dim"]))
+    return TimingModel(Hardware(hardware, **hw), spec, train_mfu=eff["train_mfu"], prefill_mfu=eff["prefill_mfu"],
+                       decode_bw_efficiency=eff["decode_bw_efficiency"],
+                       decode_step_overhead_s=eff["decode_step_overhead_ms"] / 1000.0)
+
+
+class SimClock:
+    """Modeled time running `accel` times faster than the wall clock."""
+
+    def __init__(self, accel: float = 1.0) -> None:
+        if accel <= 0:
+            raise ValueError(f"accel must be > 0, got {accel}")
+        self.accel = accel
+        self._t0 = time.monotonic()
+
+    def now(self) -> float:
+        """Modeled seconds since the clock was made."""
+        return (time.monotonic() - self._t0) * self.accel
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(max(0.0, seconds) / self.accel)
+
+
+@dataclass(frozen=True)
+class LengthModel:
+    """Output lengths: lognormal with median `median` and shape `sigma`, at least 1, capped at `cap`."""
+
+    median: float
+    sigma: float
+    cap: int
+
+    def draw(self, rng: random.Random) -> int:
+        return max(1, min(self.cap, int(rng.lognormvariate(math.log(self.median), self.sigma))))
+
+    def mean(self, samples: int = 20000, seed: int = 0) -> float:
+        rng = random.Random(seed)
+        return sum(self.draw(rng) for _ in range(samples)) / samples
+
+
+@dataclass
+class _Seq:
+    rid: str
+    prompt_len: int
+    target: int
+    future: asyncio.Future
+    generated: int = 0
+    segments: list[list[int]] = field(default_factory=list)  # [version, tokens] runs, in order
+    created: float = 0.0
+
+    def add(self, version: int, n: int) -> None:
+        if self.segments and self.segments[-1][0] == version:
+            self.segments[-1][1] += n
+        else:
+            self.segments.append([version, n])
+        self.generated += n
+
+
+class SimulatedEngine:
+    """Continuous batching with modeled step times; the SGLang-shaped result of `generate`.
+
+    The batch advances in chunks of up to `chunk_steps` decode steps (fewer when a sequence
+    finishes first), so the Python work is per event, not per token: waiting requests join at
+    the next chunk boundary, a pause cuts the running chunk at the step it had reached.
+    """
+
+    def __init__(self, timing: TimingModel, clock: SimClock, lengths: LengthModel, *, seed: int = 0,
+                 max_running: int = 256, kv_budget_tokens: int | None = None, chunk_steps: int = 32,
+                 name: str = "sim") -> None:
+        self.timing, self.clock, self.lengths = timing, clock, lengths
+        self.name = name
+        self.max_running = max_running
+        self.chunk_steps = chunk_steps
+        self.kv_budget = kv_budget_tokens or timing.kv_budget_tokens()
+        self._rng = random.Random(seed)
+        self._ids = itertools.count()
+        self._waiting: list[_Seq] = []
+        self._running: list[_Seq] = []
+        self._wake = asyncio.Event()
+        self._interrupt = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._paused = False
+        self.version = 0
+        self.busy_s = 0.0  # modeled seconds spent in prefill and decode
+        self.total_tokens = 0
+        self.total_requests = 0
+
+    # ------------------------------------------------------------------ the engine interface
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"{self.name}-loop")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        for s in self._running + self._waiting:
+            if not s.future.done():
+                s.future.set_result(FinishReason(type="abort", message="engine stopped"))
+
+    def draw_length(self, max_new_tokens: int) -> int:
+        return min(max_new_tokens, self.lengths.draw(self._rng))
+
+    async def generate(self, prompt_len: int, max_new_tokens: int, target: int | None = None) -> GenerateResponse:
+        """One prompt of `prompt_len` tokens; it stops after `target` tokens (default: a draw from the
+        length model, capped at `max_new_tokens`), or early with `abort` when the engine pauses."""
+        self.start()
+        seq = _Seq(rid=f"{self.name}-{next(self._ids)}", prompt_len=prompt_len,
+                   target=min(max_new_tokens, target if target is not None else self.draw_length(max_new_tokens)),
+                   future=asyncio.get_running_loop().create_future(), created=self.clock.now())
+        self._waiting.append(seq)
+        self._wake.set()
+        finish = await seq.future
+        self.total_requests += 1
+        versions = [v for v, n in seq.segments for _ in range(n)]
+        return GenerateResponse(
+            text="", output_ids=[4 + i % 64 for i in range(seq.generated)],
+            meta_info=MetaInfo(id=seq.rid, finish_reason=finish, prompt_tokens=prompt_len,
+                               completion_tokens=seq.generated,
+                               output_token_logprobs=[(-1.0, 4 + i % 64, None) for i in range(seq.generated)],
+                               output_token_versions=versions, weight_version=self.version,
+                               e2e_latency=self.clock.now() - seq.created))
+
+    async def pause(self) -> None:
+        """Running requests return now with what they have (`abort`); new ones wait for `resume`."""
+        self._paused = True
+        self._interrupt.set()
+        await asyncio.sleep(0)  # let the batch loop book the cut chunk
+
+    async def resume(self) -> None:
+        self._paused = False
+        self._wake.set()
+
+    async def update_weights(self, version: int) -> None:
+        """A weight update: the modeled push time, then the new version is served."""
+        await self.clock.sleep(self.timing.push_s())
+        self.version = version
+
+    def stats(self) -> dict[str, Any]:
+        return {"running": len(self._running), "waiting": len(self._waiting), "paused": self._paused,
+                "total_tokens": self.total_tokens, "total_requests": self.total_requests,
+                "weight_version": self.version, "busy_seconds": self.busy_s}
+
+    # ------------------------------------------------------------------ the batch loop
+    def _kv_tokens(self) -> int:
+        return sum(s.prompt_len + s.generated for s in self._running)
+
+    def _admit(self) -> list[_Seq]:
+        """Waiting requests that fit the batch and the KV budget (their full reserved length)."""
+        reserved = sum(s.prompt_len + s.target for s in self._running)
+        new = []
+        while self._waiting and len(self._running) < self.max_running:
+            s = self._waiting[0]
+            if self._running and reserved + s.prompt_len + s.target > self.kv_budget:
+                break
+            self._waiting.pop(0)
+            reserved += s.prompt_len + s.target
+            self._running.append(s)
+            new.append(s)
+        return new
+
+    def _chunk_s(self, steps: int, prefill_tokens: int) -> float:
+        """Modeled time of `steps` decode steps of the running batch (KV grows by one token per
+        sequence per step) plus the prefill of the newly admitted prompts."""
+        n, kv0 = len(self._running), self._kv_tokens()
+        mean_kv = kv0 + n * (steps - 1) / 2.0
+        return steps * self.timing.decode_step_s(int(mean_kv)) + self.timing.prefill_s(prefill_tokens)
+
+    def _abort_running(self) -> None:
+        for s in self._running:
+            if not s.future.done():
+                s.future.set_result(FinishReason(type="abort", message="paused for a weight update"))
+        self._running = []
+
+    async def _loop(self) -> None:
+        # The engine's own modeled-time cursor: each chunk starts where the last one ended (not when
+        # the event loop got round to it), so scheduling latency does not stretch modeled time and the
+        # acceleration factor does not change the result, as long as the loop keeps up on average.
+        cursor = self.clock.now()
+        while True:
+            if self._paused:
+                self._abort_running()
+            if self._paused or not (self._running or self._waiting):
+                self._wake.clear()
+                await self._wake.wait()
+                cursor = self.clock.now()
+                continue
+            new = self._admit()
+            steps = min(self.chunk_steps, min(s.target - s.generated for s in self._running))
+            duration = self._chunk_s(steps, sum(s.prompt_len for s in new))
+            self._interrupt.clear()
+            try:
+                await asyncio.wait_for(self._interrupt.wait(), max(0.0, cursor + duration - self.clock.now())
+                                       / self.clock.accel)
+                # Cut by a pause: the steps completed by now produced their tokens.
+                spent = min(duration, max(0.0, self.clock.now() - cursor))
+                done_steps = min(steps, int(steps * spent / duration))
+            except asyncio.TimeoutError:
+                done_steps, spent = steps, duration
+            cursor += spent
+            self.busy_s += spent
+            version = self.version
+            finished = []
+            for s in self._running:
+                if done_steps:
+                    s.add(version, done_steps)
+                    self.total_tokens += done_steps
+                if s.generated >= s.target:
+                    finished.append(s)
+            for s in finished:
+                self._running.remove(s)
+                if not s.future.done():
+                    s.future.set_result(FinishReason(type="length", length=s.generated))

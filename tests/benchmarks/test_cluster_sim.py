@@ -1,0 +1,72 @@
+"""`benchmarks/cluster_sim.py --quick`: simulated engines and trainer compute over the real control plane.
+
+The script asserts its invariants itself (`check`): no over-admission (accepted + running never
+above (η + v + 1)·B after any step), nothing lost (every delivered group trained once or visibly
+dropped, nothing pending, nothing dead-lettered), staleness <= η for every trained group. Here
+it runs as CI runs it, and the JSON rows it writes are checked too.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_cluster_sim_quick(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cluster_sim.py"), "--quick", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["quick"]
+    assert sorted(rows, key=int) == ["0", "1", "2"]
+    for eta, row in rows.items():
+        checks = row["checks"]
+        assert checks["trained"] == 6 * 8, checks  # steps x B, each group once
+        assert checks["entries"] == checks["trained"] + checks["dropped"] + checks["undelivered"], checks
+        assert 0 < row["utilisation"] <= 1.0 + 1e-9, row
+    assert rows["0"]["checks"]["dropped"] == 0  # η = 0: every group is trained at the version it was made for
+
+
+def test_simulated_engine_timing_does_not_depend_on_the_acceleration():
+    """The same requests on one simulated engine take the same modeled time at x5 and x50."""
+    import asyncio
+
+    from rlstream.engine.simulated import LengthModel, SimClock, SimulatedEngine, load_timing
+
+    timing = load_timing("H100", "qwen2.5-1.5b")
+
+    async def run(accel: float) -> tuple[float, list[int]]:
+        clock = SimClock(accel)
+        engine = SimulatedEngine(timing, clock, LengthModel(200, 0.8, 1024), seed=3)
+        results = await asyncio.gather(*(engine.generate(128, 1024) for _ in range(64)))
+        elapsed = clock.now()  # modeled seconds until the last request finished
+        await engine.close()
+        return elapsed, [r.meta_info.completion_tokens for r in results]
+
+    t5, lens5 = asyncio.run(run(5.0))
+    t50, lens50 = asyncio.run(run(50.0))
+    assert lens5 == lens50
+    # Scheduling latency of the event loop must not stretch modeled time (the engine keeps its own cursor).
+    assert abs(t5 - t50) / t5 < 0.05, (t5, t50)
+
+
+def test_timing_model_formulas():
+    """Prefill, decode, train and push times follow the documented formulas for the parameter file."""
+    from rlstream.engine.simulated import load_timing
+
+    t = load_timing("H100", "qwen2.5-7b")
+    n = t.model.params
+    assert abs(t.prefill_s(1000) - 2 * n * 1000 / (989e12 * t.prefill_mfu)) < 1e-12
+    assert abs(t.train_step_s(10**6, 8) - 6 * n * 1e6 / (8 * 989e12 * t.train_mfu)) < 1e-12
+    assert t.decode_step_s(10**5) > t.decode_step_s(0) > 2 * n / 3350e9  # weights read every step
+    assert abs(t.push_s() - 2 * n / 50e9) < 1e-12
+    h200 = load_timing("H200", "qwen2.5-7b")
+    assert h200.decode_step_s(10**5) < t.decode_step_s(10**5)  # more HBM bandwidth
+    import pytest
+
+    with pytest.raises(ValueError, match="allowed: H100, H200"):
+        load_timing("A100", "qwen2.5-7b")
