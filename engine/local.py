@@ -66,6 +66,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Padded prompt tokens one prefill forward may take; bounds prefill memory when many
 # long prompts arrive at once (at least one request is always prefilled).
 PREFILL_TOKEN_BUDGET = 16384
+# Kept prefixes are indexed by their first tokens: a lookup scans only entries that start like the prompt
+# (shorter prompts are not worth a lookup).
+PREFIX_HEAD = 8
 
 def resolve_device(device: str) -> torch.device:
     """`auto` -> cuda when present, else cpu; a cuda request without CUDA is an error."""
@@ -188,6 +191,7 @@ class LocalEngine:
         # Prefix cache (decode thread, and apply_weights under the step lock): token ids -> per-layer KV.
         self.prefix_cache_tokens = max(0, int(prefix_cache_tokens))
         self._prefixes: OrderedDict[int, _Prefix] = OrderedDict()
+        self._by_head: dict[tuple[int, ...], set[int]] = {}  # first PREFIX_HEAD tokens -> entry keys
         self._prefix_total = 0
         self._prefix_ids = itertools.count()
 
@@ -531,48 +535,57 @@ class LocalEngine:
         return torch.where(keep, zero, torch.finfo(self.dtype).min)
 
     def _prefill(self, reqs: list[_Request]) -> None:
-        fresh = []
-        for r in reqs:
-            hit = self._lookup_prefix(r.prompt)
-            if hit is None:
-                fresh.append(r)
-            else:
-                self._prefill_from(r, *hit)
+        """Prefill new requests: those extending a kept prefix in one forward, the others in another."""
+        hits = [self._lookup_prefix(r.prompt) for r in reqs]
+        reused = [(r, h) for r, h in zip(reqs, hits) if h is not None]
+        fresh = [r for r, h in zip(reqs, hits) if h is None]
+        if reused:
+            self._prefill_rows([r for r, _ in reused], [h for _, h in reused])
         if fresh:
-            self._prefill_batch(fresh)
+            self._prefill_rows(fresh, [None] * len(fresh))
 
-    def _prefill_from(self, req: _Request, entry: "_Prefix", n: int) -> None:
-        """Prefill one request whose first `n` prompt tokens have kept KV: only the rest runs."""
-        dev = self.device
-        cache = _make_cache([(k[:, :, :n], v[:, :, :n]) for k, v in entry.kv])
-        rest = torch.tensor([req.prompt[n:]], dtype=torch.long, device=dev)
-        L = len(req.prompt)
-        mask = torch.ones((1, L), dtype=torch.long, device=dev)
-        pos = torch.arange(n, L, dtype=torch.long, device=dev)[None]
-        logits, cache = self._forward(rest, mask, pos, cache)
-        self.total_requests += 1
-        self.prefill_tokens += L - n
-        self.cached_prompt_tokens += n
-        self._merge([req], cache, mask, torch.tensor([L], dtype=torch.long, device=dev))
-        self._sample_and_advance(logits, rows=[len(self._rows) - 1])
+    def _prefill_rows(self, reqs: list[_Request], hits: list["tuple[_Prefix, int] | None"]) -> None:
+        """One forward over the prompts' uncached tails, left-padded, after their kept KV (if any).
 
-    def _prefill_batch(self, reqs: list[_Request]) -> None:
+        Every row feeds its last S tokens, S = the longest uncached tail, so each row is still
+        one contiguous run of real columns (the batch invariant): a row whose uncached tail is
+        shorter re-runs a few cached tokens instead of padding in the middle.
+        """
         from transformers import DynamicCache
 
         dev = self.device
-        n, L = len(reqs), max(len(r.prompt) for r in reqs)
-        ids = torch.full((n, L), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, L), dtype=torch.long)
-        for i, r in enumerate(reqs):
-            ids[i, L - len(r.prompt):] = torch.tensor(r.prompt)
-            mask[i, L - len(r.prompt):] = 1
+        n = len(reqs)
+        lens = [len(r.prompt) for r in reqs]
+        S = max(ln - (h[1] if h else 0) for ln, h in zip(lens, hits))
+        past = [max(0, ln - S) for ln in lens]  # reused columns per row (never more than its hit)
+        P = max(past)
+        ids = torch.full((n, S), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, P + S), dtype=torch.long)
+        for i, (r, p) in enumerate(zip(reqs, past)):
+            tail = r.prompt[p:]
+            ids[i, S - len(tail):] = torch.tensor(tail)
+            mask[i, P - p:P] = 1
+            mask[i, P + S - len(tail):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)
-        logits, cache = self._forward(ids, mask, pos, DynamicCache())
-        next_pos = mask.sum(-1)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]
+        if P == 0:
+            cache = DynamicCache()
+        else:
+            ref = next(h[0].kv for h in hits if h is not None)
+            kv = []
+            for layer, (k0, v0) in enumerate(ref):
+                ks, vs = [], []
+                for h, p in zip(hits, past):
+                    k, v = (h[0].kv[layer] if h is not None and p else (k0[:, :, :0], v0[:, :, :0]))
+                    ks.append(_lpad(k[:, :, :p].to(dev), P))
+                    vs.append(_lpad(v[:, :, :p].to(dev), P))
+                kv.append((torch.cat(ks, 0), torch.cat(vs, 0)))
+            cache = _make_cache(kv)
+        logits, cache = self._forward(ids, mask, pos, cache)
         self.total_requests += n
-        self.prefill_tokens += sum(len(r.prompt) for r in reqs)
-        self._merge(reqs, cache, mask, next_pos)
+        self.prefill_tokens += sum(lens) - sum(past)
+        self.cached_prompt_tokens += sum(past)
+        self._merge(reqs, cache, mask, torch.tensor(lens, dtype=torch.long, device=dev))
         self._sample_and_advance(logits, rows=list(range(len(self._rows) - n, len(self._rows))))
 
     def _merge(self, reqs: list[_Request], cache, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
@@ -657,26 +670,32 @@ class LocalEngine:
         if not self.prefix_cache_tokens:
             return
         n = len(req.prompt) + len(req.output_ids) - 1
-        if n < 2 or n > self.prefix_cache_tokens:
+        if n < PREFIX_HEAD or n > self.prefix_cache_tokens:
             return
         tokens = torch.tensor(req.prompt + req.output_ids[:-1], dtype=torch.long)
         # This row's real tokens are its last n cache columns (rows are left-padded).
         kv = [(k[row:row + 1, :, -n:].clone(), v[row:row + 1, :, -n:].clone()) for k, v in _layers(self._cache)]
-        for key, e in list(self._prefixes.items()):  # an entry the new one extends is no longer needed
+        head = tuple(tokens[:PREFIX_HEAD].tolist())
+        for key in list(self._by_head.get(head, ())):  # an entry the new one extends is no longer needed
+            e = self._prefixes[key]
             if len(e.tokens) <= n and torch.equal(e.tokens, tokens[:len(e.tokens)]):
                 self._drop_prefix(key)
-        self._prefixes[next(self._prefix_ids)] = _Prefix(tokens, kv)
+        key = next(self._prefix_ids)
+        self._prefixes[key] = _Prefix(tokens, kv)
+        self._by_head.setdefault(head, set()).add(key)
         self._prefix_total += n
         while self._prefix_total > self.prefix_cache_tokens:
             self._drop_prefix(next(iter(self._prefixes)))
 
     def _lookup_prefix(self, prompt: list[int]) -> "tuple[_Prefix, int] | None":
         """The kept entry sharing the longest prefix with `prompt` and that length (< len(prompt)), if any."""
-        if not self._prefixes or len(prompt) < 2:
+        keys = self._by_head.get(tuple(prompt[:PREFIX_HEAD])) if len(prompt) > PREFIX_HEAD else None
+        if not keys:
             return None
         p = torch.tensor(prompt, dtype=torch.long)
         best, best_n, best_key = None, 0, None
-        for key, e in self._prefixes.items():
+        for key in keys:
+            e = self._prefixes[key]
             m = min(len(e.tokens), len(p) - 1)  # at least one prompt token must run, for its logits
             if m <= best_n:
                 continue
@@ -692,9 +711,14 @@ class LocalEngine:
     def _drop_prefix(self, key: int) -> None:
         e = self._prefixes.pop(key)
         self._prefix_total -= len(e.tokens)
+        head = tuple(e.tokens[:PREFIX_HEAD].tolist())
+        self._by_head[head].discard(key)
+        if not self._by_head[head]:
+            del self._by_head[head]
 
     def _clear_prefixes(self) -> None:
         self._prefixes.clear()
+        self._by_head.clear()
         self._prefix_total = 0
 
 

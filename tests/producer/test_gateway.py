@@ -19,7 +19,7 @@ import pytest
 from rlstream.broker import AdmissionController, TrajectoryStream
 from rlstream.common.config import load_config
 
-from tests.helpers import EngineProcess, GatewayProcess, engine_overrides
+from tests.helpers import EngineProcess, GatewayProcess, VllmServer, engine_overrides, vllm_python_or_skip
 
 openai = pytest.importorskip("openai", reason="the openai package is a test dependency (pip install -e .[test])")
 
@@ -52,12 +52,13 @@ def _fit_tool_conversation(model_dir) -> None:
     try:
         for step in range(400):
             out = model(input_ids=x, labels=labels)
+            # Greedy decoding reproduces the conversation once every target token is the argmax, with margin
+            # (checked on the weights that are saved, before any further step).
+            if out.loss.item() < 0.02 and (out.logits[0, :-1].argmax(-1) == x[0, 1:])[labels[0, 1:] >= 0].all():
+                break
             opt.zero_grad()
             out.loss.backward()
             opt.step()
-            # Greedy decoding reproduces the conversation once every target token is the argmax, with margin.
-            if out.loss.item() < 0.02 and (out.logits[0, :-1].argmax(-1) == x[0, 1:])[labels[0, 1:] >= 0].all():
-                break
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(model_dir, safe_serialization=True)
@@ -67,7 +68,8 @@ def _fit_tool_conversation(model_dir) -> None:
 def tool_model(tmp_path_factory):
     from rlstream.launcher.tiny import build_tiny_model
 
-    path = build_tiny_model(tmp_path_factory.mktemp("gw-model") / "model", chat=True)
+    # num_heads=2 -> head_dim 32: vLLM's CPU attention kernel has no head_dim 16 (the default).
+    path = build_tiny_model(tmp_path_factory.mktemp("gw-model") / "model", chat=True, num_heads=2)
     _fit_tool_conversation(path)
     return path
 
@@ -147,10 +149,31 @@ def _entries(redis_url, exp):
 def test_openai_agent_episodes_land_token_in_token_out(gateway, engine, redis_url, tool_model):
     from transformers import AutoTokenizer
 
-    from rlstream.producer.chat import ChatTemplate
-
     exp, gw = gateway
     tok = AutoTokenizer.from_pretrained(tool_model)
+    runs = _two_episodes(gw)
+    first, second = runs[0]
+    assert first.choices[0].finish_reason == "tool_calls"
+    (call,) = first.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "calculator"
+    assert json.loads(call.function.arguments) == {"expression": "12*34"}
+    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content == "408"
+    group = _check_group(redis_url, exp, tok, runs)
+    direct = httpx.Client(base_url=engine.url, timeout=120)
+    for traj, (r1, r2) in zip(group.trajectories, runs):
+        p1, o1 = r1.model_extra["prompt_token_ids"], r1.choices[0].model_extra["token_ids"]
+        p2, o2 = r2.model_extra["prompt_token_ids"], r2.choices[0].model_extra["token_ids"]
+        # What the engine itself generates for those inputs (greedy): the same ids and logprobs.
+        lps = traj.logprobs_np
+        for prompt, out in ((p1, o1), (p2, o2)):
+            g = direct.post("/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
+                "temperature": 0, "max_new_tokens": 96, "stop_token_ids": [tok.eos_token_id]}}).json()
+            assert g["output_ids"] == out
+            got = lps[len(prompt): len(prompt) + len(out)]
+            np.testing.assert_allclose(got, [row[0] for row in g["meta_info"]["output_token_logprobs"]], atol=1e-5)
+
+
+def _two_episodes(gw) -> list:
     runs = []
     for _ in range(2):  # two episodes of one prompt: one group (gconfig.n_samples=2)
         sid, base = _session(gw)
@@ -158,20 +181,18 @@ def test_openai_agent_episodes_land_token_in_token_out(gateway, engine, redis_ur
         r = httpx.post(f"{gw.url}/sessions/{sid}/reward", json={"reward": 1.0 if len(runs) == 1 else 0.0}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["status"] == ("pending" if len(runs) == 1 else "committed"), r.json()
+    return runs
 
-    first, second = runs[0]
-    assert first.choices[0].finish_reason == "tool_calls"
-    (call,) = first.choices[0].message.tool_calls
-    assert call.type == "function" and call.function.name == "calculator"
-    assert json.loads(call.function.arguments) == {"expression": "12*34"}
-    assert second.choices[0].finish_reason == "stop" and second.choices[0].message.content == "408"
+
+def _check_group(redis_url, exp, tok, runs):
+    """The one committed group: each trajectory is exactly the calls' prompt and generated ids."""
+    from rlstream.producer.chat import ChatTemplate
 
     (group,), adm = _entries(redis_url, exp)
     assert (adm.running, adm.accepted) == (0, 1)
     assert len(group.trajectories) == 2 and group.metadata["source"] == "gateway"
     assert sorted(t.reward for t in group.trajectories) == [0.0, 1.0]
     chat = ChatTemplate(tok, TOOLS)
-    direct = httpx.Client(base_url=engine.url, timeout=120)
     for traj, (r1, r2) in zip(group.trajectories, runs):
         p1, o1 = r1.model_extra["prompt_token_ids"], r1.choices[0].model_extra["token_ids"]
         p2, o2 = r2.model_extra["prompt_token_ids"], r2.choices[0].model_extra["token_ids"]
@@ -190,14 +211,8 @@ def test_openai_agent_episodes_land_token_in_token_out(gateway, engine, redis_ur
         mask[model_pos] = True
         assert traj.loss_mask_np.astype(bool).tolist() == mask.tolist()
         assert (traj.versions_np[mask] == 0).all() and (traj.versions_np[~mask] == -1).all()
-        # What the engine itself generates for those inputs (greedy): the same ids and logprobs.
-        lps = traj.logprobs_np
-        for prompt, out in ((p1, o1), (p2, o2)):
-            g = direct.post("/generate", json={"input_ids": prompt, "return_logprob": True, "sampling_params": {
-                "temperature": 0, "max_new_tokens": 96, "stop_token_ids": [tok.eos_token_id]}}).json()
-            assert g["output_ids"] == out
-            got = lps[len(prompt): len(prompt) + len(out)]
-            np.testing.assert_allclose(got, [row[0] for row in g["meta_info"]["output_token_logprobs"]], atol=1e-5)
+        assert (traj.logprobs_np[mask] <= 0).all() and (traj.logprobs_np[~mask] == 0).all()
+    return group
 
 
 def test_streaming_n_and_completions_are_recorded_as_branches(gateway, redis_url):
@@ -265,3 +280,32 @@ def test_an_abandoned_session_releases_its_lease(redis_server, tool_model, engin
         assert groups == [] and (adm.running, adm.accepted) == (0, 0)
     finally:
         gw.stop()
+
+
+def test_the_same_agent_against_vllm(redis_server, tool_model, tmp_path):
+    """rollout.backend=vllm: the gateway in front of real vLLM (CPU), same agent, same checks."""
+    from transformers import AutoTokenizer
+
+    vllm_python_or_skip()
+    server = VllmServer(tool_model, tmp_path / "vllm.log", [
+        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512", "--enforce-eager",
+        "--seed", "0", "--disable-log-stats"])
+    server.start()
+    exp = f"gwv{uuid.uuid4().hex[:8]}"
+
+    class _Addr:
+        address = server.url.split("//")[-1]
+
+    gw = GatewayProcess(tmp_path / "gw", _gateway_overrides(tool_model, redis_server.url, exp, _Addr,
+                                                            "rollout.backend=vllm"))
+    try:
+        gw.start()
+        runs = _two_episodes(gw)
+        first, second = runs[0]
+        assert first.choices[0].finish_reason == "tool_calls", first
+        assert json.loads(first.choices[0].message.tool_calls[0].function.arguments) == {"expression": "12*34"}
+        assert second.choices[0].message.content == "408"
+        _check_group(redis_server.url, exp, AutoTokenizer.from_pretrained(tool_model), runs)
+    finally:
+        gw.stop()
+        server.stop()
