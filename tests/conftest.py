@@ -57,6 +57,37 @@ def redis_factory(tmp_path):
 
 
 @pytest.fixture
+def sentinels(tmp_path):
+    """Factory: `sentinels(primary_port, n=3)` -> ports of `redis-server --sentinel` processes monitoring
+    service `rls` on 127.0.0.1 (quorum 2, down after 1 s); each stopped by its PID."""
+    import subprocess
+
+    from rlstream.launcher.procs import stop_process, wait_for_port
+    from tests.helpers import free_port, redis_server_binary
+
+    procs: list = []
+
+    def start(primary_port: int, n: int = 3) -> list[int]:
+        ports = []
+        for i in range(n):
+            port = free_port()
+            conf = tmp_path / f"sentinel-{i}.conf"  # sentinel rewrites its file: one each
+            conf.write_text(f"port {port}\nbind 127.0.0.1\nprotected-mode no\ndir {tmp_path}\n"
+                            f"sentinel monitor rls 127.0.0.1 {primary_port} 2\n"
+                            "sentinel down-after-milliseconds rls 1000\nsentinel failover-timeout rls 5000\n"
+                            "sentinel parallel-syncs rls 1\n")
+            procs.append(subprocess.Popen([redis_server_binary(), str(conf), "--sentinel"],
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            assert wait_for_port("127.0.0.1", port, 10), "sentinel did not start"
+            ports.append(port)
+        return ports
+
+    yield start
+    for p in procs:
+        stop_process(p, 5)
+
+
+@pytest.fixture
 def redis_url(redis_server) -> str:
     return redis_server.url
 
