@@ -285,8 +285,8 @@ def format_ledger(result: dict[str, Any]) -> list[str]:
         else:
             v = result.get(key)
             value = f"{v:.2%}" if isinstance(v, float) and key.endswith("restarts") else str(v)
-        out.append(f"{name:<40} {value}")
-    out.append(f"{'faults':<40} " + ", ".join(f"{k} {n}" for k, n in result["faults"].items()))
+        out.append(f"{name:<48} {value}")
+    out.append(f"{'faults':<48} " + ", ".join(f"{k} {n}" for k, n in result["faults"].items()))
     return out
 
 
