@@ -229,6 +229,11 @@ class ChaosRun(LocalRun):
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             self.start_redis()
+            from rlstream.broker import connect
+
+            # This process rides out the Redis outages it makes, as the children do.
+            self.client.close()
+            self.client = connect(self.cfg.redis, client_name="rlstream-chaos")
             self.write_child_config()
             _echo(f"inspect: {self.inspect_command()}")
             self.start_engines()
