@@ -189,10 +189,14 @@ return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'
 
 # KEYS: accepted, traj   ARGV: v·B, consumer group, chunk  -> {backlog, counted}
 # backlog = entries of `traj` the group has still to train: pending + not yet delivered.
-# Redis reports the group's lag as null after an AOF reload (or entries deleted mid-stream),
-# so the undelivered part is then counted from the stream itself: the entries after the
-# group's last-delivered id, in chunks. They are at most the admission budget's worth, so
-# the count is bounded, and it runs inside this script, so it stays atomic.
+# The undelivered part is always counted from the stream itself (the entries after the
+# group's last-delivered id, in chunks), never taken from XINFO's `lag`: Redis reports it
+# as null after an AOF reload, and (7.0) as a wrong number when the AOF was rewritten while
+# the group read on: the rewrite stores the group's entries-read, the reads after it are
+# replayed as XCLAIMs that move the last-delivered id but not entries-read, so after a
+# reload lag = entries-added - a stale entries-read (1231 for 0 undelivered in a chaos soak,
+# which left producers no capacity for good). The entries counted are at most the admission
+# budget's worth, and the count runs inside this script, so it stays atomic.
 _RESET = """
 local backlog, counted = 0, 0
 if redis.call('EXISTS', KEYS[2]) == 1 then
@@ -202,19 +206,14 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
     for i = 1, #g, 2 do f[g[i]] = g[i + 1] end
     if f['name'] == ARGV[2] then
       found = true
-      backlog = tonumber(f['pending'])
-      if type(f['lag']) == 'number' then
-        backlog = backlog + f['lag']
-      else
-        local chunk, start = tonumber(ARGV[3]), '(' .. f['last-delivered-id']
-        while true do
-          local got = redis.call('XRANGE', KEYS[2], start, '+', 'COUNT', chunk)
-          counted = counted + #got
-          if #got < chunk then break end
-          start = '(' .. got[#got][1]
-        end
-        backlog = backlog + counted
+      local chunk, start = tonumber(ARGV[3]), '(' .. f['last-delivered-id']
+      while true do
+        local got = redis.call('XRANGE', KEYS[2], start, '+', 'COUNT', chunk)
+        counted = counted + #got
+        if #got < chunk then break end
+        start = '(' .. got[#got][1]
       end
+      backlog = tonumber(f['pending']) + counted
     end
   end
   if not found then backlog = redis.call('XLEN', KEYS[2]) end
@@ -431,16 +430,12 @@ class Admission:
         Queued = pending in or not yet delivered to the `train` group (one atomic script, so
         a commit racing with it is counted exactly once). Without them producers would fill
         a whole new budget on top of the queue and the surplus would go stale. Returns the
-        queued count. When Redis cannot tell the group's lag (after an AOF reload) the
-        undelivered entries are counted from the stream, after the last-delivered id.
+        queued count. The undelivered entries are counted from the stream, after the group's
+        last-delivered id (XINFO's lag is null or wrong after an AOF reload: see `_RESET`).
         """
         res = yield from script(_RESET, [self.keys.admit_accepted, self.keys.traj],
                                 [version * self.batch, TRAIN_GROUP, _RESET_CHUNK])
-        backlog, counted = int(res[0]), int(res[1])
-        if counted:
-            log.info("admission reset: Redis cannot tell the train group's lag; counted %d undelivered entries "
-                     "from the stream", counted)
-        return backlog
+        return int(res[0])
 
     @operation
     def snapshot(self) -> Plan:

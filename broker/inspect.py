@@ -288,8 +288,10 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
             no_version += 1
         else:
             hist[trainer - v] += 1
-    if train is not None and train["lag"] is None:
-        train["lag"] = len(undelivered)  # Redis could not tell; count what is there
+    if train is not None and not und_capped:
+        # Counted, not XINFO's lag: null after an AOF reload, wrong after a reload of a rewritten
+        # AOF (Redis 7.0; see broker/admission.py `_RESET`).
+        train["lag"] = len(undelivered)
     staleness = {
         "trainer_version": trainer,
         "max_head_offpolicyness": eta,

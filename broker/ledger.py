@@ -35,11 +35,13 @@ def _ms(entry_id: str) -> int:
     return int(entry_id.split("-")[0])
 
 
-def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_gap_s: float = 10.0) -> dict[str, Any]:
+def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_gap_s: float = 10.0,
+           until_ts: float | None = None) -> dict[str, Any]:
     """Counts of the ledger (see the module doc); `redis_restarts_ms`: when Redis came back (server ms).
 
     `stall_seconds` adds up the gaps longer than `stall_gap_s` between the first records of
-    consecutive steps (the time no new step started: a crashed trainer's restart, an outage).
+    consecutive steps (the time no new step started: a crashed trainer's restart, an outage),
+    and from the last step to `until_ts` (when the run was stopped) if that is longer.
 
     `stale_waste_after_redis_restarts` is the share of the groups consumed (trained or dropped)
     after the first restart that were dropped as too stale (a wrong admission count after an AOF
@@ -117,7 +119,7 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
         "unaccounted": len(present - accounted),
         "waste_groups": groups - len(trained & present),
     }
-    starts = sorted(first_ts[s] for s in plans)
+    starts = sorted(first_ts[s] for s in plans) + ([until_ts] if until_ts is not None and plans else [])
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     out["stall_seconds"] = round(sum(g for g in gaps if g > stall_gap_s), 1)
     out["longest_stall_s"] = round(max(gaps, default=0.0), 1)

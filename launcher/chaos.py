@@ -243,8 +243,9 @@ class ChaosRun(LocalRun):
             _echo(f"chaos: {self.duration:.0f}s of faults, seed {self.seed}")
             self.chaos_loop()
             _echo("chaos: faults over; stopping the trainer (SIGTERM), then the producers and engines")
+            stopped_at = time.time()
             self.stop_gracefully()
-            result = ledger(self.client, self.keys, redis_restarts_ms=self.redis_restarts_ms)
+            result = ledger(self.client, self.keys, redis_restarts_ms=self.redis_restarts_ms, until_ts=stopped_at)
         except BaseException:
             self.stop_all(graceful=False)
             raise

@@ -316,3 +316,49 @@ async def test_async_controller_matches_sync(redis_url, keys, group_factory):
         assert await adm.renew([]) == 0
     finally:
         await client.aclose()
+
+
+def test_reset_accepted_ignores_the_wrong_lag_after_a_rewritten_aof_reload(redis_factory, group_factory):
+    """Redis 7.0 reports a *number* that is wrong as the group's lag when the AOF was rewritten while
+    the group read on (the rewrite stores entries-read; later reads replay as XCLAIMs that do not move
+    it). The chaos soak met it: lag 1231 with nothing undelivered, so a restarted trainer set accepted
+    1231 too high and producers got no capacity again (the run stalled for good). The reset counts
+    the undelivered entries itself."""
+    import time
+
+    from rlstream.broker import connect
+    from rlstream.broker.inspect import collect
+    from rlstream.common.config import RedisConfig
+
+    server = redis_factory(["--appendonly", "yes", "--appendfsync", "always"])
+    client = connect(RedisConfig(url=server.url, retries=20))
+    keys = Keys("rlstream:aof:rewrite")
+    adm = AdmissionController(client, keys, max_head_offpolicyness=4, consumer_batch_size=2, max_concurrent_rollouts=100)
+    stream = TrajectoryStream(client, keys)
+    stream.ensure_group()
+    for _ in range(10):
+        _, lease = adm.try_acquire()
+        adm.commit(lease.lease_id, entry_fields(group_factory()))
+    first = stream.read("t0", count=4, block_ms=100)
+    assert stream.ack([e.id for e in first[:2]]) == 2
+    client.bgrewriteaof()
+    deadline = time.monotonic() + 30
+    while client.info("persistence")["aof_rewrite_in_progress"] or client.info("persistence").get(
+            "aof_rewrite_scheduled"):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    rest = stream.read("t0", count=100, block_ms=100)
+    assert len(rest) == 6  # all delivered: 8 pending, 0 undelivered
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait()
+    server.start()
+    group = next(g for g in client.xinfo_groups(keys.traj) if g["name"] in (b"train", "train"))
+    assert group["pending"] == 8
+    print(f"\nRedis reports lag {group['lag']!r} for 0 undelivered entries")
+
+    VersionRegistry(client, keys).set(1)
+    assert adm.reset_accepted(1) == 8
+    assert int(client.get(keys.admit_accepted)) == 1 * 2 + 8
+    train = next(g for g in collect(client, keys, 4, 2, 100)["stream"]["groups"] if g["name"] == "train")
+    assert train["lag"] == 0  # inspect counts it too
+    client.close()
