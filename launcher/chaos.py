@@ -13,8 +13,8 @@ moments drawn from a seeded RNG, one fault at a time:
   (`appendfsync always`: an acknowledged commit is on disk);
 - `garbage`: XADD undecodable or invalid entries into `{ns}:traj`.
 
-The first faults go through every kind once (in a seeded order), then kinds are drawn at
-random; the time between two faults is uniform in [0.5, 1.5]·`--mean-gap`. While it runs the admission state is sampled every ~0.5 s (`over_admissions`
+The first faults go through every kind once (in a seeded order; past `--duration` if a loaded
+machine makes them slow), then kinds are drawn at random; the time between two faults is uniform in [0.5, 1.5]·`--mean-gap`. While it runs the admission state is sampled every ~0.5 s (`over_admissions`
 counts samples with accepted + running above (η + v + 1)·B, apart from those while a resumed
 trainer republished an older version, see `_sample`). Afterwards the trainer gets
 SIGTERM (it finishes its step, checkpoints, acknowledges and publishes `shutdown`), the
@@ -209,7 +209,7 @@ class ChaosRun(LocalRun):
                 raise RunFailed("no train step before the chaos started; see the logs in " + str(self.logs))
         while True:
             self._sleep(self.rng.uniform(*self.gap))
-            if time.monotonic() >= end:
+            if time.monotonic() >= end and not order:  # every kind once, however long that takes
                 break
             self.inject(order.pop(0) if order else self.rng.choice(FAULTS))
         # Let the run show that it recovered: one more step after the last fault.
