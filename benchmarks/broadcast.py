@@ -132,7 +132,8 @@ class RawBroadcast:
 # ---------------------------------------------------------------------- engines
 
 
-def start_engines(model: Path, n: int, workdir: Path, device: str) -> list[tuple[subprocess.Popen, str]]:
+def start_engines(model: Path, n: int, workdir: Path, device: str,
+                  extra: tuple[str, ...] = ()) -> list[tuple[subprocess.Popen, str]]:
     out = []
     for i in range(n):
         addr_file = workdir / f"engine-{i}-{time.monotonic_ns()}.addr"
@@ -140,7 +141,7 @@ def start_engines(model: Path, n: int, workdir: Path, device: str) -> list[tuple
         env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file), "OMP_NUM_THREADS": "1",
                **gpu_env("nccl" if device.startswith("cuda") else "gloo", i)}
         p = subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={model}",
-                              "server.port=0", f"server.device={device}", "server.register=false"],
+                              "server.port=0", f"server.device={device}", "server.register=false", *extra],
                              env=env, stdout=log, stderr=subprocess.STDOUT)
         out.append((p, addr_file))
     engines = []
@@ -166,7 +167,8 @@ def stop_engines(engines: list[tuple[subprocess.Popen, str]]) -> None:
             p.wait()
 
 
-def make_pusher(mode: str, addresses: list[str], redis_url: str, workdir: Path, backend: str, chunk_mb: int):
+def make_pusher(mode: str, addresses: list[str], redis_url: str, workdir: Path, backend: str, chunk_mb: int,
+                extra: tuple[str, ...] = ()):
     from rlstream.broker import Keys, connect
     from rlstream.common.config import load_config
     from rlstream.trainer.weights import make_broadcaster
@@ -175,7 +177,8 @@ def make_pusher(mode: str, addresses: list[str], redis_url: str, workdir: Path, 
     cfg = load_config(None, [f"redis.url={redis_url}", f"experiment_name={exp}", f"cluster.fileroot={workdir / 'runs'}",
                              f"actor.weight_update_mode={mode}", f"actor.weight_update_backend={backend}",
                              f"actor.weight_chunked_mem_mb={chunk_mb}", "actor.weight_update_timeout=600",
-                             "rollout.health_check_interval=3600", f"rollout.engine_addresses=[{','.join(addresses)}]"])
+                             "rollout.health_check_interval=3600", f"rollout.engine_addresses=[{','.join(addresses)}]",
+                             *extra])
     client = connect(cfg.redis)
     return make_broadcaster(cfg, client, Keys(cfg.namespace), 0), client
 
