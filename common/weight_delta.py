@@ -58,11 +58,12 @@ def encode(old: torch.Tensor, new: torch.Tensor, encoding: str) -> list[torch.Te
     """The payload tensors that turn `old` into `new` (same shape and dtype, same device)."""
     a, b = _bits(old), _bits(new)
     if encoding == "sparse":
-        idx = (a != b).flatten().nonzero().squeeze(1)
+        changed = (a != b).flatten()
         small = new.numel() < 2**31
-        if idx.numel() * ((4 if small else 8) + new.element_size()) >= new.numel() * new.element_size():
+        if int(changed.sum()) * ((4 if small else 8) + new.element_size()) >= new.numel() * new.element_size():
             # most elements changed: the whole tensor is smaller than indices + values
-            return [torch.full((1,), DENSE, dtype=torch.int32, device=idx.device), new.detach().contiguous().flatten()]
+            return [torch.full((1,), DENSE, dtype=torch.int32, device=new.device), new.detach().contiguous().flatten()]
+        idx = changed.nonzero().squeeze(1)
         vals = new.detach().contiguous().flatten()[idx]
         return [idx.to(torch.int32) if small else idx, vals]
     if encoding == "xor_zstd":
