@@ -164,8 +164,8 @@ def consumer(args) -> None:
         stream = TrajectoryStream(connect(args.url), Keys(args.ns))
         stream.ensure_group()
         mine = stream.read_own_pending("bench-consumer")  # a restarted consumer takes back what it had
+        done([e.group.group_id for e in mine])  # processed, then acked (as the trainer acks after its step)
         stream.ack([e.id for e in mine])
-        done([e.group.group_id for e in mine])
         since_trim = 0
         fetch = lambda: stream.read("bench-consumer", count=args.batch, block_ms=200)  # noqa: E731
     elif t == "pipelinerl-redis":
@@ -222,8 +222,8 @@ def consumer(args) -> None:
             continue
         idle_since = time.monotonic()
         if t == "rlstream":
-            stream.ack([e.id for e in got])
             done([e.group.group_id for e in got])
+            stream.ack([e.id for e in got])
             since_trim += len(got)
             if since_trim >= 256:
                 stream.trim_acked()
