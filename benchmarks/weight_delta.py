@@ -203,7 +203,7 @@ def section(results: dict, args) -> str:
              "seconds the median whole push (pause .. publish) of the trained versions, one `rlstream serve` engine; "
              "every series ends with the engine's tensors checked bit-exact against the trainer's.", "",
              "Change per step (elements whose bits changed; delta size / full size):", "",
-             "| model | params | dtype | changed | sparse size | xor_zstd size |", "|---|---|---|---|---|---|"]
+             "| model | state-dict elements | dtype | changed | sparse size | xor_zstd size |", "|---|---|---|---|---|---|"]
     for name, res in results.items():
         for d in ("fp32", "bf16"):
             c = res[f"change_{d}"]
