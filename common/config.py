@@ -376,6 +376,16 @@ class GatewayConfig(_Section):
     gateway_id: D(str | None, "Producer id the gateway commits under (None = gateway-hostname-pid).") = None
 
 
+class SimulateConfig(_Section):
+    enabled: D(bool, "Serve a simulated GPU engine: the same HTTP protocol, no model loaded, times from the timing model of configs/cluster_sim.yaml (engine/simulated.py).") = False
+    hardware: D(Literal["H100", "H200"], "Simulated GPU (configs/cluster_sim.yaml).") = "H100"
+    model: D(Literal["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b"], "Simulated model size (configs/cluster_sim.yaml).") = "qwen2.5-1.5b"
+    accel: D(float, "Modeled time runs this many times faster than the wall clock.", gt=0) = 1.0
+    output_median: D(float, "Median output length of the lognormal length model (capped at max_new_tokens).", gt=0) = 1024.0
+    output_sigma: D(float, "Shape (sigma) of the lognormal output lengths: larger = longer tail.", ge=0) = 1.0
+    seed: D(int, "Seed of the output-length draws.") = 0
+
+
 class ServerConfig(_Section):
     host: D(str, "Bind address of the local engine (127.0.0.1 unless told otherwise).") = "127.0.0.1"
     port: D(int, "Port of the local engine (0 = pick a free one).", ge=0, le=65535) = 0
@@ -387,6 +397,7 @@ class ServerConfig(_Section):
     prefix_cache_tokens: D(int, "Tokens of finished requests' KV the local engine keeps to prefill later prompts that extend them (multi-turn; like SGLang's radix cache); 0 = off.", ge=0) = 16384
     api_key: D(str | None, "Require this bearer token on every route; masked in logs.") = None
     register: D(bool, "Register with name resolve so producers find this engine.") = True
+    simulate: D(SimulateConfig, "A simulated GPU engine instead of the model (`rlstream serve --simulate`).") = msgspec.field(default_factory=SimulateConfig)
 
 
 class DemoTaskConfig(_Section):

@@ -273,6 +273,10 @@ def _write_addr_file(path: str, address: str) -> None:
 async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event | None = None) -> None:
     """Serve until `stop` is set (or SIGTERM/SIGINT when run as the main loop)."""
     s = cfg.server
+    if engine is None and s.simulate.enabled:
+        from rlstream.engine.simulated import SimulatedServing
+
+        engine = SimulatedServing.from_config(cfg)
     if engine is None:
         from rlstream.common.config import ConfigError
 

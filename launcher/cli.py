@@ -146,11 +146,12 @@ def inspect(ctx: typer.Context,
 
 
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
-def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
+def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt,
+          simulate: bool = typer.Option(False, "--simulate", help="A simulated GPU engine (server.simulate.*): same protocol, modeled timing, no model.")) -> None:
     """Run the local inference engine (SGLang-compatible HTTP subset)."""
     from rlstream.engine.server import serve as serve_main
 
-    _guard(serve_main, load(config, ctx.args))
+    _guard(serve_main, load(config, [*ctx.args, *(["server.simulate.enabled=true"] if simulate else [])]))
     _exit_after_clean_stop()
 
 
