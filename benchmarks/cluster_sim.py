@@ -255,7 +255,8 @@ def check(result: Result, url: str, keys: Keys, s: Setting) -> dict:
         records = [r for _, r in sorted(_records(client, keys).items())]
         trained = [i for r in records for i in r]
         assert len(trained) == len(set(trained)) == s.steps * s.batch, "a group was trained twice or is missing"
-        assert client.xpending(keys.traj, TRAIN_GROUP)["pending"] == 0, "delivered but not acked"
+        pending = client.xpending(keys.traj, TRAIN_GROUP)["pending"]
+        assert pending == 0, f"η={result.eta}: {pending} entries delivered to the trainer but never trained nor acked"
         ids = [eid.decode() for eid, _ in client.xrange(keys.traj)]
         dropped = [f[b"source_id"].decode() for _, f in client.xrange(keys.dropped)]
         info = next(g for g in client.xinfo_groups(keys.traj) if g["name"].decode() == TRAIN_GROUP)
@@ -416,7 +417,37 @@ version events; simulated engines and trainer compute (engine/simulated.py, para
 in configs/cluster_sim.yaml). Tokens/s and step times are modeled seconds; Redis CPU and admission
 latency are real, measured on this 2-core machine while other engineers' jobs shared it."""
 
-COMPARISON = ""
+COMPARISON = """### Reading it, and the published numbers
+
+- **Invariants held** in every row above (the script asserts them): accepted + running never
+  above (η + v + 1)·B after any step, every trained group's staleness <= η, every delivered
+  group trained exactly once or visibly dropped, nothing dead-lettered.
+- **AReaL Table 7** (1.5B, 8 GPUs): 27.1k -> 49.0k tok/s from η=0 to η=4, 1.81x. Here, the
+  same model on 4 engine + 4 trainer H100s (modeled): 11.0k tok/s at η=0 and at best 1.64x
+  (η=2). Differences, each a reason: (1) absolute tok/s: our output lengths are a lognormal
+  (median 1024, cap 8192) with a heavy tail, so a synchronous step waits for the longest of
+  256 samples (44 s for 3.4 s of training); AReaL's trace lengths, GPU split and MFU differ and
+  we did not calibrate to them. (2) the speedup stays far below our own ideal bound (5-12x,
+  which assumes engines always run the batch η allows in flight): every weight push here pauses
+  all engines and aborts every running sequence, which is resubmitted (re-prefill) under the new
+  version; and at x20 time the real control plane did not keep up with the pushes: the "push
+  share" column (10-32% for a modeled 0.06 s push) is event-loop and Redis latency multiplied by
+  20. The η=4 row (0.89x, engine utilisation 48%) is that artefact, not a property of the
+  schedule. (3) stale drops: long samples started under an old version exceed η by the time the
+  trainer reaches them and are dropped (75-99 of ~470 groups at η=1-2), which AReaL avoids by
+  its staleness-aware admission *and* by decoupled PPO tolerating them; our reader drops them.
+- **Target not met**: the issue's target (>= 90% of the ideal bound at 64 engines) is not
+  reached and the 64/256-engine runs (verl 7B/128-GPU setting, `--setting verl-7b-128gpu`) were
+  not run in this session: the machine was shared with three other engineers and a run of that
+  size needs more wall time than was left. The control-plane cost that *was* measured is small:
+  Redis CPU 40-100 ms per step against 23-44 s steps (< 0.5%), admission p50 1-3 ms.
+- **Time acceleration**: on the `quick` setting x2 and x5 give the same table within run-to-run
+  noise (η=1: 1.74x vs 1.98x; η=2: 3.11x vs 2.99x); x20-x40 does not (η=2: 1.80x at x40): the
+  real control plane's latency is multiplied by the factor. Use the lowest factor the wall time
+  allows and check two factors agree. A rerun of the 1.5B setting at x5 stopped at η=1 on the
+  "nothing pending" invariant (entries delivered to the trainer's read-ahead pool at the end of
+  the run); that is open and named in the report, not hidden.
+"""
 
 
 if __name__ == "__main__":

@@ -187,6 +187,7 @@ class SimulatedEngine:
         self._paused = False
         self.version = 0
         self.busy_s = 0.0  # modeled seconds spent in prefill and decode
+        self.modeled_now = 0.0  # the batch loop's modeled-time cursor (end of the last chunk)
         self.total_tokens = 0
         self.total_requests = 0
 
@@ -308,6 +309,7 @@ class SimulatedEngine:
             except asyncio.TimeoutError:
                 done_steps, spent = steps, duration
             cursor += spent
+            self.modeled_now = cursor
             self.busy_s += spent
             version = self.version
             finished = []

@@ -32,7 +32,10 @@ def test_cluster_sim_quick(tmp_path):
 
 
 def test_simulated_engine_timing_does_not_depend_on_the_acceleration():
-    """The same requests on one simulated engine take the same modeled time at x5 and x50."""
+    """The same requests on one simulated engine take the same modeled time at x5 and x50: the batch
+    loop schedules each chunk from its own modeled-time cursor, so event-loop lag (a busy machine)
+    does not stretch modeled time. (Whether the *control plane* keeps up at a factor is a property
+    of the run, shown by the benchmark at two factors: benchmarks/README.md.)"""
     import asyncio
 
     from rlstream.engine.simulated import LengthModel, SimClock, SimulatedEngine, load_timing
@@ -43,7 +46,7 @@ def test_simulated_engine_timing_does_not_depend_on_the_acceleration():
         clock = SimClock(accel)
         engine = SimulatedEngine(timing, clock, LengthModel(200, 0.8, 1024), seed=3)
         results = await asyncio.gather(*(engine.generate(128, 1024) for _ in range(64)))
-        elapsed = clock.now()  # modeled seconds until the last request finished
+        elapsed = engine.modeled_now  # modeled seconds until the last chunk ended
         await engine.close()
         return elapsed, [r.meta_info.completion_tokens for r in results]
 
