@@ -26,7 +26,8 @@ def test_cluster_sim_quick(tmp_path):
     for eta, row in rows.items():
         checks = row["checks"]
         assert checks["trained"] == 6 * 8, checks  # steps x B, each group once
-        assert checks["entries"] == checks["trained"] + checks["dropped"] + checks["undelivered"], checks
+        assert checks["entries"] == (checks["trained"] + checks["dropped"] + checks["read_ahead"]
+                                     + checks["undelivered"]), checks
         assert 0 < row["utilisation"] <= 1.0 + 1e-9, row
     assert rows["0"]["checks"]["dropped"] == 0  # η = 0: every group is trained at the version it was made for
 
