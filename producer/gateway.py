@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -762,7 +763,7 @@ async def run_gateway(cfg: Config, stop: asyncio.Event | None = None) -> None:
     from rlstream.broker.admission import HEARTBEAT_SECS
     from rlstream.common.config import ConfigError
     from rlstream.producer.engine_client import ServerPool
-    from rlstream.producer.workflow import RolloutEngine
+    from rlstream.producer.workflow import FollowedVersion, RolloutEngine
 
     pid = cfg.gateway.gateway_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
     if not cfg.tokenizer:
@@ -777,6 +778,7 @@ async def run_gateway(cfg: Config, stop: asyncio.Event | None = None) -> None:
     admission = AsyncAdmissionController.from_config(client, keys, cfg, producer_id=pid)
     pool = await ServerPool(cfg, redis_client=client).start()
     tasks: list[asyncio.Task] = []
+    versions = None
     runner = None
     try:
         try:
@@ -786,12 +788,18 @@ async def run_gateway(cfg: Config, stop: asyncio.Event | None = None) -> None:
                               f"rollout.setup_timeout={cfg.rollout.setup_timeout:g}s") from None
         info = await pool.servers[pool.healthy()[0]].client.model_info()
         max_context = info.max_seq_len or info.max_model_len or cfg.server.max_seq_len
-        engine = RolloutEngine(pool, AsyncVersionRegistry(client, keys), resume_wait=cfg.actor.weight_update_timeout)
+        # The served version from the run's events, not a Redis GET per call (one round trip saved per call).
+        versions = await FollowedVersion(AsyncVersionRegistry(client, keys)).start()
+        engine = RolloutEngine(pool, versions, resume_wait=cfg.actor.weight_update_timeout)
         gw = Gateway(cfg, engine=engine, admission=admission, tokenizer=tokenizer, max_context=int(max_context),
                      producer_id=pid)
         await admission.heartbeat()
         tasks = [asyncio.create_task(_every(HEARTBEAT_SECS, admission.heartbeat, "liveness heartbeat")),
                  asyncio.create_task(_every(min(1.0, cfg.gateway.session_timeout / 4), gw.reap, "reaping sessions"))]
+        # Everything loaded so far (torch, transformers, the tokenizer) lives as long as the gateway: out of
+        # the collector's sight, so a full collection between two calls does not walk a million objects.
+        gc.collect()
+        gc.freeze()
         runner = web.AppRunner(build_app(gw), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, cfg.gateway.host, cfg.gateway.port)
@@ -819,6 +827,8 @@ async def run_gateway(cfg: Config, stop: asyncio.Event | None = None) -> None:
         from rlstream.common.tasks import cancel_and_wait
 
         await cancel_and_wait(tasks)
+        if versions is not None:
+            await versions.close()
         if runner is not None:
             await runner.cleanup()
         await pool.close()

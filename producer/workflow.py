@@ -30,7 +30,7 @@ from rlstream.common.wire import Trajectory, TrajectoryGroup
 from rlstream.producer.engine_client import ModelRequest, ModelResponse
 from rlstream.producer.rewards import RewardResult, import_by_path
 
-__all__ = ["Workflow", "Generation", "RolloutEngine", "RLVRWorkflow", "load_workflow"]
+__all__ = ["Workflow", "Generation", "FollowedVersion", "RolloutEngine", "RLVRWorkflow", "load_workflow"]
 
 log = get_logger(__name__)
 
@@ -53,11 +53,55 @@ class Generation:
     latency: float = 0.0
 
 
+class FollowedVersion:
+    """The served version kept in memory from the run's version events (`versions.follow`'s
+    stream), so a request's fallback version label costs no Redis round trip.
+
+    Never ahead of `{ns}:version` (the key is set in the same MULTI that appends the event),
+    behind it at most until the event is read: a label that errs, errs towards "older", as
+    the per-request GET it replaces did for a version set while the request ran. Waiting for
+    a newer version still polls the key (robust to a follower that fell behind).
+    """
+
+    def __init__(self, registry: Any, block_ms: int = 1000) -> None:
+        self.registry = registry  # broker AsyncVersionRegistry
+        self.block_ms = block_ms
+        self.version = 0
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> "FollowedVersion":
+        last = await self.registry.last_event_id()  # first the position, then the value: no event slips between
+        self.version = await self.registry.get()
+        self._task = asyncio.create_task(self._follow(last), name="served-version-follow")
+        return self
+
+    async def _follow(self, last: Any) -> None:
+        while True:
+            events, last = await self.registry.events_after(last, self.block_ms)
+            for ev in events:
+                if ev.type == "version":
+                    self.version = ev.version
+
+    async def get(self) -> int:
+        return self.version
+
+    async def wait_for_version(self, above: int, timeout: float | None = None, poll: float = 0.2) -> int:
+        v = await self.registry.wait_for_version(above, timeout=timeout, poll=poll)
+        self.version = max(self.version, v)
+        return v
+
+    async def close(self) -> None:
+        from rlstream.common.tasks import cancel_and_wait
+
+        await cancel_and_wait([self._task] if self._task is not None else [])
+
+
 class RolloutEngine:
     """The producer's view of the engines: a server pool plus the served version.
 
     `pool` has `agenerate(ModelRequest) -> ModelResponse` (producer.engine_client.ServerPool);
-    `versions` has `get()` and `wait_for_version(above, timeout)` (broker AsyncVersionRegistry).
+    `versions` has `get()` and `wait_for_version(above, timeout)` (broker AsyncVersionRegistry,
+    or `FollowedVersion` on it: no Redis round trip per request).
     """
 
     def __init__(self, pool: Any, versions: Any, *, resume_wait: float = 600.0, max_interruptions: int = 100) -> None:
