@@ -113,6 +113,7 @@ class _Request:
     cancelled: bool = False
     done: bool = False
     finish_version: int | None = None  # served version when the request finished
+    kv_gen: int = -1  # weights generation its prompt KV was computed under (prefix cache: keep only if current)
 
 
 class LocalEngine:
@@ -190,6 +191,7 @@ class LocalEngine:
 
         # Prefix cache (decode thread, and apply_weights under the step lock): token ids -> per-layer KV.
         self.prefix_cache_tokens = max(0, int(prefix_cache_tokens))
+        self._weights_gen = 0  # bumped by every weight update
         self._prefixes: OrderedDict[int, _Prefix] = OrderedDict()
         self._by_head: dict[tuple[int, ...], set[int]] = {}  # first PREFIX_HEAD tokens -> entry keys
         self._prefix_total = 0
@@ -352,6 +354,7 @@ class LocalEngine:
                 dst.copy_(tensor)
                 n += 1
             if n:
+                self._weights_gen += 1  # rows prefilled before this hold KV of the old weights
                 self._clear_prefixes()  # their KV came from the old weights
             if version is not None:
                 self._version = int(version)
@@ -536,6 +539,8 @@ class LocalEngine:
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Prefill new requests: those extending a kept prefix in one forward, the others in another."""
+        for r in reqs:
+            r.kv_gen = self._weights_gen
         hits = [self._lookup_prefix(r.prompt) for r in reqs]
         reused = [(r, h) for r, h in zip(reqs, hits) if h is not None]
         fresh = [r for r, h in zip(reqs, hits) if h is None]
@@ -668,6 +673,8 @@ class LocalEngine:
     def _keep_prefix(self, row: int, req: _Request) -> None:
         """Keep the KV of a finished row: its prompt and every output token but the last (never fed)."""
         if not self.prefix_cache_tokens:
+            return
+        if req.kv_gen != self._weights_gen:  # a weight update came mid-request: part of its KV is stale
             return
         n = len(req.prompt) + len(req.output_ids) - 1
         if n < PREFIX_HEAD or n > self.prefix_cache_tokens:

@@ -81,3 +81,28 @@ async def test_a_weight_update_or_flush_empties_the_cache(tiny_model_path):
     finally:
         on.close()
         off.close()
+
+
+async def test_a_request_spanning_a_weight_update_is_not_kept(tiny_model_path):
+    """Its KV mixes old and new weights: keeping it would serve stale KV to the next turn (the
+    weight-update fault test saw logprobs 1.18 off through exactly this)."""
+    on = LocalEngine(tiny_model_path, device="cpu", seed=0, prefix_cache_tokens=4096)
+    try:
+        prompt = [5, 6, 20, 21, 22, 23, 24, 25]
+        long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+        task = asyncio.create_task(on.generate(prompt, long))
+        deadline = asyncio.get_running_loop().time() + 120
+        while on.stats()["running"] == 0:
+            assert asyncio.get_running_loop().time() < deadline, "the request never started decoding"
+            await asyncio.sleep(0.01)
+        gen = torch.Generator().manual_seed(1)
+        new = [(n, p + 0.05 * torch.randn(p.shape, generator=gen)) for n, p in on.model.named_parameters()]
+        await asyncio.get_running_loop().run_in_executor(None, lambda: on.apply_weights(new, version=1))
+        r = await task
+        assert r.meta_info.output_token_versions[0] == 0 and r.meta_info.output_token_versions[-1] == 1
+        assert on.stats()["prefix_cache_entries"] == 0
+        # A request prefilled after the update is kept as usual.
+        await on.generate(prompt, GREEDY)
+        assert on.stats()["prefix_cache_entries"] == 1
+    finally:
+        on.close()
