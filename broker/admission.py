@@ -196,7 +196,9 @@ return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'
 # replayed as XCLAIMs that move the last-delivered id but not entries-read, so after a
 # reload lag = entries-added - a stale entries-read (1231 for 0 undelivered in a chaos soak,
 # which left producers no capacity for good). The entries counted are at most the admission
-# budget's worth, and the count runs inside this script, so it stays atomic.
+# budget's worth, and the count runs inside this script, so it stays atomic. Entries without a
+# group's envelope (fields d, v, p: what `entry_fields` writes) are not counted: nothing admitted
+# them (a chaos soak's garbage held 3 slots for good after a trainer restart).
 _RESET = """
 local backlog, counted = 0, 0
 if redis.call('EXISTS', KEYS[2]) == 1 then
@@ -209,7 +211,13 @@ if redis.call('EXISTS', KEYS[2]) == 1 then
       local chunk, start = tonumber(ARGV[3]), '(' .. f['last-delivered-id']
       while true do
         local got = redis.call('XRANGE', KEYS[2], start, '+', 'COUNT', chunk)
-        counted = counted + #got
+        for _, e in ipairs(got) do
+          local has = {}
+          for i = 1, #e[2], 2 do has[e[2][i]] = true end
+          -- only a group's envelope (payload, version, producer) was admitted; garbage written
+          -- around admission is dead-lettered without returning a slot, so it must not hold one
+          if has['d'] and has['v'] and has['p'] then counted = counted + 1 end
+        end
         if #got < chunk then break end
         start = '(' .. got[#got][1]
       end

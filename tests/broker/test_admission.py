@@ -187,6 +187,21 @@ def test_reset_accepted_after_recovery_counts_the_queued_groups(rclient, keys, g
     assert fresh_adm.reset_accepted(0) == 1 and fresh_adm.snapshot().accepted == 1
 
 
+def test_reset_accepted_does_not_count_garbage_entries(rclient, keys, group_factory):
+    """Entries written around admission (no group envelope) are dead-lettered without giving a
+    slot back, so a trainer restart must not count them (the chaos soak: 3 garbage entries held
+    3 slots for good)."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=3, max_concurrent_rollouts=100)
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    for i in range(2):
+        _, lease = adm.try_acquire()
+        adm.commit(lease.lease_id, entry_fields(group_factory()))
+        stream.append_raw({"d": b"\x85\xa1a\x01"} if i else {"x": b"no payload"})
+    VersionRegistry(rclient, keys).set(0)
+    assert adm.reset_accepted(0) == 2 and adm.snapshot().accepted == 2
+
+
 @pytest.mark.parametrize("chunk", [100, 3])
 def test_reset_accepted_is_exact_after_an_aof_reload(redis_factory, group_factory, monkeypatch, chunk):
     """After Redis reloads its AOF, XINFO GROUPS reports the group's lag as null: the reset
