@@ -244,6 +244,10 @@ class WeightReceiver:
                     else _live_targets(self.engine, names, dts, shapes, dev))
             tensors = [t if t is not None else torch.empty(s, dtype=d, device=dev)
                        for t, s, d in zip(live, shapes, dts)]
+            if any(t is not None for t in live) and hasattr(self.engine, "flush_cache"):
+                # Served weights change right here, not in apply_weights (which then gets only the
+                # rest, maybe nothing): kept prefix KV must go first, even if the receive fails midway.
+                self.engine.flush_cache()
             group.broadcast_many(tensors)
             self.received_in_place += sum(t is not None for t in live)
             return [(n, t) for n, t, lv in zip(names, tensors, live) if lv is None]
