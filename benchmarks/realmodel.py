@@ -236,7 +236,7 @@ def _start_engine(model: str, redis_url: str, workdir: Path, threads: int) -> tu
 
     addr = workdir / "engine.addr"
     log_path = workdir / "engine.log"
-    env = dict(os.environ, **CHILD_ENV, **thread_env(threads), RLSTREAM_ENGINE_ADDR_FILE=str(addr))
+    env = {**os.environ, **CHILD_ENV, **thread_env(threads), "RLSTREAM_ENGINE_ADDR_FILE": str(addr)}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={model}",
                                  f"redis.url={redis_url}", "server.register=false", "server.host=127.0.0.1",
@@ -328,6 +328,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--samples", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--trainer-only", action="store_true", help="skip generation; no engine, so no push timing")
+    ap.add_argument("--skip-generation", action="store_true", help="skip the generation comparison, keep the engine for push timing")
     args = ap.parse_args(argv)
     if args.variant:
         print(json.dumps(trainer_variant(args.variant, args.model, args.steps, args.engine, args.redis,
@@ -351,12 +352,12 @@ def main(argv: list[str] | None = None) -> int:
              "gen_threads": threads, "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
              "cpu_count": os.cpu_count(), "load_start": _load()}
     print(f"real-model benchmark ({MODEL}); {setup['load_start']}", flush=True)
-    gen = [] if args.trainer_only else run_benchmark(
+    gen = [] if (args.trainer_only or args.skip_generation) else run_benchmark(
         quick=False, model_path=model, requests=requests, new_tokens=new_tokens, prompt_len=prompt_len,
         concurrencies=concurrencies, threads=threads, repeat=1)["rows"]
     with tempfile.TemporaryDirectory(prefix="rlstream-bench-real-") as tmp:
         root = Path(tmp)
-        if not (args.no_vllm or args.trainer_only):
+        if not (args.no_vllm or args.trainer_only or args.skip_generation):
             prompts = make_prompts(requests, prompt_len, 49152)  # the same seed: the same requests
             gen += bench_vllm(model, prompts, concurrencies, new_tokens, root)
         if args.trainer_only:
