@@ -26,11 +26,13 @@ import msgspec
 import redis
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry as AsyncRetry
+from redis.asyncio.sentinel import SentinelManagedConnection as AsyncSentinelManagedConnection
 from redis.backoff import ExponentialWithJitterBackoff
 from redis.exceptions import AuthenticationError, AuthorizationError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry as SyncRetry
+from redis.sentinel import SentinelManagedConnection
 
 from rlstream.broker.plan import Call, Close, Plan, arun, run
 from rlstream.common.config import RedisConfig, mask_url
@@ -250,17 +252,41 @@ def _parse_sentinel_url(url: str) -> tuple[list[tuple[str, int]], str, int, str 
     return sentinels, parts[0], int(parts[1]) if len(parts) == 2 else 0, username, password
 
 
+class _SentinelConnection(SentinelManagedConnection):
+    """A connection to a Sentinel-monitored primary that asks the sentinels again on every reconnect.
+
+    redis-py's own one does that only in `connect()` (taking a connection from the pool); a command
+    whose connection broke reconnects inside `send_packed_command`, straight to the address it last
+    had: with a retry that rides out an outage that is the dead primary, until the tolerance runs out."""
+
+    def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if retry_socket_connect:  # a reconnect with retries: through the sentinels, each attempt
+            return self.connect()
+        return super().connect_check_health(check_health=check_health, retry_socket_connect=False)
+
+
+class _AsyncSentinelConnection(AsyncSentinelManagedConnection):
+    """`_SentinelConnection` for redis.asyncio clients."""
+
+    async def connect_check_health(self, check_health: bool = True, retry_socket_connect: bool = True) -> None:
+        if retry_socket_connect:
+            return await self.connect()
+        return await super().connect_check_health(check_health=check_health, retry_socket_connect=False)
+
+
 def _sentinel_client(cls: Any, cfg: RedisConfig, kw: dict[str, Any]) -> Any:
     """The primary of a Sentinel-monitored service: a client that asks the sentinels where the primary
     is on every (re)connect, so after a failover the retries above land on the promoted replica."""
     from redis.asyncio.sentinel import Sentinel as AsyncSentinel
     from redis.sentinel import Sentinel
 
+    is_async = cls is aioredis.Redis
+    kw["connection_class"] = _AsyncSentinelConnection if is_async else _SentinelConnection
     sentinels, service, db, username, password = _parse_sentinel_url(cfg.url)
     kw.setdefault("username", username)
     kw.setdefault("password", password)
     sentinel_kw = {"socket_timeout": cfg.connect_timeout, "socket_connect_timeout": cfg.connect_timeout}
-    manager = (AsyncSentinel if cls is aioredis.Redis else Sentinel)(sentinels, sentinel_kwargs=sentinel_kw)
+    manager = (AsyncSentinel if is_async else Sentinel)(sentinels, sentinel_kwargs=sentinel_kw)
     return manager.master_for(service, redis_class=cls, db=db, **kw)
 
 

@@ -236,3 +236,73 @@ def test_sentinel_url_follows_a_failover(redis_factory, sentinels, group_factory
     assert int(direct.get(keys.admit_accepted)) == 8
     direct.close()
     client.close()
+
+
+def _primary_replica_sentinels(redis_factory, sentinels):
+    """A primary, its synced replica, 3 sentinels; -> (primary, replica, sentinel URL, direct replica client)."""
+    primary = redis_factory(["--appendonly", "yes", "--appendfsync", "always"])
+    replica = redis_factory(["--replicaof", "127.0.0.1", str(primary.port)])
+    ports = sentinels(primary.port)
+    direct = connect(replica.url)
+    deadline = time.monotonic() + 60
+    while direct.info("replication").get("master_link_status") != "up":
+        assert time.monotonic() < deadline, direct.info("replication")
+        time.sleep(0.1)
+    return primary, replica, "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/rls/0", direct
+
+
+def _kill_when_blocked(primary, direct_primary, clients_blocked: int):
+    """SIGKILL the primary once `clients_blocked` clients sit in a blocking read on it."""
+    deadline = time.monotonic() + 30
+    while int(direct_primary.info("clients")["blocked_clients"]) < clients_blocked:
+        assert time.monotonic() < deadline, "the client never blocked on the primary"
+        time.sleep(0.05)
+    primary.proc.send_signal(signal.SIGKILL)
+    primary.proc.wait()
+
+
+def test_sentinel_command_in_flight_follows_a_failover(redis_factory, sentinels):
+    """A command in flight when the primary dies (a blocking XREAD, like the trainer's) is retried on the
+    promoted replica. redis-py reconnects a failed command's connection to its last address, i.e. to the
+    dead primary, until redis.outage_tolerance runs out; ours asks the sentinels again on each attempt."""
+    primary, replica, url, direct = _primary_replica_sentinels(redis_factory, sentinels)
+    client = connect(RedisConfig(url=url, connect_timeout=1.0, socket_timeout=10.0, outage_tolerance=60))
+    client.xadd("s", {"a": 1})
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(_xread_or_error(client)))
+    reader.start()
+    _kill_when_blocked(primary, connect(primary.url, retries=0), 1)
+    reader.join(120)
+    assert result and not isinstance(result[0], Exception), result  # buggy: BrokerUnavailable after 60 s
+    assert direct.execute_command("ROLE")[0] == b"master"
+    client.xadd("s", {"a": 2})  # lands on the promoted replica
+    assert direct.xlen("s") == 2
+    client.close()
+    direct.close()
+
+
+def _xread_or_error(client):
+    try:
+        return client.xread({"s": "$"}, block=3000)
+    except Exception as exc:  # noqa: BLE001 - the test reports it
+        return exc
+
+
+def test_async_sentinel_command_in_flight_follows_a_failover(redis_factory, sentinels):
+    """The asyncio client (producers, engines) the same way."""
+    primary, replica, url, direct = _primary_replica_sentinels(redis_factory, sentinels)
+
+    async def main():
+        client = await connect_async(RedisConfig(url=url, connect_timeout=1.0, socket_timeout=10.0,
+                                                 outage_tolerance=60))
+        await client.xadd("s", {"a": 1})
+        read = asyncio.create_task(client.xread({"s": "$"}, block=3000))
+        await asyncio.to_thread(_kill_when_blocked, primary, connect(primary.url, retries=0), 1)
+        await read  # buggy: BrokerUnavailable after 60 s
+        await client.xadd("s", {"a": 2})
+        await client.aclose()
+
+    asyncio.run(main())
+    assert direct.execute_command("ROLE")[0] == b"master"
+    assert direct.xlen("s") == 2
+    direct.close()
