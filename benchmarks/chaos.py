@@ -58,8 +58,9 @@ def section(r: dict, note: str, duration: float, mean_gap: float) -> str:
         "stream. *Over-admissions* are admission samples (every ~0.5 s) with accepted + running above "
         "(η + v + 1)·B; samples while a resumed trainer republished an older version (killed between its push "
         "and its checkpoint, the budget shrinks by B until the replayed step is trained again) are counted on "
-        "their own line. *Waste* is committed groups not trained (stale drops, the queue at the end); rollouts a "
-        "killed producer had in flight are not counted. Stall seconds add up gaps over 10 s between steps "
+        "their own line. *Waste* is groups generated and not trained: committed ones dropped as stale or "
+        "left in the queue at the end, and the rollouts killed producers had in flight (their leases right after "
+        "the kill). Stall seconds add up gaps over 10 s between steps "
         "(trainer restarts, Redis outages). "
         + ("**Checks: all zero.**" if not bad else f"**Not zero: {', '.join(bad)}.**"), "",
     ]

@@ -28,7 +28,7 @@ from rlstream.broker.producers import accepted_field
 from rlstream.broker.stream import id_str, id_tuple
 from rlstream.broker.steps import StepLog
 
-__all__ = ["ledger"]
+__all__ = ["ledger", "leases_held_by"]
 
 
 def _ms(entry_id: str) -> int:
@@ -132,3 +132,10 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
         consumed = drops_after + trained_after
         out["stale_waste_after_redis_restarts"] = drops_after / consumed if consumed else 0.0
     return out
+
+
+def leases_held_by(client: Any, keys: Keys, pid: int) -> int:
+    """Admission leases held by producer process `pid` (lease ids are `{prefix}-{pid}-{seq}`,
+    broker/admission.py): after a SIGKILL, its rollouts in flight until the reaper frees them."""
+    return sum(1 for lease in client.zrange(keys.admit_running, 0, -1)
+               if id_str(lease).rsplit("-", 1)[0].endswith(f"-{pid}"))

@@ -72,6 +72,7 @@ class ChaosRun(LocalRun):
         self.over_rows: list[dict[str, Any]] = []
         self.max_over = 0
         self.garbage = 0
+        self.killed_in_flight = 0  # rollouts in flight on killed producers (their leases)
 
     # ------------------------------------------------------------------ faults
     def _kill(self, child: Child) -> None:
@@ -91,8 +92,24 @@ class ChaosRun(LocalRun):
 
     def producer_kill(self) -> str:
         child = self.rng.choice(self.producers)
+        pid = child.pid
         self._kill(child)
-        return f"{child.name}, down {self._restart_after(child, 0.0, 5.0):.1f}s"
+        lost = self._leases_of(pid)
+        self.killed_in_flight += lost
+        return f"{child.name}, {lost} rollouts in flight lost, down {self._restart_after(child, 0.0, 5.0):.1f}s"
+
+    def _leases_of(self, pid: int | None) -> int:
+        """Leases a just-killed producer process held: its rollouts in flight, generated for nothing.
+        Read right after the kill (the reaper frees them only once the liveness record expired)."""
+        from rlstream.broker.ledger import leases_held_by
+
+        if pid is None:
+            return 0
+        try:
+            return leases_held_by(self.client, self.keys, pid)
+        except Exception as exc:  # noqa: BLE001 - a count, not a fault: never stop the soak for it
+            log.warning("could not read the leases of killed pid %s: %s", pid, exc)
+            return 0
 
     def engine_kill(self) -> str:
         child = self.rng.choice(self.engines)
@@ -253,7 +270,12 @@ class ChaosRun(LocalRun):
             self.stop_redis()
             for s, h in old.items():
                 signal.signal(s, h)
+        # Waste counts the rollouts killed producers had in flight as generated and not trained.
+        generated = result["groups_committed"] + self.killed_in_flight
+        result["waste_groups"] += self.killed_in_flight
+        result["waste_frac"] = result["waste_groups"] / generated if generated else 0.0
         result.update({
+            "killed_in_flight": self.killed_in_flight,
             "garbage_injected": self.garbage, "redis_restarts": len(self.redis_restarts_ms), "over_admissions": self.over_admissions,
             "max_over_admission": self.max_over, "over_budget_after_rollback": self.over_after_rollback,
             "over_budget_samples": self.over_rows, "admission_samples": self.samples,
@@ -275,7 +297,9 @@ LEDGER_LINES = [
     ("in two states", "in_two_states"), ("over-admissions (samples)", ("over_admissions", "admission_samples")),
     ("over budget after a version rollback (samples)", "over_budget_after_rollback"),
     ("steps trained", "steps_trained"), ("stall seconds (gaps > 10 s)", "stall_seconds"),
-    ("longest stall (s)", "longest_stall_s"), ("waste: groups generated, not trained", ("waste_groups", "waste_frac")),
+    ("longest stall (s)", "longest_stall_s"),
+    ("rollouts in flight on killed producers", "killed_in_flight"),
+    ("waste: groups generated, not trained", ("waste_groups", "waste_frac")),
     ("stale waste after Redis restarts", "stale_waste_after_redis_restarts"),
     ("unexpected exits", "unexpected_exits"),
 ]

@@ -15,6 +15,7 @@ import pytest
 from rlstream.broker import AdmissionController, Keys, TrajectoryStream, VersionRegistry
 from rlstream.broker import admission
 from rlstream.broker.admission import budget
+from rlstream.broker.ledger import leases_held_by
 from rlstream.broker.stream import entry_fields
 
 # One racing producer: waits for the start signal, then acquires / holds / commits or releases
@@ -132,8 +133,12 @@ def test_crashed_producer_leases_expire(redis_url, rclient, keys):
         assert p.stdout.readline().strip() == "held", p.stderr.read() if p.poll() is not None else ""
         before = adm.snapshot()
         assert before.running == 3 and before.capacity == 1
+        _, mine = adm.try_acquire()  # this process's lease: not the killed one's
         p.send_signal(signal.SIGKILL)  # no chance to release anything
         p.wait(10)
+        # Right after the kill its 3 leases are still held: the chaos ledger counts them as waste.
+        assert leases_held_by(rclient, keys, p.pid) == 3 and leases_held_by(rclient, keys, os.getpid()) == 1
+        adm.release(mine.lease_id)
         deadline = time.time() + 30
         while adm.snapshot().running and time.time() < deadline:
             time.sleep(0.1)
