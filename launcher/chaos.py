@@ -243,8 +243,7 @@ class ChaosRun(LocalRun):
         self.logs.mkdir(parents=True, exist_ok=True)
         self.prepare()
         self.budget = resolve_budget(self.cfg)
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        try:
+        with self.children_running(signal.SIGINT, signal.SIGTERM):
             self.start_redis()
             from rlstream.broker import connect
 
@@ -263,13 +262,6 @@ class ChaosRun(LocalRun):
             stopped_at = time.time()
             self.stop_gracefully()
             result = ledger(self.client, self.keys, redis_restarts_ms=self.redis_restarts_ms, until_ts=stopped_at)
-        except BaseException:
-            self.stop_all(graceful=False)
-            raise
-        finally:
-            self.stop_redis()
-            for s, h in old.items():
-                signal.signal(s, h)
         # Waste counts the rollouts killed producers had in flight as generated and not trained.
         generated = result["groups_committed"] + self.killed_in_flight
         result["waste_groups"] += self.killed_in_flight

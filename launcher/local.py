@@ -28,13 +28,14 @@ trainer resumes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from rlstream.common.config import Config, ConfigError, config_to_dict
 from rlstream.common.logging import get_logger
@@ -415,6 +416,21 @@ class LocalRun:
                 continue
 
     # ------------------------------------------------------------------ the run
+    @contextlib.contextmanager
+    def children_running(self, *signals: signal.Signals) -> Iterator[None]:
+        """While children run: `signals` only set a flag (the loops stop the children in order);
+        any exception stops them all at once; Redis is stopped and the handlers restored after."""
+        old = {s: signal.signal(s, self._on_signal) for s in signals}
+        try:
+            yield
+        except BaseException:
+            self.stop_all(graceful=False)
+            raise
+        finally:
+            self.stop_redis()
+            for s, h in old.items():
+                signal.signal(s, h)
+
     def run(self) -> int:
         cfg = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -432,10 +448,8 @@ class LocalRun:
             acc_before = self.evaluate(cfg.actor.path, "before RL")
         except ValueError as exc:  # bad data/model paths: one line naming the key (DatasetError is one)
             raise ConfigError(str(exc)) from None
-        # From here on a signal only sets a flag; the loops below stop the children in order.
-        old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         code = 0
-        try:
+        with self.children_running(signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             try:
                 self.start_redis()
                 self.write_child_config()
@@ -460,13 +474,6 @@ class LocalRun:
                 self.stop_all(graceful=code == 0)
                 if getattr(self, "client", None) is not None:
                     self.staleness_distribution()
-        except BaseException:
-            self.stop_all(graceful=False)
-            raise
-        finally:
-            self.stop_redis()
-            for s, h in old.items():
-                signal.signal(s, h)
         if self.trainer is None or self.stop_reason == "interrupted twice":
             return code
         from rlstream.launcher.report import finish

@@ -47,7 +47,7 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Iterator, Literal
 
 import msgspec
 from aiohttp import web
@@ -255,6 +255,18 @@ class Gateway:
                       "generated_tokens": 0}
 
     # ------------------------------------------------------------------ sessions
+    @contextlib.contextmanager
+    def call(self, s: Session) -> Iterator[None]:
+        """One model call of session `s`: in flight meanwhile (never reaped), counted and dated after."""
+        s.inflight += 1
+        try:
+            yield
+        finally:
+            s.inflight -= 1
+            s.calls += 1
+            s.last_active = time.monotonic()
+            self.stats["calls"] += 1
+
     def new_session(self, req: SessionRequest) -> Session:
         if req.group_size is not None and req.group_size < 1:
             raise HttpError(400, "group_size: expected an integer >= 1")
@@ -669,14 +681,8 @@ async def create_session(request: web.Request, gw: Gateway) -> web.Response:
 async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamResponse:
     s = gw.session(_sid(request))
     body = await _body(request, ChatRequest, "body")
-    s.inflight += 1
-    try:
+    with gw.call(s):
         resp, _, _ = await gw.chat(s, body)
-    finally:
-        s.inflight -= 1
-        s.calls += 1
-        s.last_active = time.monotonic()
-        gw.stats["calls"] += 1
     return await _sse(request, _chat_chunks(resp)) if body.stream else _json(resp)
 
 
@@ -684,14 +690,8 @@ async def chat_completions(request: web.Request, gw: Gateway) -> web.StreamRespo
 async def completions(request: web.Request, gw: Gateway) -> web.StreamResponse:
     s = gw.session(_sid(request))
     body = await _body(request, CompletionRequest, "body")
-    s.inflight += 1
-    try:
+    with gw.call(s):
         resp = await gw.complete(s, body)
-    finally:
-        s.inflight -= 1
-        s.calls += 1
-        s.last_active = time.monotonic()
-        gw.stats["calls"] += 1
     if body.stream:
         chunks = [{**{k: resp[k] for k in ("id", "object", "created", "model")},
                    "choices": [{"index": c["index"], "text": c["text"], "finish_reason": c["finish_reason"],
