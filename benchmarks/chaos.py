@@ -85,7 +85,7 @@ def main() -> None:
     print(text)
     if args.readme:
         write_section(SECTION, text)
-    print(json.dumps({k: v for k, v in r.items() if k not in ("fault_log", "over_budget_samples")}))
+    print(json.dumps({k: v for k, v in r.items() if k != "fault_log"}))  # over-budget samples: at most 20
 
 
 if __name__ == "__main__":

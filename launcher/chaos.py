@@ -73,6 +73,7 @@ class ChaosRun(LocalRun):
         self.max_over = 0
         self.garbage = 0
         self.killed_in_flight = 0  # rollouts in flight on killed producers (their leases)
+        self._events_seen = "0"  # the last event read from the run's event stream
 
     # ------------------------------------------------------------------ faults
     def _kill(self, child: Child) -> None:
@@ -178,6 +179,7 @@ class ChaosRun(LocalRun):
                       f"{child.log_path}", err=True)
                 child.start()
         try:
+            self._follow_versions()
             s = AdmissionController.from_config(self.client, self.keys, self.cfg).snapshot()
         except Exception as exc:  # noqa: BLE001 - Redis restarting: no sample
             log.debug("admission sample failed: %s", exc)
@@ -201,6 +203,22 @@ class ChaosRun(LocalRun):
                 self.max_over = max(self.max_over, over)
             if len(self.over_rows) < 20:
                 self.over_rows.append(row)
+
+    def _follow_versions(self) -> None:
+        """The highest version ever published, from the run's event stream: a version that lived
+        shorter than the sampling interval (the trainer killed right after its push) still counts,
+        so the rollback after it is recognised as one."""
+        from rlstream.broker import VersionRegistry
+
+        registry = VersionRegistry(self.client, self.keys)
+        while True:
+            events = registry.events_since(self._events_seen)
+            for eid, event in events:
+                self._events_seen = eid
+                if event.type == "version":
+                    self.max_version = max(self.max_version, event.version)
+            if len(events) < 1000:
+                return
 
     # ------------------------------------------------------------------ the run
     def stop_gracefully(self) -> None:
