@@ -18,7 +18,7 @@ from redis.exceptions import ResponseError
 
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.common.logging import get_logger
-from rlstream.common.wire import TrajectoryGroup, WireError, decode_group, encode_group
+from rlstream.common.wire import TrajectoryGroup, WireError, decode_checked, encode_group
 
 __all__ = ["Entry", "TrajectoryStream", "entry_fields", "id_str"]
 
@@ -107,11 +107,11 @@ class TrajectoryStream:
             try:
                 if payload is None:
                     raise WireError("entry has no 'd' payload field")
-                group = decode_group(payload)
+                group, min_version = decode_checked(payload)
             except WireError as exc:
                 self.dead_letter(sid, fields, str(exc))
                 continue
-            good.append(Entry(sid, group, group.min_version()))
+            good.append(Entry(sid, group, min_version))
         if gone:
             log.warning("%d pending entries of %s were deleted from the stream; acknowledged: %s",
                         len(gone), self.keys.traj, ", ".join(gone[:5]))

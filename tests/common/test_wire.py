@@ -16,6 +16,7 @@ from rlstream.common.wire import (
     Trajectory,
     TrajectoryGroup,
     WireError,
+    decode_checked,
     decode_group,
     encode_group,
     validate_group,
@@ -285,3 +286,65 @@ def test_model_tokens_excluded_from_the_loss_are_allowed():
     """A writer may leave a model turn out of the loss (mask 0 on version >= 0 tokens)."""
     back = decode_group(encode_group(_v2(loss_mask=bytes([0, 0, 0, 0, 0, 0, 0, 1, 1]))))
     assert back.trajectories[1].loss_mask_np.sum() == 2 and back.trajectories[1].n_model_tokens == 4
+
+
+# ------------------------------------------------------------------------ the group-at-once validation
+
+
+def _rules_hold(g: TrajectoryGroup) -> bool:
+    """The array rules position by position, trajectory by trajectory (the reference for validate_group)."""
+    for t in g.trajectories:
+        v, lp, m, p = t.versions_np, t.logprobs_np, t.loss_mask_np, t.prompt_len
+        model = v >= 0
+        if (v[:p] != -1).any() or (v < -1).any() or (t.loss_mask is None and not model[p:].all()):
+            return False
+        if (m > 1).any() or (m[~model] != 0).any():
+            return False
+        if not np.isfinite(lp[model]).all() or (lp[model] > 1e-4).any() or (lp[~model] != 0).any():
+            return False
+    return True
+
+
+@st.composite
+def mutated_groups(draw):
+    """Valid groups (single- and multi-turn, with and without masks), one array value maybe broken."""
+    g = draw(groups())
+    trajs = list(g.trajectories)
+    if draw(st.booleans()):
+        trajs.append(_multi_turn())
+    if draw(st.booleans()):  # schema 1: no mask
+        trajs[0] = msgspec.structs.replace(trajs[0], loss_mask=None)
+    i = draw(st.integers(0, len(trajs) - 1))
+    t = trajs[i]
+    n = t.seq_len
+    field = draw(st.sampled_from(["none", "versions", "logprobs", "loss_mask"]))
+    k = draw(st.integers(0, n - 1))
+    if field == "versions":
+        arr = t.versions_np.copy()
+        arr[k] = draw(st.sampled_from([-2, -1, 0, 7]))
+        trajs[i] = msgspec.structs.replace(t, versions=arr.tobytes())
+    elif field == "logprobs":
+        arr = t.logprobs_np.copy()
+        arr[k] = draw(st.sampled_from([0.0, -0.0, -1.5, 0.5, np.nan, np.inf, -np.inf]))
+        trajs[i] = msgspec.structs.replace(t, logprobs=arr.tobytes())
+    elif field == "loss_mask" and t.loss_mask is not None:
+        arr = t.loss_mask_np.copy()
+        arr[k] = draw(st.sampled_from([0, 1, 2]))
+        trajs[i] = msgspec.structs.replace(t, loss_mask=arr.tobytes())
+    return msgspec.structs.replace(g, trajectories=trajs)
+
+
+@SETTINGS
+@given(mutated_groups())
+def test_group_validation_matches_the_per_position_rules(g):
+    """The span/reduceat validation accepts exactly what the per-position rules accept, and its
+    min version is `min_version()`: checked on random valid groups with one value maybe broken."""
+    data = encode_group(g)
+    if _rules_hold(g):
+        back, min_version = decode_checked(data)
+        v = np.concatenate([t.versions_np for t in g.trajectories])
+        assert min_version == back.min_version() == (int(v[v >= 0].min()) if (v >= 0).any() else -1)
+        assert validate_group(back) == min_version
+    else:
+        with pytest.raises(WireError):
+            decode_checked(data)
