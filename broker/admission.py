@@ -54,7 +54,7 @@ from redis.exceptions import WatchError
 from rlstream.broker.connection import BrokerUnavailable
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.broker.producers import accepted_field
-from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Pipeline, Plan, Sleep, Sync, Watch, operation, script, scripts
+from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Pipeline, Plan, Sleep, Sync, Watch, operation, script
 from rlstream.common.logging import get_logger
 
 __all__ = ["AdmissionState", "Lease", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
@@ -114,54 +114,70 @@ end
 """
 
 # KEYS: running, accepted, version, waiting, alive, run
-# ARGV: lease_id, ttl_ms, eta, B, max_concurrent, wait_window_ms
-# -> {admitted, capacity_after, running, accepted, version, expires_ms, run_finished}
+# ARGV: ttl_ms, eta, B, max_concurrent, wait_window_ms, lease_id...
+# -> per lease id, in order: admitted, capacity_after, running, accepted, version, expires_ms, run_finished
+# Each lease is decided as by its own script run right after the previous one's (one call takes
+# a batch: one reap, one round trip, one script invocation for all of them).
 # No lease once the trainer marked the run finished (`{ns}:run`): a late producer commits nothing.
 _ACQUIRE = _LUA_REAP + """
 reap(KEYS[1], KEYS[5])
-if redis.call('HGET', KEYS[6], 'state') == 'finished' then
-  return {0, 0, redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'),
-          tonumber(redis.call('GET', KEYS[3]) or '0'), 0, 1}
-end
-local running = redis.call('ZCARD', KEYS[1])
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local v = tonumber(redis.call('GET', KEYS[3]) or '0')
-local eta = tonumber(ARGV[3])
-local B = tonumber(ARGV[4])
-local cap = math.min(tonumber(ARGV[5]) - running, (eta + v + 1) * B - (accepted + running))
-local held = redis.call('ZSCORE', KEYS[1], ARGV[1])
-if held then
-  -- a retry whose first attempt took the lease (reply lost): same answer, no second lease
-  return {1, cap, running, accepted, v, tonumber(held), 0}
-end
-local owner = owner_of(ARGV[1])
-if cap > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[6]))
-  local seen, n = {[owner] = true}, 1
-  for _, w in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
-    if not seen[w] then seen[w] = true; n = n + 1 end
+local out = {}
+if redis.call('HGET', KEYS[6], 'state') == 'finished' then
+  local running = redis.call('ZCARD', KEYS[1])
+  for i = 6, #ARGV do
+    for _, x in ipairs({0, 0, running, accepted, v, 0, 1}) do out[#out + 1] = x end
   end
-  if n > 1 then
-    -- other producers were refused lately: this one gets no more than its fair share of
-    -- the slots usable now (running + cap) among everyone holding or waiting for one
-    local mine = 0
-    for _, lease in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-      local o = owner_of(lease)
-      if o == owner then mine = mine + 1 end
-      if not seen[o] then seen[o] = true; n = n + 1 end
-    end
-    if mine >= math.ceil((running + cap) / n) then
-      redis.call('ZADD', KEYS[4], now, owner)
-      return {0, cap, running, accepted, v, 0, 0}
-    end
-  end
-  redis.call('ZREM', KEYS[4], owner)
-  local expires = now + tonumber(ARGV[2])
-  redis.call('ZADD', KEYS[1], expires, ARGV[1])
-  return {1, cap - 1, running + 1, accepted, v, expires, 0}
+  return out
 end
-redis.call('ZADD', KEYS[4], now, owner)
-return {0, cap, running, accepted, v, 0, 0}
+local eta = tonumber(ARGV[2])
+local B = tonumber(ARGV[3])
+local waiting_trimmed = false
+local function decide(lease)
+  local running = redis.call('ZCARD', KEYS[1])
+  local cap = math.min(tonumber(ARGV[4]) - running, (eta + v + 1) * B - (accepted + running))
+  local held = redis.call('ZSCORE', KEYS[1], lease)
+  if held then
+    -- a retry whose first attempt took the lease (reply lost): same answer, no second lease
+    return {1, cap, running, accepted, v, tonumber(held), 0}
+  end
+  local owner = owner_of(lease)
+  if cap > 0 then
+    if not waiting_trimmed then
+      redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[5]))
+      waiting_trimmed = true
+    end
+    local seen, n = {[owner] = true}, 1
+    for _, w in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
+      if not seen[w] then seen[w] = true; n = n + 1 end
+    end
+    if n > 1 then
+      -- other producers were refused lately: this one gets no more than its fair share of
+      -- the slots usable now (running + cap) among everyone holding or waiting for one
+      local mine = 0
+      for _, l in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+        local o = owner_of(l)
+        if o == owner then mine = mine + 1 end
+        if not seen[o] then seen[o] = true; n = n + 1 end
+      end
+      if mine >= math.ceil((running + cap) / n) then
+        redis.call('ZADD', KEYS[4], now, owner)
+        return {0, cap, running, accepted, v, 0, 0}
+      end
+    end
+    redis.call('ZREM', KEYS[4], owner)
+    local expires = now + tonumber(ARGV[1])
+    redis.call('ZADD', KEYS[1], expires, lease)
+    return {1, cap - 1, running + 1, accepted, v, expires, 0}
+  end
+  redis.call('ZADD', KEYS[4], now, owner)
+  return {0, cap, running, accepted, v, 0, 0}
+end
+for i = 6, #ARGV do
+  for _, x in ipairs(decide(ARGV[i])) do out[#out + 1] = x end
+end
+return out
 """
 
 # KEYS: alive  ARGV: owner, ttl_ms  (server clock)
@@ -304,30 +320,28 @@ class Admission:
 
     # ------------------------------------------------------------------ taking leases
 
-    def _acquire_args(self, lease_id: str | None) -> tuple[list[str], list[Any], str]:
-        lid = lease_id or new_lease_id()
+    def _acquire(self, lease_ids: list[str]) -> Plan:
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting,
                 self.keys.admit_alive, self.keys.run]
-        return keys, [lid, self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent, WAIT_WINDOW_MS], lid
+        res = yield from script(_ACQUIRE, keys, [self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent,
+                                                 WAIT_WINDOW_MS, *lease_ids])
+        return [self._decision(res[7 * i:7 * i + 7], lid) for i, lid in enumerate(lease_ids)]
 
     @staticmethod
     def _decision(res: list[Any], lease_id: str) -> tuple[AdmissionState, Lease | None]:
-        st = AdmissionState(bool(int(res[0])), int(res[1]), int(res[2]), int(res[3]), int(res[4]),
-                            run_finished=bool(int(res[6])))
+        st = AdmissionState(bool(res[0]), int(res[1]), int(res[2]), int(res[3]), int(res[4]),
+                            run_finished=bool(res[6]))
         return st, (Lease(lease_id, int(res[5])) if st.admitted else None)
 
     @operation
     def try_acquire(self, lease_id: str | None = None) -> Plan:
         """Take one rollout lease iff capacity > 0 (atomic). Returns the decision and the lease."""
-        keys, args, lid = self._acquire_args(lease_id)
-        return self._decision((yield from script(_ACQUIRE, keys, args)), lid)
+        return (yield from self._acquire([lease_id or new_lease_id()]))[0]
 
     @operation
     def try_acquire_many(self, n: int) -> Plan:
-        """`n` acquisitions in one round trip (pipelined; each one still atomic on its own)."""
-        calls = [self._acquire_args(None) for _ in range(n)]
-        results = yield from scripts(_ACQUIRE, [(keys, args) for keys, args, _ in calls])
-        return [self._decision(res, lid) for res, (_, _, lid) in zip(results, calls)]
+        """`n` acquisitions in one script call: each decided as if by its own `try_acquire`, in order."""
+        return (yield from self._acquire([new_lease_id() for _ in range(n)])) if n > 0 else []
 
     # ------------------------------------------------------------------ finishing
 

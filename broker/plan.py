@@ -32,7 +32,7 @@ from typing import Any, Callable, Generator
 
 from redis.exceptions import NoScriptError
 
-__all__ = ["Call", "Pipeline", "Watch", "Sleep", "Close", "one", "script", "scripts", "run", "arun", "operation", "Sync",
+__all__ = ["Call", "Pipeline", "Watch", "Sleep", "Close", "one", "script", "run", "arun", "operation", "Sync",
            "Async", "LUA_NOW_MS", "Plan"]
 
 Plan = Generator[Any, Any, Any]
@@ -143,19 +143,6 @@ def script(lua: str, keys: list[str], args: list[Any]) -> Plan:
     except NoScriptError:  # a restarted Redis lost its script cache: nothing ran
         yield Call("script_load", lua)
         return (yield call)
-
-
-def scripts(lua: str, calls: list[tuple[list[str], list[Any]]]) -> Plan:
-    """Sub-plan: one script many times in one pipeline (EVALSHA straight into it: redis-py's
-    own script handling in pipelines sends SCRIPT EXISTS first, which a least-privilege
-    producer ACL does not grant). `execute_command`: redis-py's cluster pipeline refuses its `evalsha`
-    method, though EVALSHA with keys of one hash tag is routed like any keyed command."""
-    batch = Pipeline([Call("execute_command", "EVALSHA", _sha(lua), len(k), *k, *a) for k, a in calls])
-    try:
-        return (yield batch)
-    except NoScriptError:  # every call failed alike: nothing ran
-        yield Call("script_load", lua)
-        return (yield batch)
 
 
 # ---------------------------------------------------------------------- runners

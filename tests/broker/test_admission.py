@@ -298,6 +298,25 @@ def test_try_acquire_many_respects_the_budget(rclient, keys):
     assert len({lease.lease_id for _, lease in got if lease}) == 3 and adm.snapshot().running == 3
 
 
+def test_try_acquire_many_decides_each_lease_like_try_acquire(rclient, keys):
+    """One script call for the batch, the same decisions as one script per lease: fair share and run end."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                              max_concurrent_rollouts=4)
+    mine = [lease for _, lease in adm.try_acquire_many(4)]
+    assert all(mine) and adm.snapshot().running == 4  # nobody waits: this producer may take every slot
+    st, lease = adm.try_acquire("B-0")
+    assert lease is None and st.capacity == 0  # B is refused and now counts as waiting
+    adm.abandon([mine[0].lease_id, mine[1].lease_id])
+    got = adm.try_acquire_many(2)
+    assert [lease for _, lease in got] == [None, None]  # holding 2 >= ceil(4 / 2) while B waits
+    assert [st.capacity for st, _ in got] == [2, 2] and adm.snapshot().running == 2
+    assert adm.try_acquire("B-1")[1] is not None  # the free slots are B's
+    rclient.hset(keys.run, "state", "finished")
+    done = adm.try_acquire_many(3)
+    assert [(st.admitted, st.run_finished, lease) for st, lease in done] == [(False, True, None)] * 3
+    assert adm.snapshot().running == 3
+
+
 def test_commit_after_lease_expiry_still_writes(rclient, keys, group_factory):
     adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2,
                               max_concurrent_rollouts=2, lease_ttl=0.2)
