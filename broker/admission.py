@@ -133,9 +133,26 @@ if redis.call('HGET', KEYS[6], 'state') == 'finished' then
 end
 local eta = tonumber(ARGV[2])
 local B = tonumber(ARGV[3])
-local waiting_trimmed = false
+-- Within one call only this script changes `running` and `waiting`: the lease count is kept here,
+-- and the waiting set is read again only after this script changed it (a batch's leases share one
+-- owner: one read, one ZREM for the whole batch).
+local running = redis.call('ZCARD', KEYS[1])
+local waiting_trimmed, others_of, off_waiting = false, {}, {}
+local function waiting_others(owner)
+  if others_of[owner] == nil then
+    if not waiting_trimmed then
+      redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[5]))
+      waiting_trimmed = true
+    end
+    local list = {}
+    for _, w in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
+      if w ~= owner then list[#list + 1] = w end
+    end
+    others_of[owner] = list
+  end
+  return others_of[owner]
+end
 local function decide(lease)
-  local running = redis.call('ZCARD', KEYS[1])
   local cap = math.min(tonumber(ARGV[4]) - running, (eta + v + 1) * B - (accepted + running))
   local held = redis.call('ZSCORE', KEYS[1], lease)
   if held then
@@ -144,17 +161,14 @@ local function decide(lease)
   end
   local owner = owner_of(lease)
   if cap > 0 then
-    if not waiting_trimmed then
-      redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[5]))
-      waiting_trimmed = true
-    end
-    local seen, n = {[owner] = true}, 1
-    for _, w in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
-      if not seen[w] then seen[w] = true; n = n + 1 end
-    end
-    if n > 1 then
+    local others = waiting_others(owner)
+    if #others > 0 then
       -- other producers were refused lately: this one gets no more than its fair share of
       -- the slots usable now (running + cap) among everyone holding or waiting for one
+      local seen, n = {[owner] = true}, 1
+      for _, w in ipairs(others) do
+        if not seen[w] then seen[w] = true; n = n + 1 end
+      end
       local mine = 0
       for _, l in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
         local o = owner_of(l)
@@ -163,15 +177,21 @@ local function decide(lease)
       end
       if mine >= math.ceil((running + cap) / n) then
         redis.call('ZADD', KEYS[4], now, owner)
+        others_of, off_waiting[owner] = {}, nil
         return {0, cap, running, accepted, v, 0, 0}
       end
     end
-    redis.call('ZREM', KEYS[4], owner)
+    if not off_waiting[owner] then
+      redis.call('ZREM', KEYS[4], owner)
+      others_of, off_waiting[owner] = {}, true
+    end
     local expires = now + tonumber(ARGV[1])
     redis.call('ZADD', KEYS[1], expires, lease)
-    return {1, cap - 1, running + 1, accepted, v, expires, 0}
+    running = running + 1
+    return {1, cap - 1, running, accepted, v, expires, 0}
   end
   redis.call('ZADD', KEYS[4], now, owner)
+  others_of, off_waiting[owner] = {}, nil
   return {0, cap, running, accepted, v, 0, 0}
 end
 for i = 6, #ARGV do
