@@ -33,7 +33,10 @@ Everything is safe to retry after a lost reply (the client retries on connection
 loss): acquiring with a lease id that is already held answers "admitted" without a
 second lease; a finished lease is marked under `{ns}:admit:done:{lease}` (kept for
 `DONE_TTL_MS`) inside the same transaction, and a commit WATCHes those markers, so a
-retry after an unknown outcome commits only what did not happen: exactly once.
+retry after an unknown outcome commits only what did not happen: exactly once. Round
+trips per commit: WATCH, then MULTI/EXEC; the markers are read first (MGET) unless every
+lease is one this process took and never tried to commit (no marker can exist yet). A
+marker says "1" until the controller's next transaction writes the entry id into it.
 
 Each operation is written once, as a plan (`broker/plan.py`): `AdmissionController` runs
 them with a sync client, `AsyncAdmissionController` with an asyncio one.
@@ -75,6 +78,33 @@ def lease_owner() -> str:
 
 def new_lease_id() -> str:
     return f"{lease_owner()}-{next(_lease_seq)}"
+
+
+# Leases this process admitted under ids of its own making (`new_lease_id`: unique everywhere) and
+# has not tried to commit or release yet: no done marker can exist for them, so their first commit
+# skips reading the markers (WATCH + MULTI/EXEC, no MGET round trip). An id leaves the set before its
+# first attempt (`set.remove`: one thread wins), so any retry or second commit reads the markers.
+_untried: set[str] = set()
+_UNTRIED_MAX = 100_000  # leases never committed, released or abandoned (lost replies): forget them all
+
+
+def _mark_untried(lease_id: str) -> None:
+    if len(_untried) >= _UNTRIED_MAX:
+        _untried.clear()  # only sends those leases' commits the checked way
+    _untried.add(lease_id)
+
+
+def _take_untried(lease_ids: list[str]) -> bool:
+    """Take `lease_ids` out of the untried set; True iff every one of them was in it (and is this process's)."""
+    mine, every = lease_owner() + "-", True
+    for lid in lease_ids:
+        try:
+            _untried.remove(lid)
+        except KeyError:
+            every = False
+        else:
+            every = every and lid.startswith(mine)  # a forked child's set holds its parent's leases
+    return every
 
 
 # How long a finished lease's answer is remembered so a retried finish is not applied twice.
@@ -328,6 +358,9 @@ class Admission:
         self.batch = consumer_batch_size
         self.max_concurrent = max_concurrent_rollouts
         self.lease_ttl_ms = int(lease_ttl * 1000)
+        # done marker -> entry id of this object's last commits, written into the markers by the next
+        # transaction (until then the markers say "1")
+        self._ids_to_record: dict[str, Any] = {}
 
     @classmethod
     def from_config(cls, client: Any, keys: Keys, cfg: Any, producer_id: str | None = None) -> Any:
@@ -340,12 +373,17 @@ class Admission:
 
     # ------------------------------------------------------------------ taking leases
 
-    def _acquire(self, lease_ids: list[str]) -> Plan:
+    def _acquire(self, lease_ids: list[str], own_ids: bool) -> Plan:
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting,
                 self.keys.admit_alive, self.keys.run]
         res = yield from script(_ACQUIRE, keys, [self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent,
                                                  WAIT_WINDOW_MS, *lease_ids])
-        return [self._decision(res[7 * i:7 * i + 7], lid) for i, lid in enumerate(lease_ids)]
+        out = [self._decision(res[7 * i:7 * i + 7], lid) for i, lid in enumerate(lease_ids)]
+        if own_ids:
+            for _st, lease in out:
+                if lease is not None:
+                    _mark_untried(lease.lease_id)
+        return out
 
     @staticmethod
     def _decision(res: list[Any], lease_id: str) -> tuple[AdmissionState, Lease | None]:
@@ -356,12 +394,12 @@ class Admission:
     @operation
     def try_acquire(self, lease_id: str | None = None) -> Plan:
         """Take one rollout lease iff capacity > 0 (atomic). Returns the decision and the lease."""
-        return (yield from self._acquire([lease_id or new_lease_id()]))[0]
+        return (yield from self._acquire([lease_id or new_lease_id()], lease_id is None))[0]
 
     @operation
     def try_acquire_many(self, n: int) -> Plan:
         """`n` acquisitions in one script call: each decided as if by its own `try_acquire`, in order."""
-        return (yield from self._acquire([new_lease_id() for _ in range(n)])) if n > 0 else []
+        return (yield from self._acquire([new_lease_id() for _ in range(n)], True)) if n > 0 else []
 
     # ------------------------------------------------------------------ finishing
 
@@ -395,31 +433,48 @@ class Admission:
         if not items:
             return []
         done = [self.keys.admit_done(lid) for lid, _ in items]
-
-        def todo(prev: list[Any]) -> list[int]:
-            return [i for i, p in enumerate(prev) if p is None]
-
-        def queue(prev: list[Any]) -> list[Call]:
-            return [c for i in todo(prev) for c in self._commit_calls(*items[i])]
-
+        # Leases never tried before have no marker to read: WATCH them (a lost reply then raises instead
+        # of redis-py resending the transaction) and skip the MGET. Otherwise read the markers first.
+        read = None if _take_untried([lid for lid, _ in items]) else Call("execute_command", "MGET", *done)
+        per = len(self._commit_calls("", {}))
         last: Exception | None = None
         for attempt in range(_COMMIT_ATTEMPTS):
+            # The ids of earlier commits go into their markers in this transaction (one round trip fewer
+            # per commit; a repeated commit in between gets them from `_ids_to_record`).
+            record = dict(self._ids_to_record)
+            self._ids_to_record.clear()
+            fresh: list[int] = []
+
+            def queue(prev: list[Any] | None) -> list[Call]:
+                fresh[:] = [i for i in range(len(items)) if prev is None or prev[i] is None]
+                if not fresh:
+                    return []
+                return [*(Call("set", k, v, xx=True, keepttl=True) for k, v in record.items()),
+                        *(c for i in fresh for c in self._commit_calls(*items[i]))]
+
             try:
-                prev, res = yield Watch(done, Call("execute_command", "MGET", *done), queue)
+                prev, res = yield Watch(done, read, queue)
             except (WatchError, RedisConnectionError, RedisTimeoutError) as exc:
                 # Reply lost (outcome unknown) or the same lease committed concurrently: the
                 # done markers tell what happened; the next attempt writes only what is missing.
-                last = exc
+                self._ids_to_record.update({k: v for k, v in record.items() if k not in self._ids_to_record})
+                last, read = exc, Call("execute_command", "MGET", *done)
                 yield Sleep(min(2.0, 0.02 * 2**attempt))
                 continue
-            out, fresh = list(prev), todo(prev)
-            per = len(self._commit_calls("", {}))
+            if not fresh:
+                self._ids_to_record.update(record)
+            out = [None] * len(items) if prev is None else list(prev)
+            for i, p in enumerate(out):
+                if p is not None and done[i] in record:  # committed earlier, id not recorded yet
+                    out[i] = record[done[i]]
+            res = res[len(record):] if fresh else []
             for k, i in enumerate(fresh):
                 if not int(res[per * k]):
                     # The rollout outlived its lease (producer stalled past lease_ttl). The group is
                     # written anyway, never dropped; the consumer's staleness check is the backstop.
                     log.warning("lease %s had expired before commit; group written anyway", items[i][0])
                 out[i] = res[per * k + 2]
+                self._ids_to_record[done[i]] = out[i]
             if fresh and self.wait_replicas:
                 # Redis replicates asynchronously: a failover right now would lose these commits unless
                 # the replicas have them. WAIT blocks until they confirm (or the timeout passes).
@@ -427,11 +482,6 @@ class Admission:
                 if got < self.wait_replicas:
                     log.warning("commit confirmed by %d of %d replicas within %d ms (redis.wait_replicas)", got,
                                 self.wait_replicas, self.wait_timeout_ms)
-            if fresh:
-                try:  # remember the ids so a repeated commit can return them (best effort)
-                    yield Pipeline([Call("set", done[i], out[i], xx=True, keepttl=True) for i in fresh])
-                except (RedisConnectionError, RedisTimeoutError):
-                    pass
             return out
         raise BrokerUnavailable(f"could not commit {len(items)} group(s) to {self.keys.traj} after "
                                 f"{_COMMIT_ATTEMPTS} attempts: {last}")
@@ -439,12 +489,14 @@ class Admission:
     @operation
     def release(self, lease_id: str) -> Plan:
         """Drop the lease of a rejected rollout (counted as rejected, once)."""
+        _untried.discard(lease_id)  # its marker ('-') now exists: a commit must read it
         yield from script(_RELEASE, [self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id)],
                           [lease_id, DONE_TTL_MS])
 
     @operation
     def abandon(self, lease_ids: list[str]) -> Plan:
         """Drop leases of rollouts that failed (not counted as rejected)."""
+        _untried.difference_update(lease_ids)
         return (yield Call("zrem", self.keys.admit_running, *lease_ids)) if lease_ids else 0
 
     @operation

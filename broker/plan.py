@@ -84,18 +84,20 @@ class Watch:
     """Optimistic transaction: WATCH `keys`, run `read` at once, then MULTI/EXEC the commands `then(read_reply)` returns.
 
     The reply is `(read_reply, exec_replies)`, `exec_replies` None when `then` returned none.
-    A key changed by another client after WATCH raises redis' WatchError (nothing applied).
+    A key changed by another client after WATCH raises redis' WatchError (nothing applied), and so
+    does a connection lost while watching (redis-py does not resend a watched transaction).
+    `read` None: nothing to read (`then(None)`), one round trip fewer.
     """
 
     keys: list[str]
-    read: Call
+    read: Call | None
     then: Callable[[Any], list[Call]]
 
     def steps(self, client: Any) -> Plan:
         pipe = client.pipeline(transaction=True)
         try:
             yield pipe.watch(*self.keys)
-            seen = yield self.read.on(pipe)  # immediate mode while watching
+            seen = (yield self.read.on(pipe)) if self.read is not None else None  # immediate mode while watching
             calls = self.then(seen)
             if not calls:
                 return seen, None

@@ -5,10 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from urllib.parse import urlparse
 
 import pytest
 
@@ -401,3 +404,78 @@ def test_reset_accepted_ignores_the_wrong_lag_after_a_rewritten_aof_reload(redis
     train = next(g for g in collect(client, keys, 4, 2, 100)["stream"]["groups"] if g["name"] == "train")
     assert train["lag"] == 0  # inspect counts it too
     client.close()
+
+
+class _ReplyDropper:
+    """A TCP proxy to Redis that, once armed, lets the next EXEC run on the server and then cuts the
+    client's connection before the reply reaches it: a commit whose outcome the client cannot know."""
+
+    def __init__(self, redis_url: str) -> None:
+        u = urlparse(redis_url)
+        self.upstream = (u.hostname, u.port)
+        self.armed = threading.Event()
+        self.cut = threading.Event()
+        self.dropped = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self.upstream)
+            threading.Thread(target=self._pump, args=(client, server, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, False), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, to_server: bool) -> None:
+        try:
+            while data := src.recv(1 << 20):
+                if to_server and self.armed.is_set() and data.endswith(b"EXEC\r\n"):
+                    self.armed.clear()
+                    self.cut.set()
+                elif not to_server and self.cut.is_set():
+                    # The server got the EXEC and is answering: the client never hears it. The server
+                    # side stays open, so the server runs what it was sent.
+                    self.cut.clear()
+                    dst.shutdown(socket.SHUT_RDWR)  # at once, though the other pump still reads from it
+                    self.dropped.set()
+                    while src.recv(1 << 20):
+                        pass
+                    break
+                dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            s.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+@pytest.mark.parametrize("first", ["untried", "retried"])
+def test_commit_whose_reply_is_lost_is_written_once(redis_url, rclient, keys, group_factory, first):
+    """The EXEC of a commit runs but its reply never arrives: the retry reads the done markers and
+    writes nothing twice, whether the first attempt skipped reading them (leases never tried) or not."""
+    from rlstream.broker import connect
+
+    proxy = _ReplyDropper(redis_url)
+    client = connect(proxy.url)
+    try:
+        adm = AdmissionController(client, keys, max_head_offpolicyness=0, consumer_batch_size=8,
+                                  max_concurrent_rollouts=8)
+        leases = [lease for _, lease in adm.try_acquire_many(3)]
+        items = [(lease.lease_id, entry_fields(group_factory())) for lease in leases]
+        if first == "retried":
+            admission._untried.difference_update(lease.lease_id for lease in leases)
+        proxy.armed.set()
+        ids = adm.commit_many(items)
+        assert proxy.dropped.is_set()
+        assert rclient.xlen(keys.traj) == 3 and int(rclient.get(keys.admit_accepted)) == 3
+        assert rclient.zcard(keys.admit_running) == 0 and len(ids) == 3
+        assert adm.commit_many(items[:1]) == ids[:1] and rclient.xlen(keys.traj) == 3  # repeated: same answer
+    finally:
+        client.close()
+        proxy.close()
