@@ -136,9 +136,12 @@ def main() -> None:
     a, bare = med["rlstream"], med["bare"]
     lines += ["", f"rlstream / bare: Redis CPU {a['redis_ms_per_mb'] / bare['redis_ms_per_mb']:.2f}x (issue target "
               f"<= 1.3x), producer client CPU {a['producer_ms'] / bare['producer_ms']:.1f}x, consumer client CPU "
-              f"{a['consumer_ms'] / bare['consumer_ms']:.1f}x. Not yet reduced (issue 17 section 2 is open): the "
-              "extra producer cost is the admission script and the MULTI/EXEC commit with its done markers, the "
-              "consumer's is decode + validation of every group."]
+              f"{a['consumer_ms'] / bare['consumer_ms']:.1f}x. Above bare, the producer encodes every group (bare "
+              "sends bytes encoded beforehand), takes its leases (one admission script call per batch) and commits "
+              "with WATCH + MULTI/EXEC (3 round trips per batch against bare's 1; the transaction's per-command "
+              "replies, the done markers); the consumer decodes and validates every group (~30 us per group). "
+              "Most of either side's CPU is what bare spends too: redis-py packing and sending (producer) or "
+              "receiving and parsing (consumer) ~105 kB per group over loopback TCP."]
     text = "\n".join(lines) + "\n"
     print(text)
     if args.readme:
