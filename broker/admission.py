@@ -57,7 +57,7 @@ from redis.exceptions import WatchError
 from rlstream.broker.connection import BrokerUnavailable
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.broker.producers import accepted_field
-from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Pipeline, Plan, Sleep, Sync, Watch, operation, script
+from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Plan, Sleep, Sync, Watch, operation, script
 from rlstream.common.logging import get_logger
 
 __all__ = ["AdmissionState", "Lease", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
@@ -387,8 +387,8 @@ class Admission:
 
     @staticmethod
     def _decision(res: list[Any], lease_id: str) -> tuple[AdmissionState, Lease | None]:
-        st = AdmissionState(bool(res[0]), int(res[1]), int(res[2]), int(res[3]), int(res[4]),
-                            run_finished=bool(res[6]))
+        st = AdmissionState(bool(int(res[0])), int(res[1]), int(res[2]), int(res[3]), int(res[4]),
+                            run_finished=bool(int(res[6])))
         return st, (Lease(lease_id, int(res[5])) if st.admitted else None)
 
     @operation
