@@ -456,13 +456,15 @@ class _ReplyDropper:
 
 
 @pytest.mark.parametrize("first", ["untried", "retried"])
-def test_commit_whose_reply_is_lost_is_written_once(redis_url, rclient, keys, group_factory, first):
+def test_commit_whose_reply_is_lost_is_written_once(redis_factory, keys, group_factory, first):
     """The EXEC of a commit runs but its reply never arrives: the retry reads the done markers and
-    writes nothing twice, whether the first attempt skipped reading them (leases never tried) or not."""
+    writes nothing twice, whether the first attempt skipped reading them (leases never tried) or not.
+    (A standalone server of its own: the proxy fronts one node, also when the suite runs on a cluster.)"""
     from rlstream.broker import connect
 
-    proxy = _ReplyDropper(redis_url)
-    client = connect(proxy.url)
+    server = redis_factory()
+    proxy = _ReplyDropper(server.url)
+    client, rclient = connect(proxy.url), connect(server.url)
     try:
         adm = AdmissionController(client, keys, max_head_offpolicyness=0, consumer_batch_size=8,
                                   max_concurrent_rollouts=8)
@@ -478,4 +480,5 @@ def test_commit_whose_reply_is_lost_is_written_once(redis_url, rclient, keys, gr
         assert adm.commit_many(items[:1]) == ids[:1] and rclient.xlen(keys.traj) == 3  # repeated: same answer
     finally:
         client.close()
+        rclient.close()
         proxy.close()
