@@ -4,12 +4,16 @@
     python benchmarks/engine.py --readme        # also (re)writes the "Engine" section of benchmarks/README.md
     python benchmarks/engine.py --quick         # fewer requests
     python benchmarks/engine.py --producer-only --readme   # only the producer-overhead phase
+    PYTHONPATH=<older tree> python benchmarks/engine.py --no-producer --json before.json   # then:
+    python benchmarks/engine.py --no-producer --readme --before before.json   # before/after table
 
 For each concurrency c, the same `--requests` prompts (random ids, `--prompt-len`
 tokens) each generate exactly `--new-tokens` tokens (ignore_eos) at temperature 1.0:
 
 - engine: `LocalEngine.generate` called in-process with at most c requests in flight;
-- http: the same through the aiohttp server on 127.0.0.1 (what a producer sees);
+- http_json / http_msgpack: the same engine behind `rlstream serve`'s aiohttp app on 127.0.0.1,
+  driven by the producer's client (`SGLangClient`, one long-lived session) from a child process
+  (what a producer sees in a deployment), answers as JSON or as negotiated msgpack;
 - hf_generate: the baseline, `model.generate(do_sample=True)` on the same prompts in
   left-padded batches of c, one batch after the other (static batching, no logprobs).
 
@@ -54,31 +58,70 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[1] + torch.randint(4, vocab, (length - 1,), generator=g).tolist() for _ in range(n)]
 
 
-async def _engine_run(engine, prompts, concurrency: int, new_tokens: int, http_url: str | None) -> tuple[float, int]:
+async def _engine_run(engine, prompts, concurrency: int, new_tokens: int) -> tuple[float, int]:
+    """In-process: `LocalEngine.generate` with at most `concurrency` requests in flight."""
     sem = asyncio.Semaphore(concurrency)
     sp = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
-    session = None
-    if http_url:
-        import aiohttp
-
-        session = aiohttp.ClientSession()
 
     async def one(p) -> int:
         async with sem:
-            if session is None:
-                return len((await engine.generate(p, sp)).output_ids)
-            async with session.post(http_url + "/generate",
-                                    json={"input_ids": p, "sampling_params": sp, "return_logprob": True}) as r:
-                assert r.status == 200, await r.text()
-                return len((await r.json())["output_ids"])
+            return len((await engine.generate(p, sp)).output_ids)
 
+    t0 = time.perf_counter()
+    counts = await asyncio.gather(*(one(p) for p in prompts))
+    return time.perf_counter() - t0, sum(counts)
+
+
+async def _drive(address: str, prompts, concurrency: int, new_tokens: int, encoding: str, runs: int) -> list:
+    """The producer's engine client (`SGLangClient`, one long-lived session as `ServerPool` keeps) against
+    `address`; `runs` timed passes over the prompts after one warm-up request. Returns [(seconds, tokens)]."""
+    import aiohttp
+
+    from rlstream.producer.engine_client import ModelRequest, SGLangClient
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0)) as session:
+        try:
+            client = SGLangClient(session, address, compact=encoding == "msgpack")
+        except TypeError:  # a tree from before the compact encoding (a --before run): JSON only
+            client = SGLangClient(session, address)
+        payload = client.payload
+
+        def exact_length(req):  # ignore_eos: every request makes exactly new_tokens tokens
+            body = payload(req)
+            body.sampling_params.ignore_eos = True
+            return body
+
+        client.payload = exact_length
+        sem = asyncio.Semaphore(concurrency)
+
+        async def one(p) -> int:
+            async with sem:
+                return len((await client.agenerate(ModelRequest(input_ids=p, max_new_tokens=new_tokens))).output_ids)
+
+        await one(prompts[0])
+        out = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            counts = await asyncio.gather(*(one(p) for p in prompts))
+            out.append((time.perf_counter() - t0, sum(counts)))
+        return out
+
+
+async def _http_run(address: str, prompts, concurrency: int, new_tokens: int, encoding: str) -> tuple[float, int]:
+    """Over HTTP as a producer sees it: the producer's client in its own process (as in a deployment)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
     try:
-        t0 = time.perf_counter()
-        counts = await asyncio.gather(*(one(p) for p in prompts))
-        return time.perf_counter() - t0, sum(counts)
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, __file__, "--drive", address, "--prompts-file", f.name, "--concurrency", str(concurrency),
+            "--new-tokens", str(new_tokens), "--encoding", encoding, stdout=subprocess.PIPE)
+        out, _ = await proc.communicate()
     finally:
-        if session is not None:
-            await session.close()
+        os.unlink(f.name)
+    if proc.returncode != 0:
+        raise RuntimeError(f"benchmark client exited {proc.returncode}")
+    secs, toks = json.loads(out.decode().strip().splitlines()[-1])[0]
+    return secs, toks
 
 
 def _hf_run(model, prompts, concurrency: int, new_tokens: int, pad_id: int) -> tuple[float, int]:
@@ -96,8 +139,11 @@ def _hf_run(model, prompts, concurrency: int, new_tokens: int, pad_id: int) -> t
     return time.perf_counter() - t0, toks
 
 
+HTTP_MODES = ("http_json", "http_msgpack")
+
+
 async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int) -> list[dict]:
-    """Best of `repeat` runs per cell; the three modes interleave so load drift hits all alike."""
+    """Best of `repeat` runs per cell; the modes interleave so load drift hits all alike."""
     from aiohttp import web
 
     from rlstream.engine.server import build_app
@@ -106,17 +152,18 @@ async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int) -> lis
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     rows = []
     try:
         await engine.generate(prompts[0], {"max_new_tokens": 4})  # warm-up
         for c in concurrencies:
             best: dict[str, tuple[float, int]] = {}
             for _ in range(repeat):
-                runs = {"engine": await _engine_run(engine, prompts, c, new_tokens, None),
-                        "http": await _engine_run(engine, prompts, c, new_tokens, url),
-                        # Blocks the loop on purpose: nothing else runs during the baseline.
-                        "hf_generate": _hf_run(engine.model, prompts, c, new_tokens, engine.pad_id)}
+                runs = {"engine": await _engine_run(engine, prompts, c, new_tokens)}
+                for mode in HTTP_MODES:
+                    runs[mode] = await _http_run(address, prompts, c, new_tokens, mode.removeprefix("http_"))
+                # Blocks the loop on purpose: nothing else runs during the baseline.
+                runs["hf_generate"] = _hf_run(engine.model, prompts, c, new_tokens, engine.pad_id)
                 for mode, (secs, toks) in runs.items():
                     if mode not in best or secs < best[mode][0]:
                         best[mode] = (secs, toks)
@@ -128,6 +175,16 @@ async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int) -> lis
     finally:
         await runner.cleanup()
     return rows
+
+
+def _loop_runner():
+    """uvloop's run, as `rlstream serve` and the producer use, else asyncio's."""
+    try:
+        import uvloop
+
+        return uvloop.run
+    except ImportError:  # pragma: no cover - a dependency on Linux/macOS
+        return asyncio.run
 
 
 def run_benchmark(*, quick: bool = False, model_path: str | None = None, requests: int | None = None,
@@ -151,7 +208,7 @@ def run_benchmark(*, quick: bool = False, model_path: str | None = None, request
         n_params = sum(p.numel() for p in engine.model.parameters())
         print(f"engine benchmark: {n_params / 1e6:.2f}M params, {requests} requests x {new_tokens} new tokens, "
               f"prompt {prompt_len} tokens, torch threads {threads}, device {engine.device}", flush=True)
-        rows = asyncio.run(_bench(engine, prompts, concurrencies, new_tokens, repeat))
+        rows = _loop_runner()(_bench(engine, prompts, concurrencies, new_tokens, repeat))
     finally:
         engine.close()
         if tmp is not None:
@@ -418,27 +475,64 @@ def markdown(result: dict) -> str:
     s, rows = result["setup"], result["rows"]
     by = {(r["mode"], r["concurrency"]): r for r in rows}
     concs = sorted({r["concurrency"] for r in rows})
+
+    def tps(mode, c, rows_by=by):
+        r = rows_by.get((mode, c))
+        return r["tokens_per_s"] if r else None
+
+    def cell(x):
+        return "–" if x is None else f"{x:.1f}"
+
+    def ratio(a, b):
+        return f"{a / b:.2f}×" if a and b else "–"
+
+    load = s.get("loadavg")
     lines = [
         SECTION,
         "",
         f"`python benchmarks/engine.py --readme` — tiny Llama ({s['params_m']}M params), {s['requests']} requests × "
         f"{s['new_tokens']} new tokens (ignore_eos, T=1.0), {s['prompt_len']}-token prompts, device {s['device']}, "
-        f"torch threads {s['torch_threads']}, {s['cpu_count']} CPUs (shared), torch {s['torch']}; "
-        f"best of {s.get('repeat', 1)} runs per cell.",
+        f"torch threads {s['torch_threads']}, {s['cpu_count']} CPUs (shared"
+        + (f"; 1-min load average {load[0]:.1f} at the start, {load[1]:.1f} at the end" if load else "")
+        + f"), torch {s['torch']}; best of {s.get('repeat', 1)} runs per cell, the modes interleaved, uvloop.",
         "",
-        "| concurrency | engine (in-process) tok/s | engine over HTTP tok/s | HF `generate` (static batches of c) tok/s | HTTP / HF |",
-        "|---:|---:|---:|---:|---:|",
+        "In-process: `LocalEngine.generate` called in the benchmark's process. Over HTTP: the same engine behind "
+        "`rlstream serve`'s aiohttp app, driven by the producer's client (`SGLangClient`, one long-lived session) in "
+        "its own process, as in a deployment; answers as JSON (what SGLang/vLLM speak) or msgpack (negotiated by "
+        "`Accept: application/msgpack`, rlstream's client and server only).",
+        "",
+        "| concurrency | engine (in-process) tok/s | over HTTP, JSON tok/s | over HTTP, msgpack tok/s "
+        "| HTTP (msgpack) / in-process | HF `generate` (static batches of c) tok/s | HTTP / HF |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in concs:
-        e, h, g = by.get(("engine", c)), by.get(("http", c)), by.get(("hf_generate", c))
-        ratio = f"{h['tokens_per_s'] / g['tokens_per_s']:.2f}×" if h and g else "–"
-        lines.append(f"| {c} | {e['tokens_per_s'] if e else '–'} | {h['tokens_per_s'] if h else '–'} | "
-                     f"{g['tokens_per_s'] if g else '–'} | {ratio} |")
-    if ("http", 1) in by and ("http", max(concs)) in by:
-        speed = by[("http", max(concs))]["tokens_per_s"] / by[("http", 1)]["tokens_per_s"]
+        e, hj, hm, g = tps("engine", c), tps("http_json", c), tps("http_msgpack", c), tps("hf_generate", c)
+        lines.append(f"| {c} | {cell(e)} | {cell(hj)} | {cell(hm)} | {ratio(hm, e)} | {cell(g)} | {ratio(hm, g)} |")
+    if ("http_msgpack", 1) in by and ("http_msgpack", max(concs)) in by:
+        speed = tps("http_msgpack", max(concs)) / tps("http_msgpack", 1)
         lines += ["", f"{max(concs)} concurrent requests run {speed:.1f}× faster than one at a time (continuous batching)."]
+    before = result.get("before")
+    if before:
+        bby = {(r["mode"], r["concurrency"]): r for r in before["rows"]}
+        bs = before["setup"]
+        bload = bs.get("loadavg")
+        lines += ["", f"Before/after (this section's HTTP-path work, issue 17): the same script on the code before it "
+                  f"({before.get('label', 'the previous tree')}; its server has no msgpack, so both of its HTTP columns "
+                  "are JSON), run right before this one on the same machine"
+                  + (f" (load {bload[0]:.1f} → {bload[1]:.1f})" if bload else "") + ":", "",
+                  "| concurrency | before: in-process | before: HTTP | before: HTTP / in-process "
+                  "| now: in-process | now: HTTP (msgpack) | now: HTTP / in-process |",
+                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        for c in concs:
+            be = tps("engine", c, bby)
+            bh = max(x for x in (tps("http_json", c, bby), tps("http_msgpack", c, bby)) if x is not None) \
+                if (("http_json", c) in bby or ("http_msgpack", c) in bby) else None
+            e, hm = tps("engine", c), tps("http_msgpack", c)
+            lines.append(f"| {c} | {cell(be)} | {cell(bh)} | {ratio(bh, be)} | {cell(e)} | {cell(hm)} | {ratio(hm, e)} |")
     lines += ["", "The engine also computes per-token behaviour logprobs; the HF baseline does not. "
               "On this shared 2-core machine other processes come and go: single runs vary by up to 2×, hence best-of-N.", ""]
+    for note in result.get("notes", []):
+        lines += [note, ""]
     if result.get("producer"):
         lines += [producer_markdown(result["producer"])]
     return "\n".join(lines)
@@ -488,13 +582,35 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--producer-only", action="store_true",
                     help="only the producer-overhead phase (with --readme: only its subsection is rewritten)")
     ap.add_argument("--producer-groups", type=int, default=64, help="groups per producer run (producer.max_groups)")
+    ap.add_argument("--concurrencies", default="1,8,32", help="comma-separated concurrencies")
+    ap.add_argument("--before", default=None,
+                    help="a --json file of this script run on an older tree (PYTHONPATH): adds a before/after table")
+    ap.add_argument("--before-label", default=None, help="what --before measured (e.g. 'main at abc1234')")
+    ap.add_argument("--note", action="append", default=[], help="a paragraph to add to the section (repeatable)")
+    # internal: the HTTP client process of one http run
+    ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--encoding", default="json", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.drive:
+        prompts = json.loads(Path(args.prompts_file).read_text())
+        out = _loop_runner()(_drive(args.drive, prompts, args.concurrency, args.new_tokens, args.encoding, 1))
+        print(json.dumps(out), flush=True)
+        return 0
     readme = Path(__file__).resolve().parent / "README.md"
     result: dict = {}
     if not args.producer_only:
+        load0 = os.getloadavg()[0]
         result = run_benchmark(quick=args.quick, model_path=args.model, requests=args.requests,
                                new_tokens=args.new_tokens, prompt_len=args.prompt_len, threads=args.threads,
-                               device=args.device, repeat=args.repeat)
+                               device=args.device, repeat=args.repeat,
+                               concurrencies=tuple(int(c) for c in args.concurrencies.split(",")))
+        result["setup"]["loadavg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+        if args.before:
+            result["before"] = json.loads(Path(args.before).read_text())
+            result["before"]["label"] = args.before_label or result["before"].get("label")
+        result["notes"] = args.note
     if not args.no_producer:
         result["producer"] = run_producer_overhead(groups=16 if args.quick else args.producer_groups,
                                                    threads=args.threads, device=args.device, model_path=args.model)
@@ -502,6 +618,12 @@ def main(argv: list[str] | None = None) -> int:
         text, section = producer_markdown(result["producer"]), PRODUCER_SECTION
     else:
         text, section = markdown(result), SECTION
+        if args.no_producer and readme.exists():  # keep the README's producer subsection from its last run
+            old = readme.read_text()
+            start = old.find(PRODUCER_SECTION + "\n", old.find(SECTION + "\n"))
+            if start >= 0:
+                end = old.find("\n## ", start)
+                text = text.rstrip("\n") + "\n\n" + old[start:None if end < 0 else end + 1].rstrip("\n") + "\n"
     print("\n" + text)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))

@@ -250,11 +250,13 @@ class LocalEngine:
         """Check a prompt; ValueError names what is wrong."""
         if not isinstance(input_ids, (list, tuple)) or not input_ids:
             raise ValueError("input_ids must be a non-empty list of token ids")
-        for i, t in enumerate(input_ids):
-            if isinstance(t, bool) or not isinstance(t, int):
-                raise ValueError(f"input_ids[{i}] = {t!r} is not an integer token id")
-            if not 0 <= t < self.vocab_size:
-                raise ValueError(f"input_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
+        # The common case (plain ints, in range) is checked in C; the loop only finds the culprit.
+        if not (all(type(t) is int for t in input_ids) and min(input_ids) >= 0 and max(input_ids) < self.vocab_size):
+            for i, t in enumerate(input_ids):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise ValueError(f"input_ids[{i}] = {t!r} is not an integer token id")
+                if not 0 <= t < self.vocab_size:
+                    raise ValueError(f"input_ids[{i}] = {t} is outside the vocabulary [0, {self.vocab_size})")
         if len(input_ids) >= self.max_seq_len:
             raise ValueError(f"prompt has {len(input_ids)} tokens; the engine accepts prompts shorter than "
                              f"max_seq_len={self.max_seq_len}")
@@ -285,7 +287,8 @@ class LocalEngine:
             self._waiting.append(req)
             self._cv.notify_all()
         try:
-            finish = await asyncio.shield(req.future)
+            # No shield: a cancelled future is simply skipped by the decode thread's delivery.
+            finish = await req.future
         except asyncio.CancelledError:
             with self._cv:
                 req.cancelled = True
@@ -424,23 +427,22 @@ class LocalEngine:
 
     def _deliver(self, req: _Request, finish: FinishReason | BaseException) -> None:
         """Resolve a request's future on its own loop (from the decode thread)."""
-        if req.done:
-            return
-        req.done = True
-        req.finish_version = self._version
+        self._deliver_many([(req, finish)])
 
-        def set_it() -> None:
-            if req.future.done():
-                return
-            if isinstance(finish, BaseException):
-                req.future.set_exception(finish)
-            else:
-                req.future.set_result(finish)
-
-        try:
-            req.loop.call_soon_threadsafe(set_it)
-        except RuntimeError:  # the caller's loop is closed; nobody is waiting
-            pass
+    def _deliver_many(self, items: list[tuple[_Request, FinishReason | BaseException]]) -> None:
+        """Resolve many futures with one wake-up per event loop (rows often finish in the same step)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for req, finish in items:
+            if req.done:
+                continue
+            req.done = True
+            req.finish_version = self._version
+            by_loop.setdefault(req.loop, []).append((req.future, finish))
+        for loop, batch in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_set_results, batch)
+            except RuntimeError:  # the caller's loop is closed; nobody is waiting
+                pass
 
     # ------------------------------------------------------------------ decode thread
 
@@ -468,8 +470,7 @@ class LocalEngine:
             except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
                 log.exception("decode step failed; failing %d running requests", len(self._rows) + len(admit))
                 err = EngineError(f"model step failed: {type(exc).__name__}: {exc}")
-                for r in set(self._rows) | set(admit):
-                    self._deliver(r, err)
+                self._deliver_many([(r, err) for r in set(self._rows) | set(admit)])
                 self._reset_batch()
             self.busy_seconds += time.monotonic() - t_busy
         with self._cv:
@@ -494,8 +495,7 @@ class LocalEngine:
             self._select_rows(keep)
 
     def _abort_rows(self, message: str) -> None:
-        for r in self._rows:
-            self._deliver(r, FinishReason(type="abort", message=message))
+        self._deliver_many([(r, FinishReason(type="abort", message=message)) for r in self._rows])
         self._reset_batch()
 
     def _take_waiting(self) -> list[_Request]:
@@ -649,6 +649,7 @@ class LocalEngine:
         self.total_steps += 1
         self._last[rows] = tokens
         finished: set[int] = set()
+        delivered: list[tuple[_Request, FinishReason]] = []
         for i, r, t, lp in zip(rows, reqs, tok_list, lp_list):
             r.output_ids.append(t)
             r.logprobs.append(lp)
@@ -662,8 +663,10 @@ class LocalEngine:
                 finish = FinishReason(type="length", length=n)
             if finish is not None:
                 self._keep_prefix(i, r)
-                self._deliver(r, finish)
+                delivered.append((r, finish))
                 finished.add(i)
+        if delivered:
+            self._deliver_many(delivered)
         if finished:
             self._select_rows([i for i in range(len(self._rows)) if i not in finished])
 
@@ -727,6 +730,17 @@ class LocalEngine:
         self._prefixes.clear()
         self._by_head.clear()
         self._prefix_total = 0
+
+
+def _set_results(batch: list[tuple[asyncio.Future, Any]]) -> None:
+    """On the caller's loop: resolve each future (a cancelled caller's future is skipped)."""
+    for fut, finish in batch:
+        if fut.done():
+            continue
+        if isinstance(finish, BaseException):
+            fut.set_exception(finish)
+        else:
+            fut.set_result(finish)
 
 
 @dataclass(eq=False)

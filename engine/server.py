@@ -6,7 +6,8 @@ follow SGLang so one client speaks to both):
 - `POST /generate` `GenerateRequest{input_ids, sampling_params, return_logprob}` ->
   `GenerateResponse{output_ids, text, meta_info:{output_token_logprobs:[[logp, id, null], ...],
   finish_reason:{type: stop|length|abort}, prompt_tokens, completion_tokens, weight_version}}`;
-  a list of prompts gives a list of results.
+  a list of prompts gives a list of results. JSON, or msgpack of the same struct when the
+  request says `Accept: application/msgpack` (rlstream's client does; see `common/engine_api.py`).
 - `POST /pause_generation`: running requests return at once with `abort`; new ones wait.
 - `POST /continue_generation`, `GET /health`, `GET /health_generate`,
   `GET /get_model_info`, `GET /get_server_info`, `POST /flush_cache` (drops the kept prefixes of the
@@ -69,7 +70,14 @@ ADDR_FILE_ENV = "RLSTREAM_ENGINE_ADDR_FILE"
 
 
 def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=api.encode(obj), status=status, content_type="application/json")
+    return web.Response(body=api.encode(obj), status=status, content_type=api.JSON)
+
+
+def negotiated_response(request: web.Request, obj: Any) -> web.Response:
+    """msgpack when the client's Accept asks for it (rlstream's client does), else JSON."""
+    if api.wants_msgpack(request.headers.get("Accept", "")):
+        return web.Response(body=api.encode_msgpack(obj), content_type=api.MSGPACK)
+    return json_response(obj)
 
 
 def error_response(status: int, message: str) -> web.Response:
@@ -115,7 +123,10 @@ async def generate(request: web.Request) -> web.Response:
     rl = body.return_logprob
     return_logprob = rl if isinstance(rl, list) else [rl] * len(prompts)
     try:
-        results = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
+        if len(prompts) == 1:  # the usual case: no gather, no extra task
+            results = [await engine.generate(prompts[0], params[0])]
+        else:
+            results = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
     except ValueError as exc:
         return error_response(400, f"/generate: {exc}")
     except EngineError as exc:
@@ -126,7 +137,7 @@ async def generate(request: web.Request) -> web.Response:
             meta.output_token_logprobs = None
         elif body.return_text_in_logprobs and meta.output_token_logprobs:
             meta.output_token_logprobs = [(lp, t, engine.tokenizer.decode([t])) for lp, t, _ in meta.output_token_logprobs]
-    return json_response(list(results) if batched else results[0])
+    return negotiated_response(request, list(results) if batched else results[0])
 
 
 def _prompts(engine: LocalEngine, body: GenerateRequest) -> tuple[list[Any], bool]:

@@ -133,11 +133,15 @@ class EngineClient(abc.ABC):
     """One inference server: `call` sends a contract struct on a route and decodes the answer."""
 
     def __init__(self, session: aiohttp.ClientSession, address: str, api_key: str | None = None,
-                 request_timeout: float = 3600.0) -> None:
+                 request_timeout: float = 3600.0, *, compact: bool = True) -> None:
         self.session = session
         self.address = address
         self.url = base_url(address)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # rlstream's engines answer msgpack when asked (cheaper for long outputs); real SGLang/vLLM
+        # servers ignore the Accept header and answer JSON; `call` decodes by the answer's Content-Type.
+        self.headers_get = {**self.headers, "Accept": api.ACCEPT_COMPACT if compact else api.JSON}
+        self.headers_body = {**self.headers_get, "Content-Type": api.JSON}
         self.request_timeout = request_timeout
 
     # --------------------------------------------------------------- transport
@@ -151,15 +155,12 @@ class EngineClient(abc.ABC):
         """
         url = self.url + route.path
         timeout = timeout or self.request_timeout
-        headers = self.headers
-        data = None
-        if body is not None:
-            data = api.encode(body)
-            headers = {**headers, "Content-Type": "application/json"}
+        headers = self.headers_body if body is not None else self.headers_get
+        data = None if body is None else api.encode(body)
         try:
             async with self.session.request(route.method, url, data=data, params=params, headers=headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-                status, raw = resp.status, await resp.read()
+                status, raw, ctype = resp.status, await resp.read(), resp.content_type
         except asyncio.TimeoutError:
             raise EngineError(f"{url}: no answer within {timeout:.0f}s") from None
         except aiohttp.ClientError as exc:
@@ -169,7 +170,7 @@ class EngineClient(abc.ABC):
         if not raw or route.reply is None:
             return None
         try:
-            return msgspec.json.decode(raw, type=route.reply)
+            return api.decode_reply(raw, route.reply, ctype)
         except msgspec.DecodeError as exc:
             raise EngineError(f"{url}: unexpected answer ({exc}): {raw[:200]!r}", answered=True) from None
 
