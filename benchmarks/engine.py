@@ -587,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a --json file of this script run on an older tree (PYTHONPATH): adds a before/after table")
     ap.add_argument("--before-label", default=None, help="what --before measured (e.g. 'main at abc1234')")
     ap.add_argument("--note", action="append", default=[], help="a paragraph to add to the section (repeatable)")
+    ap.add_argument("--from-json", default=None,
+                    help="render the section from a --json file of an earlier run instead of measuring")
     # internal: the HTTP client process of one http run
     ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
@@ -600,13 +602,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     readme = Path(__file__).resolve().parent / "README.md"
     result: dict = {}
-    if not args.producer_only:
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        result.pop("producer", None)
+        args.no_producer = True
+    elif not args.producer_only:
         load0 = os.getloadavg()[0]
         result = run_benchmark(quick=args.quick, model_path=args.model, requests=args.requests,
                                new_tokens=args.new_tokens, prompt_len=args.prompt_len, threads=args.threads,
                                device=args.device, repeat=args.repeat,
                                concurrencies=tuple(int(c) for c in args.concurrencies.split(",")))
         result["setup"]["loadavg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    if not args.producer_only:
         if args.before:
             result["before"] = json.loads(Path(args.before).read_text())
             result["before"]["label"] = args.before_label or result["before"].get("label")
