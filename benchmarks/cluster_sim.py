@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -41,13 +42,18 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from redis_child import RedisChild  # noqa: E402
 
-from rlstream.broker import AsyncAdmissionController, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
+from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
 from rlstream.broker.admission import budget  # noqa: E402
 from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
+from rlstream.broker.registry import RedisNameResolver  # noqa: E402
+from rlstream.common.engine_api import ENGINES_SERVICE  # noqa: E402
 from rlstream.broker.stream import entry_fields  # noqa: E402
 from rlstream.common.wire import Trajectory, TrajectoryGroup  # noqa: E402
 from rlstream.consumer.reader import StepReader  # noqa: E402
 from rlstream.engine.simulated import LengthModel, SimClock, SimulatedEngine, TimingModel, load_timing  # noqa: E402
+
+
+ENGINE_TTL = 10.0  # name-resolve lease of a simulated engine, wall seconds (keepalive every ttl/3)
 
 
 @dataclass
@@ -67,6 +73,10 @@ class Setting:
     steps: int = 12
     accel: float = 20.0
     max_running: int = 256  # sequences per engine batch
+    # The control plane as a cluster runs it: every engine registers under name resolve (keepalive)
+    # and follows the version events over Redis; producers pick engines from their resolved list.
+    control_plane: bool = False
+    elastic: int = 0  # engines that leave a third into the run and join again at two thirds (control_plane)
 
 
 @dataclass
@@ -87,6 +97,13 @@ class Result:
     max_over_budget: int = 0
     read_ahead: list[str] = field(default_factory=list)  # in the trainer's pool at the end, not trained yet
     checks: dict = field(default_factory=dict)
+    event_ms: list[float] = field(default_factory=list)  # version set -> seen by an engine's event follower (wall)
+    push_wall_ms: list[float] = field(default_factory=list)  # pause + update + resume of every engine (wall)
+    step_ends: list[float] = field(default_factory=list)  # modeled time at the end of each step
+    step_tokens: list[int] = field(default_factory=list)
+    left: int = 0
+    joined: int = 0
+    min_resolved: int = 0  # fewest engines a producer's name-resolve view held (elastic: the leave was seen)
 
     @property
     def tokens_per_s(self) -> float:
@@ -95,6 +112,23 @@ class Result:
     @property
     def step_s(self) -> float:
         return self.modeled_s / max(self.steps, 1)
+
+    @property
+    def warmup(self) -> int:
+        """Steps not counted in the steady state: the first third (η > 0 fills its pipeline there)."""
+        return max(1, self.steps // 3) if self.steps >= 3 else 0
+
+    @property
+    def steady_step_s(self) -> float:
+        w = self.warmup
+        if not w:
+            return self.step_s
+        return (self.step_ends[-1] - self.step_ends[w - 1]) / (self.steps - w)
+
+    @property
+    def steady_tokens_per_s(self) -> float:
+        w = self.warmup
+        return sum(self.step_tokens[w:]) / (self.steady_step_s * (self.steps - w))
 
 
 def _group(prompt_len: int, outs: list[tuple[int, list[int]]], producer: str) -> TrajectoryGroup:
@@ -115,24 +149,37 @@ class Cluster:
         self.keys = Keys(namespace(f"sim{uuid.uuid4().hex[:8]}", f"eta{eta}"))
         self.clock = SimClock(s.accel)
         lengths = LengthModel(s.len_median, s.len_sigma, s.max_new_tokens)
-        self.engines = [SimulatedEngine(timing, self.clock, lengths, seed=1000 * eta + i, max_running=s.max_running,
-                                        name=f"engine-{i}") for i in range(s.engines)]
-        self.result = Result(eta)
+        self.lengths = lengths
+        self.engines = [self._engine(i) for i in range(s.engines)]
+        self.result = Result(eta, min_resolved=s.engines)
         self.stop = asyncio.Event()
-        self._rr = 0
+        self.views: dict[int, list[str]] = {}  # producer -> engine names its name-resolve view holds
+        self.published: dict[int, float] = {}  # version -> wall time the trainer set it
+        self._engine_tasks: dict[str, list[asyncio.Task]] = {}
+        self._push_lock = asyncio.Lock()  # a push and an engine leaving/joining do not interleave
+
+    def _engine(self, i: int, incarnation: int = 0) -> SimulatedEngine:
+        return SimulatedEngine(self.timing, self.clock, self.lengths, seed=1000 * self.eta + i + 100_000 * incarnation,
+                               max_running=self.s.max_running, name=f"engine-{i}")
 
     # ------------------------------------------------------------------ producers
-    def _pick_engine(self) -> SimulatedEngine:
-        """The least loaded engine (what the producer's engine client does by in-flight count)."""
-        return min(self.engines, key=lambda e: len(e._running) + len(e._waiting))
+    def _pick_engine(self, pid: int | None = None) -> SimulatedEngine:
+        """The least loaded engine the producer knows of (its engine client picks by in-flight count)."""
+        live = [e for e in self.engines if not e.closed]
+        if pid is not None and pid in self.views:
+            known = set(self.views[pid])
+            live = [e for e in live if e.name in known] or live
+        return min(live, key=lambda e: len(e._running) + len(e._waiting))
 
-    async def _sample(self, target: int) -> tuple[int, list[int]]:
-        """One sample to `target` tokens; a pause (weight push) returns it early and it continues."""
+    async def _sample(self, target: int, pid: int | None = None) -> tuple[int, list[int]]:
+        """One sample to `target` tokens; a pause (weight push) or an engine leaving returns it early, and it
+        continues (prompt + tokens so far, re-prefilled) where it is picked next: partial rollouts."""
         versions: list[int] = []
         while len(versions) < target:
-            engine = self._pick_engine()
-            while engine.paused:
-                await asyncio.sleep(0.002)
+            engine = self._pick_engine(pid)
+            if engine.paused:
+                await engine.wait_resumed()
+                continue
             res = await engine.generate(self.s.prompt_len + len(versions), self.s.max_new_tokens,
                                         target=target - len(versions))
             versions += res.meta_info.output_token_versions or []
@@ -140,10 +187,11 @@ class Cluster:
                 break
         return len(versions), versions
 
-    async def _rollout(self, adm: AsyncAdmissionController, lease_id: str, producer: str) -> None:
-        rng_engine = self._pick_engine()
+    async def _rollout(self, adm: AsyncAdmissionController, lease_id: str, pid: int) -> None:
+        producer = f"producer-{pid}"
+        rng_engine = self._pick_engine(pid)
         targets = [rng_engine.draw_length(self.s.max_new_tokens) for _ in range(self.s.n_samples)]
-        outs = await asyncio.gather(*(self._sample(t) for t in targets))
+        outs = await asyncio.gather(*(self._sample(t, pid) for t in targets))
         if self.stop.is_set():
             return
         await adm.commit(lease_id, entry_fields(_group(self.s.prompt_len, outs, producer)))
@@ -154,24 +202,98 @@ class Cluster:
                                        consumer_batch_size=self.s.batch, max_concurrent_rollouts=10**6,
                                        lease_ttl=3600.0, producer_id=f"producer-{pid}")
         tasks: set[asyncio.Task] = set()
+        # Refused a lease, a producer waits for the next version event (the budget grows by B per version),
+        # as the real one does, with a short fallback for capacity freed otherwise (a released lease).
+        bumped = asyncio.Event()
+        helpers = [asyncio.create_task(self._follow_versions(client, bumped, self.stop.is_set))]
+        if self.s.control_plane:
+            helpers.append(asyncio.create_task(self._resolve_engines(client, pid)))
         try:
             while not self.stop.is_set():
                 if len(tasks) >= concurrency:
                     _, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                     continue
+                bumped.clear()
                 t0 = time.perf_counter()
                 st, lease = await adm.try_acquire()
                 self.result.admission_ms.append((time.perf_counter() - t0) * 1000)
                 if lease is None:
-                    await asyncio.sleep(0.005)  # the real producer waits for a version event; a short poll here
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(bumped.wait(), 0.25)
                     continue
-                task = asyncio.create_task(self._rollout(adm, lease.lease_id, f"producer-{pid}"))
+                task = asyncio.create_task(self._rollout(adm, lease.lease_id, pid))
                 tasks.add(task)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            # The helpers end on their own at `stop` (a task cancelled inside a blocking XREAD could hang the
+            # client's close here); they wait at most one short block.
+            await asyncio.gather(*helpers, return_exceptions=True)
             await client.aclose()
+
+    async def _follow_versions(self, client, bumped: asyncio.Event, done, engine: SimulatedEngine | None = None) -> None:
+        """Follow the run's version events over Redis (XREAD BLOCK on `{ns}:events`, as
+        `AsyncVersionRegistry.follow` does) until `done()`; an engine's follower records how long after
+        the trainer set the version it saw it."""
+        registry = AsyncVersionRegistry(client, self.keys)
+        last = await registry.last_event_id()
+        while not done():
+            events, last = await registry.events_after(last, block_ms=200)
+            for ev in events:
+                if ev.type != "version":
+                    continue
+                bumped.set()
+                if engine is not None and ev.version in self.published:
+                    self.result.event_ms.append((time.monotonic() - self.published[ev.version]) * 1000)
+
+    async def _resolve_engines(self, client, pid: int) -> None:
+        """The producer's name-resolve view of the engines, polled like the real resolver's watch."""
+        resolver = RedisNameResolver(client, self.keys.ns, default_ttl=ENGINE_TTL, poll_interval=0.5)
+        while not self.stop.is_set():
+            view = await resolver.list(ENGINES_SERVICE)
+            self.views[pid] = view
+            self.result.min_resolved = min(self.result.min_resolved, len(view))
+            await asyncio.sleep(0.5)
+
+    # ------------------------------------------------------------------ engines' own control plane
+    async def _engine_up(self, engine: SimulatedEngine) -> None:
+        """Register the engine under name resolve (with keepalive) and follow the version events."""
+        client = await connect_async(self.url)
+        resolver = RedisNameResolver(client, self.keys.ns, default_ttl=ENGINE_TTL)
+        await resolver.register(ENGINES_SERVICE, engine.name, ENGINE_TTL)
+        follower = asyncio.create_task(self._follow_versions(
+            client, asyncio.Event(), lambda: engine.name in self._engines_stopping or self.stop.is_set(), engine))
+        self._engine_tasks[engine.name] = [follower]
+        self._engine_resolvers[engine.name] = (resolver, client)
+
+    async def _engine_down(self, engine: SimulatedEngine) -> None:
+        resolver, client = self._engine_resolvers.pop(engine.name)
+        self._engines_stopping.add(engine.name)
+        await asyncio.gather(*self._engine_tasks.pop(engine.name, []), return_exceptions=True)
+        self._engines_stopping.discard(engine.name)
+        await resolver.unregister(ENGINES_SERVICE, engine.name)
+        await resolver.close()
+        await client.aclose()
+
+    async def _leave(self, n: int) -> None:
+        """`n` engines leave mid-run: unregister, then stop (their running requests continue elsewhere)."""
+        async with self._push_lock:
+            for e in [e for e in self.engines if not e.closed][-n:]:
+                await self._engine_down(e)
+                await e.close()
+                self.result.left += 1
+
+    async def _join(self) -> None:
+        """The engines that left come back (fresh processes at the current version) and register again."""
+        async with self._push_lock:
+            for i, e in enumerate(self.engines):
+                if e.closed:
+                    fresh = self._engine(i, incarnation=1)
+                    fresh.version = max(x.version for x in self.engines if not x.closed)
+                    self.engines[i] = fresh
+                    await self._engine_up(fresh)
+                    self.result.joined += 1
 
     # ------------------------------------------------------------------ trainer (real read path, modeled compute)
     def trainer(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -197,13 +319,21 @@ class Cluster:
                 cursor += train
                 time.sleep(max(0.0, cursor - self.clock.now()) / s.accel)
                 versions.set_trainer_version(step + 1)
-                t_push = self.clock.now()
+                t_push, w_push = self.clock.now(), time.monotonic()
                 asyncio.run_coroutine_threadsafe(self._push(step + 1), loop).result()
+                r.push_wall_ms.append((time.monotonic() - w_push) * 1000)
                 r.push_s += self.clock.now() - t_push
                 cursor = max(cursor + self.timing.push_s(), self.clock.now())
+                self.published[step + 1] = time.monotonic()
                 versions.set(step + 1, detail=f"simulated push: {s.engines} engine(s)")
+                if s.elastic and step + 1 == s.steps // 3:
+                    asyncio.run_coroutine_threadsafe(self._leave(s.elastic), loop).result()
+                if s.elastic and step + 1 == 2 * s.steps // 3:
+                    asyncio.run_coroutine_threadsafe(self._join(), loop).result()
                 reader.ack(data.ids)
                 r.steps += 1
+                r.step_ends.append(self.clock.now())
+                r.step_tokens.append(tokens)
                 st = self._over_budget(client, step + 1)
                 r.max_over_budget = max(r.max_over_budget, st)
         finally:
@@ -219,15 +349,22 @@ class Cluster:
         return accepted + running - budget(self.eta, version, self.s.batch)
 
     async def _push(self, version: int) -> None:
-        for e in self.engines:
-            await e.pause()
-        await asyncio.gather(*(e.update_weights(version) for e in self.engines))
-        for e in self.engines:
-            await e.resume()
+        async with self._push_lock:
+            live = [e for e in self.engines if not e.closed]
+            for e in live:
+                await e.pause()
+            await asyncio.gather(*(e.update_weights(version) for e in live))
+            for e in live:
+                await e.resume()
 
     # ------------------------------------------------------------------ one run
     async def run(self) -> Result:
         loop = asyncio.get_running_loop()
+        self._engine_resolvers: dict[str, tuple] = {}
+        self._engines_stopping: set[str] = set()
+        if self.s.control_plane:
+            for e in self.engines:
+                await self._engine_up(e)
         per_producer = max(1, (self.s.engines * self.s.max_running) // (self.s.n_samples * self.s.producers))
         producers = [asyncio.create_task(self.producer(i, per_producer)) for i in range(self.s.producers)]
         t0 = time.monotonic()
@@ -235,6 +372,8 @@ class Cluster:
         await self.stop.wait()
         await asyncio.gather(*producers, return_exceptions=True)
         for e in self.engines:
+            if e.name in self._engine_resolvers:
+                await self._engine_down(e)
             await e.close()
         r = self.result
         r.wall_s = time.monotonic() - t0
@@ -296,17 +435,60 @@ def run_eta(s: Setting, timing: TimingModel, eta: int, redis_url: str, client) -
     return result
 
 
-def ideal_step_s(s: Setting, timing: TimingModel, base: Result, eta: int) -> tuple[float, float, float]:
-    """(G*, T, ideal step) at η: G* = one step's generation with every engine at its steady batch."""
-    mean_len = LengthModel(s.len_median, s.len_sigma, s.max_new_tokens).mean()
-    per_seq_kv = s.prompt_len + mean_len / 2  # a running sequence is half way through on average
-    in_flight = (eta + 1) * s.batch * s.n_samples / s.engines  # the admission budget's cap per engine
-    batch = max(1.0, min(s.max_running, timing.kv_budget_tokens() / (s.prompt_len + mean_len), in_flight))
-    engine_tps = batch / timing.decode_step_s(int(batch * per_seq_kv))
+@dataclass
+class Bound:
+    """The honest bound of an η: the parts of a step no schedule of this protocol can avoid (modeled s)."""
+
+    throughput: float  # G + push + R: the step's tokens at the η-allowed batch, the push pause, the re-prefill
+    latency: float  # Little's law: (η+1)·B groups in flight, a group takes its longest sample's decode time
+    trainer: float  # T: train + push
+    batch: float  # sequences per engine the bound assumes
+
+    @property
+    def step(self) -> float:
+        return max(self.throughput, self.latency, self.trainer)
+
+    @property
+    def binding(self) -> str:
+        return max((self.throughput, "throughput"), (self.latency, "latency"), (self.trainer, "trainer"))[1]
+
+
+def ideal_step_s(s: Setting, timing: TimingModel, base: Result, eta: int) -> Bound:
+    """The shortest step an overlapped schedule at η can reach, from the timing model alone.
+
+    - throughput: every engine decodes the batch η allows in flight ((η+1)·B·n / engines sequences,
+      at most the engine's batch and KV budget), so the step's tokens take G = tokens / (engines x
+      batch / decode step); each push pauses the engines for the push time and every running
+      sequence is re-prefilled under the new weights (R: prompt + tokens so far, as AReaL's
+      interruptible generation recomputes the KV cache) -- costs this protocol cannot avoid;
+    - latency (Little's law): at most (η+1)·B groups are in flight, and a group is done only when
+      its longest sample is, so B groups per step need step >= E[longest of n] x decode step / (η+1);
+    - trainer: T = train + push (measured at η = 0, where nothing overlaps).
+    Running sequences are length-biased (a long sample is running more of the time): their mean
+    reserved length is E[L^2]/E[L] and their mean length so far half of that.
+    """
+    rng = np.random.default_rng(0)
+    lm = LengthModel(s.len_median, s.len_sigma, s.max_new_tokens)
+    draws = np.minimum(s.max_new_tokens, np.maximum(1, np.exp(np.log(s.len_median) + s.len_sigma
+                                                               * rng.standard_normal((20000, s.n_samples))).astype(int)))
+    mean_len = float(draws.mean())
+    biased = float((draws.astype(float) ** 2).mean() / mean_len)
+    longest = float(draws.max(axis=1).mean())
     seqs = s.batch * s.n_samples
-    g_star = seqs * mean_len / (s.engines * engine_tps) + timing.prefill_s(seqs * s.prompt_len) / s.engines
-    t = (base.train_s + base.push_s) / base.steps
-    return g_star, t, max(g_star, t)
+    in_flight = (eta + 1) * seqs / s.engines
+    batch = max(1.0, min(s.max_running, timing.kv_budget_tokens() / (s.prompt_len + biased), in_flight))
+    step_dec = timing.decode_step_s(int(batch * (s.prompt_len + biased / 2)))
+    gen = seqs * mean_len * step_dec / (s.engines * batch) + timing.prefill_s(seqs * s.prompt_len) / s.engines
+    reprefill = timing.prefill_s(int(batch * (s.prompt_len + biased / 2))) if eta > 0 else 0.0
+    trainer = (base.train_s + base.push_s) / base.steps
+    del lm
+    return Bound(throughput=gen + timing.push_s() + reprefill, latency=longest * step_dec / (eta + 1),
+                 trainer=trainer, batch=batch)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs) or [0.0]
+    return xs[min(len(xs) - 1, int(len(xs) * q))]
 
 
 def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, dict]:
@@ -316,33 +498,51 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
     lines = [
         f"setting `{s.name}`: {s.model} on {s.hardware}, {s.engines} engine GPUs + {s.train_gpus} trainer GPUs, "
         f"{s.producers} producers, B={s.batch} groups x {s.n_samples} samples, prompt {s.prompt_len}, output "
-        f"lognormal(median {s.len_median:g}, sigma {s.len_sigma:g}) capped at {s.max_new_tokens}, {s.steps} steps, "
-        f"time x{s.accel:g}",
+        f"lognormal(median {s.len_median:g}, sigma {s.len_sigma:g}) capped at {s.max_new_tokens}, {s.steps} steps "
+        f"(the first {base.warmup} not counted: pipeline fill), time x{s.accel:g}"
+        + (f", engines registered + following events, {s.elastic} leave at step {s.steps // 3} and rejoin at "
+           f"{2 * s.steps // 3}" if s.control_plane else ""),
         "",
         "| η | trainer tok/s | engine util | staleness mean / max | stale drops | Redis CPU ms/step | "
-        "admission p50 / p99 ms | push share | step s | speedup | ideal bound |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "admission p50 / p99 ms | event fan-out p50 / p99 ms | control plane / step | push share | step s | "
+        "speedup | honest bound | of bound |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = {}
     for r in results:
         st = r.staleness or [0]
-        adm = sorted(r.admission_ms) or [0.0]
-        p50, p99 = adm[len(adm) // 2], adm[min(len(adm) - 1, int(len(adm) * 0.99))]
-        speed = r.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
-        bound = base.step_s / ideals[r.eta][2]
-        lines.append(f"| {r.eta} | {r.tokens_per_s:,.0f} | {r.utilisation:.0%} | {statistics.mean(st):.2f} / {max(st)} | "
-                     f"{r.stale_drops} | {1000 * r.redis_cpu_s / r.steps:.1f} | {p50:.2f} / {p99:.2f} | "
-                     f"{r.push_s / r.modeled_s:.1%} | {r.step_s:.1f} | {speed:.2f}x | {bound:.2f}x |")
-        rows[r.eta] = {"tokens_per_s": r.tokens_per_s, "utilisation": r.utilisation, "speedup": speed, "bound": bound,
-                       "redis_cpu_ms_per_step": 1000 * r.redis_cpu_s / r.steps, "step_s": r.step_s,
-                       "control_plane_share": r.redis_cpu_s / r.steps / r.step_s, "checks": r.checks, "accel": s.accel,
-                       "admission_p50_ms": p50, "admission_p99_ms": p99, "push_share": r.push_s / r.modeled_s,
-                       "wall_s": r.wall_s}
+        p50, p99 = _pct(r.admission_ms, 0.5), _pct(r.admission_ms, 0.99)
+        e50, e99 = _pct(r.event_ms, 0.5), _pct(r.event_ms, 0.99)
+        speed = base.steady_step_s / r.steady_step_s
+        # η = 0 is the synchronous schedule itself (generate all B groups, train, push): its bound is 1.
+        bound = base.steady_step_s / ideals[r.eta].step if r.eta else 1.0
+        cpu = r.redis_cpu_s / r.steps
+        share = (cpu + (p99 + e99) / 1000) / r.steady_step_s
+        lines.append(f"| {r.eta} | {r.steady_tokens_per_s:,.0f} | {r.utilisation:.0%} | {statistics.mean(st):.2f} / "
+                     f"{max(st)} | {r.stale_drops} | {1000 * cpu:.1f} | {p50:.2f} / {p99:.2f} | "
+                     + (f"{e50:.1f} / {e99:.1f} | " if r.event_ms else "- | ")
+                     + f"{share:.2%} | {r.push_s / r.modeled_s:.1%} | {r.steady_step_s:.1f} | {speed:.2f}x | "
+                     f"{bound:.2f}x ({ideals[r.eta].binding}) | {speed / bound:.0%} |")
+        rows[r.eta] = {"tokens_per_s": r.steady_tokens_per_s, "utilisation": r.utilisation, "speedup": speed,
+                       "bound": bound, "of_bound": speed / bound, "binding": ideals[r.eta].binding,
+                       "bound_parts_s": {"throughput": ideals[r.eta].throughput, "latency": ideals[r.eta].latency,
+                                         "trainer": ideals[r.eta].trainer, "batch": ideals[r.eta].batch},
+                       "redis_cpu_ms_per_step": 1000 * cpu, "step_s": r.steady_step_s,
+                       "control_plane_share": share, "checks": r.checks, "accel": s.accel,
+                       "admission_p50_ms": p50, "admission_p99_ms": p99, "event_p50_ms": e50, "event_p99_ms": e99,
+                       "push_share": r.push_s / r.modeled_s, "push_wall_ms_p50": _pct(r.push_wall_ms, 0.5),
+                       "stale_drops": r.stale_drops, "left": r.left, "joined": r.joined,
+                       "min_resolved": r.min_resolved, "wall_s": r.wall_s}
     lines.append("")
-    g = ", ".join(f"η={e}: {v[0]:.2f} s" for e, v in ideals.items())
-    lines.append(f"Ideal bound = η=0 step {base.step_s:.2f} s / max(G*, T); G* (the step's tokens with every engine "
-                 f"at the batch η allows in flight) {g}; T = train + push = {ideals[0][1]:.2f} s "
-                 f"(push {timing.push_s():.3f} s).")
+    parts = "; ".join(f"η={e}: {v.throughput:.1f} / {v.latency:.1f} / {v.trainer:.1f} s (batch {v.batch:.0f})"
+                      for e, v in ideals.items() if e)
+    lines.append(f"Honest bound = η=0 step {base.steady_step_s:.1f} s / max(throughput, latency, trainer), each modeled: "
+                 f"{parts} (push {timing.push_s():.2f} s). Control plane / step = (Redis CPU per step + admission p99 "
+                 f"+ event fan-out p99) / step.")
+    if s.control_plane:
+        lines.append("Name resolve: " + "; ".join(
+            f"η={r.eta}: {r.left} left, {r.joined} rejoined, fewest engines a producer resolved {r.min_resolved}"
+            for r in results) + ".")
     return "\n".join(lines), rows
 
 
@@ -350,11 +550,16 @@ SETTINGS = {
     # AReaL Table 7's setting: 1.5B on 8 GPUs (here 4 engines + 4 trainer GPUs).
     "areal-1.5b-8gpu": Setting("areal-1.5b-8gpu", model="qwen2.5-1.5b", engines=4, train_gpus=4, producers=2,
                                batch=32, n_samples=8, steps=12, accel=20.0),
-    # verl fully-async 7B on 128 GPUs: 64 engine GPUs + 64 trainer GPUs.
+    # verl fully-async 7B on 128 GPUs: 64 engine GPUs + 64 trainer GPUs, the cluster's control plane on.
     "verl-7b-128gpu": Setting("verl-7b-128gpu", model="qwen2.5-7b", engines=64, train_gpus=64, producers=8,
-                              batch=256, n_samples=8, steps=8, accel=10.0),
+                              batch=256, n_samples=8, steps=9, accel=10.0, control_plane=True),
+    # The control plane at 256 engines: 7B on 256 engine + 256 trainer GPUs, 32 producers, 32 engines
+    # leaving a third into the run and rejoining at two thirds.
+    "cp-7b-256engines": Setting("cp-7b-256engines", model="qwen2.5-7b", engines=256, train_gpus=256, producers=32,
+                                batch=1024, n_samples=8, steps=6, accel=10.0, control_plane=True, elastic=32),
     "quick": Setting("quick", model="qwen2.5-1.5b", engines=4, train_gpus=4, producers=2, batch=8, n_samples=4,
-                     prompt_len=128, len_median=256, len_sigma=0.8, max_new_tokens=2048, steps=6, accel=5.0),
+                     prompt_len=128, len_median=256, len_sigma=0.8, max_new_tokens=2048, steps=6, accel=5.0,
+                     control_plane=True, elastic=1),
 }
 
 

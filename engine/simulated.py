@@ -185,6 +185,8 @@ class SimulatedEngine:
         self._interrupt = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._paused = False
+        self._resumed: asyncio.Event | None = None  # made on first use: it must belong to the running loop
+        self.closed = False
         self.version = 0
         self.busy_s = 0.0  # modeled seconds spent in prefill and decode
         self.modeled_now = 0.0  # the batch loop's modeled-time cursor (end of the last chunk)
@@ -201,6 +203,8 @@ class SimulatedEngine:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"{self.name}-loop")
 
     async def close(self) -> None:
+        """Stop: what is running or waiting returns now with `abort` (the engine left; callers go elsewhere)."""
+        self.closed = True
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -208,6 +212,19 @@ class SimulatedEngine:
         for s in self._running + self._waiting:
             if not s.future.done():
                 s.future.set_result(FinishReason(type="abort", message="engine stopped"))
+        self._running, self._waiting = [], []
+        self._resumed_event().set()  # nobody waits on a closed engine
+
+    def _resumed_event(self) -> asyncio.Event:
+        if self._resumed is None:
+            self._resumed = asyncio.Event()
+            if not self._paused:
+                self._resumed.set()
+        return self._resumed
+
+    async def wait_resumed(self) -> None:
+        """Return once the engine is not paused (at once when it is not)."""
+        await self._resumed_event().wait()
 
     def draw_length(self, max_new_tokens: int) -> int:
         return min(max_new_tokens, self.lengths.draw(self._rng))
@@ -235,11 +252,13 @@ class SimulatedEngine:
     async def pause(self) -> None:
         """Running requests return now with what they have (`abort`); new ones wait for `resume`."""
         self._paused = True
+        self._resumed_event().clear()
         self._interrupt.set()
         await asyncio.sleep(0)  # let the batch loop book the cut chunk
 
     async def resume(self) -> None:
         self._paused = False
+        self._resumed_event().set()
         self._wake.set()
 
     async def update_weights(self, version: int) -> None:
