@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import random
 import statistics
 import sys
 import threading
@@ -104,6 +105,7 @@ class Result:
     left: int = 0
     joined: int = 0
     min_resolved: int = 0  # fewest engines a producer's name-resolve view held (elastic: the leave was seen)
+    registered_at_end: int = 0  # engines registered under name resolve when the last step ended
 
     @property
     def tokens_per_s(self) -> float:
@@ -157,6 +159,9 @@ class Cluster:
         self.published: dict[int, float] = {}  # version -> wall time the trainer set it
         self._engine_tasks: dict[str, list[asyncio.Task]] = {}
         self._push_lock = asyncio.Lock()  # a push and an engine leaving/joining do not interleave
+        self._engines_epoch = 0  # bumped when an engine leaves or joins (the producers' engine lists are cached)
+        self._live_cache: dict[int | None, tuple] = {}  # pid -> (epoch, view, engines)
+        self._pick_rng = random.Random(eta)
 
     def _engine(self, i: int, incarnation: int = 0) -> SimulatedEngine:
         return SimulatedEngine(self.timing, self.clock, self.lengths, seed=1000 * self.eta + i + 100_000 * incarnation,
@@ -164,12 +169,20 @@ class Cluster:
 
     # ------------------------------------------------------------------ producers
     def _pick_engine(self, pid: int | None = None) -> SimulatedEngine:
-        """The least loaded engine the producer knows of (its engine client picks by in-flight count)."""
-        live = [e for e in self.engines if not e.closed]
-        if pid is not None and pid in self.views:
-            known = set(self.views[pid])
-            live = [e for e in live if e.name in known] or live
-        return min(live, key=lambda e: len(e._running) + len(e._waiting))
+        """The less loaded of two engines the producer knows of, drawn at random (power of two choices: the
+        producer's engine client balances by in-flight count; O(1) per request at 256 engines)."""
+        view = self.views.get(pid)
+        epoch, seen, live = self._live_cache.get(pid, (-1, None, []))
+        if epoch != self._engines_epoch or seen is not view:
+            live = [e for e in self.engines if not e.closed]
+            if view is not None:
+                known = set(view)
+                live = [e for e in live if e.name in known] or live
+            self._live_cache[pid] = (self._engines_epoch, view, live)
+        if len(live) <= 2:
+            return min(live, key=lambda e: len(e._running) + len(e._waiting))
+        a, b = self._pick_rng.sample(live, 2)
+        return a if len(a._running) + len(a._waiting) <= len(b._running) + len(b._waiting) else b
 
     async def _sample(self, target: int, pid: int | None = None) -> tuple[int, list[int]]:
         """One sample to `target` tokens; a pause (weight push) or an engine leaving returns it early, and it
@@ -252,7 +265,8 @@ class Cluster:
         resolver = RedisNameResolver(client, self.keys.ns, default_ttl=ENGINE_TTL, poll_interval=0.5)
         while not self.stop.is_set():
             view = await resolver.list(ENGINES_SERVICE)
-            self.views[pid] = view
+            if view != self.views.get(pid):
+                self.views[pid] = view
             self.result.min_resolved = min(self.result.min_resolved, len(view))
             await asyncio.sleep(0.5)
 
@@ -282,6 +296,7 @@ class Cluster:
             for e in [e for e in self.engines if not e.closed][-n:]:
                 await self._engine_down(e)
                 await e.close()
+                self._engines_epoch += 1
                 self.result.left += 1
 
     async def _join(self) -> None:
@@ -292,6 +307,7 @@ class Cluster:
                     fresh = self._engine(i, incarnation=1)
                     fresh.version = max(x.version for x in self.engines if not x.closed)
                     self.engines[i] = fresh
+                    self._engines_epoch += 1
                     await self._engine_up(fresh)
                     self.result.joined += 1
 
@@ -352,7 +368,8 @@ class Cluster:
         async with self._push_lock:
             live = [e for e in self.engines if not e.closed]
             for e in live:
-                await e.pause()
+                e.pause_nowait()
+            await asyncio.sleep(0)
             await asyncio.gather(*(e.update_weights(version) for e in live))
             for e in live:
                 await e.resume()
@@ -371,6 +388,11 @@ class Cluster:
         await loop.run_in_executor(None, self.trainer, loop)
         await self.stop.wait()
         await asyncio.gather(*producers, return_exceptions=True)
+        if self.s.control_plane:  # every engine that rejoined is registered again
+            client = await connect_async(self.url)
+            self.result.registered_at_end = len(await RedisNameResolver(client, self.keys.ns, ENGINE_TTL)
+                                                .list(ENGINES_SERVICE))
+            await client.aclose()
         for e in self.engines:
             if e.name in self._engine_resolvers:
                 await self._engine_down(e)
@@ -532,7 +554,8 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "admission_p50_ms": p50, "admission_p99_ms": p99, "event_p50_ms": e50, "event_p99_ms": e99,
                        "push_share": r.push_s / r.modeled_s, "push_wall_ms_p50": _pct(r.push_wall_ms, 0.5),
                        "stale_drops": r.stale_drops, "left": r.left, "joined": r.joined,
-                       "min_resolved": r.min_resolved, "wall_s": r.wall_s}
+                       "min_resolved": r.min_resolved, "registered_at_end": r.registered_at_end,
+                       "events_seen": len(r.event_ms), "wall_s": r.wall_s}
     lines.append("")
     parts = "; ".join(f"η={e}: {v.throughput:.1f} / {v.latency:.1f} / {v.trainer:.1f} s (batch {v.batch:.0f})"
                       for e, v in ideals.items() if e)

@@ -251,10 +251,15 @@ class SimulatedEngine:
 
     async def pause(self) -> None:
         """Running requests return now with what they have (`abort`); new ones wait for `resume`."""
+        self.pause_nowait()
+        await asyncio.sleep(0)  # let the batch loop book the cut chunk
+
+    def pause_nowait(self) -> None:
+        """`pause` without yielding: a coordinator pausing hundreds of engines flags them all, then yields once
+        (a yield per engine would run the whole ready queue once per engine)."""
         self._paused = True
         self._resumed_event().clear()
         self._interrupt.set()
-        await asyncio.sleep(0)  # let the batch loop book the cut chunk
 
     async def resume(self) -> None:
         self._paused = False

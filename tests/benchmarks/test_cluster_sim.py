@@ -29,6 +29,10 @@ def test_cluster_sim_quick(tmp_path):
         assert checks["entries"] == (checks["trained"] + checks["dropped"] + checks["read_ahead"]
                                      + checks["undelivered"]), checks
         assert 0 < row["utilisation"] <= 1.0 + 1e-9, row
+        # The quick preset runs the control plane: 4 engines registered, one leaves a third into the run
+        # and rejoins at two thirds; every engine follows the version events over Redis.
+        assert (row["left"], row["joined"], row["registered_at_end"]) == (1, 1, 4), row
+        assert row["events_seen"] > 0, row
     assert rows["0"]["checks"]["dropped"] == 0  # η = 0: every group is trained at the version it was made for
 
 
