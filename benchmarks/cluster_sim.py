@@ -165,7 +165,7 @@ class Cluster:
 
     def _engine(self, i: int, incarnation: int = 0) -> SimulatedEngine:
         return SimulatedEngine(self.timing, self.clock, self.lengths, seed=1000 * self.eta + i + 100_000 * incarnation,
-                               max_running=self.s.max_running, name=f"engine-{i}")
+                               max_running=self.s.max_running, name=f"engine-{i}", requeue_on_pause=True)
 
     # ------------------------------------------------------------------ producers
     def _pick_engine(self, pid: int | None = None) -> SimulatedEngine:

@@ -171,11 +171,16 @@ class SimulatedEngine:
 
     def __init__(self, timing: TimingModel, clock: SimClock, lengths: LengthModel, *, seed: int = 0,
                  max_running: int = 256, kv_budget_tokens: int | None = None, chunk_steps: int = 32,
-                 name: str = "sim") -> None:
+                 name: str = "sim", requeue_on_pause: bool = False) -> None:
         self.timing, self.clock, self.lengths = timing, clock, lengths
         self.name = name
         self.max_running = max_running
         self.chunk_steps = chunk_steps
+        # False: a pause aborts running requests (SGLang's behaviour; the HTTP server). True: they stay queued
+        # here and are re-prefilled (prompt + tokens so far) on resume -- the same modeled cost as the
+        # producer's resubmission, without waking every request's coroutine at every push (the cluster
+        # simulator, where thousands of requests are in flight).
+        self.requeue_on_pause = requeue_on_pause
         self.kv_budget = kv_budget_tokens or timing.kv_budget_tokens()
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -283,15 +288,16 @@ class SimulatedEngine:
     def _admit(self) -> list[_Seq]:
         """Waiting requests that fit the batch and the KV budget (their full reserved length)."""
         reserved = sum(s.prompt_len + s.target for s in self._running)
-        new = []
-        while self._waiting and len(self._running) < self.max_running:
-            s = self._waiting[0]
+        n = 0  # taken from the front in one slice (thousands can wait after a push)
+        while n < len(self._waiting) and len(self._running) < self.max_running:
+            s = self._waiting[n]
             if self._running and reserved + s.prompt_len + s.target > self.kv_budget:
                 break
-            self._waiting.pop(0)
             reserved += s.prompt_len + s.target
             self._running.append(s)
-            new.append(s)
+            n += 1
+        new = self._waiting[:n]
+        del self._waiting[:n]
         return new
 
     def _chunk_s(self, steps: int, prefill_tokens: int) -> float:
@@ -302,6 +308,10 @@ class SimulatedEngine:
         return steps * self.timing.decode_step_s(int(mean_kv)) + self.timing.prefill_s(prefill_tokens)
 
     def _abort_running(self) -> None:
+        if self.requeue_on_pause:
+            self._waiting[:0] = self._running
+            self._running = []
+            return
         for s in self._running:
             if not s.future.done():
                 s.future.set_result(FinishReason(type="abort", message="paused for a weight update"))
@@ -322,7 +332,7 @@ class SimulatedEngine:
                 continue
             new = self._admit()
             steps = min(self.chunk_steps, min(s.target - s.generated for s in self._running))
-            duration = self._chunk_s(steps, sum(s.prompt_len for s in new))
+            duration = self._chunk_s(steps, sum(s.prompt_len + s.generated for s in new))  # a requeued one re-prefills
             self._interrupt.clear()
             try:
                 await asyncio.wait_for(self._interrupt.wait(), max(0.0, cursor + duration - self.clock.now())
