@@ -671,17 +671,18 @@ COMPARISON = """### Reading it (honestly)
   tokens at ~17 ms a decode step for 7B), so the step cannot be shorter than that latency /
   (η+1): 38 s at η=1, 29 s at η=2, 22 s at η=4 for 7B on 64 engines. Against it the sync η=0 step
   (128 s) allows 3.3x / 4.4x / 5.9x, not 5-15x.
-- **64 engines (verl-7b-128gpu; run at commit 51f382c, before `requeue_on_pause`)**: 1.62x at η=1
-  (49% of its bound), 1.60x at η=2 (37%), 0.89x at η=4 (15%). **The >= 90% target is not met.**
-  Two causes, separable in the columns: (1) the simulator, one Python process, does not keep up
-  at 64 engines and x10: a modeled push is 0.30 s, but the push share is 11-28% of the step
-  (0.8-4.4 s of wall time per push while ~5-10k sequences were aborted and resubmitted) and the
-  engine utilisation falls to 19% at η=4 -- that is lag, not schedule. The first 64-engine run
-  (before the push fix: a yield per engine while pausing) had 19-48% push share and 0.93-1.39x;
-  pausing all engines before yielding once raised η=1 from 1.23x to 1.62x. (2) stale drops, a
-  property of the schedule: 388-428 of ~2770 groups (14-15%) were generated and then dropped,
-  because with this length tail a group's longest sample often outlives η versions. verl reports
-  2.35-2.67x on 128 GPUs with partial rollouts that keep such samples; our reader drops them.
+- **64 engines (verl-7b-128gpu, table above, final code)**: 0.91x at η=1 (26% of its bound),
+  0.89x at η=2 (19%). **The >= 90% target is not met.** An earlier run at commit 51f382c (before
+  `requeue_on_pause`, same setting, x10) gave 1.62x / 1.60x / 0.89x at η=1/2/4 (49% / 37% / 15%
+  of the bound) with push share 11-28%; the first run (a yield per engine while pausing) gave
+  1.23x / 1.39x / 0.93x. So pausing all engines before yielding once helped; keeping interrupted
+  requests queued on their engine (`requeue_on_pause`) cut the push share to 1-3% but lowered
+  engine utilisation to 29-41% and the speedup below 1: not understood yet (suspect: every
+  requeued request re-prefills on the same engine in one chunk at resume), to be investigated or
+  reverted. In all runs stale drops are a property of the schedule: 368-445 of ~2700-2800 groups
+  (14-16%) were generated and then dropped, because with this length tail a group's longest
+  sample often outlives η versions. verl reports 2.35-2.67x on 128 GPUs with partial rollouts
+  that keep such samples; our reader drops them.
 - **256 engines (cp-7b-256engines, final code)**: the simulator cannot keep up at all (engine
   utilisation 10-16%, steps 290-320 modeled s where the bound is 29 s): no speedup claim is made
   from this table. The control plane it measured: Redis CPU 1.9-2.2 s per step, which is
