@@ -147,7 +147,18 @@ def test_three_producers_never_exceed_the_staleness_budget(shared_engine, produc
 
     watch(0, until_accepted=8, hold=2.0)  # the budget fills, and then nothing more is admitted
     assert adm.snapshot().accepted == 8 and adm.snapshot().running == 0
-    versions.set(1)  # the trainer finished a step: B more groups may be admitted
+    # The trainer finished a step: B more groups may be admitted. The engine holds their requests, so
+    # the B leases stay in flight and the fair share alone decides who holds them (with rollouts that
+    # finish at once, a producer that happens to ask first could cycle through every slot before the
+    # others poll again: the rule counts leases held, not leases taken lately).
+    pause(shared_engine)
+    try:
+        versions.set(1)
+        wait_for(lambda: adm.snapshot().running == B, what=f"{B} rollouts in flight at version 1")
+        owners = {lease.decode().rsplit("-", 1)[0] for lease in rclient.zrange(keys.admit_running, 0, -1)}
+        assert len(owners) >= 2, f"one producer holds all {B} slots while the others wait: {owners}"
+    finally:
+        resume(shared_engine)
     watch(1, until_accepted=12, hold=1.5)
     assert adm.snapshot().accepted == 12
     assert peak == {0: 8, 1: 12}
