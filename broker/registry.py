@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 from typing import Any, Callable
 
-from rlstream.broker.connection import BrokerError, async_client
+from rlstream.broker.connection import BrokerError, BrokerUnavailable, async_client
 from rlstream.broker.keys import Keys
 from rlstream.broker.plan import LUA_NOW_MS, Call, arun, one, script
 from rlstream.common.config import Config
@@ -67,6 +67,11 @@ class RedisNameResolver(NameResolver):
             await asyncio.sleep(ttl / 3)
             try:
                 await self._put(service, address, ttl)
+            except BrokerUnavailable as exc:  # unreachable past redis.outage_tolerance: stop for good
+                log.error("keepalive of %s gave up: %s", address, exc)
+                self._keepalives.pop((service, address), None)
+                self._keepalive_gave_up(exc)
+                return
             except Exception as exc:  # noqa: BLE001 - keep trying; the TTL covers the gap
                 log.warning("keepalive of %s failed: %s", address, exc)
 

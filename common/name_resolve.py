@@ -42,6 +42,10 @@ class NameResolver(abc.ABC):
         self.poll_interval = poll_interval
         self._keepalives: dict[tuple[str, str], asyncio.Task] = {}
         self._closed = False
+        # Set when a keepalive gave up for good (the backend unreachable past its tolerance): the
+        # registration is gone and will not come back, so its owner should stop (see `lost`).
+        self.failure: BaseException | None = None
+        self._lost: asyncio.Event | None = None
 
     # ------------------------------------------------------------------ interface
     @abc.abstractmethod
@@ -79,6 +83,14 @@ class NameResolver(abc.ABC):
                 await self.unregister(service, address)
         await self._close_backend()
 
+    async def close_quietly(self) -> None:
+        """Stop keepalives and release the backend's connections without unregistering anything."""
+        self._closed = True
+        for service, address in list(self._keepalives):
+            self._stop_keepalive(service, address)
+        with contextlib.suppress(Exception):
+            await self._close_backend()
+
     async def _close_backend(self) -> None:
         pass
 
@@ -88,7 +100,21 @@ class NameResolver(abc.ABC):
     async def __aexit__(self, *exc: Any) -> None:
         await self.close()
 
+    async def lost(self) -> BaseException:
+        """Return (never before) the error with which a keepalive gave up for good."""
+        if self._lost is None:
+            self._lost = asyncio.Event()
+        await self._lost.wait()
+        assert self.failure is not None
+        return self.failure
+
     # ------------------------------------------------------------------ helpers
+    def _keepalive_gave_up(self, exc: BaseException) -> None:
+        self.failure = exc
+        if self._lost is None:
+            self._lost = asyncio.Event()
+        self._lost.set()
+
     def _start_keepalive(self, service: str, address: str, coro: Any) -> None:
         self._stop_keepalive(service, address)
         task = asyncio.create_task(coro, name=f"name-resolve-keepalive:{service}:{address}")

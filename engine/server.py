@@ -318,13 +318,20 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
             pass
     resolver = await _register(cfg, address) if s.register else None
     progress = asyncio.create_task(_progress(engine, cfg.stats_logger.log_every_secs))
+    waits = [asyncio.create_task(stop.wait())]
+    if resolver is not None:  # its registration gone for good (Redis away past redis.outage_tolerance)
+        waits.append(asyncio.create_task(resolver.lost()))
     try:
-        await stop.wait()
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
+        for w in waits:
+            w.cancel()
         log.info("shutting down: unregistering, aborting running requests")
         app["draining"] = True
         progress.cancel()
-        if resolver is not None:
+        if resolver is not None and resolver.failure is not None:
+            await resolver.close_quietly()  # nothing to unregister from a backend that is gone
+        elif resolver is not None:
             try:
                 await resolver.unregister(ENGINES_SERVICE, address)
                 await resolver.close()
@@ -333,6 +340,8 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
         await loop.run_in_executor(None, engine.close)
         await runner.cleanup()
         log.info("engine stopped")
+    if resolver is not None and resolver.failure is not None:
+        raise BrokerError(f"engine {address} stopped: its name-resolve registration is lost: {resolver.failure}")
 
 
 async def _register(cfg, address: str) -> NameResolver | None:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from rlstream.engine.local import LocalEngine
 from rlstream.engine.server import build_app
-from tests.helpers import PROMPTS, behaviour_logprobs, perturbed_state, recompute_logprobs
+from tests.helpers import PROMPTS, EngineProcess, behaviour_logprobs, perturbed_state, recompute_logprobs
 
 torch.set_num_threads(1)
 
@@ -316,3 +316,23 @@ def test_serve_bad_model_path_is_one_line_error(tmp_path):
                           capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 2
     assert "missing" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_serve_stops_when_redis_is_gone_past_the_outage_tolerance(tiny_model_path, redis_factory, experiment,
+                                                                  tmp_path):
+    """A registered engine whose Redis stays away past redis.outage_tolerance stops with one line and
+    exit 1, like the trainer and the producers (it used to retry its keepalive forever: orphaned
+    engines outlived their run by hours)."""
+    server = redis_factory()
+    engine = EngineProcess(tmp_path / "e", [f"server.model_path={tiny_model_path}", f"redis.url={server.url}",
+                                            f"experiment_name={experiment}", "cluster.name_resolve.lease_ttl=3",
+                                            "redis.outage_tolerance=3", "redis.retries=2"]).start()
+    try:
+        server.stop()
+        engine.proc.wait(120)
+        log = engine.log_path.read_text()
+        assert engine.proc.returncode == 1, log[-3000:]
+        assert "Traceback" not in log, log[-3000:]
+        assert "registration is lost" in log and "longer than redis.outage_tolerance=3s" in log, log[-3000:]
+    finally:
+        engine.stop()
