@@ -122,14 +122,38 @@ _RESET_CHUNK = 100
 # Seconds between a producer's liveness heartbeats; its record expires after 3 missed ones.
 HEARTBEAT_SECS = 2.0
 ALIVE_TTL_MS = 6000
+# Member of `{ns}:admit:alive` scored with when admission last ran (no lease owner looks like it),
+# and the silence after which the scripts give records and leases the lost time back: longer than
+# the heartbeat period, so while any producer lives only an outage is that long.
+_CLOCK = "~clock"
+_SILENCE_MS = 3000
 
 # Lua prologue: `owner_of(lease)` (a lease's owner, its producer process, is its id up to the
 # last `-`, see new_lease_id) and `reap(running, alive)`: drop expired liveness records and
 # every lease of those owners, then leases past their own expiry. O(leases) only when an
 # owner died; owners without a record (tools, tests) rely on the lease expiry alone.
+# `catch_up(running, alive)` first: the alive set also holds CLOCK, scored with when admission
+# last ran (server ms). After a longer silence (Redis down or restarting: nobody could heartbeat)
+# every record and lease still live then gets the silence back, so the first call after an outage
+# does not take live producers for dead and admit their slots twice; a producer that stays silent
+# afterwards is reaped as usual, ALIVE_TTL_MS later at most.
 _LUA_REAP = LUA_NOW_MS + """
+local CLOCK = '""" + _CLOCK + """'
 local function owner_of(lease) return string.match(lease, '^(.*)%-[^%-]*$') or lease end
+local function catch_up(running, alive)
+  local last = tonumber(redis.call('ZSCORE', alive, CLOCK) or now)
+  local gap = now - last
+  if gap > """ + str(_SILENCE_MS) + """ then
+    for _, key in ipairs({alive, running}) do
+      local rows = redis.call('ZRANGEBYSCORE', key, last, '+inf', 'WITHSCORES')
+      for i = 1, #rows, 2 do
+        if rows[i] ~= CLOCK then redis.call('ZADD', key, tonumber(rows[i + 1]) + gap, rows[i]) end
+      end
+    end
+  end
+end
 local function reap(running, alive)
+  catch_up(running, alive)
   local dead = redis.call('ZRANGEBYSCORE', alive, '-inf', now)
   if #dead > 0 then
     redis.call('ZREMRANGEBYSCORE', alive, '-inf', now)
@@ -140,6 +164,7 @@ local function reap(running, alive)
     end
   end
   redis.call('ZREMRANGEBYSCORE', running, '-inf', now)
+  redis.call('ZADD', alive, now, CLOCK)
 end
 """
 
@@ -230,9 +255,11 @@ end
 return out
 """
 
-# KEYS: alive  ARGV: owner, ttl_ms  (server clock)
-_HEARTBEAT = LUA_NOW_MS + """
+# KEYS: alive, running  ARGV: owner, ttl_ms  (server clock)
+_HEARTBEAT = _LUA_REAP + """
+catch_up(KEYS[2], KEYS[1])
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZADD', KEYS[1], now, CLOCK)
 """
 
 # KEYS: running, rejected, done   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
@@ -513,7 +540,8 @@ class Admission:
 
         From the first heartbeat on, its leases live only as long as its record does. The record
         is left to expire on exit: any lease a crash left behind goes with it."""
-        yield from script(_HEARTBEAT, [self.keys.admit_alive], [owner or lease_owner(), ALIVE_TTL_MS])
+        yield from script(_HEARTBEAT, [self.keys.admit_alive, self.keys.admit_running],
+                          [owner or lease_owner(), ALIVE_TTL_MS])
 
     # ------------------------------------------------------------------ recovery and inspection
 

@@ -482,3 +482,37 @@ def test_commit_whose_reply_is_lost_is_written_once(redis_factory, keys, group_f
         client.close()
         rclient.close()
         proxy.close()
+
+
+def test_a_redis_outage_does_not_make_live_producers_look_dead(redis_factory):
+    """Liveness records expire 6 s after the last heartbeat; a Redis outage longer than that (down,
+    restarting, here SIGSTOPped: its clock runs on) must not free a live producer's leases when Redis
+    is back, before the producer could heartbeat again: the slots would be admitted twice (the chaos
+    soak saw accepted + running above the budget after Redis restarts). A producer that stays silent
+    after the outage still loses its leases within the liveness TTL."""
+    from rlstream.broker import connect
+
+    server = redis_factory()
+    client = connect(server.url)
+    keys = Keys("outage-" + str(os.getpid()))
+    adm = AdmissionController(client, keys, max_head_offpolicyness=0, consumer_batch_size=4, max_concurrent_rollouts=4)
+    owner = "feedfacefeedface-4242"
+    adm.heartbeat(owner)
+    for i in range(3):
+        st, lease = adm.try_acquire(f"{owner}-{i}")
+        assert lease is not None
+    assert adm.snapshot().running == 3
+    server.proc.send_signal(signal.SIGSTOP)
+    time.sleep(admission.ALIVE_TTL_MS / 1000 + 3)  # longer than the record's whole life
+    server.proc.send_signal(signal.SIGCONT)
+    after = adm.snapshot()  # the first admission call after the outage
+    assert after.running == 3 and after.capacity == 1, after  # buggy: running 0, capacity 4
+    st, lease = adm.try_acquire("someoneelse-1-0")
+    assert lease is not None and adm.snapshot().running == 4
+    adm.release(lease.lease_id)
+    # The owner never heartbeats again: its leases go within the TTL (generous deadline).
+    deadline = time.monotonic() + 60
+    while adm.snapshot().running:
+        assert time.monotonic() < deadline, adm.snapshot()
+        time.sleep(0.2)
+    client.close()
