@@ -565,10 +565,16 @@ def test_engines_sigkilled_and_stalled(pipeline):
     p.running_before(left=20)
     stopped_at, version_at_stop = p.steps_recorded(), p.version()
     e0.signal(signal.SIGSTOP)
-    time.sleep(REQUEST_TIMEOUT + 4)
-    progress = p.steps_recorded() - stopped_at
-    e0.signal(signal.SIGCONT)
-    assert progress >= 1, f"no train step while engine-0 was stopped (deadlock?)\n{p.trainer.tail()}"
+    try:
+        time.sleep(REQUEST_TIMEOUT + 4)  # longer than the request and health timeouts
+        # The run goes on without it. If the stop froze engine-0 inside a weight push's collective
+        # (it had joined the group), that push waits for actor.weight_update_timeout (15 s here)
+        # before dropping it: so wait for a step on state, with a deadline far past that timeout.
+        wait_until(lambda: p.steps_recorded() > stopped_at, 120,
+                   "a train step while engine-0 is stopped (deadlock?)", p.trainer, alive=(p.trainer,), poll=0.2)
+        progress = p.steps_recorded() - stopped_at
+    finally:
+        e0.signal(signal.SIGCONT)
     # The trainer published the versions of the stall with engine-1 alone (engine-0 failed its health
     # check, its pause timed out, or its name-resolve registration expired meanwhile: any of them).
     assert any(v > version_at_stop for v in version_events(p, 1)), (p.events()[-20:], p.trainer.tail())
