@@ -45,7 +45,7 @@ class NameResolver(abc.ABC):
         # Set when a keepalive gave up for good (the backend unreachable past its tolerance): the
         # registration is gone and will not come back, so its owner should stop (see `lost`).
         self.failure: BaseException | None = None
-        self._lost: asyncio.Event | None = None
+        self._lost = asyncio.Event()
 
     # ------------------------------------------------------------------ interface
     @abc.abstractmethod
@@ -102,8 +102,6 @@ class NameResolver(abc.ABC):
 
     async def lost(self) -> BaseException:
         """Return (never before) the error with which a keepalive gave up for good."""
-        if self._lost is None:
-            self._lost = asyncio.Event()
         await self._lost.wait()
         assert self.failure is not None
         return self.failure
@@ -111,8 +109,6 @@ class NameResolver(abc.ABC):
     # ------------------------------------------------------------------ helpers
     def _keepalive_gave_up(self, exc: BaseException) -> None:
         self.failure = exc
-        if self._lost is None:
-            self._lost = asyncio.Event()
         self._lost.set()
 
     def _start_keepalive(self, service: str, address: str, coro: Any) -> None:

@@ -210,14 +210,14 @@ class ChaosRun(LocalRun):
         so the rollback after it is recognised as one."""
         from rlstream.broker import VersionRegistry
 
-        registry = VersionRegistry(self.client, self.keys)
+        registry, page = VersionRegistry(self.client, self.keys), 1000
         while True:
-            events = registry.events_since(self._events_seen)
+            events = registry.events_since(self._events_seen, count=page)
             for eid, event in events:
                 self._events_seen = eid
                 if event.type == "version":
                     self.max_version = max(self.max_version, event.version)
-            if len(events) < 1000:
+            if len(events) < page:
                 return
 
     # ------------------------------------------------------------------ the run
