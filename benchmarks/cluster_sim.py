@@ -78,6 +78,9 @@ class Setting:
     # and follows the version events over Redis; producers pick engines from their resolved list.
     control_plane: bool = False
     elastic: int = 0  # engines that leave a third into the run and join again at two thirds (control_plane)
+    # A pause keeps the interrupted requests queued on their engine (re-prefilled at resume) instead of
+    # returning them to their producer, which resubmits them to the least loaded engine it knows.
+    requeue_on_pause: bool = False
 
 
 @dataclass
@@ -165,7 +168,8 @@ class Cluster:
 
     def _engine(self, i: int, incarnation: int = 0) -> SimulatedEngine:
         return SimulatedEngine(self.timing, self.clock, self.lengths, seed=1000 * self.eta + i + 100_000 * incarnation,
-                               max_running=self.s.max_running, name=f"engine-{i}", requeue_on_pause=True)
+                               max_running=self.s.max_running, name=f"engine-{i}",
+                               requeue_on_pause=self.s.requeue_on_pause)
 
     # ------------------------------------------------------------------ producers
     def _pick_engine(self, pid: int | None = None) -> SimulatedEngine:
@@ -193,9 +197,10 @@ class Cluster:
             if engine.paused:
                 await engine.wait_resumed()
                 continue
-            res = await engine.generate(self.s.prompt_len + len(versions), self.s.max_new_tokens,
-                                        target=target - len(versions))
-            versions += res.meta_info.output_token_versions or []
+            seq, _finish = await engine.run(self.s.prompt_len + len(versions), self.s.max_new_tokens,
+                                            target=target - len(versions))
+            for version, n in seq.segments:
+                versions += [version] * n
             if self.stop.is_set():
                 break
         return len(versions), versions

@@ -21,6 +21,8 @@ modeled duration is slept as duration / accel, and all figures it reports are mo
 from __future__ import annotations
 
 import asyncio
+import bisect
+import heapq
 import itertools
 import math
 import random
@@ -80,6 +82,23 @@ class TimingModel:
     def decode_step_s(self, kv_tokens: int) -> float:
         moved = self.model.weight_bytes + self.model.kv_bytes_per_token * kv_tokens
         return moved / (self.hw.hbm_gbps * 1e9 * self.decode_bw_efficiency) + self.decode_step_overhead_s
+
+    def decode_run_s(self, kv0: float, n: int, steps: int) -> float:
+        """`steps` decode steps of `n` running sequences holding `kv0` KV tokens at the first step (each
+        step adds one token per sequence; the step time is linear in KV, so its mean is exact)."""
+        return steps * self.decode_step_s(kv0 + n * (steps - 1) / 2.0) if steps > 0 else 0.0
+
+    def decode_steps_in(self, kv0: float, n: int, seconds: float) -> int:
+        """How many whole decode steps of that batch fit in `seconds` (the inverse of `decode_run_s`)."""
+        if seconds <= 0:
+            return 0
+        per_kv = self.model.kv_bytes_per_token / (self.hw.hbm_gbps * 1e9 * self.decode_bw_efficiency)
+        c = per_kv * n / 2.0  # run(k) = a·k + c·k²
+        a = self.decode_step_s(kv0) - c
+        k = int((seconds / a if c == 0 else (-a + math.sqrt(a * a + 4 * c * seconds)) / (2 * c)) + 1e-9)
+        while k > 0 and self.decode_run_s(kv0, n, k) > seconds + 1e-12:
+            k -= 1
+        return k
 
     def train_step_s(self, tokens: int, gpus: int) -> float:
         return 6.0 * self.model.params * tokens / (gpus * self.hw.peak_tflops * 1e12 * self.train_mfu)
@@ -143,15 +162,17 @@ class LengthModel:
         return sum(self.draw(rng) for _ in range(samples)) / samples
 
 
-@dataclass
+@dataclass(eq=False)
 class _Seq:
     rid: str
     prompt_len: int
     target: int
     future: asyncio.Future
-    generated: int = 0
+    generated: int = 0  # tokens booked into `segments` so far
     segments: list[list[int]] = field(default_factory=list)  # [version, tokens] runs, in order
     created: float = 0.0
+    start_step: int = 0  # the engine's step counter when this run on the batch began
+    kv0: int = 0  # its term of the engine's KV sum: prompt_len + generated - start_step, as admitted
 
     def add(self, version: int, n: int) -> None:
         if self.segments and self.segments[-1][0] == version:
@@ -164,35 +185,45 @@ class _Seq:
 class SimulatedEngine:
     """Continuous batching with modeled step times; the SGLang-shaped result of `generate`.
 
-    The batch advances in chunks of up to `chunk_steps` decode steps (fewer when a sequence
-    finishes first), so the Python work is per event, not per token: waiting requests join at
-    the next chunk boundary, a pause cuts the running chunk at the step it had reached.
+    Event driven, so one process hosts hundreds: the batch runs until its next sequence finishes,
+    a request arrives that fits the batch, the version changes or a pause comes, whichever is
+    first; the Python work is O(log n) per event, never per token or per running sequence. A
+    sequence's tokens are counted from the engine's step counter when it finishes (or is cut),
+    and each gets the version that was served at its step. A cut chunk books the whole steps
+    done by then (the step times of a running batch are solved exactly: KV grows by one token per
+    sequence per step).
     """
 
     def __init__(self, timing: TimingModel, clock: SimClock, lengths: LengthModel, *, seed: int = 0,
-                 max_running: int = 256, kv_budget_tokens: int | None = None, chunk_steps: int = 32,
+                 max_running: int = 256, kv_budget_tokens: int | None = None, max_chunk_steps: int = 4096,
                  name: str = "sim", requeue_on_pause: bool = False) -> None:
         self.timing, self.clock, self.lengths = timing, clock, lengths
         self.name = name
         self.max_running = max_running
-        self.chunk_steps = chunk_steps
+        self.max_chunk_steps = max_chunk_steps
         # False: a pause aborts running requests (SGLang's behaviour; the HTTP server). True: they stay queued
         # here and are re-prefilled (prompt + tokens so far) on resume -- the same modeled cost as the
-        # producer's resubmission, without waking every request's coroutine at every push (the cluster
-        # simulator, where thousands of requests are in flight).
+        # producer's resubmission, without waking every request's coroutine at every push.
         self.requeue_on_pause = requeue_on_pause
         self.kv_budget = kv_budget_tokens or timing.kv_budget_tokens()
         self._rng = random.Random(seed)
         self._ids = itertools.count()
+        self._order = itertools.count()
         self._waiting: list[_Seq] = []
-        self._running: list[_Seq] = []
+        self._running: dict[_Seq, None] = {}
+        self._heap: list[tuple[int, int, _Seq]] = []  # (step at which it finishes, order, seq)
+        self._steps = 0  # decode steps this engine's batch has run
+        self._kv_sum = 0  # sum of the running sequences' kv0: KV tokens = _kv_sum + len(running) * _steps
+        self._reserved = 0  # KV tokens the running sequences reserve (prompt + target each)
+        self._prefill_debt = 0.0  # modeled prefill seconds admitted but not yet run (a chunk cut during its prefill)
+        self._marks: list[tuple[int, int]] = [(0, 0)]  # (step, version served from that step on)
         self._wake = asyncio.Event()
         self._interrupt = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._paused = False
         self._resumed: asyncio.Event | None = None  # made on first use: it must belong to the running loop
         self.closed = False
-        self.version = 0
+        self._version = 0
         self.busy_s = 0.0  # modeled seconds spent in prefill and decode
         self.modeled_now = 0.0  # the batch loop's modeled-time cursor (end of the last chunk)
         self.total_tokens = 0
@@ -203,9 +234,24 @@ class SimulatedEngine:
     def paused(self) -> bool:
         return self._paused
 
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        # A change while the batch runs cuts the chunk: the tokens after it carry the new version.
+        if value != self._version:
+            self._version = value
+            self._interrupt.set()
+
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"{self.name}-loop")
+
+    def sequences(self) -> list[_Seq]:
+        """Every request this engine holds (running first, then waiting)."""
+        return [*self._running, *self._waiting]
 
     async def close(self) -> None:
         """Stop: what is running or waiting returns now with `abort` (the engine left; callers go elsewhere)."""
@@ -214,10 +260,13 @@ class SimulatedEngine:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
-        for s in self._running + self._waiting:
+        for s in self.sequences():
+            if s in self._running:
+                self._book(s)
             if not s.future.done():
                 s.future.set_result(FinishReason(type="abort", message="engine stopped"))
-        self._running, self._waiting = [], []
+        self._clear_running()
+        self._waiting = []
         self._resumed_event().set()  # nobody waits on a closed engine
 
     def _resumed_event(self) -> asyncio.Event:
@@ -234,17 +283,25 @@ class SimulatedEngine:
     def draw_length(self, max_new_tokens: int) -> int:
         return min(max_new_tokens, self.lengths.draw(self._rng))
 
-    async def generate(self, prompt_len: int, max_new_tokens: int, target: int | None = None) -> GenerateResponse:
+    async def run(self, prompt_len: int, max_new_tokens: int, target: int | None = None) -> tuple[_Seq, FinishReason]:
         """One prompt of `prompt_len` tokens; it stops after `target` tokens (default: a draw from the
-        length model, capped at `max_new_tokens`), or early with `abort` when the engine pauses."""
+        length model, capped at `max_new_tokens`), or early with `abort` when the engine pauses.
+        Returns the sequence (its `segments`: [version, tokens] runs) and why it finished."""
         self.start()
         seq = _Seq(rid=f"{self.name}-{next(self._ids)}", prompt_len=prompt_len,
-                   target=min(max_new_tokens, target if target is not None else self.draw_length(max_new_tokens)),
+                   target=max(1, min(max_new_tokens, target if target is not None else self.draw_length(max_new_tokens))),
                    future=asyncio.get_running_loop().create_future(), created=self.clock.now())
         self._waiting.append(seq)
         self._wake.set()
+        if self._running and not self._paused and self._fits(seq):
+            self._interrupt.set()  # continuous batching: it joins at the step the batch has reached
         finish = await seq.future
         self.total_requests += 1
+        return seq, finish
+
+    async def generate(self, prompt_len: int, max_new_tokens: int, target: int | None = None) -> GenerateResponse:
+        """`run`, answered as SGLang does (placeholder token ids with logprob -1, per-token versions)."""
+        seq, finish = await self.run(prompt_len, max_new_tokens, target)
         versions = [v for v, n in seq.segments for _ in range(n)]
         return GenerateResponse(
             text="", output_ids=[4 + i % 64 for i in range(seq.generated)],
@@ -281,80 +338,107 @@ class SimulatedEngine:
                 "total_tokens": self.total_tokens, "total_requests": self.total_requests,
                 "weight_version": self.version, "busy_seconds": self.busy_s}
 
-    # ------------------------------------------------------------------ the batch loop
+    # ------------------------------------------------------------------ the batch
     def _kv_tokens(self) -> int:
-        return sum(s.prompt_len + s.generated for s in self._running)
+        return self._kv_sum + len(self._running) * self._steps
 
-    def _admit(self) -> list[_Seq]:
-        """Waiting requests that fit the batch and the KV budget (their full reserved length)."""
-        reserved = sum(s.prompt_len + s.target for s in self._running)
-        n = 0  # taken from the front in one slice (thousands can wait after a push)
-        while n < len(self._waiting) and len(self._running) < self.max_running:
+    def _fits(self, s: _Seq) -> bool:
+        """Whether `s` joins the running batch now (batch size and its full reserved length in the KV budget)."""
+        return len(self._running) < self.max_running and (
+            not self._running or self._reserved + s.prompt_len + s.target <= self.kv_budget)
+
+    def _admit(self) -> int:
+        """Waiting requests that fit join the batch, in order; returns the tokens they prefill
+        (prompt + tokens so far: a requeued one re-prefills)."""
+        n, prefill = 0, 0  # taken from the front in one slice (thousands can wait after a push)
+        while n < len(self._waiting) and self._fits(self._waiting[n]):
             s = self._waiting[n]
-            if self._running and reserved + s.prompt_len + s.target > self.kv_budget:
-                break
-            reserved += s.prompt_len + s.target
-            self._running.append(s)
+            s.start_step, s.kv0 = self._steps, s.prompt_len + s.generated - self._steps
+            self._running[s] = None
+            self._kv_sum += s.kv0
+            self._reserved += s.prompt_len + s.target
+            heapq.heappush(self._heap, (self._steps + s.target - s.generated, next(self._order), s))
+            prefill += s.prompt_len + s.generated
             n += 1
-        new = self._waiting[:n]
         del self._waiting[:n]
-        return new
+        return prefill
 
-    def _chunk_s(self, steps: int, prefill_tokens: int) -> float:
-        """Modeled time of `steps` decode steps of the running batch (KV grows by one token per
-        sequence per step) plus the prefill of the newly admitted prompts."""
-        n, kv0 = len(self._running), self._kv_tokens()
-        mean_kv = kv0 + n * (steps - 1) / 2.0
-        return steps * self.timing.decode_step_s(int(mean_kv)) + self.timing.prefill_s(prefill_tokens)
+    def _book(self, s: _Seq) -> None:
+        """Count the tokens `s` made since it joined the batch (or was last booked), each with its version."""
+        a, b = s.start_step, self._steps
+        if b > a:
+            i = bisect.bisect_right(self._marks, (a, math.inf)) - 1
+            while a < b:
+                end = self._marks[i + 1][0] if i + 1 < len(self._marks) else b
+                take = min(end, b) - a
+                if take > 0:
+                    s.add(self._marks[i][1], take)
+                    a += take
+                i += 1
+            self.total_tokens += b - s.start_step
+        s.start_step = b
 
-    def _abort_running(self) -> None:
+    def _clear_running(self) -> None:
+        self._running, self._heap = {}, []
+        self._kv_sum = self._reserved = 0
+        self._prefill_debt = 0.0
+
+    def _stop_running(self) -> None:
+        """A pause: every running sequence is booked, then aborted (or requeued in front, in order)."""
+        running = list(self._running)
+        for s in running:
+            self._book(s)
+        self._clear_running()
         if self.requeue_on_pause:
-            self._waiting[:0] = self._running
-            self._running = []
+            self._waiting[:0] = running
             return
-        for s in self._running:
+        for s in running:
             if not s.future.done():
                 s.future.set_result(FinishReason(type="abort", message="paused for a weight update"))
-        self._running = []
 
     async def _loop(self) -> None:
         # The engine's own modeled-time cursor: each chunk starts where the last one ended (not when
         # the event loop got round to it), so scheduling latency does not stretch modeled time and the
         # acceleration factor does not change the result, as long as the loop keeps up on average.
         cursor = self.clock.now()
+        t = self.timing
         while True:
-            if self._paused:
-                self._abort_running()
+            if self._paused and self._running:
+                self._stop_running()
             if self._paused or not (self._running or self._waiting):
                 self._wake.clear()
                 await self._wake.wait()
-                cursor = self.clock.now()
+                cursor = max(cursor, self.clock.now())
                 continue
-            new = self._admit()
-            steps = min(self.chunk_steps, min(s.target - s.generated for s in self._running))
-            duration = self._chunk_s(steps, sum(s.prompt_len + s.generated for s in new))  # a requeued one re-prefills
+            prefill = self._prefill_debt + t.prefill_s(self._admit())
+            if self._marks[-1][1] != self._version:
+                self._marks.append((self._steps, self._version))
+            n, kv0 = len(self._running), self._kv_tokens()
+            steps = max(1, min(self.max_chunk_steps, self._heap[0][0] - self._steps))
+            duration = prefill + t.decode_run_s(kv0, n, steps)
             self._interrupt.clear()
             try:
-                await asyncio.wait_for(self._interrupt.wait(), max(0.0, cursor + duration - self.clock.now())
-                                       / self.clock.accel)
-                # Cut by a pause: the steps completed by now produced their tokens.
+                await asyncio.wait_for(self._interrupt.wait(),
+                                       max(0.0, cursor + duration - self.clock.now()) / self.clock.accel)
+                # Cut (a pause, an arrival that fits, a new version): book the whole steps done by now.
                 spent = min(duration, max(0.0, self.clock.now() - cursor))
-                done_steps = min(steps, int(steps * spent / duration))
+                if spent < prefill:
+                    done, booked, self._prefill_debt = 0, spent, prefill - spent
+                else:
+                    done = min(steps, t.decode_steps_in(kv0, n, spent - prefill))
+                    booked, self._prefill_debt = prefill + t.decode_run_s(kv0, n, done), 0.0
             except asyncio.TimeoutError:
-                done_steps, spent = steps, duration
-            cursor += spent
+                done, booked, self._prefill_debt = steps, duration, 0.0
+            cursor += booked
             self.modeled_now = cursor
-            self.busy_s += spent
-            version = self.version
-            finished = []
-            for s in self._running:
-                if done_steps:
-                    s.add(version, done_steps)
-                    self.total_tokens += done_steps
-                if s.generated >= s.target:
-                    finished.append(s)
-            for s in finished:
-                self._running.remove(s)
+            self.busy_s += booked
+            self._steps += done
+            while self._heap and self._heap[0][0] <= self._steps:
+                s = heapq.heappop(self._heap)[2]
+                self._book(s)
+                del self._running[s]
+                self._kv_sum -= s.kv0
+                self._reserved -= s.prompt_len + s.target
                 if not s.future.done():
                     s.future.set_result(FinishReason(type="length", length=s.generated))
 
@@ -420,7 +504,7 @@ class SimulatedServing:
 
     def close(self, timeout: float = 30.0) -> None:
         """Called from a worker thread at shutdown: answer what is left with `abort`."""
-        for s in self.sim._running + self.sim._waiting:
+        for s in self.sim.sequences():
             if not s.future.done():
                 s.future.get_loop().call_soon_threadsafe(
                     lambda f=s.future: f.done() or f.set_result(FinishReason(type="abort", message="engine stopped")))

@@ -78,3 +78,72 @@ def test_timing_model_formulas():
 
     with pytest.raises(ValueError, match="allowed: H100, H200"):
         load_timing("A100", "qwen2.5-7b")
+
+
+def test_simulated_engine_matches_a_step_by_step_reference():
+    """The event-driven batch (a chunk per finish, O(log n) per event) takes exactly the modeled time of
+    running the batch one decode step at a time: prefill of every prompt, then per step the decode time
+    of the KV the running sequences hold, each leaving after its own length."""
+    import asyncio
+    import random
+
+    from rlstream.engine.simulated import LengthModel, SimClock, SimulatedEngine, load_timing
+
+    timing = load_timing("H100", "qwen2.5-7b")
+    rng = random.Random(5)
+    reqs = [(rng.randint(16, 300), rng.randint(1, 400)) for _ in range(48)]
+
+    reference = timing.prefill_s(sum(p for p, _ in reqs))
+    running = [[p, 0, n] for p, n in reqs]  # prompt, generated, target
+    while running:
+        reference += timing.decode_step_s(sum(p + g for p, g, _ in running))
+        running = [[p, g + 1, n] for p, g, n in running if g + 1 < n]
+
+    async def run() -> tuple[float, list[int], int]:
+        engine = SimulatedEngine(timing, SimClock(1000.0), LengthModel(100, 0.5, 4096), seed=1)
+        done = await asyncio.gather(*(engine.run(p, 4096, target=n) for p, n in reqs))
+        await engine.close()
+        return engine.busy_s, [seq.generated for seq, _ in done], engine.total_tokens  # modeled busy seconds
+
+    elapsed, lengths, total = asyncio.run(run())
+    assert lengths == [n for _, n in reqs] and total == sum(lengths)
+    assert abs(elapsed - reference) / reference < 1e-9, (elapsed, reference)
+
+
+def test_simulated_engine_pause_versions_and_requeue():
+    """A pause cuts the batch at the step it reached: with `requeue_on_pause` the requests continue after
+    the update and their tokens carry version 0 up to the cut and 1 after it; without, they return `abort`
+    with the version-0 tokens made so far."""
+    import asyncio
+
+    from rlstream.engine.simulated import LengthModel, SimClock, SimulatedEngine, load_timing
+
+    timing = load_timing("H100", "qwen2.5-1.5b")
+
+    async def run(requeue: bool) -> list:
+        engine = SimulatedEngine(timing, SimClock(1.0), LengthModel(100, 0.5, 100_000), seed=1,
+                                 requeue_on_pause=requeue)
+        tasks = [asyncio.create_task(engine.run(64, 100_000, target=50_000)) for _ in range(4)]
+        while not engine._running:  # the batch runs (its chunk is timed from the modeled clock) ...
+            await asyncio.sleep(0.01)
+        t0 = engine.clock.now()
+        while engine.clock.now() - t0 < 0.5:  # ... for 0.5 modeled s: prefill + many steps, whatever the lag
+            await asyncio.sleep(0.05)
+        engine.pause_nowait()
+        await asyncio.sleep(0)
+        await engine.update_weights(1)
+        if requeue:
+            for s in engine.sequences():  # shorten what is left so the test ends soon
+                s.target = s.generated + 20
+        await engine.resume()
+        out = await asyncio.gather(*tasks)
+        await engine.close()
+        return out
+
+    for seq, finish in asyncio.run(run(False)):
+        assert finish.type == "abort" and 0 < seq.generated < 50_000
+        assert seq.segments == [[0, seq.generated]]
+    for seq, finish in asyncio.run(run(True)):
+        assert finish.type == "length"
+        (v0, n0), (v1, n1) = seq.segments
+        assert (v0, v1, n1) == (0, 1, 20) and n0 > 0 and seq.generated == n0 + 20
