@@ -16,6 +16,7 @@ hiredis' `pack_command` was tried: no consistent gain in 3 interleaved rounds, n
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import statistics
@@ -28,6 +29,32 @@ from readme_section import write_section
 from redis_child import RedisChild
 
 SECTION = "## Broker client cost"
+
+
+class RedisCost:
+    """The redis-server's CPU (whole process and its main thread: the one that runs every command) and its
+    per-command time (INFO commandstats, reset here) from now until `since`."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+        client.config_resetstat()
+        self.proc, self.main = self._cpu()
+
+    def _cpu(self) -> tuple[float, float]:
+        info = self.client.info("cpu")
+        return (float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
+                float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"]))
+
+    def since(self, mb: float, n: int) -> dict:
+        """Redis CPU ms per MB (process, main thread) and command usec per group (`cmd:` keys)."""
+        proc, main = self._cpu()
+        stats = self.client.info("commandstats")
+        out = {"redis_ms_per_mb": (proc - self.proc) / mb * 1e3, "redis_main_ms_per_mb": (main - self.main) / mb * 1e3}
+        for name, st in stats.items():
+            name = name.removeprefix("cmdstat_")
+            if name not in ("info", "config|resetstat"):  # this measurement's own
+                out["cmd:" + name] = st["usec"] / n
+        return out
 
 
 def one_run(url: str, n: int) -> dict:
@@ -45,11 +72,7 @@ def one_run(url: str, n: int) -> dict:
     groups = [make_group(i) for i in range(64)]
     mb = len(encode_group(groups[0])) * n / 1e6
 
-    def redis_cpu() -> float:
-        info = client.info("cpu")
-        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-    r0, c0, t0 = redis_cpu(), time.process_time(), time.perf_counter()
+    r0, c0, t0 = RedisCost(client), time.process_time(), time.perf_counter()
     for i in range(0, n, 16):
         leases = [lease for _st, lease in adm.try_acquire_many(16)]
         adm.commit_many([(lease.lease_id, entry_fields(groups[(i + j) % 64])) for j, lease in enumerate(leases)])
@@ -60,13 +83,13 @@ def one_run(url: str, n: int) -> dict:
         stream.ack([e.id for e in entries])
         got += len(entries)
     stream.trim_acked()
-    c2, t2, r1 = time.process_time(), time.perf_counter(), redis_cpu()
+    c2, t2 = time.process_time(), time.perf_counter()
+    out = {"producer_ms": (c1 - c0) / n * 1e3, "consumer_ms": (c2 - c1) / n * 1e3,
+           "producer_wall_ms": (t1 - t0) / n * 1e3, "consumer_wall_ms": (t2 - t1) / n * 1e3, **r0.since(mb, n)}
     for key in client.scan_iter(match="{" + ns + "}:*", count=1000):
         client.delete(key)
     client.close()
-    return {"producer_ms": (c1 - c0) / n * 1e3, "consumer_ms": (c2 - c1) / n * 1e3,
-            "producer_wall_ms": (t1 - t0) / n * 1e3, "consumer_wall_ms": (t2 - t1) / n * 1e3,
-            "redis_ms_per_mb": (r1 - r0) / mb * 1e3}
+    return out
 
 
 def bare_run(url: str, n: int) -> dict:
@@ -80,11 +103,7 @@ def bare_run(url: str, n: int) -> dict:
     payloads = [encode_group(make_group(i)) for i in range(64)]
     mb = len(payloads[0]) * n / 1e6
 
-    def redis_cpu() -> float:
-        info = client.info("cpu")
-        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-    r0, c0, t0 = redis_cpu(), time.process_time(), time.perf_counter()
+    r0, c0, t0 = RedisCost(client), time.process_time(), time.perf_counter()
     for i in range(0, n, 16):
         pipe = client.pipeline(transaction=False)
         for j in range(16):
@@ -98,50 +117,83 @@ def bare_run(url: str, n: int) -> dict:
         if ids:
             client.xack(key, "g", *ids)
         got += len(ids)
-    c2, t2, r1 = time.process_time(), time.perf_counter(), redis_cpu()
+    c2, t2 = time.process_time(), time.perf_counter()
+    out = {"producer_ms": (c1 - c0) / n * 1e3, "consumer_ms": (c2 - c1) / n * 1e3,
+           "producer_wall_ms": (t1 - t0) / n * 1e3, "consumer_wall_ms": (t2 - t1) / n * 1e3, **r0.since(mb, n)}
     client.delete(key)
     client.close()
-    return {"producer_ms": (c1 - c0) / n * 1e3, "consumer_ms": (c2 - c1) / n * 1e3,
-            "producer_wall_ms": (t1 - t0) / n * 1e3, "consumer_wall_ms": (t2 - t1) / n * 1e3,
-            "redis_ms_per_mb": (r1 - r0) / mb * 1e3}
+    return out
+
+
+def medians(runs: list[dict]) -> dict:
+    keys = {k for r in runs for k in r}
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=960)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--json", help="write the medians here (a later run's --before)")
+    p.add_argument("--before", help="medians of an earlier commit's run (--json), shown beside these")
+    p.add_argument("--before-label", default="before")
     p.add_argument("--readme", action="store_true")
     args = p.parse_args()
     redis = RedisChild()
     runs: dict[str, list[dict]] = {"rlstream": [], "bare": []}
     try:
-        for _ in range(args.rounds):  # interleaved: the machine is shared, load comes and goes
-            runs["rlstream"].append(one_run(redis.url, args.n))
-            runs["bare"].append(bare_run(redis.url, args.n))
+        one_run(redis.url, args.n), bare_run(redis.url, args.n)  # warm-up: the server's allocator grows once
+        for rnd in range(args.rounds):  # interleaved, order alternating: the machine is shared, load comes and goes
+            for name in ("rlstream", "bare") if rnd % 2 == 0 else ("bare", "rlstream"):
+                runs[name].append((one_run if name == "rlstream" else bare_run)(redis.url, args.n))
     finally:
         redis.stop()
-    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
+    med = {k: medians(v) for k, v in runs.items()}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(med, f, indent=1)
+    before = None
+    if args.before:
+        with open(args.before) as f:
+            before = json.load(f)
     lines = [SECTION, "",
              f"`nice -n 10 python benchmarks/broker_client.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`"
-             f": {args.n} groups of ~105 kB per run, medians of {args.rounds} interleaved rounds, one process, "
-             f"{os.cpu_count()} CPUs shared with other engineers' work (load average {os.getloadavg()[0]:.1f}), "
-             f"{platform.machine()}. rlstream = admission lease + MULTI/EXEC commit (batches of 16), read with "
-             "decode + validation, ack, trim; bare = pipelined XADD + XREADGROUP + XACK of the same bytes.", "",
-             "| | producer CPU ms/group | producer wall ms/group | consumer CPU ms/group | consumer wall ms/group "
-             "| Redis CPU ms/MB |", "|---|---|---|---|---|---|"]
-    for k in ("rlstream", "bare"):
-        m = med[k]
+             f": {args.n} groups of ~105 kB per run, medians of {args.rounds} interleaved rounds after a warm-up, "
+             f"one process, {os.cpu_count()} CPUs shared with other engineers' work (load average "
+             f"{os.getloadavg()[0]:.1f}), {platform.machine()}. rlstream = admission lease + MULTI/EXEC commit "
+             "(batches of 16), read with decode + validation, ack, trim; bare = pipelined XADD + XREADGROUP + XACK "
+             "of the same bytes. Redis CPU: the redis-server process (INFO `used_cpu_*`) and its main thread "
+             "(`used_cpu_*_main_thread`: the thread that runs every command and, without io-threads, all socket I/O).",
+             "", "| | producer CPU ms/group | producer wall ms/group | consumer CPU ms/group | consumer wall ms/group "
+             "| Redis CPU ms/MB | Redis main thread ms/MB |", "|---|---|---|---|---|---|---|"]
+    rows = [("rlstream", med["rlstream"]), ("bare", med["bare"])]
+    if before:
+        rows.insert(1, (f"rlstream {args.before_label}", before["rlstream"]))
+        rows.append((f"bare ({args.before_label} run)", before["bare"]))
+    for k, m in rows:
         lines.append(f"| {k} | {m['producer_ms']:.3f} | {m['producer_wall_ms']:.3f} | {m['consumer_ms']:.3f} | "
-                     f"{m['consumer_wall_ms']:.3f} | {m['redis_ms_per_mb']:.2f} |")
+                     f"{m['consumer_wall_ms']:.3f} | {m['redis_ms_per_mb']:.2f} | {m['redis_main_ms_per_mb']:.2f} |")
     a, bare = med["rlstream"], med["bare"]
-    lines += ["", f"rlstream / bare: Redis CPU {a['redis_ms_per_mb'] / bare['redis_ms_per_mb']:.2f}x (issue target "
-              f"<= 1.3x), producer client CPU {a['producer_ms'] / bare['producer_ms']:.1f}x, consumer client CPU "
-              f"{a['consumer_ms'] / bare['consumer_ms']:.1f}x. Above bare, the producer encodes every group (bare "
-              "sends bytes encoded beforehand), takes its leases (one admission script call per batch) and commits "
-              "with WATCH + MULTI/EXEC (3 round trips per batch against bare's 1; the transaction's per-command "
-              "replies, the done markers); the consumer decodes and validates every group (~30 us per group). "
-              "Most of either side's CPU is what bare spends too: redis-py packing and sending (producer) or "
-              "receiving and parsing (consumer) ~105 kB per group over loopback TCP."]
+
+    def ratios(a: dict, bare: dict) -> str:
+        return (f"Redis CPU {a['redis_ms_per_mb'] / bare['redis_ms_per_mb']:.2f}x (main thread "
+                f"{a['redis_main_ms_per_mb'] / bare['redis_main_ms_per_mb']:.2f}x; issue target <= 1.3x), producer "
+                f"client CPU {a['producer_ms'] / bare['producer_ms']:.1f}x, consumer client CPU "
+                f"{a['consumer_ms'] / bare['consumer_ms']:.1f}x")
+
+    lines += ["", f"rlstream / bare: {ratios(a, bare)}."]
+    if before:
+        lines[-1] += f" {args.before_label} / its bare: {ratios(before['rlstream'], before['bare'])}."
+    cmds = sorted({k for m in (a, bare, *(before.values() if before else ())) for k in m if k.startswith("cmd:")},
+                  key=lambda k: -a.get(k, 0.0))
+    head = ["rlstream", *([args.before_label] if before else []), "bare"]
+    lines += ["", "Redis time per group by command (INFO commandstats, usec; EXEC and EVALSHA include the commands "
+              "they run, which are also counted on their own lines; socket I/O is in no line):", "",
+              "| command | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    for k in cmds:
+        vals = [a.get(k, 0.0), *([before["rlstream"].get(k, 0.0)] if before else []), bare.get(k, 0.0)]
+        if max(vals) >= 0.05:
+            lines.append(f"| {k[4:].upper()} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     if args.readme:

@@ -24,8 +24,8 @@ for owners that never heartbeat, e.g. tools).
 Lease times come from the Redis server's clock (`TIME` inside the scripts), so
 producers on machines with skewed clocks cannot expire each other's leases.
 
-Committing an accepted group is a MULTI/EXEC transaction (ZREM lease, INCR accepted,
-XADD, mark the lease done) rather than a Lua script: a script would copy the ~100 kB
+Committing accepted groups is a MULTI/EXEC transaction (one ZREM of their leases, INCR(BY)
+accepted, per group its XADD and its done marker) rather than a Lua script: a script would copy the ~100 kB
 payload into Lua and back, which measured 2.5x the Redis CPU of the transaction
 (benchmarks/README.md), and Redis's one thread is what all producers share.
 
@@ -33,10 +33,12 @@ Everything is safe to retry after a lost reply (the client retries on connection
 loss): acquiring with a lease id that is already held answers "admitted" without a
 second lease; a finished lease is marked under `{ns}:admit:done:{lease}` (kept for
 `DONE_TTL_MS`) inside the same transaction, and a commit WATCHes those markers, so a
-retry after an unknown outcome commits only what did not happen: exactly once. Round
-trips per commit: WATCH, then MULTI/EXEC; the markers are read first (MGET) unless every
-lease is one this process took and never tried to commit (no marker can exist yet). A
-marker says "1" until the controller's next transaction writes the entry id into it.
+retry after an unknown outcome commits only what did not happen: exactly once. A commit of
+leases this process took and never tried to commit (no marker can exist yet) is one round
+trip: WATCH + MULTI/EXEC in one write, never resent by the client (`plan.Transaction`);
+otherwise the markers are read first (WATCH + MGET, then MULTI/EXEC). A marker says "1";
+the entry id of a group is remembered by the controller that committed it, and a repeated
+commit through it answers with that id ("1" through another controller).
 
 Each operation is written once, as a plan (`broker/plan.py`): `AdmissionController` runs
 them with a sync client, `AsyncAdmissionController` with an asyncio one.
@@ -57,7 +59,7 @@ from redis.exceptions import WatchError
 from rlstream.broker.connection import BrokerUnavailable
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.broker.producers import accepted_field
-from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Plan, Sleep, Sync, Watch, operation, script
+from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Plan, Sleep, Sync, Transaction, Watch, operation, script
 from rlstream.common.logging import get_logger
 
 __all__ = ["AdmissionState", "Lease", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
@@ -82,7 +84,7 @@ def new_lease_id() -> str:
 
 # Leases this process admitted under ids of its own making (`new_lease_id`: unique everywhere) and
 # has not tried to commit or release yet: no done marker can exist for them, so their first commit
-# skips reading the markers (WATCH + MULTI/EXEC, no MGET round trip). An id leaves the set before its
+# skips reading the markers (WATCH + MULTI/EXEC in one round trip, no MGET). An id leaves the set before its
 # first attempt (`set.remove`: one thread wins), so any retry or second commit reads the markers.
 _untried: set[str] = set()
 _UNTRIED_MAX = 100_000  # leases never committed, released or abandoned (lost replies): forget them all
@@ -112,6 +114,8 @@ DONE_TTL_MS = 600_000
 # A producer refused within this window counts as waiting for a slot (fair share). It must
 # exceed the producers' retry interval (producer.main.ADMIT_POLL_SECS = 0.25 s).
 WAIT_WINDOW_MS = 2000
+# Entry ids of its own commits an `Admission` remembers for repeated commits (the oldest half is forgotten).
+_ENTRY_IDS_MAX = 100_000
 # Attempts of a commit whose outcome was unknown (connection lost) or raced; backoff in between.
 _COMMIT_ATTEMPTS = 12
 # How long a commit waits at most for redis.wait_replicas replicas to confirm it.
@@ -131,8 +135,9 @@ _SILENCE_MS = 3000
 # Lua prologue: `owner_of(lease)` (a lease's owner, its producer process, is its id up to the
 # last `-`, see new_lease_id) and `reap(running, alive)`: drop expired liveness records and
 # every lease of those owners, then leases past their own expiry. O(leases) only when an
-# owner died; owners without a record (tools, tests) rely on the lease expiry alone.
-# `catch_up(running, alive)` first: the alive set also holds CLOCK, scored with when admission
+# owner died (the CLOCK member below is no owner: it never counts as one that died); owners
+# without a record (tools, tests) rely on the lease expiry alone.
+# `catch_up(running, alive, last)` first: the alive set also holds CLOCK, scored with when admission
 # last ran (server ms). After a longer silence (Redis down or restarting: nobody could heartbeat)
 # every record and lease still live then gets the silence back, so the first call after an outage
 # does not take live producers for dead and admit their slots twice; a producer that stays silent
@@ -140,25 +145,32 @@ _SILENCE_MS = 3000
 _LUA_REAP = LUA_NOW_MS + """
 local CLOCK = '""" + _CLOCK + """'
 local function owner_of(lease) return string.match(lease, '^(.*)%-[^%-]*$') or lease end
-local function catch_up(running, alive)
-  local last = tonumber(redis.call('ZSCORE', alive, CLOCK) or now)
+local function catch_up(running, alive, last)
+  last = last or tonumber(redis.call('ZSCORE', alive, CLOCK) or now)
   local gap = now - last
-  if gap > """ + str(_SILENCE_MS) + """ then
-    for _, key in ipairs({alive, running}) do
-      local rows = redis.call('ZRANGEBYSCORE', key, last, '+inf', 'WITHSCORES')
-      for i = 1, #rows, 2 do
-        if rows[i] ~= CLOCK then redis.call('ZADD', key, tonumber(rows[i + 1]) + gap, rows[i]) end
-      end
+  if gap <= """ + str(_SILENCE_MS) + """ then return false end
+  for _, key in ipairs({alive, running}) do
+    local rows = redis.call('ZRANGEBYSCORE', key, last, '+inf', 'WITHSCORES')
+    for i = 1, #rows, 2 do
+      if rows[i] ~= CLOCK then redis.call('ZADD', key, tonumber(rows[i + 1]) + gap, rows[i]) end
     end
   end
+  return true
 end
 local function reap(running, alive)
-  catch_up(running, alive)
-  local dead = redis.call('ZRANGEBYSCORE', alive, '-inf', now)
-  if #dead > 0 then
+  -- expired records and CLOCK (scored with the last run, never later than now unless the clock went back)
+  local rows = redis.call('ZRANGEBYSCORE', alive, '-inf', now, 'WITHSCORES')
+  local last = now
+  for i = 1, #rows, 2 do
+    if rows[i] == CLOCK then last = tonumber(rows[i + 1]) end
+  end
+  if catch_up(running, alive, last) then rows = redis.call('ZRANGEBYSCORE', alive, '-inf', now, 'WITHSCORES') end
+  local gone, died = {}, false
+  for i = 1, #rows, 2 do
+    if rows[i] ~= CLOCK then gone[rows[i]], died = true, true end
+  end
+  if died then
     redis.call('ZREMRANGEBYSCORE', alive, '-inf', now)
-    local gone = {}
-    for _, o in ipairs(dead) do gone[o] = true end
     for _, lease in ipairs(redis.call('ZRANGE', running, 0, -1)) do
       if gone[owner_of(lease)] then redis.call('ZREM', running, lease) end
     end
@@ -189,68 +201,90 @@ end
 local eta = tonumber(ARGV[2])
 local B = tonumber(ARGV[3])
 -- Within one call only this script changes `running` and `waiting`: the lease count is kept here,
--- and the waiting set is read again only after this script changed it (a batch's leases share one
--- owner: one read, one ZREM for the whole batch).
+-- and the waiting set (owner -> when last refused) is read once and mirrored in `waiting`.
 local running = redis.call('ZCARD', KEYS[1])
-local waiting_trimmed, others_of, off_waiting = false, {}, {}
-local function waiting_others(owner)
-  if others_of[owner] == nil then
-    if not waiting_trimmed then
-      redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now - tonumber(ARGV[5]))
-      waiting_trimmed = true
-    end
-    local list = {}
-    for _, w in ipairs(redis.call('ZRANGE', KEYS[4], 0, -1)) do
-      if w ~= owner then list[#list + 1] = w end
-    end
-    others_of[owner] = list
+local waiting, since = {}, now - tonumber(ARGV[5])
+local rows = redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES')
+for i = 1, #rows, 2 do waiting[rows[i]] = tonumber(rows[i + 1]) end
+local function refuse(owner)
+  redis.call('ZADD', KEYS[4], now, owner)
+  waiting[owner] = now
+end
+-- Which of the ids are held already (a retry whose first attempt took them, reply lost): one ZMSCORE for
+-- the batch. `held` also gets the leases this call takes; they are written with one ZADD at the end.
+local held, add, counts = {}, {}, nil
+for first = 6, #ARGV, 1000 do
+  local ids = {unpack(ARGV, first, math.min(first + 999, #ARGV))}
+  local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
+  for i, lease in ipairs(ids) do
+    if scores[i] then held[lease] = tonumber(scores[i]) end
   end
-  return others_of[owner]
+end
+-- leases per owner (the fair-share check), counted once when first needed, this call's leases included
+local function owner_counts()
+  if counts == nil then
+    counts = {}
+    for _, l in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+      local o = owner_of(l)
+      counts[o] = (counts[o] or 0) + 1
+    end
+    for i = 2, #add, 2 do
+      local o = owner_of(add[i])
+      counts[o] = (counts[o] or 0) + 1
+    end
+  end
+  return counts
 end
 local function decide(lease)
   local cap = math.min(tonumber(ARGV[4]) - running, (eta + v + 1) * B - (accepted + running))
-  local held = redis.call('ZSCORE', KEYS[1], lease)
-  if held then
+  if held[lease] then
     -- a retry whose first attempt took the lease (reply lost): same answer, no second lease
-    return {1, cap, running, accepted, v, tonumber(held), 0}
+    return {1, cap, running, accepted, v, held[lease], 0}
   end
   local owner = owner_of(lease)
   if cap > 0 then
-    local others = waiting_others(owner)
-    if #others > 0 then
+    -- the others refused within the wait window
+    local seen, n = {[owner] = true}, 1
+    for w, at in pairs(waiting) do
+      if at > since and not seen[w] then seen[w] = true; n = n + 1 end
+    end
+    if n > 1 then
       -- other producers were refused lately: this one gets no more than its fair share of
       -- the slots usable now (running + cap) among everyone holding or waiting for one
-      local seen, n = {[owner] = true}, 1
-      for _, w in ipairs(others) do
-        if not seen[w] then seen[w] = true; n = n + 1 end
-      end
-      local mine = 0
-      for _, l in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-        local o = owner_of(l)
-        if o == owner then mine = mine + 1 end
+      local holding = owner_counts()
+      for o, _ in pairs(holding) do
         if not seen[o] then seen[o] = true; n = n + 1 end
       end
-      if mine >= math.ceil((running + cap) / n) then
-        redis.call('ZADD', KEYS[4], now, owner)
-        others_of, off_waiting[owner] = {}, nil
+      if (holding[owner] or 0) >= math.ceil((running + cap) / n) then
+        refuse(owner)
         return {0, cap, running, accepted, v, 0, 0}
       end
     end
-    if not off_waiting[owner] then
+    if waiting[owner] then
       redis.call('ZREM', KEYS[4], owner)
-      others_of, off_waiting[owner] = {}, true
+      waiting[owner] = nil
     end
     local expires = now + tonumber(ARGV[1])
-    redis.call('ZADD', KEYS[1], expires, lease)
+    add[#add + 1] = expires
+    add[#add + 1] = lease
+    held[lease] = expires
+    if counts then counts[owner] = (counts[owner] or 0) + 1 end
     running = running + 1
     return {1, cap - 1, running, accepted, v, expires, 0}
   end
-  redis.call('ZADD', KEYS[4], now, owner)
-  others_of, off_waiting[owner] = {}, nil
+  refuse(owner)
   return {0, cap, running, accepted, v, 0, 0}
 end
 for i = 6, #ARGV do
   for _, x in ipairs(decide(ARGV[i])) do out[#out + 1] = x end
+end
+if #add > 0 then redis.call('ZADD', KEYS[1], unpack(add)) end
+-- refusals older than the window no longer count: forget them
+for _, at in pairs(waiting) do
+  if at <= since then
+    redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', since)
+    break
+  end
 end
 return out
 """
@@ -385,9 +419,9 @@ class Admission:
         self.batch = consumer_batch_size
         self.max_concurrent = max_concurrent_rollouts
         self.lease_ttl_ms = int(lease_ttl * 1000)
-        # done marker -> entry id of this object's last commits, written into the markers by the next
-        # transaction (until then the markers say "1")
-        self._ids_to_record: dict[str, Any] = {}
+        # lease -> entry id of the groups this object committed (a repeated commit answers with it; the
+        # done markers in Redis say "1": writing each id there took one more command per group)
+        self._entry_ids: dict[str, Any] = {}
 
     @classmethod
     def from_config(cls, client: Any, keys: Keys, cfg: Any, producer_id: str | None = None) -> Any:
@@ -430,16 +464,20 @@ class Admission:
 
     # ------------------------------------------------------------------ finishing
 
-    def _commit_calls(self, lease_id: str, fields: dict[str, Any]) -> list[Call]:
-        """The commands of one commit, for inside MULTI (the lease's ZREM first, the XADD third)."""
-        calls = [
-            Call("zrem", self.keys.admit_running, lease_id),
-            Call("execute_command", "INCR", self.keys.admit_accepted),  # INCR, not redis-py's INCRBY: ACLs name it
-            Call("xadd", self.keys.traj, fields),
-            Call("set", self.keys.admit_done(lease_id), "1", px=DONE_TTL_MS),
-        ]
+    def _commit_calls(self, items: list[tuple[str, dict[str, Any]]]) -> list[Call]:
+        """The commands of committing `items` in one transaction: one ZREM of their leases (its reply: how many
+        were still live), the accepted count(s), then per item its XADD and its done marker (`_HEAD` + 2i)."""
+        k = self.keys
+        n = len(items)
+        calls = [Call("execute_command", "ZREM", k.admit_running, *(lid for lid, _ in items)),
+                 # INCR for one (what a producer commits) needs no other ACL than before
+                 Call("execute_command", "INCR", k.admit_accepted) if n == 1 else
+                 Call("execute_command", "INCRBY", k.admit_accepted, n)]
         if self.producer_id:
-            calls.append(Call("hincrby", self.keys.producers, accepted_field(self.producer_id), 1))
+            calls.append(Call("execute_command", "HINCRBY", k.producers, accepted_field(self.producer_id), n))
+        for lid, fields in items:
+            calls.append(Call("execute_command", "XADD", k.traj, "*", *(x for kv in fields.items() for x in kv)))
+            calls.append(Call("execute_command", "SET", k.admit_done(lid), "1", "PX", DONE_TTL_MS))
         return calls
 
     @operation
@@ -452,7 +490,7 @@ class Admission:
         """`commit` for several finished rollouts in one transaction; returns their entry ids.
 
         A lease committed before (by this call's earlier attempt or an earlier call) is not
-        written again; its recorded entry id is returned.
+        written again; its entry id is returned if this controller committed it, else its marker ("1").
         """
         return (yield from self._commit_many(items))
 
@@ -460,48 +498,42 @@ class Admission:
         if not items:
             return []
         done = [self.keys.admit_done(lid) for lid, _ in items]
-        # Leases never tried before have no marker to read: WATCH them (a lost reply then raises instead
-        # of redis-py resending the transaction) and skip the MGET. Otherwise read the markers first.
+        # Leases never tried before have no marker to read: WATCH them and commit in one round trip (a lost
+        # reply then raises instead of the transaction being resent). Otherwise read the markers first.
         read = None if _take_untried([lid for lid, _ in items]) else Call("execute_command", "MGET", *done)
-        per = len(self._commit_calls("", {}))
+        head = 3 if self.producer_id else 2  # replies before the first XADD's
         last: Exception | None = None
         for attempt in range(_COMMIT_ATTEMPTS):
-            # The ids of earlier commits go into their markers in this transaction (one round trip fewer
-            # per commit; a repeated commit in between gets them from `_ids_to_record`).
-            record = dict(self._ids_to_record)
-            self._ids_to_record.clear()
-            fresh: list[int] = []
+            fresh: list[int] = list(range(len(items)))
 
-            def queue(prev: list[Any] | None) -> list[Call]:
-                fresh[:] = [i for i in range(len(items)) if prev is None or prev[i] is None]
-                if not fresh:
-                    return []
-                return [*(Call("set", k, v, xx=True, keepttl=True) for k, v in record.items()),
-                        *(c for i in fresh for c in self._commit_calls(*items[i]))]
+            def queue(prev: list[Any]) -> list[Call]:
+                fresh[:] = [i for i in range(len(items)) if prev[i] is None]
+                return self._commit_calls([items[i] for i in fresh]) if fresh else []
 
             try:
-                prev, res = yield Watch(done, read, queue)
+                if read is None:
+                    prev, res = None, (yield Transaction(done, self._commit_calls(items)))
+                else:
+                    prev, res = yield Watch(done, read, queue)
             except (WatchError, RedisConnectionError, RedisTimeoutError) as exc:
                 # Reply lost (outcome unknown) or the same lease committed concurrently: the
                 # done markers tell what happened; the next attempt writes only what is missing.
-                self._ids_to_record.update({k: v for k, v in record.items() if k not in self._ids_to_record})
                 last, read = exc, Call("execute_command", "MGET", *done)
                 yield Sleep(min(2.0, 0.02 * 2**attempt))
                 continue
-            if not fresh:
-                self._ids_to_record.update(record)
-            out = [None] * len(items) if prev is None else list(prev)
-            for i, p in enumerate(out):
-                if p is not None and done[i] in record:  # committed earlier, id not recorded yet
-                    out[i] = record[done[i]]
-            res = res[len(record):] if fresh else []
+            # committed before (this call's lost attempt, or an earlier call): the id if this object knows it
+            out = [None] * len(items) if prev is None else [self._entry_ids.get(lid, p) for (lid, _), p in
+                                                             zip(items, prev)]
+            if res is None:
+                fresh = []
+            elif int(res[0]) < len(fresh):
+                # A rollout outlived its lease (producer stalled past lease_ttl). The group is written
+                # anyway, never dropped; the consumer's staleness check is the backstop.
+                log.warning("%d of the leases %s had expired before commit; groups written anyway",
+                            len(fresh) - int(res[0]), ", ".join(items[i][0] for i in fresh))
             for k, i in enumerate(fresh):
-                if not int(res[per * k]):
-                    # The rollout outlived its lease (producer stalled past lease_ttl). The group is
-                    # written anyway, never dropped; the consumer's staleness check is the backstop.
-                    log.warning("lease %s had expired before commit; group written anyway", items[i][0])
-                out[i] = res[per * k + 2]
-                self._ids_to_record[done[i]] = out[i]
+                out[i] = res[head + 2 * k]
+                self._remember(items[i][0], out[i])
             if fresh and self.wait_replicas:
                 # Redis replicates asynchronously: a failover right now would lose these commits unless
                 # the replicas have them. WAIT blocks until they confirm (or the timeout passes).
@@ -512,6 +544,13 @@ class Admission:
             return out
         raise BrokerUnavailable(f"could not commit {len(items)} group(s) to {self.keys.traj} after "
                                 f"{_COMMIT_ATTEMPTS} attempts: {last}")
+
+    def _remember(self, lease_id: str, entry_id: Any) -> None:
+        """Keep the entry id of a lease this object committed, for a repeated commit of it (bounded)."""
+        if len(self._entry_ids) >= _ENTRY_IDS_MAX:
+            for old in list(itertools.islice(self._entry_ids, _ENTRY_IDS_MAX // 2)):
+                del self._entry_ids[old]
+        self._entry_ids[lease_id] = entry_id
 
     @operation
     def release(self, lease_id: str) -> Plan:

@@ -30,9 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError, WatchError
 
-__all__ = ["Call", "Pipeline", "Watch", "Sleep", "Close", "one", "script", "run", "arun", "operation", "Sync",
+__all__ = ["Call", "Pipeline", "Watch", "Transaction", "Sleep", "Close", "one", "script", "run", "arun", "operation", "Sync",
            "Async", "LUA_NOW_MS", "Plan"]
 
 Plan = Generator[Any, Any, Any]
@@ -107,6 +107,54 @@ class Watch:
             return seen, (yield pipe.execute())
         finally:
             yield pipe.reset()  # unwatch, give the connection back
+
+
+@dataclass
+class Transaction:
+    """WATCH `watch`, MULTI, `calls`, EXEC in one write, read back in one round trip (the reply: EXEC's list
+    of raw replies, no response callbacks); WatchError when a watched key changed after WATCH.
+
+    Never resent: a connection lost on the way raises (the outcome is unknown, the caller looks), where
+    a redis-py pipeline would retry the whole transaction, and `Watch`'s WATCH costs a round trip of its
+    own. A client without a connection pool (Redis Cluster) runs it as `Watch` with nothing to read.
+    """
+
+    watch: list[str]
+    calls: list[Call]
+
+    def steps(self, client: Any) -> Plan:
+        pool = getattr(client, "connection_pool", None)
+        if pool is None:
+            _, res = yield from Watch(self.watch, None, lambda _: self.calls).steps(client)
+            return res
+        cmds = [("WATCH", *self.watch), ("MULTI",), *(_command(c) for c in self.calls), ("EXEC",)]
+        conn = yield pool.get_connection()
+        try:
+            yield conn.send_packed_command(conn.pack_commands(cmds))
+            replies: list[Any] = []
+            for _ in cmds:
+                try:
+                    replies.append((yield conn.read_response()))
+                except ResponseError as exc:  # read every reply before raising: the connection stays in step
+                    replies.append(exc)
+        except BaseException:
+            yield conn.disconnect()
+            raise
+        finally:
+            yield pool.release(conn)
+        errors = [r for r in replies if isinstance(r, ResponseError)]
+        if errors:
+            raise errors[0]  # a command refused when queued (EXECABORT follows) or a WATCH refused
+        if replies[-1] is None:
+            raise WatchError("a watched key changed")
+        return replies[-1]
+
+
+def _command(call: Call) -> tuple[Any, ...]:
+    """The raw command of a `Call("execute_command", ...)`: a `Transaction` packs commands itself."""
+    if call.method != "execute_command" or call.kwargs:
+        raise TypeError(f"Transaction takes Call('execute_command', ...) only, not {call!r}")
+    return call.args
 
 
 @dataclass
