@@ -155,6 +155,31 @@ def test_crashed_producer_leases_expire(redis_url, rclient, keys):
             p.wait()
 
 
+def test_lease_scripts_walk_the_leases_only_when_an_owner_died(redis_factory, keys):
+    """Reaping looks at every lease only when a liveness record expired: the scripts' clock member in the
+    liveness set was taken for a dead owner on every call, so each acquire, renew and snapshot walked all
+    running leases (O(leases) per call at scale). Counted with INFO commandstats on a server of its own."""
+    from rlstream.broker import connect
+
+    client = connect(redis_factory().url)
+    try:
+        adm = AdmissionController(client, keys, max_head_offpolicyness=1000, consumer_batch_size=1,
+                                  max_concurrent_rollouts=1000)
+        adm.heartbeat()  # this process is alive: its leases live as long as its record
+        held = [lease.lease_id for _, lease in adm.try_acquire_many(50)]
+        client.zadd(keys.admit_alive, {"dead-owner": 1})  # long expired, its lease still running
+        client.zadd(keys.admit_running, {"dead-owner-0": 2**50})
+        assert adm.snapshot().running == 50  # the dead owner's lease went: that call walked the leases
+        client.config_resetstat()
+        assert adm.renew(held[:5]) == 5 and adm.snapshot().running == 50
+        assert "cmdstat_zrange" not in client.info("commandstats")  # nobody died since: no walk
+        client.zadd(keys.admit_alive, {"dead-owner": 1})
+        client.zadd(keys.admit_running, {"dead-owner-1": 2**50})
+        assert adm.snapshot().running == 50 and client.info("commandstats")["cmdstat_zrange"]["calls"] == 1
+    finally:
+        client.close()
+
+
 def test_renew_keeps_a_lease_alive_and_misses_expired_ones(rclient, keys):
     adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2,
                               max_concurrent_rollouts=2, lease_ttl=0.6)
