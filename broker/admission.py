@@ -182,7 +182,9 @@ end
 
 # KEYS: running, accepted, version, waiting, alive, run
 # ARGV: ttl_ms, eta, B, max_concurrent, wait_window_ms, lease_id...
-# -> per lease id, in order: admitted, capacity_after, running, accepted, version, expires_ms, run_finished
+# -> {running, accepted, version, run_finished}, then per lease id, in order: its expiry (server ms) if this
+#    call took it, minus its expiry if it was held already (a retry), 0 if refused. The client derives each
+#    decision's running count and capacity from these (`capacity`, the same formula).
 # Each lease is decided as by its own script run right after the previous one's (one call takes
 # a batch: one reap, one round trip, one script invocation for all of them).
 # No lease once the trainer marked the run finished (`{ns}:run`): a late producer commits nothing.
@@ -190,12 +192,9 @@ _ACQUIRE = _LUA_REAP + """
 reap(KEYS[1], KEYS[5])
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local v = tonumber(redis.call('GET', KEYS[3]) or '0')
-local out = {}
 if redis.call('HGET', KEYS[6], 'state') == 'finished' then
-  local running = redis.call('ZCARD', KEYS[1])
-  for i = 6, #ARGV do
-    for _, x in ipairs({0, 0, running, accepted, v, 0, 1}) do out[#out + 1] = x end
-  end
+  local out = {redis.call('ZCARD', KEYS[1]), accepted, v, 1}
+  for i = 6, #ARGV do out[#out + 1] = 0 end
   return out
 end
 local eta = tonumber(ARGV[2])
@@ -203,6 +202,7 @@ local B = tonumber(ARGV[3])
 -- Within one call only this script changes `running` and `waiting`: the lease count is kept here,
 -- and the waiting set (owner -> when last refused) is read once and mirrored in `waiting`.
 local running = redis.call('ZCARD', KEYS[1])
+local out = {running, accepted, v, 0}
 local waiting, since = {}, now - tonumber(ARGV[5])
 local rows = redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES')
 for i = 1, #rows, 2 do waiting[rows[i]] = tonumber(rows[i + 1]) end
@@ -239,7 +239,7 @@ local function decide(lease)
   local cap = math.min(tonumber(ARGV[4]) - running, (eta + v + 1) * B - (accepted + running))
   if held[lease] then
     -- a retry whose first attempt took the lease (reply lost): same answer, no second lease
-    return {1, cap, running, accepted, v, held[lease], 0}
+    return -held[lease]
   end
   local owner = owner_of(lease)
   if cap > 0 then
@@ -257,7 +257,7 @@ local function decide(lease)
       end
       if (holding[owner] or 0) >= math.ceil((running + cap) / n) then
         refuse(owner)
-        return {0, cap, running, accepted, v, 0, 0}
+        return 0
       end
     end
     if waiting[owner] then
@@ -270,14 +270,12 @@ local function decide(lease)
     held[lease] = expires
     if counts then counts[owner] = (counts[owner] or 0) + 1 end
     running = running + 1
-    return {1, cap - 1, running, accepted, v, expires, 0}
+    return expires
   end
   refuse(owner)
-  return {0, cap, running, accepted, v, 0, 0}
+  return 0
 end
-for i = 6, #ARGV do
-  for _, x in ipairs(decide(ARGV[i])) do out[#out + 1] = x end
-end
+for i = 6, #ARGV do out[#out + 1] = decide(ARGV[i]) end
 if #add > 0 then redis.call('ZADD', KEYS[1], unpack(add)) end
 -- refusals older than the window no longer count: forget them
 for _, at in pairs(waiting) do
@@ -439,18 +437,24 @@ class Admission:
                 self.keys.admit_alive, self.keys.run]
         res = yield from script(_ACQUIRE, keys, [self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent,
                                                  WAIT_WINDOW_MS, *lease_ids])
-        out = [self._decision(res[7 * i:7 * i + 7], lid) for i, lid in enumerate(lease_ids)]
-        if own_ids:
-            for _st, lease in out:
-                if lease is not None:
-                    _mark_untried(lease.lease_id)
+        running, accepted, version, finished = (int(x) for x in res[:4])
+        out: list[tuple[AdmissionState, Lease | None]] = []
+        for lid, code in zip(lease_ids, res[4:]):
+            code = int(code)  # the script's decision: expiry (taken now), -expiry (held already), 0 (refused)
+            if finished:
+                out.append((AdmissionState(False, 0, running, accepted, version, run_finished=True), None))
+                continue
+            cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
+            if code > 0:
+                running += 1
+                out.append((AdmissionState(True, cap - 1, running, accepted, version), Lease(lid, code)))
+                if own_ids:
+                    _mark_untried(lid)
+            elif code < 0:
+                out.append((AdmissionState(True, cap, running, accepted, version), Lease(lid, -code)))
+            else:
+                out.append((AdmissionState(False, cap, running, accepted, version), None))
         return out
-
-    @staticmethod
-    def _decision(res: list[Any], lease_id: str) -> tuple[AdmissionState, Lease | None]:
-        st = AdmissionState(bool(int(res[0])), int(res[1]), int(res[2]), int(res[3]), int(res[4]),
-                            run_finished=bool(int(res[6])))
-        return st, (Lease(lease_id, int(res[5])) if st.admitted else None)
 
     @operation
     def try_acquire(self, lease_id: str | None = None) -> Plan:
@@ -460,7 +464,8 @@ class Admission:
     @operation
     def try_acquire_many(self, n: int) -> Plan:
         """`n` acquisitions in one script call: each decided as if by its own `try_acquire`, in order."""
-        return (yield from self._acquire([new_lease_id() for _ in range(n)], True)) if n > 0 else []
+        owner = lease_owner()
+        return (yield from self._acquire([f"{owner}-{next(_lease_seq)}" for _ in range(n)], True)) if n > 0 else []
 
     # ------------------------------------------------------------------ finishing
 
