@@ -92,8 +92,9 @@ def one_run(url: str, n: int) -> dict:
     return out
 
 
-def bare_run(url: str, n: int) -> dict:
-    """The same bytes through bare XADD (pipelined by 16) + XREADGROUP + XACK: Redis' floor for this traffic."""
+def bare_run(url: str, n: int, trim: bool = False) -> dict:
+    """The same bytes through bare XADD (pipelined by 16) + XREADGROUP + XACK: Redis' floor for this traffic
+    (`trim`: and an XTRIM of what was read at the end, the retention rlstream's consumer path includes)."""
     from rlstream.broker import connect
     from rlstream.common.wire import encode_group
 
@@ -116,7 +117,11 @@ def bare_run(url: str, n: int) -> dict:
         ids = [eid for _k, items in res or [] for eid, _f in items]
         if ids:
             client.xack(key, "g", *ids)
+            last = ids[-1]
         got += len(ids)
+    if trim:
+        ms, _, seq = last.decode().partition("-")
+        client.xtrim(key, minid=f"{ms}-{int(seq) + 1}", approximate=False)
     c2, t2 = time.process_time(), time.perf_counter()
     out = {"producer_ms": (c1 - c0) / n * 1e3, "consumer_ms": (c2 - c1) / n * 1e3,
            "producer_wall_ms": (t1 - t0) / n * 1e3, "consumer_wall_ms": (t2 - t1) / n * 1e3, **r0.since(mb, n)}
@@ -140,12 +145,14 @@ def main() -> None:
     p.add_argument("--readme", action="store_true")
     args = p.parse_args()
     redis = RedisChild()
-    runs: dict[str, list[dict]] = {"rlstream": [], "bare": []}
+    kinds = {"rlstream": one_run, "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True)}
+    runs: dict[str, list[dict]] = {k: [] for k in kinds}
     try:
         one_run(redis.url, args.n), bare_run(redis.url, args.n)  # warm-up: the server's allocator grows once
-        for rnd in range(args.rounds):  # interleaved, order alternating: the machine is shared, load comes and goes
-            for name in ("rlstream", "bare") if rnd % 2 == 0 else ("bare", "rlstream"):
-                runs[name].append((one_run if name == "rlstream" else bare_run)(redis.url, args.n))
+        for rnd in range(args.rounds):  # interleaved, order turning: the machine is shared, load comes and goes
+            order = list(kinds)[rnd % 3:] + list(kinds)[:rnd % 3]
+            for name in order:
+                runs[name].append(kinds[name](redis.url, args.n))
     finally:
         redis.stop()
     med = {k: medians(v) for k, v in runs.items()}
@@ -166,7 +173,7 @@ def main() -> None:
              "(`used_cpu_*_main_thread`: the thread that runs every command and, without io-threads, all socket I/O).",
              "", "| | producer CPU ms/group | producer wall ms/group | consumer CPU ms/group | consumer wall ms/group "
              "| Redis CPU ms/MB | Redis main thread ms/MB |", "|---|---|---|---|---|---|---|"]
-    rows = [("rlstream", med["rlstream"]), ("bare", med["bare"])]
+    rows = [("rlstream", med["rlstream"]), ("bare", med["bare"]), ("bare + XTRIM", med["bare + XTRIM"])]
     if before:
         rows.insert(1, (f"rlstream {args.before_label}", before["rlstream"]))
         rows.append((f"bare ({args.before_label} run)", before["bare"]))
@@ -181,17 +188,18 @@ def main() -> None:
                 f"client CPU {a['producer_ms'] / bare['producer_ms']:.1f}x, consumer client CPU "
                 f"{a['consumer_ms'] / bare['consumer_ms']:.1f}x")
 
-    lines += ["", f"rlstream / bare: {ratios(a, bare)}."]
+    lines += ["", f"rlstream / bare: {ratios(a, bare)}. rlstream / (bare + XTRIM): {ratios(a, med['bare + XTRIM'])}."]
     if before:
         lines[-1] += f" {args.before_label} / its bare: {ratios(before['rlstream'], before['bare'])}."
-    cmds = sorted({k for m in (a, bare, *(before.values() if before else ())) for k in m if k.startswith("cmd:")},
+    cmds = sorted({k for m in (*med.values(), *(before.values() if before else ())) for k in m if k.startswith("cmd:")},
                   key=lambda k: -a.get(k, 0.0))
-    head = ["rlstream", *([args.before_label] if before else []), "bare"]
+    head = ["rlstream", *([args.before_label] if before else []), "bare", "bare + XTRIM"]
     lines += ["", "Redis time per group by command (INFO commandstats, usec; EXEC and EVALSHA include the commands "
               "they run, which are also counted on their own lines; socket I/O is in no line):", "",
               "| command | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     for k in cmds:
-        vals = [a.get(k, 0.0), *([before["rlstream"].get(k, 0.0)] if before else []), bare.get(k, 0.0)]
+        vals = [a.get(k, 0.0), *([before["rlstream"].get(k, 0.0)] if before else []), bare.get(k, 0.0),
+                med["bare + XTRIM"].get(k, 0.0)]
         if max(vals) >= 0.05:
             lines.append(f"| {k[4:].upper()} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     text = "\n".join(lines) + "\n"
