@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 import uuid
 
@@ -139,8 +138,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=960)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--json", help="write the medians here (a later run's --before)")
-    p.add_argument("--before", help="medians of an earlier commit's run (--json), shown beside these")
+    p.add_argument("--json", help="write this invocation's runs here (for --merge or a later --before)")
+    p.add_argument("--merge", nargs="*", default=[], help="runs of earlier invocations on this commit (--json): "
+                   "the medians are over all of them")
+    p.add_argument("--before", nargs="*", default=[], help="runs of invocations on an earlier commit (--json), "
+                   "alternated with this commit's in the same session: shown beside these")
     p.add_argument("--before-label", default="before")
     p.add_argument("--readme", action="store_true")
     args = p.parse_args()
@@ -155,17 +157,28 @@ def main() -> None:
                 runs[name].append(kinds[name](redis.url, args.n))
     finally:
         redis.stop()
-    med = {k: medians(v) for k, v in runs.items()}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(med, f, indent=1)
-    before = None
-    if args.before:
-        with open(args.before) as f:
-            before = json.load(f)
+            json.dump(runs, f)
+
+    def load(paths: list[str], into: dict[str, list[dict]]) -> dict[str, list[dict]]:
+        for path in paths:
+            with open(path) as f:
+                for k, v in json.load(f).items():
+                    into.setdefault(k, []).extend(v)
+        return into
+
+    load(args.merge, runs)
+    med = {k: medians(v) for k, v in runs.items()}
+    before = {k: medians(v) for k, v in load(args.before, {}).items()} if args.before else None
+    n_rounds = len(runs["rlstream"])
     lines = [SECTION, "",
-             f"`nice -n 10 python benchmarks/broker_client.py{' ' + ' '.join(sys.argv[1:]) if sys.argv[1:] else ''}`"
-             f": {args.n} groups of ~105 kB per run, medians of {args.rounds} interleaved rounds after a warm-up, "
+             f"`nice -n 10 python benchmarks/broker_client.py --rounds {args.rounds}`"
+             + (f" x {len(args.merge) + 1}" if args.merge else "")
+             + (f", alternated in one session with as many invocations on {args.before_label} (same script)"
+                if args.before else "") +
+             f": {args.n} groups of ~105 kB per run, medians of {n_rounds} interleaved rounds (each invocation "
+             f"warms up first), "
              f"one process, {os.cpu_count()} CPUs shared with other engineers' work (load average "
              f"{os.getloadavg()[0]:.1f}), {platform.machine()}. rlstream = admission lease + MULTI/EXEC commit "
              "(batches of 16), read with decode + validation, ack, trim; bare = pipelined XADD + XREADGROUP + XACK "
