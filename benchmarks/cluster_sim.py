@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import math
 import random
 import statistics
 import sys
@@ -81,6 +82,9 @@ class Setting:
     # A pause keeps the interrupted requests queued on their engine (re-prefilled at resume) instead of
     # returning them to their producer, which resubmits them to the least loaded engine it knows.
     requeue_on_pause: bool = False
+    # Stop a group's rollout as soon as the trainer could no longer train it (the served version is more
+    # than η above its oldest token) and give its lease back, instead of finishing it to be dropped.
+    abort_stale: bool = False
 
 
 @dataclass
@@ -108,6 +112,11 @@ class Result:
     left: int = 0
     joined: int = 0
     min_resolved: int = 0  # fewest engines a producer's name-resolve view held (elastic: the leave was seen)
+    prefill_share: float = 0.0  # of the engines' busy time (prompts and re-prefill after pushes)
+    mean_batch: float = 0.0  # sequences per decode step, averaged over the engines' steps
+    wasted_tokens: int = 0  # decoded but not trained (dropped stale, aborted, read ahead)
+    generated_trained: int = 0
+    aborted_stale: int = 0  # rollouts stopped once their group could no longer be trained (abort_stale)
     registered_at_end: int = 0  # engines registered under name resolve when the last step ended
 
     @property
@@ -144,6 +153,10 @@ def _group(prompt_len: int, outs: list[tuple[int, list[int]]], producer: str) ->
                                             np.full(n, -1.0, dtype=np.float32), versions, 1.0, "length"))
     return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=uuid.uuid4().hex, producer_id=producer,
                            trajectories=trajs)
+
+
+class _TooStale(Exception):
+    """A rollout whose group the trainer would drop as stale (its oldest token more than η versions old)."""
 
 
 class Cluster:
@@ -188,19 +201,26 @@ class Cluster:
         a, b = self._pick_rng.sample(live, 2)
         return a if len(a._running) + len(a._waiting) <= len(b._running) + len(b._waiting) else b
 
-    async def _sample(self, target: int, pid: int | None = None) -> tuple[int, list[int]]:
+    async def _sample(self, target: int, pid: int | None = None, group: dict | None = None) -> tuple[int, list[int]]:
         """One sample to `target` tokens; a pause (weight push) or an engine leaving returns it early, and it
-        continues (prompt + tokens so far, re-prefilled) where it is picked next: partial rollouts."""
+        continues (prompt + tokens so far, re-prefilled) where it is picked next: partial rollouts. With
+        `abort_stale`, a sample whose group can no longer be trained (the served version is more than η
+        above the group's oldest token) stops there: `_TooStale`."""
         versions: list[int] = []
         while len(versions) < target:
             engine = self._pick_engine(pid)
             if engine.paused:
                 await engine.wait_resumed()
                 continue
+            if group is not None and group["oldest"] is not None and engine.version - group["oldest"] > self.eta:
+                raise _TooStale
             seq, _finish = await engine.run(self.s.prompt_len + len(versions), self.s.max_new_tokens,
                                             target=target - len(versions))
             for version, n in seq.segments:
                 versions += [version] * n
+            if group is not None and seq.segments:
+                first = seq.segments[0][0]
+                group["oldest"] = first if group["oldest"] is None else min(group["oldest"], first)
             if self.stop.is_set():
                 break
         return len(versions), versions
@@ -209,7 +229,17 @@ class Cluster:
         producer = f"producer-{pid}"
         rng_engine = self._pick_engine(pid)
         targets = [rng_engine.draw_length(self.s.max_new_tokens) for _ in range(self.s.n_samples)]
-        outs = await asyncio.gather(*(self._sample(t, pid) for t in targets))
+        group = {"oldest": None} if self.s.abort_stale else None
+        tasks = [asyncio.create_task(self._sample(t, pid, group)) for t in targets]
+        try:
+            outs = await asyncio.gather(*tasks)
+        except _TooStale:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            self.result.aborted_stale += 1
+            await adm.release(lease_id)
+            return
         if self.stop.is_set():
             return
         await adm.commit(lease_id, entry_fields(_group(self.s.prompt_len, outs, producer)))
@@ -333,6 +363,7 @@ class Cluster:
                 r.gen_wait_s += self.clock.now() - t_wait
                 tokens = sum(len(t.input_ids_np) for e in data.entries for t in e.group.trajectories)
                 r.trained_tokens += tokens
+                r.generated_trained += sum(len(t.input_ids_np) - s.prompt_len for e in data.entries for t in e.group.trajectories)
                 r.staleness += [step - e.min_version for e in data.entries]
                 r.stale_drops += data.n_dropped_stale
                 train = self.timing.train_step_s(tokens, s.train_gpus)
@@ -405,6 +436,10 @@ class Cluster:
         r = self.result
         r.wall_s = time.monotonic() - t0
         r.utilisation = sum(e.busy_s for e in self.engines) / (len(self.engines) * r.modeled_s)
+        busy = sum(e.busy_s for e in self.engines) or 1.0
+        r.prefill_share = sum(e.prefill_s for e in self.engines) / busy
+        r.mean_batch = sum(e.total_tokens for e in self.engines) / max(1, sum(e.decode_steps for e in self.engines))
+        r.wasted_tokens = sum(e.total_tokens for e in self.engines) - r.generated_trained
         return r
 
 
@@ -467,9 +502,11 @@ class Bound:
     """The honest bound of an η: the parts of a step no schedule of this protocol can avoid (modeled s)."""
 
     throughput: float  # G + push + R: the step's tokens at the η-allowed batch, the push pause, the re-prefill
-    latency: float  # Little's law: (η+1)·B groups in flight, a group takes its longest sample's decode time
+    latency: float  # Little's law under the staleness rule (see `stale_latency_s`)
     trainer: float  # T: train + push
     batch: float  # sequences per engine the bound assumes
+    latency_all: float = 0.0  # Little's law if every admitted group were trained (ignores the staleness rule)
+    trainable: float = 1.0  # share of admitted groups that finish in time to be trained, at the bound's step
 
     @property
     def step(self) -> float:
@@ -480,6 +517,39 @@ class Bound:
         return max((self.throughput, "throughput"), (self.latency, "latency"), (self.trainer, "trainer"))[1]
 
 
+def stale_latency_s(group_s: np.ndarray, eta: int, trainer_s: float, lo: float, hi: float) -> tuple[float, float]:
+    """The shortest step S that Little's law allows when a group can only be trained within η versions.
+
+    With (η+1)·B groups in flight and versions every S, a group admitted a fraction u of a step after
+    version v is published holds version v's oldest token; it is trained only if it is in the stream
+    before the trainer reads step v+η, i.e. if its time T_g (its longest sample's decode) is at most
+    W = (η+1)·S - u·S - train. A group that cannot make it is known at the push of v+η+1 and stopped
+    there (the best a schedule can do: `abort_stale`), holding its slot for (η+1)·S - u·S. Trainable
+    groups must arrive at B per step: B/S <= (η+1)·B / E[hold] · P(T_g <= W), so S >= E[hold] /
+    ((η+1)·P). The smallest S that satisfies it (bisection; the right side falls as S grows) and the
+    trainable share there. Without the rule (P = 1, hold = T_g) this is E[T_g]/(η+1).
+    """
+    u = np.random.default_rng(1).uniform(0.0, 1.0, len(group_s))
+
+    def need(step: float) -> tuple[float, float]:
+        window = (eta + 1 - u) * step
+        ok = group_s <= window - trainer_s
+        p = float(ok.mean())
+        if p == 0.0:
+            return math.inf, 0.0
+        hold = np.where(ok, group_s, np.minimum(group_s, window))
+        return float(hold.mean()) / ((eta + 1) * p), p
+
+    if need(lo)[0] <= lo:
+        return lo, need(lo)[1]
+    while need(hi)[0] > hi:
+        hi *= 2
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if need(mid)[0] <= mid else (mid, hi)
+    return hi, need(hi)[1]
+
+
 def ideal_step_s(s: Setting, timing: TimingModel, base: Result, eta: int) -> Bound:
     """The shortest step an overlapped schedule at η can reach, from the timing model alone.
 
@@ -488,19 +558,17 @@ def ideal_step_s(s: Setting, timing: TimingModel, base: Result, eta: int) -> Bou
       batch / decode step); each push pauses the engines for the push time and every running
       sequence is re-prefilled under the new weights (R: prompt + tokens so far, as AReaL's
       interruptible generation recomputes the KV cache) -- costs this protocol cannot avoid;
-    - latency (Little's law): at most (η+1)·B groups are in flight, and a group is done only when
-      its longest sample is, so B groups per step need step >= E[longest of n] x decode step / (η+1);
+    - latency (Little's law): at most (η+1)·B groups are in flight, a group is done only when its
+      longest sample is, and it is trained only if done within η versions (`stale_latency_s`);
     - trainer: T = train + push (measured at η = 0, where nothing overlaps).
     Running sequences are length-biased (a long sample is running more of the time): their mean
     reserved length is E[L^2]/E[L] and their mean length so far half of that.
     """
     rng = np.random.default_rng(0)
-    lm = LengthModel(s.len_median, s.len_sigma, s.max_new_tokens)
     draws = np.minimum(s.max_new_tokens, np.maximum(1, np.exp(np.log(s.len_median) + s.len_sigma
                                                                * rng.standard_normal((20000, s.n_samples))).astype(int)))
     mean_len = float(draws.mean())
     biased = float((draws.astype(float) ** 2).mean() / mean_len)
-    longest = float(draws.max(axis=1).mean())
     seqs = s.batch * s.n_samples
     in_flight = (eta + 1) * seqs / s.engines
     batch = max(1.0, min(s.max_running, timing.kv_budget_tokens() / (s.prompt_len + biased), in_flight))
@@ -508,9 +576,32 @@ def ideal_step_s(s: Setting, timing: TimingModel, base: Result, eta: int) -> Bou
     gen = seqs * mean_len * step_dec / (s.engines * batch) + timing.prefill_s(seqs * s.prompt_len) / s.engines
     reprefill = timing.prefill_s(int(batch * (s.prompt_len + biased / 2))) if eta > 0 else 0.0
     trainer = (base.train_s + base.push_s) / base.steps
-    del lm
-    return Bound(throughput=gen + timing.push_s() + reprefill, latency=longest * step_dec / (eta + 1),
-                 trainer=trainer, batch=batch)
+    # A group's time is its longest sample's decode steps, each as long as a step of the batch an engine
+    # really runs: at step S an engine decodes the step's trained tokens in S, so its running batch b
+    # solves b = tokens/s x decode_step(b) -- far below `batch` (most samples of a group in flight are
+    # done and wait for the longest). Taking trained tokens only (no waste) keeps it a lower bound.
+    longest = draws.max(axis=1).astype(float)
+    kv_per_seq = s.prompt_len + biased / 2
+
+    def latency_at(step_s: float) -> tuple[float, float, float]:
+        rate, b = seqs * mean_len / (step_s * s.engines), 1.0
+        for _ in range(50):
+            b = max(1.0, min(batch, rate * timing.decode_step_s(int(b * kv_per_seq))))
+        group_s = longest * timing.decode_step_s(int(b * kv_per_seq))
+        latency_all = float(group_s.mean()) / (eta + 1)
+        if not eta:
+            return latency_all, latency_all, 1.0
+        lat, ok = stale_latency_s(group_s, eta, trainer, latency_all, max(latency_all, base.steady_step_s))
+        return lat, latency_all, ok
+
+    step_guess = base.steady_step_s
+    for _ in range(30):  # the batch depends on the step and the step on the batch: iterate to the fixed point
+        latency, latency_all, trainable = latency_at(step_guess)
+        if abs(latency - step_guess) < 1e-3 * step_guess:
+            break
+        step_guess = latency
+    return Bound(throughput=gen + timing.push_s() + reprefill, latency=latency, trainer=trainer, batch=batch,
+                 latency_all=latency_all, trainable=trainable)
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -555,6 +646,8 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         rows[r.eta] = {"tokens_per_s": r.steady_tokens_per_s, "utilisation": r.utilisation, "speedup": speed,
                        "bound": bound, "of_bound": speed / bound, "binding": ideals[r.eta].binding,
                        "bound_parts_s": {"throughput": ideals[r.eta].throughput, "latency": ideals[r.eta].latency,
+                                         "latency_all_trained": ideals[r.eta].latency_all,
+                                         "trainable": ideals[r.eta].trainable,
                                          "trainer": ideals[r.eta].trainer, "batch": ideals[r.eta].batch},
                        "redis_cpu_ms_per_step": 1000 * cpu, "step_s": r.steady_step_s,
                        "control_plane_share": share, "checks": r.checks, "accel": s.accel,
@@ -564,8 +657,9 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "min_resolved": r.min_resolved, "registered_at_end": r.registered_at_end,
                        "events_seen": len(r.event_ms), "wall_s": r.wall_s}
     lines.append("")
-    parts = "; ".join(f"η={e}: {v.throughput:.1f} / {v.latency:.1f} / {v.trainer:.1f} s (batch {v.batch:.0f})"
-                      for e, v in ideals.items() if e)
+    parts = "; ".join(f"η={e}: {v.throughput:.1f} / {v.latency:.1f} / {v.trainer:.1f} s (batch {v.batch:.0f}; "
+                      f"latency {v.latency_all:.1f} s if every group were trained, {v.trainable:.0%} trainable at the "
+                      f"bound's step)" for e, v in ideals.items() if e)
     lines.append(f"Honest bound = η=0 step {base.steady_step_s:.1f} s / max(throughput, latency, trainer), each modeled: "
                  f"{parts} (push {timing.push_s():.2f} s). Control plane / step = (Redis CPU per step + admission p99 "
                  f"+ event fan-out p99) / the shorter of the measured and the bound's step.")
@@ -600,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--etas", default=None, help="comma-separated η values (default 0,1,2,4,8; --quick 0,1,2)")
     ap.add_argument("--accel", type=float, default=None, help="override the time-acceleration factor")
     ap.add_argument("--steps", type=int, default=None, help="override the number of train steps")
+    ap.add_argument("--requeue-on-pause", action="store_true", help="a pause keeps interrupted requests queued on their engine")
+    ap.add_argument("--abort-stale", action="store_true", help="stop a rollout once its group can no longer be trained")
     ap.add_argument("--write", action="store_true", help="write the table into benchmarks/README.md")
     ap.add_argument("--json", default=None, help="also write the rows (and the tables) as JSON here")
     ap.add_argument("--from-json", default=None, help="re-render the README section from a saved --json file, no run")
@@ -622,12 +718,17 @@ def main(argv: list[str] | None = None) -> int:
                 s.accel = args.accel
             if args.steps:
                 s.steps = args.steps
+            s.requeue_on_pause = s.requeue_on_pause or args.requeue_on_pause
+            s.abort_stale = s.abort_stale or args.abort_stale
             timing = load_timing(s.hardware, s.model)
             results = []
             for eta in etas:
                 r = run_eta(s, timing, eta, redis.url, client)
                 print(f"[{name}] η={eta}: {r.tokens_per_s:,.0f} tok/s modeled, {r.steps} steps in "
-                      f"{r.modeled_s:.0f} modeled s ({r.wall_s:.1f} s wall), ledger {r.checks}", flush=True)
+                      f"{r.modeled_s:.0f} modeled s ({r.wall_s:.1f} s wall), ledger {r.checks}; engines: "
+                      f"{r.utilisation:.0%} busy, prefill {r.prefill_share:.0%} of it, mean batch {r.mean_batch:.1f}, "
+                      f"{r.wasted_tokens:,} tokens decoded but not trained, {r.aborted_stale} rollouts stopped stale",
+                      flush=True)
                 results.append(r)
             text, rows = table(s, results, timing)
             print(text, flush=True)

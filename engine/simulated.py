@@ -225,6 +225,10 @@ class SimulatedEngine:
         self.closed = False
         self._version = 0
         self.busy_s = 0.0  # modeled seconds spent in prefill and decode
+        self.prefill_s = 0.0  # of which prefill (prompts, and re-prefill of continued requests)
+        self.prefill_tokens = 0
+        self.decode_steps = 0
+        self.chunks = 0
         self.modeled_now = 0.0  # the batch loop's modeled-time cursor (end of the last chunk)
         self.total_tokens = 0
         self.total_requests = 0
@@ -257,6 +261,10 @@ class SimulatedEngine:
         """Stop: what is running or waiting returns now with `abort` (the engine left; callers go elsewhere)."""
         self.closed = True
         if self._task is not None:
+            # The loop also stops on `closed`: a cancel that lands as its wait_for completes can be swallowed
+            # (asyncio.wait_for in Python 3.11), which hung close() when an arrival cut the chunk at that moment.
+            self._interrupt.set()
+            self._wake.set()
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
@@ -295,7 +303,11 @@ class SimulatedEngine:
         self._wake.set()
         if self._running and not self._paused and self._fits(seq):
             self._interrupt.set()  # continuous batching: it joins at the step the batch has reached
-        finish = await seq.future
+        try:
+            finish = await seq.future
+        except asyncio.CancelledError:
+            self._drop(seq)  # the caller gave up on it: it stops taking batch slots and KV
+            raise
         self.total_requests += 1
         return seq, finish
 
@@ -378,6 +390,16 @@ class SimulatedEngine:
             self.total_tokens += b - s.start_step
         s.start_step = b
 
+    def _drop(self, s: _Seq) -> None:
+        if s in self._running:
+            self._book(s)
+            del self._running[s]  # its heap entry is skipped when it comes up
+            self._kv_sum -= s.kv0
+            self._reserved -= s.prompt_len + s.target
+            self._interrupt.set()  # the running chunk is re-timed without it
+        elif s in self._waiting:
+            self._waiting.remove(s)
+
     def _clear_running(self) -> None:
         self._running, self._heap = {}, []
         self._kv_sum = self._reserved = 0
@@ -402,7 +424,7 @@ class SimulatedEngine:
         # acceleration factor does not change the result, as long as the loop keeps up on average.
         cursor = self.clock.now()
         t = self.timing
-        while True:
+        while not self.closed:
             if self._paused and self._running:
                 self._stop_running()
             if self._paused or not (self._running or self._waiting):
@@ -410,7 +432,9 @@ class SimulatedEngine:
                 await self._wake.wait()
                 cursor = max(cursor, self.clock.now())
                 continue
-            prefill = self._prefill_debt + t.prefill_s(self._admit())
+            admitted = self._admit()
+            self.prefill_tokens += admitted
+            prefill = self._prefill_debt + t.prefill_s(admitted)
             if self._marks[-1][1] != self._version:
                 self._marks.append((self._steps, self._version))
             n, kv0 = len(self._running), self._kv_tokens()
@@ -432,9 +456,14 @@ class SimulatedEngine:
             cursor += booked
             self.modeled_now = cursor
             self.busy_s += booked
+            self.prefill_s += min(booked, prefill)
+            self.decode_steps += done
+            self.chunks += 1
             self._steps += done
             while self._heap and self._heap[0][0] <= self._steps:
                 s = heapq.heappop(self._heap)[2]
+                if s not in self._running:
+                    continue  # dropped by its caller
                 self._book(s)
                 del self._running[s]
                 self._kv_sum -= s.kv0
