@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -81,6 +82,7 @@ class Setting:
     elastic: int = 0  # engines that leave a third into the run and join again at two thirds (control_plane)
     # A pause keeps the interrupted requests queued on their engine (re-prefilled at resume) instead of
     # returning them to their producer, which resubmits them to the least loaded engine it knows.
+    seed: int = 0  # the k-th rollout's sample lengths come from (seed, k)
     requeue_on_pause: bool = False
     # Stop a group's rollout as soon as the trainer could no longer train it (the served version is more
     # than η above its oldest token) and give its lease back, instead of finishing it to be dropped.
@@ -178,6 +180,8 @@ class Cluster:
         self._engines_epoch = 0  # bumped when an engine leaves or joins (the producers' engine lists are cached)
         self._live_cache: dict[int | None, tuple] = {}  # pid -> (epoch, view, engines)
         self._pick_rng = random.Random(eta)
+        self._rollouts = itertools.count()
+        self._retired: list[SimulatedEngine] = []  # incarnations that left (elastic)
 
     def _engine(self, i: int, incarnation: int = 0) -> SimulatedEngine:
         return SimulatedEngine(self.timing, self.clock, self.lengths, seed=1000 * self.eta + i + 100_000 * incarnation,
@@ -227,8 +231,9 @@ class Cluster:
 
     async def _rollout(self, adm: AsyncAdmissionController, lease_id: str, pid: int) -> None:
         producer = f"producer-{pid}"
-        rng_engine = self._pick_engine(pid)
-        targets = [rng_engine.draw_length(self.s.max_new_tokens) for _ in range(self.s.n_samples)]
+        # The k-th rollout of a run gets the same lengths whatever the η or policy: rows differ by the schedule only.
+        rng = random.Random(1_000_003 * self.s.seed + next(self._rollouts))
+        targets = [min(self.s.max_new_tokens, self.lengths.draw(rng)) for _ in range(self.s.n_samples)]
         group = {"oldest": None} if self.s.abort_stale else None
         tasks = [asyncio.create_task(self._sample(t, pid, group)) for t in targets]
         try:
@@ -341,6 +346,7 @@ class Cluster:
                 if e.closed:
                     fresh = self._engine(i, incarnation=1)
                     fresh.version = max(x.version for x in self.engines if not x.closed)
+                    self._retired.append(e)  # its counters still count
                     self.engines[i] = fresh
                     self._engines_epoch += 1
                     await self._engine_up(fresh)
@@ -435,11 +441,12 @@ class Cluster:
             await e.close()
         r = self.result
         r.wall_s = time.monotonic() - t0
-        r.utilisation = sum(e.busy_s for e in self.engines) / (len(self.engines) * r.modeled_s)
-        busy = sum(e.busy_s for e in self.engines) or 1.0
-        r.prefill_share = sum(e.prefill_s for e in self.engines) / busy
-        r.mean_batch = sum(e.total_tokens for e in self.engines) / max(1, sum(e.decode_steps for e in self.engines))
-        r.wasted_tokens = sum(e.total_tokens for e in self.engines) - r.generated_trained
+        every = self.engines + self._retired  # an engine that left and rejoined is two incarnations
+        busy = sum(e.busy_s for e in every)
+        r.utilisation = busy / (len(self.engines) * r.modeled_s)
+        r.prefill_share = sum(e.prefill_s for e in every) / (busy or 1.0)
+        r.mean_batch = sum(e.total_tokens for e in every) / max(1, sum(e.decode_steps for e in every))
+        r.wasted_tokens = sum(e.total_tokens for e in every) - r.generated_trained
         return r
 
 
