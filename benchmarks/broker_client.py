@@ -44,11 +44,18 @@ class RedisCost:
         return (float(info["used_cpu_user"]) + float(info["used_cpu_sys"]),
                 float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"]))
 
+    def mark(self) -> None:
+        """The producer side ends here: its share of the main thread's CPU is reported apart."""
+        self.main_mark = self._cpu()[1]
+
     def since(self, mb: float, n: int) -> dict:
-        """Redis CPU ms per MB (process, main thread) and command usec per group (`cmd:` keys)."""
+        """Redis CPU ms per MB (process, main thread), the main thread's usec per group on the producer and the
+        consumer side, and command usec per group (`cmd:` keys)."""
         proc, main = self._cpu()
         stats = self.client.info("commandstats")
-        out = {"redis_ms_per_mb": (proc - self.proc) / mb * 1e3, "redis_main_ms_per_mb": (main - self.main) / mb * 1e3}
+        out = {"redis_ms_per_mb": (proc - self.proc) / mb * 1e3, "redis_main_ms_per_mb": (main - self.main) / mb * 1e3,
+               "redis_producer_us": (self.main_mark - self.main) / n * 1e6,
+               "redis_consumer_us": (main - self.main_mark) / n * 1e6}
         for name, st in stats.items():
             name = name.removeprefix("cmdstat_")
             if name not in ("info", "config|resetstat"):  # this measurement's own
@@ -76,6 +83,7 @@ def one_run(url: str, n: int) -> dict:
         leases = [lease for _st, lease in adm.try_acquire_many(16)]
         adm.commit_many([(lease.lease_id, entry_fields(groups[(i + j) % 64])) for j, lease in enumerate(leases)])
     c1, t1 = time.process_time(), time.perf_counter()
+    r0.mark()
     got = 0
     while got < n:
         entries = stream.read("c", count=16, block_ms=100)
@@ -110,6 +118,7 @@ def bare_run(url: str, n: int, trim: bool = False) -> dict:
             pipe.xadd(key, {"d": payloads[(i + j) % 64]})
         pipe.execute()
     c1, t1 = time.process_time(), time.perf_counter()
+    r0.mark()
     got = 0
     while got < n:
         res = client.xreadgroup("g", "c", {key: ">"}, count=16, block=100)
@@ -170,7 +179,8 @@ def main() -> None:
 
     load(args.merge, runs)
     med = {k: medians(v) for k, v in runs.items()}
-    before = {k: medians(v) for k, v in load(args.before, {}).items()} if args.before else None
+    before_runs = load(args.before, {})
+    before = {k: medians(v) for k, v in before_runs.items()} if args.before else None
     n_rounds = len(runs["rlstream"])
     lines = [SECTION, "",
              f"`nice -n 10 python benchmarks/broker_client.py --rounds {args.rounds}`"
@@ -185,25 +195,31 @@ def main() -> None:
              "of the same bytes. Redis CPU: the redis-server process (INFO `used_cpu_*`) and its main thread "
              "(`used_cpu_*_main_thread`: the thread that runs every command and, without io-threads, all socket I/O).",
              "", "| | producer CPU ms/group | producer wall ms/group | consumer CPU ms/group | consumer wall ms/group "
-             "| Redis CPU ms/MB | Redis main thread ms/MB |", "|---|---|---|---|---|---|---|"]
+             "| Redis CPU ms/MB | Redis main thread ms/MB | Redis us/group: producer side | consumer side |",
+             "|---|---|---|---|---|---|---|---|---|"]
     rows = [("rlstream", med["rlstream"]), ("bare", med["bare"]), ("bare + XTRIM", med["bare + XTRIM"])]
     if before:
         rows.insert(1, (f"rlstream {args.before_label}", before["rlstream"]))
         rows.append((f"bare ({args.before_label} run)", before["bare"]))
     for k, m in rows:
         lines.append(f"| {k} | {m['producer_ms']:.3f} | {m['producer_wall_ms']:.3f} | {m['consumer_ms']:.3f} | "
-                     f"{m['consumer_wall_ms']:.3f} | {m['redis_ms_per_mb']:.2f} | {m['redis_main_ms_per_mb']:.2f} |")
+                     f"{m['consumer_wall_ms']:.3f} | {m['redis_ms_per_mb']:.2f} | {m['redis_main_ms_per_mb']:.2f} | "
+                     f"{m.get('redis_producer_us', float('nan')):.0f} | {m.get('redis_consumer_us', float('nan')):.0f} |")
     a, bare = med["rlstream"], med["bare"]
 
-    def ratios(a: dict, bare: dict) -> str:
-        return (f"Redis CPU {a['redis_ms_per_mb'] / bare['redis_ms_per_mb']:.2f}x (main thread "
-                f"{a['redis_main_ms_per_mb'] / bare['redis_main_ms_per_mb']:.2f}x; issue target <= 1.3x), producer "
-                f"client CPU {a['producer_ms'] / bare['producer_ms']:.1f}x, consumer client CPU "
-                f"{a['consumer_ms'] / bare['consumer_ms']:.1f}x")
+    def ratios(rs: dict[str, list[dict]], other: str) -> str:
+        def r(m: str) -> float:  # median over rounds of rlstream / other within the round (seconds apart)
+            return statistics.median(x[m] / y[m] for x, y in zip(rs["rlstream"], rs[other]))
 
-    lines += ["", f"rlstream / bare: {ratios(a, bare)}. rlstream / (bare + XTRIM): {ratios(a, med['bare + XTRIM'])}."]
+        return (f"Redis CPU {r('redis_ms_per_mb'):.2f}x (main thread {r('redis_main_ms_per_mb'):.2f}x; issue "
+                f"target <= 1.3x), producer client CPU {r('producer_ms'):.1f}x, consumer client CPU "
+                f"{r('consumer_ms'):.1f}x")
+
+    lines += ["", "Ratios are medians of the per-round ratios (a round runs rlstream and bare seconds apart, so "
+              f"load that comes and goes on the shared machine hits both). rlstream / bare: {ratios(runs, 'bare')}. "
+              f"rlstream / (bare + XTRIM): {ratios(runs, 'bare + XTRIM')}."]
     if before:
-        lines[-1] += f" {args.before_label} / its bare: {ratios(before['rlstream'], before['bare'])}."
+        lines[-1] += f" {args.before_label} / its bare: {ratios(before_runs, 'bare')}."
     lines[-1] += (" Above bare, the producer encodes every group with its index fields (bare sends bytes encoded "
                   "beforehand), takes its leases (one script call per batch) and commits them in one round trip "
                   "(WATCH + MULTI/EXEC in one write): per group Redis runs the XADD and the done marker's SET inside "

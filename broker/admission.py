@@ -115,7 +115,7 @@ DONE_TTL_MS = 600_000
 # exceed the producers' retry interval (producer.main.ADMIT_POLL_SECS = 0.25 s).
 WAIT_WINDOW_MS = 2000
 # Entry ids of its own commits an `Admission` remembers for repeated commits (the oldest half is forgotten).
-_ENTRY_IDS_MAX = 100_000
+_ENTRY_IDS_MAX = 10_000
 # Attempts of a commit whose outcome was unknown (connection lost) or raced; backoff in between.
 _COMMIT_ATTEMPTS = 12
 # How long a commit waits at most for redis.wait_replicas replicas to confirm it.
