@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -139,8 +140,10 @@ def bare_run(url: str, n: int, trim: bool = False) -> dict:
 
 
 def medians(runs: list[dict]) -> dict:
+    """Per metric over the runs; a command a run did not call counts 0, another metric it lacks is skipped."""
     keys = {k for r in runs for k in r}
-    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
+    return {k: statistics.median(r.get(k, 0.0) if k.startswith("cmd:") else r[k] for r in runs if k in r
+                                 or k.startswith("cmd:")) for k in keys}
 
 
 def main() -> None:
@@ -155,17 +158,18 @@ def main() -> None:
     p.add_argument("--before-label", default="before")
     p.add_argument("--readme", action="store_true")
     args = p.parse_args()
-    redis = RedisChild()
     kinds = {"rlstream": one_run, "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True)}
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
-    try:
-        one_run(redis.url, args.n), bare_run(redis.url, args.n)  # warm-up: the server's allocator grows once
-        for rnd in range(args.rounds):  # interleaved, order turning: the machine is shared, load comes and goes
-            order = list(kinds)[rnd % 3:] + list(kinds)[:rnd % 3]
-            for name in order:
-                runs[name].append(kinds[name](redis.url, args.n))
-    finally:
-        redis.stop()
+    if args.rounds:  # --rounds 0: only render the runs of --merge
+        redis = RedisChild()
+        try:
+            one_run(redis.url, args.n), bare_run(redis.url, args.n)  # warm-up: the server's allocator grows once
+            for rnd in range(args.rounds):  # interleaved, order turning: the machine is shared, load comes and goes
+                order = list(kinds)[rnd % 3:] + list(kinds)[:rnd % 3]
+                for name in order:
+                    runs[name].append({**kinds[name](redis.url, args.n), "load": os.getloadavg()[0]})
+        finally:
+            redis.stop()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(runs, f)
@@ -182,15 +186,20 @@ def main() -> None:
     before_runs = load(args.before, {})
     before = {k: medians(v) for k, v in before_runs.items()} if args.before else None
     n_rounds = len(runs["rlstream"])
+    invocations = len(args.merge) + (1 if args.rounds else 0)
+    all_runs = [r for v in (*runs.values(), *before_runs.values()) for r in v]
+    loads = [r["load"] for r in all_runs if "load" in r] or [float("nan")]
+    load_note = "" if len(loads) == len(all_runs) else f", recorded for {len(loads)} of {len(all_runs)} runs"
     lines = [SECTION, "",
-             f"`nice -n 10 python benchmarks/broker_client.py --rounds {args.rounds}`"
-             + (f" x {len(args.merge) + 1}" if args.merge else "")
+             "`nice -n 10 python benchmarks/broker_client.py`"
+             + (f" x {invocations} invocations" if invocations > 1 else "")
              + (f", alternated in one session with as many invocations on {args.before_label} (same script)"
                 if args.before else "") +
              f": {args.n} groups of ~105 kB per run, medians of {n_rounds} interleaved rounds (each invocation "
              f"warms up first), "
-             f"one process, {os.cpu_count()} CPUs shared with other engineers' work (load average "
-             f"{os.getloadavg()[0]:.1f}), {platform.machine()}. rlstream = admission lease + MULTI/EXEC commit "
+             f"one process, {os.cpu_count()} CPUs shared with other engineers' work (1-min load average "
+             f"{min(loads):.1f}-{max(loads):.1f} during the runs{load_note}), {platform.machine()}. "
+             "rlstream = admission lease + MULTI/EXEC commit "
              "(batches of 16), read with decode + validation, ack, trim; bare = pipelined XADD + XREADGROUP + XACK "
              "of the same bytes. Redis CPU: the redis-server process (INFO `used_cpu_*`) and its main thread "
              "(`used_cpu_*_main_thread`: the thread that runs every command and, without io-threads, all socket I/O).",
@@ -204,18 +213,25 @@ def main() -> None:
     for k, m in rows:
         lines.append(f"| {k} | {m['producer_ms']:.3f} | {m['producer_wall_ms']:.3f} | {m['consumer_ms']:.3f} | "
                      f"{m['consumer_wall_ms']:.3f} | {m['redis_ms_per_mb']:.2f} | {m['redis_main_ms_per_mb']:.2f} | "
-                     f"{m.get('redis_producer_us', float('nan')):.0f} | {m.get('redis_consumer_us', float('nan')):.0f} |")
+                     f"{m.get('redis_producer_us', math.nan):.0f} | {m.get('redis_consumer_us', math.nan):.0f} |")
     a, bare = med["rlstream"], med["bare"]
 
     def ratios(rs: dict[str, list[dict]], other: str) -> str:
-        def r(m: str) -> float:  # median over rounds of rlstream / other within the round (seconds apart)
-            return statistics.median(x[m] / y[m] for x, y in zip(rs["rlstream"], rs[other]))
+        def each(m: str) -> list[float]:  # rlstream / other within each round (seconds apart)
+            return [x[m] / y[m] for x, y in zip(rs["rlstream"], rs[other])]
 
-        return (f"Redis CPU {r('redis_ms_per_mb'):.2f}x (main thread {r('redis_main_ms_per_mb'):.2f}x; issue "
+        def r(m: str) -> float:
+            return statistics.median(each(m))
+
+        q1, _, q3 = statistics.quantiles(each("redis_ms_per_mb"), n=4)
+        return (f"Redis CPU {r('redis_ms_per_mb'):.2f}x (quartiles {q1:.2f}-{q3:.2f}; main thread "
+                f"{r('redis_main_ms_per_mb'):.2f}x; issue "
                 f"target <= 1.3x), producer client CPU {r('producer_ms'):.1f}x, consumer client CPU "
                 f"{r('consumer_ms'):.1f}x")
 
-    lines += ["", "Ratios are medians of the per-round ratios (a round runs rlstream and bare seconds apart, so "
+    met = statistics.median(x["redis_ms_per_mb"] / y["redis_ms_per_mb"] for x, y in zip(runs["rlstream"], runs["bare"]))
+    lines += ["", f"Issue target Redis CPU <= 1.3x bare: {'met' if met <= 1.3 else 'not met'} ({met:.2f}x). "
+              "Ratios are medians of the per-round ratios (a round runs rlstream and bare seconds apart, so "
               f"load that comes and goes on the shared machine hits both). rlstream / bare: {ratios(runs, 'bare')}. "
               f"rlstream / (bare + XTRIM): {ratios(runs, 'bare + XTRIM')}."]
     if before:
