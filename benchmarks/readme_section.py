@@ -13,7 +13,7 @@ def write_section(section: str, text: str, readme: Path = README) -> None:
     if section + "\n" in old:
         start = old.index(section + "\n")
         nxt = old.find("\n## ", start + len(section))
-        new = old[:start] + text + (old[nxt + 1:] if nxt >= 0 else "")
+        new = old[:start] + text.rstrip("\n") + "\n\n" + (old[nxt + 1:] if nxt >= 0 else "")
     else:
         new = old.rstrip("\n") + "\n\n" + text
     readme.write_text(new if new.endswith("\n") else new + "\n")
