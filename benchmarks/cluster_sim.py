@@ -118,6 +118,7 @@ class Result:
     mean_batch: float = 0.0  # sequences per decode step, averaged over the engines' steps
     wasted_tokens: int = 0  # decoded but not trained (dropped stale, aborted, read ahead)
     generated_trained: int = 0
+    redis_usec_per_step: dict = field(default_factory=dict)  # INFO commandstats delta, top commands
     aborted_stale: int = 0  # rollouts stopped once their group could no longer be trained (abort_stale)
     registered_at_end: int = 0  # engines registered under name resolve when the last step ended
 
@@ -497,9 +498,14 @@ def _records(client, keys: Keys) -> dict[int, list[str]]:
 
 def run_eta(s: Setting, timing: TimingModel, eta: int, redis_url: str, client) -> Result:
     cluster = Cluster(s, timing, eta, redis_url)
-    cpu0 = _redis_cpu(client)
+    cpu0, stats0 = _redis_cpu(client), client.info("commandstats")
     result = asyncio.run(cluster.run())
     result.redis_cpu_s = _redis_cpu(client) - cpu0
+    # Where Redis spent its command time, per step (socket I/O is in no command's line).
+    stats1 = client.info("commandstats")
+    result.redis_usec_per_step = {
+        k.removeprefix("cmdstat_"): round((v["usec"] - stats0.get(k, {}).get("usec", 0)) / max(1, result.steps))
+        for k, v in sorted(stats1.items(), key=lambda kv: -(kv[1]["usec"] - stats0.get(kv[0], {}).get("usec", 0)))[:12]}
     result.checks = check(result, redis_url, cluster.keys, s)
     return result
 
@@ -663,7 +669,10 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "push_share": r.push_s / r.modeled_s, "push_wall_ms_p50": _pct(r.push_wall_ms, 0.5),
                        "stale_drops": r.stale_drops, "left": r.left, "joined": r.joined,
                        "min_resolved": r.min_resolved, "registered_at_end": r.registered_at_end,
-                       "events_seen": len(r.event_ms), "wall_s": r.wall_s}
+                       "events_seen": len(r.event_ms), "wall_s": r.wall_s,
+                       "redis_usec_per_step": r.redis_usec_per_step, "mean_batch": r.mean_batch,
+                       "prefill_share": r.prefill_share, "wasted_tokens": r.wasted_tokens,
+                       "aborted_stale": r.aborted_stale}
     lines.append("")
     parts = "; ".join(f"η={e}: {v.throughput:.1f} / {v.latency:.1f} / {v.trainer:.1f} s (batch {v.batch:.0f}; "
                       f"latency {v.latency_all:.1f} s if every group were trained, {v.trainable:.0%} trainable at the "
@@ -735,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{name}] η={eta}: {r.tokens_per_s:,.0f} tok/s modeled, {r.steps} steps in "
                       f"{r.modeled_s:.0f} modeled s ({r.wall_s:.1f} s wall), ledger {r.checks}; engines: "
                       f"{r.utilisation:.0%} busy, prefill {r.prefill_share:.0%} of it, mean batch {r.mean_batch:.1f}, "
-                      f"{r.wasted_tokens:,} tokens decoded but not trained, {r.aborted_stale} rollouts stopped stale",
+                      f"{r.wasted_tokens:,} tokens decoded but not trained, {r.aborted_stale} rollouts stopped stale; "
+                      f"Redis usec per step by command {r.redis_usec_per_step}",
                       flush=True)
                 results.append(r)
             text, rows = table(s, results, timing)
