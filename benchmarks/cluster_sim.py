@@ -632,8 +632,8 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         f"lognormal(median {s.len_median:g}, sigma {s.len_sigma:g}) capped at {s.max_new_tokens}, {s.steps} steps "
         f"(the first {base.warmup} not counted: pipeline fill), time x{s.accel:g}"
         + (", abort_stale" if s.abort_stale else "") + (", requeue_on_pause" if s.requeue_on_pause else "")
-        + (f", engines registered + following events, {s.elastic} leave at step {s.steps // 3} and rejoin at "
-           f"{2 * s.steps // 3}" if s.control_plane else ""),
+        + (", engines registered + following events" if s.control_plane else "")
+        + (f", {s.elastic} leave at step {s.steps // 3} and rejoin at {2 * s.steps // 3}" if s.elastic else ""),
         "",
         "| η | trainer tok/s | engine util | staleness mean / max | stale drops | Redis CPU ms/step | "
         "admission p50 / p99 ms | event fan-out p50 / p99 ms | control plane / step | push share | step s | "
