@@ -224,13 +224,20 @@ def _lines(stream) -> queue.Queue:
     return q
 
 
+def _ctrl_c_as_a_terminal_delivers_it() -> None:
+    # An ignored SIGINT is inherited, and Python then installs no KeyboardInterrupt handler: a test
+    # runner started in the background without job control (`cmd &` in a script) ignores SIGINT, so
+    # the child must take the default disposition back to see Ctrl-C as a user at a terminal would.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("as_json", [True, False])
 def test_cli_watch_refreshes_and_ctrl_c_exits_zero(redis_url, populated, as_json):
     cfg, _, _ = populated
     args = [sys.executable, "-m", "rlstream.launcher.cli", "inspect", "--redis", redis_url, "--namespace",
             cfg.namespace, "--watch", "0.3"] + (["--json"] if as_json else [])
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         env={**os.environ, "COLUMNS": "160"})
+                         env={**os.environ, "COLUMNS": "160"}, preexec_fn=_ctrl_c_as_a_terminal_delivers_it)
     try:
         lines = _lines(p.stdout)
         if as_json:  # one JSON document per refresh
