@@ -445,7 +445,7 @@ class Cluster:
         every = self.engines + self._retired  # an engine that left and rejoined is two incarnations
         busy = sum(e.busy_s for e in every)
         r.utilisation = busy / (len(self.engines) * r.modeled_s)
-        r.prefill_share = sum(e.prefill_s for e in every) / (busy or 1.0)
+        r.prefill_share = sum(e.prefill_busy_s for e in every) / (busy or 1.0)
         r.mean_batch = sum(e.total_tokens for e in every) / max(1, sum(e.decode_steps for e in every))
         r.wasted_tokens = sum(e.total_tokens for e in every) - r.generated_trained
         return r

@@ -225,7 +225,7 @@ class SimulatedEngine:
         self.closed = False
         self._version = 0
         self.busy_s = 0.0  # modeled seconds spent in prefill and decode
-        self.prefill_s = 0.0  # of which prefill (prompts, and re-prefill of continued requests)
+        self.prefill_busy_s = 0.0  # of which prefill (prompts, and re-prefill of continued requests)
         self.prefill_tokens = 0
         self.decode_steps = 0
         self.chunks = 0
@@ -390,12 +390,16 @@ class SimulatedEngine:
             self.total_tokens += b - s.start_step
         s.start_step = b
 
+    def _leave_batch(self, s: _Seq) -> None:
+        """Book `s` and take it out of the running batch (its sums with it)."""
+        self._book(s)
+        del self._running[s]
+        self._kv_sum -= s.kv0
+        self._reserved -= s.prompt_len + s.target
+
     def _drop(self, s: _Seq) -> None:
         if s in self._running:
-            self._book(s)
-            del self._running[s]  # its heap entry is skipped when it comes up
-            self._kv_sum -= s.kv0
-            self._reserved -= s.prompt_len + s.target
+            self._leave_batch(s)  # its heap entry is skipped when it comes up
             self._interrupt.set()  # the running chunk is re-timed without it
         elif s in self._waiting:
             self._waiting.remove(s)
@@ -456,7 +460,7 @@ class SimulatedEngine:
             cursor += booked
             self.modeled_now = cursor
             self.busy_s += booked
-            self.prefill_s += min(booked, prefill)
+            self.prefill_busy_s += min(booked, prefill)
             self.decode_steps += done
             self.chunks += 1
             self._steps += done
@@ -464,10 +468,7 @@ class SimulatedEngine:
                 s = heapq.heappop(self._heap)[2]
                 if s not in self._running:
                     continue  # dropped by its caller
-                self._book(s)
-                del self._running[s]
-                self._kv_sum -= s.kv0
-                self._reserved -= s.prompt_len + s.target
+                self._leave_batch(s)
                 if not s.future.done():
                     s.future.set_result(FinishReason(type="length", length=s.generated))
 
