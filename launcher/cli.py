@@ -15,6 +15,8 @@ from typing import Optional
 
 import typer
 
+from rlstream.common.memory import keep_freed_memory
+
 OVERRIDES_HELP = ("Any config key can be overridden after the options as KEY=VALUE, dotted for nested keys: "
                   "`rlstream run --config configs/tiny-cpu.yaml total_train_steps=600 actor.optimizer.lr=1e-4`. "
                   "`rlstream config docs` lists every key with its default.")
@@ -160,6 +162,7 @@ def produce(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Run one rollout producer: dataset -> engines -> rewards -> Redis."""
     from rlstream.producer.main import produce as produce_main
 
+    keep_freed_memory()
     code = _guard(produce_main, load(config, ctx.args))
     raise typer.Exit(code or 0)
 
@@ -169,6 +172,7 @@ def gateway(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Serve an OpenAI-compatible API that records agents' calls as training episodes (docs/agentic.md)."""
     from rlstream.producer.gateway import serve as gateway_main
 
+    keep_freed_memory()
     _guard(gateway_main, load(config, ctx.args))
 
 
@@ -177,6 +181,7 @@ def train(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Run the trainer (one process, or each rank under torchrun)."""
     from rlstream.trainer.main import train as train_main
 
+    keep_freed_memory()
     _guard(train_main, load(config, ctx.args))
     _exit_after_clean_stop()
 

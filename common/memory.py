@@ -1,0 +1,49 @@
+"""The C allocator's settings for processes that move ~100 kB trajectory payloads (producers, trainers).
+
+glibc's malloc serves requests below its mmap threshold (128 KiB at start) from the heap and
+gives the top of the heap back to the kernel as soon as more than its trim threshold (also
+128 KiB) is free there. A producer encodes, packs and sends a ~105 kB payload per group and
+frees it; a trainer receives as many and frees them after the step. With the defaults the heap
+top so shrinks and grows again all the time and each page of it is faulted back in: ~16 page
+faults per group more on the producer than the pipelined bare XADD (benchmarks/README.md
+"Broker client cost"), most of the producer's client CPU above bare. glibc raises both thresholds
+by itself only after freeing an mmapped block, which payloads under 128 KiB never are.
+
+`keep_freed_memory()` sets them to where glibc's own adaptation stops (mmap threshold 32 MiB,
+trim threshold twice that): a process then keeps up to 64 MiB of freed heap for its next
+payloads instead of returning and refaulting it. Called once at start by the CLI's `produce`,
+`gateway` and `train` (and by the broker benchmarks); a no-op on other C libraries.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+__all__ = ["keep_freed_memory"]
+
+# mallopt parameters (glibc malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+# glibc's ceiling for its dynamic mmap threshold on 64-bit (DEFAULT_MMAP_THRESHOLD_MAX) and its trim rule (2x)
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
+
+
+def _glibc() -> bool:
+    try:
+        return os.confstr("CS_GNU_LIBC_VERSION") is not None
+    except (ValueError, OSError, AttributeError):
+        return False
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed heap memory for reuse (glibc: `mallopt` of both thresholds); False where not applied."""
+    if not _glibc():
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt  # this process's own C library
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
