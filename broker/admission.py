@@ -32,11 +32,11 @@ payload into Lua and back, which measured 2.5x the Redis CPU of the transaction
 Everything is safe to retry after a lost reply (the client retries on connection
 loss): acquiring with a lease id that is already held answers "admitted" without a
 second lease; a finished lease is marked under `{ns}:admit:done:{lease}` (kept for
-`DONE_TTL_MS`) inside the same transaction, and a commit WATCHes those markers, so a
-retry after an unknown outcome commits only what did not happen: exactly once. A commit of
-leases this process took and never tried to commit (no marker can exist yet) is one round
-trip: WATCH + MULTI/EXEC in one write, never resent by the client (`plan.Transaction`);
-otherwise the markers are read first (WATCH + MGET, then MULTI/EXEC). A marker says "1";
+`DONE_TTL_MS`) inside the same transaction, and a retry after an unknown outcome reads
+those markers under WATCH (WATCH + MGET, then MULTI/EXEC), so it commits only what did not
+happen: exactly once. A commit of leases this process took and never tried to commit (no
+marker can exist yet, nobody else can write one) is one round trip: MULTI/EXEC in one write,
+nothing to watch, never resent by the client (`plan.Transaction`). A marker says "1";
 the entry id of a group is remembered by the controller that committed it, and a repeated
 commit through it answers with that id ("1" through another controller).
 
@@ -84,7 +84,7 @@ def new_lease_id() -> str:
 
 # Leases this process admitted under ids of its own making (`new_lease_id`: unique everywhere) and
 # has not tried to commit or release yet: no done marker can exist for them, so their first commit
-# skips reading the markers (WATCH + MULTI/EXEC in one round trip, no MGET). An id leaves the set before its
+# skips reading the markers (MULTI/EXEC in one round trip, no WATCH, no MGET). An id leaves the set before its
 # first attempt (`set.remove`: one thread wins), so any retry or second commit reads the markers.
 _untried: set[str] = set()
 _UNTRIED_MAX = 100_000  # leases never committed, released or abandoned (lost replies): forget them all
@@ -503,8 +503,8 @@ class Admission:
         if not items:
             return []
         done = [self.keys.admit_done(lid) for lid, _ in items]
-        # Leases never tried before have no marker to read: WATCH them and commit in one round trip (a lost
-        # reply then raises instead of the transaction being resent). Otherwise read the markers first.
+        # Leases never tried before have no marker to read (nor to watch: only their first attempt writes
+        # one): commit in one round trip, never resent (a lost reply raises). Otherwise read the markers first.
         read = None if _take_untried([lid for lid, _ in items]) else Call("execute_command", "MGET", *done)
         head = 3 if self.producer_id else 2  # replies before the first XADD's
         last: Exception | None = None

@@ -30,10 +30,11 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Generator
 
+import hiredis
 from redis.exceptions import NoScriptError, ResponseError, WatchError
 
-__all__ = ["Call", "Pipeline", "Watch", "Transaction", "Sleep", "Close", "one", "script", "run", "arun", "operation", "Sync",
-           "Async", "LUA_NOW_MS", "Plan"]
+__all__ = ["Call", "Pipeline", "Watch", "Transaction", "Sleep", "Close", "one", "script", "pack", "run", "arun",
+           "operation", "Sync", "Async", "LUA_NOW_MS", "Plan"]
 
 Plan = Generator[Any, Any, Any]
 
@@ -111,12 +112,14 @@ class Watch:
 
 @dataclass
 class Transaction:
-    """WATCH `watch`, MULTI, `calls`, EXEC in one write, read back in one round trip (the reply: EXEC's list
-    of raw replies, no response callbacks); WatchError when a watched key changed after WATCH.
+    """MULTI, `calls`, EXEC in one write, read back in one round trip (the reply: EXEC's list of raw replies,
+    no response callbacks).
 
     Never resent: a connection lost on the way raises (the outcome is unknown, the caller looks), where
-    a redis-py pipeline would retry the whole transaction, and `Watch`'s WATCH costs a round trip of its
-    own. A client without a connection pool (Redis Cluster) runs it as `Watch` with nothing to read.
+    a redis-py pipeline would retry the whole transaction. Nothing is watched: the caller knows no other
+    client can have written what the transaction checks (e.g. the done markers of leases nobody tried
+    to commit yet); a retry that must look first uses `Watch`. A client without a connection pool (Redis
+    Cluster) runs it as `Watch` of the keys `watch` with nothing to read: watched, redis-py does not resend it.
     """
 
     watch: list[str]
@@ -127,10 +130,10 @@ class Transaction:
         if pool is None:
             _, res = yield from Watch(self.watch, None, lambda _: self.calls).steps(client)
             return res
-        cmds = [("WATCH", *self.watch), ("MULTI",), *(_command(c) for c in self.calls), ("EXEC",)]
+        cmds = [("MULTI",), *(_command(c) for c in self.calls), ("EXEC",)]
         conn = yield pool.get_connection()
         try:
-            yield conn.send_packed_command(conn.pack_commands(cmds))
+            yield conn.send_packed_command(pack(cmds))
             replies: list[Any] = []
             for _ in cmds:
                 try:
@@ -144,9 +147,7 @@ class Transaction:
             yield pool.release(conn)
         errors = [r for r in replies if isinstance(r, ResponseError)]
         if errors:
-            raise errors[0]  # a command refused when queued (EXECABORT follows) or a WATCH refused
-        if replies[-1] is None:
-            raise WatchError("a watched key changed")
+            raise errors[0]  # a command refused when queued (EXECABORT follows)
         return replies[-1]
 
 
@@ -155,6 +156,46 @@ def _command(call: Call) -> tuple[Any, ...]:
     if call.method != "execute_command" or call.kwargs:
         raise TypeError(f"Transaction takes Call('execute_command', ...) only, not {call!r}")
     return call.args
+
+
+# An argument this large is sent as it is: hiredis' pack_command (what redis-py packs with) copies every
+# argument into the packed command, ~105 kB per group on a producer's commit.
+_UNCOPIED = 16 * 1024
+
+
+def _body(args: list[Any]) -> memoryview:
+    """hiredis' packing of `args` without its `*N` header: part of a longer command's argument list."""
+    packed = hiredis.pack_command(tuple(args))
+    return memoryview(packed)[packed.index(b"\r\n") + 2:]
+
+
+def pack(cmds: list[tuple[Any, ...]]) -> list[Any]:
+    """The RESP of `cmds`, byte for byte redis-py's, as buffers to send in order: the small arguments packed
+    by hiredis and joined, each `bytes` argument of `_UNCOPIED` bytes or more a buffer of its own, uncopied
+    (and no redis-py packer on the way: per command and argument it is most of a commit's packing time)."""
+    out: list[Any] = []
+    small: list[Any] = []
+    for cmd in cmds:
+        if not any(type(a) is bytes and len(a) >= _UNCOPIED for a in cmd):
+            small.append(hiredis.pack_command(cmd))
+            continue
+        small.append(b"*%d\r\n" % len(cmd))
+        run: list[Any] = []
+        for a in cmd:
+            if type(a) is bytes and len(a) >= _UNCOPIED:
+                if run:
+                    small.append(_body(run))
+                    run = []
+                small.append(b"$%d\r\n" % len(a))
+                out += [b"".join(small), a]
+                small = [b"\r\n"]
+            else:
+                run.append(a)
+        if run:
+            small.append(_body(run))
+    if small:
+        out.append(b"".join(small))
+    return out
 
 
 @dataclass

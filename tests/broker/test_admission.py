@@ -367,6 +367,30 @@ def test_commit_many_pipelines(rclient, keys, group_factory):
     assert snap.accepted == 5 and snap.running == 0
 
 
+def test_a_first_commit_is_one_transaction_and_a_retry_reads_the_markers_under_watch(redis_factory, keys,
+                                                                                    group_factory):
+    """Leases never tried: MULTI/EXEC alone (no WATCH, no MGET: no marker can exist, nobody else writes one);
+    a lease tried before: its marker read under WATCH first. Counted with INFO commandstats on a server of its own."""
+    from rlstream.broker import connect
+
+    client = connect(redis_factory().url)
+    try:
+        adm = AdmissionController(client, keys, max_head_offpolicyness=0, consumer_batch_size=8,
+                                  max_concurrent_rollouts=8)
+        items = [(lease.lease_id, entry_fields(group_factory())) for _, lease in adm.try_acquire_many(3)]
+        client.config_resetstat()
+        ids = adm.commit_many(items)
+        calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
+        assert calls == {"config|resetstat": 1, "multi": 1, "zrem": 1, "incrby": 1, "xadd": 3, "set": 3, "exec": 1}
+        client.config_resetstat()
+        assert adm.commit_many(items[:1]) == ids[:1]  # repeated: the marker says so, nothing written
+        calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
+        assert calls == {"config|resetstat": 1, "watch": 1, "mget": 1, "unwatch": 1}
+        assert client.xlen(keys.traj) == 3
+    finally:
+        client.close()
+
+
 async def test_async_controller_matches_sync(redis_url, keys, group_factory):
     from rlstream.broker import AsyncAdmissionController, connect_async
 
