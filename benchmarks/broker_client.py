@@ -9,8 +9,9 @@ In one process against a throwaway redis-server, with the broker benchmark's gro
 decode + validation, `ack`), CPU seconds of this process (`time.process_time`) per group
 and wall time; "bare" is plain XADD (pipelined by 16) + XREADGROUP + XACK of the same
 bytes with the same client. The Redis-side cost is the redis-server's INFO CPU delta
-per MB over the same run. (A command packer that sends large values uncopied instead of
-hiredis' `pack_command` was tried: no consistent gain in 3 interleaved rounds, not kept.)
+per MB over the same run. The process keeps freed heap memory for reuse
+(`rlstream.common.memory.keep_freed_memory`) as `rlstream produce` and `rlstream train` do;
+rlstream and bare run in the same process, so both get it.
 """
 
 from __future__ import annotations
@@ -158,6 +159,9 @@ def main() -> None:
     p.add_argument("--before-label", default="before")
     p.add_argument("--readme", action="store_true")
     args = p.parse_args()
+    from rlstream.common.memory import keep_freed_memory
+
+    keep_freed_memory()  # as the producer and trainer processes do
     kinds = {"rlstream": one_run, "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True)}
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     if args.rounds:  # --rounds 0: only render the runs of --merge
@@ -198,7 +202,8 @@ def main() -> None:
              f": {args.n} groups of ~105 kB per run, medians of {n_rounds} interleaved rounds (each invocation "
              f"warms up first), "
              f"one process, {os.cpu_count()} CPUs shared with other engineers' work (1-min load average "
-             f"{min(loads):.1f}-{max(loads):.1f} during the runs{load_note}), {platform.machine()}. "
+             f"{min(loads):.1f}-{max(loads):.1f} during the runs{load_note}), {platform.machine()}; the process keeps "
+             "freed heap memory for reuse as `rlstream produce`/`train` do (glibc `mallopt`, both rows). "
              "rlstream = admission lease + MULTI/EXEC commit "
              "(batches of 16), read with decode + validation, ack, trim; bare = pipelined XADD + XREADGROUP + XACK "
              "of the same bytes. Redis CPU: the redis-server process (INFO `used_cpu_*`) and its main thread "
@@ -238,8 +243,8 @@ def main() -> None:
         lines[-1] += f" {args.before_label} / its bare: {ratios(before_runs, 'bare')}."
     lines[-1] += (" Above bare, the producer encodes every group with its index fields (bare sends bytes encoded "
                   "beforehand), takes its leases (one script call per batch) and commits them in one round trip "
-                  "(WATCH + MULTI/EXEC in one write): per group Redis runs the XADD and the done marker's SET inside "
-                  "the transaction, per batch the lease script, one ZREM, one INCRBY and the WATCH; the consumer "
+                  "(MULTI/EXEC in one write): per group Redis runs the XADD and the done marker's SET inside "
+                  "the transaction, per batch the lease script, one ZREM and one INCRBY; the consumer "
                   "decodes and validates every group, and the trim gives the memory of what was read back to the "
                   "allocator (XTRIM: bare defers that to a DEL after its measured window; the bare + XTRIM row pays "
                   "it). Most of either side's client CPU is what bare spends too: redis-py packing and sending "
