@@ -53,7 +53,7 @@ from rlstream.common.engine_api import ENGINES_SERVICE  # noqa: E402
 from rlstream.broker.stream import entry_fields  # noqa: E402
 from rlstream.common.wire import Trajectory, TrajectoryGroup  # noqa: E402
 from rlstream.consumer.reader import StepReader  # noqa: E402
-from rlstream.engine.simulated import LengthModel, SimClock, SimulatedEngine, TimingModel, load_timing  # noqa: E402
+from rlstream.engine.simulated import PAUSE_MODES, LengthModel, SimClock, SimulatedEngine, TimingModel, load_timing  # noqa: E402
 
 
 ENGINE_TTL = 10.0  # name-resolve lease of a simulated engine, wall seconds (keepalive every ttl/3)
@@ -80,10 +80,12 @@ class Setting:
     # and follows the version events over Redis; producers pick engines from their resolved list.
     control_plane: bool = False
     elastic: int = 0  # engines that leave a third into the run and join again at two thirds (control_plane)
-    # A pause keeps the interrupted requests queued on their engine (re-prefilled at resume) instead of
-    # returning them to their producer, which resubmits them to the least loaded engine it knows.
     seed: int = 0  # the k-th rollout's sample lengths come from (seed, k)
-    requeue_on_pause: bool = False
+    # What a weight push's pause does to running requests (SGLang's /pause_generation modes): abort (they
+    # return to their producer, which resubmits prompt + tokens so far to the least loaded engine it knows),
+    # retract (they stay queued on their engine, re-prefilled at resume), in_place (they keep their batch
+    # slot and KV cache and decode on under the new weights: no re-prefill).
+    pause_mode: str = "abort"
     # Stop a group's rollout as soon as the trainer could no longer train it (the served version is more
     # than η above its oldest token) and give its lease back, instead of finishing it to be dropped.
     abort_stale: bool = False
@@ -187,7 +189,7 @@ class Cluster:
     def _engine(self, i: int, incarnation: int = 0) -> SimulatedEngine:
         return SimulatedEngine(self.timing, self.clock, self.lengths, seed=1000 * self.eta + i + 100_000 * incarnation,
                                max_running=self.s.max_running, name=f"engine-{i}",
-                               requeue_on_pause=self.s.requeue_on_pause)
+                               pause_mode=self.s.pause_mode)
 
     # ------------------------------------------------------------------ producers
     def _pick_engine(self, pid: int | None = None) -> SimulatedEngine:
@@ -587,7 +589,8 @@ def ideal_step_s(s: Setting, timing: TimingModel, base: Result, eta: int) -> Bou
     batch = max(1.0, min(s.max_running, timing.kv_budget_tokens() / (s.prompt_len + biased), in_flight))
     step_dec = timing.decode_step_s(int(batch * (s.prompt_len + biased / 2)))
     gen = seqs * mean_len * step_dec / (s.engines * batch) + timing.prefill_s(seqs * s.prompt_len) / s.engines
-    reprefill = timing.prefill_s(int(batch * (s.prompt_len + biased / 2))) if eta > 0 else 0.0
+    # in_place keeps each running sequence's KV cache across the push: nothing is re-prefilled.
+    reprefill = timing.prefill_s(int(batch * (s.prompt_len + biased / 2))) if eta > 0 and s.pause_mode != "in_place" else 0.0
     trainer = (base.train_s + base.push_s) / base.steps
     # A group's time is its longest sample's decode steps, each as long as a step of the batch an engine
     # really runs: at step S an engine decodes the step's trained tokens in S, so its running batch b
@@ -631,7 +634,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         f"{s.producers} producers, B={s.batch} groups x {s.n_samples} samples, prompt {s.prompt_len}, output "
         f"lognormal(median {s.len_median:g}, sigma {s.len_sigma:g}) capped at {s.max_new_tokens}, {s.steps} steps "
         f"(the first {base.warmup} not counted: pipeline fill), time x{s.accel:g}"
-        + (", abort_stale" if s.abort_stale else "") + (", requeue_on_pause" if s.requeue_on_pause else "")
+        + (", abort_stale" if s.abort_stale else "") + (f", pause {s.pause_mode}" if s.pause_mode != "abort" else "")
         + (", engines registered + following events" if s.control_plane else "")
         + (f", {s.elastic} leave at step {s.steps // 3} and rejoin at {2 * s.steps // 3}" if s.elastic else ""),
         "",
@@ -711,7 +714,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--etas", default=None, help="comma-separated η values (default 0,1,2,4,8; --quick 0,1,2)")
     ap.add_argument("--accel", type=float, default=None, help="override the time-acceleration factor")
     ap.add_argument("--steps", type=int, default=None, help="override the number of train steps")
-    ap.add_argument("--requeue-on-pause", action="store_true", help="a pause keeps interrupted requests queued on their engine")
+    ap.add_argument("--pause-mode", default=None, choices=PAUSE_MODES,
+                    help="what a push's pause does to running requests (default: the setting's, abort)")
     ap.add_argument("--abort-stale", action="store_true", help="stop a rollout once its group can no longer be trained")
     ap.add_argument("--write", action="store_true", help="write the table into benchmarks/README.md")
     ap.add_argument("--json", default=None, help="also write the rows (and the tables) as JSON here")
@@ -735,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
                 s.accel = args.accel
             if args.steps:
                 s.steps = args.steps
-            s.requeue_on_pause = s.requeue_on_pause or args.requeue_on_pause
+            s.pause_mode = args.pause_mode or s.pause_mode
             s.abort_stale = s.abort_stale or args.abort_stale
             timing = load_timing(s.hardware, s.model)
             results = []

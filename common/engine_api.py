@@ -262,10 +262,21 @@ class GenerateResponse(_Body):
 # ---------------------------------------------------------------------- SGLang: control and information
 
 
-class PauseRequest(_Body):
-    """`POST /pause_generation`: abort = running requests return now with finish_reason abort."""
+PauseMode = Literal["abort", "in_place", "retract", "keep", "wait"]
+"""`/pause_generation` modes. abort: running requests return now with finish_reason abort (the
+producer continues them elsewhere). in_place (SGLang) / keep (vLLM): they stay in the batch with
+their KV cache and decode on after `/continue_generation`, under the weights loaded meanwhile
+(PipelineRL's in-flight update). retract (SGLang): they go back to the queue and are prefilled
+again on continue. wait (vLLM): running requests finish first. Engines answer 400 for a mode they
+do not run."""
 
-    mode: Literal["abort", "wait", "keep"] = "abort"
+KEEPS_RUNNING: frozenset[str] = frozenset({"in_place", "keep"})  # the two names of one mode
+
+
+class PauseRequest(_Body):
+    """`POST /pause_generation` (`PauseMode`; abort when absent)."""
+
+    mode: PauseMode = "abort"
 
 
 class ContinueRequest(_Body):

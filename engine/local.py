@@ -5,8 +5,9 @@ One background thread owns the model and runs the decode loop; asyncio callers
 results back on their own event loop. Between two decode steps the loop:
 
 1. drops requests whose caller went away,
-2. aborts every running request if a pause was asked for (they return the tokens
-   they have with `finish_reason.type == "abort"`),
+2. on a pause, aborts every running request (mode `abort`: they return the tokens
+   they have with `finish_reason.type == "abort"`) or keeps them, KV cache and all, to
+   decode on after resume (mode `in_place`, SGLang's name; vLLM calls it `keep`),
 3. prefills waiting requests (left-padded, one forward) and merges their KV cache
    into the running batch, up to `max_batch_size` sequences,
 4. runs one [B, 1] decode forward over the running batch and samples one token per
@@ -51,7 +52,8 @@ from typing import Any
 
 import torch
 
-from rlstream.common.engine_api import EngineError, FinishReason, GenerateResponse, MetaInfo, SamplingParams
+from rlstream.common.engine_api import (KEEPS_RUNNING, EngineError, FinishReason, GenerateResponse, MetaInfo,
+                                        SamplingParams)
 from rlstream.common.logging import get_logger
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
 from rlstream.engine.lora import ADAPTER_CONFIG, AdapterMerger, is_adapter_tensor
@@ -66,6 +68,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Padded prompt tokens one prefill forward may take; bounds prefill memory when many
 # long prompts arrive at once (at least one request is always prefilled).
 PREFILL_TOKEN_BUDGET = 16384
+PAUSE_MODES = ("abort", "in_place", "keep")  # `pause` modes this engine runs (keep: vLLM's name for in_place)
 # Kept prefixes are indexed by their first tokens: a lookup scans only entries that start like the prompt
 # (shorter prompts are not worth a lookup).
 PREFIX_HEAD = 8
@@ -166,6 +169,7 @@ class LocalEngine:
         self._cv = threading.Condition()
         self._waiting: deque[_Request] = deque()
         self._paused = False
+        self._pause_keeps = False  # the pause in force keeps running requests (in_place) instead of aborting them
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._stopping = False
         # Held for one decode step or one weight update: weights never change mid-step.
@@ -296,16 +300,24 @@ class LocalEngine:
             raise
         return self._result(req, finish)
 
-    async def pause(self) -> None:
-        """Abort running requests (they return what they have) and hold new ones until resume().
+    async def pause(self, mode: str = "abort") -> None:
+        """Stop decoding until resume(); new requests wait.
 
-        Returns once no decode step is running and the aborted requests were answered.
-        Requests still waiting for a batch slot stay queued and start after resume().
+        abort: running requests return now with what they have (`finish_reason` abort). in_place:
+        they stay in the batch with their KV cache and decode on after resume, under whatever
+        weights were applied meanwhile (each token records the version that produced it; the KV
+        of the tokens before the update stays that of the old weights, as in PipelineRL's
+        in-flight updates and SGLang's `in_place` pause). Returns once no decode step is running
+        (and, for abort, the aborted requests were answered). Requests still waiting for a batch
+        slot stay queued and start after resume().
         """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not supported by the local engine (one of {', '.join(PAUSE_MODES)})")
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._cv:
             self._paused = True
+            self._pause_keeps = mode in KEEPS_RUNNING
             if self._thread is None or not self._thread.is_alive():
                 return
             self._pause_waiters.append((loop, fut))
@@ -449,14 +461,16 @@ class LocalEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while (not self._stopping and not self._rows and not self._pause_waiters
-                       and not (self._waiting and not self._paused)):
+                # Idle: nothing to run, or paused (an in_place pause keeps its rows without running them).
+                while (not self._stopping and not self._pause_waiters
+                       and (self._paused or not (self._rows or self._waiting))):
                     self._cv.wait()
                 if self._stopping:
                     break
                 self._drop_cancelled()
                 if self._paused:
-                    self._abort_rows("paused for a weight update")
+                    if not self._pause_keeps:
+                        self._abort_rows("paused for a weight update")
                     self._release_pause_waiters()
                     continue
                 admit = self._take_waiting()

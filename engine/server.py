@@ -8,7 +8,9 @@ follow SGLang so one client speaks to both):
   finish_reason:{type: stop|length|abort}, prompt_tokens, completion_tokens, weight_version}}`;
   a list of prompts gives a list of results. JSON, or msgpack of the same struct when the
   request says `Accept: application/msgpack` (rlstream's client does; see `common/engine_api.py`).
-- `POST /pause_generation`: running requests return at once with `abort`; new ones wait.
+- `POST /pause_generation` `{mode?}`: abort (default): running requests return at once with `abort`;
+  in_place (or vLLM's keep): they keep their KV cache and decode on after `/continue_generation`;
+  new requests wait either way.
 - `POST /continue_generation`, `GET /health`, `GET /health_generate`,
   `GET /get_model_info`, `GET /get_server_info`, `POST /flush_cache` (drops the kept prefixes of the
   prefix cache).
@@ -161,9 +163,10 @@ async def pause_generation(request: web.Request) -> web.Response:
         body = api.decode(await request.read(), PauseRequest)
     except BadRequest as exc:
         return error_response(400, f"/pause_generation: {exc}")
-    if body.mode != "abort":
-        return error_response(400, f"/pause_generation: mode {body.mode!r} is not supported by the local engine (only 'abort')")
-    await engine.pause()
+    try:
+        await engine.pause(body.mode)
+    except ValueError as exc:
+        return error_response(400, f"/pause_generation: {exc}")
     return json_response(ControlReply(status="ok", paused=True, weight_version=engine.version))
 
 

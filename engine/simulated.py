@@ -29,11 +29,14 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import yaml
 
-from rlstream.common.engine_api import FinishReason, GenerateResponse, MetaInfo
+from rlstream.common.engine_api import KEEPS_RUNNING, FinishReason, GenerateResponse, MetaInfo
+
+PauseMode = Literal["abort", "retract", "in_place"]  # SGLang's /pause_generation modes
+PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 
 __all__ = ["Hardware", "ModelSpec", "TimingModel", "SimClock", "LengthModel", "SimulatedEngine", "SimulatedServing", "load_timing",
            "DEFAULT_PARAMS"]
@@ -196,15 +199,19 @@ class SimulatedEngine:
 
     def __init__(self, timing: TimingModel, clock: SimClock, lengths: LengthModel, *, seed: int = 0,
                  max_running: int = 256, kv_budget_tokens: int | None = None, max_chunk_steps: int = 4096,
-                 name: str = "sim", requeue_on_pause: bool = False) -> None:
+                 name: str = "sim", pause_mode: PauseMode = "abort") -> None:
         self.timing, self.clock, self.lengths = timing, clock, lengths
         self.name = name
         self.max_running = max_running
         self.max_chunk_steps = max_chunk_steps
-        # False: a pause aborts running requests (SGLang's behaviour; the HTTP server). True: they stay queued
-        # here and are re-prefilled (prompt + tokens so far) on resume -- the same modeled cost as the
-        # producer's resubmission, without waking every request's coroutine at every push.
-        self.requeue_on_pause = requeue_on_pause
+        # SGLang's /pause_generation modes. abort: running requests return with what they have (the producer
+        # resubmits prompt + tokens so far, re-prefilled elsewhere). retract: they wait here and are
+        # re-prefilled on resume (the same modeled cost, without waking every request's coroutine at every
+        # push). in_place: they stay in the batch with their KV cache and decode on under the new weights
+        # (PipelineRL's in-flight update): no re-prefill.
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, not {pause_mode!r}")
+        self.pause_mode = pause_mode
         self.kv_budget = kv_budget_tokens or timing.kv_budget_tokens()
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -323,14 +330,19 @@ class SimulatedEngine:
                                output_token_versions=versions, weight_version=self.version,
                                e2e_latency=self.clock.now() - seq.created))
 
-    async def pause(self) -> None:
-        """Running requests return now with what they have (`abort`); new ones wait for `resume`."""
-        self.pause_nowait()
+    async def pause(self, mode: PauseMode | None = None) -> None:
+        """Stop the batch; new requests wait for `resume`. What running requests do is `mode` (default: the
+        engine's `pause_mode`; a mode given here stays the engine's mode)."""
+        self.pause_nowait(mode)
         await asyncio.sleep(0)  # let the batch loop book the cut chunk
 
-    def pause_nowait(self) -> None:
+    def pause_nowait(self, mode: PauseMode | None = None) -> None:
         """`pause` without yielding: a coordinator pausing hundreds of engines flags them all, then yields once
         (a yield per engine would run the whole ready queue once per engine)."""
+        if mode is not None:
+            if mode not in PAUSE_MODES:
+                raise ValueError(f"pause mode {mode!r} is not supported by the simulated engine (one of {', '.join(PAUSE_MODES)})")
+            self.pause_mode = mode
         self._paused = True
         self._resumed_event().clear()
         self._interrupt.set()
@@ -410,12 +422,13 @@ class SimulatedEngine:
         self._prefill_debt = 0.0
 
     def _stop_running(self) -> None:
-        """A pause: every running sequence is booked, then aborted (or requeued in front, in order)."""
+        """A pause (abort or retract): every running sequence is booked, then aborted (or requeued in front,
+        in order)."""
         running = list(self._running)
         for s in running:
             self._book(s)
         self._clear_running()
-        if self.requeue_on_pause:
+        if self.pause_mode == "retract":
             self._waiting[:0] = running
             return
         for s in running:
@@ -429,7 +442,7 @@ class SimulatedEngine:
         cursor = self.clock.now()
         t = self.timing
         while not self.closed:
-            if self._paused and self._running:
+            if self._paused and self._running and self.pause_mode != "in_place":
                 self._stop_running()
             if self._paused or not (self._running or self._waiting):
                 self._wake.clear()
@@ -554,8 +567,8 @@ class SimulatedServing:
         target = min(limit, max(params.min_new_tokens, self.sim.draw_length(limit)))  # min_new_tokens honoured
         return await self.sim.generate(len(input_ids), limit, target=target)
 
-    async def pause(self) -> None:
-        await self.sim.pause()
+    async def pause(self, mode: str = "abort") -> None:
+        await self.sim.pause("in_place" if mode in KEEPS_RUNNING else mode)  # type: ignore[arg-type]
 
     async def resume(self) -> None:
         await self.sim.resume()

@@ -15,7 +15,7 @@ It is vLLM's own server (`vllm serve`: same arguments, `/v1/completions`,
   `POST /init_weights_update_group` `{master_address, master_port, rank_offset, world_size, group_name, backend}`,
   `POST /update_weights_from_distributed` `{names, dtypes, shapes, group_name, weight_version?}`,
   `POST /update_weights_from_disk` `{model_path, weight_version?}`,
-  `POST /pause_generation` `{mode?: abort|wait|keep}`, `POST /continue_generation`,
+  `POST /pause_generation` `{mode?: abort|wait|keep|in_place}`, `POST /continue_generation`,
   `POST /flush_cache`, `GET /get_model_info` (with `weight_version`).
   Their bodies and answers are the structs of `common/engine_api.py` (msgspec, as on every
   other engine); they drive engine/vllm_worker_ext.py through `collective_rpc`. A distributed push is
@@ -286,9 +286,14 @@ def _rlstream_router():
     @checked
     async def pause_generation(request: Request):
         body = await body_of(request, api.PAUSE_GENERATION)
+        mode = "keep" if body.mode in api.KEEPS_RUNNING else body.mode  # SGLang's in_place is vLLM's keep
+        if mode == "retract":
+            return failed("/pause_generation", ValueError("mode 'retract' is SGLang's; vLLM runs abort, wait, keep "
+                                                          "(in_place)"), HTTPStatus.BAD_REQUEST)
         # abort: running requests return now with finish_reason "abort" (the producer continues
         # them after the update); the prefix cache goes with them since it holds old-weight KV.
-        await engine(request).pause_generation(mode=body.mode, clear_cache=True)
+        # keep: they stay with their KV cache, which a cache reset would take from them.
+        await engine(request).pause_generation(mode=mode, clear_cache=mode != "keep")
         return reply(ControlReply(success=True, message="paused", paused=True,
                                   weight_version=await current_version(request)))
 

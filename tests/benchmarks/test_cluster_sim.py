@@ -110,40 +110,62 @@ def test_simulated_engine_matches_a_step_by_step_reference():
     assert abs(elapsed - reference) / reference < 1e-9, (elapsed, reference)
 
 
-def test_simulated_engine_pause_versions_and_requeue():
-    """A pause cuts the batch at the step it reached: with `requeue_on_pause` the requests continue after
-    the update and their tokens carry version 0 up to the cut and 1 after it; without, they return `abort`
-    with the version-0 tokens made so far."""
+def test_simulated_engine_pause_modes_versions_and_prefill():
+    """A pause cuts the batch at the step it reached. abort: the requests return `abort` with the version-0
+    tokens made so far. retract: they continue after the update, re-prefilled (prompt + tokens so far), their
+    tokens carry version 0 up to the cut and 1 after it. in_place: they keep their batch slot and KV cache
+    through the update and decode on under version 1 with nothing prefilled again."""
     import asyncio
 
     from rlstream.engine.simulated import LengthModel, SimClock, SimulatedEngine, load_timing
 
     timing = load_timing("H100", "qwen2.5-1.5b")
 
-    async def run(requeue: bool) -> list:
-        engine = SimulatedEngine(timing, SimClock(1.0), LengthModel(100, 0.5, 100_000), seed=1,
-                                 requeue_on_pause=requeue)
+    async def modeled_wait(engine, seconds: float) -> None:
+        t0 = engine.clock.now()
+        while engine.clock.now() - t0 < seconds:  # modeled time, whatever the lag
+            await asyncio.sleep(0.05)
+
+    async def run(mode: str) -> tuple[list, int]:
+        engine = SimulatedEngine(timing, SimClock(1.0), LengthModel(100, 0.5, 100_000), seed=1, pause_mode=mode)
         tasks = [asyncio.create_task(engine.run(64, 100_000, target=50_000)) for _ in range(4)]
         while not engine._running:  # the batch runs (its chunk is timed from the modeled clock) ...
             await asyncio.sleep(0.01)
-        t0 = engine.clock.now()
-        while engine.clock.now() - t0 < 0.5:  # ... for 0.5 modeled s: prefill + many steps, whatever the lag
-            await asyncio.sleep(0.05)
+        await modeled_wait(engine, 0.5)  # ... for 0.5 modeled s: prefill + many steps
         engine.pause_nowait()
         await asyncio.sleep(0)
         await engine.update_weights(1)
-        if requeue:
+        if mode == "retract":
             for s in engine.sequences():  # shorten what is left so the test ends soon
                 s.target = s.generated + 20
         await engine.resume()
+        if mode == "in_place":  # decode on under version 1, then a second pause cuts (books) the chunk
+            await modeled_wait(engine, 0.5)
+            steps = engine.decode_steps
+            engine.pause_nowait()
+            for _ in range(500):
+                if engine.decode_steps > steps:
+                    break
+                await asyncio.sleep(0.01)
+            await engine.close()  # what is still running returns `abort` with the tokens booked so far
         out = await asyncio.gather(*tasks)
         await engine.close()
-        return out
+        return out, engine.prefill_tokens
 
-    for seq, finish in asyncio.run(run(False)):
+    out, prefilled = asyncio.run(run("abort"))
+    for seq, finish in out:
         assert finish.type == "abort" and 0 < seq.generated < 50_000
         assert seq.segments == [[0, seq.generated]]
-    for seq, finish in asyncio.run(run(True)):
+    assert prefilled == 4 * 64
+    out, prefilled = asyncio.run(run("retract"))
+    for seq, finish in out:
         assert finish.type == "length"
         (v0, n0), (v1, n1) = seq.segments
         assert (v0, v1, n1) == (0, 1, 20) and n0 > 0 and seq.generated == n0 + 20
+    assert prefilled == 4 * 64 + sum(64 + seq.segments[0][1] for seq, _ in out)  # each re-prefilled once
+    out, prefilled = asyncio.run(run("in_place"))
+    for seq, finish in out:
+        assert finish.type == "abort" and finish.message == "engine stopped"
+        (v0, n0), (v1, n1) = seq.segments
+        assert (v0, v1) == (0, 1) and n0 > 0 and n1 > 0 and seq.generated == n0 + n1
+    assert prefilled == 4 * 64  # nothing prefilled again: the KV cache stayed

@@ -117,6 +117,46 @@ async def test_pause_aborts_running_then_resume_continues_with_new_version(fresh
         assert (old - behaviour_logprobs(cont)).abs().max().item() > 1e-2
 
 
+async def test_in_place_pause_keeps_running_requests_and_their_kv_through_an_update(fresh_engine, trainer_model):
+    """`/pause_generation {mode: in_place}` (SGLang's name; vLLM's `keep` too): running requests stay in the
+    batch, make no token while paused, and after a weight update and `/continue_generation` decode on under
+    the new version from where they were -- nothing is prefilled again. Modes the local engine does not run
+    are refused with a 400 that names the ones it does."""
+    eng = fresh_engine
+    async with Served(eng) as srv:
+        for mode, why in (("retract", "abort, in_place, keep"), ("bogus", "mode")):
+            status, body = await srv.post("/pause_generation", {"mode": mode})
+            assert status == 400 and why in body["error"]["message"] and not eng.paused
+        n_new = 60
+        long = {"max_new_tokens": n_new, "temperature": 1.0, "ignore_eos": True}
+        tasks = [asyncio.create_task(srv.post("/generate", gen_body(p, **long))) for p in PROMPTS[:3]]
+        await wait_for(lambda: eng.stats()["running"] == 3 and eng.total_tokens >= 6, what="3 running requests")
+        status, body = await srv.post("/pause_generation", {"mode": "in_place"})
+        assert status == 200 and body["paused"] and eng.paused
+        held, prefilled = eng.total_tokens, eng.prefill_tokens
+        await asyncio.sleep(0.3)  # paused: the kept requests wait, they neither finish nor decode
+        assert not any(t.done() for t in tasks)
+        assert eng.stats()["running"] == 3 and eng.total_tokens == held
+
+        new = perturbed_state(trainer_model)
+        eng.apply_weights(new.items(), version=1)
+        status, _ = await srv.post("/continue_generation")
+        assert status == 200 and not eng.paused
+        results = [res for _, res in await asyncio.wait_for(asyncio.gather(*tasks), 60)]
+        assert eng.prefill_tokens == prefilled  # the kept rows went on from their KV cache
+        for prompt, res in zip(PROMPTS, results):
+            meta = res["meta_info"]
+            assert meta["finish_reason"]["type"] == "length" and len(res["output_ids"]) == n_new
+            versions = meta["output_token_versions"]
+            k = versions.count(0)
+            assert 0 < k < n_new and versions == [0] * k + [1] * (n_new - k)
+            # Tokens before the update came from the old weights; after it, not from them any more.
+            old = recompute_logprobs(trainer_model, prompt, res["output_ids"], 1.0)
+            got = behaviour_logprobs(res)
+            assert (old[:k] - got[:k]).abs().max().item() < 1e-3
+            assert (old[k:] - got[k:]).abs().max().item() > 1e-2
+
+
 async def test_cancelled_client_leaves_the_batch(engine):
     async with Served(engine) as srv:
         before = engine.total_tokens

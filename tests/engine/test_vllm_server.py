@@ -209,6 +209,37 @@ async def test_greedy_follows_the_argmax(client, trainer_model):
         assert torch.allclose(torch.tensor(out.output_logprobs), ref, atol=ATOL)
 
 
+async def test_in_place_pause_keeps_the_request_and_continue_finishes_it(client):
+    """`/pause_generation {mode: in_place}` (SGLang's name for vLLM's keep): the running request stays in the
+    engine without a token more while paused, and after `/continue_generation` it finishes whole, never
+    aborted. A request that ended before the pause reached it is retried (2 loaded cores)."""
+    for _attempt in range(5):
+        long = asyncio.create_task(generate(client, PROMPTS[1], max_new_tokens=480, min_new_tokens=480))
+        deadline = time.monotonic() + 120
+        while not long.done():  # wait until the request is running in the engine
+            _, load = await asyncio.to_thread(http, "GET", client.url + "/load")
+            if load.get("server_load", 0) >= 1:
+                break
+            assert time.monotonic() < deadline, f"request never showed up in /load: {load}"
+            await asyncio.sleep(0.05)
+        status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "in_place"})
+        assert status == 200 and body["paused"] is True
+        held = (await asyncio.to_thread(http, "GET", client.url + "/load"))[1].get("server_load", 0)
+        if held:
+            await asyncio.sleep(0.5)
+            assert not long.done(), "a kept request went on while the engine was paused"
+        status, body = await asyncio.to_thread(http, "POST", client.url + "/continue_generation")
+        assert status == 200 and body["paused"] is False
+        out = await asyncio.wait_for(long, 120)
+        assert out.finish_reason == "length" and len(out.output_ids) == 480, out.finish_reason  # never aborted
+        if held:
+            break
+    else:
+        pytest.fail("the 480-token request finished before a pause could reach it in 5 attempts")
+    status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "retract"})
+    assert status == 400 and "retract" in body["message"]
+
+
 async def test_pause_aborts_in_flight_request_and_continue_serves(client):
     # On 2 loaded cores a 480-token request sometimes ends before a /load poll sees it, or
     # before the pause lands: that race is retried; a pause that lands must abort it.

@@ -462,6 +462,34 @@ async def test_in_flight_generation_aborts_and_continues_with_new_version(shared
     assert torch.allclose(lp[switch:], with_new[switch:], atol=1e-4)
 
 
+async def test_in_place_push_keeps_generation_running_across_the_update(shared_engine, base_model, model_path,
+                                                                        redis_url, experiment, rclient, keys,
+                                                                        tmp_path, broadcasters):
+    """`actor.weight_update_pause=in_place`: a push pauses the engine without aborting what runs; the request
+    goes on from its KV cache under the new weights and finishes in one piece, its tokens' versions showing the
+    switch (PipelineRL's in-flight update; SGLang's in_place pause)."""
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, "distributed",
+                   [f"rollout.engine_addresses=[{shared_engine.address}]", "actor.weight_update_pause=in_place"])
+    b = broadcasters(cfg, rclient, keys)
+    await asyncio.to_thread(b.push, perturbed(base_model, 300), 1)
+    n = 300
+    raw = asyncio.create_task(asyncio.to_thread(
+        http, shared_engine.url + "/generate",
+        {"input_ids": PROMPT, "return_logprob": True,
+         "sampling_params": {"max_new_tokens": n, "min_new_tokens": n, "temperature": 1.0}}))
+    start = http(shared_engine.url + "/health")[1]["total_tokens"]
+    while http(shared_engine.url + "/health")[1]["total_tokens"] < start + 20:  # it is decoding
+        assert not raw.done()
+        await asyncio.sleep(0.02)
+    await asyncio.to_thread(b.push, perturbed(base_model, 301), 2)
+    assert not b.last.dropped and http(shared_engine.url + "/get_model_info")[1]["weight_version"] in (2, "2")
+    status, res = await asyncio.wait_for(raw, 120)
+    assert status == 200 and res["meta_info"]["finish_reason"]["type"] == "length"
+    versions = res["meta_info"]["output_token_versions"]
+    k = versions.count(1)
+    assert len(res["output_ids"]) == n and 0 < k < n and versions == [1] * k + [2] * (n - k), versions
+
+
 FSDP_TRAINER = r'''
 import gc, sys, torch, torch.distributed as dist
 torch.set_num_threads(1)

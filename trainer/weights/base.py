@@ -7,8 +7,9 @@ trainer rank 0 against the engines of `fleet.EngineFleet`:
 
 1. (backend) prepare the version: the disk backend writes its files here;
 2. list the engines, keep those answering /health;
-3. `/pause_generation` on each (in-flight requests come back aborted, new ones wait),
-   announced by a `pause` event;
+3. `/pause_generation` on each, mode `actor.weight_update_pause` (abort: in-flight requests come
+   back aborted; in_place: they stay with their KV cache and decode on after the update; new ones
+   wait either way), announced by a `pause` event;
 4. (backend) transfer the weights; the last call carries `weight_version`;
 5. `/continue_generation`, announced by a `resume` event;
 6. once every live engine confirmed: set `{ns}:version`, publish the event.
@@ -67,7 +68,7 @@ from rlstream.broker.versions import Event, VersionRegistry
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
 from rlstream.common.dist import run_in_thread
-from rlstream.common.engine_api import ContinueRequest, EngineError, PauseRequest, Route
+from rlstream.common.engine_api import KEEPS_RUNNING, ContinueRequest, EngineError, PauseRequest, Route
 from rlstream.common.logging import get_logger
 from rlstream.trainer.weights.delta import DeltaBase
 from rlstream.trainer.weights.fleet import EngineFleet
@@ -172,6 +173,10 @@ class EngineBroadcaster(WeightBroadcaster):
     def __init__(self, cfg: Config, client: Any, keys: Any, rank: int = 0) -> None:
         super().__init__(cfg, client, keys, rank)
         self.timeout = cfg.actor.weight_update_timeout
+        self.pause_mode = cfg.actor.weight_update_pause
+        # An in_place pause keeps requests with their KV cache in the engines: a cache flush would take it
+        # from them (SGLang refuses one while requests run), so the last bucket does not ask for one.
+        self.flush_after_update = cfg.actor.weight_update_pause not in KEEPS_RUNNING
         self.bucket_bytes = cfg.actor.weight_chunked_mem_mb << 20
         self.watch_interval = cfg.rollout.health_check_interval
         self.current = self.versions.get() if rank == 0 else -1  # the published version
@@ -334,7 +339,7 @@ class EngineBroadcaster(WeightBroadcaster):
                  report.bytes / 2**20, len(report.engines), report.seconds, f"; dropped {', '.join(report.dropped)}" if report.dropped else "")
 
     async def _pause(self, engines: list[str]) -> None:
-        await self._each(engines, api.PAUSE_GENERATION, PauseRequest())
+        await self._each(engines, api.PAUSE_GENERATION, PauseRequest(mode=self.pause_mode))
 
     async def _continue(self, engines: list[str]) -> None:
         await self._each(engines, api.CONTINUE_GENERATION, ContinueRequest())

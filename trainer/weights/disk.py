@@ -225,7 +225,7 @@ class DiskBroadcaster(EngineBroadcaster):
         if to_delta:
             replies = await self._each(to_delta, api.UPDATE_WEIGHTS_FROM_DISK,
                                        DiskUpdate(model_path=str(delta), weight_version=str(version),
-                                                  load_format=DELTA_FORMAT))
+                                                  load_format=DELTA_FORMAT, flush_cache=self.flush_after_update))
             rejected = {a: r.delta_rejected for a, r in replies.items() if r is not None and r.delta_rejected}
             sent = self._delta_bytes
             self._report.kind = "fallback" if rejected else "delta"
@@ -237,7 +237,8 @@ class DiskBroadcaster(EngineBroadcaster):
         if full:
             folder = await self._full_folder(version) if delta in self._written else self.folder(version)
             await self._each(full, api.UPDATE_WEIGHTS_FROM_DISK,
-                             DiskUpdate(model_path=str(folder), weight_version=str(version)))
+                             DiskUpdate(model_path=str(folder), weight_version=str(version),
+                                        flush_cache=self.flush_after_update))
             sent += self._bytes
         return sent
 
@@ -249,7 +250,8 @@ class DiskBroadcaster(EngineBroadcaster):
         if not folder.is_dir():
             folder = await self._full_folder(self.current)
         await self._each(engines, api.UPDATE_WEIGHTS_FROM_DISK,
-                         DiskUpdate(model_path=str(folder), weight_version=str(self.current)))
+                         DiskUpdate(model_path=str(folder), weight_version=str(self.current),
+                                    flush_cache=self.flush_after_update))
         log.info("caught up %s to version %d from %s", ", ".join(engines), self.current, folder)
         return True
 

@@ -182,7 +182,7 @@ class DistributedBroadcaster(EngineBroadcaster):
                                               tensors=enc.targets)}
             elif record is not None:
                 await run_in_thread(record, bucket, tensors)
-            update = WeightUpdate.of(specs, group_name=name, flush_cache=last,
+            update = WeightUpdate.of(specs, group_name=name, flush_cache=last and self.flush_after_update,
                                      weight_version=str(version) if last else None,  # SGLang's version: a string
                                      lora_scaling=self.lora_scaling, **extra)
             calls = {a: asyncio.ensure_future(self.fleet.call(a, api.UPDATE_WEIGHTS_FROM_DISTRIBUTED, update,

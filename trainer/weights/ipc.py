@@ -80,7 +80,7 @@ class IpcBroadcaster(EngineBroadcaster):
             last = i == len(buckets) - 1
             body = IpcWeightUpdate(buffer=cuda_ipc.share(flat), names=[e.name for e in bucket],
                                    dtypes=[e.dtype_name for e in bucket], shapes=[list(e.shape) for e in bucket],
-                                   offsets=offsets, flush_cache=last,
+                                   offsets=offsets, flush_cache=last and self.flush_after_update,
                                    weight_version=str(version) if last else None, **where)
             try:
                 await self._each(engines, api.UPDATE_WEIGHTS_FROM_IPC, body)
