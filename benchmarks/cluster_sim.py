@@ -781,7 +781,7 @@ the version events over Redis (XREAD BLOCK), and producers pick engines from the
 view. Simulated: engine and trainer compute (engine/simulated.py, parameters and sources in
 configs/cluster_sim.yaml). Tokens/s and step times are modeled seconds (steady state: the first
 third of the steps is not counted); Redis CPU, admission and event latencies are real, measured on
-this 2-core machine (shared; 1-min load average 0.5-2.5 during these runs), everything under
+this 2-core machine (shared; 1-min load average 0.5-3.0 during these runs), everything under
 `nice -n 10`. The k-th rollout of a run draws the same sample lengths whatever the η or policy, so
 rows differ by the schedule only. The honest bound and what it includes: docs/scaling.md. Runs of
 2026-11-23 on main (event-driven simulated engines, the staleness-aware bound)."""
@@ -794,7 +794,9 @@ COMPARISON = """### Reading it (honestly)
   rejoined mid-run (their running requests continued on other engines) and all 256 were
   registered again at the end.
 - **64 engines (verl-7b-128gpu): 2.14x / 3.15x / 4.42x at η = 1 / 2 / 4, 83% / 81% / 72% of the
-  honest bound. The >= 90% target is not met.** Engines are 96-99% busy at η > 0; what separates
+  honest bound with the default abort pause; 2.14x / 3.20x / 5.04x, 83% / 82% / 82%, with
+  `actor.weight_update_pause=in_place` (`--pause-mode in_place`: a push keeps running requests with
+  their KV cache, PipelineRL's in-flight update). The >= 90% target is not met.** Engines are 96-99% busy at η > 0; what separates
   the schedule from the bound is work the bound does not count: 16-17% of the groups delivered
   are dropped as stale (742-827 of ~4700: they finished after the trainer had read the last step
   they could join), 17-27 M decoded tokens per run are never trained (a third to a half on top of
@@ -821,10 +823,16 @@ COMPARISON = """### Reading it (honestly)
   push after which its group can no longer be trained and give the lease back): 2.13x / 3.23x
   (83% / 83%), stale drops 742 -> 196 and 827 -> 168 with 597 / 735 rollouts stopped instead, but
   decoded-not-trained tokens unchanged (17.1 M vs 17.3 M at η = 1): a doomed group is known only
-  late, after most of its tokens. Not adopted in the producer. `--requeue-on-pause` (interrupted
-  requests stay queued on their engine instead of returning to the producer): 2.12x / 3.12x
-  (83% / 81%): neutral now; the earlier loss was the old chunked engine. Default off, as SGLang
-  and the HTTP path behave (a pause aborts; the producer resubmits prompt + tokens so far).
+  late, after most of its tokens. Not adopted in the producer. `--pause-mode retract` (interrupted
+  requests stay queued on their engine instead of returning to the producer, re-prefilled at
+  resume): 2.12x / 3.12x (83% / 81%): neutral. `--pause-mode in_place` (they keep their batch slot
+  and KV cache through the push and decode on under the new weights: nothing is prefilled again;
+  built into the product as `actor.weight_update_pause=in_place` for the local engine, vLLM's keep
+  and SGLang's in_place): at η = 4 an abort pause re-prefills every running sequence at each push
+  (prefill 11% of engine time, push share 5.0% of the run); in_place makes that 2% and 1.5% and
+  4.42x -> 5.04x (72% -> 82% of the bound); at η = 1 / 2, where pushes are rarer per sample, 2.14x
+  / 3.20x against 2.14x / 3.15x. Default stays abort: in_place keeps the KV of the tokens before a
+  push from the old weights (the behaviour logprobs each token records are still exact)
 - **256 engines (cp-7b-256engines), η = 2: 2.92x, 77% of the bound**, 32 engines leaving and
   rejoining. **Control plane 5.4% of the step, target < 1% not met.** The column adds Redis CPU per
   step (0.88 s), admission p99 (0.61 s) and event fan-out p99 (0.14 s) over the bound's 30 s step.
