@@ -255,6 +255,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.role:
+        from rlstream.common.memory import keep_freed_memory
+
+        keep_freed_memory()  # as `rlstream produce` / `rlstream train` do
     if args.role == "producer":
         return producer_role(args.url, args.ns, args.n, args.batch, args.seed)
     if args.role == "consumer":
