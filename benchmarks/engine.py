@@ -58,8 +58,15 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[1] + torch.randint(4, vocab, (length - 1,), generator=g).tolist() for _ in range(n)]
 
 
-async def _engine_run(engine, prompts, concurrency: int, new_tokens: int) -> tuple[float, int]:
-    """In-process: `LocalEngine.generate` with at most `concurrency` requests in flight."""
+def _work(stats0: dict, stats1: dict) -> tuple[int, float]:
+    """(model forwards, decode-thread busy seconds) between two `stats()`/`/get_server_info` readings."""
+    return stats1["total_steps"] - stats0["total_steps"], round(stats1["busy_seconds"] - stats0["busy_seconds"], 4)
+
+
+async def _engine_run(engine, prompts, concurrency: int, new_tokens: int) -> tuple:
+    """In-process: `LocalEngine.generate` with at most `concurrency` requests in flight.
+
+    Returns (seconds, tokens, model forwards, decode-thread busy seconds)."""
     sem = asyncio.Semaphore(concurrency)
     sp = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
 
@@ -67,16 +74,20 @@ async def _engine_run(engine, prompts, concurrency: int, new_tokens: int) -> tup
         async with sem:
             return len((await engine.generate(p, sp)).output_ids)
 
+    stats0 = engine.stats()
     t0 = time.perf_counter()
     counts = await asyncio.gather(*(one(p) for p in prompts))
-    return time.perf_counter() - t0, sum(counts)
+    secs = time.perf_counter() - t0
+    return (secs, sum(counts), *_work(stats0, engine.stats()))
 
 
 async def _drive(address: str, prompts, concurrency: int, new_tokens: int, encoding: str, runs: int) -> list:
     """The producer's engine client (`SGLangClient`, one long-lived session as `ServerPool` keeps) against
-    `address`; `runs` timed passes over the prompts after one warm-up request. Returns [(seconds, tokens)]."""
+    `address`; `runs` timed passes over the prompts after one warm-up request. Returns [(seconds, tokens,
+    model forwards, decode-thread busy seconds)], the last two from the server's `/get_server_info`."""
     import aiohttp
 
+    from rlstream.common import engine_api as api
     from rlstream.producer.engine_client import ModelRequest, SGLangClient
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0)) as session:
@@ -101,13 +112,22 @@ async def _drive(address: str, prompts, concurrency: int, new_tokens: int, encod
         await one(prompts[0])
         out = []
         for _ in range(runs):
+            info0 = await client.call(api.SERVER_INFO)
             t0 = time.perf_counter()
             counts = await asyncio.gather(*(one(p) for p in prompts))
-            out.append((time.perf_counter() - t0, sum(counts)))
+            secs = time.perf_counter() - t0
+            info1 = await client.call(api.SERVER_INFO)
+            out.append((secs, sum(counts), *_work(_asdict(info0), _asdict(info1))))
         return out
 
 
-async def _http_run(address: str, prompts, concurrency: int, new_tokens: int, encoding: str) -> tuple[float, int]:
+def _asdict(info) -> dict:
+    import msgspec
+
+    return msgspec.structs.asdict(info)
+
+
+async def _http_run(address: str, prompts, concurrency: int, new_tokens: int, encoding: str) -> tuple:
     """Over HTTP as a producer sees it: the producer's client in its own process (as in a deployment)."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
@@ -120,11 +140,10 @@ async def _http_run(address: str, prompts, concurrency: int, new_tokens: int, en
         os.unlink(f.name)
     if proc.returncode != 0:
         raise RuntimeError(f"benchmark client exited {proc.returncode}")
-    secs, toks = json.loads(out.decode().strip().splitlines()[-1])[0]
-    return secs, toks
+    return tuple(json.loads(out.decode().strip().splitlines()[-1])[0])
 
 
-def _hf_run(model, prompts, concurrency: int, new_tokens: int, pad_id: int) -> tuple[float, int]:
+def _hf_run(model, prompts, concurrency: int, new_tokens: int, pad_id: int) -> tuple:
     toks, t0 = 0, time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(prompts), concurrency):
@@ -136,7 +155,7 @@ def _hf_run(model, prompts, concurrency: int, new_tokens: int, pad_id: int) -> t
                                  top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  pad_token_id=pad_id)
             toks += (out.shape[1] - L) * len(batch)
-    return time.perf_counter() - t0, toks
+    return time.perf_counter() - t0, toks, None, None
 
 
 HTTP_MODES = ("http_json", "http_msgpack")
@@ -157,19 +176,21 @@ async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int) -> lis
     try:
         await engine.generate(prompts[0], {"max_new_tokens": 4})  # warm-up
         for c in concurrencies:
-            best: dict[str, tuple[float, int]] = {}
+            best: dict[str, tuple] = {}
             for _ in range(repeat):
                 runs = {"engine": await _engine_run(engine, prompts, c, new_tokens)}
                 for mode in HTTP_MODES:
                     runs[mode] = await _http_run(address, prompts, c, new_tokens, mode.removeprefix("http_"))
                 # Blocks the loop on purpose: nothing else runs during the baseline.
                 runs["hf_generate"] = _hf_run(engine.model, prompts, c, new_tokens, engine.pad_id)
-                for mode, (secs, toks) in runs.items():
-                    if mode not in best or secs < best[mode][0]:
-                        best[mode] = (secs, toks)
-            for mode, (secs, toks) in best.items():
+                for mode, run in runs.items():
+                    if mode not in best or run[0] < best[mode][0]:
+                        best[mode] = run
+            for mode, (secs, toks, forwards, busy) in best.items():
                 rows.append({"mode": mode, "concurrency": c, "requests": len(prompts), "tokens": toks,
-                             "seconds": round(secs, 3), "tokens_per_s": round(toks / secs, 1)})
+                             "seconds": round(secs, 3), "tokens_per_s": round(toks / secs, 1),
+                             # the engine's own work in that run (None for the HF baseline)
+                             "forwards": forwards, "busy_s": busy})
                 print(f"  {mode:<12} c={c:<3} {toks / secs:9.1f} tok/s  (best of {repeat}: {toks} tokens, {secs:.2f}s)",
                       flush=True)
     finally:
@@ -508,6 +529,18 @@ def markdown(result: dict) -> str:
     for c in concs:
         e, hj, hm, g = tps("engine", c), tps("http_json", c), tps("http_msgpack", c), tps("hf_generate", c)
         lines.append(f"| {c} | {cell(e)} | {cell(hj)} | {cell(hm)} | {ratio(hm, e)} | {cell(g)} | {ratio(hm, g)} |")
+    cmax = max(concs)
+    work = [(m, by[(m, cmax)]) for m in ("engine", *HTTP_MODES) if by.get((m, cmax), {}).get("forwards")]
+    if work:
+        e = by[("engine", cmax)]["tokens_per_s"]
+        lines += ["", f"Where the time goes at c={cmax} (same runs; from the engine's `stats()` / `/get_server_info` "
+                  "around each timed pass): model forwards (prefills + decode steps), tokens per forward (rows in a "
+                  "full decode step: the concurrency), and the decode thread's busy seconds.", "",
+                  "| mode | tok/s | / in-process | forwards | tokens per forward | decode thread busy s | busy / wall |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for m, r in work:
+            lines.append(f"| {m} | {r['tokens_per_s']:.1f} | {r['tokens_per_s'] / e:.2f}× | {r['forwards']} | "
+                         f"{r['tokens'] / r['forwards']:.1f} | {r['busy_s']:.2f} | {r['busy_s'] / r['seconds']:.2f} |")
     if ("http_msgpack", 1) in by and ("http_msgpack", max(concs)) in by:
         speed = tps("http_msgpack", max(concs)) / tps("http_msgpack", 1)
         lines += ["", f"{max(concs)} concurrent requests run {speed:.1f}× faster than one at a time (continuous batching)."]

@@ -183,6 +183,9 @@ class LocalEngine:
         self._mask: torch.Tensor | None = None  # [B, L] 1 = real cached token
         self._next_pos: torch.Tensor | None = None  # [B] position id of the next input token
         self._last: torch.Tensor | None = None  # [B] token to feed next (sampled, not cached yet)
+        # The last decode step's attention mask (2D when no row is padded, else 4D additive), carried to the
+        # next step with one column appended; None after the rows changed (prefill, finish): rebuilt once.
+        self._step_mask: torch.Tensor | None = None
 
         # Counters for stats(); written by the decode thread only.
         self.total_tokens = 0
@@ -527,10 +530,12 @@ class LocalEngine:
 
     def _reset_batch(self) -> None:
         self._rows, self._cache, self._mask, self._next_pos, self._last = [], None, None, None, None
+        self._step_mask = None
 
-    def _forward(self, input_ids: torch.Tensor, mask: torch.Tensor, pos: torch.Tensor, cache) -> tuple[torch.Tensor, Any]:
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
+                 cache) -> tuple[torch.Tensor, Any]:
         kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
-        out = self.model(input_ids=input_ids, attention_mask=self._attention_mask(mask, input_ids.shape[1]),
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
                          position_ids=pos, past_key_values=cache, use_cache=True, **kw)
         return out.logits[:, -1, :].float(), out.past_key_values
 
@@ -600,7 +605,7 @@ class LocalEngine:
                     vs.append(_lpad(v[:, :, :p].to(dev), P))
                 kv.append((torch.cat(ks, 0), torch.cat(vs, 0)))
             cache = _make_cache(kv)
-        logits, cache = self._forward(ids, mask, pos, cache)
+        logits, cache = self._forward(ids, self._attention_mask(mask, S), pos, cache)
         self.total_requests += n
         self.prefill_tokens += sum(lens) - sum(past)
         self.cached_prompt_tokens += sum(past)
@@ -612,6 +617,7 @@ class LocalEngine:
         last = torch.full((len(reqs),), self.pad_id, dtype=torch.long, device=self.device)
         if not self._rows:
             self._rows, self._cache, self._mask, self._next_pos, self._last = list(reqs), cache, mask, next_pos, last
+            self._step_mask = None
             self.peak_running = max(self.peak_running, len(self._rows))
             return
         L_old, L_new = self._mask.shape[1], mask.shape[1]
@@ -625,6 +631,7 @@ class LocalEngine:
         self._next_pos = torch.cat([self._next_pos, next_pos])
         self._last = torch.cat([self._last, last])
         self._rows = self._rows + list(reqs)
+        self._step_mask = None
         self.peak_running = max(self.peak_running, len(self._rows))
 
     def _select_rows(self, keep: list[int]) -> None:
@@ -644,12 +651,23 @@ class LocalEngine:
         self._next_pos = self._next_pos.index_select(0, idx)
         self._last = self._last.index_select(0, idx)
         self._rows = [self._rows[i] for i in keep]
+        self._step_mask = None
 
     def _decode_step(self) -> None:
-        ones = torch.ones((len(self._rows), 1), dtype=self._mask.dtype, device=self.device)
+        B = len(self._rows)
+        ones = torch.ones((B, 1), dtype=self._mask.dtype, device=self.device)
         mask = torch.cat([self._mask, ones], 1)
-        logits, cache = self._forward(self._last[:, None], mask, self._next_pos[:, None], self._cache)
-        self._cache, self._mask = cache, mask
+        # Between two changes of the rows the step's mask only gains a real column: carry it instead of
+        # rebuilding it (and scanning the whole 2D mask for padding) every step.
+        prev = self._step_mask
+        if prev is None:
+            attn = self._attention_mask(mask, 1)
+        elif prev.dim() == 2:
+            attn = mask
+        else:
+            attn = torch.cat([prev, prev.new_zeros((B, 1, 1, 1))], -1)
+        logits, cache = self._forward(self._last[:, None], attn, self._next_pos[:, None], self._cache)
+        self._cache, self._mask, self._step_mask = cache, mask, attn
         self._next_pos = self._next_pos + 1
         self._sample_and_advance(logits, rows=list(range(len(self._rows))))
 
