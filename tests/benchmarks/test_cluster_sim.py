@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_cluster_sim_quick(tmp_path):
     out = tmp_path / "rows.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cluster_sim.py"), "--quick", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cluster_sim.py"), "--quick", "--split-payload",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {k: v for k, v in json.loads(out.read_text())["quick"].items() if k != "table"}
     assert sorted(rows, key=int) == ["0", "1", "2"]
@@ -33,6 +33,15 @@ def test_cluster_sim_quick(tmp_path):
         # and rejoins at two thirds; every engine follows the version events over Redis.
         assert (row["left"], row["joined"], row["registered_at_end"]) == (1, 1, 4), row
         assert row["events_seen"] > 0, row
+        # The control-plane probe ran in its own process (the one the simulator spawned, not the simulator), its
+        # 8 followers each saw every version the trainer set (1..6), and it made admission calls of its own
+        # (a lease it got was released at once: the ledger check above counts them as rejected, none left).
+        probe = row["probe"]
+        assert probe["pid"] == probe["spawned_pid"] != row["simulator_pid"], probe
+        assert probe["versions_seen"] == {str(v): 8 for v in range(1, 7)}, probe
+        assert probe["event_n"] > 0 and probe["admission_n"] == probe["admitted"] + probe["refused"] > 0, probe
+        # --split-payload: the same η ran again with a minimal payload (its own ledger checks passed in the script)
+        assert row["redis_cpu_minimal_ms_per_step"] is not None and row["redis_usec_minimal_per_step"], row
     assert rows["0"]["checks"]["dropped"] == 0  # η = 0: every group is trained at the version it was made for
 
 

@@ -1,0 +1,106 @@
+"""The simulated engines' own control plane, in a process of its own (as real engines' are).
+
+`cluster_sim.py` simulates the engines' compute in its event loop; what each engine does against
+Redis besides serving (register under name resolve and keep the registration alive; follow the
+version events, `AsyncVersionRegistry.events_after` with XREAD BLOCK) runs here, one connection
+per engine, so those thousands of round trips a wall second do not queue behind the simulation.
+
+    python benchmarks/cp_engines.py --url redis://... --ns NS --ttl 1.0 --block-ms 100
+
+Commands on stdin, one a line, each answered on stdout with `ok <command>`:
+`up NAME` (register, keepalive every ttl/3, follow the events), `down NAME` (stop following,
+unregister). At EOF every engine still up goes down and one JSON line (`EnginesResult`) follows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+
+import msgspec
+
+from rlstream.broker import AsyncVersionRegistry, Keys, connect_async
+from rlstream.broker.registry import RedisNameResolver
+from rlstream.common.engine_api import ENGINES_SERVICE
+
+
+class EnginesResult(msgspec.Struct, kw_only=True):
+    pid: int
+    event_ms: list[float] = []  # version event: its Redis entry time -> seen by an engine's follower (wall)
+    follower_reads: int = 0
+    registered: int = 0  # `up` commands served
+    unregistered: int = 0
+
+
+class Engine:
+    def __init__(self, name: str, args: argparse.Namespace, out: EnginesResult) -> None:
+        self.name, self.args, self.out = name, args, out
+        self.stopping = asyncio.Event()
+
+    async def up(self) -> None:
+        self.client = await connect_async(self.args.url)
+        self.resolver = RedisNameResolver(self.client, self.args.ns, default_ttl=self.args.ttl)
+        await self.resolver.register(ENGINES_SERVICE, self.name, self.args.ttl)
+        registry = AsyncVersionRegistry(self.client, Keys(self.args.ns))
+        last = await registry.last_event_id()
+        self.follower = asyncio.create_task(self._follow(registry, last))
+
+    async def _follow(self, registry: AsyncVersionRegistry, last) -> None:
+        while not self.stopping.is_set():
+            events, new_last = await registry.events_after(last, block_ms=self.args.block_ms)
+            seen = time.time()
+            self.out.follower_reads += 1
+            if len(events) == 1 and events[0].type == "version":
+                redis_ms = int((new_last.decode() if isinstance(new_last, bytes) else new_last).split("-")[0])
+                self.out.event_ms.append(seen * 1000 - redis_ms)
+            last = new_last
+
+    async def down(self) -> None:
+        self.stopping.set()
+        await self.follower  # ends within one block (a task cancelled inside a blocking XREAD could hang the close)
+        await self.resolver.unregister(ENGINES_SERVICE, self.name)
+        await self.resolver.close()
+        await self.client.aclose()
+
+
+async def _main(args: argparse.Namespace) -> EnginesResult:
+    out = EnginesResult(pid=os.getpid())
+    engines: dict[str, Engine] = {}
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while line := (await reader.readline()).decode().strip():
+        verb, name = line.split(maxsplit=1)
+        if verb == "up":
+            engines[name] = Engine(name, args, out)
+            await engines[name].up()
+            out.registered += 1
+        elif verb == "down":
+            await engines.pop(name).down()
+            out.unregistered += 1
+        else:
+            raise SystemExit(f"unknown command {line!r} (allowed: up NAME, down NAME)")
+        sys.stdout.write(f"ok {line}\n")
+        sys.stdout.flush()
+    await asyncio.gather(*(e.down() for e in engines.values()))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", required=True)
+    ap.add_argument("--ns", required=True, help="the run's namespace (Keys(ns))")
+    ap.add_argument("--ttl", type=float, required=True, help="name-resolve TTL, wall seconds (keepalive every third)")
+    ap.add_argument("--block-ms", type=int, default=1000, help="XREAD BLOCK of a follower (an engine's: 1000)")
+    args = ap.parse_args(argv)
+    out = asyncio.run(_main(args))
+    sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
