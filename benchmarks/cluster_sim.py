@@ -1086,9 +1086,13 @@ COMPARISON = """### Reading it (honestly)
   longer run's (~+0.05 s a step, +0.2% of the step). The earlier reading (5.4%) divided the whole
   run's Redis CPU (256 registrations and the long warm-up steps included) by the steady step and
   counted latencies measured inside a ~75%-busy event loop; its timers also ran on the wall clock,
-  10x too rare per modeled second. What would meet the target (not changed here: producer and
-  resolver settings): refused producers waiting for the version event with a longer fallback,
-  and name resolve following engine_up/engine_down events or polling every few seconds.
+  10x too rare per modeled second. A what-if (minimal payload, refused producers polling every
+  2 s instead of 0.25 s, name resolve every 5 s instead of 0.5 s; `--admit-poll-s 2
+  --resolve-poll-s 5`, in benchmarks/cluster_sim_cp256.json): control plane 1.69 s of a 124 s step
+  (1.39%) at η = 0 and 0.55 s at η = 2 (1.91% of the bound's step): still above 1%, and at η = 2
+  the slow poll cost throughput (53 s step, 57% of the bound: a producer refused for its fair share
+  waits out the poll). Under 1% needs fewer timer round trips at the source (the 256 keepalives,
+  ~300 XREAD timeouts a second, the admission polls), not longer intervals alone; not built here.
 - **Published numbers.** verl fully-async reports 2.35-2.67x for Qwen2.5-7B on 128 GPUs: our 64 +
   64 GPU 7B setting gives 2.14x at η = 1 and 3.15x at η = 2; verl's partial rollouts keep samples
   that outlive the staleness bound (ours drops them: 16-17% of the groups here), and its baseline
