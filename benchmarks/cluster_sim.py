@@ -1090,8 +1090,8 @@ COMPARISON = """### Reading it (honestly)
   2 s instead of 0.25 s, name resolve every 5 s instead of 0.5 s; `--admit-poll-s 2
   --resolve-poll-s 5`, in benchmarks/cluster_sim_cp256.json): control plane 1.69 s of a 124 s step
   (1.39%) at η = 0 and 0.55 s at η = 2 (1.91% of the bound's step): still above 1%, and at η = 2
-  the slow poll cost throughput (53 s step, 57% of the bound: a producer refused for its fair share
-  waits out the poll). Under 1% needs fewer timer round trips at the source (the 256 keepalives,
+  the slow poll cost throughput (53 s step, 57% of the bound; probably producers refused for their
+  fair share while capacity was free waiting out the poll: not verified). Under 1% needs fewer timer round trips at the source (the 256 keepalives,
   ~300 XREAD timeouts a second, the admission polls), not longer intervals alone; not built here.
 - **Published numbers.** verl fully-async reports 2.35-2.67x for Qwen2.5-7B on 128 GPUs: our 64 +
   64 GPU 7B setting gives 2.14x at η = 1 and 3.15x at η = 2; verl's partial rollouts keep samples
