@@ -209,19 +209,26 @@ async def test_greedy_follows_the_argmax(client, trainer_model):
         assert torch.allclose(torch.tensor(out.output_logprobs), ref, atol=ATOL)
 
 
+async def start_long_request(client, prompt) -> asyncio.Task:
+    """A 480-token request, returned once the engine's /load shows it running (or once it ended: on 2 loaded
+    cores it can finish before a poll sees it)."""
+    long = asyncio.create_task(generate(client, prompt, max_new_tokens=480, min_new_tokens=480))
+    deadline = time.monotonic() + 120
+    while not long.done():
+        _, load = await asyncio.to_thread(http, "GET", client.url + "/load")
+        if load.get("server_load", 0) >= 1:
+            break
+        assert time.monotonic() < deadline, f"request never showed up in /load: {load}"
+        await asyncio.sleep(0.05)
+    return long
+
+
 async def test_in_place_pause_keeps_the_request_and_continue_finishes_it(client):
     """`/pause_generation {mode: in_place}` (SGLang's name for vLLM's keep): the running request stays in the
     engine without a token more while paused, and after `/continue_generation` it finishes whole, never
     aborted. A request that ended before the pause reached it is retried (2 loaded cores)."""
     for _attempt in range(5):
-        long = asyncio.create_task(generate(client, PROMPTS[1], max_new_tokens=480, min_new_tokens=480))
-        deadline = time.monotonic() + 120
-        while not long.done():  # wait until the request is running in the engine
-            _, load = await asyncio.to_thread(http, "GET", client.url + "/load")
-            if load.get("server_load", 0) >= 1:
-                break
-            assert time.monotonic() < deadline, f"request never showed up in /load: {load}"
-            await asyncio.sleep(0.05)
+        long = await start_long_request(client, PROMPTS[1])
         status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "in_place"})
         assert status == 200 and body["paused"] is True
         held = (await asyncio.to_thread(http, "GET", client.url + "/load"))[1].get("server_load", 0)
@@ -244,14 +251,7 @@ async def test_pause_aborts_in_flight_request_and_continue_serves(client):
     # On 2 loaded cores a 480-token request sometimes ends before a /load poll sees it, or
     # before the pause lands: that race is retried; a pause that lands must abort it.
     for _attempt in range(5):
-        long = asyncio.create_task(generate(client, PROMPTS[0], max_new_tokens=480, min_new_tokens=480))
-        deadline = time.monotonic() + 120
-        while not long.done():  # wait until the request is running in the engine
-            _, load = await asyncio.to_thread(http, "GET", client.url + "/load")
-            if load.get("server_load", 0) >= 1:
-                break
-            assert time.monotonic() < deadline, f"request never showed up in /load: {load}"
-            await asyncio.sleep(0.05)
+        long = await start_long_request(client, PROMPTS[0])
         if long.done():
             assert (await long).finish_reason == "length"
             continue
