@@ -38,6 +38,12 @@ from rlstream.common.engine_api import KEEPS_RUNNING, FinishReason, GenerateResp
 PauseMode = Literal["abort", "retract", "in_place"]  # SGLang's /pause_generation modes
 PAUSE_MODES: tuple[str, ...] = get_args(PauseMode)
 
+
+def _checked(mode: str) -> PauseMode:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause mode {mode!r} is not supported by the simulated engine (one of {', '.join(PAUSE_MODES)})")
+    return mode  # type: ignore[return-value]
+
 __all__ = ["Hardware", "ModelSpec", "TimingModel", "SimClock", "LengthModel", "SimulatedEngine", "SimulatedServing", "load_timing",
            "DEFAULT_PARAMS"]
 
@@ -209,9 +215,7 @@ class SimulatedEngine:
         # re-prefilled on resume (the same modeled cost, without waking every request's coroutine at every
         # push). in_place: they stay in the batch with their KV cache and decode on under the new weights
         # (PipelineRL's in-flight update): no re-prefill.
-        if pause_mode not in PAUSE_MODES:
-            raise ValueError(f"pause_mode must be one of {', '.join(PAUSE_MODES)}, not {pause_mode!r}")
-        self.pause_mode = pause_mode
+        self.pause_mode = _checked(pause_mode)
         self.kv_budget = kv_budget_tokens or timing.kv_budget_tokens()
         self._rng = random.Random(seed)
         self._ids = itertools.count()
@@ -340,9 +344,7 @@ class SimulatedEngine:
         """`pause` without yielding: a coordinator pausing hundreds of engines flags them all, then yields once
         (a yield per engine would run the whole ready queue once per engine)."""
         if mode is not None:
-            if mode not in PAUSE_MODES:
-                raise ValueError(f"pause mode {mode!r} is not supported by the simulated engine (one of {', '.join(PAUSE_MODES)})")
-            self.pause_mode = mode
+            self.pause_mode = _checked(mode)
         self._paused = True
         self._resumed_event().clear()
         self._interrupt.set()
