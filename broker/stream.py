@@ -9,7 +9,9 @@ group: it is never trained on, never silently dropped, and never crashes a reade
 
 from __future__ import annotations
 
+import heapq
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -75,6 +77,9 @@ class TrajectoryStream:
         self.group = group
         self._drop_script = client.register_script(_DROP_STALE)
         self.dead_lettered = 0  # entries this object moved to `{ns}:dead` (undecodable ones included)
+        # Ids this object acknowledged, so that `trim_acked(keep)` finds its boundary without
+        # reading `keep` whole entries back from Redis (grown by trim_acked to fit its `keep`).
+        self._acked: deque[tuple[int, int]] = deque(maxlen=8192)
 
     # ---------------------------------------------------------------- writing
     def append(self, group: TrajectoryGroup) -> str:
@@ -147,7 +152,14 @@ class TrajectoryStream:
 
     def ack(self, ids: Iterable[str]) -> int:
         ids = list(ids)
-        return int(self.client.xack(self.keys.traj, self.group, *ids)) if ids else 0
+        if not ids:
+            return 0
+        n = int(self.client.xack(self.keys.traj, self.group, *ids))
+        self._note_acked(ids)
+        return n
+
+    def _note_acked(self, ids: Iterable[str]) -> None:
+        self._acked.extend(id_tuple(i) for i in ids)
 
     def reclaim(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """Take over up to `count` entries idle longer than `min_idle_ms` from other (dead) consumers.
@@ -203,6 +215,7 @@ class TrajectoryStream:
         pipe.xadd(self.keys.dead, record)
         pipe.xack(self.keys.traj, self.group, entry_id)
         pipe.execute()
+        self._note_acked([entry_id])
         self.dead_lettered += 1
 
     def drop_stale(self, entry: Entry, trainer_version: int, reason: str) -> None:
@@ -218,6 +231,7 @@ class TrajectoryStream:
             args=[self.group, entry.id, reason, entry.min_version, trainer_version, time.time(),
                   1 if self.group == TRAIN_GROUP else 0],
         )
+        self._note_acked([entry.id])
 
     def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
         """The newest dead letters: id, source_id, reason, group, ts (original bytes: `dead_letter_raw`)."""
@@ -277,11 +291,29 @@ class TrajectoryStream:
         if boundary is None:
             return 0
         if keep > 0:
-            older = self.client.xrevrange(self.keys.traj, max="(" + boundary, count=keep)
-            if len(older) < keep:
-                return 0
-            boundary = id_str(older[-1][0])
+            cut = self._keep_cut(id_tuple(boundary), keep)
+            if cut is None:
+                # Not enough acks seen by this object (a restart, a group far behind): find the
+                # cut in Redis, which reads the `keep` entries back, values included.
+                older = self.client.xrevrange(self.keys.traj, max="(" + boundary, count=keep)
+                if len(older) < keep:
+                    return 0
+                cut = id_tuple(id_str(older[-1][0]))
+            boundary = f"{cut[0]}-{cut[1]}"
         return int(self.client.xtrim(self.keys.traj, minid=boundary, approximate=False))
+
+    def _keep_cut(self, boundary: tuple[int, int], keep: int) -> tuple[int, int] | None:
+        """The `keep`-th newest id below `boundary` among the ids this object acknowledged.
+
+        Every entry below the boundary is acked by every group, this one's included, so if
+        this object saw `keep` of them the answer is exact; acks it missed (before a restart)
+        can only make the cut older, i.e. trim less. Ids trimmed earlier lie below the last
+        cut and never reach the newest `keep`.
+        """
+        if self._acked.maxlen is not None and self._acked.maxlen < 2 * keep + 1024:
+            self._acked = deque(self._acked, maxlen=2 * keep + 1024)
+        below = heapq.nlargest(keep, {i for i in self._acked if i < boundary})  # a set: an id acked twice counts once
+        return below[-1] if len(below) == keep else None
 
     # ---------------------------------------------------------------- queries
     def length(self) -> int:

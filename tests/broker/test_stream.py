@@ -216,3 +216,31 @@ def test_step_log_round_trip(rclient, keys):
     log.record(StepRecord(step=0, version=0, entry_ids=["3-0"], ts=time.time()))  # a re-run supersedes
     assert log.for_step(0).entry_ids == ["3-0"]
     assert len(log.recent(0)) == 2 and log.for_step(1) is None
+
+
+def test_retention_with_keep_finds_its_cut_without_reading_entries_back(rclient, keys, group_factory):
+    """`trim_acked(keep)` keeps exactly the newest `keep` acked entries; the stream object that
+    acked them finds the cut from its own acks (no XREVRANGE of whole entries), a fresh one
+    (e.g. after a restart) from Redis, and both cut at the same id."""
+    train = TrajectoryStream(rclient, keys)
+    train.ensure_group()
+    ids = _fill(train, group_factory, 12)
+    got = train.read("t", count=12, block_ms=10)
+    train.ack([e.id for e in got[:5]])
+    train.drop_stale(got[5], trainer_version=9, reason="stale")  # acked by the drop script
+    train.ack([e.id for e in got[6:9]] + [got[2].id])  # an id acked twice counts once
+    # acked: 0..8, pending: 9..11
+
+    def xrevrange_calls() -> int:
+        return int(rclient.info("commandstats").get("cmdstat_xrevrange", {}).get("calls", 0))
+
+    before = xrevrange_calls()
+    assert train.trim_acked(keep=4) == 5  # keeps 5..8 (acked) and 9..11 (pending)
+    assert xrevrange_calls() == before
+    assert [i.decode() for i, _ in rclient.xrange(keys.traj)] == ids[5:]
+
+    fresh = TrajectoryStream(rclient, keys)  # saw no acks: falls back to reading the cut in Redis
+    assert fresh.trim_acked(keep=3) == 1 and xrevrange_calls() == before + 1
+    assert [i.decode() for i, _ in rclient.xrange(keys.traj)] == ids[6:]
+    assert train.trim_acked(keep=3) == 0 and xrevrange_calls() == before + 1  # same cut, from its own acks
+    assert fresh.trim_acked(keep=5) == 0  # fewer than 5 acked entries left: nothing to trim
