@@ -63,7 +63,7 @@ from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Plan, Sleep, Sync, Tra
 from rlstream.common.logging import get_logger
 
 __all__ = ["AdmissionState", "Lease", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
-           "budget"]
+           "budget", "ADMIT_FALLBACK_SECS"]
 
 log = get_logger(__name__)
 
@@ -111,9 +111,14 @@ def _take_untried(lease_ids: list[str]) -> bool:
 
 # How long a finished lease's answer is remembered so a retried finish is not applied twice.
 DONE_TTL_MS = 600_000
+# A refused producer asks again after this long at the latest: the backstop only (a Redis restart that lost the
+# wake stream); it is woken as soon as capacity may have grown (a version bump, a wake entry).
+ADMIT_FALLBACK_SECS = 5.0
 # A producer refused within this window counts as waiting for a slot (fair share). It must
-# exceed the producers' retry interval (producer.main.ADMIT_POLL_SECS = 0.25 s).
-WAIT_WINDOW_MS = 2000
+# exceed the producers' longest wait between two asks, ADMIT_FALLBACK_SECS.
+WAIT_WINDOW_MS = 12000
+# Entries the wake stream keeps (approximately: MAXLEN ~); a waiter needs only the newest one.
+WAKE_MAXLEN = 100
 # Entry ids of its own commits an `Admission` remembers for repeated commits (the oldest half is forgotten).
 _ENTRY_IDS_MAX = 10_000
 # Attempts of a commit whose outcome was unknown (connection lost) or raced; backoff in between.
@@ -137,12 +142,25 @@ _SILENCE_MS = 3000
 # every lease of those owners, then leases past their own expiry. O(leases) only when an
 # owner died (the CLOCK member below is no owner: it never counts as one that died); owners
 # without a record (tools, tests) rely on the lease expiry alone.
+# `wake(armed, stream, why, commits)`: capacity may have grown; if a refused acquisition armed the wake-up
+# since the last one, append one entry to the wake stream (the waiters' XREAD returns) and disarm. `commits`:
+# called by a commit, which frees capacity only when the concurrency limit refused (armed `c`).
+# `reap` wakes the waiters when it freed a lease.
 # `catch_up(running, alive, last)` first: the alive set also holds CLOCK, scored with when admission
 # last ran (server ms). After a longer silence (Redis down or restarting: nobody could heartbeat)
 # every record and lease still live then gets the silence back, so the first call after an outage
 # does not take live producers for dead and admit their slots twice; a producer that stays silent
 # afterwards is reaped as usual, ALIVE_TTL_MS later at most.
-_LUA_REAP = LUA_NOW_MS + """
+_LUA_WAKE = """
+local function wake(armed, stream, why, commits)
+  local a = redis.call('GET', armed)
+  if a and (not commits or a == 'c') then
+    redis.call('DEL', armed)
+    redis.call('XADD', stream, 'MAXLEN', '~', """ + str(WAKE_MAXLEN) + """, '*', 'w', why)
+  end
+end
+"""
+_LUA_REAP = LUA_NOW_MS + _LUA_WAKE + """
 local CLOCK = '""" + _CLOCK + """'
 local function owner_of(lease) return string.match(lease, '^(.*)%-[^%-]*$') or lease end
 local function catch_up(running, alive, last)
@@ -157,7 +175,7 @@ local function catch_up(running, alive, last)
   end
   return true
 end
-local function reap(running, alive)
+local function reap(running, alive, armed, stream)
   -- expired records and CLOCK (scored with the last run, never later than now unless the clock went back)
   local rows = redis.call('ZRANGEBYSCORE', alive, '-inf', now, 'WITHSCORES')
   local last = now
@@ -169,18 +187,20 @@ local function reap(running, alive)
   for i = 1, #rows, 2 do
     if rows[i] ~= CLOCK then gone[rows[i]], died = true, true end
   end
+  local freed = 0
   if died then
     redis.call('ZREMRANGEBYSCORE', alive, '-inf', now)
     for _, lease in ipairs(redis.call('ZRANGE', running, 0, -1)) do
-      if gone[owner_of(lease)] then redis.call('ZREM', running, lease) end
+      if gone[owner_of(lease)] then freed = freed + redis.call('ZREM', running, lease) end
     end
   end
-  redis.call('ZREMRANGEBYSCORE', running, '-inf', now)
+  freed = freed + redis.call('ZREMRANGEBYSCORE', running, '-inf', now)
   redis.call('ZADD', alive, now, CLOCK)
+  if freed > 0 then wake(armed, stream, 'expired', false) end
 end
 """
 
-# KEYS: running, accepted, version, waiting, alive, run
+# KEYS: running, accepted, version, waiting, alive, run, armed, wake
 # ARGV: ttl_ms, eta, B, max_concurrent, wait_window_ms, lease_id...
 # -> {running, accepted, version, run_finished}, then per lease id, in order: its expiry (server ms) if this
 #    call took it, minus its expiry if it was held already (a retry), 0 if refused. The client derives each
@@ -188,8 +208,10 @@ end
 # Each lease is decided as by its own script run right after the previous one's (one call takes
 # a batch: one reap, one round trip, one script invocation for all of them).
 # No lease once the trainer marked the run finished (`{ns}:run`): a late producer commits nothing.
+# A refusal arms the wake-up (`wake` above): `c` when the concurrency limit was what refused (a commit frees a
+# slot then), else `b` (only a release, an abandon, an expiry or a version bump does).
 _ACQUIRE = _LUA_REAP + """
-reap(KEYS[1], KEYS[5])
+reap(KEYS[1], KEYS[5], KEYS[7], KEYS[8])
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local v = tonumber(redis.call('GET', KEYS[3]) or '0')
 if redis.call('HGET', KEYS[6], 'state') == 'finished' then
@@ -206,9 +228,11 @@ local out = {running, accepted, v, 0}
 local waiting, since = {}, now - tonumber(ARGV[5])
 local rows = redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES')
 for i = 1, #rows, 2 do waiting[rows[i]] = tonumber(rows[i + 1]) end
-local function refuse(owner)
+local arm = nil
+local function refuse(owner, by_concurrency)
   redis.call('ZADD', KEYS[4], now, owner)
   waiting[owner] = now
+  if by_concurrency then arm = 'c' elseif arm == nil then arm = 'b' end
 end
 -- Which of the ids are held already (a retry whose first attempt took them, reply lost): one ZMSCORE for
 -- the batch. `held` also gets the leases this call takes; they are written with one ZADD at the end.
@@ -236,7 +260,8 @@ local function owner_counts()
   return counts
 end
 local function decide(lease)
-  local cap = math.min(tonumber(ARGV[4]) - running, (eta + v + 1) * B - (accepted + running))
+  local by_concurrency = tonumber(ARGV[4]) - running
+  local cap = math.min(by_concurrency, (eta + v + 1) * B - (accepted + running))
   if held[lease] then
     -- a retry whose first attempt took the lease (reply lost): same answer, no second lease
     return -held[lease]
@@ -256,7 +281,7 @@ local function decide(lease)
         if not seen[o] then seen[o] = true; n = n + 1 end
       end
       if (holding[owner] or 0) >= math.ceil((running + cap) / n) then
-        refuse(owner)
+        refuse(owner, false)
         return 0
       end
     end
@@ -272,11 +297,12 @@ local function decide(lease)
     running = running + 1
     return expires
   end
-  refuse(owner)
+  refuse(owner, by_concurrency <= cap)
   return 0
 end
 for i = 6, #ARGV do out[#out + 1] = decide(ARGV[i]) end
 if #add > 0 then redis.call('ZADD', KEYS[1], unpack(add)) end
+if arm == 'c' then redis.call('SET', KEYS[7], 'c') elseif arm then redis.call('SET', KEYS[7], 'b', 'NX') end
 -- refusals older than the window no longer count: forget them
 for _, at in pairs(waiting) do
   if at <= since then
@@ -287,27 +313,44 @@ end
 return out
 """
 
-# KEYS: alive, running  ARGV: owner, ttl_ms  (server clock)
+# KEYS: alive, running, armed, wake  ARGV: owner, ttl_ms  (server clock)
+# Reaps too (cheap when nothing expired): every producer heartbeats, so a dead producer's leases are freed, and
+# the waiters woken, within a heartbeat of their expiry even while every live producer waits for capacity.
 _HEARTBEAT = _LUA_REAP + """
-catch_up(KEYS[2], KEYS[1])
+reap(KEYS[2], KEYS[1], KEYS[3], KEYS[4])
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZADD', KEYS[1], now, CLOCK)
 """
 
-# KEYS: running, rejected, done   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
-_RELEASE = """
+# KEYS: running, rejected, done, armed, wake   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
+_RELEASE = _LUA_WAKE + """
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {0, 1}
 end
 local live = redis.call('ZREM', KEYS[1], ARGV[1])
 redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[3], '-', 'PX', ARGV[2])
+if live > 0 then wake(KEYS[4], KEYS[5], 'release', false) end
 return {live, 0}
 """
 
-# KEYS: running, accepted, version, rejected, alive  -> {running, accepted, version, rejected}
+# KEYS: running, armed, wake   ARGV: lease ids  -> leases that were live
+_ABANDON = _LUA_WAKE + """
+local n = 0
+for first = 1, #ARGV, 1000 do
+  n = n + redis.call('ZREM', KEYS[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
+end
+if n > 0 then wake(KEYS[2], KEYS[3], 'abandon', false) end
+return n
+"""
+
+# KEYS: armed, wake. Queued last in a commit's MULTI (a small script, no payload through Lua).
+_COMMIT_WAKE = _LUA_WAKE + """
+wake(KEYS[1], KEYS[2], 'commit', true)
+"""
+
+# KEYS: running, accepted, version, rejected, alive, armed, wake  -> {running, accepted, version, rejected}
 _PEEK = _LUA_REAP + """
-reap(KEYS[1], KEYS[5])
+reap(KEYS[1], KEYS[5], KEYS[6], KEYS[7])
 return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'),
         tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
@@ -355,10 +398,10 @@ redis.call('SET', KEYS[1], tonumber(ARGV[1]) + backlog)
 return {backlog, counted}
 """
 
-# KEYS: running, alive  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
+# KEYS: running, alive, armed, wake  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
 # (an expired lease is not revived: its capacity may already be someone else's)
 _RENEW = _LUA_REAP + """
-reap(KEYS[1], KEYS[2])
+reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4])
 local n = 0
 for i = 2, #ARGV do
   if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
@@ -434,7 +477,7 @@ class Admission:
 
     def _acquire(self, lease_ids: list[str], own_ids: bool) -> Plan:
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting,
-                self.keys.admit_alive, self.keys.run]
+                self.keys.admit_alive, self.keys.run, self.keys.admit_armed, self.keys.admit_wake]
         res = yield from script(_ACQUIRE, keys, [self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent,
                                                  WAIT_WINDOW_MS, *lease_ids])
         running, accepted, version, finished = (int(x) for x in res[:4])
@@ -483,6 +526,8 @@ class Admission:
         for lid, fields in items:
             calls.append(Call("execute_command", "XADD", k.traj, "*", *(x for kv in fields.items() for x in kv)))
             calls.append(Call("execute_command", "SET", k.admit_done(lid), "1", "PX", DONE_TTL_MS))
+        # last: wake the refused producers if the concurrency limit was what refused them
+        calls.append(Call("execute_command", "EVAL", _COMMIT_WAKE, 2, k.admit_armed, k.admit_wake))
         return calls
 
     @operation
@@ -561,22 +606,25 @@ class Admission:
     def release(self, lease_id: str) -> Plan:
         """Drop the lease of a rejected rollout (counted as rejected, once)."""
         _untried.discard(lease_id)  # its marker ('-') now exists: a commit must read it
-        yield from script(_RELEASE, [self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id)],
-                          [lease_id, DONE_TTL_MS])
+        yield from script(_RELEASE, [self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id),
+                                     self.keys.admit_armed, self.keys.admit_wake], [lease_id, DONE_TTL_MS])
 
     @operation
     def abandon(self, lease_ids: list[str]) -> Plan:
         """Drop leases of rollouts that failed (not counted as rejected)."""
         _untried.difference_update(lease_ids)
-        return (yield Call("zrem", self.keys.admit_running, *lease_ids)) if lease_ids else 0
+        if not lease_ids:
+            return 0
+        return int((yield from script(_ABANDON, [self.keys.admit_running, self.keys.admit_armed, self.keys.admit_wake],
+                                      lease_ids)))
 
     @operation
     def renew(self, lease_ids: list[str]) -> Plan:
         """Extend live leases by lease_ttl from now; returns how many were still live."""
         if not lease_ids:
             return 0
-        return int((yield from script(_RENEW, [self.keys.admit_running, self.keys.admit_alive],
-                                      [self.lease_ttl_ms, *lease_ids])))
+        return int((yield from script(_RENEW, [self.keys.admit_running, self.keys.admit_alive, self.keys.admit_armed,
+                                               self.keys.admit_wake], [self.lease_ttl_ms, *lease_ids])))
 
     @operation
     def heartbeat(self, owner: str | None = None) -> Plan:
@@ -584,8 +632,8 @@ class Admission:
 
         From the first heartbeat on, its leases live only as long as its record does. The record
         is left to expire on exit: any lease a crash left behind goes with it."""
-        yield from script(_HEARTBEAT, [self.keys.admit_alive, self.keys.admit_running],
-                          [owner or lease_owner(), ALIVE_TTL_MS])
+        yield from script(_HEARTBEAT, [self.keys.admit_alive, self.keys.admit_running, self.keys.admit_armed,
+                                       self.keys.admit_wake], [owner or lease_owner(), ALIVE_TTL_MS])
 
     # ------------------------------------------------------------------ recovery and inspection
 
@@ -607,7 +655,7 @@ class Admission:
     def snapshot(self) -> Plan:
         """Current running/accepted/version/rejected and remaining capacity (takes no lease)."""
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected,
-                self.keys.admit_alive]
+                self.keys.admit_alive, self.keys.admit_armed, self.keys.admit_wake]
         running, accepted, version, rejected = (int(x) for x in (yield from script(_PEEK, keys, [])))
         cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
         return AdmissionState(cap > 0, cap, running, accepted, version, rejected)

@@ -41,6 +41,7 @@ from rlstream.common.logging import get_logger
 __all__ = [
     "BrokerError", "BrokerUnavailable", "BrokerAuthError",
     "connect", "connect_async", "async_client", "mask_url", "is_auth_error", "explain", "is_cluster", "is_cluster_client",
+    "max_block_ms",
 ]
 
 log = get_logger(__name__)
@@ -314,6 +315,16 @@ def is_cluster_client(client: Any) -> bool:
     from redis.cluster import RedisCluster
 
     return isinstance(client, (RedisCluster, AsyncRedisCluster))
+
+
+def max_block_ms(client: Any, wanted_ms: int) -> int:
+    """`wanted_ms` capped at half the client's socket timeout: a blocking read (XREAD BLOCK) must answer before
+    the socket read times out (which would be retried as a lost connection)."""
+    kwargs = getattr(client, "connection_kwargs", None)
+    if kwargs is None:
+        kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+    timeout = kwargs.get("socket_timeout")
+    return max(1, min(int(wanted_ms), int(timeout * 500))) if timeout else int(wanted_ms)
 
 
 def is_cluster(url: str) -> bool:

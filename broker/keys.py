@@ -68,6 +68,18 @@ class Keys:
         return self._k("admit:alive")
 
     @property
+    def admit_wake(self) -> str:
+        """Stream (short, MAXLEN ~100): one entry each time capacity may have grown while a producer waited for it
+        (a lease released, abandoned or expired; a commit when the concurrency limit refused). Waiters XREAD it."""
+        return self._k("admit:wake")
+
+    @property
+    def admit_armed(self) -> str:
+        """String: set by a refused acquisition (`c`: the concurrency limit refused, else `b`); the next
+        capacity change writes one `admit_wake` entry and deletes it (no entry while nobody waits)."""
+        return self._k("admit:armed")
+
+    @property
     def admit_rejected(self) -> str:
         """Counter: groups finished but rejected by `should_accept`."""
         return self._k("admit:rejected")
@@ -100,6 +112,11 @@ class Keys:
         """Sorted set: addresses registered under service `name` with name_resolve=redis, score = expiry ms."""
         return self._k(name)
 
+    def service_generation(self, name: str) -> str:
+        """Counter: bumped when an address joins or leaves service `name` (or expires), so a watcher re-lists
+        only when it moved."""
+        return self._k(name + ":gen")
+
     @property
     def engines(self) -> str:
         """Sorted set: engine addresses registered with name_resolve=redis, score = expiry ms."""
@@ -129,7 +146,7 @@ class Keys:
         return [
             self.traj, self.version, self.trainer_version, self.events, self.admit_accepted,
             self.admit_running, self.admit_waiting, self.admit_alive, self.admit_rejected, self.dead, self.dropped, self.steps,
-            self.engines, self.producers, self.meta, self.run, self.evals, self.eval_claim,
+            self.engines, self.service_generation(ENGINES_SERVICE), self.admit_wake, self.admit_armed, self.producers, self.meta, self.run, self.evals, self.eval_claim,
         ]
 
 

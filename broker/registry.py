@@ -4,17 +4,25 @@
 per service — for engines exactly `Keys.engines` — with member = address and score =
 expiry in ms on the Redis server's clock (TIME inside the scripts, like the admission
 leases, so engines and producers with skewed clocks agree). A background keepalive
-pushes the expiry forward every ttl/3; a crashed engine stops refreshing and drops out
-of `list` once its expiry passes. Watching polls (cheap: one ZRANGEBYSCORE) so no
-pub/sub message can be lost across a reconnect. The interface and the etcd and static
-backends are in `common/name_resolve.py`.
+pushes the expiry forward every ttl/3 (one ZSCORE + ZADD); a crashed engine stops
+refreshing and drops out of `list` once its expiry passes.
+
+A generation counter `{ns}:{service}:gen` moves on every membership change: an address
+that joins (or comes back after it expired), one unregistered, and expired ones swept
+out by a list. Watching polls only the counter (a GET) every `poll_interval` and lists the
+members (a script that sweeps the expired ones first) when it moved, and at the latest
+every ttl/2: so a crashed engine, which unregisters nothing, leaves every watcher's view
+within ttl (its registration expiring) + ttl/2 (some watcher's next full list sweeps it and
+moves the counter) + `poll_interval`. Polling, not pub/sub: nothing is lost across a
+reconnect. The interface and the etcd and static backends are in `common/name_resolve.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Callable
+import math
+from typing import Any, AsyncIterator, Callable
 
 from rlstream.broker.connection import BrokerError, BrokerUnavailable, async_client
 from rlstream.broker.keys import Keys
@@ -27,16 +35,23 @@ __all__ = ["RedisNameResolver", "RESOLVERS", "make_name_resolver"]
 
 log = get_logger(__name__)
 
-# KEYS: set  ARGV: address, ttl_ms. Also forgets registrations dead for a minute so the
-# set does not grow with old ports.
+# KEYS: set, generation  ARGV: address, ttl_ms. The generation moves only when the address was not live
+# (joined, or back after it expired): a keepalive is one ZSCORE + one ZADD.
 _PUT = LUA_NOW_MS + """
+local old = redis.call('ZSCORE', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
+if not old or tonumber(old) <= now then redis.call('INCR', KEYS[2]) end
 return now
 """
-# KEYS: set -> live members
+# KEYS: set, generation  ARGV: address
+_DEL = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then redis.call('INCR', KEYS[2]) end
+"""
+# KEYS: set, generation -> {generation, live members}. Sweeps the expired members first (and moves the
+# generation if it did, so every watcher re-lists): the set does not grow with old ports.
 _LIST = LUA_NOW_MS + """
-return redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. now, '+inf')
+if redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) > 0 then redis.call('INCR', KEYS[2]) end
+return {redis.call('GET', KEYS[2]), redis.call('ZRANGE', KEYS[1], 0, -1)}
 """
 
 
@@ -53,8 +68,11 @@ class RedisNameResolver(NameResolver):
     def key(self, service: str) -> str:
         return self.keys.service(service)
 
+    def _keys(self, service: str) -> list[str]:
+        return [self.keys.service(service), self.keys.service_generation(service)]
+
     async def _put(self, service: str, address: str, ttl: float) -> None:
-        await arun(self.client, script(_PUT, [self.key(service)], [address, int(ttl * 1000)]))
+        await arun(self.client, script(_PUT, self._keys(service), [address, int(ttl * 1000)]))
 
     async def register(self, service: str, address: str, ttl: float | None = None) -> None:
         ttl = float(ttl or self.default_ttl)
@@ -77,11 +95,36 @@ class RedisNameResolver(NameResolver):
 
     async def unregister(self, service: str, address: str) -> None:
         self._stop_keepalive(service, address)
-        await arun(self.client, one(Call("zrem", self.key(service), address)))
+        await arun(self.client, script(_DEL, self._keys(service), [address]))
+
+    async def _listed(self, service: str) -> tuple[bytes, list[str]]:
+        gen, raw = await arun(self.client, script(_LIST, self._keys(service), []))
+        return gen, sorted(m.decode() if isinstance(m, bytes) else m for m in raw)
 
     async def list(self, service: str) -> list[str]:
-        raw = await arun(self.client, script(_LIST, [self.key(service)], []))
-        return sorted(m.decode() if isinstance(m, bytes) else m for m in raw)
+        return (await self._listed(service))[1]
+
+    async def watch(self, service: str) -> AsyncIterator[list[str]]:
+        """Yield the current list at once, then again each time it changes (see the module doc: a GET of the
+        generation per poll, a full list when it moved and at least every ttl/2)."""
+        loop = asyncio.get_running_loop()
+        last: list[str] | None = None
+        gen: Any = None
+        listed_at = -math.inf
+        while not self._closed:
+            try:
+                now_gen = await arun(self.client, one(Call("get", self.keys.service_generation(service))))
+                if last is None or now_gen != gen or loop.time() - listed_at >= self.default_ttl / 2:
+                    gen, cur = await self._listed(service)
+                    listed_at = loop.time()
+                    if cur != last:
+                        last = cur
+                        yield cur
+            except Exception as exc:  # noqa: BLE001 - a discovery hiccup must not kill the watcher
+                log.warning("listing %r failed (%s); retrying", service, exc)
+                await asyncio.sleep(max(self.poll_interval, 1.0))
+                continue
+            await asyncio.sleep(self.poll_interval)
 
     async def _close_backend(self) -> None:
         if self._owns_client:

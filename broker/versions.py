@@ -5,6 +5,12 @@ published on the `{ns}:events` channel (pub/sub, for live listeners) and appende
 the `{ns}:events` stream (for late joiners and after a reconnect). Producers follow the
 stream (`AsyncVersionRegistry.follow`): version bumps, the trainer's `shutdown`, pauses
 of the engines for a weight update, and engines dropped from or back in weight sync.
+With `wakeups=True` the same XREAD also reads the admission wake stream `{ns}:admit:wake`
+(broker/admission.py: capacity may have grown while someone waited) and yields each of
+its entries as an `Event(type="capacity")`: a refused producer waits for that or a version
+bump instead of polling the admission script. Followers block `FOLLOW_BLOCK_MS` per read
+(an idle follower costs one round trip per block, not per second); reading by id, a
+reconnect loses nothing.
 
 The run's durable state `{ns}:run` (`running` / `finished`) lives here too: the trainer
 sets it at start and, in the same MULTI as its `shutdown` event, at the end, so a
@@ -23,7 +29,7 @@ from typing import Any, AsyncIterator, Literal
 
 import msgspec
 
-from rlstream.broker.connection import is_cluster_client
+from rlstream.broker.connection import is_cluster_client, max_block_ms
 from rlstream.broker.keys import Keys
 from rlstream.broker.plan import Async, Call, Pipeline, Plan, Sleep, Sync, operation
 from rlstream.common.logging import get_logger
@@ -33,6 +39,10 @@ __all__ = ["Event", "VersionRegistry", "AsyncVersionRegistry", "decode_event", "
 log = get_logger(__name__)
 
 EVENTS_MAXLEN = 10_000
+# How long a follower's XREAD blocks when nothing comes (capped at half the client's socket timeout). Long: an
+# idle follower's timed-out read is all it costs Redis (256 engines at 1 s were ~300 round trips a second);
+# stopping a follower cancels its task (redis-py drops that connection), it does not wait for the block.
+FOLLOW_BLOCK_MS = 20_000
 RUN_RUNNING, RUN_FINISHED = "running", "finished"
 
 
@@ -42,10 +52,12 @@ class Event(msgspec.Struct, kw_only=True):
     version: the served version moved (set only once every engine has it); pause /
     resume: the weight broadcaster paused every engine for a push / let them continue;
     shutdown: the trainer finished; engine_down / engine_up: an engine was dropped from
-    weight sync / serves the current version again.
+    weight sync / serves the current version again; capacity: (only from `follow(wakeups=True)`,
+    an entry of the admission wake stream, never in `{ns}:events`) admission capacity may have
+    grown, `detail` says why (release, abandon, expired, commit).
     """
 
-    type: Literal["version", "pause", "resume", "shutdown", "engine_down", "engine_up"]
+    type: Literal["version", "pause", "resume", "shutdown", "engine_down", "engine_up", "capacity"]
     version: int = -1
     ts: float = msgspec.field(default_factory=time.time)
     detail: str = ""
@@ -143,27 +155,52 @@ class Versions:
         return last[0][0] if last else b"0-0"
 
     @operation
-    def events_after(self, last_id: bytes | str, block_ms: int = 1000, count: int = 100) -> Plan:
+    def events_after(self, last_id: bytes | str, block_ms: int = FOLLOW_BLOCK_MS, count: int = 100) -> Plan:
         """(events, new last id): what the stream got after `last_id`, waiting up to `block_ms` for some.
 
         A read that fails (Redis restarting) is logged and answered with no events after a
         second's pause; entries that do not decode as events are skipped.
         """
+        events, ids = yield from self._read({self.keys.events: last_id}, block_ms, count)
+        return events, ids[self.keys.events]
+
+    @operation
+    def events_and_wakeups_after(self, last_id: bytes | str, wake_id: bytes | str, block_ms: int = FOLLOW_BLOCK_MS,
+                                 count: int = 100) -> Plan:
+        """(events, new last id, new wake id): `events_after` reading the admission wake stream too (one XREAD);
+        each wake entry comes as `Event(type="capacity", detail=why)`, after the stream's events."""
+        events, ids = yield from self._read({self.keys.events: last_id, self.keys.admit_wake: wake_id}, block_ms,
+                                            count)
+        return events, ids[self.keys.events], ids[self.keys.admit_wake]
+
+    def _read(self, streams: dict[str, Any], block_ms: int, count: int) -> Plan:
+        ids = dict(streams)
         try:
-            res = yield Call("xread", {self.keys.events: last_id}, block=block_ms, count=count)
+            res = yield Call("xread", streams, block=max_block_ms(self.client, block_ms), count=count)
         except Exception as exc:  # noqa: BLE001 - a follower keeps following (Redis may be restarting)
-            log.warning("reading %s failed: %s", self.keys.events, exc)
+            log.warning("reading %s failed: %s", ", ".join(streams), exc)
             yield Sleep(1.0)
-            return [], last_id
-        events = []
-        for _, entries in res or []:
+            return [], ids
+        events, wakes = [], []
+        for name, entries in res or []:
+            key = name.decode() if isinstance(name, bytes) else name
             for eid, fields in entries:
-                last_id = eid
+                ids[key] = eid
+                if key == self.keys.admit_wake:
+                    why = fields.get(b"w", b"")
+                    wakes.append(Event(type="capacity", detail=why.decode() if isinstance(why, bytes) else str(why)))
+                    continue
                 try:
                     events.append(decode_event(fields[b"e"]))
                 except (KeyError, msgspec.DecodeError):  # a foreign entry must not stop a follower
                     continue
-        return events, last_id
+        return events + wakes, ids
+
+    @operation
+    def last_wake_id(self) -> Plan:
+        """The id of the newest admission wake entry ("0-0" when there is none)."""
+        last = yield Call("xrevrange", self.keys.admit_wake, count=1)
+        return last[0][0] if last else b"0-0"
 
 
 class VersionRegistry(Versions, Sync):
@@ -173,11 +210,23 @@ class VersionRegistry(Versions, Sync):
 class AsyncVersionRegistry(Versions, Async):
     """asyncio registry for producers: read the version, wait for a newer one, follow the events."""
 
-    async def follow(self, block_ms: int = 1000) -> AsyncIterator[Event]:
-        """Every event published from now on, in order, for as long as the caller iterates."""
-        last = await self.last_event_id()
+    async def follow(self, block_ms: int = FOLLOW_BLOCK_MS, wakeups: bool = False,
+                     since: tuple[Any, Any] | None = None) -> AsyncIterator[Event]:
+        """Every event published from now on, in order, for as long as the caller iterates.
+
+        `wakeups`: also every admission wake-up from now on, as `Event(type="capacity")`.
+        `since`: (event id, wake id) to follow from instead of now (`last_event_id`, `last_wake_id`).
+        """
+        last, wake = since if since is not None else (await self.last_event_id(), None)
+        if not wakeups:
+            while True:
+                events, last = await self.events_after(last, block_ms)
+                for event in events:
+                    yield event
+        if wake is None:
+            wake = await self.last_wake_id()
         while True:
-            events, last = await self.events_after(last, block_ms)
+            events, last, wake = await self.events_and_wakeups_after(last, wake, block_ms)
             for event in events:
                 yield event
 

@@ -238,6 +238,10 @@ class Gateway:
         self.cfg = cfg
         self.gc = cfg.gateway
         self.engine = engine  # RolloutEngine
+        # what a session waiting for a lease waits on: the engine's followed version when it follows the
+        # admission wake-ups (run_gateway's), else nothing (EpisodeLease.acquire polls)
+        versions = getattr(engine, "versions", None)
+        self._wake = versions if getattr(versions, "wakeups", False) else None
         self.admission = admission
         self.tokenizer = tokenizer
         self.max_context = max_context
@@ -302,8 +306,8 @@ class Gateway:
             if g is None or not g.open:
                 g = Group(key=key, size=s.group_size or self.group_size,
                           prompt_id=s.group_name if s.group_name is not None else key.split(":", 1)[1])
-                g.lease_task = asyncio.create_task(EpisodeLease.acquire(self.admission,
-                                                                        timeout=self.gc.admission_timeout))
+                g.lease_task = asyncio.create_task(EpisodeLease.acquire(
+                    self.admission, timeout=self.gc.admission_timeout, wake=self._wake))
                 self.open_groups[key] = g
             g.members.append(s)
             g.last_join = time.monotonic()
@@ -789,7 +793,8 @@ async def run_gateway(cfg: Config, stop: asyncio.Event | None = None) -> None:
         info = await pool.servers[pool.healthy()[0]].client.model_info()
         max_context = info.max_seq_len or info.max_model_len or cfg.server.max_seq_len
         # The served version from the run's events, not a Redis GET per call (one round trip saved per call).
-        versions = await FollowedVersion(AsyncVersionRegistry(client, keys)).start()
+        # ... and the admission wake-ups: a session waiting for a lease is woken when capacity may have grown.
+        versions = await FollowedVersion(AsyncVersionRegistry(client, keys), wakeups=True).start()
         engine = RolloutEngine(pool, versions, resume_wait=cfg.actor.weight_update_timeout)
         gw = Gateway(cfg, engine=engine, admission=admission, tokenizer=tokenizer, max_context=int(max_context),
                      producer_id=pid)

@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 from typing import Any
 
+from rlstream.broker.admission import ADMIT_FALLBACK_SECS
 from rlstream.broker.stream import entry_fields
 from rlstream.common.logging import get_logger
 from rlstream.common.wire import TrajectoryGroup, validate_group
@@ -40,11 +41,17 @@ class EpisodeLease:
         self._renew = asyncio.create_task(self._renew_loop(renew_every), name=f"renew-{lease_id}")
 
     @classmethod
-    async def acquire(cls, admission: Any, *, timeout: float, poll: float = 0.25) -> "EpisodeLease":
-        """Wait up to `timeout` seconds for capacity; `NoCapacity` if none came."""
+    async def acquire(cls, admission: Any, *, timeout: float, poll: float = 0.25, wake: Any = None) -> "EpisodeLease":
+        """Wait up to `timeout` seconds for capacity; `NoCapacity` if none came.
+
+        `wake`: a `FollowedVersion` following the admission wake-ups: a refused acquisition waits for a
+        version bump or a wake-up (capacity may have grown), at most `ADMIT_FALLBACK_SECS` (the backstop).
+        Without it, it asks again every `poll` seconds.
+        """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
+            seen = wake.changes if wake is not None else 0  # before asking: a wake-up after the refusal counts
             st, lease = await admission.try_acquire()
             if lease is not None:
                 return cls(admission, lease.lease_id, max(0.2, admission.lease_ttl_ms / 3000))
@@ -53,7 +60,10 @@ class EpisodeLease:
             if loop.time() >= deadline:
                 raise NoCapacity(f"no admission capacity within {timeout:g}s (running {st.running}, "
                                  f"accepted {st.accepted}, served version {st.version})")
-            await asyncio.sleep(poll)
+            if wake is None:
+                await asyncio.sleep(poll)
+            else:
+                await wake.wait_change(seen, min(ADMIT_FALLBACK_SECS, max(0.0, deadline - loop.time())))
 
     async def _renew_loop(self, every: float) -> None:
         while True:

@@ -11,9 +11,15 @@ A liveness heartbeat (`broker.admission.HEARTBEAT_SECS`) ties the leases to this
 once it stops (SIGKILL, a lost machine) its leases are freed within ~10 s, whatever
 `rollout.lease_ttl` says.
 
-When admission says no (capacity <= 0) the producer sleeps until one of its own
-rollouts finishes, a version event arrives (it follows `{ns}:events` through the version
-registry), or a short poll interval passes (other producers' completions are not announced).
+When admission says no the producer sleeps until one of its own rollouts finishes, a
+version event arrives, or another producer's lease is released, abandoned or expires (or,
+when the concurrency limit refused, committed): the admission scripts then append to the
+wake stream `{ns}:admit:wake`, which the producer follows in the same XREAD as `{ns}:events`
+(`AsyncVersionRegistry.follow(wakeups=True)`). The wake is armed by the refusal itself (one
+script), and the producer clears its own wake flag before it asks, so no wake-up between the
+refusal and the wait is lost; reading by id, neither is one across a reconnect. A long
+fallback (`broker.admission.ADMIT_FALLBACK_SECS`) is only the backstop (e.g. a Redis restart that lost the
+stream).
 
 It stops when the run is finished (the trainer's durable `{ns}:run` state, checked at
 start and by every admission, so even a producer started after the trainer ended or
@@ -35,6 +41,7 @@ from typing import Any
 
 import msgspec
 
+from rlstream.broker.admission import ADMIT_FALLBACK_SECS
 from rlstream.broker.connection import BrokerError
 from rlstream.broker.versions import RUN_FINISHED
 from rlstream.common.config import Config
@@ -47,7 +54,6 @@ __all__ = ["produce", "Producer", "should_accept"]
 
 log = get_logger(__name__)
 
-ADMIT_POLL_SECS = 0.25
 
 
 class SetupError(RuntimeError):
@@ -185,10 +191,12 @@ class Producer:
             except Exception as exc:  # noqa: BLE001 - retried next period; 3 may be missed
                 log.warning("liveness heartbeat failed: %s", exc)
 
-    async def _follow_events(self) -> None:
-        async for ev in self.versions.follow():
+    async def _follow_events(self, since: tuple[Any, Any]) -> None:
+        async for ev in self.versions.follow(wakeups=True, since=since):
             if ev.type == "version":
                 self.version = max(self.version, ev.version)
+                self._wake.set()
+            elif ev.type == "capacity":
                 self._wake.set()
             elif ev.type == "shutdown":
                 self.request_stop(f"shutdown event ({ev.detail or 'trainer finished'})", force=True)
@@ -314,19 +322,20 @@ class Producer:
             await self.admission.release(lease_id)
 
     async def _wait_wake(self, timeout: float) -> None:
-        self._wake.clear()
+        """Wait for a wake-up set since the loop last cleared it (before it asked: none is lost in between)."""
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._wake.wait(), timeout)
 
     async def _admit_loop(self) -> None:
         max_groups = self.cfg.producer.max_groups
         while self.stop_reason is None:
+            self._wake.clear()
             if max_groups is not None:
                 if self.accepted >= max_groups:
                     self.request_stop(f"producer.max_groups={max_groups} groups accepted")
                     break
                 if self.accepted + len(self.inflight) >= max_groups:
-                    await self._wait_wake(ADMIT_POLL_SECS)  # enough in flight; admit more only if some are rejected
+                    await self._wait_wake(ADMIT_FALLBACK_SECS)  # enough in flight; admit more only if some are rejected
                     continue
             st, lease = await self.admission.try_acquire()
             self.last_state = st
@@ -335,7 +344,7 @@ class Producer:
                 break
             self.version = max(self.version, st.version)
             if lease is None:
-                await self._wait_wake(ADMIT_POLL_SECS)
+                await self._wait_wake(ADMIT_FALLBACK_SECS)
                 continue
             item = await self.cursor.next()
             if item is None:
@@ -391,9 +400,11 @@ class Producer:
             await self.admission.heartbeat()  # before the first lease: its leases live as long as we do
             if await self.versions.run_state() == RUN_FINISHED:
                 self.request_stop(f"the run is finished ({self.keys.run})")
+            # where the follower starts: before the first ask, so no wake-up after a refusal can be missed
+            since = (await self.versions.last_event_id(), await self.versions.last_wake_id())
             self._bg = [asyncio.create_task(self._heartbeat(), name="heartbeat"),
                         asyncio.create_task(self._renew_leases(), name="renew-leases"),
-                        asyncio.create_task(self._follow_events(), name="events"),
+                        asyncio.create_task(self._follow_events(since), name="events"),
                         asyncio.create_task(self._progress(), name="progress")]
             if self.evaluator is not None:
                 self._bg.append(asyncio.create_task(self.evaluator.run(self._stop), name="evaluator"))

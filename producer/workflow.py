@@ -18,6 +18,7 @@ So one trajectory may mix versions, each token labelled with its own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -61,26 +62,44 @@ class FollowedVersion:
     behind it at most until the event is read: a label that errs, errs towards "older", as
     the per-request GET it replaces did for a version set while the request ran. Waiting for
     a newer version still polls the key (robust to a follower that fell behind).
+
+    `wakeups`: the same XREAD also reads the admission wake stream; `changes` counts version
+    bumps and wake-ups, and `wait_change(seen, timeout)` returns once it moved past `seen`
+    (what `EpisodeLease.acquire` waits on instead of polling the admission script).
     """
 
-    def __init__(self, registry: Any, block_ms: int = 1000) -> None:
+    def __init__(self, registry: Any, block_ms: int | None = None, wakeups: bool = False) -> None:
+        from rlstream.broker.versions import FOLLOW_BLOCK_MS
+
         self.registry = registry  # broker AsyncVersionRegistry
-        self.block_ms = block_ms
+        self.block_ms = block_ms or FOLLOW_BLOCK_MS
+        self.wakeups = wakeups
         self.version = 0
+        self.changes = 0
+        self._changed = asyncio.Event()
         self._task: asyncio.Task | None = None
 
     async def start(self) -> "FollowedVersion":
         last = await self.registry.last_event_id()  # first the position, then the value: no event slips between
+        wake = await self.registry.last_wake_id() if self.wakeups else None
         self.version = await self.registry.get()
-        self._task = asyncio.create_task(self._follow(last), name="served-version-follow")
+        self._task = asyncio.create_task(self._follow(last, wake), name="served-version-follow")
         return self
 
-    async def _follow(self, last: Any) -> None:
-        while True:
-            events, last = await self.registry.events_after(last, self.block_ms)
-            for ev in events:
-                if ev.type == "version":
-                    self.version = ev.version
+    async def _follow(self, last: Any, wake: Any) -> None:
+        async for ev in self.registry.follow(self.block_ms, wakeups=self.wakeups, since=(last, wake)):
+            if ev.type == "version":
+                self.version = ev.version
+            if ev.type in ("version", "capacity"):
+                self.changes += 1
+                changed, self._changed = self._changed, asyncio.Event()
+                changed.set()
+
+    async def wait_change(self, seen: int, timeout: float) -> None:
+        """Return once `changes` is past `seen` (a version bump or a wake-up), or after `timeout` seconds."""
+        if self.changes == seen:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), timeout)
 
     async def get(self) -> int:
         return self.version

@@ -381,7 +381,9 @@ def test_a_first_commit_is_one_transaction_and_a_retry_reads_the_markers_under_w
         client.config_resetstat()
         ids = adm.commit_many(items)
         calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
-        assert calls == {"config|resetstat": 1, "multi": 1, "zrem": 1, "incrby": 1, "xadd": 3, "set": 3, "exec": 1}
+        # + the wake-up check queued last (a small script: GET of the armed flag; nobody was refused)
+        assert calls == {"config|resetstat": 1, "multi": 1, "zrem": 1, "incrby": 1, "xadd": 3, "set": 3, "eval": 1,
+                         "get": 1, "exec": 1}
         client.config_resetstat()
         assert adm.commit_many(items[:1]) == ids[:1]  # repeated: the marker says so, nothing written
         calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
@@ -565,3 +567,44 @@ def test_a_redis_outage_does_not_make_live_producers_look_dead(redis_factory):
         assert time.monotonic() < deadline, adm.snapshot()
         time.sleep(0.2)
     client.close()
+
+
+def test_wake_ups_only_when_capacity_can_have_grown_for_a_waiter(rclient, keys):
+    """The wake stream gets an entry only after a refusal, and a commit writes one only when the concurrency
+    limit (not the staleness budget) refused: a commit frees no budget."""
+    budget_bound = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=1,
+                                       max_concurrent_rollouts=10)
+    assert budget_bound.try_acquire("A-0")[1] is not None
+    budget_bound.release("A-0")
+    assert rclient.xlen(keys.admit_wake) == 0  # nobody was refused: nothing to wake
+    assert budget_bound.try_acquire("A-1")[1] is not None
+    assert budget_bound.try_acquire("B-0")[1] is None and rclient.get(keys.admit_armed) == b"b"
+    budget_bound.commit("A-1", {"x": "1"})
+    assert rclient.xlen(keys.admit_wake) == 0 and rclient.get(keys.admit_armed) == b"b"  # still armed
+    rclient.delete(keys.admit_armed)
+
+    conc = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=1,
+                               max_concurrent_rollouts=1)
+    assert conc.try_acquire("A-2")[1] is not None
+    assert conc.try_acquire("B-1")[1] is None and rclient.get(keys.admit_armed) == b"c"
+    conc.commit("A-2", {"x": "2"})
+    assert rclient.xlen(keys.admit_wake) == 1 and rclient.get(keys.admit_armed) is None
+    assert [f[b"w"] for _, f in rclient.xrange(keys.admit_wake)] == [b"commit"]
+    # one wake-up per refusal: a second commit, nobody refused since, writes none
+    assert conc.try_acquire("A-3")[1] is not None
+    conc.commit("A-3", {"x": "3"})
+    assert rclient.xlen(keys.admit_wake) == 1
+
+
+def test_an_expired_lease_wakes_the_waiters_at_the_next_heartbeat(rclient, keys):
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=1,
+                              max_concurrent_rollouts=10, lease_ttl=0.2)
+    assert adm.try_acquire("A-0")[1] is not None
+    assert adm.try_acquire("B-0")[1] is None
+    deadline = time.monotonic() + 60
+    while rclient.xlen(keys.admit_wake) == 0:  # the lease expires; someone's heartbeat reaps it
+        assert time.monotonic() < deadline, "the expired lease never woke anyone"
+        time.sleep(0.05)
+        adm.heartbeat("C")
+    assert [f[b"w"] for _, f in rclient.xrange(keys.admit_wake)] == [b"expired"]
+    assert adm.snapshot().running == 0

@@ -32,3 +32,80 @@ async def test_episode_lease_commit_abandon_and_no_capacity(redis_url, rclient, 
         assert (await adm.snapshot()).rejected == 1
     finally:
         await client.aclose()
+
+
+async def _until(pred, what: str, timeout: float = 60.0) -> None:
+    """Wait (bounded by a generous deadline) for `pred()` to hold."""
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, f"never: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def _refused_waiter(redis_url, rclient, keys, monkeypatch, fallback: float):
+    """One slot (η = 0, B = 1) held by producer `other`; a gateway-style waiter (EpisodeLease.acquire following the
+    wake-ups) asks, is refused and waits. Returns (client, followed version, its acquire task)."""
+    import asyncio
+
+    from rlstream.broker import AdmissionController, AsyncVersionRegistry
+    from rlstream.producer import lease as lease_mod
+    from rlstream.producer.workflow import FollowedVersion
+
+    monkeypatch.setattr(lease_mod, "ADMIT_FALLBACK_SECS", fallback)
+    other = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=1,
+                                max_concurrent_rollouts=10)
+    assert other.try_acquire("other-0")[1] is not None
+    client = await connect_async(redis_url)
+    adm = AsyncAdmissionController(client, keys, max_head_offpolicyness=0, consumer_batch_size=1,
+                                   max_concurrent_rollouts=10, lease_ttl=60)
+    fv = await FollowedVersion(AsyncVersionRegistry(client, keys), wakeups=True).start()
+    task = asyncio.create_task(EpisodeLease.acquire(adm, timeout=3600, wake=fv))
+    await _until(lambda: rclient.get(keys.admit_armed) is not None, "the waiter is refused (the wake-up armed)")
+    return other, client, fv, task
+
+
+async def test_a_refused_waiter_is_woken_by_another_producers_release(redis_url, rclient, keys, monkeypatch):
+    """The fallback is an hour: only the wake-up the release writes can hand the slot over in time."""
+    other, client, fv, task = await _refused_waiter(redis_url, rclient, keys, monkeypatch, fallback=3600)
+    try:
+        assert not task.done() and rclient.xlen(keys.admit_wake) == 0
+        other.release("other-0")
+        await _until(task.done, "the waiter takes the released slot")
+        lease = task.result()
+        assert rclient.xlen(keys.admit_wake) == 1 and rclient.get(keys.admit_armed) is None  # one entry, disarmed
+        assert [m.decode() for m in rclient.zrange(keys.admit_running, 0, -1)] == [lease.lease_id]
+        await lease.abandon()
+    finally:
+        await fv.close()
+        await client.aclose()
+
+
+async def test_a_wake_up_survives_a_reconnect(redis_url, rclient, keys, monkeypatch):
+    """The follower's connection is killed while it blocks; it reads on from its last id, so the wake-up written
+    meanwhile still wakes it (fallback an hour)."""
+    other, client, fv, task = await _refused_waiter(redis_url, rclient, keys, monkeypatch, fallback=3600)
+    try:
+        rclient.client_kill_filter(_type="normal", skipme=True)  # every connection but this test's
+        other.release("other-0")
+        await _until(task.done, "the waiter takes the released slot after reconnecting")
+        await task.result().abandon()
+    finally:
+        await fv.close()
+        await client.aclose()
+
+
+async def test_the_fallback_covers_a_lost_wake_up(redis_url, rclient, keys, monkeypatch):
+    """A slot freed behind admission's back (no wake-up written, as when Redis lost the wake stream) is taken at
+    the fallback."""
+    other, client, fv, task = await _refused_waiter(redis_url, rclient, keys, monkeypatch, fallback=0.5)
+    try:
+        rclient.zrem(keys.admit_running, "other-0")
+        await _until(task.done, "the waiter takes the slot at its fallback")
+        assert rclient.xlen(keys.admit_wake) == 0
+        await task.result().abandon()
+    finally:
+        await fv.close()
+        await client.aclose()
