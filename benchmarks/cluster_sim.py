@@ -57,7 +57,7 @@ from cp_probe import ProbeResult  # noqa: E402
 from redis_child import RedisChild  # noqa: E402
 
 from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
-from rlstream.broker.admission import HEARTBEAT_SECS, budget  # noqa: E402
+from rlstream.broker.admission import ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, budget  # noqa: E402
 from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
 from rlstream.broker.registry import RedisNameResolver  # noqa: E402
 from rlstream.common.engine_api import ENGINES_SERVICE  # noqa: E402
@@ -65,12 +65,14 @@ from rlstream.broker.stream import entry_fields  # noqa: E402
 from rlstream.common.wire import Trajectory, TrajectoryGroup  # noqa: E402
 from rlstream.consumer.reader import StepReader  # noqa: E402
 from rlstream.engine.simulated import PAUSE_MODES, LengthModel, SimClock, SimulatedEngine, TimingModel, load_timing  # noqa: E402
-from rlstream.producer.main import ADMIT_POLL_SECS  # noqa: E402
+from rlstream.broker.versions import FOLLOW_BLOCK_MS  # noqa: E402
+from rlstream.common.tasks import cancel_and_wait  # noqa: E402
 
 
 ENGINE_TTL = 10.0  # name-resolve lease of an engine, real seconds (keepalive every ttl/3; cluster.name_resolve.lease_ttl)
-RESOLVE_POLL_S = 0.5  # a producer's name-resolve poll (make_name_resolver's poll_interval)
-FOLLOW_BLOCK_S = 1.0  # XREAD BLOCK of an event follower (AsyncVersionRegistry.follow)
+RESOLVE_POLL_S = 0.5  # a producer's name-resolve poll of the generation (make_name_resolver's poll_interval)
+FOLLOW_BLOCK_S = FOLLOW_BLOCK_MS / 1000  # XREAD BLOCK of an event follower (AsyncVersionRegistry.follow)
+READ_BLOCK_S = 1.0  # XREADGROUP BLOCK of the trainer's reader (StepReader's default)
 LEASE_TTL_S = 300.0  # rollout.lease_ttl: a producer renews its in-flight leases every third of it
 PROBE_FOLLOWERS = 8  # event followers of the probe process (cp_probe.py)
 PROBE_ADMIT_HZ = 10.0  # its try_acquire calls per wall second
@@ -115,7 +117,7 @@ class Setting:
     # `accel` times faster, so they come as often per modeled second as in a real run.
     scale_timers: bool = True
     # What-ifs for the timers (real seconds; None: what producer.main and the name resolver use today).
-    admit_poll_s: float | None = None  # a refused producer's fallback poll (ADMIT_POLL_SECS)
+    admit_poll_s: float | None = None  # a refused producer's fallback (ADMIT_FALLBACK_SECS; woken earlier)
     resolve_poll_s: float | None = None  # a producer's name-resolve poll (RESOLVE_POLL_S)
 
 
@@ -160,6 +162,7 @@ class Result:
     redis_calls_per_step: dict = field(default_factory=dict)  # INFO commandstats calls delta, same commands
     redis_cpu_minimal_per_step: float | None = None  # Redis CPU a steady step of the same run with payload "minimal"
     redis_usec_minimal_per_step: dict = field(default_factory=dict)
+    wakeups: int = 0  # admission wake-ups (capacity events) producer 0 saw over the whole run
 
     @property
     def tokens_per_s(self) -> float:
@@ -293,11 +296,13 @@ class Cluster:
                 break
         return len(versions), versions
 
-    async def _rollout(self, adm: AsyncAdmissionController, lease_id: str, pid: int, inflight: set[str]) -> None:
+    async def _rollout(self, adm: AsyncAdmissionController, lease_id: str, pid: int, inflight: set[str],
+                       wake: asyncio.Event) -> None:
         try:
             await self._roll(adm, lease_id, pid)
         finally:
             inflight.discard(lease_id)
+            wake.set()  # as producer.main: a rollout of its own ended, ask again
 
     async def _roll(self, adm: AsyncAdmissionController, lease_id: str, pid: int) -> None:
         producer = f"producer-{pid}"
@@ -326,14 +331,16 @@ class Cluster:
                                        lease_ttl=3600.0, producer_id=f"producer-{pid}")
         tasks: set[asyncio.Task] = set()
         inflight: set[str] = set()  # lease ids of its running rollouts (renewed in the background)
-        # Refused a lease, a producer waits for the next version event (the budget grows by B per version),
-        # as the real one does, with a short fallback for capacity freed otherwise (a released lease):
-        # producer.main's ADMIT_POLL_SECS.
-        bumped = asyncio.Event()
-        poll = self.wall(self.s.admit_poll_s or ADMIT_POLL_SECS)
+        # Refused a lease, a producer waits as producer.main's does: for a rollout of its own to end, a version
+        # event or an admission wake-up (both from one follower: AsyncVersionRegistry.follow(wakeups=True)), at
+        # most ADMIT_FALLBACK_SECS (the backstop). The wake flag is cleared before it asks: none is lost.
+        wake = asyncio.Event()
+        poll = self.wall(self.s.admit_poll_s or ADMIT_FALLBACK_SECS)
         await adm.heartbeat()  # as producer.main: before the first lease, its leases live as long as it does
-        helpers = [asyncio.create_task(self._follow_versions(client, bumped, self.stop.is_set)),
-                   asyncio.create_task(self._every(HEARTBEAT_SECS, adm.heartbeat)),
+        registry = AsyncVersionRegistry(client, self.keys)
+        since = (await registry.last_event_id(), await registry.last_wake_id())
+        follower = asyncio.create_task(self._follow_versions(registry, since, wake, pid))
+        helpers = [asyncio.create_task(self._every(HEARTBEAT_SECS, adm.heartbeat)),
                    asyncio.create_task(self._every(LEASE_TTL_S / 3, lambda: adm.renew(list(inflight))))]
         if self.s.control_plane:
             helpers.append(asyncio.create_task(self._resolve_engines(client, pid)))
@@ -342,23 +349,23 @@ class Cluster:
                 if len(tasks) >= concurrency:
                     _, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                bumped.clear()
+                wake.clear()
                 t0 = time.perf_counter()
                 st, lease = await adm.try_acquire()
                 self.result.admission_ms.append((time.perf_counter() - t0) * 1000)
                 if lease is None:
                     with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(bumped.wait(), poll)
+                        await asyncio.wait_for(wake.wait(), poll)
                     continue
                 inflight.add(lease.lease_id)
-                task = asyncio.create_task(self._rollout(adm, lease.lease_id, pid, inflight))
+                task = asyncio.create_task(self._rollout(adm, lease.lease_id, pid, inflight, wake))
                 tasks.add(task)
         finally:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            # The helpers end on their own at `stop` (a task cancelled inside a blocking XREAD could hang the
-            # client's close here); they wait at most one short block.
+            # the follower blocks up to FOLLOW_BLOCK_S: stopped as producer.main stops it (cancelled)
+            await cancel_and_wait([follower])
             await asyncio.gather(*helpers, return_exceptions=True)
             await client.aclose()
 
@@ -370,29 +377,34 @@ class Cluster:
             except asyncio.TimeoutError:
                 await call()
 
-    async def _follow_versions(self, client, bumped: asyncio.Event, done) -> None:
-        """A producer follows the run's version events over Redis (XREAD BLOCK on `{ns}:events`, as
-        `AsyncVersionRegistry.follow` does) until `done()`."""
-        registry = AsyncVersionRegistry(client, self.keys)
-        last = await registry.last_event_id()
+    async def _follow_versions(self, registry: AsyncVersionRegistry, since: tuple, wake: asyncio.Event,
+                               pid: int) -> None:
+        """A producer follows the run's version events and the admission wake-ups over Redis (one XREAD BLOCK on
+        `{ns}:events` and `{ns}:admit:wake`, as `AsyncVersionRegistry.follow(wakeups=True)` does)."""
         block_ms = max(1, round(1000 * self.wall(FOLLOW_BLOCK_S)))
-        while not done():
-            events, last = await registry.events_after(last, block_ms=block_ms)
-            for ev in events:
-                if ev.type != "version":
-                    continue
-                bumped.set()
+        async for ev in registry.follow(block_ms, wakeups=True, since=since):
+            if ev.type in ("version", "capacity"):
+                wake.set()
+            if ev.type == "capacity" and pid == 0:
+                self.result.wakeups += 1
 
     async def _resolve_engines(self, client, pid: int) -> None:
-        """The producer's name-resolve view of the engines, polled like the real resolver's watch."""
+        """The producer's name-resolve view of the engines, from the real resolver's watch (a GET of the
+        generation every poll, a full list when it moved or every ttl/2), as producer.engine_client's pool."""
         every = self.wall(self.s.resolve_poll_s or RESOLVE_POLL_S)
         resolver = RedisNameResolver(client, self.keys.ns, default_ttl=self.wall(ENGINE_TTL), poll_interval=every)
-        while not self.stop.is_set():
-            view = await resolver.list(ENGINES_SERVICE)
-            if view != self.views.get(pid):
-                self.views[pid] = view
-            self.result.min_resolved = min(self.result.min_resolved, len(view))
-            await asyncio.sleep(every)
+
+        async def follow() -> None:
+            async for view in resolver.watch(ENGINES_SERVICE):
+                if view != self.views.get(pid):
+                    self.views[pid] = view
+                self.result.min_resolved = min(self.result.min_resolved, len(view))
+
+        task = asyncio.create_task(follow())
+        try:
+            await self.stop.wait()
+        finally:
+            await cancel_and_wait([task])
 
     # ------------------------------------------------------------------ engines' own control plane
     async def _agents_start(self) -> None:
@@ -458,7 +470,7 @@ class Cluster:
         client = connect(self.url)
         versions = VersionRegistry(client, self.keys)
         reader = StepReader(client, self.keys, groups_per_step=s.batch, max_head_offpolicyness=self.eta,
-                            block_ms=max(1, round(1000 * self.wall(FOLLOW_BLOCK_S))), log_every_secs=3600)
+                            block_ms=max(1, round(1000 * self.wall(READ_BLOCK_S))), log_every_secs=3600)
         reader.stream.ensure_group()
         cursor = self.clock.now()
         warmup = Result(0, steps=s.steps).warmup  # the steps not counted in the steady state
@@ -851,7 +863,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "redis_cpu_minimal_ms_per_step": None if r.redis_cpu_minimal_per_step is None else 1000 * cp_cpu,
                        "redis_cpu_run_ms_per_step": 1000 * r.redis_cpu_s / r.steps,  # set-up and warm-up included
                        "redis_usec_minimal_per_step": r.redis_usec_minimal_per_step,
-                       "redis_calls_per_step": r.redis_calls_per_step, "scale_timers": s.scale_timers, "payload": s.payload, "steps": r.steps,
+                       "redis_calls_per_step": r.redis_calls_per_step, "wakeups": r.wakeups, "scale_timers": s.scale_timers, "payload": s.payload, "steps": r.steps,
                        "producers_admission_p50_ms": p50, "producers_admission_p99_ms": p99,
                        "engines_event_p50_ms": e50, "engines_event_p99_ms": e99, "engines_pid": r.engines_pid,
                        "probe": {"pid": probe["pid"], "spawned_pid": probe["spawned_pid"],
@@ -919,7 +931,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the --json of an earlier --payload minimal run of the same setting and η values: its Redis "
                          "CPU is the control plane's (as --split-payload, in two shorter runs)")
     ap.add_argument("--admit-poll-s", type=float, default=None,
-                    help=f"what-if: a refused producer's fallback poll, real seconds (today {ADMIT_POLL_SECS})")
+                    help=f"what-if: a refused producer's fallback, real seconds (today {ADMIT_FALLBACK_SECS})")
     ap.add_argument("--resolve-poll-s", type=float, default=None,
                     help=f"what-if: a producer's name-resolve poll, real seconds (today {RESOLVE_POLL_S})")
     ap.add_argument("--wall-timers", action="store_true",

@@ -24,7 +24,9 @@ import msgspec
 
 from rlstream.broker import AsyncVersionRegistry, Keys, connect_async
 from rlstream.broker.registry import RedisNameResolver
+from rlstream.broker.versions import FOLLOW_BLOCK_MS
 from rlstream.common.engine_api import ENGINES_SERVICE
+from rlstream.common.tasks import cancel_and_wait
 
 
 class EnginesResult(msgspec.Struct, kw_only=True):
@@ -60,7 +62,7 @@ class Engine:
 
     async def down(self) -> None:
         self.stopping.set()
-        await self.follower  # ends within one block (a task cancelled inside a blocking XREAD could hang the close)
+        await cancel_and_wait([self.follower])  # as a real follower stops: cancelled inside its (long) block
         await self.resolver.unregister(ENGINES_SERVICE, self.name)
         await self.resolver.close()
         await self.client.aclose()
@@ -94,7 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", required=True)
     ap.add_argument("--ns", required=True, help="the run's namespace (Keys(ns))")
     ap.add_argument("--ttl", type=float, required=True, help="name-resolve TTL, wall seconds (keepalive every third)")
-    ap.add_argument("--block-ms", type=int, default=1000, help="XREAD BLOCK of a follower (an engine's: 1000)")
+    ap.add_argument("--block-ms", type=int, default=FOLLOW_BLOCK_MS,
+                    help=f"XREAD BLOCK of a follower (an engine's: {FOLLOW_BLOCK_MS})")
     args = ap.parse_args(argv)
     out = asyncio.run(_main(args))
     sys.stdout.write(msgspec.json.encode(out).decode() + "\n")

@@ -29,6 +29,7 @@ import time
 import msgspec
 
 from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, connect_async
+from rlstream.broker.versions import FOLLOW_BLOCK_MS
 
 
 class ProbeResult(msgspec.Struct, kw_only=True):
@@ -127,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eta", type=int, required=True)
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--followers", type=int, default=8, help="event followers (connections)")
-    ap.add_argument("--block-ms", type=int, default=1000, help="XREAD BLOCK of a follower (an engine's: 1000)")
+    ap.add_argument("--block-ms", type=int, default=FOLLOW_BLOCK_MS,
+                    help=f"XREAD BLOCK of a follower (an engine's: {FOLLOW_BLOCK_MS})")
     ap.add_argument("--admit-hz", type=float, default=10.0, help="try_acquire calls per wall second")
     args = ap.parse_args(argv)
     out = asyncio.run(_main(args))
