@@ -144,6 +144,9 @@ def consumer_role(url: str, ns: str, n: int, count: int, out: str) -> None:
     client = connect(url)
     stream = TrajectoryStream(client, Keys(ns))
     stream.ensure_group()
+    from rlstream.common.memory import freeze_startup_objects
+
+    freeze_startup_objects()  # as `rlstream train` does before its step loop
     client.set(ns + ":ready", 1)
     while not client.exists(ns + ":go"):
         time.sleep(0.001)

@@ -10,8 +10,9 @@ decode + validation, `ack`), CPU seconds of this process (`time.process_time`) p
 and wall time; "bare" is plain XADD (pipelined by 16) + XREADGROUP + XACK of the same
 bytes with the same client. The Redis-side cost is the redis-server's INFO CPU delta
 per MB over the same run. The process keeps freed heap memory for reuse
-(`rlstream.common.memory.keep_freed_memory`) as `rlstream produce` and `rlstream train` do;
-rlstream and bare run in the same process, so both get it.
+(`rlstream.common.memory.keep_freed_memory`) as `rlstream produce` and `rlstream train` do, and
+freezes its start-up objects out of the cyclic GC's walks (`freeze_startup_objects`) as `rlstream train`
+does before its step loop; rlstream and bare run in the same process, so both get them.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ def main() -> None:
     p.add_argument("--before-label", default="before")
     p.add_argument("--readme", action="store_true")
     args = p.parse_args()
-    from rlstream.common.memory import keep_freed_memory
+    from rlstream.common.memory import freeze_startup_objects, keep_freed_memory
 
     keep_freed_memory()  # as the producer and trainer processes do
     kinds = {"rlstream": one_run, "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True)}
@@ -168,6 +169,7 @@ def main() -> None:
         redis = RedisChild()
         try:
             one_run(redis.url, args.n), bare_run(redis.url, args.n)  # warm-up: the server's allocator grows once
+            freeze_startup_objects()  # as `rlstream train` does before its step loop
             for rnd in range(args.rounds):  # interleaved, order turning: the machine is shared, load comes and goes
                 order = list(kinds)[rnd % 3:] + list(kinds)[:rnd % 3]
                 for name in order:

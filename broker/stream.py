@@ -20,7 +20,7 @@ from redis.exceptions import ResponseError
 
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.common.logging import get_logger
-from rlstream.common.wire import TrajectoryGroup, WireError, decode_checked, encode_group
+from rlstream.common.wire import TrajectoryGroup, WireError, decode_many, encode_group
 
 __all__ = ["Entry", "TrajectoryStream", "entry_fields", "id_str"]
 
@@ -99,24 +99,26 @@ class TrajectoryStream:
                 raise
 
     def _decode(self, raw: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Entry]:
-        good: list[Entry] = []
+        """Decode and validate the entries of one reply together; bad ones go to the dead-letter stream."""
         gone: list[str] = []
+        have: list[tuple[bytes, dict[bytes, bytes]]] = []
         for eid, fields in raw:
-            sid = id_str(eid)
-            if not fields:
+            if fields:
+                have.append((eid, fields))
+            else:
                 # Pending but deleted from the stream (XDEL by hand; retention never trims
                 # unacked entries): nothing left to train on, so ack it off the PEL.
-                gone.append(sid)
-                continue
-            payload = fields.get(b"d")
-            try:
-                if payload is None:
-                    raise WireError("entry has no 'd' payload field")
-                group, min_version = decode_checked(payload)
-            except WireError as exc:
-                self.dead_letter(sid, fields, str(exc))
-                continue
-            good.append(Entry(sid, group, min_version))
+                gone.append(id_str(eid))
+        good: list[Entry] = []
+        missing = WireError("entry has no 'd' payload field")
+        checked = decode_many([fields.get(b"d", b"") for _eid, fields in have])
+        for (eid, fields), res in zip(have, checked):
+            if b"d" not in fields:
+                res = missing
+            if isinstance(res, WireError):
+                self.dead_letter(id_str(eid), fields, str(res))
+            else:
+                good.append(Entry(id_str(eid), res[0], res[1]))
         if gone:
             log.warning("%d pending entries of %s were deleted from the stream; acknowledged: %s",
                         len(gone), self.keys.traj, ", ".join(gone[:5]))

@@ -38,7 +38,9 @@ __all__ = [
     "encode_group",
     "decode_group",
     "decode_checked",
+    "decode_many",
     "validate_group",
+    "validate_groups",
     "model_turns",
 ]
 
@@ -58,7 +60,7 @@ class WireError(ValueError):
     """An entry that cannot be trained on; the message is the dead-letter reason."""
 
 
-class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     """One sample: a prompt, then model turns and observations, with per-token logprobs,
     weight versions and loss mask.
 
@@ -191,7 +193,7 @@ def model_turns(versions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return edges[0::2], edges[1::2]
 
 
-class TrajectoryGroup(msgspec.Struct, kw_only=True):
+class TrajectoryGroup(msgspec.Struct, kw_only=True, gc=False):
     """All `n_samples` trajectories of one prompt: the unit of admission and training."""
 
     schema_version: int = SCHEMA_VERSION
@@ -245,10 +247,26 @@ def _joined(views: list[memoryview], dtype: np.dtype) -> np.ndarray:
 def validate_group(group: TrajectoryGroup) -> int:
     """Raise `WireError` naming the first inconsistency; return the group's `min_version()`.
 
-    Scalar checks run per trajectory. The array rules run over the whole group at once on
-    the joined arrays: the token sequence is cut into spans (each prompt, then each
-    trajectory's output) and one `reduceat` per rule gives every span's min and max, so a
-    group costs a handful of numpy calls whatever its number of trajectories. Only when
+    `validate_groups` of this one group (see there for the rules and how they are checked).
+    """
+    res = validate_groups([group])[0]
+    if isinstance(res, WireError):
+        raise res
+    return res
+
+
+# Above every version: a span without model tokens (a prompt) in the per-group min version.
+_NO_MODEL = 2**31
+
+
+def validate_groups(groups: list[TrajectoryGroup]) -> list[int | WireError]:
+    """Validate many groups at once: per group its `min_version()`, or the `WireError` naming its first problem.
+
+    Scalar checks run per trajectory (a group failing one gets that reason and leaves the batch).
+    The array rules run over all the other groups at once on their joined arrays: the token
+    sequences are cut into spans (each prompt, then each trajectory's output) and one `reduceat`
+    per rule gives every span's min and max, checked as arrays; so a read of many groups costs a
+    handful of numpy calls whatever its number of groups and trajectories. Only for a group where
     something is wrong does the per-trajectory pass run, to name the trajectory and the reason.
 
     The rules: prompt positions have version -1 and mask 0; versions are >= -1; a token
@@ -256,17 +274,81 @@ def validate_group(group: TrajectoryGroup) -> int:
     otherwise exactly 0; mask is 0/1 and 1 only on model tokens; a trajectory without a
     mask is single-turn (every token after the prompt is model-generated).
     """
+    out: list[int | WireError] = [0] * len(groups)
+    batch: list[int] = []  # groups that passed the scalar checks
+    first: list[int] = []  # each batched group's first span
+    starts: list[int] = []  # spans of the joined arrays: a prompt (kind 0), an output without a mask
+    kinds: list[int] = []  # (1: single-turn, all model tokens) or with one (2: may hold observations)
+    masked = False
+    pos = 0
+    for gi, g in enumerate(groups):
+        n_spans = len(starts)
+        try:
+            pos, has_mask = _scalar_spans(g, pos, starts, kinds)
+        except WireError as exc:
+            out[gi] = exc
+            del starts[n_spans:], kinds[n_spans:]
+            continue
+        masked = masked or has_mask
+        batch.append(gi)
+        first.append(n_spans)
+    if not batch:
+        return out
+    trajs = [t for gi in batch for t in groups[gi].trajectories]
+    vers = _joined([t.versions for t in trajs], _I32)
+    logp = _joined([t.logprobs for t in trajs], _F32)
+    idx = np.array(starts, dtype=np.intp)
+    kind = np.array(kinds, dtype=np.int8)
+    vmin = np.minimum.reduceat(vers, idx)
+    vmax = np.maximum.reduceat(vers, idx)
+    lmin = np.minimum.reduceat(logp, idx)
+    lmax = np.maximum.reduceat(logp, idx)
+    prompt = kind == 0
+    # Per span: versions >= -1; logprobs finite and <= 0 (NaN fails both comparisons); a prompt is
+    # all -1 (max -1) with logprob exactly 0; an output without a mask is all model tokens (min >= 0).
+    ok = (vmin >= -1) & (lmin > -np.inf) & (lmax <= 1e-4)
+    ok &= ~prompt | ((vmax == -1) & (lmin == 0) & (lmax == 0))
+    ok &= (kind != 1) | (vmin >= 0)
+    # Observations inside an output (a masked span with version -1 somewhere): the per-position rules.
+    observed = (kind == 2) & (vmin < 0)
+    if masked:
+        mask = _joined([t.loss_mask if t.loss_mask is not None else t.loss_mask_np.data for t in trajs], _U8)
+        # mask 0 on prompts, 0/1 elsewhere (1 only on model tokens: outputs without observations are all model)
+        mmax = np.maximum.reduceat(mask, idx)
+        ok &= np.where(prompt, mmax == 0, mmax <= 1)
+        if (observed & ok).any():
+            model = vers >= 0
+            wrong = (mask.view(bool) & ~model) | (~model & (logp != 0))
+            ok &= ~(observed & np.logical_or.reduceat(wrong, idx))
+    # Each group's min version: the smallest model version of its spans (prompts have none).
+    span_min = np.where(prompt, _NO_MODEL, vmin.astype(np.int64))
+    if observed.any():  # the smallest version >= 0 of such a span: as uint32 the -1s sort last
+        span_min = np.where(observed, np.minimum.reduceat(vers.view(np.uint32), idx).astype(np.int64), span_min)
+    group_ok = np.logical_and.reduceat(ok, first).tolist()
+    group_min = np.minimum.reduceat(span_min, first).tolist()
+    for gi, good, low in zip(batch, group_ok, group_min):
+        g = groups[gi]
+        try:
+            if not good:
+                _explain_arrays(g)
+                raise WireError("inconsistent versions, logprobs or loss mask")  # unreachable: it names it
+            _check_turn_rewards(g)
+        except WireError as exc:
+            out[gi] = exc
+            continue
+        out[gi] = low if low < _NO_MODEL else -1
+    return out
+
+
+def _scalar_spans(group: TrajectoryGroup, pos: int, starts: list[int], kinds: list[int]) -> tuple[int, bool]:
+    """The scalar checks of one group (`WireError` on the first failure); appends its spans at `pos`
+    of the joined arrays to `starts`/`kinds` and returns the position after it and whether it has masks."""
     if group.schema_version not in READABLE_VERSIONS:
         raise WireError(f"schema_version {group.schema_version} not in supported {READABLE_VERSIONS}")
     trajs = group.trajectories
     if not trajs:
         raise WireError("group has no trajectories")
-    # One pass: scalar checks, and the spans of the joined arrays: a prompt (kind 0), an output
-    # without a mask (1: single-turn, all model tokens) or with one (2: may hold observations).
-    starts: list[int] = []
-    kinds: list[int] = []
     masked = False
-    pos = 0
     isfinite = math.isfinite
     for i, t in enumerate(trajs):
         n4 = len(t.input_ids)
@@ -295,41 +377,15 @@ def validate_group(group: TrajectoryGroup) -> int:
             starts.append(pos + p)
             kinds.append(1 if t.loss_mask is None else 2)
         pos += n
+    return pos, masked
 
-    vers = _joined([t.versions for t in trajs], _I32)
-    logp = _joined([t.logprobs for t in trajs], _F32)
-    idx = np.array(starts, dtype=np.intp)
-    vmin = np.minimum.reduceat(vers, idx).tolist()
-    vmax = np.maximum.reduceat(vers, idx).tolist()
-    lmin = np.minimum.reduceat(logp, idx).tolist()
-    lmax = np.maximum.reduceat(logp, idx).tolist()
-    # Per span: a prompt is all -1 (max -1, min >= -1) with logprob exactly 0; an output without
-    # a mask is all model tokens (min >= 0); every span's logprobs are finite and <= 0 (NaN fails
-    # both comparisons); versions are >= -1 everywhere.
-    ok = all(lo >= -1 and (k != 0 or (hi == -1 and llo == 0 and lhi == 0)) and (k != 1 or lo >= 0)
-             and llo > -math.inf and lhi <= 1e-4
-             for k, lo, hi, llo, lhi in zip(kinds, vmin, vmax, lmin, lmax))
-    # Observations inside an output (a masked span with version -1 somewhere): the per-position rules.
-    per_position = ok and any(k == 2 and lo < 0 for k, lo in zip(kinds, vmin))
-    if ok and masked:
-        mask = np.frombuffer(b"".join(t.loss_mask if t.loss_mask is not None else t.loss_mask_np.tobytes()
-                                      for t in trajs), dtype=_U8)
-        # mask 0 on prompts, 0/1 elsewhere (1 only on model tokens: outputs without observations are all model)
-        ok = all(m == 0 if k == 0 else m <= 1 for k, m in zip(kinds, np.maximum.reduceat(mask, idx).tolist()))
-        if ok and per_position:
-            model = vers >= 0
-            ok = not (mask.view(bool) & ~model).any() and not logp[~model].any()
-    if not ok:
-        _explain_arrays(group)
-        raise WireError("inconsistent versions, logprobs or loss mask")  # unreachable: _explain_arrays names it
-    for i, t in enumerate(trajs):
+
+def _check_turn_rewards(group: TrajectoryGroup) -> None:
+    for i, t in enumerate(group.trajectories):
         if t.turn_rewards is not None:
             n_turns = len(model_turns(t.versions_np)[0])
             if len(t.turn_rewards) != n_turns:
                 raise WireError(f"trajectory {i}: {len(t.turn_rewards)} turn_rewards for {n_turns} model turns")
-    if not per_position:  # every output token is a model token: the outputs' smallest version
-        return min((lo for k, lo in zip(kinds, vmin) if k), default=-1)
-    return _min_model_version(vers)
 
 
 def _min_model_version(vers: np.ndarray) -> int:
@@ -371,13 +427,42 @@ def decode_group(data: bytes | memoryview, validate: bool = True) -> TrajectoryG
 
 def decode_checked(data: bytes | memoryview) -> tuple[TrajectoryGroup, int]:
     """`decode_group` with validation, and the group's `min_version()` (a by-product of the validation)."""
-    group = _decode(data)
+    res = decode_many([data])[0]
+    if isinstance(res, WireError):
+        raise res
+    return res
+
+
+def decode_many(payloads: list[bytes | memoryview]) -> list[tuple[TrajectoryGroup, int] | WireError]:
+    """`decode_checked` of many payloads, validated together (`validate_groups`): per payload its group and
+    min version, or the `WireError` that is its dead-letter reason. One bad payload fails only itself."""
+    out: list[Any] = []
+    groups: list[TrajectoryGroup] = []
+    for data in payloads:
+        try:
+            groups.append(_decode(data))
+            out.append(None)
+        except WireError as exc:
+            out.append(exc)
     try:
-        return group, validate_group(group)
-    except WireError:
-        raise
+        checked = validate_groups(groups)
+    except Exception:  # noqa: BLE001 - something no rule foresaw: each group alone names its own
+        checked = [_validated(g) for g in groups]
+    it = iter(zip(groups, checked))
+    for i, res in enumerate(out):
+        if res is None:
+            g, r = next(it)
+            out[i] = r if isinstance(r, WireError) else (g, r)
+    return out
+
+
+def _validated(group: TrajectoryGroup) -> int | WireError:
+    try:
+        return validate_group(group)
+    except WireError as exc:
+        return exc
     except Exception as exc:  # noqa: BLE001 - a reader must never crash on an entry
-        raise WireError(f"invalid entry: {type(exc).__name__}: {str(exc)[:200]}") from None
+        return WireError(f"invalid entry: {type(exc).__name__}: {str(exc)[:200]}")
 
 
 def _decode(data: bytes | memoryview) -> TrajectoryGroup:

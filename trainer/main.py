@@ -38,6 +38,7 @@ from rlstream.broker.keys import Keys
 from rlstream.broker.versions import Event, VersionRegistry
 from rlstream.common.config import Config, ConfigError
 from rlstream.common.logging import get_logger
+from rlstream.common.memory import freeze_startup_objects
 from rlstream.common.metrics import StatsLogger
 from rlstream.common.models import resolve_model_paths
 from rlstream.consumer.collate import collate
@@ -258,6 +259,7 @@ def _train(cfg: Config, par: Parallel) -> None:
     unacked: list[str] = []  # entries trained since the last durable recover checkpoint
     last_save_t = last_recover_t = time.monotonic()
     stop = _StopFlag(enabled=par.world_size == 1)
+    freeze_startup_objects()  # the step loop's full GC collections no longer walk the model and the modules
     while state.step < total_steps and stop.requested is None:
         t_step = time.perf_counter()
         # 1. this rank's groups (recorded in {ns}:steps before training)

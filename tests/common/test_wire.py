@@ -17,6 +17,7 @@ from rlstream.common.wire import (
     TrajectoryGroup,
     WireError,
     decode_checked,
+    decode_many,
     decode_group,
     encode_group,
     validate_group,
@@ -348,3 +349,23 @@ def test_group_validation_matches_the_per_position_rules(g):
     else:
         with pytest.raises(WireError):
             decode_checked(data)
+
+
+@SETTINGS
+@given(st.lists(mutated_groups(), min_size=1, max_size=6), st.lists(st.binary(max_size=40), max_size=2))
+def test_many_groups_validated_together_match_each_alone(gs, garbage):
+    """decode_many (one batch for every group of a read): per payload exactly what decode_checked says
+    alone, the same min version or the same dead-letter reason; garbage and broken groups fail only themselves."""
+    payloads = [encode_group(g) for g in gs] + garbage
+    together = decode_many(payloads)
+    assert len(together) == len(payloads)
+    for g, res in zip(gs, together):  # the batch against the per-position reference rules
+        assert _rules_hold(g) == (not isinstance(res, WireError)), res
+    for data, res in zip(payloads, together):
+        try:
+            alone = decode_checked(data)
+        except WireError as exc:
+            assert isinstance(res, WireError) and str(res) == str(exc)
+        else:
+            assert not isinstance(res, WireError), res
+            assert res[1] == alone[1] and encode_group(res[0]) == encode_group(alone[0])
