@@ -112,10 +112,10 @@ class Keys:
         """Sorted set: addresses registered under service `name` with name_resolve=redis, score = expiry ms."""
         return self._k(name)
 
-    def service_generation(self, name: str) -> str:
-        """Counter: bumped when an address joins or leaves service `name` (or expires), so a watcher re-lists
-        only when it moved."""
-        return self._k(name + ":gen")
+    def service_changes(self, name: str) -> str:
+        """Stream (short, MAXLEN ~100): one entry each time an address joins or leaves service `name` (or is swept
+        out, expired); watchers block on it and list the members only when it moves."""
+        return self._k(name + ":changes")
 
     @property
     def engines(self) -> str:
@@ -146,7 +146,7 @@ class Keys:
         return [
             self.traj, self.version, self.trainer_version, self.events, self.admit_accepted,
             self.admit_running, self.admit_waiting, self.admit_alive, self.admit_rejected, self.dead, self.dropped, self.steps,
-            self.engines, self.service_generation(ENGINES_SERVICE), self.admit_wake, self.admit_armed, self.producers, self.meta, self.run, self.evals, self.eval_claim,
+            self.engines, self.service_changes(ENGINES_SERVICE), self.admit_wake, self.admit_armed, self.producers, self.meta, self.run, self.evals, self.eval_claim,
         ]
 
 

@@ -7,24 +7,26 @@ leases, so engines and producers with skewed clocks agree). A background keepali
 pushes the expiry forward every ttl/3 (one ZSCORE + ZADD); a crashed engine stops
 refreshing and drops out of `list` once its expiry passes.
 
-A generation counter `{ns}:{service}:gen` moves on every membership change: an address
-that joins (or comes back after it expired), one unregistered, and expired ones swept
-out by a list. Watching polls only the counter (a GET) every `poll_interval` and lists the
-members (a script that sweeps the expired ones first) when it moved, and at the latest
-every ttl/2: so a crashed engine, which unregisters nothing, leaves every watcher's view
-within ttl (its registration expiring) + ttl/2 (some watcher's next full list sweeps it and
-moves the counter) + `poll_interval`. Polling, not pub/sub: nothing is lost across a
-reconnect. The interface and the etcd and static backends are in `common/name_resolve.py`.
+A short stream `{ns}:{service}:changes` gets an entry on every membership change: an
+address that joins (or comes back after it expired), one unregistered, expired ones swept
+out. A watcher lists the members (one script: the stream's last id and the live members)
+and then blocks on the stream from that id (XREAD BLOCK ttl/2, at most half the client's
+socket timeout): it lists again only when an entry comes, so an idle watcher costs one
+round trip per block, not one per poll. When a block passes with nothing, it sweeps the
+expired members (a cheap script; a sweep that removed one appends an entry, which every
+watcher reads): a crashed engine, which unregisters nothing, leaves every watcher's view
+within ttl (its registration expiring) + ttl/2 (the next sweep, anyone's). Reading the
+stream by id, nothing is lost across a reconnect. The interface and the etcd and static
+backends are in `common/name_resolve.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from typing import Any, AsyncIterator, Callable
 
-from rlstream.broker.connection import BrokerError, BrokerUnavailable, async_client
+from rlstream.broker.connection import BrokerError, BrokerUnavailable, async_client, max_block_ms
 from rlstream.broker.keys import Keys
 from rlstream.broker.plan import LUA_NOW_MS, Call, arun, one, script
 from rlstream.common.config import Config
@@ -35,23 +37,36 @@ __all__ = ["RedisNameResolver", "RESOLVERS", "make_name_resolver"]
 
 log = get_logger(__name__)
 
-# KEYS: set, generation  ARGV: address, ttl_ms. The generation moves only when the address was not live
-# (joined, or back after it expired): a keepalive is one ZSCORE + one ZADD.
-_PUT = LUA_NOW_MS + """
+CHANGES_MAXLEN = 100  # entries the changes stream keeps (approximately); a watcher needs only the newest
+
+_LUA_CHANGED = """
+local function changed(stream, what, address)
+  redis.call('XADD', stream, 'MAXLEN', '~', """ + str(CHANGES_MAXLEN) + """, '*', what, address)
+end
+"""
+# KEYS: set, changes  ARGV: address, ttl_ms. A change only when the address was not live (joined, or back after
+# it expired): a keepalive is one ZSCORE + one ZADD.
+_PUT = LUA_NOW_MS + _LUA_CHANGED + """
 local old = redis.call('ZSCORE', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
-if not old or tonumber(old) <= now then redis.call('INCR', KEYS[2]) end
+if not old or tonumber(old) <= now then changed(KEYS[2], 'join', ARGV[1]) end
 return now
 """
-# KEYS: set, generation  ARGV: address
-_DEL = """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then redis.call('INCR', KEYS[2]) end
+# KEYS: set, changes  ARGV: address
+_DEL = _LUA_CHANGED + """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then changed(KEYS[2], 'leave', ARGV[1]) end
 """
-# KEYS: set, generation -> {generation, live members}. Sweeps the expired members first (and moves the
-# generation if it did, so every watcher re-lists): the set does not grow with old ports.
-_LIST = LUA_NOW_MS + """
-if redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now) > 0 then redis.call('INCR', KEYS[2]) end
-return {redis.call('GET', KEYS[2]), redis.call('ZRANGE', KEYS[1], 0, -1)}
+# KEYS: set, changes -> number of expired members removed (a change if any: every watcher lists again)
+_SWEEP_BODY = LUA_NOW_MS + _LUA_CHANGED + """
+local n = redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+if n > 0 then changed(KEYS[2], 'expired', tostring(n)) end
+"""
+_SWEEP = _SWEEP_BODY + "return n\n"
+# KEYS: set, changes -> {last change id, live members} (expired ones swept first: the set does not grow
+# with old ports)
+_LIST = _SWEEP_BODY + """
+local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+return {last[1] and last[1][1] or '0-0', redis.call('ZRANGE', KEYS[1], 0, -1)}
 """
 
 
@@ -69,7 +84,7 @@ class RedisNameResolver(NameResolver):
         return self.keys.service(service)
 
     def _keys(self, service: str) -> list[str]:
-        return [self.keys.service(service), self.keys.service_generation(service)]
+        return [self.keys.service(service), self.keys.service_changes(service)]
 
     async def _put(self, service: str, address: str, ttl: float) -> None:
         await arun(self.client, script(_PUT, self._keys(service), [address, int(ttl * 1000)]))
@@ -98,33 +113,35 @@ class RedisNameResolver(NameResolver):
         await arun(self.client, script(_DEL, self._keys(service), [address]))
 
     async def _listed(self, service: str) -> tuple[bytes, list[str]]:
-        gen, raw = await arun(self.client, script(_LIST, self._keys(service), []))
-        return gen, sorted(m.decode() if isinstance(m, bytes) else m for m in raw)
+        last, raw = await arun(self.client, script(_LIST, self._keys(service), []))
+        return last, sorted(m.decode() if isinstance(m, bytes) else m for m in raw)
 
     async def list(self, service: str) -> list[str]:
         return (await self._listed(service))[1]
 
     async def watch(self, service: str) -> AsyncIterator[list[str]]:
-        """Yield the current list at once, then again each time it changes (see the module doc: a GET of the
-        generation per poll, a full list when it moved and at least every ttl/2)."""
-        loop = asyncio.get_running_loop()
+        """Yield the current list at once, then again each time it changes (see the module doc: a blocking read
+        of the changes stream, a list only when it moved, a sweep of the expired members when it did not)."""
+        keys = self._keys(service)
+        block_ms = max_block_ms(self.client, max(1, int(self.default_ttl * 500)))
         last: list[str] | None = None
-        gen: Any = None
-        listed_at = -math.inf
+        at: Any = None  # the changes stream's id the last list saw
         while not self._closed:
             try:
-                now_gen = await arun(self.client, one(Call("get", self.keys.service_generation(service))))
-                if last is None or now_gen != gen or loop.time() - listed_at >= self.default_ttl / 2:
-                    gen, cur = await self._listed(service)
-                    listed_at = loop.time()
+                if at is None:
+                    at, cur = await self._listed(service)
                     if cur != last:
                         last = cur
                         yield cur
+                got = await arun(self.client, one(Call("xread", {keys[1]: at}, block=block_ms, count=CHANGES_MAXLEN)))
+                if got:
+                    at = None  # moved: list again (from the id that list sees)
+                else:
+                    await arun(self.client, script(_SWEEP, keys, []))  # a sweep that removed any appends a change
             except Exception as exc:  # noqa: BLE001 - a discovery hiccup must not kill the watcher
-                log.warning("listing %r failed (%s); retrying", service, exc)
+                log.warning("watching %r failed (%s); retrying", service, exc)
+                at = None
                 await asyncio.sleep(max(self.poll_interval, 1.0))
-                continue
-            await asyncio.sleep(self.poll_interval)
 
     async def _close_backend(self) -> None:
         if self._owns_client:

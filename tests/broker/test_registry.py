@@ -275,19 +275,19 @@ def test_children_spawned_next_to_a_busy_etcd_client_survive(etcd_server, redis_
     assert out.stdout.split()[-1] == "0", f"children died before exec: {out.stdout}\n{out.stderr[-3000:]}"
 
 
-async def test_redis_watch_lists_only_when_the_generation_moves(redis_factory, experiment):
-    """A watcher polls the generation (one GET) and lists the members (the sweep-and-list script: its ZRANGE)
-    only when it moved: a join, a leave, and an engine that crashed (no unregister) and expired. Counted with
-    INFO commandstats on a server of its own."""
+async def test_redis_watch_lists_only_when_membership_changes(redis_factory, experiment):
+    """A watcher blocks on the changes stream (XREAD BLOCK ttl/2) and lists the members (the list script: its
+    ZRANGE) only when an entry came: a join, a leave, an engine that crashed (no unregister) and was swept out;
+    a block that passes with nothing costs a sweep (ZREMRANGEBYSCORE), no list. Counted with INFO commandstats
+    on a server of its own."""
     from rlstream.broker import connect, connect_async
 
     url = redis_factory().url
     stats = connect(url)
     client = await connect_async(url)
     ns = f"rlstream:{experiment}:trial0"
-    # ttl 600 s: no periodic full list within the test; a crashed engine's registration of ttl 1 s below
-    watcher = RedisNameResolver(client, ns, default_ttl=600, poll_interval=0.05)
-    engine = RedisNameResolver(client, ns, default_ttl=600)
+    watcher = RedisNameResolver(client, ns, default_ttl=0.4)  # blocks 0.2 s, then sweeps
+    engine = RedisNameResolver(client, ns, default_ttl=600)  # registrations that outlive the test (unless ttl=)
     views: list[list[str]] = []
 
     async def follow() -> None:
@@ -303,34 +303,29 @@ async def test_redis_watch_lists_only_when_the_generation_moves(redis_factory, e
             assert time.monotonic() < deadline, f"never: {what}"
             await asyncio.sleep(0.05)
 
-    async def polls_pass(n: int) -> None:  # n more generation checks (GETs) happen
-        target = calls("get") + n
-        await until(lambda: calls("get") >= target, f"{n} more polls")
+    async def blocks_pass(n: int) -> None:  # n more blocking reads end with nothing (each then sweeps)
+        target = calls("zremrangebyscore") + n
+        await until(lambda: calls("zremrangebyscore") >= target, f"{n} more idle blocks")
 
     task = asyncio.create_task(follow())
     try:
         await until(lambda: views == [[]], "the first view")
-        await polls_pass(10)
-        assert calls("zrange") == 1  # the first list only: 10 polls, no list
+        await blocks_pass(5)
+        assert calls("zrange") == 1  # the first list only: 5 idle blocks, no list
         await engine.register(ENGINES_SERVICE, "127.0.0.1:1111")
         await until(lambda: views[-1] == ["127.0.0.1:1111"], "the join seen")
-        await polls_pass(10)
+        await blocks_pass(5)
         assert calls("zrange") == 2  # one list for the join
         await engine.register(ENGINES_SERVICE, "127.0.0.1:2222", ttl=1.0)
         await until(lambda: views[-1] == ["127.0.0.1:1111", "127.0.0.1:2222"], "the second join seen")
         await engine.close_quietly()  # both keepalives stop: 2222 "crashes" (1111's registration lasts 600 s)
-        # its expiry is found by the next full list, anyone's (here a trainer's list; a watcher's every ttl/2) ...
-        deadline = time.monotonic() + 60
-        while "127.0.0.1:2222" in await watcher.list(ENGINES_SERVICE):
-            assert time.monotonic() < deadline, "the crashed engine never expired"
-            await asyncio.sleep(0.2)
-        # ... which swept it and moved the generation: the watcher re-lists at its next poll
-        await until(lambda: views[-1] == ["127.0.0.1:1111"], "the expiry seen")
+        await until(lambda: views[-1] == ["127.0.0.1:1111"], "the expiry seen (the watcher's sweep)")
         await RedisNameResolver(client, ns, 600).unregister(ENGINES_SERVICE, "127.0.0.1:1111")
         await until(lambda: views[-1] == [], "the leave seen")
         lists_before = calls("zrange")
-        await polls_pass(10)
-        assert calls("zrange") == lists_before, "an unchanged generation must not list"
+        await blocks_pass(5)
+        assert calls("zrange") == lists_before, "nothing changed: no list"
+        assert calls("xread") >= 10
     finally:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
@@ -341,12 +336,12 @@ async def test_redis_watch_lists_only_when_the_generation_moves(redis_factory, e
 
 async def test_redis_watch_sees_an_expired_engine_within_about_the_ttl(redis_url, experiment):
     """A crashed engine (its keepalive stops, nothing unregisters it) leaves the view of a watcher of the same ttl
-    on its own: its periodic full list (every ttl/2) sweeps it."""
+    on its own: its sweep after an idle block (ttl/2) removes it and appends a change."""
     from rlstream.broker import connect_async
 
     client = await connect_async(redis_url)
     ns = f"rlstream:{experiment}:trial0"
-    watcher = RedisNameResolver(client, ns, default_ttl=1.0, poll_interval=0.1)
+    watcher = RedisNameResolver(client, ns, default_ttl=1.0)
     engine = RedisNameResolver(client, ns, default_ttl=1.0)
     watch = watcher.watch(ENGINES_SERVICE).__aiter__()
     try:
