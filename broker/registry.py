@@ -4,8 +4,10 @@
 per service — for engines exactly `Keys.engines` — with member = address and score =
 expiry in ms on the Redis server's clock (TIME inside the scripts, like the admission
 leases, so engines and producers with skewed clocks agree). A background keepalive
-pushes the expiry forward every ttl/3 (one ZSCORE + ZADD); a crashed engine stops
-refreshing and drops out of `list` once its expiry passes.
+pushes the expiry forward every ttl/3: a plain `ZADD XX CH` with the server's clock
+estimated from the last script call (no script: 256 engines send ~77 a second), every
+`RESYNC_EVERY`-th one, and one that finds the address swept out, through the script; a
+crashed engine stops refreshing and drops out of `list` once its expiry passes.
 
 A short stream `{ns}:{service}:changes` gets an entry on every membership change: an
 address that joins (or comes back after it expired), one unregistered, expired ones swept
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from typing import Any, AsyncIterator, Callable
 
 from rlstream.broker.connection import BrokerError, BrokerUnavailable, async_client, max_block_ms
@@ -38,6 +41,7 @@ __all__ = ["RedisNameResolver", "RESOLVERS", "make_name_resolver"]
 log = get_logger(__name__)
 
 CHANGES_MAXLEN = 100  # entries the changes stream keeps (approximately); a watcher needs only the newest
+RESYNC_EVERY = 10  # every this many keepalives one goes through the script (the server clock measured again)
 
 _LUA_CHANGED = """
 local function changed(stream, what, address)
@@ -86,20 +90,35 @@ class RedisNameResolver(NameResolver):
     def _keys(self, service: str) -> list[str]:
         return [self.keys.service(service), self.keys.service_changes(service)]
 
-    async def _put(self, service: str, address: str, ttl: float) -> None:
-        await arun(self.client, script(_PUT, self._keys(service), [address, int(ttl * 1000)]))
+    async def _put(self, service: str, address: str, ttl: float) -> tuple[float, float]:
+        """Register (or refresh) through the script; returns (the server's clock in ms, time.monotonic() at the
+        reply): the keepalive's estimate of the server clock until the next script call."""
+        now = await arun(self.client, script(_PUT, self._keys(service), [address, int(ttl * 1000)]))
+        return float(now), time.monotonic()
 
     async def register(self, service: str, address: str, ttl: float | None = None) -> None:
         ttl = float(ttl or self.default_ttl)
-        await self._put(service, address, ttl)
-        self._start_keepalive(service, address, self._keepalive(service, address, ttl))
+        clock = await self._put(service, address, ttl)
+        self._start_keepalive(service, address, self._keepalive(service, address, ttl, clock))
         log.info("registered %s under %s (redis, ttl %.1fs)", address, self.key(service), ttl)
 
-    async def _keepalive(self, service: str, address: str, ttl: float) -> None:
+    async def _keepalive(self, service: str, address: str, ttl: float, clock: tuple[float, float]) -> None:
+        """Every ttl/3: a plain `ZADD XX CH` of the expiry on the server clock as estimated from the last script
+        call (behind it by at most that call's round trip: an expiry a few ms early), no script. Every
+        `RESYNC_EVERY`-th time, or when the ZADD changed nothing (the address was swept out: expired), the script
+        instead: it measures the clock again and announces a return."""
+        n = 0
         while True:
             await asyncio.sleep(ttl / 3)
+            n += 1
             try:
-                await self._put(service, address, ttl)
+                if n % RESYNC_EVERY:
+                    server_ms, at = clock
+                    expiry = server_ms + (time.monotonic() - at) * 1000 + ttl * 1000
+                    if await arun(self.client, one(Call("zadd", self.key(service), {address: int(expiry)},
+                                                        xx=True, ch=True))):
+                        continue
+                clock = await self._put(service, address, ttl)
             except BrokerUnavailable as exc:  # unreachable past redis.outage_tolerance: stop for good
                 log.error("keepalive of %s gave up: %s", address, exc)
                 self._keepalives.pop((service, address), None)

@@ -353,3 +353,45 @@ async def test_redis_watch_sees_an_expired_engine_within_about_the_ttl(redis_url
         await watch.aclose()
         await watcher.close_quietly()
         await client.aclose()
+
+
+async def test_redis_keepalive_is_a_plain_zadd_and_comes_back_after_a_sweep(redis_factory, experiment):
+    """Keepalives are plain `ZADD XX CH` (the script only every RESYNC_EVERY-th time, to measure the server clock
+    again); one that finds its address swept out (as after an expiry) re-registers through the script, which
+    announces the return on the changes stream. Counted with INFO commandstats on a server of its own."""
+    from rlstream.broker import connect, connect_async
+    from rlstream.broker.keys import Keys
+    from rlstream.broker.registry import RESYNC_EVERY
+
+    url = redis_factory().url
+    stats = connect(url)
+    client = await connect_async(url)
+    keys = Keys(f"rlstream:{experiment}:trial0")
+    engine = RedisNameResolver(client, keys.ns, default_ttl=0.3)  # a keepalive every 0.1 s
+
+    def calls(name: str) -> int:
+        return stats.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
+
+    async def until(pred, what: str) -> None:
+        deadline = time.monotonic() + 60
+        while not pred():
+            assert time.monotonic() < deadline, f"never: {what}"
+            await asyncio.sleep(0.02)
+
+    try:
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:7777")
+        assert stats.xlen(keys.service_changes(ENGINES_SERVICE)) == 1  # the join
+        stats.config_resetstat()
+        await until(lambda: calls("zadd") >= 3 * RESYNC_EVERY, "keepalives")
+        scripts, zadds = calls("evalsha"), calls("zadd")
+        # each script call counts its own ZADD too: the plain ones are the rest, RESYNC_EVERY - 1 per script call
+        assert scripts <= (zadds - scripts) // (RESYNC_EVERY - 1) + 1, (scripts, zadds)
+        assert zadds - scripts >= 2 * (RESYNC_EVERY - 1), (scripts, zadds)
+        assert stats.zscore(keys.engines, "127.0.0.1:7777") is not None
+        stats.zrem(keys.engines, "127.0.0.1:7777")  # swept out (as after a late keepalive)
+        await until(lambda: stats.zscore(keys.engines, "127.0.0.1:7777") is not None, "the keepalive re-registers")
+        assert [f for _, f in stats.xrange(keys.service_changes(ENGINES_SERVICE))][-1] == {b"join": b"127.0.0.1:7777"}
+    finally:
+        await engine.close()
+        await client.aclose()
+        stats.close()
