@@ -58,20 +58,29 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[1] + torch.randint(4, vocab, (length - 1,), generator=g).tolist() for _ in range(n)]
 
 
-def _work(stats0: dict, stats1: dict) -> tuple[int, float]:
-    """(model forwards, decode-thread busy seconds) between two `stats()`/`/get_server_info` readings."""
-    return stats1["total_steps"] - stats0["total_steps"], round(stats1["busy_seconds"] - stats0["busy_seconds"], 4)
+def _work(stats0: dict, stats1: dict) -> tuple[int, float, int | None]:
+    """(model forwards, decode-thread busy seconds, prefill forwards) between two `stats()`/`/get_server_info`
+    readings (prefill forwards: None for an engine that does not count them)."""
+    prefills = None if stats1.get("prefill_forwards") is None else stats1["prefill_forwards"] - stats0["prefill_forwards"]
+    return (stats1["total_steps"] - stats0["total_steps"], round(stats1["busy_seconds"] - stats0["busy_seconds"], 4),
+            prefills)
 
 
-async def _engine_run(engine, prompts, concurrency: int, new_tokens: int) -> tuple:
-    """In-process: `LocalEngine.generate` with at most `concurrency` requests in flight.
+async def _engine_run(engine, prompts, concurrency: int, new_tokens: int, jitter_ms: float = 0.0) -> tuple:
+    """In-process: `LocalEngine.generate` with at most `concurrency` requests in flight; with `jitter_ms`, each
+    request enters a uniform 0..jitter_ms late (seeded), as re-sends over HTTP do, with no HTTP.
 
-    Returns (seconds, tokens, model forwards, decode-thread busy seconds)."""
+    Returns (seconds, tokens, model forwards, decode-thread busy seconds, prefill forwards)."""
+    import random
+
     sem = asyncio.Semaphore(concurrency)
     sp = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+    delays = random.Random(0)
 
     async def one(p) -> int:
         async with sem:
+            if jitter_ms:
+                await asyncio.sleep(delays.uniform(0, jitter_ms) / 1000)
             return len((await engine.generate(p, sp)).output_ids)
 
     stats0 = engine.stats()
@@ -155,13 +164,14 @@ def _hf_run(model, prompts, concurrency: int, new_tokens: int, pad_id: int) -> t
                                  top_k=0, top_p=1.0, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                  pad_token_id=pad_id)
             toks += (out.shape[1] - L) * len(batch)
-    return time.perf_counter() - t0, toks, None, None
+    return time.perf_counter() - t0, toks, None, None, None
 
 
 HTTP_MODES = ("http_json", "http_msgpack")
 
 
-async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int) -> list[dict]:
+async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int, jitter_ms: float = 0.0,
+                 hf: bool = True) -> list[dict]:
     """Best of `repeat` runs per cell; the modes interleave so load drift hits all alike."""
     from aiohttp import web
 
@@ -173,24 +183,31 @@ async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int) -> lis
     await site.start()
     address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
     rows = []
+    runs_all: dict[tuple[str, int], list] = {}
     try:
         await engine.generate(prompts[0], {"max_new_tokens": 4})  # warm-up
         for c in concurrencies:
             best: dict[str, tuple] = {}
             for _ in range(repeat):
                 runs = {"engine": await _engine_run(engine, prompts, c, new_tokens)}
+                if jitter_ms:
+                    runs["engine_jitter"] = await _engine_run(engine, prompts, c, new_tokens, jitter_ms)
                 for mode in HTTP_MODES:
                     runs[mode] = await _http_run(address, prompts, c, new_tokens, mode.removeprefix("http_"))
-                # Blocks the loop on purpose: nothing else runs during the baseline.
-                runs["hf_generate"] = _hf_run(engine.model, prompts, c, new_tokens, engine.pad_id)
+                if hf:  # blocks the loop on purpose: nothing else runs during the baseline
+                    runs["hf_generate"] = _hf_run(engine.model, prompts, c, new_tokens, engine.pad_id)
                 for mode, run in runs.items():
+                    run = (*run, None)[:5]  # a --drive child of an older tree reports no prefill forwards
+                    runs_all.setdefault((mode, c), []).append(run)
                     if mode not in best or run[0] < best[mode][0]:
                         best[mode] = run
-            for mode, (secs, toks, forwards, busy) in best.items():
+            for mode, (secs, toks, forwards, busy, prefills) in best.items():
                 rows.append({"mode": mode, "concurrency": c, "requests": len(prompts), "tokens": toks,
                              "seconds": round(secs, 3), "tokens_per_s": round(toks / secs, 1),
                              # the engine's own work in that run (None for the HF baseline)
-                             "forwards": forwards, "busy_s": busy})
+                             "forwards": forwards, "busy_s": busy, "prefill_forwards": prefills,
+                             # every run of the cell: (seconds, tokens, forwards, busy s, prefill forwards)
+                             "runs": runs_all[(mode, c)]})
                 print(f"  {mode:<12} c={c:<3} {toks / secs:9.1f} tok/s  (best of {repeat}: {toks} tokens, {secs:.2f}s)",
                       flush=True)
     finally:
@@ -210,7 +227,8 @@ def _loop_runner():
 
 def run_benchmark(*, quick: bool = False, model_path: str | None = None, requests: int | None = None,
                   new_tokens: int = 64, prompt_len: int = 16, concurrencies=(1, 8, 32), threads: int = 1,
-                  device: str = "cpu", repeat: int = 3, dtype: str = "float32") -> dict:
+                  device: str = "cpu", repeat: int = 3, dtype: str = "float32", jitter_ms: float = 0.0,
+                  hf: bool = True, admission_hold_ms: float | None = None) -> dict:
     """Run the whole comparison; returns {"setup": ..., "rows": [...]}."""
     from rlstream.launcher.tiny import build_tiny_model
     from rlstream.engine.local import LocalEngine
@@ -223,13 +241,14 @@ def run_benchmark(*, quick: bool = False, model_path: str | None = None, request
     if model_path is None:
         tmp = tempfile.TemporaryDirectory(prefix="rlstream-bench-")
         model_path = str(build_tiny_model(Path(tmp.name) / "tiny"))
-    engine = LocalEngine(model_path, device=device, dtype=dtype, max_batch_size=max(concurrencies), seed=0)
+    hold = {} if admission_hold_ms is None else {"admission_hold_ms": admission_hold_ms}  # None: the engine's default
+    engine = LocalEngine(model_path, device=device, dtype=dtype, max_batch_size=max(concurrencies), seed=0, **hold)
     try:
         prompts = make_prompts(requests, prompt_len, engine.vocab_size)
         n_params = sum(p.numel() for p in engine.model.parameters())
         print(f"engine benchmark: {n_params / 1e6:.2f}M params, {requests} requests x {new_tokens} new tokens, "
               f"prompt {prompt_len} tokens, torch threads {threads}, device {engine.device}", flush=True)
-        rows = _loop_runner()(_bench(engine, prompts, concurrencies, new_tokens, repeat))
+        rows = _loop_runner()(_bench(engine, prompts, concurrencies, new_tokens, repeat, jitter_ms, hf))
     finally:
         engine.close()
         if tmp is not None:
@@ -237,7 +256,9 @@ def run_benchmark(*, quick: bool = False, model_path: str | None = None, request
     setup = {"params_m": round(n_params / 1e6, 3), "requests": requests, "new_tokens": new_tokens,
              "prompt_len": prompt_len, "torch_threads": threads, "repeat": repeat, "device": str(device), "dtype": dtype,
              "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-             "cpu_count": os.cpu_count()}
+             "cpu_count": os.cpu_count(), "jitter_ms": jitter_ms,
+             # None: an engine from before admission holds (a --before tree)
+             "admission_hold_ms": (lambda h: None if h is None else h * 1000)(getattr(engine, "admission_hold_s", None))}
     return {"setup": setup, "rows": rows}
 
 
@@ -616,6 +637,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="only the producer-overhead phase (with --readme: only its subsection is rewritten)")
     ap.add_argument("--producer-groups", type=int, default=64, help="groups per producer run (producer.max_groups)")
     ap.add_argument("--concurrencies", default="1,8,32", help="comma-separated concurrencies")
+    ap.add_argument("--jitter-ms", type=float, default=0.0,
+                    help="also run in-process with each request entering 0..J ms late (mode engine_jitter)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
+    ap.add_argument("--admission-hold-ms", type=float, default=None,
+                    help="the engine's admission hold (default: the engine's own; 0 = admit at once)")
     ap.add_argument("--before", default=None,
                     help="a --json file of this script run on an older tree (PYTHONPATH): adds a before/after table")
     ap.add_argument("--before-label", default=None, help="what --before measured (e.g. 'main at abc1234')")
@@ -644,7 +670,8 @@ def main(argv: list[str] | None = None) -> int:
         result = run_benchmark(quick=args.quick, model_path=args.model, requests=args.requests,
                                new_tokens=args.new_tokens, prompt_len=args.prompt_len, threads=args.threads,
                                device=args.device, repeat=args.repeat,
-                               concurrencies=tuple(int(c) for c in args.concurrencies.split(",")))
+                               concurrencies=tuple(int(c) for c in args.concurrencies.split(",")),
+                               jitter_ms=args.jitter_ms, hf=not args.no_hf, admission_hold_ms=args.admission_hold_ms)
         result["setup"]["loadavg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     if not args.producer_only:
         if args.before:

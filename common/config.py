@@ -395,6 +395,7 @@ class ServerConfig(_Section):
     dtype: D(Literal["float32", "bfloat16", "float16"], "Serving dtype.") = "float32"
     max_batch_size: D(int, "Sequences decoded together (continuous batching).", ge=1) = 64
     max_seq_len: D(int, "Longest prompt + output the engine accepts.", ge=1) = 4096
+    admission_hold_ms: D(float, "Local engine: hold new requests up to this long while more are expected (recent finishes not yet re-sent, rows at their length cap), so they join the batch in one prefill; 0 = admit at once.", ge=0) = 50.0
     prefix_cache_tokens: D(int, "Tokens of finished requests' KV the local engine keeps to prefill later prompts that extend them (multi-turn; like SGLang's radix cache); 0 = off.", ge=0) = 16384
     api_key: D(str | None, "Require this bearer token on every route; masked in logs.") = None
     register: D(bool, "Register with name resolve so producers find this engine.") = True

@@ -308,6 +308,7 @@ class ServerInfo(_Body):
     weight_version: int | str | None = None
     busy_seconds: float | None = None
     prefill_tokens: int | None = None  # rlstream local engine: prompt tokens run through the model
+    prefill_forwards: int | None = None  # ... forwards that prefilled joining rows (total_steps counts them too)
     cached_prompt_tokens: int | None = None  # ... and those whose KV came from its prefix cache
     prefix_cache_entries: int | None = None
     prefix_cache_used_tokens: int | None = None

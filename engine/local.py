@@ -9,7 +9,8 @@ results back on their own event loop. Between two decode steps the loop:
    they have with `finish_reason.type == "abort"`) or keeps them, KV cache and all, to
    decode on after resume (mode `in_place`, SGLang's name; vLLM calls it `keep`),
 3. prefills waiting requests (left-padded, one forward) and merges their KV cache
-   into the running batch, up to `max_batch_size` sequences,
+   into the running batch, up to `max_batch_size` sequences — unless it holds them a
+   little for others to join them (admission holds, below),
 4. runs one [B, 1] decode forward over the running batch and samples one token per
    sequence; finished sequences leave the batch.
 
@@ -25,6 +26,19 @@ in `engine/sampling.py`. Results are the contract's `GenerateResponse`
 
 Weights change only between decode steps (`apply_weights` takes the step lock), and
 every output token records the weight version that produced it.
+
+Admission holds. Every join costs a prefill forward of its own and a re-layout of the batch's
+KV cache, and rows that joined at different steps leave at different steps and keep the
+batch padded. When clients re-send a few ms apart (each finished request's client sends its
+next one over HTTP), admitting whatever has arrived at each step turns one join of 32 rows
+into many small ones, and the batch stays staggered from then on. So waiting requests are
+held, for at most `admission_hold_ms` after the oldest of them arrived, while more are
+expected: a request finished recently whose client has not sent its next one yet (a closed
+loop re-sends) and the batch has room for it, or a running row reaches its length cap before
+the hold runs out (its replacement can join with them: the batch realigns).
+Like TGI's router (`max_waiting_tokens`, `waiting_served_ratio`) and vLLM's
+`scheduler_delay_factor`, it trades a bounded delay of a few requests for fewer, larger
+prefills. 0 turns it off.
 
 Prefix reuse (as SGLang's radix cache, in its simplest form): when a request finishes,
 the KV of its tokens (prompt + output, less the last sampled token, which was never fed)
@@ -69,6 +83,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # long prompts arrive at once (at least one request is always prefilled).
 PREFILL_TOKEN_BUDGET = 16384
 PAUSE_MODES = ("abort", "in_place", "keep")  # `pause` modes this engine runs (keep: vLLM's name for in_place)
+# Default admission hold (ms): a few decode steps of a small model; HTTP re-sends land 5-35 ms apart under load.
+ADMISSION_HOLD_MS = 50.0
 # Kept prefixes are indexed by their first tokens: a lookup scans only entries that start like the prompt
 # (shorter prompts are not worth a lookup).
 PREFIX_HEAD = 8
@@ -124,7 +140,8 @@ class LocalEngine:
 
     def __init__(self, model_path: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None,
                  device: str = "auto", dtype: str = "float32", max_batch_size: int = 64,
-                 max_seq_len: int = 4096, seed: int = 1, version: int = 0, prefix_cache_tokens: int = 0) -> None:
+                 max_seq_len: int = 4096, seed: int = 1, version: int = 0, prefix_cache_tokens: int = 0,
+                 admission_hold_ms: float = ADMISSION_HOLD_MS) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.model_path = resolve_model_path(str(model_path), "server.model_path")
@@ -148,6 +165,9 @@ class LocalEngine:
         if limit and max_seq_len > limit:
             log.info("max_seq_len %d capped to the model's max_position_embeddings %d", max_seq_len, limit)
         self.max_batch_size = max_batch_size
+        if admission_hold_ms < 0:
+            raise ValueError(f"server.admission_hold_ms must be >= 0, got {admission_hold_ms}")
+        self.admission_hold_s = admission_hold_ms / 1000
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_ids = self._eos_ids()
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
@@ -171,6 +191,8 @@ class LocalEngine:
         self._paused = False
         self._pause_keeps = False  # the pause in force keeps running requests (in_place) instead of aborting them
         self._pause_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        # When recently finished requests finished, less one per arrival since: the re-sends still expected.
+        self._unanswered_finishes: deque[float] = deque(maxlen=max(1, max_batch_size))
         self._stopping = False
         # Held for one decode step or one weight update: weights never change mid-step.
         self._step_lock = threading.Lock()
@@ -191,6 +213,8 @@ class LocalEngine:
         self.total_tokens = 0
         self.total_requests = 0
         self.total_steps = 0
+        self.prefill_forwards = 0  # forwards that prefilled joining rows (the rest of total_steps are decode steps)
+        self._step_s = 0.0  # moving average of one decode step's seconds (admission holds look ahead with it)
         self.busy_seconds = 0.0  # wall time spent in prefill/decode steps (idle fraction for benchmarks)
         self.peak_running = 0  # most sequences ever decoded in one step
         self.prefill_tokens = 0  # prompt tokens run through the model in prefills
@@ -213,7 +237,7 @@ class LocalEngine:
             raise ValueError("no model to serve: set server.model_path or actor.path")
         return cls(model_path, tokenizer_path=cfg.tokenizer_path or model_path, device=s.device, dtype=s.dtype,
                    max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, seed=cfg.seed,
-                   prefix_cache_tokens=s.prefix_cache_tokens)
+                   prefix_cache_tokens=s.prefix_cache_tokens, admission_hold_ms=s.admission_hold_ms)
 
     def _eos_ids(self) -> frozenset[int]:
         # The one source of stop tokens (tokenizer EOS + generation_config eos ids), shared with
@@ -292,6 +316,8 @@ class LocalEngine:
             if self._stopping:
                 raise EngineError("engine is shutting down")
             self._waiting.append(req)
+            if self._unanswered_finishes:
+                self._unanswered_finishes.popleft()
             self._cv.notify_all()
         try:
             # No shield: a cancelled future is simply skipped by the decode thread's delivery.
@@ -412,7 +438,7 @@ class LocalEngine:
         """Load figures for health/info routes."""
         return {"running": len(self._rows), "waiting": len(self._waiting), "paused": self._paused,
                 "total_tokens": self.total_tokens, "total_requests": self.total_requests,
-                "total_steps": self.total_steps, "peak_running": self.peak_running, "weight_version": self._version,
+                "total_steps": self.total_steps, "prefill_forwards": self.prefill_forwards, "peak_running": self.peak_running, "weight_version": self._version,
                 "busy_seconds": round(self.busy_seconds, 6), "prefill_tokens": self.prefill_tokens,
                 "cached_prompt_tokens": self.cached_prompt_tokens, "prefix_cache_entries": len(self._prefixes),
                 "prefix_cache_used_tokens": self._prefix_total}
@@ -464,10 +490,15 @@ class LocalEngine:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                # Idle: nothing to run, or paused (an in_place pause keeps its rows without running them).
-                while (not self._stopping and not self._pause_waiters
-                       and (self._paused or not (self._rows or self._waiting))):
-                    self._cv.wait()
+                while not self._stopping and not self._pause_waiters:
+                    # Idle: nothing to run, or paused (an in_place pause keeps its rows without running them).
+                    if self._paused or not (self._rows or self._waiting):
+                        self._cv.wait()
+                        continue
+                    hold = 0.0 if self._rows else self._hold_s()
+                    if hold <= 0:
+                        break
+                    self._cv.wait(hold)  # nothing runs: wait for more arrivals, at most until the hold ends
                 if self._stopping:
                     break
                 self._drop_cancelled()
@@ -476,7 +507,7 @@ class LocalEngine:
                         self._abort_rows("paused for a weight update")
                     self._release_pause_waiters()
                     continue
-                admit = self._take_waiting()
+                admit = [] if self._hold_s() > 0 else self._take_waiting()
             t_busy = time.monotonic()
             try:
                 with self._step_lock, torch.inference_mode():
@@ -514,6 +545,27 @@ class LocalEngine:
     def _abort_rows(self, message: str) -> None:
         self._deliver_many([(r, FinishReason(type="abort", message=message)) for r in self._rows])
         self._reset_batch()
+
+    def _hold_s(self) -> float:
+        """Seconds more to hold the waiting requests for others to join them; 0 = admit now (module docstring)."""
+        if not self._waiting or self.admission_hold_s <= 0:
+            return 0.0
+        now = time.monotonic()
+        left = self._waiting[0].created + self.admission_hold_s - now
+        if left <= 0:
+            return 0.0
+        expected = self._unanswered_finishes
+        while expected and expected[0] < now - self.admission_hold_s:
+            expected.popleft()
+        if expected and len(self._waiting) < self.max_batch_size - len(self._rows):
+            return left  # requests finished lately, their clients' next ones are on the way, and there is room
+        # A row reaching its length cap before the hold ends: the waiting requests can join with its
+        # replacement in one prefill (even if they would fill the batch now; joining now keeps it staggered).
+        steps = left / self._step_s if self._step_s > 0 else 0.0
+        if any(min(r.params.max_new_tokens, self.max_seq_len - len(r.prompt)) - len(r.output_ids) <= steps
+               for r in self._rows):
+            return left
+        return 0.0
 
     def _take_waiting(self) -> list[_Request]:
         """Waiting requests that fit into the batch and the prefill token budget."""
@@ -606,6 +658,7 @@ class LocalEngine:
                 kv.append((torch.cat(ks, 0), torch.cat(vs, 0)))
             cache = _make_cache(kv)
         logits, cache = self._forward(ids, self._attention_mask(mask, S), pos, cache)
+        self.prefill_forwards += 1
         self.total_requests += n
         self.prefill_tokens += sum(lens) - sum(past)
         self.cached_prompt_tokens += sum(past)
@@ -654,6 +707,7 @@ class LocalEngine:
         self._step_mask = None
 
     def _decode_step(self) -> None:
+        t0 = time.monotonic()
         B = len(self._rows)
         ones = torch.ones((B, 1), dtype=self._mask.dtype, device=self.device)
         mask = torch.cat([self._mask, ones], 1)
@@ -670,6 +724,8 @@ class LocalEngine:
         self._cache, self._mask, self._step_mask = cache, mask, attn
         self._next_pos = self._next_pos + 1
         self._sample_and_advance(logits, rows=list(range(len(self._rows))))
+        dt = time.monotonic() - t0
+        self._step_s = dt if self._step_s <= 0 else 0.9 * self._step_s + 0.1 * dt
 
     def _sample_and_advance(self, logits: torch.Tensor, rows: list[int]) -> None:
         """Sample one token for each of `rows` (logits[i] belongs to rows[i]); retire finished rows."""
@@ -698,6 +754,9 @@ class LocalEngine:
                 delivered.append((r, finish))
                 finished.add(i)
         if delivered:
+            now = time.monotonic()
+            with self._cv:  # their clients' next requests are expected (admission holds); before they can come
+                self._unanswered_finishes.extend([now] * len(delivered))
             self._deliver_many(delivered)
         if finished:
             self._select_rows([i for i in range(len(self._rows)) if i not in finished])

@@ -9,6 +9,7 @@ so tests, benchmarks and the launcher share one copy.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -373,3 +374,12 @@ class VllmServer:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+async def wait_for(pred, timeout: float = 60.0, what: str = "condition") -> None:
+    """Poll `pred` on the event loop until it holds; AssertionError naming `what` after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.01)

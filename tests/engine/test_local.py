@@ -13,7 +13,7 @@ import torch
 
 from rlstream.common.engine_api import FinishReason
 from rlstream.engine.local import LocalEngine
-from tests.helpers import PROMPTS, behaviour_logprobs, perturbed_state, recompute_logprobs
+from tests.helpers import PROMPTS, behaviour_logprobs, perturbed_state, recompute_logprobs, wait_for
 
 torch.set_num_threads(1)
 
@@ -67,6 +67,50 @@ async def test_more_requests_than_batch_slots_queue_and_match(tiny_model_path, e
         assert small.stats()["peak_running"] == 3 and small.stats()["waiting"] == 0
     finally:
         small.close()
+
+
+@pytest.mark.parametrize("hold_ms", [60_000.0, 0.0])
+async def test_staggered_arrivals_join_in_one_prefill(tiny_model_path, engine, hold_ms):
+    """8 requests arriving at 8 different steps while a batch decodes, then the running rows' clients'
+    next requests: with admission holds all 10 join in one prefill forward (0 = the old admit-at-once
+    scheduler, one prefill per arrival); either way each output is the request's unbatched greedy output.
+    The hold is long (60 s) so that only the hold's conditions end it, never the clock."""
+    sp = {"temperature": 0, "ignore_eos": True}
+    short = [{**sp, "max_new_tokens": 5 + i % 3} for i in range(10)]
+    alone = [(await engine.generate(p, s)).output_ids for p, s in zip(PROMPTS[:10], short)]
+    eng = LocalEngine(tiny_model_path, device="cpu", max_batch_size=16, seed=0, admission_hold_ms=hold_ms)
+    try:
+        # The running batch: two rows that join together (queued while paused), long enough to outlast the arrivals.
+        await eng.pause()
+        running = [asyncio.create_task(eng.generate(p, {**sp, "max_new_tokens": 400})) for p in PROMPTS[10:12]]
+        await wait_for(lambda: eng.stats()["waiting"] == 2, what="the two requests to queue")
+        await eng.resume()
+        await wait_for(lambda: eng.stats()["running"] == 2, what="the running batch")
+        before = eng.stats()
+        late = []
+        for p, s in zip(PROMPTS[:8], short):
+            late.append(asyncio.create_task(eng.generate(p, s)))
+            await asyncio.sleep(0)  # the task runs up to its first wait: the request is queued
+            steps = eng.stats()["total_steps"]
+            # two more forwards: the step running at the arrival, then the loop pass that saw it
+            await wait_for(lambda: eng.stats()["total_steps"] >= steps + 2, what="two more forwards")
+        first = await asyncio.gather(*running)  # the running rows reach their length cap
+        resent = [asyncio.create_task(eng.generate(p, s)) for p, s in zip(PROMPTS[8:10], short[8:10])]
+        results = await asyncio.wait_for(asyncio.gather(*late, *resent), 120)
+        after = eng.stats()
+    finally:
+        eng.close()
+    assert all(len(r.output_ids) == 400 for r in first)
+    assert [r.output_ids for r in results] == alone
+    for r in results:
+        assert r.meta_info.output_token_versions == [0] * len(r.output_ids)
+        assert len(r.meta_info.output_token_logprobs) == len(r.output_ids)
+    prefills = after["prefill_forwards"] - before["prefill_forwards"]
+    assert after["total_requests"] - before["total_requests"] == 10
+    if hold_ms:
+        assert prefills == 1, f"10 staggered arrivals took {prefills} prefill forwards"
+    else:  # the control: the scenario really staggers them
+        assert prefills >= 9, f"admit-at-once took only {prefills} prefill forwards"
 
 
 async def test_top_k_one_is_greedy_and_stop_tokens(engine):

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from rlstream.engine.local import LocalEngine
 from rlstream.engine.server import build_app
-from tests.helpers import PROMPTS, EngineProcess, behaviour_logprobs, perturbed_state, recompute_logprobs
+from tests.helpers import PROMPTS, EngineProcess, behaviour_logprobs, perturbed_state, recompute_logprobs, wait_for
 
 torch.set_num_threads(1)
 
@@ -56,14 +56,6 @@ class Served:
 
 def gen_body(prompt, **sp) -> dict:
     return {"input_ids": prompt, "sampling_params": sp, "return_logprob": True}
-
-
-async def wait_for(pred, timeout: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 # ---------------------------------------------------------------------- pause, weights
