@@ -118,7 +118,8 @@ async def _drive(address: str, prompts, concurrency: int, new_tokens: int, encod
             async with sem:
                 return len((await client.agenerate(ModelRequest(input_ids=p, max_new_tokens=new_tokens))).output_ids)
 
-        await one(prompts[0])
+        # warm-up (opens a connection): one token, so it adds next to nothing to the server's CPU count
+        await client.agenerate(ModelRequest(input_ids=prompts[0], max_new_tokens=1))
         out = []
         for _ in range(runs):
             info0 = await client.call(api.SERVER_INFO)
@@ -170,6 +171,15 @@ def _hf_run(model, prompts, concurrency: int, new_tokens: int, pad_id: int) -> t
 HTTP_MODES = ("http_json", "http_msgpack")
 
 
+async def _with_cpu(run) -> tuple:
+    """A run's tuple plus this process's CPU seconds during it: the engine's decode thread and the event loop
+    (over HTTP: the server; in-process: the calling coroutines), not the HTTP client process. Unlike wall
+    time it does not grow when other processes take the cores, so it reads the same on a busy machine."""
+    c0 = time.process_time()
+    out = (*(await run), None)[:5]  # a --drive child of an older tree reports no prefill forwards
+    return (*out, round(time.process_time() - c0, 4))
+
+
 async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int, jitter_ms: float = 0.0,
                  hf: bool = True) -> list[dict]:
     """Best of `repeat` runs per cell; the modes interleave so load drift hits all alike."""
@@ -189,24 +199,24 @@ async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int, jitter
         for c in concurrencies:
             best: dict[str, tuple] = {}
             for _ in range(repeat):
-                runs = {"engine": await _engine_run(engine, prompts, c, new_tokens)}
+                runs = {"engine": await _with_cpu(_engine_run(engine, prompts, c, new_tokens))}
                 if jitter_ms:
-                    runs["engine_jitter"] = await _engine_run(engine, prompts, c, new_tokens, jitter_ms)
+                    runs["engine_jitter"] = await _with_cpu(_engine_run(engine, prompts, c, new_tokens, jitter_ms))
                 for mode in HTTP_MODES:
-                    runs[mode] = await _http_run(address, prompts, c, new_tokens, mode.removeprefix("http_"))
+                    runs[mode] = await _with_cpu(_http_run(address, prompts, c, new_tokens, mode.removeprefix("http_")))
                 if hf:  # blocks the loop on purpose: nothing else runs during the baseline
-                    runs["hf_generate"] = _hf_run(engine.model, prompts, c, new_tokens, engine.pad_id)
+                    runs["hf_generate"] = (*_hf_run(engine.model, prompts, c, new_tokens, engine.pad_id), None)
                 for mode, run in runs.items():
-                    run = (*run, None)[:5]  # a --drive child of an older tree reports no prefill forwards
                     runs_all.setdefault((mode, c), []).append(run)
                     if mode not in best or run[0] < best[mode][0]:
                         best[mode] = run
-            for mode, (secs, toks, forwards, busy, prefills) in best.items():
+            for mode, (secs, toks, forwards, busy, prefills, cpu) in best.items():
                 rows.append({"mode": mode, "concurrency": c, "requests": len(prompts), "tokens": toks,
                              "seconds": round(secs, 3), "tokens_per_s": round(toks / secs, 1),
                              # the engine's own work in that run (None for the HF baseline)
                              "forwards": forwards, "busy_s": busy, "prefill_forwards": prefills,
-                             # every run of the cell: (seconds, tokens, forwards, busy s, prefill forwards)
+                             "cpu_s": cpu, "tokens_per_cpu_s": round(toks / cpu, 1) if cpu else None,
+                             # every run of the cell: (seconds, tokens, forwards, busy s, prefill forwards, cpu s)
                              "runs": runs_all[(mode, c)]})
                 print(f"  {mode:<12} c={c:<3} {toks / secs:9.1f} tok/s  (best of {repeat}: {toks} tokens, {secs:.2f}s)",
                       flush=True)
@@ -592,6 +602,33 @@ def markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
+def pairs_markdown(runs: list[tuple[str, int, dict, tuple]]) -> str:
+    """A before/after table of alternated runs: (side, round, --json result, (1-min load at start, at end)).
+
+    Per run: each mode's best tok/s at the largest concurrency, HTTP and jittered in-process over in-process,
+    and the engine's forwards and prefill forwards (over HTTP: JSON / msgpack)."""
+    lines = ["| round | side | load (start → end) | in-process tok/s | in-process, 0–J ms late | HTTP JSON | HTTP msgpack "
+             "| per CPU-s: late / JSON / msgpack | forwards (in-process / late / JSON / msgpack) | prefill forwards |",
+             "|---:|---|---|---:|---:|---:|---:|---|---|---|"]
+    for side, rnd, res, load in sorted(runs, key=lambda r: (r[1], r[0] != "before")):
+        c = max(r["concurrency"] for r in res["rows"])
+        by = {r["mode"]: r for r in res["rows"] if r["concurrency"] == c}
+        e = by["engine"]["tokens_per_s"]
+
+        def rel(mode, key="tokens_per_s"):
+            ok = mode in by and by[mode].get(key) and by["engine"].get(key)
+            return f"{by[mode][key] / by['engine'][key]:.2f}×" if ok else "–"
+
+        modes = [m for m in ("engine", "engine_jitter", "http_json", "http_msgpack") if m in by]
+        fw = " / ".join(str(by[m]["forwards"]) for m in modes)
+        pf = " / ".join("–" if by[m].get("prefill_forwards") is None else str(by[m]["prefill_forwards"]) for m in modes)
+        lines.append(f"| {rnd} | {side} | {load[0]:.1f} → {load[1]:.1f} | {e:.0f} | {rel('engine_jitter')} | "
+                     f"{rel('http_json')} | {rel('http_msgpack')} | "
+                     + " / ".join(rel(m, "tokens_per_cpu_s") for m in ("engine_jitter", "http_json", "http_msgpack"))
+                     + f" | {fw} | {pf} |")
+    return "\n".join(lines)
+
+
 def write_readme_section(text: str, readme: Path, section: str = SECTION) -> None:
     """Replace our section of the README (other sections untouched), or append it.
 
@@ -648,6 +685,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--note", action="append", default=[], help="a paragraph to add to the section (repeatable)")
     ap.add_argument("--from-json", default=None,
                     help="render the section from a --json file of an earlier run instead of measuring")
+    ap.add_argument("--pairs", nargs="+", default=None, metavar="SIDE:ROUND:JSON:LOAD0:LOAD1",
+                    help="print the before/after table of alternated --json runs instead of measuring")
     # internal: the HTTP client process of one http run
     ap.add_argument("--drive", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
@@ -658,6 +697,13 @@ def main(argv: list[str] | None = None) -> int:
         prompts = json.loads(Path(args.prompts_file).read_text())
         out = _loop_runner()(_drive(args.drive, prompts, args.concurrency, args.new_tokens, args.encoding, 1))
         print(json.dumps(out), flush=True)
+        return 0
+    if args.pairs:
+        runs = []
+        for spec in args.pairs:
+            side, rnd, path, l0, l1 = spec.split(":")
+            runs.append((side, int(rnd), json.loads(Path(path).read_text()), (float(l0), float(l1))))
+        print(pairs_markdown(runs))
         return 0
     readme = Path(__file__).resolve().parent / "README.md"
     result: dict = {}
