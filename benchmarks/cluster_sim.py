@@ -1081,35 +1081,62 @@ COMPARISON = """### Reading it (honestly)
   4.42x -> 5.04x (72% -> 82% of the bound); at η = 1 / 2, where pushes are rarer per sample, 2.14x
   / 3.20x against 2.14x / 3.15x. Default stays abort: in_place keeps the KV of the tokens before a
   push from the old weights (the behaviour logprobs each token records are still exact)
-- **256 engines (cp-7b-256engines): the control plane costs 2.0-2.4% of the step; the < 1%
-  target is not met.** η = 2: 3.21x, 78% of the bound, 32 engines leaving and rejoining; its
-  control plane's Redis CPU is 0.63 s a steady step (the minimal-payload run), the probe's
-  admission p99 14 ms and event fan-out p99 15 ms: (0.63 + 0.014 + 0.015) s / the bound's 30.2 s
-  step = 2.19%. η = 0: 2.84 s of a 123 s step, 2.34%. With the payload (0.21-0.24 s a step) and the
-  in-simulator latencies (admission p99 0.17-0.66 s inside the simulator's loop) it is 2.7% / 5.4%
-  ("all-in"). The second 256-engine table (η = 0 / 1 / 4, 16:26-16:36 UTC, load 0.9-1.6): 2.37% /
-  2.31% / 2.05%. Its η = 4 full-payload row did **not** keep up at x10: engines fell out of the
-  producers' name-resolve views (fewest 205 < 224) and the step (47.7 s) is twice the
-  minimal-payload run's (23.7 s, 5.13x, 80% of the bound, which kept up: fewest 224), so that row's
-  speedup is simulator lag; its control-plane share comes from the minimal run and is taken against
-  the bound's step. What costs: **timers, not steps.** Per modeled second the control plane keeps Redis
-  ~2% busy whatever the step: at η = 0 (INFO commandstats, per step of the minimal run) 23 k
-  Lua script calls (the refused producers' 0.25 s fallback poll of the admission script, 256
-  name-resolve keepalives every 3.3 s, the producers' 0.5 s name-resolve lists of 256 names,
-  heartbeats) take 1.18 s of command time, 288 followers' 1 s XREAD BLOCK timeouts (28 k) 0.10 s,
-  and the socket I/O of those ~55 k round trips a step most of the remaining ~1.5 s; the
-  per-group work (a lease and a commit, ~1000 a step) is a small part (the commits' EXEC 0.03 s).
-  Caveat: in the 4 steady steps of a 6-step η = 2 run producers committed only ~485 groups a step (3·B were admitted during the fill), so its per-group part is about half of a
-  longer run's (~+0.05 s a step, +0.2% of the step). The earlier reading (5.4%) divided the whole
-  run's Redis CPU (256 registrations and the long warm-up steps included) by the steady step and
-  counted latencies measured inside a ~75%-busy event loop; its timers also ran on the wall clock,
-  10x too rare per modeled second. A what-if (minimal payload, refused producers polling every
-  2 s instead of 0.25 s, name resolve every 5 s instead of 0.5 s; `--admit-poll-s 2
-  --resolve-poll-s 5`, in benchmarks/cluster_sim_cp256.json): control plane 1.69 s of a 124 s step
-  (1.39%) at η = 0 and 0.55 s at η = 2 (1.91% of the bound's step): still above 1%, and at η = 2
-  the slow poll cost throughput (53 s step, 57% of the bound; probably producers refused for their
-  fair share while capacity was free waiting out the poll: not verified). Under 1% needs fewer timer round trips at the source (the 256 keepalives,
-  ~300 XREAD timeouts a second, the admission polls), not longer intervals alone; not built here.
+- **256 engines (cp-7b-256engines), after this session's control-plane work: the control plane
+  costs 0.8-1.0% of the step at η = 0 (< 1% met, barely) and 1.3-1.5% at η = 2 (not met).** The
+  cost was timers, so they were cut at the source: a refused producer no longer polls the admission
+  script every 0.25 s but waits for a wake-up (a version event, or an entry of the short
+  `{ns}:admit:wake` stream that a release, an abandon, an expiry or, when the concurrency limit
+  refused, a commit appends, armed by the refusal itself; read in the same XREAD as the version
+  events; fallback 5 s); name-resolve watchers block on a short `{ns}:engines:changes` stream
+  (join, leave, sweep) instead of listing 256 names every 0.5 s; a keepalive is a plain
+  `ZADD XX CH` on the server clock estimated from the last script call (the script every 10th);
+  followers block 20 s instead of 1 s. Control-plane Redis CPU per steady step (minimal-payload
+  runs, x10, 1-min load 2.2-6.6 on the shared machine): η = 0 **2838 -> 1228 / 893 ms** (2.34% ->
+  0.99% / 0.80% with the probe's p99s), η = 2 **633 -> 381 ms** (2.19% -> 1.42% of the bound's
+  30.1 s step; an intermediate build measured 331 ms, 1.28%). Throughput kept: η = 2 full payload
+  3.30x, **82% of the bound** (before 3.21x, 78%; table below, 19:20-19:22 UTC, load 1.9-4.5); an
+  earlier full run at load 1.8-2.8 gave 2.89x (68%) with engines 56% busy and a minimal run at
+  load 4.5-6.6 2.34x with engines falling out of name-resolve views (192 < 224): simulator lag on
+  the busy machine, not kept-up rows (results in benchmarks/cluster_sim_cp256.json, runs G, H, H0, I).
+  What is left per step at η = 2 (INFO commandstats, run G, 35.9 s step): 1745 script calls (16
+  heartbeats a modeled second, now with the reap, the leases, keepalive re-syncs, sweeps; 0.12 s
+  of command time), ~2800 plain keepalive ZADDs (77 a second at 256 engines: the largest count
+  left, ~3 us each plus its socket I/O), ~680 commits (MULTI/EXEC 0.03 s + the wake check 0.01 s)
+  and ~920 XREADs. Timers and per-group work were not separated; the per-group part (a lease, a
+  commit, the trainer's read for each of ~700-1000 groups a step) is what grows as the step
+  shrinks, so η = 2 pays more of it per second than η = 0. Below 1% at η = 2 would need fewer
+  round trips per group or a cheaper lease (probably: the fair-share check reads every running
+  lease when someone waits; not profiled).
+  **Before** (kept for comparison):
+  - **256 engines (cp-7b-256engines): the control plane costs 2.0-2.4% of the step; the < 1%
+    target is not met.** η = 2: 3.21x, 78% of the bound, 32 engines leaving and rejoining; its
+    control plane's Redis CPU is 0.63 s a steady step (the minimal-payload run), the probe's
+    admission p99 14 ms and event fan-out p99 15 ms: (0.63 + 0.014 + 0.015) s / the bound's 30.2 s
+    step = 2.19%. η = 0: 2.84 s of a 123 s step, 2.34%. With the payload (0.21-0.24 s a step) and the
+    in-simulator latencies (admission p99 0.17-0.66 s inside the simulator's loop) it is 2.7% / 5.4%
+    ("all-in"). The second 256-engine table (η = 0 / 1 / 4, 16:26-16:36 UTC, load 0.9-1.6): 2.37% /
+    2.31% / 2.05%. Its η = 4 full-payload row did **not** keep up at x10: engines fell out of the
+    producers' name-resolve views (fewest 205 < 224) and the step (47.7 s) is twice the
+    minimal-payload run's (23.7 s, 5.13x, 80% of the bound, which kept up: fewest 224), so that row's
+    speedup is simulator lag; its control-plane share comes from the minimal run and is taken against
+    the bound's step. What costs: **timers, not steps.** Per modeled second the control plane keeps Redis
+    ~2% busy whatever the step: at η = 0 (INFO commandstats, per step of the minimal run) 23 k
+    Lua script calls (the refused producers' 0.25 s fallback poll of the admission script, 256
+    name-resolve keepalives every 3.3 s, the producers' 0.5 s name-resolve lists of 256 names,
+    heartbeats) take 1.18 s of command time, 288 followers' 1 s XREAD BLOCK timeouts (28 k) 0.10 s,
+    and the socket I/O of those ~55 k round trips a step most of the remaining ~1.5 s; the
+    per-group work (a lease and a commit, ~1000 a step) is a small part (the commits' EXEC 0.03 s).
+    Caveat: in the 4 steady steps of a 6-step η = 2 run producers committed only ~485 groups a step (3·B were admitted during the fill), so its per-group part is about half of a
+    longer run's (~+0.05 s a step, +0.2% of the step). The earlier reading (5.4%) divided the whole
+    run's Redis CPU (256 registrations and the long warm-up steps included) by the steady step and
+    counted latencies measured inside a ~75%-busy event loop; its timers also ran on the wall clock,
+    10x too rare per modeled second. A what-if (minimal payload, refused producers polling every
+    2 s instead of 0.25 s, name resolve every 5 s instead of 0.5 s; `--admit-poll-s 2
+    --resolve-poll-s 5`, in benchmarks/cluster_sim_cp256.json): control plane 1.69 s of a 124 s step
+    (1.39%) at η = 0 and 0.55 s at η = 2 (1.91% of the bound's step): still above 1%, and at η = 2
+    the slow poll cost throughput (53 s step, 57% of the bound; probably producers refused for their
+    fair share while capacity was free waiting out the poll: not verified). Under 1% needs fewer timer round trips at the source (the 256 keepalives,
+    ~300 XREAD timeouts a second, the admission polls), not longer intervals alone; not built here.
 - **Published numbers.** verl fully-async reports 2.35-2.67x for Qwen2.5-7B on 128 GPUs: our 64 +
   64 GPU 7B setting gives 2.14x at η = 1 and 3.15x at η = 2; verl's partial rollouts keep samples
   that outlive the staleness bound (ours drops them: 16-17% of the groups here), and its baseline

@@ -143,7 +143,8 @@ _SILENCE_MS = 3000
 # owner died (the CLOCK member below is no owner: it never counts as one that died); owners
 # without a record (tools, tests) rely on the lease expiry alone.
 # `wake(armed, stream, why, commits)`: capacity may have grown; if a refused acquisition armed the wake-up
-# since the last one, append one entry to the wake stream (the waiters' XREAD returns) and disarm. `commits`:
+# since the last one (`b` or `c`), append one entry to the wake stream (the waiters' XREAD returns) and disarm
+# (`-`: a SET, no DEL, so the producer's ACL needs no DEL). `commits`:
 # called by a commit, which frees capacity only when the concurrency limit refused (armed `c`).
 # `reap` wakes the waiters when it freed a lease.
 # `catch_up(running, alive, last)` first: the alive set also holds CLOCK, scored with when admission
@@ -154,8 +155,8 @@ _SILENCE_MS = 3000
 _LUA_WAKE = """
 local function wake(armed, stream, why, commits)
   local a = redis.call('GET', armed)
-  if a and (not commits or a == 'c') then
-    redis.call('DEL', armed)
+  if (a == 'b' and not commits) or a == 'c' then
+    redis.call('SET', armed, '-')
     redis.call('XADD', stream, 'MAXLEN', '~', """ + str(WAKE_MAXLEN) + """, '*', 'w', why)
   end
 end
@@ -302,7 +303,8 @@ local function decide(lease)
 end
 for i = 6, #ARGV do out[#out + 1] = decide(ARGV[i]) end
 if #add > 0 then redis.call('ZADD', KEYS[1], unpack(add)) end
-if arm == 'c' then redis.call('SET', KEYS[7], 'c') elseif arm then redis.call('SET', KEYS[7], 'b', 'NX') end
+if arm == 'c' then redis.call('SET', KEYS[7], 'c')
+elseif arm and redis.call('GET', KEYS[7]) ~= 'c' then redis.call('SET', KEYS[7], 'b') end
 -- refusals older than the window no longer count: forget them
 for _, at in pairs(waiting) do
   if at <= since then

@@ -76,7 +76,7 @@ class Keys:
     @property
     def admit_armed(self) -> str:
         """String: set by a refused acquisition (`c`: the concurrency limit refused, else `b`); the next
-        capacity change writes one `admit_wake` entry and deletes it (no entry while nobody waits)."""
+        capacity change writes one `admit_wake` entry and disarms it (`-`; no entry while nobody waits)."""
         return self._k("admit:armed")
 
     @property

@@ -581,14 +581,14 @@ def test_wake_ups_only_when_capacity_can_have_grown_for_a_waiter(rclient, keys):
     assert budget_bound.try_acquire("B-0")[1] is None and rclient.get(keys.admit_armed) == b"b"
     budget_bound.commit("A-1", {"x": "1"})
     assert rclient.xlen(keys.admit_wake) == 0 and rclient.get(keys.admit_armed) == b"b"  # still armed
-    rclient.delete(keys.admit_armed)
+    rclient.set(keys.admit_armed, "-")
 
     conc = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=1,
                                max_concurrent_rollouts=1)
     assert conc.try_acquire("A-2")[1] is not None
     assert conc.try_acquire("B-1")[1] is None and rclient.get(keys.admit_armed) == b"c"
     conc.commit("A-2", {"x": "2"})
-    assert rclient.xlen(keys.admit_wake) == 1 and rclient.get(keys.admit_armed) is None
+    assert rclient.xlen(keys.admit_wake) == 1 and rclient.get(keys.admit_armed) == b"-"  # disarmed
     assert [f[b"w"] for _, f in rclient.xrange(keys.admit_wake)] == [b"commit"]
     # one wake-up per refusal: a second commit, nobody refused since, writes none
     assert conc.try_acquire("A-3")[1] is not None

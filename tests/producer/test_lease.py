@@ -63,7 +63,7 @@ async def _refused_waiter(redis_url, rclient, keys, monkeypatch, fallback: float
                                    max_concurrent_rollouts=10, lease_ttl=60)
     fv = await FollowedVersion(AsyncVersionRegistry(client, keys), wakeups=True).start()
     task = asyncio.create_task(EpisodeLease.acquire(adm, timeout=3600, wake=fv))
-    await _until(lambda: rclient.get(keys.admit_armed) is not None, "the waiter is refused (the wake-up armed)")
+    await _until(lambda: rclient.get(keys.admit_armed) == b"b", "the waiter is refused (the wake-up armed)")
     return other, client, fv, task
 
 
@@ -75,7 +75,7 @@ async def test_a_refused_waiter_is_woken_by_another_producers_release(redis_url,
         other.release("other-0")
         await _until(task.done, "the waiter takes the released slot")
         lease = task.result()
-        assert rclient.xlen(keys.admit_wake) == 1 and rclient.get(keys.admit_armed) is None  # one entry, disarmed
+        assert rclient.xlen(keys.admit_wake) == 1 and rclient.get(keys.admit_armed) == b"-"  # one entry, disarmed
         assert [m.decode() for m in rclient.zrange(keys.admit_running, 0, -1)] == [lease.lease_id]
         await lease.abandon()
     finally:
