@@ -251,6 +251,15 @@ def _primary_replica_sentinels(redis_factory, sentinels):
     return primary, replica, "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/rls/0", direct
 
 
+def _replicated(direct_replica, key: str, length: int) -> None:
+    """Wait until the replica holds the first `length` entries: replication is asynchronous, so an entry
+    the primary took just before its SIGKILL may never reach the replica that gets promoted."""
+    deadline = time.monotonic() + 30
+    while direct_replica.xlen(key) < length:
+        assert time.monotonic() < deadline, "the replica never received the entry"
+        time.sleep(0.02)
+
+
 def _kill_when_blocked(primary, direct_primary, clients_blocked: int):
     """SIGKILL the primary once `clients_blocked` clients sit in a blocking read on it."""
     deadline = time.monotonic() + 30
@@ -268,6 +277,7 @@ def test_sentinel_command_in_flight_follows_a_failover(redis_factory, sentinels)
     primary, replica, url, direct = _primary_replica_sentinels(redis_factory, sentinels)
     client = connect(RedisConfig(url=url, connect_timeout=1.0, socket_timeout=10.0, outage_tolerance=60))
     client.xadd("s", {"a": 1})
+    _replicated(direct, "s", 1)
     result: list = []
     reader = threading.Thread(target=lambda: result.append(_xread_or_error(client)))
     reader.start()
@@ -296,6 +306,7 @@ def test_async_sentinel_command_in_flight_follows_a_failover(redis_factory, sent
         client = await connect_async(RedisConfig(url=url, connect_timeout=1.0, socket_timeout=10.0,
                                                  outage_tolerance=60))
         await client.xadd("s", {"a": 1})
+        await asyncio.to_thread(_replicated, direct, "s", 1)
         read = asyncio.create_task(client.xread({"s": "$"}, block=3000))
         await asyncio.to_thread(_kill_when_blocked, primary, connect(primary.url, retries=0), 1)
         await read  # buggy: BrokerUnavailable after 60 s
