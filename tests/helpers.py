@@ -376,6 +376,11 @@ class VllmServer:
             pass
 
 
+def command_calls(client, name: str) -> int:
+    """How often the Redis server behind `client` ran command `name` (INFO commandstats, since CONFIG RESETSTAT)."""
+    return int(client.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0))
+
+
 async def wait_for(pred, timeout: float = 60.0, what: str = "condition") -> None:
     """Poll `pred` on the event loop until it holds; AssertionError naming `what` after `timeout` s."""
     deadline = time.monotonic() + timeout

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ from rlstream.broker.registry import RedisNameResolver, make_name_resolver
 from rlstream.common.engine_api import ENGINES_SERVICE
 from rlstream.common.name_resolve import EtcdNameResolver, NameResolveError, StaticNameResolver
 
-from tests.helpers import free_port, stop_process
+from tests.helpers import command_calls, free_port, stop_process, wait_for
 
 
 class EtcdServer:
@@ -294,34 +295,27 @@ async def test_redis_watch_lists_only_when_membership_changes(redis_factory, exp
         async for view in watcher.watch(ENGINES_SERVICE):
             views.append(view)
 
-    def calls(name: str) -> int:
-        return stats.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
-
-    async def until(pred, what: str) -> None:
-        deadline = time.monotonic() + 60
-        while not pred():
-            assert time.monotonic() < deadline, f"never: {what}"
-            await asyncio.sleep(0.05)
+    calls = functools.partial(command_calls, stats)
 
     async def blocks_pass(n: int) -> None:  # n more blocking reads end with nothing (each then sweeps)
         target = calls("zremrangebyscore") + n
-        await until(lambda: calls("zremrangebyscore") >= target, f"{n} more idle blocks")
+        await wait_for(lambda: calls("zremrangebyscore") >= target, what=f"{n} more idle blocks")
 
     task = asyncio.create_task(follow())
     try:
-        await until(lambda: views == [[]], "the first view")
+        await wait_for(lambda: views == [[]], what="the first view")
         await blocks_pass(5)
         assert calls("zrange") == 1  # the first list only: 5 idle blocks, no list
         await engine.register(ENGINES_SERVICE, "127.0.0.1:1111")
-        await until(lambda: views[-1] == ["127.0.0.1:1111"], "the join seen")
+        await wait_for(lambda: views[-1] == ["127.0.0.1:1111"], what="the join seen")
         await blocks_pass(5)
         assert calls("zrange") == 2  # one list for the join
         await engine.register(ENGINES_SERVICE, "127.0.0.1:2222", ttl=1.0)
-        await until(lambda: views[-1] == ["127.0.0.1:1111", "127.0.0.1:2222"], "the second join seen")
+        await wait_for(lambda: views[-1] == ["127.0.0.1:1111", "127.0.0.1:2222"], what="the second join seen")
         await engine.close_quietly()  # both keepalives stop: 2222 "crashes" (1111's registration lasts 600 s)
-        await until(lambda: views[-1] == ["127.0.0.1:1111"], "the expiry seen (the watcher's sweep)")
+        await wait_for(lambda: views[-1] == ["127.0.0.1:1111"], what="the expiry seen (the watcher's sweep)")
         await RedisNameResolver(client, ns, 600).unregister(ENGINES_SERVICE, "127.0.0.1:1111")
-        await until(lambda: views[-1] == [], "the leave seen")
+        await wait_for(lambda: views[-1] == [], what="the leave seen")
         lists_before = calls("zrange")
         await blocks_pass(5)
         assert calls("zrange") == lists_before, "nothing changed: no list"
@@ -369,27 +363,20 @@ async def test_redis_keepalive_is_a_plain_zadd_and_comes_back_after_a_sweep(redi
     keys = Keys(f"rlstream:{experiment}:trial0")
     engine = RedisNameResolver(client, keys.ns, default_ttl=0.3)  # a keepalive every 0.1 s
 
-    def calls(name: str) -> int:
-        return stats.info("commandstats").get(f"cmdstat_{name}", {}).get("calls", 0)
-
-    async def until(pred, what: str) -> None:
-        deadline = time.monotonic() + 60
-        while not pred():
-            assert time.monotonic() < deadline, f"never: {what}"
-            await asyncio.sleep(0.02)
+    calls = functools.partial(command_calls, stats)
 
     try:
         await engine.register(ENGINES_SERVICE, "127.0.0.1:7777")
         assert stats.xlen(keys.service_changes(ENGINES_SERVICE)) == 1  # the join
         stats.config_resetstat()
-        await until(lambda: calls("zadd") >= 3 * RESYNC_EVERY, "keepalives")
+        await wait_for(lambda: calls("zadd") >= 3 * RESYNC_EVERY, what="keepalives")
         scripts, zadds = calls("evalsha"), calls("zadd")
         # each script call counts its own ZADD too: the plain ones are the rest, RESYNC_EVERY - 1 per script call
         assert scripts <= (zadds - scripts) // (RESYNC_EVERY - 1) + 1, (scripts, zadds)
         assert zadds - scripts >= 2 * (RESYNC_EVERY - 1), (scripts, zadds)
         assert stats.zscore(keys.engines, "127.0.0.1:7777") is not None
         stats.zrem(keys.engines, "127.0.0.1:7777")  # swept out (as after a late keepalive)
-        await until(lambda: stats.zscore(keys.engines, "127.0.0.1:7777") is not None, "the keepalive re-registers")
+        await wait_for(lambda: stats.zscore(keys.engines, "127.0.0.1:7777") is not None, what="the keepalive re-registers")
         assert [f for _, f in stats.xrange(keys.service_changes(ENGINES_SERVICE))][-1] == {b"join": b"127.0.0.1:7777"}
     finally:
         await engine.close()

@@ -14,6 +14,7 @@ import msgspec
 from rlstream.broker import StepLog, StepRecord, TrajectoryStream
 from rlstream.broker.stream import entry_fields
 from rlstream.common.wire import encode_group
+from tests.helpers import command_calls
 
 CONSUMER = textwrap.dedent("""
     import sys, time
@@ -232,7 +233,7 @@ def test_retention_with_keep_finds_its_cut_without_reading_entries_back(rclient,
     # acked: 0..8, pending: 9..11
 
     def xrevrange_calls() -> int:
-        return int(rclient.info("commandstats").get("cmdstat_xrevrange", {}).get("calls", 0))
+        return command_calls(rclient, "xrevrange")
 
     before = xrevrange_calls()
     assert train.trim_acked(keep=4) == 5  # keeps 5..8 (acked) and 9..11 (pending)
