@@ -102,10 +102,12 @@ def one_run(url: str, n: int) -> dict:
     return out
 
 
-def bare_run(url: str, n: int, trim: bool = False) -> dict:
+def bare_run(url: str, n: int, trim: bool = False, writev: bool = False) -> dict:
     """The same bytes through bare XADD (pipelined by 16) + XREADGROUP + XACK: Redis' floor for this traffic
-    (`trim`: and an XTRIM of what was read at the end, the retention rlstream's consumer path includes)."""
+    (`trim`: and an XTRIM of what was read at the end, the retention rlstream's consumer path includes;
+    `writev`: each pipeline sent in one sendmsg as rlstream's commit is, instead of redis-py's sendall per buffer)."""
     from rlstream.broker import connect
+    from rlstream.broker.plan import pack, send_buffers
     from rlstream.common.wire import encode_group
 
     client = connect(url)
@@ -116,6 +118,15 @@ def bare_run(url: str, n: int, trim: bool = False) -> dict:
 
     r0, c0, t0 = RedisCost(client), time.process_time(), time.perf_counter()
     for i in range(0, n, 16):
+        if writev:
+            conn = client.connection_pool.get_connection()
+            try:
+                send_buffers(conn, pack([("XADD", key, "*", "d", payloads[(i + j) % 64]) for j in range(16)]))
+                for _ in range(16):
+                    conn.read_response()
+            finally:
+                client.connection_pool.release(conn)
+            continue
         pipe = client.pipeline(transaction=False)
         for j in range(16):
             pipe.xadd(key, {"d": payloads[(i + j) % 64]})
@@ -148,6 +159,43 @@ def medians(runs: list[dict]) -> dict:
                                  or k.startswith("cmd:")) for k in keys}
 
 
+# Commands rlstream runs only inside its MULTI/EXEC or a script: their time is inside EXEC's or EVALSHA's.
+_INNER = {"set", "zrem", "incr", "incrby", "hincrby", "hdel", "eval", "time", "zrangebyscore", "zremrangebyscore",
+          "zadd", "zscore", "get", "hget", "hgetall", "hmget", "zcard", "zrange", "zmscore"}
+
+
+def attribution(rl: dict, bare: dict) -> str:
+    """rlstream's Redis main-thread time per group above bare's, split by what it buys (medians of the runs)."""
+    def c(m: dict, name: str) -> float:
+        return m.get("cmd:" + name, 0.0)
+
+    def top(m: dict) -> float:  # time inside commands, each counted once
+        inner = _INNER | ({"xadd"} if c(m, "exec") else set())
+        return sum(v for k, v in m.items() if k.startswith("cmd:") and k[4:] not in inner)
+
+    main = lambda m: m["redis_producer_us"] + m["redis_consumer_us"]  # noqa: E731
+    # In the transaction: the leases' script (EVAL: ZREM, the per-owner counts, the wake check), INCR(BY), per
+    # group XADD + SET (this benchmark's producer is unnamed: no HINCRBY of a producer's count at the top level).
+    queued = c(rl, "exec") - sum(c(rl, k) for k in ("xadd", "set", "eval", "incr", "incrby"))
+    parts = [("admission: the lease script (EVALSHA, per batch)", c(rl, "evalsha")),
+             ("exactly once: the done markers (SET in the transaction)", c(rl, "set")),
+             ("the commit's lease script (EVAL in the transaction: ZREM, owner counts, wake check)", c(rl, "eval")),
+             ("the accepted count (INCRBY in the transaction)", c(rl, "incr") + c(rl, "incrby")),
+             ("MULTI/EXEC itself (EXEC beyond its commands, MULTI)", queued + c(rl, "multi")),
+             ("index fields v, p, n, r: XADD and XREADGROUP beyond bare's",
+              c(rl, "xadd") - c(bare, "xadd") + c(rl, "xreadgroup") - c(bare, "xreadgroup")),
+             ("XACK beyond bare's", c(rl, "xack") - c(bare, "xack")),
+             ("retention: XTRIM (and its XINFO/XPENDING)",
+              c(rl, "xtrim") + c(rl, "xinfo|groups") + c(rl, "xpending")),
+             ("in no command: socket reads/writes, event loop, sleeps and wake-ups",
+              (main(rl) - top(rl)) - (main(bare) - top(bare)))]
+    rest = main(rl) - main(bare) - sum(v for _, v in parts)
+    return ("Where rlstream's Redis main-thread time above bare's goes, per group (medians; "
+            f"{main(rl):.0f} vs {main(bare):.0f} us, +{main(rl) - main(bare):.0f}): "
+            + "; ".join(f"{name} {v:+.1f}" for name, v in parts)
+            + f"; other commands {rest:+.1f} us.")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=960)
@@ -163,7 +211,8 @@ def main() -> None:
     from rlstream.common.memory import freeze_startup_objects, keep_freed_memory
 
     keep_freed_memory()  # as the producer and trainer processes do
-    kinds = {"rlstream": one_run, "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True)}
+    kinds = {"rlstream": one_run, "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True),
+             "bare, one writev": lambda url, n: bare_run(url, n, writev=True)}
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     if args.rounds:  # --rounds 0: only render the runs of --merge
         redis = RedisChild()
@@ -171,7 +220,7 @@ def main() -> None:
             one_run(redis.url, args.n), bare_run(redis.url, args.n)  # warm-up: the server's allocator grows once
             freeze_startup_objects()  # as `rlstream train` does before its step loop
             for rnd in range(args.rounds):  # interleaved, order turning: the machine is shared, load comes and goes
-                order = list(kinds)[rnd % 3:] + list(kinds)[:rnd % 3]
+                order = list(kinds)[rnd % len(kinds):] + list(kinds)[:rnd % len(kinds)]
                 for name in order:
                     runs[name].append({**kinds[name](redis.url, args.n), "load": os.getloadavg()[0]})
         finally:
@@ -206,7 +255,7 @@ def main() -> None:
              f"one process, {os.cpu_count()} CPUs shared with other engineers' work (1-min load average "
              f"{min(loads):.1f}-{max(loads):.1f} during the runs{load_note}), {platform.machine()}; the process keeps "
              "freed heap memory for reuse as `rlstream produce`/`train` do (glibc `mallopt`, rlstream and bare"
-             + (f"; the {args.before_label} rows ran that commit's script, which does not" if args.before else "")
+             + (f"; the {args.before_label} rows ran that commit's copy of this script" if args.before else "")
              + "). "
              "rlstream = admission lease + MULTI/EXEC commit "
              "(batches of 16), read with decode + validation, ack, trim; bare = pipelined XADD + XREADGROUP + XACK "
@@ -215,7 +264,7 @@ def main() -> None:
              "", "| | producer CPU ms/group | producer wall ms/group | consumer CPU ms/group | consumer wall ms/group "
              "| Redis CPU ms/MB | Redis main thread ms/MB | Redis us/group: producer side | consumer side |",
              "|---|---|---|---|---|---|---|---|---|"]
-    rows = [("rlstream", med["rlstream"]), ("bare", med["bare"]), ("bare + XTRIM", med["bare + XTRIM"])]
+    rows = [(k, med[k]) for k in kinds if med.get(k)]
     if before:
         rows.insert(1, (f"rlstream {args.before_label}", before["rlstream"]))
         rows.append((f"bare ({args.before_label} run)", before["bare"]))
@@ -223,7 +272,7 @@ def main() -> None:
         lines.append(f"| {k} | {m['producer_ms']:.3f} | {m['producer_wall_ms']:.3f} | {m['consumer_ms']:.3f} | "
                      f"{m['consumer_wall_ms']:.3f} | {m['redis_ms_per_mb']:.2f} | {m['redis_main_ms_per_mb']:.2f} | "
                      f"{m.get('redis_producer_us', math.nan):.0f} | {m.get('redis_consumer_us', math.nan):.0f} |")
-    a, bare = med["rlstream"], med["bare"]
+    a = med["rlstream"]
 
     def ratios(rs: dict[str, list[dict]], other: str) -> str:
         def each(m: str) -> list[float]:  # rlstream / other within each round (seconds apart)
@@ -246,37 +295,35 @@ def main() -> None:
               "Ratios are medians of the per-round ratios (a round runs rlstream and bare seconds apart, so "
               f"load that comes and goes on the shared machine hits both). rlstream / bare: {ratios(runs, 'bare')}. "
               f"rlstream / (bare + XTRIM): {ratios(runs, 'bare + XTRIM')}."]
+    if runs.get("bare, one writev"):
+        lines[-1] += f" rlstream / (bare, one writev): {ratios(runs, 'bare, one writev')}."
     if before:
         lines[-1] += f" {args.before_label} / its bare: {ratios(before_runs, 'bare')}."
     lines[-1] += (" Above bare, the producer encodes every group with its index fields (bare sends bytes encoded "
                   "beforehand), takes its leases (one script call per batch) and commits them in one round trip "
                   "(MULTI/EXEC in one write): per group Redis runs the XADD and the done marker's SET inside "
-                  "the transaction, per batch the lease script, one ZREM and one INCRBY; the consumer "
+                  "the transaction, per batch the lease script, the commit's small lease script (EVAL) and one "
+                  "INCRBY; the consumer "
                   "decodes and validates every group, and the trim gives the memory of what was read back to the "
                   "allocator (XTRIM: bare defers that to a DEL after its measured window; the bare + XTRIM row pays "
                   "it). Most of either side's client CPU is what bare spends too: redis-py packing and sending "
                   "(producer) or receiving and parsing (consumer) ~105 kB per group over loopback TCP.")
-    lines[-1] += (" Where the rest goes (measured while making the last change): `redis-cli MONITOR` of a 32-group run "
-                  "shows per batch of 16 one EVALSHA (inside: TIME, ZRANGEBYSCORE, ZREMRANGEBYSCORE, two ZADD, two GET, "
-                  "HGET, ZCARD, ZRANGE, ZMSCORE) and one MULTI, ZREM, INCRBY, 16 x (XADD, SET), EXEC; no renewal, "
-                  "snapshot or heartbeat runs here, so EVALSHA is the lease script alone: ~85 us a call in a hot loop, "
-                  "150-190 us here, where each 1.8 MB transaction before it has evicted the caches (an inline fast path "
-                  "for its per-lease decisions measured no gain, not kept). The commit without the lease script costs "
-                  "0.90-1.05x bare's producer side (variants of it measured alone), and Redis does as many read() calls "
-                  "per group as for bare in the steady state (strace), so the producer side's rest is the script, "
-                  "its round trip and the markers. The client's own overhead was mostly page faults: glibc gave the "
-                  "heap top back after every batch (~16 faults per group more than bare on the producer), which "
-                  "keeping freed memory removes (both rows); the transaction is packed with hiredis directly, "
-                  "payloads uncopied (18 -> 6.5 us per group), and no longer WATCHes markers nobody can have written.")
+    lines[-1] += (" The transaction (MULTI, the commands, EXEC) is sent in one sendmsg (writev) of all its buffers, so "
+                  "Redis reads it in a few large reads; redis-py's sendall per buffer woke Redis's thread once per "
+                  "buffer (counted in /proc: syscr and the main thread's voluntary switches, 2.3 -> 1.3 reads "
+                  "and 0.43 -> 0.18 sleeps per group on the producer side). Bare can send that way too: the "
+                  "'bare, one writev' row does, and the ratio against it is the stricter one.")
+    lines += ["", attribution(med["rlstream"], med["bare"])]
     cmds = sorted({k for m in (*med.values(), *(before.values() if before else ())) for k in m if k.startswith("cmd:")},
                   key=lambda k: -a.get(k, 0.0))
-    head = ["rlstream", *([args.before_label] if before else []), "bare", "bare + XTRIM"]
+    others = [k for k in kinds if k != "rlstream" and med.get(k)]
+    head = ["rlstream", *([args.before_label] if before else []), *others]
     lines += ["", "Redis time per group by command (INFO commandstats, usec; EXEC and EVALSHA include the commands "
               "they run, which are also counted on their own lines; socket I/O is in no line):", "",
               "| command | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     for k in cmds:
-        vals = [a.get(k, 0.0), *([before["rlstream"].get(k, 0.0)] if before else []), bare.get(k, 0.0),
-                med["bare + XTRIM"].get(k, 0.0)]
+        vals = [a.get(k, 0.0), *([before["rlstream"].get(k, 0.0)] if before else []),
+                *(med[o].get(k, 0.0) for o in others)]
         if max(vals) >= 0.05:
             lines.append(f"| {k[4:].upper()} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
     text = "\n".join(lines) + "\n"

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -63,7 +64,7 @@ from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Plan, Sleep, Sync, Tra
 from rlstream.common.logging import get_logger
 
 __all__ = ["AdmissionState", "Lease", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
-           "budget", "ADMIT_FALLBACK_SECS"]
+           "budget", "ADMIT_FALLBACK_SECS", "ADMIT_BATCH_MAX"]
 
 log = get_logger(__name__)
 
@@ -114,6 +115,10 @@ DONE_TTL_MS = 600_000
 # A refused producer asks again after this long at the latest: the backstop only (a Redis restart that lost the
 # wake stream); it is woken as soon as capacity may have grown (a version bump, a wake entry).
 ADMIT_FALLBACK_SECS = 5.0
+# A producer asks for leases in batches (`try_acquire_many`: one script call decides each as its own call would):
+# 1, doubling while every lease of a batch is granted, up to this, back to 1 after a refusal. Slots come free in
+# bursts (a version bump frees B of them), and a burst then takes a few calls per producer, not one per slot.
+ADMIT_BATCH_MAX = 32
 # A producer refused within this window counts as waiting for a slot (fair share). It must
 # exceed the producers' longest wait between two asks, ADMIT_FALLBACK_SECS.
 WAIT_WINDOW_MS = 12000
@@ -137,10 +142,9 @@ ALIVE_TTL_MS = 6000
 _CLOCK = "~clock"
 _SILENCE_MS = 3000
 
-# Lua prologue: `owner_of(lease)` (a lease's owner, its producer process, is its id up to the
-# last `-`, see new_lease_id) and `reap(running, alive)`: drop expired liveness records and
-# every lease of those owners, then leases past their own expiry. O(leases) only when an
-# owner died (the CLOCK member below is no owner: it never counts as one that died); owners
+# Lua prologue: `reap(running, owners, alive, ...)`: drop expired liveness records and
+# every lease of those owners, then leases past their own expiry (both counted off `owners`). O(leases) only
+# when an owner died (the CLOCK member below is no owner: it never counts as one that died); owners
 # without a record (tools, tests) rely on the lease expiry alone.
 # `wake(armed, stream, why, commits)`: capacity may have grown; if a refused acquisition armed the wake-up
 # since the last one (`b` or `c`), append one entry to the wake stream (the waiters' XREAD returns) and disarm
@@ -152,7 +156,7 @@ _SILENCE_MS = 3000
 # every record and lease still live then gets the silence back, so the first call after an outage
 # does not take live producers for dead and admit their slots twice; a producer that stays silent
 # afterwards is reaped as usual, ALIVE_TTL_MS later at most.
-_LUA_WAKE = """
+LUA_WAKE = """
 local function wake(armed, stream, why, commits)
   local a = redis.call('GET', armed)
   if (a == 'b' and not commits) or a == 'c' then
@@ -161,9 +165,31 @@ local function wake(armed, stream, why, commits)
   end
 end
 """
-_LUA_REAP = LUA_NOW_MS + _LUA_WAKE + """
-local CLOCK = '""" + _CLOCK + """'
+# `owner_of(lease)`: a lease's owner, its producer process, is its id up to the last `-` (see new_lease_id).
+# `{ns}:admit:owners` (owner -> leases it holds, no field at 0) follows every lease added or dropped, in the
+# same script: `count(owners, owner, k)` adds k; `drop(running, owners, leases)` ZREMs leases (held or not) and
+# counts the held ones off their owners, returning how many were held. The fair-share check reads that hash
+# (one field per producer) instead of every running lease.
+_LUA_LEASES = """
 local function owner_of(lease) return string.match(lease, '^(.*)%-[^%-]*$') or lease end
+local function count(owners, owner, k)
+  if redis.call('HINCRBY', owners, owner, k) <= 0 then redis.call('HDEL', owners, owner) end
+end
+local function drop(running, owners, leases)
+  local freed, per = 0, {}
+  for _, lease in ipairs(leases) do
+    if redis.call('ZREM', running, lease) == 1 then  -- an id given twice is dropped once
+      local o = owner_of(lease)
+      per[o] = (per[o] or 0) + 1
+      freed = freed + 1
+    end
+  end
+  for o, k in pairs(per) do count(owners, o, -k) end
+  return freed
+end
+"""
+_LUA_REAP = LUA_NOW_MS + LUA_WAKE + _LUA_LEASES + """
+local CLOCK = '""" + _CLOCK + """'
 local function catch_up(running, alive, last)
   last = last or tonumber(redis.call('ZSCORE', alive, CLOCK) or now)
   local gap = now - last
@@ -176,7 +202,7 @@ local function catch_up(running, alive, last)
   end
   return true
 end
-local function reap(running, alive, armed, stream)
+local function reap(running, owners, alive, armed, stream)
   -- expired records and CLOCK (scored with the last run, never later than now unless the clock went back)
   local rows = redis.call('ZRANGEBYSCORE', alive, '-inf', now, 'WITHSCORES')
   local last = now
@@ -194,16 +220,19 @@ local function reap(running, alive, armed, stream)
     for _, lease in ipairs(redis.call('ZRANGE', running, 0, -1)) do
       if gone[owner_of(lease)] then freed = freed + redis.call('ZREM', running, lease) end
     end
+    for owner, _ in pairs(gone) do redis.call('HDEL', owners, owner) end  -- every lease of theirs is gone
   end
-  freed = freed + redis.call('ZREMRANGEBYSCORE', running, '-inf', now)
+  local expired = redis.call('ZRANGEBYSCORE', running, '-inf', now)
+  if #expired > 0 then freed = freed + drop(running, owners, expired) end
   redis.call('ZADD', alive, now, CLOCK)
   if freed > 0 then wake(armed, stream, 'expired', false) end
 end
 """
 
-# KEYS: running, accepted, version, waiting, alive, run, armed, wake
-# ARGV: ttl_ms, eta, B, max_concurrent, wait_window_ms, lease_id...
-# -> {running, accepted, version, run_finished}, then per lease id, in order: its expiry (server ms) if this
+# KEYS: running, accepted, version, waiting, alive, run, armed, wake, owners
+# ARGV: ttl_ms, eta, B, max_concurrent, wait_window_ms, owner whose liveness record to refresh ('' none),
+#       alive_ttl_ms, lease_id...
+# -> {running, accepted, version, run_finished, record refreshed (1/0)}, then per lease id, in order: its expiry (server ms) if this
 #    call took it, minus its expiry if it was held already (a retry), 0 if refused. The client derives each
 #    decision's running count and capacity from these (`capacity`, the same formula).
 # Each lease is decided as by its own script run right after the previous one's (one call takes
@@ -212,12 +241,16 @@ end
 # A refusal arms the wake-up (`wake` above): `c` when the concurrency limit was what refused (a commit frees a
 # slot then), else `b` (only a release, an abandon, an expiry or a version bump does).
 _ACQUIRE = _LUA_REAP + """
-reap(KEYS[1], KEYS[5], KEYS[7], KEYS[8])
+reap(KEYS[1], KEYS[9], KEYS[5], KEYS[7], KEYS[8])
+-- the asking producer's liveness record, if it has one (XX: an owner that never heartbeats gets none), is
+-- refreshed as by a heartbeat: its heartbeat is then due HEARTBEAT_SECS later (Admission.heartbeat_due)
+local refreshed = 0
+if ARGV[6] ~= '' then refreshed = redis.call('ZADD', KEYS[5], 'XX', 'CH', now + tonumber(ARGV[7]), ARGV[6]) end
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local v = tonumber(redis.call('GET', KEYS[3]) or '0')
 if redis.call('HGET', KEYS[6], 'state') == 'finished' then
-  local out = {redis.call('ZCARD', KEYS[1]), accepted, v, 1}
-  for i = 6, #ARGV do out[#out + 1] = 0 end
+  local out = {redis.call('ZCARD', KEYS[1]), accepted, v, 1, refreshed}
+  for i = 8, #ARGV do out[#out + 1] = 0 end
   return out
 end
 local eta = tonumber(ARGV[2])
@@ -225,7 +258,7 @@ local B = tonumber(ARGV[3])
 -- Within one call only this script changes `running` and `waiting`: the lease count is kept here,
 -- and the waiting set (owner -> when last refused) is read once and mirrored in `waiting`.
 local running = redis.call('ZCARD', KEYS[1])
-local out = {running, accepted, v, 0}
+local out = {running, accepted, v, 0, refreshed}
 local waiting, since = {}, now - tonumber(ARGV[5])
 local rows = redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES')
 for i = 1, #rows, 2 do waiting[rows[i]] = tonumber(rows[i + 1]) end
@@ -238,21 +271,19 @@ end
 -- Which of the ids are held already (a retry whose first attempt took them, reply lost): one ZMSCORE for
 -- the batch. `held` also gets the leases this call takes; they are written with one ZADD at the end.
 local held, add, counts = {}, {}, nil
-for first = 6, #ARGV, 1000 do
+for first = 8, #ARGV, 1000 do
   local ids = {unpack(ARGV, first, math.min(first + 999, #ARGV))}
   local scores = redis.call('ZMSCORE', KEYS[1], unpack(ids))
   for i, lease in ipairs(ids) do
     if scores[i] then held[lease] = tonumber(scores[i]) end
   end
 end
--- leases per owner (the fair-share check), counted once when first needed, this call's leases included
+-- leases per owner (the fair-share check), read once when first needed, this call's leases included
 local function owner_counts()
   if counts == nil then
     counts = {}
-    for _, l in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
-      local o = owner_of(l)
-      counts[o] = (counts[o] or 0) + 1
-    end
+    local rows = redis.call('HGETALL', KEYS[9])
+    for i = 1, #rows, 2 do counts[rows[i]] = tonumber(rows[i + 1]) end
     for i = 2, #add, 2 do
       local o = owner_of(add[i])
       counts[o] = (counts[o] or 0) + 1
@@ -301,8 +332,16 @@ local function decide(lease)
   refuse(owner, by_concurrency <= cap)
   return 0
 end
-for i = 6, #ARGV do out[#out + 1] = decide(ARGV[i]) end
-if #add > 0 then redis.call('ZADD', KEYS[1], unpack(add)) end
+for i = 8, #ARGV do out[#out + 1] = decide(ARGV[i]) end
+if #add > 0 then
+  redis.call('ZADD', KEYS[1], unpack(add))
+  local per = {}
+  for i = 2, #add, 2 do
+    local o = owner_of(add[i])
+    per[o] = (per[o] or 0) + 1
+  end
+  for o, k in pairs(per) do count(KEYS[9], o, k) end
+end
 if arm == 'c' then redis.call('SET', KEYS[7], 'c')
 elseif arm and redis.call('GET', KEYS[7]) ~= 'c' then redis.call('SET', KEYS[7], 'b') end
 -- refusals older than the window no longer count: forget them
@@ -315,44 +354,45 @@ end
 return out
 """
 
-# KEYS: alive, running, armed, wake  ARGV: owner, ttl_ms  (server clock)
+# KEYS: alive, running, armed, wake, owners  ARGV: owner, ttl_ms  (server clock)
 # Reaps too (cheap when nothing expired): every producer heartbeats, so a dead producer's leases are freed, and
 # the waiters woken, within a heartbeat of their expiry even while every live producer waits for capacity.
 _HEARTBEAT = _LUA_REAP + """
-reap(KEYS[2], KEYS[1], KEYS[3], KEYS[4])
+reap(KEYS[2], KEYS[5], KEYS[1], KEYS[3], KEYS[4])
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 """
 
-# KEYS: running, rejected, done, armed, wake   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
-_RELEASE = _LUA_WAKE + """
+# KEYS: running, rejected, done, armed, wake, owners   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
+_RELEASE = LUA_WAKE + _LUA_LEASES + """
 if redis.call('EXISTS', KEYS[3]) == 1 then
   return {0, 1}
 end
-local live = redis.call('ZREM', KEYS[1], ARGV[1])
+local live = drop(KEYS[1], KEYS[6], {ARGV[1]})
 redis.call('INCR', KEYS[2])
 redis.call('SET', KEYS[3], '-', 'PX', ARGV[2])
 if live > 0 then wake(KEYS[4], KEYS[5], 'release', false) end
 return {live, 0}
 """
 
-# KEYS: running, armed, wake   ARGV: lease ids  -> leases that were live
-_ABANDON = _LUA_WAKE + """
-local n = 0
-for first = 1, #ARGV, 1000 do
-  n = n + redis.call('ZREM', KEYS[1], unpack(ARGV, first, math.min(first + 999, #ARGV)))
-end
+# KEYS: running, armed, wake, owners   ARGV: lease ids  -> leases that were live
+_ABANDON = LUA_WAKE + _LUA_LEASES + """
+local n = drop(KEYS[1], KEYS[4], ARGV)
 if n > 0 then wake(KEYS[2], KEYS[3], 'abandon', false) end
 return n
 """
 
-# KEYS: armed, wake. Queued last in a commit's MULTI (a small script, no payload through Lua).
-_COMMIT_WAKE = _LUA_WAKE + """
-wake(KEYS[1], KEYS[2], 'commit', true)
+# KEYS: running, owners, armed, wake  ARGV: lease ids -> leases that were live. Queued first in a commit's MULTI
+# (a small script, no payload through Lua): drop the leases, counted off their owners, and wake the waiters if
+# the concurrency limit refused them.
+_COMMIT_LEASES = LUA_WAKE + _LUA_LEASES + """
+local n = drop(KEYS[1], KEYS[2], ARGV)
+wake(KEYS[3], KEYS[4], 'commit', true)
+return n
 """
 
-# KEYS: running, accepted, version, rejected, alive, armed, wake  -> {running, accepted, version, rejected}
+# KEYS: running, accepted, version, rejected, alive, armed, wake, owners  -> {running, accepted, version, rejected}
 _PEEK = _LUA_REAP + """
-reap(KEYS[1], KEYS[5], KEYS[6], KEYS[7])
+reap(KEYS[1], KEYS[8], KEYS[5], KEYS[6], KEYS[7])
 return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'),
         tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
@@ -400,10 +440,10 @@ redis.call('SET', KEYS[1], tonumber(ARGV[1]) + backlog)
 return {backlog, counted}
 """
 
-# KEYS: running, alive, armed, wake  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
+# KEYS: running, alive, armed, wake, owners  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
 # (an expired lease is not revived: its capacity may already be someone else's)
 _RENEW = _LUA_REAP + """
-reap(KEYS[1], KEYS[2], KEYS[3], KEYS[4])
+reap(KEYS[1], KEYS[5], KEYS[2], KEYS[3], KEYS[4])
 local n = 0
 for i = 2, #ARGV do
   if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
@@ -426,6 +466,9 @@ class AdmissionState:
     version: int
     rejected: int = 0  # filled by snapshot()
     run_finished: bool = False  # the trainer marked the run finished: no more leases, stop producing
+    # refused because the budget (η + v + 1)·B is used up: a commit frees none of it (only a release, an
+    # abandon, an expiry, a stale drop or a version bump do, and each of those wakes the waiters)
+    budget_full: bool = False
 
 
 @dataclass(frozen=True)
@@ -465,6 +508,9 @@ class Admission:
         # lease -> entry id of the groups this object committed (a repeated commit answers with it; the
         # done markers in Redis say "1": writing each id there took one more command per group)
         self._entry_ids: dict[str, Any] = {}
+        # time.monotonic() when a call that refreshed this process's liveness record was sent (a heartbeat, or an
+        # acquisition of its own leases that found the record): the next heartbeat is due HEARTBEAT_SECS later
+        self._alive_at = float("-inf")
 
     @classmethod
     def from_config(cls, client: Any, keys: Keys, cfg: Any, producer_id: str | None = None) -> Any:
@@ -479,12 +525,16 @@ class Admission:
 
     def _acquire(self, lease_ids: list[str], own_ids: bool) -> Plan:
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting,
-                self.keys.admit_alive, self.keys.run, self.keys.admit_armed, self.keys.admit_wake]
+                self.keys.admit_alive, self.keys.run, self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners]
+        sent = time.monotonic()
         res = yield from script(_ACQUIRE, keys, [self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent,
-                                                 WAIT_WINDOW_MS, *lease_ids])
-        running, accepted, version, finished = (int(x) for x in res[:4])
+                                                 WAIT_WINDOW_MS, lease_owner() if own_ids else "", ALIVE_TTL_MS,
+                                                 *lease_ids])
+        running, accepted, version, finished, refreshed = (int(x) for x in res[:5])
+        if refreshed:
+            self._alive_at = max(self._alive_at, sent)
         out: list[tuple[AdmissionState, Lease | None]] = []
-        for lid, code in zip(lease_ids, res[4:]):
+        for lid, code in zip(lease_ids, res[5:]):
             code = int(code)  # the script's decision: expiry (taken now), -expiry (held already), 0 (refused)
             if finished:
                 out.append((AdmissionState(False, 0, running, accepted, version, run_finished=True), None))
@@ -498,7 +548,8 @@ class Admission:
             elif code < 0:
                 out.append((AdmissionState(True, cap, running, accepted, version), Lease(lid, -code)))
             else:
-                out.append((AdmissionState(False, cap, running, accepted, version), None))
+                full = budget(self.eta, version, self.batch) - (accepted + running) <= 0
+                out.append((AdmissionState(False, cap, running, accepted, version, budget_full=full), None))
         return out
 
     @operation
@@ -515,11 +566,13 @@ class Admission:
     # ------------------------------------------------------------------ finishing
 
     def _commit_calls(self, items: list[tuple[str, dict[str, Any]]]) -> list[Call]:
-        """The commands of committing `items` in one transaction: one ZREM of their leases (its reply: how many
-        were still live), the accepted count(s), then per item its XADD and its done marker (`_HEAD` + 2i)."""
+        """The commands of committing `items` in one transaction: one script dropping their leases and waking the
+        waiters if the concurrency limit refused them (`_COMMIT_LEASES`; its reply: how many leases were still
+        live), the accepted count(s), then per item its XADD and its done marker (`_HEAD` + 2i)."""
         k = self.keys
         n = len(items)
-        calls = [Call("execute_command", "ZREM", k.admit_running, *(lid for lid, _ in items)),
+        calls = [Call("execute_command", "EVAL", _COMMIT_LEASES, 4, k.admit_running, k.admit_owners, k.admit_armed,
+                      k.admit_wake, *(lid for lid, _ in items)),
                  # INCR for one (what a producer commits) needs no other ACL than before
                  Call("execute_command", "INCR", k.admit_accepted) if n == 1 else
                  Call("execute_command", "INCRBY", k.admit_accepted, n)]
@@ -528,8 +581,6 @@ class Admission:
         for lid, fields in items:
             calls.append(Call("execute_command", "XADD", k.traj, "*", *(x for kv in fields.items() for x in kv)))
             calls.append(Call("execute_command", "SET", k.admit_done(lid), "1", "PX", DONE_TTL_MS))
-        # last: wake the refused producers if the concurrency limit was what refused them
-        calls.append(Call("execute_command", "EVAL", _COMMIT_WAKE, 2, k.admit_armed, k.admit_wake))
         return calls
 
     @operation
@@ -609,7 +660,8 @@ class Admission:
         """Drop the lease of a rejected rollout (counted as rejected, once)."""
         _untried.discard(lease_id)  # its marker ('-') now exists: a commit must read it
         yield from script(_RELEASE, [self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id),
-                                     self.keys.admit_armed, self.keys.admit_wake], [lease_id, DONE_TTL_MS])
+                                     self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners],
+                          [lease_id, DONE_TTL_MS])
 
     @operation
     def abandon(self, lease_ids: list[str]) -> Plan:
@@ -617,8 +669,8 @@ class Admission:
         _untried.difference_update(lease_ids)
         if not lease_ids:
             return 0
-        return int((yield from script(_ABANDON, [self.keys.admit_running, self.keys.admit_armed, self.keys.admit_wake],
-                                      lease_ids)))
+        return int((yield from script(_ABANDON, [self.keys.admit_running, self.keys.admit_armed, self.keys.admit_wake,
+                                                 self.keys.admit_owners], lease_ids)))
 
     @operation
     def renew(self, lease_ids: list[str]) -> Plan:
@@ -626,16 +678,27 @@ class Admission:
         if not lease_ids:
             return 0
         return int((yield from script(_RENEW, [self.keys.admit_running, self.keys.admit_alive, self.keys.admit_armed,
-                                               self.keys.admit_wake], [self.lease_ttl_ms, *lease_ids])))
+                                               self.keys.admit_wake, self.keys.admit_owners],
+                                      [self.lease_ttl_ms, *lease_ids])))
+
+    def heartbeat_due(self, period: float = HEARTBEAT_SECS) -> float:
+        """Seconds until this process's next heartbeat is due: `period` after its liveness record was last
+        refreshed (by a heartbeat or by an acquisition of its own leases: a busy producer heartbeats rarely)."""
+        return self._alive_at + period - time.monotonic()
 
     @operation
     def heartbeat(self, owner: str | None = None) -> Plan:
-        """Mark this producer process alive for `ALIVE_TTL_MS` (call every `HEARTBEAT_SECS`).
+        """Mark this producer process alive for `ALIVE_TTL_MS` (call when `heartbeat_due()` says so, at least
+        every `HEARTBEAT_SECS`).
 
-        From the first heartbeat on, its leases live only as long as its record does. The record
-        is left to expire on exit: any lease a crash left behind goes with it."""
+        From the first heartbeat on, its leases live only as long as its record does, and each acquisition
+        of its own leases refreshes the record too. The record is left to expire on exit: any lease a crash
+        left behind goes with it."""
+        sent = time.monotonic()
         yield from script(_HEARTBEAT, [self.keys.admit_alive, self.keys.admit_running, self.keys.admit_armed,
-                                       self.keys.admit_wake], [owner or lease_owner(), ALIVE_TTL_MS])
+                                       self.keys.admit_wake, self.keys.admit_owners], [owner or lease_owner(), ALIVE_TTL_MS])
+        if owner is None or owner == lease_owner():
+            self._alive_at = max(self._alive_at, sent)
 
     # ------------------------------------------------------------------ recovery and inspection
 
@@ -657,7 +720,7 @@ class Admission:
     def snapshot(self) -> Plan:
         """Current running/accepted/version/rejected and remaining capacity (takes no lease)."""
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected,
-                self.keys.admit_alive, self.keys.admit_armed, self.keys.admit_wake]
+                self.keys.admit_alive, self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners]
         running, accepted, version, rejected = (int(x) for x in (yield from script(_PEEK, keys, [])))
         cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
         return AdmissionState(cap > 0, cap, running, accepted, version, rejected)

@@ -58,6 +58,12 @@ class Keys:
         return self._k("admit:running")
 
     @property
+    def admit_owners(self) -> str:
+        """Hash: lease owner (producer process) -> how many leases it holds in `admit_running` (no field at 0).
+        Kept by the same scripts that add and drop leases, so the fair-share check reads it instead of every lease."""
+        return self._k("admit:owners")
+
+    @property
     def admit_waiting(self) -> str:
         """Sorted set: producers refused a lease lately (fair share), score = last refusal ms."""
         return self._k("admit:waiting")
@@ -145,7 +151,7 @@ class Keys:
     def all(self) -> list[str]:
         return [
             self.traj, self.version, self.trainer_version, self.events, self.admit_accepted,
-            self.admit_running, self.admit_waiting, self.admit_alive, self.admit_rejected, self.dead, self.dropped, self.steps,
+            self.admit_running, self.admit_owners, self.admit_waiting, self.admit_alive, self.admit_rejected, self.dead, self.dropped, self.steps,
             self.engines, self.service_changes(ENGINES_SERVICE), self.admit_wake, self.admit_armed, self.producers, self.meta, self.run, self.evals, self.eval_claim,
         ]
 

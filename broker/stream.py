@@ -18,6 +18,7 @@ from typing import Any, Iterable
 import redis
 from redis.exceptions import ResponseError
 
+from rlstream.broker.admission import LUA_WAKE
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.common.logging import get_logger
 from rlstream.common.wire import TrajectoryGroup, WireError, decode_many, encode_group
@@ -48,12 +49,16 @@ def entry_fields(group: TrajectoryGroup, payload: bytes | None = None) -> dict[s
     }
 
 
-# KEYS: traj, dropped, accepted   ARGV: group, id, reason, min_version, trainer_version, ts, give_back(0/1)
-_DROP_STALE = """
+# KEYS: traj, dropped, accepted, armed, wake   ARGV: group, id, reason, min_version, trainer_version, ts, give_back(0/1)
+# The slot given back wakes the producers a full budget refused (admission's wake-up: `LUA_WAKE`).
+_DROP_STALE = LUA_WAKE + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XADD', KEYS[2], '*', 'source_id', ARGV[2], 'reason', ARGV[3], 'min_version', ARGV[4],
            'trainer_version', ARGV[5], 'ts', ARGV[6])
-if ARGV[7] == '1' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then redis.call('DECR', KEYS[3]) end
+if ARGV[7] == '1' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
+  redis.call('DECR', KEYS[3])
+  wake(KEYS[4], KEYS[5], 'dropped', false)
+end
 return 1
 """
 
@@ -229,7 +234,7 @@ class TrajectoryStream:
         XACK result, makes the three steps atomic and safe to retry after a lost reply.
         """
         self._drop_script(
-            keys=[self.keys.traj, self.keys.dropped, self.keys.admit_accepted],
+            keys=[self.keys.traj, self.keys.dropped, self.keys.admit_accepted, self.keys.admit_armed, self.keys.admit_wake],
             args=[self.group, entry.id, reason, entry.min_version, trainer_version, time.time(),
                   1 if self.group == TRAIN_GROUP else 0],
         )

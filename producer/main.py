@@ -2,16 +2,21 @@
 
 Before every rollout the producer takes a lease from the broker's global admission
 controller (one atomic Lua script shared by all producers), so the number of groups in
-flight or accepted never runs past `(η + v + 1)·B` nor `max_concurrent_rollouts`. A
+flight or accepted never runs past `(η + v + 1)·B` nor `max_concurrent_rollouts`. It asks
+for leases in batches (`try_acquire_many`, each lease decided as by its own call): one,
+doubling while all are granted up to `ADMIT_BATCH_MAX`, one again after a refusal, so the
+burst of slots a version bump frees costs a few script calls per producer, not one per slot. A
 finished group is committed (lease dropped, counted, XADDed: one script) if it passes
 `should_accept`, released (counted as rejected) if not, and abandoned (lease dropped)
 if its rollout failed. Leases of long rollouts are renewed in the background — also
 while requests wait for an engine to appear — so only a dead producer's leases expire.
-A liveness heartbeat (`broker.admission.HEARTBEAT_SECS`) ties the leases to this process:
+A liveness heartbeat (`broker.admission.HEARTBEAT_SECS` after the record was last refreshed;
+each acquisition refreshes it too) ties the leases to this process:
 once it stops (SIGKILL, a lost machine) its leases are freed within ~10 s, whatever
 `rollout.lease_ttl` says.
 
-When admission says no the producer sleeps until one of its own rollouts finishes, a
+When admission says no the producer sleeps until one of its own rollouts finishes (unless
+the budget refused it and that rollout was committed: a commit frees none of the budget), a
 version event arrives, or another producer's lease is released, abandoned or expires (or,
 when the concurrency limit refused, committed): the admission scripts then append to the
 wake stream `{ns}:admit:wake`, which the producer follows in the same XREAD as `{ns}:events`
@@ -41,7 +46,7 @@ from typing import Any
 
 import msgspec
 
-from rlstream.broker.admission import ADMIT_FALLBACK_SECS
+from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS
 from rlstream.broker.connection import BrokerError
 from rlstream.broker.versions import RUN_FINISHED
 from rlstream.common.config import Config
@@ -89,6 +94,7 @@ class Producer:
         self.finished = 0
         self.out_tokens = 0
         self.last_state: Any = None
+        self._budget_full = False  # the admit loop waits after a refusal because the budget is used up
         self.version = 0
 
     # ------------------------------------------------------------------ setup
@@ -185,11 +191,16 @@ class Producer:
         from rlstream.broker.admission import HEARTBEAT_SECS
 
         while True:
-            await asyncio.sleep(HEARTBEAT_SECS)
+            # due HEARTBEAT_SECS after the record was last refreshed: a producer that keeps acquiring leases
+            # refreshes it with each acquisition and heartbeats only when it has been quiet that long
+            await asyncio.sleep(max(0.05, self.admission.heartbeat_due()))
+            if self.admission.heartbeat_due() > 0:
+                continue
             try:
                 await self.admission.heartbeat()
             except Exception as exc:  # noqa: BLE001 - retried next period; 3 may be missed
                 log.warning("liveness heartbeat failed: %s", exc)
+                await asyncio.sleep(HEARTBEAT_SECS)
 
     async def _follow_events(self, since: tuple[Any, Any]) -> None:
         async for ev in self.versions.follow(wakeups=True, since=since):
@@ -263,6 +274,7 @@ class Producer:
 
     # ------------------------------------------------------------------ rollouts
     async def _rollout(self, lease_id: str, item: Any) -> None:
+        committed = False
         try:
             try:
                 group = await self.workflow.arun_episode(self.engine, item)
@@ -276,7 +288,7 @@ class Producer:
                 return
             fin = asyncio.ensure_future(self._finish(lease_id, group))
             try:
-                await asyncio.shield(fin)
+                committed = await asyncio.shield(fin)
             except asyncio.CancelledError:
                 # A forced stop while committing: let the (atomic) commit land first.
                 with contextlib.suppress(Exception):
@@ -292,17 +304,21 @@ class Producer:
                 await self.admission.abandon([lease_id])
         finally:
             self.inflight.pop(lease_id, None)
-            self._wake.set()
+            # Ask again, unless the loop waits because the budget is used up: a commit frees none of it
+            # (accepted + running stays), and whatever does (a release, an abandon, an expiry, a stale drop, a
+            # version bump) wakes the waiters through Redis.
+            if not (committed and self._budget_full):
+                self._wake.set()
 
-    async def _finish(self, lease_id: str, group: TrajectoryGroup | None) -> None:
-        """Commit, release or abandon one finished rollout's lease."""
+    async def _finish(self, lease_id: str, group: TrajectoryGroup | None) -> bool:
+        """Commit, release or abandon one finished rollout's lease; True iff it was committed."""
         from rlstream.broker.stream import entry_fields
 
         self.finished += 1
         if group is None:
             self.rejected += 1
             await self.admission.release(lease_id)
-            return
+            return False
         if not group.producer_id:
             group.producer_id = self.producer_id
         self.out_tokens += sum(t.output_len for t in group.trajectories)
@@ -313,13 +329,14 @@ class Producer:
                 self.failed += 1
                 log.error("workflow produced an invalid group for prompt %s: %s", group.prompt_id, exc)
                 await self.admission.abandon([lease_id])
-                return
+                return False
         if should_accept(self.cfg, group):
             await self.admission.commit(lease_id, entry_fields(group))
             self.accepted += 1
-        else:
-            self.rejected += 1
-            await self.admission.release(lease_id)
+            return True
+        self.rejected += 1
+        await self.admission.release(lease_id)
+        return False
 
     async def _wait_wake(self, timeout: float) -> None:
         """Wait for a wake-up set since the loop last cleared it (before it asked: none is lost in between)."""
@@ -328,8 +345,11 @@ class Producer:
 
     async def _admit_loop(self) -> None:
         max_groups = self.cfg.producer.max_groups
+        ask = 1  # leases asked for in one call (see ADMIT_BATCH_MAX)
         while self.stop_reason is None:
             self._wake.clear()
+            self._budget_full = False  # set again only by a refusal because the budget is used up
+            n = ask
             if max_groups is not None:
                 if self.accepted >= max_groups:
                     self.request_stop(f"producer.max_groups={max_groups} groups accepted")
@@ -337,23 +357,31 @@ class Producer:
                 if self.accepted + len(self.inflight) >= max_groups:
                     await self._wait_wake(ADMIT_FALLBACK_SECS)  # enough in flight; admit more only if some are rejected
                     continue
-            st, lease = await self.admission.try_acquire()
+                n = min(n, max_groups - self.accepted - len(self.inflight))
+            decisions = await self.admission.try_acquire_many(n)
+            refused = [st for st, lease in decisions if lease is None]
+            st = refused[0] if refused else decisions[-1][0]
             self.last_state = st
             if st.run_finished:
                 self.request_stop(f"the run is finished ({self.keys.run})")
                 break
             self.version = max(self.version, st.version)
-            if lease is None:
+            leases = [lease for _, lease in decisions if lease is not None]
+            for i, lease in enumerate(leases):
+                item = await self.cursor.next()
+                if item is None:
+                    await self.admission.abandon([held.lease_id for held in leases[i:]])
+                    self.exhausted = True
+                    self.request_stop(f"dataset exhausted ({self.cfg.data_epochs} epoch(s) handed out)")
+                    break
+                self.inflight[lease.lease_id] = asyncio.create_task(self._rollout(lease.lease_id, item),
+                                                                    name=f"rollout:{item.prompt_id}")
+            if refused:
+                ask = 1
+                self._budget_full = st.budget_full
                 await self._wait_wake(ADMIT_FALLBACK_SECS)
-                continue
-            item = await self.cursor.next()
-            if item is None:
-                await self.admission.abandon([lease.lease_id])
-                self.exhausted = True
-                self.request_stop(f"dataset exhausted ({self.cfg.data_epochs} epoch(s) handed out)")
-                break
-            self.inflight[lease.lease_id] = asyncio.create_task(self._rollout(lease.lease_id, item),
-                                                                name=f"rollout:{item.prompt_id}")
+            else:
+                ask = min(2 * ask, ADMIT_BATCH_MAX)
 
     async def _drain(self) -> None:
         """Let in-flight rollouts finish (until the grace time or a forced stop), release the rest."""

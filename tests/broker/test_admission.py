@@ -79,6 +79,15 @@ HOLDER = textwrap.dedent("""
 """)
 
 
+def held_per_owner(rclient, keys) -> tuple[dict[str, int], dict[str, int]]:
+    """(the truth: leases in `admit:running` per owner, what `admit:owners` says)."""
+    truth: dict[str, int] = {}
+    for lease in rclient.zrange(keys.admit_running, 0, -1):
+        owner = lease.decode().rsplit("-", 1)[0]
+        truth[owner] = truth.get(owner, 0) + 1
+    return truth, {k.decode(): int(v) for k, v in rclient.hgetall(keys.admit_owners).items()}
+
+
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -124,6 +133,7 @@ def test_racing_producer_processes_never_exceed_the_budget(redis_url, rclient, k
     assert rclient.xlen(keys.traj) == total
     assert snap.rejected == released
     assert snap.running == 0 and snap.capacity == 0
+    assert held_per_owner(rclient, keys) == ({}, {})  # every count went back to nothing with its leases
     # the budget really was contended: refusals beyond the one each worker ends with
     assert sum(r["denied"] for r in results) > n_workers
 
@@ -147,6 +157,7 @@ def test_crashed_producer_leases_expire(redis_url, rclient, keys):
             time.sleep(0.1)
         after = adm.snapshot()
         assert after.running == 0 and after.capacity == 4 and after.accepted == 0
+        assert held_per_owner(rclient, keys) == ({}, {})  # the expired leases were counted off their owner
         st, lease = adm.try_acquire()  # the capacity is usable again
         assert st.admitted and lease is not None
     finally:
@@ -309,6 +320,7 @@ def test_a_waiting_producer_gets_its_fair_share(rclient, keys, monkeypatch):
     assert lease is None and st.capacity == 1  # B holds its share; A (refused above) waits
     assert adm.try_acquire("A-5")[1] is not None
     assert sorted(m.decode() for m in rclient.zrange(keys.admit_running, 0, -1)) == ["A-3", "A-5", "B-0", "B-1"]
+    assert held_per_owner(rclient, keys) == ({"A": 2, "B": 2}, {"A": 2, "B": 2})
 
     # A waiter that stopped asking stops counting after the window: B may take every free slot.
     monkeypatch.setattr(admission, "WAIT_WINDOW_MS", 300)
@@ -316,6 +328,52 @@ def test_a_waiting_producer_gets_its_fair_share(rclient, keys, monkeypatch):
     time.sleep(0.4)
     assert [lease is not None for _, lease in (adm.try_acquire(f"B-{i}") for i in (3, 4))] == [True, True]
     assert adm.snapshot().running == 4
+
+
+def test_the_per_owner_lease_counts_stay_the_truth(rclient, keys, group_factory):
+    """`admit:owners` (what the fair-share check reads instead of every lease) equals the leases held per owner
+    through acquire, a retried acquire, commit (first, repeated, batched), release (twice), abandon (with an id
+    never held), expiry (reaped by a heartbeat), a commit after expiry, and an owner whose liveness record expired."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                              max_concurrent_rollouts=100)
+    short = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                                max_concurrent_rollouts=100, lease_ttl=0.3)
+
+    def check(expected: dict[str, int]) -> None:
+        assert held_per_owner(rclient, keys) == (expected, expected)
+
+    assert all(adm.try_acquire(f"A-{i}")[1] for i in range(4)) and all(adm.try_acquire(f"B-{i}")[1] for i in range(2))
+    assert adm.try_acquire("A-0")[1] is not None  # a retry whose reply was lost: held already, not counted again
+    check({"A": 4, "B": 2})
+    mine = [lease for _, lease in adm.try_acquire_many(3)]
+    me = mine[0].lease_id.rsplit("-", 1)[0]
+    check({"A": 4, "B": 2, me: 3})
+    fields = entry_fields(group_factory())
+    adm.commit("A-0", fields)
+    adm.commit("A-0", fields)  # repeated: the marker says so, nothing dropped twice
+    check({"A": 3, "B": 2, me: 3})
+    adm.commit_many([("A-0", fields), ("A-1", fields)] + [(lease.lease_id, fields) for lease in mine])
+    check({"A": 2, "B": 2})
+    adm.release("B-0")
+    adm.release("B-0")
+    check({"A": 2, "B": 1})
+    assert adm.abandon(["A-2", "A-2", "never-0"]) == 1
+    check({"A": 1, "B": 1})
+    assert all(short.try_acquire(f"C-{i}")[1] for i in range(2)) and short.try_acquire("E-0")[1]
+    check({"A": 1, "B": 1, "C": 2, "E": 1})
+    time.sleep(0.5)
+    adm.heartbeat("someone")  # reaps the expired leases
+    check({"A": 1, "B": 1})
+    adm.commit("E-0", fields)  # its lease expired before: written anyway, nothing counted off twice
+    check({"A": 1, "B": 1})
+    assert all(adm.try_acquire(f"D-{i}")[1] for i in range(2))
+    rclient.zadd(keys.admit_alive, {"D": 1})  # D's liveness record expired long ago: D died
+    assert adm.snapshot().running == 2
+    check({"A": 1, "B": 1})
+    adm.abandon(["A-3"])
+    adm.release("B-1")
+    check({})
+    assert rclient.exists(keys.admit_owners) == 0
 
 
 def test_try_acquire_many_respects_the_budget(rclient, keys):
@@ -381,9 +439,10 @@ def test_a_first_commit_is_one_transaction_and_a_retry_reads_the_markers_under_w
         client.config_resetstat()
         ids = adm.commit_many(items)
         calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
-        # + the wake-up check queued last (a small script: GET of the armed flag; nobody was refused)
-        assert calls == {"config|resetstat": 1, "multi": 1, "zrem": 1, "incrby": 1, "xadd": 3, "set": 3, "eval": 1,
-                         "get": 1, "exec": 1}
+        # the leases dropped by a small script (a ZREM each, their owner's count, the wake-up check: GET of the
+        # armed flag; nobody was refused)
+        assert calls == {"config|resetstat": 1, "multi": 1, "eval": 1, "zrem": 3, "hincrby": 1, "hdel": 1, "get": 1,
+                         "incrby": 1, "xadd": 3, "set": 3, "exec": 1}
         client.config_resetstat()
         assert adm.commit_many(items[:1]) == ids[:1]  # repeated: the marker says so, nothing written
         calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
@@ -608,3 +667,64 @@ def test_an_expired_lease_wakes_the_waiters_at_the_next_heartbeat(rclient, keys)
         adm.heartbeat("C")
     assert [f[b"w"] for _, f in rclient.xrange(keys.admit_wake)] == [b"expired"]
     assert adm.snapshot().running == 0
+
+
+def test_an_acquisition_of_its_own_leases_refreshes_the_liveness_record(rclient, keys):
+    """A producer that keeps acquiring need not heartbeat too: each acquisition of its own leases pushes its
+    record's expiry as a heartbeat does (and says so: `heartbeat_due`); an owner without a record gets none."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                              max_concurrent_rollouts=100)
+    owner = admission.lease_owner()
+    assert adm.heartbeat_due() < 0  # never heartbeated: due now
+    assert adm.try_acquire()[1] is not None
+    assert rclient.zscore(keys.admit_alive, owner) is None and adm.heartbeat_due() < 0  # XX: no record made
+    adm.heartbeat()
+    first = rclient.zscore(keys.admit_alive, owner)
+    assert 0 < adm.heartbeat_due() <= admission.HEARTBEAT_SECS
+    time.sleep(0.05)
+    assert adm.try_acquire()[1] is not None
+    assert rclient.zscore(keys.admit_alive, owner) > first  # refreshed by the acquisition
+    assert admission.HEARTBEAT_SECS - 0.05 < adm.heartbeat_due() <= admission.HEARTBEAT_SECS
+    other = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                                max_concurrent_rollouts=100)
+    refreshed = rclient.zscore(keys.admit_alive, owner)
+    time.sleep(0.05)
+    assert other.try_acquire("tool-0")[1] is not None  # a lease id of the caller's making: no owner refreshed
+    assert rclient.zscore(keys.admit_alive, owner) == refreshed and other.heartbeat_due() < 0
+    assert rclient.zscore(keys.admit_alive, "tool") is None
+
+
+def test_a_refusal_says_whether_the_budget_is_used_up(rclient, keys):
+    """`budget_full`: refused because (η + v + 1)·B is used up (a commit frees none of it), not by the
+    concurrency limit or the fair share (which a commit can lift)."""
+    full = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2,
+                               max_concurrent_rollouts=10)
+    assert all(full.try_acquire(f"A-{i}")[1] for i in range(2))
+    st, lease = full.try_acquire("B-0")
+    assert lease is None and st.budget_full
+    conc = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=2,
+                               max_concurrent_rollouts=2)
+    st, lease = conc.try_acquire("B-1")
+    assert lease is None and st.capacity == 0 and not st.budget_full
+    fair = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=2,
+                               max_concurrent_rollouts=4)
+    assert fair.try_acquire("C-0")[1] is not None  # B waits: A (2 of 3 usable slots' share 2) is refused
+    st, lease = fair.try_acquire("A-2")
+    assert lease is None and st.capacity > 0 and not st.budget_full
+
+
+def test_a_stale_drop_wakes_the_producers_a_full_budget_refused(rclient, keys, group_factory):
+    """The slot a stale drop gives back reaches the waiters as a wake-up (producers do not re-ask after a
+    commit of their own while the budget is used up)."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=1,
+                              max_concurrent_rollouts=10)
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    _, lease = adm.try_acquire("A-0")
+    adm.commit(lease.lease_id, entry_fields(group_factory()))
+    st, refused = adm.try_acquire("B-0")
+    assert refused is None and st.budget_full and rclient.get(keys.admit_armed) == b"b"
+    [entry] = stream.read("c", count=1, block_ms=100)
+    stream.drop_stale(entry, trainer_version=5, reason="test")
+    assert [f[b"w"] for _, f in rclient.xrange(keys.admit_wake)] == [b"dropped"]
+    assert rclient.get(keys.admit_armed) == b"-" and adm.try_acquire("B-0")[1] is not None  # the slot is back

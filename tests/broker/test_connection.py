@@ -23,6 +23,7 @@ from rlstream.broker import (
     connect_async,
     namespace,
 )
+from rlstream.broker.plan import Call, Transaction, one, run
 from rlstream.broker.stream import entry_fields
 from rlstream.common.config import RedisConfig
 from tests.helpers import free_port
@@ -173,6 +174,11 @@ def test_tls_and_mutual_tls(redis_factory, tmp_path):
     url = f"rediss://127.0.0.1:{server.port}/0"
     client = connect(RedisConfig(url=url, ssl_ca_certs=certs["ca.crt"]))
     assert client.set("tls", 1) and client.get("tls") == b"1"
+    # a commit's transaction over TLS (no sendmsg there: redis-py's send), large value and all
+    big = bytes(range(256)) * 1000
+    assert run(client, one(Transaction([], [Call("execute_command", "SET", "tls-big", big),
+                                            Call("execute_command", "INCR", "tls")]))) == [b"OK", 2]
+    assert client.get("tls-big") == big
     client.close()
     # wrong scheme for a TLS port, and an unknown CA: one line each, with a hint
     with pytest.raises(BrokerUnavailable, match="try rediss://"):

@@ -32,3 +32,35 @@ def test_a_transaction_of_packed_commands_runs(rclient, keys):
     (eid, fields), = rclient.xrange(keys.traj)
     assert eid == replies[0] and fields == {b"d": BIG, b"v": b"1"}
     assert rclient.get(keys.admit_done("x")) == BIG[:10]
+
+
+def test_a_transaction_larger_than_the_socket_buffer_and_iov_max_arrives_byte_for_byte(rclient, keys):
+    """One commit sent with sendmsg: partial sends (8 MB, far above the socket buffer) and more buffers than
+    one sendmsg takes (plan._IOV_MAX) are resumed where they stopped; Redis gets every byte in order."""
+    from rlstream.broker import plan
+
+    n = plan._IOV_MAX  # each value is a buffer of its own, plus the small parts between them: > _IOV_MAX buffers
+    values = [bytes([i % 251]) * (16 * 1024 + i) for i in range(n)]
+    calls = [Call("execute_command", "XADD", keys.traj, "*", "d", v, "i", i) for i, v in enumerate(values)]
+    assert len(pack([("MULTI",), *(c.args for c in calls), ("EXEC",)])) > plan._IOV_MAX
+    ids = run(rclient, one(Transaction([], calls)))
+    got = rclient.xrange(keys.traj)
+    assert [eid for eid, _ in got] == ids
+    assert [f for _, f in got] == [{b"d": v, b"i": str(i).encode()} for i, v in enumerate(values)]
+    assert rclient.ping()  # the connection is in step after it
+
+
+def test_a_transaction_on_a_dead_connection_raises_connection_error(redis_factory, keys):
+    """A send that fails (server gone) raises redis' ConnectionError, which a commit treats as an unknown
+    outcome (it re-reads the done markers), and the connection is dropped, not reused half-written."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from rlstream.broker import connect
+
+    server = redis_factory()
+    client = connect(server.url, retries=0)
+    assert client.ping()
+    server.stop()
+    calls = [Call("execute_command", "XADD", keys.traj, "*", "d", BIG * 40)]  # 4 MB: more than a socket buffer
+    with pytest.raises(RedisConnectionError):
+        run(client, one(Transaction([], calls)))

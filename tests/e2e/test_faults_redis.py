@@ -401,6 +401,8 @@ def test_commit_whose_reply_is_lost_in_a_stall_is_applied_once(redis_factory, ex
     import redis.asyncio.connection as aconn
     import redis.connection as sconn
 
+    from rlstream.broker import plan
+
     server = redis_factory()
     keys = Keys(namespace(experiment, "lost-reply"))
     g = group_factory()
@@ -442,6 +444,14 @@ def test_commit_whose_reply_is_lost_in_a_stall_is_applied_once(redis_factory, ex
             return real_sync(self, command, check_health)
 
         monkeypatch.setattr(sconn.AbstractConnection, "send_packed_command", send_sync)
+        # a commit on a plain sync socket is written with one sendmsg (plan.send_buffers), not send_packed_command
+        real_send_buffers = plan.send_buffers
+
+        def send_buffers(conn, bufs):
+            freeze_if_commit(bufs)
+            return real_send_buffers(conn, bufs)
+
+        monkeypatch.setattr(plan, "send_buffers", send_buffers)
         client = connect(cfg)
         adm = AdmissionController(client, keys, **ADMISSION)
         _, lease = adm.try_acquire()

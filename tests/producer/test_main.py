@@ -174,6 +174,45 @@ def test_three_producers_never_exceed_the_staleness_budget(shared_engine, produc
     assert adm.snapshot().running == 0
 
 
+async def test_a_refused_producer_is_woken_by_a_release_not_its_fallback(shared_engine, data, tiny_model_path,
+                                                                       redis_url, experiment, rclient, monkeypatch):
+    """The `Producer` loop's own wake path: its one slot is held by another producer, it is refused and waits;
+    the fallback is an hour, so only the wake-up that the other's release writes (read by the producer's event
+    follower in the same XREAD as the version events) can let it commit its group before the deadline."""
+    from rlstream.common.config import load_config
+    from rlstream.common.models import resolve_model_paths
+    from rlstream.producer import main as producer_main
+
+    monkeypatch.setattr(producer_main, "ADMIT_FALLBACK_SECS", 3600.0)
+    keys = ns_keys(experiment)
+    # eta = 0, B = 1: one group may be admitted before the trainer's first step; `other` holds it
+    other = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=1,
+                                max_concurrent_rollouts=4)
+    assert other.try_acquire("other-0")[1] is not None
+    cfg = resolve_model_paths(load_config(None, producer_overrides(
+        tiny_model_path, redis_url, experiment, data, f"rollout.engine_addresses=[{shared_engine.address}]",
+        "producer.producer_id=waiter", "producer.max_groups=1", "rollout.max_head_offpolicyness=0",
+        "rollout.consumer_batch_size=1", "rollout.max_concurrent_rollouts=4")))
+    run = asyncio.create_task(producer_main.Producer(cfg).run())
+    try:
+        deadline = time.monotonic() + 120
+        while rclient.get(keys.admit_armed) != b"b":  # refused: the refusal armed the wake-up
+            assert not run.done(), run.result()
+            assert time.monotonic() < deadline, "the producer was never refused"
+            await asyncio.sleep(0.05)
+        assert rclient.xlen(keys.traj) == 0 and rclient.xlen(keys.admit_wake) == 0
+        other.release("other-0")
+        assert await asyncio.wait_for(run, 120) == 0  # max_groups=1 reached: it stops by itself
+    finally:
+        if not run.done():
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+    groups = stream_groups(rclient, keys)
+    assert [g.producer_id for g in groups] == ["waiter"]
+    assert rclient.xlen(keys.admit_wake) == 1  # the release's one wake-up entry
+    assert other.snapshot().running == 0 and other.snapshot().accepted == 1
+
+
 def test_sigterm_finishes_or_releases_in_flight_rollouts(shared_engine, producers, data, tiny_model_path,
                                                         redis_url, experiment, rclient):
     keys = ns_keys(experiment)
