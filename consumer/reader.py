@@ -195,8 +195,12 @@ class StepReader:
         last_log = t0
         cap = self.pool_cap if steps_left is None else min(self.pool_cap, self.need * max(steps_left, 1))
         while True:
-            if len(self._pool) < cap:  # what is there now, without waiting
-                self._pool += self.stream.read(self.consumer, count=cap - len(self._pool), block_ms=None)
+            # What is there now, without waiting. The cap bounds everything this step holds, the
+            # groups it already took included: counting the pool alone, the top-up after a blocking
+            # read could deliver more than the last step trains and leave them pending at the end.
+            room = cap - len(self._pool) - len(data.entries)
+            if room > 0:
+                self._pool += self.stream.read(self.consumer, count=room, block_ms=None)
             self._take(data, version)
             if len(data.entries) >= self.need:
                 break

@@ -124,3 +124,22 @@ def test_oldest_version_first_trains_late_commits_instead_of_dropping(rclient, k
     assert s1.ids == ids[1:3] and s1.n_dropped_stale == 0
     assert r.next(1, 4).ids == s1.ids  # what the uninterrupted reader takes next, too
     assert rclient.xlen(keys.dropped) == 0
+
+
+def test_the_last_step_leaves_nothing_delivered_but_untrained(rclient, keys):
+    """The run's last step reads no more than it trains, even when a stale drop makes it read again.
+
+    Before the fix the top-up after the blocking read counted only the pool, not the groups the
+    step had already taken: `d` below was delivered, never trained, and pending when the run ended
+    (seen in CI as compose-up's 'delivered but neither trained nor dropped')."""
+    stream = TrajectoryStream(rclient, keys)
+    stale, a, b, d = stream.append(_group(version=0)), *(stream.append(_group(version=3)) for _ in range(3))
+    r = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=1, block_ms=50)
+    r.resume(0, replay=True)
+    last = r.next(step=3, version=3, steps_left=1)
+    assert last.ids == [a, b] and last.n_dropped_stale == 1
+    assert [f[b"source_id"].decode() for _, f in rclient.xrange(keys.dropped)] == [stale]
+    pending = {p["message_id"].decode() for p in rclient.xpending_range(keys.traj, "train", "-", "+", 10)}
+    assert pending == {a, b}  # `d` is still undelivered: the next run (or a resume) reads it
+    info = next(g for g in rclient.xinfo_groups(keys.traj) if g["name"].decode() == "train")
+    assert info["last-delivered-id"].decode() == b
