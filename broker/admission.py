@@ -167,25 +167,34 @@ end
 """
 # `owner_of(lease)`: a lease's owner, its producer process, is its id up to the last `-` (see new_lease_id).
 # `{ns}:admit:owners` (owner -> leases it holds, no field at 0) follows every lease added or dropped, in the
-# same script: `count(owners, owner, k)` adds k; `drop(running, owners, leases)` ZREMs leases (held or not) and
-# counts the held ones off their owners, returning how many were held. The fair-share check reads that hash
+# same script: `count(owners, owner, k)` adds k, `count_all(owners, tally(...), sign)` does so per owner of a
+# list; `drop(running, owners, leases)` ZREMs leases (held or not) and counts the held ones off their owners,
+# returning how many were held. The fair-share check reads that hash
 # (one field per producer) instead of every running lease.
 _LUA_LEASES = """
 local function owner_of(lease) return string.match(lease, '^(.*)%-[^%-]*$') or lease end
 local function count(owners, owner, k)
   if redis.call('HINCRBY', owners, owner, k) <= 0 then redis.call('HDEL', owners, owner) end
 end
-local function drop(running, owners, leases)
-  local freed, per = 0, {}
-  for _, lease in ipairs(leases) do
-    if redis.call('ZREM', running, lease) == 1 then  -- an id given twice is dropped once
-      local o = owner_of(lease)
-      per[o] = (per[o] or 0) + 1
-      freed = freed + 1
-    end
+-- adds to `per` (owner -> n) the owners of list[from], list[from + by], ...
+local function tally(per, list, from, by)
+  for i = from, #list, by do
+    local o = owner_of(list[i])
+    per[o] = (per[o] or 0) + 1
   end
-  for o, k in pairs(per) do count(owners, o, -k) end
-  return freed
+  return per
+end
+local function count_all(owners, per, sign)
+  for o, k in pairs(per) do count(owners, o, sign * k) end
+end
+local function drop(running, owners, leases)
+  local gone = {}
+  for _, lease in ipairs(leases) do
+    -- an id given twice is dropped once
+    if redis.call('ZREM', running, lease) == 1 then gone[#gone + 1] = lease end
+  end
+  count_all(owners, tally({}, gone, 1, 1), -1)
+  return #gone
 end
 """
 _LUA_REAP = LUA_NOW_MS + LUA_WAKE + _LUA_LEASES + """
@@ -284,10 +293,7 @@ local function owner_counts()
     counts = {}
     local rows = redis.call('HGETALL', KEYS[9])
     for i = 1, #rows, 2 do counts[rows[i]] = tonumber(rows[i + 1]) end
-    for i = 2, #add, 2 do
-      local o = owner_of(add[i])
-      counts[o] = (counts[o] or 0) + 1
-    end
+    tally(counts, add, 2, 2)  -- `add` is ZADD's (expiry, lease) pairs
   end
   return counts
 end
@@ -335,12 +341,7 @@ end
 for i = 8, #ARGV do out[#out + 1] = decide(ARGV[i]) end
 if #add > 0 then
   redis.call('ZADD', KEYS[1], unpack(add))
-  local per = {}
-  for i = 2, #add, 2 do
-    local o = owner_of(add[i])
-    per[o] = (per[o] or 0) + 1
-  end
-  for o, k in pairs(per) do count(KEYS[9], o, k) end
+  count_all(KEYS[9], tally({}, add, 2, 2), 1)
 end
 if arm == 'c' then redis.call('SET', KEYS[7], 'c')
 elseif arm and redis.call('GET', KEYS[7]) ~= 'c' then redis.call('SET', KEYS[7], 'b') end
