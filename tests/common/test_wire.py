@@ -369,3 +369,26 @@ def test_many_groups_validated_together_match_each_alone(gs, garbage):
         else:
             assert not isinstance(res, WireError), res
             assert res[1] == alone[1] and encode_group(res[0]) == encode_group(alone[0])
+
+
+_F32_BITS = [0x0000_0000, 0x8000_0000, 0x0000_0001, 0x8000_0001, 0x38D1_B717, 0x38D1_B718, 0xB8D1_B717,  # +-0,
+             0x3F80_0000, 0xBF80_0000, 0x7F80_0000, 0xFF80_0000, 0x7FC0_0000, 0xFFC0_0000, 0x7F80_0001,  # +-denormal,
+             0xFF80_0001, 0x7F7F_FFFF, 0xFF7F_FFFF]  # ~1e-4 and its neighbour, +-1, +-inf, NaNs both signs, +-max
+
+
+@pytest.mark.parametrize("bits", _F32_BITS, ids=[f"{b:08x}" for b in _F32_BITS])
+@pytest.mark.parametrize("where", ["prompt", "model", "observation"])
+def test_logprob_edge_values_follow_the_per_position_rules(bits, where):
+    """The integer-bits logprob checks (int32/uint32 maxima of the float32 bits) accept exactly what the float
+    rules accept: +-0 on prompts and observations, finite and <= 1e-4 on model tokens (signed zeros, denormals,
+    the float32 next to 1e-4, infinities and NaNs of either sign), in a batch with a valid group beside it."""
+    t = _multi_turn()  # prompt 0-2 | model 3-4 | observation 5-6 | model 7-8
+    lp = t.logprobs_np.copy()
+    lp.view(np.uint32)[{"prompt": 1, "model": 4, "observation": 6}[where]] = bits
+    g = TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x",
+                        trajectories=[msgspec.structs.replace(t, logprobs=lp.tobytes())])
+    res = decode_many([encode_group(_group()), encode_group(g)])
+    assert not isinstance(res[0], WireError)
+    assert _rules_hold(g) == (not isinstance(res[1], WireError)), res[1]
+    if isinstance(res[1], WireError):
+        assert "logprobs" in str(res[1])
