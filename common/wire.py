@@ -224,6 +224,15 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, gc=False):
     def n_tokens(self) -> int:
         return sum(t.seq_len for t in self.trajectories)
 
+    def token_range(self) -> tuple[int, int]:
+        """(smallest, largest) token id of all trajectories: one join and two reductions, not two per
+        trajectory; (0, -1) without tokens."""
+        views = [t.input_ids for t in self.trajectories if len(t.input_ids)]
+        if not views:
+            return 0, -1
+        ids = _joined(views, _I32)
+        return int(ids.min()), int(ids.max())
+
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(TrajectoryGroup)

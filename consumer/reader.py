@@ -241,12 +241,15 @@ class StepReader:
             data.n_dropped_stale += 1
             return False
         if self.vocab_size is not None:
-            for i, t in enumerate(entry.group.trajectories):
-                tok = t.input_ids_np
-                if len(tok) and (int(tok.max()) >= self.vocab_size or int(tok.min()) < 0):
-                    self._dead_letter(entry.id, f"trajectory {i}: token id outside [0, {self.vocab_size}) "
-                                                f"of the trainer's model (max {int(tok.max())})")
-                    return False
+            low, high = entry.group.token_range()  # the whole group at once; per trajectory only to name it
+            if low < 0 or high >= self.vocab_size:
+                for i, t in enumerate(entry.group.trajectories):
+                    tok = t.input_ids_np
+                    if len(tok) and (int(tok.max()) >= self.vocab_size or int(tok.min()) < 0):
+                        self._dead_letter(entry.id, f"trajectory {i}: token id outside [0, {self.vocab_size}) "
+                                                    f"of the trainer's model (max {int(tok.max())}, "
+                                                    f"min {int(tok.min())})")
+                        return False
         return True
 
     def _dead_letter(self, entry_id: str, reason: str) -> None:

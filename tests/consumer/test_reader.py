@@ -143,3 +143,29 @@ def test_the_last_step_leaves_nothing_delivered_but_untrained(rclient, keys):
     assert pending == {a, b}  # `d` is still undelivered: the next run (or a resume) reads it
     info = next(g for g in rclient.xinfo_groups(keys.traj) if g["name"].decode() == "train")
     assert info["last-delivered-id"].decode() == b
+
+
+def test_token_ids_outside_the_vocab_are_dead_lettered_naming_the_trajectory(rclient, keys):
+    """The group-at-once vocab check (one join, min and max) dead-letters exactly the groups with a token id < 0
+    or >= vocab in any trajectory, and its reason names the first such trajectory; ids 0 and vocab-1 train."""
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+
+    def two(second_ids):
+        ok = Trajectory.from_arrays([0, 5], [63, 1, 2], [-0.1] * 3, [0] * 3, 1.0, "stop")
+        t = Trajectory.from_arrays(second_ids[:2], second_ids[2:], [-0.1] * 3, [0] * 3, 1.0, "stop")
+        return TrajectoryGroup(group_id="g", prompt_id="p", producer_id="t", trajectories=[ok, t])
+
+    edges = stream.append(two([0, 63, 63, 0, 1]))
+    too_big = stream.append(two([4, 5, 6, 64, 7]))
+    negative = stream.append(two([4, -1, 6, 7, 8]))
+    good = stream.append(two([1, 2, 3, 4, 5]))
+    reader = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=2, vocab_size=64, block_ms=50)
+    reader.resume(0, replay=True)
+    data = reader.next(step=0, version=0)
+    assert data.ids == [edges, good] and data.n_dead == 2
+    dead = {d["source_id"]: d["reason"] for d in stream.dead_letters()}
+    assert dead.keys() == {too_big, negative}
+    assert dead[too_big].startswith("trajectory 1: token id outside [0, 64)") and "max 64" in dead[too_big]
+    assert dead[negative].startswith("trajectory 1: token id outside [0, 64)") and "min -1" in dead[negative]
+    assert rclient.xpending(keys.traj, "train")["pending"] == 2  # the dead ones are acknowledged, the step's are not
