@@ -12,16 +12,17 @@ from __future__ import annotations
 import heapq
 import time
 from collections import deque
-from dataclasses import dataclass
 from typing import Any, Iterable
 
+import msgspec
 import redis
 from redis.exceptions import ResponseError
 
 from rlstream.broker.admission import LUA_WAKE
+from rlstream.broker.connection import execute_raw
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.common.logging import get_logger
-from rlstream.common.wire import TrajectoryGroup, WireError, decode_many, encode_group
+from rlstream.common.wire import TrajectoryGroup, decode_many, encode_group
 
 __all__ = ["Entry", "TrajectoryStream", "entry_fields", "id_str"]
 
@@ -49,6 +50,28 @@ def entry_fields(group: TrajectoryGroup, payload: bytes | None = None) -> dict[s
     }
 
 
+def _stream_entries(res: Any) -> list[tuple[bytes, dict[bytes, Any]]]:
+    """The (id, fields) entries of an XREAD(GROUP) reply for one stream, in any shape a client gives it: raw RESP2
+    (`[[stream, [[id, [f, v, ...]], ...]]]`), raw RESP3 (`{stream: [...]}`) or redis-py's parsed one (fields
+    as a dict); the fields of a pending entry deleted from the stream are empty."""
+    if not res:
+        return []
+    items = next(iter(res.values())) if isinstance(res, dict) else res[0][1]
+    if isinstance(res, dict) and items and isinstance(items[0], list) and len(items) == 1 \
+            and items[0] and isinstance(items[0][0], (list, tuple)):
+        items = items[0]  # redis-py's parsed RESP3 shape: {stream: [entries]}
+    out = []
+    for eid, fields in items:
+        if isinstance(fields, dict):
+            out.append((eid, fields))
+        elif fields:
+            it = iter(fields)
+            out.append((eid, dict(zip(it, it))))
+        else:
+            out.append((eid, {}))
+    return out
+
+
 # KEYS: traj, dropped, accepted, armed, wake   ARGV: group, id, reason, min_version, trainer_version, ts, give_back(0/1)
 # The slot given back wakes the producers a full budget refused (admission's wake-up: `LUA_WAKE`).
 _DROP_STALE = LUA_WAKE + """
@@ -63,9 +86,8 @@ return 1
 """
 
 
-@dataclass
-class Entry:
-    """A decoded stream entry."""
+class Entry(msgspec.Struct, gc=False):
+    """A decoded stream entry (not tracked by the cyclic GC: it holds no cycles, and a read makes one per group)."""
 
     id: str
     group: TrajectoryGroup
@@ -105,25 +127,17 @@ class TrajectoryStream:
 
     def _decode(self, raw: list[tuple[bytes, dict[bytes, bytes]]]) -> list[Entry]:
         """Decode and validate the entries of one reply together; bad ones go to the dead-letter stream."""
-        gone: list[str] = []
-        have: list[tuple[bytes, dict[bytes, bytes]]] = []
-        for eid, fields in raw:
-            if fields:
-                have.append((eid, fields))
-            else:
-                # Pending but deleted from the stream (XDEL by hand; retention never trims
-                # unacked entries): nothing left to train on, so ack it off the PEL.
-                gone.append(id_str(eid))
+        # Pending but deleted from the stream (XDEL by hand; retention never trims unacked
+        # entries; fields empty): nothing left to train on, so ack it off the PEL.
+        gone = [id_str(eid) for eid, fields in raw if not fields]
+        have = [item for item in raw if item[1]] if gone else raw
         good: list[Entry] = []
-        missing = WireError("entry has no 'd' payload field")
         checked = decode_many([fields.get(b"d", b"") for _eid, fields in have])
         for (eid, fields), res in zip(have, checked):
-            if b"d" not in fields:
-                res = missing
-            if isinstance(res, WireError):
-                self.dead_letter(id_str(eid), fields, str(res))
+            if type(res) is tuple:
+                good.append(Entry(eid.decode() if type(eid) is bytes else eid, *res))
             else:
-                good.append(Entry(id_str(eid), res[0], res[1]))
+                self.dead_letter(id_str(eid), fields, "entry has no 'd' payload field" if b"d" not in fields else str(res))
         if gone:
             log.warning("%d pending entries of %s were deleted from the stream; acknowledged: %s",
                         len(gone), self.keys.traj, ", ".join(gone[:5]))
@@ -132,10 +146,11 @@ class TrajectoryStream:
 
     def read(self, consumer: str, count: int, block_ms: int | None = 1000) -> list[Entry]:
         """New entries for `consumer` (XREADGROUP >). Bad entries go to the dead-letter stream."""
-        res = self.client.xreadgroup(self.group, consumer, {self.keys.traj: ">"}, count=count, block=block_ms)
-        if not res:
-            return []
-        return self._decode(res[0][1])
+        block = () if block_ms is None else ("BLOCK", block_ms)
+        res = execute_raw(self.client, "XREADGROUP", "GROUP", self.group, consumer, "COUNT", count, *block,
+                          "STREAMS", self.keys.traj, ">")
+        raw = _stream_entries(res)
+        return self._decode(raw) if raw else []
 
     def read_own_pending(self, consumer: str, count: int = 10_000) -> list[Entry]:
         """Entries delivered to `consumer` and not yet acknowledged (after a restart)."""
@@ -161,12 +176,12 @@ class TrajectoryStream:
         ids = list(ids)
         if not ids:
             return 0
-        n = int(self.client.xack(self.keys.traj, self.group, *ids))
+        n = int(execute_raw(self.client, "XACK", self.keys.traj, self.group, *ids))
         self._note_acked(ids)
         return n
 
     def _note_acked(self, ids: Iterable[str]) -> None:
-        self._acked.extend(id_tuple(i) for i in ids)
+        self._acked.extend(map(id_tuple, ids))
 
     def reclaim(self, consumer: str, min_idle_ms: int, count: int = 100) -> list[Entry]:
         """Take over up to `count` entries idle longer than `min_idle_ms` from other (dead) consumers.

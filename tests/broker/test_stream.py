@@ -245,3 +245,51 @@ def test_retention_with_keep_finds_its_cut_without_reading_entries_back(rclient,
     assert [i.decode() for i, _ in rclient.xrange(keys.traj)] == ids[6:]
     assert train.trim_acked(keep=3) == 0 and xrevrange_calls() == before + 1  # same cut, from its own acks
     assert fresh.trim_acked(keep=5) == 0  # fewer than 5 acked entries left: nothing to trim
+
+
+def test_read_and_ack_on_every_client_shape(redis_url, rclient, keys, group_factory):
+    """`read`/`ack` send XREADGROUP/XACK through `execute_raw` (the pool's connection, no response callback): the
+    same entries, decoded and validated, whatever the protocol (RESP2 list, RESP3 map) or client (a single-connection
+    client goes through redis-py's parsed reply), bad entries dead-lettered, everything acknowledged."""
+    import redis
+
+    from rlstream.broker import connect
+
+    clients = {"rlstream": connect(redis_url), "resp2": redis.Redis.from_url(redis_url, protocol=2),
+               "resp3": redis.Redis.from_url(redis_url, protocol=3),
+               "single": redis.Redis.from_url(redis_url, single_connection_client=True)}
+    writer = TrajectoryStream(rclient, keys)
+    for name, client in clients.items():
+        stream = TrajectoryStream(client, keys, group=f"g-{name}")
+        stream.ensure_group("$")
+        ids = _fill(writer, group_factory, 3, version=2)
+        bad = writer.append_raw({"d": b"\x01garbage", "v": 0})
+        more = _fill(writer, group_factory, 2, version=3)
+        got = stream.read("c", count=10, block_ms=100)
+        assert [e.id for e in got] == ids + more, name
+        assert [e.min_version for e in got] == [2, 2, 2, 3, 3], name
+        assert [e.group.n_tokens() for e in got] == [group_factory(version=2).n_tokens()] * 5, name
+        assert stream.read("c", count=10, block_ms=None) == [], name  # nothing new: an empty reply
+        assert stream.dead_letters(count=1)[0]["source_id"] == bad
+        assert stream.ack(e.id for e in got) == 5, name
+        assert rclient.xpending(keys.traj, f"g-{name}")["pending"] == 0, name
+        client.close()
+
+
+def test_read_and_ack_ride_out_a_dropped_connection(redis_url, rclient, keys, group_factory):
+    """A connection killed under `execute_raw` is reconnected and the command retried, as redis-py's own call does."""
+    from rlstream.broker import connect
+
+    client = connect(redis_url)
+    stream = TrajectoryStream(client, keys)
+    stream.ensure_group()
+    ids = _fill(stream, group_factory, 2)
+    assert [e.id for e in stream.read("c", count=1, block_ms=100)] == ids[:1]
+    mine = client.client_id()  # the pool's one connection, reused by every call
+    rclient.client_kill_filter(_id=mine)
+    assert [e.id for e in stream.read("c", count=5, block_ms=100)] == ids[1:]
+    again = client.client_id()
+    assert again != mine  # reconnected
+    rclient.client_kill_filter(_id=again)
+    assert stream.ack(ids) == 2
+    assert rclient.xpending(keys.traj, "train")["pending"] == 0 and client.client_id() != again
