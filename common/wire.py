@@ -467,24 +467,33 @@ def decode_checked(data: bytes | memoryview) -> tuple[TrajectoryGroup, int]:
 def decode_many(payloads: list[bytes | memoryview]) -> list[tuple[TrajectoryGroup, int] | WireError]:
     """`decode_checked` of many payloads, validated together (`validate_groups`): per payload its group and
     min version, or the `WireError` that is its dead-letter reason. One bad payload fails only itself."""
+    try:  # the common case, every payload decodes: one comprehension, no per-payload bookkeeping
+        groups = [_decoder.decode(data) for data in payloads]
+    except _UNDECODABLE:
+        groups = []
+    else:
+        return [r if isinstance(r, WireError) else (g, r) for g, r in zip(groups, _validate_all(groups))]
     out: list[Any] = []
-    groups: list[TrajectoryGroup] = []
     for data in payloads:
         try:
             groups.append(_decode(data))
             out.append(None)
         except WireError as exc:
             out.append(exc)
-    try:
-        checked = validate_groups(groups)
-    except Exception:  # noqa: BLE001 - something no rule foresaw: each group alone names its own
-        checked = [_validated(g) for g in groups]
+    checked = _validate_all(groups)
     it = iter(zip(groups, checked))
     for i, res in enumerate(out):
         if res is None:
             g, r = next(it)
             out[i] = r if isinstance(r, WireError) else (g, r)
     return out
+
+
+def _validate_all(groups: list[TrajectoryGroup]) -> list[int | WireError]:
+    try:
+        return validate_groups(groups)
+    except Exception:  # noqa: BLE001 - something no rule foresaw: each group alone names its own
+        return [_validated(g) for g in groups]
 
 
 def _validated(group: TrajectoryGroup) -> int | WireError:
@@ -496,16 +505,19 @@ def _validated(group: TrajectoryGroup) -> int | WireError:
         return WireError(f"invalid entry: {type(exc).__name__}: {str(exc)[:200]}")
 
 
+# msgspec raises DecodeError/ValidationError, but UnicodeDecodeError for bad UTF-8 and
+# RecursionError for absurd nesting: all of them mean "garbage", none may escape.
+_UNDECODABLE = (ValueError, RecursionError, OverflowError, TypeError)
+
+
 def _decode(data: bytes | memoryview) -> TrajectoryGroup:
     try:
         return _decoder.decode(data)
-    # msgspec raises DecodeError/ValidationError, but UnicodeDecodeError for bad UTF-8 and
-    # RecursionError for absurd nesting: all of them mean "garbage", none may escape.
-    except (ValueError, RecursionError, OverflowError, TypeError) as exc:
+    except _UNDECODABLE as exc:
         # Tell a schema-version mismatch apart from garbage: it is the likelier cause.
         try:
             hdr = _header_decoder.decode(data)
-        except (ValueError, RecursionError, OverflowError, TypeError):
+        except _UNDECODABLE:
             hdr = None
         if hdr is not None and hdr.schema_version not in READABLE_VERSIONS:
             raise WireError(f"schema_version {hdr.schema_version} not in supported {READABLE_VERSIONS}: {exc}") from None
