@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import time
+from array import array
 from typing import Any
 
 import msgspec
@@ -301,8 +302,10 @@ def validate_groups(groups: list[TrajectoryGroup]) -> list[int | WireError]:
     out: list[int | WireError] = [0] * len(groups)
     batch: list[int] = []  # groups that passed the scalar checks
     first: list[int] = []  # each batched group's first span
-    starts: list[int] = []  # spans of the joined arrays: a prompt (kind 0), an output without a mask
-    kinds: list[int] = []  # (1: single-turn, all model tokens) or with one (2: may hold observations)
+    # Spans of the joined arrays: a prompt (kind 0), an output without a mask (1: single-turn, all model tokens)
+    # or with one (2: may hold observations). In `array`s: numpy reads them without converting each int.
+    starts = array("q")
+    kinds = array("b")
     masked = rewarded = False
     pos = 0
     for gi, g in enumerate(groups):
@@ -322,8 +325,8 @@ def validate_groups(groups: list[TrajectoryGroup]) -> list[int | WireError]:
     trajs = [t for gi in batch for t in groups[gi].trajectories]
     vers = _joined([t.versions for t in trajs], _I32)
     bits = _joined([t.logprobs for t in trajs], _I32)  # the logprobs' float32 bits (see _LOGP_MAX_BITS)
-    idx = np.array(starts, dtype=np.intp)
-    kind = np.array(kinds, dtype=np.int8)
+    idx = np.frombuffer(starts, dtype=np.int64)
+    kind = np.frombuffer(kinds, dtype=np.int8)
     vmin = np.minimum.reduceat(vers, idx)
     vmax = np.maximum.reduceat(vers, idx)
     imax = np.maximum.reduceat(bits, idx)
@@ -368,7 +371,7 @@ def validate_groups(groups: list[TrajectoryGroup]) -> list[int | WireError]:
     return out
 
 
-def _scalar_spans(group: TrajectoryGroup, pos: int, starts: list[int], kinds: list[int]) -> tuple[int, bool, bool]:
+def _scalar_spans(group: TrajectoryGroup, pos: int, starts: array, kinds: array) -> tuple[int, bool, bool]:
     """The scalar checks of one group (`WireError` on the first failure); appends its spans at `pos`
     of the joined arrays to `starts`/`kinds` and returns the position after it, whether it has masks
     and whether it has turn rewards."""
@@ -378,6 +381,35 @@ def _scalar_spans(group: TrajectoryGroup, pos: int, starts: list[int], kinds: li
     if not trajs:
         raise WireError("group has no trajectories")
     masked = rewarded = False
+    isfinite = math.isfinite
+    add_start, add_kind = starts.append, kinds.append
+    for t in trajs:  # every check in one condition; which one failed, and where, only when one did
+        n4 = len(t.input_ids)
+        n, p, mask = n4 >> 2, t.prompt_len, t.loss_mask
+        if (n4 & 3 or len(t.logprobs) != n4 or len(t.versions) != n4 or not 1 <= p <= n or not isfinite(t.reward)
+                or t.finish_reason not in FINISH_REASONS or (mask is not None and len(mask) != n)):
+            _explain_scalars(trajs)
+        if t.turn_rewards is not None:
+            if not all(isfinite(r) for r in t.turn_rewards):
+                _explain_scalars(trajs)
+            rewarded = True
+        add_start(pos)
+        add_kind(0)
+        if p < n:  # reduceat needs non-empty spans
+            add_start(pos + p)
+            if mask is None:
+                add_kind(1)
+            else:
+                add_kind(2)
+                masked = True
+        elif mask is not None:
+            masked = True
+        pos += n
+    return pos, masked, rewarded
+
+
+def _explain_scalars(trajs: list[Trajectory]) -> None:
+    """Raise the `WireError` naming the first trajectory and scalar rule broken (`_scalar_spans` found one)."""
     isfinite = math.isfinite
     for i, t in enumerate(trajs):
         n4 = len(t.input_ids)
@@ -394,21 +426,11 @@ def _scalar_spans(group: TrajectoryGroup, pos: int, starts: list[int], kinds: li
             raise WireError(f"trajectory {i}: non-finite reward {t.reward}")
         if t.finish_reason not in FINISH_REASONS:
             raise WireError(f"trajectory {i}: finish_reason {t.finish_reason!r} not in {FINISH_REASONS}")
-        if t.loss_mask is not None:
-            if len(t.loss_mask) != n:
-                raise WireError(f"trajectory {i}: loss_mask length {len(t.loss_mask)} != {n} tokens")
-            masked = True
-        if t.turn_rewards is not None:
-            if not all(isfinite(r) for r in t.turn_rewards):
-                raise WireError(f"trajectory {i}: non-finite turn_rewards")
-            rewarded = True
-        starts.append(pos)
-        kinds.append(0)
-        if p < n:  # reduceat needs non-empty spans
-            starts.append(pos + p)
-            kinds.append(1 if t.loss_mask is None else 2)
-        pos += n
-    return pos, masked, rewarded
+        if t.loss_mask is not None and len(t.loss_mask) != n:
+            raise WireError(f"trajectory {i}: loss_mask length {len(t.loss_mask)} != {n} tokens")
+        if t.turn_rewards is not None and not all(isfinite(r) for r in t.turn_rewards):
+            raise WireError(f"trajectory {i}: non-finite turn_rewards")
+    raise WireError("inconsistent trajectory fields")  # unreachable: the loop names it
 
 
 def _check_turn_rewards(group: TrajectoryGroup) -> None:
