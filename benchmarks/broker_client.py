@@ -6,7 +6,8 @@
 In one process against a throwaway redis-server, with the broker benchmark's groups
 (8 x 1088 tokens, ~105 kB): the producer path (`try_acquire_many` + `entry_fields` +
 `commit_many`, batches of 16) and the consumer path (`TrajectoryStream.read` with
-decode + validation, `ack`), CPU seconds of this process (`time.process_time`) per group
+decode + validation, `ack`; the row "rlstream, StepReader" reads as the trainer does instead: `StepReader.next`,
+steps of 16 groups with the vocab check and the step record, `ack` per step), CPU seconds of this process (`time.process_time`) per group
 and wall time; "bare" is plain XADD (pipelined by 16) + XREADGROUP + XACK of the same
 bytes with the same client. The Redis-side cost is the redis-server's INFO CPU delta
 per MB over the same run. The process keeps freed heap memory for reuse
@@ -66,10 +67,13 @@ class RedisCost:
         return out
 
 
-def one_run(url: str, n: int) -> dict:
+def one_run(url: str, n: int, step_reader: bool = False) -> dict:
+    """rlstream's producer and consumer paths (`step_reader`: the consumer is the trainer's `StepReader`, steps of 16
+    groups with its vocab check and step record, acked per step, instead of `TrajectoryStream.read` + `ack`)."""
     from rlstream.broker import AdmissionController, Keys, TrajectoryStream, connect
     from rlstream.broker.stream import entry_fields
     from rlstream.common.wire import encode_group
+    from rlstream.consumer.reader import StepReader
 
     client = connect(url)
     ns = f"rlstream:bc:{uuid.uuid4().hex[:6]}"
@@ -87,8 +91,13 @@ def one_run(url: str, n: int) -> dict:
         adm.commit_many([(lease.lease_id, entry_fields(groups[(i + j) % 64])) for j, lease in enumerate(leases)])
     c1, t1 = time.process_time(), time.perf_counter()
     r0.mark()
+    if step_reader:
+        reader = StepReader(client, keys, groups_per_step=16, max_head_offpolicyness=1, vocab_size=32000, block_ms=100)
+        reader.resume(0, replay=False)
+        for step in range(n // 16):
+            reader.ack(reader.next(step, 0).ids)
     got = 0
-    while got < n:
+    while got < n - (n // 16 * 16 if step_reader else 0):
         entries = stream.read("c", count=16, block_ms=100)
         stream.ack([e.id for e in entries])
         got += len(entries)
@@ -211,7 +220,8 @@ def main() -> None:
     from rlstream.common.memory import freeze_startup_objects, keep_freed_memory
 
     keep_freed_memory()  # as the producer and trainer processes do
-    kinds = {"rlstream": one_run, "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True),
+    kinds = {"rlstream": one_run, "rlstream, StepReader": lambda url, n: one_run(url, n, step_reader=True),
+             "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True),
              "bare, one writev": lambda url, n: bare_run(url, n, writev=True)}
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
     if args.rounds:  # --rounds 0: only render the runs of --merge
