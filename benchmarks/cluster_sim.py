@@ -61,6 +61,7 @@ from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys
 from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, budget  # noqa: E402
 from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
 from rlstream.broker.registry import RedisNameResolver  # noqa: E402
+from rlstream.common.config import KEEPALIVES_PER_TTL  # noqa: E402
 from rlstream.common.engine_api import ENGINES_SERVICE  # noqa: E402
 from rlstream.broker.stream import entry_fields  # noqa: E402
 from rlstream.common.wire import Trajectory, TrajectoryGroup  # noqa: E402
@@ -70,7 +71,7 @@ from rlstream.broker.versions import FOLLOW_BLOCK_MS  # noqa: E402
 from rlstream.common.tasks import cancel_and_wait  # noqa: E402
 
 
-ENGINE_TTL = 10.0  # name-resolve lease of an engine, real seconds (keepalive every ttl/3; cluster.name_resolve.lease_ttl)
+ENGINE_TTL = 10.0  # name-resolve lease of an engine, real seconds (keepalive every ttl/2: the resolver's default keepalives_per_ttl; cluster.name_resolve.lease_ttl)
 RESOLVE_POLL_S = 0.5  # a producer's name-resolve poll of the generation (make_name_resolver's poll_interval)
 FOLLOW_BLOCK_S = FOLLOW_BLOCK_MS / 1000  # XREAD BLOCK of an event follower (AsyncVersionRegistry.follow)
 READ_BLOCK_S = 1.0  # XREADGROUP BLOCK of the trainer's reader (StepReader's default)
@@ -120,6 +121,7 @@ class Setting:
     # What-ifs for the timers (real seconds; None: what producer.main and the name resolver use today).
     admit_poll_s: float | None = None  # a refused producer's fallback (ADMIT_FALLBACK_SECS; woken earlier)
     resolve_poll_s: float | None = None  # a producer's name-resolve poll (RESOLVE_POLL_S)
+    keepalives_per_ttl: int | None = None  # an engine's name-resolve keepalives per ttl (KEEPALIVES_PER_TTL)
     slowlog: bool = False  # profile Redis's command time over the steady steps (SLOWLOG, threshold 0)
 
 
@@ -419,8 +421,8 @@ class Cluster:
                 self.result.wakeups += 1
 
     async def _resolve_engines(self, client, pid: int) -> None:
-        """The producer's name-resolve view of the engines, from the real resolver's watch (a GET of the
-        generation every poll, a full list when it moved or every ttl/2), as producer.engine_client's pool."""
+        """The producer's name-resolve view of the engines, from the real resolver's watch (one list, then the
+        membership changes applied as they come; a sweep every ttl/2), as producer.engine_client's pool."""
         every = self.wall(self.s.resolve_poll_s or RESOLVE_POLL_S)
         resolver = RedisNameResolver(client, self.keys.ns, default_ttl=self.wall(ENGINE_TTL), poll_interval=every)
 
@@ -443,6 +445,7 @@ class Cluster:
             sys.executable, str(Path(__file__).resolve().parent / "cp_engines.py"), "--url", self.url,
             "--ns", self.keys.ns, "--ttl", str(self.wall(ENGINE_TTL)),
             "--block-ms", str(max(1, round(1000 * self.wall(FOLLOW_BLOCK_S)))),
+            "--keepalives-per-ttl", str(self.s.keepalives_per_ttl or KEEPALIVES_PER_TTL),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         self._agents_lock = asyncio.Lock()
 
@@ -463,7 +466,7 @@ class Cluster:
         self.result.event_ms, self.result.engines_pid = done.event_ms, done.pid
 
     async def _engine_up(self, engine: SimulatedEngine) -> None:
-        """Register the engine under name resolve (keepalive every ttl/3: a process that falls that far behind
+        """Register the engine under name resolve (a keepalive every ttl/2: a process that falls ttl/2 behind
         loses engines from the producers' views) and follow the version events."""
         await self._agents_say(f"up {engine.name}")
         self._engines_up.add(engine.name)
@@ -896,6 +899,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         + (", minimal payload" if s.payload == "minimal" else "")
         + (f", what-if: refused producers poll every {s.admit_poll_s:g} s" if s.admit_poll_s else "")
         + (f", what-if: name-resolve poll every {s.resolve_poll_s:g} s" if s.resolve_poll_s else "")
+        + (f", what-if: {s.keepalives_per_ttl} keepalives per ttl" if s.keepalives_per_ttl else "")
         + (", abort_stale" if s.abort_stale else "") + (f", pause {s.pause_mode}" if s.pause_mode != "abort" else "")
         + (", engines registered + following events" if s.control_plane else "")
         + (f", {s.elastic} leave at step {s.steps // 3} and rejoin at {2 * s.steps // 3}" if s.elastic else "")
@@ -1025,6 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"what-if: a refused producer's fallback, real seconds (today {ADMIT_FALLBACK_SECS})")
     ap.add_argument("--resolve-poll-s", type=float, default=None,
                     help=f"what-if: a producer's name-resolve poll, real seconds (today {RESOLVE_POLL_S})")
+    ap.add_argument("--keepalives-per-ttl", type=int, default=None,
+                    help=f"what-if: an engine's name-resolve keepalives per ttl (today {KEEPALIVES_PER_TTL})")
     ap.add_argument("--wall-timers", action="store_true",
                     help="run the control plane's timers on the wall clock (not x accel)")
     ap.add_argument("--slowlog", action="store_true",
@@ -1058,6 +1064,7 @@ def main(argv: list[str] | None = None) -> int:
             s.payload = args.payload or s.payload
             s.admit_poll_s = args.admit_poll_s or s.admit_poll_s
             s.resolve_poll_s = args.resolve_poll_s or s.resolve_poll_s
+            s.keepalives_per_ttl = args.keepalives_per_ttl or s.keepalives_per_ttl
             s.slowlog = args.slowlog
             minimal = json.loads(Path(args.minimal_json).read_text())[name] if args.minimal_json else None
             timing = load_timing(s.hardware, s.model)

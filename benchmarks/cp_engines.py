@@ -8,7 +8,7 @@ per engine, so those thousands of round trips a wall second do not queue behind 
     python benchmarks/cp_engines.py --url redis://... --ns NS --ttl 1.0 --block-ms 100
 
 Commands on stdin, one a line, each answered on stdout with `ok <command>`:
-`up NAME` (register, keepalive every ttl/3, follow the events), `down NAME` (stop following,
+`up NAME` (register, keepalive every ttl/2, follow the events), `down NAME` (stop following,
 unregister). At EOF every engine still up goes down and one JSON line (`EnginesResult`) follows.
 """
 
@@ -24,6 +24,7 @@ import msgspec
 
 from rlstream.broker import AsyncVersionRegistry, Keys, connect_async
 from rlstream.broker.registry import RedisNameResolver
+from rlstream.common.config import KEEPALIVES_PER_TTL
 from rlstream.broker.versions import FOLLOW_BLOCK_MS
 from rlstream.common.engine_api import ENGINES_SERVICE
 from rlstream.common.tasks import cancel_and_wait
@@ -44,7 +45,8 @@ class Engine:
 
     async def up(self) -> None:
         self.client = await connect_async(self.args.url)
-        self.resolver = RedisNameResolver(self.client, self.args.ns, default_ttl=self.args.ttl)
+        self.resolver = RedisNameResolver(self.client, self.args.ns, default_ttl=self.args.ttl,
+                                          keepalives_per_ttl=self.args.keepalives_per_ttl)
         await self.resolver.register(ENGINES_SERVICE, self.name, self.args.ttl)
         registry = AsyncVersionRegistry(self.client, Keys(self.args.ns))
         last = await registry.last_event_id()
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--url", required=True)
     ap.add_argument("--ns", required=True, help="the run's namespace (Keys(ns))")
-    ap.add_argument("--ttl", type=float, required=True, help="name-resolve TTL, wall seconds (keepalive every third)")
+    ap.add_argument("--ttl", type=float, required=True, help="name-resolve TTL, wall seconds")
+    ap.add_argument("--keepalives-per-ttl", type=int, default=KEEPALIVES_PER_TTL, help="keepalives per TTL")
     ap.add_argument("--block-ms", type=int, default=FOLLOW_BLOCK_MS,
                     help=f"XREAD BLOCK of a follower (an engine's: {FOLLOW_BLOCK_MS})")
     args = ap.parse_args(argv)

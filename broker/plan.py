@@ -37,7 +37,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError, WatchError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-__all__ = ["Call", "Pipeline", "Watch", "Transaction", "Sleep", "Close", "one", "script", "pack", "send_buffers", "run",
+__all__ = ["Call", "Pipeline", "Watch", "Transaction", "Sleep", "Close", "one", "script", "evalsha", "pack", "send_buffers", "run",
            "arun",
            "operation", "Sync", "Async", "LUA_NOW_MS", "Plan"]
 
@@ -268,9 +268,14 @@ def one(command: Any) -> Plan:
     return (yield command)
 
 
+def evalsha(lua: str, keys: list[str], args: list[Any]) -> Call:
+    """The EVALSHA of a Lua script, as a `Call` (for a `Pipeline`; on its own `script` also loads it if needed)."""
+    return Call("execute_command", "EVALSHA", _sha(lua), len(keys), *keys, *args)
+
+
 def script(lua: str, keys: list[str], args: list[Any]) -> Plan:
     """Sub-plan (`yield from`): run a Lua script by EVALSHA, loading it once if the server lost it."""
-    call = Call("execute_command", "EVALSHA", _sha(lua), len(keys), *keys, *args)
+    call = evalsha(lua, keys, args)
     try:
         return (yield call)
     except NoScriptError:  # a restarted Redis lost its script cache: nothing ran

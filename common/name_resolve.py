@@ -23,6 +23,7 @@ import math
 import os
 from typing import Any, AsyncIterator
 
+from rlstream.common.config import KEEPALIVES_PER_TTL
 from rlstream.common.logging import get_logger
 
 __all__ = ["NameResolveError", "NameResolver", "EtcdNameResolver", "StaticNameResolver"]
@@ -37,9 +38,11 @@ class NameResolveError(RuntimeError):
 class NameResolver(abc.ABC):
     """Register addresses under a service name and follow who is registered."""
 
-    def __init__(self, default_ttl: float, poll_interval: float = 0.5) -> None:
+    def __init__(self, default_ttl: float, poll_interval: float = 0.5,
+                 keepalives_per_ttl: int = KEEPALIVES_PER_TTL) -> None:
         self.default_ttl = float(default_ttl)
         self.poll_interval = poll_interval
+        self.keepalives_per_ttl = keepalives_per_ttl
         self._keepalives: dict[tuple[str, str], asyncio.Task] = {}
         self._closed = False
         # Set when a keepalive gave up for good (the backend unreachable past its tolerance): the
@@ -106,6 +109,10 @@ class NameResolver(abc.ABC):
         assert self.failure is not None
         return self.failure
 
+    def keepalive_period(self, ttl: float) -> float:
+        """Seconds between keepalives of a registration that lives `ttl` without one."""
+        return ttl / self.keepalives_per_ttl
+
     # ------------------------------------------------------------------ helpers
     def _keepalive_gave_up(self, exc: BaseException) -> None:
         self.failure = exc
@@ -129,8 +136,9 @@ class EtcdNameResolver(NameResolver):
     """etcd v3 keys `/rlstream/{ns}/{service}/{address}` under a lease with keepalive."""
 
     def __init__(self, address: str, namespace: str, default_ttl: float, poll_interval: float = 0.5,
-                 username: str | None = None, password: str | None = None) -> None:
-        super().__init__(default_ttl, poll_interval)
+                 username: str | None = None, password: str | None = None,
+                 keepalives_per_ttl: int = KEEPALIVES_PER_TTL) -> None:
+        super().__init__(default_ttl, poll_interval, keepalives_per_ttl)
         # Our processes fork+exec helpers (reward workers) while gRPC threads are busy; gRPC's
         # fork handlers then abort the child before its exec (1 in ~30 spawns, seen under
         # docker compose). The children never use gRPC, so its fork support is not needed.
@@ -172,7 +180,7 @@ class EtcdNameResolver(NameResolver):
 
     async def _keepalive(self, service: str, address: str, ttl: int) -> None:
         while True:
-            await asyncio.sleep(ttl / 3)
+            await asyncio.sleep(self.keepalive_period(ttl))
             lease = self._leases.get((service, address))
             try:
                 reply = await lease.refresh() if lease is not None else None

@@ -145,7 +145,7 @@ async def test_register_watch_and_expire_after_crash(kind, request, redis_url, e
         assert seen == ["127.0.0.1:1111", "127.0.0.1:2222"]
         os.kill(proc.pid, signal.SIGKILL)
         # Still registered right after the crash: it goes when its TTL runs out, not on a dropped
-        # connection (the last keepalive was at most ttl/3 before the kill).
+        # connection (the last keepalive was at most ttl/2 before the kill).
         assert "127.0.0.1:2222" in await watcher.list(ENGINES_SERVICE)
         proc.wait(10)
         gone = await _watch_until(watch, lambda a: "127.0.0.1:2222" not in a, timeout=30)
@@ -276,18 +276,18 @@ def test_children_spawned_next_to_a_busy_etcd_client_survive(etcd_server, redis_
     assert out.stdout.split()[-1] == "0", f"children died before exec: {out.stdout}\n{out.stderr[-3000:]}"
 
 
-async def test_redis_watch_lists_only_when_membership_changes(redis_factory, experiment):
-    """A watcher blocks on the changes stream (XREAD BLOCK ttl/2) and lists the members (the list script: its
-    ZRANGE) only when an entry came: a join, a leave, an engine that crashed (no unregister) and was swept out;
-    a block that passes with nothing costs a sweep (ZREMRANGEBYSCORE), no list. Counted with INFO commandstats
-    on a server of its own."""
+async def test_redis_watch_lists_once_and_applies_the_changes(redis_factory, experiment):
+    """A watcher lists the members once (the list script: its ZRANGE) and then applies the changes stream's entries to
+    its view: a join, a leave, an engine that crashed (no unregister) and was swept out, all without listing again;
+    an idle block costs a read and a sweep (ZRANGEBYSCORE) in one round trip. Counted with INFO commandstats on a
+    server of its own."""
     from rlstream.broker import connect, connect_async
 
     url = redis_factory().url
     stats = connect(url)
     client = await connect_async(url)
     ns = f"rlstream:{experiment}:trial0"
-    watcher = RedisNameResolver(client, ns, default_ttl=0.4)  # blocks 0.2 s, then sweeps
+    watcher = RedisNameResolver(client, ns, default_ttl=0.4)  # blocks 0.2 s, a sweep every block
     engine = RedisNameResolver(client, ns, default_ttl=600)  # registrations that outlive the test (unless ttl=)
     views: list[list[str]] = []
 
@@ -297,28 +297,30 @@ async def test_redis_watch_lists_only_when_membership_changes(redis_factory, exp
 
     calls = functools.partial(command_calls, stats)
 
-    async def blocks_pass(n: int) -> None:  # n more blocking reads end with nothing (each then sweeps)
-        target = calls("zremrangebyscore") + n
-        await wait_for(lambda: calls("zremrangebyscore") >= target, what=f"{n} more idle blocks")
+    async def blocks_pass(n: int) -> None:  # n more sweeps (each rides on a read after an idle block)
+        target = calls("zrangebyscore") + n
+        await wait_for(lambda: calls("zrangebyscore") >= target, what=f"{n} more idle blocks")
 
     task = asyncio.create_task(follow())
     try:
         await wait_for(lambda: views == [[]], what="the first view")
         await blocks_pass(5)
-        assert calls("zrange") == 1  # the first list only: 5 idle blocks, no list
+        assert calls("zrange") == 1  # the first list only
         await engine.register(ENGINES_SERVICE, "127.0.0.1:1111")
         await wait_for(lambda: views[-1] == ["127.0.0.1:1111"], what="the join seen")
-        await blocks_pass(5)
-        assert calls("zrange") == 2  # one list for the join
         await engine.register(ENGINES_SERVICE, "127.0.0.1:2222", ttl=1.0)
         await wait_for(lambda: views[-1] == ["127.0.0.1:1111", "127.0.0.1:2222"], what="the second join seen")
-        await engine.close_quietly()  # both keepalives stop: 2222 "crashes" (1111's registration lasts 600 s)
-        await wait_for(lambda: views[-1] == ["127.0.0.1:1111"], what="the expiry seen (the watcher's sweep)")
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:3333", ttl=1.0)
+        await wait_for(lambda: views[-1] == ["127.0.0.1:1111", "127.0.0.1:2222", "127.0.0.1:3333"],
+                       what="the third join seen")
+        await engine.close_quietly()  # every keepalive stops: 2222 and 3333 "crash" (1111's lasts 600 s)
+        await wait_for(lambda: views[-1] == ["127.0.0.1:1111"], what="the expiries seen (the watcher's sweep)")
         await RedisNameResolver(client, ns, 600).unregister(ENGINES_SERVICE, "127.0.0.1:1111")
         await wait_for(lambda: views[-1] == [], what="the leave seen")
-        lists_before = calls("zrange")
         await blocks_pass(5)
-        assert calls("zrange") == lists_before, "nothing changed: no list"
+        assert calls("zrange") == 1, "joins, expiries and a leave were applied, never listed"
+        assert views == [[], ["127.0.0.1:1111"], ["127.0.0.1:1111", "127.0.0.1:2222"],
+                         ["127.0.0.1:1111", "127.0.0.1:2222", "127.0.0.1:3333"], ["127.0.0.1:1111"], []]
         assert calls("xread") >= 10
     finally:
         task.cancel()
@@ -328,9 +330,124 @@ async def test_redis_watch_lists_only_when_membership_changes(redis_factory, exp
         stats.close()
 
 
+async def test_redis_watch_lists_again_when_the_stream_was_trimmed_past_it(redis_factory, experiment):
+    """A watcher that fell behind by more than the changes stream keeps (its generator suspended while ~300 changes
+    came) cannot apply what is left: the oldest entry it reads does not follow its last one (`prev`). It lists again
+    (one more ZRANGE) and its view is the members', including a join whose entry was trimmed away."""
+    from rlstream.broker import connect, connect_async
+    from rlstream.broker.keys import Keys
+    from rlstream.broker.registry import CHANGES_MAXLEN
+
+    url = redis_factory().url
+    stats = connect(url)
+    client = await connect_async(url)
+    keys = Keys(f"rlstream:{experiment}:trial0")
+    watcher = RedisNameResolver(client, keys.ns, default_ttl=0.4)
+    engine = RedisNameResolver(client, keys.ns, default_ttl=600)
+    calls = functools.partial(command_calls, stats)
+    watch = watcher.watch(ENGINES_SERVICE).__aiter__()
+    try:
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:1111")
+        assert await _next(watch) == ["127.0.0.1:1111"]
+        assert calls("zrange") == 1
+        # the watcher is suspended at its yield: it reads nothing until asked for its next view
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:2222")  # its join entry will be trimmed away
+        await engine.unregister(ENGINES_SERVICE, "127.0.0.1:1111")
+        for _ in range(CHANGES_MAXLEN * 3 // 2):
+            await engine.register(ENGINES_SERVICE, "127.0.0.1:9999")
+            await engine.unregister(ENGINES_SERVICE, "127.0.0.1:9999")
+        first = stats.xrange(keys.service_changes(ENGINES_SERVICE), count=1)[0][1]
+        assert first[b"prev"] != b"0-0" and {b"join": b"127.0.0.1:2222"} != {k: v for k, v in first.items()
+                                                                             if k != b"prev"}
+        assert await _watch_until(watch, lambda a: "127.0.0.1:9999" not in a) == ["127.0.0.1:2222"]
+        assert calls("zrange") == 2  # one list for the gap
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:3333")
+        assert await _watch_until(watch, lambda a: "127.0.0.1:3333" in a) == ["127.0.0.1:2222", "127.0.0.1:3333"]
+        assert calls("zrange") == 2  # applied again after the list
+    finally:
+        await watch.aclose()
+        await engine.close_quietly()
+        await watcher.close_quietly()
+        await client.aclose()
+        stats.close()
+
+
+async def test_redis_watch_loses_nothing_across_a_reconnect_and_a_lost_script_cache(redis_factory, experiment):
+    """The watcher's connection is killed (CLIENT KILL, the engines' too) while it blocks, and Redis's script cache is
+    flushed (as after a restart): changes made meanwhile still reach its view, and so does an expiry swept by its next sweep (which
+    loads the script again)."""
+    from rlstream.broker import connect, connect_async
+
+    url = redis_factory().url
+    stats = connect(url)
+    watch_client = await connect_async(url)
+    engine_client = await connect_async(url)
+    ns = f"rlstream:{experiment}:trial0"
+    watcher = RedisNameResolver(watch_client, ns, default_ttl=0.4)
+    engine = RedisNameResolver(engine_client, ns, default_ttl=600)
+    crashing = RedisNameResolver(engine_client, ns, default_ttl=600)
+    views: list[list[str]] = []
+
+    async def follow() -> None:
+        async for view in watcher.watch(ENGINES_SERVICE):
+            views.append(view)
+
+    task = asyncio.create_task(follow())
+    try:
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:1111")
+        await wait_for(lambda: views and views[-1] == ["127.0.0.1:1111"], what="the first view")
+        await wait_for(lambda: any(c.get("cmd") == "xread" for c in stats.client_list()), what="the watcher blocking")
+        stats.script_flush()
+        assert stats.client_kill_filter(_type="normal", skipme=True) >= 1  # every connection but this one
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:2222")
+        await engine.unregister(ENGINES_SERVICE, "127.0.0.1:1111")
+        await wait_for(lambda: views[-1] == ["127.0.0.1:2222"], what="the changes made while disconnected seen")
+        await crashing.register(ENGINES_SERVICE, "127.0.0.1:3333", ttl=1.0)
+        await wait_for(lambda: views[-1] == ["127.0.0.1:2222", "127.0.0.1:3333"], what="the join seen")
+        stats.script_flush()
+        await crashing.close_quietly()  # 3333 "crashes"
+        await wait_for(lambda: views[-1] == ["127.0.0.1:2222"], what="the expiry seen")
+        assert await watcher.list(ENGINES_SERVICE) == ["127.0.0.1:2222"]
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await engine.close_quietly()
+        await watcher.close_quietly()
+        await watch_client.aclose()
+        await engine_client.aclose()
+        stats.close()
+
+
+def test_applied_changes_and_gaps():
+    """The watcher's view update: entries apply in order; one whose `prev` is not the last id applied (a gap) or of
+    an unknown form (e.g. an older version's `expired` count without `prev`) cannot be trusted."""
+    from rlstream.broker.registry import applied
+
+    view = frozenset({"a:1", "b:2"})
+    entries = [(b"5-0", {b"prev": b"4-0", b"join": b"c:3"}), (b"6-0", {b"prev": b"5-0", b"leave": b"a:1"}),
+               (b"7-1", {b"prev": b"6-0", b"expired": b"b:2 x:9"}), (b"8-0", {b"prev": b"7-1", b"join": b"b:2"})]
+    assert applied(view, "4-0", entries) == (frozenset({"b:2", "c:3"}), "8-0")
+    assert applied(view, "3-0", entries) is None  # entries after 3-0 were trimmed away
+    assert applied(view, "4-0", entries[:1] + entries[2:]) is None  # one missing in the middle
+    assert applied(view, "4-0", [(b"5-0", {b"expired": b"2"})]) is None
+    assert applied(view, "4-0", [(b"5-0", {b"prev": b"4-0", b"moved": b"a:1"})]) is None
+    assert applied(view, "4-0", []) == (view, "4-0")
+
+
+def test_keepalive_period_follows_the_setting(redis_url, experiment):
+    """`cluster.name_resolve.keepalives_per_ttl` (default 2: every ttl/2) sets the keepalive period of both
+    backends; the registration still lives ttl without one."""
+    for kind in ("redis", "etcd"):
+        r = make_name_resolver(_cfg(kind, redis_url, experiment, ttl=12))
+        assert r.keepalive_period(r.default_ttl) == 6.0
+        r = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"cluster.name_resolve.type={kind}",
+                                                  "cluster.name_resolve.keepalives_per_ttl=3"]))
+        assert r.keepalive_period(12) == 4.0
+
+
 async def test_redis_watch_sees_an_expired_engine_within_about_the_ttl(redis_url, experiment):
     """A crashed engine (its keepalive stops, nothing unregisters it) leaves the view of a watcher of the same ttl
-    on its own: its sweep after an idle block (ttl/2) removes it and appends a change."""
+    on its own: its sweep every ttl/2 removes it and appends a change naming it."""
     from rlstream.broker import connect_async
 
     client = await connect_async(redis_url)
@@ -361,7 +478,7 @@ async def test_redis_keepalive_is_a_plain_zadd_and_comes_back_after_a_sweep(redi
     stats = connect(url)
     client = await connect_async(url)
     keys = Keys(f"rlstream:{experiment}:trial0")
-    engine = RedisNameResolver(client, keys.ns, default_ttl=0.3)  # a keepalive every 0.1 s
+    engine = RedisNameResolver(client, keys.ns, default_ttl=0.3)  # a keepalive every 0.15 s
 
     calls = functools.partial(command_calls, stats)
 
@@ -377,7 +494,8 @@ async def test_redis_keepalive_is_a_plain_zadd_and_comes_back_after_a_sweep(redi
         assert stats.zscore(keys.engines, "127.0.0.1:7777") is not None
         stats.zrem(keys.engines, "127.0.0.1:7777")  # swept out (as after a late keepalive)
         await wait_for(lambda: stats.zscore(keys.engines, "127.0.0.1:7777") is not None, what="the keepalive re-registers")
-        assert [f for _, f in stats.xrange(keys.service_changes(ENGINES_SERVICE))][-1] == {b"join": b"127.0.0.1:7777"}
+        last = stats.xrange(keys.service_changes(ENGINES_SERVICE))[-1][1]
+        assert last[b"join"] == b"127.0.0.1:7777" and set(last) == {b"prev", b"join"}
     finally:
         await engine.close()
         await client.aclose()
