@@ -283,12 +283,15 @@ async def test_redis_watch_lists_once_and_applies_the_changes(redis_factory, exp
     server of its own."""
     from rlstream.broker import connect, connect_async
 
+    from rlstream.broker.keys import Keys
+
     url = redis_factory().url
     stats = connect(url)
     client = await connect_async(url)
-    ns = f"rlstream:{experiment}:trial0"
+    keys = Keys(f"rlstream:{experiment}:trial0")
+    ns = keys.ns
     watcher = RedisNameResolver(client, ns, default_ttl=0.4)  # blocks 0.2 s, a sweep every block
-    engine = RedisNameResolver(client, ns, default_ttl=600)  # registrations that outlive the test (unless ttl=)
+    engine = RedisNameResolver(client, ns, default_ttl=600)  # registrations that outlive the test
     views: list[list[str]] = []
 
     async def follow() -> None:
@@ -308,13 +311,16 @@ async def test_redis_watch_lists_once_and_applies_the_changes(redis_factory, exp
         assert calls("zrange") == 1  # the first list only
         await engine.register(ENGINES_SERVICE, "127.0.0.1:1111")
         await wait_for(lambda: views[-1] == ["127.0.0.1:1111"], what="the join seen")
-        await engine.register(ENGINES_SERVICE, "127.0.0.1:2222", ttl=1.0)
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:2222")
         await wait_for(lambda: views[-1] == ["127.0.0.1:1111", "127.0.0.1:2222"], what="the second join seen")
-        await engine.register(ENGINES_SERVICE, "127.0.0.1:3333", ttl=1.0)
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:3333")
         await wait_for(lambda: views[-1] == ["127.0.0.1:1111", "127.0.0.1:2222", "127.0.0.1:3333"],
                        what="the third join seen")
-        await engine.close_quietly()  # every keepalive stops: 2222 and 3333 "crash" (1111's lasts 600 s)
+        await engine.close_quietly()  # every keepalive stops; 2222 and 3333 "crash": their expiry passes
+        stats.zadd(keys.engines, {"127.0.0.1:2222": 1, "127.0.0.1:3333": 1}, xx=True)
         await wait_for(lambda: views[-1] == ["127.0.0.1:1111"], what="the expiries seen (the watcher's sweep)")
+        expired = stats.xrevrange(keys.service_changes(ENGINES_SERVICE), count=1)[0][1]
+        assert sorted(expired[b"expired"].split()) == [b"127.0.0.1:2222", b"127.0.0.1:3333"]  # one entry names both
         await RedisNameResolver(client, ns, 600).unregister(ENGINES_SERVICE, "127.0.0.1:1111")
         await wait_for(lambda: views[-1] == [], what="the leave seen")
         await blocks_pass(5)
@@ -377,6 +383,7 @@ async def test_redis_watch_loses_nothing_across_a_reconnect_and_a_lost_script_ca
     flushed (as after a restart): changes made meanwhile still reach its view, and so does an expiry swept by its next sweep (which
     loads the script again)."""
     from rlstream.broker import connect, connect_async
+    from rlstream.broker.keys import Keys
 
     url = redis_factory().url
     stats = connect(url)
@@ -402,10 +409,11 @@ async def test_redis_watch_loses_nothing_across_a_reconnect_and_a_lost_script_ca
         await engine.register(ENGINES_SERVICE, "127.0.0.1:2222")
         await engine.unregister(ENGINES_SERVICE, "127.0.0.1:1111")
         await wait_for(lambda: views[-1] == ["127.0.0.1:2222"], what="the changes made while disconnected seen")
-        await crashing.register(ENGINES_SERVICE, "127.0.0.1:3333", ttl=1.0)
+        await crashing.register(ENGINES_SERVICE, "127.0.0.1:3333")
         await wait_for(lambda: views[-1] == ["127.0.0.1:2222", "127.0.0.1:3333"], what="the join seen")
         stats.script_flush()
-        await crashing.close_quietly()  # 3333 "crashes"
+        await crashing.close_quietly()  # 3333 "crashes": its keepalive stops and its expiry passes
+        stats.zadd(Keys(ns).engines, {"127.0.0.1:3333": 1}, xx=True)
         await wait_for(lambda: views[-1] == ["127.0.0.1:2222"], what="the expiry seen")
         assert await watcher.list(ENGINES_SERVICE) == ["127.0.0.1:2222"]
     finally:
