@@ -300,9 +300,9 @@ async def test_redis_watch_lists_once_and_applies_the_changes(redis_factory, exp
 
     calls = functools.partial(command_calls, stats)
 
-    async def blocks_pass(n: int) -> None:  # n more sweeps (each rides on a read after an idle block)
-        target = calls("zrangebyscore") + n
-        await wait_for(lambda: calls("zrangebyscore") >= target, what=f"{n} more idle blocks")
+    async def blocks_pass(n: int) -> None:  # n more blocking reads (idle ones: nothing changes meanwhile)
+        target = calls("xread") + n
+        await wait_for(lambda: calls("xread") >= target, what=f"{n} more idle blocks")
 
     task = asyncio.create_task(follow())
     try:
@@ -325,6 +325,7 @@ async def test_redis_watch_lists_once_and_applies_the_changes(redis_factory, exp
         await wait_for(lambda: views[-1] == [], what="the leave seen")
         await blocks_pass(5)
         assert calls("zrange") == 1, "joins, expiries and a leave were applied, never listed"
+        assert calls("zrangebyscore") >= 5, "idle blocks sweep"
         assert views == [[], ["127.0.0.1:1111"], ["127.0.0.1:1111", "127.0.0.1:2222"],
                          ["127.0.0.1:1111", "127.0.0.1:2222", "127.0.0.1:3333"], ["127.0.0.1:1111"], []]
         assert calls("xread") >= 10
