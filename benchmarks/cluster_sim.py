@@ -71,7 +71,7 @@ from rlstream.broker.versions import FOLLOW_BLOCK_MS  # noqa: E402
 from rlstream.common.tasks import cancel_and_wait  # noqa: E402
 
 
-ENGINE_TTL = 10.0  # name-resolve lease of an engine, real seconds (keepalive every ttl/2: the resolver's default keepalives_per_ttl; cluster.name_resolve.lease_ttl)
+ENGINE_TTL = 10.0  # name-resolve lease of an engine, real seconds (keepalive every ttl / Setting.keepalives_per_ttl; cluster.name_resolve.lease_ttl)
 RESOLVE_POLL_S = 0.5  # a producer's name-resolve poll of the generation (make_name_resolver's poll_interval)
 FOLLOW_BLOCK_S = FOLLOW_BLOCK_MS / 1000  # XREAD BLOCK of an event follower (AsyncVersionRegistry.follow)
 READ_BLOCK_S = 1.0  # XREADGROUP BLOCK of the trainer's reader (StepReader's default)
@@ -466,8 +466,8 @@ class Cluster:
         self.result.event_ms, self.result.engines_pid = done.event_ms, done.pid
 
     async def _engine_up(self, engine: SimulatedEngine) -> None:
-        """Register the engine under name resolve (a keepalive every ttl/2: a process that falls ttl/2 behind
-        loses engines from the producers' views) and follow the version events."""
+        """Register the engine under name resolve (a keepalive every ttl / keepalives_per_ttl: a process that falls
+        further behind loses engines from the producers' views) and follow the version events."""
         await self._agents_say(f"up {engine.name}")
         self._engines_up.add(engine.name)
 
@@ -899,7 +899,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         + (", minimal payload" if s.payload == "minimal" else "")
         + (f", what-if: refused producers poll every {s.admit_poll_s:g} s" if s.admit_poll_s else "")
         + (f", what-if: name-resolve poll every {s.resolve_poll_s:g} s" if s.resolve_poll_s else "")
-        + (f", what-if: {s.keepalives_per_ttl} keepalives per ttl" if s.keepalives_per_ttl else "")
+        + (f", {s.keepalives_per_ttl} keepalives per ttl" if s.keepalives_per_ttl else "")
         + (", abort_stale" if s.abort_stale else "") + (f", pause {s.pause_mode}" if s.pause_mode != "abort" else "")
         + (", engines registered + following events" if s.control_plane else "")
         + (f", {s.elastic} leave at step {s.steps // 3} and rejoin at {2 * s.steps // 3}" if s.elastic else "")
@@ -1001,7 +1001,9 @@ SETTINGS = {
     # The control plane at 256 engines: 7B on 256 engine + 256 trainer GPUs, 32 producers, 32 engines
     # leaving a third into the run and rejoining at two thirds.
     "cp-7b-256engines": Setting("cp-7b-256engines", model="qwen2.5-7b", engines=256, train_gpus=256, producers=32,
-                                batch=1024, n_samples=8, steps=6, accel=10.0, control_plane=True, elastic=32),
+                                batch=1024, n_samples=8, steps=6, accel=10.0, control_plane=True, elastic=32,
+                                # as docs/scaling.md advises at hundreds of engines (the default is 3)
+                                keepalives_per_ttl=2),
     "quick": Setting("quick", model="qwen2.5-1.5b", engines=4, train_gpus=4, producers=2, batch=8, n_samples=4,
                      prompt_len=128, len_median=256, len_sigma=0.8, max_new_tokens=2048, steps=6, accel=5.0,
                      control_plane=True, elastic=1),
@@ -1188,7 +1190,8 @@ COMPARISON = """### Reading it (honestly)
   push from the old weights (the behaviour logprobs each token records are still exact)
 - **256 engines, name resolve (issue 16, 2026-11-24 00:45-01:07 UTC, 1-min load 0.2-1.1, one
   pair ending at 2.6): watchers apply the membership entries instead of listing, and engines
-  keep alive every ttl/2 instead of ttl/3. Control-plane Redis CPU a steady step, before (main
+  keep alive every ttl/2 instead of ttl/3 (`keepalives_per_ttl=2`, which this setting runs; the
+  default stays 3). Control-plane Redis CPU a steady step, before (main
   75278bd) -> after (cpdelta), alternated A B (C) A B (C) in the same window, minimal payload,
   the same command lines as M3 / K (`--setting cp-7b-256engines --etas 0,2 | 0,1,4 --payload
   minimal`):**
@@ -1218,8 +1221,8 @@ COMPARISON = """### Reading it (honestly)
   was trimmed past it, or recreated) or after an error; its ttl/2 sweep goes in the same round
   trip as its next read (one round trip per idle block instead of two) and runs by the
   watcher's clock, so a steady stream of changes does not hold it off (it used to run only
-  after an idle block). (2) `cluster.name_resolve.keepalives_per_ttl` (new, default 2; it was
-  a fixed 3): 256 engines send 51 plain ZADDs a second at ttl 10 s instead of 77 (zadd calls
+  after an idle block). (2) `cluster.name_resolve.keepalives_per_ttl` (new; the default stays
+  3, the old fixed value; this setting runs 2): 256 engines send 51 plain ZADDs a second at ttl 10 s instead of 77 (zadd calls
   137 -> 114 a modeled second at η = 0). The crash bound is unchanged (a registration expires
   ttl after its last keepalive; a crashed engine leaves every view within ttl + ttl/2); what
   is weaker is the slack of a live engine: a keepalive more than ttl/2 late (5 s at the

@@ -5,7 +5,7 @@ per service — for engines exactly `Keys.engines` — with member = address and
 expiry in ms on the Redis server's clock (TIME inside the scripts, like the admission
 leases, so engines and producers with skewed clocks agree). A background keepalive
 pushes the expiry (ttl ahead) forward `cluster.name_resolve.keepalives_per_ttl` times a
-ttl (default 2: every ttl/2): a plain `ZADD XX CH` with the server's clock estimated from
+ttl (default 3: every ttl/3): a plain `ZADD XX CH` with the server's clock estimated from
 the last script call (no script), every `RESYNC_EVERY`-th one, and one that finds the
 address swept out, through the script; a crashed engine stops refreshing and drops out
 of `list` once its expiry passes (at most ttl after its last keepalive, whatever the

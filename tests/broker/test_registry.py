@@ -444,14 +444,14 @@ def test_applied_changes_and_gaps():
 
 
 def test_keepalive_period_follows_the_setting(redis_url, experiment):
-    """`cluster.name_resolve.keepalives_per_ttl` (default 2: every ttl/2) sets the keepalive period of both
+    """`cluster.name_resolve.keepalives_per_ttl` (default 3: every ttl/3) sets the keepalive period of both
     backends; the registration still lives ttl without one."""
     for kind in ("redis", "etcd"):
         r = make_name_resolver(_cfg(kind, redis_url, experiment, ttl=12))
-        assert r.keepalive_period(r.default_ttl) == 6.0
+        assert r.keepalive_period(r.default_ttl) == 4.0
         r = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"cluster.name_resolve.type={kind}",
-                                                  "cluster.name_resolve.keepalives_per_ttl=3"]))
-        assert r.keepalive_period(12) == 4.0
+                                                  "cluster.name_resolve.keepalives_per_ttl=2"]))
+        assert r.keepalive_period(12) == 6.0
 
 
 async def test_redis_watch_sees_an_expired_engine_within_about_the_ttl(redis_url, experiment):
