@@ -375,6 +375,22 @@ if live > 0 then wake(KEYS[4], KEYS[5], 'release', false) end
 return {live, 0}
 """
 
+# KEYS: running, done, armed, wake, owners, dropped
+# ARGV: lease_id, done_ttl_ms, reason, min_version, served_version, ts, producer  -> {lease_was_live, repeated}
+# A finished group already too stale to train: its lease is dropped (the slot freed, not counted as accepted
+# nor rejected) and the drop recorded in `{ns}:dropped` like the reader's, but under `lease` (no stream entry).
+_DROP_STALE = LUA_WAKE + _LUA_LEASES + """
+if redis.call('EXISTS', KEYS[2]) == 1 then
+  return {0, 1}
+end
+local live = drop(KEYS[1], KEYS[5], {ARGV[1]})
+redis.call('SET', KEYS[2], '-', 'PX', ARGV[2])
+redis.call('XADD', KEYS[6], '*', 'lease', ARGV[1], 'reason', ARGV[3], 'min_version', ARGV[4],
+           'trainer_version', ARGV[5], 'ts', ARGV[6], 'producer', ARGV[7])
+if live > 0 then wake(KEYS[3], KEYS[4], 'dropped', false) end
+return {live, 0}
+"""
+
 # KEYS: running, armed, wake, owners   ARGV: lease ids  -> leases that were live
 _ABANDON = LUA_WAKE + _LUA_LEASES + """
 local n = drop(KEYS[1], KEYS[4], ARGV)
@@ -663,6 +679,28 @@ class Admission:
         yield from script(_RELEASE, [self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id),
                                      self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners],
                           [lease_id, DONE_TTL_MS])
+
+    def too_stale(self, min_version: int, served_version: int) -> bool:
+        """True if a group whose oldest model token is `min_version` can no longer be trained (see `drop_stale`)."""
+        return min_version >= 0 and served_version - min_version > self.eta
+
+    @operation
+    def drop_stale(self, lease_id: str, min_version: int, served_version: int) -> Plan:
+        """Drop the lease of a finished group that is already too stale to train, instead of committing it.
+
+        The trainer reads at a version >= any version served (published) so far, so a group with
+        `served_version - min_version > η` would only be written, read and dropped by the reader:
+        it is recorded in `{ns}:dropped` (under `lease`) here, and its slot freed, without its payload
+        ever reaching the stream. Returns True if this call dropped it (False: already finished).
+        """
+        _untried.discard(lease_id)  # its marker ('-') now exists: a commit must read it
+        reason = (f"head staleness {served_version - min_version} > max_head_offpolicyness {self.eta} "
+                  f"(served version {served_version}), dropped before commit")
+        live, repeated = (yield from script(
+            _DROP_STALE, [self.keys.admit_running, self.keys.admit_done(lease_id), self.keys.admit_armed,
+                          self.keys.admit_wake, self.keys.admit_owners, self.keys.dropped],
+            [lease_id, DONE_TTL_MS, reason, min_version, served_version, time.time(), self.producer_id or ""]))
+        return not int(repeated)
 
     @operation
     def abandon(self, lease_ids: list[str]) -> Plan:

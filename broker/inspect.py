@@ -339,7 +339,7 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "admission": admission,
         "staleness": staleness,
         "dead_letters": _records(client, keys.dead, recent, ("source_id", "reason", "ts")),
-        "dropped": _records(client, keys.dropped, recent, ("source_id", "reason", "min_version", "trainer_version", "ts")),
+        "dropped": _records(client, keys.dropped, recent, ("source_id", "lease", "reason", "min_version", "trainer_version", "ts")),
         "throughput": throughput,
         "engines": [{"address": id_str(addr), "expires_in_ms": int(score) - now, "alive": score > now}
                     for addr, score in engines],

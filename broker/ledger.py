@@ -5,7 +5,9 @@ stopped (a crash or a clean stop):
 
 - trained: named by the record of a step the trainer completed (steps below the
   trainer version; a step re-run after a crash counts once: its records must agree);
-- dropped stale: in `{ns}:dropped` (the reader's too-stale drop, slot given back);
+- dropped stale: in `{ns}:dropped` (the reader's too-stale drop, slot given back; that stream
+  also records, under `lease`, groups a producer dropped as too stale before committing them:
+  counted apart, as `dropped_before_commit`);
 - dead-lettered: in `{ns}:dead` (undecodable or invalid, copied with its reason);
 - pending: delivered to the `train` group and not acknowledged (the read-ahead pool, or
   a recorded step not completed yet): a restarted trainer replays them;
@@ -76,7 +78,10 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
     steps_missing = [s for s in range(trainer_version) if s not in plans]
     planned_not_trained = {eid for step, p in plans.items() if step >= trainer_version for eid in p[0]}
 
-    dropped_rows = [(id_str(eid), id_str(f.get(b"source_id", b""))) for eid, f in client.xrange(keys.dropped)]
+    drop_records = client.xrange(keys.dropped)
+    # a producer's drop before commit names its lease, not an entry: the stream never held that group
+    dropped_rows = [(id_str(eid), id_str(f[b"source_id"])) for eid, f in drop_records if b"source_id" in f]
+    dropped_before_commit = sum(1 for _eid, f in drop_records if b"source_id" not in f)
     dead_rows = [id_str(f.get(b"source_id", b"")) for _eid, f in client.xrange(keys.dead)]
     dropped, dead = {s for _, s in dropped_rows}, set(dead_rows)
 
@@ -109,6 +114,7 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
         "steps_replayed_with_other_entries": replayed_differently,
         "dropped_stale": len(dropped),
         "dropped_twice": len(dropped_rows) - len(dropped),
+        "dropped_before_commit": dropped_before_commit,
         "dead_lettered": len(dead),
         "dead_lettered_twice": len(dead_rows) - len(dead),
         "pending": len(pending - trained),

@@ -68,7 +68,7 @@ class RunCollector:
         yield counter("accepted_groups", "Groups accepted into the stream (a stale drop gives its slot back).",
                       a["accepted"])
         yield counter("rejected_groups", "Finished groups rejected by should_accept (dynamic sampling).", a["rejected"])
-        yield counter("dropped_groups", "Groups the trainer dropped as too stale.", s["dropped"]["count"])
+        yield counter("dropped_groups", "Groups dropped as too stale (by the trainer's reader, or by a producer before commit).", s["dropped"]["count"])
         yield counter("dead_letters", "Entries that failed to decode or validate.", s["dead_letters"]["count"])
         yield gauge("producer_groups_per_second", "Groups written per second over the window.",
                     thr["producer_groups_per_s"])

@@ -273,10 +273,11 @@ class TrajectoryStream:
         return {k[len(b"orig:"):]: v for k, v in raw[0][1].items() if k.startswith(b"orig:")}
 
     def dropped_records(self, count: int = 100) -> list[dict[str, Any]]:
-        """The newest too-stale records: source_id, reason, min_version, trainer_version, ts."""
+        """The newest too-stale records: source_id (or lease, dropped before commit), reason, min_version, trainer_version, ts."""
         out = []
         for eid, f in self.client.xrevrange(self.keys.dropped, count=count):
             out.append({"id": id_str(eid), "source_id": id_str(f.get(b"source_id", b"")),
+                        "lease": id_str(f.get(b"lease", b"")),  # a producer's drop before commit: no entry
                         "reason": f.get(b"reason", b"").decode(errors="replace"),
                         "min_version": int(f.get(b"min_version", b"-1")),
                         "trainer_version": int(f.get(b"trainer_version", b"-1")),

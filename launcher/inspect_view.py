@@ -148,7 +148,7 @@ def render_state(s: dict[str, Any], url: str) -> Any:
             for col in ("time", "source id", "reason"):
                 t.add_column(col)
             for r in rec["recent"]:
-                t.add_row(_when(r.get("ts")), Text(str(r.get("source_id") or "-")), Text(str(r.get("reason") or "-")))
+                t.add_row(_when(r.get("ts")), Text(str(r.get("source_id") or (f"lease {r['lease']}" if r.get("lease") else "-"))), Text(str(r.get("reason") or "-")))
             parts.append(t)
 
     if s["engines"]:

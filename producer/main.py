@@ -6,9 +6,12 @@ flight or accepted never runs past `(η + v + 1)·B` nor `max_concurrent_rollout
 for leases in batches (`try_acquire_many`, each lease decided as by its own call): one,
 doubling while all are granted up to `ADMIT_BATCH_MAX`, one again after a refusal, so the
 burst of slots a version bump frees costs a few script calls per producer, not one per slot. A
-finished group is committed (lease dropped, counted, XADDed: one script) if it passes
+finished group is committed (lease dropped, counted, XADDed: one transaction) if it passes
 `should_accept`, released (counted as rejected) if not, and abandoned (lease dropped)
-if its rollout failed. Leases of long rollouts are renewed in the background — also
+if its rollout failed. One that passes but is already more than η behind the version served
+(the trainer reads at that version or a later one) is dropped here instead of committed: its
+lease freed and the drop recorded in `{ns}:dropped`, as the reader would have done after
+reading the payload. Leases of long rollouts are renewed in the background — also
 while requests wait for an engine to appear — so only a dead producer's leases expire.
 A liveness heartbeat (`broker.admission.HEARTBEAT_SECS` after the record was last refreshed;
 each acquisition refreshes it too) ties the leases to this process:
@@ -91,6 +94,7 @@ class Producer:
         self._save_lock = asyncio.Lock()
         # progress counters
         self.accepted = self.rejected = self.failed = 0
+        self.dropped_stale = 0  # finished too stale to train: recorded in {ns}:dropped, never written to the stream
         self.finished = 0
         self.out_tokens = 0
         self.last_state: Any = None
@@ -236,6 +240,7 @@ class Producer:
         def values() -> dict[str, float]:
             ps = self.pool.stats()
             return {"accepted_groups": self.accepted, "rejected_groups": self.rejected, "failed_groups": self.failed,
+                    "dropped_stale_groups": self.dropped_stale,
                     "finished_groups": self.finished, "generated_tokens": self.out_tokens,
                     "inflight_rollouts": len(self.inflight), "version": self.version,
                     "engines_healthy": ps["healthy"], "engine_requests_waiting": ps["waiting"],
@@ -243,7 +248,7 @@ class Producer:
 
         registry = CollectorRegistry()
         registry.register(ValuesCollector("rlstream_producer", values, labels={"producer": self.producer_id},
-                                          counters=("accepted_groups", "rejected_groups", "failed_groups",
+                                          counters=("accepted_groups", "rejected_groups", "failed_groups", "dropped_stale_groups",
                                                     "finished_groups", "generated_tokens", "engine_retries")))
         address = serve(registry, pc.host, pc.port, run_dir=self.cfg.run_dir, name=self.producer_id)
         log.info("%s: prometheus metrics at http://%s/metrics", self.producer_id, address)
@@ -253,9 +258,9 @@ class Producer:
         ps = self.pool.stats()
         cap = f"capacity {st.capacity} (running {st.running}, accepted {st.accepted})" if st is not None else "capacity ?"
         wait = f", {ps['waiting']} requests waiting for an engine" if ps["waiting"] else ""
-        log.info("%s: %.2f groups/s %.1f tokens/s | groups accepted %d rejected %d failed %d | rollouts in flight %d | "
-                 "version %d %s | engines %d/%d healthy, %d retries%s",
-                 self.producer_id, groups_s, tokens_s, self.accepted, self.rejected, self.failed,
+        log.info("%s: %.2f groups/s %.1f tokens/s | groups accepted %d rejected %d failed %d dropped stale %d | "
+                 "rollouts in flight %d | version %d %s | engines %d/%d healthy, %d retries%s",
+                 self.producer_id, groups_s, tokens_s, self.accepted, self.rejected, self.failed, self.dropped_stale,
                  len(self.inflight), self.version, cap, ps["healthy"], ps["engines"], ps["retries"], wait)
 
     def _sync_state(self) -> None:
@@ -331,6 +336,13 @@ class Producer:
                 await self.admission.abandon([lease_id])
                 return False
         if should_accept(self.cfg, group):
+            # Already too stale for the trainer (it reads at a version >= the one served now): recording the
+            # drop here saves writing, reading and validating a payload the reader would only drop.
+            min_version = group.min_version()
+            if self.admission.too_stale(min_version, self.version):
+                if await self.admission.drop_stale(lease_id, min_version, self.version):
+                    self.dropped_stale += 1
+                return False
             await self.admission.commit(lease_id, entry_fields(group))
             self.accepted += 1
             return True
@@ -458,8 +470,8 @@ class Producer:
                 self.last_state = await self.admission.snapshot()
             elapsed = max(time.monotonic() - self._t_start, 1e-9)
             self.log_progress(self.finished / elapsed, self.out_tokens / elapsed)  # whole-run averages
-            log.info("producer %s done (%s): accepted %d, rejected %d, failed %d",
-                     self.producer_id, self.stop_reason, self.accepted, self.rejected, self.failed)
+            log.info("producer %s done (%s): accepted %d, rejected %d, failed %d, dropped stale %d",
+                     self.producer_id, self.stop_reason, self.accepted, self.rejected, self.failed, self.dropped_stale)
             return 0
         finally:
             # Whatever happened, no lease of ours outlives us longer than necessary.

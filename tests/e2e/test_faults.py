@@ -382,8 +382,12 @@ def check_ledger(p: Pipeline) -> dict[str, int]:
     assert set(trained) <= set(ids), "a trained entry is missing from the stream"
 
     # Every entry delivered to the trainer was trained or visibly dropped as too stale, not both.
-    dropped = [f[b"source_id"].decode() for _, f in r.xrange(keys.dropped)]
+    records = r.xrange(keys.dropped)
+    dropped = [f[b"source_id"].decode() for _, f in records if b"source_id" in f]
     assert len(dropped) == len(set(dropped)) and not set(dropped) & set(trained)
+    # the rest are groups a producer dropped before commit (too stale already): no entry, their lease named
+    before_commit = [f for _, f in records if b"source_id" not in f]
+    assert all(f.get(b"lease") and b"before commit" in f[b"reason"] for f in before_commit), before_commit
     info = next(g for g in r.xinfo_groups(keys.traj) if g["name"].decode() == TRAIN_GROUP)
     last = id_tuple(info["last-delivered-id"].decode())
     delivered = {i for i in ids if id_tuple(i) <= last}
@@ -398,7 +402,7 @@ def check_ledger(p: Pipeline) -> dict[str, int]:
     assert p.version() == p.trainer_version() == p.steps
     assert any(e.type == "shutdown" for e in p.events())
     return {"entries": len(ids), "trained": len(trained), "dropped": len(dropped),
-            "undelivered": len(ids) - len(delivered)}
+            "dropped_before_commit": len(before_commit), "undelivered": len(ids) - len(delivered)}
 
 
 def producer_state(p: Pipeline, proc: Proc):

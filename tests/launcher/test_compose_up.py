@@ -254,7 +254,8 @@ print(json.dumps({
     "last_delivered": group["last-delivered-id"].decode(),
     "pending": r.xpending(k.traj, TRAIN_GROUP)["pending"],
     "dead": r.xlen(k.dead),
-    "dropped": [f[b"source_id"].decode() for _, f in r.xrange(k.dropped)],
+    "dropped": [f[b"source_id"].decode() for _, f in r.xrange(k.dropped) if b"source_id" in f],
+    "dropped_before_commit": [f[b"lease"].decode() for _, f in r.xrange(k.dropped) if b"source_id" not in f],
     "version": int(r.get(k.version) or 0), "trainer_version": int(r.get(k.trainer_version) or 0),
     "producers": producers,
 }))
@@ -297,7 +298,8 @@ def check_ledger(d: dict, steps: int, n_producers: int) -> dict[str, int]:
     undelivered = len(ids) - len(delivered)
     # Producers may run ahead of the last step by the admission budget, never further.
     assert undelivered <= (ETA + 1) * BATCH, undelivered
-    return {"entries": len(ids), "trained": len(trained), "dropped": len(dropped), "undelivered": undelivered}
+    return {"entries": len(ids), "trained": len(trained), "dropped": len(dropped),
+            "dropped_before_commit": len(d["dropped_before_commit"]), "undelivered": undelivered}
 
 
 def metric_steps(path: Path) -> list[int]:

@@ -246,6 +246,31 @@ def test_sigterm_finishes_or_releases_in_flight_rollouts(shared_engine, producer
     assert s.running == 0 and s.accepted == 2 and len(stream_groups(rclient, keys)) == 2
 
 
+def test_a_group_finished_too_stale_is_dropped_by_its_producer_not_written(shared_engine, producers, data,
+                                                                          tiny_model_path, redis_url, experiment,
+                                                                          rclient):
+    """The run serves version 5 while this engine still generates with version-0 weights (η = 1): every
+    finished group is already too stale for the trainer (which reads at version >= 5), so the producer
+    records its drop in {ns}:dropped under its lease and frees the slot, and no payload reaches the stream."""
+    keys = ns_keys(experiment)
+    VersionRegistry(rclient, keys).set(5)
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=2, max_concurrent_rollouts=2)
+    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
+                                     f"rollout.engine_addresses=[{shared_engine.address}]",
+                                     "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=2",
+                                     "rollout.max_head_offpolicyness=1"), "behind")
+    wait_for(lambda: rclient.xlen(keys.dropped) >= 6, what="6 groups dropped before commit", proc=p)
+    p.signal(signal.SIGTERM)
+    assert p.wait(60) == 0, p.log()[-3000:]
+    records = [f for _, f in rclient.xrange(keys.dropped)]
+    leases = [f[b"lease"] for f in records]
+    assert len(records) >= 6 and len(set(leases)) == len(leases)
+    assert all(b"source_id" not in f and f[b"trainer_version"] == b"5" and int(f[b"min_version"]) <= 3
+               and b"dropped before commit" in f[b"reason"] for f in records), records[:2]
+    s = adm.snapshot()
+    assert rclient.xlen(keys.traj) == 0 and s.accepted == 0 and s.running == 0 and s.rejected == 0
+
+
 def test_sigkilled_producer_frees_its_leases_in_seconds_not_lease_ttl(shared_engine, producers, data,
                                                                       tiny_model_path, redis_url, experiment, rclient):
     """Leases are tied to the producer's liveness record: a live producer keeps its leases through
