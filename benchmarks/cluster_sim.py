@@ -161,6 +161,7 @@ class Result:
     generated_trained: int = 0
     redis_usec_per_step: dict = field(default_factory=dict)  # INFO commandstats delta over the steady steps, top commands
     aborted_stale: int = 0  # rollouts stopped once their group could no longer be trained (abort_stale)
+    dropped_before_commit: int = 0  # finished groups a producer dropped as already too stale (never written)
     registered_at_end: int = 0  # engines registered under name resolve when the last step ended
     probe: dict = field(default_factory=dict)  # cp_probe.ProbeResult of this run's probe process (as JSON)
     redis_calls_per_step: dict = field(default_factory=dict)  # INFO commandstats calls delta, same commands
@@ -252,6 +253,7 @@ class Cluster:
         self._rollouts = itertools.count()
         self._retired: list[SimulatedEngine] = []  # incarnations that left (elastic)
         self._budget_full: dict[int, bool] = {}  # producer -> its last ask was refused because the budget is used up
+        self._served: dict[int, int] = {}  # producer -> the newest served version its event follower saw
         self.timer_scale = s.accel if s.scale_timers else 1.0
 
     def wall(self, real_s: float) -> float:
@@ -334,7 +336,14 @@ class Cluster:
             return False
         if self.stop.is_set():
             return False
-        await adm.commit(lease_id, entry_fields(_group(self.s.prompt_len, outs, producer, self.s.payload)))
+        group = _group(self.s.prompt_len, outs, producer, self.s.payload)
+        # as producer.main: a group already too stale for the trainer is dropped before commit, not written
+        served, oldest = self._served.get(pid, 0), group.min_version()
+        if adm.too_stale(oldest, served):
+            if await adm.drop_stale(lease_id, oldest, served):
+                self.result.dropped_before_commit += 1
+            return False
+        await adm.commit(lease_id, entry_fields(group))
         return True
 
     async def producer(self, pid: int, concurrency: int) -> None:
@@ -415,6 +424,8 @@ class Cluster:
         `{ns}:events` and `{ns}:admit:wake`, as `AsyncVersionRegistry.follow(wakeups=True)` does)."""
         block_ms = max(1, round(1000 * self.wall(FOLLOW_BLOCK_S)))
         async for ev in registry.follow(block_ms, wakeups=True, since=since):
+            if ev.type == "version":
+                self._served[pid] = max(self._served.get(pid, 0), ev.version)
             if ev.type in ("version", "capacity"):
                 wake.set()
             if ev.type == "capacity" and pid == 0:
@@ -686,7 +697,12 @@ def check(result: Result, url: str, keys: Keys, s: Setting) -> dict:
         assert pending == set(result.read_ahead), (
             f"η={result.eta}: pending {sorted(pending)} but the trainer's read-ahead holds {result.read_ahead}")
         ids = [eid.decode() for eid, _ in client.xrange(keys.traj)]
-        dropped = [f[b"source_id"].decode() for _, f in client.xrange(keys.dropped)]
+        drops = [f for _, f in client.xrange(keys.dropped)]
+        dropped = [f[b"source_id"].decode() for f in drops if b"source_id" in f]
+        # the rest: dropped by their producer before commit (no entry; one cut off by the end of the run after its
+        # script ran is in Redis but not counted by the simulator)
+        before_commit = len(drops) - len(dropped)
+        assert before_commit >= result.dropped_before_commit, (before_commit, result.dropped_before_commit)
         info = next(g for g in client.xinfo_groups(keys.traj) if g["name"].decode() == TRAIN_GROUP)
         last = info["last-delivered-id"].decode()
         delivered = [i for i in ids if _idt(i) <= _idt(last)]
@@ -705,6 +721,7 @@ def check(result: Result, url: str, keys: Keys, s: Setting) -> dict:
         owners = {m.decode().rsplit("-", 1)[0] for m in client.zrange(keys.admit_running, 0, -1)}
         assert not any(o.endswith(f"-{probe['pid']}") for o in owners), f"η={result.eta}: a probe lease is still running"
         return {"entries": len(ids), "trained": len(trained), "dropped": len(dropped), "read_ahead": len(pending),
+                "dropped_before_commit": before_commit,
                 "undelivered": len(ids) - len(delivered)}
     finally:
         client.close()
@@ -882,6 +899,11 @@ def ideal_step_s(s: Setting, timing: TimingModel, base: Result, eta: int) -> Bou
                  latency_all=latency_all, trainable=trainable)
 
 
+def _drops(r: Result) -> str:
+    """Stale drops: by the trainer's reader, and by the producers before commit (already too stale: not written)."""
+    return f"{r.stale_drops} + {r.dropped_before_commit}" if r.dropped_before_commit else str(r.stale_drops)
+
+
 def _pct(xs: list[float], q: float) -> float:
     xs = sorted(xs) or [0.0]
     return xs[min(len(xs) - 1, int(len(xs) * q))]
@@ -906,7 +928,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         + (", control-plane timers x" + f"{s.accel:g} (as often per modeled second as in a real run)" if s.scale_timers
            else ", control-plane timers on the wall clock"),
         "",
-        "| η | trainer tok/s | engine util | staleness mean / max | stale drops | Redis CPU ms/step: all "
+        "| η | trainer tok/s | engine util | staleness mean / max | stale drops (+ before commit) | Redis CPU ms/step: all "
         "(control plane + payload) | admission p50 / p99 ms: probe (producers) | event fan-out p50 / p99 ms: probe "
         "(engines) | control plane / step | all-in / step | push share | step s | speedup | honest bound | of bound |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -934,7 +956,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         split = (f"{1000 * cpu:.0f} ({1000 * cp_cpu:.0f} + {1000 * (cpu - cp_cpu):.0f})"
                  if r.redis_cpu_minimal_per_step is not None else f"{1000 * cpu:.0f} (not split)")
         lines.append(f"| {r.eta} | {r.steady_tokens_per_s:,.0f} | {r.utilisation:.0%} | {statistics.mean(st):.2f} / "
-                     f"{max(st)} | {r.stale_drops} | {split} | {q50:.2f} / {q99:.2f} ({p50:.2f} / {p99:.2f}) | "
+                     f"{max(st)} | {_drops(r)} | {split} | {q50:.2f} / {q99:.2f} ({p50:.2f} / {p99:.2f}) | "
                      f"{f50:.1f} / {f99:.1f} (" + (f"{e50:.1f} / {e99:.1f}) | " if r.event_ms else "-) | ")
                      + f"{share:.2%} | {all_in:.2%} | {r.push_s / r.modeled_s:.1%} | {r.steady_step_s:.1f} | "
                      f"{speed:.2f}x | {bound:.2f}x ({ideals[r.eta].binding}) | {speed / bound:.0%} |")
@@ -948,7 +970,8 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "control_plane_share": share, "checks": r.checks, "accel": s.accel,
                        "admission_p50_ms": q50, "admission_p99_ms": q99, "event_p50_ms": f50, "event_p99_ms": f99,
                        "push_share": r.push_s / r.modeled_s, "push_wall_ms_p50": _pct(r.push_wall_ms, 0.5),
-                       "stale_drops": r.stale_drops, "left": r.left, "joined": r.joined,
+                       "stale_drops": r.stale_drops, "dropped_before_commit": r.dropped_before_commit,
+                       "left": r.left, "joined": r.joined,
                        "min_resolved": r.min_resolved, "registered_at_end": r.registered_at_end,
                        "events_seen": len(r.event_ms), "wall_s": r.wall_s,
                        "redis_usec_per_step": r.redis_usec_per_step, "mean_batch": r.mean_batch,
