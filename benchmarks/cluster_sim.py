@@ -58,7 +58,7 @@ from cp_probe import ProbeResult  # noqa: E402
 from redis_child import RedisChild  # noqa: E402
 
 from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
-from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, budget  # noqa: E402
+from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, WAIT_WINDOW_MS, budget  # noqa: E402
 from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
 from rlstream.broker.registry import RedisNameResolver  # noqa: E402
 from rlstream.common.config import KEEPALIVES_PER_TTL  # noqa: E402
@@ -350,7 +350,10 @@ class Cluster:
         client = await connect_async(self.url)
         adm = AsyncAdmissionController(client, self.keys, max_head_offpolicyness=self.eta,
                                        consumer_batch_size=self.s.batch, max_concurrent_rollouts=10**6,
-                                       lease_ttl=3600.0, producer_id=f"producer-{pid}")
+                                       lease_ttl=3600.0, producer_id=f"producer-{pid}",
+                                       # fair share: the window is a control-plane timer too (it must exceed
+                                       # the longest wait between two asks, which `poll` scales)
+                                       wait_window_ms=max(1, round(1000 * self.wall(WAIT_WINDOW_MS / 1000))))
         tasks: set[asyncio.Task] = set()
         inflight: set[str] = set()  # lease ids of its running rollouts (renewed in the background)
         # Refused a lease, a producer waits as producer.main's does: for a rollout of its own to end, a version

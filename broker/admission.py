@@ -510,8 +510,9 @@ class Admission:
 
     def __init__(self, client: Any, keys: Keys, *, max_head_offpolicyness: int, consumer_batch_size: int,
                  max_concurrent_rollouts: int, lease_ttl: float = 300.0, producer_id: str | None = None,
-                 wait_replicas: int = 0, wait_timeout: float = 10.0) -> None:
+                 wait_replicas: int = 0, wait_timeout: float = 10.0, wait_window_ms: int = WAIT_WINDOW_MS) -> None:
         self.client = client
+        self.wait_window_ms = wait_window_ms  # fair share: a refusal this recent counts its producer as waiting
         self.wait_replicas = wait_replicas  # replicas that must confirm a commit (WAIT) before it returns
         self.wait_timeout_ms = int(wait_timeout * 1000)  # below the socket timeout: WAIT blocks the reply
         # Set for a producer: each commit also counts the group in its `accepted:{id}` field of
@@ -545,7 +546,7 @@ class Admission:
                 self.keys.admit_alive, self.keys.run, self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners]
         sent = time.monotonic()
         res = yield from script(_ACQUIRE, keys, [self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent,
-                                                 WAIT_WINDOW_MS, lease_owner() if own_ids else "", ALIVE_TTL_MS,
+                                                 self.wait_window_ms, lease_owner() if own_ids else "", ALIVE_TTL_MS,
                                                  *lease_ids])
         running, accepted, version, finished, refreshed = (int(x) for x in res[:5])
         if refreshed:
