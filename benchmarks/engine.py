@@ -181,17 +181,29 @@ async def _with_cpu(run) -> tuple:
 
 
 async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int, jitter_ms: float = 0.0,
-                 hf: bool = True) -> list[dict]:
-    """Best of `repeat` runs per cell; the modes interleave so load drift hits all alike."""
+                 hf: bool = True, frontend: str = "inline") -> list[dict]:
+    """Best of `repeat` runs per cell; the modes interleave so load drift hits all alike.
+
+    frontend=process: the HTTP modes go through `rlstream serve`'s front-end process (server.frontend=process,
+    engine/frontend.py); its CPU is not in the cpu_s column (that counts this process only)."""
     from aiohttp import web
 
     from rlstream.engine.server import build_app
 
     runner = web.AppRunner(build_app(engine), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    address = f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    fe = None
+    if frontend == "process":
+        from rlstream.engine.frontend import start_frontend
+        from rlstream.engine.server import answer_generate
+
+        fe = await start_frontend(runner, lambda body: answer_generate(engine, body), "127.0.0.1", 0, None)
+        port = fe.port
+    else:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+    address = f"127.0.0.1:{port}"
     rows = []
     runs_all: dict[tuple[str, int], list] = {}
     try:
@@ -221,6 +233,8 @@ async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int, jitter
                 print(f"  {mode:<12} c={c:<3} {toks / secs:9.1f} tok/s  (best of {repeat}: {toks} tokens, {secs:.2f}s)",
                       flush=True)
     finally:
+        if fe is not None:
+            await fe.close()
         await runner.cleanup()
     return rows
 
@@ -238,7 +252,7 @@ def _loop_runner():
 def run_benchmark(*, quick: bool = False, model_path: str | None = None, requests: int | None = None,
                   new_tokens: int = 64, prompt_len: int = 16, concurrencies=(1, 8, 32), threads: int = 1,
                   device: str = "cpu", repeat: int = 3, dtype: str = "float32", jitter_ms: float = 0.0,
-                  hf: bool = True, admission_hold_ms: float | None = None) -> dict:
+                  hf: bool = True, admission_hold_ms: float | None = None, frontend: str = "inline") -> dict:
     """Run the whole comparison; returns {"setup": ..., "rows": [...]}."""
     from rlstream.launcher.tiny import build_tiny_model
     from rlstream.engine.local import LocalEngine
@@ -258,7 +272,7 @@ def run_benchmark(*, quick: bool = False, model_path: str | None = None, request
         n_params = sum(p.numel() for p in engine.model.parameters())
         print(f"engine benchmark: {n_params / 1e6:.2f}M params, {requests} requests x {new_tokens} new tokens, "
               f"prompt {prompt_len} tokens, torch threads {threads}, device {engine.device}", flush=True)
-        rows = _loop_runner()(_bench(engine, prompts, concurrencies, new_tokens, repeat, jitter_ms, hf))
+        rows = _loop_runner()(_bench(engine, prompts, concurrencies, new_tokens, repeat, jitter_ms, hf, frontend))
     finally:
         engine.close()
         if tmp is not None:
@@ -266,7 +280,7 @@ def run_benchmark(*, quick: bool = False, model_path: str | None = None, request
     setup = {"params_m": round(n_params / 1e6, 3), "requests": requests, "new_tokens": new_tokens,
              "prompt_len": prompt_len, "torch_threads": threads, "repeat": repeat, "device": str(device), "dtype": dtype,
              "torch": torch.__version__, "cpu": platform.processor() or platform.machine(),
-             "cpu_count": os.cpu_count(), "jitter_ms": jitter_ms,
+             "cpu_count": os.cpu_count(), "jitter_ms": jitter_ms, "frontend": frontend,
              # None: an engine from before admission holds (a --before tree)
              "admission_hold_ms": (lambda h: None if h is None else h * 1000)(getattr(engine, "admission_hold_s", None))}
     return {"setup": setup, "rows": rows}
@@ -626,7 +640,29 @@ def pairs_markdown(runs: list[tuple[str, int, dict, tuple]]) -> str:
                      f"{rel('http_json')} | {rel('http_msgpack')} | "
                      + " / ".join(rel(m, "tokens_per_cpu_s") for m in ("engine_jitter", "http_json", "http_msgpack"))
                      + f" | {fw} | {pf} |")
+    lines += ["", "| / in-process, per side | " + " | ".join(f"{side}: median (range) | {side}: runs ≥ 0.85"
+                                                           for side in sides(runs)) + " |",
+              "|---|" + "---:|---:|" * len(sides(runs))]
+    for mode, label in (("engine_jitter", "in-process, 0–J ms late"), ("http_json", "HTTP JSON"),
+                        ("http_msgpack", "HTTP msgpack")):
+        cells = []
+        for side in sides(runs):
+            xs = [r for s_, _, res, _ in runs if s_ == side if (r := _ratio(res, mode)) is not None]
+            cells += [f"{statistics.median(xs):.2f}× ({min(xs):.2f}–{max(xs):.2f})" if xs else "–",
+                      f"{sum(x >= 0.85 for x in xs)}/{len(xs)}"]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def sides(runs) -> list[str]:
+    return list(dict.fromkeys(side for side, *_ in runs))
+
+
+def _ratio(res: dict, mode: str) -> float | None:
+    """`mode`'s best tok/s over in-process tok/s at the run's largest concurrency."""
+    c = max(r["concurrency"] for r in res["rows"])
+    by = {r["mode"]: r for r in res["rows"] if r["concurrency"] == c}
+    return by[mode]["tokens_per_s"] / by["engine"]["tokens_per_s"] if mode in by else None
 
 
 def write_readme_section(text: str, readme: Path, section: str = SECTION) -> None:
@@ -679,6 +715,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hf", action="store_true", help="skip the HF generate baseline")
     ap.add_argument("--admission-hold-ms", type=float, default=None,
                     help="the engine's admission hold (default: the engine's own; 0 = admit at once)")
+    ap.add_argument("--frontend", choices=("inline", "process"), default="inline",
+                    help="where the HTTP server runs (server.frontend): on the engine's loop, or its own process")
     ap.add_argument("--before", default=None,
                     help="a --json file of this script run on an older tree (PYTHONPATH): adds a before/after table")
     ap.add_argument("--before-label", default=None, help="what --before measured (e.g. 'main at abc1234')")
@@ -717,7 +755,8 @@ def main(argv: list[str] | None = None) -> int:
                                new_tokens=args.new_tokens, prompt_len=args.prompt_len, threads=args.threads,
                                device=args.device, repeat=args.repeat,
                                concurrencies=tuple(int(c) for c in args.concurrencies.split(",")),
-                               jitter_ms=args.jitter_ms, hf=not args.no_hf, admission_hold_ms=args.admission_hold_ms)
+                               jitter_ms=args.jitter_ms, hf=not args.no_hf, admission_hold_ms=args.admission_hold_ms,
+                               frontend=args.frontend)
         result["setup"]["loadavg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     if not args.producer_only:
         if args.before:

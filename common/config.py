@@ -406,6 +406,7 @@ class ServerConfig(_Section):
     admission_hold_ms: D(float, "Local engine: hold new requests up to this long while more are expected (recent finishes not yet re-sent, rows at their length cap), so they join the batch in one prefill; 0 = admit at once.", ge=0) = 50.0
     prefix_cache_tokens: D(int, "Tokens of finished requests' KV the local engine keeps to prefill later prompts that extend them (multi-turn; like SGLang's radix cache); 0 = off.", ge=0) = 16384
     api_key: D(str | None, "Require this bearer token on every route; masked in logs.") = None
+    frontend: D(Literal["inline", "process"], "Where `rlstream serve`'s HTTP server runs: inline (on the engine process's event loop, sharing the GIL with the decode thread) or process (a front-end process of its own that forwards /generate over a Unix socket, as SGLang's tokenizer manager does; engine/frontend.py).") = "inline"
     register: D(bool, "Register with name resolve so producers find this engine.") = True
     simulate: D(SimulateConfig, "A simulated GPU engine instead of the model (`rlstream serve --simulate`).") = msgspec.field(default_factory=SimulateConfig)
 

@@ -24,13 +24,16 @@ A body that does not fit its struct is a 400 `ErrorReply` naming the field. With
 address is printed, logged, written to `$RLSTREAM_ENGINE_ADDR_FILE` when set, and
 registered with name resolve (service "engines") when `server.register` is true.
 SIGTERM/SIGINT: unregister, answer running requests with `abort`, exit 0.
+
+`server.frontend: process` moves the HTTP server into a process of its own (`engine/frontend.py`):
+the same routes, bodies and address; this process keeps the model and serves the app on a
+private Unix socket behind it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import os
 import signal
 import socket
@@ -58,6 +61,8 @@ from rlstream.common.engine_api import (
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolveError, NameResolver
 from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, exposition
+from rlstream.engine.frontend import (FrontendLost, auth_middleware, error_response, json_response,
+                                      negotiated_response, start_frontend)
 from rlstream.engine.local import LocalEngine
 from rlstream.engine.sampling import resolve
 from rlstream.engine.weights import add_weight_routes
@@ -71,43 +76,32 @@ METRICS_KEY = web.AppKey("metrics", CollectorRegistry)
 ADDR_FILE_ENV = "RLSTREAM_ENGINE_ADDR_FILE"
 
 
-def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=api.encode(obj), status=status, content_type=api.JSON)
-
-
-def negotiated_response(request: web.Request, obj: Any) -> web.Response:
-    """msgpack when the client's Accept asks for it (rlstream's client does), else JSON."""
-    if api.wants_msgpack(request.headers.get("Accept", "")):
-        return web.Response(body=api.encode_msgpack(obj), content_type=api.MSGPACK)
-    return json_response(obj)
-
-
-def error_response(status: int, message: str) -> web.Response:
-    return json_response(ErrorReply(error=ErrorDetail(message=message, code=status)), status)
-
-
-def _auth_middleware(api_key: str):
-    expected = f"Bearer {api_key}".encode()
-
-    @web.middleware
-    async def auth(request: web.Request, handler):
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            return error_response(401, f"{request.path}: missing or wrong bearer token (Authorization: Bearer <server.api_key>)")
-        return await handler(request)
-
-    return auth
+_auth_middleware = auth_middleware  # the old name
 
 
 # ---------------------------------------------------------------------- handlers
 
 
 async def generate(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE_KEY]
     if request.app.get("draining"):
         return error_response(503, "engine is shutting down")
     try:
         body = api.decode(await request.read(), GenerateRequest)
+    except BadRequest as exc:
+        return error_response(400, f"/generate: {exc}")
+    status, reply = await answer_generate(request.app[ENGINE_KEY], body)
+    return negotiated_response(request, reply) if status == 200 else json_response(reply, status)
+
+
+def _error(status: int, message: str) -> ErrorReply:
+    return ErrorReply(error=ErrorDetail(message=message, code=status))
+
+
+async def answer_generate(engine: LocalEngine, body: GenerateRequest) -> tuple[int, Any]:
+    """(HTTP status, answer) of a decoded `/generate` body: the response(s), or an `ErrorReply`.
+
+    Shared by the inline handler and the process front end's channel (engine/frontend.py)."""
+    try:
         prompts, batched = _prompts(engine, body)
         sp = body.sampling_params
         sps = sp if isinstance(sp, list) else [sp] * len(prompts)
@@ -117,11 +111,11 @@ async def generate(request: web.Request) -> web.Response:
         for p in prompts:
             engine.validate_prompt(p)
     except ValueError as exc:  # BadRequest too
-        return error_response(400, f"/generate: {exc}")
+        return 400, _error(400, f"/generate: {exc}")
     if body.stream:
-        return error_response(400, "/generate: stream=true is not supported by the local engine")
+        return 400, _error(400, "/generate: stream=true is not supported by the local engine")
     if body.top_logprobs_num:
-        return error_response(400, "/generate: top_logprobs_num is not supported by the local engine")
+        return 400, _error(400, "/generate: top_logprobs_num is not supported by the local engine")
     rl = body.return_logprob
     return_logprob = rl if isinstance(rl, list) else [rl] * len(prompts)
     try:
@@ -130,16 +124,16 @@ async def generate(request: web.Request) -> web.Response:
         else:
             results = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
     except ValueError as exc:
-        return error_response(400, f"/generate: {exc}")
+        return 400, _error(400, f"/generate: {exc}")
     except EngineError as exc:
-        return error_response(500, f"/generate: {exc}")
+        return 500, _error(500, f"/generate: {exc}")
     for r, want in zip(results, return_logprob):
         meta = r.meta_info
         if not want:
             meta.output_token_logprobs = None
         elif body.return_text_in_logprobs and meta.output_token_logprobs:
             meta.output_token_logprobs = [(lp, t, engine.tokenizer.decode([t])) for lp, t, _ in meta.output_token_logprobs]
-    return negotiated_response(request, list(results) if batched else results[0])
+    return 200, (list(results) if batched else results[0])
 
 
 def _prompts(engine: LocalEngine, body: GenerateRequest) -> tuple[list[Any], bool]:
@@ -247,7 +241,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 
 def build_app(engine: LocalEngine, *, api_key: str | None = None) -> web.Application:
     """The aiohttp app for `engine`, weight-update routes included."""
-    middlewares = [_auth_middleware(api_key)] if api_key else []
+    middlewares = [auth_middleware(api_key)] if api_key else []
     app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 * 1024)
     app[ENGINE_KEY] = engine
     app[METRICS_KEY] = _engine_registry(engine)
@@ -299,12 +293,28 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
         except (OSError, ValueError) as exc:  # bad model path / device / dtype: one line, exit 2
             raise ConfigError(f"server: cannot load the model: {exc}") from None
     engine.start()
-    app = build_app(engine, api_key=s.api_key)
+    inline = s.frontend == "inline"
+    # process: the front end checks the token; the app behind it is reached only through a private Unix socket
+    app = build_app(engine, api_key=s.api_key if inline else None)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, s.host, s.port)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS picked
+    frontend = None
+    if inline:
+        site = web.TCPSite(runner, s.host, s.port)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS picked
+    else:
+        async def generate_in_engine(body: GenerateRequest) -> tuple[int, Any]:
+            if app.get("draining"):
+                return 503, _error(503, "engine is shutting down")
+            return await answer_generate(engine, body)
+
+        try:
+            frontend = await start_frontend(runner, generate_in_engine, s.host, s.port, s.api_key)
+        except FrontendLost:
+            await _close_engine(engine, runner)
+            raise
+        port = frontend.port
     address = _advertised(s.host, port)
     log.info("serving %s (device %s, dtype %s, max_batch_size %d) at http://%s",
              engine.model_path, engine.device, s.dtype, engine.max_batch_size, address)
@@ -324,6 +334,8 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
     waits = [asyncio.create_task(stop.wait())]
     if resolver is not None:  # its registration gone for good (Redis away past redis.outage_tolerance)
         waits.append(asyncio.create_task(resolver.lost()))
+    if frontend is not None:  # the front-end process exited: nobody can reach this engine
+        waits.append(frontend_lost := asyncio.create_task(frontend.lost()))
     try:
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
     finally:
@@ -340,11 +352,21 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
                 await resolver.close()
             except Exception as exc:  # noqa: BLE001 - the TTL removes us anyway
                 log.warning("unregister failed (%s); the registration expires by TTL", exc)
-        await loop.run_in_executor(None, engine.close)
+        await loop.run_in_executor(None, engine.close)  # running requests are answered abort
+        if frontend is not None:
+            await frontend.close()
         await runner.cleanup()
         log.info("engine stopped")
+    if frontend is not None and frontend_lost.done() and not frontend_lost.cancelled():
+        raise FrontendLost(f"engine {address} stopped: its HTTP front end (server.frontend=process) exited "
+                           f"with code {frontend.proc.returncode}")
     if resolver is not None and resolver.failure is not None:
         raise BrokerError(f"engine {address} stopped: its name-resolve registration is lost: {resolver.failure}")
+
+
+async def _close_engine(engine: LocalEngine, runner: web.AppRunner) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, engine.close)
+    await runner.cleanup()
 
 
 async def _register(cfg, address: str) -> NameResolver | None:
@@ -388,4 +410,8 @@ def serve(cfg) -> None:
         runner = uvloop.run
     except ImportError:
         runner = asyncio.run
-    runner(run_server(cfg))
+    try:
+        runner(run_server(cfg))
+    except FrontendLost as exc:  # one line, exit 1 (the supervisor restarts the engine)
+        log.error("%s", exc)
+        raise SystemExit(1) from None
