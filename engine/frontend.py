@@ -174,7 +174,6 @@ class FrontendProcess:
         self.app_socket = os.path.join(self.dir, "app")
         self.proc: asyncio.subprocess.Process | None = None
         self._server: asyncio.AbstractServer | None = None
-        self._reading: asyncio.Task | None = None
         self.port = 0
 
     async def start(self, runner: web.AppRunner, host: str, port: int, api_key: str | None,
@@ -203,7 +202,6 @@ class FrontendProcess:
             writer.close()
             return
         self._writer = writer
-        self._reading = asyncio.current_task()
         try:
             while (data := await _read_frame(reader)) is not None:
                 msg = msgspec.msgpack.decode(data, type=_ToEngine)
@@ -235,7 +233,10 @@ class FrontendProcess:
         await self._closed.wait()
 
     async def close(self, timeout: float = 30.0) -> int | None:
-        """Tell the front end to stop (after running requests were answered); wait for it. Its exit code."""
+        """Tell the front end to stop once running requests are answered (call after the engine aborted them);
+        wait for it. Its exit code."""
+        if self._tasks:  # their answers go out before Stop
+            await asyncio.wait(list(self._tasks.values()), timeout=timeout)
         if self._writer is not None and not self._closed.is_set():
             self._writer.write(_frame(_Stop()))
             try:
