@@ -46,7 +46,6 @@ import shutil
 import signal
 import sys
 import tempfile
-from pathlib import Path
 from typing import Any, Awaitable, Callable
 
 import msgspec

@@ -76,9 +76,6 @@ METRICS_KEY = web.AppKey("metrics", CollectorRegistry)
 ADDR_FILE_ENV = "RLSTREAM_ENGINE_ADDR_FILE"
 
 
-_auth_middleware = auth_middleware  # the old name
-
-
 # ---------------------------------------------------------------------- handlers
 
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
-import pytest
 
-from tests.helpers import PROMPTS, EngineProcess, child_env, cli, perturbed_state, wait_for
+from tests.helpers import PROMPTS, EngineProcess, child_env, cli, perturbed_state
 
 AUTH = {"Authorization": "Bearer tok"}
 MSGPACK = {**AUTH, "Accept": "application/msgpack, application/json;q=0.9"}
