@@ -119,9 +119,16 @@ async def test_in_place_pause_keeps_running_requests_and_their_kv_through_an_upd
         for mode, why in (("retract", "abort, in_place, keep"), ("bogus", "mode")):
             status, body = await srv.post("/pause_generation", {"mode": mode})
             assert status == 400 and why in body["error"]["message"] and not eng.paused
-        n_new = 60
+        n_new = 200
         long = {"max_new_tokens": n_new, "temperature": 1.0, "ignore_eos": True}
+        # The three start together (they wait behind an abort pause, then join in one prefill), so under any
+        # load all three are running at once, with ~200 steps for the in-place pause to land.
+        status, _ = await srv.post("/pause_generation", {"mode": "abort"})
+        assert status == 200
         tasks = [asyncio.create_task(srv.post("/generate", gen_body(p, **long))) for p in PROMPTS[:3]]
+        await wait_for(lambda: eng.stats()["waiting"] == 3, what="3 waiting requests")
+        status, _ = await srv.post("/continue_generation")
+        assert status == 200
         await wait_for(lambda: eng.stats()["running"] == 3 and eng.total_tokens >= 6, what="3 running requests")
         status, body = await srv.post("/pause_generation", {"mode": "in_place"})
         assert status == 200 and body["paused"] and eng.paused
