@@ -108,7 +108,8 @@ class Setting:
     # slot and KV cache and decode on under the new weights: no re-prefill).
     pause_mode: str = "abort"
     # Stop a group's rollout as soon as the trainer could no longer train it (the served version is more
-    # than η above its oldest token) and give its lease back, instead of finishing it to be dropped.
+    # than η above its oldest token) and give its lease back, instead of finishing it to be dropped: at the
+    # push that dooms it (its running samples too, whatever the pause mode), or when a sample is resubmitted.
     abort_stale: bool = False
     # What a group carries: "full" (every token, logprob and version: ~180 kB a group at 7B settings) or
     # "minimal" (one token per sample at its oldest version, the real counts in the group's metadata: the
@@ -123,6 +124,9 @@ class Setting:
     resolve_poll_s: float | None = None  # a producer's name-resolve poll (RESOLVE_POLL_S)
     keepalives_per_ttl: int | None = None  # an engine's name-resolve keepalives per ttl (KEEPALIVES_PER_TTL)
     slowlog: bool = False  # profile Redis's command time over the steady steps (SLOWLOG, threshold 0)
+    batch_cap: int | None = None  # experiment: an engine's running batch (the bound and producers keep max_running)
+    priority: bool = False  # experiment: a sample waits on its engine behind the samples of older groups (admission order)
+    trace: bool = False  # record every rollout's timeline (admitted, samples done, committed) in Result.trace
 
 
 @dataclass
@@ -171,6 +175,8 @@ class Result:
     # --slowlog: Redis command time per steady step by script / command and key (name -> [calls, usec]), from
     # SLOWLOG with a 0 us threshold (adds its own cost: not for the headline Redis CPU)
     redis_profile: dict = field(default_factory=dict)
+    trace: list = field(default_factory=list)  # --trace: per rollout [t_admit, v_admit, t_done, t_commit, entry id, sample ends]
+    read_times: list = field(default_factory=list)  # modeled time each step's read completed
 
     @property
     def tokens_per_s(self) -> float:
@@ -255,6 +261,7 @@ class Cluster:
         self._budget_full: dict[int, bool] = {}  # producer -> its last ask was refused because the budget is used up
         self._served: dict[int, int] = {}  # producer -> the newest served version its event follower saw
         self.timer_scale = s.accel if s.scale_timers else 1.0
+        self._active_groups: dict[int, dict] = {}  # abort_stale: the groups being generated (stopped at the push that dooms them)
 
     def wall(self, real_s: float) -> float:
         """A control-plane timer's period in wall seconds (`scale_timers`: as often per modeled second as in a real run)."""
@@ -262,7 +269,7 @@ class Cluster:
 
     def _engine(self, i: int, incarnation: int = 0) -> SimulatedEngine:
         return SimulatedEngine(self.timing, self.clock, self.lengths, seed=1000 * self.eta + i + 100_000 * incarnation,
-                               max_running=self.s.max_running, name=f"engine-{i}",
+                               max_running=self.s.batch_cap or self.s.max_running, name=f"engine-{i}",
                                pause_mode=self.s.pause_mode)
 
     # ------------------------------------------------------------------ producers
@@ -282,7 +289,8 @@ class Cluster:
         a, b = self._pick_rng.sample(live, 2)
         return a if len(a._running) + len(a._waiting) <= len(b._running) + len(b._waiting) else b
 
-    async def _sample(self, target: int, pid: int | None = None, group: dict | None = None) -> tuple[int, list[int]]:
+    async def _sample(self, target: int, pid: int | None = None, group: dict | None = None,
+                      priority: float = 0.0) -> tuple[int, list[int]]:
         """One sample to `target` tokens; a pause (weight push) or an engine leaving returns it early, and it
         continues (prompt + tokens so far, re-prefilled) where it is picked next: partial rollouts. With
         `abort_stale`, a sample whose group can no longer be trained (the served version is more than η
@@ -296,7 +304,8 @@ class Cluster:
             if group is not None and group["oldest"] is not None and engine.version - group["oldest"] > self.eta:
                 raise _TooStale
             seq, _finish = await engine.run(self.s.prompt_len + len(versions), self.s.max_new_tokens,
-                                            target=target - len(versions))
+                                            target=target - len(versions), priority=priority,
+                                            on_start=None if group is None else group["started"])
             for version, n in seq.segments:
                 versions += [version] * n
             if group is not None and seq.segments:
@@ -321,12 +330,41 @@ class Cluster:
     async def _roll(self, adm: AsyncAdmissionController, lease_id: str, pid: int) -> bool:
         producer = f"producer-{pid}"
         # The k-th rollout of a run gets the same lengths whatever the η or policy: rows differ by the schedule only.
-        rng = random.Random(1_000_003 * self.s.seed + next(self._rollouts))
+        k = next(self._rollouts)
+        rng = random.Random(1_000_003 * self.s.seed + k)
         targets = [min(self.s.max_new_tokens, self.lengths.draw(rng)) for _ in range(self.s.n_samples)]
-        group = {"oldest": None} if self.s.abort_stale else None
-        tasks = [asyncio.create_task(self._sample(t, pid, group)) for t in targets]
+        group = None
+        if self.s.abort_stale:
+            group = {"oldest": None, "doomed": False, "tasks": []}
+
+            def started(version: int, g: dict = group) -> None:  # its first token's version, as it joins a batch
+                g["oldest"] = version if g["oldest"] is None else min(g["oldest"], version)
+
+            group["started"] = started
+        t_admit, v_admit = self.clock.now(), max(e.version for e in self.engines)
+        ends: list[float] = []
+
+        prio = float(k) if self.s.priority else 0.0
+
+        async def timed(t: int):
+            out = await self._sample(t, pid, group, prio)
+            ends.append(self.clock.now())
+            return out
+
+        tasks = [asyncio.create_task(timed(t) if self.s.trace else self._sample(t, pid, group, prio)) for t in targets]
+        if group is not None:
+            group["tasks"] = tasks
+            self._active_groups[id(group)] = group
         try:
-            outs = await asyncio.gather(*tasks)
+            try:
+                outs = await asyncio.gather(*tasks)
+            except asyncio.CancelledError:
+                if group is None or not group["doomed"]:
+                    raise
+                raise _TooStale from None
+            finally:
+                if group is not None:
+                    self._active_groups.pop(id(group), None)
         except _TooStale:
             for t in tasks:
                 t.cancel()
@@ -343,7 +381,11 @@ class Cluster:
             if await adm.drop_stale(lease_id, oldest, served):
                 self.result.dropped_before_commit += 1
             return False
-        await adm.commit(lease_id, entry_fields(group))
+        t_done = self.clock.now()
+        eid = await adm.commit(lease_id, entry_fields(group))
+        if self.s.trace:
+            self.result.trace.append([t_admit, v_admit, t_done, self.clock.now(),
+                                      eid.decode() if isinstance(eid, bytes) else str(eid), targets, ends])
         return True
 
     async def producer(self, pid: int, concurrency: int) -> None:
@@ -529,6 +571,7 @@ class Cluster:
                 t_wait = self.clock.now()
                 data = reader.next(step, step, steps_left=s.steps - step)
                 cursor = max(cursor, self.clock.now())
+                r.read_times.append(self.clock.now())
                 r.gen_wait_s += self.clock.now() - t_wait
                 counts = [_tokens(e.group, s.prompt_len) for e in data.entries]
                 tokens = sum(c[0] for c in counts)
@@ -583,6 +626,12 @@ class Cluster:
                 e.pause_nowait()
             await asyncio.sleep(0)
             await asyncio.gather(*(e.update_weights(version) for e in live))
+            if self.s.abort_stale:  # a group whose oldest token is now more than η behind can never be trained
+                for g in list(self._active_groups.values()):
+                    if g["oldest"] is not None and version - g["oldest"] > self.eta and not g["doomed"]:
+                        g["doomed"] = True
+                        for t in g["tasks"]:
+                            t.cancel()
             for e in live:
                 await e.resume()
 
@@ -791,6 +840,11 @@ def run_eta(s: Setting, timing: TimingModel, eta: int, redis_url: str, client) -
     result.redis_usec_per_step = {k.removeprefix("cmdstat_"): round(delta(k, "usec") / n) for k in top}
     result.redis_calls_per_step = {k.removeprefix("cmdstat_"): round(delta(k, "calls") / n) for k in top}
     result.checks = check(result, redis_url, cluster.keys, s)
+    if s.trace:
+        steps = _records(client, cluster.keys)
+        dropped = [f[b"source_id"].decode() for _, f in client.xrange(cluster.keys.dropped) if b"source_id" in f]
+        result.trace = {"rollouts": result.trace, "reads": result.read_times, "step_ends": result.step_ends,
+                        "steps": {str(k): v for k, v in steps.items()}, "dropped": dropped}
     return result
 
 
@@ -926,6 +980,8 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         + (f", what-if: name-resolve poll every {s.resolve_poll_s:g} s" if s.resolve_poll_s else "")
         + (f", {s.keepalives_per_ttl} keepalives per ttl" if s.keepalives_per_ttl else "")
         + (", abort_stale" if s.abort_stale else "") + (f", pause {s.pause_mode}" if s.pause_mode != "abort" else "")
+        + (", engines serve older groups first" if s.priority else "")
+        + (f", engine batch capped at {s.batch_cap}" if s.batch_cap else "")
         + (", engines registered + following events" if s.control_plane else "")
         + (f", {s.elastic} leave at step {s.steps // 3} and rejoin at {2 * s.steps // 3}" if s.elastic else "")
         + (", control-plane timers x" + f"{s.accel:g} (as often per modeled second as in a real run)" if s.scale_timers
@@ -1061,6 +1117,11 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"what-if: an engine's name-resolve keepalives per ttl (today {KEEPALIVES_PER_TTL})")
     ap.add_argument("--wall-timers", action="store_true",
                     help="run the control plane's timers on the wall clock (not x accel)")
+    ap.add_argument("--priority", action="store_true",
+                    help="experiment: engines run the waiting samples of older groups first (admission order)")
+    ap.add_argument("--max-running", type=int, default=None, help="experiment: sequences per engine batch")
+    ap.add_argument("--trace", default=None,
+                    help="write every rollout's timeline (admitted, samples done, committed, trained or dropped) as JSON here")
     ap.add_argument("--slowlog", action="store_true",
                     help="profile: Redis command time per steady step by script and command (SLOWLOG at 0 us; "
                          "costs Redis CPU itself, so not for the headline figure)")
@@ -1077,7 +1138,7 @@ def main(argv: list[str] | None = None) -> int:
     if etas[0] != 0:
         raise SystemExit("--etas must start with 0 (the baseline)")
     redis = RedisChild()
-    out, all_rows = [], {}
+    out, all_rows, traces = [], {}, {}
     try:
         client = connect(redis.url)
         for name in names:
@@ -1094,6 +1155,9 @@ def main(argv: list[str] | None = None) -> int:
             s.resolve_poll_s = args.resolve_poll_s or s.resolve_poll_s
             s.keepalives_per_ttl = args.keepalives_per_ttl or s.keepalives_per_ttl
             s.slowlog = args.slowlog
+            s.trace = bool(args.trace)
+            s.priority = args.priority
+            s.batch_cap = args.max_running
             minimal = json.loads(Path(args.minimal_json).read_text())[name] if args.minimal_json else None
             timing = load_timing(s.hardware, s.model)
             results = []
@@ -1126,6 +1190,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"[{name}] η={eta}: Redis command time per steady step (SLOWLOG; name: calls, usec): "
                           + "; ".join(f"{k}: {c}, {u}" for k, (c, u) in list(r.redis_profile.items())[:30]), flush=True)
                 results.append(r)
+                if s.trace:
+                    traces[f"{name}/{eta}"] = r.trace
             text, rows = table(s, results, timing)
             print(text, flush=True)
             out.append(text)
@@ -1136,6 +1202,8 @@ def main(argv: list[str] | None = None) -> int:
         redis.stop()
     if args.json:
         Path(args.json).write_text(json.dumps(all_rows, indent=2))
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(traces))
     if args.write:
         _write_readme(out)
     return 0

@@ -182,6 +182,8 @@ class _Seq:
     created: float = 0.0
     start_step: int = 0  # the engine's step counter when this run on the batch began
     kv0: int = 0  # its term of the engine's KV sum: prompt_len + generated - start_step, as admitted
+    priority: float = 0.0  # waiting requests join the batch lowest first (ties: arrival order)
+    on_start: Any = None  # called with the version of its first token when it first joins the batch
 
     def add(self, version: int, n: int) -> None:
         if self.segments and self.segments[-1][0] == version:
@@ -302,15 +304,17 @@ class SimulatedEngine:
     def draw_length(self, max_new_tokens: int) -> int:
         return min(max_new_tokens, self.lengths.draw(self._rng))
 
-    async def run(self, prompt_len: int, max_new_tokens: int, target: int | None = None) -> tuple[_Seq, FinishReason]:
+    async def run(self, prompt_len: int, max_new_tokens: int, target: int | None = None,
+                  priority: float = 0.0, on_start: Any = None) -> tuple[_Seq, FinishReason]:
         """One prompt of `prompt_len` tokens; it stops after `target` tokens (default: a draw from the
         length model, capped at `max_new_tokens`), or early with `abort` when the engine pauses.
         Returns the sequence (its `segments`: [version, tokens] runs) and why it finished."""
         self.start()
         seq = _Seq(rid=f"{self.name}-{next(self._ids)}", prompt_len=prompt_len,
                    target=max(1, min(max_new_tokens, target if target is not None else self.draw_length(max_new_tokens))),
-                   future=asyncio.get_running_loop().create_future(), created=self.clock.now())
-        self._waiting.append(seq)
+                   future=asyncio.get_running_loop().create_future(), created=self.clock.now(), priority=priority,
+                   on_start=on_start)
+        bisect.insort_right(self._waiting, seq, key=lambda x: x.priority)
         self._wake.set()
         if self._running and not self._paused and self._fits(seq):
             self._interrupt.set()  # continuous batching: it joins at the step the batch has reached
@@ -379,6 +383,9 @@ class SimulatedEngine:
         n, prefill = 0, 0  # taken from the front in one slice (thousands can wait after a push)
         while n < len(self._waiting) and self._fits(self._waiting[n]):
             s = self._waiting[n]
+            if s.on_start is not None:
+                s.on_start(self._version)
+                s.on_start = None
             s.start_step, s.kv0 = self._steps, s.prompt_len + s.generated - self._steps
             self._running[s] = None
             self._kv_sum += s.kv0

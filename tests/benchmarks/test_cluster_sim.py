@@ -182,3 +182,52 @@ def test_simulated_engine_pause_modes_versions_and_prefill():
         (v0, n0), (v1, n1) = seq.segments
         assert (v0, v1) == (0, 1) and n0 > 0 and n1 > 0 and seq.generated == n0 + n1
     assert prefilled == 4 * 64  # nothing prefilled again: the KV cache stayed
+
+
+def test_simulated_engine_serves_waiting_requests_by_priority():
+    """With the batch full, waiting requests join it lowest priority first (ties in arrival order), and
+    each reports the version of its first token as it joins (`on_start`)."""
+    import asyncio
+
+    from rlstream.engine.simulated import LengthModel, SimClock, SimulatedEngine, load_timing
+
+    timing = load_timing("H100", "qwen2.5-1.5b")
+
+    async def run() -> tuple[list[str], dict[str, int]]:
+        engine = SimulatedEngine(timing, SimClock(1000.0), LengthModel(100, 0.5, 4096), seed=1, max_running=1)
+        order: list[str] = []
+        first: dict[str, int] = {}
+
+        async def one(name: str, priority: float) -> None:
+            await engine.run(16, 4096, target=5, priority=priority, on_start=lambda v: first.setdefault(name, v))
+            order.append(name)
+
+        head = asyncio.create_task(one("head", 0))
+        while not engine._running:
+            await asyncio.sleep(0)
+        engine.version = 3  # the requests below start under version 3
+        rest = [asyncio.create_task(one(name, p)) for name, p in [("late", 9), ("old", 1), ("mid", 4), ("old2", 1)]]
+        await asyncio.sleep(0)
+        assert [s.priority for s in engine._waiting] == [1, 1, 4, 9]
+        await asyncio.gather(head, *rest)
+        await engine.close()
+        return order, first
+
+    order, first = asyncio.run(run())
+    assert order == ["head", "old", "old2", "mid", "late"]
+    assert first == {"head": 0, "old": 3, "old2": 3, "mid": 3, "late": 3}
+
+
+def test_protocol_model_basics():
+    """benchmarks/protocol_model.py: with instant generation the step is the trainer's alone and nothing is
+    lost; with a long tail and η = 1 some groups miss their step, whether they finish (and are dropped when
+    read) or are stopped at the push that dooms them."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from protocol_model import protocol_step_s
+
+    step, lost = protocol_step_s(batch=16, n_samples=4, eta=1, trainer_s=2.0, tau=1e-9, steps=30)
+    assert abs(step - 2.0) < 1e-6 and lost == 0.0
+    finish, lost_finish = protocol_step_s(batch=32, n_samples=8, eta=1, trainer_s=8.0, tau=0.0135, steps=30)
+    stop, lost_stop = protocol_step_s(batch=32, n_samples=8, eta=1, trainer_s=8.0, tau=0.0135, steps=30,
+                                      stop_doomed=True)
+    assert finish > 8.0 and stop > 8.0 and 0 < lost_finish < 0.5 and 0 < lost_stop < 0.5
