@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_cluster_sim_quick(tmp_path):
-    out = tmp_path / "rows.json"
+    out, trace = tmp_path / "rows.json", tmp_path / "trace.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "cluster_sim.py"), "--quick", "--split-payload",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600)
+                           "--json", str(out), "--trace", str(trace)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {k: v for k, v in json.loads(out.read_text())["quick"].items() if k != "table"}
     assert sorted(rows, key=int) == ["0", "1", "2"]
@@ -43,6 +43,17 @@ def test_cluster_sim_quick(tmp_path):
         # --split-payload: the same η ran again with a minimal payload (its own ledger checks passed in the script)
         assert row["redis_cpu_minimal_ms_per_step"] is not None and row["redis_usec_minimal_per_step"], row
     assert rows["0"]["checks"]["dropped"] == 0  # η = 0: every group is trained at the version it was made for
+    # --trace: every committed rollout's timeline; each trained or dropped group is one of them, admitted before
+    # it was done and done before it was committed, its samples' ends within that span
+    traces = json.loads(trace.read_text())
+    assert sorted(traces) == ["quick/0", "quick/1", "quick/2"]
+    for key, t in traces.items():
+        assert len(t["reads"]) == len(t["step_ends"]) == 6, key
+        by_entry = {r[4]: r for r in t["rollouts"]}
+        trained = [i for ids in t["steps"].values() for i in ids]
+        assert len(trained) == 6 * 8 and set(trained) | set(t["dropped"]) <= set(by_entry), key
+        for admitted, _version, done, committed, _entry, targets, ends in t["rollouts"]:
+            assert admitted <= min(ends) and max(ends) <= done <= committed and len(targets) == len(ends) == 4
 
 
 def test_simulated_engine_timing_does_not_depend_on_the_acceleration():
@@ -231,3 +242,24 @@ def test_protocol_model_basics():
     stop, lost_stop = protocol_step_s(batch=32, n_samples=8, eta=1, trainer_s=8.0, tau=0.0135, steps=30,
                                       stop_doomed=True)
     assert finish > 8.0 and stop > 8.0 and 0 < lost_finish < 0.5 and 0 < lost_stop < 0.5
+
+
+def test_rollout_trace_summary():
+    """benchmarks/rollout_trace.py: the slot a trained group holds is its time to the last sample plus its wait
+    for the read of its step; dropped groups are told apart by their longest sample."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from rollout_trace import summary
+
+    # 6 steps of 10 s (ends 10, 20, ... 60), each read 2 s after the push before it; η = 1: the groups admitted
+    # from the end of the 2 warm-up steps (20 s) to 40 s count
+    trace = {"step_ends": [10.0 * (i + 1) for i in range(6)], "reads": [10.0 * i + 2 for i in range(6)],
+             "rollouts": [[20.5, 2, 28.0, 28.1, "a", [100, 600], [22.0, 28.0]],   # trained at step 4 (read at 42)
+                          [21.0, 2, 50.0, 50.1, "b", [900, 3000], [25.0, 50.0]],  # dropped
+                          [30.0, 3, 35.0, 35.2, "c", [200, 500], [32.0, 35.0]],   # trained at step 4
+                          [12.0, 1, 19.0, 19.1, "w", [100, 100], [19.0, 19.0]]],  # admitted in the warm-up
+             "steps": {"4": ["a", "c"], "1": ["w"]}, "dropped": ["b"]}
+    s = summary(trace, 1)
+    assert s["step_s"] == 10.0 and (s["groups"], s["trained"], s["dropped"]) == (3, 2, 1)
+    assert s["trained_took_s"] == (7.5 + 5.0) / 2 and s["trained_waited_s"] == (14.0 + 7.0) / 2
+    assert s["dropped_longest_min"] == 3000 and s["trained_longest_max"] == 600
+    assert abs(s["admitted_within_tenth_of_step"] - 2 / 3) < 1e-9  # a: 0.5 s, c: 0 s, b: 1.0 s after a push
