@@ -1255,8 +1255,8 @@ COMPARISON = """### Reading it (honestly)
 - **Issue 16, the 64-engine schedule against the >= 90% target (2026-11-24, 02:16-02:57 UTC, 1-min
   load 0.3-2.3 on the shared machine): NOT met, and at this decode speed no schedule of this
   admission protocol meets it at η = 1 / 2: the gap is a group's admission slot being held
-  until the step that trains it is published, which the bound counts as free.** Runs:
-  verl-7b-128gpu, pause in_place, x10, 9 steps (the first 3 not counted), the same lengths in
+  until the step that trains it is published, which the bound counts as free.** Runs (main
+  b53ed7b + this branch, before the producers' drop before commit): verl-7b-128gpu, pause in_place, x10, 9 steps (the first 3 not counted), the same lengths in
   every run, `--trace FILE` (new: every rollout's admission, its samples' ends, its commit, and
   whether it was trained or dropped; summary by `benchmarks/rollout_trace.py`, new); rows in
   benchmarks/cluster_sim_sched.json. What the traces show at η = 1 / 2 / 4 (the same in every run):
@@ -1393,6 +1393,32 @@ COMPARISON = """### Reading it (honestly)
   lease EVAL 27 ms, XREADGROUP + XREAD 16 ms, ZADD 7.5 ms (script ones included); the rest is
   socket I/O. Per group, not per timer, is now most of it (the commit path: the data-path
   helper's area).
+- **256 engines, producers drop groups already too stale before commit (issue 16, 2026-11-24
+  02:30-02:54 UTC, 1-min load 0.5-1.3 at the starts, one start at 3.0).** A producer whose group
+  finishes more than η behind the served version now frees its lease and records the drop in
+  `{ns}:dropped` itself instead of committing a payload the reader would only drop (product:
+  producer/main.py, `Admission.drop_stale`; the simulator's producers do the same). Alternated
+  before (main b53ed7b) / after (8a7c1f1 + 64e2e30), `--setting cp-7b-256engines --etas 0,4
+  --payload minimal`, η = 4 rows:
+
+  | run | stale drops: reader + before commit | Redis CPU ms / step | control plane / step | speedup (of bound) |
+  |---|---|---|---|---|
+  | before 1 | 0 | 120 | 0.72% | 4.89x (79%) |
+  | after 1 | 0 + 1 | 111 | 0.97% | 5.41x (87%) |
+  | before 2 | 570 | 129 | 0.76% | 4.10x (66%) |
+  | after 2 | 325 + 0 | 148 | 0.87% | 4.12x (66%) |
+
+  **The change catches almost none of the stale groups here** (1 of 326). At η = 4 the step is
+  ~22-29 s and the trainer's compute + push ~8.7 s: a group that misses the last step it could
+  join finishes in the window after the trainer *read* that step and before it *published* the
+  next version, when the served version still says it is trainable. Only the trainer's step
+  record (written at read time) would reveal it; following it is left for later (it is exact
+  with one trainer rank, where the next fresh read is at the recorded version + 1, and needs
+  all ranks' records with several). Control plane < 1% at η = 4 in all four runs (0.72-0.97%),
+  but within ~0.3 pp of the target: its share moves with the probe's admission p99 (4-52 ms)
+  and the schedule (0-570 drops), not with this change. The η = 0 rows (564-590 ms, 0.49-0.52%)
+  agree with the earlier table. Runs: benchmarks/cluster_sim_cp256.json, "producer drop before
+  commit".
 - **256 engines, after the lease-path work (2026-11-23, 20:58-22:07 UTC; every number used here
   ran at 1-min load 0.7-1.9 on the shared machine): the control plane is 0.74-1.01% of the step at
   η = 0, 1.44% at η = 1, 1.23-1.29% at η = 2 (1.40% with the full run F2's probe p99s) and 1.35% at
