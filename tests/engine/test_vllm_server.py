@@ -93,6 +93,11 @@ def recompute(model, prompt: list[int], output: list[int], temperature: float) -
     return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1), logits
 
 
+# The pause tests' long request: long enough that a pause lands while it runs on 2 loaded cores (480 tokens, the
+# old length, ran out before the pause 5 times in a row once under load).
+LONG = 1900
+MAX_LEN = 2048
+
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
 def vllm_python() -> Path:
@@ -104,7 +109,7 @@ def vllm_model(tmp_path_factory) -> Path:
     from rlstream.launcher.tiny import build_tiny_model
 
     # num_heads=2 -> head_dim 32: vLLM's CPU attention kernel has no head_dim 16 (the default).
-    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny", num_heads=2)
+    return build_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny", num_heads=2, max_position_embeddings=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +134,7 @@ def new_state(vllm_model, tmp_path_factory) -> dict[str, torch.Tensor]:
 def vllm_server(vllm_python, vllm_model, tmp_path_factory):
     """`python engine/vllm_server.py` in the venv on a free port; yields its base URL."""
     server = VllmServer(vllm_model, tmp_path_factory.mktemp("vllm_log") / "vllm_server.log", [
-        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "512",
+        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(MAX_LEN),
         "--enforce-eager",  # no torch.compile warm-up: minutes saved on 2 cores
         "--seed", "0", "--disable-log-stats",
         "--enable-server-load-tracking"])  # /load: the pause test waits for its request
@@ -210,9 +215,9 @@ async def test_greedy_follows_the_argmax(client, trainer_model):
 
 
 async def start_long_request(client, prompt) -> asyncio.Task:
-    """A 480-token request, returned once the engine's /load shows it running (or once it ended: on 2 loaded
+    """A LONG-token request, returned once the engine's /load shows it running (or once it ended: on 2 loaded
     cores it can finish before a poll sees it)."""
-    long = asyncio.create_task(generate(client, prompt, max_new_tokens=480, min_new_tokens=480))
+    long = asyncio.create_task(generate(client, prompt, max_new_tokens=LONG, min_new_tokens=LONG))
     deadline = time.monotonic() + 120
     while not long.done():
         _, load = await asyncio.to_thread(http, "GET", client.url + "/load")
@@ -238,17 +243,17 @@ async def test_in_place_pause_keeps_the_request_and_continue_finishes_it(client)
         status, body = await asyncio.to_thread(http, "POST", client.url + "/continue_generation")
         assert status == 200 and body["paused"] is False
         out = await asyncio.wait_for(long, 120)
-        assert out.finish_reason == "length" and len(out.output_ids) == 480, out.finish_reason  # never aborted
+        assert out.finish_reason == "length" and len(out.output_ids) == LONG, out.finish_reason  # never aborted
         if held:
             break
     else:
-        pytest.fail("the 480-token request finished before a pause could reach it in 5 attempts")
+        pytest.fail(f"the {LONG}-token request finished before a pause could reach it in 5 attempts")
     status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "retract"})
     assert status == 400 and "retract" in body["message"]
 
 
 async def test_pause_aborts_in_flight_request_and_continue_serves(client):
-    # On 2 loaded cores a 480-token request sometimes ends before a /load poll sees it, or
+    # On 2 loaded cores a LONG-token request sometimes ends before a /load poll sees it, or
     # before the pause lands: that race is retried; a pause that lands must abort it.
     for _attempt in range(5):
         long = await start_long_request(client, PROMPTS[0])
@@ -261,12 +266,12 @@ async def test_pause_aborts_in_flight_request_and_continue_serves(client):
         out = await asyncio.wait_for(long, 120)
         if out.finish_reason == "abort":
             break
-        assert out.finish_reason == "length" and len(out.output_ids) == 480, out.finish_reason
+        assert out.finish_reason == "length" and len(out.output_ids) == LONG, out.finish_reason
         status, body = await asyncio.to_thread(http, "POST", client.url + "/continue_generation")
         assert status == 200 and body["paused"] is False
     else:
-        pytest.fail("the 480-token request finished before a pause could reach it in 5 attempts")
-    assert len(out.output_ids) < 480 and len(out.output_ids) == len(out.output_logprobs)
+        pytest.fail(f"the {LONG}-token request finished before a pause could reach it in 5 attempts")
+    assert len(out.output_ids) < LONG and len(out.output_ids) == len(out.output_logprobs)
     assert http("GET", client.url + "/get_model_info")[1]["paused"] is True
 
     status, body = await asyncio.to_thread(http, "POST", client.url + "/continue_generation")
