@@ -363,14 +363,23 @@ reap(KEYS[2], KEYS[5], KEYS[1], KEYS[3], KEYS[4])
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 """
 
-# KEYS: running, rejected, done, armed, wake, owners   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
-_RELEASE = LUA_WAKE + _LUA_LEASES + """
-if redis.call('EXISTS', KEYS[3]) == 1 then
-  return {0, 1}
+# `finish_uncommitted(running, owners, done, ttl_ms, lease)`: end a lease that is not committed (released or
+# dropped stale), once: nil if its done marker exists (finished before: a retry), else drop it, write the marker
+# ('-': a later commit writes nothing) and return whether it was live.
+_LUA_FINISH = _LUA_LEASES + """
+local function finish_uncommitted(running, owners, done, ttl_ms, lease)
+  if redis.call('EXISTS', done) == 1 then return nil end
+  local live = drop(running, owners, {lease})
+  redis.call('SET', done, '-', 'PX', ttl_ms)
+  return live
 end
-local live = drop(KEYS[1], KEYS[6], {ARGV[1]})
+"""
+
+# KEYS: running, rejected, done, armed, wake, owners   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
+_RELEASE = LUA_WAKE + _LUA_FINISH + """
+local live = finish_uncommitted(KEYS[1], KEYS[6], KEYS[3], ARGV[2], ARGV[1])
+if not live then return {0, 1} end
 redis.call('INCR', KEYS[2])
-redis.call('SET', KEYS[3], '-', 'PX', ARGV[2])
 if live > 0 then wake(KEYS[4], KEYS[5], 'release', false) end
 return {live, 0}
 """
@@ -379,12 +388,9 @@ return {live, 0}
 # ARGV: lease_id, done_ttl_ms, reason, min_version, served_version, ts, producer  -> {lease_was_live, repeated}
 # A finished group already too stale to train: its lease is dropped (the slot freed, not counted as accepted
 # nor rejected) and the drop recorded in `{ns}:dropped` like the reader's, but under `lease` (no stream entry).
-_DROP_STALE = LUA_WAKE + _LUA_LEASES + """
-if redis.call('EXISTS', KEYS[2]) == 1 then
-  return {0, 1}
-end
-local live = drop(KEYS[1], KEYS[5], {ARGV[1]})
-redis.call('SET', KEYS[2], '-', 'PX', ARGV[2])
+_DROP_STALE = LUA_WAKE + _LUA_FINISH + """
+local live = finish_uncommitted(KEYS[1], KEYS[5], KEYS[2], ARGV[2], ARGV[1])
+if not live then return {0, 1} end
 redis.call('XADD', KEYS[6], '*', 'lease', ARGV[1], 'reason', ARGV[3], 'min_version', ARGV[4],
            'trainer_version', ARGV[5], 'ts', ARGV[6], 'producer', ARGV[7])
 if live > 0 then wake(KEYS[3], KEYS[4], 'dropped', false) end
