@@ -13,6 +13,14 @@ process reads through the `train` group (`TrajectoryStream.read`, which decodes 
 validates every group), acks, and trims acknowledged entries (`trim_acked`). The
 ceiling is `redis-benchmark` running XADD with a value of the same size against the
 same redis-server (started here on a free port, stopped at the end).
+
+    python benchmarks/broker.py --split 3  # which side limits end to end (only this)
+
+`--split` runs the same end-to-end shape with each side rlstream or bare (bare producer: the
+same entries encoded beforehand, pipelined XADD per batch; bare consumer: XREADGROUP + XACK,
+XTRIM of what it acked every 256 groups, no decoding), the four pairs alternated per round, and
+reports each process's CPU per group between the start signal and its end, and the Redis main
+thread's CPU and command time per group.
 """
 
 from __future__ import annotations
@@ -114,7 +122,7 @@ def bench_codec(n_groups: int, repeats: int) -> dict:
 # --------------------------------------------------------------------------- end to end
 
 
-def producer_role(url: str, ns: str, n: int, batch: int, seed: int) -> None:
+def producer_role(url: str, ns: str, n: int, batch: int, seed: int, bare: bool = False, out: str | None = None) -> None:
     from rlstream.broker import AdmissionController, Keys, connect
     from rlstream.broker.stream import entry_fields
 
@@ -124,11 +132,20 @@ def producer_role(url: str, ns: str, n: int, batch: int, seed: int) -> None:
                               max_concurrent_rollouts=1_000_000)
     # Distinct groups, generated before the clock starts (generation is the engine's job).
     groups = [make_group(seed * 1_000_003 + i, producer=f"bench-{seed}") for i in range(min(n, 64))]
+    encoded = [entry_fields(g) for g in groups] if bare else []  # bare sends bytes encoded beforehand
     while not client.exists(ns + ":go"):
         time.sleep(0.001)
+    cpu0 = time.process_time()
     done = 0
     while done < n:
         k = min(batch, n - done)
+        if bare:
+            pipe = client.pipeline(transaction=False)
+            for j in range(k):
+                pipe.xadd(keys.traj, encoded[(done + j) % len(encoded)])
+            pipe.execute()
+            done += k
+            continue
         items = []
         for j, (st, lease) in enumerate(adm.try_acquire_many(k)):
             if lease is None:
@@ -136,9 +153,11 @@ def producer_role(url: str, ns: str, n: int, batch: int, seed: int) -> None:
             items.append((lease.lease_id, entry_fields(groups[(done + j) % len(groups)])))
         adm.commit_many(items)
         done += k
+    if out:
+        Path(out + f".producer{seed}").write_text(json.dumps({"cpu_s": time.process_time() - cpu0}))
 
 
-def consumer_role(url: str, ns: str, n: int, count: int, out: str) -> None:
+def consumer_role(url: str, ns: str, n: int, count: int, out: str, bare: bool = False) -> None:
     from rlstream.broker import Keys, TrajectoryStream, connect
 
     client = connect(url)
@@ -150,9 +169,11 @@ def consumer_role(url: str, ns: str, n: int, count: int, out: str) -> None:
     client.set(ns + ":ready", 1)
     while not client.exists(ns + ":go"):
         time.sleep(0.001)
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     got = payload = tokens = 0
     since_trim = 0
+    if bare:
+        got = _bare_consume(client, stream.keys.traj, stream.group, n, count)
     while got < n:
         entries = stream.read("bench-consumer", count=count, block_ms=1000)
         for e in entries:
@@ -164,11 +185,39 @@ def consumer_role(url: str, ns: str, n: int, count: int, out: str) -> None:
         if since_trim >= 256:  # retention as a long run does it: drop what every group acked
             stream.trim_acked()
             since_trim = 0
-    dt = time.perf_counter() - t0
-    Path(out).write_text(json.dumps({"groups": got, "seconds": dt, "tokens": tokens, "array_bytes": payload}))
+    dt, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    Path(out).write_text(json.dumps({"groups": got, "seconds": dt, "tokens": tokens, "array_bytes": payload,
+                                     "cpu_s": cpu}))
 
 
-def bench_e2e(url: str, n: int, producers: int, batch: int, count: int) -> dict:
+def _bare_consume(client, key: str, group: str, n: int, count: int) -> int:
+    """XREADGROUP + XACK of `n` entries, no decoding; every 256 an XTRIM of what was acked (retention)."""
+    got = since_trim = 0
+    last = None
+    while got < n:
+        res = client.xreadgroup(group, "bench-consumer", {key: ">"}, count=count, block=1000)
+        ids = [eid for _k, items in res or [] for eid, _f in items]
+        if ids:
+            client.xack(key, group, *ids)
+            last = ids[-1]
+        got += len(ids)
+        since_trim += len(ids)
+        if since_trim >= 256:
+            ms, _, seq = (last.decode() if isinstance(last, bytes) else last).partition("-")
+            client.xtrim(key, minid=f"{ms}-{int(seq) + 1}", approximate=False)
+            since_trim = 0
+    return got
+
+
+def _redis_main_cpu(client) -> float:
+    info = client.info("cpu")
+    return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+
+
+def bench_e2e(url: str, n: int, producers: int, batch: int, count: int, bare_producer: bool = False,
+              bare_consumer: bool = False) -> dict:
+    """One end-to-end run; also each side's CPU per group (its process, from the start signal to its end) and the
+    Redis main thread's CPU and command time (INFO commandstats) per group over the same window."""
     from rlstream.broker import connect
     from rlstream.common.wire import encode_group
 
@@ -179,26 +228,33 @@ def bench_e2e(url: str, n: int, producers: int, batch: int, count: int) -> dict:
     me = str(Path(__file__).resolve())
     per = [n // producers + (1 if i < n % producers else 0) for i in range(producers)]
     cons = subprocess.Popen([sys.executable, me, "--role", "consumer", "--url", url, "--ns", ns, "--n", str(n),
-                             "--count", str(count), "--out", out], env=env)
+                             "--count", str(count), "--out", out, *(["--bare"] if bare_consumer else [])], env=env)
     prods = [subprocess.Popen([sys.executable, me, "--role", "producer", "--url", url, "--ns", ns, "--n", str(k),
-                               "--batch", str(batch), "--seed", str(i)], env=env) for i, k in enumerate(per)]
+                               "--batch", str(batch), "--seed", str(i), "--out", out,
+                               *(["--bare"] if bare_producer else [])], env=env) for i, k in enumerate(per)]
     try:
         while not client.exists(ns + ":ready"):
             time.sleep(0.01)
         time.sleep(1.5)  # let the producers build their groups
+        client.config_resetstat()
+        redis0 = _redis_main_cpu(client)
         client.set(ns + ":go", 1)
         for p in prods:
             if p.wait(600) != 0:
                 raise SystemExit("a producer failed")
         if cons.wait(600) != 0:
             raise SystemExit("the consumer failed")
+        redis_cpu = _redis_main_cpu(client) - redis0
+        cmds = {name.removeprefix("cmdstat_"): st["usec"] for name, st in client.info("commandstats").items()}
         res = json.loads(Path(out).read_text())
+        producer_cpu = sum(json.loads(Path(out + f".producer{i}").read_text())["cpu_s"] for i in range(producers))
     finally:
         for p in [*prods, cons]:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-        Path(out).unlink(missing_ok=True)
+        for path in [out, *(out + f".producer{i}" for i in range(producers))]:
+            Path(path).unlink(missing_ok=True)
         for key in client.scan_iter(match="{" + ns + "}:*", count=1000):
             client.delete(key)
         client.delete(ns + ":go", ns + ":ready")
@@ -212,6 +268,10 @@ def bench_e2e(url: str, n: int, producers: int, batch: int, count: int) -> dict:
         "producers": producers,
         "commit_batch": batch,
         "read_count": count,
+        "producer_cpu_us": producer_cpu / res["groups"] * 1e6,
+        "consumer_cpu_us": res["cpu_s"] / res["groups"] * 1e6,
+        "redis_main_cpu_us": redis_cpu / res["groups"] * 1e6,
+        "redis_cmd_us": {k: v / res["groups"] for k, v in cmds.items() if k not in ("info", "config|resetstat")},
     }
 
 
@@ -251,21 +311,26 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="groups per pipelined commit")
     ap.add_argument("--count", type=int, default=32, help="groups per consumer read")
     ap.add_argument("--rounds", type=int, default=3, help="alternating end-to-end/ceiling rounds (best of each is kept)")
+    ap.add_argument("--split", type=int, metavar="ROUNDS",
+                    help="only: end to end with each side rlstream or bare, the four pairs alternated ROUNDS times")
     ap.add_argument("--role", choices=["producer", "consumer"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--ns", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    ap.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.role:
         from rlstream.common.memory import keep_freed_memory
 
         keep_freed_memory()  # as `rlstream produce` / `rlstream train` do
     if args.role == "producer":
-        return producer_role(args.url, args.ns, args.n, args.batch, args.seed)
+        return producer_role(args.url, args.ns, args.n, args.batch, args.seed, args.bare, args.out)
     if args.role == "consumer":
-        return consumer_role(args.url, args.ns, args.n, args.count, args.out)
+        return consumer_role(args.url, args.ns, args.n, args.count, args.out, args.bare)
+    if args.split:
+        return split(args)
 
     from rlstream.common.wire import encode_group
 
@@ -329,6 +394,38 @@ def main() -> None:
     ]))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def split(args) -> None:
+    """End to end with each side rlstream or bare: which side's cost limits the throughput."""
+    import statistics
+
+    n = 600 if args.quick else 2000
+    pairs = [(p, c) for p in ("rlstream", "bare") for c in ("rlstream", "bare")]
+    runs: dict[tuple[str, str], list[dict]] = {pc: [] for pc in pairs}
+    server = RedisChild()
+    try:
+        for r in range(args.split):
+            for p, c in pairs[r % 4:] + pairs[:r % 4]:  # order turning: load comes and goes
+                x = bench_e2e(server.url, n, args.producers, args.batch, args.count, p == "bare", c == "bare")
+                runs[(p, c)].append({**x, "load": os.getloadavg()[0]})
+                print(f"round {r + 1}: producer {p}, consumer {c}: {x['mb_per_s']:.0f} MB/s", flush=True)
+    finally:
+        server.stop()
+    print(f"\nend to end split, medians of {args.split} rounds ({n} groups each, commit batch {args.batch}, "
+          f"read count {args.count}; 1-min load {min(x['load'] for v in runs.values() for x in v):.1f}-"
+          f"{max(x['load'] for v in runs.values() for x in v):.1f})")
+    print("| producer | consumer | MB/s | wall us/group | producer CPU us/group | consumer CPU us/group | "
+          "Redis main thread CPU us/group | Redis command us/group (top) |")
+    print("|---|---|---:|---:|---:|---:|---:|---|")
+    for (p, c), v in runs.items():
+        med = lambda k: statistics.median(x[k] for x in v)  # noqa: E731
+        cmds = {k: statistics.median(x["redis_cmd_us"].get(k, 0.0) for x in v) for k in v[0]["redis_cmd_us"]}
+        top = ", ".join(f"{k.upper()} {u:.1f}" for k, u in sorted(cmds.items(), key=lambda kv: -kv[1])[:4])
+        print(f"| {p} | {c} | {med('mb_per_s'):.0f} | {1e6 / med('groups_per_s'):.0f} | {med('producer_cpu_us'):.0f} | "
+              f"{med('consumer_cpu_us'):.0f} | {med('redis_main_cpu_us'):.0f} | {top} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps({f"{p}/{c}": v for (p, c), v in runs.items()}, indent=2))
 
 
 if __name__ == "__main__":
