@@ -111,6 +111,10 @@ class Setting:
     # than η above its oldest token) and give its lease back, instead of finishing it to be dropped: at the
     # push that dooms it (its running samples too, whatever the pause mode), or when a sample is resubmitted.
     abort_stale: bool = False
+    # Producers follow the trainer's step records as producer.main does (a finished group too stale for the
+    # version the trainer reads at next is dropped before commit, even before that version is published);
+    # False: by the served version only, as before.
+    follow_reads: bool = True
     # What a group carries: "full" (every token, logprob and version: ~180 kB a group at 7B settings) or
     # "minimal" (one token per sample at its oldest version, the real counts in the group's metadata: the
     # same groups, commands and schedule with next to no payload, so Redis's CPU is the control plane's).
@@ -259,7 +263,9 @@ class Cluster:
         self._rollouts = itertools.count()
         self._retired: list[SimulatedEngine] = []  # incarnations that left (elastic)
         self._budget_full: dict[int, bool] = {}  # producer -> its last ask was refused because the budget is used up
-        self._served: dict[int, int] = {}  # producer -> the newest served version its event follower saw
+        # producer -> the version its event follower says the trainer reads fresh groups at: the newest served
+        # version, or one past the last version every trainer rank read a step at (its step records)
+        self._served: dict[int, int] = {}
         self.timer_scale = s.accel if s.scale_timers else 1.0
         self._active_groups: dict[int, dict] = {}  # abort_stale: the groups being generated (stopped at the push that dooms them)
 
@@ -376,9 +382,9 @@ class Cluster:
             return False
         group = _group(self.s.prompt_len, outs, producer, self.s.payload)
         # as producer.main: a group already too stale for the trainer is dropped before commit, not written
-        served, oldest = self._served.get(pid, 0), group.min_version()
-        if adm.too_stale(oldest, served):
-            if await adm.drop_stale(lease_id, oldest, served):
+        read_at, oldest = self._served.get(pid, 0), group.min_version()
+        if adm.too_stale(oldest, read_at):
+            if await adm.drop_stale(lease_id, oldest, read_at):
                 self.result.dropped_before_commit += 1
             return False
         t_done = self.clock.now()
@@ -465,12 +471,13 @@ class Cluster:
 
     async def _follow_versions(self, registry: AsyncVersionRegistry, since: tuple, wake: asyncio.Event,
                                pid: int) -> None:
-        """A producer follows the run's version events and the admission wake-ups over Redis (one XREAD BLOCK on
-        `{ns}:events` and `{ns}:admit:wake`, as `AsyncVersionRegistry.follow(wakeups=True)` does)."""
+        """A producer follows the run's version events, the admission wake-ups and (follow_reads) the trainer's
+        step records over Redis (one XREAD BLOCK on `{ns}:events`, `{ns}:admit:wake` and `{ns}:steps`, as
+        producer.main's `AsyncVersionRegistry.follow(wakeups=True, reads=True)`)."""
         block_ms = max(1, round(1000 * self.wall(FOLLOW_BLOCK_S)))
-        async for ev in registry.follow(block_ms, wakeups=True, since=since):
-            if ev.type == "version":
-                self._served[pid] = max(self._served.get(pid, 0), ev.version)
+        async for ev in registry.follow(block_ms, wakeups=True, reads=self.s.follow_reads, since=since):
+            if ev.type in ("version", "read"):
+                self._served[pid] = max(self._served.get(pid, 0), ev.version + (ev.type == "read"))
             if ev.type in ("version", "capacity"):
                 wake.set()
             if ev.type == "capacity" and pid == 0:
@@ -979,7 +986,8 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         + (f", what-if: refused producers poll every {s.admit_poll_s:g} s" if s.admit_poll_s else "")
         + (f", what-if: name-resolve poll every {s.resolve_poll_s:g} s" if s.resolve_poll_s else "")
         + (f", {s.keepalives_per_ttl} keepalives per ttl" if s.keepalives_per_ttl else "")
-        + (", abort_stale" if s.abort_stale else "") + (f", pause {s.pause_mode}" if s.pause_mode != "abort" else "")
+        + (", abort_stale" if s.abort_stale else "")
+        + ("" if s.follow_reads else ", producers drop by the served version only") + (f", pause {s.pause_mode}" if s.pause_mode != "abort" else "")
         + (", engines serve older groups first" if s.priority else "")
         + (f", engine batch capped at {s.batch_cap}" if s.batch_cap else "")
         + (", engines registered + following events" if s.control_plane else "")
@@ -1102,6 +1110,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pause-mode", default=None, choices=PAUSE_MODES,
                     help="what a push's pause does to running requests (default: the setting's, abort)")
     ap.add_argument("--abort-stale", action="store_true", help="stop a rollout once its group can no longer be trained")
+    ap.add_argument("--no-follow-reads", action="store_true",
+                    help="producers drop too-stale groups before commit by the served version only (not by the "
+                         "trainer's step records)")
     ap.add_argument("--split-payload", action="store_true",
                     help="run each η again with a minimal payload: its Redis CPU is the control plane's")
     ap.add_argument("--payload", choices=["full", "minimal"], default=None,
@@ -1149,6 +1160,7 @@ def main(argv: list[str] | None = None) -> int:
                 s.steps = args.steps
             s.pause_mode = args.pause_mode or s.pause_mode
             s.abort_stale = s.abort_stale or args.abort_stale
+            s.follow_reads = s.follow_reads and not args.no_follow_reads
             s.scale_timers = s.scale_timers and not args.wall_timers
             s.payload = args.payload or s.payload
             s.admit_poll_s = args.admit_poll_s or s.admit_poll_s

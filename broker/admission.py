@@ -385,7 +385,7 @@ return {live, 0}
 """
 
 # KEYS: running, done, armed, wake, owners, dropped
-# ARGV: lease_id, done_ttl_ms, reason, min_version, served_version, ts, producer  -> {lease_was_live, repeated}
+# ARGV: lease_id, done_ttl_ms, reason, min_version, read_version, ts, producer  -> {lease_was_live, repeated}
 # A finished group already too stale to train: its lease is dropped (the slot freed, not counted as accepted
 # nor rejected) and the drop recorded in `{ns}:dropped` like the reader's, but under `lease` (no stream entry).
 _DROP_STALE = LUA_WAKE + _LUA_FINISH + """
@@ -687,26 +687,28 @@ class Admission:
                                      self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners],
                           [lease_id, DONE_TTL_MS])
 
-    def too_stale(self, min_version: int, served_version: int) -> bool:
+    def too_stale(self, min_version: int, read_version: int) -> bool:
         """True if a group whose oldest model token is `min_version` can no longer be trained (see `drop_stale`)."""
-        return min_version >= 0 and served_version - min_version > self.eta
+        return min_version >= 0 and read_version - min_version > self.eta
 
     @operation
-    def drop_stale(self, lease_id: str, min_version: int, served_version: int) -> Plan:
+    def drop_stale(self, lease_id: str, min_version: int, read_version: int) -> Plan:
         """Drop the lease of a finished group that is already too stale to train, instead of committing it.
 
-        The trainer reads at a version >= any version served (published) so far, so a group with
-        `served_version - min_version > η` would only be written, read and dropped by the reader:
-        it is recorded in `{ns}:dropped` (under `lease`) here, and its slot freed, without its payload
-        ever reaching the stream. Returns True if this call dropped it (False: already finished).
+        `read_version`: a version the trainer reads every fresh group at or later: the served version
+        (published after the trainer moved to it), or one past the last version every trainer rank has
+        read a step at (`Event(type="read")`). A group with `read_version - min_version > η` would only
+        be written, read and dropped by the reader: it is recorded in `{ns}:dropped` (under `lease`) here,
+        and its slot freed, without its payload ever reaching the stream. Returns True if this call
+        dropped it (False: already finished).
         """
         _untried.discard(lease_id)  # its marker ('-') now exists: a commit must read it
-        reason = (f"head staleness {served_version - min_version} > max_head_offpolicyness {self.eta} "
-                  f"(served version {served_version}), dropped before commit")
+        reason = (f"head staleness {read_version - min_version} > max_head_offpolicyness {self.eta} "
+                  f"(the trainer reads at version {read_version} or later), dropped before commit")
         live, repeated = (yield from script(
             _DROP_STALE, [self.keys.admit_running, self.keys.admit_done(lease_id), self.keys.admit_armed,
                           self.keys.admit_wake, self.keys.admit_owners, self.keys.dropped],
-            [lease_id, DONE_TTL_MS, reason, min_version, served_version, time.time(), self.producer_id or ""]))
+            [lease_id, DONE_TTL_MS, reason, min_version, read_version, time.time(), self.producer_id or ""]))
         return not int(repeated)
 
     @operation

@@ -8,9 +8,12 @@ of the engines for a weight update, and engines dropped from or back in weight s
 With `wakeups=True` the same XREAD also reads the admission wake stream `{ns}:admit:wake`
 (broker/admission.py: capacity may have grown while someone waited) and yields each of
 its entries as an `Event(type="capacity")`: a refused producer waits for that or a version
-bump instead of polling the admission script. Followers block `FOLLOW_BLOCK_MS` per read
-(an idle follower costs one round trip per block, not per second); reading by id, a
-reconnect loses nothing.
+bump instead of polling the admission script. With `reads=True` it reads the trainer's
+step records `{ns}:steps` as well and yields `Event(type="read", version=v)` once every
+trainer rank has recorded its groups of the step trained from v (`broker.steps.ReadTracker`):
+nothing fresh is read at v any more, so a group too stale for v + 1 can be dropped before it
+is written. Followers block `FOLLOW_BLOCK_MS` per read (an idle follower costs one round trip
+per block, not per second); reading by id, a reconnect loses nothing.
 
 The run's durable state `{ns}:run` (`running` / `finished`) lives here too: the trainer
 sets it at start and, in the same MULTI as its `shutdown` event, at the end, so a
@@ -28,10 +31,12 @@ import time
 from typing import Any, AsyncIterator, Literal
 
 import msgspec
+from redis.exceptions import NoPermissionError
 
 from rlstream.broker.connection import is_cluster_client, max_block_ms
 from rlstream.broker.keys import Keys
 from rlstream.broker.plan import Async, Call, Pipeline, Plan, Sleep, Sync, operation
+from rlstream.broker.steps import ReadTracker
 from rlstream.common.logging import get_logger
 
 __all__ = ["Event", "VersionRegistry", "AsyncVersionRegistry", "decode_event", "RUN_RUNNING", "RUN_FINISHED"]
@@ -54,10 +59,13 @@ class Event(msgspec.Struct, kw_only=True):
     shutdown: the trainer finished; engine_down / engine_up: an engine was dropped from
     weight sync / serves the current version again; capacity: (only from `follow(wakeups=True)`,
     an entry of the admission wake stream, never in `{ns}:events`) admission capacity may have
-    grown, `detail` says why (release, abandon, expired, commit).
+    grown, `detail` says why (release, abandon, expired, commit); read: (only from
+    `follow(reads=True)`, from the step records `{ns}:steps`, never in `{ns}:events`) every trainer
+    rank has read its groups of the step trained from `version`: its next fresh read is at
+    `version + 1` or later.
     """
 
-    type: Literal["version", "pause", "resume", "shutdown", "engine_down", "engine_up", "capacity"]
+    type: Literal["version", "pause", "resume", "shutdown", "engine_down", "engine_up", "capacity", "read"]
     version: int = -1
     ts: float = msgspec.field(default_factory=time.time)
     detail: str = ""
@@ -173,19 +181,34 @@ class Versions:
                                             count)
         return events, ids[self.keys.events], ids[self.keys.admit_wake]
 
-    def _read(self, streams: dict[str, Any], block_ms: int, count: int) -> Plan:
+    @operation
+    def follow_after(self, ids: dict[str, Any], block_ms: int = FOLLOW_BLOCK_MS, count: int = 100,
+                     reads: ReadTracker | None = None) -> Plan:
+        """(events, new ids): what the streams in `ids` (key -> last id read: the events stream, and optionally the
+        admission wake stream and the step records) got after those ids, in one XREAD. Wake entries come as
+        `capacity` events; step records, fed to `reads`, as a `read` event for each step every rank has read."""
+        return (yield from self._read(ids, block_ms, count, reads))
+
+    def _read(self, streams: dict[str, Any], block_ms: int, count: int, reads: ReadTracker | None = None) -> Plan:
         ids = dict(streams)
         try:
             res = yield Call("xread", streams, block=max_block_ms(self.client, block_ms), count=count)
         except Exception as exc:  # noqa: BLE001 - a follower keeps following (Redis may be restarting)
+            if isinstance(exc, NoPermissionError) and self.keys.steps in streams:
+                raise  # an ACL written before producers followed the step records: `follow` goes on without them
             log.warning("reading %s failed: %s", ", ".join(streams), exc)
             yield Sleep(1.0)
             return [], ids
-        events, wakes = [], []
+        events, wakes, read = [], [], []
         for name, entries in res or []:
             key = name.decode() if isinstance(name, bytes) else name
             for eid, fields in entries:
                 ids[key] = eid
+                if key == self.keys.steps:
+                    done = reads.seen(fields) if reads is not None else None
+                    if done is not None:
+                        read.append(Event(type="read", version=done))
+                    continue
                 if key == self.keys.admit_wake:
                     why = fields.get(b"w", b"")
                     wakes.append(Event(type="capacity", detail=why.decode() if isinstance(why, bytes) else str(why)))
@@ -194,12 +217,18 @@ class Versions:
                     events.append(decode_event(fields[b"e"]))
                 except (KeyError, msgspec.DecodeError):  # a foreign entry must not stop a follower
                     continue
-        return events + wakes, ids
+        return events + wakes + read, ids
 
     @operation
     def last_wake_id(self) -> Plan:
         """The id of the newest admission wake entry ("0-0" when there is none)."""
         last = yield Call("xrevrange", self.keys.admit_wake, count=1)
+        return last[0][0] if last else b"0-0"
+
+    @operation
+    def last_step_record_id(self) -> Plan:
+        """The id of the newest step record ("0-0" when there is none)."""
+        last = yield Call("xrevrange", self.keys.steps, count=1)
         return last[0][0] if last else b"0-0"
 
 
@@ -210,25 +239,41 @@ class VersionRegistry(Versions, Sync):
 class AsyncVersionRegistry(Versions, Async):
     """asyncio registry for producers: read the version, wait for a newer one, follow the events."""
 
-    async def follow(self, block_ms: int = FOLLOW_BLOCK_MS, wakeups: bool = False,
-                     since: tuple[Any, Any] | None = None) -> AsyncIterator[Event]:
+    async def follow(self, block_ms: int = FOLLOW_BLOCK_MS, wakeups: bool = False, reads: bool = False,
+                     since: tuple[Any, ...] | None = None) -> AsyncIterator[Event]:
         """Every event published from now on, in order, for as long as the caller iterates.
 
         `wakeups`: also every admission wake-up from now on, as `Event(type="capacity")`.
-        `since`: (event id, wake id) to follow from instead of now (`last_event_id`, `last_wake_id`).
+        `reads`: also a `read` event for each step the trainer's ranks have all read from now on.
+        `since`: (event id, wake id, step record id) to follow from instead of now (`last_event_id`,
+        `last_wake_id`, `last_step_record_id`); ids left out or None mean now.
         """
-        last, wake = since if since is not None else (await self.last_event_id(), None)
-        if not wakeups:
-            while True:
-                events, last = await self.events_after(last, block_ms)
-                for event in events:
-                    yield event
-        if wake is None:
-            wake = await self.last_wake_id()
+        given = list(since or ()) + [None] * 3
+        ids = {self.keys.events: given[0] if given[0] is not None else await self.last_event_id()}
+        if wakeups:
+            ids[self.keys.admit_wake] = given[1] if given[1] is not None else await self.last_wake_id()
+        tracker = None
+        if reads:
+            try:
+                ids[self.keys.steps] = given[2] if given[2] is not None else await self.last_step_record_id()
+                tracker = ReadTracker()
+            except NoPermissionError as exc:
+                self._not_following_reads(exc)
         while True:
-            events, last, wake = await self.events_and_wakeups_after(last, wake, block_ms)
+            try:
+                events, ids = await self.follow_after(ids, block_ms, reads=tracker)
+            except NoPermissionError as exc:  # raised only for the step records (`_read`)
+                self._not_following_reads(exc)
+                ids.pop(self.keys.steps, None)
+                tracker = None
+                continue
             for event in events:
                 yield event
+
+    def _not_following_reads(self, exc: Exception) -> None:
+        log.warning("not following the trainer's step records %s (%s): this Redis user may not read them "
+                    "(docs/security.md); too-stale groups are then dropped before commit by the served version only",
+                    self.keys.steps, exc)
 
     async def listen(self) -> AsyncIterator[Event]:
         """Live events over pub/sub (nothing published while not listening is seen: `follow` catches up)."""

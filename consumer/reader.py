@@ -212,7 +212,7 @@ class StepReader:
                          self.rank, len(data.entries), self.need, step, version)
                 last_log = now
         self.steplog.record(StepRecord(step=step, version=version, entry_ids=data.ids, rank=self.rank,
-                                       ts=time.time()))
+                                       ts=time.time(), world=self.world_size))
         data.wait_s = time.monotonic() - t0
         # Every entry this reader moved to {ns}:dead since the last step (undecodable ones met while
         # reading or reclaiming included), so the steps' data/dead add up to the dead-letter stream.

@@ -8,10 +8,11 @@ doubling while all are granted up to `ADMIT_BATCH_MAX`, one again after a refusa
 burst of slots a version bump frees costs a few script calls per producer, not one per slot. A
 finished group is committed (lease dropped, counted, XADDed: one transaction) if it passes
 `should_accept`, released (counted as rejected) if not, and abandoned (lease dropped)
-if its rollout failed. One that passes but is already more than η behind the version served
-(the trainer reads at that version or a later one) is dropped here instead of committed: its
-lease freed and the drop recorded in `{ns}:dropped`, as the reader would have done after
-reading the payload. Leases of long rollouts are renewed in the background — also
+if its rollout failed. One that passes but is already more than η behind the version the
+trainer reads fresh groups at from now on (the version served, or one past the last version
+every trainer rank has read a step at: the step records `{ns}:steps`, followed in the same
+XREAD as the events) is dropped here instead of committed: its lease freed and the drop
+recorded in `{ns}:dropped`, as the reader would have done after reading the payload. Leases of long rollouts are renewed in the background — also
 while requests wait for an engine to appear — so only a dead producer's leases expire.
 A liveness heartbeat (`broker.admission.HEARTBEAT_SECS` after the record was last refreshed;
 each acquisition refreshes it too) ties the leases to this process:
@@ -100,6 +101,9 @@ class Producer:
         self.last_state: Any = None
         self._budget_full = False  # the admit loop waits after a refusal because the budget is used up
         self.version = 0
+        # One past the last version every trainer rank has read a step at (its step records): the trainer reads
+        # nothing fresh below it, even before it publishes that version.
+        self.read_floor = 0
 
     # ------------------------------------------------------------------ setup
     async def _setup(self) -> None:
@@ -207,10 +211,12 @@ class Producer:
                 await asyncio.sleep(HEARTBEAT_SECS)
 
     async def _follow_events(self, since: tuple[Any, Any]) -> None:
-        async for ev in self.versions.follow(wakeups=True, since=since):
+        async for ev in self.versions.follow(wakeups=True, reads=True, since=since):
             if ev.type == "version":
                 self.version = max(self.version, ev.version)
                 self._wake.set()
+            elif ev.type == "read":
+                self.read_floor = max(self.read_floor, ev.version + 1)
             elif ev.type == "capacity":
                 self._wake.set()
             elif ev.type == "shutdown":
@@ -336,11 +342,12 @@ class Producer:
                 await self.admission.abandon([lease_id])
                 return False
         if should_accept(self.cfg, group):
-            # Already too stale for the trainer (it reads at a version >= the one served now): recording the
-            # drop here saves writing, reading and validating a payload the reader would only drop.
-            min_version = group.min_version()
-            if self.admission.too_stale(min_version, self.version):
-                if await self.admission.drop_stale(lease_id, min_version, self.version):
+            # Already too stale for the trainer (it reads fresh groups at the version served now or later, and
+            # past every version all its ranks have read a step at): recording the drop here saves writing,
+            # reading and validating a payload the reader would only drop, and frees the slot a step earlier.
+            min_version, read_version = group.min_version(), max(self.version, self.read_floor)
+            if self.admission.too_stale(min_version, read_version):
+                if await self.admission.drop_stale(lease_id, min_version, read_version):
                     self.dropped_stale += 1
                 return False
             await self.admission.commit(lease_id, entry_fields(group))

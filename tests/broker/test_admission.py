@@ -736,15 +736,15 @@ def test_a_group_already_too_stale_is_dropped_by_its_producer_not_written(rclien
     drop of the same lease writes nothing."""
     adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=1,
                               max_concurrent_rollouts=10, producer_id="p0")
-    assert not adm.too_stale(min_version=2, served_version=3) and adm.too_stale(min_version=1, served_version=3)
-    assert not adm.too_stale(min_version=-1, served_version=9)  # no model token: nothing to be stale
+    assert not adm.too_stale(min_version=2, read_version=3) and adm.too_stale(min_version=1, read_version=3)
+    assert not adm.too_stale(min_version=-1, read_version=9)  # no model token: nothing to be stale
     VersionRegistry(rclient, keys).set(3)
     _, a = adm.try_acquire("A-0")
     held = [adm.try_acquire(f"A-{i}")[1] for i in range(1, 5)]
     assert all(held)
     st, refused = adm.try_acquire("B-0")  # (η + v + 1)·B = 5 slots, all held
     assert refused is None and st.budget_full
-    assert adm.drop_stale(a.lease_id, min_version=1, served_version=3) is True
+    assert adm.drop_stale(a.lease_id, min_version=1, read_version=3) is True
     assert [f[b"w"] for _, f in rclient.xrange(keys.admit_wake)] == [b"dropped"]
     (rec,) = [f for _, f in rclient.xrange(keys.dropped)]
     assert rec[b"lease"] == a.lease_id.encode() and b"source_id" not in rec and rec[b"producer"] == b"p0"
@@ -754,6 +754,6 @@ def test_a_group_already_too_stale_is_dropped_by_its_producer_not_written(rclien
     assert rclient.zscore(keys.admit_running, a.lease_id) is None
     assert adm.try_acquire("B-0")[1] is not None  # the slot is back
     # final: a retried drop or a commit of the same lease writes nothing
-    assert adm.drop_stale(a.lease_id, min_version=1, served_version=3) is False
+    assert adm.drop_stale(a.lease_id, min_version=1, read_version=3) is False
     assert adm.commit(a.lease_id, entry_fields(group_factory())) in ("-", b"-")
     assert rclient.xlen(keys.dropped) == 1 and not rclient.exists(keys.traj) and adm.snapshot().accepted == 0

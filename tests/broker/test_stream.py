@@ -293,3 +293,54 @@ def test_read_and_ack_ride_out_a_dropped_connection(redis_url, rclient, keys, gr
     rclient.client_kill_filter(_id=again)
     assert stream.ack(ids) == 2
     assert rclient.xpending(keys.traj, "train")["pending"] == 0 and client.client_id() != again
+
+
+async def test_a_follower_learns_when_every_trainer_rank_has_read_a_step(redis_url, rclient, keys):
+    """`follow(reads=True)` yields `read` v once all ranks recorded their groups of the step trained from v (once
+    per step, in order with the version events); a record of an older trainer (no `version` field) is ignored;
+    a Redis user that may not read `{ns}:steps` still gets every version event."""
+    import asyncio
+
+    from rlstream.broker import AsyncVersionRegistry, VersionRegistry, connect_async
+
+    aclient = await connect_async(redis_url)
+    versions = VersionRegistry(rclient, keys)
+    log = StepLog(rclient, keys)
+
+    async def events(client, n: int) -> list[tuple[str, int]]:
+        got = []
+        async for ev in AsyncVersionRegistry(client, keys).follow(block_ms=200, wakeups=True, reads=True):
+            got.append((ev.type, ev.version))
+            if len(got) == n:
+                return got
+
+    follower = asyncio.create_task(events(aclient, 4))
+    await asyncio.sleep(0.3)  # following from now
+    versions.set(1)
+    rclient.xadd(keys.steps, {"s": b"", "step": 0, "rank": 0})  # an older trainer's record: no version
+    log.record(StepRecord(step=1, version=1, entry_ids=["1-0"], rank=0, world=2, ts=time.time()))
+    await asyncio.sleep(0.3)
+    assert not follower.done()  # rank 1 has not read step 1 yet
+    log.record(StepRecord(step=1, version=1, entry_ids=["2-0"], rank=1, world=2, ts=time.time()))
+    log.record(StepRecord(step=1, version=1, entry_ids=["2-0"], rank=1, world=2, ts=time.time()))  # a re-run
+    versions.set(2)
+    log.record(StepRecord(step=2, version=2, entry_ids=["3-0"], rank=1, world=2, ts=time.time()))
+    log.record(StepRecord(step=2, version=2, entry_ids=["4-0"], rank=0, world=2, ts=time.time()))
+    assert await asyncio.wait_for(follower, 30) == [("version", 1), ("read", 1), ("version", 2), ("read", 2)]
+
+    # An ACL user without the step records (a producer ACL written before this): version events still come.
+    user = f"noreads-{os.getpid()}-{time.monotonic_ns()}"
+    rclient.acl_setuser(user, enabled=True, passwords=["+pw"], commands=["+@all"], keys=[keys.events, keys.admit_wake])
+    try:
+        host, port = redis_url.split("//")[1].split("/")[0].split(":")
+        limited = await connect_async(f"redis://{user}:pw@{host}:{port}/0")
+        follower = asyncio.create_task(events(limited, 2))
+        await asyncio.sleep(0.3)
+        versions.set(3)
+        log.record(StepRecord(step=3, version=3, entry_ids=["5-0"], ts=time.time()))
+        versions.set(4)
+        assert await asyncio.wait_for(follower, 30) == [("version", 3), ("version", 4)]
+        await limited.aclose()
+    finally:
+        rclient.acl_deluser(user)
+        await aclient.aclose()

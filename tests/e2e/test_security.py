@@ -203,6 +203,14 @@ def test_producer_acl_admits_and_commits_but_cannot_consume_delete_or_leave_its_
         VersionRegistry(connect(secure.cfg("trainer")), keys).publish(Event(type="pause"))
         assert (await asyncio.wait_for(first, 30)).type == "pause"
         await events.aclose()
+        # the events, the wake-ups and the trainer's step records in one XREAD: it learns the trainer's next read
+        follow = versions.follow(block_ms=200, wakeups=True, reads=True)
+        nxt = asyncio.ensure_future(follow.__anext__())
+        await asyncio.sleep(0.3)  # following before the record
+        StepLog(connect(secure.cfg("trainer")), keys).record(StepRecord(step=0, version=0, entry_ids=[]))
+        read = await asyncio.wait_for(nxt, 30)
+        assert (read.type, read.version) == ("read", 0)
+        await follow.aclose()
         resolver = RedisNameResolver(c, keys.ns, default_ttl=10)
         assert await resolver.list("engines") == []
         await c.aclose()
@@ -220,6 +228,7 @@ def test_producer_acl_admits_and_commits_but_cannot_consume_delete_or_leave_its_
     _denied(prod.execute_command, "XGROUP", "DESTROY", keys.traj, "train")
     _denied(prod.set, keys.version, 99)
     _denied(prod.xadd, keys.dead, {"x": 1})
+    _denied(prod.xadd, keys.steps, {"s": b"x"})
     _denied(prod.publish, keys.events, b"x")
     _denied(prod.execute_command, "FLUSHALL")
     _denied(prod.execute_command, "CONFIG", "GET", "*")

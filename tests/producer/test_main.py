@@ -11,7 +11,7 @@ import aiohttp
 import numpy as np
 import pytest
 
-from rlstream.broker import AdmissionController, Keys, TrajectoryStream, VersionRegistry, namespace
+from rlstream.broker import AdmissionController, Keys, StepLog, StepRecord, TrajectoryStream, VersionRegistry, namespace
 from rlstream.broker.versions import Event
 from rlstream.common.wire import decode_group
 
@@ -269,6 +269,33 @@ def test_a_group_finished_too_stale_is_dropped_by_its_producer_not_written(share
                and b"dropped before commit" in f[b"reason"] for f in records), records[:2]
     s = adm.snapshot()
     assert rclient.xlen(keys.traj) == 0 and s.accepted == 0 and s.running == 0 and s.rejected == 0
+
+
+def test_a_group_too_stale_for_the_trainers_next_read_is_dropped_before_that_version_is_served(
+        shared_engine, producers, data, tiny_model_path, redis_url, experiment, rclient):
+    """Served version 1, engine weights version 0, η = 1: groups are trainable and committed. Once the trainer
+    records that it has read its step at version 1 (its next fresh read is at 2, which is not served yet),
+    the producer, following the step records, drops every group it finishes before commit (head staleness
+    2 > 1) instead of writing what the reader would only drop."""
+    keys = ns_keys(experiment)
+    VersionRegistry(rclient, keys).set(1)
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=2, max_concurrent_rollouts=2)
+    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
+                                     f"rollout.engine_addresses=[{shared_engine.address}]",
+                                     "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=2",
+                                     "rollout.max_head_offpolicyness=1"), "reads")
+    wait_for(lambda: rclient.xlen(keys.traj) >= 1, what="a group committed at served version 1", proc=p)
+    assert rclient.xlen(keys.dropped) == 0
+    StepLog(rclient, keys).record(StepRecord(step=1, version=1, entry_ids=[], ts=time.time()))
+    wait_for(lambda: rclient.xlen(keys.dropped) >= 4, what="4 groups dropped before commit", proc=p)
+    p.signal(signal.SIGTERM)
+    assert p.wait(60) == 0, p.log()[-3000:]
+    records = [f for _, f in rclient.xrange(keys.dropped)]
+    assert all(b"source_id" not in f and f[b"trainer_version"] == b"2" and f[b"min_version"] == b"0"
+               and b"dropped before commit" in f[b"reason"] for f in records), records[:2]
+    assert rclient.get(keys.version) == b"1"  # dropped while version 1 was still the one served
+    s = adm.snapshot()
+    assert s.accepted == rclient.xlen(keys.traj) and s.running == 0
 
 
 def test_sigkilled_producer_frees_its_leases_in_seconds_not_lease_ttl(shared_engine, producers, data,
