@@ -263,9 +263,10 @@ class Cluster:
         self._rollouts = itertools.count()
         self._retired: list[SimulatedEngine] = []  # incarnations that left (elastic)
         self._budget_full: dict[int, bool] = {}  # producer -> its last ask was refused because the budget is used up
-        # producer -> the version its event follower says the trainer reads fresh groups at: the newest served
-        # version, or one past the last version every trainer rank read a step at (its step records)
-        self._served: dict[int, int] = {}
+        self._served: dict[int, int] = {}  # producer -> the newest served version its event follower saw
+        # producer -> one past the last version every trainer rank read a step at (its step records, follow_reads)
+        self._read_floor: dict[int, int] = {}
+        self._version_moved: dict[int, asyncio.Event] = {}  # producer -> set (and replaced) when _served grows
         self.timer_scale = s.accel if s.scale_timers else 1.0
         self._active_groups: dict[int, dict] = {}  # abort_stale: the groups being generated (stopped at the push that dooms them)
 
@@ -381,9 +382,16 @@ class Cluster:
         if self.stop.is_set():
             return False
         group = _group(self.s.prompt_len, outs, producer, self.s.payload)
-        # as producer.main: a group already too stale for the trainer is dropped before commit, not written
-        read_at, oldest = self._served.get(pid, 0), group.min_version()
+        # as producer.main: a group already too stale for the trainer's next read is dropped before commit, not
+        # written, its slot given back once the version of that read is served
+        read_at, oldest = max(self._served.get(pid, 0), self._read_floor.get(pid, 0)), group.min_version()
         if adm.too_stale(oldest, read_at):
+            while self._served.get(pid, 0) < read_at and not self.stop.is_set():
+                waits = [asyncio.ensure_future(self._version_moved[pid].wait()),
+                         asyncio.ensure_future(self.stop.wait())]
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for w in waits:
+                    w.cancel()
             if await adm.drop_stale(lease_id, oldest, read_at):
                 self.result.dropped_before_commit += 1
             return False
@@ -412,6 +420,7 @@ class Cluster:
         await adm.heartbeat()  # as producer.main: before the first lease, its leases live as long as it does
         registry = AsyncVersionRegistry(client, self.keys)
         since = (await registry.last_event_id(), await registry.last_wake_id())
+        self._version_moved[pid] = asyncio.Event()
         follower = asyncio.create_task(self._follow_versions(registry, since, wake, pid))
         helpers = [asyncio.create_task(self._heartbeats(adm)),
                    asyncio.create_task(self._every(LEASE_TTL_S / 3, lambda: adm.renew(list(inflight))))]
@@ -476,8 +485,12 @@ class Cluster:
         producer.main's `AsyncVersionRegistry.follow(wakeups=True, reads=True)`)."""
         block_ms = max(1, round(1000 * self.wall(FOLLOW_BLOCK_S)))
         async for ev in registry.follow(block_ms, wakeups=True, reads=self.s.follow_reads, since=since):
-            if ev.type in ("version", "read"):
-                self._served[pid] = max(self._served.get(pid, 0), ev.version + (ev.type == "read"))
+            if ev.type == "version" and ev.version > self._served.get(pid, 0):
+                self._served[pid] = ev.version
+                moved, self._version_moved[pid] = self._version_moved[pid], asyncio.Event()
+                moved.set()
+            if ev.type == "read":
+                self._read_floor[pid] = max(self._read_floor.get(pid, 0), ev.version + 1)
             if ev.type in ("version", "capacity"):
                 wake.set()
             if ev.type == "capacity" and pid == 0:

@@ -11,8 +11,11 @@ finished group is committed (lease dropped, counted, XADDed: one transaction) if
 if its rollout failed. One that passes but is already more than η behind the version the
 trainer reads fresh groups at from now on (the version served, or one past the last version
 every trainer rank has read a step at: the step records `{ns}:steps`, followed in the same
-XREAD as the events) is dropped here instead of committed: its lease freed and the drop
-recorded in `{ns}:dropped`, as the reader would have done after reading the payload. Leases of long rollouts are renewed in the background — also
+XREAD as the events) is not committed: it keeps its lease until that version is served, then
+the lease is freed and the drop recorded in `{ns}:dropped`, as the reader would have done at
+that read after reading the payload (a slot freed before would admit a group at the older
+version, which the trainer's reads have already passed: at small η it is too stale before it
+is done). Leases of long rollouts are renewed in the background — also
 while requests wait for an engine to appear — so only a dead producer's leases expire.
 A liveness heartbeat (`broker.admission.HEARTBEAT_SECS` after the record was last refreshed;
 each acquisition refreshes it too) ties the leases to this process:
@@ -104,6 +107,8 @@ class Producer:
         # One past the last version every trainer rank has read a step at (its step records): the trainer reads
         # nothing fresh below it, even before it publishes that version.
         self.read_floor = 0
+        self._version_moved = asyncio.Event()  # set, and replaced, whenever `version` grows (`_saw_version`)
+        self.parked = 0  # finished groups too stale to train, holding their slot until the trainer's next version
 
     # ------------------------------------------------------------------ setup
     async def _setup(self) -> None:
@@ -213,7 +218,7 @@ class Producer:
     async def _follow_events(self, since: tuple[Any, Any]) -> None:
         async for ev in self.versions.follow(wakeups=True, reads=True, since=since):
             if ev.type == "version":
-                self.version = max(self.version, ev.version)
+                self._saw_version(ev.version)
                 self._wake.set()
             elif ev.type == "read":
                 self.read_floor = max(self.read_floor, ev.version + 1)
@@ -223,6 +228,22 @@ class Producer:
                 self.request_stop(f"shutdown event ({ev.detail or 'trainer finished'})", force=True)
             elif ev.type in ("engine_down", "engine_up") and ev.address:
                 self.pool.set_behind(ev.address, ev.type == "engine_down")
+
+    def _saw_version(self, version: int) -> None:
+        if version > self.version:
+            self.version = version
+            moved, self._version_moved = self._version_moved, asyncio.Event()
+            moved.set()
+
+    async def _until_served(self, version: int) -> None:
+        """Return once `version` is served (from the events or an admission reply), or the producer stops."""
+        while self.version < version and not self._stop.is_set():
+            waits = [asyncio.ensure_future(self._version_moved.wait()), asyncio.ensure_future(self._stop.wait())]
+            try:
+                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
 
     async def _progress(self) -> None:
         period = self.cfg.stats_logger.log_every_secs
@@ -249,6 +270,7 @@ class Producer:
                     "dropped_stale_groups": self.dropped_stale,
                     "finished_groups": self.finished, "generated_tokens": self.out_tokens,
                     "inflight_rollouts": len(self.inflight), "version": self.version,
+                    "stale_rollouts_waiting": self.parked, "trainer_read_version": max(self.version, self.read_floor),
                     "engines_healthy": ps["healthy"], "engine_requests_waiting": ps["waiting"],
                     "engine_retries": ps["retries"]}
 
@@ -264,10 +286,12 @@ class Producer:
         ps = self.pool.stats()
         cap = f"capacity {st.capacity} (running {st.running}, accepted {st.accepted})" if st is not None else "capacity ?"
         wait = f", {ps['waiting']} requests waiting for an engine" if ps["waiting"] else ""
+        parked = (f" ({self.parked} finished too stale, dropped once version {max(self.version, self.read_floor)} is "
+                  f"served)" if self.parked else "")
         log.info("%s: %.2f groups/s %.1f tokens/s | groups accepted %d rejected %d failed %d dropped stale %d | "
-                 "rollouts in flight %d | version %d %s | engines %d/%d healthy, %d retries%s",
+                 "rollouts in flight %d%s | version %d %s | engines %d/%d healthy, %d retries%s",
                  self.producer_id, groups_s, tokens_s, self.accepted, self.rejected, self.failed, self.dropped_stale,
-                 len(self.inflight), self.version, cap, ps["healthy"], ps["engines"], ps["retries"], wait)
+                 len(self.inflight), parked, self.version, cap, ps["healthy"], ps["engines"], ps["retries"], wait)
 
     def _sync_state(self) -> None:
         s = self.cursor.state
@@ -347,6 +371,14 @@ class Producer:
             # reading and validating a payload the reader would only drop, and frees the slot a step earlier.
             min_version, read_version = group.min_version(), max(self.version, self.read_floor)
             if self.admission.too_stale(min_version, read_version):
+                # The slot is given back once the version the trainer reads at next is served, when the reader
+                # would have dropped it: freed before, it would admit a group at the older version, which that
+                # read has passed already (so at small η the new group is too stale before it is done).
+                self.parked += 1
+                try:
+                    await self._until_served(read_version)
+                finally:
+                    self.parked -= 1
                 if await self.admission.drop_stale(lease_id, min_version, read_version):
                     self.dropped_stale += 1
                 return False
@@ -384,7 +416,7 @@ class Producer:
             if st.run_finished:
                 self.request_stop(f"the run is finished ({self.keys.run})")
                 break
-            self.version = max(self.version, st.version)
+            self._saw_version(st.version)
             leases = [lease for _, lease in decisions if lease is not None]
             for i, lease in enumerate(leases):
                 item = await self.cursor.next()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
+import urllib.request
 import uuid
 
 import aiohttp
@@ -271,31 +273,45 @@ def test_a_group_finished_too_stale_is_dropped_by_its_producer_not_written(share
     assert rclient.xlen(keys.traj) == 0 and s.accepted == 0 and s.running == 0 and s.rejected == 0
 
 
-def test_a_group_too_stale_for_the_trainers_next_read_is_dropped_before_that_version_is_served(
+def test_a_group_too_stale_for_the_trainers_next_read_is_not_written_and_frees_its_slot_at_that_version(
         shared_engine, producers, data, tiny_model_path, redis_url, experiment, rclient):
     """Served version 1, engine weights version 0, η = 1: groups are trainable and committed. Once the trainer
-    records that it has read its step at version 1 (its next fresh read is at 2, which is not served yet),
-    the producer, following the step records, drops every group it finishes before commit (head staleness
-    2 > 1) instead of writing what the reader would only drop."""
+    records that it has read its step at version 1 (its next fresh read is at 2, not served yet), the producer,
+    following the step records, writes no group it finishes (head staleness 2 > 1 at that read): each holds its
+    slot until version 2 is served, as the reader's drop at that read would have, then is dropped in
+    {ns}:dropped (a slot freed earlier would admit a group at version 1, which the trainer's reads have passed)."""
     keys = ns_keys(experiment)
-    VersionRegistry(rclient, keys).set(1)
+    versions = VersionRegistry(rclient, keys)
+    versions.set(1)
     adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=2, max_concurrent_rollouts=2)
     p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
                                      f"rollout.engine_addresses=[{shared_engine.address}]",
                                      "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=2",
                                      "rollout.max_head_offpolicyness=1"), "reads")
     wait_for(lambda: rclient.xlen(keys.traj) >= 1, what="a group committed at served version 1", proc=p)
-    assert rclient.xlen(keys.dropped) == 0
     StepLog(rclient, keys).record(StepRecord(step=1, version=1, entry_ids=[], ts=time.time()))
+
+    def engine_idle() -> bool:
+        with urllib.request.urlopen(shared_engine.url + "/get_server_info", timeout=10) as r:
+            info = json.loads(r.read())
+        return info["running"] == 0 and info["waiting"] == 0
+
+    # Both slots end up held by finished groups: nothing runs, nothing is written or dropped.
+    wait_for(lambda: adm.snapshot().running == 2 and engine_idle(), what="two finished groups holding their slots",
+             proc=p)
+    written = rclient.xlen(keys.traj)
+    time.sleep(1.5)
+    assert adm.snapshot().running == 2 and rclient.xlen(keys.traj) == written and rclient.xlen(keys.dropped) == 0
+    versions.set(2)
     wait_for(lambda: rclient.xlen(keys.dropped) >= 4, what="4 groups dropped before commit", proc=p)
     p.signal(signal.SIGTERM)
     assert p.wait(60) == 0, p.log()[-3000:]
     records = [f for _, f in rclient.xrange(keys.dropped)]
     assert all(b"source_id" not in f and f[b"trainer_version"] == b"2" and f[b"min_version"] == b"0"
                and b"dropped before commit" in f[b"reason"] for f in records), records[:2]
-    assert rclient.get(keys.version) == b"1"  # dropped while version 1 was still the one served
+    assert rclient.xlen(keys.traj) == written  # served 2, the engine's version-0 groups stay too stale
     s = adm.snapshot()
-    assert s.accepted == rclient.xlen(keys.traj) and s.running == 0
+    assert s.accepted == written and s.running == 0
 
 
 def test_sigkilled_producer_frees_its_leases_in_seconds_not_lease_ttl(shared_engine, producers, data,
