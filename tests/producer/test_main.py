@@ -283,10 +283,11 @@ def test_a_group_too_stale_for_the_trainers_next_read_is_not_written_and_frees_i
     keys = ns_keys(experiment)
     versions = VersionRegistry(rclient, keys)
     versions.set(1)
-    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=2, max_concurrent_rollouts=2)
+    # B = 8: a budget of (η + v + 1)·B = 24 leaves room for both slots whatever committed before the record came
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=8, max_concurrent_rollouts=2)
     p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
                                      f"rollout.engine_addresses=[{shared_engine.address}]",
-                                     "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=2",
+                                     "rollout.consumer_batch_size=8", "rollout.max_concurrent_rollouts=2",
                                      "rollout.max_head_offpolicyness=1"), "reads")
     wait_for(lambda: rclient.xlen(keys.traj) >= 1, what="a group committed at served version 1", proc=p)
     StepLog(rclient, keys).record(StepRecord(step=1, version=1, entry_ids=[], ts=time.time()))
