@@ -173,15 +173,6 @@ class Versions:
         return events, ids[self.keys.events]
 
     @operation
-    def events_and_wakeups_after(self, last_id: bytes | str, wake_id: bytes | str, block_ms: int = FOLLOW_BLOCK_MS,
-                                 count: int = 100) -> Plan:
-        """(events, new last id, new wake id): `events_after` reading the admission wake stream too (one XREAD);
-        each wake entry comes as `Event(type="capacity", detail=why)`, after the stream's events."""
-        events, ids = yield from self._read({self.keys.events: last_id, self.keys.admit_wake: wake_id}, block_ms,
-                                            count)
-        return events, ids[self.keys.events], ids[self.keys.admit_wake]
-
-    @operation
     def follow_after(self, ids: dict[str, Any], block_ms: int = FOLLOW_BLOCK_MS, count: int = 100,
                      reads: ReadTracker | None = None) -> Plan:
         """(events, new ids): what the streams in `ids` (key -> last id read: the events stream, and optionally the
