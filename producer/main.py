@@ -229,6 +229,11 @@ class Producer:
             elif ev.type in ("engine_down", "engine_up") and ev.address:
                 self.pool.set_behind(ev.address, ev.type == "engine_down")
 
+    @property
+    def read_version(self) -> int:
+        """The lowest version the trainer reads fresh groups at from now on: the served one, or past its reads."""
+        return max(self.version, self.read_floor)
+
     def _saw_version(self, version: int) -> None:
         if version > self.version:
             self.version = version
@@ -270,7 +275,7 @@ class Producer:
                     "dropped_stale_groups": self.dropped_stale,
                     "finished_groups": self.finished, "generated_tokens": self.out_tokens,
                     "inflight_rollouts": len(self.inflight), "version": self.version,
-                    "stale_rollouts_waiting": self.parked, "trainer_read_version": max(self.version, self.read_floor),
+                    "stale_rollouts_waiting": self.parked, "trainer_read_version": self.read_version,
                     "engines_healthy": ps["healthy"], "engine_requests_waiting": ps["waiting"],
                     "engine_retries": ps["retries"]}
 
@@ -286,7 +291,7 @@ class Producer:
         ps = self.pool.stats()
         cap = f"capacity {st.capacity} (running {st.running}, accepted {st.accepted})" if st is not None else "capacity ?"
         wait = f", {ps['waiting']} requests waiting for an engine" if ps["waiting"] else ""
-        parked = (f" ({self.parked} finished too stale, dropped once version {max(self.version, self.read_floor)} is "
+        parked = (f" ({self.parked} finished too stale, dropped once version {self.read_version} is "
                   f"served)" if self.parked else "")
         log.info("%s: %.2f groups/s %.1f tokens/s | groups accepted %d rejected %d failed %d dropped stale %d | "
                  "rollouts in flight %d%s | version %d %s | engines %d/%d healthy, %d retries%s",
@@ -368,8 +373,8 @@ class Producer:
         if should_accept(self.cfg, group):
             # Already too stale for the trainer (it reads fresh groups at the version served now or later, and
             # past every version all its ranks have read a step at): recording the drop here saves writing,
-            # reading and validating a payload the reader would only drop, and frees the slot a step earlier.
-            min_version, read_version = group.min_version(), max(self.version, self.read_floor)
+            # reading and validating a payload the reader would only drop.
+            min_version, read_version = group.min_version(), self.read_version
             if self.admission.too_stale(min_version, read_version):
                 # The slot is given back once the version the trainer reads at next is served, when the reader
                 # would have dropped it: freed before, it would admit a group at the older version, which that
