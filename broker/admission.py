@@ -692,19 +692,21 @@ class Admission:
         return min_version >= 0 and read_version - min_version > self.eta
 
     @operation
-    def drop_stale(self, lease_id: str, min_version: int, read_version: int) -> Plan:
+    def drop_stale(self, lease_id: str, min_version: int, read_version: int, stopped: bool = False) -> Plan:
         """Drop the lease of a finished group that is already too stale to train, instead of committing it.
 
         `read_version`: a version the trainer reads every fresh group at or later: the served version
         (published after the trainer moved to it), or one past the last version every trainer rank has
         read a step at (`Event(type="read")`). A group with `read_version - min_version > η` would only
         be written, read and dropped by the reader: it is recorded in `{ns}:dropped` (under `lease`) here,
-        and its slot freed, without its payload ever reaching the stream. Returns True if this call
-        dropped it (False: already finished).
+        and its slot freed, without its payload ever reaching the stream. `stopped`: the producer stopped
+        the rollout before it finished (its reason says so). Returns True if this call dropped it (False:
+        already finished).
         """
         _untried.discard(lease_id)  # its marker ('-') now exists: a commit must read it
         reason = (f"head staleness {read_version - min_version} > max_head_offpolicyness {self.eta} "
-                  f"(the trainer reads at version {read_version} or later), dropped before commit")
+                  f"(the trainer reads at version {read_version} or later), dropped before commit"
+                  + (" (stopped while generating)" if stopped else ""))
         live, repeated = (yield from script(
             _DROP_STALE, [self.keys.admit_running, self.keys.admit_done(lease_id), self.keys.admit_armed,
                           self.keys.admit_wake, self.keys.admit_owners, self.keys.dropped],

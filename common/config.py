@@ -348,6 +348,7 @@ class ProducerConfig(_Section):
     producer_id: D(str | None, "Stable producer id (resumable dataset position); None = hostname-pid.") = None
     max_groups: D(int | None, "Stop after this many accepted groups (None = until the trainer finishes).", ge=1) = None
     shutdown_timeout: D(float, "Seconds a stopping producer (SIGTERM/SIGINT) lets in-flight rollouts finish before releasing their leases.", ge=0) = 30.0
+    stop_stale_rollouts: D(bool, "Stop a rollout as soon as the tokens its requests returned show its group is too stale for the trainer's next read (the engines stop generating it; its slot is held until that version is served, then the drop is recorded).") = True
 
 
 class SandboxConfig(_Section):

@@ -15,7 +15,10 @@ XREAD as the events) is not committed: it keeps its lease until that version is 
 the lease is freed and the drop recorded in `{ns}:dropped`, as the reader would have done at
 that read after reading the payload (a slot freed before would admit a group at the older
 version, which the trainer's reads have already passed: at small η it is too stale before it
-is done). Leases of long rollouts are renewed in the background — also
+is done). A rollout still generating is stopped the same way as soon as the tokens its requests
+returned so far (a finished sample's, or what a request a weight update interrupted had) are
+that stale (`producer.stop_stale_rollouts`): its requests are cancelled, so the engines stop
+decoding tokens nobody can train on. Leases of long rollouts are renewed in the background — also
 while requests wait for an engine to appear — so only a dead producer's leases expire.
 A liveness heartbeat (`broker.admission.HEARTBEAT_SECS` after the record was last refreshed;
 each acquisition refreshes it too) ties the leases to this process:
@@ -61,6 +64,7 @@ from rlstream.common.logging import get_logger
 from rlstream.common.tasks import cancel_and_wait
 from rlstream.common.name_resolve import NameResolveError
 from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
+from rlstream.producer.workflow import RolloutVersions, current_rollout
 
 __all__ = ["produce", "Producer", "should_accept"]
 
@@ -98,7 +102,7 @@ class Producer:
         self._save_lock = asyncio.Lock()
         # progress counters
         self.accepted = self.rejected = self.failed = 0
-        self.dropped_stale = 0  # finished too stale to train: recorded in {ns}:dropped, never written to the stream
+        self.dropped_stale = 0  # too stale to train (finished or stopped): recorded in {ns}:dropped, never written
         self.finished = 0
         self.out_tokens = 0
         self.last_state: Any = None
@@ -109,6 +113,9 @@ class Producer:
         self.read_floor = 0
         self._version_moved = asyncio.Event()  # set, and replaced, whenever `version` grows (`_saw_version`)
         self.parked = 0  # finished groups too stale to train, holding their slot until the trainer's next version
+        # lease id -> the oldest version its rollout's requests returned (producer.stop_stale_rollouts)
+        self.generating: dict[str, RolloutVersions] = {}
+        self.stopped_stale = 0  # rollouts stopped while generating because their group could no longer be trained
 
     # ------------------------------------------------------------------ setup
     async def _setup(self) -> None:
@@ -221,7 +228,9 @@ class Producer:
                 self._saw_version(ev.version)
                 self._wake.set()
             elif ev.type == "read":
-                self.read_floor = max(self.read_floor, ev.version + 1)
+                if ev.version + 1 > self.read_floor:
+                    self.read_floor = ev.version + 1
+                    self._stop_stale_rollouts()
             elif ev.type == "capacity":
                 self._wake.set()
             elif ev.type == "shutdown":
@@ -239,6 +248,21 @@ class Producer:
             self.version = version
             moved, self._version_moved = self._version_moved, asyncio.Event()
             moved.set()
+            self._stop_stale_rollouts()
+
+    def _stop_stale_rollouts(self) -> None:
+        for lease_id in list(self.generating):
+            self._stop_if_stale(lease_id)
+
+    def _stop_if_stale(self, lease_id: str) -> None:
+        """Stop the rollout of `lease_id` if what its requests returned is already too stale for the trainer's
+        next read: no token it still generates could be trained."""
+        seen = self.generating.get(lease_id)
+        if seen is None or seen.stopped or seen.oldest is None:
+            return
+        if self.admission.too_stale(seen.oldest, self.read_version):
+            seen.stopped = True
+            self.inflight[lease_id].cancel()
 
     async def _until_served(self, version: int) -> None:
         """Return once `version` is served (from the events or an admission reply), or the producer stops."""
@@ -272,7 +296,7 @@ class Producer:
         def values() -> dict[str, float]:
             ps = self.pool.stats()
             return {"accepted_groups": self.accepted, "rejected_groups": self.rejected, "failed_groups": self.failed,
-                    "dropped_stale_groups": self.dropped_stale,
+                    "dropped_stale_groups": self.dropped_stale, "stopped_stale_rollouts": self.stopped_stale,
                     "finished_groups": self.finished, "generated_tokens": self.out_tokens,
                     "inflight_rollouts": len(self.inflight), "version": self.version,
                     "stale_rollouts_waiting": self.parked, "trainer_read_version": self.read_version,
@@ -282,6 +306,7 @@ class Producer:
         registry = CollectorRegistry()
         registry.register(ValuesCollector("rlstream_producer", values, labels={"producer": self.producer_id},
                                           counters=("accepted_groups", "rejected_groups", "failed_groups", "dropped_stale_groups",
+                                                    "stopped_stale_rollouts",
                                                     "finished_groups", "generated_tokens", "engine_retries")))
         address = serve(registry, pc.host, pc.port, run_dir=self.cfg.run_dir, name=self.producer_id)
         log.info("%s: prometheus metrics at http://%s/metrics", self.producer_id, address)
@@ -291,12 +316,14 @@ class Producer:
         ps = self.pool.stats()
         cap = f"capacity {st.capacity} (running {st.running}, accepted {st.accepted})" if st is not None else "capacity ?"
         wait = f", {ps['waiting']} requests waiting for an engine" if ps["waiting"] else ""
-        parked = (f" ({self.parked} finished too stale, dropped once version {self.read_version} is "
+        parked = (f" ({self.parked} too stale to train, dropped once version {self.read_version} is "
                   f"served)" if self.parked else "")
-        log.info("%s: %.2f groups/s %.1f tokens/s | groups accepted %d rejected %d failed %d dropped stale %d | "
+        stopped = f" ({self.stopped_stale} stopped while generating)" if self.stopped_stale else ""
+        log.info("%s: %.2f groups/s %.1f tokens/s | groups accepted %d rejected %d failed %d dropped stale %d%s | "
                  "rollouts in flight %d%s | version %d %s | engines %d/%d healthy, %d retries%s",
                  self.producer_id, groups_s, tokens_s, self.accepted, self.rejected, self.failed, self.dropped_stale,
-                 len(self.inflight), parked, self.version, cap, ps["healthy"], ps["engines"], ps["retries"], wait)
+                 stopped, len(self.inflight), parked, self.version, cap, ps["healthy"], ps["engines"], ps["retries"],
+                 wait)
 
     def _sync_state(self) -> None:
         s = self.cursor.state
@@ -315,18 +342,31 @@ class Producer:
     # ------------------------------------------------------------------ rollouts
     async def _rollout(self, lease_id: str, item: Any) -> None:
         committed = False
+        seen = RolloutVersions(lambda: self._stop_if_stale(lease_id))
+        if self.cfg.producer.stop_stale_rollouts:
+            self.generating[lease_id] = seen
+            current_rollout.set(seen)  # this task's context: the workflow's requests report to `seen`
         try:
             try:
-                group = await self.workflow.arun_episode(self.engine, item)
+                try:
+                    group = await self.workflow.arun_episode(self.engine, item)
+                finally:
+                    self.generating.pop(lease_id, None)  # finished (or failed): never stopped from here on
             except asyncio.CancelledError:
-                await asyncio.shield(self.admission.abandon([lease_id]))
-                raise
+                if not seen.stopped or self.force:
+                    await asyncio.shield(self.admission.abandon([lease_id]))
+                    raise
+                asyncio.current_task().uncancel()  # our own stop: the rollout ends as a stale drop
+                self.stopped_stale += 1
+                fin = asyncio.ensure_future(self._drop_too_stale(lease_id, seen.oldest, self.read_version,
+                                                                 stopped=True))
             except Exception as exc:  # noqa: BLE001 - a failed rollout loses its lease, not the producer
                 self.failed += 1
                 log.error("rollout of prompt %s failed: %s: %s", getattr(item, "prompt_id", "?"), type(exc).__name__, exc)
                 await self.admission.abandon([lease_id])
                 return
-            fin = asyncio.ensure_future(self._finish(lease_id, group))
+            else:
+                fin = asyncio.ensure_future(self._finish(lease_id, group))
             try:
                 committed = await asyncio.shield(fin)
             except asyncio.CancelledError:
@@ -376,22 +416,27 @@ class Producer:
             # reading and validating a payload the reader would only drop.
             min_version, read_version = group.min_version(), self.read_version
             if self.admission.too_stale(min_version, read_version):
-                # The slot is given back once the version the trainer reads at next is served, when the reader
-                # would have dropped it: freed before, it would admit a group at the older version, which that
-                # read has passed already (so at small η the new group is too stale before it is done).
-                self.parked += 1
-                try:
-                    await self._until_served(read_version)
-                finally:
-                    self.parked -= 1
-                if await self.admission.drop_stale(lease_id, min_version, read_version):
-                    self.dropped_stale += 1
-                return False
+                return await self._drop_too_stale(lease_id, min_version, read_version)
             await self.admission.commit(lease_id, entry_fields(group))
             self.accepted += 1
             return True
         self.rejected += 1
         await self.admission.release(lease_id)
+        return False
+
+    async def _drop_too_stale(self, lease_id: str, min_version: int, read_version: int, stopped: bool = False) -> bool:
+        """Drop a group too stale for the trainer's read at `read_version`, finished or `stopped` while generating.
+
+        The slot is given back once `read_version` is served, when the reader would have dropped the group: freed
+        before, it would admit a group at the older version, which that read has passed already (so at small η the
+        new group is too stale before it is done). Returns False (nothing committed)."""
+        self.parked += 1
+        try:
+            await self._until_served(read_version)
+        finally:
+            self.parked -= 1
+        if await self.admission.drop_stale(lease_id, min_version, read_version, stopped):
+            self.dropped_stale += 1
         return False
 
     async def _wait_wake(self, timeout: float) -> None:
@@ -514,8 +559,9 @@ class Producer:
                 self.last_state = await self.admission.snapshot()
             elapsed = max(time.monotonic() - self._t_start, 1e-9)
             self.log_progress(self.finished / elapsed, self.out_tokens / elapsed)  # whole-run averages
-            log.info("producer %s done (%s): accepted %d, rejected %d, failed %d, dropped stale %d",
-                     self.producer_id, self.stop_reason, self.accepted, self.rejected, self.failed, self.dropped_stale)
+            log.info("producer %s done (%s): accepted %d, rejected %d, failed %d, dropped stale %d (%d stopped while "
+                     "generating)", self.producer_id, self.stop_reason, self.accepted, self.rejected, self.failed,
+                     self.dropped_stale, self.stopped_stale)
             return 0
         finally:
             # Whatever happened, no lease of ours outlives us longer than necessary.

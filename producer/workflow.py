@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
@@ -31,7 +32,8 @@ from rlstream.common.wire import Trajectory, TrajectoryGroup
 from rlstream.producer.engine_client import ModelRequest, ModelResponse
 from rlstream.producer.rewards import RewardResult, import_by_path
 
-__all__ = ["Workflow", "Generation", "FollowedVersion", "RolloutEngine", "RLVRWorkflow", "load_workflow"]
+__all__ = ["Workflow", "Generation", "FollowedVersion", "RolloutVersions", "current_rollout", "RolloutEngine",
+           "RLVRWorkflow", "load_workflow"]
 
 log = get_logger(__name__)
 
@@ -115,6 +117,34 @@ class FollowedVersion:
         await cancel_and_wait([self._task] if self._task is not None else [])
 
 
+class RolloutVersions:
+    """The oldest model version among the tokens one rollout's engine requests have returned so far.
+
+    Every response counts, finished or interrupted (a request a weight update aborted returns what it has), so
+    the producer learns that a group can no longer be trained before its longest sample ends. `on_older` is
+    called whenever the oldest version becomes known or older.
+    """
+
+    __slots__ = ("oldest", "on_older", "stopped")
+
+    def __init__(self, on_older: Callable[[], None] | None = None) -> None:
+        self.oldest: int | None = None
+        self.on_older = on_older
+        self.stopped = False  # the producer stopped the rollout: its group can no longer be trained
+
+    def saw(self, version: int) -> None:
+        if self.oldest is None or version < self.oldest:
+            self.oldest = version
+            if self.on_older is not None:
+                self.on_older()
+
+
+# The rollout the current task generates for (set by the producer in each rollout's task; the workflow's own tasks
+# inherit it); None outside rollouts (evaluation, the gateway).
+current_rollout: contextvars.ContextVar[RolloutVersions | None] = contextvars.ContextVar("rlstream_rollout",
+                                                                                        default=None)
+
+
 class RolloutEngine:
     """The producer's view of the engines: a server pool plus the served version.
 
@@ -155,9 +185,14 @@ class RolloutEngine:
             gen.output_logprobs += resp.output_logprobs
             if resp.output_versions is not None:
                 gen.output_versions += resp.output_versions
+                oldest = min(resp.output_versions, default=None)
             else:
                 v = resp.weight_version if resp.weight_version is not None else v_req
                 gen.output_versions += [v] * len(resp.output_ids)
+                oldest = v if resp.output_ids else None
+            rollout = current_rollout.get()
+            if rollout is not None and oldest is not None:
+                rollout.saw(oldest)
             self.output_tokens += len(resp.output_ids)
             gen.finish_reason = resp.finish_reason
             if resp.finish_reason != "abort":

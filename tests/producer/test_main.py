@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import signal
 import time
 import urllib.request
@@ -313,6 +314,51 @@ def test_a_group_too_stale_for_the_trainers_next_read_is_not_written_and_frees_i
     assert rclient.xlen(keys.traj) == written  # served 2, the engine's version-0 groups stay too stale
     s = adm.snapshot()
     assert s.accepted == written and s.running == 0
+
+
+def test_a_rollout_too_stale_for_the_trainers_next_read_is_stopped_while_generating(
+        shared_engine, producers, data, tiny_model_path, redis_url, experiment, rclient):
+    """Served version 1, engine weights version 0, η = 1, long samples. A pause (abort) makes the engine return what
+    each running request has (version-0 tokens) and the rollouts wait for a newer version. Once the trainer records
+    its read of the step at version 1, those groups can no longer be trained (2 - 0 > 1): the producer stops them
+    where they are instead of generating the rest when version 2 comes, holds their slots until it is served, then
+    records their drops as stopped while generating. Nothing reaches the stream."""
+    keys = ns_keys(experiment)
+    versions = VersionRegistry(rclient, keys)
+    versions.set(1)
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=8, max_concurrent_rollouts=2)
+    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
+                                     f"rollout.engine_addresses=[{shared_engine.address}]",
+                                     "rollout.consumer_batch_size=8", "rollout.max_concurrent_rollouts=2",
+                                     "rollout.max_head_offpolicyness=1", "gconfig.max_new_tokens=1900",
+                                     "gconfig.min_new_tokens=1900", "producer.shutdown_timeout=0"), "stop")
+
+    def info() -> dict:
+        with urllib.request.urlopen(shared_engine.url + "/get_server_info", timeout=10) as r:
+            return json.loads(r.read())
+
+    wait_for(lambda: info()["running"] == 4, what="both groups' samples generating", proc=p)
+    pause(shared_engine)
+    try:
+        wait_for(lambda: info()["running"] == 0, what="the running requests answered (aborted)", proc=p)
+    finally:
+        resume(shared_engine)
+    StepLog(rclient, keys).record(StepRecord(step=1, version=1, entry_ids=[], ts=time.time()))
+    time.sleep(1.0)
+    s = adm.snapshot()
+    assert s.running == 2 and rclient.xlen(keys.dropped) == 0 and rclient.xlen(keys.traj) == 0
+    leases = {x.decode() for x in rclient.zrange(keys.admit_running, 0, -1)}
+    versions.set(2)
+    wait_for(lambda: rclient.xlen(keys.dropped) >= 2, what="the two stopped groups dropped", proc=p)
+    p.signal(signal.SIGTERM)
+    assert p.wait(60) == 0, p.log()[-3000:]
+    first = [f for _, f in rclient.xrange(keys.dropped)][:2]
+    assert {f[b"lease"].decode() for f in first} == leases
+    assert all(f[b"trainer_version"] == b"2" and f[b"min_version"] == b"0" and b"source_id" not in f
+               and f[b"reason"].endswith(b"dropped before commit (stopped while generating)") for f in first), first
+    assert rclient.xlen(keys.traj) == 0
+    summary = re.search(r"done .*dropped stale (\d+) \((\d+) stopped while generating\)", p.log())
+    assert summary and int(summary[2]) >= 2 and int(summary[1]) >= int(summary[2]), p.log()[-2000:]
 
 
 def test_sigkilled_producer_frees_its_leases_in_seconds_not_lease_ttl(shared_engine, producers, data,
