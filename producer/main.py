@@ -112,7 +112,7 @@ class Producer:
         # nothing fresh below it, even before it publishes that version.
         self.read_floor = 0
         self._version_moved = asyncio.Event()  # set, and replaced, whenever `version` grows (`_saw_version`)
-        self.parked = 0  # finished groups too stale to train, holding their slot until the trainer's next version
+        self.parked = 0  # groups too stale to train (finished or stopped), holding their slot until the trainer's next version
         # lease id -> the oldest version its rollout's requests returned (producer.stop_stale_rollouts)
         self.generating: dict[str, RolloutVersions] = {}
         self.stopped_stale = 0  # rollouts stopped while generating because their group could no longer be trained
@@ -257,12 +257,12 @@ class Producer:
     def _stop_if_stale(self, lease_id: str) -> None:
         """Stop the rollout of `lease_id` if what its requests returned is already too stale for the trainer's
         next read: no token it still generates could be trained."""
-        seen = self.generating.get(lease_id)
-        if seen is None or seen.stopped or seen.oldest is None:
+        seen, task = self.generating.get(lease_id), self.inflight.get(lease_id)
+        if seen is None or task is None or seen.stopped or seen.oldest is None:
             return
         if self.admission.too_stale(seen.oldest, self.read_version):
             seen.stopped = True
-            self.inflight[lease_id].cancel()
+            task.cancel()
 
     async def _until_served(self, version: int) -> None:
         """Return once `version` is served (from the events or an admission reply), or the producer stops."""
