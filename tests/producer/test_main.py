@@ -58,6 +58,11 @@ def resume(engine: EngineProcess) -> None:
     asyncio.run(_post(engine, "/continue_generation"))
 
 
+def engine_info(engine: EngineProcess) -> dict:
+    with urllib.request.urlopen(engine.url + "/get_server_info", timeout=10) as r:
+        return json.loads(r.read())
+
+
 def wait_for(pred, timeout=120.0, what="condition", proc=None):
     deadline = time.time() + timeout
     while not pred():
@@ -274,6 +279,22 @@ def test_a_group_finished_too_stale_is_dropped_by_its_producer_not_written(share
     assert rclient.xlen(keys.traj) == 0 and s.accepted == 0 and s.running == 0 and s.rejected == 0
 
 
+def _one_version_ahead_of_the_engine(shared_engine, producers, data, tiny_model_path, redis_url, experiment, rclient,
+                                     name: str, *extra: str):
+    """Served version 1 while the engine generates with its version-0 weights; η = 1, two rollouts at a time, B = 8
+    (a budget of (η + v + 1)·B = 24 leaves room for both whatever commits first). Returns the run's
+    VersionRegistry, an AdmissionController on it and the started producer."""
+    keys = ns_keys(experiment)
+    versions = VersionRegistry(rclient, keys)
+    versions.set(1)
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=8, max_concurrent_rollouts=2)
+    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
+                                     f"rollout.engine_addresses=[{shared_engine.address}]",
+                                     "rollout.consumer_batch_size=8", "rollout.max_concurrent_rollouts=2",
+                                     "rollout.max_head_offpolicyness=1", *extra), name)
+    return versions, adm, p
+
+
 def test_a_group_too_stale_for_the_trainers_next_read_is_not_written_and_frees_its_slot_at_that_version(
         shared_engine, producers, data, tiny_model_path, redis_url, experiment, rclient):
     """Served version 1, engine weights version 0, η = 1: groups are trainable and committed. Once the trainer
@@ -282,20 +303,13 @@ def test_a_group_too_stale_for_the_trainers_next_read_is_not_written_and_frees_i
     slot until version 2 is served, as the reader's drop at that read would have, then is dropped in
     {ns}:dropped (a slot freed earlier would admit a group at version 1, which the trainer's reads have passed)."""
     keys = ns_keys(experiment)
-    versions = VersionRegistry(rclient, keys)
-    versions.set(1)
-    # B = 8: a budget of (η + v + 1)·B = 24 leaves room for both slots whatever committed before the record came
-    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=8, max_concurrent_rollouts=2)
-    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
-                                     f"rollout.engine_addresses=[{shared_engine.address}]",
-                                     "rollout.consumer_batch_size=8", "rollout.max_concurrent_rollouts=2",
-                                     "rollout.max_head_offpolicyness=1"), "reads")
+    versions, adm, p = _one_version_ahead_of_the_engine(shared_engine, producers, data, tiny_model_path, redis_url,
+                                                        experiment, rclient, "reads")
     wait_for(lambda: rclient.xlen(keys.traj) >= 1, what="a group committed at served version 1", proc=p)
     StepLog(rclient, keys).record(StepRecord(step=1, version=1, entry_ids=[], ts=time.time()))
 
     def engine_idle() -> bool:
-        with urllib.request.urlopen(shared_engine.url + "/get_server_info", timeout=10) as r:
-            info = json.loads(r.read())
+        info = engine_info(shared_engine)
         return info["running"] == 0 and info["waiting"] == 0
 
     # Both slots end up held by finished groups: nothing runs, nothing is written or dropped.
@@ -324,23 +338,15 @@ def test_a_rollout_too_stale_for_the_trainers_next_read_is_stopped_while_generat
     where they are instead of generating the rest when version 2 comes, holds their slots until it is served, then
     records their drops as stopped while generating. Nothing reaches the stream."""
     keys = ns_keys(experiment)
-    versions = VersionRegistry(rclient, keys)
-    versions.set(1)
-    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=8, max_concurrent_rollouts=2)
-    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
-                                     f"rollout.engine_addresses=[{shared_engine.address}]",
-                                     "rollout.consumer_batch_size=8", "rollout.max_concurrent_rollouts=2",
-                                     "rollout.max_head_offpolicyness=1", "gconfig.max_new_tokens=1900",
-                                     "gconfig.min_new_tokens=1900", "producer.shutdown_timeout=0"), "stop")
+    versions, adm, p = _one_version_ahead_of_the_engine(shared_engine, producers, data, tiny_model_path, redis_url,
+                                                        experiment, rclient, "stop", "gconfig.max_new_tokens=1900",
+                                                        "gconfig.min_new_tokens=1900", "producer.shutdown_timeout=0")
 
-    def info() -> dict:
-        with urllib.request.urlopen(shared_engine.url + "/get_server_info", timeout=10) as r:
-            return json.loads(r.read())
-
-    wait_for(lambda: info()["running"] == 4, what="both groups' samples generating", proc=p)
+    wait_for(lambda: engine_info(shared_engine)["running"] == 4, what="both groups' samples generating", proc=p)
     pause(shared_engine)
     try:
-        wait_for(lambda: info()["running"] == 0, what="the running requests answered (aborted)", proc=p)
+        wait_for(lambda: engine_info(shared_engine)["running"] == 0, what="the running requests answered (aborted)",
+                 proc=p)
     finally:
         resume(shared_engine)
     StepLog(rclient, keys).record(StepRecord(step=1, version=1, entry_ids=[], ts=time.time()))
