@@ -107,10 +107,13 @@ class Setting:
     # retract (they stay queued on their engine, re-prefilled at resume), in_place (they keep their batch
     # slot and KV cache and decode on under the new weights: no re-prefill).
     pause_mode: str = "abort"
-    # Stop a group's rollout as soon as the trainer could no longer train it (the served version is more
-    # than η above its oldest token) and give its lease back, instead of finishing it to be dropped: at the
-    # push that dooms it (its running samples too, whatever the pause mode), or when a sample is resubmitted.
-    abort_stale: bool = False
+    # As producer.main (producer.stop_stale_rollouts, default on): a rollout whose group can no longer be trained
+    # is stopped -- its running requests cancelled -- when the trainer's read version (max(served version, one
+    # past the last version every rank read a step at)) is more than η above the oldest version among the tokens
+    # its requests have returned so far (a finished sample's, or under an abort pause the partial output an
+    # interrupted request returns at a push; in_place requests return only at their end). It keeps its lease
+    # until that read version is served, then is dropped before commit, as a finished too-stale group is.
+    stop_stale: bool = True
     # Producers follow the trainer's step records as producer.main does (a finished group too stale for the
     # version the trainer reads at next is dropped before commit, even before that version is published);
     # False: by the served version only, as before.
@@ -165,10 +168,10 @@ class Result:
     min_resolved: int = 0  # fewest engines a producer's name-resolve view held (elastic: the leave was seen)
     prefill_share: float = 0.0  # of the engines' busy time (prompts and re-prefill after pushes)
     mean_batch: float = 0.0  # sequences per decode step, averaged over the engines' steps
-    wasted_tokens: int = 0  # decoded but not trained (dropped stale, aborted, read ahead)
+    wasted_tokens: int = 0  # decoded but not trained (dropped stale, stopped stale, read ahead)
     generated_trained: int = 0
     redis_usec_per_step: dict = field(default_factory=dict)  # INFO commandstats delta over the steady steps, top commands
-    aborted_stale: int = 0  # rollouts stopped once their group could no longer be trained (abort_stale)
+    stopped_stale: int = 0  # rollouts stopped before they finished, their group no longer trainable (stop_stale)
     dropped_before_commit: int = 0  # finished groups a producer dropped as already too stale (never written)
     registered_at_end: int = 0  # engines registered under name resolve when the last step ended
     probe: dict = field(default_factory=dict)  # cp_probe.ProbeResult of this run's probe process (as JSON)
@@ -239,10 +242,6 @@ def _tokens(group: TrajectoryGroup, prompt_len: int) -> tuple[int, int]:
     return tokens, tokens - prompt_len * len(group.trajectories)
 
 
-class _TooStale(Exception):
-    """A rollout whose group the trainer would drop as stale (its oldest token more than η versions old)."""
-
-
 class Cluster:
     """The engines, producers and trainer of one η, sharing one Redis namespace."""
 
@@ -268,7 +267,8 @@ class Cluster:
         self._read_floor: dict[int, int] = {}
         self._version_moved: dict[int, asyncio.Event] = {}  # producer -> set (and replaced) when _served grows
         self.timer_scale = s.accel if s.scale_timers else 1.0
-        self._active_groups: dict[int, dict] = {}  # abort_stale: the groups being generated (stopped at the push that dooms them)
+        self._generating: dict[int, dict[int, dict]] = {}  # stop_stale: producer -> rollout -> its group, generating
+        self._adm: dict[int, AsyncAdmissionController] = {}  # producer -> its admission client
 
     def wall(self, real_s: float) -> float:
         """A control-plane timer's period in wall seconds (`scale_timers`: as often per modeled second as in a real run)."""
@@ -300,27 +300,53 @@ class Cluster:
                       priority: float = 0.0) -> tuple[int, list[int]]:
         """One sample to `target` tokens; a pause (weight push) or an engine leaving returns it early, and it
         continues (prompt + tokens so far, re-prefilled) where it is picked next: partial rollouts. With
-        `abort_stale`, a sample whose group can no longer be trained (the served version is more than η
-        above the group's oldest token) stops there: `_TooStale`."""
+        `stop_stale` (`group`), what each request returns is all its producer learns of the group's versions:
+        an older oldest version may show that the group can no longer be trained (`_stop_if_doomed`)."""
         versions: list[int] = []
         while len(versions) < target:
             engine = self._pick_engine(pid)
             if engine.paused:
                 await engine.wait_resumed()
                 continue
-            if group is not None and group["oldest"] is not None and engine.version - group["oldest"] > self.eta:
-                raise _TooStale
             seq, _finish = await engine.run(self.s.prompt_len + len(versions), self.s.max_new_tokens,
-                                            target=target - len(versions), priority=priority,
-                                            on_start=None if group is None else group["started"])
+                                            target=target - len(versions), priority=priority)
             for version, n in seq.segments:
                 versions += [version] * n
-            if group is not None and seq.segments:
-                first = seq.segments[0][0]
-                group["oldest"] = first if group["oldest"] is None else min(group["oldest"], first)
+            if group is not None:
+                if len(versions) >= target:
+                    group["generating"] -= 1  # before the check: a group whose last sample this is has finished
+                if seq.segments:
+                    oldest = min(v for v, _ in seq.segments)
+                    if group["oldest"] is None or oldest < group["oldest"]:
+                        group["oldest"] = oldest
+                        self._stop_if_doomed(group)
+                if group["stopped"] is not None:
+                    break  # this task is cancelled too: it ends here, nothing more goes to an engine
             if self.stop.is_set():
                 break
         return len(versions), versions
+
+    def _read_version(self, pid: int) -> int:
+        """The version the trainer reads every fresh group at or later, as producer `pid` knows it: the served
+        version, or one past the last version every trainer rank read a step at (its step records)."""
+        return max(self._served.get(pid, 0), self._read_floor.get(pid, 0))
+
+    def _stop_if_doomed(self, group: dict) -> None:
+        """stop_stale, as producer.main: a rollout still generating whose group the trainer can no longer train
+        (its read version more than η above the oldest version the group's requests returned) is stopped: its
+        sample tasks are cancelled (the engine drops a cancelled request) and `_roll` drops it before commit."""
+        pid = group["pid"]
+        read_at = self._read_version(pid)
+        if (group["stopped"] is None and group["generating"] > 0 and group["oldest"] is not None
+                and self._adm[pid].too_stale(group["oldest"], read_at)):
+            group["stopped"] = read_at
+            for t in group["tasks"]:
+                t.cancel()
+
+    def _stop_doomed(self, pid: int) -> None:
+        """The trainer's read version grew: stop every rollout of producer `pid` it dooms."""
+        for group in list(self._generating.get(pid, {}).values()):
+            self._stop_if_doomed(group)
 
     async def _rollout(self, adm: AsyncAdmissionController, lease_id: str, pid: int, inflight: set[str],
                        wake: asyncio.Event) -> None:
@@ -334,20 +360,29 @@ class Cluster:
             if not (committed and self._budget_full.get(pid)):
                 wake.set()
 
+    async def _drop_too_stale(self, adm: AsyncAdmissionController, lease_id: str, pid: int, oldest: int,
+                              read_at: int) -> None:
+        """As producer.main: a group too stale for the trainer's read at `read_at` (finished, or stopped while
+        generating) is not written; it keeps its slot until `read_at` is served, then its drop is recorded."""
+        while self._served.get(pid, 0) < read_at and not self.stop.is_set():
+            waits = [asyncio.ensure_future(self._version_moved[pid].wait()),
+                     asyncio.ensure_future(self.stop.wait())]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            for w in waits:
+                w.cancel()
+        if await adm.drop_stale(lease_id, oldest, read_at):
+            self.result.dropped_before_commit += 1
+
     async def _roll(self, adm: AsyncAdmissionController, lease_id: str, pid: int) -> bool:
         producer = f"producer-{pid}"
         # The k-th rollout of a run gets the same lengths whatever the η or policy: rows differ by the schedule only.
         k = next(self._rollouts)
         rng = random.Random(1_000_003 * self.s.seed + k)
         targets = [min(self.s.max_new_tokens, self.lengths.draw(rng)) for _ in range(self.s.n_samples)]
-        group = None
-        if self.s.abort_stale:
-            group = {"oldest": None, "doomed": False, "tasks": []}
-
-            def started(version: int, g: dict = group) -> None:  # its first token's version, as it joins a batch
-                g["oldest"] = version if g["oldest"] is None else min(g["oldest"], version)
-
-            group["started"] = started
+        # stop_stale: the oldest version its requests returned, samples not finished yet, the read version it was
+        # stopped at (None: not stopped), its sample tasks
+        group = ({"pid": pid, "oldest": None, "generating": len(targets), "stopped": None, "tasks": []}
+                 if self.s.stop_stale else None)
         t_admit, v_admit = self.clock.now(), max(e.version for e in self.engines)
         ends: list[float] = []
 
@@ -361,39 +396,29 @@ class Cluster:
         tasks = [asyncio.create_task(timed(t) if self.s.trace else self._sample(t, pid, group, prio)) for t in targets]
         if group is not None:
             group["tasks"] = tasks
-            self._active_groups[id(group)] = group
+            self._generating.setdefault(pid, {})[k] = group
         try:
-            try:
-                outs = await asyncio.gather(*tasks)
-            except asyncio.CancelledError:
-                if group is None or not group["doomed"]:
-                    raise
-                raise _TooStale from None
-            finally:
-                if group is not None:
-                    self._active_groups.pop(id(group), None)
-        except _TooStale:
+            outs = await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            # a sample task cancelled by `_stop_if_doomed` (not this rollout cancelled: the producer stopping)
+            if group is None or group["stopped"] is None or asyncio.current_task().cancelling():
+                raise
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            await adm.release(lease_id)
-            self.result.aborted_stale += 1
+            self.result.stopped_stale += 1
+            await self._drop_too_stale(adm, lease_id, pid, group["oldest"], group["stopped"])
             return False
+        finally:
+            if group is not None:
+                self._generating[pid].pop(k, None)
         if self.stop.is_set():
             return False
         group = _group(self.s.prompt_len, outs, producer, self.s.payload)
-        # as producer.main: a group already too stale for the trainer's next read is dropped before commit, not
-        # written, its slot given back once the version of that read is served
-        read_at, oldest = max(self._served.get(pid, 0), self._read_floor.get(pid, 0)), group.min_version()
+        # as producer.main: a group already too stale for the trainer's next read is dropped before commit
+        read_at, oldest = self._read_version(pid), group.min_version()
         if adm.too_stale(oldest, read_at):
-            while self._served.get(pid, 0) < read_at and not self.stop.is_set():
-                waits = [asyncio.ensure_future(self._version_moved[pid].wait()),
-                         asyncio.ensure_future(self.stop.wait())]
-                await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for w in waits:
-                    w.cancel()
-            if await adm.drop_stale(lease_id, oldest, read_at):
-                self.result.dropped_before_commit += 1
+            await self._drop_too_stale(adm, lease_id, pid, oldest, read_at)
             return False
         t_done = self.clock.now()
         eid = await adm.commit(lease_id, entry_fields(group))
@@ -410,6 +435,7 @@ class Cluster:
                                        # fair share: the window is a control-plane timer too (it must exceed
                                        # the longest wait between two asks, which `poll` scales)
                                        wait_window_ms=max(1, round(1000 * self.wall(WAIT_WINDOW_MS / 1000))))
+        self._adm[pid] = adm
         tasks: set[asyncio.Task] = set()
         inflight: set[str] = set()  # lease ids of its running rollouts (renewed in the background)
         # Refused a lease, a producer waits as producer.main's does: for a rollout of its own to end, a version
@@ -485,12 +511,15 @@ class Cluster:
         producer.main's `AsyncVersionRegistry.follow(wakeups=True, reads=True)`)."""
         block_ms = max(1, round(1000 * self.wall(FOLLOW_BLOCK_S)))
         async for ev in registry.follow(block_ms, wakeups=True, reads=self.s.follow_reads, since=since):
+            read_at = self._read_version(pid)
             if ev.type == "version" and ev.version > self._served.get(pid, 0):
                 self._served[pid] = ev.version
                 moved, self._version_moved[pid] = self._version_moved[pid], asyncio.Event()
                 moved.set()
             if ev.type == "read":
                 self._read_floor[pid] = max(self._read_floor.get(pid, 0), ev.version + 1)
+            if self.s.stop_stale and self._read_version(pid) > read_at:
+                self._stop_doomed(pid)
             if ev.type in ("version", "capacity"):
                 wake.set()
             if ev.type == "capacity" and pid == 0:
@@ -646,12 +675,6 @@ class Cluster:
                 e.pause_nowait()
             await asyncio.sleep(0)
             await asyncio.gather(*(e.update_weights(version) for e in live))
-            if self.s.abort_stale:  # a group whose oldest token is now more than η behind can never be trained
-                for g in list(self._active_groups.values()):
-                    if g["oldest"] is not None and version - g["oldest"] > self.eta and not g["doomed"]:
-                        g["doomed"] = True
-                        for t in g["tasks"]:
-                            t.cancel()
             for e in live:
                 await e.resume()
 
@@ -781,15 +804,14 @@ def check(result: Result, url: str, keys: Keys, s: Setting) -> dict:
         assert set(delivered) == set(trained) | set(dropped) | pending, "a delivered group was neither trained nor dropped"
         assert not set(trained) & set(dropped)
         assert client.xlen(keys.dead) == 0
-        # The probe's leases were each released at once: counted rejected (as the rollouts stopped stale),
-        # none left running, nothing of it in the stream (every entry above is a producer's group).
+        # The probe's leases were each released at once: counted rejected (the only ones: a rollout stopped stale
+        # is dropped before commit, like a finished too-stale group), none left running, nothing of it in the
+        # stream (every entry above is a producer's group).
         probe = result.probe
         rejected = int(client.get(keys.admit_rejected) or 0)
         assert probe["released"] == probe["admitted"], f"η={result.eta}: probe {probe}"
-        # (with abort_stale a rollout's release may be cut off by the end of the run, counted or not)
-        assert rejected == probe["released"] + result.aborted_stale or (s.abort_stale and rejected >= probe["released"]), (
-            f"η={result.eta}: {rejected} leases released, the probe released {probe['released']} and "
-            f"{result.aborted_stale} rollouts stopped stale")
+        assert rejected == probe["released"], (
+            f"η={result.eta}: {rejected} leases released, the probe released {probe['released']}")
         owners = {m.decode().rsplit("-", 1)[0] for m in client.zrange(keys.admit_running, 0, -1)}
         assert not any(o.endswith(f"-{probe['pid']}") for o in owners), f"η={result.eta}: a probe lease is still running"
         return {"entries": len(ids), "trained": len(trained), "dropped": len(dropped), "read_ahead": len(pending),
@@ -895,7 +917,7 @@ def stale_latency_s(group_s: np.ndarray, eta: int, trainer_s: float, lo: float, 
     version v is published holds version v's oldest token; it is trained only if it is in the stream
     before the trainer reads step v+η, i.e. if its time T_g (its longest sample's decode) is at most
     W = (η+1)·S - u·S - train. A group that cannot make it is known at the push of v+η+1 and stopped
-    there (the best a schedule can do: `abort_stale`), holding its slot for (η+1)·S - u·S. Trainable
+    there (the best a schedule can do), holding its slot for (η+1)·S - u·S. Trainable
     groups must arrive at B per step: B/S <= (η+1)·B / E[hold] · P(T_g <= W), so S >= E[hold] /
     ((η+1)·P). The smallest S that satisfies it (bisection; the right side falls as S grows) and the
     trainable share there. Without the rule (P = 1, hold = T_g) this is E[T_g]/(η+1).
@@ -977,8 +999,10 @@ def ideal_step_s(s: Setting, timing: TimingModel, base: Result, eta: int) -> Bou
 
 
 def _drops(r: Result) -> str:
-    """Stale drops: by the trainer's reader, and by the producers before commit (already too stale: not written)."""
-    return f"{r.stale_drops} + {r.dropped_before_commit}" if r.dropped_before_commit else str(r.stale_drops)
+    """Stale drops: by the trainer's reader, and by the producers before commit (already too stale: not written;
+    of them, how many rollouts were stopped before they finished)."""
+    drops = f"{r.stale_drops} + {r.dropped_before_commit}" if r.dropped_before_commit else str(r.stale_drops)
+    return drops + (f" ({r.stopped_stale} stopped)" if r.stopped_stale else "")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -999,7 +1023,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         + (f", what-if: refused producers poll every {s.admit_poll_s:g} s" if s.admit_poll_s else "")
         + (f", what-if: name-resolve poll every {s.resolve_poll_s:g} s" if s.resolve_poll_s else "")
         + (f", {s.keepalives_per_ttl} keepalives per ttl" if s.keepalives_per_ttl else "")
-        + (", abort_stale" if s.abort_stale else "")
+        + ("" if s.stop_stale else ", doomed rollouts not stopped (--no-stop-stale)")
         + ("" if s.follow_reads else ", producers drop by the served version only") + (f", pause {s.pause_mode}" if s.pause_mode != "abort" else "")
         + (", engines serve older groups first" if s.priority else "")
         + (f", engine batch capped at {s.batch_cap}" if s.batch_cap else "")
@@ -1008,7 +1032,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         + (", control-plane timers x" + f"{s.accel:g} (as often per modeled second as in a real run)" if s.scale_timers
            else ", control-plane timers on the wall clock"),
         "",
-        "| η | trainer tok/s | engine util | staleness mean / max | stale drops (+ before commit) | Redis CPU ms/step: all "
+        "| η | trainer tok/s | engine util | staleness mean / max | stale drops (+ before commit (stopped generating)) | Redis CPU ms/step: all "
         "(control plane + payload) | admission p50 / p99 ms: probe (producers) | event fan-out p50 / p99 ms: probe "
         "(engines) | control plane / step | all-in / step | push share | step s | speedup | honest bound | of bound |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -1056,7 +1080,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "events_seen": len(r.event_ms), "wall_s": r.wall_s,
                        "redis_usec_per_step": r.redis_usec_per_step, "mean_batch": r.mean_batch,
                        "prefill_share": r.prefill_share, "wasted_tokens": r.wasted_tokens,
-                       "aborted_stale": r.aborted_stale, "all_in_share": all_in,
+                       "stopped_stale": r.stopped_stale, "all_in_share": all_in,
                        "control_plane_cpu_ms_per_step": 1000 * cp_cpu,
                        "redis_cpu_minimal_ms_per_step": None if r.redis_cpu_minimal_per_step is None else 1000 * cp_cpu,
                        "redis_cpu_run_ms_per_step": 1000 * r.redis_cpu_s / r.steps,  # set-up and warm-up included
@@ -1122,7 +1146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="override the number of train steps")
     ap.add_argument("--pause-mode", default=None, choices=PAUSE_MODES,
                     help="what a push's pause does to running requests (default: the setting's, abort)")
-    ap.add_argument("--abort-stale", action="store_true", help="stop a rollout once its group can no longer be trained")
+    ap.add_argument("--no-stop-stale", action="store_true",
+                    help="producers let a rollout whose group can no longer be trained finish (then drop it), instead "
+                         "of stopping it as producer.main does (producer.stop_stale_rollouts=false)")
     ap.add_argument("--no-follow-reads", action="store_true",
                     help="producers drop too-stale groups before commit by the served version only (not by the "
                          "trainer's step records)")
@@ -1172,7 +1198,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.steps:
                 s.steps = args.steps
             s.pause_mode = args.pause_mode or s.pause_mode
-            s.abort_stale = s.abort_stale or args.abort_stale
+            s.stop_stale = s.stop_stale and not args.no_stop_stale
             s.follow_reads = s.follow_reads and not args.no_follow_reads
             s.scale_timers = s.scale_timers and not args.wall_timers
             s.payload = args.payload or s.payload
@@ -1204,7 +1230,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{name}] η={eta}: {r.tokens_per_s:,.0f} tok/s modeled, {r.steps} steps in "
                       f"{r.modeled_s:.0f} modeled s ({r.wall_s:.1f} s wall), ledger {r.checks}; engines: "
                       f"{r.utilisation:.0%} busy, prefill {r.prefill_share:.0%} of it, mean batch {r.mean_batch:.1f}, "
-                      f"{r.wasted_tokens:,} tokens decoded but not trained, {r.aborted_stale} rollouts stopped stale; "
+                      f"{r.wasted_tokens:,} tokens decoded but not trained, {r.stopped_stale} rollouts stopped stale; "
                       f"Redis usec per step by command {r.redis_usec_per_step}, calls per step {r.redis_calls_per_step}; "
                       f"probe (pid {r.probe['pid']}): admission p50/p99 {_pct(r.probe['admission_ms'], 0.5):.2f}/"
                       f"{_pct(r.probe['admission_ms'], 0.99):.2f} ms of {len(r.probe['admission_ms'])}, event p50/p99 "

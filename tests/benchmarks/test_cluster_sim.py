@@ -43,6 +43,7 @@ def test_cluster_sim_quick(tmp_path):
         # --split-payload: the same η ran again with a minimal payload (its own ledger checks passed in the script)
         assert row["redis_cpu_minimal_ms_per_step"] is not None and row["redis_usec_minimal_per_step"], row
     assert rows["0"]["checks"]["dropped"] == 0  # η = 0: every group is trained at the version it was made for
+    assert rows["0"]["stopped_stale"] == 0 and all(row["stopped_stale"] >= 0 for row in rows.values())
     # --trace: every committed rollout's timeline; each trained or dropped group is one of them, admitted before
     # it was done and done before it was committed, its samples' ends within that span
     traces = json.loads(trace.read_text())
@@ -263,3 +264,66 @@ def test_rollout_trace_summary():
     assert s["trained_took_s"] == (7.5 + 5.0) / 2 and s["trained_waited_s"] == (14.0 + 7.0) / 2
     assert s["dropped_longest_min"] == 3000 and s["trained_longest_max"] == 600
     assert abs(s["admitted_within_tenth_of_step"] - 2 / 3) < 1e-9  # a: 0.5 s, c: 0 s, b: 1.0 s after a push
+
+
+def test_cluster_sim_stops_a_doomed_rollout_by_what_its_requests_returned():
+    """The simulator's producers stop stale rollouts as producer.main does (`stop_stale`): a group's oldest version
+    is known only from what its requests have returned (under in_place a running request returns at its end), and
+    a rollout still generating is stopped -- its running samples cancelled, the engine drops them -- once the
+    trainer's read version (served, or one past the last read) is more than η above it, whether the read version
+    grows or a returning sample shows an older version; a group whose samples have all returned is not stopped."""
+    import asyncio
+    import dataclasses
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import cluster_sim as cs
+
+    from rlstream.broker import AsyncAdmissionController
+
+    s = dataclasses.replace(cs.SETTINGS["quick"], engines=1, pause_mode="in_place", accel=50.0)
+    timing = cs.load_timing(s.hardware, s.model)
+
+    async def main() -> None:
+        c = cs.Cluster(s, timing, 1, "redis://unused")
+        c._adm[0] = AsyncAdmissionController(None, c.keys, max_head_offpolicyness=1, consumer_batch_size=s.batch,
+                                             max_concurrent_rollouts=10)
+        engine = c.engines[0]
+
+        def start(targets: list[int]) -> dict:
+            group = {"pid": 0, "oldest": None, "generating": len(targets), "stopped": None, "tasks": []}
+            group["tasks"] = [asyncio.create_task(c._sample(t, 0, group)) for t in targets]
+            c._generating.setdefault(0, {})[len(c._generating[0])] = group
+            return group
+
+        # the read version grows past a known oldest version: stopped then
+        g = start([40, 4000])
+        for _ in range(3):
+            await asyncio.sleep(0)  # both requests are on the engine, neither has returned
+        assert len(engine._running) + len(engine._waiting) == 2
+        c._served[0] = 5
+        c._stop_doomed(0)
+        assert g["stopped"] is None and g["oldest"] is None  # nothing returned yet: nothing known
+        done, _ = await asyncio.wait(g["tasks"], timeout=5)
+        # the short sample returned at version 0: the read version 5 dooms the group at once
+        assert g["oldest"] == 0 and g["stopped"] == 5 and g["generating"] == 1
+        assert g["tasks"][1].cancelled() and not engine._running and not engine._waiting
+        # a known oldest version, then the read version grows (a step record: one past the version read)
+        c._served[0], c._read_floor[0], engine.version = 0, 0, 0
+        g = start([4, 4000])
+        await g["tasks"][0]
+        assert g["oldest"] == 0 and g["stopped"] is None
+        c._read_floor[0] = 2
+        c._stop_doomed(0)
+        assert g["stopped"] == 2
+        await asyncio.gather(*g["tasks"], return_exceptions=True)
+        assert g["tasks"][1].cancelled() and not engine._running
+        # every sample returned: the group finished (the finished path drops it), it is not stopped
+        c._read_floor[0] = 0
+        g = start([4, 6])
+        await asyncio.gather(*g["tasks"])
+        c._read_floor[0] = 2
+        c._stop_doomed(0)
+        assert g["oldest"] == 0 and g["generating"] == 0 and g["stopped"] is None
+        await engine.close()
+
+    asyncio.run(main())
