@@ -361,8 +361,8 @@ class Cluster:
                 wake.set()
 
     async def _drop_too_stale(self, adm: AsyncAdmissionController, lease_id: str, pid: int, oldest: int,
-                              read_at: int) -> None:
-        """As producer.main: a group too stale for the trainer's read at `read_at` (finished, or stopped while
+                              read_at: int, stopped: bool = False) -> None:
+        """As producer.main: a group too stale for the trainer's read at `read_at` (finished, or `stopped` while
         generating) is not written; it keeps its slot until `read_at` is served, then its drop is recorded."""
         while self._served.get(pid, 0) < read_at and not self.stop.is_set():
             waits = [asyncio.ensure_future(self._version_moved[pid].wait()),
@@ -370,7 +370,7 @@ class Cluster:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
-        if await adm.drop_stale(lease_id, oldest, read_at):
+        if await adm.drop_stale(lease_id, oldest, read_at, stopped):
             self.result.dropped_before_commit += 1
 
     async def _roll(self, adm: AsyncAdmissionController, lease_id: str, pid: int) -> bool:
@@ -407,7 +407,8 @@ class Cluster:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             self.result.stopped_stale += 1
-            await self._drop_too_stale(adm, lease_id, pid, group["oldest"], group["stopped"])
+            # as producer.main: the read version once the stop has gone through (the one it was stopped at, or later)
+            await self._drop_too_stale(adm, lease_id, pid, group["oldest"], self._read_version(pid), stopped=True)
             return False
         finally:
             if group is not None:
