@@ -1398,8 +1398,8 @@ COMPARISON = """### Reading it (honestly)
   86%; the step -1.2% / -1.9% / -3.1%), the same in both pairs: in line with the protocol model's
   +0.5 / +2 / +3.5% and a little above `--abort-stale`'s +0.5 / +1.5 / +2 points, although the
   producer learns a group's oldest version only when its first sample returns. Wasted tokens
-  fall by only 0-4% (the stopped rollouts had decoded most of their tokens; most of the rest is
-  what is in flight when a run ends), and stale drops do not fall: the drops were already made
+  fall by only 0-4% (probably: a stopped rollout had decoded most of its tokens, its group being
+  known doomed only once a sample returned; not measured), and stale drops do not fall: the drops were already made
   before commit (reader drops 0-1), the stopped ones are now part of them (some of the stopped
   groups were still parked for their version when the run ended: stopped > dropped). Under the abort pause (one
   pair, b1): +1 / +2.1 / +2.1 points (84% -> 85%, 81% -> 83%, 76% -> 78%; the step -1.1% /
