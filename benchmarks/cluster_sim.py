@@ -58,7 +58,8 @@ from cp_probe import ProbeResult  # noqa: E402
 from redis_child import RedisChild  # noqa: E402
 
 from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
-from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, WAIT_WINDOW_MS, budget  # noqa: E402
+from rlstream.broker.admission import (ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, WAIT_WINDOW_MS,  # noqa: E402
+                                       budget, lease_owner)
 from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
 from rlstream.broker.registry import RedisNameResolver  # noqa: E402
 from rlstream.common.config import KEEPALIVES_PER_TTL  # noqa: E402
@@ -179,6 +180,7 @@ class Result:
     redis_cpu_minimal_per_step: float | None = None  # Redis CPU a steady step of the same run with payload "minimal"
     redis_usec_minimal_per_step: dict = field(default_factory=dict)
     wakeups: int = 0  # admission wake-ups (capacity events) producer 0 saw over the whole run
+    woken: int = 0  # producers those wake-ups woke, summed over producers (each entry names the ones it wakes)
     # --slowlog: Redis command time per steady step by script / command and key (name -> [calls, usec]), from
     # SLOWLOG with a 0 us threshold (adds its own cost: not for the headline Redis CPU)
     redis_profile: dict = field(default_factory=dict)
@@ -433,6 +435,8 @@ class Cluster:
         adm = AsyncAdmissionController(client, self.keys, max_head_offpolicyness=self.eta,
                                        consumer_batch_size=self.s.batch, max_concurrent_rollouts=10**6,
                                        lease_ttl=3600.0, producer_id=f"producer-{pid}",
+                                       # a lease owner of its own, as a producer process has (fair share, wake-ups)
+                                       owner=f"{lease_owner()}-p{pid}",
                                        # fair share: the window is a control-plane timer too (it must exceed
                                        # the longest wait between two asks, which `poll` scales)
                                        wait_window_ms=max(1, round(1000 * self.wall(WAIT_WINDOW_MS / 1000))))
@@ -448,7 +452,7 @@ class Cluster:
         registry = AsyncVersionRegistry(client, self.keys)
         since = (await registry.last_event_id(), await registry.last_wake_id())
         self._version_moved[pid] = asyncio.Event()
-        follower = asyncio.create_task(self._follow_versions(registry, since, wake, pid))
+        follower = asyncio.create_task(self._follow_versions(registry, since, wake, pid, adm.owner))
         helpers = [asyncio.create_task(self._heartbeats(adm)),
                    asyncio.create_task(self._every(LEASE_TTL_S / 3, lambda: adm.renew(list(inflight))))]
         if self.s.control_plane:
@@ -506,7 +510,7 @@ class Cluster:
                 await call()
 
     async def _follow_versions(self, registry: AsyncVersionRegistry, since: tuple, wake: asyncio.Event,
-                               pid: int) -> None:
+                               pid: int, owner: str) -> None:
         """A producer follows the run's version events, the admission wake-ups and (follow_reads) the trainer's
         step records over Redis (one XREAD BLOCK on `{ns}:events`, `{ns}:admit:wake` and `{ns}:steps`, as
         producer.main's `AsyncVersionRegistry.follow(wakeups=True, reads=True)`)."""
@@ -521,8 +525,10 @@ class Cluster:
                 self._read_floor[pid] = max(self._read_floor.get(pid, 0), ev.version + 1)
             if self.s.stop_stale and self._read_version(pid) > read_at:
                 self._stop_doomed(pid)
-            if ev.type in ("version", "capacity"):
+            if ev.type == "version" or (ev.type == "capacity" and ev.wakes(owner)):
                 wake.set()
+            if ev.type == "capacity" and ev.wakes(owner):
+                self.result.woken += 1
             if ev.type == "capacity" and pid == 0:
                 self.result.wakeups += 1
 
@@ -1086,7 +1092,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "redis_cpu_minimal_ms_per_step": None if r.redis_cpu_minimal_per_step is None else 1000 * cp_cpu,
                        "redis_cpu_run_ms_per_step": 1000 * r.redis_cpu_s / r.steps,  # set-up and warm-up included
                        "redis_usec_minimal_per_step": r.redis_usec_minimal_per_step,
-                       "redis_calls_per_step": r.redis_calls_per_step, "redis_profile": r.redis_profile, "wakeups": r.wakeups, "scale_timers": s.scale_timers, "payload": s.payload, "steps": r.steps,
+                       "redis_calls_per_step": r.redis_calls_per_step, "redis_profile": r.redis_profile, "wakeups": r.wakeups, "woken": r.woken, "scale_timers": s.scale_timers, "payload": s.payload, "steps": r.steps,
                        "producers_admission_p50_ms": p50, "producers_admission_p99_ms": p99,
                        "engines_event_p50_ms": e50, "engines_event_p99_ms": e99, "engines_pid": r.engines_pid,
                        "probe": {"pid": probe["pid"], "spawned_pid": probe["spawned_pid"],

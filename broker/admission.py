@@ -146,10 +146,16 @@ _SILENCE_MS = 3000
 # every lease of those owners, then leases past their own expiry (both counted off `owners`). O(leases) only
 # when an owner died (the CLOCK member below is no owner: it never counts as one that died); owners
 # without a record (tools, tests) rely on the lease expiry alone.
-# `wake(armed, stream, why, commits)`: capacity may have grown; if a refused acquisition armed the wake-up
-# since the last one (`b` or `c`), append one entry to the wake stream (the waiters' XREAD returns) and disarm
-# (`-`: a SET, no DEL, so the producer's ACL needs no DEL). `commits`:
-# called by a commit, which frees capacity only when the concurrency limit refused (armed `c`).
+# `wake(armed, stream, why, commits, waiting, freed)`: capacity may have grown by `freed` slots. If a refused
+# acquisition armed the wake-up (`b` or `c`; `commits`: called by a commit, which frees capacity only when the
+# concurrency limit refused, armed `c`), it wakes the `freed` producers refused longest ago (`waiting`, oldest
+# refusal first): one entry in the wake stream naming them (`o`, space-separated owners; a follower named in
+# none of it stays asleep), and each woken one moves to the back of that order (its score set to now), so the
+# next freed slot wakes the next one. It stays armed while producers it did not wake still wait, and disarms
+# (`-`: a SET, no DEL, so the producer's ACL needs no DEL) once it woke every one, or found nobody waiting (each
+# was admitted since, or its refusal aged out of the window: it asks again by itself before that). Before, one
+# entry woke every waiter for each freed slot, and all but one asked in vain (at 256 simulated engines the
+# admission script ran ~6x per slot: benchmarks/README.md).
 # `reap` wakes the waiters when it freed a lease.
 # `catch_up(running, alive, last)` first: the alive set also holds CLOCK, scored with when admission
 # last ran (server ms). After a longer silence (Redis down or restarting: nobody could heartbeat)
@@ -157,12 +163,18 @@ _SILENCE_MS = 3000
 # does not take live producers for dead and admit their slots twice; a producer that stays silent
 # afterwards is reaped as usual, ALIVE_TTL_MS later at most.
 LUA_WAKE = """
-local function wake(armed, stream, why, commits)
+local function wake(armed, stream, why, commits, waiting, freed)
   local a = redis.call('GET', armed)
-  if (a == 'b' and not commits) or a == 'c' then
-    redis.call('SET', armed, '-')
-    redis.call('XADD', stream, 'MAXLEN', '~', """ + str(WAKE_MAXLEN) + """, '*', 'w', why)
-  end
+  if freed < 1 or not ((a == 'b' and not commits) or a == 'c') then return end
+  local woken = redis.call('ZRANGE', waiting, 0, freed - 1)
+  if #woken >= redis.call('ZCARD', waiting) then redis.call('SET', armed, '-') end
+  if #woken == 0 then return end
+  local t = redis.call('TIME')
+  local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local bump = {}
+  for _, o in ipairs(woken) do bump[#bump + 1] = at; bump[#bump + 1] = o end
+  redis.call('ZADD', waiting, 'XX', unpack(bump))
+  redis.call('XADD', stream, 'MAXLEN', '~', """ + str(WAKE_MAXLEN) + """, '*', 'w', why, 'o', table.concat(woken, ' '))
 end
 """
 # `owner_of(lease)`: a lease's owner, its producer process, is its id up to the last `-` (see new_lease_id).
@@ -211,7 +223,7 @@ local function catch_up(running, alive, last)
   end
   return true
 end
-local function reap(running, owners, alive, armed, stream)
+local function reap(running, owners, alive, armed, stream, waiting)
   -- expired records and CLOCK (scored with the last run, never later than now unless the clock went back)
   local rows = redis.call('ZRANGEBYSCORE', alive, '-inf', now, 'WITHSCORES')
   local last = now
@@ -234,7 +246,7 @@ local function reap(running, owners, alive, armed, stream)
   local expired = redis.call('ZRANGEBYSCORE', running, '-inf', now)
   if #expired > 0 then freed = freed + drop(running, owners, expired) end
   redis.call('ZADD', alive, now, CLOCK)
-  if freed > 0 then wake(armed, stream, 'expired', false) end
+  wake(armed, stream, 'expired', false, waiting, freed)
 end
 """
 
@@ -250,7 +262,7 @@ end
 # A refusal arms the wake-up (`wake` above): `c` when the concurrency limit was what refused (a commit frees a
 # slot then), else `b` (only a release, an abandon, an expiry or a version bump does).
 _ACQUIRE = _LUA_REAP + """
-reap(KEYS[1], KEYS[9], KEYS[5], KEYS[7], KEYS[8])
+reap(KEYS[1], KEYS[9], KEYS[5], KEYS[7], KEYS[8], KEYS[4])
 -- the asking producer's liveness record, if it has one (XX: an owner that never heartbeats gets none), is
 -- refreshed as by a heartbeat: its heartbeat is then due HEARTBEAT_SECS later (Admission.heartbeat_due)
 local refreshed = 0
@@ -271,7 +283,7 @@ local out = {running, accepted, v, 0, refreshed}
 local waiting, since = {}, now - tonumber(ARGV[5])
 local rows = redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES')
 for i = 1, #rows, 2 do waiting[rows[i]] = tonumber(rows[i + 1]) end
-local arm = nil
+local arm, short = nil, nil
 local function refuse(owner, by_concurrency)
   redis.call('ZADD', KEYS[4], now, owner)
   waiting[owner] = now
@@ -318,8 +330,10 @@ local function decide(lease)
       for o, _ in pairs(holding) do
         if not seen[o] then seen[o] = true; n = n + 1 end
       end
-      if (holding[owner] or 0) >= math.ceil((running + cap) / n) then
+      local share = math.ceil((running + cap) / n)
+      if (holding[owner] or 0) >= share then
         refuse(owner, false)
+        short = share
         return 0
       end
     end
@@ -345,6 +359,25 @@ if #add > 0 then
 end
 if arm == 'c' then redis.call('SET', KEYS[7], 'c')
 elseif arm and redis.call('GET', KEYS[7]) ~= 'c' then redis.call('SET', KEYS[7], 'b') end
+-- Refused its fair share while slots were free (`short`: the share): the slots are for producers below their
+-- share. The waiting ones are woken (oldest refusal first, one per free slot): a wake-up that named a producer
+-- at its share would otherwise leave the slot unused until the next one.
+local free = math.min(tonumber(ARGV[4]) - running, (eta + v + 1) * B - (accepted + running))
+if short and free > 0 then
+  local holding, woken, bump = owner_counts(), {}, {}
+  for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. since, '+inf')) do
+    if #woken >= free then break end
+    if (holding[w] or 0) < short then
+      woken[#woken + 1] = w
+      bump[#bump + 1] = now
+      bump[#bump + 1] = w
+    end
+  end
+  if #woken > 0 then
+    redis.call('ZADD', KEYS[4], 'XX', unpack(bump))
+    redis.call('XADD', KEYS[8], 'MAXLEN', '~', """ + str(WAKE_MAXLEN) + """, '*', 'w', 'share', 'o', table.concat(woken, ' '))
+  end
+end
 -- refusals older than the window no longer count: forget them
 for _, at in pairs(waiting) do
   if at <= since then
@@ -355,11 +388,11 @@ end
 return out
 """
 
-# KEYS: alive, running, armed, wake, owners  ARGV: owner, ttl_ms  (server clock)
+# KEYS: alive, running, armed, wake, owners, waiting  ARGV: owner, ttl_ms  (server clock)
 # Reaps too (cheap when nothing expired): every producer heartbeats, so a dead producer's leases are freed, and
 # the waiters woken, within a heartbeat of their expiry even while every live producer waits for capacity.
 _HEARTBEAT = _LUA_REAP + """
-reap(KEYS[2], KEYS[5], KEYS[1], KEYS[3], KEYS[4])
+reap(KEYS[2], KEYS[5], KEYS[1], KEYS[3], KEYS[4], KEYS[6])
 redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
 """
 
@@ -375,16 +408,16 @@ local function finish_uncommitted(running, owners, done, ttl_ms, lease)
 end
 """
 
-# KEYS: running, rejected, done, armed, wake, owners   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
+# KEYS: running, rejected, done, armed, wake, owners, waiting   ARGV: lease_id, done_ttl_ms  -> {lease_was_live, repeated}
 _RELEASE = LUA_WAKE + _LUA_FINISH + """
 local live = finish_uncommitted(KEYS[1], KEYS[6], KEYS[3], ARGV[2], ARGV[1])
 if not live then return {0, 1} end
 redis.call('INCR', KEYS[2])
-if live > 0 then wake(KEYS[4], KEYS[5], 'release', false) end
+wake(KEYS[4], KEYS[5], 'release', false, KEYS[7], live)
 return {live, 0}
 """
 
-# KEYS: running, done, armed, wake, owners, dropped
+# KEYS: running, done, armed, wake, owners, dropped, waiting
 # ARGV: lease_id, done_ttl_ms, reason, min_version, read_version, ts, producer  -> {lease_was_live, repeated}
 # A finished group already too stale to train: its lease is dropped (the slot freed, not counted as accepted
 # nor rejected) and the drop recorded in `{ns}:dropped` like the reader's, but under `lease` (no stream entry).
@@ -393,29 +426,29 @@ local live = finish_uncommitted(KEYS[1], KEYS[5], KEYS[2], ARGV[2], ARGV[1])
 if not live then return {0, 1} end
 redis.call('XADD', KEYS[6], '*', 'lease', ARGV[1], 'reason', ARGV[3], 'min_version', ARGV[4],
            'trainer_version', ARGV[5], 'ts', ARGV[6], 'producer', ARGV[7])
-if live > 0 then wake(KEYS[3], KEYS[4], 'dropped', false) end
+wake(KEYS[3], KEYS[4], 'dropped', false, KEYS[7], live)
 return {live, 0}
 """
 
-# KEYS: running, armed, wake, owners   ARGV: lease ids  -> leases that were live
+# KEYS: running, armed, wake, owners, waiting   ARGV: lease ids  -> leases that were live
 _ABANDON = LUA_WAKE + _LUA_LEASES + """
 local n = drop(KEYS[1], KEYS[4], ARGV)
-if n > 0 then wake(KEYS[2], KEYS[3], 'abandon', false) end
+wake(KEYS[2], KEYS[3], 'abandon', false, KEYS[5], n)
 return n
 """
 
-# KEYS: running, owners, armed, wake  ARGV: lease ids -> leases that were live. Queued first in a commit's MULTI
+# KEYS: running, owners, armed, wake, waiting  ARGV: lease ids -> leases that were live. Queued first in a commit's MULTI
 # (a small script, no payload through Lua): drop the leases, counted off their owners, and wake the waiters if
 # the concurrency limit refused them.
 _COMMIT_LEASES = LUA_WAKE + _LUA_LEASES + """
 local n = drop(KEYS[1], KEYS[2], ARGV)
-wake(KEYS[3], KEYS[4], 'commit', true)
+wake(KEYS[3], KEYS[4], 'commit', true, KEYS[5], n)
 return n
 """
 
-# KEYS: running, accepted, version, rejected, alive, armed, wake, owners  -> {running, accepted, version, rejected}
+# KEYS: running, accepted, version, rejected, alive, armed, wake, owners, waiting  -> {running, accepted, version, rejected}
 _PEEK = _LUA_REAP + """
-reap(KEYS[1], KEYS[8], KEYS[5], KEYS[6], KEYS[7])
+reap(KEYS[1], KEYS[8], KEYS[5], KEYS[6], KEYS[7], KEYS[9])
 return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'),
         tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(redis.call('GET', KEYS[4]) or '0')}
 """
@@ -463,10 +496,10 @@ redis.call('SET', KEYS[1], tonumber(ARGV[1]) + backlog)
 return {backlog, counted}
 """
 
-# KEYS: running, alive, armed, wake, owners  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
+# KEYS: running, alive, armed, wake, owners, waiting  ARGV: ttl_ms, lease ids...  -> number of leases still live and renewed
 # (an expired lease is not revived: its capacity may already be someone else's)
 _RENEW = _LUA_REAP + """
-reap(KEYS[1], KEYS[5], KEYS[2], KEYS[3], KEYS[4])
+reap(KEYS[1], KEYS[5], KEYS[2], KEYS[3], KEYS[4], KEYS[6])
 local n = 0
 for i = 2, #ARGV do
   if redis.call('ZSCORE', KEYS[1], ARGV[i]) then
@@ -516,8 +549,13 @@ class Admission:
 
     def __init__(self, client: Any, keys: Keys, *, max_head_offpolicyness: int, consumer_batch_size: int,
                  max_concurrent_rollouts: int, lease_ttl: float = 300.0, producer_id: str | None = None,
-                 wait_replicas: int = 0, wait_timeout: float = 10.0, wait_window_ms: int = WAIT_WINDOW_MS) -> None:
+                 wait_replicas: int = 0, wait_timeout: float = 10.0, wait_window_ms: int = WAIT_WINDOW_MS,
+                 owner: str | None = None) -> None:
         self.client = client
+        # The lease owner: the prefix of the lease ids this object makes, the key of its liveness record and
+        # fair share, and the name a targeted wake-up calls it by (`Event.wakes`). One per process by default;
+        # several producers in one process (the cluster simulator's) each pass their own: `lease_owner()-<name>`.
+        self.owner = owner or lease_owner()
         self.wait_window_ms = wait_window_ms  # fair share: a refusal this recent counts its producer as waiting
         self.wait_replicas = wait_replicas  # replicas that must confirm a commit (WAIT) before it returns
         self.wait_timeout_ms = int(wait_timeout * 1000)  # below the socket timeout: WAIT blocks the reply
@@ -552,7 +590,7 @@ class Admission:
                 self.keys.admit_alive, self.keys.run, self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners]
         sent = time.monotonic()
         res = yield from script(_ACQUIRE, keys, [self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent,
-                                                 self.wait_window_ms, lease_owner() if own_ids else "", ALIVE_TTL_MS,
+                                                 self.wait_window_ms, self.owner if own_ids else "", ALIVE_TTL_MS,
                                                  *lease_ids])
         running, accepted, version, finished, refreshed = (int(x) for x in res[:5])
         if refreshed:
@@ -579,13 +617,12 @@ class Admission:
     @operation
     def try_acquire(self, lease_id: str | None = None) -> Plan:
         """Take one rollout lease iff capacity > 0 (atomic). Returns the decision and the lease."""
-        return (yield from self._acquire([lease_id or new_lease_id()], lease_id is None))[0]
+        return (yield from self._acquire([lease_id or f"{self.owner}-{next(_lease_seq)}"], lease_id is None))[0]
 
     @operation
     def try_acquire_many(self, n: int) -> Plan:
         """`n` acquisitions in one script call: each decided as if by its own `try_acquire`, in order."""
-        owner = lease_owner()
-        return (yield from self._acquire([f"{owner}-{next(_lease_seq)}" for _ in range(n)], True)) if n > 0 else []
+        return (yield from self._acquire([f"{self.owner}-{next(_lease_seq)}" for _ in range(n)], True)) if n > 0 else []
 
     # ------------------------------------------------------------------ finishing
 
@@ -595,8 +632,8 @@ class Admission:
         live), the accepted count(s), then per item its XADD and its done marker (`_HEAD` + 2i)."""
         k = self.keys
         n = len(items)
-        calls = [Call("execute_command", "EVAL", _COMMIT_LEASES, 4, k.admit_running, k.admit_owners, k.admit_armed,
-                      k.admit_wake, *(lid for lid, _ in items)),
+        calls = [Call("execute_command", "EVAL", _COMMIT_LEASES, 5, k.admit_running, k.admit_owners, k.admit_armed,
+                      k.admit_wake, k.admit_waiting, *(lid for lid, _ in items)),
                  # INCR for one (what a producer commits) needs no other ACL than before
                  Call("execute_command", "INCR", k.admit_accepted) if n == 1 else
                  Call("execute_command", "INCRBY", k.admit_accepted, n)]
@@ -684,8 +721,8 @@ class Admission:
         """Drop the lease of a rejected rollout (counted as rejected, once)."""
         _untried.discard(lease_id)  # its marker ('-') now exists: a commit must read it
         yield from script(_RELEASE, [self.keys.admit_running, self.keys.admit_rejected, self.keys.admit_done(lease_id),
-                                     self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners],
-                          [lease_id, DONE_TTL_MS])
+                                     self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners,
+                                     self.keys.admit_waiting], [lease_id, DONE_TTL_MS])
 
     def too_stale(self, min_version: int, read_version: int) -> bool:
         """True if a group whose oldest model token is `min_version` can no longer be trained (see `drop_stale`)."""
@@ -709,7 +746,7 @@ class Admission:
                   + (" (stopped while generating)" if stopped else ""))
         live, repeated = (yield from script(
             _DROP_STALE, [self.keys.admit_running, self.keys.admit_done(lease_id), self.keys.admit_armed,
-                          self.keys.admit_wake, self.keys.admit_owners, self.keys.dropped],
+                          self.keys.admit_wake, self.keys.admit_owners, self.keys.dropped, self.keys.admit_waiting],
             [lease_id, DONE_TTL_MS, reason, min_version, read_version, time.time(), self.producer_id or ""]))
         return not int(repeated)
 
@@ -720,7 +757,7 @@ class Admission:
         if not lease_ids:
             return 0
         return int((yield from script(_ABANDON, [self.keys.admit_running, self.keys.admit_armed, self.keys.admit_wake,
-                                                 self.keys.admit_owners], lease_ids)))
+                                                 self.keys.admit_owners, self.keys.admit_waiting], lease_ids)))
 
     @operation
     def renew(self, lease_ids: list[str]) -> Plan:
@@ -728,7 +765,7 @@ class Admission:
         if not lease_ids:
             return 0
         return int((yield from script(_RENEW, [self.keys.admit_running, self.keys.admit_alive, self.keys.admit_armed,
-                                               self.keys.admit_wake, self.keys.admit_owners],
+                                               self.keys.admit_wake, self.keys.admit_owners, self.keys.admit_waiting],
                                       [self.lease_ttl_ms, *lease_ids])))
 
     def heartbeat_due(self, period: float = HEARTBEAT_SECS) -> float:
@@ -746,8 +783,9 @@ class Admission:
         left behind goes with it."""
         sent = time.monotonic()
         yield from script(_HEARTBEAT, [self.keys.admit_alive, self.keys.admit_running, self.keys.admit_armed,
-                                       self.keys.admit_wake, self.keys.admit_owners], [owner or lease_owner(), ALIVE_TTL_MS])
-        if owner is None or owner == lease_owner():
+                                       self.keys.admit_wake, self.keys.admit_owners, self.keys.admit_waiting],
+                          [owner or self.owner, ALIVE_TTL_MS])
+        if owner is None or owner == self.owner:
             self._alive_at = max(self._alive_at, sent)
 
     # ------------------------------------------------------------------ recovery and inspection
@@ -770,7 +808,8 @@ class Admission:
     def snapshot(self) -> Plan:
         """Current running/accepted/version/rejected and remaining capacity (takes no lease)."""
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected,
-                self.keys.admit_alive, self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners]
+                self.keys.admit_alive, self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners,
+                self.keys.admit_waiting]
         running, accepted, version, rejected = (int(x) for x in (yield from script(_PEEK, keys, [])))
         cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
         return AdmissionState(cap > 0, cap, running, accepted, version, rejected)

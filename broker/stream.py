@@ -72,7 +72,7 @@ def _stream_entries(res: Any) -> list[tuple[bytes, dict[bytes, Any]]]:
     return out
 
 
-# KEYS: traj, dropped, accepted, armed, wake   ARGV: group, id, reason, min_version, trainer_version, ts, give_back(0/1)
+# KEYS: traj, dropped, accepted, armed, wake, waiting   ARGV: group, id, reason, min_version, trainer_version, ts, give_back(0/1)
 # The slot given back wakes the producers a full budget refused (admission's wake-up: `LUA_WAKE`).
 _DROP_STALE = LUA_WAKE + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
@@ -80,7 +80,7 @@ redis.call('XADD', KEYS[2], '*', 'source_id', ARGV[2], 'reason', ARGV[3], 'min_v
            'trainer_version', ARGV[5], 'ts', ARGV[6])
 if ARGV[7] == '1' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
   redis.call('DECR', KEYS[3])
-  wake(KEYS[4], KEYS[5], 'dropped', false)
+  wake(KEYS[4], KEYS[5], 'dropped', false, KEYS[6], 1)
 end
 return 1
 """
@@ -249,7 +249,8 @@ class TrajectoryStream:
         XACK result, makes the three steps atomic and safe to retry after a lost reply.
         """
         self._drop_script(
-            keys=[self.keys.traj, self.keys.dropped, self.keys.admit_accepted, self.keys.admit_armed, self.keys.admit_wake],
+            keys=[self.keys.traj, self.keys.dropped, self.keys.admit_accepted, self.keys.admit_armed, self.keys.admit_wake,
+                  self.keys.admit_waiting],
             args=[self.group, entry.id, reason, entry.min_version, trainer_version, time.time(),
                   1 if self.group == TRAIN_GROUP else 0],
         )

@@ -7,7 +7,8 @@ stream (`AsyncVersionRegistry.follow`): version bumps, the trainer's `shutdown`,
 of the engines for a weight update, and engines dropped from or back in weight sync.
 With `wakeups=True` the same XREAD also reads the admission wake stream `{ns}:admit:wake`
 (broker/admission.py: capacity may have grown while someone waited) and yields each of
-its entries as an `Event(type="capacity")`: a refused producer waits for that or a version
+its entries as an `Event(type="capacity")`: a refused producer waits for one that wakes it
+(`Event.wakes`: an entry names as many waiting producers as slots came free) or a version
 bump instead of polling the admission script. With `reads=True` it reads the trainer's
 step records `{ns}:steps` as well and yields `Event(type="read", version=v)` once every
 trainer rank has recorded its groups of the step trained from v (`broker.steps.ReadTracker`):
@@ -59,7 +60,8 @@ class Event(msgspec.Struct, kw_only=True):
     shutdown: the trainer finished; engine_down / engine_up: an engine was dropped from
     weight sync / serves the current version again; capacity: (only from `follow(wakeups=True)`,
     an entry of the admission wake stream, never in `{ns}:events`) admission capacity may have
-    grown, `detail` says why (release, abandon, expired, commit); read: (only from
+    grown, `detail` says why (release, abandon, expired, dropped, commit, share), `owners` which waiting
+    producers it wakes (`wakes`: the others stay asleep; none named: all); read: (only from
     `follow(reads=True)`, from the step records `{ns}:steps`, never in `{ns}:events`) every trainer
     rank has read its groups of the step trained from `version`: its next fresh read is at
     `version + 1` or later.
@@ -70,10 +72,19 @@ class Event(msgspec.Struct, kw_only=True):
     ts: float = msgspec.field(default_factory=time.time)
     detail: str = ""
     address: str = ""  # engine_down / engine_up: the engine's host:port
+    owners: tuple[str, ...] = ()  # capacity: the lease owners (producers) it wakes; none: every waiting one
+
+    def wakes(self, owner: str) -> bool:
+        """Whether this capacity event wakes the producer whose leases `owner` holds (`Admission.owner`)."""
+        return not self.owners or owner in self.owners
 
 
 _enc = msgspec.msgpack.Encoder()
 _dec = msgspec.msgpack.Decoder(Event)
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def decode_event(data: bytes) -> Event:
@@ -201,8 +212,8 @@ class Versions:
                         read.append(Event(type="read", version=done))
                     continue
                 if key == self.keys.admit_wake:
-                    why = fields.get(b"w", b"")
-                    wakes.append(Event(type="capacity", detail=why.decode() if isinstance(why, bytes) else str(why)))
+                    why, owners = fields.get(b"w", b""), fields.get(b"o", b"")
+                    wakes.append(Event(type="capacity", detail=_text(why), owners=tuple(_text(owners).split())))
                     continue
                 try:
                     events.append(decode_event(fields[b"e"]))

@@ -794,7 +794,7 @@ async def run_gateway(cfg: Config, stop: asyncio.Event | None = None) -> None:
         max_context = info.max_seq_len or info.max_model_len or cfg.server.max_seq_len
         # The served version from the run's events, not a Redis GET per call (one round trip saved per call).
         # ... and the admission wake-ups: a session waiting for a lease is woken when capacity may have grown.
-        versions = await FollowedVersion(AsyncVersionRegistry(client, keys), wakeups=True).start()
+        versions = await FollowedVersion(AsyncVersionRegistry(client, keys), wakeups=True, owner=admission.owner).start()
         engine = RolloutEngine(pool, versions, resume_wait=cfg.actor.weight_update_timeout)
         gw = Gateway(cfg, engine=engine, admission=admission, tokenizer=tokenizer, max_context=int(max_context),
                      producer_id=pid)

@@ -231,7 +231,7 @@ class Producer:
                 if ev.version + 1 > self.read_floor:
                     self.read_floor = ev.version + 1
                     self._stop_stale_rollouts()
-            elif ev.type == "capacity":
+            elif ev.type == "capacity" and ev.wakes(self.admission.owner):
                 self._wake.set()
             elif ev.type == "shutdown":
                 self.request_stop(f"shutdown event ({ev.detail or 'trainer finished'})", force=True)

@@ -66,16 +66,18 @@ class FollowedVersion:
     a newer version still polls the key (robust to a follower that fell behind).
 
     `wakeups`: the same XREAD also reads the admission wake stream; `changes` counts version
-    bumps and wake-ups, and `wait_change(seen, timeout)` returns once it moved past `seen`
+    bumps and the wake-ups of `owner` (`Admission.owner`; None: every wake-up), and `wait_change(seen, timeout)` returns once it moved past `seen`
     (what `EpisodeLease.acquire` waits on instead of polling the admission script).
     """
 
-    def __init__(self, registry: Any, block_ms: int | None = None, wakeups: bool = False) -> None:
+    def __init__(self, registry: Any, block_ms: int | None = None, wakeups: bool = False,
+                 owner: str | None = None) -> None:
         from rlstream.broker.versions import FOLLOW_BLOCK_MS
 
         self.registry = registry  # broker AsyncVersionRegistry
         self.block_ms = block_ms or FOLLOW_BLOCK_MS
         self.wakeups = wakeups
+        self.owner = owner
         self.version = 0
         self.changes = 0
         self._changed = asyncio.Event()
@@ -92,7 +94,7 @@ class FollowedVersion:
         async for ev in self.registry.follow(self.block_ms, wakeups=self.wakeups, since=(last, wake)):
             if ev.type == "version":
                 self.version = ev.version
-            if ev.type in ("version", "capacity"):
+            if ev.type == "version" or (ev.type == "capacity" and (self.owner is None or ev.wakes(self.owner))):
                 self.changes += 1
                 changed, self._changed = self._changed, asyncio.Event()
                 changed.set()

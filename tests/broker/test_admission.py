@@ -655,6 +655,50 @@ def test_wake_ups_only_when_capacity_can_have_grown_for_a_waiter(rclient, keys):
     assert rclient.xlen(keys.admit_wake) == 1
 
 
+def _wake_entries(rclient, keys) -> list[tuple[str, str]]:
+    """The wake stream as (why, the owners it names)."""
+    return [(f[b"w"].decode(), f.get(b"o", b"").decode()) for _, f in rclient.xrange(keys.admit_wake)]
+
+
+def test_a_freed_slot_wakes_the_producer_refused_longest_ago(rclient, keys):
+    """A wake-up names as many waiting producers as slots came free, oldest refusal first; each woken one moves
+    to the back, the wake-up stays armed while others wait, and disarms once nobody is left waiting."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=4,
+                              max_concurrent_rollouts=10)
+    for i in range(4):
+        assert adm.try_acquire(f"H-{i}")[1] is not None
+    for owner in "CAB":
+        assert adm.try_acquire(f"{owner}-0")[1] is None
+    now = int(rclient.time()[0]) * 1000
+    rclient.zadd(keys.admit_waiting, {"A": now - 3000, "B": now - 2000, "C": now - 1000})  # refused in this order
+    adm.release("H-0")
+    assert _wake_entries(rclient, keys) == [("release", "A")] and rclient.get(keys.admit_armed) == b"b"
+    assert rclient.zscore(keys.admit_waiting, "A") >= now  # woken: now last in line
+    adm.abandon(["H-1", "H-2"])  # two slots: the next two
+    assert _wake_entries(rclient, keys)[1:] == [("abandon", "B C")] and rclient.get(keys.admit_armed) == b"b"
+    for owner in "ABC":  # the woken ask again and take the slots: nobody waits any more
+        assert adm.try_acquire(f"{owner}-1")[1] is not None
+    assert rclient.zcard(keys.admit_waiting) == 0
+    adm.release("H-3")
+    assert len(_wake_entries(rclient, keys)) == 2 and rclient.get(keys.admit_armed) == b"-"  # nobody to wake
+
+
+def test_a_producer_refused_its_fair_share_wakes_the_ones_below_it(rclient, keys):
+    """A wake-up may name a producer that already holds its share of the free slots: it is refused, and its
+    refusal wakes the waiting producers below their share, one per free slot (else the slots stay unused)."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=1,
+                              max_concurrent_rollouts=4)
+    for i in range(4):
+        assert adm.try_acquire(f"X-{i}")[1] is not None
+    assert adm.try_acquire("Y-0")[1] is None and rclient.get(keys.admit_armed) == b"c"
+    adm.commit_many([("X-2", {"x": "2"}), ("X-3", {"x": "3"})])
+    assert _wake_entries(rclient, keys) == [("commit", "Y")] and rclient.get(keys.admit_armed) == b"-"
+    # X asks first: 2 free slots, X and Y contend, X holds 2 >= its share ceil(4 / 2)
+    assert adm.try_acquire("X-4")[1] is None
+    assert _wake_entries(rclient, keys)[1:] == [("share", "Y")]
+    assert adm.try_acquire("Y-1")[1] is not None and adm.try_acquire("Y-2")[1] is not None
+
+
 def test_an_expired_lease_wakes_the_waiters_at_the_next_heartbeat(rclient, keys):
     adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=1,
                               max_concurrent_rollouts=10, lease_ttl=0.2)

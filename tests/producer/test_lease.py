@@ -45,9 +45,10 @@ async def _until(pred, what: str, timeout: float = 60.0) -> None:
         await asyncio.sleep(0.02)
 
 
-async def _refused_waiter(redis_url, rclient, keys, monkeypatch, fallback: float):
+async def _refused_waiter(redis_url, rclient, keys, monkeypatch, fallback: float, owner: str | None = None):
     """One slot (η = 0, B = 1) held by producer `other`; a gateway-style waiter (EpisodeLease.acquire following the
-    wake-ups) asks, is refused and waits. Returns (client, followed version, its acquire task)."""
+    wake-ups; lease owner `owner`, default this process) asks, is refused and waits. Returns (client, followed
+    version, its acquire task)."""
     import asyncio
 
     from rlstream.broker import AdmissionController, AsyncVersionRegistry
@@ -57,13 +58,15 @@ async def _refused_waiter(redis_url, rclient, keys, monkeypatch, fallback: float
     monkeypatch.setattr(lease_mod, "ADMIT_FALLBACK_SECS", fallback)
     other = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=1,
                                 max_concurrent_rollouts=10)
-    assert other.try_acquire("other-0")[1] is not None
+    if not rclient.zscore(keys.admit_running, "other-0"):
+        assert other.try_acquire("other-0")[1] is not None
     client = await connect_async(redis_url)
     adm = AsyncAdmissionController(client, keys, max_head_offpolicyness=0, consumer_batch_size=1,
-                                   max_concurrent_rollouts=10, lease_ttl=60)
-    fv = await FollowedVersion(AsyncVersionRegistry(client, keys), wakeups=True).start()
+                                   max_concurrent_rollouts=10, lease_ttl=60, owner=owner)
+    fv = await FollowedVersion(AsyncVersionRegistry(client, keys), wakeups=True, owner=adm.owner).start()
     task = asyncio.create_task(EpisodeLease.acquire(adm, timeout=3600, wake=fv))
-    await _until(lambda: rclient.get(keys.admit_armed) == b"b", "the waiter is refused (the wake-up armed)")
+    await _until(lambda: rclient.get(keys.admit_armed) == b"b" and rclient.zscore(keys.admit_waiting, adm.owner),
+                 "the waiter is refused (the wake-up armed)")
     return other, client, fv, task
 
 
@@ -109,3 +112,29 @@ async def test_the_fallback_covers_a_lost_wake_up(redis_url, rclient, keys, monk
     finally:
         await fv.close()
         await client.aclose()
+
+
+async def test_a_released_slot_wakes_only_the_waiter_refused_first(redis_url, rclient, keys, monkeypatch):
+    """Two waiters of their own (two producers), one slot freed: the wake-up names the one refused first, which
+    takes it; the other is not woken (no wasted ask), and the next slot freed wakes it (fallback an hour)."""
+    from rlstream.broker.admission import lease_owner
+
+    other, first_client, first_fv, first = await _refused_waiter(redis_url, rclient, keys, monkeypatch, 3600,
+                                                                 owner=f"{lease_owner()}-first")
+    _, second_client, second_fv, second = await _refused_waiter(redis_url, rclient, keys, monkeypatch, 3600,
+                                                                owner=f"{lease_owner()}-second")
+    try:
+        assert first_fv.changes == second_fv.changes == 0
+        other.release("other-0")
+        await _until(first.done, "the waiter refused first takes the released slot")
+        lease = first.result()
+        assert [f[b"o"].decode() for _, f in rclient.xrange(keys.admit_wake)] == [f"{lease_owner()}-first"]
+        await _until(lambda: first_fv.changes == 1, "the first waiter's follower reads the wake-up")
+        assert not second.done() and second_fv.changes == 0  # named by no wake-up: still asleep
+        await lease.release()
+        await _until(second.done, "the second waiter takes the next slot freed")
+        await second.result().abandon()
+    finally:
+        for fv, client in ((first_fv, first_client), (second_fv, second_client)):
+            await fv.close()
+            await client.aclose()
