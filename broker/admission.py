@@ -146,6 +146,7 @@ _SILENCE_MS = 3000
 # every lease of those owners, then leases past their own expiry (both counted off `owners`). O(leases) only
 # when an owner died (the CLOCK member below is no owner: it never counts as one that died); owners
 # without a record (tools, tests) rely on the lease expiry alone.
+# `name_woken(waiting, stream, why, owners)` appends that entry and moves them to the back of `waiting`.
 # `wake(armed, stream, why, commits, waiting, freed)`: capacity may have grown by `freed` slots. If a refused
 # acquisition armed the wake-up (`b` or `c`; `commits`: called by a commit, which frees capacity only when the
 # concurrency limit refused, armed `c`), it wakes the `freed` producers refused longest ago (`waiting`, oldest
@@ -163,18 +164,20 @@ _SILENCE_MS = 3000
 # does not take live producers for dead and admit their slots twice; a producer that stays silent
 # afterwards is reaped as usual, ALIVE_TTL_MS later at most.
 LUA_WAKE = """
-local function wake(armed, stream, why, commits, waiting, freed)
-  local a = redis.call('GET', armed)
-  if freed < 1 or not ((a == 'b' and not commits) or a == 'c') then return end
-  local woken = redis.call('ZRANGE', waiting, 0, freed - 1)
-  if #woken >= redis.call('ZCARD', waiting) then redis.call('SET', armed, '-') end
-  if #woken == 0 then return end
+local function name_woken(waiting, stream, why, woken)
   local t = redis.call('TIME')
   local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
   local bump = {}
   for _, o in ipairs(woken) do bump[#bump + 1] = at; bump[#bump + 1] = o end
   redis.call('ZADD', waiting, 'XX', unpack(bump))
   redis.call('XADD', stream, 'MAXLEN', '~', """ + str(WAKE_MAXLEN) + """, '*', 'w', why, 'o', table.concat(woken, ' '))
+end
+local function wake(armed, stream, why, commits, waiting, freed)
+  local a = redis.call('GET', armed)
+  if freed < 1 or not ((a == 'b' and not commits) or a == 'c') then return end
+  local woken = redis.call('ZRANGE', waiting, 0, freed - 1)
+  if #woken >= redis.call('ZCARD', waiting) then redis.call('SET', armed, '-') end
+  if #woken > 0 then name_woken(waiting, stream, why, woken) end
 end
 """
 # `owner_of(lease)`: a lease's owner, its producer process, is its id up to the last `-` (see new_lease_id).
@@ -364,19 +367,12 @@ elseif arm and redis.call('GET', KEYS[7]) ~= 'c' then redis.call('SET', KEYS[7],
 -- at its share would otherwise leave the slot unused until the next one.
 local free = math.min(tonumber(ARGV[4]) - running, (eta + v + 1) * B - (accepted + running))
 if short and free > 0 then
-  local holding, woken, bump = owner_counts(), {}, {}
+  local holding, woken = owner_counts(), {}
   for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. since, '+inf')) do
     if #woken >= free then break end
-    if (holding[w] or 0) < short then
-      woken[#woken + 1] = w
-      bump[#bump + 1] = now
-      bump[#bump + 1] = w
-    end
+    if (holding[w] or 0) < short then woken[#woken + 1] = w end
   end
-  if #woken > 0 then
-    redis.call('ZADD', KEYS[4], 'XX', unpack(bump))
-    redis.call('XADD', KEYS[8], 'MAXLEN', '~', """ + str(WAKE_MAXLEN) + """, '*', 'w', 'share', 'o', table.concat(woken, ' '))
-  end
+  if #woken > 0 then name_woken(KEYS[4], KEYS[8], 'share', woken) end
 end
 -- refusals older than the window no longer count: forget them
 for _, at in pairs(waiting) do

@@ -65,7 +65,8 @@ class Keys:
 
     @property
     def admit_waiting(self) -> str:
-        """Sorted set: producers refused a lease lately (fair share), score = last refusal ms."""
+        """Sorted set: producers refused a lease lately (fair share), score = last refusal ms, or when a wake-up
+        last named it (the next wake-up names the lowest scores first)."""
         return self._k("admit:waiting")
 
     @property
@@ -76,13 +77,15 @@ class Keys:
     @property
     def admit_wake(self) -> str:
         """Stream (short, MAXLEN ~100): one entry each time capacity may have grown while a producer waited for it
-        (a lease released, abandoned or expired; a commit when the concurrency limit refused). Waiters XREAD it."""
+        (a lease released, abandoned, dropped stale or expired; a commit when the concurrency limit refused; a
+        fair-share refusal with slots free), naming the waiting producers it wakes (`o`). Waiters XREAD it."""
         return self._k("admit:wake")
 
     @property
     def admit_armed(self) -> str:
-        """String: set by a refused acquisition (`c`: the concurrency limit refused, else `b`); the next
-        capacity change writes one `admit_wake` entry and disarms it (`-`; no entry while nobody waits)."""
+        """String: set by a refused acquisition (`c`: the concurrency limit refused, else `b`); each capacity
+        change writes an `admit_wake` entry naming the waiters it wakes, and disarms it (`-`) once it named every
+        producer still waiting (no entry while nobody waits)."""
         return self._k("admit:armed")
 
     @property

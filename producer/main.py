@@ -27,10 +27,12 @@ once it stops (SIGKILL, a lost machine) its leases are freed within ~10 s, whate
 
 When admission says no the producer sleeps until one of its own rollouts finishes (unless
 the budget refused it and that rollout was committed: a commit frees none of the budget), a
-version event arrives, or another producer's lease is released, abandoned or expires (or,
-when the concurrency limit refused, committed): the admission scripts then append to the
-wake stream `{ns}:admit:wake`, which the producer follows in the same XREAD as `{ns}:events`
-(`AsyncVersionRegistry.follow(wakeups=True)`). The wake is armed by the refusal itself (one
+version event arrives, or a wake-up names it: when another producer's lease is released,
+abandoned, dropped stale or expires (or, when the concurrency limit refused, committed), the
+admission scripts append to the wake stream `{ns}:admit:wake` an entry naming as many waiting
+producers as slots came free, refused longest ago first (not every waiter: all but one would ask in
+vain). The producer follows it in the same XREAD as `{ns}:events`
+(`AsyncVersionRegistry.follow(wakeups=True)`, `Event.wakes(owner)`). The wake is armed by the refusal itself (one
 script), and the producer clears its own wake flag before it asks, so no wake-up between the
 refusal and the wait is lost; reading by id, neither is one across a reconnect. A long
 fallback (`broker.admission.ADMIT_FALLBACK_SECS`) is only the backstop (e.g. a Redis restart that lost the
