@@ -146,17 +146,17 @@ _SILENCE_MS = 3000
 # every lease of those owners, then leases past their own expiry (both counted off `owners`). O(leases) only
 # when an owner died (the CLOCK member below is no owner: it never counts as one that died); owners
 # without a record (tools, tests) rely on the lease expiry alone.
-# `name_woken(waiting, stream, why, owners)` appends that entry and moves them to the back of `waiting`.
 # `wake(armed, stream, why, commits, waiting, freed)`: capacity may have grown by `freed` slots. If a refused
 # acquisition armed the wake-up (`b` or `c`; `commits`: called by a commit, which frees capacity only when the
-# concurrency limit refused, armed `c`), it wakes the `freed` producers refused longest ago (`waiting`, oldest
-# refusal first): one entry in the wake stream naming them (`o`, space-separated owners; a follower named in
-# none of it stays asleep), and each woken one moves to the back of that order (its score set to now), so the
-# next freed slot wakes the next one. It stays armed while producers it did not wake still wait, and disarms
-# (`-`: a SET, no DEL, so the producer's ACL needs no DEL) once it woke every one, or found nobody waiting (each
-# was admitted since, or its refusal aged out of the window: it asks again by itself before that). Before, one
-# entry woke every waiter for each freed slot, and all but one asked in vain (at 256 simulated engines the
-# admission script ran ~6x per slot: benchmarks/README.md).
+# concurrency limit refused, armed `c`), it wakes the `freed` producers refused longest ago and not woken since
+# (`waiting`, oldest refusal first; `name_woken`): one entry in the wake stream naming them (`o`, space-separated
+# owners; a follower named in none of it stays asleep). A woken producer stays in `waiting` (it still counts
+# for the fair share until it asks again, and a producer gone for good ages out of the window as before),
+# marked by half a millisecond on its score (`unwoken`: scores are whole ms otherwise; its next refusal
+# rewrites it), so the next freed slot wakes the next one. It stays armed while producers not yet woken wait,
+# and disarms (`-`: a SET, no DEL, so the producer's ACL needs no DEL) once every one was. Before, one entry woke
+# every waiter for each freed slot, and all but one asked in vain (at 256 simulated engines the admission
+# script ran ~6x per slot: benchmarks/README.md).
 # `reap` wakes the waiters when it freed a lease.
 # `catch_up(running, alive, last)` first: the alive set also holds CLOCK, scored with when admission
 # last ran (server ms). After a longer silence (Redis down or restarting: nobody could heartbeat)
@@ -164,20 +164,26 @@ _SILENCE_MS = 3000
 # does not take live producers for dead and admit their slots twice; a producer that stays silent
 # afterwards is reaped as usual, ALIVE_TTL_MS later at most.
 LUA_WAKE = """
-local function name_woken(waiting, stream, why, woken)
-  local t = redis.call('TIME')
-  local at = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local bump = {}
-  for _, o in ipairs(woken) do bump[#bump + 1] = at; bump[#bump + 1] = o end
-  redis.call('ZADD', waiting, 'XX', unpack(bump))
+local function unwoken(at) return at % 1 == 0 end
+local function name_woken(waiting, stream, why, woken, at)
+  local mark = {}
+  for i, o in ipairs(woken) do mark[#mark + 1] = at[i] + 0.5; mark[#mark + 1] = o end
+  redis.call('ZADD', waiting, 'XX', unpack(mark))
   redis.call('XADD', stream, 'MAXLEN', '~', """ + str(WAKE_MAXLEN) + """, '*', 'w', why, 'o', table.concat(woken, ' '))
 end
 local function wake(armed, stream, why, commits, waiting, freed)
   local a = redis.call('GET', armed)
   if freed < 1 or not ((a == 'b' and not commits) or a == 'c') then return end
-  local woken = redis.call('ZRANGE', waiting, 0, freed - 1)
-  if #woken >= redis.call('ZCARD', waiting) then redis.call('SET', armed, '-') end
-  if #woken > 0 then name_woken(waiting, stream, why, woken) end
+  local rows = redis.call('ZRANGE', waiting, 0, -1, 'WITHSCORES')
+  local woken, at, left = {}, {}, 0
+  for i = 1, #rows, 2 do
+    local score = tonumber(rows[i + 1])
+    if unwoken(score) then
+      if #woken < freed then woken[#woken + 1] = rows[i]; at[#at + 1] = score else left = left + 1 end
+    end
+  end
+  if #woken > 0 then name_woken(waiting, stream, why, woken, at) end
+  if left == 0 then redis.call('SET', armed, '-') end
 end
 """
 # `owner_of(lease)`: a lease's owner, its producer process, is its id up to the last `-` (see new_lease_id).
@@ -363,16 +369,21 @@ end
 if arm == 'c' then redis.call('SET', KEYS[7], 'c')
 elseif arm and redis.call('GET', KEYS[7]) ~= 'c' then redis.call('SET', KEYS[7], 'b') end
 -- Refused its fair share while slots were free (`short`: the share): the slots are for producers below their
--- share. The waiting ones are woken (oldest refusal first, one per free slot): a wake-up that named a producer
--- at its share would otherwise leave the slot unused until the next one.
+-- share. The waiting ones not woken yet are woken (oldest refusal first, one per free slot): a wake-up that
+-- named a producer at its share would otherwise leave the slot unused until the next one.
 local free = math.min(tonumber(ARGV[4]) - running, (eta + v + 1) * B - (accepted + running))
 if short and free > 0 then
-  local holding, woken = owner_counts(), {}
-  for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. since, '+inf')) do
+  local holding, woken, at = owner_counts(), {}, {}
+  local rows = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. since, '+inf', 'WITHSCORES')
+  for i = 1, #rows, 2 do
     if #woken >= free then break end
-    if (holding[w] or 0) < short then woken[#woken + 1] = w end
+    local score = tonumber(rows[i + 1])
+    if unwoken(score) and (holding[rows[i]] or 0) < short then
+      woken[#woken + 1] = rows[i]
+      at[#at + 1] = score
+    end
   end
-  if #woken > 0 then name_woken(KEYS[4], KEYS[8], 'share', woken) end
+  if #woken > 0 then name_woken(KEYS[4], KEYS[8], 'share', woken, at) end
 end
 -- refusals older than the window no longer count: forget them
 for _, at in pairs(waiting) do

@@ -661,8 +661,8 @@ def _wake_entries(rclient, keys) -> list[tuple[str, str]]:
 
 
 def test_a_freed_slot_wakes_the_producer_refused_longest_ago(rclient, keys):
-    """A wake-up names as many waiting producers as slots came free, oldest refusal first; each woken one moves
-    to the back, the wake-up stays armed while others wait, and disarms once nobody is left waiting."""
+    """A wake-up names as many waiting producers as slots came free, oldest refusal first; each woken one leaves
+    the waiting list, the wake-up stays armed while others wait, and disarms once nobody is left waiting."""
     adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=4,
                               max_concurrent_rollouts=10)
     for i in range(4):
@@ -671,16 +671,20 @@ def test_a_freed_slot_wakes_the_producer_refused_longest_ago(rclient, keys):
         assert adm.try_acquire(f"{owner}-0")[1] is None
     now = int(rclient.time()[0]) * 1000
     rclient.zadd(keys.admit_waiting, {"A": now - 3000, "B": now - 2000, "C": now - 1000})  # refused in this order
-    adm.release("H-0")
+    adm.release("H-0")  # one slot: the one refused first
     assert _wake_entries(rclient, keys) == [("release", "A")] and rclient.get(keys.admit_armed) == b"b"
-    assert rclient.zscore(keys.admit_waiting, "A") >= now  # woken: now last in line
-    adm.abandon(["H-1", "H-2"])  # two slots: the next two
-    assert _wake_entries(rclient, keys)[1:] == [("abandon", "B C")] and rclient.get(keys.admit_armed) == b"b"
-    for owner in "ABC":  # the woken ask again and take the slots: nobody waits any more
+    assert rclient.zscore(keys.admit_waiting, "A") == now - 3000 + 0.5  # still waiting (fair share), woken
+    adm.abandon(["H-1", "H-2"])  # two slots: the next two; every waiter is woken now
+    assert _wake_entries(rclient, keys)[1:] == [("abandon", "B C")] and rclient.get(keys.admit_armed) == b"-"
+    for owner in "AB":  # the woken ask again and take the slots
         assert adm.try_acquire(f"{owner}-1")[1] is not None
-    assert rclient.zcard(keys.admit_waiting) == 0
-    adm.release("H-3")
-    assert len(_wake_entries(rclient, keys)) == 2 and rclient.get(keys.admit_armed) == b"-"  # nobody to wake
+    assert rclient.zrange(keys.admit_waiting, 0, -1) == [b"C"]  # admitted: no longer waiting
+    assert adm.try_acquire("C-1")[1] is not None
+    assert adm.try_acquire("D-0")[1] is None and rclient.get(keys.admit_armed) == b"b"
+    adm.release("H-3")  # the one waiter not woken yet
+    assert _wake_entries(rclient, keys)[2:] == [("release", "D")] and rclient.get(keys.admit_armed) == b"-"
+    adm.release("A-1")
+    assert len(_wake_entries(rclient, keys)) == 3  # every waiter woken: nothing more to wake
 
 
 def test_a_producer_refused_its_fair_share_wakes_the_ones_below_it(rclient, keys):
@@ -690,13 +694,14 @@ def test_a_producer_refused_its_fair_share_wakes_the_ones_below_it(rclient, keys
                               max_concurrent_rollouts=4)
     for i in range(4):
         assert adm.try_acquire(f"X-{i}")[1] is not None
-    assert adm.try_acquire("Y-0")[1] is None and rclient.get(keys.admit_armed) == b"c"
-    adm.commit_many([("X-2", {"x": "2"}), ("X-3", {"x": "3"})])
-    assert _wake_entries(rclient, keys) == [("commit", "Y")] and rclient.get(keys.admit_armed) == b"-"
-    # X asks first: 2 free slots, X and Y contend, X holds 2 >= its share ceil(4 / 2)
-    assert adm.try_acquire("X-4")[1] is None
-    assert _wake_entries(rclient, keys)[1:] == [("share", "Y")]
-    assert adm.try_acquire("Y-1")[1] is not None and adm.try_acquire("Y-2")[1] is not None
+    assert adm.try_acquire("Z-0")[1] is None and adm.try_acquire("X-4")[1] is None
+    now = int(rclient.time()[0]) * 1000
+    rclient.zadd(keys.admit_waiting, {"X": now - 2000, "Z": now - 1000})  # X was refused first
+    adm.commit("X-3", {"x": "3"})  # one slot: the wake-up names X ...
+    assert _wake_entries(rclient, keys) == [("commit", "X")] and rclient.get(keys.admit_armed) == b"c"
+    assert adm.try_acquire("X-5")[1] is None  # ... which holds 3 >= its share ceil(4 / 2): refused,
+    assert _wake_entries(rclient, keys)[1:] == [("share", "Z")]  # and its refusal wakes Z (holds 0)
+    assert adm.try_acquire("Z-1")[1] is not None
 
 
 def test_an_expired_lease_wakes_the_waiters_at_the_next_heartbeat(rclient, keys):
