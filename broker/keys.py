@@ -65,8 +65,8 @@ class Keys:
 
     @property
     def admit_waiting(self) -> str:
-        """Sorted set: producers refused a lease lately (fair share), score = last refusal ms, or when a wake-up
-        last named it (the next wake-up names the lowest scores first)."""
+        """Sorted set: producers refused a lease lately (fair share), score = last refusal ms, + 0.5 once a wake-up
+        named it (the next wake-up names the oldest refusals not woken yet)."""
         return self._k("admit:waiting")
 
     @property
