@@ -525,9 +525,10 @@ class Cluster:
                 self._read_floor[pid] = max(self._read_floor.get(pid, 0), ev.version + 1)
             if self.s.stop_stale and self._read_version(pid) > read_at:
                 self._stop_doomed(pid)
-            if ev.type == "version" or (ev.type == "capacity" and ev.wakes(owner)):
+            named = ev.type == "capacity" and ev.wakes(owner)
+            if ev.type == "version" or named:
                 wake.set()
-            if ev.type == "capacity" and ev.wakes(owner):
+            if named:
                 self.result.woken += 1
             if ev.type == "capacity" and pid == 0:
                 self.result.wakeups += 1

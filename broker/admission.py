@@ -79,11 +79,7 @@ def lease_owner() -> str:
     return f"{_LEASE_PREFIX}-{os.getpid()}"
 
 
-def new_lease_id() -> str:
-    return f"{lease_owner()}-{next(_lease_seq)}"
-
-
-# Leases this process admitted under ids of its own making (`new_lease_id`: unique everywhere) and
+# Leases this process admitted under ids of its own making (`Admission.new_lease_id`: unique everywhere) and
 # has not tried to commit or release yet: no done marker can exist for them, so their first commit
 # skips reading the markers (MULTI/EXEC in one round trip, no WATCH, no MGET). An id leaves the set before its
 # first attempt (`set.remove`: one thread wins), so any retry or second commit reads the markers.
@@ -186,7 +182,7 @@ local function wake(armed, stream, why, commits, waiting, freed)
   if left == 0 then redis.call('SET', armed, '-') end
 end
 """
-# `owner_of(lease)`: a lease's owner, its producer process, is its id up to the last `-` (see new_lease_id).
+# `owner_of(lease)`: a lease's owner, its producer process, is its id up to the last `-` (see Admission.new_lease_id).
 # `{ns}:admit:owners` (owner -> leases it holds, no field at 0) follows every lease added or dropped, in the
 # same script: `count(owners, owner, k)` adds k, `count_all(owners, tally(...), sign)` does so per owner of a
 # list; `drop(running, owners, leases)` ZREMs leases (held or not) and counts the held ones off their owners,
@@ -592,6 +588,10 @@ class Admission:
 
     # ------------------------------------------------------------------ taking leases
 
+    def new_lease_id(self) -> str:
+        """A lease id unique everywhere: this object's owner, then a per-process sequence number."""
+        return f"{self.owner}-{next(_lease_seq)}"
+
     def _acquire(self, lease_ids: list[str], own_ids: bool) -> Plan:
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_waiting,
                 self.keys.admit_alive, self.keys.run, self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners]
@@ -624,12 +624,12 @@ class Admission:
     @operation
     def try_acquire(self, lease_id: str | None = None) -> Plan:
         """Take one rollout lease iff capacity > 0 (atomic). Returns the decision and the lease."""
-        return (yield from self._acquire([lease_id or f"{self.owner}-{next(_lease_seq)}"], lease_id is None))[0]
+        return (yield from self._acquire([lease_id or self.new_lease_id()], lease_id is None))[0]
 
     @operation
     def try_acquire_many(self, n: int) -> Plan:
         """`n` acquisitions in one script call: each decided as if by its own `try_acquire`, in order."""
-        return (yield from self._acquire([f"{self.owner}-{next(_lease_seq)}" for _ in range(n)], True)) if n > 0 else []
+        return (yield from self._acquire([self.new_lease_id() for _ in range(n)], True)) if n > 0 else []
 
     # ------------------------------------------------------------------ finishing
 
