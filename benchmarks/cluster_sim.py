@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
@@ -59,7 +60,8 @@ from redis_child import RedisChild  # noqa: E402
 
 from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
 from rlstream.broker.admission import (ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, WAIT_WINDOW_MS,  # noqa: E402
-                                       budget, lease_owner)
+                                       StaleDrop, budget, lease_owner)
+from rlstream.common.coalesce import Coalescer  # noqa: E402
 from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
 from rlstream.broker.registry import RedisNameResolver  # noqa: E402
 from rlstream.common.config import KEEPALIVES_PER_TTL  # noqa: E402
@@ -271,6 +273,7 @@ class Cluster:
         self.timer_scale = s.accel if s.scale_timers else 1.0
         self._generating: dict[int, dict[int, dict]] = {}  # stop_stale: producer -> rollout -> its group, generating
         self._adm: dict[int, AsyncAdmissionController] = {}  # producer -> its admission client
+        self._stale_drops: dict[int, Coalescer] = {}  # producer -> its drops before commit, batched
 
     def wall(self, real_s: float) -> float:
         """A control-plane timer's period in wall seconds (`scale_timers`: as often per modeled second as in a real run)."""
@@ -362,6 +365,13 @@ class Cluster:
             if not (committed and self._budget_full.get(pid)):
                 wake.set()
 
+    async def _drop_many(self, adm: AsyncAdmissionController, drops: list[StaleDrop]) -> list[bool]:
+        """The drops of one producer's burst in one script call, counted here (a caller the stop cancelled
+        no longer waits for its drop, which still goes out)."""
+        done = await adm.drop_stale_many(drops)
+        self.result.dropped_before_commit += sum(done)
+        return done
+
     async def _drop_too_stale(self, adm: AsyncAdmissionController, lease_id: str, pid: int, oldest: int,
                               read_at: int, stopped: bool = False) -> None:
         """As producer.main: a group too stale for the trainer's read at `read_at` (finished, or `stopped` while
@@ -372,8 +382,7 @@ class Cluster:
             await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
             for w in waits:
                 w.cancel()
-        if await adm.drop_stale(lease_id, oldest, read_at, stopped):
-            self.result.dropped_before_commit += 1
+        await self._stale_drops[pid](StaleDrop(lease_id, oldest, read_at, stopped))
 
     async def _roll(self, adm: AsyncAdmissionController, lease_id: str, pid: int) -> bool:
         producer = f"producer-{pid}"
@@ -441,6 +450,7 @@ class Cluster:
                                        # the longest wait between two asks, which `poll` scales)
                                        wait_window_ms=max(1, round(1000 * self.wall(WAIT_WINDOW_MS / 1000))))
         self._adm[pid] = adm
+        self._stale_drops[pid] = Coalescer(functools.partial(self._drop_many, adm))  # as producer.main: one call a burst
         tasks: set[asyncio.Task] = set()
         inflight: set[str] = set()  # lease ids of its running rollouts (renewed in the background)
         # Refused a lease, a producer waits as producer.main's does: for a rollout of its own to end, a version
@@ -485,6 +495,7 @@ class Cluster:
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
+            await self._stale_drops[pid].drain()  # the drops its stopped rollouts called for go out first
             # the follower blocks up to FOLLOW_BLOCK_S: stopped as producer.main stops it (cancelled)
             await cancel_and_wait([follower])
             await asyncio.gather(*helpers, return_exceptions=True)

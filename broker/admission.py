@@ -51,7 +51,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -63,7 +63,7 @@ from rlstream.broker.producers import accepted_field
 from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Plan, Sleep, Sync, Transaction, Watch, operation, script
 from rlstream.common.logging import get_logger
 
-__all__ = ["AdmissionState", "Lease", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
+__all__ = ["AdmissionState", "Lease", "StaleDrop", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
            "budget", "ADMIT_FALLBACK_SECS", "ADMIT_BATCH_MAX"]
 
 log = get_logger(__name__)
@@ -168,8 +168,9 @@ local function name_woken(waiting, stream, why, woken, at)
   redis.call('XADD', stream, 'MAXLEN', '~', """ + str(WAKE_MAXLEN) + """, '*', 'w', why, 'o', table.concat(woken, ' '))
 end
 local function wake(armed, stream, why, commits, waiting, freed)
+  if freed < 1 then return end  -- most calls (a reap that freed nothing): no read of the flag
   local a = redis.call('GET', armed)
-  if freed < 1 or not ((a == 'b' and not commits) or a == 'c') then return end
+  if not ((a == 'b' and not commits) or a == 'c') then return end
   local rows = redis.call('ZRANGE', waiting, 0, -1, 'WITHSCORES')
   local woken, at, left = {}, {}, 0
   for i = 1, #rows, 2 do
@@ -420,17 +421,27 @@ wake(KEYS[4], KEYS[5], 'release', false, KEYS[7], live)
 return {live, 0}
 """
 
-# KEYS: running, done, armed, wake, owners, dropped, waiting
-# ARGV: lease_id, done_ttl_ms, reason, min_version, read_version, ts, producer  -> {lease_was_live, repeated}
-# A finished group already too stale to train: its lease is dropped (the slot freed, not counted as accepted
-# nor rejected) and the drop recorded in `{ns}:dropped` like the reader's, but under `lease` (no stream entry).
+# KEYS: running, armed, wake, owners, dropped, waiting, then one done marker per lease
+# ARGV: done_ttl_ms, ts, producer, then per lease: lease_id, reason, min_version, read_version
+#   -> per lease 1 (dropped by this call) or 0 (finished before: a retry)
+# Finished groups already too stale to train: their leases are dropped (the slots freed, not counted as
+# accepted nor rejected) and each drop recorded in `{ns}:dropped` like the reader's, but under `lease` (no
+# stream entry). Several at once: a version bump dooms many rollouts of a producer at the same moment, and
+# one call (one wake-up naming as many waiters as slots came free) replaces a burst of round trips.
 _DROP_STALE = LUA_WAKE + _LUA_FINISH + """
-local live = finish_uncommitted(KEYS[1], KEYS[5], KEYS[2], ARGV[2], ARGV[1])
-if not live then return {0, 1} end
-redis.call('XADD', KEYS[6], '*', 'lease', ARGV[1], 'reason', ARGV[3], 'min_version', ARGV[4],
-           'trainer_version', ARGV[5], 'ts', ARGV[6], 'producer', ARGV[7])
-wake(KEYS[3], KEYS[4], 'dropped', false, KEYS[7], live)
-return {live, 0}
+local out, freed = {}, 0
+for i = 7, #KEYS do
+  local a = 4 * (i - 6)
+  local live = finish_uncommitted(KEYS[1], KEYS[4], KEYS[i], ARGV[1], ARGV[a])
+  if live then
+    freed = freed + live
+    redis.call('XADD', KEYS[5], '*', 'lease', ARGV[a], 'reason', ARGV[a + 1], 'min_version', ARGV[a + 2],
+               'trainer_version', ARGV[a + 3], 'ts', ARGV[2], 'producer', ARGV[3])
+  end
+  out[#out + 1] = live and 1 or 0
+end
+wake(KEYS[2], KEYS[3], 'dropped', false, KEYS[6], freed)
+return out
 """
 
 # KEYS: running, armed, wake, owners, waiting   ARGV: lease ids  -> leases that were live
@@ -512,6 +523,15 @@ for i = 2, #ARGV do
 end
 return n
 """
+
+
+class StaleDrop(NamedTuple):
+    """A group too stale to train, to drop before commit (`Admission.drop_stale_many`)."""
+
+    lease_id: str
+    min_version: int  # the oldest model version of its tokens
+    read_version: int  # a version the trainer reads every fresh group at or later
+    stopped: bool = False  # stopped while generating (its recorded reason says so)
 
 
 @dataclass(frozen=True)
@@ -747,15 +767,29 @@ class Admission:
         the rollout before it finished (its reason says so). Returns True if this call dropped it (False:
         already finished).
         """
-        _untried.discard(lease_id)  # its marker ('-') now exists: a commit must read it
-        reason = (f"head staleness {read_version - min_version} > max_head_offpolicyness {self.eta} "
-                  f"(the trainer reads at version {read_version} or later), dropped before commit"
-                  + (" (stopped while generating)" if stopped else ""))
-        live, repeated = (yield from script(
-            _DROP_STALE, [self.keys.admit_running, self.keys.admit_done(lease_id), self.keys.admit_armed,
-                          self.keys.admit_wake, self.keys.admit_owners, self.keys.dropped, self.keys.admit_waiting],
-            [lease_id, DONE_TTL_MS, reason, min_version, read_version, time.time(), self.producer_id or ""]))
-        return not int(repeated)
+        return (yield from self._drop_stale_many([StaleDrop(lease_id, min_version, read_version, stopped)]))[0]
+
+    @operation
+    def drop_stale_many(self, drops: list[StaleDrop]) -> Plan:
+        """`drop_stale` for several groups in one script call (one wake-up for all the slots they free);
+        per drop, True if this call dropped it."""
+        return (yield from self._drop_stale_many(drops))
+
+    def _drop_stale_many(self, drops: list[StaleDrop]) -> Plan:
+        if not drops:
+            return []
+        k, keys, args = self.keys, [], []
+        for d in drops:
+            _untried.discard(d.lease_id)  # its marker ('-') now exists: a commit must read it
+            keys.append(k.admit_done(d.lease_id))
+            args += [d.lease_id, f"head staleness {d.read_version - d.min_version} > max_head_offpolicyness "
+                                 f"{self.eta} (the trainer reads at version {d.read_version} or later), dropped "
+                                 "before commit" + (" (stopped while generating)" if d.stopped else ""),
+                     d.min_version, d.read_version]
+        out = yield from script(_DROP_STALE, [k.admit_running, k.admit_armed, k.admit_wake, k.admit_owners, k.dropped,
+                                              k.admit_waiting, *keys],
+                                [DONE_TTL_MS, time.time(), self.producer_id or "", *args])
+        return [bool(int(x)) for x in out]
 
     @operation
     def abandon(self, lease_ids: list[str]) -> Plan:

@@ -58,9 +58,10 @@ from typing import Any
 
 import msgspec
 
-from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS
+from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, StaleDrop
 from rlstream.broker.connection import BrokerError
 from rlstream.broker.versions import RUN_FINISHED
+from rlstream.common.coalesce import Coalescer
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
 from rlstream.common.tasks import cancel_and_wait
@@ -71,6 +72,8 @@ from rlstream.producer.workflow import RolloutVersions, current_rollout
 __all__ = ["produce", "Producer", "should_accept"]
 
 log = get_logger(__name__)
+
+DRAIN_DROPS_SECS = 10.0  # at exit, how long the last stale drops may take to reach Redis
 
 
 
@@ -134,6 +137,8 @@ class Producer:
         self.client = await connect_async(cfg.redis)
         self.keys = Keys(cfg.namespace)
         self.admission = AsyncAdmissionController.from_config(self.client, self.keys, cfg, producer_id=self.producer_id)
+        # The drops a version bump makes due at once go to Redis in one script call (common/coalesce.py).
+        self._stale_drops = Coalescer(self.admission.drop_stale_many)
         self.versions = AsyncVersionRegistry(self.client, self.keys)
         if not cfg.tokenizer:
             raise ValueError("no tokenizer: set actor.path (or tokenizer_path) to a local HF model folder")
@@ -171,6 +176,10 @@ class Producer:
 
     async def _teardown(self) -> None:
         await cancel_and_wait(self._bg)
+        drops = getattr(self, "_stale_drops", None)
+        if drops is not None:  # drops already called for go out before the client closes
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(drops.drain(), DRAIN_DROPS_SECS)
         for name in ("pool", "rewards"):
             obj = getattr(self, name, None)
             if obj is not None:
@@ -437,7 +446,7 @@ class Producer:
             await self._until_served(read_version)
         finally:
             self.parked -= 1
-        if await self.admission.drop_stale(lease_id, min_version, read_version, stopped):
+        if await self._stale_drops(StaleDrop(lease_id, min_version, read_version, stopped)):
             self.dropped_stale += 1
         return False
 

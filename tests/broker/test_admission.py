@@ -17,7 +17,7 @@ import pytest
 
 from rlstream.broker import AdmissionController, Keys, TrajectoryStream, VersionRegistry
 from rlstream.broker import admission
-from rlstream.broker.admission import budget
+from rlstream.broker.admission import StaleDrop, budget
 from rlstream.broker.ledger import leases_held_by
 from rlstream.broker.stream import entry_fields
 
@@ -685,6 +685,41 @@ def test_a_freed_slot_wakes_the_producer_refused_longest_ago(rclient, keys):
     assert _wake_entries(rclient, keys)[2:] == [("release", "D")] and rclient.get(keys.admit_armed) == b"-"
     adm.release("A-1")
     assert len(_wake_entries(rclient, keys)) == 3  # every waiter woken: nothing more to wake
+
+
+def test_the_groups_a_version_bump_dooms_are_dropped_in_one_call(rclient, keys):
+    """`drop_stale_many` drops several leases in one script call: each recorded in `{ns}:dropped` under its lease,
+    every slot freed and counted off its owner, one wake-up naming as many waiters as slots came free. A lease
+    finished before (a retried drop, given twice, or expired) is not recorded twice; an expired one frees nothing."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=4,
+                              max_concurrent_rollouts=20, producer_id="p0")
+    VersionRegistry(rclient, keys).set(2)
+    for i in range(4):
+        assert adm.try_acquire(f"P-{i}")[1] is not None  # (η + v + 1)·B = 12 slots; 4 held
+    for i in range(4, 12):
+        assert adm.try_acquire(f"H-{i}")[1] is not None
+    for owner in "AB":
+        assert adm.try_acquire(f"{owner}-0")[1] is None
+    now = int(rclient.time()[0]) * 1000
+    rclient.zadd(keys.admit_waiting, {"A": now - 2000, "B": now - 1000})
+    assert adm.drop_stale("P-0", min_version=1, read_version=2) is True  # dropped before: a retry writes nothing
+    assert _wake_entries(rclient, keys) == [("dropped", "A")]
+    rclient.zrem(keys.admit_running, "P-3")  # P-3's lease expired: dropping it records the group, frees no slot
+    rclient.hincrby(keys.admit_owners, "P", -1)
+    got = adm.drop_stale_many([StaleDrop("P-1", 0, 2, stopped=True), StaleDrop("P-0", 1, 2), StaleDrop("P-2", 1, 2),
+                               StaleDrop("P-2", 1, 2), StaleDrop("P-3", 1, 2)])
+    assert got == [True, False, True, False, True]
+    records = {f[b"lease"]: f for _, f in rclient.xrange(keys.dropped)}
+    assert sorted(records) == [b"P-0", b"P-1", b"P-2", b"P-3"] and rclient.xlen(keys.dropped) == 4
+    assert records[b"P-1"][b"reason"].endswith(b"(stopped while generating)")
+    assert records[b"P-1"][b"min_version"] == b"0" and records[b"P-2"][b"trainer_version"] == b"2"
+    assert all(f[b"producer"] == b"p0" for f in records.values())
+    # two live leases freed: one wake-up naming the one producer still unwoken (A was woken by the first drop)
+    assert _wake_entries(rclient, keys)[1:] == [("dropped", "B")]
+    assert rclient.zcard(keys.admit_running) == 8 and rclient.hget(keys.admit_owners, "P") is None
+    assert adm.snapshot().accepted == 0 and int(rclient.get(keys.admit_rejected) or 0) == 0
+    assert adm.drop_stale_many([]) == []
+    assert adm.commit("P-1", {"x": "1"}) in ("-", b"-") and not rclient.exists(keys.traj)  # final
 
 
 def test_a_producer_refused_its_fair_share_wakes_the_ones_below_it(rclient, keys):
