@@ -375,14 +375,20 @@ class Cluster:
     async def _drop_too_stale(self, adm: AsyncAdmissionController, lease_id: str, pid: int, oldest: int,
                               read_at: int, stopped: bool = False) -> None:
         """As producer.main: a group too stale for the trainer's read at `read_at` (finished, or `stopped` while
-        generating) is not written; it keeps its slot until `read_at` is served, then its drop is recorded."""
-        while self._served.get(pid, 0) < read_at and not self.stop.is_set():
-            waits = [asyncio.ensure_future(self._version_moved[pid].wait()),
-                     asyncio.ensure_future(self.stop.wait())]
-            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-            for w in waits:
-                w.cancel()
-        await self._stale_drops[pid](StaleDrop(lease_id, oldest, read_at, stopped))
+        generating) is not written; it keeps its slot until `read_at` is served, then its drop is recorded. At the
+        run's stop it is recorded at once, even when the stop cancels the rollout while it waits (producer.main's
+        finish of a rollout is shielded from the stop the same way)."""
+        try:
+            while self._served.get(pid, 0) < read_at and not self.stop.is_set():
+                waits = [asyncio.ensure_future(self._version_moved[pid].wait()),
+                         asyncio.ensure_future(self.stop.wait())]
+                try:
+                    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    for w in waits:
+                        w.cancel()
+        finally:
+            await self._stale_drops[pid](StaleDrop(lease_id, oldest, read_at, stopped))
 
     async def _roll(self, adm: AsyncAdmissionController, lease_id: str, pid: int) -> bool:
         producer = f"producer-{pid}"
