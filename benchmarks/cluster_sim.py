@@ -61,9 +61,9 @@ from redis_child import RedisChild  # noqa: E402
 from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
 from rlstream.broker.admission import (ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, WAIT_WINDOW_MS,  # noqa: E402
                                        StaleDrop, budget, lease_owner)
-from rlstream.common.coalesce import Coalescer  # noqa: E402
 from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
 from rlstream.broker.registry import RedisNameResolver  # noqa: E402
+from rlstream.common.coalesce import Coalescer  # noqa: E402
 from rlstream.common.config import KEEPALIVES_PER_TTL  # noqa: E402
 from rlstream.common.engine_api import ENGINES_SERVICE  # noqa: E402
 from rlstream.broker.stream import entry_fields  # noqa: E402

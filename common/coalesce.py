@@ -57,17 +57,14 @@ class Coalescer(Generic[T, R]):
             self.batches += 1
             try:
                 results = await self.run_many([item for item, _ in batch])
+                if len(results) != len(batch):
+                    raise RuntimeError(f"{self.run_many!r} answered {len(results)} results for {len(batch)} items")
             except asyncio.CancelledError:
                 for _, fut in batch + self._pending:
                     fut.cancel()
                 self._pending = []
                 raise
             except Exception as exc:  # noqa: BLE001 - handed to the callers, who decide
-                for _, fut in batch:
-                    fut.set_exception(exc)
-                continue
-            if len(results) != len(batch):
-                exc = RuntimeError(f"{self.run_many!r} answered {len(results)} results for {len(batch)} items")
                 for _, fut in batch:
                     fut.set_exception(exc)
                 continue
