@@ -133,6 +133,8 @@ class Setting:
     admit_poll_s: float | None = None  # a refused producer's fallback (ADMIT_FALLBACK_SECS; woken earlier)
     resolve_poll_s: float | None = None  # a producer's name-resolve poll (RESOLVE_POLL_S)
     keepalives_per_ttl: int | None = None  # an engine's name-resolve keepalives per ttl (KEEPALIVES_PER_TTL)
+    engine_ttl: float | None = None  # an engine's name-resolve lease, real seconds (ENGINE_TTL: the config's default)
+    fill_fraction: float | None = None  # the trainer's reader while a step fills (consumer.reader.FILL_FRACTION; 0: off)
     slowlog: bool = False  # profile Redis's command time over the steady steps (SLOWLOG, threshold 0)
     batch_cap: int | None = None  # experiment: an engine's running batch (the bound and producers keep max_running)
     priority: bool = False  # experiment: a sample waits on its engine behind the samples of older groups (admission order)
@@ -188,6 +190,9 @@ class Result:
     redis_profile: dict = field(default_factory=dict)
     trace: list = field(default_factory=list)  # --trace: per rollout [t_admit, v_admit, t_done, t_commit, entry id, sample ends]
     read_times: list = field(default_factory=list)  # modeled time each step's read completed
+    # per step whose last group came while the trainer waited: modeled seconds from that group's commit (its entry
+    # id's server time) to the read's return (what reading in fewer, later calls costs the schedule)
+    read_lag_s: list = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -455,6 +460,7 @@ class Cluster:
                                        # fair share: the window is a control-plane timer too (it must exceed
                                        # the longest wait between two asks, which `poll` scales)
                                        wait_window_ms=max(1, round(1000 * self.wall(WAIT_WINDOW_MS / 1000))))
+        adm.heartbeat_secs = self.wall(HEARTBEAT_SECS)  # a control-plane timer (its commits refresh at half of it)
         self._adm[pid] = adm
         self._stale_drops[pid] = Coalescer(functools.partial(self._drop_many, adm))  # as producer.main: one call a burst
         tasks: set[asyncio.Task] = set()
@@ -509,13 +515,12 @@ class Cluster:
 
     async def _heartbeats(self, adm: AsyncAdmissionController) -> None:
         """As producer.main's: a heartbeat when the liveness record was last refreshed HEARTBEAT_SECS ago (its own
-        acquisitions refresh it too)."""
-        period = self.wall(HEARTBEAT_SECS)
+        acquisitions and commits refresh it too; `adm.heartbeat_secs` is the period, scaled)."""
         while not self.stop.is_set():
             try:
-                await asyncio.wait_for(self.stop.wait(), max(0.005, adm.heartbeat_due(period)))
+                await asyncio.wait_for(self.stop.wait(), max(0.005, adm.heartbeat_due()))
             except asyncio.TimeoutError:
-                if adm.heartbeat_due(period) <= 0:
+                if adm.heartbeat_due() <= 0:
                     await adm.heartbeat()
 
     async def _every(self, real_s: float, call) -> None:
@@ -554,7 +559,7 @@ class Cluster:
         """The producer's name-resolve view of the engines, from the real resolver's watch (one list, then the
         membership changes applied as they come; a sweep every ttl/2), as producer.engine_client's pool."""
         every = self.wall(self.s.resolve_poll_s or RESOLVE_POLL_S)
-        resolver = RedisNameResolver(client, self.keys.ns, default_ttl=self.wall(ENGINE_TTL), poll_interval=every)
+        resolver = RedisNameResolver(client, self.keys.ns, default_ttl=self.wall(self.s.engine_ttl or ENGINE_TTL), poll_interval=every)
 
         async def follow() -> None:
             async for view in resolver.watch(ENGINES_SERVICE):
@@ -573,7 +578,7 @@ class Cluster:
         """The engines' own control plane (`cp_engines.py`): a process of its own, one connection per engine."""
         self._agents = await asyncio.create_subprocess_exec(
             sys.executable, str(Path(__file__).resolve().parent / "cp_engines.py"), "--url", self.url,
-            "--ns", self.keys.ns, "--ttl", str(self.wall(ENGINE_TTL)),
+            "--ns", self.keys.ns, "--ttl", str(self.wall(self.s.engine_ttl or ENGINE_TTL)),
             "--block-ms", str(max(1, round(1000 * self.wall(FOLLOW_BLOCK_S)))),
             "--keepalives-per-ttl", str(self.s.keepalives_per_ttl or KEEPALIVES_PER_TTL),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
@@ -634,6 +639,8 @@ class Cluster:
         versions = VersionRegistry(client, self.keys)
         reader = StepReader(client, self.keys, groups_per_step=s.batch, max_head_offpolicyness=self.eta,
                             block_ms=max(1, round(1000 * self.wall(READ_BLOCK_S))), log_every_secs=3600)
+        if s.fill_fraction is not None:
+            reader.fill_fraction = s.fill_fraction
         reader.stream.ensure_group()
         cursor = self.clock.now()
         warmup = Result(0, steps=s.steps).warmup  # the steps not counted in the steady state
@@ -642,8 +649,11 @@ class Cluster:
             _slowlog_start(client, s.slowlog)
         try:
             for step in range(s.steps):
-                t_wait = self.clock.now()
+                t_wait, w_wait = self.clock.now(), time.time()
                 data = reader.next(step, step, steps_left=s.steps - step)
+                newest = max(int(e.id.split("-")[0]) for e in data.entries) / 1000
+                if newest > w_wait:
+                    r.read_lag_s.append((time.time() - newest) * s.accel)
                 cursor = max(cursor, self.clock.now())
                 r.read_times.append(self.clock.now())
                 r.gen_wait_s += self.clock.now() - t_wait
@@ -719,7 +729,7 @@ class Cluster:
         await asyncio.gather(*producers, return_exceptions=True)
         if self.s.control_plane:  # every engine that rejoined is registered again
             client = await connect_async(self.url)
-            self.result.registered_at_end = len(await RedisNameResolver(client, self.keys.ns, self.wall(ENGINE_TTL))
+            self.result.registered_at_end = len(await RedisNameResolver(client, self.keys.ns, self.wall(self.s.engine_ttl or ENGINE_TTL))
                                                 .list(ENGINES_SERVICE))
             await client.aclose()
         for e in self.engines:
@@ -1048,6 +1058,8 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         + (f", what-if: refused producers poll every {s.admit_poll_s:g} s" if s.admit_poll_s else "")
         + (f", what-if: name-resolve poll every {s.resolve_poll_s:g} s" if s.resolve_poll_s else "")
         + (f", {s.keepalives_per_ttl} keepalives per ttl" if s.keepalives_per_ttl else "")
+        + (f", engine name-resolve ttl {s.engine_ttl:g} s" if s.engine_ttl else "")
+        + (f", what-if: the trainer's reader sleeps {s.fill_fraction:g} of a step's fill" if s.fill_fraction is not None else "")
         + ("" if s.stop_stale else ", doomed rollouts not stopped (--no-stop-stale)")
         + ("" if s.follow_reads else ", producers drop by the served version only") + (f", pause {s.pause_mode}" if s.pause_mode != "abort" else "")
         + (", engines serve older groups first" if s.priority else "")
@@ -1105,6 +1117,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "events_seen": len(r.event_ms), "wall_s": r.wall_s,
                        "redis_usec_per_step": r.redis_usec_per_step, "mean_batch": r.mean_batch,
                        "prefill_share": r.prefill_share, "wasted_tokens": r.wasted_tokens,
+                       "read_lag_s": r.read_lag_s, "fill_fraction": s.fill_fraction,
                        "stopped_stale": r.stopped_stale, "all_in_share": all_in,
                        "control_plane_cpu_ms_per_step": 1000 * cp_cpu,
                        "redis_cpu_minimal_ms_per_step": None if r.redis_cpu_minimal_per_step is None else 1000 * cp_cpu,
@@ -1190,6 +1203,12 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"what-if: a producer's name-resolve poll, real seconds (today {RESOLVE_POLL_S})")
     ap.add_argument("--keepalives-per-ttl", type=int, default=None,
                     help=f"what-if: an engine's name-resolve keepalives per ttl (today {KEEPALIVES_PER_TTL})")
+    ap.add_argument("--engine-ttl", type=float, default=None,
+                    help=f"what-if: an engine's name-resolve lease, real seconds (today {ENGINE_TTL:g}: "
+                         "cluster.name_resolve.lease_ttl)")
+    ap.add_argument("--fill-fraction", type=float, default=None,
+                    help="what-if: the trainer reader's sleep while a step fills, as a fraction of the time the "
+                         "missing groups need (today consumer.reader.FILL_FRACTION; 0: a blocking read per arrival)")
     ap.add_argument("--wall-timers", action="store_true",
                     help="run the control plane's timers on the wall clock (not x accel)")
     ap.add_argument("--priority", action="store_true",
@@ -1230,6 +1249,8 @@ def main(argv: list[str] | None = None) -> int:
             s.admit_poll_s = args.admit_poll_s or s.admit_poll_s
             s.resolve_poll_s = args.resolve_poll_s or s.resolve_poll_s
             s.keepalives_per_ttl = args.keepalives_per_ttl or s.keepalives_per_ttl
+            s.engine_ttl = args.engine_ttl or s.engine_ttl
+            s.fill_fraction = args.fill_fraction if args.fill_fraction is not None else s.fill_fraction
             s.slowlog = args.slowlog
             s.trace = bool(args.trace)
             s.priority = args.priority

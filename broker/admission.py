@@ -451,13 +451,25 @@ wake(KEYS[2], KEYS[3], 'abandon', false, KEYS[5], n)
 return n
 """
 
-# KEYS: running, owners, armed, wake, waiting  ARGV: lease ids -> leases that were live. Queued first in a commit's MULTI
+# KEYS: running, owners, armed, wake, waiting, alive  ARGV: owner whose liveness record to refresh ('' none),
+# alive_ttl_ms, lease ids -> {leases that were live, record refreshed (1/0)}. Queued first in a commit's MULTI
 # (a small script, no payload through Lua): drop the leases, counted off their owners, and wake the waiters if
-# the concurrency limit refused them.
+# the concurrency limit refused them. A commit proves its producer alive as an acquisition does: given an owner,
+# its record (XX: only if it heartbeats) is refreshed, so a producer that commits often sends almost no heartbeat
+# of its own (at 256 simulated engines the heartbeats were ~270 script calls a step, most while producers
+# committed; `_commit_calls` asks for it once the record is half its period old).
 _COMMIT_LEASES = LUA_WAKE + _LUA_LEASES + """
-local n = drop(KEYS[1], KEYS[2], ARGV)
+local leases = {}
+for i = 3, #ARGV do leases[#leases + 1] = ARGV[i] end
+local n = drop(KEYS[1], KEYS[2], leases)
 wake(KEYS[3], KEYS[4], 'commit', true, KEYS[5], n)
-return n
+local refreshed = 0
+if ARGV[1] ~= '' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  refreshed = redis.call('ZADD', KEYS[6], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
+end
+return {n, refreshed}
 """
 
 # KEYS: running, accepted, version, rejected, alive, armed, wake, owners, waiting  -> {running, accepted, version, rejected}
@@ -594,8 +606,11 @@ class Admission:
         # done markers in Redis say "1": writing each id there took one more command per group)
         self._entry_ids: dict[str, Any] = {}
         # time.monotonic() when a call that refreshed this process's liveness record was sent (a heartbeat, or an
-        # acquisition of its own leases that found the record): the next heartbeat is due HEARTBEAT_SECS later
+        # acquisition or commit of its own leases that found the record): the next heartbeat is due
+        # `heartbeat_secs` later
         self._alive_at = float("-inf")
+        # The heartbeat period `heartbeat_due` counts with (the cluster simulator scales it with its clock).
+        self.heartbeat_secs = HEARTBEAT_SECS
 
     @classmethod
     def from_config(cls, client: Any, keys: Keys, cfg: Any, producer_id: str | None = None) -> Any:
@@ -659,8 +674,15 @@ class Admission:
         live), the accepted count(s), then per item its XADD and its done marker (`_HEAD` + 2i)."""
         k = self.keys
         n = len(items)
-        calls = [Call("execute_command", "EVAL", _COMMIT_LEASES, 5, k.admit_running, k.admit_owners, k.admit_armed,
-                      k.admit_wake, k.admit_waiting, *(lid for lid, _ in items)),
+        # Its own leases only, as `_acquire` (a lease id given by someone else proves nothing about this process),
+        # once it heartbeats (before, it has no record to refresh), and only when the record is half its period
+        # old: refreshing in every commit cost more script time (~10 us a commit at 256 simulated engines) than
+        # the heartbeats it saved; so a busy producer's commits refresh it about once per half period.
+        due = self.heartbeat_due()
+        mine = self.owner if float("-inf") < due < self.heartbeat_secs / 2 and all(
+            lid.rpartition("-")[0] == self.owner for lid, _ in items) else ""
+        calls = [Call("execute_command", "EVAL", _COMMIT_LEASES, 6, k.admit_running, k.admit_owners, k.admit_armed,
+                      k.admit_wake, k.admit_waiting, k.admit_alive, mine, ALIVE_TTL_MS, *(lid for lid, _ in items)),
                  # INCR for one (what a producer commits) needs no other ACL than before
                  Call("execute_command", "INCR", k.admit_accepted) if n == 1 else
                  Call("execute_command", "INCRBY", k.admit_accepted, n)]
@@ -701,6 +723,7 @@ class Admission:
                 fresh[:] = [i for i in range(len(items)) if prev[i] is None]
                 return self._commit_calls([items[i] for i in fresh]) if fresh else []
 
+            sent = time.monotonic()
             try:
                 if read is None:
                     prev, res = None, (yield Transaction(done, self._commit_calls(items)))
@@ -715,13 +738,16 @@ class Admission:
             # committed before (this call's lost attempt, or an earlier call): the id if this object knows it
             out = [None] * len(items) if prev is None else [self._entry_ids.get(lid, p) for (lid, _), p in
                                                              zip(items, prev)]
+            live, refreshed = (0, 0) if res is None else (int(x) for x in res[0])
+            if refreshed:
+                self._alive_at = max(self._alive_at, sent)
             if res is None:
                 fresh = []
-            elif int(res[0]) < len(fresh):
+            elif live < len(fresh):
                 # A rollout outlived its lease (producer stalled past lease_ttl). The group is written
                 # anyway, never dropped; the consumer's staleness check is the backstop.
                 log.warning("%d of the leases %s had expired before commit; groups written anyway",
-                            len(fresh) - int(res[0]), ", ".join(items[i][0] for i in fresh))
+                            len(fresh) - live, ", ".join(items[i][0] for i in fresh))
             for k, i in enumerate(fresh):
                 out[i] = res[head + 2 * k]
                 self._remember(items[i][0], out[i])
@@ -809,10 +835,11 @@ class Admission:
                                                self.keys.admit_wake, self.keys.admit_owners, self.keys.admit_waiting],
                                       [self.lease_ttl_ms, *lease_ids])))
 
-    def heartbeat_due(self, period: float = HEARTBEAT_SECS) -> float:
-        """Seconds until this process's next heartbeat is due: `period` after its liveness record was last
-        refreshed (by a heartbeat or by an acquisition of its own leases: a busy producer heartbeats rarely)."""
-        return self._alive_at + period - time.monotonic()
+    def heartbeat_due(self, period: float | None = None) -> float:
+        """Seconds until this process's next heartbeat is due: `period` (`heartbeat_secs`) after its liveness
+        record was last refreshed (by a heartbeat, an acquisition or a commit of its own leases: a busy producer
+        heartbeats rarely); -inf before its first heartbeat."""
+        return self._alive_at + (self.heartbeat_secs if period is None else period) - time.monotonic()
 
     @operation
     def heartbeat(self, owner: str | None = None) -> Plan:

@@ -222,8 +222,8 @@ class Producer:
         from rlstream.broker.admission import HEARTBEAT_SECS
 
         while True:
-            # due HEARTBEAT_SECS after the record was last refreshed: a producer that keeps acquiring leases
-            # refreshes it with each acquisition and heartbeats only when it has been quiet that long
+            # due HEARTBEAT_SECS after the record was last refreshed: a producer that keeps acquiring leases or
+            # committing groups refreshes it that way and heartbeats only when it has been quiet that long
             await asyncio.sleep(max(0.05, self.admission.heartbeat_due()))
             if self.admission.heartbeat_due() > 0:
                 continue

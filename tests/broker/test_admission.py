@@ -778,6 +778,41 @@ def test_an_acquisition_of_its_own_leases_refreshes_the_liveness_record(rclient,
     assert rclient.zscore(keys.admit_alive, "tool") is None
 
 
+def test_a_commit_of_its_own_leases_refreshes_the_liveness_record(rclient, keys, group_factory):
+    """A producer busy committing need not heartbeat either: a commit of its own leases refreshes its record in
+    the same transaction once it is half its period old (XX: an owner without a record gets none), and one of
+    leases it did not make does not.
+    A controller that never heartbeated asks for no refresh (test_a_first_commit_is_one_transaction...)."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                              max_concurrent_rollouts=100)
+    owner = admission.lease_owner()
+    leases = [adm.try_acquire()[1].lease_id for _ in range(4)]
+    adm.heartbeat()
+    rclient.zrem(keys.admit_alive, owner)  # as if it had expired and been reaped
+    adm.commit(leases[0], entry_fields(group_factory(version=0)))
+    assert rclient.zscore(keys.admit_alive, owner) is None  # XX: no record made (a heartbeat makes one)
+    adm.heartbeat_secs = 60.0  # the period (set here, not waited for)
+    adm.heartbeat()
+    first = rclient.zscore(keys.admit_alive, owner)
+    time.sleep(0.05)
+    adm.commit(leases[1], entry_fields(group_factory(version=0)))
+    # a record younger than half the period is left alone (no script time spent on it)
+    assert rclient.zscore(keys.admit_alive, owner) == first
+    adm.heartbeat_secs = 0.01  # now it is older than half of it
+    adm.commit(leases[2], entry_fields(group_factory(version=0)))
+    assert rclient.zscore(keys.admit_alive, owner) > first  # refreshed by the commit
+    assert adm.heartbeat_due(60.0) > 59  # and the next heartbeat counts from the commit
+    refreshed = rclient.zscore(keys.admit_alive, owner)
+    tool = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                               max_concurrent_rollouts=100)
+    assert tool.try_acquire("tool-0")[1] is not None
+    time.sleep(0.05)
+    adm.commit_many([(leases[3], entry_fields(group_factory(version=0))),
+                     ("tool-0", entry_fields(group_factory(version=0)))])  # not all its own: no refresh
+    assert rclient.zscore(keys.admit_alive, owner) == refreshed
+    assert rclient.zcard(keys.admit_running) == 0 and rclient.xlen(keys.traj) == 5  # every lease dropped, written
+
+
 def test_a_refusal_says_whether_the_budget_is_used_up(rclient, keys):
     """`budget_full`: refused because (η + v + 1)·B is used up (a commit frees none of it), not by the
     concurrency limit or the fair share (which a commit can lift)."""

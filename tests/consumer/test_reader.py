@@ -169,3 +169,46 @@ def test_token_ids_outside_the_vocab_are_dead_lettered_naming_the_trajectory(rcl
     assert dead[too_big].startswith("trajectory 1: token id outside [0, 64)") and "max 64" in dead[too_big]
     assert dead[negative].startswith("trajectory 1: token id outside [0, 64)") and "min -1" in dead[negative]
     assert rclient.xpending(keys.traj, "train")["pending"] == 2  # the dead ones are acknowledged, the step's are not
+
+
+def test_a_step_filled_by_a_trickle_waits_a_part_of_what_the_missing_groups_need(rclient, keys):
+    """While many groups are missing, the reader sleeps FILL_FRACTION of the time they need at the rate they came
+    during this step's wait (at most that wait, at most a blocking read's timeout) instead of one blocking read per
+    arrival; with fewer than FILL_MIN_SEEN come, or one missing, it reads at once (blocking)."""
+    from rlstream.consumer import reader as mod
+
+    r = StepReader(rclient, keys, groups_per_step=100, max_head_offpolicyness=1, block_ms=1000)
+    assert r._fill_pause(missing=50, seen=mod.FILL_MIN_SEEN - 1, waited=0.5) == 0  # rate not known yet
+    assert r._fill_pause(missing=1, seen=40, waited=0.5) == 0  # the last one: block for it
+    # 40 in 2 s (20/s): 60 missing need 3 s, half of it is 1.5 s, but no longer than the wait so far (2 s) nor
+    # the read timeout (1 s)
+    assert r._fill_pause(missing=60, seen=40, waited=2.0) == 1.0
+    assert r._fill_pause(missing=6, seen=40, waited=2.0) == mod.FILL_FRACTION * 6 / 20
+    assert r._fill_pause(missing=500, seen=10, waited=0.2) == 0.2  # the wait so far bounds it
+
+
+def test_a_step_filled_by_a_trickle_gets_every_group_once(rclient, keys):
+    """Groups committed one by one while the reader waits (it sleeps between reads once enough came): each step
+    trains exactly the groups committed for it, in order, nothing read twice or left behind."""
+    import threading
+    import time as _time
+
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    ids: list[str] = []
+
+    def trickle():
+        for i in range(60):
+            ids.append(stream.append(_group(version=0)))
+            _time.sleep(0.004 if i % 10 else 0.03)
+
+    writer = threading.Thread(target=trickle)
+    reader = StepReader(rclient, keys, groups_per_step=30, max_head_offpolicyness=0, block_ms=2000)
+    reader.resume(0, replay=True)
+    writer.start()
+    try:
+        steps = [reader.next(step=0, version=0, steps_left=2), reader.next(step=1, version=0, steps_left=1)]
+    finally:
+        writer.join()
+    assert [d.ids for d in steps] == [ids[:30], ids[30:]]
+    assert rclient.xpending(keys.traj, "train")["pending"] == 60
