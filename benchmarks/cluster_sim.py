@@ -1167,8 +1167,8 @@ SETTINGS = {
     # leaving a third into the run and rejoining at two thirds.
     "cp-7b-256engines": Setting("cp-7b-256engines", model="qwen2.5-7b", engines=256, train_gpus=256, producers=32,
                                 batch=1024, n_samples=8, steps=6, accel=10.0, control_plane=True, elastic=32,
-                                # as docs/scaling.md advises at hundreds of engines (the default is 3)
-                                keepalives_per_ttl=2),
+                                # as docs/scaling.md advises at hundreds of engines (the defaults are 3 and 10 s)
+                                keepalives_per_ttl=2, engine_ttl=30.0),
     "quick": Setting("quick", model="qwen2.5-1.5b", engines=4, train_gpus=4, producers=2, batch=8, n_samples=4,
                      prompt_len=128, len_median=256, len_sigma=0.8, max_new_tokens=2048, steps=6, accel=5.0,
                      control_plane=True, elastic=1),

@@ -44,14 +44,15 @@ CONSUMER_PREFIX = "trainer-r"
 
 # Filling a step (`StepReader.next`): the trainer can start only once all of the step's groups are in, but a
 # blocking XREADGROUP returns as soon as one entry is there, so while groups trickled in each read took one or two
-# (at 256 simulated engines ~550 reads a step, ~10% of the control plane's Redis CPU). Once FILL_MIN_SEEN groups
+# (at 256 simulated engines ~480 reads a step, ~7% of the control plane's Redis CPU). Once FILL_MIN_SEEN groups
 # came during this step's wait, the reader sleeps FILL_FRACTION of the time the missing ones need at the rate they
 # came so far (never longer than the wait so far, nor than a blocking read's timeout) and then takes what is there:
-# the missing count halves per read, ~log2(B) reads a step. At a steady rate the sleep ends before the last group
-# comes, so the step starts no later; a burst after a slow start costs at most the sleep. With one or none
-# missing it blocks as before.
+# the missing count shrinks by about that fraction per read, ~log(B) reads a step (~28 at B = 1024). At a steady
+# rate the sleep ends before the last group comes, so the step starts no later; groups that come in a burst during
+# a sleep wait for its end. A half (0.5: ~20 reads) let that lag reach ~0.5 s of a ~24 s simulated step (0.15-0.19
+# s blocking per arrival; 0.17 s at a quarter: benchmarks/README.md). With one or none missing it blocks as before.
 FILL_MIN_SEEN = 8
-FILL_FRACTION = 0.5
+FILL_FRACTION = 0.25
 
 
 def consumer_name(rank: int) -> str:

@@ -180,11 +180,14 @@ def test_a_step_filled_by_a_trickle_waits_a_part_of_what_the_missing_groups_need
     r = StepReader(rclient, keys, groups_per_step=100, max_head_offpolicyness=1, block_ms=1000)
     assert r._fill_pause(missing=50, seen=mod.FILL_MIN_SEEN - 1, waited=0.5) == 0  # rate not known yet
     assert r._fill_pause(missing=1, seen=40, waited=0.5) == 0  # the last one: block for it
+    r.fill_fraction = 0.5
     # 40 in 2 s (20/s): 60 missing need 3 s, half of it is 1.5 s, but no longer than the wait so far (2 s) nor
     # the read timeout (1 s)
     assert r._fill_pause(missing=60, seen=40, waited=2.0) == 1.0
-    assert r._fill_pause(missing=6, seen=40, waited=2.0) == mod.FILL_FRACTION * 6 / 20
+    assert r._fill_pause(missing=6, seen=40, waited=2.0) == 0.5 * 6 / 20
     assert r._fill_pause(missing=500, seen=10, waited=0.2) == 0.2  # the wait so far bounds it
+    r.fill_fraction = 0  # off: a blocking read per arrival
+    assert r._fill_pause(missing=60, seen=40, waited=2.0) == 0
 
 
 def test_a_step_filled_by_a_trickle_gets_every_group_once(rclient, keys):
