@@ -228,12 +228,14 @@ class StepReader:
             pause = self._fill_pause(missing, seen, now - waiting_since)
             if pause > 0 and cap - len(self._pool) - len(data.entries) >= missing:
                 time.sleep(pause)
-                continue
-            batch = self.stream.read(self.consumer, count=missing, block_ms=self.block_ms)
-            self._pool += batch
-            seen += len(batch)
+                idle = True  # still filling (a fill that stalled sleeps the read timeout each time)
+            else:
+                batch = self.stream.read(self.consumer, count=missing, block_ms=self.block_ms)
+                self._pool += batch
+                seen += len(batch)
+                idle = not batch
             now = time.monotonic()
-            if not batch and now - last_log >= self.log_every_secs:
+            if idle and now - last_log >= self.log_every_secs:
                 log.info("rank %d waiting for data: %d/%d groups for step %d (version %d)",
                          self.rank, len(data.entries), self.need, step, version)
                 last_log = now
