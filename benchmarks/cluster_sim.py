@@ -64,7 +64,7 @@ from rlstream.broker.admission import (ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEA
 from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
 from rlstream.broker.registry import RedisNameResolver  # noqa: E402
 from rlstream.common.coalesce import Coalescer  # noqa: E402
-from rlstream.common.config import KEEPALIVES_PER_TTL  # noqa: E402
+from rlstream.common.config import KEEPALIVES_PER_TTL, NameResolveConfig  # noqa: E402
 from rlstream.common.engine_api import ENGINES_SERVICE  # noqa: E402
 from rlstream.broker.stream import entry_fields  # noqa: E402
 from rlstream.common.wire import Trajectory, TrajectoryGroup  # noqa: E402
@@ -74,13 +74,16 @@ from rlstream.broker.versions import FOLLOW_BLOCK_MS  # noqa: E402
 from rlstream.common.tasks import cancel_and_wait  # noqa: E402
 
 
-ENGINE_TTL = 10.0  # name-resolve lease of an engine, real seconds (keepalive every ttl / Setting.keepalives_per_ttl; cluster.name_resolve.lease_ttl)
+# name-resolve lease of an engine, real seconds: cluster.name_resolve.lease_ttl's default (keepalive every ttl / Setting.keepalives_per_ttl)
+ENGINE_TTL = float(NameResolveConfig().lease_ttl)
 RESOLVE_POLL_S = 0.5  # a producer's name-resolve poll of the generation (make_name_resolver's poll_interval)
 FOLLOW_BLOCK_S = FOLLOW_BLOCK_MS / 1000  # XREAD BLOCK of an event follower (AsyncVersionRegistry.follow)
 READ_BLOCK_S = 1.0  # XREADGROUP BLOCK of the trainer's reader (StepReader's default)
 LEASE_TTL_S = 300.0  # rollout.lease_ttl: a producer renews its in-flight leases every third of it
 PROBE_FOLLOWERS = 8  # event followers of the probe process (cp_probe.py)
-PROBE_ADMIT_HZ = 10.0  # its try_acquire calls per wall second
+# its try_acquire calls per modeled second (x timer scale per wall second: 10 at x5): a fixed number per modeled
+# step, so the probe's own Redis load per step does not grow as the time factor shrinks
+PROBE_ADMIT_HZ = 2.0
 
 
 @dataclass
@@ -193,6 +196,8 @@ class Result:
     # per step whose last group came while the trainer waited: modeled seconds from that group's commit (its entry
     # id's server time) to the read's return (what reading in fewer, later calls costs the schedule)
     read_lag_s: list = field(default_factory=list)
+    redis_reads_per_step: float = 0.0  # Redis read events (INFO stats total_reads_processed) per steady step
+    round_trip_cpu_s: float = 0.0  # Redis CPU per bare PING at the steady steps' read rate (`round_trip_cpu_s`)
 
     @property
     def tokens_per_s(self) -> float:
@@ -279,6 +284,11 @@ class Cluster:
         self._generating: dict[int, dict[int, dict]] = {}  # stop_stale: producer -> rollout -> its group, generating
         self._adm: dict[int, AsyncAdmissionController] = {}  # producer -> its admission client
         self._stale_drops: dict[int, Coalescer] = {}  # producer -> its drops before commit, batched
+
+    @property
+    def engine_ttl(self) -> float:
+        """An engine's name-resolve lease, real seconds: the setting's, else the config's default."""
+        return self.s.engine_ttl or ENGINE_TTL
 
     def wall(self, real_s: float) -> float:
         """A control-plane timer's period in wall seconds (`scale_timers`: as often per modeled second as in a real run)."""
@@ -559,7 +569,7 @@ class Cluster:
         """The producer's name-resolve view of the engines, from the real resolver's watch (one list, then the
         membership changes applied as they come; a sweep every ttl/2), as producer.engine_client's pool."""
         every = self.wall(self.s.resolve_poll_s or RESOLVE_POLL_S)
-        resolver = RedisNameResolver(client, self.keys.ns, default_ttl=self.wall(self.s.engine_ttl or ENGINE_TTL), poll_interval=every)
+        resolver = RedisNameResolver(client, self.keys.ns, default_ttl=self.wall(self.engine_ttl), poll_interval=every)
 
         async def follow() -> None:
             async for view in resolver.watch(ENGINES_SERVICE):
@@ -578,7 +588,7 @@ class Cluster:
         """The engines' own control plane (`cp_engines.py`): a process of its own, one connection per engine."""
         self._agents = await asyncio.create_subprocess_exec(
             sys.executable, str(Path(__file__).resolve().parent / "cp_engines.py"), "--url", self.url,
-            "--ns", self.keys.ns, "--ttl", str(self.wall(self.s.engine_ttl or ENGINE_TTL)),
+            "--ns", self.keys.ns, "--ttl", str(self.wall(self.engine_ttl)),
             "--block-ms", str(max(1, round(1000 * self.wall(FOLLOW_BLOCK_S)))),
             "--keepalives-per-ttl", str(self.s.keepalives_per_ttl or KEEPALIVES_PER_TTL),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
@@ -645,7 +655,7 @@ class Cluster:
         cursor = self.clock.now()
         warmup = Result(0, steps=s.steps).warmup  # the steps not counted in the steady state
         if not warmup:
-            r.redis_at_steady = (_redis_cpu(client), client.info("commandstats"))
+            r.redis_at_steady = _redis_snapshot(client)
             _slowlog_start(client, s.slowlog)
         try:
             for step in range(s.steps):
@@ -682,10 +692,10 @@ class Cluster:
                 r.steps += 1
                 r.step_ends.append(self.clock.now())
                 if step + 1 == warmup:
-                    r.redis_at_steady = (_redis_cpu(client), client.info("commandstats"))
+                    r.redis_at_steady = _redis_snapshot(client)
                     _slowlog_start(client, s.slowlog)
                 if step + 1 == s.steps:
-                    r.redis_at_end = (_redis_cpu(client), client.info("commandstats"))
+                    r.redis_at_end = _redis_snapshot(client)
                     if s.slowlog:
                         r.redis_profile = _slowlog_profile(client, self.keys, s.steps - warmup)
                 r.step_tokens.append(tokens)
@@ -729,7 +739,7 @@ class Cluster:
         await asyncio.gather(*producers, return_exceptions=True)
         if self.s.control_plane:  # every engine that rejoined is registered again
             client = await connect_async(self.url)
-            self.result.registered_at_end = len(await RedisNameResolver(client, self.keys.ns, self.wall(self.s.engine_ttl or ENGINE_TTL))
+            self.result.registered_at_end = len(await RedisNameResolver(client, self.keys.ns, self.wall(self.engine_ttl))
                                                 .list(ENGINES_SERVICE))
             await client.aclose()
         for e in self.engines:
@@ -811,6 +821,27 @@ def _redis_cpu(client) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
+def _redis_snapshot(client) -> tuple[float, dict, int, float]:
+    """(CPU s, INFO commandstats, read events processed, wall s) of Redis now: per-step deltas are taken between two."""
+    return (_redis_cpu(client), client.info("commandstats"), int(client.info("stats")["total_reads_processed"]),
+            time.monotonic())
+
+
+def round_trip_cpu_s(client, rate_hz: float, seconds: float = 5.0) -> float:
+    """Redis CPU seconds per bare round trip (one PING, sent `rate_hz` times a wall second for `seconds`) on the
+    same server, its idle cron's share included: what a read event costs Redis there before any command's work.
+    A run's read events per step times this is the part of its Redis CPU that round trips alone would cost."""
+    rate = max(1.0, rate_hz)
+    n = max(20, int(rate * seconds))
+    cpu0, start = _redis_cpu(client), time.monotonic()
+    for i in range(n):
+        client.ping()
+        ahead = start + (i + 1) / rate - time.monotonic()
+        if ahead > 0:
+            time.sleep(ahead)
+    return (_redis_cpu(client) - cpu0) / (n + 2)  # the two INFO calls are round trips too
+
+
 def check(result: Result, url: str, keys: Keys, s: Setting) -> dict:
     """The invariants: no over-admission, nothing lost, staleness <= η for trained groups."""
     client = connect(url)
@@ -870,11 +901,11 @@ def _records(client, keys: Keys) -> dict[int, list[str]]:
 class Probe:
     """`cp_probe.py` in its own OS process for one run: latencies as a producer and an engine see them."""
 
-    def __init__(self, url: str, keys: Keys, eta: int, s: Setting, block_ms: int) -> None:
+    def __init__(self, url: str, keys: Keys, eta: int, s: Setting, block_ms: int, admit_hz: float) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve().parent / "cp_probe.py"), "--url", url, "--ns", keys.ns,
              "--eta", str(eta), "--batch", str(s.batch), "--followers", str(PROBE_FOLLOWERS),
-             "--block-ms", str(block_ms), "--admit-hz", str(PROBE_ADMIT_HZ)],
+             "--block-ms", str(block_ms), "--admit-hz", str(admit_hz)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline()  # its followers are in place before the first version event
         if line.strip() != "ready":
@@ -897,7 +928,8 @@ class Probe:
 
 def run_eta(s: Setting, timing: TimingModel, eta: int, redis_url: str, client) -> Result:
     cluster = Cluster(s, timing, eta, redis_url)
-    probe = Probe(redis_url, cluster.keys, eta, s, max(1, round(1000 * cluster.wall(FOLLOW_BLOCK_S))))
+    probe = Probe(redis_url, cluster.keys, eta, s, max(1, round(1000 * cluster.wall(FOLLOW_BLOCK_S))),
+                  PROBE_ADMIT_HZ * cluster.timer_scale)
     cpu0 = _redis_cpu(client)
     try:
         result = asyncio.run(cluster.run())
@@ -916,6 +948,13 @@ def run_eta(s: Setting, timing: TimingModel, eta: int, redis_url: str, client) -
     n = max(1, result.steps - result.warmup)
     result.redis_usec_per_step = {k.removeprefix("cmdstat_"): round(delta(k, "usec") / n) for k in top}
     result.redis_calls_per_step = {k.removeprefix("cmdstat_"): round(delta(k, "calls") / n) for k in top}
+    # Round trips: Redis's read events over the steady steps, and what as many bare PINGs at the same rate cost it
+    # (after the run, the server otherwise idle): the floor of the Redis CPU per step that fewer commands can't cut.
+    reads = result.redis_at_end[2] - result.redis_at_steady[2]
+    wall = result.redis_at_end[3] - result.redis_at_steady[3]
+    result.redis_reads_per_step = reads / n
+    if s.control_plane and wall > 0:
+        result.round_trip_cpu_s = round_trip_cpu_s(client, reads / wall)
     result.checks = check(result, redis_url, cluster.keys, s)
     if s.trace:
         steps = _records(client, cluster.keys)
@@ -1118,6 +1157,9 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "redis_usec_per_step": r.redis_usec_per_step, "mean_batch": r.mean_batch,
                        "prefill_share": r.prefill_share, "wasted_tokens": r.wasted_tokens,
                        "read_lag_s": r.read_lag_s, "fill_fraction": s.fill_fraction,
+                       "redis_reads_per_step": r.redis_reads_per_step,
+                       "round_trip_cpu_us": 1e6 * r.round_trip_cpu_s,  # one bare PING at the same read rate
+                       "round_trip_floor_ms_per_step": 1000 * r.redis_reads_per_step * r.round_trip_cpu_s,
                        "stopped_stale": r.stopped_stale, "all_in_share": all_in,
                        "control_plane_cpu_ms_per_step": 1000 * cp_cpu,
                        "redis_cpu_minimal_ms_per_step": None if r.redis_cpu_minimal_per_step is None else 1000 * cp_cpu,
@@ -1146,7 +1188,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                  f"step, payload included, + the larger admission and event p99 of the probe and the simulated "
                  f"producers / engines) / the same "
                  f"step. Probe: its own process, {PROBE_FOLLOWERS} event followers (event: its Redis entry time -> "
-                 f"seen), try_acquire {PROBE_ADMIT_HZ:g} times a wall second (a lease released at once); producers: "
+                 f"seen), try_acquire {PROBE_ADMIT_HZ:g} times a modeled second (a lease released at once); producers: "
                  f"their try_acquire round trips inside the simulator's one event loop (its queueing included); "
                  f"engines: the {s.engines} engines' followers, all in one process of their own (cp_engines.py).")
     if s.control_plane:
@@ -1201,6 +1243,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"what-if: a refused producer's fallback, real seconds (today {ADMIT_FALLBACK_SECS})")
     ap.add_argument("--resolve-poll-s", type=float, default=None,
                     help=f"what-if: a producer's name-resolve poll, real seconds (today {RESOLVE_POLL_S})")
+    ap.add_argument("--producers", type=int, default=None,
+                    help="what-if: producer processes (default: the setting's; the engines are shared among them)")
     ap.add_argument("--keepalives-per-ttl", type=int, default=None,
                     help=f"what-if: an engine's name-resolve keepalives per ttl (today {KEEPALIVES_PER_TTL})")
     ap.add_argument("--engine-ttl", type=float, default=None,
@@ -1248,6 +1292,7 @@ def main(argv: list[str] | None = None) -> int:
             s.payload = args.payload or s.payload
             s.admit_poll_s = args.admit_poll_s or s.admit_poll_s
             s.resolve_poll_s = args.resolve_poll_s or s.resolve_poll_s
+            s.producers = args.producers or s.producers
             s.keepalives_per_ttl = args.keepalives_per_ttl or s.keepalives_per_ttl
             s.engine_ttl = args.engine_ttl or s.engine_ttl
             s.fill_fraction = args.fill_fraction if args.fill_fraction is not None else s.fill_fraction
@@ -1281,7 +1326,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"probe (pid {r.probe['pid']}): admission p50/p99 {_pct(r.probe['admission_ms'], 0.5):.2f}/"
                       f"{_pct(r.probe['admission_ms'], 0.99):.2f} ms of {len(r.probe['admission_ms'])}, event p50/p99 "
                       f"{_pct(r.probe['event_ms'], 0.5):.1f}/{_pct(r.probe['event_ms'], 0.99):.1f} ms of "
-                      f"{len(r.probe['event_ms'])}",
+                      f"{len(r.probe['event_ms'])}; Redis read events per step {r.redis_reads_per_step:,.0f}, a bare "
+                      f"round trip at that rate {1e6 * r.round_trip_cpu_s:.0f} us of Redis CPU (x reads: "
+                      f"{1000 * r.redis_reads_per_step * r.round_trip_cpu_s:.0f} ms of the "
+                      f"{1000 * r.redis_cpu_per_step:.0f} ms per step)",
                       flush=True)
                 if r.redis_profile:
                     print(f"[{name}] η={eta}: Redis command time per steady step (SLOWLOG; name: calls, usec): "

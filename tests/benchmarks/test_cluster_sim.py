@@ -40,6 +40,9 @@ def test_cluster_sim_quick(tmp_path):
         assert probe["pid"] == probe["spawned_pid"] != row["simulator_pid"], probe
         assert probe["versions_seen"] == {str(v): 8 for v in range(1, 7)}, probe
         assert probe["event_n"] > 0 and probe["admission_n"] == probe["admitted"] + probe["refused"] > 0, probe
+        # Round trips: Redis read events over the steady steps, and what a bare PING at that rate cost the same
+        # server afterwards (its CPU per round trip)
+        assert row["redis_reads_per_step"] > 0 and row["round_trip_cpu_us"] > 0, row
         # --split-payload: the same η ran again with a minimal payload (its own ledger checks passed in the script)
         assert row["redis_cpu_minimal_ms_per_step"] is not None and row["redis_usec_minimal_per_step"], row
     assert rows["0"]["checks"]["dropped"] == 0  # η = 0: every group is trained at the version it was made for
