@@ -949,7 +949,8 @@ def run_eta(s: Setting, timing: TimingModel, eta: int, redis_url: str, client) -
     result.redis_usec_per_step = {k.removeprefix("cmdstat_"): round(delta(k, "usec") / n) for k in top}
     result.redis_calls_per_step = {k.removeprefix("cmdstat_"): round(delta(k, "calls") / n) for k in top}
     # Round trips: Redis's read events over the steady steps, and what as many bare PINGs at the same rate cost it
-    # (after the run, the server otherwise idle): the floor of the Redis CPU per step that fewer commands can't cut.
+    # (after the run, the server otherwise idle): the part of the Redis CPU per step that the round trips alone cost,
+    # whatever their commands do (only fewer round trips cut it).
     reads = result.redis_at_end[2] - result.redis_at_steady[2]
     wall = result.redis_at_end[3] - result.redis_at_steady[3]
     result.redis_reads_per_step = reads / n
