@@ -220,6 +220,11 @@ class Result:
         return (self.step_ends[-1] - self.step_ends[w - 1]) / (self.steps - w)
 
     @property
+    def round_trips_cpu_per_step(self) -> float:
+        """Redis CPU seconds per steady step that its read events cost at a bare round trip's price each."""
+        return self.redis_reads_per_step * self.round_trip_cpu_s
+
+    @property
     def redis_cpu_per_step(self) -> float:
         """Redis CPU seconds per steady-state step (the steps `steady_step_s` is taken over)."""
         return (self.redis_at_end[0] - self.redis_at_steady[0]) / (self.steps - self.warmup)
@@ -1160,7 +1165,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                        "read_lag_s": r.read_lag_s, "fill_fraction": s.fill_fraction,
                        "redis_reads_per_step": r.redis_reads_per_step,
                        "round_trip_cpu_us": 1e6 * r.round_trip_cpu_s,  # one bare PING at the same read rate
-                       "round_trip_floor_ms_per_step": 1000 * r.redis_reads_per_step * r.round_trip_cpu_s,
+                       "round_trip_floor_ms_per_step": 1000 * r.round_trips_cpu_per_step,
                        "stopped_stale": r.stopped_stale, "all_in_share": all_in,
                        "control_plane_cpu_ms_per_step": 1000 * cp_cpu,
                        "redis_cpu_minimal_ms_per_step": None if r.redis_cpu_minimal_per_step is None else 1000 * cp_cpu,
@@ -1329,7 +1334,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{_pct(r.probe['event_ms'], 0.5):.1f}/{_pct(r.probe['event_ms'], 0.99):.1f} ms of "
                       f"{len(r.probe['event_ms'])}; Redis read events per step {r.redis_reads_per_step:,.0f}, a bare "
                       f"round trip at that rate {1e6 * r.round_trip_cpu_s:.0f} us of Redis CPU (x reads: "
-                      f"{1000 * r.redis_reads_per_step * r.round_trip_cpu_s:.0f} ms of the "
+                      f"{1000 * r.round_trips_cpu_per_step:.0f} ms of the "
                       f"{1000 * r.redis_cpu_per_step:.0f} ms per step)",
                       flush=True)
                 if r.redis_profile:
