@@ -778,16 +778,16 @@ def _script_names() -> dict[str, str]:
     import pkgutil
 
     import rlstream.broker as broker
+    from rlstream.broker.admission import _COMMIT_LEASES
 
-    names = {}
+    # EVAL is logged with its (truncated) body: the one script sent by EVAL is the commit's (its prefix is a Lua
+    # fragment other scripts start with too)
+    names = {_COMMIT_LEASES[:64]: "admission._COMMIT_LEASES"}
     for info in pkgutil.iter_modules(broker.__path__):
         mod = importlib.import_module(f"rlstream.broker.{info.name}")
         for attr, val in vars(mod).items():
             if isinstance(val, str) and "redis.call" in val:
                 names[hashlib.sha1(val.encode()).hexdigest()] = f"{info.name}.{attr}"
-                # EVAL is logged with its (truncated) body: the first module's script of a prefix wins (the
-                # commit's admission._COMMIT_LEASES, the one script sent by EVAL, before stream's, which share it)
-                names.setdefault(val[:64], f"{info.name}.{attr}")
     return names
 
 

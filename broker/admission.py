@@ -27,7 +27,9 @@ producers on machines with skewed clocks cannot expire each other's leases.
 Committing accepted groups is a MULTI/EXEC transaction (one ZREM of their leases, INCR(BY)
 accepted, per group its XADD and its done marker) rather than a Lua script: a script would copy the ~100 kB
 payload into Lua and back, which measured 2.5x the Redis CPU of the transaction
-(benchmarks/README.md), and Redis's one thread is what all producers share.
+(benchmarks/README.md), and Redis's one thread is what all producers share. If the commit freed a slot
+while the concurrency limit had refused a producer, the committing producer sends the wake-up right after
+(`_WAKE_AFTER_COMMIT`).
 
 Everything is safe to retry after a lost reply (the client retries on connection
 loss): acquiring with a lease id that is already held answers "admitted" without a
@@ -54,6 +56,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.exceptions import WatchError
 
@@ -282,17 +285,26 @@ if redis.call('HGET', KEYS[6], 'state') == 'finished' then
 end
 local eta = tonumber(ARGV[2])
 local B = tonumber(ARGV[3])
--- Within one call only this script changes `running` and `waiting`: the lease count is kept here,
--- and the waiting set (owner -> when last refused) is read once and mirrored in `waiting`.
+-- Within one call only this script changes `running` and `waiting`: the lease count is kept here, and the
+-- producers refused within the window (`recent`, owner -> true) are read once, when a fair-share check first
+-- needs them, then mirrored. Members only: a reply WITHSCORES formats every score as a string (~0.5 us each;
+-- with 32 producers waiting that read alone was ~20 us of every call, even of one the budget refused).
 local running = redis.call('ZCARD', KEYS[1])
 local out = {running, accepted, v, 0, refreshed}
-local waiting, since = {}, now - tonumber(ARGV[5])
-local rows = redis.call('ZRANGE', KEYS[4], 0, -1, 'WITHSCORES')
-for i = 1, #rows, 2 do waiting[rows[i]] = tonumber(rows[i + 1]) end
+local since = now - tonumber(ARGV[5])
+local recent, unwaited = nil, {}
+local function recent_waiters()
+  if recent == nil then
+    recent = {}
+    for _, w in ipairs(redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. since, '+inf')) do recent[w] = true end
+  end
+  return recent
+end
 local arm, short = nil, nil
 local function refuse(owner, by_concurrency)
   redis.call('ZADD', KEYS[4], now, owner)
-  waiting[owner] = now
+  if recent then recent[owner] = true end
+  unwaited[owner] = nil
   if by_concurrency then arm = 'c' elseif arm == nil then arm = 'b' end
 end
 -- Which of the ids are held already (a retry whose first attempt took them, reply lost): one ZMSCORE for
@@ -326,8 +338,8 @@ local function decide(lease)
   if cap > 0 then
     -- the others refused within the wait window
     local seen, n = {[owner] = true}, 1
-    for w, at in pairs(waiting) do
-      if at > since and not seen[w] then seen[w] = true; n = n + 1 end
+    for w, _ in pairs(recent_waiters()) do
+      if not seen[w] then seen[w] = true; n = n + 1 end
     end
     if n > 1 then
       -- other producers were refused lately: this one gets no more than its fair share of
@@ -343,9 +355,11 @@ local function decide(lease)
         return 0
       end
     end
-    if waiting[owner] then
+    -- granted: no longer waiting (once a call: a refusal later in it would add it again)
+    if unwaited[owner] == nil then
       redis.call('ZREM', KEYS[4], owner)
-      waiting[owner] = nil
+      unwaited[owner] = true
+      if recent then recent[owner] = nil end
     end
     local expires = now + tonumber(ARGV[1])
     add[#add + 1] = expires
@@ -383,12 +397,7 @@ if short and free > 0 then
   if #woken > 0 then name_woken(KEYS[4], KEYS[8], 'share', woken, at) end
 end
 -- refusals older than the window no longer count: forget them
-for _, at in pairs(waiting) do
-  if at <= since then
-    redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', since)
-    break
-  end
-end
+redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', since)
 return out
 """
 
@@ -451,25 +460,34 @@ wake(KEYS[2], KEYS[3], 'abandon', false, KEYS[5], n)
 return n
 """
 
-# KEYS: running, owners, armed, wake, waiting, alive  ARGV: owner whose liveness record to refresh ('' none),
-# alive_ttl_ms, lease ids -> {leases that were live, record refreshed (1/0)}. Queued first in a commit's MULTI
-# (a small script, no payload through Lua): drop the leases, counted off their owners, and wake the waiters if
-# the concurrency limit refused them. A commit proves its producer alive as an acquisition does: given an owner,
-# its record (XX: only if it heartbeats) is refreshed, so a producer that commits often sends almost no heartbeat
-# of its own (at 256 simulated engines the heartbeats were ~270 script calls a step, most while producers
-# committed; `_commit_calls` asks for it once the record is half its period old).
-_COMMIT_LEASES = LUA_WAKE + _LUA_LEASES + """
+# KEYS: running, owners, armed, alive  ARGV: owner whose liveness record to refresh ('' none), alive_ttl_ms, lease ids
+# -> {leases that were live, record refreshed (1/0), 1 if the waiters are to be woken}. Queued first in a commit's
+# MULTI (a small script, no payload through Lua): drop the leases, counted off their owners. If that freed a slot
+# while the concurrency limit had refused someone (armed `c`), the reply says so and the producer sends the
+# wake-up (`_WAKE_AFTER_COMMIT`) right after: that is rare (only a concurrency limit that binds), and the wake-up
+# logic inside made every commit's script ~7x longer, which cost ~15 us of Redis time a commit at 50 commits a
+# second (benchmarks/README.md, "Redis CPU per paced call"). A wake-up is a hint either way (the woken ask the
+# acquisition script, which decides atomically). A commit proves its producer alive as an acquisition does:
+# given an owner, its record (XX: only if it heartbeats) is refreshed, so a producer that commits often sends
+# almost no heartbeat of its own (at 256 simulated engines the heartbeats were ~270 script calls a step, most
+# while producers committed; `_commit_calls` asks for it once the record is half its period old).
+_COMMIT_LEASES = _LUA_LEASES + """
 local leases = {}
 for i = 3, #ARGV do leases[#leases + 1] = ARGV[i] end
 local n = drop(KEYS[1], KEYS[2], leases)
-wake(KEYS[3], KEYS[4], 'commit', true, KEYS[5], n)
 local refreshed = 0
 if ARGV[1] ~= '' then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  refreshed = redis.call('ZADD', KEYS[6], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
+  refreshed = redis.call('ZADD', KEYS[4], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
 end
-return {n, refreshed}
+return {n, refreshed, (n > 0 and redis.call('GET', KEYS[3]) == 'c') and 1 or 0}
+"""
+
+# KEYS: armed, wake, waiting  ARGV: slots a commit freed. After a commit whose reply asked for it: wake as many
+# waiters refused by the concurrency limit (if it still is armed `c`).
+_WAKE_AFTER_COMMIT = LUA_WAKE + """
+wake(KEYS[1], KEYS[2], 'commit', true, KEYS[3], tonumber(ARGV[1]))
 """
 
 # KEYS: running, accepted, version, rejected, alive, armed, wake, owners, waiting  -> {running, accepted, version, rejected}
@@ -669,9 +687,9 @@ class Admission:
     # ------------------------------------------------------------------ finishing
 
     def _commit_calls(self, items: list[tuple[str, dict[str, Any]]]) -> list[Call]:
-        """The commands of committing `items` in one transaction: one script dropping their leases and waking the
-        waiters if the concurrency limit refused them (`_COMMIT_LEASES`; its reply: how many leases were still
-        live), the accepted count(s), then per item its XADD and its done marker (`_HEAD` + 2i)."""
+        """The commands of committing `items` in one transaction: one script dropping their leases (`_COMMIT_LEASES`;
+        its reply: how many leases were still live, whether the liveness record was refreshed and whether waiters
+        are to be woken), the accepted count(s), then per item its XADD and its done marker (`_HEAD` + 2i)."""
         k = self.keys
         n = len(items)
         # Its own leases only, as `_acquire` (a lease id given by someone else proves nothing about this process),
@@ -681,8 +699,8 @@ class Admission:
         due = self.heartbeat_due()
         mine = self.owner if float("-inf") < due < self.heartbeat_secs / 2 and all(
             lid.rpartition("-")[0] == self.owner for lid, _ in items) else ""
-        calls = [Call("execute_command", "EVAL", _COMMIT_LEASES, 6, k.admit_running, k.admit_owners, k.admit_armed,
-                      k.admit_wake, k.admit_waiting, k.admit_alive, mine, ALIVE_TTL_MS, *(lid for lid, _ in items)),
+        calls = [Call("execute_command", "EVAL", _COMMIT_LEASES, 4, k.admit_running, k.admit_owners, k.admit_armed,
+                      k.admit_alive, mine, ALIVE_TTL_MS, *(lid for lid, _ in items)),
                  # INCR for one (what a producer commits) needs no other ACL than before
                  Call("execute_command", "INCR", k.admit_accepted) if n == 1 else
                  Call("execute_command", "INCRBY", k.admit_accepted, n)]
@@ -738,7 +756,7 @@ class Admission:
             # committed before (this call's lost attempt, or an earlier call): the id if this object knows it
             out = [None] * len(items) if prev is None else [self._entry_ids.get(lid, p) for (lid, _), p in
                                                              zip(items, prev)]
-            live, refreshed = (0, 0) if res is None else (int(x) for x in res[0])
+            live, refreshed, wake = (0, 0, 0) if res is None else (int(x) for x in res[0])
             if refreshed:
                 self._alive_at = max(self._alive_at, sent)
             if res is None:
@@ -751,6 +769,8 @@ class Admission:
             for k, i in enumerate(fresh):
                 out[i] = res[head + 2 * k]
                 self._remember(items[i][0], out[i])
+            if wake:
+                yield from self._wake_after_commit(live)
             if fresh and self.wait_replicas:
                 # Redis replicates asynchronously: a failover right now would lose these commits unless
                 # the replicas have them. WAIT blocks until they confirm (or the timeout passes).
@@ -761,6 +781,16 @@ class Admission:
             return out
         raise BrokerUnavailable(f"could not commit {len(items)} group(s) to {self.keys.traj} after "
                                 f"{_COMMIT_ATTEMPTS} attempts: {last}")
+
+    def _wake_after_commit(self, freed: int) -> Plan:
+        """Wake the waiters the concurrency limit refused, for `freed` slots a commit just gave back. The commit
+        has landed whatever happens here: a wake-up lost with the connection costs the waiters their fallback
+        wait (ADMIT_FALLBACK_SECS), nothing else."""
+        k = self.keys
+        try:
+            yield from script(_WAKE_AFTER_COMMIT, [k.admit_armed, k.admit_wake, k.admit_waiting], [freed])
+        except RedisError as exc:
+            log.warning("waking the producers waiting for the %d slot(s) a commit freed failed: %s", freed, exc)
 
     def _remember(self, lease_id: str, entry_id: Any) -> None:
         """Keep the entry id of a lease this object committed, for a repeated commit of it (bounded)."""

@@ -328,6 +328,8 @@ def test_a_waiting_producer_gets_its_fair_share(rclient, keys, monkeypatch):
     time.sleep(0.4)
     assert [lease is not None for _, lease in (adm.try_acquire(f"B-{i}") for i in (3, 4))] == [True, True]
     assert adm.snapshot().running == 4
+    # and is forgotten by the next acquisition; a producer granted a lease no longer waits
+    assert rclient.zscore(keys.admit_waiting, "A") is None and rclient.zscore(keys.admit_waiting, "B") is None
 
 
 def test_the_per_owner_lease_counts_stay_the_truth(rclient, keys, group_factory):
@@ -653,6 +655,21 @@ def test_wake_ups_only_when_capacity_can_have_grown_for_a_waiter(rclient, keys):
     assert conc.try_acquire("A-3")[1] is not None
     conc.commit("A-3", {"x": "3"})
     assert rclient.xlen(keys.admit_wake) == 1
+
+
+def test_a_commit_lands_even_if_its_wake_up_fails(rclient, keys, monkeypatch):
+    """The wake-up after a commit (the concurrency limit refused someone) is a second call: if it fails (logged), the
+    commit has landed all the same (group written, lease dropped, counted once) and returns its entry id."""
+    monkeypatch.setattr(admission, "_WAKE_AFTER_COMMIT", "return redis.call('NO-SUCH-COMMAND')")
+    conc = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=1,
+                               max_concurrent_rollouts=1)
+    assert conc.try_acquire("A-0")[1] is not None
+    assert conc.try_acquire("B-0")[1] is None and rclient.get(keys.admit_armed) == b"c"
+    entry_id = conc.commit("A-0", {"x": "1"})
+    assert rclient.xrange(keys.traj)[0][0] == entry_id and rclient.xlen(keys.traj) == 1
+    assert rclient.zcard(keys.admit_running) == 0 and conc.snapshot().accepted == 1
+    assert rclient.xlen(keys.admit_wake) == 0 and rclient.get(keys.admit_armed) == b"c"  # nobody woken: still armed
+    assert conc.try_acquire("B-1")[1] is not None  # the slot is free: B gets it when it asks (its fallback wait)
 
 
 def _wake_entries(rclient, keys) -> list[tuple[str, str]]:

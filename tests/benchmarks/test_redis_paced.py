@@ -1,0 +1,30 @@
+"""`benchmarks/redis_paced.py`: rlstream's control-plane calls, paced, against a bare PING on a throwaway redis-server.
+
+The script checks in Redis that its calls did what they say (one stream entry per commit, the committed leases
+dropped, every acquisition granted); here it runs briefly and its rows are checked. What it measures (CPU per
+call) is for benchmarks/README.md, not asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_redis_paced_runs_every_call_and_checks_redis(tmp_path):
+    out = tmp_path / "rows.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "redis_paced.py"), "--rates", "100,0",
+                           "--seconds", "0.5", "--rounds", "1", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    calls = ["ping", "commit", "commit, no script", "append only", "acquire"]
+    assert sorted((r["call"], r["rate"]) for r in rows) == sorted((c, r) for c in calls for r in (100.0, 0.0))
+    for r in rows:
+        assert r["n"] > 0 and r["redis_cpu_us"] > 0, r
+        assert r["command_us"] is not None and r["command_us"] >= 0, r
+    assert "| acquire |" in proc.stdout  # the summary table
