@@ -206,8 +206,8 @@ def summary(rows: list[dict], rates: list[float]) -> str:
     for call in CALLS:
         cells = []
         for rate in rates:
-            cpu, cmd, ping = med(call, rate, "redis_cpu_us"), med(call, rate, "command_us"), med("ping", rate,
-                                                                                            "redis_cpu_us")
+            ping = med("ping", rate, "redis_cpu_us")
+            cpu, cmd = med(call, rate, "redis_cpu_us"), med(call, rate, "command_us")
             cells.append(f"{cpu:.0f} us ({cpu / ping:.1f}x PING; command {cmd:.0f})" if call != "ping"
                          else f"{cpu:.0f} us")
         lines.append(f"| {call} | " + " | ".join(cells) + " |")
