@@ -464,8 +464,9 @@ return n
 # -> {leases that were live, record refreshed (1/0), 1 if the waiters are to be woken}. Queued first in a commit's
 # MULTI (a small script, no payload through Lua): drop the leases, counted off their owners. If that freed a slot
 # while the concurrency limit had refused someone (armed `c`), the reply says so and the producer sends the
-# wake-up (`_WAKE_AFTER_COMMIT`) right after: that is rare (only a concurrency limit that binds), and the wake-up
-# logic inside made every commit's script ~7x longer, which cost ~15 us of Redis time a commit at 50 commits a
+# wake-up (`_WAKE_AFTER_COMMIT`) right after: at most one request more per refusal by the concurrency limit
+# (by default consumer_batch_size rollouts in flight; the wake-up disarms once it named every waiter). Inside, the
+# wake-up logic made every commit's script ~7x longer, which cost ~15 us of Redis time a commit at 50 commits a
 # second (benchmarks/README.md, "Redis CPU per paced call"). A wake-up is a hint either way (the woken ask the
 # acquisition script, which decides atomically). A commit proves its producer alive as an acquisition does:
 # given an owner, its record (XX: only if it heartbeats) is refreshed, so a producer that commits often sends
