@@ -56,7 +56,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cp_engines import EnginesResult  # noqa: E402
 from cp_probe import ProbeResult  # noqa: E402
-from redis_child import RedisChild  # noqa: E402
+from redis_child import RedisChild, redis_cpu  # noqa: E402
 
 from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
 from rlstream.broker.admission import (ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, WAIT_WINDOW_MS,  # noqa: E402
@@ -821,14 +821,9 @@ def _slowlog_profile(client, keys: Keys, steps: int) -> dict:
     return {k: [round(c / steps), round(u / steps)] for k, (c, u) in sorted(agg.items(), key=lambda kv: -kv[1][1])}
 
 
-def _redis_cpu(client) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
-
-
 def _redis_snapshot(client) -> tuple[float, dict, int, float]:
     """(CPU s, INFO commandstats, read events processed, wall s) of Redis now: per-step deltas are taken between two."""
-    return (_redis_cpu(client), client.info("commandstats"), int(client.info("stats")["total_reads_processed"]),
+    return (redis_cpu(client), client.info("commandstats"), int(client.info("stats")["total_reads_processed"]),
             time.monotonic())
 
 
@@ -838,13 +833,13 @@ def round_trip_cpu_s(client, rate_hz: float, seconds: float = 5.0) -> float:
     A run's read events per step times this is the part of its Redis CPU that round trips alone would cost."""
     rate = max(1.0, rate_hz)
     n = max(20, int(rate * seconds))
-    cpu0, start = _redis_cpu(client), time.monotonic()
+    cpu0, start = redis_cpu(client), time.monotonic()
     for i in range(n):
         client.ping()
         ahead = start + (i + 1) / rate - time.monotonic()
         if ahead > 0:
             time.sleep(ahead)
-    return (_redis_cpu(client) - cpu0) / (n + 2)  # the two INFO calls are round trips too
+    return (redis_cpu(client) - cpu0) / (n + 2)  # the two INFO calls are round trips too
 
 
 def check(result: Result, url: str, keys: Keys, s: Setting) -> dict:
@@ -935,14 +930,14 @@ def run_eta(s: Setting, timing: TimingModel, eta: int, redis_url: str, client) -
     cluster = Cluster(s, timing, eta, redis_url)
     probe = Probe(redis_url, cluster.keys, eta, s, max(1, round(1000 * cluster.wall(FOLLOW_BLOCK_S))),
                   PROBE_ADMIT_HZ * cluster.timer_scale)
-    cpu0 = _redis_cpu(client)
+    cpu0 = redis_cpu(client)
     try:
         result = asyncio.run(cluster.run())
     finally:
         probed = probe.stop()
     result.probe = msgspec.to_builtins(probed)
     result.probe["spawned_pid"] = probe.proc.pid
-    result.redis_cpu_s = _redis_cpu(client) - cpu0
+    result.redis_cpu_s = redis_cpu(client) - cpu0
     # Where Redis spent its command time, per steady step (socket I/O is in no command's line).
     stats0, stats1 = result.redis_at_steady[1], result.redis_at_end[1]
 

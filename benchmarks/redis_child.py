@@ -38,3 +38,9 @@ class RedisChild:
         stop_process(self.proc, 10)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
+
+
+def redis_cpu(client) -> float:
+    """CPU seconds the redis-server has used so far, user + sys (INFO cpu): benchmarks take deltas of it."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])

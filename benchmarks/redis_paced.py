@@ -33,7 +33,7 @@ import uuid
 import numpy as np
 
 from readme_section import write_section  # benchmarks/ is sys.path[0]
-from redis_child import RedisChild
+from redis_child import RedisChild, redis_cpu
 
 SECTION = "## Redis CPU per paced call"
 OTHERS = 32  # other producers holding leases and waiting (the 256-engine setting's 32 producers)
@@ -119,11 +119,6 @@ class Setup:
         tx.execute_command("SET", k.admit_done(lease_id), "1", "PX", DONE_TTL_MS)
 
 
-def server_cpu(client) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-
-
 def one(client, setup: Setup, call: str, rate: float, seconds: float) -> dict:
     """Redis CPU and command time per call of `call`, one every 1/rate s (0: back to back) for `seconds`."""
     n = int(rate * seconds) if rate else 2000
@@ -133,14 +128,14 @@ def one(client, setup: Setup, call: str, rate: float, seconds: float) -> dict:
     fn = {"ping": lambda _: client.ping(), "commit": setup.commit, "commit, no script": setup.commit_no_script,
           "append only": setup.append_only, "acquire": setup.acquire}[call]
     client.config_resetstat()
-    c0, t0 = server_cpu(client), time.monotonic()
+    c0, t0 = redis_cpu(client), time.monotonic()
     for i, lease_id in enumerate(ids):
         fn(lease_id)
         if rate:
             ahead = t0 + (i + 1) / rate - time.monotonic()
             if ahead > 0:
                 time.sleep(ahead)
-    cpu = server_cpu(client) - c0
+    cpu = redis_cpu(client) - c0
     stats = client.info("commandstats")
     top = "cmdstat_exec" if needs_lease else ("cmdstat_ping" if call == "ping" else "cmdstat_evalsha")
     return {"call": call, "rate": rate, "n": n, "redis_cpu_us": cpu / n * 1e6,

@@ -51,7 +51,7 @@ import msgspec
 import numpy as np
 from broker import make_group  # benchmarks/ is sys.path[0]
 from readme_section import write_section
-from redis_child import RedisChild
+from redis_child import RedisChild, redis_cpu
 
 SECTION = "## Transport shoot-out"
 TRANSPORTS = ("rlstream", "pipelinerl-redis", "primerl-zmq", "filesystem")
@@ -237,11 +237,6 @@ def consumer(args) -> None:
 
 
 # ---------------------------------------------------------------------- driver
-
-
-def redis_cpu(client) -> float:
-    info = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def spawn(role: str, transport: str, url: str, ns: str, out: str, args, idle: float, done: str = "") -> subprocess.Popen:
