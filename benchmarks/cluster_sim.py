@@ -103,9 +103,13 @@ class Setting:
     steps: int = 12
     accel: float = 20.0
     max_running: int = 256  # sequences per engine batch
-    # The control plane as a cluster runs it: every engine registers under name resolve (keepalive)
-    # and follows the version events over Redis; producers pick engines from their resolved list.
+    # The control plane as a cluster runs it: every engine registers under name resolve (keepalive), as
+    # `rlstream serve` does; producers pick engines from their resolved list. Engines read nothing else from
+    # Redis: the weight broadcaster reaches them over HTTP (pause, update, continue), the producers follow the events.
     control_plane: bool = False
+    # What-if: every engine also follows the version events over Redis (XREAD BLOCK, a connection each), as no
+    # rlstream engine does (every control_plane run did until 2026-11-25): the event fan-out at 256 readers.
+    engine_events: bool = False
     elastic: int = 0  # engines that leave a third into the run and join again at two thirds (control_plane)
     seed: int = 0  # the k-th rollout's sample lengths come from (seed, k)
     # What a weight push's pause does to running requests (SGLang's /pause_generation modes): abort (they
@@ -596,6 +600,7 @@ class Cluster:
             "--ns", self.keys.ns, "--ttl", str(self.wall(self.engine_ttl)),
             "--block-ms", str(max(1, round(1000 * self.wall(FOLLOW_BLOCK_S)))),
             "--keepalives-per-ttl", str(self.s.keepalives_per_ttl or KEEPALIVES_PER_TTL),
+            *(["--follow-events"] if self.s.engine_events else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
         self._agents_lock = asyncio.Lock()
 
@@ -617,7 +622,7 @@ class Cluster:
 
     async def _engine_up(self, engine: SimulatedEngine) -> None:
         """Register the engine under name resolve (a keepalive every ttl / keepalives_per_ttl: a process that falls
-        further behind loses engines from the producers' views) and follow the version events."""
+        further behind loses engines from the producers' views) and, with `engine_events`, follow the version events."""
         await self._agents_say(f"up {engine.name}")
         self._engines_up.add(engine.name)
 
@@ -1104,7 +1109,8 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
         + ("" if s.follow_reads else ", producers drop by the served version only") + (f", pause {s.pause_mode}" if s.pause_mode != "abort" else "")
         + (", engines serve older groups first" if s.priority else "")
         + (f", engine batch capped at {s.batch_cap}" if s.batch_cap else "")
-        + (", engines registered + following events" if s.control_plane else "")
+        + ((", engines registered + following events (what-if)" if s.engine_events else ", engines registered")
+           if s.control_plane else "")
         + (f", {s.elastic} leave at step {s.steps // 3} and rejoin at {2 * s.steps // 3}" if s.elastic else "")
         + (", control-plane timers x" + f"{s.accel:g} (as often per modeled second as in a real run)" if s.scale_timers
            else ", control-plane timers on the wall clock"),
@@ -1191,7 +1197,9 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
                  f"step. Probe: its own process, {PROBE_FOLLOWERS} event followers (event: its Redis entry time -> "
                  f"seen), try_acquire {PROBE_ADMIT_HZ:g} times a modeled second (a lease released at once); producers: "
                  f"their try_acquire round trips inside the simulator's one event loop (its queueing included); "
-                 f"engines: the {s.engines} engines' followers, all in one process of their own (cp_engines.py).")
+                 f"engines: " + (f"the {s.engines} engines' followers, all in one process of their own (cp_engines.py)."
+                                 if s.engine_events else "none (an engine follows no events: the broadcaster reaches "
+                                 "it over HTTP)."))
     if s.control_plane:
         lines.append("Name resolve: " + "; ".join(
             f"η={r.eta}: {r.left} left, {r.joined} rejoined, fewest engines a producer resolved {r.min_resolved}"
@@ -1258,6 +1266,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="run the control plane's timers on the wall clock (not x accel)")
     ap.add_argument("--priority", action="store_true",
                     help="experiment: engines run the waiting samples of older groups first (admission order)")
+    ap.add_argument("--engine-events", action="store_true",
+                    help="what-if: every engine also follows the version events over Redis (no rlstream engine does)")
     ap.add_argument("--max-running", type=int, default=None, help="experiment: sequences per engine batch")
     ap.add_argument("--trace", default=None,
                     help="write every rollout's timeline (admitted, samples done, committed, trained or dropped) as JSON here")
@@ -1298,6 +1308,7 @@ def main(argv: list[str] | None = None) -> int:
             s.engine_ttl = args.engine_ttl or s.engine_ttl
             s.fill_fraction = args.fill_fraction if args.fill_fraction is not None else s.fill_fraction
             s.slowlog = args.slowlog
+            s.engine_events = s.engine_events or args.engine_events
             s.trace = bool(args.trace)
             s.priority = args.priority
             s.batch_cap = args.max_running

@@ -1,15 +1,17 @@
 """The simulated engines' own control plane, in a process of its own (as real engines' are).
 
 `cluster_sim.py` simulates the engines' compute in its event loop; what each engine does against
-Redis besides serving (register under name resolve and keep the registration alive; follow the
-version events, `AsyncVersionRegistry.events_after` with XREAD BLOCK) runs here, one connection
-per engine, so those thousands of round trips a wall second do not queue behind the simulation.
+Redis besides serving runs here, one connection per engine, so those round trips do not queue
+behind the simulation: register under name resolve and keep the registration alive, as
+`rlstream serve` does. With `--follow-events` (a what-if: no rlstream engine reads the events, the
+weight broadcaster reaches engines over HTTP) each engine also follows the version events,
+`AsyncVersionRegistry.events_after` with XREAD BLOCK.
 
-    python benchmarks/cp_engines.py --url redis://... --ns NS --ttl 1.0 --block-ms 100
+    python benchmarks/cp_engines.py --url redis://... --ns NS --ttl 1.0 [--follow-events --block-ms 100]
 
 Commands on stdin, one a line, each answered on stdout with `ok <command>`:
-`up NAME` (register, keepalive every ttl/2, follow the events), `down NAME` (stop following,
-unregister). At EOF every engine still up goes down and one JSON line (`EnginesResult`) follows.
+`up NAME` (register, keepalive every ttl/keepalives_per_ttl, follow the events if asked), `down NAME`
+(stop following, unregister), `seen N` (answered once the followers have seen N version events in all). At EOF every engine still up goes down and one JSON line (`EnginesResult`) follows.
 """
 
 from __future__ import annotations
@@ -48,9 +50,11 @@ class Engine:
         self.resolver = RedisNameResolver(self.client, self.args.ns, default_ttl=self.args.ttl,
                                           keepalives_per_ttl=self.args.keepalives_per_ttl)
         await self.resolver.register(ENGINES_SERVICE, self.name, self.args.ttl)
-        registry = AsyncVersionRegistry(self.client, Keys(self.args.ns))
-        last = await registry.last_event_id()
-        self.follower = asyncio.create_task(self._follow(registry, last))
+        self.follower: asyncio.Task | None = None
+        if self.args.follow_events:
+            registry = AsyncVersionRegistry(self.client, Keys(self.args.ns))
+            last = await registry.last_event_id()
+            self.follower = asyncio.create_task(self._follow(registry, last))
 
     async def _follow(self, registry: AsyncVersionRegistry, last) -> None:
         while not self.stopping.is_set():
@@ -64,7 +68,8 @@ class Engine:
 
     async def down(self) -> None:
         self.stopping.set()
-        await cancel_and_wait([self.follower])  # as a real follower stops: cancelled inside its (long) block
+        if self.follower is not None:
+            await cancel_and_wait([self.follower])  # as a real follower stops: cancelled inside its (long) block
         await self.resolver.unregister(ENGINES_SERVICE, self.name)
         await self.resolver.close()
         await self.client.aclose()
@@ -85,8 +90,16 @@ async def _main(args: argparse.Namespace) -> EnginesResult:
         elif verb == "down":
             await engines.pop(name).down()
             out.unregistered += 1
+        elif verb == "seen":  # wait until the followers have seen N version events in all (at most 60 s)
+            deadline = loop.time() + 60
+            while len(out.event_ms) < int(name) and loop.time() < deadline:
+                await asyncio.sleep(0.05)
+            if len(out.event_ms) < int(name):
+                sys.stdout.write(f"timeout {line}: {len(out.event_ms)} seen\n")
+                sys.stdout.flush()
+                continue
         else:
-            raise SystemExit(f"unknown command {line!r} (allowed: up NAME, down NAME)")
+            raise SystemExit(f"unknown command {line!r} (allowed: up NAME, down NAME, seen N)")
         sys.stdout.write(f"ok {line}\n")
         sys.stdout.flush()
     await asyncio.gather(*(e.down() for e in engines.values()))
@@ -99,6 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ns", required=True, help="the run's namespace (Keys(ns))")
     ap.add_argument("--ttl", type=float, required=True, help="name-resolve TTL, wall seconds")
     ap.add_argument("--keepalives-per-ttl", type=int, default=KEEPALIVES_PER_TTL, help="keepalives per TTL")
+    ap.add_argument("--follow-events", action="store_true",
+                    help="what-if: every engine also follows the version events (no rlstream engine does)")
     ap.add_argument("--block-ms", type=int, default=FOLLOW_BLOCK_MS,
                     help=f"XREAD BLOCK of a follower (an engine's: {FOLLOW_BLOCK_MS})")
     args = ap.parse_args(argv)
