@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--follow-events", action="store_true",
                     help="what-if: every engine also follows the version events (no rlstream engine does)")
     ap.add_argument("--block-ms", type=int, default=FOLLOW_BLOCK_MS,
-                    help=f"XREAD BLOCK of a follower (an engine's: {FOLLOW_BLOCK_MS})")
+                    help=f"XREAD BLOCK of a follower (--follow-events; a producer's: {FOLLOW_BLOCK_MS})")
     args = ap.parse_args(argv)
     out = asyncio.run(_main(args))
     sys.stdout.write(msgspec.json.encode(out).decode() + "\n")

@@ -1,10 +1,10 @@
-"""The control plane as a producer and an engine see it: a probe in its own OS process.
+"""The control plane as a producer sees it: a probe in its own OS process.
 
 `cluster_sim.py` runs its engines, producers and event followers in one asyncio loop, so a
 latency measured there is mostly that loop's queueing. This probe runs beside it with its own
 Redis connections and its own loop, and measures
 
-- version-event fan-out: `followers` connections follow `{ns}:events` exactly as an engine's
+- version-event fan-out: `followers` connections follow `{ns}:events` as a producer's
   follower does (`AsyncVersionRegistry.events_after`, XREAD BLOCK); for every version event it
   records (wall time seen) - (the entry's Redis time, its stream id: when the trainer's MULTI
   wrote it) and - (the event's `ts`: when the trainer made it). Same machine, same clock.
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, required=True)
     ap.add_argument("--followers", type=int, default=8, help="event followers (connections)")
     ap.add_argument("--block-ms", type=int, default=FOLLOW_BLOCK_MS,
-                    help=f"XREAD BLOCK of a follower (an engine's: {FOLLOW_BLOCK_MS})")
+                    help=f"XREAD BLOCK of a follower (a producer's: {FOLLOW_BLOCK_MS})")
     ap.add_argument("--admit-hz", type=float, default=10.0, help="try_acquire calls per wall second")
     args = ap.parse_args(argv)
     out = asyncio.run(_main(args))
