@@ -1375,11 +1375,12 @@ def _write_readme(tables: list[str]) -> None:
 
 INTRO = """`nice -n 10 python benchmarks/cluster_sim.py --setting NAME --json rows.json` (re-render: `--from-json`).
 Real redis-server, real admission scripts, stream, StepReader, acks and version events; with
-`control_plane` every simulated engine also registers under name resolve (keepalive), as `rlstream serve`
-does, and producers pick engines from their own name-resolve view (engines read no events: the broadcaster
-reaches them over HTTP; tables marked "following events" are of runs where every engine also followed the
-version events over Redis, XREAD BLOCK: every such run until 2026-11-25, `--engine-events` since). Simulated: engine and trainer compute (engine/simulated.py, parameters and sources in
-configs/cluster_sim.yaml). Tokens/s and step times are modeled seconds (steady state: the first
+`control_plane` every simulated engine also registers under name resolve (keepalive), as
+`rlstream serve` does, and producers pick engines from their own name-resolve view (engines read
+no events: the broadcaster reaches them over HTTP; tables marked "following events" are of runs
+where every engine also followed the version events over Redis, XREAD BLOCK: every such run until
+2026-11-25, `--engine-events` since). Simulated: engine and trainer compute (engine/simulated.py,
+parameters and sources in configs/cluster_sim.yaml). Tokens/s and step times are modeled seconds (steady state: the first
 third of the steps is not counted); Redis CPU, admission and event latencies are real, measured on
 this 2-core machine (shared; 1-min load average 0.5-3.0 during these runs), everything under
 `nice -n 10`. The k-th rollout of a run draws the same sample lengths whatever the η or policy, so

@@ -11,7 +11,8 @@ weight broadcaster reaches engines over HTTP) each engine also follows the versi
 
 Commands on stdin, one a line, each answered on stdout with `ok <command>`:
 `up NAME` (register, keepalive every ttl/keepalives_per_ttl, follow the events if asked), `down NAME`
-(stop following, unregister), `seen N` (answered once the followers have seen N version events in all). At EOF every engine still up goes down and one JSON line (`EnginesResult`) follows.
+(stop following, unregister), `seen N` (answered once the followers have seen N version events in all).
+At EOF every engine still up goes down and one JSON line (`EnginesResult`) follows.
 """
 
 from __future__ import annotations
