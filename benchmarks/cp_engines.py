@@ -45,13 +45,13 @@ class Engine:
     def __init__(self, name: str, args: argparse.Namespace, out: EnginesResult) -> None:
         self.name, self.args, self.out = name, args, out
         self.stopping = asyncio.Event()
+        self.follower: asyncio.Task | None = None  # with --follow-events only
 
     async def up(self) -> None:
         self.client = await connect_async(self.args.url)
         self.resolver = RedisNameResolver(self.client, self.args.ns, default_ttl=self.args.ttl,
                                           keepalives_per_ttl=self.args.keepalives_per_ttl)
         await self.resolver.register(ENGINES_SERVICE, self.name, self.args.ttl)
-        self.follower: asyncio.Task | None = None
         if self.args.follow_events:
             registry = AsyncVersionRegistry(self.client, Keys(self.args.ns))
             last = await registry.last_event_id()
