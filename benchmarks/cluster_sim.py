@@ -783,11 +783,8 @@ def _script_names() -> dict[str, str]:
     import pkgutil
 
     import rlstream.broker as broker
-    from rlstream.broker.admission import _COMMIT_LEASES
 
-    # EVAL is logged with its (truncated) body: the one script sent by EVAL is the commit's (its prefix is a Lua
-    # fragment other scripts start with too)
-    names = {_COMMIT_LEASES[:64]: "admission._COMMIT_LEASES"}
+    names: dict[str, str] = {}
     for info in pkgutil.iter_modules(broker.__path__):
         mod = importlib.import_module(f"rlstream.broker.{info.name}")
         for attr, val in vars(mod).items():

@@ -11,10 +11,10 @@ runs rlstream's own calls, one client, against a throwaway redis-server, at a fi
 
 Calls (the minimal-payload group cluster_sim.py commits, ~200 bytes):
 - `commit`: `AdmissionController.commit` of a lease taken before the timed window, exactly as a producer
-  commits (MULTI, the lease script, INCR, XADD, the done marker's SET, EXEC, in one write);
-- `commit, no script` (a what-if, not what rlstream sends): the same transaction with the lease script
-  replaced by plain commands (ZREM of the lease, HINCRBY of its owner's count, GET of the wake-up flag);
-  what a commit without a Lua call would cost before the client's follow-ups it would need;
+  commits (MULTI, ZREM of the lease, HINCRBY of its owner's count, GET of the wake-up flag, INCR, XADD, the
+  done marker's SET, EXEC, in one write: plain commands);
+- `commit, lease script (before)`: the transaction rlstream sent until 2026-11-25, for comparison in the same
+  run: the ZREM, the owner count and the wake-up check in a small Lua script (`EVAL`, `_COMMIT_LEASES_BEFORE_BODY`);
 - `append only`: MULTI, INCR, XADD, SET, EXEC: the part of a commit no protocol can drop;
 - `acquire`: `try_acquire` granted, with 32 other owners holding 8 leases each and refused just before (the
   fair-share check runs against them).
@@ -36,6 +36,22 @@ from readme_section import write_section  # benchmarks/ is sys.path[0]
 from redis_child import RedisChild, redis_cpu
 
 SECTION = "## Redis CPU per paced call"
+
+# The commit's lease script before 2026-11-25 (KEYS: running, owners, armed, alive  ARGV: owner whose liveness
+# record to refresh ('' none), alive_ttl_ms, lease ids): drop the leases, counted off their owners; refresh the
+# record; say whether the waiters are to be woken.
+_COMMIT_LEASES_BEFORE_BODY = """
+local leases = {}
+for i = 3, #ARGV do leases[#leases + 1] = ARGV[i] end
+local n = drop(KEYS[1], KEYS[2], leases)
+local refreshed = 0
+if ARGV[1] ~= '' then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  refreshed = redis.call('ZADD', KEYS[4], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
+end
+return {n, refreshed, (n > 0 and redis.call('GET', KEYS[3]) == 'c') and 1 or 0}
+"""
 OTHERS = 32  # other producers holding leases and waiting (the 256-engine setting's 32 producers)
 
 
@@ -89,19 +105,20 @@ class Setup:
         the others' and the acquired ones held (append only takes a lease and drops none)."""
         k, n = self.keys, {call: sum(r["n"] for r in rows if r["call"] == call) for call in CALLS}
         entries, held = self.client.xlen(k.traj), self.client.zcard(k.admit_running)
-        want = (n["commit"] + n["commit, no script"] + n["append only"], OTHERS * 8 + n["append only"] + n["acquire"])
+        want = (n["commit"] + n["commit, lease script (before)"] + n["append only"], OTHERS * 8 + n["append only"] + n["acquire"])
         if (entries, held) != want:
             raise SystemExit(f"Redis holds {entries} entries and {held} leases, expected {want[0]} and {want[1]}")
 
     def commit(self, lease_id: str) -> None:
         self.adm.commit(lease_id, self.fields)
 
-    def commit_no_script(self, lease_id: str) -> None:
+    def commit_script(self, lease_id: str) -> None:
+        from rlstream.broker.admission import _LUA_LEASES
+
         k = self.keys
         tx = self.client.pipeline(transaction=True)
-        tx.execute_command("ZREM", k.admit_running, lease_id)
-        tx.execute_command("HINCRBY", k.admit_owners, self.adm.owner, -1)
-        tx.execute_command("GET", k.admit_armed)
+        tx.execute_command("EVAL", _LUA_LEASES + _COMMIT_LEASES_BEFORE_BODY, 4, k.admit_running, k.admit_owners,
+                           k.admit_armed, k.admit_alive, "", 6000, lease_id)
         self._append(tx, lease_id)
         tx.execute()
 
@@ -125,7 +142,7 @@ def one(client, setup: Setup, call: str, rate: float, seconds: float) -> dict:
     needs_lease = call.startswith("commit") or call == "append only"
     ids = setup.leases(n) if needs_lease else [None] * n
     setup.others_wait()
-    fn = {"ping": lambda _: client.ping(), "commit": setup.commit, "commit, no script": setup.commit_no_script,
+    fn = {"ping": lambda _: client.ping(), "commit": setup.commit, "commit, lease script (before)": setup.commit_script,
           "append only": setup.append_only, "acquire": setup.acquire}[call]
     client.config_resetstat()
     c0, t0 = redis_cpu(client), time.monotonic()
@@ -142,7 +159,7 @@ def one(client, setup: Setup, call: str, rate: float, seconds: float) -> dict:
             "command_us": stats[top]["usec"] / n if top in stats else None}
 
 
-CALLS = ["ping", "commit", "commit, no script", "append only", "acquire"]
+CALLS = ["ping", "commit", "commit, lease script (before)", "append only", "acquire"]
 
 
 def main() -> None:

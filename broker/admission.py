@@ -24,12 +24,13 @@ for owners that never heartbeat, e.g. tools).
 Lease times come from the Redis server's clock (`TIME` inside the scripts), so
 producers on machines with skewed clocks cannot expire each other's leases.
 
-Committing accepted groups is a MULTI/EXEC transaction (one ZREM of their leases, INCR(BY)
-accepted, per group its XADD and its done marker) rather than a Lua script: a script would copy the ~100 kB
-payload into Lua and back, which measured 2.5x the Redis CPU of the transaction
-(benchmarks/README.md), and Redis's one thread is what all producers share. If the commit freed a slot
-while the concurrency limit had refused a producer, the committing producer sends the wake-up right after
-(`_WAKE_AFTER_COMMIT`).
+Committing accepted groups is a MULTI/EXEC transaction of plain commands (one ZREM of their leases and
+one HINCRBY of their owner's lease count, INCR(BY) accepted, per group its XADD and its done marker)
+rather than a Lua script: a script would copy the ~100 kB payload into Lua and back, which measured 2.5x
+the Redis CPU of the transaction, and even a small one for the leases alone cost ~1/3 of a commit's
+Redis CPU at a large run's rates (benchmarks/README.md); Redis's one thread is what all producers
+share. If the commit freed a slot while the concurrency limit had refused a producer, the committing
+producer sends the wake-up right after (`_WAKE_AFTER_COMMIT`).
 
 Everything is safe to retry after a lost reply (the client retries on connection
 loss): acquiring with a lease id that is already held answers "admitted" without a
@@ -125,6 +126,8 @@ WAIT_WINDOW_MS = 12000
 WAKE_MAXLEN = 100
 # Entry ids of its own commits an `Admission` remembers for repeated commits (the oldest half is forgotten).
 _ENTRY_IDS_MAX = 10_000
+# How long the smallest server-clock offset seen is trusted before a newer one replaces it (`_saw_server_ms`).
+_CLOCK_WINDOW_S = 30.0
 # Attempts of a commit whose outcome was unknown (connection lost) or raced; backoff in between.
 _COMMIT_ATTEMPTS = 12
 # How long a commit waits at most for redis.wait_replicas replicas to confirm it.
@@ -187,9 +190,10 @@ local function wake(armed, stream, why, commits, waiting, freed)
 end
 """
 # `owner_of(lease)`: a lease's owner, its producer process, is its id up to the last `-` (see Admission.new_lease_id).
-# `{ns}:admit:owners` (owner -> leases it holds, no field at 0) follows every lease added or dropped, in the
-# same script: `count(owners, owner, k)` adds k, `count_all(owners, tally(...), sign)` does so per owner of a
-# list; `drop(running, owners, leases)` ZREMs leases (held or not) and counts the held ones off their owners,
+# `{ns}:admit:owners` (owner -> leases it holds; a field at 0 or below: none, see `_RECOUNT_OWNERS` for how a
+# commit keeps it) follows every lease added or dropped, in the same script (a commit: in its transaction):
+# `count(owners, owner, k)` adds k, `count_all(owners, tally(...), sign)` does so per owner of a list;
+# `drop(running, owners, leases)` ZREMs leases (held or not) and counts the held ones off their owners,
 # returning how many were held. The fair-share check reads that hash
 # (one field per producer) instead of every running lease.
 _LUA_LEASES = """
@@ -321,8 +325,13 @@ end
 local function owner_counts()
   if counts == nil then
     counts = {}
-    local rows = redis.call('HGETALL', KEYS[9])
-    for i = 1, #rows, 2 do counts[rows[i]] = tonumber(rows[i + 1]) end
+    local rows, none = redis.call('HGETALL', KEYS[9]), {}
+    for i = 1, #rows, 2 do
+      local k = tonumber(rows[i + 1])
+      -- a commit's HINCRBY leaves 0 (or, until its recount, less): no lease, no participant
+      if k > 0 then counts[rows[i]] = k else none[#none + 1] = rows[i] end
+    end
+    if #none > 0 then redis.call('HDEL', KEYS[9], unpack(none)) end
     tally(counts, add, 2, 2)  -- `add` is ZADD's (expiry, lease) pairs
   end
   return counts
@@ -460,29 +469,27 @@ wake(KEYS[2], KEYS[3], 'abandon', false, KEYS[5], n)
 return n
 """
 
-# KEYS: running, owners, armed, alive  ARGV: owner whose liveness record to refresh ('' none), alive_ttl_ms, lease ids
-# -> {leases that were live, record refreshed (1/0), 1 if the waiters are to be woken}. Queued first in a commit's
-# MULTI (a small script, no payload through Lua): drop the leases, counted off their owners. If that freed a slot
-# while the concurrency limit had refused someone (armed `c`), the reply says so and the producer sends the
-# wake-up (`_WAKE_AFTER_COMMIT`) right after: at most one request more per refusal by the concurrency limit
-# (by default consumer_batch_size rollouts in flight; the wake-up disarms once it named every waiter). Inside, the
-# wake-up logic made every commit's script ~7x longer, which cost ~15 us of Redis time a commit at 50 commits a
-# second (benchmarks/README.md, "Redis CPU per paced call"). A wake-up is a hint either way (the woken ask the
-# acquisition script, which decides atomically). A commit proves its producer alive as an acquisition does:
-# given an owner, its record (XX: only if it heartbeats) is refreshed, so a producer that commits often sends
-# almost no heartbeat of its own (at 256 simulated engines the heartbeats were ~270 script calls a step, most
-# while producers committed; `_commit_calls` asks for it once the record is half its period old).
-_COMMIT_LEASES = _LUA_LEASES + """
-local leases = {}
-for i = 3, #ARGV do leases[#leases + 1] = ARGV[i] end
-local n = drop(KEYS[1], KEYS[2], leases)
-local refreshed = 0
-if ARGV[1] ~= '' then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  refreshed = redis.call('ZADD', KEYS[4], 'XX', 'CH', now + tonumber(ARGV[2]), ARGV[1])
+# A commit sends no script (`_commit_calls`): per owner of its leases one ZREM of them from `running` and one
+# HINCRBY of `owners` by minus their number, a GET of `armed` (a freed slot wakes the waiters only if the
+# concurrency limit refused someone: `c`), then the counters, XADDs and done markers. Plain commands cost Redis
+# ~1/3 less per commit than the same transaction with the small lease script it had (EVAL: the Lua call was
+# ~35-45% of a commit's Redis CPU at the rates a large run sends them; benchmarks/README.md, "Redis CPU per paced
+# call"). The owner count is then exact unless a committed lease was no longer live (it expired and was reaped,
+# which counted it off already): that commit's ZREM says so and the producer recounts the owner right after
+# (`_RECOUNT_OWNERS`: an absolute count, so a recount racing with anything else is exact too). Until then the
+# count reads low by those leases: the fair-share check may give that owner a slot more, never the budget (it
+# counts `running`). A field at 0 or below counts as none; the acquisition script deletes those it reads.
+# KEYS: running, owners  ARGV: owners -> nothing. Sets each owner's count to its leases in `running` (O(leases):
+# only after a commit of a lease that had expired), by HINCRBY of the difference (the producer's ACL has no HSET).
+_RECOUNT_OWNERS = _LUA_LEASES + """
+local held, counted = tally({}, redis.call('ZRANGE', KEYS[1], 0, -1), 1, 1), {}
+local rows = redis.call('HGETALL', KEYS[2])
+for i = 1, #rows, 2 do counted[rows[i]] = tonumber(rows[i + 1]) end
+for _, o in ipairs(ARGV) do
+  local want, now = held[o] or 0, counted[o] or 0
+  if want == 0 then redis.call('HDEL', KEYS[2], o)
+  elseif want ~= now then redis.call('HINCRBY', KEYS[2], o, want - now) end
 end
-return {n, refreshed, (n > 0 and redis.call('GET', KEYS[3]) == 'c') and 1 or 0}
 """
 
 # KEYS: armed, wake, waiting  ARGV: slots a commit freed. After a commit whose reply asked for it: wake as many
@@ -565,6 +572,14 @@ class StaleDrop(NamedTuple):
     stopped: bool = False  # stopped while generating (its recorded reason says so)
 
 
+class _CommitLayout(NamedTuple):
+    """Where a commit transaction's replies are (`Admission._commit_calls`)."""
+
+    owners: list[tuple[str, int]]  # per owner, in order: its leases (a ZREM's and a HINCRBY's reply each)
+    refresh: bool  # the liveness record's ZADD follows the GET of `armed`
+    head: int  # the first XADD's reply; each item's XADD and SET follow
+
+
 @dataclass(frozen=True)
 class AdmissionState:
     """One admission decision (or a snapshot) and the numbers behind it."""
@@ -630,6 +645,8 @@ class Admission:
         self._alive_at = float("-inf")
         # The heartbeat period `heartbeat_due` counts with (the cluster simulator scales it with its clock).
         self.heartbeat_secs = HEARTBEAT_SECS
+        # (server clock - time.monotonic() in ms, monotonic s when measured): `_saw_server_ms`, None before any lease
+        self._clock: tuple[float, float] | None = None
 
     @classmethod
     def from_config(cls, client: Any, keys: Keys, cfg: Any, producer_id: str | None = None) -> Any:
@@ -664,6 +681,7 @@ class Admission:
                 continue
             cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
             if code > 0:
+                self._saw_server_ms(code - self.lease_ttl_ms, sent)  # taken now: expiry = server now + ttl
                 running += 1
                 out.append((AdmissionState(True, cap - 1, running, accepted, version), Lease(lid, code)))
                 if own_ids:
@@ -687,30 +705,60 @@ class Admission:
 
     # ------------------------------------------------------------------ finishing
 
-    def _commit_calls(self, items: list[tuple[str, dict[str, Any]]]) -> list[Call]:
-        """The commands of committing `items` in one transaction: one script dropping their leases (`_COMMIT_LEASES`;
-        its reply: how many leases were still live, whether the liveness record was refreshed and whether waiters
-        are to be woken), the accepted count(s), then per item its XADD and its done marker (`_HEAD` + 2i)."""
+    def _commit_calls(self, items: list[tuple[str, dict[str, Any]]]) -> tuple[list[Call], _CommitLayout]:
+        """The commands of committing `items` in one transaction (plain commands, no script: see `_RECOUNT_OWNERS`),
+        and where their replies are. Per owner of the leases a ZREM of them from `running` (how many were live)
+        and a HINCRBY of its count by minus their number; the GET of `armed`; the liveness record's refresh if
+        due; the accepted count(s); then per item its XADD and its done marker."""
         k = self.keys
         n = len(items)
+        per_owner: dict[str, list[str]] = {}
+        for lid, _ in items:
+            head, sep, _tail = lid.rpartition("-")  # the scripts' `owner_of`
+            leases = per_owner.setdefault(head if sep else lid, [])
+            if lid not in leases:  # an id given twice is dropped once
+                leases.append(lid)
+        calls = []
+        for owner, leases in per_owner.items():
+            calls.append(Call("execute_command", "ZREM", k.admit_running, *leases))
+            calls.append(Call("execute_command", "HINCRBY", k.admit_owners, owner, -len(leases)))
+        calls.append(Call("execute_command", "GET", k.admit_armed))
         # Its own leases only, as `_acquire` (a lease id given by someone else proves nothing about this process),
         # once it heartbeats (before, it has no record to refresh), and only when the record is half its period
-        # old: refreshing in every commit cost more script time (~10 us a commit at 256 simulated engines) than
-        # the heartbeats it saved; so a busy producer's commits refresh it about once per half period.
+        # old (a busy producer's commits refresh it about once per half period). The score is the server's clock
+        # as the last acquisitions told it (`_server_ms`); GT: a record is never shortened by it.
         due = self.heartbeat_due()
-        mine = self.owner if float("-inf") < due < self.heartbeat_secs / 2 and all(
-            lid.rpartition("-")[0] == self.owner for lid, _ in items) else ""
-        calls = [Call("execute_command", "EVAL", _COMMIT_LEASES, 4, k.admit_running, k.admit_owners, k.admit_armed,
-                      k.admit_alive, mine, ALIVE_TTL_MS, *(lid for lid, _ in items)),
-                 # INCR for one (what a producer commits) needs no other ACL than before
-                 Call("execute_command", "INCR", k.admit_accepted) if n == 1 else
-                 Call("execute_command", "INCRBY", k.admit_accepted, n)]
+        server_ms = self._server_ms()
+        refresh = (float("-inf") < due < self.heartbeat_secs / 2 and server_ms is not None
+                   and list(per_owner) == [self.owner])
+        if refresh:
+            calls.append(Call("execute_command", "ZADD", k.admit_alive, "XX", "GT", "CH", server_ms + ALIVE_TTL_MS,
+                              self.owner))
+        # INCR for one (what a producer commits) needs no other ACL than before
+        calls.append(Call("execute_command", "INCR", k.admit_accepted) if n == 1 else
+                     Call("execute_command", "INCRBY", k.admit_accepted, n))
         if self.producer_id:
             calls.append(Call("execute_command", "HINCRBY", k.producers, accepted_field(self.producer_id), n))
+        layout = _CommitLayout([(owner, len(leases)) for owner, leases in per_owner.items()], refresh, len(calls))
         for lid, fields in items:
             calls.append(Call("execute_command", "XADD", k.traj, "*", *(x for kv in fields.items() for x in kv)))
             calls.append(Call("execute_command", "SET", k.admit_done(lid), "1", "PX", DONE_TTL_MS))
-        return calls
+        return calls, layout
+
+    def _server_ms(self) -> int | None:
+        """The Redis server's clock now (ms), as estimated from the acquisitions (None before the first one)."""
+        if self._clock is None:
+            return None
+        offset, _at = self._clock
+        return int(time.monotonic() * 1000 + offset)
+
+    def _saw_server_ms(self, server_ms: int, sent: float) -> None:
+        """An acquisition sent at `sent` (monotonic) ran at `server_ms` on the server's clock: server - monotonic
+        is at most `server_ms - sent` (the request took some time to arrive). The smallest such offset of the last
+        `_CLOCK_WINDOW_S` is kept (a slow request's is not), a newer one after that (the clocks drift apart)."""
+        offset = server_ms - sent * 1000
+        if self._clock is None or offset < self._clock[0] or sent - self._clock[1] > _CLOCK_WINDOW_S:
+            self._clock = (offset, sent)
 
     @operation
     def commit(self, lease_id: str, fields: dict[str, Any]) -> Plan:
@@ -733,19 +781,25 @@ class Admission:
         # Leases never tried before have no marker to read (nor to watch: only their first attempt writes
         # one): commit in one round trip, never resent (a lost reply raises). Otherwise read the markers first.
         read = None if _take_untried([lid for lid, _ in items]) else Call("execute_command", "MGET", *done)
-        head = 3 if self.producer_id else 2  # replies before the first XADD's
         last: Exception | None = None
         for attempt in range(_COMMIT_ATTEMPTS):
             fresh: list[int] = list(range(len(items)))
+            layout: list[_CommitLayout] = []
 
             def queue(prev: list[Any]) -> list[Call]:
                 fresh[:] = [i for i in range(len(items)) if prev[i] is None]
-                return self._commit_calls([items[i] for i in fresh]) if fresh else []
+                if not fresh:
+                    return []
+                calls, where = self._commit_calls([items[i] for i in fresh])
+                layout.append(where)
+                return calls
 
             sent = time.monotonic()
             try:
                 if read is None:
-                    prev, res = None, (yield Transaction(done, self._commit_calls(items)))
+                    calls, where = self._commit_calls(items)
+                    layout.append(where)
+                    prev, res = None, (yield Transaction(done, calls))
                 else:
                     prev, res = yield Watch(done, read, queue)
             except (WatchError, RedisConnectionError, RedisTimeoutError) as exc:
@@ -757,22 +811,27 @@ class Admission:
             # committed before (this call's lost attempt, or an earlier call): the id if this object knows it
             out = [None] * len(items) if prev is None else [self._entry_ids.get(lid, p) for (lid, _), p in
                                                              zip(items, prev)]
-            live, refreshed, wake = (0, 0, 0) if res is None else (int(x) for x in res[0])
-            if refreshed:
-                self._alive_at = max(self._alive_at, sent)
             if res is None:
-                fresh = []
-            elif live < len(fresh):
+                return out
+            where = layout[-1]
+            removed = [int(res[2 * i]) for i in range(len(where.owners))]
+            live = sum(removed)
+            armed = res[2 * len(where.owners)]
+            if where.refresh and int(res[2 * len(where.owners) + 1]):
+                self._alive_at = max(self._alive_at, sent)
+            for i, j in enumerate(fresh):
+                out[j] = res[where.head + 2 * i]
+                self._remember(items[j][0], out[j])
+            expired = [owner for (owner, n), got in zip(where.owners, removed) if got < n]
+            if expired:
                 # A rollout outlived its lease (producer stalled past lease_ttl). The group is written
                 # anyway, never dropped; the consumer's staleness check is the backstop.
                 log.warning("%d of the leases %s had expired before commit; groups written anyway",
-                            len(fresh) - live, ", ".join(items[i][0] for i in fresh))
-            for k, i in enumerate(fresh):
-                out[i] = res[head + 2 * k]
-                self._remember(items[i][0], out[i])
-            if wake:
+                            sum(n for _, n in where.owners) - live, ", ".join(items[i][0] for i in fresh))
+                yield from self._recount_owners(expired)
+            if live and armed in (b"c", "c"):
                 yield from self._wake_after_commit(live)
-            if fresh and self.wait_replicas:
+            if self.wait_replicas:
                 # Redis replicates asynchronously: a failover right now would lose these commits unless
                 # the replicas have them. WAIT blocks until they confirm (or the timeout passes).
                 got = int((yield Call("execute_command", "WAIT", self.wait_replicas, self.wait_timeout_ms)))
@@ -782,6 +841,14 @@ class Admission:
             return out
         raise BrokerUnavailable(f"could not commit {len(items)} group(s) to {self.keys.traj} after "
                                 f"{_COMMIT_ATTEMPTS} attempts: {last}")
+
+    def _recount_owners(self, owners: list[str]) -> Plan:
+        """After a commit of leases that had expired (their owners counted off twice): the exact counts."""
+        k = self.keys
+        try:
+            yield from script(_RECOUNT_OWNERS, [k.admit_running, k.admit_owners], owners)
+        except RedisError as exc:  # the commit landed; the counts read low (a fair-share hint) until the next recount
+            log.warning("recounting the leases of %s after a commit failed: %s", ", ".join(owners), exc)
 
     def _wake_after_commit(self, freed: int) -> Plan:
         """Wake the waiters the concurrency limit refused, for `freed` slots a commit just gave back. The commit

@@ -22,7 +22,7 @@ def test_redis_paced_runs_every_call_and_checks_redis(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    calls = ["ping", "commit", "commit, no script", "append only", "acquire"]
+    calls = ["ping", "commit", "commit, lease script (before)", "append only", "acquire"]
     assert sorted((r["call"], r["rate"]) for r in rows) == sorted((c, r) for c in calls for r in (100.0, 0.0))
     for r in rows:
         assert r["n"] > 0 and r["redis_cpu_us"] > 0, r

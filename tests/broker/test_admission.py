@@ -80,12 +80,13 @@ HOLDER = textwrap.dedent("""
 
 
 def held_per_owner(rclient, keys) -> tuple[dict[str, int], dict[str, int]]:
-    """(the truth: leases in `admit:running` per owner, what `admit:owners` says)."""
+    """(the truth: leases in `admit:running` per owner, what `admit:owners` says: a field at 0 is none, as the
+    acquisition script reads it; below 0 is kept, it would be a miscount)."""
     truth: dict[str, int] = {}
     for lease in rclient.zrange(keys.admit_running, 0, -1):
         owner = lease.decode().rsplit("-", 1)[0]
         truth[owner] = truth.get(owner, 0) + 1
-    return truth, {k.decode(): int(v) for k, v in rclient.hgetall(keys.admit_owners).items()}
+    return truth, {k.decode(): int(v) for k, v in rclient.hgetall(keys.admit_owners).items() if int(v) != 0}
 
 
 def _child_env() -> dict[str, str]:
@@ -375,7 +376,10 @@ def test_the_per_owner_lease_counts_stay_the_truth(rclient, keys, group_factory)
     adm.abandon(["A-3"])
     adm.release("B-1")
     check({})
-    assert rclient.exists(keys.admit_owners) == 0
+    assert rclient.hgetall(keys.admit_owners) == {me.encode(): b"0"}  # what a commit left at 0: none ...
+    rclient.zadd(keys.admit_waiting, {"G": int(rclient.time()[0]) * 1000})  # someone waits: a fair-share check
+    assert adm.try_acquire("F-0")[1] is not None
+    assert rclient.hgetall(keys.admit_owners) == {b"F": b"1"}  # ... which that check's read deleted
 
 
 def test_try_acquire_many_respects_the_budget(rclient, keys):
@@ -441,9 +445,9 @@ def test_a_first_commit_is_one_transaction_and_a_retry_reads_the_markers_under_w
         client.config_resetstat()
         ids = adm.commit_many(items)
         calls = {k.removeprefix("cmdstat_"): v["calls"] for k, v in client.info("commandstats").items()}
-        # the leases dropped by a small script (a ZREM each, their owner's count, the wake-up check: GET of the
-        # armed flag; nobody was refused)
-        assert calls == {"config|resetstat": 1, "multi": 1, "eval": 1, "zrem": 3, "hincrby": 1, "hdel": 1, "get": 1,
+        # plain commands, no script: the leases dropped by one ZREM, their owner's count by one HINCRBY, the
+        # wake-up check (GET of the armed flag; nobody was refused)
+        assert calls == {"config|resetstat": 1, "multi": 1, "zrem": 1, "hincrby": 1, "get": 1,
                          "incrby": 1, "xadd": 3, "set": 3, "exec": 1}
         client.config_resetstat()
         assert adm.commit_many(items[:1]) == ids[:1]  # repeated: the marker says so, nothing written
@@ -793,6 +797,39 @@ def test_an_acquisition_of_its_own_leases_refreshes_the_liveness_record(rclient,
     assert other.try_acquire("tool-0")[1] is not None  # a lease id of the caller's making: no owner refreshed
     assert rclient.zscore(keys.admit_alive, owner) == refreshed and other.heartbeat_due() < 0
     assert rclient.zscore(keys.admit_alive, "tool") is None
+
+
+def _server_ms(rclient) -> int:
+    sec, usec = rclient.time()
+    return sec * 1000 + usec // 1000
+
+
+def test_a_commit_refreshes_the_record_on_the_server_clock_and_never_shortens_it(rclient, keys, group_factory):
+    """A commit's refresh is a plain ZADD (no script): its score is the server's clock as the acquisitions told it
+    (ahead of it by at most an acquisition's request time, never behind), plus ALIVE_TTL_MS. GT: a record that
+    runs longer already is left as it is, and then the commit counts as no refresh (the heartbeat stays due)."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,
+                              max_concurrent_rollouts=100)
+    owner = admission.lease_owner()
+    t0 = time.monotonic()
+    leases = [adm.try_acquire()[1].lease_id for _ in range(3)]
+    acquiring_ms = (time.monotonic() - t0) * 1000  # bounds how far ahead of the server the estimate can be
+    adm.heartbeat()
+    adm.heartbeat_secs = 0.01  # every commit finds the record older than half the period
+    time.sleep(0.05)
+    before = _server_ms(rclient)
+    adm.commit(leases[0], entry_fields(group_factory(version=0)))
+    after = _server_ms(rclient)
+    score = rclient.zscore(keys.admit_alive, owner)
+    assert before + admission.ALIVE_TTL_MS <= score <= after + admission.ALIVE_TTL_MS + acquiring_ms + 1
+    assert adm.heartbeat_due(60.0) > 59  # refreshed: the next heartbeat counts from the commit
+    later = after + 600_000
+    rclient.zadd(keys.admit_alive, {owner: later})  # a record that runs longer than a refresh would make it
+    adm._alive_at = time.monotonic() - 1.0  # noqa: SLF001 - refreshed a second ago: a commit refreshes it
+    adm.commit(leases[1], entry_fields(group_factory(version=0)))
+    assert rclient.zscore(keys.admit_alive, owner) == later  # GT: not shortened
+    assert adm.heartbeat_due(60.0) < 60 - 0.5  # and not counted as refreshed
+    assert rclient.xlen(keys.traj) == 2 and rclient.zcard(keys.admit_running) == 1
 
 
 def test_a_commit_of_its_own_leases_refreshes_the_liveness_record(rclient, keys, group_factory):

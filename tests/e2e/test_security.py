@@ -182,6 +182,14 @@ def test_producer_acl_admits_and_commits_but_cannot_consume_delete_or_leave_its_
     many = [lease for _, lease in adm.try_acquire_many(2)]
     committed += adm.commit_many([(lease.lease_id, entry_fields(group_factory())) for lease in many])
     assert adm.snapshot().accepted == 3
+    # A lease that expired before its commit (dropped and counted off as the scripts' reap does): the commit then
+    # recounts its owner's leases (a script), under this ACL too.
+    late, kept = (lease for _, lease in adm.try_acquire_many(2))
+    admin.zrem(keys.admit_running, late.lease_id)
+    admin.hincrby(keys.admit_owners, adm.owner, -1)
+    committed.append(adm.commit(late.lease_id, entry_fields(group_factory())))
+    assert admin.hgetall(keys.admit_owners) == {adm.owner.encode(): b"1"}  # kept, counted once
+    assert adm.abandon([kept.lease_id]) == 1
     assert read_run_meta(prod, keys) is None and write_run_meta(prod, keys, cfg, component="producer")
     assert VersionRegistry(prod, keys).get() == 0
     assert VersionRegistry(prod, keys).events_since()  # catch up on the events stream
@@ -217,7 +225,7 @@ def test_producer_acl_admits_and_commits_but_cannot_consume_delete_or_leave_its_
         return [eid]
 
     committed += asyncio.run(producer_async())
-    assert admin.xlen(keys.traj) == len(committed) == 4
+    assert admin.xlen(keys.traj) == len(committed) == 5
 
     # Not a consumer, not an administrator of the stream, not the trainer.
     _denied(prod.xreadgroup, "train", "p", {keys.traj: ">"}, count=1)
@@ -238,7 +246,7 @@ def test_producer_acl_admits_and_commits_but_cannot_consume_delete_or_leave_its_
     _denied(prod.xadd, other.traj, {"d": b"x"})
     with pytest.raises(NoPermissionError):
         AdmissionController(prod, other, **ADMISSION).try_acquire()
-    assert admin.xlen(keys.traj) == 4 and int(admin.get(keys.version)) == 0  # nothing changed
+    assert admin.xlen(keys.traj) == 5 and int(admin.get(keys.version)) == 0  # nothing changed
     prod.close()
     admin.close()
 
