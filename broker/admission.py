@@ -472,9 +472,9 @@ return n
 # A commit sends no script (`_commit_calls`): per owner of its leases one ZREM of them from `running` and one
 # HINCRBY of `owners` by minus their number, a GET of `armed` (a freed slot wakes the waiters only if the
 # concurrency limit refused someone: `c`), then the counters, XADDs and done markers. Plain commands cost Redis
-# ~1/3 less per commit than the same transaction with the small lease script it had (EVAL: the Lua call was
-# ~35-45% of a commit's Redis CPU at the rates a large run sends them; benchmarks/README.md, "Redis CPU per paced
-# call"). The owner count is then exact unless a committed lease was no longer live (it expired and was reaped,
+# ~1/3 less per commit than the same transaction with the small lease script it had (EVAL), measured alone; mixed
+# with the acquisitions, whose Lua then runs colder, 5% less a call at 60 calls a second and 15% at 300
+# (benchmarks/README.md, "Redis CPU per paced call"). The owner count is then exact unless a committed lease was no longer live (it expired and was reaped,
 # which counted it off already): that commit's ZREM says so and the producer recounts the owner right after
 # (`_RECOUNT_OWNERS`: an absolute count, so a recount racing with anything else is exact too). Until then the
 # count reads low by those leases: the fair-share check may give that owner a slot more, never the budget (it
