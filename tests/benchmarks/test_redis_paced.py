@@ -28,3 +28,19 @@ def test_redis_paced_runs_every_call_and_checks_redis(tmp_path):
         assert r["n"] > 0 and r["redis_cpu_us"] > 0, r
         assert r["command_us"] is not None and r["command_us"] >= 0, r
     assert "| acquire |" in proc.stdout  # the summary table
+
+
+def test_redis_mix_runs_both_commit_kinds_with_acquisitions(tmp_path):
+    """`benchmarks/redis_mix.py`: commits (plain, and with the old lease script) interleaved with acquisitions; the
+    script exits non-zero unless the stream holds one entry per commit of either kind."""
+    out = tmp_path / "mix.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "redis_mix.py"), "--rate", "100",
+                           "--seconds", "0.5", "--rounds", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["mode"] for r in rows) == sorted(["plain commits (rlstream)",
+                                                      "commits with the lease script (before)"] * 2)
+    for r in rows:
+        assert r["n"] == 50 and r["commits"] == 30 and r["redis_cpu_us"] > 0 and r["acquire_us"] > 0 and r["commit_us"] > 0, r
+    assert "medians Redis CPU" in proc.stdout
