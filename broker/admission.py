@@ -50,6 +50,7 @@ them with a sync client, `AsyncAdmissionController` with an asyncio one.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import time
 import uuid
@@ -750,13 +751,14 @@ class Admission:
         if self._clock is None:
             return None
         offset, _at = self._clock
-        return int(time.monotonic() * 1000 + offset)
+        return math.ceil(time.monotonic() * 1000 + offset)
 
     def _saw_server_ms(self, server_ms: int, sent: float) -> None:
-        """An acquisition sent at `sent` (monotonic) ran at `server_ms` on the server's clock: server - monotonic
-        is at most `server_ms - sent` (the request took some time to arrive). The smallest such offset of the last
+        """An acquisition sent at `sent` (monotonic) ran at `server_ms` on the server's clock (its TIME floored to
+        ms, so before `server_ms + 1`): server - monotonic is at most `server_ms + 1 - sent` (the request took some
+        time to arrive), so the estimate is never behind the server. The smallest such offset of the last
         `_CLOCK_WINDOW_S` is kept (a slow request's is not), a newer one after that (the clocks drift apart)."""
-        offset = server_ms - sent * 1000
+        offset = server_ms + 1 - sent * 1000
         if self._clock is None or offset < self._clock[0] or sent - self._clock[1] > _CLOCK_WINDOW_S:
             self._clock = (offset, sent)
 
