@@ -184,9 +184,9 @@ def attribution(rl: dict, bare: dict) -> str:
 
     main = lambda m: m["redis_producer_us"] + m["redis_consumer_us"]  # noqa: E731
     # In the transaction: the leases' ZREM, their owner's count (HINCRBY), the wake check (GET), INCR(BY), per
-    # group XADD + SET (this benchmark's producer is unnamed: no HINCRBY of a producer's count). The first three
-    # are plain commands the lease script runs too (commandstats adds both up), so they are counted with MULTI/EXEC
-    # as EXEC's time beyond the commands that are only the transaction's.
+    # group XADD + SET (this benchmark's producer is unnamed: no HINCRBY of a producer's count). The acquisition
+    # script runs ZREM, HINCRBY and GET too (commandstats adds both up), so the commit's are counted with MULTI/EXEC:
+    # EXEC's time beyond the commands only the transaction runs.
     queued = c(rl, "exec") - sum(c(rl, k) for k in ("xadd", "set", "incr", "incrby"))
     parts = [("admission: the lease script (EVALSHA, per batch)", c(rl, "evalsha")),
              ("exactly once: the done markers (SET in the transaction)", c(rl, "set")),

@@ -105,7 +105,8 @@ class Setup:
         the others' and the acquired ones held (append only takes a lease and drops none)."""
         k, n = self.keys, {call: sum(r["n"] for r in rows if r["call"] == call) for call in CALLS}
         entries, held = self.client.xlen(k.traj), self.client.zcard(k.admit_running)
-        want = (n["commit"] + n["commit, lease script (before)"] + n["append only"], OTHERS * 8 + n["append only"] + n["acquire"])
+        want = (n["commit"] + n["commit, lease script (before)"] + n["append only"],
+                OTHERS * 8 + n["append only"] + n["acquire"])
         if (entries, held) != want:
             raise SystemExit(f"Redis holds {entries} entries and {held} leases, expected {want[0]} and {want[1]}")
 
