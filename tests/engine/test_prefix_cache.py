@@ -89,15 +89,20 @@ async def test_a_request_spanning_a_weight_update_is_not_kept(tiny_model_path):
     on = LocalEngine(tiny_model_path, device="cpu", seed=0, prefix_cache_tokens=4096)
     try:
         prompt = [5, 6, 20, 21, 22, 23, 24, 25]
-        long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+        long = {"max_new_tokens": 480, "temperature": 0, "ignore_eos": True}  # 8 + 480 <= the model's 512
         task = asyncio.create_task(on.generate(prompt, long))
         deadline = asyncio.get_running_loop().time() + 120
         while on.stats()["running"] == 0:
             assert asyncio.get_running_loop().time() < deadline, "the request never started decoding"
             await asyncio.sleep(0.01)
+        # Held in the batch across the update (an in-place pause, as the broadcaster's): the update cannot wait for
+        # the request to end (CI once saw all of its tokens at version 0 when the update merely raced it).
+        await on.pause("in_place")
+        assert on.stats()["running"] == 1, "the request ended before the pause: nothing spans the update"
         gen = torch.Generator().manual_seed(1)
         new = [(n, p + 0.05 * torch.randn(p.shape, generator=gen)) for n, p in on.model.named_parameters()]
         await asyncio.get_running_loop().run_in_executor(None, lambda: on.apply_weights(new, version=1))
+        await on.resume()
         r = await task
         assert r.meta_info.output_token_versions[0] == 0 and r.meta_info.output_token_versions[-1] == 1
         assert on.stats()["prefix_cache_entries"] == 0
