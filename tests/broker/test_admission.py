@@ -17,7 +17,7 @@ import pytest
 
 from rlstream.broker import AdmissionController, Keys, TrajectoryStream, VersionRegistry
 from rlstream.broker import admission
-from rlstream.broker.admission import StaleDrop, budget
+from rlstream.broker.admission import ADMIT_BATCH_MAX, LeaseAsk, StaleDrop, budget
 from rlstream.broker.ledger import leases_held_by
 from rlstream.broker.stream import entry_fields
 
@@ -407,6 +407,42 @@ def test_try_acquire_many_decides_each_lease_like_try_acquire(rclient, keys):
     done = adm.try_acquire_many(3)
     assert [(st.admitted, st.run_finished, lease) for st, lease in done] == [(False, True, None)] * 3
     assert adm.snapshot().running == 3
+
+
+def test_a_producer_asks_for_the_slots_a_version_bump_opened(rclient, keys):
+    """`LeaseAsk`: 1, doubling while granted; refused, 1 while the version stands; once a bump opened B slots,
+    those B in one call, not 1 + 2 + 4 + ... again; the same call refuses what is beyond the fair share."""
+    B = 20
+    a = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=B,
+                            max_concurrent_rollouts=1000, owner="pa")
+    b = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=B,
+                            max_concurrent_rollouts=1000, owner="pb")
+    ask = LeaseAsk.of(a)
+
+    def call(version: int) -> tuple[int, int]:
+        n = ask.size(version)
+        decisions = a.try_acquire_many(n)
+        ask.saw(n, decisions)
+        return n, sum(lease is not None for _, lease in decisions)
+
+    assert [call(0) for _ in range(5)] == [(1, 1), (2, 2), (4, 4), (8, 8), (16, 5)]  # the budget (B) is used up
+    assert ask.size(0) == 1  # refused, and nothing opened at the version it refused at
+    rclient.set(keys.version, 1)
+    assert call(1) == (B, B)  # the bump opened B: taken in one call
+    assert ask.size(1) == min(2 * B, ADMIT_BATCH_MAX)  # granted in full: doubling from there
+    rclient.set(keys.version, 3)  # two more versions: 2·B more slots
+    assert ask.size(3) == ADMIT_BATCH_MAX == call(3)[0]  # never more than ADMIT_BATCH_MAX in one call
+
+    # Two producers: b takes what is left and is refused (it waits). After the next bump a asks for a full batch
+    # and gets none of it: it holds more than its fair share, so the one call refuses every lease.
+    assert [lease is not None for _, lease in b.try_acquire_many(9)] == [True] * 8 + [False]
+    rclient.set(keys.version, 5)  # budget 6·B = 120: 40 free
+    n, got = call(5)
+    assert (n, got) == (ADMIT_BATCH_MAX, 0)  # a holds 72 >= its share ceil((80 + 40) / 2)
+    assert rclient.zscore(keys.admit_waiting, "pa") is not None  # its refusal counts it as waiting
+    assert ask.size(5) == ADMIT_BATCH_MAX  # 40 free as far as it knows: the script, not the ask, keeps the share
+    assert all(lease for _, lease in b.try_acquire_many(40))  # the free slots are b's
+    assert held_per_owner(rclient, keys)[0] == {"pa": 72, "pb": 48}
 
 
 def test_commit_after_lease_expiry_still_writes(rclient, keys, group_factory):
