@@ -59,7 +59,7 @@ from cp_probe import ProbeResult  # noqa: E402
 from redis_child import RedisChild, redis_cpu  # noqa: E402
 
 from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, VersionRegistry, connect, connect_async, namespace  # noqa: E402
-from rlstream.broker.admission import (ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, WAIT_WINDOW_MS, LeaseAsk,  # noqa: E402
+from rlstream.broker.admission import (ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, WAIT_WINDOW_MS,  # noqa: E402
                                        StaleDrop, budget, lease_owner)
 from rlstream.broker.keys import TRAIN_GROUP  # noqa: E402
 from rlstream.broker.registry import RedisNameResolver  # noqa: E402
@@ -499,27 +499,29 @@ class Cluster:
         if self.s.control_plane:
             helpers.append(asyncio.create_task(self._resolve_engines(client, pid)))
         try:
-            ask = LeaseAsk.of(adm)  # as producer.main: how many leases one call asks for
+            ask = 1  # as producer.main: leases asked for in one call, doubling up to ADMIT_BATCH_MAX while all granted
             while not self.stop.is_set():
                 if len(tasks) >= concurrency:
                     _, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 wake.clear()
                 self._budget_full[pid] = False
-                n = min(ask.size(self._served.get(pid, 0)), concurrency - len(tasks))
+                n = min(ask, concurrency - len(tasks))
                 t0 = time.perf_counter()
                 decisions = await adm.try_acquire_many(n)
                 self.result.admission_ms.append((time.perf_counter() - t0) * 1000)
-                ask.saw(n, decisions)
                 for _, lease in decisions:
                     if lease is not None:
                         inflight.add(lease.lease_id)
                         tasks.add(asyncio.create_task(self._rollout(adm, lease.lease_id, pid, inflight, wake)))
                 refused = [st for st, lease in decisions if lease is None]
                 if refused:
+                    ask = 1
                     self._budget_full[pid] = refused[0].budget_full
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(wake.wait(), poll)
+                    continue
+                ask = min(2 * ask, ADMIT_BATCH_MAX)
         finally:
             for t in tasks:
                 t.cancel()

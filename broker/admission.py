@@ -68,7 +68,7 @@ from rlstream.broker.producers import accepted_field
 from rlstream.broker.plan import LUA_NOW_MS, Async, Call, Plan, Sleep, Sync, Transaction, Watch, operation, script
 from rlstream.common.logging import get_logger
 
-__all__ = ["AdmissionState", "Lease", "LeaseAsk", "StaleDrop", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
+__all__ = ["AdmissionState", "Lease", "StaleDrop", "Admission", "AdmissionController", "AsyncAdmissionController", "capacity",
            "budget", "ADMIT_FALLBACK_SECS", "ADMIT_BATCH_MAX"]
 
 log = get_logger(__name__)
@@ -116,8 +116,10 @@ DONE_TTL_MS = 600_000
 # A refused producer asks again after this long at the latest: the backstop only (a Redis restart that lost the
 # wake stream); it is woken as soon as capacity may have grown (a version bump, a wake entry).
 ADMIT_FALLBACK_SECS = 5.0
-# A producer asks for leases in batches (`try_acquire_many`: one script call decides each as its own call would),
-# at most this many a call (`LeaseAsk`: how many it asks for).
+# A producer asks for leases in batches (`try_acquire_many`: one script call decides each as its own call would):
+# 1, doubling while every lease of a batch is granted, up to this, back to 1 after a refusal. Slots come free in
+# bursts (a version bump frees B of them), and a burst then takes a few calls per producer, not one per slot.
+# (Asking for the whole burst at once after a version event cost Redis more, not less: benchmarks/README.md.)
 ADMIT_BATCH_MAX = 32
 # A producer refused within this window counts as waiting for a slot (fair share). It must
 # exceed the producers' longest wait between two asks, ADMIT_FALLBACK_SECS.
@@ -336,10 +338,11 @@ local function owner_counts()
   end
   return counts
 end
--- Once a lease of an owner is refused in this call, so is every later one of that owner not held already:
--- within a call `running` only grows, so the capacity only shrinks, while `running + cap` (what the fair share
--- divides) and the owners counted stay as they were and the owner's own count only grows. Its first refusal
--- recorded the wait; a producer asking for more than its share pays one check, not one per lease.
+-- Once a lease of an owner is refused in this call, so is every later one of that owner not held already, until
+-- a lease is granted (to another owner: it may leave the waiting set, which can lift the fair-share check): in
+-- between `running`, the capacity, `running + cap` (what the fair share divides) and the owners counted stay as
+-- they were. Its first refusal recorded the wait; a producer (one owner a call) asking for more than it gets pays
+-- one check for the rest, not one per lease.
 local refused_owner = {}
 local function decide(lease)
   if held[lease] then
@@ -377,6 +380,7 @@ local function decide(lease)
       unwaited[owner] = true
       if recent then recent[owner] = nil end
     end
+    if next(refused_owner) ~= nil then refused_owner = {} end
     local expires = now + tonumber(ARGV[1])
     add[#add + 1] = expires
     add[#add + 1] = lease
@@ -618,43 +622,6 @@ def budget(eta: int, version: int, batch: int) -> int:
 def capacity(eta: int, version: int, batch: int, max_concurrent: int, accepted: int, running: int) -> int:
     """The blueprint's formula, for reporting (the Lua script is the authority)."""
     return min(max_concurrent - running, budget(eta, version, batch) - (accepted + running))
-
-
-class LeaseAsk:
-    """How many leases a producer asks for in its next `try_acquire_many` call.
-
-    Doubling from 1 while every lease of a call is granted, up to `ADMIT_BATCH_MAX`. After a refusal, the
-    formula at the version the producer knows now, with the counts the refusal saw: the slots a version bump
-    opened since (B each) and whatever the refusal left, at least 1. Slots come free in bursts: a bump frees
-    B of them at once, and every waiting producer wakes to it. Asking for one then and doubling took six
-    script calls per producer for a share of 32 (1 + 2 + 4 + 8 + 16, then the rest); asking for what the
-    bump opened takes one or two. Asking for more than the producer's share costs nothing extra: the script
-    decides each lease as its own call would, so the excess is refused in the same call (and the fair share
-    holds). A wake-up with the version unchanged (a release, an expiry, a commit under the concurrency
-    limit) estimates 0 or a few slots and asks for 1 as before.
-    """
-
-    def __init__(self, eta: int, batch: int, max_concurrent: int) -> None:
-        self.eta, self.batch, self.max_concurrent = eta, batch, max_concurrent
-        self._next = 1  # after a call that was granted in full
-        self._refused: AdmissionState | None = None  # the last call's first refusal, if it had one
-
-    @classmethod
-    def of(cls, admission: "Admission") -> "LeaseAsk":
-        return cls(admission.eta, admission.batch, admission.max_concurrent)
-
-    def size(self, version: int) -> int:
-        """Leases to ask for now, `version` being the newest served version this producer knows of."""
-        st = self._refused
-        if st is None:
-            return self._next
-        free = capacity(self.eta, max(version, st.version), self.batch, self.max_concurrent, st.accepted, st.running)
-        return max(1, min(free, ADMIT_BATCH_MAX))
-
-    def saw(self, asked: int, decisions: list[tuple[AdmissionState, "Lease | None"]]) -> None:
-        """The decisions of a call that asked for `asked` leases."""
-        self._refused = next((st for st, lease in decisions if lease is None), None)
-        self._next = 1 if self._refused is not None else min(2 * max(asked, 1), ADMIT_BATCH_MAX)
 
 
 class Admission:

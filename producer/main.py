@@ -4,9 +4,8 @@ Before every rollout the producer takes a lease from the broker's global admissi
 controller (one atomic Lua script shared by all producers), so the number of groups in
 flight or accepted never runs past `(η + v + 1)·B` nor `max_concurrent_rollouts`. It asks
 for leases in batches (`try_acquire_many`, each lease decided as by its own call): one,
-doubling while all are granted up to `ADMIT_BATCH_MAX`; after a refusal, as many as the budget
-opened since at the version it knows (`broker.admission.LeaseAsk`), so the burst of slots a
-version bump frees costs one or two script calls per producer, not one per slot. A
+doubling while all are granted up to `ADMIT_BATCH_MAX`, one again after a refusal, so the
+burst of slots a version bump frees costs a few script calls per producer, not one per slot. A
 finished group is committed (lease dropped, counted, XADDed: one transaction) if it passes
 `should_accept`, released (counted as rejected) if not, and abandoned (lease dropped)
 if its rollout failed. One that passes but is already more than η behind the version the
@@ -59,7 +58,7 @@ from typing import Any
 
 import msgspec
 
-from rlstream.broker.admission import ADMIT_FALLBACK_SECS, LeaseAsk, StaleDrop
+from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, StaleDrop
 from rlstream.broker.connection import BrokerError
 from rlstream.broker.versions import RUN_FINISHED
 from rlstream.common.coalesce import Coalescer
@@ -458,11 +457,11 @@ class Producer:
 
     async def _admit_loop(self) -> None:
         max_groups = self.cfg.producer.max_groups
-        ask = LeaseAsk.of(self.admission)  # how many leases one call asks for
+        ask = 1  # leases asked for in one call (see ADMIT_BATCH_MAX)
         while self.stop_reason is None:
             self._wake.clear()
             self._budget_full = False  # set again only by a refusal because the budget is used up
-            n = ask.size(self.version)
+            n = ask
             if max_groups is not None:
                 if self.accepted >= max_groups:
                     self.request_stop(f"producer.max_groups={max_groups} groups accepted")
@@ -472,7 +471,6 @@ class Producer:
                     continue
                 n = min(n, max_groups - self.accepted - len(self.inflight))
             decisions = await self.admission.try_acquire_many(n)
-            ask.saw(n, decisions)
             refused = [st for st, lease in decisions if lease is None]
             st = refused[0] if refused else decisions[-1][0]
             self.last_state = st
@@ -491,8 +489,11 @@ class Producer:
                 self.inflight[lease.lease_id] = asyncio.create_task(self._rollout(lease.lease_id, item),
                                                                     name=f"rollout:{item.prompt_id}")
             if refused:
+                ask = 1
                 self._budget_full = st.budget_full
                 await self._wait_wake(ADMIT_FALLBACK_SECS)
+            else:
+                ask = min(2 * ask, ADMIT_BATCH_MAX)
 
     async def _drain(self) -> None:
         """Let in-flight rollouts finish (until the grace time or a forced stop), release the rest."""
