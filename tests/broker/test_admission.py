@@ -433,7 +433,7 @@ def test_a_call_refuses_an_owner_once_and_still_answers_its_held_leases(rclient,
 
 
 def test_one_call_decides_a_mixed_batch_as_one_call_per_lease(rclient, keys):
-    """Randomised: the same ids (three owners, some held already) decided in one script call and one call each, on
+    """Randomised: the same ids (two or three owners, some held already) decided in one script call and one call each, on
     two namespaces set up alike (leases held, producers waiting, budget or concurrency binding), give the same
     decisions, the same leases held and the same producers waiting."""
     import random
