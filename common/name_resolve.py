@@ -7,7 +7,9 @@ chosen by `cluster.name_resolve.type` through `rlstream.broker.registry.make_nam
   a sorted set `{ns}:{service}` per service (the broker's `Keys.engines` for engines).
 - `etcd` (v3 API through the maintained asyncio client `aetcd`): key
   `/rlstream/{ns}/{service}/{address}` attached to a lease refreshed by a keepalive;
-  etcd deletes the key when the lease expires. Watching uses a prefix watch.
+  etcd deletes the key when the lease expires. A keepalive also puts the key back when
+  another process deleted it (the trainer dropping an engine from a push): a live
+  engine comes back, as with Redis. Watching uses a prefix watch.
 - `static`: a fixed list (`cluster.name_resolve.static_servers` plus
   `rollout.engine_addresses`); registration is a no-op.
 
@@ -188,8 +190,22 @@ class EtcdNameResolver(NameResolver):
                 if reply is None or reply.TTL <= 0:
                     log.warning("etcd lease of %s expired; registering again", address)
                     await self._grant_and_put(service, address, ttl)
+                elif await self._put_if_gone(service, address, lease):
+                    log.warning("%s was unregistered by another process (a trainer drops an engine that failed a "
+                                "weight push); registering again", address)
             except Exception as exc:  # noqa: BLE001 - keep trying; etcd may be restarting
                 log.warning("etcd keepalive of %s failed: %s", address, exc)
+
+    async def _put_if_gone(self, service: str, address: str, lease: Any) -> bool:
+        """Put the key back under `lease` if another process deleted it (one transaction); True if it did.
+
+        A live lease keeps a key only until someone deletes it: the trainer unregisters an engine that failed a
+        push (`EngineFleet.forget`), and the engine must come back while it lives, as it does with the Redis
+        backend, where the keepalive itself re-adds a swept address."""
+        key, tx = self._key(service, address), self.client.transactions
+        put, _ = await self.client.transaction(compare=[tx.version(key) == 0],
+                                               success=[tx.put(key, address.encode(), lease=lease)], failure=[])
+        return bool(put)
 
     async def unregister(self, service: str, address: str) -> None:
         self._stop_keepalive(service, address)

@@ -73,6 +73,7 @@ class ChaosRun(LocalRun):
         self.max_over = 0
         self.garbage = 0
         self.killed_in_flight = 0  # rollouts in flight on killed producers (their leases)
+        self.steps_after_faults = 0  # steps trained after the last fault (within FINISH_TIMEOUT_S)
         self._events_seen = "0"  # the last event read from the run's event stream
 
     # ------------------------------------------------------------------ faults
@@ -247,10 +248,12 @@ class ChaosRun(LocalRun):
             if time.monotonic() >= end and not order:  # every kind once, however long that takes
                 break
             self.inject(order.pop(0) if order else self.rng.choice(FAULTS))
-        # Let the run show that it recovered: one more step after the last fault.
+        # Let the run show that it recovered: one more step after the last fault (a run that stalls, e.g. every
+        # engine out of rotation or the budget held by rollouts that never end, shows 0 in the ledger).
         steps, deadline = self._trained_steps(), time.monotonic() + FINISH_TIMEOUT_S
         while self._trained_steps() <= steps and time.monotonic() < deadline:
             self._sleep(1.0)
+        self.steps_after_faults = self._trained_steps() - steps
 
     def run(self) -> dict[str, Any]:  # type: ignore[override]
         from rlstream.broker.ledger import ledger
@@ -290,6 +293,7 @@ class ChaosRun(LocalRun):
             "max_over_admission": self.max_over, "over_budget_after_rollback": self.over_after_rollback,
             "over_budget_samples": self.over_rows, "admission_samples": self.samples,
             "unexpected_exits": len(self.unexpected), "unexpected": self.unexpected,
+            "steps_after_faults": self.steps_after_faults,
             "duration_s": round(time.monotonic() - self.t0, 1), "seed": self.seed,
             "faults": dict(sorted({k: sum(f["kind"] == k for f in self.faults) for k in FAULTS}.items())),
             "fault_log": self.faults,
@@ -307,7 +311,7 @@ LEDGER_LINES = [
     ("in two states", "in_two_states"), ("over-admissions (samples)", ("over_admissions", "admission_samples")),
     ("over budget after a version rollback (samples)", "over_budget_after_rollback"),
     ("steps trained", "steps_trained"), ("stall seconds (gaps > 10 s)", "stall_seconds"),
-    ("longest stall (s)", "longest_stall_s"),
+    ("longest stall (s)", "longest_stall_s"), ("steps trained after the last fault", "steps_after_faults"),
     ("rollouts in flight on killed producers", "killed_in_flight"),
     ("waste: groups generated, not trained", ("waste_groups", "waste_frac")),
     ("stale waste after Redis restarts", "stale_waste_after_redis_restarts"),

@@ -166,6 +166,34 @@ async def test_register_watch_and_expire_after_crash(kind, request, redis_url, e
     await watcher.close()
 
 
+@pytest.mark.parametrize("kind", ["redis", pytest.param("etcd", marks=pytest.mark.etcd)])
+async def test_an_address_another_process_unregistered_comes_back_while_its_owner_lives(kind, request, redis_url,
+                                                                                        experiment):
+    """The trainer drops an engine that failed a push by unregistering it (`EngineFleet.forget`), from its own
+    process. A live engine's next keepalive registers it again, so the watcher brings it forward; only a dead
+    engine stays out. (With etcd the keepalive used to refresh the lease alone: the key the trainer deleted never
+    came back, and a one-engine run waited for data for ever.)"""
+    etcd_addr = request.getfixturevalue("etcd_server").address if kind == "etcd" else "127.0.0.1:1"
+    cfg = _cfg(kind, redis_url, experiment, etcd_addr, ttl=2)  # a keepalive every 2/3 s
+    engine, trainer = make_name_resolver(cfg), make_name_resolver(cfg)
+    watch = trainer.watch(ENGINES_SERVICE).__aiter__()
+    try:
+        await engine.register(ENGINES_SERVICE, "127.0.0.1:4444")
+        await _watch_until(watch, lambda a: a == ["127.0.0.1:4444"])
+        await trainer.unregister(ENGINES_SERVICE, "127.0.0.1:4444")  # what `EngineFleet.forget` does
+        await _watch_until(watch, lambda a: a == [])
+        assert await _watch_until(watch, lambda a: a == ["127.0.0.1:4444"], timeout=10) == ["127.0.0.1:4444"]
+        assert await trainer.list(ENGINES_SERVICE) == ["127.0.0.1:4444"]
+        await engine.close()  # the owner unregisters for good
+        await _watch_until(watch, lambda a: a == [])
+        await asyncio.sleep(2.0)  # past a keepalive period: nothing brings it back
+        assert await trainer.list(ENGINES_SERVICE) == []
+    finally:
+        await watch.aclose()
+        await engine.close()
+        await trainer.close()
+
+
 async def test_redis_key_is_the_broker_engines_key(redis_url, experiment, keys, rclient):
     cfg = _cfg("redis", redis_url, experiment)
     r = make_name_resolver(cfg)

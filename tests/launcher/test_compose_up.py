@@ -213,7 +213,18 @@ class Compose:
                 return [s["ExitCode"] for s in states]
             time.sleep(2)
         raise AssertionError(f"{service} did not finish within {timeout:.0f}s\n{self('ps', check=False).stdout}\n"
-                             f"{self.logs(tail=30)}")
+                             f"{self.diagnosis()}")
+
+    def diagnosis(self) -> str:
+        """What a stuck run looks like: each service's last lines (the producers' progress lines say what they wait
+        for; the trainer's last, its repeated wait comes last), then the queue and admission (`rlstream inspect`)."""
+        try:
+            info = self("run", "--rm", "-T", "inspect", "--json", timeout=180, check=False)
+            queue = " ".join((info.stdout or info.stderr).split())[-6000:]
+        except subprocess.TimeoutExpired:
+            queue = "(no answer within 180 s)"
+        others = ("engine", "etcd", "prepare", "producer", "redis", "report")
+        return f"{self.logs(*others, tail=30)}\n{self.logs('trainer', tail=10)}\nrlstream inspect --json: {queue}"
 
     def inspect(self) -> dict:
         return json.loads(self("run", "--rm", "-T", "inspect", "--json", timeout=180).stdout)

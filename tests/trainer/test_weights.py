@@ -405,6 +405,43 @@ def test_engine_failing_during_update(mode, failure, engines, base_model, model_
         assert "terminate called" not in e.log_path.read_text()
 
 
+def test_engine_dropped_after_it_took_the_weights_comes_back_generating(engines, base_model, model_path, redis_url,
+                                                                        experiment, keys, rclient, tmp_path,
+                                                                        broadcasters):
+    """The one engine of a run gets the new weights, but the trainer's `/continue_generation` to it fails (it did
+    not answer in time): the push drops it, paused and serving the current version. Alive, it registers again with
+    its next keepalive, and the watcher must let it generate again, not only count it as serving the version: a
+    paused only engine (it stays paused until a push, and the next push waits for data it cannot generate) would
+    stall the run for ever."""
+    from rlstream.common import engine_api as api
+    from rlstream.common.engine_api import EngineError
+
+    reg = [f"redis.url={redis_url}", f"experiment_name={experiment}", "cluster.name_resolve.lease_ttl=3"]
+    engine = engines(reg)
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, "distributed", ["rollout.health_check_interval=0.5"])
+    b = broadcasters(cfg, rclient, keys)
+    real_call, refused = b.fleet.call, []
+
+    async def call(address, route, body=None, *, timeout):
+        if route.path == api.CONTINUE_GENERATION.path and not refused:
+            refused.append(address)
+            raise EngineError(f"{address}{route.path}: no answer within {timeout}s", answered=False)
+        return await real_call(address, route, body, timeout=timeout)
+
+    b.fleet.call = call
+    new = perturbed(base_model, 7)
+    b.push(new, 1)
+
+    assert refused == [engine.address] and engine.address in b.last.dropped
+    assert served_version(engine) == 1 and http(engine.url + "/get_model_info")[1]["paused"]  # as the push left it
+    wait_until(lambda: any(e.type == "engine_up" and engine.address in e.detail for e in events(rclient, keys)),
+               30, "engine_up for the engine that came back")
+    wait_until(lambda: not http(engine.url + "/get_model_info")[1]["paused"], 10, "the engine to generate again")
+    assert_serves(engine, new, base_model)
+    b.push(perturbed(base_model, 8), 2)
+    assert b.last.engines == [engine.address] and not b.last.dropped and served_version(engine) == 2
+
+
 async def test_in_flight_generation_aborts_and_continues_with_new_version(shared_engine, base_model, model_path,
                                                                          redis_url, experiment, keys, rclient,
                                                                          tmp_path, broadcasters):

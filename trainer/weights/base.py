@@ -31,7 +31,10 @@ weights unless a train step is running: every tensor's bit checksum is taken whe
 sent and again at the end, and a mismatch means the weights moved: the engine stays
 paused, and a later pass (backing off) or the next push (which includes every listed
 engine) brings it up to date. A caught-up engine is resumed and announced with
-`engine_up`. An engine is paused only when something will
+`engine_up`; so is one that comes back already serving the published version (dropped
+after it took the weights: its `/continue_generation` failed, and it is still paused).
+A dropped engine that lives registers again with its next keepalive (both name-resolve
+backends), so only a dead engine stays out of the rotation. An engine is paused only when something will
 bring it forward (a catch-up now, or a next push that can only come if another engine
 serves): otherwise it keeps serving, its tokens labelled with its own (old) version,
 which the staleness check handles.
@@ -421,7 +424,7 @@ class EngineBroadcaster(WeightBroadcaster):
             cands = [a for a in listed if a not in self.held
                      and (a not in self._backoff or self._backoff[a].not_before <= now)]
             versions = await asyncio.gather(*(self.fleet.weight_version(a) for a in cands))
-            behind = []
+            behind, joining = [], []
             for a, v in zip(cands, versions):
                 if v is None:
                     # No answer, or an engine that does not report versions: trust what we confirmed;
@@ -431,12 +434,11 @@ class EngineBroadcaster(WeightBroadcaster):
                     v = 0 if self.current == 0 else None
                 if v == self.current:
                     if a not in self.in_sync:
-                        self.in_sync.add(a)
-                        self._announce("engine_up", a, f"{a} serves version {v}")
-                        self.down.pop(a, None)
-                        self._backoff.pop(a, None)
+                        joining.append(a)
                 else:
                     behind.append(a)
+            if joining:
+                await self._join(joining)
             if not behind:
                 return
             self.in_sync -= set(behind)
@@ -487,6 +489,27 @@ class EngineBroadcaster(WeightBroadcaster):
                     self.down.pop(a, None)
                     self._backoff.pop(a, None)
                     self._announce("engine_up", a, f"{a} caught up to version {self.current}")
+
+    async def _join(self, engines: list[str]) -> None:
+        """Count engines that serve the published version (new ones, or back after a drop) as in sync, generating.
+
+        `/continue_generation` first: an engine dropped after it took the weights (its continue failed) is still
+        paused, and nothing else would ever resume it; a paused only engine stalls the run, since the next push
+        waits for groups it cannot generate. On an engine that is not paused the call changes nothing."""
+        failed: dict[str, str] = {}
+        try:
+            await self._continue(engines)
+        except TransferFailed as exc:
+            failed = exc.bad
+            for a, why in failed.items():
+                await self._mark_down(a, why, self.current)
+        for a in engines:
+            if a in failed:
+                continue
+            self.in_sync.add(a)
+            self._announce("engine_up", a, f"{a} serves version {self.current}")
+            self.down.pop(a, None)
+            self._backoff.pop(a, None)
 
     # ------------------------------------------------------------ lifecycle
 
