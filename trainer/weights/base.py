@@ -475,27 +475,15 @@ class EngineBroadcaster(WeightBroadcaster):
             if not done:
                 self._defer(behind)  # still paused: a later pass or the next push brings them forward
                 return
-            failed: dict[str, str] = {}
-            try:
-                await self._continue(behind)
-            except TransferFailed as exc:
-                failed = exc.bad
-                for a, why in failed.items():
-                    await self._mark_down(a, why, self.current)
-            for a in behind:
-                if a not in failed:
-                    self.held.discard(a)
-                    self.in_sync.add(a)
-                    self.down.pop(a, None)
-                    self._backoff.pop(a, None)
-                    self._announce("engine_up", a, f"{a} caught up to version {self.current}")
+            await self._join(behind, "caught up to")
 
-    async def _join(self, engines: list[str]) -> None:
-        """Count engines that serve the published version (new ones, or back after a drop) as in sync, generating.
+    async def _join(self, engines: list[str], how: str = "serves") -> None:
+        """Resume engines that serve the published version and count them in sync (`engine_up`).
 
-        `/continue_generation` first: an engine dropped after it took the weights (its continue failed) is still
-        paused, and nothing else would ever resume it; a paused only engine stalls the run, since the next push
-        waits for groups it cannot generate. On an engine that is not paused the call changes nothing."""
+        Caught-up engines, and engines that are new or back after a drop: one dropped after it took the weights
+        (its `/continue_generation` failed) is still paused, and nothing else would ever resume it; a paused only
+        engine stalls the run, since the next push waits for groups it cannot generate. On an engine that is not
+        paused the call changes nothing."""
         failed: dict[str, str] = {}
         try:
             await self._continue(engines)
@@ -504,12 +492,12 @@ class EngineBroadcaster(WeightBroadcaster):
             for a, why in failed.items():
                 await self._mark_down(a, why, self.current)
         for a in engines:
-            if a in failed:
-                continue
-            self.in_sync.add(a)
-            self._announce("engine_up", a, f"{a} serves version {self.current}")
-            self.down.pop(a, None)
-            self._backoff.pop(a, None)
+            if a not in failed:
+                self.held.discard(a)
+                self.in_sync.add(a)
+                self.down.pop(a, None)
+                self._backoff.pop(a, None)
+                self._announce("engine_up", a, f"{a} {how} version {self.current}")
 
     # ------------------------------------------------------------ lifecycle
 
