@@ -218,13 +218,18 @@ class Compose:
     def diagnosis(self) -> str:
         """What a stuck run looks like: each service's last lines (the producers' progress lines say what they wait
         for; the trainer's last, its repeated wait comes last), then the queue and admission (`rlstream inspect`)."""
-        try:
-            info = self("run", "--rm", "-T", "inspect", "--json", timeout=180, check=False)
-            queue = " ".join((info.stdout or info.stderr).split())[-6000:]
-        except subprocess.TimeoutExpired:
-            queue = "(no answer within 180 s)"
+        parts = []
         others = ("engine", "etcd", "prepare", "producer", "redis", "report")
-        return f"{self.logs(*others, tail=30)}\n{self.logs('trainer', tail=10)}\nrlstream inspect --json: {queue}"
+        for what, args, timeout in ((None, ("logs", "--no-color", "--tail", "30", *others), 60),
+                                    (None, ("logs", "--no-color", "--tail", "10", "trainer"), 60),
+                                    ("rlstream inspect --json: ", ("run", "--rm", "-T", "inspect", "--json"), 180)):
+            try:
+                out = self(*args, timeout=timeout, check=False)
+                text = out.stdout or out.stderr
+                parts.append(text if what is None else what + " ".join(text.split())[-6000:])
+            except subprocess.TimeoutExpired:
+                parts.append(f"({' '.join(args[:2])}: no answer within {timeout} s)")
+        return "\n".join(parts)
 
     def inspect(self) -> dict:
         return json.loads(self("run", "--rm", "-T", "inspect", "--json", timeout=180).stdout)
