@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.broker.steps import StepLog, StepRecord
@@ -91,7 +91,8 @@ class StepReader:
 
     def __init__(self, client: Any, keys: Keys, *, rank: int = 0, world_size: int = 1, groups_per_step: int,
                  max_head_offpolicyness: int, vocab_size: int | None = None, block_ms: int = 1000,
-                 log_every_secs: float = 10.0, group: str = TRAIN_GROUP) -> None:
+                 log_every_secs: float = 10.0, group: str = TRAIN_GROUP,
+                 describe_wait: Callable[[], str] | None = None) -> None:
         if groups_per_step < 1:
             raise ValueError(f"groups per step and rank must be >= 1, got {groups_per_step}")
         self.client = client
@@ -105,6 +106,7 @@ class StepReader:
         self.block_ms = block_ms
         self.fill_fraction = FILL_FRACTION  # (0: one blocking read per arrival while a step fills)
         self.log_every_secs = log_every_secs
+        self.describe_wait = describe_wait  # what the wait line adds: why no groups come (the admission state)
         self.stream = TrajectoryStream(client, keys, group)
         self.steplog = StepLog(client, keys)
         self._replay: dict[int, list[str]] = {}
@@ -236,8 +238,8 @@ class StepReader:
                 idle = not batch
             now = time.monotonic()
             if idle and now - last_log >= self.log_every_secs:
-                log.info("rank %d waiting for data: %d/%d groups for step %d (version %d)",
-                         self.rank, len(data.entries), self.need, step, version)
+                log.info("rank %d waiting for data: %d/%d groups for step %d (version %d)%s",
+                         self.rank, len(data.entries), self.need, step, version, self._why_waiting())
                 last_log = now
         self.steplog.record(StepRecord(step=step, version=version, entry_ids=data.ids, rank=self.rank,
                                        ts=time.time(), world=self.world_size))
@@ -247,6 +249,14 @@ class StepReader:
         data.n_dead = self.stream.dead_lettered - self._dead_reported
         self._dead_reported = self.stream.dead_lettered
         return data
+
+    def _why_waiting(self) -> str:
+        if self.describe_wait is None:
+            return ""
+        try:
+            return f"; {self.describe_wait()}"
+        except Exception as exc:  # noqa: BLE001 - a log line's detail: never stop the reader for it
+            return f"; ({type(exc).__name__}: {exc})"
 
     def _fill_pause(self, missing: int, seen: int, waited: float) -> float:
         """Seconds to sleep before the next read of a step still `missing` groups, `seen` having come in the

@@ -220,9 +220,16 @@ def _train(cfg: Config, par: Parallel) -> None:
         state.world_size, state.total_train_steps = par.world_size, total_steps
         covered = rank_state.covered_ids if rank_state is not None else []
         log.info("resumed from %s: %d steps done, version %d", latest, state.step, state.version)
+    admission = AdmissionController.from_config(client, keys, cfg)
+
+    def admission_state() -> str:  # a long wait for data says why: the budget used up, leases that never end
+        s = admission.snapshot()
+        return (f"admission: capacity {s.capacity}, {s.running} rollouts running, {s.accepted} groups accepted, "
+                f"served version {s.version}")
+
     reader = StepReader(client, keys, rank=par.rank, world_size=par.world_size, groups_per_step=B // par.world_size,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness, vocab_size=vocab_size,
-                        log_every_secs=cfg.stats_logger.log_every_secs)
+                        log_every_secs=cfg.stats_logger.log_every_secs, describe_wait=admission_state)
     if par.is_main and recovering:
         reader.claim_orphans()
     par.barrier()
@@ -237,7 +244,7 @@ def _train(cfg: Config, par: Parallel) -> None:
     # A checkpoint or recorded-but-lost steps mean this run recovers from a crash.
     if latest is not None or info.replay_steps:
         if par.is_main:
-            queued = AdmissionController.from_config(client, keys, cfg).reset_accepted(state.version)
+            queued = admission.reset_accepted(state.version)
             log.info("admission reset: accepted := %d·%d + %d queued groups", state.version, B, queued)
         # Engines may serve weights of lost steps: give them the recovered ones.
         broadcaster.push(par.unwrap(model), state.version)

@@ -215,3 +215,61 @@ def test_a_step_filled_by_a_trickle_gets_every_group_once(rclient, keys):
         writer.join()
     assert [d.ids for d in steps] == [ids[:30], ids[30:]]
     assert rclient.xpending(keys.traj, "train")["pending"] == 60
+
+
+def test_a_wait_for_data_says_what_admission_looks_like(rclient, keys):
+    """A trainer that waits for groups logs, every `log_every_secs`, what it has and the admission state its
+    `describe_wait` reads (capacity, leases running): a run stuck on a used-up budget or on rollouts that never
+    end says so in the trainer's own log. A describe that fails names its error; the read goes on."""
+    import logging
+    import threading
+    import time as _time
+
+    from rlstream.broker.admission import AdmissionController
+    from rlstream.consumer import reader as mod
+
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    first = stream.append(_group(version=0))
+    admission = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2,
+                                    max_concurrent_rollouts=4)
+    state, lease = admission.try_acquire()  # one rollout running
+    assert lease is not None
+
+    def describe() -> str:
+        s = admission.snapshot()
+        return f"admission: capacity {s.capacity}, {s.running} rollouts running"
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Lines()
+    mod.log.addHandler(handler)
+    reader = StepReader(rclient, keys, groups_per_step=2, max_head_offpolicyness=0, block_ms=20,
+                        log_every_secs=0.05, describe_wait=describe)
+    reader.resume(0, replay=True)
+    got: list = []
+    thread = threading.Thread(target=lambda: got.append(reader.next(step=0, version=0)))
+    try:
+        thread.start()
+        deadline = _time.monotonic() + 20
+        while not any("waiting for data" in line for line in lines):
+            assert _time.monotonic() < deadline, lines
+            _time.sleep(0.02)
+        second = stream.append(_group(version=0))
+        thread.join(20)
+    finally:
+        mod.log.removeHandler(handler)
+    assert got and got[0].ids == [first, second]
+    # budget (η + v + 1)·B = 2, nothing accepted through admission, one lease: capacity 1
+    assert ("rank 0 waiting for data: 1/2 groups for step 0 (version 0); admission: capacity 1, 1 rollouts running"
+            in lines), lines
+
+    def broken() -> str:
+        raise RuntimeError("Redis is restarting")
+
+    reader.describe_wait = broken
+    assert reader._why_waiting() == "; (RuntimeError: Redis is restarting)"
