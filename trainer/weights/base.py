@@ -34,10 +34,10 @@ engine) brings it up to date. A caught-up engine is resumed and announced with
 `engine_up`; so is one that comes back already serving the published version (dropped
 after it took the weights: its `/continue_generation` failed, and it is still paused).
 A dropped engine that lives registers again with its next keepalive (both name-resolve
-backends), so only a dead engine stays out of the rotation. An engine is paused only when something will
-bring it forward (a catch-up now, or a next push that can only come if another engine
-serves): otherwise it keeps serving, its tokens labelled with its own (old) version,
-which the staleness check handles.
+backends), so only a dead engine stays out of the rotation. An engine is paused only
+when something will bring it forward (a catch-up now, or a next push that can only come
+if another engine serves): otherwise it keeps serving, its tokens labelled with its own
+(old) version, which the staleness check handles.
 
 Delta pushes (`actor.weight_update_delta`, `delta.py`): rank 0 keeps a CPU copy of the
 last pushed version; when every engine of a push confirmed serving it, the backend sends
