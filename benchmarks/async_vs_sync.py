@@ -279,7 +279,7 @@ def stale_drops(before: dict, after: dict, cmd: str) -> str:
     lines += ["", f"Reward: mean of the last 20% of steps, one run each; across the η of one version it spreads by "
               f"{spread['before']:.3f} (before) and {spread['after']:.3f} (after), the size of the before/after "
               "differences: unchanged within noise. Staleness never exceeds η in either: the reader still drops "
-              "what is too old. Runs: benchmarks/stale_drops_before.json, benchmarks/stale_drops_after.json.", ""]
+              "what is too old. Runs: benchmarks/results/stale_drops_before.json, benchmarks/results/stale_drops_after.json.", ""]
     return "\n".join(lines)
 
 

@@ -148,8 +148,7 @@ def part_env(ctx: dict) -> dict:
 
 
 def part_engine(ctx: dict) -> dict:
-    sys.path.insert(0, str(Path(__file__).parent))
-    import engine as engine_bench  # benchmarks/engine.py
+    import engine as engine_bench  # benchmarks/engine.py (benchmarks/ is sys.path[0] when run as a script)
 
     rows, setup = [], {}
     for c, n in ((1, 4), (32, 64), (128, 256)):
@@ -616,7 +615,7 @@ def _f(x, nd=3) -> str:
 
 
 def render(res: dict) -> str:
-    """The GPU section from a results file (benchmarks/gpu_results.json: one or more runs' parts merged)."""
+    """The GPU section from a results file (benchmarks/results/gpu_results.json: one or more runs' parts merged)."""
     p = res["parts"]
     env = p.get("env", {})
     runs = res.get("runs") or [{"parts": list(p), "command": res.get("command"), "env": env}]
@@ -627,8 +626,8 @@ def render(res: dict) -> str:
              f"Python {env.get('python')}. Measured bf16 8192³ matmul: **{env.get('bf16_matmul_tflops')} TFLOP/s** "
              "(datasheet dense bf16: 989). Model: a random-init Llama with SmolLM2-135M's shape (134.5M parameters; "
              "the real files cannot be carried there). What each part does: the docstring of benchmarks/gpu.py. "
-             "Results: `benchmarks/gpu_results.json`; this section: `python benchmarks/gpu.py --readme "
-             "benchmarks/gpu_results.json`. Runs (one process each, on the GPU machine, repo root):", ""]
+             "Results: `benchmarks/results/gpu_results.json`; this section: `python benchmarks/gpu.py --readme "
+             "benchmarks/results/gpu_results.json`. Runs (one process each, on the GPU machine, repo root):", ""]
     for r in runs:
         lines.append(f"- `{r['command']}` → {', '.join(r['parts'])} (bf16 matmul that run: "
                      f"{r.get('env', {}).get('bf16_matmul_tflops')} TFLOP/s){r.get('note', '')}")
@@ -765,8 +764,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readme", type=Path, help="gpu.json of a GPU run: (re)write the GPU section of benchmarks/README.md")
     args = ap.parse_args(argv)
     if args.readme:
-        sys.path.insert(0, str(Path(__file__).parent))
-        from readme_section import write_section
+        from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
 
         write_section(SECTION, render(json.loads(args.readme.read_text())))
         return 0
