@@ -11,7 +11,7 @@ token (no queueing, no pause), the trainer takes a group as soon as it is done, 
 a group that can no longer be trained is stopped, its slot given back, at the push that dooms it
 (else it finishes and is dropped when read, as the product does).
 
-What it shows (benchmarks/README.md, "Where the gap to the bound is"): with `tau` set to the
+What it shows (docs/scaling.md, "Where the gap to the bound is"): with `tau` set to the
 per-token time the simulator's engines really gave the longest sample of each group, this model
 reproduces the simulator's steady step within a few percent, so the schedule is at what the
 protocol allows at that decode speed; the remaining lever is `tau` (batch size, i.e. KV read per
