@@ -112,7 +112,8 @@ class Scheduler:
             self.paused = False
             self.cv.notify_all()
 
-    # ------------------------------------------------------------------ decode thread (`finished` takes cv; the others run holding it)
+    # ------------------------------------------------------------------ decode thread
+    # `finished` takes cv; the methods after it run with cv held.
 
     def finished(self, count: int) -> None:
         """`count` requests finished now: their clients' next requests are expected (admission holds)."""
