@@ -12,22 +12,10 @@ without changes: point its client at a session's base URL,
 (`tools`, `n`, `temperature`, `top_p`, `max_tokens`/`max_completion_tokens`, `stop`,
 `stream`, `logprobs`, vLLM's `return_token_ids`), `POST /v1/completions` and `GET /v1/models`.
 
-Token-in, token-out, as in `producer/agent.py`: every call is answered by the engine pool
-(`RolloutEngine`: per-token versions, continuation across weight updates) and its exact
-ids, logprobs and versions are kept. A call whose messages extend a conversation the
-session already has (the agent sent back the assistant messages it got, plus new tool or
-user messages) continues that branch: the request's ids are the branch's ids, the end-of-
-turn tokens and the chat template's token delta of the new messages (`ChatTemplate`) —
-the earlier assistant turns are never re-tokenized from their text. Any other call starts
-a new branch; each branch (a leaf of the session's call tree) is one trajectory.
-
-Groups: sessions whose first call has the same prompt (or that named the same `group`)
-form one group of `gateway.group_size` episodes. The group's first call takes one
-admission lease (waiting up to `gateway.admission_timeout`; the agent sees the wait as
-latency, then 503); when every member reported its reward the group is committed through
-the lease (`group_from_episodes`, dynamic sampling as in the producer). A session idle past
-`gateway.session_timeout` is abandoned and leaves its group; a group left empty abandons
-its lease, one waiting that long for more members commits those that finished.
+Token-in, token-out: each call's exact ids, logprobs and versions are kept, a call that extends a
+conversation continues its branch, and each branch is one trajectory (`calls.py`). Sessions form
+groups committed through one admission lease each (`sessions.py`). The HTTP routes are `app.py`,
+the process `server.py`, the request bodies `structs.py`.
 
 Errors are JSON `{"error": {"message", "code"}}`: 400 a body that does not fit (naming the
 field) or a conversation beyond the model's context, 404 an unknown session, 409 a finished

@@ -3,10 +3,11 @@
 A session's calls make a tree of branches (each leaf is one trajectory). Sessions whose first
 call has the same prompt (or that named the same `group`) form one group of
 `gateway.group_size` episodes. The group's first call takes one admission lease (waiting up
-to `gateway.admission_timeout`); when every member reported its reward the group is committed
-through the lease (`group_from_episodes`, dynamic sampling as in the producer). A session idle
-past `gateway.session_timeout` is abandoned and leaves its group; a group left empty abandons
-its lease, one waiting that long for more members commits those that finished.
+to `gateway.admission_timeout`; the agent sees the wait as latency, then 503); when every
+member reported its reward the group is committed through the lease (`group_from_episodes`,
+dynamic sampling as in the producer). A session idle past `gateway.session_timeout` is
+abandoned and leaves its group; a group left empty abandons its lease, one waiting that long
+for more members commits those that finished.
 """
 
 from __future__ import annotations
