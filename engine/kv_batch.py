@@ -1,0 +1,201 @@
+"""The local engine's running batch: one left-padded KV cache, its prefill and decode forwards.
+
+The batch KV cache is one HF `DynamicCache` whose rows are left-padded to a common
+length; an attention mask marks the padding and explicit position ids keep each
+row's positions as if it were alone, which is exactly what `model.generate` does for
+a left-padded batch. Leading columns that are padding in every row are trimmed when
+sequences leave, so the cache does not grow without bound.
+
+Only the decode thread touches a `KVBatch`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from rlstream.engine.prefix_cache import Prefix
+    from rlstream.engine.scheduler import Request
+
+__all__ = ["KVBatch", "cache_layers", "make_cache", "lpad"]
+
+
+class KVBatch:
+    """The running batch, row i <-> `rows[i]`, and the model forwards over it."""
+
+    def __init__(self, model, *, device: torch.device, dtype: torch.dtype, pad_id: int) -> None:
+        self.model = model
+        self.device = device
+        self.dtype = dtype
+        self.pad_id = pad_id
+        self._logits_to_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+        self.rows: list[Request] = []
+        self.cache = None
+        self.mask: torch.Tensor | None = None  # [B, L] 1 = real cached token
+        self.next_pos: torch.Tensor | None = None  # [B] position id of the next input token
+        self.last: torch.Tensor | None = None  # [B] token to feed next (sampled, not cached yet)
+        # The last decode step's attention mask (2D when no row is padded, else 4D additive), carried to the
+        # next step with one column appended; None after the rows changed (prefill, finish): rebuilt once.
+        self.step_mask: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.rows, self.cache, self.mask, self.next_pos, self.last = [], None, None, None, None
+        self.step_mask = None
+
+    def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
+                 cache) -> tuple[torch.Tensor, Any]:
+        kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
+                         position_ids=pos, past_key_values=cache, use_cache=True, **kw)
+        return out.logits[:, -1, :].float(), out.past_key_values
+
+    def _attention_mask(self, mask: torch.Tensor, q_len: int) -> torch.Tensor:
+        """The mask the model gets: 2D when nothing is padded, else a ready 4D additive mask.
+
+        HF builds a padded mask through vmap/pytree machinery that costs more than the
+        whole forward of a small model; a 4D mask is used as given. Masked entries get
+        the dtype's min (not -inf) so a fully padded query row cannot produce NaN.
+        """
+        if bool(mask.all()):
+            return mask
+        keep = mask.bool()[:, None, None, :]  # [B, 1, 1, K]
+        if q_len > 1:
+            k_len = mask.shape[1]
+            causal = torch.ones((q_len, k_len), dtype=torch.bool, device=mask.device).tril(k_len - q_len)
+            keep = keep & causal[None, None]
+        zero = torch.zeros((), dtype=self.dtype, device=mask.device)
+        return torch.where(keep, zero, torch.finfo(self.dtype).min)
+
+    def prefill(self, reqs: list[Request], hits: list[tuple[Prefix, int] | None]) -> tuple[torch.Tensor, int]:
+        """One forward over the prompts' uncached tails, left-padded, after their kept KV (if any).
+
+        Every row feeds its last S tokens, S = the longest uncached tail, so each row is still
+        one contiguous run of real columns (the batch invariant): a row whose uncached tail is
+        shorter re-runs a few cached tokens instead of padding in the middle. The rows join the
+        batch as its last `len(reqs)` rows. Returns their logits and the prompt tokens whose KV
+        came from the kept prefixes.
+        """
+        from transformers import DynamicCache
+
+        dev = self.device
+        n = len(reqs)
+        lens = [len(r.prompt) for r in reqs]
+        S = max(ln - (h[1] if h else 0) for ln, h in zip(lens, hits))
+        past = [max(0, ln - S) for ln in lens]  # reused columns per row (never more than its hit)
+        P = max(past)
+        ids = torch.full((n, S), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((n, P + S), dtype=torch.long)
+        for i, (r, p) in enumerate(zip(reqs, past)):
+            tail = r.prompt[p:]
+            ids[i, S - len(tail):] = torch.tensor(tail)
+            mask[i, P - p:P] = 1
+            mask[i, P + S - len(tail):] = 1
+        ids, mask = ids.to(dev), mask.to(dev)
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]
+        cache = DynamicCache() if P == 0 else self._reused_cache(hits, past, P)
+        logits, cache = self._forward(ids, self._attention_mask(mask, S), pos, cache)
+        self._merge(reqs, cache, mask, torch.tensor(lens, dtype=torch.long, device=dev))
+        return logits, sum(past)
+
+    def _reused_cache(self, hits: list[tuple[Prefix, int] | None], past: list[int], P: int):
+        """A cache of `P` columns: each row's first `past[i]` kept KV columns, left-padded."""
+        dev = self.device
+        ref = next(h[0].kv for h in hits if h is not None)
+        kv = []
+        for layer, (k0, v0) in enumerate(ref):
+            ks, vs = [], []
+            for h, p in zip(hits, past):
+                k, v = (h[0].kv[layer] if h is not None and p else (k0[:, :, :0], v0[:, :, :0]))
+                ks.append(lpad(k[:, :, :p].to(dev), P))
+                vs.append(lpad(v[:, :, :p].to(dev), P))
+            kv.append((torch.cat(ks, 0), torch.cat(vs, 0)))
+        return make_cache(kv)
+
+    def _merge(self, reqs: list[Request], cache, mask: torch.Tensor, next_pos: torch.Tensor) -> None:
+        """Append freshly prefilled rows to the running batch, left-padding to a common length."""
+        last = torch.full((len(reqs),), self.pad_id, dtype=torch.long, device=self.device)
+        if not self.rows:
+            self.rows, self.cache, self.mask, self.next_pos, self.last = list(reqs), cache, mask, next_pos, last
+            self.step_mask = None
+            return
+        L_old, L_new = self.mask.shape[1], mask.shape[1]
+        L = max(L_old, L_new)
+        old_layers, new_layers = cache_layers(self.cache), cache_layers(cache)
+        kv = []
+        for (ko, vo), (kn, vn) in zip(old_layers, new_layers):
+            kv.append((torch.cat([lpad(ko, L), lpad(kn, L)], 0), torch.cat([lpad(vo, L), lpad(vn, L)], 0)))
+        self.cache = make_cache(kv)
+        self.mask = torch.cat([lpad(self.mask, L), lpad(mask, L)], 0)
+        self.next_pos = torch.cat([self.next_pos, next_pos])
+        self.last = torch.cat([self.last, last])
+        self.rows = self.rows + list(reqs)
+        self.step_mask = None
+
+    def select(self, keep: list[int]) -> None:
+        """Keep only these batch rows, then trim padding columns no row needs any more."""
+        if not keep:
+            self.reset()
+            return
+        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
+        mask = self.mask.index_select(0, idx)
+        # Left padding: the first column any remaining row uses.
+        start = int((mask.shape[1] - mask.sum(-1)).min().item()) if mask.shape[1] else 0
+        # A row's leading zeros are all padding only if they are contiguous: the mask of a
+        # row is 0...0 1...1 by construction (we only ever prepend zero columns).
+        kv = [(k.index_select(0, idx)[:, :, start:], v.index_select(0, idx)[:, :, start:])
+              for k, v in cache_layers(self.cache)]
+        self.cache = make_cache(kv)
+        self.mask = mask[:, start:]
+        self.next_pos = self.next_pos.index_select(0, idx)
+        self.last = self.last.index_select(0, idx)
+        self.rows = [self.rows[i] for i in keep]
+        self.step_mask = None
+
+    def decode(self) -> torch.Tensor:
+        """One [B, 1] forward feeding each row's last sampled token; returns the logits [B, V]."""
+        B = len(self.rows)
+        ones = torch.ones((B, 1), dtype=self.mask.dtype, device=self.device)
+        mask = torch.cat([self.mask, ones], 1)
+        # Between two changes of the rows the step's mask only gains a real column: carry it instead of
+        # rebuilding it (and scanning the whole 2D mask for padding) every step.
+        prev = self.step_mask
+        if prev is None:
+            attn = self._attention_mask(mask, 1)
+        elif prev.dim() == 2:
+            attn = mask
+        else:
+            attn = torch.cat([prev, prev.new_zeros((B, 1, 1, 1))], -1)
+        logits, cache = self._forward(self.last[:, None], attn, self.next_pos[:, None], self.cache)
+        self.cache, self.mask, self.step_mask = cache, mask, attn
+        self.next_pos = self.next_pos + 1
+        return logits
+
+
+def cache_layers(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer (keys, values) [B, H, L, D] of an HF cache, old or new API."""
+    if hasattr(cache, "layers"):
+        return [(layer.keys, layer.values) for layer in cache.layers]
+    return list(cache.to_legacy_cache())
+
+
+def make_cache(kv: list[tuple[torch.Tensor, torch.Tensor]]):
+    from transformers import DynamicCache
+
+    try:
+        return DynamicCache(kv)
+    except TypeError:  # transformers before 4.56
+        return DynamicCache.from_legacy_cache(tuple(kv))
+
+
+def lpad(x: torch.Tensor, length: int) -> torch.Tensor:
+    """Left-pad with zeros along the sequence axis (dim 2 for [B,H,L,D], dim 1 for [B,L])."""
+    dim = 2 if x.dim() == 4 else 1
+    missing = length - x.shape[dim]
+    if missing <= 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim)
