@@ -632,7 +632,7 @@ def render(res: dict) -> str:
     for r in runs:
         lines.append(f"- `{r['command']}` → {', '.join(r['parts'])} (bf16 matmul that run: "
                      f"{r.get('env', {}).get('bf16_matmul_tflops')} TFLOP/s){r.get('note', '')}")
-    lines += ["- `python -m pytest -q -rs tests/trainer/test_megatron_cuda.py tests/common/test_cuda_ipc.py "
+    lines += ["- `python -m pytest -q -rs tests/trainer/test_megatron_cuda.py tests/common/weights/test_cuda_ipc.py "
               "tests/trainer/test_weights.py::test_ipc_push_serves_new_weights "
               "tests/trainer/test_weights.py::test_ipc_mode_needs_trainer_and_engines_on_one_gpu` → 5 passed; "
               "`tests/trainer/test_megatron_convert.py` (the CPU conversion tests) passed there too.", ""]

@@ -29,7 +29,7 @@ from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
 from rlstream.common.models import stop_token_ids
 from rlstream.common.wire import Trajectory, TrajectoryGroup
-from rlstream.producer.engine_client import ModelRequest, ModelResponse
+from rlstream.common.engine_client import ModelRequest, ModelResponse
 from rlstream.producer.rewards import RewardResult, import_by_path
 
 __all__ = ["Workflow", "Generation", "FollowedVersion", "RolloutVersions", "current_rollout", "RolloutEngine",
@@ -150,7 +150,7 @@ current_rollout: contextvars.ContextVar[RolloutVersions | None] = contextvars.Co
 class RolloutEngine:
     """The producer's view of the engines: a server pool plus the served version.
 
-    `pool` has `agenerate(ModelRequest) -> ModelResponse` (producer.engine_client.ServerPool);
+    `pool` has `agenerate(ModelRequest) -> ModelResponse` (`common.engine_client.ServerPool`);
     `versions` has `get()` and `wait_for_version(above, timeout)` (broker AsyncVersionRegistry,
     or `FollowedVersion` on it: no Redis round trip per request).
     """

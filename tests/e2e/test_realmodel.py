@@ -44,7 +44,7 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 
 
 async def generate(backend: str, address: str, prompt: list[int], **kw):
-    from rlstream.producer.engine_client import ModelRequest, make_engine_client
+    from rlstream.common.engine_client import ModelRequest, make_engine_client
 
     async with aiohttp.ClientSession() as session:
         client = make_engine_client(backend, session, address, request_timeout=600)

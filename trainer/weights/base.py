@@ -41,7 +41,7 @@ if another engine serves): otherwise it keeps serving, its tokens labelled with 
 
 Delta pushes (`actor.weight_update_delta`, `delta.py`): rank 0 keeps a CPU copy of the
 last pushed version; when every engine of a push confirmed serving it, the backend sends
-only the change (`common/weight_delta.py`), and each engine checks the result against the
+only the change (`common/weights/delta_codec.py`), and each engine checks the result against the
 trainer's checksums before applying anything. Engines that are behind, and engines that
 reject the delta (other base, checksum miss), get the full weights in the same push. A
 failed push, a sharded or a LoRA model leave no base: the next push is full.
@@ -70,7 +70,7 @@ from rlstream.broker.keys import Keys
 from rlstream.broker.versions import Event, VersionRegistry
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
-from rlstream.common.dist import run_in_thread
+from rlstream.common.weights.dist import run_in_thread
 from rlstream.common.engine_api import KEEPS_RUNNING, ContinueRequest, EngineError, PauseRequest, Route
 from rlstream.common.logging import get_logger
 from rlstream.trainer.weights.delta import DeltaBase

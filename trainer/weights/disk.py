@@ -26,7 +26,7 @@ import torch
 
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
-from rlstream.common.dist import run_in_thread
+from rlstream.common.weights.dist import run_in_thread
 from rlstream.common.engine_api import DELTA_FORMAT, DeltaTensor, DiskUpdate, WeightDelta
 from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger

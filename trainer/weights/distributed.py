@@ -31,7 +31,7 @@ import torch
 
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
-from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
+from rlstream.common.weights.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
 from rlstream.common.engine_api import (DELTA_FORMAT, DestroyWeightsGroup, EngineError, InitWeightsGroup, WeightDelta,
                                         WeightUpdate)
 from rlstream.common.logging import get_logger

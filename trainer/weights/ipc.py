@@ -2,7 +2,7 @@
 
 Each version, between `/pause_generation` and `/continue_generation` (base.py), the
 parameters go in buckets of `actor.weight_chunked_mem_mb`: rank 0 gathers a bucket
-(FSDP2: every rank joins), packs it into one flat GPU buffer (`common/cuda_ipc.py`) and
+(FSDP2: every rank joins), packs it into one flat GPU buffer (`common/weights/cuda_ipc.py`) and
 sends every engine `/update_weights_from_ipc` with the buffer's CUDA IPC handle and each
 tensor's name, dtype, shape and byte offset; each engine maps the buffer, copies the
 tensors into its weights and answers; then the buffer is dropped and the next bucket
@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from rlstream.common import cuda_ipc
+from rlstream.common.weights import cuda_ipc
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config, ConfigError
-from rlstream.common.dist import run_in_thread
+from rlstream.common.weights.dist import run_in_thread
 from rlstream.common.engine_api import IpcWeightUpdate
 from rlstream.common.logging import get_logger
 from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed
