@@ -77,7 +77,7 @@ from rlstream.trainer.weights.delta import DeltaBase
 from rlstream.trainer.weights.fleet import EngineFleet
 from rlstream.trainer.weights.params import ShardSync, WeightEntry, is_sharded, lora_scaling, weight_entries
 
-__all__ = ["WeightBroadcaster", "NoneBroadcaster", "EngineBroadcaster", "TransferFailed", "PushReport"]
+__all__ = ["WeightBroadcaster", "NoneBroadcaster", "EngineBroadcaster", "TransferFailed", "TransferResult", "PushReport"]
 
 log = get_logger(__name__)
 
@@ -168,6 +168,16 @@ class PushReport:
     rejected: dict[str, str] = field(default_factory=dict)  # engines that rejected a delta -> why
 
 
+@dataclass
+class TransferResult:
+    """What one transfer to the engines did; the push applies it to its report and its delta base."""
+
+    bytes: int  # sent per engine
+    kind: str = "full"  # full | delta | fallback (a delta some engine rejected, then the full weights)
+    rejected: dict[str, str] = field(default_factory=dict)  # engines that rejected a delta -> why
+    delta_ready: bool = False  # the delta base holds exactly this version (the next push may be a delta)
+
+
 class EngineBroadcaster(WeightBroadcaster):
     """The push skeleton of the module docstring; backends implement the transfer."""
 
@@ -195,8 +205,6 @@ class EngineBroadcaster(WeightBroadcaster):
         self._closed = False
         encoding = cfg.actor.weight_update_delta
         self.delta: DeltaBase | None = DeltaBase(encoding) if encoding != "none" and rank == 0 else None
-        self._report: PushReport | None = None  # the push in progress (backends fill kind/rejected)
-        self._delta_ready = False  # the transfer left the delta base holding exactly this version
         self._io: _LoopThread | None = None
         self._watcher: concurrent.futures.Future | None = None
         if rank == 0:
@@ -216,8 +224,8 @@ class EngineBroadcaster(WeightBroadcaster):
 
     @abc.abstractmethod
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
-                        sync: ShardSync | None) -> int:
-        """Send `version` to every engine in `engines`; returns bytes sent per engine.
+                        sync: ShardSync | None) -> TransferResult:
+        """Send `version` to every engine in `engines`; returns what was sent.
 
         Raises TransferFailed naming the engines to drop (possibly none: then all retry).
         """
@@ -268,7 +276,7 @@ class EngineBroadcaster(WeightBroadcaster):
         t0 = time.perf_counter()
         sharded = sync is not None
         report = PushReport(version=version)
-        self._report, self._delta_ready = report, False
+        delta_ready = False  # the delta base holds exactly this version
         try:
             async with self.lock:
                 await self._prepare(model, entries, version, sync)
@@ -283,7 +291,7 @@ class EngineBroadcaster(WeightBroadcaster):
                     report.attempts += 1
                     try:
                         await self._pause(engines)
-                        report.bytes = await self._transfer(engines, entries, version, sync)
+                        sent = await self._transfer(engines, entries, version, sync)
                     except TransferFailed as exc:
                         if exc.bad:
                             report.dropped.update(exc.bad)
@@ -295,6 +303,9 @@ class EngineBroadcaster(WeightBroadcaster):
                         log.warning("push of version %d: %s; %s", version, exc,
                                     f"retrying with {len(engines)} engine(s)" if engines else "no engine left")
                         continue
+                    report.bytes, report.kind, delta_ready = sent.bytes, sent.kind, sent.delta_ready
+                    if sent.rejected:
+                        report.rejected = sent.rejected
                     try:
                         await self._continue(engines)
                     except TransferFailed as exc:  # they have the weights but are gone: nothing to redo
@@ -310,7 +321,7 @@ class EngineBroadcaster(WeightBroadcaster):
                     await self._mark_down(a, why, version)
                 new = [a for a in engines if a not in self.in_sync]
                 if self.delta is not None:  # the next push is a delta only against exactly this version
-                    if self._delta_ready and engines:
+                    if delta_ready and engines:
                         self.delta.commit(version, entries)
                     else:
                         self.delta.invalidate()

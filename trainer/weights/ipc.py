@@ -29,7 +29,7 @@ from rlstream.common.config import Config, ConfigError
 from rlstream.common.weights.dist import run_in_thread
 from rlstream.common.engine_api import IpcWeightUpdate
 from rlstream.common.logging import get_logger
-from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed
+from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed, TransferResult
 from rlstream.trainer.weights.params import (ShardSync, WeightEntry, bits_checksum, materialize, plan_buckets,
                                              weight_entries)
 
@@ -95,10 +95,10 @@ class IpcBroadcaster(EngineBroadcaster):
         return total
 
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
-                        sync: ShardSync | None) -> int:
+                        sync: ShardSync | None) -> TransferResult:
         if sync is not None:
             await run_in_thread(sync.signal, True)
-        return await self._send(engines, plan_buckets(entries, self.bucket_bytes), version, sync)
+        return TransferResult(await self._send(engines, plan_buckets(entries, self.bucket_bytes), version, sync))
 
     # ------------------------------------------------------------ late joiners
 
