@@ -193,7 +193,7 @@ async def _rollouts(engine, n_groups: int, group_size: int, prompt_len: int, out
 
 def _batch(model: Path, dtype: str, n_groups: int, group_size: int, out_range, seed: int = 1):
     from rlstream.broker.stream import Entry
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.engine.local import LocalEngine
 
     eng = LocalEngine(str(model), device=DEVICE, dtype=dtype, max_batch_size=256, seed=seed)

@@ -167,7 +167,7 @@ def trainer_logprobs(model, prompts: list[list[int]], outs, temperature: float) 
     """
     from rlstream.broker.stream import Entry
     from rlstream.common.wire import Trajectory, TrajectoryGroup
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.trainer.logprobs import token_logprobs
 
     trajs = [Trajectory.from_arrays(p, o.output_ids, o.output_logprobs, [0] * len(o.output_ids), 0.0, o.finish_reason)

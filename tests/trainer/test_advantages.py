@@ -7,7 +7,7 @@ import torch
 from rlstream.broker.stream import Entry
 from rlstream.common.config import ActorConfig, NormConfig
 from rlstream.common.wire import Trajectory, TrajectoryGroup
-from rlstream.consumer.collate import collate
+from rlstream.trainer.batch import collate
 from rlstream.trainer.advantages import Normalization, compute_advantages, gae, shape_rewards
 
 RNG = np.random.default_rng(7)

@@ -3,7 +3,7 @@
 import torch
 
 from rlstream.broker import TrajectoryStream
-from rlstream.consumer.collate import collate
+from rlstream.trainer.batch import collate
 from rlstream.trainer.packing import next_token_logits, packed_inputs, padded_inputs
 from rlstream.consumer.synthetic import synthetic_groups
 from rlstream.trainer.logprobs import token_logprobs
