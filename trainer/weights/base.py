@@ -10,7 +10,8 @@ trainer rank 0 against the engines of `fleet.EngineFleet`:
 3. `/pause_generation` on each, mode `actor.weight_update_pause` (abort: in-flight requests come
    back aborted; in_place: they stay with their KV cache and decode on after the update; new ones
    wait either way), announced by a `pause` event;
-4. (backend) transfer the weights; the last call carries `weight_version`;
+4. (backend) transfer the weights; the last call carries `weight_version`; the transfer
+   returns a `TransferResult` (bytes, full/delta/fallback, delta base ready) the push records;
 5. `/continue_generation`, announced by a `resume` event;
 6. once every live engine confirmed: set `{ns}:version`, publish the event.
 
@@ -66,6 +67,7 @@ from typing import Any, Awaitable
 import msgspec
 import torch
 
+from rlstream.api.weight_transport import TransferResult, WeightTransport
 from rlstream.broker.keys import Keys
 from rlstream.broker.versions import Event, VersionRegistry
 from rlstream.common import engine_api as api
@@ -82,8 +84,8 @@ __all__ = ["WeightBroadcaster", "NoneBroadcaster", "EngineBroadcaster", "Transfe
 log = get_logger(__name__)
 
 
-class WeightBroadcaster(abc.ABC):
-    """Called by every trainer rank after each step; only rank 0 talks to engines."""
+class WeightBroadcaster(WeightTransport):
+    """A `WeightTransport` that publishes each pushed version (`{ns}:version` and its event)."""
 
     def __init__(self, cfg: Config, client: Any, keys: Keys, rank: int = 0) -> None:
         self.cfg = cfg
@@ -92,19 +94,9 @@ class WeightBroadcaster(abc.ABC):
         self.rank = rank
         self.versions = VersionRegistry(client, keys)
 
-    @abc.abstractmethod
-    def push(self, model: torch.nn.Module, version: int) -> None:
-        """Send `model`'s weights as `version`; returns once engines serve it and the version is published.
-
-        Collective: all trainer ranks call it (sharded models gather each parameter).
-        """
-
     def publish(self, version: int, detail: str = "") -> None:
         if self.rank == 0:
             self.versions.set(version, detail)
-
-    def close(self) -> None:
-        """Release groups/connections."""
 
 
 class NoneBroadcaster(WeightBroadcaster):
@@ -166,16 +158,6 @@ class PushReport:
     bytes: int = 0
     kind: str = "full"  # full | delta | fallback (a delta some engine rejected, then the full weights)
     rejected: dict[str, str] = field(default_factory=dict)  # engines that rejected a delta -> why
-
-
-@dataclass
-class TransferResult:
-    """What one transfer to the engines did; the push applies it to its report and its delta base."""
-
-    bytes: int  # sent per engine
-    kind: str = "full"  # full | delta | fallback (a delta some engine rejected, then the full weights)
-    rejected: dict[str, str] = field(default_factory=dict)  # engines that rejected a delta -> why
-    delta_ready: bool = False  # the delta base holds exactly this version (the next push may be a delta)
 
 
 class EngineBroadcaster(WeightBroadcaster):
