@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
 
 from rlstream.api.environment import ToolCall
 
