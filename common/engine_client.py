@@ -45,7 +45,6 @@ import aiohttp
 import msgspec
 
 from rlstream.common import engine_api as api
-from rlstream.common.tasks import cancel_and_wait
 from rlstream.common.config import Config, GenerationHyperparameters
 from rlstream.common.engine_api import (
     ENGINES_SERVICE,
@@ -66,6 +65,7 @@ from rlstream.common.engine_api import (
 )
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolver
+from rlstream.common.tasks import cancel_and_wait
 
 __all__ = [
     "ModelRequest",

@@ -56,9 +56,9 @@ from rlstream.common import engine_api as api
 from rlstream.common.engine_api import (DELTA_FORMAT, BadRequest, DestroyWeightsGroup, DiskUpdate, InitWeightsGroup,
                                         IpcWeightUpdate, WeightDelta, WeightsByName, WeightsByNameReply,
                                         WeightsChecksumReply, WeightsChecksumRequest, WeightsReply, WeightUpdate)
-from rlstream.common.weights.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype, resolve_backend, run_in_thread
 from rlstream.common.logging import get_logger
 from rlstream.common.weights.delta_codec import DeltaMismatch, apply_delta, bits_checksum
+from rlstream.common.weights.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype, resolve_backend, run_in_thread
 
 __all__ = ["add_weight_routes", "WeightReceiver", "GROUP_TIMEOUT_ENV"]
 

@@ -26,13 +26,13 @@ import time
 import uuid
 from typing import Any, Callable
 
+from rlstream.api.reward import RewardResult
 from rlstream.api.workflow import Generation, Workflow
 from rlstream.common.config import Config
+from rlstream.common.engine_client import ModelRequest, ModelResponse
 from rlstream.common.logging import get_logger
 from rlstream.common.models import stop_token_ids
 from rlstream.common.wire import Trajectory, TrajectoryGroup
-from rlstream.common.engine_client import ModelRequest, ModelResponse
-from rlstream.api.reward import RewardResult
 from rlstream.producer.rewards import import_by_path
 
 __all__ = ["Workflow", "Generation", "FollowedVersion", "RolloutVersions", "current_rollout", "RolloutEngine",

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from rlstream.common.config import load_config
 from rlstream.broker.registry import RedisNameResolver, make_name_resolver
+from rlstream.common.config import load_config
 from rlstream.common.engine_api import ENGINES_SERVICE
 from rlstream.common.name_resolve import EtcdNameResolver, NameResolveError, StaticNameResolver
 

@@ -10,9 +10,9 @@ import uuid
 import msgspec
 import pytest
 
+from rlstream.broker.registry import RedisNameResolver, make_engine_resolver
 from rlstream.common.config import load_config
 from rlstream.common.engine_api import CompletionResponse, base_url
-from rlstream.broker.registry import RedisNameResolver, make_engine_resolver
 from rlstream.common.engine_api import ENGINES_SERVICE
 from rlstream.common.engine_client import (
     EngineRequestError,

@@ -72,9 +72,9 @@ from rlstream.broker.keys import Keys
 from rlstream.broker.versions import Event, VersionRegistry
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
-from rlstream.common.weights.dist import run_in_thread
 from rlstream.common.engine_api import KEEPS_RUNNING, ContinueRequest, EngineError, PauseRequest, Route
 from rlstream.common.logging import get_logger
+from rlstream.common.weights.dist import run_in_thread
 from rlstream.trainer.weights.delta import DeltaBase
 from rlstream.trainer.weights.fleet import EngineFleet
 from rlstream.trainer.weights.params import ShardSync, WeightEntry, is_sharded, lora_scaling, weight_entries

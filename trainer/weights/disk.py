@@ -26,10 +26,10 @@ import torch
 
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
-from rlstream.common.weights.dist import run_in_thread
 from rlstream.common.engine_api import DELTA_FORMAT, DeltaTensor, DiskUpdate, WeightDelta
 from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger
+from rlstream.common.weights.dist import run_in_thread
 from rlstream.trainer.weights.base import EngineBroadcaster, TransferResult
 from rlstream.trainer.weights.delta import DeltaBase
 from rlstream.trainer.weights.params import ShardSync, WeightEntry, materialize, plan_buckets

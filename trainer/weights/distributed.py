@@ -31,11 +31,11 @@ import torch
 
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
-from rlstream.common.weights.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
 from rlstream.common.engine_api import (DELTA_FORMAT, DestroyWeightsGroup, EngineError, InitWeightsGroup, WeightDelta,
                                         WeightUpdate)
 from rlstream.common.logging import get_logger
 from rlstream.common.net import free_port, master_address_for
+from rlstream.common.weights.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
 from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed, TransferResult
 from rlstream.trainer.weights.params import (
     ShardSync,

@@ -23,12 +23,12 @@ from typing import Any
 
 import torch
 
-from rlstream.common.weights import cuda_ipc
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config, ConfigError
-from rlstream.common.weights.dist import run_in_thread
 from rlstream.common.engine_api import IpcWeightUpdate
 from rlstream.common.logging import get_logger
+from rlstream.common.weights import cuda_ipc
+from rlstream.common.weights.dist import run_in_thread
 from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed, TransferResult
 from rlstream.trainer.weights.params import (ShardSync, WeightEntry, bits_checksum, materialize, plan_buckets,
                                              weight_entries)
