@@ -80,7 +80,7 @@ def raw_receiver(master: str, port: int, rank: int, world: int, numel: int, repe
     """Child process: receive `repeat` flat tensors into one buffer, answering each with the sync all-reduce."""
     import torch.distributed as dist
 
-    from rlstream.common.dist import init_weight_sync_group
+    from rlstream.common.weights.dist import init_weight_sync_group
 
     torch.set_num_threads(1)
     g = init_weight_sync_group(master, port, rank, world, "raw", backend, timeout_s=600)
@@ -96,7 +96,7 @@ class RawBroadcast:
     """Rank 0 of a group with n bare receiver processes; `once()` times one flat broadcast."""
 
     def __init__(self, numel: int, n: int, repeat: int, backend: str, device: str) -> None:
-        from rlstream.common.dist import init_weight_sync_group
+        from rlstream.common.weights.dist import init_weight_sync_group
 
         port = free_port()
         self.device = device

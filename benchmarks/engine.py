@@ -97,7 +97,7 @@ async def _drive(address: str, prompts, concurrency: int, new_tokens: int, encod
     import aiohttp
 
     from rlstream.common import engine_api as api
-    from rlstream.producer.engine_client import ModelRequest, SGLangClient
+    from rlstream.common.engine_client import ModelRequest, SGLangClient
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, limit_per_host=0)) as session:
         try:
@@ -426,7 +426,7 @@ def run_producer_overhead(*, groups: int = 64, concurrencies=(1, 8), n_samples: 
     """The real producer loop against `rlstream serve` + redis-server; per-rollout overhead at each concurrency."""
     from rlstream.common.config import load_config
     from rlstream.launcher.tiny import build_tiny_model
-    from rlstream.producer.engine_client import EngineClient
+    from rlstream.common.engine_client import EngineClient
 
     try:
         import uvloop

@@ -192,7 +192,7 @@ async def _rollouts(engine, n_groups: int, group_size: int, prompt_len: int, out
 
 def _batch(model: Path, dtype: str, n_groups: int, group_size: int, out_range, seed: int = 1):
     from rlstream.broker.stream import Entry
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.engine.local import LocalEngine
 
     eng = LocalEngine(str(model), device=DEVICE, dtype=dtype, max_batch_size=256, seed=seed)
@@ -631,7 +631,7 @@ def render(res: dict) -> str:
     for r in runs:
         lines.append(f"- `{r['command']}` → {', '.join(r['parts'])} (bf16 matmul that run: "
                      f"{r.get('env', {}).get('bf16_matmul_tflops')} TFLOP/s){r.get('note', '')}")
-    lines += ["- `python -m pytest -q -rs tests/trainer/test_megatron_cuda.py tests/common/test_cuda_ipc.py "
+    lines += ["- `python -m pytest -q -rs tests/trainer/test_megatron_cuda.py tests/common/weights/test_cuda_ipc.py "
               "tests/trainer/test_weights.py::test_ipc_push_serves_new_weights "
               "tests/trainer/test_weights.py::test_ipc_mode_needs_trainer_and_engines_on_one_gpu` → 5 passed; "
               "`tests/trainer/test_megatron_convert.py` (the CPU conversion tests) passed there too.", ""]

@@ -142,7 +142,7 @@ def trainer_variant(name: str, model: str, steps: int, engine: str | None, redis
     torch.set_num_threads(threads)
     from rlstream.broker.stream import Entry
     from rlstream.common.config import load_config
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.consumer.synthetic import synthetic_groups
     from rlstream.trainer import ppo
     from rlstream.trainer.logprobs import token_logprobs

@@ -53,7 +53,7 @@ def bench_update(model: Path, root: Path, args) -> dict:
 
     from rlstream.broker.stream import Entry
     from rlstream.common.config import load_config
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.trainer.model import load_causal_lm
     from rlstream.trainer.optim import build_optimizer, build_scheduler
     from rlstream.trainer.parallel import Parallel

@@ -41,7 +41,7 @@ from broadcast import make_pusher, start_engines, stop_engines  # benchmarks/ is
 from readme_section import write_section
 from redis_child import RedisChild
 
-from rlstream.common.weight_delta import bits_checksum, encode
+from rlstream.common.weights.delta_codec import bits_checksum, encode
 
 SECTION = "## Delta weight sync"
 ENCODINGS = ("xor_zstd", "sparse")

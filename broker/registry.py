@@ -46,7 +46,7 @@ from rlstream.common.config import KEEPALIVES_PER_TTL, Config
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import EtcdNameResolver, NameResolveError, NameResolver, StaticNameResolver
 
-__all__ = ["RedisNameResolver", "RESOLVERS", "make_name_resolver"]
+__all__ = ["RedisNameResolver", "RESOLVERS", "make_name_resolver", "make_engine_resolver"]
 
 log = get_logger(__name__)
 
@@ -280,3 +280,10 @@ def make_name_resolver(cfg: Config, *, redis_client: Any = None, poll_interval: 
     broker connection); without one the redis resolver opens its own from `cfg.redis`.
     """
     return RESOLVERS[cfg.cluster.name_resolve.type](cfg, redis_client, poll_interval)
+
+
+def make_engine_resolver(cfg: Config, *, redis_client: Any = None) -> NameResolver:
+    """The engines' resolver: `rollout.engine_addresses` when set (a fixed list), else `make_name_resolver`."""
+    if cfg.rollout.engine_addresses:
+        return StaticNameResolver(list(cfg.rollout.engine_addresses))
+    return make_name_resolver(cfg, redis_client=redis_client)

@@ -2,8 +2,8 @@
 
 Every body that crosses the engine HTTP boundary, in either direction, is one of these
 structs encoded with `msgspec.json`: the local engine's server (`engine/server.py`,
-`engine/weights.py`), rlstream's vLLM server (`engine/vllm_server.py`), the producer's
-engine clients (`producer/engine_client.py`) and the trainer's weight broadcaster
+`engine/weights.py`), rlstream's vLLM server (`engine/vllm_server.py`), the engine
+clients (`common/engine_client.py`) of the producer and of the trainer's weight broadcaster
 (`trainer/weights/fleet.py`, through those clients).
 
 Two wire protocols, exactly as the real servers speak them:
@@ -15,7 +15,8 @@ Two wire protocols, exactly as the real servers speak them:
   rlstream's extras are optional fields SGLang ignores: per-token `output_token_versions`,
   `InitWeightsGroup.timeout`, `WeightUpdate.finish`.
 - vLLM's OpenAI-compatible `/v1/completions` with token-id prompts (`CompletionRequest`),
-  `/v1/models`, and its RL routes `/pause?mode=abort`, `/resume`, `/is_paused`.
+  `/v1/models`, and its RL routes `/pause?mode=abort`, `/resume`, `/is_paused`; their
+  bodies are in `common/vllm_api.py`, and this module names them for its routes.
 
 Compact answers (rlstream's own server and client only): a client that sends
 `Accept: application/msgpack` (`ACCEPT_COMPACT`) gets `/generate` answers as msgpack of
@@ -38,6 +39,9 @@ from typing import Annotated, Any, Literal, NamedTuple, Sequence, TypeVar
 
 import msgspec
 
+from rlstream.common.vllm_api import (CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse,
+                                      ModelCard, ModelList, PausedReply)
+
 __all__ = [
     "ENGINES_SERVICE", "DEFAULT_GROUP", "Route", "base_url", "as_int", "encode", "decode", "convert",
     "JSON", "MSGPACK", "ACCEPT_COMPACT", "wants_msgpack", "encode_msgpack", "decode_reply",
@@ -47,7 +51,8 @@ __all__ = [
     "ParamSpec", "InitWeightsGroup", "WeightUpdate", "DiskUpdate", "DestroyWeightsGroup", "WeightsReply",
     "IpcBuffer", "IpcWeightUpdate", "DELTA_FORMAT", "DELTA_ENCODINGS", "DeltaTensor", "WeightDelta",
     "WeightsChecksumRequest", "WeightsChecksumReply", "WeightsByName", "WeightsByNameReply",
-    "CompletionRequest", "CompletionResponse", "ModelList", "PausedReply",
+    "CompletionRequest", "CompletionLogprobs", "CompletionChoice", "CompletionResponse", "ModelCard", "ModelList",
+    "PausedReply",
 ]
 
 # Name-resolve service the engines register under (`{ns}:engines` with name_resolve=redis).
@@ -542,58 +547,6 @@ class WeightsByNameReply(_Body):
     dtype: str
     shape: list[int]
     bits: bytes  # the raw little-endian bytes of the (truncated) tensor, base64 in JSON
-
-
-# ---------------------------------------------------------------------- vLLM (OpenAI-compatible subset)
-
-
-class CompletionRequest(msgspec.Struct, kw_only=True):
-    """`POST /v1/completions` with a token-id prompt; every returned token is `token_id:N`."""
-
-    model: str
-    prompt: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    logprobs: int = 0  # the sampled token's logprob only
-    return_tokens_as_token_ids: bool = True
-    skip_special_tokens: bool = False
-    stream: bool = False
-    top_k: int | msgspec.UnsetType = msgspec.UNSET
-    min_tokens: int | msgspec.UnsetType = msgspec.UNSET
-    stop_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
-    request_id: str | msgspec.UnsetType = msgspec.UNSET
-
-
-class CompletionLogprobs(msgspec.Struct):
-    tokens: list[str] | None = None
-    token_logprobs: list[float | None] | None = None
-
-
-class CompletionChoice(msgspec.Struct):
-    text: str = ""
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-
-
-class CompletionResponse(msgspec.Struct):
-    choices: list[CompletionChoice] = msgspec.field(default_factory=list)
-
-
-class ModelCard(msgspec.Struct):
-    id: str
-
-
-class ModelList(msgspec.Struct):
-    """`GET /v1/models`."""
-
-    data: list[ModelCard] = msgspec.field(default_factory=list)
-
-
-class PausedReply(msgspec.Struct):
-    """`GET /is_paused` (vLLM)."""
-
-    is_paused: bool
 
 
 # ---------------------------------------------------------------------- routes

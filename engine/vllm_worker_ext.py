@@ -6,7 +6,7 @@ worker process and are driven from the API server by `collective_rpc(name, kwarg
 
 It runs inside the vLLM virtualenv (scripts/setup_vllm_venv.sh), which has torch and
 vllm but none of rlstream's other dependencies, so it imports only torch, safetensors
-(a vLLM dependency) and `rlstream.common.dist` (torch only): the weight-sync group is
+(a vLLM dependency) and `rlstream.common.weights.dist` (torch only): the weight-sync group is
 the same code on both ends. vllm_server.py makes the `rlstream` package importable in
 the venv by path.
 
@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype
+from rlstream.common.weights.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype
 from rlstream.engine.lora import ADAPTER_CONFIG, AdapterMerger, is_adapter_tensor
 
 __all__ = ["WeightSyncWorkerExtension"]

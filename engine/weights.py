@@ -14,7 +14,7 @@
   *.safetensors of a folder (or one file) between two decode steps.
 - `POST /update_weights_from_ipc` `{buffer, names, dtypes, shapes, offsets, gpu_uuid, host_id,
   weight_version?}` (rlstream; `actor.weight_update_mode: ipc`, trainer and engine on one
-  GPU): open the trainer's buffer by its CUDA IPC handle (`common/cuda_ipc.py`), copy each
+  GPU): open the trainer's buffer by its CUDA IPC handle (`common/weights/cuda_ipc.py`), copy each
   tensor from its offset into the weights between two decode steps, release the buffer.
   A CPU engine, another GPU or another host is refused with the reason.
 - `POST /destroy_weights_update_group` `{group_name}`.
@@ -22,7 +22,7 @@
   `/update_weights_from_distributed` (with `delta`: a `WeightDelta`; the broadcast tensors
   are its payload) or on `/update_weights_from_disk` (the folder holds `delta.json` and the
   payload in *.safetensors). The delta is decoded against the served weights and every
-  result checked against the trainer's checksum (`common/weight_delta.py`) before
+  result checked against the trainer's checksum (`common/weights/delta_codec.py`) before
   anything is applied; an engine not serving the delta's base version, or a result that
   does not match, applies nothing and answers `success: true, delta_rejected: why`, and
   the trainer sends the full weights.
@@ -56,9 +56,9 @@ from rlstream.common import engine_api as api
 from rlstream.common.engine_api import (DELTA_FORMAT, BadRequest, DestroyWeightsGroup, DiskUpdate, InitWeightsGroup,
                                         IpcWeightUpdate, WeightDelta, WeightsByName, WeightsByNameReply,
                                         WeightsChecksumReply, WeightsChecksumRequest, WeightsReply, WeightUpdate)
-from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype, resolve_backend, run_in_thread
 from rlstream.common.logging import get_logger
-from rlstream.common.weight_delta import DeltaMismatch, apply_delta, bits_checksum
+from rlstream.common.weights.delta_codec import DeltaMismatch, apply_delta, bits_checksum
+from rlstream.common.weights.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype, resolve_backend, run_in_thread
 
 __all__ = ["add_weight_routes", "WeightReceiver", "GROUP_TIMEOUT_ENV"]
 
@@ -345,7 +345,7 @@ class WeightReceiver:
                                   bits=t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
 
     async def update_from_ipc(self, body: IpcWeightUpdate) -> str:
-        from rlstream.common import cuda_ipc
+        from rlstream.common.weights import cuda_ipc
 
         dev = self.engine.device
         if dev.type != "cuda":

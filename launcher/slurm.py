@@ -491,7 +491,7 @@ def _main(argv: list[str] | None = None) -> int:
 
     import aiohttp
 
-    from rlstream.producer.engine_client import make_engine_client
+    from rlstream.common.engine_client import make_engine_client
 
     async def health() -> bool:
         async with aiohttp.ClientSession() as session:

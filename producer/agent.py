@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rlstream.common.config import Config
+from rlstream.common.engine_client import ModelRequest
 from rlstream.common.logging import get_logger
 from rlstream.common.models import stop_token_ids
 from rlstream.common.wire import Trajectory, TrajectoryGroup
 from rlstream.producer.chat import ChatTemplate
-from rlstream.producer.engine_client import ModelRequest
 from rlstream.producer.environment import Action, Reset, StepResult
 from rlstream.producer.rewards import import_by_path
 from rlstream.producer.tools import load_tools

@@ -12,52 +12,21 @@ it may ignore what it does not need) and has two methods, sync or async:
   and an optional `turn_reward` for the turn just taken.
 
 An exception in either method fails that sample (`agent.on_env_error`); it never
-reaches the producer.
+reaches the producer. The interface and its types are in `rlstream.api.environment`
+(re-exported here).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
+from rlstream.api.environment import Action, Environment, Reset, StepResult, ToolCall
+from rlstream.api.tool import Tool
 from rlstream.common.config import Config
-from rlstream.producer.toolcalls import ToolCall
-from rlstream.producer.tools import Tool
 
 __all__ = ["Action", "Reset", "StepResult", "Environment", "ToolEnvironment"]
-
-
-@dataclass
-class Action:
-    """One model turn as the environment sees it."""
-
-    text: str  # the turn decoded (special tokens skipped)
-    content: str  # the text outside tool-call markup
-    tool_calls: list[ToolCall] = field(default_factory=list)
-    parse_errors: list[str] = field(default_factory=list)
-
-
-@dataclass
-class Reset:
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] | None = None  # None: the configured agent.tools
-
-
-@dataclass
-class StepResult:
-    observation: list[dict[str, Any]] = field(default_factory=list)
-    done: bool = False
-    reward: float | None = None  # the episode reward (the last one given counts)
-    turn_reward: float | None = None  # reward of the turn just taken
-
-
-@runtime_checkable
-class Environment(Protocol):
-    def reset(self, item: Any) -> Reset: ...
-
-    def step(self, action: Action) -> StepResult: ...
 
 
 class ToolEnvironment:

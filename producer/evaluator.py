@@ -31,8 +31,8 @@ import msgspec
 
 from rlstream.broker.evals import AsyncEvalLog, EvalRecord
 from rlstream.common.config import Config, GenerationHyperparameters
+from rlstream.common.engine_client import ModelRequest
 from rlstream.common.logging import get_logger
-from rlstream.producer.engine_client import ModelRequest
 
 __all__ = ["Evaluator", "eval_gconfig"]
 

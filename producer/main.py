@@ -129,7 +129,8 @@ class Producer:
         from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, connect_async
         from rlstream.broker.meta import awrite_run_meta
         from rlstream.producer.dataset import DatasetCursor, PromptDataset
-        from rlstream.producer.engine_client import ServerPool
+        from rlstream.broker.registry import make_engine_resolver
+        from rlstream.common.engine_client import ServerPool
         from rlstream.producer.rewards import RewardPool
         from rlstream.producer.workflow import RolloutEngine, load_workflow
 
@@ -153,7 +154,7 @@ class Producer:
         await self.cursor.load_state()
         self.rewards = RewardPool(cfg.producer.reward_fn, cfg.producer.reward_workers, cfg.producer.reward_timeout)
         self.workflow = load_workflow(cfg, self.tokenizer, self.rewards)
-        self.pool = ServerPool(cfg, redis_client=self.client)
+        self.pool = ServerPool(cfg, make_engine_resolver(cfg, redis_client=self.client))
         await self.pool.start()
         self.engine = RolloutEngine(self.pool, self.versions, resume_wait=cfg.actor.weight_update_timeout)
         self.evaluator = self._make_evaluator() if cfg.evaluator.enabled else None

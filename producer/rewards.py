@@ -14,7 +14,8 @@ msgpack over pipes (no pickle crosses the process boundary): a request carries o
 strings, ints and lists; the function itself is imported by its path in the worker.
 A call that exceeds `producer.reward_timeout` gets its worker killed (and replaced);
 the sample scores 0 with `reward_error` in its metadata. A worker that crashes is
-replaced the same way.
+replaced the same way. The interface (`RewardFunction`, `RewardResult`) is
+`rlstream.api.reward`.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ import os
 import struct
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import msgspec
 
+from rlstream.api.reward import RewardResult
 from rlstream.common.logging import get_logger
 
 __all__ = [
@@ -168,13 +169,6 @@ def _worker_main(path: str) -> None:
 
 
 # ---------------------------------------------------------------------- pool
-
-
-@dataclass
-class RewardResult:
-    reward: float
-    error: str | None = None
-    seconds: float = 0.0
 
 
 class _Worker:

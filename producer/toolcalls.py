@@ -1,5 +1,7 @@
 """Tool calls in a model turn's text: the parsed form, and the Hermes/Qwen parser.
 
+`ToolCall` is defined with the environment interface (`rlstream.api.environment`).
+
 A parser is any callable `parser(text) -> ParsedTurn`, named by import path
 (`agent.tool_parser`), so a model family with another markup plugs in without code
 changes here. The built-in `parse_hermes` reads the format of Hermes, Qwen2.5/Qwen3
@@ -18,22 +20,12 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any
+
+from rlstream.api.environment import ToolCall
 
 __all__ = ["ToolCall", "ParsedTurn", "parse_hermes"]
 
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
-
-
-@dataclass
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-    id: str = ""
-
-    def as_message_call(self) -> dict[str, Any]:
-        """The OpenAI / HF chat-template form of this call (`tool_calls` of an assistant message)."""
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
 @dataclass

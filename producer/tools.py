@@ -4,7 +4,8 @@ A tool is an object with `name`, `schema` (the OpenAI function schema the chat t
 renders through `tools=`) and `async run(arguments) -> str`. It raises `ToolError` (or
 anything) for a bad call; the environment turns that into an error observation and
 the episode continues. `agent.tools` lists factories by import path
-(`module:callable`), each called with `cfg=` (the whole Config).
+(`module:callable`), each called with `cfg=` (the whole Config). The interface is
+`rlstream.api.tool` (re-exported here).
 """
 
 from __future__ import annotations
@@ -12,25 +13,14 @@ from __future__ import annotations
 import ast
 import math
 import operator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
+from rlstream.api.tool import Tool, ToolError
 from rlstream.common.config import Config
 from rlstream.producer.rewards import import_by_path
 from rlstream.producer.sandbox import Sandbox
 
 __all__ = ["Tool", "ToolError", "Calculator", "PythonTool", "calculator", "python", "load_tools", "evaluate_arithmetic"]
-
-
-class ToolError(Exception):
-    """A tool call that cannot be served; the message goes back to the model."""
-
-
-@runtime_checkable
-class Tool(Protocol):
-    name: str
-    schema: dict[str, Any]
-
-    async def run(self, arguments: dict[str, Any]) -> str: ...
 
 
 def _function(name: str, description: str, param: str, param_doc: str) -> dict[str, Any]:

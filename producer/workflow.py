@@ -13,6 +13,8 @@ Generation is interruptible: when the engines pause for a weight update, a reque
 comes back with finish_reason "abort"; the engine waits for the served version to
 rise, then continues with prompt + tokens so far and the remaining max_new_tokens.
 So one trajectory may mix versions, each token labelled with its own.
+
+`Workflow` and `Generation` are defined in `rlstream.api.workflow` (re-exported here).
 """
 
 from __future__ import annotations
@@ -22,38 +24,21 @@ import contextlib
 import contextvars
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Callable
 
+from rlstream.api.reward import RewardResult
+from rlstream.api.workflow import Generation, Workflow
 from rlstream.common.config import Config
+from rlstream.common.engine_client import ModelRequest, ModelResponse
 from rlstream.common.logging import get_logger
 from rlstream.common.models import stop_token_ids
 from rlstream.common.wire import Trajectory, TrajectoryGroup
-from rlstream.producer.engine_client import ModelRequest, ModelResponse
-from rlstream.producer.rewards import RewardResult, import_by_path
+from rlstream.producer.rewards import import_by_path
 
 __all__ = ["Workflow", "Generation", "FollowedVersion", "RolloutVersions", "current_rollout", "RolloutEngine",
            "RLVRWorkflow", "load_workflow"]
 
 log = get_logger(__name__)
-
-
-@runtime_checkable
-class Workflow(Protocol):
-    async def arun_episode(self, engine: "RolloutEngine", item: Any) -> TrajectoryGroup | None: ...
-
-
-@dataclass
-class Generation:
-    """A finished (possibly continued) generation for one prompt."""
-
-    input_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
-    output_logprobs: list[float] = field(default_factory=list)
-    output_versions: list[int] = field(default_factory=list)
-    finish_reason: str = "length"
-    interruptions: int = 0
-    latency: float = 0.0
 
 
 class FollowedVersion:
@@ -150,7 +135,7 @@ current_rollout: contextvars.ContextVar[RolloutVersions | None] = contextvars.Co
 class RolloutEngine:
     """The producer's view of the engines: a server pool plus the served version.
 
-    `pool` has `agenerate(ModelRequest) -> ModelResponse` (producer.engine_client.ServerPool);
+    `pool` has `agenerate(ModelRequest) -> ModelResponse` (`common.engine_client.ServerPool`);
     `versions` has `get()` and `wait_for_version(above, timeout)` (broker AsyncVersionRegistry,
     or `FollowedVersion` on it: no Redis round trip per request).
     """

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from rlstream.common.config import ActorConfig, NormConfig
-from rlstream.consumer.collate import SeqBatch
+from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.losses import kl_estimate
 
 __all__ = ["Normalization", "shape_rewards", "gae", "Advantages", "compute_advantages", "Reduce"]

@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from rlstream.consumer.collate import SeqBatch
+from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.packing import ModelInputs, next_token_logits, packed_inputs, padded_inputs
 
 __all__ = ["model_inputs", "one_row_packing", "token_logprobs"]

@@ -41,7 +41,7 @@ from rlstream.common.logging import get_logger
 from rlstream.common.memory import freeze_startup_objects
 from rlstream.common.metrics import StatsLogger
 from rlstream.common.models import resolve_model_paths
-from rlstream.consumer.collate import collate
+from rlstream.trainer.batch import collate
 from rlstream.consumer.reader import StepReader
 from rlstream.trainer.budget import resolve_total_steps
 from rlstream.trainer.checkpoint import Checkpointer, RankState, TrainState

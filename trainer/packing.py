@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlstream.consumer.collate import SeqBatch
+from rlstream.trainer.batch import SeqBatch
 
 __all__ = ["ModelInputs", "packed_inputs", "padded_inputs", "next_token_logits", "packing_needs_4d_mask",
            "pack_rows"]

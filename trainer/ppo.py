@@ -34,7 +34,7 @@ from functools import partial
 import torch
 
 from rlstream.common.config import Config
-from rlstream.consumer.collate import SeqBatch
+from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.microbatch import minibatch_slices, synced_split
 from rlstream.trainer.advantages import compute_advantages
 from rlstream.trainer.logprobs import token_logprobs

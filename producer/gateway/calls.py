@@ -25,7 +25,7 @@ from rlstream.common.config import Config
 from rlstream.common.engine_api import EngineError, EngineRequestError
 from rlstream.producer.agent import Episode
 from rlstream.producer.chat import ChatTemplate
-from rlstream.producer.engine_client import ModelRequest
+from rlstream.common.engine_client import ModelRequest
 from rlstream.producer.gateway.sessions import Branch, Session, SessionGroups
 from rlstream.producer.gateway.structs import (ChatRequest, CompletionRequest, GenerationRequest, HttpError, Message,
                                                ToolCallIn, message_key, template_message)

@@ -40,7 +40,8 @@ async def run_gateway(cfg: Config, stop: asyncio.Event | None = None) -> None:
     from rlstream.broker import AsyncAdmissionController, AsyncVersionRegistry, Keys, connect_async
     from rlstream.broker.admission import HEARTBEAT_SECS
     from rlstream.common.config import ConfigError
-    from rlstream.producer.engine_client import ServerPool
+    from rlstream.broker.registry import make_engine_resolver
+    from rlstream.common.engine_client import ServerPool
     from rlstream.producer.workflow import FollowedVersion, RolloutEngine
 
     pid = cfg.gateway.gateway_id or f"gateway-{socket.gethostname()}-{os.getpid()}"
@@ -54,7 +55,7 @@ async def run_gateway(cfg: Config, stop: asyncio.Event | None = None) -> None:
     client = await connect_async(cfg.redis)
     keys = Keys(cfg.namespace)
     admission = AsyncAdmissionController.from_config(client, keys, cfg, producer_id=pid)
-    pool = await ServerPool(cfg, redis_client=client).start()
+    pool = await ServerPool(cfg, make_engine_resolver(cfg, redis_client=client)).start()
     tasks: list[asyncio.Task] = []
     versions = None
     runner = None

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from rlstream.common.config import load_config
 from rlstream.broker.registry import RedisNameResolver, make_name_resolver
+from rlstream.common.config import load_config
 from rlstream.common.engine_api import ENGINES_SERVICE
 from rlstream.common.name_resolve import EtcdNameResolver, NameResolveError, StaticNameResolver
 
@@ -239,15 +239,17 @@ async def test_producer_pool_follows_a_real_engine_through_etcd(etcd_server, red
                                                                 tmp_path):
     """`rlstream serve` registers in etcd; the producer's server pool finds it, generates, and drops it
     when the engine stops."""
-    from rlstream.producer.engine_client import ModelRequest, ServerPool
+    from rlstream.common.engine_client import ModelRequest, ServerPool
+    from rlstream.broker.registry import make_engine_resolver
 
     from tests.helpers import EngineProcess, engine_overrides
 
     nr = ["cluster.name_resolve.type=etcd", f"cluster.name_resolve.etcd_address={etcd_server.address}"]
     engine = EngineProcess(tmp_path / "engine", engine_overrides(tiny_model_path, redis_url, experiment, *nr))
     cfg = _cfg("etcd", redis_url, experiment, etcd_server.address)
-    pool = ServerPool(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}", *nr,
-                                         "rollout.health_check_interval=0.5"]))
+    pool_cfg = load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}", *nr,
+                                  "rollout.health_check_interval=0.5"])
+    pool = ServerPool(pool_cfg, make_engine_resolver(pool_cfg))
     await pool.start()
     try:
         engine.start()

@@ -44,7 +44,7 @@ def chat_ids(tokenizer, question: str) -> list[int]:
 
 
 async def generate(backend: str, address: str, prompt: list[int], **kw):
-    from rlstream.producer.engine_client import ModelRequest, make_engine_client
+    from rlstream.common.engine_client import ModelRequest, make_engine_client
 
     async with aiohttp.ClientSession() as session:
         client = make_engine_client(backend, session, address, request_timeout=600)
@@ -55,7 +55,7 @@ def trainer_logprobs(model, prompts, outs, temperature: float) -> tuple[torch.Te
     """(behaviour, recomputed) logprobs of the sampled tokens through the trainer's own path."""
     from rlstream.broker.stream import Entry
     from rlstream.common.wire import Trajectory, TrajectoryGroup
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.trainer.logprobs import token_logprobs
 
     trajs = [Trajectory.from_arrays(p, o.output_ids, o.output_logprobs, [0] * len(o.output_ids), 0.0, o.finish_reason)

@@ -10,7 +10,7 @@ path with the venv's python (engine/vllm_server.py). Checks:
   outputs follow the argmax;
 - `/pause_generation` aborts an in-flight generation, `/continue_generation` serves again;
 - a weight push over gloo through the worker extension (trainer = rank 0 of a group
-  built by rlstream.common.dist, in two buckets that split fused layers) changes the
+  built by rlstream.common.weights.dist, in two buckets that split fused layers) changes the
   outputs to those of the new weights, and `/get_model_info` reports the new version;
 - `/update_weights_from_disk` brings the old weights back; bad requests get clear
   errors and leave the server serving.
@@ -146,14 +146,14 @@ def vllm_server(vllm_python, vllm_model, tmp_path_factory):
 
 @pytest.fixture
 async def client(vllm_server):
-    from rlstream.producer.engine_client import make_engine_client
+    from rlstream.common.engine_client import make_engine_client
 
     async with aiohttp.ClientSession() as session:
         yield make_engine_client("vllm", session, vllm_server.removeprefix("http://"), request_timeout=300)
 
 
 async def generate(client, prompt: list[int], **kw):
-    from rlstream.producer.engine_client import ModelRequest
+    from rlstream.common.engine_client import ModelRequest
 
     kw.setdefault("max_new_tokens", 24)
     return await client.agenerate(ModelRequest(input_ids=list(prompt), **kw))
@@ -167,7 +167,7 @@ def trainer_logprobs(model, prompts: list[list[int]], outs, temperature: float) 
     """
     from rlstream.broker.stream import Entry
     from rlstream.common.wire import Trajectory, TrajectoryGroup
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.trainer.logprobs import token_logprobs
 
     trajs = [Trajectory.from_arrays(p, o.output_ids, o.output_logprobs, [0] * len(o.output_ids), 0.0, o.finish_reason)
@@ -290,7 +290,7 @@ async def test_pause_aborts_in_flight_request_and_continue_serves(client):
 async def test_weight_update_over_gloo_changes_outputs(client, trainer_model, new_state):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rlstream.common.dist import init_weight_sync_group
+    from rlstream.common.weights.dist import init_weight_sync_group
 
     new_model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(trainer_model.config._name_or_path))
     new_model.load_state_dict(new_state)

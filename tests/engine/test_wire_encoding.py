@@ -18,8 +18,8 @@ import msgspec
 import pytest
 
 from rlstream.common import engine_api as api
+from rlstream.common.engine_client import EngineRequestError, ModelRequest, SGLangClient
 from rlstream.launcher.procs import stop_process
-from rlstream.producer.engine_client import EngineRequestError, ModelRequest, SGLangClient
 from tests.helpers import PROMPTS
 
 

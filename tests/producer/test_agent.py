@@ -102,12 +102,13 @@ async def _run(cfg, redis_url, exp, item=None, env=None):
 
     from rlstream.broker import Keys, namespace
     from rlstream.producer.agent import AgentWorkflow
-    from rlstream.producer.engine_client import ServerPool
+    from rlstream.broker.registry import make_engine_resolver
+    from rlstream.common.engine_client import ServerPool
     from rlstream.producer.workflow import RolloutEngine
 
     tok = AutoTokenizer.from_pretrained(cfg.actor.path)
     client = await connect_async(redis_url)
-    pool = await ServerPool(cfg).start()
+    pool = await ServerPool(cfg, make_engine_resolver(cfg)).start()
     try:
         await pool.wait_for_servers(1, 60)
         engine = Recorder(RolloutEngine(pool, AsyncVersionRegistry(client, Keys(namespace(exp, "trial0"))), resume_wait=60))

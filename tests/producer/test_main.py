@@ -565,7 +565,8 @@ async def test_pause_mid_generation_continues_with_the_new_version(tiny_model_pa
     from rlstream.common.config import load_config
     from rlstream.common.wire import encode_group
     from rlstream.producer.dataset import DatasetItem
-    from rlstream.producer.engine_client import ServerPool
+    from rlstream.broker.registry import make_engine_resolver
+    from rlstream.common.engine_client import ServerPool
     from rlstream.engine.server import build_app
     from rlstream.engine.local import LocalEngine
     from rlstream.producer.rewards import RewardPool
@@ -586,7 +587,7 @@ async def test_pause_mid_generation_continues_with_the_new_version(tiny_model_pa
     keys = ns_keys(experiment)
     sync_versions = VersionRegistry(__import__("redis").Redis.from_url(redis_url), keys)
     rewards = RewardPool(cfg.producer.reward_fn, 1, 30)
-    pool = await ServerPool(cfg).start()
+    pool = await ServerPool(cfg, make_engine_resolver(cfg)).start()
     try:
         await pool.wait_for_servers(1, 30)
         engine = RolloutEngine(pool, AsyncVersionRegistry(client, keys), resume_wait=60)

@@ -7,8 +7,8 @@ import torch
 from rlstream.broker.stream import Entry
 from rlstream.common.config import ActorConfig, NormConfig
 from rlstream.common.wire import Trajectory, TrajectoryGroup
-from rlstream.consumer.collate import collate
 from rlstream.trainer.advantages import Normalization, compute_advantages, gae, shape_rewards
+from rlstream.trainer.batch import collate
 
 RNG = np.random.default_rng(7)
 REWARDS = RNG.normal(size=12)  # three groups of four

@@ -248,7 +248,7 @@ def test_megatron_lm_exports_hf_names_and_checkpoints(megatron_group, tiny_model
 
 def test_megatron_mask_matches_the_packed_layout(tiny_model_path):
     """The boolean mask megatron gets from restarting position ids is the packed layout's explicit mask."""
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.trainer.packing import packed_inputs, padded_inputs
     from rlstream.consumer.synthetic import synthetic_groups
     from rlstream.broker.stream import Entry
@@ -331,7 +331,7 @@ def test_megatron_ppo_step_equals_hf_on_cpu(megatron_on_cpu, tiny_model_path):
     """One PPO step (packed micro-batches, AdamW) through megatron and through HF: same loss, grad norm, weights."""
     from rlstream.broker.stream import Entry
     from rlstream.common.config import load_config
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.consumer.synthetic import synthetic_groups
     from rlstream.trainer.megatron.backend import build_megatron_lm
     from rlstream.trainer.model import load_causal_lm

@@ -31,7 +31,7 @@ def cuda_megatron():
 def test_megatron_on_cuda_matches_hf_forward_and_ppo_step(cuda_megatron, tiny_model_path):
     from rlstream.broker.stream import Entry
     from rlstream.common.config import load_config
-    from rlstream.consumer.collate import collate
+    from rlstream.trainer.batch import collate
     from rlstream.consumer.synthetic import synthetic_groups
     from rlstream.trainer.model import load_model
     from rlstream.trainer.optim import build_optimizer, build_scheduler

@@ -10,9 +10,9 @@ import torch
 from rlstream.broker.stream import Entry
 from rlstream.common.config import load_config
 from rlstream.common.wire import Trajectory, TrajectoryGroup, decode_group, encode_group
-from rlstream.consumer.collate import collate
 from rlstream.consumer.synthetic import synthetic_groups
 from rlstream.trainer.advantages import compute_advantages
+from rlstream.trainer.batch import collate
 
 torch.set_num_threads(1)
 

@@ -3,10 +3,10 @@
 import torch
 
 from rlstream.broker import TrajectoryStream
-from rlstream.consumer.collate import collate
-from rlstream.trainer.packing import next_token_logits, packed_inputs, padded_inputs
 from rlstream.consumer.synthetic import synthetic_groups
+from rlstream.trainer.batch import collate
 from rlstream.trainer.logprobs import token_logprobs
+from rlstream.trainer.packing import next_token_logits, packed_inputs, padded_inputs
 
 torch.set_num_threads(1)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from rlstream.common.config import load_config
-from rlstream.consumer.collate import SeqBatch
+from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.model import load_model
 from rlstream.trainer.optim import build_optimizer, build_scheduler
 from rlstream.trainer.parallel import Parallel

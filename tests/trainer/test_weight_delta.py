@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlstream.common.weight_delta import DeltaMismatch, bits_checksum, decode_tensor, encode
+from rlstream.common.weights.delta_codec import DeltaMismatch, bits_checksum, decode_tensor, encode
 from tests.trainer.test_weights import (EngineProc, base_model, http, make_cfg, model_path,  # noqa: F401 - fixtures
                                         served_version)
 

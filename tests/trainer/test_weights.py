@@ -308,7 +308,7 @@ def test_ipc_mode_needs_trainer_and_engines_on_one_gpu(shared_engine, model_path
 def test_ipc_push_serves_new_weights(engines, base_model, model_path, redis_url, experiment, keys, rclient, tmp_path,
                                      broadcasters):
     """Colocated: an engine process on the trainer's GPU gets each version through CUDA IPC handles."""
-    from rlstream.common import cuda_ipc
+    from rlstream.common.weights import cuda_ipc
 
     engine = engines(["server.device=cuda", "server.register=false"])
     cfg = make_cfg(redis_url, experiment, model_path, tmp_path, "ipc", [f"rollout.engine_addresses=[{engine.address}]"])
@@ -449,7 +449,8 @@ async def test_in_flight_generation_aborts_and_continues_with_new_version(shared
     on the new weights, so one trajectory's per-token versions show the switch."""
     from rlstream.broker.connection import connect_async
     from rlstream.broker.versions import AsyncVersionRegistry
-    from rlstream.producer.engine_client import ModelRequest, ServerPool
+    from rlstream.broker.registry import make_engine_resolver
+    from rlstream.common.engine_client import ModelRequest, ServerPool
     from rlstream.producer.workflow import RolloutEngine
 
     cfg = make_cfg(redis_url, experiment, model_path, tmp_path, "distributed",
@@ -461,7 +462,7 @@ async def test_in_flight_generation_aborts_and_continues_with_new_version(shared
     n = 300
 
     aclient = await connect_async(cfg.redis)
-    pool = await ServerPool(cfg).start()
+    pool = await ServerPool(cfg, make_engine_resolver(cfg)).start()
     try:
         await pool.wait_for_servers(1, timeout=30)
         rollout = RolloutEngine(pool, AsyncVersionRegistry(aclient, keys), resume_wait=60)
@@ -592,7 +593,7 @@ def test_flattened_bucket_and_group_lifecycle(shared_engine, base_model):
     the engine joins a group with this process as rank 0, receives, applies; the group is destroyed."""
     import concurrent.futures
 
-    from rlstream.common.dist import init_weight_sync_group
+    from rlstream.common.weights.dist import init_weight_sync_group
     from rlstream.trainer.weights.params import weight_entries
 
     new = perturbed(base_model, 404)

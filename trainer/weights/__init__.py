@@ -8,6 +8,8 @@ few backends, an explicit factory, no `if mode == ...` through the trainer):
 - `ipc` (`ipc.py`): trainer and engines on one GPU: CUDA IPC handles of a flat buffer per bucket
 - `none`: only bump the version (trainer tests without engines)
 
+The interface is `rlstream.api.weight_transport` (`WeightTransport`, `TransferResult`).
+
 `actor.weight_update_delta` makes the distributed and disk pushes send only what changed
 since the last push (`delta.py`), with a full push as the fallback.
 
@@ -22,13 +24,14 @@ from typing import Any
 
 from rlstream.broker.keys import Keys
 from rlstream.common.config import Config, ConfigError
-from rlstream.trainer.weights.base import EngineBroadcaster, NoneBroadcaster, PushReport, WeightBroadcaster
+from rlstream.trainer.weights.base import (EngineBroadcaster, NoneBroadcaster, PushReport, TransferFailed, TransferResult,
+                                           WeightBroadcaster)
 from rlstream.trainer.weights.disk import DiskBroadcaster
 from rlstream.trainer.weights.distributed import DistributedBroadcaster
 from rlstream.trainer.weights.ipc import IpcBroadcaster
 
 __all__ = ["WeightBroadcaster", "EngineBroadcaster", "NoneBroadcaster", "DistributedBroadcaster", "DiskBroadcaster",
-           "IpcBroadcaster", "PushReport", "BROADCASTERS", "make_broadcaster"]
+           "IpcBroadcaster", "PushReport", "TransferFailed", "TransferResult", "BROADCASTERS", "make_broadcaster"]
 
 # actor.weight_update_mode -> backend
 BROADCASTERS: dict[str, type[WeightBroadcaster]] = {

@@ -10,7 +10,8 @@ trainer rank 0 against the engines of `fleet.EngineFleet`:
 3. `/pause_generation` on each, mode `actor.weight_update_pause` (abort: in-flight requests come
    back aborted; in_place: they stay with their KV cache and decode on after the update; new ones
    wait either way), announced by a `pause` event;
-4. (backend) transfer the weights; the last call carries `weight_version`;
+4. (backend) transfer the weights; the last call carries `weight_version`; the transfer
+   returns a `TransferResult` (bytes, full/delta/fallback, delta base ready) the push records;
 5. `/continue_generation`, announced by a `resume` event;
 6. once every live engine confirmed: set `{ns}:version`, publish the event.
 
@@ -41,7 +42,7 @@ if another engine serves): otherwise it keeps serving, its tokens labelled with 
 
 Delta pushes (`actor.weight_update_delta`, `delta.py`): rank 0 keeps a CPU copy of the
 last pushed version; when every engine of a push confirmed serving it, the backend sends
-only the change (`common/weight_delta.py`), and each engine checks the result against the
+only the change (`common/weights/delta_codec.py`), and each engine checks the result against the
 trainer's checksums before applying anything. Engines that are behind, and engines that
 reject the delta (other base, checksum miss), get the full weights in the same push. A
 failed push, a sharded or a LoRA model leave no base: the next push is full.
@@ -66,24 +67,25 @@ from typing import Any, Awaitable
 import msgspec
 import torch
 
+from rlstream.api.weight_transport import TransferResult, WeightTransport
 from rlstream.broker.keys import Keys
 from rlstream.broker.versions import Event, VersionRegistry
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
-from rlstream.common.dist import run_in_thread
 from rlstream.common.engine_api import KEEPS_RUNNING, ContinueRequest, EngineError, PauseRequest, Route
 from rlstream.common.logging import get_logger
+from rlstream.common.weights.dist import run_in_thread
 from rlstream.trainer.weights.delta import DeltaBase
 from rlstream.trainer.weights.fleet import EngineFleet
 from rlstream.trainer.weights.params import ShardSync, WeightEntry, is_sharded, lora_scaling, weight_entries
 
-__all__ = ["WeightBroadcaster", "NoneBroadcaster", "EngineBroadcaster", "TransferFailed", "PushReport"]
+__all__ = ["WeightBroadcaster", "NoneBroadcaster", "EngineBroadcaster", "TransferFailed", "TransferResult", "PushReport"]
 
 log = get_logger(__name__)
 
 
-class WeightBroadcaster(abc.ABC):
-    """Called by every trainer rank after each step; only rank 0 talks to engines."""
+class WeightBroadcaster(WeightTransport):
+    """A `WeightTransport` that publishes each pushed version (`{ns}:version` and its event)."""
 
     def __init__(self, cfg: Config, client: Any, keys: Keys, rank: int = 0) -> None:
         self.cfg = cfg
@@ -92,19 +94,9 @@ class WeightBroadcaster(abc.ABC):
         self.rank = rank
         self.versions = VersionRegistry(client, keys)
 
-    @abc.abstractmethod
-    def push(self, model: torch.nn.Module, version: int) -> None:
-        """Send `model`'s weights as `version`; returns once engines serve it and the version is published.
-
-        Collective: all trainer ranks call it (sharded models gather each parameter).
-        """
-
     def publish(self, version: int, detail: str = "") -> None:
         if self.rank == 0:
             self.versions.set(version, detail)
-
-    def close(self) -> None:
-        """Release groups/connections."""
 
 
 class NoneBroadcaster(WeightBroadcaster):
@@ -195,8 +187,6 @@ class EngineBroadcaster(WeightBroadcaster):
         self._closed = False
         encoding = cfg.actor.weight_update_delta
         self.delta: DeltaBase | None = DeltaBase(encoding) if encoding != "none" and rank == 0 else None
-        self._report: PushReport | None = None  # the push in progress (backends fill kind/rejected)
-        self._delta_ready = False  # the transfer left the delta base holding exactly this version
         self._io: _LoopThread | None = None
         self._watcher: concurrent.futures.Future | None = None
         if rank == 0:
@@ -216,8 +206,8 @@ class EngineBroadcaster(WeightBroadcaster):
 
     @abc.abstractmethod
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
-                        sync: ShardSync | None) -> int:
-        """Send `version` to every engine in `engines`; returns bytes sent per engine.
+                        sync: ShardSync | None) -> TransferResult:
+        """Send `version` to every engine in `engines`; returns what was sent.
 
         Raises TransferFailed naming the engines to drop (possibly none: then all retry).
         """
@@ -268,7 +258,7 @@ class EngineBroadcaster(WeightBroadcaster):
         t0 = time.perf_counter()
         sharded = sync is not None
         report = PushReport(version=version)
-        self._report, self._delta_ready = report, False
+        delta_ready = False  # the delta base holds exactly this version
         try:
             async with self.lock:
                 await self._prepare(model, entries, version, sync)
@@ -283,7 +273,7 @@ class EngineBroadcaster(WeightBroadcaster):
                     report.attempts += 1
                     try:
                         await self._pause(engines)
-                        report.bytes = await self._transfer(engines, entries, version, sync)
+                        sent = await self._transfer(engines, entries, version, sync)
                     except TransferFailed as exc:
                         if exc.bad:
                             report.dropped.update(exc.bad)
@@ -295,6 +285,9 @@ class EngineBroadcaster(WeightBroadcaster):
                         log.warning("push of version %d: %s; %s", version, exc,
                                     f"retrying with {len(engines)} engine(s)" if engines else "no engine left")
                         continue
+                    report.bytes, report.kind, delta_ready = sent.bytes, sent.kind, sent.delta_ready
+                    if sent.rejected:
+                        report.rejected = sent.rejected
                     try:
                         await self._continue(engines)
                     except TransferFailed as exc:  # they have the weights but are gone: nothing to redo
@@ -310,7 +303,7 @@ class EngineBroadcaster(WeightBroadcaster):
                     await self._mark_down(a, why, version)
                 new = [a for a in engines if a not in self.in_sync]
                 if self.delta is not None:  # the next push is a delta only against exactly this version
-                    if self._delta_ready and engines:
+                    if delta_ready and engines:
                         self.delta.commit(version, entries)
                     else:
                         self.delta.invalidate()

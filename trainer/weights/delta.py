@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from rlstream.common.dist import dtype_name
 from rlstream.common.engine_api import DeltaTensor, ParamSpec
-from rlstream.common.weight_delta import describe, encode, part_names
+from rlstream.common.weights.delta_codec import describe, encode, part_names
+from rlstream.common.weights.dist import dtype_name
 from rlstream.trainer.weights.params import WeightEntry
 
 __all__ = ["DeltaBase", "EncodedBucket"]

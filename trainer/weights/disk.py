@@ -26,11 +26,11 @@ import torch
 
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
-from rlstream.common.dist import run_in_thread
 from rlstream.common.engine_api import DELTA_FORMAT, DeltaTensor, DiskUpdate, WeightDelta
 from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger
-from rlstream.trainer.weights.base import EngineBroadcaster
+from rlstream.common.weights.dist import run_in_thread
+from rlstream.trainer.weights.base import EngineBroadcaster, TransferResult
 from rlstream.trainer.weights.delta import DeltaBase
 from rlstream.trainer.weights.params import ShardSync, WeightEntry, materialize, plan_buckets
 
@@ -170,6 +170,7 @@ class DiskBroadcaster(EngineBroadcaster):
         self._delta_bytes = 0
         self._config: Any = None  # the model's HF config, for full folders written later from the delta base
         self._written: set[Path] = set()  # folders of the push in progress
+        self._written_delta_ready = False  # the folders written left the delta base holding their version
         super().__init__(cfg, client, keys, rank)
         if rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -180,6 +181,7 @@ class DiskBroadcaster(EngineBroadcaster):
     async def _prepare(self, model: torch.nn.Module, entries: list[WeightEntry], version: int,
                        sync: ShardSync | None) -> None:
         self._written.clear()
+        self._written_delta_ready = False
         self._config = getattr(model, "config", None)
         if self.delta is not None and sync is None and self.lora_scaling is None and self.in_sync \
                 and self.delta.usable(entries, self.current):
@@ -189,7 +191,7 @@ class DiskBroadcaster(EngineBroadcaster):
                                                             self.bucket_bytes, self.delta,
                                                             name="rlstream-weights-write")
             self._written.add(folder)
-            self._delta_ready = True
+            self._written_delta_ready = True
             log.info("version %d written as a %s delta to %s (%.2f MB)", version, self.delta.encoding, folder,
                      self._delta_bytes / 2**20)
             return
@@ -200,7 +202,7 @@ class DiskBroadcaster(EngineBroadcaster):
                                                   self._config, _adapter_config(model), record,
                                                   name="rlstream-weights-write")
         self._written.add(folder)
-        self._delta_ready = record is not None
+        self._written_delta_ready = record is not None
         log.info("version %d written to %s (%.1f MB)", version, folder, self._bytes / 2**20)
 
     async def _full_folder(self, version: int) -> Path:
@@ -216,21 +218,20 @@ class DiskBroadcaster(EngineBroadcaster):
         return folder
 
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
-                        sync: ShardSync | None) -> int:
-        assert self._report is not None
+                        sync: ShardSync | None) -> TransferResult:
         delta = delta_folder(self.root, version)
         to_delta = [a for a in engines if a in self.in_sync] if delta in self._written else []
         full = [a for a in engines if a not in to_delta]
-        sent = 0
+        result = TransferResult(0, delta_ready=self._written_delta_ready)
         if to_delta:
             replies = await self._each(to_delta, api.UPDATE_WEIGHTS_FROM_DISK,
                                        DiskUpdate(model_path=str(delta), weight_version=str(version),
                                                   load_format=DELTA_FORMAT, flush_cache=self.flush_after_update))
             rejected = {a: r.delta_rejected for a, r in replies.items() if r is not None and r.delta_rejected}
-            sent = self._delta_bytes
-            self._report.kind = "fallback" if rejected else "delta"
+            result.bytes = self._delta_bytes
+            result.kind = "fallback" if rejected else "delta"
             if rejected:
-                self._report.rejected = rejected
+                result.rejected = rejected
                 log.warning("delta of version %d rejected by %s; loading the full weights", version,
                             "; ".join(f"{a}: {why}" for a, why in rejected.items()))
                 full += list(rejected)
@@ -239,8 +240,8 @@ class DiskBroadcaster(EngineBroadcaster):
             await self._each(full, api.UPDATE_WEIGHTS_FROM_DISK,
                              DiskUpdate(model_path=str(folder), weight_version=str(version),
                                         flush_cache=self.flush_after_update))
-            sent += self._bytes
-        return sent
+            result.bytes += self._bytes
+        return result
 
     def can_catch_up(self) -> bool:
         return self.folder(self.current).is_dir() or (self.delta is not None and self.delta.version == self.current)

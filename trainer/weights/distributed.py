@@ -31,12 +31,12 @@ import torch
 
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
-from rlstream.common.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
 from rlstream.common.engine_api import (DELTA_FORMAT, DestroyWeightsGroup, EngineError, InitWeightsGroup, WeightDelta,
                                         WeightUpdate)
 from rlstream.common.logging import get_logger
 from rlstream.common.net import free_port, master_address_for
-from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed
+from rlstream.common.weights.dist import WeightSyncGroup, init_weight_sync_group, resolve_backend, run_in_thread
+from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed, TransferResult
 from rlstream.trainer.weights.params import (
     ShardSync,
     WeightEntry,
@@ -208,7 +208,7 @@ class DistributedBroadcaster(EngineBroadcaster):
         return total, {}
 
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
-                        sync: ShardSync | None) -> int:
+                        sync: ShardSync | None) -> TransferResult:
         if self.group is None or self.members != engines:
             self._reset_main()
             self.group = await self._build(engines, GROUP_NAME)
@@ -217,22 +217,20 @@ class DistributedBroadcaster(EngineBroadcaster):
             await run_in_thread(sync.signal, True)
         buckets = plan_buckets(entries, self.bucket_bytes)
         try:
-            sent = 0
+            sent, rejected = 0, {}
             if self.delta_possible(engines, entries, sync):
-                assert self.delta is not None and self._report is not None
+                assert self.delta is not None
                 sent, rejected = await self._send(self.group, engines, GROUP_NAME, buckets, version, sync,
                                                   delta_base=self.delta.begin())
                 if not rejected:
-                    self._report.kind, self._delta_ready = "delta", True
-                    return sent
+                    return TransferResult(sent, kind="delta", delta_ready=True)
                 # The group is intact (every engine answered): the full weights go to all of them.
-                self._report.kind, self._report.rejected = "fallback", rejected
                 log.warning("delta push of version %d rejected by %s; sending the full weights", version,
                             "; ".join(f"{a}: {why}" for a, why in rejected.items()))
             record = self.delta_recorder(sync)
             full, _ = await self._send(self.group, engines, GROUP_NAME, buckets, version, sync, record=record)
-            self._delta_ready = record is not None
-            return sent + full
+            return TransferResult(sent + full, kind="fallback" if rejected else "full", rejected=rejected,
+                                  delta_ready=record is not None)
         except TransferFailed:
             self._reset_main()  # a failed collective leaves the group unusable
             raise

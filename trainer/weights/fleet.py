@@ -20,7 +20,7 @@ from rlstream.broker.registry import make_name_resolver
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config
 from rlstream.common.engine_api import ENGINES_SERVICE, EngineError, Route, base_url
-from rlstream.producer.engine_client import SGLangClient
+from rlstream.common.engine_client import SGLangClient
 
 __all__ = ["EngineFleet", "HEALTH_TIMEOUT"]
 

@@ -2,7 +2,7 @@
 
 Each version, between `/pause_generation` and `/continue_generation` (base.py), the
 parameters go in buckets of `actor.weight_chunked_mem_mb`: rank 0 gathers a bucket
-(FSDP2: every rank joins), packs it into one flat GPU buffer (`common/cuda_ipc.py`) and
+(FSDP2: every rank joins), packs it into one flat GPU buffer (`common/weights/cuda_ipc.py`) and
 sends every engine `/update_weights_from_ipc` with the buffer's CUDA IPC handle and each
 tensor's name, dtype, shape and byte offset; each engine maps the buffer, copies the
 tensors into its weights and answers; then the buffer is dropped and the next bucket
@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from rlstream.common import cuda_ipc
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config, ConfigError
-from rlstream.common.dist import run_in_thread
 from rlstream.common.engine_api import IpcWeightUpdate
 from rlstream.common.logging import get_logger
-from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed
+from rlstream.common.weights import cuda_ipc
+from rlstream.common.weights.dist import run_in_thread
+from rlstream.trainer.weights.base import EngineBroadcaster, TransferFailed, TransferResult
 from rlstream.trainer.weights.params import (ShardSync, WeightEntry, bits_checksum, materialize, plan_buckets,
                                              weight_entries)
 
@@ -95,10 +95,10 @@ class IpcBroadcaster(EngineBroadcaster):
         return total
 
     async def _transfer(self, engines: list[str], entries: list[WeightEntry], version: int,
-                        sync: ShardSync | None) -> int:
+                        sync: ShardSync | None) -> TransferResult:
         if sync is not None:
             await run_in_thread(sync.signal, True)
-        return await self._send(engines, plan_buckets(entries, self.bucket_bytes), version, sync)
+        return TransferResult(await self._send(engines, plan_buckets(entries, self.bucket_bytes), version, sync))
 
     # ------------------------------------------------------------ late joiners
 

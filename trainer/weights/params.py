@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rlstream.common.dist import dtype_name
 from rlstream.common.engine_api import ParamSpec
-from rlstream.common.weight_delta import bits_checksum
+from rlstream.common.weights.delta_codec import bits_checksum
+from rlstream.common.weights.dist import dtype_name
 
 __all__ = ["WeightEntry", "weight_entries", "lora_scaling", "plan_buckets", "is_sharded", "materialize",
            "bits_checksum", "ShardSync"]

@@ -10,11 +10,11 @@ import uuid
 import msgspec
 import pytest
 
+from rlstream.broker.registry import RedisNameResolver, make_engine_resolver
 from rlstream.common.config import load_config
 from rlstream.common.engine_api import CompletionResponse, base_url
-from rlstream.broker.registry import RedisNameResolver
 from rlstream.common.engine_api import ENGINES_SERVICE
-from rlstream.producer.engine_client import (
+from rlstream.common.engine_client import (
     EngineRequestError,
     ModelRequest,
     ServerPool,
@@ -48,6 +48,10 @@ def shared(redis_server, tiny_model_path, tmp_path_factory):
 def pool_cfg(redis_url, experiment, *extra):
     return load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}", f"rollout.api_key={API_KEY}",
                               "rollout.health_check_interval=0.5", "cluster.name_resolve.lease_ttl=2", *extra])
+
+
+def pool_for(cfg, **kw):
+    return ServerPool(cfg, make_engine_resolver(cfg), **kw)
 
 
 def req(n=6, prompt=(5, 6, 7), **kw):
@@ -89,13 +93,13 @@ async def test_sglang_client_against_local_engine(shared):
 
 async def test_pool_follows_name_resolve_round_robin_and_least_inflight(shared, redis_url):
     exp, (e0, e1) = shared
-    async with ServerPool(pool_cfg(redis_url, exp, "rollout.schedule_policy=round_robin")) as pool:
+    async with pool_for(pool_cfg(redis_url, exp, "rollout.schedule_policy=round_robin")) as pool:
         assert await pool.wait_for_servers(2, timeout=30) == sorted([e0.address, e1.address])
         for _ in range(8):
             assert len((await pool.agenerate(req(3))).output_ids) == 3
         assert [pool.servers[a].requests for a in pool.healthy()] == [4, 4]
 
-    async with ServerPool(pool_cfg(redis_url, exp, "rollout.schedule_policy=least_inflight")) as pool:
+    async with pool_for(pool_cfg(redis_url, exp, "rollout.schedule_policy=least_inflight")) as pool:
         await pool.wait_for_servers(2, timeout=30)
         paused = pool.servers[e0.address].client
         await paused.pause()  # new requests on e0 wait until resume
@@ -120,7 +124,7 @@ async def test_engine_behind_the_weight_version_is_skipped_while_another_is_up(s
     """engine_down from the trainer (set_behind) steers requests to the other engine; engine_up undoes it."""
     exp, (e0, e1) = shared
     static = f"rollout.engine_addresses=[{e0.address},{e1.address}]"
-    async with ServerPool(pool_cfg(redis_url, exp, static, "rollout.schedule_policy=round_robin")) as pool:
+    async with pool_for(pool_cfg(redis_url, exp, static, "rollout.schedule_policy=round_robin")) as pool:
         await pool.wait_for_servers(2, timeout=30)
         pool.set_behind(e0.address, True)
         assert {(await pool.agenerate(req(2))).server for _ in range(6)} == {e1.address}
@@ -147,7 +151,7 @@ class _Lines(logging.Handler):
 async def test_killed_engine_moves_request_and_empty_pool_waits(shared, engines, redis_url, tiny_model_path):
     """SIGKILL an engine holding a request: it completes on another. No engine: the request waits."""
     logged = _Lines()
-    logging.getLogger("rlstream.producer.engine_client").addHandler(logged)
+    logging.getLogger("rlstream.common.engine_client").addHandler(logged)
     _, (survivor, _) = shared
     exp = f"kill{uuid.uuid4().hex[:8]}"
     victim = engines(tiny_model_path, redis_url, exp, f"server.api_key={API_KEY}")
@@ -155,7 +159,7 @@ async def test_killed_engine_moves_request_and_empty_pool_waits(shared, engines,
 
     rc = await connect_async(redis_url)
     reg = RedisNameResolver(rc, pool_cfg(redis_url, exp).namespace, default_ttl=2)
-    async with ServerPool(pool_cfg(redis_url, exp, "rollout.request_retries=3"), wait_log_interval=1.0) as pool:
+    async with pool_for(pool_cfg(redis_url, exp, "rollout.request_retries=3"), wait_log_interval=1.0) as pool:
         try:
             assert await pool.wait_for_servers(1, timeout=30) == [victim.address]
             await pool.servers[victim.address].client.pause()  # hold the request inside the victim
@@ -182,7 +186,7 @@ async def test_killed_engine_moves_request_and_empty_pool_waits(shared, engines,
             out = await asyncio.wait_for(task, 60)
             assert out.server == survivor.address and len(out.output_ids) == 4
         finally:
-            logging.getLogger("rlstream.producer.engine_client").removeHandler(logged)
+            logging.getLogger("rlstream.common.engine_client").removeHandler(logged)
             await reg.close()
             await rc.aclose()
 

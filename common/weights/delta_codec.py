@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from rlstream.common.dist import dtype_name, parse_dtype
 from rlstream.common.engine_api import DeltaTensor, WeightDelta
+from rlstream.common.weights.dist import dtype_name, parse_dtype
 
 __all__ = ["DeltaMismatch", "bits_checksum", "encode", "part_names", "apply_delta", "decode_tensor"]
 

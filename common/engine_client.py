@@ -22,7 +22,8 @@ takes a route and a struct); the trainer's weight broadcaster reaches the SGLang
 control and weight-update routes of every engine kind through `SGLangClient.call` too.
 
 `ServerPool` spreads requests over every healthy server (`round_robin` or
-`least_inflight`), follows servers as they register and vanish through name resolve,
+`least_inflight`), follows servers as they register and vanish through the name
+resolver it is given (`broker.registry.make_engine_resolver`),
 health-checks them (`GET /health`), and retries a failed request on another healthy
 server with exponential backoff. When no server is left it waits — logging — until
 one appears; the caller keeps its rollout leases alive meanwhile (producer/main.py
@@ -43,9 +44,7 @@ from typing import Any, Literal
 import aiohttp
 import msgspec
 
-from rlstream.broker.registry import make_name_resolver
 from rlstream.common import engine_api as api
-from rlstream.common.tasks import cancel_and_wait
 from rlstream.common.config import Config, GenerationHyperparameters
 from rlstream.common.engine_api import (
     ENGINES_SERVICE,
@@ -65,7 +64,8 @@ from rlstream.common.engine_api import (
     base_url,
 )
 from rlstream.common.logging import get_logger
-from rlstream.common.name_resolve import NameResolver, StaticNameResolver
+from rlstream.common.name_resolve import NameResolver
+from rlstream.common.tasks import cancel_and_wait
 
 __all__ = [
     "ModelRequest",
@@ -78,7 +78,6 @@ __all__ = [
     "EngineUnavailable",
     "ServerPool",
     "make_engine_client",
-    "make_engine_resolver",
 ]
 
 log = get_logger(__name__)
@@ -339,13 +338,6 @@ def make_engine_client(backend: str, session: aiohttp.ClientSession, address: st
     return cls(session, address, api_key, request_timeout)
 
 
-def make_engine_resolver(cfg: Config, redis_client: Any = None) -> NameResolver:
-    """`rollout.engine_addresses` when set (a fixed list), else `cluster.name_resolve`."""
-    if cfg.rollout.engine_addresses:
-        return StaticNameResolver(list(cfg.rollout.engine_addresses))
-    return make_name_resolver(cfg, redis_client=redis_client)
-
-
 # ---------------------------------------------------------------------- pool
 
 
@@ -359,10 +351,13 @@ class _Server:
 
 
 class ServerPool:
-    """Many engines behind one `agenerate`, following name resolve."""
+    """Many engines behind one `agenerate`, following name resolve.
 
-    def __init__(self, cfg: Config, resolver: NameResolver | None = None, *, redis_client: Any = None,
-                 wait_log_interval: float = 10.0) -> None:
+    `resolver` lists the engines (`broker.registry.make_engine_resolver` builds it from the
+    config); the pool closes it on `close`.
+    """
+
+    def __init__(self, cfg: Config, resolver: NameResolver, *, wait_log_interval: float = 10.0) -> None:
         r = cfg.rollout
         self.backend = r.backend
         self.policy = r.schedule_policy
@@ -370,7 +365,7 @@ class ServerPool:
         self.request_retries = r.request_retries
         self.health_interval = r.health_check_interval
         self.api_key = r.api_key
-        self.resolver = resolver or make_engine_resolver(cfg, redis_client)
+        self.resolver = resolver
         self.wait_log_interval = wait_log_interval
         self.servers: dict[str, _Server] = {}
         self.behind: set[str] = set()  # engines the trainer dropped from weight sync (engine_down)

@@ -1,9 +1,9 @@
-"""common/cuda_ipc.py: packing a bucket into one buffer and viewing it back (CPU); sharing needs CUDA."""
+"""common/weights/cuda_ipc.py: packing a bucket into one buffer and viewing it back (CPU); sharing needs CUDA."""
 
 import pytest
 import torch
 
-from rlstream.common import cuda_ipc
+from rlstream.common.weights import cuda_ipc
 
 
 def test_pack_aligns_every_tensor_and_unpack_gives_them_back():

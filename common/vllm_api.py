@@ -1,0 +1,62 @@
+"""vLLM's OpenAI-compatible subset of the engine HTTP contract (`common/engine_api.py` holds its routes).
+
+`/v1/completions` with a token-id prompt, `/v1/models` and `/is_paused`, as vLLM speaks
+them: plain msgspec Structs (every field is sent), unlike the SGLang bodies, which omit
+fields at their default.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["CompletionRequest", "CompletionLogprobs", "CompletionChoice", "CompletionResponse", "ModelCard",
+           "ModelList", "PausedReply"]
+
+
+class CompletionRequest(msgspec.Struct, kw_only=True):
+    """`POST /v1/completions` with a token-id prompt; every returned token is `token_id:N`."""
+
+    model: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    logprobs: int = 0  # the sampled token's logprob only
+    return_tokens_as_token_ids: bool = True
+    skip_special_tokens: bool = False
+    stream: bool = False
+    top_k: int | msgspec.UnsetType = msgspec.UNSET
+    min_tokens: int | msgspec.UnsetType = msgspec.UNSET
+    stop_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    request_id: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str] | None = None
+    token_logprobs: list[float | None] | None = None
+
+
+class CompletionChoice(msgspec.Struct):
+    text: str = ""
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    choices: list[CompletionChoice] = msgspec.field(default_factory=list)
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+
+
+class ModelList(msgspec.Struct):
+    """`GET /v1/models`."""
+
+    data: list[ModelCard] = msgspec.field(default_factory=list)
+
+
+class PausedReply(msgspec.Struct):
+    """`GET /is_paused` (vLLM)."""
+
+    is_paused: bool
