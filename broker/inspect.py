@@ -290,7 +290,7 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
             hist[trainer - v] += 1
     if train is not None and not und_capped:
         # Counted, not XINFO's lag: null after an AOF reload, wrong after a reload of a rewritten
-        # AOF (Redis 7.0; see broker/admission.py `_RESET`).
+        # AOF (Redis 7.0; see broker/lua.py `RESET`).
         train["lag"] = len(undelivered)
     staleness = {
         "trainer_version": trainer,
