@@ -251,7 +251,7 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
     served, trainer = _int(served), _int(trainer)
     accepted, rejected, running = _int(accepted), _int(rejected), _int(running)
 
-    # ---- admission: the run's parameters if recorded, else the caller's config
+    # admission: the run's parameters if recorded, else the caller's config
     meta = read_run_meta(client, keys)
     source = "config"
     if meta is not None:
@@ -264,9 +264,34 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "max_head_offpolicyness": eta, "consumer_batch_size": batch, "max_concurrent_rollouts": max_concurrent,
         "params_from": source,
     }
-
-    # ---- stream, groups, pending
     groups = _groups(client, keys)
+    pending_rows, staleness = _queue_staleness(client, keys, groups, trainer, eta, bool(length), scan_limit)
+    throughput = _throughput(client, keys, meta, now, window_s, bool(length), scan_limit)
+    return {
+        "namespace": keys.ns,
+        "exists": bool(n_keys),
+        "server_time_ms": now,
+        "stream": {"key": keys.traj, "length": _int(length), "groups": groups},
+        "pending": pending_rows,
+        "versions": {"served": served, "trainer": trainer},
+        "run": id_str(run_state) if run_state else None,  # running | finished (None: no trainer started yet)
+        "admission": admission,
+        "staleness": staleness,
+        "dead_letters": _records(client, keys.dead, recent, ("source_id", "reason", "ts")),
+        "dropped": _records(client, keys.dropped, recent, ("source_id", "lease", "reason", "min_version",
+                                                           "trainer_version", "ts")),
+        "throughput": throughput,
+        "engines": [{"address": id_str(addr), "expires_in_ms": int(score) - now, "alive": score > now}
+                    for addr, score in engines],
+        "producers": sorted(id_str(p) for p in producers if not id_str(p).startswith("accepted:")),
+        "meta": None if meta is None else {k: getattr(meta, k) for k in meta.__struct_fields__},
+    }
+
+
+def _queue_staleness(client: Any, keys: Keys, groups: list[dict[str, Any]], trainer: int, eta: int, has_entries: bool,
+                     scan_limit: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The pending entries of every group, and the staleness of the groups queued for training (undelivered +
+    pending in `train`); sets the `train` group's `lag` to the undelivered count when it was counted whole."""
     train = next((g for g in groups if g["name"] == TRAIN_GROUP), None)
     pending_rows: list[dict[str, Any]] = []
     pending_ids: list[str] = []
@@ -276,10 +301,8 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         pending_rows += rows
         if g["name"] == TRAIN_GROUP:
             pending_ids, pending_capped = ids, capped
-
-    # ---- queued groups (undelivered + pending in `train`) and their staleness
     start = "(" + train["last_delivered_id"] if train else "-"
-    undelivered, und_capped = _scan_range(client, keys.traj, start, "+", scan_limit) if length else ([], False)
+    undelivered, und_capped = _scan_range(client, keys.traj, start, "+", scan_limit) if has_entries else ([], False)
     queued = undelivered + (_scan_ids(client, keys.traj, pending_ids) if pending_ids else [])
     hist: Counter[int] = Counter()
     no_version = 0
@@ -292,7 +315,7 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         # Counted, not XINFO's lag: null after an AOF reload, wrong after a reload of a rewritten
         # AOF (Redis 7.0; see broker/lua.py `RESET`).
         train["lag"] = len(undelivered)
-    staleness = {
+    return pending_rows, {
         "trainer_version": trainer,
         "max_head_offpolicyness": eta,
         "queued": len(queued),
@@ -304,17 +327,21 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "truncated": und_capped or pending_capped,
     }
 
-    # ---- throughput over the last window, or over the run's life while it is younger
+
+def _throughput(client: Any, keys: Keys, meta: Any, now: int, window_s: float, has_entries: bool,
+                scan_limit: int) -> dict[str, Any]:
+    """Producer and consumer rates over the last `window_s`, or over the run's life while it is younger."""
     start_ms = _run_start_ms(client, keys, meta)
     requested_s = window_s
     if start_ms is not None:
         window_s = min(window_s, max(1.0, (now - start_ms) / 1000))
     since = now - int(window_s * 1000)
-    recent_entries, thr_capped = _scan_range(client, keys.traj, str(since), "+", scan_limit) if length else ([], False)
+    recent_entries, thr_capped = (_scan_range(client, keys.traj, str(since), "+", scan_limit) if has_entries
+                                  else ([], False))
     steps = StepLog(client, keys).recent(since)
     step_numbers = {rec.step for _, rec in steps}
     consumed = sum(len(rec.entry_ids) for _, rec in steps)
-    throughput = {
+    return {
         "window_s": window_s,  # the requested window, or the run's age when shorter
         "window_requested_s": requested_s,
         "producer_groups": len(recent_entries),
@@ -326,23 +353,4 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "consumer_groups_per_s": consumed / window_s,
         "truncated": thr_capped,
         "note": "producer rate counts entries still in the stream (retention may have trimmed acked ones)",
-    }
-
-    return {
-        "namespace": keys.ns,
-        "exists": bool(n_keys),
-        "server_time_ms": now,
-        "stream": {"key": keys.traj, "length": _int(length), "groups": groups},
-        "pending": pending_rows,
-        "versions": {"served": served, "trainer": trainer},
-        "run": id_str(run_state) if run_state else None,  # running | finished (None: no trainer started yet)
-        "admission": admission,
-        "staleness": staleness,
-        "dead_letters": _records(client, keys.dead, recent, ("source_id", "reason", "ts")),
-        "dropped": _records(client, keys.dropped, recent, ("source_id", "lease", "reason", "min_version", "trainer_version", "ts")),
-        "throughput": throughput,
-        "engines": [{"address": id_str(addr), "expires_in_ms": int(score) - now, "alive": score > now}
-                    for addr, score in engines],
-        "producers": sorted(id_str(p) for p in producers if not id_str(p).startswith("accepted:")),
-        "meta": None if meta is None else {k: getattr(meta, k) for k in meta.__struct_fields__},
     }
