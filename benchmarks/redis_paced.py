@@ -114,11 +114,11 @@ class Setup:
         self.adm.commit(lease_id, self.fields)
 
     def commit_script(self, lease_id: str) -> None:
-        from rlstream.broker.admission import _LUA_LEASES
+        from rlstream.broker.lua import LUA_LEASES
 
         k = self.keys
         tx = self.client.pipeline(transaction=True)
-        tx.execute_command("EVAL", _LUA_LEASES + _COMMIT_LEASES_BEFORE_BODY, 4, k.admit_running, k.admit_owners,
+        tx.execute_command("EVAL", LUA_LEASES + _COMMIT_LEASES_BEFORE_BODY, 4, k.admit_running, k.admit_owners,
                            k.admit_armed, k.admit_alive, "", 6000, lease_id)
         self._append(tx, lease_id)
         tx.execute()

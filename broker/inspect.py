@@ -251,7 +251,7 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
     served, trainer = _int(served), _int(trainer)
     accepted, rejected, running = _int(accepted), _int(rejected), _int(running)
 
-    # ---- admission: the run's parameters if recorded, else the caller's config
+    # admission: the run's parameters if recorded, else the caller's config
     meta = read_run_meta(client, keys)
     source = "config"
     if meta is not None:
@@ -264,70 +264,9 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "max_head_offpolicyness": eta, "consumer_batch_size": batch, "max_concurrent_rollouts": max_concurrent,
         "params_from": source,
     }
-
-    # ---- stream, groups, pending
     groups = _groups(client, keys)
-    train = next((g for g in groups if g["name"] == TRAIN_GROUP), None)
-    pending_rows: list[dict[str, Any]] = []
-    pending_ids: list[str] = []
-    pending_capped = False
-    for g in groups:
-        rows, ids, capped = _pending(client, keys, g["name"], scan_limit)
-        pending_rows += rows
-        if g["name"] == TRAIN_GROUP:
-            pending_ids, pending_capped = ids, capped
-
-    # ---- queued groups (undelivered + pending in `train`) and their staleness
-    start = "(" + train["last_delivered_id"] if train else "-"
-    undelivered, und_capped = _scan_range(client, keys.traj, start, "+", scan_limit) if length else ([], False)
-    queued = undelivered + (_scan_ids(client, keys.traj, pending_ids) if pending_ids else [])
-    hist: Counter[int] = Counter()
-    no_version = 0
-    for _, v, _n in queued:
-        if v is None or v < 0:
-            no_version += 1
-        else:
-            hist[trainer - v] += 1
-    if train is not None and not und_capped:
-        # Counted, not XINFO's lag: null after an AOF reload, wrong after a reload of a rewritten
-        # AOF (Redis 7.0; see broker/admission.py `_RESET`).
-        train["lag"] = len(undelivered)
-    staleness = {
-        "trainer_version": trainer,
-        "max_head_offpolicyness": eta,
-        "queued": len(queued),
-        "undelivered": len(undelivered),
-        "pending": len(pending_ids),
-        "histogram": {str(k): hist[k] for k in sorted(hist)},
-        "over_budget": sum(c for s, c in hist.items() if s > eta),
-        "without_version": no_version,
-        "truncated": und_capped or pending_capped,
-    }
-
-    # ---- throughput over the last window, or over the run's life while it is younger
-    start_ms = _run_start_ms(client, keys, meta)
-    requested_s = window_s
-    if start_ms is not None:
-        window_s = min(window_s, max(1.0, (now - start_ms) / 1000))
-    since = now - int(window_s * 1000)
-    recent_entries, thr_capped = _scan_range(client, keys.traj, str(since), "+", scan_limit) if length else ([], False)
-    steps = StepLog(client, keys).recent(since)
-    step_numbers = {rec.step for _, rec in steps}
-    consumed = sum(len(rec.entry_ids) for _, rec in steps)
-    throughput = {
-        "window_s": window_s,  # the requested window, or the run's age when shorter
-        "window_requested_s": requested_s,
-        "producer_groups": len(recent_entries),
-        "producer_groups_per_s": len(recent_entries) / window_s,
-        "producer_tokens_per_s": sum(n for _, _, n in recent_entries) / window_s,
-        "consumer_steps": len(step_numbers),
-        "consumer_steps_per_s": len(step_numbers) / window_s,
-        "consumer_groups": consumed,
-        "consumer_groups_per_s": consumed / window_s,
-        "truncated": thr_capped,
-        "note": "producer rate counts entries still in the stream (retention may have trimmed acked ones)",
-    }
-
+    pending_rows, staleness = _queue_staleness(client, keys, groups, trainer, eta, bool(length), scan_limit)
+    throughput = _throughput(client, keys, meta, now, window_s, bool(length), scan_limit)
     return {
         "namespace": keys.ns,
         "exists": bool(n_keys),
@@ -339,10 +278,79 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "admission": admission,
         "staleness": staleness,
         "dead_letters": _records(client, keys.dead, recent, ("source_id", "reason", "ts")),
-        "dropped": _records(client, keys.dropped, recent, ("source_id", "lease", "reason", "min_version", "trainer_version", "ts")),
+        "dropped": _records(client, keys.dropped, recent, ("source_id", "lease", "reason", "min_version",
+                                                           "trainer_version", "ts")),
         "throughput": throughput,
         "engines": [{"address": id_str(addr), "expires_in_ms": int(score) - now, "alive": score > now}
                     for addr, score in engines],
         "producers": sorted(id_str(p) for p in producers if not id_str(p).startswith("accepted:")),
         "meta": None if meta is None else {k: getattr(meta, k) for k in meta.__struct_fields__},
+    }
+
+
+def _queue_staleness(client: Any, keys: Keys, groups: list[dict[str, Any]], trainer: int, eta: int, has_entries: bool,
+                     scan_limit: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The pending entries of every group, and the staleness of the groups queued for training (undelivered +
+    pending in `train`); sets the `train` group's `lag` to the undelivered count when it was counted whole."""
+    train = next((g for g in groups if g["name"] == TRAIN_GROUP), None)
+    pending_rows: list[dict[str, Any]] = []
+    pending_ids: list[str] = []
+    pending_capped = False
+    for g in groups:
+        rows, ids, capped = _pending(client, keys, g["name"], scan_limit)
+        pending_rows += rows
+        if g["name"] == TRAIN_GROUP:
+            pending_ids, pending_capped = ids, capped
+    start = "(" + train["last_delivered_id"] if train else "-"
+    undelivered, und_capped = _scan_range(client, keys.traj, start, "+", scan_limit) if has_entries else ([], False)
+    queued = undelivered + (_scan_ids(client, keys.traj, pending_ids) if pending_ids else [])
+    hist: Counter[int] = Counter()
+    no_version = 0
+    for _, v, _n in queued:
+        if v is None or v < 0:
+            no_version += 1
+        else:
+            hist[trainer - v] += 1
+    if train is not None and not und_capped:
+        # Counted, not XINFO's lag: null after an AOF reload, wrong after a reload of a rewritten
+        # AOF (Redis 7.0; see broker/lua.py `RESET`).
+        train["lag"] = len(undelivered)
+    return pending_rows, {
+        "trainer_version": trainer,
+        "max_head_offpolicyness": eta,
+        "queued": len(queued),
+        "undelivered": len(undelivered),
+        "pending": len(pending_ids),
+        "histogram": {str(k): hist[k] for k in sorted(hist)},
+        "over_budget": sum(c for s, c in hist.items() if s > eta),
+        "without_version": no_version,
+        "truncated": und_capped or pending_capped,
+    }
+
+
+def _throughput(client: Any, keys: Keys, meta: Any, now: int, window_s: float, has_entries: bool,
+                scan_limit: int) -> dict[str, Any]:
+    """Producer and consumer rates over the last `window_s`, or over the run's life while it is younger."""
+    start_ms = _run_start_ms(client, keys, meta)
+    requested_s = window_s
+    if start_ms is not None:
+        window_s = min(window_s, max(1.0, (now - start_ms) / 1000))
+    since = now - int(window_s * 1000)
+    recent_entries, thr_capped = (_scan_range(client, keys.traj, str(since), "+", scan_limit) if has_entries
+                                  else ([], False))
+    steps = StepLog(client, keys).recent(since)
+    step_numbers = {rec.step for _, rec in steps}
+    consumed = sum(len(rec.entry_ids) for _, rec in steps)
+    return {
+        "window_s": window_s,  # the requested window, or the run's age when shorter
+        "window_requested_s": requested_s,
+        "producer_groups": len(recent_entries),
+        "producer_groups_per_s": len(recent_entries) / window_s,
+        "producer_tokens_per_s": sum(n for _, _, n in recent_entries) / window_s,
+        "consumer_steps": len(step_numbers),
+        "consumer_steps_per_s": len(step_numbers) / window_s,
+        "consumer_groups": consumed,
+        "consumer_groups_per_s": consumed / window_s,
+        "truncated": thr_capped,
+        "note": "producer rate counts entries still in the stream (retention may have trimmed acked ones)",
     }

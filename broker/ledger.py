@@ -48,28 +48,9 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
     `stale_waste_after_redis_restarts` is the share of the groups consumed (trained or dropped)
     after the first restart that were dropped as too stale (a wrong admission count after an AOF
     reload shows up there as a lasting drop loop)."""
-    from rlstream.common.wire import WireError, decode_group
-
-    ids: list[str] = []
-    groups = 0
-    garbage_in_stream = 0
-    for eid, fields in client.xrange(keys.traj):
-        ids.append(id_str(eid))
-        try:
-            decode_group(fields[b"d"])
-            groups += 1
-        except (KeyError, WireError):
-            garbage_in_stream += 1
+    ids, groups, garbage_in_stream = _stream_entries(client, keys)
     present = set(ids)
-
-    # Steps: the trainer version says how many steps completed; records of later steps were
-    # planned, not trained (a restart replays them).
-    trainer_version = int(client.get(keys.trainer_version) or 0)
-    plans: dict[int, list[list[str]]] = {}
-    first_ts: dict[int, float] = {}
-    for rec in StepLog(client, keys).all():
-        plans.setdefault(rec.step, []).append(rec.entry_ids)
-        first_ts.setdefault(rec.step, rec.ts)
+    trainer_version, plans, first_ts = _step_plans(client, keys)
     replayed_differently = sum(1 for p in plans.values() if any(ids_ != p[0] for ids_ in p))
     trained_count: Counter[str] = Counter()
     for step in range(trainer_version):
@@ -84,15 +65,7 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
     dropped_before_commit = sum(1 for _eid, f in drop_records if b"source_id" not in f)
     dead_rows = [id_str(f.get(b"source_id", b"")) for _eid, f in client.xrange(keys.dead)]
     dropped, dead = {s for _, s in dropped_rows}, set(dead_rows)
-
-    pending: set[str] = set()
-    last_delivered = (0, 0)
-    for g in client.xinfo_groups(keys.traj) if client.exists(keys.traj) else []:
-        if id_str(g["name"]) == TRAIN_GROUP:
-            last_delivered = id_tuple(id_str(g["last-delivered-id"]))
-            for p in client.xpending_range(keys.traj, TRAIN_GROUP, min="-", max="+", count=10_000_000):
-                pending.add(id_str(p["message_id"]))
-    undelivered = {i for i in ids if id_tuple(i) > last_delivered}
+    pending, undelivered = _train_group_state(client, keys, ids)
 
     trained = set(trained_count)
     states = [trained, dropped, dead, pending - trained, undelivered]
@@ -138,6 +111,48 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
         consumed = drops_after + trained_after
         out["stale_waste_after_redis_restarts"] = drops_after / consumed if consumed else 0.0
     return out
+
+
+def _stream_entries(client: Any, keys: Keys) -> tuple[list[str], int, int]:
+    """The stream's entry ids, how many of them decode as groups, how many do not (garbage)."""
+    from rlstream.common.wire import WireError, decode_group
+
+    ids: list[str] = []
+    groups = 0
+    garbage_in_stream = 0
+    for eid, fields in client.xrange(keys.traj):
+        ids.append(id_str(eid))
+        try:
+            decode_group(fields[b"d"])
+            groups += 1
+        except (KeyError, WireError):
+            garbage_in_stream += 1
+    return ids, groups, garbage_in_stream
+
+
+def _step_plans(client: Any, keys: Keys) -> tuple[int, dict[int, list[list[str]]], dict[int, float]]:
+    """The trainer version (steps completed), each step's recorded entry lists, each step's first record time.
+
+    Records of steps at or past the trainer version were planned, not trained (a restart replays them)."""
+    trainer_version = int(client.get(keys.trainer_version) or 0)
+    plans: dict[int, list[list[str]]] = {}
+    first_ts: dict[int, float] = {}
+    for rec in StepLog(client, keys).all():
+        plans.setdefault(rec.step, []).append(rec.entry_ids)
+        first_ts.setdefault(rec.step, rec.ts)
+    return trainer_version, plans, first_ts
+
+
+def _train_group_state(client: Any, keys: Keys, ids: list[str]) -> tuple[set[str], set[str]]:
+    """The entries pending in the `train` group, and those of `ids` it has not been delivered yet."""
+    pending: set[str] = set()
+    last_delivered = (0, 0)
+    for g in client.xinfo_groups(keys.traj) if client.exists(keys.traj) else []:
+        if id_str(g["name"]) == TRAIN_GROUP:
+            last_delivered = id_tuple(id_str(g["last-delivered-id"]))
+            for p in client.xpending_range(keys.traj, TRAIN_GROUP, min="-", max="+", count=10_000_000):
+                pending.add(id_str(p["message_id"]))
+    return pending, {i for i in ids if id_tuple(i) > last_delivered}
 
 
 def leases_held_by(client: Any, keys: Keys, pid: int) -> int:

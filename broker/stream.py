@@ -18,9 +18,9 @@ import msgspec
 import redis
 from redis.exceptions import ResponseError
 
-from rlstream.broker.admission import LUA_WAKE
 from rlstream.broker.connection import execute_raw
 from rlstream.broker.keys import TRAIN_GROUP, Keys
+from rlstream.broker.lua import LUA_WAKE
 from rlstream.common.logging import get_logger
 from rlstream.common.wire import TrajectoryGroup, decode_many, encode_group
 

@@ -154,8 +154,23 @@ def translate_areal(data: dict[str, Any]) -> Translation:
     handled: set[str] = set()
     actor = data.get("actor") if isinstance(data.get("actor"), dict) else {}
     rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
+    engine_alloc, trainer_alloc = _allocations(t, data, actor, rollout, handled)
+    engine_kind = _engine_allocation(t, engine_alloc, handled) if engine_alloc is not None else None
+    if trainer_alloc is not None:
+        _trainer_allocation(t, trainer_alloc, handled)
+    top_exp = data.get("experiment_name")
+    for key, value in _leaves(data):
+        if key not in handled and not key.startswith("allocation_mode"):
+            _translate_leaf(t, data, key, value, top_exp)
+    _translate_old_weight_cap(t, actor)
+    _translate_engine_options(t, engines, engine_kind)
+    _note_hub_names(t, data, actor)
+    return t
 
-    # ---- allocation: engines and trainer processes ------------------------------------
+
+def _allocations(t: Translation, data: dict[str, Any], actor: dict[str, Any], rollout: dict[str, Any],
+                 handled: set[str]) -> tuple[Any, Any]:
+    """The engines' and the trainer's (kind, d, p, t) from allocation_mode, then rollout/actor.backend."""
     engine_alloc = trainer_alloc = None
     if "allocation_mode" in data:
         spec = str(data["allocation_mode"])
@@ -169,108 +184,119 @@ def translate_areal(data: dict[str, Any]) -> Translation:
     if isinstance(actor.get("backend"), str):
         trainer_alloc = parse_allocation(actor["backend"]) if ":" in actor["backend"] else (actor["backend"], 1, 1, 1)
         handled.add("actor.backend")
-    engine_kind = None
-    if engine_alloc is not None:
-        kind, d, p, tp = engine_alloc
-        kind = kind or "sglang"
-        if kind not in ("sglang", "vllm"):
-            raise ConfigError(f"rollout.backend {kind!r}: rlstream's engines speak sglang or vllm")
-        engine_kind = kind
-        t.set("rollout.backend", kind)
-        t.set("launcher.n_engines", d)
-        t.set("launcher.slurm.engine", kind)
-        t.set("launcher.slurm.engine_tp", tp)
-        t.set("launcher.slurm.engine_pp", p)
-        src = "rollout.backend" if "rollout.backend" in handled else "allocation_mode"
-        if src == "rollout.backend":
-            t.translated.append((src, f"rollout.backend={kind}, launcher.n_engines={d}, launcher.slurm.engine={kind}, "
-                                      f"engine_tp={tp}, engine_pp={p}"))
-    if trainer_alloc is not None:
-        kind, d, p, tp = trainer_alloc
-        kind = kind or "fsdp"
-        dst = []
-        if kind in ("fsdp", "ddp"):
-            t.set("actor.backend", "hf")
-            t.set("actor.parallel", kind)
-            dst = ["actor.backend=hf", f"actor.parallel={kind}"]
-            if p > 1 or tp > 1:
-                raise ConfigError(f"actor.backend {kind}:d{d}p{p}t{tp}: the hf backend is data parallel only; "
-                                  "use megatron:dDpPtT for tensor/pipeline parallelism")
-        elif kind == "megatron":
-            t.set("actor.backend", "megatron")
-            t.set("actor.megatron.tensor_parallel", tp)
-            t.set("actor.megatron.pipeline_parallel", p)
-            dst = ["actor.backend=megatron", f"actor.megatron.tensor_parallel={tp}", f"pipeline_parallel={p}"]
-        else:
-            raise ConfigError(f"actor.backend {kind!r}: rlstream trains with fsdp/ddp (hf) or megatron")
-        t.set("launcher.n_trainer_procs", d)
-        dst.append(f"launcher.n_trainer_procs={d}")
-        if "actor.backend" in handled:
-            t.translated.append(("actor.backend", ", ".join(dst)))
+    return engine_alloc, trainer_alloc
 
-    # ---- every other leaf ---------------------------------------------------------------
-    top_exp = data.get("experiment_name")
-    for key, value in _leaves(data):
-        if key in handled or key.startswith("allocation_mode"):
-            continue
-        if key == "cluster.name_resolve.type":
-            kind = {"nfs": "redis", "ray": "redis", "etcd3": "etcd", "etcd": "etcd"}.get(str(value))
-            if kind is None:
-                t.dropped.append((key, f"{value!r}: rlstream resolves names with redis, etcd or static"))
-                continue
-            t.set(key, kind)
-            why = "engines register in the run's Redis, which every process reaches" if kind == "redis" else "etcd v3"
-            t.translated.append((key, f"cluster.name_resolve.type={kind} ({why})"))
-            addr = ((data.get("cluster") or {}).get("name_resolve") or {}).get("etcd3_addr")
-            if kind == "etcd" and addr:
-                t.set("cluster.name_resolve.etcd_address", addr)
-                t.translated.append(("cluster.name_resolve.etcd3_addr", "cluster.name_resolve.etcd_address"))
-            continue
-        if key == "actor.weight_update_mode":
-            mode = {"xccl": ("distributed", "nccl"), "nccl": ("distributed", "nccl"), "disk": ("disk", None)}.get(str(value))
-            if mode is None:
-                t.dropped.append((key, f"{value!r}: rlstream pushes weights by distributed, disk or ipc"))
-                continue
-            t.set(key, mode[0])
-            dst = f"actor.weight_update_mode={mode[0]}"
-            if mode[1]:
-                t.set("actor.weight_update_backend", mode[1])
-                dst += f", actor.weight_update_backend={mode[1]}"
-            t.translated.append((key, dst))
-            continue
-        if key in ("actor.behave_imp_weight_cap", "actor.behave_imp_weight_mode"):
-            continue  # below, together
-        if key == "cluster.name_resolve.etcd3_addr":
-            if ((data.get("cluster") or {}).get("name_resolve") or {}).get("type") not in ("etcd", "etcd3"):
-                t.dropped.append((key, "name_resolve.type is not etcd3"))
-            continue
-        if key in _SCHEMA:
-            t.set(key, value)
-            t.same.append(key)
-            continue
-        why = _drop_reason(key)
-        if why:
-            if key.endswith("experiment_name") and value not in (None, top_exp):
-                why += f" (this file sets {value!r} here, {top_exp!r} at the top)"
-            t.dropped.append((key, why))
-            continue
+
+def _engine_allocation(t: Translation, engine_alloc: tuple[Any, int, int, int], handled: set[str]) -> str:
+    """The engine keys of an allocation; returns the engine kind (sglang or vllm)."""
+    kind, d, p, tp = engine_alloc
+    kind = kind or "sglang"
+    if kind not in ("sglang", "vllm"):
+        raise ConfigError(f"rollout.backend {kind!r}: rlstream's engines speak sglang or vllm")
+    t.set("rollout.backend", kind)
+    t.set("launcher.n_engines", d)
+    t.set("launcher.slurm.engine", kind)
+    t.set("launcher.slurm.engine_tp", tp)
+    t.set("launcher.slurm.engine_pp", p)
+    if "rollout.backend" in handled:
+        t.translated.append(("rollout.backend", f"rollout.backend={kind}, launcher.n_engines={d}, "
+                                                f"launcher.slurm.engine={kind}, engine_tp={tp}, engine_pp={p}"))
+    return kind
+
+
+def _trainer_allocation(t: Translation, trainer_alloc: tuple[Any, int, int, int], handled: set[str]) -> None:
+    """The trainer keys of an allocation: backend, parallel sizes, processes."""
+    kind, d, p, tp = trainer_alloc
+    kind = kind or "fsdp"
+    dst = []
+    if kind in ("fsdp", "ddp"):
+        t.set("actor.backend", "hf")
+        t.set("actor.parallel", kind)
+        dst = ["actor.backend=hf", f"actor.parallel={kind}"]
+        if p > 1 or tp > 1:
+            raise ConfigError(f"actor.backend {kind}:d{d}p{p}t{tp}: the hf backend is data parallel only; "
+                              "use megatron:dDpPtT for tensor/pipeline parallelism")
+    elif kind == "megatron":
+        t.set("actor.backend", "megatron")
+        t.set("actor.megatron.tensor_parallel", tp)
+        t.set("actor.megatron.pipeline_parallel", p)
+        dst = ["actor.backend=megatron", f"actor.megatron.tensor_parallel={tp}", f"pipeline_parallel={p}"]
+    else:
+        raise ConfigError(f"actor.backend {kind!r}: rlstream trains with fsdp/ddp (hf) or megatron")
+    t.set("launcher.n_trainer_procs", d)
+    dst.append(f"launcher.n_trainer_procs={d}")
+    if "actor.backend" in handled:
+        t.translated.append(("actor.backend", ", ".join(dst)))
+
+
+def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, top_exp: Any) -> None:
+    """One leaf key of the AReaL file: translated, kept as is, or dropped with the reason."""
+    if key == "cluster.name_resolve.type":
+        _translate_name_resolve(t, data, key, value)
+    elif key == "actor.weight_update_mode":
+        _translate_weight_update_mode(t, key, value)
+    elif key in ("actor.behave_imp_weight_cap", "actor.behave_imp_weight_mode"):
+        pass  # together, in _translate_old_weight_cap
+    elif key == "cluster.name_resolve.etcd3_addr":
+        if ((data.get("cluster") or {}).get("name_resolve") or {}).get("type") not in ("etcd", "etcd3"):
+            t.dropped.append((key, "name_resolve.type is not etcd3"))
+    elif key in _SCHEMA:
+        t.set(key, value)
+        t.same.append(key)
+    elif why := _drop_reason(key):
+        if key.endswith("experiment_name") and value not in (None, top_exp):
+            why += f" (this file sets {value!r} here, {top_exp!r} at the top)"
+        t.dropped.append((key, why))
+    else:
         t.dropped.append((key, "no rlstream key of that name or meaning"))
 
-    # AReaL's removed spelling of rejection sampling, as AReaL's own migration table maps it.
-    cap, mode = actor.get("behave_imp_weight_cap"), actor.get("behave_imp_weight_mode")
-    if "behave_imp_weight_cap" in actor or "behave_imp_weight_mode" in actor:
-        src = "actor.behave_imp_weight_cap/mode"
-        if mode == "disabled" or cap is None:
-            t.translated.append((src, "no correction (rejection_sampling: null)"))
-        else:
-            action = {"token_truncate": "clamp", "token_mask": "mask", None: "mask"}.get(mode)
-            if action is None:
-                t.dropped.append((src, f"behave_imp_weight_mode {mode!r}: use actor.rejection_sampling"))
-            else:
-                t.set("actor.rejection_sampling", {"level": "token", "action": action, "metric": "ratio", "upper": cap})
-                t.translated.append((src, f"actor.rejection_sampling {{token, {action}, ratio, upper {cap}}}"))
 
-    # ---- engine options: those of the chosen backend become its command line -------------
+def _translate_name_resolve(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:
+    kind = {"nfs": "redis", "ray": "redis", "etcd3": "etcd", "etcd": "etcd"}.get(str(value))
+    if kind is None:
+        t.dropped.append((key, f"{value!r}: rlstream resolves names with redis, etcd or static"))
+        return
+    t.set(key, kind)
+    why = "engines register in the run's Redis, which every process reaches" if kind == "redis" else "etcd v3"
+    t.translated.append((key, f"cluster.name_resolve.type={kind} ({why})"))
+    addr = ((data.get("cluster") or {}).get("name_resolve") or {}).get("etcd3_addr")
+    if kind == "etcd" and addr:
+        t.set("cluster.name_resolve.etcd_address", addr)
+        t.translated.append(("cluster.name_resolve.etcd3_addr", "cluster.name_resolve.etcd_address"))
+
+
+def _translate_weight_update_mode(t: Translation, key: str, value: Any) -> None:
+    mode = {"xccl": ("distributed", "nccl"), "nccl": ("distributed", "nccl"), "disk": ("disk", None)}.get(str(value))
+    if mode is None:
+        t.dropped.append((key, f"{value!r}: rlstream pushes weights by distributed, disk or ipc"))
+        return
+    t.set(key, mode[0])
+    dst = f"actor.weight_update_mode={mode[0]}"
+    if mode[1]:
+        t.set("actor.weight_update_backend", mode[1])
+        dst += f", actor.weight_update_backend={mode[1]}"
+    t.translated.append((key, dst))
+
+
+def _translate_old_weight_cap(t: Translation, actor: dict[str, Any]) -> None:
+    """AReaL's removed spelling of rejection sampling, as AReaL's own migration table maps it."""
+    cap, mode = actor.get("behave_imp_weight_cap"), actor.get("behave_imp_weight_mode")
+    if "behave_imp_weight_cap" not in actor and "behave_imp_weight_mode" not in actor:
+        return
+    src = "actor.behave_imp_weight_cap/mode"
+    if mode == "disabled" or cap is None:
+        t.translated.append((src, "no correction (rejection_sampling: null)"))
+        return
+    action = {"token_truncate": "clamp", "token_mask": "mask", None: "mask"}.get(mode)
+    if action is None:
+        t.dropped.append((src, f"behave_imp_weight_mode {mode!r}: use actor.rejection_sampling"))
+    else:
+        t.set("actor.rejection_sampling", {"level": "token", "action": action, "metric": "ratio", "upper": cap})
+        t.translated.append((src, f"actor.rejection_sampling {{token, {action}, ratio, upper {cap}}}"))
+
+
+def _translate_engine_options(t: Translation, engines: dict[str, Any], engine_kind: str | None) -> None:
+    """The options of the chosen engine backend become its command line; the other backend's are dropped."""
     for name, values in engines.items():
         if not isinstance(values, dict):
             t.dropped.append((name, "not a mapping"))
@@ -283,6 +309,9 @@ def translate_areal(data: dict[str, Any]) -> Translation:
         if args:
             t.set("launcher.slurm.engine_args", args)
 
+
+def _note_hub_names(t: Translation, data: dict[str, Any], actor: dict[str, Any]) -> None:
+    """Notes for paths that look like hub names: rlstream reads local files only."""
     for section in ("train_dataset", "valid_dataset"):
         path = (data.get(section) or {}).get("path") if isinstance(data.get(section), dict) else None
         if _hub_like(path):
@@ -291,7 +320,6 @@ def translate_areal(data: dict[str, Any]) -> Translation:
     if _hub_like(actor.get("path")):
         t.notes.append(f"actor.path {actor['path']!r} is a hub id: rlstream resolves it offline from the local HF cache "
                        "(or a folder from `rlstream model get`), never downloads it")
-    return t
 
 
 def _hub_like(path: Any) -> bool:

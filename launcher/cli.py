@@ -123,12 +123,20 @@ def config_import_areal(file: str = typer.Argument(..., help="An AReaL experimen
 
 
 @config_app.command("docs")
-def config_docs() -> None:
-    """Every config key, one line each: `key = default  # description` (defaults as YAML/JSON; sections `(section)`)."""
-    from rlstream.common.config import field_docs
+def config_docs(section: Optional[str] = typer.Argument(
+        None, help="Only the keys of this section, e.g. actor.optimizer (default: every key).")) -> None:
+    """Every config key, one line each: `key = default  # (type) description`, read from the schema's field
+    docstrings (defaults as YAML/JSON; sections `(section)`)."""
+    from rlstream.common.config import field_reference
 
-    for key, desc, default in field_docs():
-        typer.echo(f"{key} = {default}  # {desc}")
+    rows = field_reference()
+    if section:
+        rows = [r for r in rows if r.key == section or r.key.startswith(section + ".")]
+        if not rows:
+            sections = sorted({r.key.split(".")[0] for r in field_reference() if "." in r.key})
+            _fail(f"no config key or section '{section}' (sections: {', '.join(sections)})", 2)
+    for r in rows:
+        typer.echo(f"{r.key} = {r.default}  # ({r.type}) {r.doc}")
 
 
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)

@@ -16,7 +16,7 @@ from urllib.parse import urlparse
 import pytest
 
 from rlstream.broker import AdmissionController, Keys, TrajectoryStream, VersionRegistry
-from rlstream.broker import admission
+from rlstream.broker import admission, lua
 from rlstream.broker.admission import StaleDrop, budget
 from rlstream.broker.ledger import leases_held_by
 from rlstream.broker.stream import entry_fields
@@ -721,7 +721,7 @@ def test_wake_ups_only_when_capacity_can_have_grown_for_a_waiter(rclient, keys):
 def test_a_commit_lands_even_if_its_wake_up_fails(rclient, keys, monkeypatch):
     """The wake-up after a commit (the concurrency limit refused someone) is a second call: if it fails (logged), the
     commit has landed all the same (group written, lease dropped, counted once) and returns its entry id."""
-    monkeypatch.setattr(admission, "_WAKE_AFTER_COMMIT", "return redis.call('NO-SUCH-COMMAND')")
+    monkeypatch.setattr(lua, "WAKE_AFTER_COMMIT", "return redis.call('NO-SUCH-COMMAND')")
     conc = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=1,
                                max_concurrent_rollouts=1)
     assert conc.try_acquire("A-0")[1] is not None

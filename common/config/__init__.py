@@ -1,0 +1,50 @@
+"""The whole-system configuration: a typed schema, YAML loading and dotted overrides.
+
+Key names and defaults follow AReaL's configuration reference where the concept exists
+there, so an AReaL user's config mostly carries over. Every field has a docstring on the
+line below it, shown by `rlstream config docs` (`docs.py` reads them from the source).
+
+The schema is split by concern: `cluster` (placement, discovery, Redis), `rollout`
+(sampling, admission, datasets), `actor` (model and algorithm), `persistence` (checkpoints,
+recovery, evaluation, metrics), `producer` (workflows, agents, gateway), `engine` (the
+local engine), `launcher` (`rlstream run`, demo, Slurm) and `schema` (the top-level
+`Config`). `loading` reads YAML + overrides and validates; `masking` hides credentials.
+"""
+
+from __future__ import annotations
+
+from rlstream.common.config.actor import (ActorConfig, LoRAConfig, MegatronConfig, MicroBatchSpec, NormConfig,
+                                          OptimizerConfig, RefConfig, RejectionSamplingConfig)
+from rlstream.common.config.base import ConfigError
+from rlstream.common.config.cluster import KEEPALIVES_PER_TTL, ClusterConfig, NameResolveConfig, RedisConfig
+from rlstream.common.config.docs import FieldDoc, field_docs, field_reference
+from rlstream.common.config.engine import ServerConfig, SimulateConfig
+from rlstream.common.config.launcher import DemoTaskConfig, LauncherConfig, SlurmConfig, ThreadsConfig
+from rlstream.common.config.loading import load_config, load_config_dict
+from rlstream.common.config.masking import (CREDENTIAL_KEYS, config_to_dict, is_credential_key, mask_url,
+                                            masked_config_dict)
+from rlstream.common.config.persistence import (EvaluatorConfig, PrometheusConfig, RecoverConfig, SaverConfig,
+                                                StatsLoggerConfig, TensorBoardConfig, WandbConfig)
+from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig, SandboxConfig
+from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
+from rlstream.common.config.schema import Config
+
+__all__ = [
+    "Config",
+    "ConfigError",
+    "load_config",
+    "load_config_dict",
+    "config_to_dict",
+    "masked_config_dict",
+    "mask_url",
+    "field_docs",
+    "field_reference",
+    "FieldDoc",
+    # the sections and the rest of what this module has always offered
+    "ActorConfig", "LoRAConfig", "MegatronConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig", "RefConfig",
+    "RejectionSamplingConfig", "KEEPALIVES_PER_TTL", "ClusterConfig", "NameResolveConfig", "RedisConfig",
+    "ServerConfig", "SimulateConfig", "DemoTaskConfig", "LauncherConfig", "SlurmConfig", "ThreadsConfig",
+    "CREDENTIAL_KEYS", "is_credential_key", "EvaluatorConfig", "PrometheusConfig", "RecoverConfig", "SaverConfig",
+    "StatsLoggerConfig", "TensorBoardConfig", "WandbConfig", "AgentConfig", "GatewayConfig", "ProducerConfig",
+    "SandboxConfig", "DatasetConfig", "GenerationHyperparameters", "RolloutConfig",
+]

@@ -1,0 +1,240 @@
+"""The policy model and its algorithm: optimizer, micro-batches, LoRA, off-policy corrections."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from rlstream.common.config.base import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
+
+__all__ = ["NormConfig", "OptimizerConfig", "MicroBatchSpec", "MegatronConfig", "LoRAConfig", "RejectionSamplingConfig",
+           "ActorConfig", "RefConfig"]
+
+
+class NormConfig(Section):
+    mean_level: Literal["batch", "group", "none"] | None = "batch"
+    """Subtract the mean over the batch, the group, or not at all (none; null as in AReaL means none)."""
+    mean_leave1out: bool = False
+    """Leave-one-out mean (RLOO)."""
+    std_level: Literal["batch", "group", "none"] | None = "batch"
+    """Divide by the std over the batch, the group, or not at all (none; null as in AReaL means none)."""
+    std_unbiased: bool = True
+    """Unbiased (n-1) standard deviation."""
+    eps: NonNegativeFloat = 1e-5
+    """Added to the std before dividing."""
+    group_size: NonNegativeInt = 0
+    """Samples per group for group-level statistics (0 = n_samples)."""
+
+
+class OptimizerConfig(Section):
+    type: Literal["adam", "adamw", "sgd"] = "adam"
+    """Optimizer."""
+    lr: PositiveFloat = 2e-5
+    """Peak learning rate."""
+    weight_decay: NonNegativeFloat = 0.0
+    """Decoupled weight decay."""
+    beta1: Annotated[float, Meta(ge=0, lt=1)] = 0.9
+    """Adam beta1."""
+    beta2: Annotated[float, Meta(ge=0, lt=1)] = 0.999
+    """Adam beta2."""
+    eps: PositiveFloat = 1e-8
+    """Adam epsilon."""
+    min_lr_ratio: Fraction = 0.0
+    """Final lr as a fraction of lr for linear/cosine schedules."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
+    """Learning-rate schedule after warm-up."""
+    warmup_steps_proportion: Fraction = 0.001
+    """Fraction of total steps used for linear warm-up."""
+    gradient_clipping: NonNegativeFloat = 1.0
+    """Max global grad norm (0 = off)."""
+
+
+class MicroBatchSpec(Section):
+    n_mbs: PositiveInt = 1
+    """Minimum number of micro-batches."""
+    max_tokens_per_mb: PositiveInt = 16384
+    """Token budget per micro-batch."""
+    packing: bool = True
+    """Pack sequences into one row (no padding) instead of padding to the longest."""
+
+
+class MegatronConfig(Section):
+    tensor_parallel: PositiveInt = 1
+    """Tensor-parallel size (megatron backend; only 1 trains so far)."""
+    pipeline_parallel: PositiveInt = 1
+    """Pipeline-parallel size (megatron backend; only 1 trains so far)."""
+    context_parallel: PositiveInt = 1
+    """Context-parallel size (megatron backend; only 1 trains so far)."""
+
+
+class LoRAConfig(Section):
+    rank: PositiveInt = 16
+    """LoRA rank r (peft `r`, AReaL `lora_rank`)."""
+    alpha: PositiveFloat = 32.0
+    """LoRA alpha (peft `lora_alpha`); the update is scaled by alpha / rank."""
+    dropout: Annotated[float, Meta(ge=0, lt=1)] = 0.0
+    """Dropout on the LoRA input (peft `lora_dropout`); engines serve without it."""
+    target_modules: list[str] = msgspec.field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Linear modules adapted, by name (peft `target_modules`: leaf names such as q_proj, or 'all-linear')."""
+    use_rslora: bool = False
+    """Rank-stabilised LoRA: scale by alpha / sqrt(rank)."""
+
+
+class RejectionSamplingConfig(Section):
+    """AReaL's `actor.rejection_sampling`, plus `weight` to express the corrections of other systems.
+
+    It acts on the behaviour importance weight w = π_prox / π_behav of every loss token (π_prox: the
+    recomputed proximal/old policy, π_behav: the engine that sampled) before the policy loss is
+    multiplied by it. configs/algorithms/{tis,icepop,mis,seq_mask_tis,geo_mask}.yaml spell out the
+    peers' corrections (slime, OpenRLHF, SkyRL) in these keys.
+    """
+
+    level: Literal["token", "sequence"] = "token"
+    """Granularity of the decision: each token alone, or every token of a sequence together."""
+    action: Literal["mask", "clamp"] = "mask"
+    """mask: drop tokens (sequences) whose metric is outside [lower, upper] from the loss (their weight is 0; they still
+    count in the loss denominators); clamp: truncate the weight to [lower, upper] (metric=ratio only)."""
+    metric: Literal["ratio", "kl_k1", "kl_k2", "kl_k3"] = "ratio"
+    """What is bounded: the ratio π_prox/π_behav, or a KL estimator of log(π_prox/π_behav) (k1 = lr, k2 = lr²/2, k3 =
+    e^-lr - 1 + lr)."""
+    agg: Literal["sum", "mean", "max"] = "mean"
+    """level=sequence: how token metrics become the sequence's (ratio: in log space, so mean = geometric mean; KL:
+    arithmetic)."""
+    upper: float = 5.0
+    """Upper bound of the metric (ratio: > 1)."""
+    lower: float | None = None
+    """Lower bound of the metric (None = none; clamp: None means 0)."""
+    weight: Literal["auto", "token", "sequence", "none"] = "auto"
+    """Importance weight multiplied into the loss of kept tokens: auto (AReaL: the sequence's geometric-mean ratio at
+    level=sequence with metric=ratio, else the token ratio), token, sequence, or none (mask only, as SkyRL's sequence
+    masks)."""
+
+
+class ActorConfig(Section):
+    path: str = ""
+    """Local path of the HF causal LM (no hub downloads)."""
+    backend: Literal["hf", "megatron"] = "hf"
+    """Model backend: hf (transformers; DDP/FSDP2 per actor.parallel) or megatron (megatron-core GPTModel for
+    Llama/Qwen2; EXPERIMENTAL: one CUDA rank, TP=PP=CP=1, ran on an H100, see benchmarks/README.md)."""
+    megatron: MegatronConfig = msgspec.field(default_factory=MegatronConfig)
+    """megatron-core parallel sizes for actor.backend=megatron (EXPERIMENTAL)."""
+    init_from_scratch: bool = False
+    """Random init from the config at `path` instead of loading weights."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory."""
+    device: str = "auto"
+    """Device: auto (cuda if present), cpu, cuda (one-rank FSDP2 bf16 ran on an H100, benchmarks/README.md GPU)."""
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Data-parallel wrapper under torchrun (gloo on CPU in CI; NCCL over several GPUs has not run)."""
+    mb_spec: MicroBatchSpec = msgspec.field(default_factory=MicroBatchSpec)
+    """Micro-batching."""
+    optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
+    """Optimizer and schedule."""
+    group_size: NonNegativeInt = 0
+    """Samples per prompt (0 = gconfig.n_samples)."""
+    ppo_n_minibatches: PositiveInt = 4
+    """PPO minibatches (optimizer steps) per train step."""
+    eps_clip: PositiveFloat = 0.2
+    """PPO clip ε."""
+    eps_clip_higher: PositiveFloat | None = None
+    """Upper clip ε_high (DAPO clip-higher); None = eps_clip."""
+    c_clip: Annotated[float, Meta(gt=1)] | None = None
+    """Dual-clip constant c > 1 (None = off)."""
+    temperature: PositiveFloat = 1.0
+    """Temperature applied to logits when computing logprobs (match gconfig)."""
+    max_new_tokens: PositiveInt | None = None
+    """AReaL's copy of gconfig.max_new_tokens (None = gconfig's); when set it must equal gconfig.max_new_tokens."""
+    disable_dropout: bool = False
+    """Set every dropout probability of the model to 0 (nn.Dropout modules and attention dropout)."""
+    reward_norm: NormConfig | None = None
+    """Reward normalisation (None = off)."""
+    reward_scaling: float = 1.0
+    """Multiply rewards by this."""
+    reward_bias: float = 0.0
+    """Add this to rewards (before scaling)."""
+    reward_clip: PositiveFloat = 20.0
+    """Clip rewards to ±this."""
+    overlong_reward_penalty: bool = False
+    """DAPO soft overlong penalty."""
+    overlong_tokens: PositiveInt | None = None
+    """Length of the soft penalty window before max_new_tokens."""
+    overlong_penalty_factor: NonNegativeFloat | None = None
+    """Maximum penalty at max_new_tokens."""
+    mask_no_eos_with_zero: bool = False
+    """Zero the loss of samples that hit max_new_tokens without EOS."""
+    discount: Fraction = 1.0
+    """GAE discount γ."""
+    gae_lambda: Fraction = 1.0
+    """GAE λ."""
+    adv_norm: NormConfig | None = msgspec.field(default_factory=NormConfig)
+    """Advantage normalisation (None = off)."""
+    kl_ctl: NonNegativeFloat = 0.1
+    """KL penalty coefficient (0 = no reference model)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator of log(p/p_ref)."""
+    use_kl_loss: bool = False
+    """Put kl_ctl·KL(π‖π_ref) in the loss (GRPO paper) instead of the per-token reward (AReaL default)."""
+    entropy_coeff: NonNegativeFloat = 0.0
+    """Entropy bonus coefficient."""
+    recompute_logprob: bool = False
+    """Recompute proximal logprobs with the current weights before the update."""
+    use_decoupled_loss: bool = False
+    """Decoupled PPO: proximal policy separate from the behaviour policy."""
+    prox_logp_method: Literal["recompute", "loglinear"] = "recompute"
+    """Proximal logprobs: recompute, or interpolate log-linearly between behaviour and current."""
+    behav_imp_weight_cap: PositiveFloat | None = None
+    """Old spelling of rejection_sampling {level: token, action: mask, metric: ratio, upper: this} (None = off)."""
+    rejection_sampling: RejectionSamplingConfig | None = None
+    """Off-policy correction of the behaviour importance weight π_prox/π_behav (AReaL's rejection_sampling; also TIS,
+    IcePop, MIS, sequence masks); needs use_decoupled_loss or recompute_logprob. None: the weight is applied unchanged
+    (decoupled loss) or not at all."""
+    policy_loss: Literal["ppo", "cispo"] = "ppo"
+    """ppo: clipped surrogate max(-A·r, -A·clip(r)); cispo (MiniMax-M1): -sg(clip(r, 1-eps_clip,
+    1+eps_clip_higher))·A·log π_θ, every token keeps a gradient."""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """token (PPO/GRPO) or sequence (GSPO) ratios."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    """How token losses become one number."""
+    weight_update_mode: Literal["distributed", "disk", "ipc", "none"] = "distributed"
+    """How weights reach the engines after a step: distributed (torch.distributed broadcast; gloo ran on CPU, NCCL needs
+    2 GPUs and has not run), disk (safetensors), ipc (CUDA IPC handles, trainer and engines on one GPU; ran on an H100,
+    benchmarks/README.md GPU), none."""
+    weight_update_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """torch.distributed backend for weight_update_mode=distributed (auto: nccl on GPU; nccl needs trainer and engines
+    on separate GPUs and has not run)."""
+    weight_update_delta: Literal["none", "xor_zstd", "sparse"] = "none"
+    """Send each push as the change against the last pushed version, for weight_update_mode distributed/disk with
+    rlstream's engines: xor_zstd (zstd of the xor of the bits), sparse (changed elements), none (full weights); engines
+    not at that version, or whose checksum misses, get the full weights."""
+    weight_update_pause: Literal["abort", "in_place"] = "abort"
+    """What a push does to requests running on the engines: abort (they come back and the producer resubmits prompt +
+    tokens so far, prefilled again under the new weights) or in_place (they keep their KV cache and decode on under the
+    new weights, PipelineRL's in-flight update: nothing is prefilled again, but the KV of the tokens before the push
+    stays the old weights'; SGLang in_place, vLLM keep)."""
+    weight_chunked_mem_mb: PositiveInt = 1024
+    """Bucket size in MB for one update call."""
+    weight_update_timeout: PositiveFloat = 120.0
+    """Seconds an engine may take to confirm an update before it is dropped."""
+    lora: LoRAConfig | None = None
+    """Train a LoRA adapter (peft) instead of all weights; pushes send only the adapter, engines merge it (None = full
+    fine-tuning)."""
+
+    @property
+    def correction(self) -> RejectionSamplingConfig | None:
+        """The behaviour-weight correction in force: rejection_sampling, or the old behav_imp_weight_cap spelling."""
+        if self.rejection_sampling is not None:
+            return self.rejection_sampling
+        if self.behav_imp_weight_cap is not None:
+            return RejectionSamplingConfig(level="token", action="mask", metric="ratio",
+                                           upper=self.behav_imp_weight_cap)
+        return None
+
+
+class RefConfig(Section):
+    path: str | None = None
+    """Reference model path (None = actor.path)."""

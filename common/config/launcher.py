@@ -1,0 +1,112 @@
+"""Launching: `rlstream run` on one machine, the demo task, Slurm."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from rlstream.common.config.base import Fraction, NonNegativeInt, Port, PositiveFloat, PositiveInt, Section
+
+__all__ = ["DemoTaskConfig", "SlurmConfig", "ThreadsConfig", "LauncherConfig"]
+
+
+class DemoTaskConfig(Section):
+    task: Literal["none", "reverse", "word_problems", "tool_multiply"] = "none"
+    """none; reverse: reverse a digit string (exact-match reward; data and tiny model generated locally); word_problems:
+    one-step arithmetic word problems as one-shot chat prompts with \\boxed{} answers (math reward), for a real chat
+    model; tool_multiply: multiply a 3-digit by a 2-digit number, with the calculator tool (multi-turn, tiny chat
+    model)."""
+    tool_rate: Fraction = 0.15
+    """tool_multiply: fraction of warm-start demonstrations that call the calculator (the others answer directly)."""
+    digits: Annotated[int, Meta(ge=2, le=12)] = 4
+    """Digits per demo prompt."""
+    n_train: PositiveInt = 3000
+    """Training prompts generated."""
+    n_valid: PositiveInt = 200
+    """Held-out prompts generated (disjoint from training)."""
+    sft_noise: Fraction = 0.7
+    """Fraction of warm-start demonstrations from an imperfect teacher that echoes the digits unreversed."""
+    hidden_size: Annotated[int, Meta(ge=8)] = 64
+    """Hidden size of the tiny model built for the demo."""
+    num_layers: PositiveInt = 2
+    """Layers of the tiny model built for the demo."""
+
+
+class SlurmConfig(Section):
+    partition: str | None = None
+    """sbatch --partition (None = the cluster default)."""
+    account: str | None = None
+    """sbatch --account."""
+    time_limit: str | None = None
+    """sbatch --time, e.g. 24:00:00 (None = the partition default)."""
+    exclusive: bool = True
+    """Whole nodes for the job (sbatch --exclusive)."""
+    sbatch_args: list[str] = msgspec.field(default_factory=list)
+    """Extra sbatch options, one per item, e.g. --qos=high."""
+    setup: list[str] = msgspec.field(default_factory=list)
+    """Shell lines run first on every node's script, e.g. `source venv/bin/activate`."""
+    python: str = ""
+    """Python that runs rlstream on the nodes (empty = the one running `rlstream launch slurm`)."""
+    trainer_nodes: NonNegativeInt = 0
+    """Nodes for the trainer when cluster.n_nodes > 1 (the rest run engines; 0 = half)."""
+    engine: Literal["local", "sglang", "vllm"] = "local"
+    """Inference server started on engine nodes."""
+    engine_python: str = ""
+    """Python for the engine server, e.g. the vLLM virtualenv's (empty = slurm.python)."""
+    engine_tp: PositiveInt = 1
+    """Tensor-parallel GPUs per engine server."""
+    engine_pp: PositiveInt = 1
+    """Pipeline-parallel stages per engine server."""
+    engine_port: Annotated[int, Meta(ge=1, le=65535)] = 30000
+    """Port of the first engine server on a node (the next ones count up)."""
+    engine_args: list[str] = msgspec.field(default_factory=list)
+    """Extra arguments for the engine server command."""
+    redis_port: Port = 0
+    """Port of the Redis started on the first node (0 = 20000 + job id mod 20000)."""
+    redis_tls_cert: str = ""
+    """Server certificate (PEM) of the job's Redis: with redis_tls_key it serves TLS only and tasks connect with
+    rediss:// (clients check it against redis.ssl_ca_certs)."""
+    redis_tls_key: str = ""
+    """Private key (PEM) of redis_tls_cert."""
+
+
+class ThreadsConfig(Section):
+    trainer: NonNegativeInt = 0
+    """torch/OpenMP threads of each trainer process (0 = this machine's cores divided among
+    launcher.n_trainer_procs)."""
+    engine: PositiveInt = 1
+    """torch/OpenMP threads of each local engine (it mostly waits on the trainer between versions)."""
+    producer: PositiveInt = 1
+    """OpenMP threads of each producer (asyncio + reward workers: no heavy math)."""
+
+
+class LauncherConfig(Section):
+    n_engines: NonNegativeInt = 1
+    """Local engines `rlstream run` starts."""
+    n_producers: NonNegativeInt = 1
+    """Producers `rlstream run` starts."""
+    n_trainer_procs: PositiveInt = 1
+    """Trainer processes (torchrun data parallel) `rlstream run` starts."""
+    startup_timeout: PositiveFloat = 300.0
+    """Seconds for every child to become ready."""
+    eval_n: NonNegativeInt = 0
+    """Held-out prompts scored before and after training (0 = skip)."""
+    sft_steps: NonNegativeInt = 0
+    """Supervised warm-start steps before RL (0 = none)."""
+    sft_lr: PositiveFloat = 1e-3
+    """Learning rate of the supervised warm start (Adam)."""
+    sft_batch_size: PositiveInt = 64
+    """Sequences per supervised warm-start step."""
+    sft_dataset: str = ""
+    """JSONL/Parquet/CSV of prompt/answer demonstrations for `rlstream sft` (empty = train_dataset.path)."""
+    threads: ThreadsConfig = msgspec.field(default_factory=ThreadsConfig)
+    """Threads per child of `rlstream run` (OMP_NUM_THREADS/MKL_NUM_THREADS): the trainer gets the cores, engines and
+    producers one each."""
+    live_view: bool = True
+    """Show the rich live view (off: one progress line every stats_logger.log_every_secs)."""
+    demo: DemoTaskConfig = msgspec.field(default_factory=DemoTaskConfig)
+    """The built-in CPU demo task, generated on the spot when its files are missing."""
+    slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
+    """`rlstream launch slurm`: sbatch options and placement."""

@@ -1,0 +1,217 @@
+"""Loading a config: OmegaConf reads the YAML, merges `a.b.c=value` overrides and resolves `${...}`; msgspec
+then validates the plain dict against the schema; rules across sections come last. Every error names the full key
+path, the bad value and what is allowed."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from rlstream.common.config.actor import ActorConfig
+from rlstream.common.config.base import ConfigError
+from rlstream.common.config.docs import allowed_values, struct_fields
+from rlstream.common.config.masking import config_to_dict, register_secrets
+from rlstream.common.config.schema import Config
+
+__all__ = ["load_config", "load_config_dict"]
+
+def _check_unknown_keys(data: Any, tp: Any, path: str) -> None:
+    fields = struct_fields(tp)
+    if fields is None or not isinstance(data, dict):
+        return
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in fields:
+            # An exact name one level down first: `lr` given at `actor.lr` means actor.optimizer.lr
+            # (not the look-alike actor.lora); then a look-alike at this level.
+            hint = [f"{name}.{key}" for name, sub in fields.items() if key in (struct_fields(sub) or {})][:1]
+            if not hint:
+                hint = difflib.get_close_matches(str(key), list(fields), n=1, cutoff=0.6)
+            suggestion = f"; did you mean '{(path + '.' if path else '') + hint[0]}'?" if hint else ""
+            allowed = ", ".join(sorted(fields))
+            raise ConfigError(f"unknown config key '{full}'{suggestion} (allowed at this level: {allowed})")
+        _check_unknown_keys(value, fields[key], full)
+
+
+def _lookup(data: Any, dotted: str) -> Any:
+    """The value at `a.b[2].c` in plain nested dicts/lists, or '<missing>'."""
+    for part in dotted.split("."):
+        name, _, rest = part.partition("[")
+        if isinstance(data, dict) and name in data:
+            data = data[name]
+        else:
+            return "<missing>"
+        for idx in rest.replace("]", "").split("[") if rest else []:
+            if isinstance(data, list) and idx.isdigit() and int(idx) < len(data):
+                data = data[int(idx)]
+            else:
+                return "<missing>"
+    return data
+
+
+def _areal_batch_sizes(data: dict[str, Any]) -> None:
+    """`train_dataset.batch_size` / `valid_dataset.batch_size` read as AReaL reads them (in the raw dict:
+    whether consumer_batch_size / evaluator.concurrency were given is known only here)."""
+    train = data.get("train_dataset")
+    bs = train.get("batch_size") if isinstance(train, dict) else None
+    if isinstance(bs, int) and not isinstance(bs, bool):
+        rollout = data.setdefault("rollout", {})
+        if isinstance(rollout, dict):
+            given = rollout.get("consumer_batch_size")
+            if given is None:
+                rollout["consumer_batch_size"] = bs
+            elif given != bs:
+                raise ConfigError(
+                    f"train_dataset.batch_size={bs} and rollout.consumer_batch_size={given} disagree: as in AReaL, "
+                    f"train_dataset.batch_size is the prompts per train step, i.e. the groups (of gconfig.n_samples "
+                    f"samples) the trainer consumes per step; set one of them, or both to the same value")
+    valid = data.get("valid_dataset")
+    vbs = valid.get("batch_size") if isinstance(valid, dict) else None
+    if isinstance(vbs, int) and not isinstance(vbs, bool):
+        ev = data.setdefault("evaluator", {})
+        if isinstance(ev, dict) and ev.get("concurrency") is None:
+            ev["concurrency"] = vbs
+
+
+def _convert(data: dict[str, Any]) -> Config:
+    _check_unknown_keys(data, Config, "")
+    _areal_batch_sizes(data)
+    try:
+        return msgspec.convert(data, Config, strict=False)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        path = ""
+        if "- at `$." in msg:
+            msg, _, at = msg.rpartition(" - at `$.")
+            path = at.rstrip("`")
+            # msgspec writes list indices as [i]; keep them.
+        if not path:
+            raise ConfigError(f"invalid config: {msg}") from None
+        key = ".".join(p.split("[")[0] for p in path.split("."))  # schema path, without list indices
+        value = _lookup(data, path)
+        allowed = allowed_values(Config, key)
+        raise ConfigError(f"config key '{path}': bad value {value!r}: {msg}; allowed: {allowed}") from None
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> Config:
+    """Load YAML (optional), apply `a.b=c` overrides, resolve `${...}`, validate."""
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+
+    where = f" ({path})" if path is not None else ""
+    try:
+        base = OmegaConf.create({})
+        if path is not None:
+            p = Path(path)
+            if not p.is_file():
+                raise ConfigError(f"config file not found: {p}")
+            try:
+                base = OmegaConf.load(p)
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+                problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+                raise ConfigError(f"cannot parse config file {p}{at}: {problem}") from None
+            except OSError as exc:  # unreadable, or OmegaConf's IOError for a scalar at the top level
+                raise ConfigError(f"cannot load config file {p}: {exc} (the top level must be a mapping of keys)") from None
+            if not isinstance(base, DictConfig):
+                raise ConfigError(f"config file {p}: the top level must be a mapping of keys, not a list")
+        for ov in overrides or []:
+            if "=" not in ov:
+                raise ConfigError(f"override '{ov}' is not of the form key.path=value")
+        for ov in overrides or []:
+            try:
+                base = OmegaConf.merge(base, OmegaConf.from_dotlist([ov]))
+            except OmegaConfBaseException:
+                raise
+            except Exception as exc:  # noqa: BLE001 - PyYAML errors on the value, IndexError on keys like `a.`
+                first = (str(exc).splitlines() or [type(exc).__name__])[0]
+                raise ConfigError(f"cannot parse override {ov!r}: {first}") from None
+        data = OmegaConf.to_container(base, resolve=True)
+    except OmegaConfBaseException as exc:
+        # Interpolation errors know which key they were resolving: name it.
+        key = getattr(exc, "full_key", None)
+        msg = str(exc).splitlines()[0]
+        if key:
+            raise ConfigError(f"config key '{key}'{where}: {msg}") from None
+        raise ConfigError(f"cannot load config{where}: {msg}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config root must be a mapping{where}")
+    return load_config_dict(data)
+
+
+def load_config_dict(data: dict[str, Any]) -> Config:
+    """Validate a plain nested dict (interpolations already resolved) as load_config does."""
+    cfg = _convert(data)
+    _normalise(cfg)
+    _check(cfg)
+    register_secrets(config_to_dict(cfg))
+    return cfg
+
+
+def _normalise(cfg: "Config") -> None:
+    """AReaL spellings that mean the same as ours, folded into ours (so `config show` prints one form)."""
+    for norm in (cfg.actor.adv_norm, cfg.actor.reward_norm):
+        if norm is not None:
+            norm.mean_level = norm.mean_level or "none"
+            norm.std_level = norm.std_level or "none"
+    for key, ds in (("train_dataset", cfg.train_dataset), ("valid_dataset", cfg.valid_dataset)):
+        if ds is None:
+            continue
+        if ds.type == "rl":
+            ds.type = "auto"
+        if ds.max_length is not None:
+            if ds.max_prompt_len is not None and ds.max_prompt_len != ds.max_length:
+                raise ConfigError(f"{key}.max_length={ds.max_length} and {key}.max_prompt_len={ds.max_prompt_len} "
+                                  f"disagree: max_length is AReaL's name for max_prompt_len; keep one")
+            ds.max_prompt_len, ds.max_length = ds.max_length, None
+    mnt = cfg.actor.max_new_tokens
+    if mnt is not None and mnt != cfg.gconfig.max_new_tokens:
+        raise ConfigError(f"actor.max_new_tokens={mnt} differs from gconfig.max_new_tokens={cfg.gconfig.max_new_tokens}: "
+                          "in AReaL it is a copy of gconfig.max_new_tokens (${{gconfig.max_new_tokens}}); drop it or make them equal")
+
+
+def _check(cfg: "Config") -> None:
+    """Rules across sections, at load: every process refuses the same bad config at its start."""
+    _check_correction(cfg.actor)
+    if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.path):
+        keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
+                if getattr(cfg.evaluator, k) is not None]
+        raise ConfigError(f"{', '.join(keys)} asks for evaluation during training but valid_dataset.path is not set: "
+                          "point valid_dataset.path at held-out prompts, or drop the evaluator frequency")
+
+
+def _check_correction(a: ActorConfig) -> None:
+    rs = a.rejection_sampling
+    if rs is not None and a.behav_imp_weight_cap is not None:
+        raise ConfigError("actor.behav_imp_weight_cap and actor.rejection_sampling are both set: behav_imp_weight_cap is "
+                          "the old spelling of rejection_sampling {level: token, action: mask, metric: ratio, upper: cap}; keep one")
+    if a.correction is not None and not (a.use_decoupled_loss or a.recompute_logprob):
+        key = "actor.rejection_sampling" if rs is not None else "actor.behav_imp_weight_cap"
+        raise ConfigError(f"{key} corrects π_prox/π_behav, which is 1 without a recomputed policy: "
+                          "set actor.use_decoupled_loss=true or actor.recompute_logprob=true, or drop it")
+    if rs is None:
+        return
+    if rs.lower is not None and rs.lower > rs.upper:
+        raise ConfigError(f"actor.rejection_sampling.lower ({rs.lower}) is above upper ({rs.upper})")
+    if rs.metric == "ratio":
+        if rs.upper <= 1.0:
+            raise ConfigError(f"actor.rejection_sampling.upper must be > 1 for metric=ratio (else every token that "
+                              f"differs is dropped), got {rs.upper}")
+        if rs.lower is not None and rs.lower <= 0:
+            raise ConfigError(f"actor.rejection_sampling.lower must be > 0 for metric=ratio, got {rs.lower}")
+    elif rs.metric in ("kl_k2", "kl_k3") and rs.upper <= 0:
+        raise ConfigError(f"actor.rejection_sampling.upper must be > 0 for metric={rs.metric}, got {rs.upper}")
+    if rs.action == "clamp" and rs.metric != "ratio":
+        raise ConfigError(f"actor.rejection_sampling.action=clamp truncates the ratio itself: it needs metric=ratio, "
+                          f"got {rs.metric} (use action=mask to filter on a KL estimate)")
+    if rs.action == "clamp" and rs.weight == "none":
+        raise ConfigError("actor.rejection_sampling.action=clamp with weight=none clamps nothing: use action=mask")

@@ -1,0 +1,91 @@
+"""What a run keeps: checkpoints, crash recovery, evaluation during training, metrics sinks."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from rlstream.common.config.base import NonNegativeInt, Port, PositiveFloat, PositiveInt, Section
+
+__all__ = ["SaverConfig", "EvaluatorConfig", "RecoverConfig", "WandbConfig", "TensorBoardConfig", "PrometheusConfig",
+           "StatsLoggerConfig"]
+
+
+class SaverConfig(Section):
+    freq_steps: PositiveInt | None = None
+    """Save an HF checkpoint every N steps (None = only at the end)."""
+    freq_epochs: PositiveInt | None = None
+    """Save an HF checkpoint every N epochs."""
+    freq_secs: PositiveInt | None = None
+    """Save an HF checkpoint every N seconds."""
+
+
+class EvaluatorConfig(Section):
+    freq_steps: PositiveInt | None = None
+    """Evaluate the served version on valid_dataset every N train steps (versions); None = off."""
+    freq_epochs: PositiveInt | None = None
+    """Evaluate every N epochs of train_dataset."""
+    freq_secs: PositiveInt | None = None
+    """Evaluate when this many seconds passed since the last evaluation."""
+    max_prompts: PositiveInt | None = None
+    """Evaluate on the first N prompts of valid_dataset (None = all)."""
+    concurrency: PositiveInt = 32
+    """Evaluation requests in flight at once (they share the engines with rollouts)."""
+
+    @property
+    def enabled(self) -> bool:
+        return any(f is not None for f in (self.freq_steps, self.freq_epochs, self.freq_secs))
+
+
+class RecoverConfig(Section):
+    mode: Literal["disabled", "auto", "resume", "fault"] = "disabled"
+    """disabled; auto/resume: resume from the last recover checkpoint if any; fault: only after a crash."""
+    freq_steps: PositiveInt | None = 1
+    """Write a recover checkpoint every N steps."""
+    freq_secs: PositiveInt | None = None
+    """Write a recover checkpoint every N seconds."""
+    retries: NonNegativeInt = 3
+    """Restarts a launcher attempts after a crash."""
+
+
+class WandbConfig(Section):
+    mode: Literal["online", "offline", "disabled"] = "disabled"
+    """wandb logging mode."""
+    project: str | None = None
+    """wandb project (None = experiment_name)."""
+    entity: str | None = None
+    """wandb entity."""
+    name: str | None = None
+    """wandb run name (None = trial_name)."""
+    api_key: str | None = None
+    """wandb API key; masked in logs and `config show`."""
+
+
+class TensorBoardConfig(Section):
+    path: str | None = None
+    """TensorBoard log dir (None = {run_dir}/tensorboard)."""
+    enabled: bool = True
+    """Write TensorBoard event files."""
+
+
+class PrometheusConfig(Section):
+    enabled: bool = False
+    """Serve Prometheus metrics at http://host:port/metrics from the trainer (rank 0) and each producer (engines always
+    serve /metrics on their own port)."""
+    host: str = "127.0.0.1"
+    """Interface the metrics endpoint binds (0.0.0.0 for a scraper on another host)."""
+    port: Port = 0
+    """Port of the metrics endpoint (0 = any free port; the address is logged and written to
+    {run_dir}/prometheus/NAME.addr)."""
+
+
+class StatsLoggerConfig(Section):
+    wandb: WandbConfig = msgspec.field(default_factory=WandbConfig)
+    """Weights & Biases."""
+    prometheus: PrometheusConfig = msgspec.field(default_factory=PrometheusConfig)
+    """Prometheus /metrics endpoints (prometheus-client)."""
+    tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)
+    """TensorBoard."""
+    log_every_secs: PositiveFloat = 10.0
+    """Seconds between one-line progress summaries of long-running processes."""

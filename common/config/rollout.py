@@ -1,0 +1,90 @@
+"""Rollouts: sampling parameters, admission and engine clients, the prompt datasets."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import Meta
+
+from rlstream.common.config.base import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
+
+__all__ = ["GenerationHyperparameters", "RolloutConfig", "DatasetConfig"]
+
+
+class GenerationHyperparameters(Section):
+    n_samples: PositiveInt = 1
+    """Samples per prompt; they form one group."""
+    max_new_tokens: PositiveInt = 16384
+    """Maximum tokens generated per sample."""
+    min_new_tokens: NonNegativeInt = 0
+    """Minimum tokens generated before a stop token counts."""
+    greedy: bool = False
+    """Greedy decoding (temperature 0)."""
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    """Nucleus sampling probability."""
+    top_k: PositiveInt = 100_000_000
+    """Top-k sampling (large = off)."""
+    temperature: NonNegativeFloat = 1.0
+    """Sampling temperature; behaviour logprobs are of softmax(logits / T)."""
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
+    """Token ids that end a sample (the tokenizer's EOS and the model's generation_config eos ids are added)."""
+
+
+class RolloutConfig(Section):
+    experiment_name: str | None = None
+    """Defaults to the top-level experiment_name."""
+    trial_name: str | None = None
+    """Defaults to the top-level trial_name."""
+    backend: Literal["sglang", "vllm"] = "sglang"
+    """Engine protocol: sglang (native /generate; also the local engine) or vllm (/v1/completions)."""
+    max_concurrent_rollouts: PositiveInt | None = None
+    """Global cap on rollouts in flight (None = consumer_batch_size)."""
+    queue_size: PositiveInt | None = None
+    """Accepted for compatibility with AReaL configs, not used: a finished group is written to Redis at once, so none
+    wait in a producer."""
+    consumer_batch_size: PositiveInt = 1
+    """Groups the trainer consumes per step (B)."""
+    max_head_offpolicyness: NonNegativeInt = 0
+    """Off-policyness budget η: versions a group may lag the trainer."""
+    schedule_policy: Literal["round_robin", "least_inflight"] = "round_robin"
+    """How a producer picks an engine for a request."""
+    request_timeout: PositiveFloat = 3600.0
+    """Seconds one engine request may take."""
+    request_retries: PositiveInt = 3
+    """Attempts per request, each on another healthy engine."""
+    setup_timeout: PositiveFloat = 120.0
+    """Seconds to wait for engines to appear at start-up."""
+    lease_ttl: PositiveFloat = 300.0
+    """Seconds a rollout lease lives; a crashed producer's leases expire after this."""
+    check_trajectory_format: bool = True
+    """Validate every group before it is written."""
+    engine_addresses: list[str] = msgspec.field(default_factory=list)
+    """Engine addresses host:port (overrides name resolve when non-empty)."""
+    api_key: str | None = None
+    """Bearer token sent to engines; masked in logs."""
+    health_check_interval: PositiveFloat = 5.0
+    """Seconds between engine health checks."""
+
+
+class DatasetConfig(Section):
+    path: str = ""
+    """Local JSONL / Parquet / CSV file or folder (never a hub name)."""
+    type: Literal["auto", "json", "parquet", "csv", "rl"] = "auto"
+    """File format (auto: by extension; rl, AReaL's prompt-dataset type, is read as auto)."""
+    prompt_key: str = "prompt"
+    """Column with the prompt text."""
+    answer_key: str = "answer"
+    """Column with the reference answer."""
+    apply_chat_template: bool = False
+    """Wrap prompts with the tokenizer's chat template."""
+    shuffle: bool = True
+    """Shuffle each epoch (seeded)."""
+    batch_size: PositiveInt | None = None
+    """Prompts per batch as AReaL reads it: train_dataset: prompts per train step, i.e. rollout.consumer_batch_size
+    groups of n_samples (sets it when not given, must equal it when given); valid_dataset: evaluation requests in flight
+    (sets evaluator.concurrency when not given)."""
+    max_prompt_len: PositiveInt | None = None
+    """Drop prompts longer than this many tokens."""
+    max_length: PositiveInt | None = None
+    """AReaL's name for max_prompt_len (must agree with it when both are set)."""
