@@ -63,65 +63,82 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
     written: list[Path] = []
 
     def save(fig, name: str) -> None:
+        if fig is None:  # no data for this plot
+            return
         fig.tight_layout()
         p = out / name
         fig.savefig(p, dpi=110)
         plt.close(fig)
         written.append(p)
 
-    # ---- reward / accuracy per step
-    if metrics:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        xs_r, ys_r = _series(metrics, "reward/mean")
-        xs_a, ys_a = _series(metrics, "reward/accuracy")
-        if xs_r and xs_r == xs_a and all(abs(r - a) < 1e-6 for r, a in zip(ys_r, ys_a)):
-            # Exact-match rewards: accuracy is the reward, and two lines would lie on top of each other.
-            ax.plot(xs_r, ys_r, lw=1.5, label="batch reward = batch accuracy (exact match)")
-        else:
-            if xs_r:
-                ax.plot(xs_r, ys_r, lw=2.5, alpha=0.6, label="batch reward (mean)")
-            if xs_a:
-                ax.plot(xs_a, ys_a, lw=1, ls="--", color="tab:orange", label="batch accuracy")
-        xs, ys = _series(metrics, "eval/accuracy")  # evaluation during training, at its version's step
-        if xs:
-            order = sorted(range(len(xs)), key=xs.__getitem__)
-            ax.plot([xs[i] for i in order], [ys[i] for i in order], "o-", color="tab:purple", lw=2,
-                    label="held-out accuracy (eval during training)")
-        last = max((r.get("step", 0) for r in metrics), default=1)
-        if acc_before is not None:
-            ax.scatter([0], [acc_before], color="tab:red", zorder=5, label=f"held-out acc before RL: {acc_before:.1%}")
-        if acc_after is not None:
-            ax.scatter([last], [acc_after], color="tab:green", zorder=5, label=f"held-out acc after RL: {acc_after:.1%}")
-        ax.set_xlabel("train step")
-        ax.set_ylabel("reward / accuracy")
-        ax.set_ylim(-0.05, 1.05)
-        ax.set_title(f"Reward per step {title}".strip())
-        ax.grid(alpha=0.3)
-        ax.legend(loc="lower right", fontsize=8)
-        save(fig, "reward.png")
+    save(_reward(plt, metrics, acc_before, acc_after, title), "reward.png")
+    save(_agent(plt, metrics, title), "agent.png")
+    save(_staleness(plt, metrics, run_dir / "staleness.json"), "staleness.png")
+    save(_throughput(plt, metrics, timeline), "throughput.png")
+    steps = [r for r in metrics if "eval/version" not in r]  # evaluation records have no step times
+    save(_time_split(plt, steps), "time_split.png")
+    return written
 
-    # ---- multi-turn episodes: reward next to tool-call rate and turns per episode
+
+def _reward(plt, metrics: list[dict], acc_before: float | None, acc_after: float | None, title: str):
+    """Reward and accuracy per step, held-out accuracy during training and before/after."""
+    if not metrics:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    xs_r, ys_r = _series(metrics, "reward/mean")
+    xs_a, ys_a = _series(metrics, "reward/accuracy")
+    if xs_r and xs_r == xs_a and all(abs(r - a) < 1e-6 for r, a in zip(ys_r, ys_a)):
+        # Exact-match rewards: accuracy is the reward, and two lines would lie on top of each other.
+        ax.plot(xs_r, ys_r, lw=1.5, label="batch reward = batch accuracy (exact match)")
+    else:
+        if xs_r:
+            ax.plot(xs_r, ys_r, lw=2.5, alpha=0.6, label="batch reward (mean)")
+        if xs_a:
+            ax.plot(xs_a, ys_a, lw=1, ls="--", color="tab:orange", label="batch accuracy")
+    xs, ys = _series(metrics, "eval/accuracy")  # evaluation during training, at its version's step
+    if xs:
+        order = sorted(range(len(xs)), key=xs.__getitem__)
+        ax.plot([xs[i] for i in order], [ys[i] for i in order], "o-", color="tab:purple", lw=2,
+                label="held-out accuracy (eval during training)")
+    last = max((r.get("step", 0) for r in metrics), default=1)
+    if acc_before is not None:
+        ax.scatter([0], [acc_before], color="tab:red", zorder=5, label=f"held-out acc before RL: {acc_before:.1%}")
+    if acc_after is not None:
+        ax.scatter([last], [acc_after], color="tab:green", zorder=5, label=f"held-out acc after RL: {acc_after:.1%}")
+    ax.set_xlabel("train step")
+    ax.set_ylabel("reward / accuracy")
+    ax.set_ylim(-0.05, 1.05)
+    ax.set_title(f"Reward per step {title}".strip())
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    return fig
+
+
+def _agent(plt, metrics: list[dict], title: str):
+    """Multi-turn episodes: reward next to the tool-call rate, and turns per episode."""
     xs_tool, ys_tool = _series(metrics, "agent/tool_call_rate")
-    if xs_tool:
-        fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
-        xs, ys = _series(metrics, "reward/mean")
-        ax_r.plot(xs, ys, lw=2, alpha=0.7, label="batch reward (mean)")
-        ax_r.plot(xs_tool, ys_tool, lw=2, label="tool-call rate (episodes with a tool call)")
-        ax_r.set_ylim(-0.05, 1.05)
-        ax_r.set_xlabel("train step")
-        ax_r.set_title("Reward and tool-call rate")
-        ax_r.grid(alpha=0.3)
-        ax_r.legend(loc="lower right", fontsize=8)
-        xs, ys = _series(metrics, "agent/turns")
-        ax_k.plot(xs, ys, color="tab:orange", lw=2)
-        ax_k.set_xlabel("train step")
-        ax_k.set_ylabel("model turns per episode (mean)")
-        ax_k.set_title(f"Turns per episode {title}".strip())
-        ax_k.grid(alpha=0.3)
-        save(fig, "agent.png")
+    if not xs_tool:
+        return None
+    fig, (ax_r, ax_k) = plt.subplots(1, 2, figsize=(11, 4))
+    xs, ys = _series(metrics, "reward/mean")
+    ax_r.plot(xs, ys, lw=2, alpha=0.7, label="batch reward (mean)")
+    ax_r.plot(xs_tool, ys_tool, lw=2, label="tool-call rate (episodes with a tool call)")
+    ax_r.set_ylim(-0.05, 1.05)
+    ax_r.set_xlabel("train step")
+    ax_r.set_title("Reward and tool-call rate")
+    ax_r.grid(alpha=0.3)
+    ax_r.legend(loc="lower right", fontsize=8)
+    xs, ys = _series(metrics, "agent/turns")
+    ax_k.plot(xs, ys, color="tab:orange", lw=2)
+    ax_k.set_xlabel("train step")
+    ax_k.set_ylabel("model turns per episode (mean)")
+    ax_k.set_title(f"Turns per episode {title}".strip())
+    ax_k.grid(alpha=0.3)
+    return fig
 
-    # ---- staleness distribution
-    stale_path = run_dir / "staleness.json"
+
+def _staleness(plt, metrics: list[dict], stale_path: Path):
+    """Head staleness of the trained groups, the budget η and the groups dropped beyond it."""
     hist: dict[int, int] = {}
     eta = None
     if stale_path.exists():
@@ -136,83 +153,88 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
             if "staleness/mean" in r:
                 k = int(round(r["staleness/mean"]))
                 hist[k] = hist.get(k, 0) + 1
-    if hist:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ks = sorted(hist)
-        ax.bar([str(k) for k in ks], [hist[k] for k in ks], color="tab:purple", label=f"{source}")
-        if eta is not None:
-            # The budget η: trained groups sit at or left of it; groups beyond it were dropped, not trained.
-            ax.axvline(ks.index(eta) + 0.5 if eta in ks else len(ks) - 0.5, color="tab:red", ls="--",
-                       label=f"η = max_head_offpolicyness = {eta}")
-            ax.bar([f"> {eta}\n(dropped)"], [dropped], color="tab:red", alpha=0.6,
-                   label=f"dropped as stale: {dropped} groups")
-        ax.set_xlabel("head staleness (trainer version - oldest model-token version)")
-        ax.set_ylabel(f"count of {source}" if eta is None else "groups")
-        ax.set_title("Staleness distribution")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3, axis="y")
-        save(fig, "staleness.png")
+    if not hist:
+        return None
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ks = sorted(hist)
+    ax.bar([str(k) for k in ks], [hist[k] for k in ks], color="tab:purple", label=f"{source}")
+    if eta is not None:
+        # The budget η: trained groups sit at or left of it; groups beyond it were dropped, not trained.
+        ax.axvline(ks.index(eta) + 0.5 if eta in ks else len(ks) - 0.5, color="tab:red", ls="--",
+                   label=f"η = max_head_offpolicyness = {eta}")
+        ax.bar([f"> {eta}\n(dropped)"], [dropped], color="tab:red", alpha=0.6,
+               label=f"dropped as stale: {dropped} groups")
+    ax.set_xlabel("head staleness (trainer version - oldest model-token version)")
+    ax.set_ylabel(f"count of {source}" if eta is None else "groups")
+    ax.set_title("Staleness distribution")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return fig
 
-    # ---- throughput over time: samples/s (top) and tokens/s (bottom), produced and trained,
-    # both as rates over the same RATE_WINDOW_S, in seconds since the run's processes started
-    if timeline or metrics:
-        from rlstream.launcher.live import RATE_WINDOW_S
 
-        fig, (ax_r, ax_t) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
-        t_first = None
-        if timeline:
-            t_first = timeline[0]["ts"] - timeline[0]["t"]
-            ts = [r["t"] for r in timeline]
-            ax_r.plot(ts, [r.get("rollouts_per_s", 0.0) for r in timeline], label="produced (accepted samples/s)")
-            ax_t.plot(ts, [r.get("tokens_per_s", 0.0) for r in timeline], label="generated tokens/s (producers)")
-        steps = [r for r in metrics if "ts" in r and "eval/version" not in r]
-        if steps:
-            t_first = steps[0]["ts"] if t_first is None else t_first
-            xs, rs, toks = [], [], []
-            j = 0
-            for i, r in enumerate(steps):  # trained in the last RATE_WINDOW_S, like the produced rate
-                while steps[j]["ts"] < r["ts"] - RATE_WINDOW_S:
-                    j += 1
-                window = min(RATE_WINDOW_S, r["ts"] - t_first)
-                if window <= 0:
-                    continue
-                xs.append(r["ts"] - t_first)
-                rs.append(sum(m.get("data/n_seqs", 0.0) for m in steps[j : i + 1]) / window)
-                toks.append(sum(m.get("data/n_tokens", 0.0) for m in steps[j : i + 1]) / window)
-            if xs:
-                ax_r.plot(xs, rs, label="trained (samples/s)")
-                ax_t.plot(xs, toks, label="trained tokens/s (prompt + output)")
-        ax_r.set_ylabel("samples/s")
-        ax_r.set_title(f"Throughput over time ({RATE_WINDOW_S:.0f} s windows)")
-        ax_t.set_ylabel("tokens/s")
-        ax_t.set_xlabel("seconds since the run's processes started")
-        ax_t.set_xlim(left=0)
-        for ax in (ax_r, ax_t):
-            ax.grid(alpha=0.3)
-            ax.legend(loc="upper left", fontsize=8)
-        save(fig, "throughput.png")
+def _throughput(plt, metrics: list[dict], timeline: list[dict]):
+    """Samples/s (top) and tokens/s (bottom), produced and trained, both as rates over the same
+    RATE_WINDOW_S, in seconds since the run's processes started."""
+    if not (timeline or metrics):
+        return None
+    from rlstream.launcher.live import RATE_WINDOW_S
 
-    # ---- time split per step
-    metrics = [r for r in metrics if "eval/version" not in r]  # evaluation records have no step times
+    fig, (ax_r, ax_t) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
+    t_first = None
+    if timeline:
+        t_first = timeline[0]["ts"] - timeline[0]["t"]
+        ts = [r["t"] for r in timeline]
+        ax_r.plot(ts, [r.get("rollouts_per_s", 0.0) for r in timeline], label="produced (accepted samples/s)")
+        ax_t.plot(ts, [r.get("tokens_per_s", 0.0) for r in timeline], label="generated tokens/s (producers)")
+    steps = [r for r in metrics if "ts" in r and "eval/version" not in r]
+    if steps:
+        t_first = steps[0]["ts"] if t_first is None else t_first
+        xs, rs, toks = [], [], []
+        j = 0
+        for i, r in enumerate(steps):  # trained in the last RATE_WINDOW_S, like the produced rate
+            while steps[j]["ts"] < r["ts"] - RATE_WINDOW_S:
+                j += 1
+            window = min(RATE_WINDOW_S, r["ts"] - t_first)
+            if window <= 0:
+                continue
+            xs.append(r["ts"] - t_first)
+            rs.append(sum(m.get("data/n_seqs", 0.0) for m in steps[j : i + 1]) / window)
+            toks.append(sum(m.get("data/n_tokens", 0.0) for m in steps[j : i + 1]) / window)
+        if xs:
+            ax_r.plot(xs, rs, label="trained (samples/s)")
+            ax_t.plot(xs, toks, label="trained tokens/s (prompt + output)")
+    ax_r.set_ylabel("samples/s")
+    ax_r.set_title(f"Throughput over time ({RATE_WINDOW_S:.0f} s windows)")
+    ax_t.set_ylabel("tokens/s")
+    ax_t.set_xlabel("seconds since the run's processes started")
+    ax_t.set_xlim(left=0)
+    for ax in (ax_r, ax_t):
+        ax.grid(alpha=0.3)
+        ax.legend(loc="upper left", fontsize=8)
+    return fig
+
+
+def _time_split(plt, metrics: list[dict]):
+    """Where each step's time went (`metrics`: step rows, no evaluation records)."""
     present = [(k, lbl) for k, lbl in _TIME_KEYS if any(k in r for r in metrics)]
-    if present:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        steps = [r.get("step", i + 1) for i, r in enumerate(metrics)]
-        series = [[float(r.get(k, 0.0)) for r in metrics] for k, _ in present]
-        labels = [lbl for _, lbl in present]
-        if len(steps) <= 60:  # bars read well for a few steps, stacked areas for many
-            bottom = [0.0] * len(metrics)
-            for vals, lbl in zip(series, labels):
-                ax.bar(steps, vals, bottom=bottom, label=lbl, width=0.9)
-                bottom = [b + v for b, v in zip(bottom, vals)]
-        else:
-            ax.stackplot(steps, *series, labels=labels, alpha=0.85)
-        if any("time/step" in r for r in metrics):
-            ax.plot(steps, [r.get("time/step", 0.0) for r in metrics], color="black", lw=1, label="step total")
-        ax.set_xlabel("train step")
-        ax.set_ylabel("seconds")
-        ax.set_title("Time split per step")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3, axis="y")
-        save(fig, "time_split.png")
-    return written
+    if not present:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    steps = [r.get("step", i + 1) for i, r in enumerate(metrics)]
+    series = [[float(r.get(k, 0.0)) for r in metrics] for k, _ in present]
+    labels = [lbl for _, lbl in present]
+    if len(steps) <= 60:  # bars read well for a few steps, stacked areas for many
+        bottom = [0.0] * len(metrics)
+        for vals, lbl in zip(series, labels):
+            ax.bar(steps, vals, bottom=bottom, label=lbl, width=0.9)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+    else:
+        ax.stackplot(steps, *series, labels=labels, alpha=0.85)
+    if any("time/step" in r for r in metrics):
+        ax.plot(steps, [r.get("time/step", 0.0) for r in metrics], color="black", lw=1, label="step total")
+    ax.set_xlabel("train step")
+    ax.set_ylabel("seconds")
+    ax.set_title("Time split per step")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    return fig

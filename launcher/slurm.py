@@ -233,6 +233,22 @@ def _engine_cmd(cfg: Config, port: int) -> str:
 def render_script(cfg: Config, pl: Placement, *, config_path: Path, redis_url: str | None,
                   redis_conf: Path | None = None) -> str:
     """The sbatch script for placement `pl` (pure: no file is touched)."""
+    timeout = int(cfg.launcher.startup_timeout)
+    out = [_header(cfg, pl, config_path)]
+    if pl.redis_node is None:
+        out.append(_REDIS_EXTERNAL.format(url=_q(redis_url), timeout=timeout))
+    else:
+        out.append(_redis_own(cfg, pl, redis_conf, timeout))
+    out.append(_PREPARE)
+    out += _engine_tasks(cfg, pl, timeout)
+    out += _trainer_task(pl)
+    out += _producer_tasks(cfg, pl)
+    out.append(_WAIT)
+    return "\n".join(out)
+
+
+def _header(cfg: Config, pl: Placement, config_path: Path) -> str:
+    """The #SBATCH lines, the job summary, and the shell helpers and variables every section uses."""
     sc, lc = cfg.launcher.slurm, cfg.launcher
     run_dir = Path(cfg.run_dir).resolve()
     logs = run_dir / "logs"
@@ -250,27 +266,31 @@ def render_script(cfg: Config, pl: Placement, *, config_path: Path, redis_url: s
     summary = (f"{len(pl.engines)} {sc.engine} engine server(s), trainer on {len(pl.trainer_nodes)} node(s) x "
                f"{pl.trainer_procs_per_node} process(es), {lc.n_producers} producer(s), "
                + ("external Redis" if pl.redis_node is None else "Redis on the first node"))
-    out = [_HEADER.format(sbatch="\n".join(sb), exp=cfg.experiment_name, trial=cfg.trial_name, summary=summary,
+    return _HEADER.format(sbatch="\n".join(sb), exp=cfg.experiment_name, trial=cfg.trial_name, summary=summary,
                           logs=_q(logs), setup="\n".join(sc.setup), py=_q(py), engine_py=_q(sc.engine_python or py),
-                          config=_q(config_path), run_dir=_q(run_dir))]
-    timeout = int(lc.startup_timeout)
-    if pl.redis_node is None:
-        out.append(_REDIS_EXTERNAL.format(url=_q(redis_url), timeout=timeout))
-    else:
-        port = str(sc.redis_port) if sc.redis_port else "$((20000 + SLURM_JOB_ID % 20000))"
-        conf = redis_conf or Path(cfg.run_dir).resolve() / "slurm" / "redis.conf"
-        out.append(_REDIS_OWN.format(port=port, node=pl.redis_node, timeout=timeout, scheme="rediss" if redis_tls(cfg) else "redis",
-                                     redis_cmd=redis_server_command(cfg, conf, port='"$REDIS_PORT"',
-                                                                    data_dir='"$RUN_DIR/redis"')))
+                          config=_q(config_path), run_dir=_q(run_dir))
 
-    out.append("""
+
+def _redis_own(cfg: Config, pl: Placement, redis_conf: Path | None, timeout: int) -> str:
+    """Redis on the first node, on the fixed port or one derived from the job id."""
+    sc = cfg.launcher.slurm
+    port = str(sc.redis_port) if sc.redis_port else "$((20000 + SLURM_JOB_ID % 20000))"
+    conf = redis_conf or Path(cfg.run_dir).resolve() / "slurm" / "redis.conf"
+    return _REDIS_OWN.format(port=port, node=pl.redis_node, timeout=timeout,
+                             scheme="rediss" if redis_tls(cfg) else "redis",
+                             redis_cmd=redis_server_command(cfg, conf, port='"$REDIS_PORT"', data_dir='"$RUN_DIR/redis"'))
+
+
+_PREPARE = """
 # ---- prepare: demo data/model and the supervised warm start when configured (must succeed)
 srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" "$PY" -m rlstream.launcher.slurm prepare \\
   --config "$CONFIG" > "$LOGS/prepare.log" 2>&1 || fail "prepare failed; see $LOGS/prepare.log"
-""")
+"""
 
-    out.append("\n# ---- engines")
-    out.append("ENGINES=()")
+
+def _engine_tasks(cfg: Config, pl: Placement, timeout: int) -> list[str]:
+    """One task per engine server, a wait until all answer, and the overrides every task gets (COMMON)."""
+    out = ["\n# ---- engines", "ENGINES=()"]
     watch = []
     for i, e in enumerate(pl.engines):
         env = f"env CUDA_VISIBLE_DEVICES={','.join(map(str, e.gpus))} " if e.gpus else ""
@@ -286,8 +306,11 @@ srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" "$PY" -m rlstream.l
     else:
         out.append('COMMON=("redis.url=$REDIS_URL")')
     out.append('echo "engines: ${ENGINES[*]:-none (rollout.engine_addresses / name resolve)}"')
+    return out
 
-    out.append("\n# ---- trainer")
+
+def _trainer_task(pl: Placement) -> list[str]:
+    """The trainer: one process, torchrun on one node, or torchrun across nodes (c10d rendezvous)."""
     train = '-m rlstream.launcher.cli train --config "$CONFIG" "${COMMON[@]}"'
     tenv = f"env CUDA_VISIBLE_DEVICES={','.join(map(str, pl.trainer_gpus))} " if pl.trainer_gpus else ""
     tn = len(pl.trainer_nodes)
@@ -300,17 +323,22 @@ srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" "$PY" -m rlstream.l
                f'--rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" '
                f'--rdzv-endpoint="${{NODES[{pl.trainer_nodes[0]}]}}:$((30000 + SLURM_JOB_ID % 20000))" {train}')
     nodelist = ",".join(f"${{NODES[{i}]}}" for i in pl.trainer_nodes)
-    out.append(f'task trainer --nodes={tn} --ntasks={tn} --ntasks-per-node=1 --nodelist="{nodelist}" -- {cmd}')
-    out.append('TRAINER_PID=${PIDS[-1]}')
+    return ["\n# ---- trainer",
+            f'task trainer --nodes={tn} --ntasks={tn} --ntasks-per-node=1 --nodelist="{nodelist}" -- {cmd}',
+            'TRAINER_PID=${PIDS[-1]}']
 
-    out.append("\n# ---- producers (CPU-only tasks)")
-    for j in range(lc.n_producers):
+
+def _producer_tasks(cfg: Config, pl: Placement) -> list[str]:
+    out = ["\n# ---- producers (CPU-only tasks)"]
+    for j in range(cfg.launcher.n_producers):
         node = pl.producer_nodes[j % len(pl.producer_nodes)]
         out.append(f'task producer-{j} --nodes=1 --ntasks=1 --nodelist="${{NODES[{node}]}}" -- env CUDA_VISIBLE_DEVICES= '
                    f'"$PY" -m rlstream.launcher.cli produce --config "$CONFIG" "${{COMMON[@]}}" '
                    f"producer.producer_id=producer-{j}")
+    return out
 
-    out.append("""
+
+_WAIT = """
 # ---- wait: the trainer finishing ends the job; any other task ending first fails it
 while true; do
   DONE=""
@@ -340,8 +368,7 @@ while true; do
   fi
   fail "task $name exited with code $rc; see $LOGS/$name.log"
 done
-""")
-    return "\n".join(out)
+"""
 
 
 def _write_private(path: Path, text: str) -> None:

@@ -19,6 +19,10 @@ folder is renamed into place (atomic on POSIX) and the parent fsynced; a checkpo
 folder either exists complete or not at all, so `kill -9` at any moment leaves the
 previous one usable. Older checkpoints are deleted only after the new one is durable.
 Assumes `cluster.fileroot` is one filesystem shared by all trainer ranks.
+
+`CheckpointManager` decides when: HF exports on the `saver` schedule, recover checkpoints
+on the `recover` schedule, and the acknowledgement of a step's stream entries once a
+durable recover checkpoint covers them (at once with `recover.mode=disabled`).
 """
 
 from __future__ import annotations
@@ -28,19 +32,19 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from rlstream.common.config import ConfigError
+from rlstream.common.config import ConfigError, RecoverConfig, SaverConfig
 from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger
 from rlstream.trainer.parallel import Parallel
 
-__all__ = ["TrainState", "RankState", "Checkpointer"]
+__all__ = ["TrainState", "RankState", "Checkpointer", "CheckpointManager", "Schedule"]
 
 log = get_logger(__name__)
 
@@ -305,3 +309,94 @@ class Checkpointer:
                 np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
         self.par.barrier()
         return state, rank_state
+
+
+class Schedule:
+    """When a periodic save is due on this rank: every N steps, every N epochs, or N seconds after the last save."""
+
+    def __init__(self, freq_steps: int | None, freq_secs: int | None, freq_epochs: int | None = None,
+                 steps_per_epoch: int | None = None) -> None:
+        self.freq_steps, self.freq_secs = freq_steps, freq_secs
+        self.freq_epochs, self.steps_per_epoch = freq_epochs, steps_per_epoch
+        self.last = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        """After `step` completed steps, by this rank's clock."""
+        due = bool(self.freq_steps and step % self.freq_steps == 0)
+        due |= bool(self.freq_epochs and self.steps_per_epoch and step % (self.freq_epochs * self.steps_per_epoch) == 0)
+        due |= bool(self.freq_secs and time.monotonic() - self.last >= self.freq_secs)
+        return due
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+
+
+class StepSource(Protocol):
+    """Where the trained entries came from: the reader that acknowledges them (consumer/reader.py)."""
+
+    consumer: str
+
+    def ack(self, ids: list[str]) -> Any: ...
+
+
+class CheckpointManager:
+    """When to save and when to acknowledge, for the train loop (every method is collective).
+
+    `trained(ids)` after each step's update, `step_done(state)` once its weights are published,
+    `stopped_early(state)` on an early stop and `save_final()` at the end. Entries are
+    acknowledged only once a durable recover checkpoint covers them, so a crash replays
+    exactly the steps the restarted trainer has not got.
+    """
+
+    def __init__(self, checkpointer: Checkpointer, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any, source: StepSource, *, saver: SaverConfig, recover: RecoverConfig,
+                 total_steps: int, steps_per_epoch: int | None) -> None:
+        self.checkpointer = checkpointer
+        self.par = checkpointer.par
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.source = source
+        self.total_steps = total_steps
+        self.hf_schedule = Schedule(saver.freq_steps, saver.freq_secs, saver.freq_epochs, steps_per_epoch)
+        self.recover_on = recover.mode != "disabled"
+        self.recover_schedule = Schedule(recover.freq_steps, recover.freq_secs)
+        self.unacked: list[str] = []  # entries trained since the last durable recover checkpoint
+
+    def _agree(self, due: bool) -> bool:
+        """Rank 0's decision for every rank: the ranks' clocks differ, and a save is collective."""
+        flag = torch.tensor([1.0 if (due and self.par.is_main) else 0.0])
+        self.par.all_reduce([flag], "max")
+        return bool(flag.item())
+
+    def trained(self, ids: list[str]) -> None:
+        """The stream entries of the step just trained on this rank."""
+        self.unacked += ids
+
+    def step_done(self, state: TrainState) -> None:
+        """After step `state.step`: an HF export and a recover checkpoint when due; acknowledge what is covered."""
+        if self._agree(self.hf_schedule.due(state.step)) and state.step < self.total_steps:
+            self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), f"step-{state.step}")
+            self.hf_schedule.saved()
+        if not self.recover_on:
+            self._ack()
+        elif state.step == self.total_steps or self._agree(self.recover_schedule.due(state.step)):
+            self._save_recover(state)
+
+    def stopped_early(self, state: TrainState) -> None:
+        """A resumed run continues from here, without replaying the steps trained since the last checkpoint."""
+        if self.recover_on and self.unacked:
+            self._save_recover(state)
+
+    def save_final(self) -> Path:
+        return self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), "final")
+
+    def _save_recover(self, state: TrainState) -> None:
+        """The one path that makes entries durable: checkpoint covering them, then acknowledge them."""
+        self.checkpointer.save_recover(self.model, self.optimizer, self.scheduler, state,
+                                       RankState(rank=self.par.rank, consumer=self.source.consumer,
+                                                 covered_ids=self.unacked))
+        self._ack()
+        self.recover_schedule.saved()
+
+    def _ack(self) -> None:
+        self.source.ack(self.unacked)
+        self.unacked = []

@@ -1,6 +1,7 @@
 """`rlstream train`: the trainer loop, one process or one rank under torchrun.
 
-Read top to bottom; each numbered block is a step of docs/ARCHITECTURE.md "One train step":
+`Trainer.__init__` is the set-up, `Trainer.train` the loop; each numbered block of the loop
+is a step of docs/ARCHITECTURE.md "One train step":
 
     1. read B/D groups for this rank (exact replays after a crash come first)
     2-4. reference/proximal logprobs, advantages, PPO minibatch updates (trainer.ppo)
@@ -20,12 +21,12 @@ acknowledges entries right after their step.
 
 from __future__ import annotations
 
-import math
 import os
 import random
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -41,17 +42,18 @@ from rlstream.common.logging import get_logger
 from rlstream.common.memory import freeze_startup_objects
 from rlstream.common.metrics import StatsLogger
 from rlstream.common.models import resolve_model_paths
+from rlstream.consumer.reader import ResumeInfo, StepReader
 from rlstream.trainer.batch import collate
-from rlstream.consumer.reader import StepReader
 from rlstream.trainer.budget import resolve_total_steps
-from rlstream.trainer.checkpoint import Checkpointer, RankState, TrainState
+from rlstream.trainer.checkpoint import CheckpointManager, Checkpointer, TrainState
 from rlstream.trainer.model import load_model
 from rlstream.trainer.optim import build_optimizer, build_scheduler
 from rlstream.trainer.parallel import Parallel, init_parallel
 from rlstream.trainer.ppo import PPOActor
+from rlstream.trainer.step_metrics import StepMetrics
 from rlstream.trainer.weights import make_broadcaster
 
-__all__ = ["train", "check_config"]
+__all__ = ["train", "check_config", "Trainer"]
 
 log = get_logger(__name__)
 
@@ -115,30 +117,6 @@ def _recovering(mode: str) -> bool:
     return False
 
 
-def _episode_counts(entries) -> torch.Tensor:
-    """[episodes, turns, episodes with a tool call] of multi-turn trajectories (metadata `turns`)."""
-    n = turns = tools = 0.0
-    for e in entries:
-        for t in e.group.trajectories:
-            k = t.metadata.get("turns")
-            if isinstance(k, (int, float)) and not isinstance(k, bool):
-                n += 1
-                turns += k
-                tools += float((t.metadata.get("tool_calls") or 0) > 0)
-    return torch.tensor([n, turns, tools], dtype=torch.float64)
-
-
-def _due(par: Parallel, step: int, last_t: float, freq_steps: int | None, freq_secs: int | None,
-         freq_epochs: int | None = None, steps_per_epoch: int | None = None) -> bool:
-    """Whether a periodic action is due after `step` completed steps; rank 0 decides for all."""
-    due = bool(freq_steps and step % freq_steps == 0)
-    due |= bool(freq_epochs and steps_per_epoch and step % (freq_epochs * steps_per_epoch) == 0)
-    due |= bool(freq_secs and time.monotonic() - last_t >= freq_secs)
-    flag = torch.tensor([1.0 if (due and par.is_main) else 0.0])
-    par.all_reduce([flag], "max")
-    return bool(flag.item())
-
-
 class _StopRequested(Exception):
     """SIGTERM/SIGINT while the trainer waited for data."""
 
@@ -175,27 +153,147 @@ def train(cfg: Config) -> None:
     par = init_parallel(cfg.actor.device, cfg.actor.parallel)
     ok = False
     try:
-        _train(cfg, par)
+        Trainer(cfg, par).train()
         ok = True
     finally:
         par.close(ok)
 
 
-def _train(cfg: Config, par: Parallel) -> None:
-    check_config(cfg, par.world_size)
-    torch.manual_seed(cfg.seed + par.rank)
-    random.seed(cfg.seed + par.rank)
-    np.random.seed((cfg.seed + par.rank) % 2**32)
-    B = cfg.rollout.consumer_batch_size
-    total_steps, steps_per_epoch = resolve_total_steps(cfg)
-    client = connect(cfg.redis)
-    keys = Keys(cfg.namespace)
-    versions = VersionRegistry(client, keys)
-    if par.rank == 0:  # admission parameters for `rlstream inspect` and a check against the producers'
-        write_run_meta(client, keys, cfg, component="trainer")
-        versions.start_run("trainer started")  # durable run state {ns}:run (a resumed run is running again)
+class Trainer:
+    """One trainer rank: the set-up in `__init__`, the step loop in `train`."""
 
-    # ---- model, reference, optimizer ------------------------------------------------
+    def __init__(self, cfg: Config, par: Parallel) -> None:
+        check_config(cfg, par.world_size)
+        _seed(cfg.seed + par.rank)
+        self.cfg, self.par = cfg, par
+        B = cfg.rollout.consumer_batch_size
+        self.total_steps, self.steps_per_epoch = resolve_total_steps(cfg)
+        self.client = connect(cfg.redis)
+        keys = Keys(cfg.namespace)
+        self.versions = VersionRegistry(self.client, keys)
+        if par.rank == 0:  # admission parameters for `rlstream inspect` and a check against the producers'
+            write_run_meta(self.client, keys, cfg, component="trainer")
+            self.versions.start_run("trainer started")  # durable run state {ns}:run (a resumed run is running again)
+
+        # ---- model, reference, optimizer; the position of the newest recover checkpoint
+        self.actor, vocab_size = _build_actor(cfg, par, self.total_steps)
+        self.model = self.actor.model
+        checkpointer = Checkpointer(cfg.run_dir, par, cfg.tokenizer)
+        recovering = _recovering(cfg.recover.mode)
+        self.state, covered, latest = _resume(cfg, par, checkpointer, self.actor, recovering, self.total_steps)
+
+        # ---- data in, weights out
+        admission = AdmissionController.from_config(self.client, keys, cfg)
+        self.reader = _open_reader(cfg, par, self.client, keys, admission, vocab_size)
+        info = _resume_reader(self.reader, par, self.state.step, recovering, covered)
+        self.broadcaster = make_broadcaster(cfg, self.client, keys, par.rank)
+        if par.is_main:
+            self.versions.set_trainer_version(self.state.version)
+        if latest is not None or info.replay_steps:  # a checkpoint or recorded-but-lost steps: a crash came before
+            _recover_served_state(par, admission, self.broadcaster, self.model, self.state.version, B)
+
+        # ---- metrics, evaluations, checkpoints
+        self.stats = StatsLogger(cfg, enabled=par.is_main, total_steps=self.total_steps)
+        _register_queue_metrics(self.stats, self.client, keys, cfg)
+        state = self.state
+        if state.step > 0 and state.last_metrics and state.step not in self.stats.logged_steps():
+            self.stats.log(state.step, state.last_metrics)  # killed after the checkpoint, before the row was written
+        self.evals = EvalFeed(self.client, keys, enabled=par.is_main and cfg.evaluator.enabled)
+        if state.step > 0:
+            self.evals.skip_logged()  # a resumed run logged the earlier evaluations already
+        log.info("training %d steps of %d groups (%d per rank x %d ranks) from step %d",
+                 self.total_steps, B, B // par.world_size, par.world_size, state.step)
+        self.checkpoints = CheckpointManager(checkpointer, self.model, self.actor.optimizer, self.actor.scheduler,
+                                             self.reader, saver=cfg.saver, recover=cfg.recover,
+                                             total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch)
+
+    def train(self) -> None:
+        """The step loop, then the final checkpoint and the shutdown event."""
+        cfg, par, state = self.cfg, self.par, self.state
+        stop = _StopFlag(enabled=par.world_size == 1)
+        freeze_startup_objects()  # the step loop's full GC collections no longer walk the model and the modules
+        while state.step < self.total_steps and stop.requested is None:
+            t_step = time.perf_counter()
+            # 1. this rank's groups (recorded in {ns}:steps before training)
+            try:
+                stop.waiting = True
+                data = self.reader.next(state.step, state.version, steps_left=self.total_steps - state.step)
+            except _StopRequested:
+                break
+            finally:
+                stop.waiting = False
+            t0 = time.perf_counter()
+            batch = collate(data.entries)
+            t_collate = time.perf_counter() - t0
+
+            # 2-4. logprobs, advantages, PPO minibatches
+            ppo_stats = self.actor.train_step(batch, state.version)
+            self.checkpoints.trained(data.ids)
+            state.step += 1
+            state.version += 1
+
+            # 5. publish the new weights as the next version
+            t0 = time.perf_counter()
+            if par.is_main:
+                self.versions.set_trainer_version(state.version)
+            self.broadcaster.push(par.unwrap(self.model), state.version)
+            t_push = time.perf_counter() - t0
+            metrics = StepMetrics.gather(par, ppo_stats, data, version=state.version, epoch=self._epoch(),
+                                         collate_s=t_collate, weight_push_s=t_push,
+                                         push_report=getattr(self.broadcaster, "last", None))
+
+            # 6. checkpoints; entries are acknowledged once a durable checkpoint covers them. The
+            # step's metrics row goes into the recover checkpoint: a kill after it is durable and
+            # before the row is written would leave metrics.jsonl without the step (it is not re-run).
+            state.last_metrics = metrics.checkpoint_row()
+            t0 = time.perf_counter()
+            self.checkpoints.step_done(state)
+            if par.rank == 0 and cfg.redis.stream_maxlen > 0:
+                # Retention: only entries every consumer group acknowledged are trimmed, so the
+                # entries of steps a crash would replay (unacked) always stay.
+                self.reader.stream.trim_acked(keep=cfg.redis.stream_maxlen)
+            metrics.checkpoint_s = time.perf_counter() - t0
+            metrics.step_s = time.perf_counter() - t_step
+            self.stats.log(state.step, metrics.row())
+            self.evals.log_new(self.stats)
+        self._finish(stop)
+
+    def _epoch(self) -> float:
+        return self.state.step / self.steps_per_epoch if self.steps_per_epoch else 0.0
+
+    def _finish(self, stop: _StopFlag) -> None:
+        """The final HF checkpoint, then the shutdown event producers stop on."""
+        state, total_steps = self.state, self.total_steps
+        if stop.requested is not None:
+            log.warning("stopping early on %s after %d of %d steps: saving what was trained", stop.requested,
+                        state.step, total_steps)
+            self.checkpoints.stopped_early(state)
+        self.checkpoints.save_final()
+        stop.restore()
+        self.evals.log_new(self.stats)
+        if self.par.is_main:
+            done = f"trainer finished {state.step} steps" if stop.requested is None else \
+                f"trainer stopped early ({stop.requested}) after {state.step} of {total_steps} steps"
+            # The durable run state and the event in one MULTI: a producer that starts later, or
+            # misses the event, still stops (its admission script refuses leases from now on).
+            self.versions.finish_run(Event(type="shutdown", version=state.version, detail=done))
+            log.info("%s (version %d); published shutdown", done, state.version)
+        self.broadcaster.close()
+        self.stats.close()
+        self.client.close()
+
+
+# ---- set-up steps ----------------------------------------------------------------------
+
+def _seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def _build_actor(cfg: Config, par: Parallel, total_steps: int) -> tuple[PPOActor, int]:
+    """The policy wrapped for the ranks, the reference model when a KL term needs one, the
+    optimizer and its schedule; and the vocabulary size the reader checks token ids against."""
     module = load_model(cfg.actor.path, cfg.actor, par.device, init_from_scratch=cfg.actor.init_from_scratch,
                         seed=cfg.seed)
     vocab_size = module.get_input_embeddings().num_embeddings
@@ -206,161 +304,71 @@ def _train(cfg: Config, par: Parallel) -> None:
     model = par.wrap(module)
     optimizer = build_optimizer(model.parameters(), cfg.actor.optimizer)
     scheduler = build_scheduler(optimizer, cfg.actor.optimizer, total_steps)
-    actor = PPOActor(cfg, model, optimizer, scheduler, par, ref=ref, pad_token_id=pad_token_id)
-    ckpt = Checkpointer(cfg.run_dir, par, cfg.tokenizer)
+    return PPOActor(cfg, model, optimizer, scheduler, par, ref=ref, pad_token_id=pad_token_id), vocab_size
 
-    # ---- resume ----------------------------------------------------------------------
-    recovering = _recovering(cfg.recover.mode)
+
+def _resume(cfg: Config, par: Parallel, checkpointer: Checkpointer, actor: PPOActor, recovering: bool,
+            total_steps: int) -> tuple[TrainState, list[str], Path | None]:
+    """The trainer's position: from the newest recover checkpoint when recovering (collective).
+
+    Returns the state, the entry ids the checkpoint covers on this rank, and its folder (None: a fresh start).
+    """
     state = TrainState(world_size=par.world_size, total_train_steps=total_steps, optimizer=cfg.actor.optimizer.type)
-    covered: list[str] = []
-    latest = ckpt.latest() if recovering else None
-    if latest is not None:
-        state, rank_state = ckpt.load_recover(latest, model, optimizer, scheduler,
-                                              expect_optimizer=cfg.actor.optimizer.type)
-        state.world_size, state.total_train_steps = par.world_size, total_steps
-        covered = rank_state.covered_ids if rank_state is not None else []
-        log.info("resumed from %s: %d steps done, version %d", latest, state.step, state.version)
-    admission = AdmissionController.from_config(client, keys, cfg)
+    latest = checkpointer.latest() if recovering else None
+    if latest is None:
+        return state, [], None
+    state, rank_state = checkpointer.load_recover(latest, actor.model, actor.optimizer, actor.scheduler,
+                                                  expect_optimizer=cfg.actor.optimizer.type)
+    state.world_size, state.total_train_steps = par.world_size, total_steps
+    log.info("resumed from %s: %d steps done, version %d", latest, state.step, state.version)
+    return state, rank_state.covered_ids if rank_state is not None else [], latest
+
+
+def _open_reader(cfg: Config, par: Parallel, client: Any, keys: Keys, admission: AdmissionController,
+                 vocab_size: int) -> StepReader:
+    """This rank's reader of B/D groups per step."""
 
     def admission_state() -> str:  # a long wait for data says why: the budget used up, leases that never end
         s = admission.snapshot()
         return (f"admission: capacity {s.capacity}, {s.running} rollouts running, {s.accepted} groups accepted, "
                 f"served version {s.version}")
 
-    reader = StepReader(client, keys, rank=par.rank, world_size=par.world_size, groups_per_step=B // par.world_size,
-                        max_head_offpolicyness=cfg.rollout.max_head_offpolicyness, vocab_size=vocab_size,
-                        log_every_secs=cfg.stats_logger.log_every_secs, describe_wait=admission_state)
+    B = cfg.rollout.consumer_batch_size
+    return StepReader(client, keys, rank=par.rank, world_size=par.world_size, groups_per_step=B // par.world_size,
+                      max_head_offpolicyness=cfg.rollout.max_head_offpolicyness, vocab_size=vocab_size,
+                      log_every_secs=cfg.stats_logger.log_every_secs, describe_wait=admission_state)
+
+
+def _resume_reader(reader: StepReader, par: Parallel, completed_steps: int, recovering: bool,
+                   covered: list[str]) -> ResumeInfo:
+    """Acknowledge what the checkpoint covers and line up exact replays of recorded steps (collective)."""
     if par.is_main and recovering:
         reader.claim_orphans()
     par.barrier()
-    info = reader.resume(state.step, replay=recovering, covered_ids=covered)
-    par.barrier()  # every rank acknowledged what its checkpoint covers before the queue is counted below
+    info = reader.resume(completed_steps, replay=recovering, covered_ids=covered)
+    par.barrier()  # every rank acknowledged what its checkpoint covers before admission counts the queue
     if info.replay_steps or info.leftover or info.acked:
         log.info("rank %d: acknowledged %d covered entries, will replay steps %s, %d unrecorded pending entries first",
                  par.rank, info.acked, info.replay_steps, info.leftover)
-    broadcaster = make_broadcaster(cfg, client, keys, par.rank)
+    return info
+
+
+def _recover_served_state(par: Parallel, admission: AdmissionController, broadcaster: Any,
+                          model: torch.nn.Module, version: int, batch: int) -> None:
+    """After a crash: admission counts from the recovered version, and engines that may serve
+    weights of lost steps get the recovered ones (collective)."""
     if par.is_main:
-        versions.set_trainer_version(state.version)
-    # A checkpoint or recorded-but-lost steps mean this run recovers from a crash.
-    if latest is not None or info.replay_steps:
-        if par.is_main:
-            queued = admission.reset_accepted(state.version)
-            log.info("admission reset: accepted := %d·%d + %d queued groups", state.version, B, queued)
-        # Engines may serve weights of lost steps: give them the recovered ones.
-        broadcaster.push(par.unwrap(model), state.version)
-    stats = StatsLogger(cfg, enabled=par.is_main, total_steps=total_steps)
-    if stats.registry is not None:  # Prometheus: the run's queue numbers next to the step metrics
-        from rlstream.broker.prometheus import RunCollector
+        queued = admission.reset_accepted(version)
+        log.info("admission reset: accepted := %d·%d + %d queued groups", version, batch, queued)
+    broadcaster.push(par.unwrap(model), version)
 
-        stats.registry.register(RunCollector(client, keys, eta=cfg.rollout.max_head_offpolicyness, batch=B,
-                                             max_concurrent=cfg.max_concurrent_rollouts))
-    if state.step > 0 and state.last_metrics and state.step not in stats.logged_steps():
-        stats.log(state.step, state.last_metrics)  # killed after the checkpoint, before the row was written
-    evals = EvalFeed(client, keys, enabled=par.is_main and cfg.evaluator.enabled)
-    if state.step > 0:
-        evals.skip_logged()  # a resumed run logged the earlier evaluations already
-    log.info("training %d steps of %d groups (%d per rank x %d ranks) from step %d",
-             total_steps, B, B // par.world_size, par.world_size, state.step)
 
-    recover_on = cfg.recover.mode != "disabled"
-    unacked: list[str] = []  # entries trained since the last durable recover checkpoint
-    last_save_t = last_recover_t = time.monotonic()
-    stop = _StopFlag(enabled=par.world_size == 1)
-    freeze_startup_objects()  # the step loop's full GC collections no longer walk the model and the modules
-    while state.step < total_steps and stop.requested is None:
-        t_step = time.perf_counter()
-        # 1. this rank's groups (recorded in {ns}:steps before training)
-        try:
-            stop.waiting = True
-            data = reader.next(state.step, state.version, steps_left=total_steps - state.step)
-        except _StopRequested:
-            break
-        finally:
-            stop.waiting = False
-        t0 = time.perf_counter()
-        batch = collate(data.entries)
-        t_collate = time.perf_counter() - t0
+def _register_queue_metrics(stats: StatsLogger, client: Any, keys: Keys, cfg: Config) -> None:
+    """Prometheus (when enabled): the run's queue numbers next to the step metrics."""
+    if stats.registry is None:
+        return
+    from rlstream.broker.prometheus import RunCollector
 
-        # 2-4. logprobs, advantages, PPO minibatches
-        metrics = actor.train_step(batch, state.version)
-        unacked += data.ids
-        state.step += 1
-        state.version += 1
-
-        # 5. publish the new weights as the next version
-        t0 = time.perf_counter()
-        if par.is_main:
-            versions.set_trainer_version(state.version)
-        broadcaster.push(par.unwrap(model), state.version)
-        t_push = time.perf_counter() - t0
-
-        data_stats = torch.tensor([data.wait_s, t_collate], dtype=torch.float64)
-        counts = torch.tensor([data.n_dropped_stale, data.n_dead, float(data.replayed), len(data.entries)],
-                              dtype=torch.float64)
-        episodes = _episode_counts(data.entries)
-        par.all_reduce([data_stats], "max")
-        par.all_reduce([counts, episodes], "sum")
-        compute = metrics["time/logprobs"] + metrics["time/update"]
-        metrics.update({
-            "version": state.version, "epoch": state.step / steps_per_epoch if steps_per_epoch else 0.0,
-            "time/wait_data": float(data_stats[0]), "time/collate": float(data_stats[1]),
-            "time/weight_push": t_push,
-            "data/n_groups": float(counts[3]), "data/dropped_stale": float(counts[0]), "data/dead": float(counts[1]),
-            "data/replayed": float(counts[2] > 0),
-            "perf/tokens_per_s": metrics["data/n_tokens"] / compute if compute > 0 else 0.0,
-        })
-        if episodes[0] > 0:  # multi-turn episodes (AgentWorkflow metadata)
-            metrics["agent/turns"] = float(episodes[1] / episodes[0])
-            metrics["agent/tool_call_rate"] = float(episodes[2] / episodes[0])
-        report = getattr(broadcaster, "last", None)
-        if report is not None and report.version == state.version:  # bytes per engine (a LoRA push: the adapter)
-            metrics["perf/push_bytes"] = float(report.bytes)
-        # 6. checkpoints; entries are acknowledged once a durable checkpoint covers them. The
-        # step's metrics row goes into the recover checkpoint: a kill after it is durable and
-        # before the row is written would leave metrics.jsonl without the step (it is not re-run).
-        state.last_metrics = {k: float(v) for k, v in metrics.items() if math.isfinite(float(v))}
-        t0 = time.perf_counter()
-        if _due(par, state.step, last_save_t, cfg.saver.freq_steps, cfg.saver.freq_secs,
-                cfg.saver.freq_epochs, steps_per_epoch) and state.step < total_steps:
-            ckpt.save_hf(model, par.unwrap(model), f"step-{state.step}")
-            last_save_t = time.monotonic()
-        if recover_on:
-            if state.step == total_steps or _due(par, state.step, last_recover_t, cfg.recover.freq_steps,
-                                                 cfg.recover.freq_secs):
-                ckpt.save_recover(model, optimizer, scheduler, state,
-                                  RankState(rank=par.rank, consumer=reader.consumer, covered_ids=unacked))
-                reader.ack(unacked)
-                unacked = []
-                last_recover_t = time.monotonic()
-        else:
-            reader.ack(unacked)
-            unacked = []
-        if par.rank == 0 and cfg.redis.stream_maxlen > 0:
-            # Retention: only entries every consumer group acknowledged are trimmed, so the
-            # entries of steps a crash would replay (unacked) always stay.
-            reader.stream.trim_acked(keep=cfg.redis.stream_maxlen)
-        metrics = {**metrics, "time/checkpoint": time.perf_counter() - t0, "time/step": time.perf_counter() - t_step}
-        stats.log(state.step, metrics)
-        evals.log_new(stats)
-
-    # ---- the end ---------------------------------------------------------------------
-    if stop.requested is not None:
-        log.warning("stopping early on %s after %d of %d steps: saving what was trained", stop.requested,
-                    state.step, total_steps)
-        if recover_on and unacked:  # a resumed run continues from here, without replaying these steps
-            ckpt.save_recover(model, optimizer, scheduler, state,
-                              RankState(rank=par.rank, consumer=reader.consumer, covered_ids=unacked))
-            reader.ack(unacked)
-    ckpt.save_hf(model, par.unwrap(model), "final")
-    stop.restore()
-    evals.log_new(stats)
-    if par.is_main:
-        done = f"trainer finished {state.step} steps" if stop.requested is None else \
-            f"trainer stopped early ({stop.requested}) after {state.step} of {total_steps} steps"
-        # The durable run state and the event in one MULTI: a producer that starts later, or
-        # misses the event, still stops (its admission script refuses leases from now on).
-        versions.finish_run(Event(type="shutdown", version=state.version, detail=done))
-        log.info("%s (version %d); published shutdown", done, state.version)
-    broadcaster.close()
-    stats.close()
-    client.close()
+    stats.registry.register(RunCollector(client, keys, eta=cfg.rollout.max_head_offpolicyness,
+                                         batch=cfg.rollout.consumer_batch_size,
+                                         max_concurrent=cfg.max_concurrent_rollouts))

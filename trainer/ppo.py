@@ -40,21 +40,9 @@ from rlstream.trainer.advantages import compute_advantages
 from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import aggregate, kl_estimate, loglinear_prox_logp, ppo_token_loss, seq_token_counts
 from rlstream.trainer.parallel import Parallel
-from rlstream.trainer.stats import Tally
+from rlstream.trainer.stats import PPOStats
 
 __all__ = ["PPOActor"]
-
-# Names every rank registers each step so the collective reduction lines up even when a
-# rank's share holds no token of some kind.
-_MEANS = ["reward/mean", "reward/_sq", "reward/_pos", "reward/shaped_mean", "adv/mean", "adv/_sq",
-          "staleness/mean", "seq/output_len", "seq/no_eos_frac", "ppo/importance_ratio", "ppo/clip_frac",
-          "ppo/dual_clip_frac", "ppo/approx_kl", "ppo/entropy", "imp_weight/mean", "imp_weight/masked_frac",
-          "imp_weight/applied_mean", "imp_weight/clamped_frac", "behav_kl/k1", "behav_kl/k3",
-          "behav_kl/k3_same_version", "kl/ref", "optim/grad_norm"]
-_MINMAX = ["staleness", "adv", "ppo/importance_ratio", "imp_weight"]
-_TOTALS = ["data/n_seqs", "data/n_tokens", "data/n_loss_tokens", "reward/_nonbin01", "reward/_nonbinpm",
-           "loss/pg", "loss/kl", "loss/entropy", "loss/total", "optim/skipped_steps"]
-
 
 class PPOActor:
     """Holds the models and optimizer; `train_step` is one full step of the blueprint."""
@@ -116,11 +104,8 @@ class PPOActor:
     def train_step(self, batch: SeqBatch, version: int) -> dict[str, float]:
         """Logprobs, advantages and `ppo_n_minibatches` optimizer steps; returns global statistics."""
         a = self.a
-        tally = Tally()
-        for n in _MEANS:
-            tally.mean(n, 0.0, 0.0)
-        for n in _TOTALS:
-            tally.total(n, 0.0)
+        stats = PPOStats(kl_in_loss=self.kl_in_loss, entropy_in_loss=a.entropy_coeff > 0,
+                         has_ref=self.ref is not None, behav_weighted=self.behav_weighted)
         timings: dict[str, float] = {}
 
         # 1. reference and proximal logprobs
@@ -142,7 +127,7 @@ class PPOActor:
         # 3. rewards -> per-token advantages
         adv = compute_advantages(batch, a, self.cfg.gconfig.max_new_tokens, old_logp=old_logp, ref_logp=ref_logp,
                                  kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum)
-        self._batch_stats(tally, batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
+        stats.batch(batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
 
         # 4. PPO minibatches
         lr = float(self.scheduler.get_last_lr()[0])
@@ -166,27 +151,26 @@ class PPOActor:
                         (self._dummy_logits(self.model).sum() * 0.0).backward()
                         continue
                     loss = self._micro_loss(batch, seqs, adv, behav, prox_all, ref_logp, version,
-                                            token_denom, seq_denom, tally)
+                                            token_denom, seq_denom, stats)
                     (loss * self.par.world_size).backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
             grad_norm = float(grad_norm)
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-            else:
-                tally.total("optim/skipped_steps", 1.0 / self.par.world_size)
+            skipped = not math.isfinite(grad_norm)
+            if skipped:
                 self.optimizer.zero_grad(set_to_none=True)
-            tally.mean("optim/grad_norm", grad_norm / self.par.world_size, 1.0 / self.par.world_size)
+            else:
+                self.optimizer.step()
+            stats.optimizer_step(grad_norm, skipped, self.par.world_size)
         self.scheduler.step()
         timings["time/update"] = time.perf_counter() - t1
 
-        out = tally.reduce(self.par, _MINMAX)
-        return self._finish_stats(out, len(minibatches), lr) | timings
+        return stats.reduce(self.par, len(minibatches), lr) | timings
 
     def _micro_loss(self, batch: SeqBatch, seqs: list[int], adv, behav: torch.Tensor,
                     prox_all: torch.Tensor | None, ref_logp: torch.Tensor | None, version: int,
-                    token_denom: float, seq_denom: float, tally: Tally) -> torch.Tensor:
+                    token_denom: float, seq_denom: float, stats: PPOStats) -> torch.Tensor:
         a, dev = self.a, self.par.device
         sub = batch.select(seqs)
         tok = batch.token_index(seqs)
@@ -213,100 +197,15 @@ class PPOActor:
             if self.kl_in_loss:
                 kl_term = agg(kl_tok)
                 loss = loss + a.kl_ctl * kl_term
-                tally.total("loss/kl", float(kl_term.detach()))
-            tally.mean("kl/ref", float(torch.where(mask, kl_tok.detach(), 0).sum()), float(mask.sum()))
+                stats.loss_term("loss/kl", kl_term)
+            stats.kl_ref(kl_tok, mask)
         if a.entropy_coeff > 0:
             ent_term = agg(ent)
             loss = loss - a.entropy_coeff * ent_term
-            tally.total("loss/entropy", float(ent_term.detach()))
-        tally.total("loss/pg", float(pg.detach()))
-        tally.total("loss/total", float(loss.detach()))
-
-        # statistics over this micro-batch's loss tokens
-        nm = float(mask.sum())
-        ratio = out.ratio
-        tally.mean("ppo/importance_ratio", float(ratio[mask].sum()), nm)
-        tally.minmax("ppo/importance_ratio", ratio[mask])
-        tally.mean("ppo/clip_frac", float(out.clip_mask.sum()), nm)
-        tally.mean("ppo/dual_clip_frac", float(out.dual_clip_mask.sum()), nm)
-        tally.mean("ppo/approx_kl", float((logp.detach() - prox)[mask].sum()), nm)
-        tally.mean("ppo/entropy", float(ent.detach()[mask].sum()), nm)
+            stats.loss_term("loss/entropy", ent_term)
+        stats.loss_term("loss/pg", pg)
+        stats.loss_term("loss/total", loss)
+        stats.tokens(out, mask, logp, prox, ent)
         if out.correction is not None:
-            self._correction_stats(tally, out.correction, mask, prox, behav_mb, sub.versions.to(dev), version)
+            stats.correction(out.correction, mask, prox, behav_mb, sub.versions.to(dev), version)
         return loss
-
-    @staticmethod
-    def _correction_stats(tally: Tally, c, mask: torch.Tensor, prox: torch.Tensor, behav: torch.Tensor,
-                          versions: torch.Tensor, version: int) -> None:
-        """What the off-policy correction did on this micro-batch's loss tokens, and how far apart the policies are."""
-        nm = float(mask.sum())
-        w = c.raw_weight[mask]
-        tally.mean("imp_weight/mean", float(w.sum()), nm)
-        tally.minmax("imp_weight", w)
-        tally.mean("imp_weight/applied_mean", float(c.weight[mask].sum()), nm)
-        tally.mean("imp_weight/masked_frac", float((mask & ~c.kept).sum()), nm)
-        tally.mean("imp_weight/clamped_frac", float(c.clamped.sum()), nm)
-        # KL(π_behav ‖ π_prox) from samples of π_behav: k1 = log(b/p), k3 = p/b - 1 - log(p/b) (Schulman 2020).
-        lr = (prox.detach().float() - behav.float())
-        lr = torch.where(mask & torch.isfinite(lr), lr, torch.zeros_like(lr))
-        k3 = torch.exp(lr) - 1.0 - lr
-        tally.mean("behav_kl/k1", float(-lr.sum()), nm)
-        tally.mean("behav_kl/k3", float(k3.sum()), nm)
-        same = mask & (versions == version)
-        tally.mean("behav_kl/k3_same_version", float(k3[same].sum()), float(same.sum()))
-
-    def _batch_stats(self, tally: Tally, batch: SeqBatch, adv: torch.Tensor, loss_mask: torch.Tensor,
-                     shaped: torch.Tensor, version: int) -> None:
-        r = batch.rewards.double()
-        n = batch.n_seqs
-        tally.total("data/n_seqs", n)
-        tally.total("data/n_tokens", batch.n_tokens)
-        tally.total("data/n_loss_tokens", float(loss_mask.sum()))
-        tally.mean("reward/mean", float(r.sum()), n)
-        tally.mean("reward/_sq", float(r.square().sum()), n)
-        tally.mean("reward/_pos", float((r > 0).sum()), n)
-        tally.total("reward/_nonbin01", float(((r != 0) & (r != 1)).sum()))
-        tally.total("reward/_nonbinpm", float(((r != -1) & (r != 1)).sum()))
-        tally.mean("reward/shaped_mean", float(shaped.double().sum()), n)
-        a = adv[loss_mask].double()
-        tally.mean("adv/mean", float(a.sum()), a.numel())
-        tally.mean("adv/_sq", float(a.square().sum()), a.numel())
-        tally.minmax("adv", a)
-        out_lens = batch.output_lens
-        tally.mean("seq/output_len", float(out_lens.sum()), n)
-        tally.mean("seq/no_eos_frac", float(batch.no_eos.sum()), n)
-        # Head staleness per sequence: trainer version minus the oldest version that sampled it.
-        seq_idx = batch.seq_index()
-        big = torch.iinfo(torch.long).max
-        vmin = torch.full((n,), big, dtype=torch.long).scatter_reduce(
-            0, seq_idx, torch.where(batch.versions >= 0, batch.versions, big), reduce="amin")
-        has = vmin != big
-        stale = (version - vmin[has]).double()
-        tally.mean("staleness/mean", float(stale.sum()), stale.numel())
-        tally.minmax("staleness", stale)
-
-    def _finish_stats(self, out: dict[str, float], n_minibatches: int, lr: float) -> dict[str, float]:
-        res = dict(out)
-        mean, sq = res.pop("reward/mean", 0.0), res.pop("reward/_sq", 0.0)
-        res["reward/mean"] = mean
-        res["reward/std"] = math.sqrt(max(sq - mean * mean, 0.0))
-        pos = res.pop("reward/_pos", 0.0)
-        nb01, nbpm = res.pop("reward/_nonbin01", 1.0), res.pop("reward/_nonbinpm", 1.0)
-        if nb01 == 0 or nbpm == 0:
-            res["reward/accuracy"] = pos
-        am, asq = res.get("adv/mean", 0.0), res.pop("adv/_sq", 0.0)
-        res["adv/std"] = math.sqrt(max(asq - am * am, 0.0))
-        for k in ("loss/pg", "loss/kl", "loss/entropy", "loss/total"):
-            if k in res:
-                res[k] /= n_minibatches
-        if not self.kl_in_loss:
-            res.pop("loss/kl", None)
-        if self.a.entropy_coeff == 0:
-            res.pop("loss/entropy", None)
-        if self.ref is None:
-            res.pop("kl/ref", None)
-        if not self.behav_weighted:
-            for k in [k for k in res if k.startswith(("imp_weight", "behav_kl"))]:
-                res.pop(k)
-        res["optim/lr"] = lr
-        return res

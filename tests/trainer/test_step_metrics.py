@@ -1,0 +1,55 @@
+"""`StepMetrics`: the loop's numbers over ranks and the row they are logged as."""
+
+import math
+
+import torch
+
+from rlstream.broker.stream import Entry
+from rlstream.consumer.reader import StepData
+from rlstream.trainer.parallel import Parallel
+from rlstream.trainer.step_metrics import StepMetrics
+from rlstream.trainer.weights.base import PushReport
+from tests.helpers import make_group
+
+PPO = {"loss/total": 0.5, "data/n_tokens": 100.0, "time/logprobs": 1.0, "time/update": 3.0}
+
+
+def _entry(i: int, **metadata) -> Entry:
+    """A stream entry of one trajectory with this metadata."""
+    group = make_group(n_samples=1)
+    group.trajectories[0].metadata = dict(metadata)
+    return Entry(id=f"{i}-0", group=group, min_version=0)
+
+
+def _gather(entries, **kw) -> StepMetrics:
+    data = StepData(step=0, version=0, entries=entries, wait_s=0.25, n_dropped_stale=2, n_dead=1)
+    return StepMetrics.gather(Parallel(), dict(PPO), data, version=1, epoch=0.5, collate_s=0.01, weight_push_s=0.1,
+                              push_report=kw.get("push_report"))
+
+
+def test_row_names_and_order():
+    m = _gather([_entry(0), _entry(1)], push_report=PushReport(version=1, bytes=4096))
+    m.checkpoint_s, m.step_s = 0.2, 4.5
+    row = m.row()
+    assert list(row) == [*PPO, "version", "epoch", "time/wait_data", "time/collate", "time/weight_push",
+                         "data/n_groups", "data/dropped_stale", "data/dead", "data/replayed", "perf/tokens_per_s",
+                         "perf/push_bytes", "time/checkpoint", "time/step"]
+    assert row["data/n_groups"] == 2 and row["data/dropped_stale"] == 2 and row["data/dead"] == 1
+    assert row["perf/tokens_per_s"] == 25.0 and row["perf/push_bytes"] == 4096 and row["data/replayed"] == 0.0
+
+
+def test_multi_turn_episodes_and_a_push_of_another_version():
+    m = _gather([_entry(0, turns=3, tool_calls=2), _entry(1, turns=1)], push_report=PushReport(version=0, bytes=1))
+    row = m.row()
+    assert row["agent/turns"] == 2.0 and row["agent/tool_call_rate"] == 0.5
+    assert "perf/push_bytes" not in row  # the report is of an earlier push
+
+
+def test_checkpoint_row_is_finite_and_without_the_times_after_the_checkpoint():
+    m = _gather([_entry(0)])
+    m.ppo["ppo/approx_kl"] = math.nan
+    m.checkpoint_s, m.step_s = 0.2, 4.5
+    kept = m.checkpoint_row()
+    assert "ppo/approx_kl" not in kept and "time/checkpoint" not in kept and "time/step" not in kept
+    assert kept["version"] == 1.0 and all(isinstance(v, float) for v in kept.values())
+    assert torch.isfinite(torch.tensor(list(kept.values()))).all()

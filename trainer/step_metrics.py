@@ -1,0 +1,99 @@
+"""One train step's metrics row: the PPO statistics plus what the loop measured around them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlstream.trainer.parallel import Parallel
+
+__all__ = ["StepMetrics"]
+
+# Written after the step's recover checkpoint: not part of the row that checkpoint keeps.
+_AFTER_CHECKPOINT = ("time/checkpoint", "time/step")
+
+
+def _episode_counts(entries: list[Any]) -> torch.Tensor:
+    """[episodes, turns, episodes with a tool call] of multi-turn trajectories (metadata `turns`)."""
+    n = turns = tools = 0.0
+    for e in entries:
+        for t in e.group.trajectories:
+            k = t.metadata.get("turns")
+            if isinstance(k, (int, float)) and not isinstance(k, bool):
+                n += 1
+                turns += k
+                tools += float((t.metadata.get("tool_calls") or 0) > 0)
+    return torch.tensor([n, turns, tools], dtype=torch.float64)
+
+
+@dataclass
+class StepMetrics:
+    """Global values of one step (the same on every rank after `gather`); `row()` is what gets logged."""
+
+    ppo: dict[str, float]  # PPOActor.train_step: statistics, time/logprobs and time/update
+    version: int  # the policy version this step produced
+    epoch: float  # completed steps / steps per epoch (0 without epochs)
+    wait_data_s: float  # the slowest rank's wait for its groups
+    collate_s: float  # the slowest rank's collate
+    weight_push_s: float  # publishing the version and pushing the weights (this rank)
+    n_groups: float
+    dropped_stale: float  # groups dropped as too stale while reading
+    dead: float  # entries dead-lettered while reading
+    replayed: bool  # some rank replayed a step recorded before a crash
+    episodes: float = 0.0  # multi-turn episodes (AgentWorkflow metadata)
+    turns: float = 0.0  # model turns over those episodes
+    tool_episodes: float = 0.0  # episodes with a tool call
+    push_bytes: float | None = None  # bytes per engine of this version's push (a LoRA push: the adapter)
+    checkpoint_s: float | None = None  # checkpoints, acknowledgement and stream trim
+    step_s: float | None = None
+
+    @classmethod
+    def gather(cls, par: Parallel, ppo: dict[str, float], data: Any, *, version: int, epoch: float,
+               collate_s: float, weight_push_s: float, push_report: Any) -> StepMetrics:
+        """The loop's numbers over all ranks (collective): the slowest rank's times, summed counts.
+
+        `data` is the rank's StepData (consumer/reader.py); `push_report` the broadcaster's
+        last PushReport (None for a backend without one).
+        """
+        times = torch.tensor([data.wait_s, collate_s], dtype=torch.float64)
+        counts = torch.tensor([data.n_dropped_stale, data.n_dead, float(data.replayed), len(data.entries)],
+                              dtype=torch.float64)
+        episodes = _episode_counts(data.entries)
+        par.all_reduce([times], "max")
+        par.all_reduce([counts, episodes], "sum")
+        pushed = push_report is not None and push_report.version == version
+        return cls(ppo=ppo, version=version, epoch=epoch, wait_data_s=float(times[0]), collate_s=float(times[1]),
+                   weight_push_s=weight_push_s, n_groups=float(counts[3]), dropped_stale=float(counts[0]),
+                   dead=float(counts[1]), replayed=bool(counts[2] > 0), episodes=float(episodes[0]),
+                   turns=float(episodes[1]), tool_episodes=float(episodes[2]),
+                   push_bytes=float(push_report.bytes) if pushed else None)
+
+    def row(self) -> dict[str, float]:
+        """The metrics row, named as in metrics.jsonl."""
+        compute = self.ppo["time/logprobs"] + self.ppo["time/update"]
+        row = {
+            **self.ppo,
+            "version": self.version, "epoch": self.epoch,
+            "time/wait_data": self.wait_data_s, "time/collate": self.collate_s, "time/weight_push": self.weight_push_s,
+            "data/n_groups": self.n_groups, "data/dropped_stale": self.dropped_stale, "data/dead": self.dead,
+            "data/replayed": float(self.replayed),
+            "perf/tokens_per_s": self.ppo["data/n_tokens"] / compute if compute > 0 else 0.0,
+        }
+        if self.episodes > 0:
+            row["agent/turns"] = self.turns / self.episodes
+            row["agent/tool_call_rate"] = self.tool_episodes / self.episodes
+        if self.push_bytes is not None:
+            row["perf/push_bytes"] = self.push_bytes
+        if self.checkpoint_s is not None:
+            row["time/checkpoint"] = self.checkpoint_s
+        if self.step_s is not None:
+            row["time/step"] = self.step_s
+        return row
+
+    def checkpoint_row(self) -> dict[str, float]:
+        """The row a recover checkpoint keeps, so a kill before it is logged does not lose it (finite values)."""
+        return {k: float(v) for k, v in self.row().items()
+                if k not in _AFTER_CHECKPOINT and math.isfinite(float(v))}
