@@ -39,7 +39,7 @@ def test_scrape_reads_the_namespace_from_redis(rclient, keys, group_factory):
 
 def test_scrape_with_redis_away_is_empty(redis_factory, keys):
     server = redis_factory()
-    client = connect(server.url)
+    client = connect(server.url, retries=0)  # fail at once: the test is about the failure
     collector = RunCollector(client, keys, eta=1, batch=2, max_concurrent=4)
     assert _samples(collector)  # reachable: numbers
     server.stop()

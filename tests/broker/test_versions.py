@@ -65,7 +65,7 @@ async def test_follow_yields_versions_wakeups_and_completed_reads(redis_url, rcl
     seen: list[Event] = []
 
     async def follow() -> None:
-        async for ev in reg.follow(block_ms=200, wakeups=True, reads=True):
+        async for ev in reg.follow(block_ms=200, wakeups=True, reads=True, since=since):
             seen.append(ev)
             if len(seen) == 3:
                 return

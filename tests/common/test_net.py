@@ -31,6 +31,10 @@ def test_is_loopback():
 
 def test_master_address_is_loopback_for_local_peers_and_a_local_interface_otherwise():
     assert master_address_for(["127.0.0.1:1", "localhost:2", "[::1]:3"]) == "127.0.0.1"
-    addr = master_address_for(["127.0.0.1:1", "192.0.2.10:8000"])  # TEST-NET-1: routed, never contacted
-    socket.inet_aton(addr)  # an IPv4 address of this machine
-    assert not addr.startswith("192.0.2.")
+    try:
+        addr = master_address_for(["127.0.0.1:1", "192.0.2.10:8000"])  # TEST-NET-1: a route is picked, nothing sent
+    except OSError as exc:
+        pytest.skip(f"this machine has no route to a remote address: {exc}")
+    with socket.socket() as s:
+        s.bind((addr, 0))  # an address of this machine
+    assert not is_loopback(addr)

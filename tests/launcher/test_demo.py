@@ -58,8 +58,8 @@ def test_multiply_items_and_demonstrations():
 def test_demo_paths_need_every_path(tmp_path):
     with pytest.raises(ValueError, match="train_dataset.path is empty"):
         demo_paths(load_config(None, ["launcher.demo.task=reverse"]))
-    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"cluster.fileroot={tmp_path}",
-                                                                "launcher.sft_dataset="])
+    cfg = load_config(None, ["launcher.demo.task=reverse", f"train_dataset.path={tmp_path / 'train.jsonl'}",
+                             f"valid_dataset.path={tmp_path / 'valid.jsonl'}", f"actor.path={tmp_path / 'model'}"])
     paths = demo_paths(cfg)
     assert paths["sft"] == paths["train"]  # no warm-start file: the training answers
     assert paths["model"] == Path(cfg.actor.path)

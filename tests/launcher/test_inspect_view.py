@@ -49,8 +49,9 @@ def test_the_table_shows_the_namespace_and_masks_the_password(run, rclient):
     assert keys.ns in text and "secret-pw" not in text and "user:****@" in text
 
 
-def test_list_shows_every_namespace(run, capsys):
+def test_list_shows_every_namespace(run, capsys, monkeypatch):
     cfg, keys = run
+    monkeypatch.setenv("COLUMNS", "250")  # wide enough that the namespace column does not fold
     assert inspect_main(cfg, list_only=True) == 0
     assert keys.ns in capsys.readouterr().out
     assert "no rlstream namespaces" in _text(render_namespaces([], "redis://h:1"))

@@ -51,7 +51,7 @@ def test_a_redis_failure_leaves_the_redis_numbers_at_zero(tmp_path, redis_factor
     from rlstream.broker import connect
 
     server = redis_factory()
-    client = connect(server.url)
+    client = connect(server.url, retries=0)  # fail at once: the test is about the failure
     server.stop()
     try:
         snap = _monitor(client, keys, tmp_path).sample()

@@ -36,7 +36,8 @@ def test_every_plot_of_a_full_run_is_a_png(tmp_path):
     steps.append({"step": 3, "eval/version": 3, "eval/accuracy": 0.4})
     _write_jsonl(tmp_path / "metrics.jsonl", steps)
     _write_jsonl(tmp_path / "launcher_timeline.jsonl",
-                 [{"t": float(t), "ts": 1000.0 + t, "rollouts_per_s": 2.0, "tokens_per_s": 50.0} for t in range(0, 30, 5)])
+                 [{"t": float(t), "ts": 1000.0 + t, "rollouts_per_s": 2.0, "tokens_per_s": 50.0}
+                  for t in range(0, 30, 5)])
     (tmp_path / "staleness.json").write_text(json.dumps({"histogram": {"0": 10, "1": 4}, "n": 14,
                                                          "max_head_offpolicyness": 1}))
     written = make_plots(tmp_path, acc_before=0.1, acc_after=0.6, title="(test)")

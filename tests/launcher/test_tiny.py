@@ -27,7 +27,8 @@ def test_chat_tokenizer_keeps_the_ids_and_renders_tool_calls():
                 {"type": "function", "function": {"name": "calc", "arguments": {"e": "2*3"}}}]},
             {"role": "tool", "content": "6"}]
     text = chat.apply_chat_template(msgs, tools=[{"name": "calc"}], tokenize=False, add_generation_prompt=True)
-    assert text == 'tools: calc\nu:2*3\na:<tool_call>{"name": "calc", "arguments": {"e": "2*3"}}</tool_call></s>\nt:6\na:'
+    assert text == ('tools: calc\nu:2*3\na:<tool_call>{"name": "calc", "arguments": {"e": "2*3"}}</tool_call></s>\n'
+                    't:6\na:')
 
 
 def test_build_tiny_model_writes_a_loadable_folder(tmp_path):

@@ -24,7 +24,7 @@ def _text(tok, ids: list[int]) -> str:
 
 
 def test_a_tokenizer_without_a_template_is_refused():
-    with pytest.raises(ValueError, match="needs a tokenizer with a chat template"):
+    with pytest.raises(ValueError, match="need a tokenizer with a chat template"):
         ChatTemplate(build_tokenizer(chat=False))
 
 
@@ -32,7 +32,8 @@ def test_prompt_and_turn_tail(tok):
     chat = ChatTemplate(tok, TOOLS)
     assert _text(tok, chat.prompt([{"role": "user", "content": "1+2"}])) == "tools: calc\nu:1+2\na:"
     assert _text(tok, chat.turn_tail) == "</s>\n"  # what the template writes after an assistant's content
-    assert ChatTemplate(tok).prompt([{"role": "user", "content": "x"}]) == tok.encode("u:x\na:", add_special_tokens=False)
+    no_tools = ChatTemplate(tok).prompt([{"role": "user", "content": "x"}])
+    assert no_tools == tok.encode("u:x\na:", add_special_tokens=False)
 
 
 def test_close_turn_adds_only_what_the_model_did_not_generate(tok):

@@ -14,8 +14,10 @@ from rlstream.producer.rewards import RewardResult, exact_match_reward
 from tests.helpers import write_arith_dataset
 
 
-def _cfg(tiny_model_path, *extra: str):
-    return load_config(None, [f"actor.path={tiny_model_path}", "gconfig.max_new_tokens=3", "gconfig.n_samples=4",
+def _cfg(tiny_model_path, data, *extra: str):
+    return load_config(None, [f"actor.path={tiny_model_path}", f"valid_dataset.path={data}",
+                              "valid_dataset.prompt_key=question", "valid_dataset.answer_key=solution",
+                              "gconfig.max_new_tokens=3", "gconfig.n_samples=4",
                               "gconfig.temperature=0.9", "evaluator.max_prompts=3", *extra])
 
 
@@ -30,33 +32,35 @@ def dataset(tmp_path, tiny_model_path):
     from rlstream.producer.dataset import PromptDataset
 
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
-    dcfg = DatasetConfig(path=str(write_arith_dataset(tmp_path / "valid.jsonl", n=6)), prompt_key="question",
-                         answer_key="solution", shuffle=False)
-    return PromptDataset(dcfg, tok), tok
+    path = write_arith_dataset(tmp_path / "valid.jsonl", n=6)
+    dcfg = DatasetConfig(path=str(path), prompt_key="question", answer_key="solution", shuffle=False)
+    return PromptDataset(dcfg, tok), tok, path
 
 
 def _evaluator(cfg, dataset, engine=None, evals=None, steps_per_epoch=None) -> Evaluator:
-    ds, tok = dataset
+    ds, tok, _ = dataset
     return Evaluator(cfg, dataset=ds, tokenizer=tok, engine=engine, reward=_reward, versions=None, evals=evals,
                      stop_ids=[tok.eos_token_id], owner="p1", steps_per_epoch=steps_per_epoch)
 
 
-def test_eval_gconfig_is_greedy_one_sample_unless_configured(tiny_model_path):
-    g = eval_gconfig(_cfg(tiny_model_path))
+def test_eval_gconfig_is_greedy_one_sample_unless_configured(tiny_model_path, tmp_path):
+    data = tmp_path / "valid.jsonl"
+    g = eval_gconfig(_cfg(tiny_model_path, data))
     assert (g.n_samples, g.greedy, g.temperature, g.max_new_tokens) == (1, True, 0.0, 3)
-    own = eval_gconfig(_cfg(tiny_model_path, "eval_gconfig.n_samples=2", "eval_gconfig.max_new_tokens=5"))
+    own = eval_gconfig(_cfg(tiny_model_path, data, "eval_gconfig.n_samples=2", "eval_gconfig.max_new_tokens=5"))
     assert (own.n_samples, own.max_new_tokens) == (2, 5)
 
 
 def test_due_follows_steps_epochs_and_seconds(tiny_model_path, dataset):
     last = EvalRecord(version=4, n_prompts=3, finished_at=1000.0)
-    ev = _evaluator(_cfg(tiny_model_path, "evaluator.freq_steps=2"), dataset)
+    data = dataset[2]
+    ev = _evaluator(_cfg(tiny_model_path, data, "evaluator.freq_steps=2"), dataset)
     assert len(ev.items) == 3  # evaluator.max_prompts
     assert ev.due(0, None, 0.0)  # nothing evaluated yet: the base model
     assert not ev.due(4, last, 1e9) and not ev.due(5, last, 1e9) and ev.due(6, last, 0.0)
-    ev = _evaluator(_cfg(tiny_model_path, "evaluator.freq_epochs=1"), dataset, steps_per_epoch=3)
+    ev = _evaluator(_cfg(tiny_model_path, data, "evaluator.freq_epochs=1"), dataset, steps_per_epoch=3)
     assert not ev.due(6, last, 1e9) and ev.due(7, last, 0.0)
-    ev = _evaluator(_cfg(tiny_model_path, "evaluator.freq_secs=60"), dataset)
+    ev = _evaluator(_cfg(tiny_model_path, data, "evaluator.freq_secs=60"), dataset)
     assert not ev.due(5, last, 1059.0) and ev.due(5, last, 1060.0)
 
 
@@ -65,7 +69,7 @@ async def test_an_evaluation_writes_one_record_per_version_and_respects_the_clai
     from rlstream.engine.local import LocalEngine
     from rlstream.launcher.evaluate import _InProcessEngine
 
-    cfg = _cfg(tiny_model_path, "evaluator.freq_steps=1")
+    cfg = _cfg(tiny_model_path, dataset[2], "evaluator.freq_steps=1")
     engine = LocalEngine(tiny_model_path, device="cpu", max_batch_size=8, seed=0)
     aclient = await connect_async(redis_url)
     try:

@@ -25,7 +25,8 @@ def product_modules() -> list[str]:
 
 
 def expected_test_file(module: str) -> Path:
-    """`broker/keys.py` -> tests/broker/test_keys.py; `trainer/megatron/backend.py` -> tests/trainer/test_megatron_backend.py."""
+    """`broker/keys.py` -> tests/broker/test_keys.py,
+    `trainer/megatron/backend.py` -> tests/trainer/test_megatron_backend.py."""
     pkg, *rest = Path(module).with_suffix("").parts
     return ROOT / "tests" / pkg / ("test_" + "_".join(rest) + ".py")
 

@@ -22,9 +22,9 @@ def test_means_are_sums_over_counts_and_totals_add_up():
 
 def test_minmax_tracks_extremes_and_skips_empty_tensors():
     t = Tally()
-    t.minmax("ratio", torch.tensor([0.9, 1.2]))
+    t.minmax("ratio", torch.tensor([0.9, 1.2], dtype=torch.float64))
     t.minmax("ratio", torch.tensor([]))
-    t.minmax("ratio", torch.tensor([0.5, 1.0]))
+    t.minmax("ratio", torch.tensor([0.5, 1.0], dtype=torch.float64))
     out = t.reduce(Parallel(), names_min_max=["ratio", "never"])
     assert (out["ratio/min"], out["ratio/max"]) == (0.5, 1.2)
     assert "never/min" not in out and "never/max" not in out  # named but never seen: left out
