@@ -50,3 +50,12 @@ def test_megatron_backend_says_what_it_runs(tiny_model_path):
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         load_model(str(tiny_model_path), ActorConfig(path=str(tiny_model_path), backend="megatron"),
                    torch.device("cpu"))
+
+
+def test_gradient_checkpointing_is_refused_by_name():
+    from rlstream.common.config import ActorConfig, ConfigError
+    from rlstream.trainer.megatron.backend import check_megatron_config
+
+    check_megatron_config(ActorConfig(backend="megatron"))  # what runs today: accepted
+    with pytest.raises(ConfigError, match=r"actor\.gradient_checkpointing=true is not wired"):
+        check_megatron_config(ActorConfig(backend="megatron", gradient_checkpointing=True))
