@@ -15,7 +15,7 @@ from rlstream.common.config import load_config
 from rlstream.common.wire import decode_group, encode_group
 from rlstream.producer.dataset import DatasetItem
 from rlstream.producer.environment import Action, Reset, StepResult, ToolEnvironment
-from rlstream.producer.toolcalls import ToolCall, parse_hermes
+from rlstream.producer.toolcalls import parse_hermes
 
 from tests.helpers import EngineProcess, engine_overrides
 
@@ -229,16 +229,6 @@ async def test_weight_update_mid_episode_continues_on_the_new_version(chat_model
 
 
 # ---------------------------------------------------------------------- tool calls and bad input
-
-
-def test_hermes_parser():
-    p = parse_hermes('let me see <tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>')
-    assert p.content == "let me see" and p.tool_calls == [ToolCall("calculator", {"expression": "1+2"}, "call_0")]
-    p = parse_hermes('<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"</tool_call><tool_call>[1]</tool_call>')
-    assert p.tool_calls == [] and len(p.errors) == 2
-    assert "malformed JSON" in p.errors[0] and "string 'name'" in p.errors[1]
-    p = parse_hermes('<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"print(1)\\"}"}')  # unterminated, args as string
-    assert p.tool_calls == [ToolCall("python", {"code": "print(1)"}, "call_0")]
 
 
 async def test_bad_tool_calls_become_error_observations_and_the_episode_goes_on():

@@ -61,32 +61,3 @@ def test_packing_equals_padding_and_single_sequences(tiny, rclient, keys):
     with torch.no_grad():
         logp, _ = token_logprobs(tiny, batch)
     assert torch.allclose(logp[batch.loss_mask], batch.behav_logp[batch.loss_mask], atol=1e-5)
-
-
-def test_outputs_only_logprobs_equal_the_full_computation(tiny, rclient, keys):
-    """`outputs_only` (the trainer's path: LM head only where an output token is predicted) gives the
-    full computation's logprobs, entropy and gradients at output tokens, and 0 at prompt tokens, in every
-    layout (packed rows, padded)."""
-    stream = TrajectoryStream(rclient, keys)
-    entries = _entries(stream, synthetic_groups(3, seed=5, vocab_size=tiny.config.vocab_size, group_size=3,
-                                                prompt_len=6, out_len=(1, 12), model=tiny))
-    batch = collate(entries)
-    out = batch.versions >= 0
-    assert out.any() and (~out).any()
-    for packing in (True, False):
-        grads = []
-        for outputs_only in (False, True):
-            tiny.zero_grad(set_to_none=True)
-            logp, ent = token_logprobs(tiny, batch, packing=packing, with_entropy=True, entropy_grad=True,
-                                       temperature=0.7, outputs_only=outputs_only)
-            ((logp * out).sum() + (ent * out).sum()).backward()
-            grads.append({n: p.grad.clone() for n, p in tiny.named_parameters()})
-            if outputs_only:
-                assert torch.equal(logp[~out], torch.zeros_like(logp[~out])) and not ent[~out].any()
-                torch.testing.assert_close(logp[out], full_logp[out], atol=1e-5, rtol=0)
-                torch.testing.assert_close(ent[out], full_ent[out], atol=1e-5, rtol=0)
-            else:
-                full_logp, full_ent = logp.detach(), ent.detach()
-        for n in grads[0]:
-            torch.testing.assert_close(grads[1][n], grads[0][n], atol=1e-5, rtol=1e-4, msg=n)
-    tiny.zero_grad(set_to_none=True)

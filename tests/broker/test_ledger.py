@@ -1,0 +1,52 @@
+"""`broker/ledger.py`: where each entry of `{ns}:traj` ended up (trained, dropped, dead-lettered, pending,
+never delivered), counted from Redis alone, and the leases a producer process holds. Real Redis."""
+
+from __future__ import annotations
+
+from rlstream.broker import TrajectoryStream
+from rlstream.broker.ledger import leases_held_by, ledger
+from rlstream.broker.producers import accepted_field
+from rlstream.broker.steps import StepLog, StepRecord
+
+
+def test_each_entry_is_counted_in_exactly_one_state(rclient, keys, group_factory):
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    ids = [stream.append(group_factory()) for _ in range(4)]
+    stream.append_raw({"d": b"garbage"})
+    rclient.hincrby(keys.producers, accepted_field("p1"), 5)  # one more commit than the stream holds groups
+    got = stream.read("c0", count=4, block_ms=None)  # the four groups: delivered, pending
+    assert [e.id for e in got] == ids
+    StepLog(rclient, keys).record(StepRecord(step=0, version=0, entry_ids=ids[:2], ts=100.0))
+    rclient.set(keys.trainer_version, 1)  # step 0 completed
+    stream.ack(ids[:2])
+    stream.drop_stale(got[2], trainer_version=1, reason="too stale")
+    out = ledger(rclient, keys)
+    assert out["entries_added"] == 5 and out["garbage_in_stream"] == 1
+    assert out["groups_committed"] == 5 and out["lost"] == 1
+    assert out["trained_once"] == 2 and out["trained_twice"] == 0 and out["steps_trained"] == 1
+    assert out["dropped_stale"] == 1 and out["pending"] == 1 and out["never_delivered"] == 1
+    assert out["unaccounted"] == 0 and out["in_two_states"] == 0
+    assert out["waste_groups"] == 2 and out["waste_frac"] == 0.5
+
+
+def test_planned_steps_missing_records_and_stalls(rclient, keys, group_factory):
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    ids = [stream.append(group_factory()) for _ in range(3)]
+    stream.read("c0", count=3, block_ms=None)
+    log = StepLog(rclient, keys)
+    log.record(StepRecord(step=1, version=1, entry_ids=ids[:1], ts=100.0))
+    log.record(StepRecord(step=2, version=2, entry_ids=ids[1:], ts=130.0))  # recorded, not trained
+    rclient.set(keys.trainer_version, 2)  # steps 0 and 1 done; step 0 has no record
+    out = ledger(rclient, keys, stall_gap_s=10.0, until_ts=135.0)
+    assert out["steps_without_record"] == 1 and out["planned_not_trained"] == 2
+    assert out["trained_once"] == 1 and out["pending"] == 2
+    assert out["stall_seconds"] == 30.0 and out["longest_stall_s"] == 30.0
+
+
+def test_leases_held_by_counts_a_process_leases(rclient, keys):
+    rclient.zadd(keys.admit_running, {"host-101-1": 1, "host-101-2": 1, "host-1101-1": 1, "other-7-1": 1})
+    assert leases_held_by(rclient, keys, 101) == 2
+    assert leases_held_by(rclient, keys, 1101) == 1
+    assert leases_held_by(rclient, keys, 5) == 0

@@ -1,0 +1,60 @@
+"""`launcher/plots.py`: the PNG plots of a run folder (metrics.jsonl, launcher_timeline.jsonl,
+staleness.json), written as real PNG files; plots without data are skipped."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+from rlstream.launcher.plots import make_plots, read_jsonl
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def _png_size(path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC and data[12:16] == b"IHDR", path
+    return struct.unpack(">II", data[16:24])
+
+
+def _write_jsonl(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_read_jsonl_skips_broken_lines_and_missing_files(tmp_path):
+    p = tmp_path / "m.jsonl"
+    p.write_text('{"step": 1}\nnot json\n{"step": 2}\n')
+    assert read_jsonl(p) == [{"step": 1}, {"step": 2}]
+    assert read_jsonl(tmp_path / "missing.jsonl") == []
+
+
+def test_every_plot_of_a_full_run_is_a_png(tmp_path):
+    steps = [{"step": s, "ts": 1000.0 + 5 * s, "reward/mean": 0.1 * s, "reward/accuracy": 0.1 * s,
+              "staleness/mean": 0.5, "staleness/max": 1.0, "data/dropped_stale": 0.0, "agent/tool_call_rate": 0.2,
+              "agent/turns": 1.5, "perf/tokens_per_s": 100.0, "data/n_seqs": 8,
+              "time/wait_data": 0.5, "time/update": 1.0, "time/step": 2.0} for s in range(1, 6)]
+    steps.append({"step": 3, "eval/version": 3, "eval/accuracy": 0.4})
+    _write_jsonl(tmp_path / "metrics.jsonl", steps)
+    _write_jsonl(tmp_path / "launcher_timeline.jsonl",
+                 [{"t": float(t), "ts": 1000.0 + t, "rollouts_per_s": 2.0, "tokens_per_s": 50.0}
+                  for t in range(0, 30, 5)])
+    (tmp_path / "staleness.json").write_text(json.dumps({"histogram": {"0": 10, "1": 4}, "n": 14,
+                                                         "max_head_offpolicyness": 1}))
+    written = make_plots(tmp_path, acc_before=0.1, acc_after=0.6, title="(test)")
+    names = sorted(p.name for p in written)
+    assert names == ["agent.png", "reward.png", "staleness.png", "throughput.png", "time_split.png"]
+    for p in written:
+        assert p.parent == tmp_path / "plots"
+        w, h = _png_size(p)
+        assert w > 100 and h > 100
+
+
+def test_a_run_without_data_gets_no_plots(tmp_path):
+    assert make_plots(tmp_path) == []
+    assert (tmp_path / "plots").is_dir() and list((tmp_path / "plots").iterdir()) == []
+
+
+def test_single_turn_runs_get_no_agent_plot(tmp_path):
+    _write_jsonl(tmp_path / "metrics.jsonl", [{"step": s, "reward/mean": 0.5, "staleness/mean": 1.2} for s in (1, 2)])
+    names = sorted(p.name for p in make_plots(tmp_path))
+    assert "agent.png" not in names and {"reward.png", "staleness.png"} <= set(names)
