@@ -153,7 +153,13 @@ def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt,
     """Run the local inference engine (SGLang-compatible HTTP subset)."""
     from rlstream.engine.server import serve as serve_main
 
-    _guard(serve_main, load(config, [*ctx.args, *(["server.simulate.enabled=true"] if simulate else [])]))
+    cfg = load(config, [*ctx.args, *(["server.simulate.enabled=true"] if simulate else [])])
+    make_engine = None
+    if cfg.server.simulate.enabled:
+        from rlstream.sim.serving import SimulatedServing
+
+        make_engine = SimulatedServing.from_config
+    _guard(serve_main, cfg, make_engine=make_engine)
     _exit_after_clean_stop()
 
 
