@@ -387,7 +387,7 @@ class GatewayConfig(_Section):
 
 
 class SimulateConfig(_Section):
-    enabled: D(bool, "Serve a simulated GPU engine: the same HTTP protocol, no model loaded, times from the timing model of configs/cluster_sim.yaml (engine/simulated.py).") = False
+    enabled: D(bool, "Serve a simulated GPU engine: the same HTTP protocol, no model loaded, times from the timing model of configs/cluster_sim.yaml (sim/engine.py).") = False
     hardware: D(Literal["H100", "H200"], "Simulated GPU (configs/cluster_sim.yaml).") = "H100"
     model: D(Literal["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b"], "Simulated model size (configs/cluster_sim.yaml).") = "qwen2.5-1.5b"
     accel: D(float, "Modeled time runs this many times faster than the wall clock.", gt=0) = 1.0

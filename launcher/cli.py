@@ -280,6 +280,21 @@ def model_list(cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help
         typer.echo(f"{name}  {desc}  [{where}]")
 
 
+@app.command(context_settings=EXTRA, add_help_option=False)
+def sim(ctx: typer.Context) -> None:
+    """Capacity planner: the real control plane against simulated engines (`rlstream sim --help`; CI: --quick)."""
+    from rlstream.launcher.redis_child import RedisChild
+    from rlstream.sim.main import main as sim_main, parser
+
+    parser().parse_args(ctx.args)  # --help and bad options answer before a redis-server starts
+    redis = RedisChild()
+    try:
+        code = sim_main(ctx.args, redis.url)
+    finally:
+        redis.stop()
+    raise typer.Exit(code)
+
+
 @app.command()
 def bench(quick: bool = typer.Option(False, "--quick", help="Smaller sizes.")) -> None:
     """Run all benchmarks and print one table."""

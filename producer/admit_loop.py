@@ -103,6 +103,7 @@ class AdmitLoop:
         self.stopping = asyncio.Event()  # set by `request_stop`
         self._wake = asyncio.Event()
         self._bg: list[asyncio.Task] = []
+        self._closed = False
         # The drops a version bump makes due at once go to Redis in one script call (common/coalesce.py).
         self._stale_drops = Coalescer(admission.drop_stale_many)
         self.accepted = self.rejected = self.failed = 0
@@ -158,7 +159,12 @@ class AdmitLoop:
             await self.close()
 
     async def close(self) -> None:
-        """Release whatever is still in flight, stop the background tasks, send the stale drops already due."""
+        """Release whatever is still in flight, stop the background tasks, send the stale drops already due.
+
+        Once: a second call would cancel again the rollouts that are abandoning their leases."""
+        if self._closed:
+            return
+        self._closed = True
         # Whatever happened, no lease of ours outlives us longer than necessary.
         if self.inflight:
             for t in self.inflight.values():
