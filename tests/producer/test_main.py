@@ -464,7 +464,6 @@ def test_redis_gone_longer_than_the_outage_tolerance_is_one_line_and_exit_1(shar
     finally:
         resume(shared_engine)
     log = p.log()
-    open("/tmp/sim_outage.log", "w").write(log)
     assert "Traceback" not in log, log[-3000:]
     errors = [line for line in log.splitlines() if " E [rlstream.producer.main" in line]
     assert errors and "longer than redis.outage_tolerance=3s" in errors[-1], log[-3000:]  # why it exits
