@@ -23,7 +23,6 @@ from rlstream.broker.admission import WAIT_WINDOW_MS, lease_owner
 from rlstream.broker.registry import RedisNameResolver
 from rlstream.common.config import KEEPALIVES_PER_TTL
 from rlstream.common.engine_api import ENGINES_SERVICE
-from rlstream.common.tasks import cancel_and_wait
 from rlstream.producer.admit_loop import AdmitLoop, Clock, LoopSettings
 from rlstream.sim.cp_engines import EnginesResult
 from rlstream.sim.engine import LengthModel, SimClock, SimulatedEngine, TimingModel
