@@ -32,7 +32,7 @@ def table(s: Setting, results: list[Result], timing: TimingModel) -> tuple[str, 
     lines = _header(s, base)
     rows = {}
     for r in results:
-        line, rows[r.eta] = _row(s, r, base, ideal)
+        line, rows[r.eta] = _row(s, r, base, ideals[r.eta])
         lines.append(line)
     lines.append("")
     lines += _footer(s, results, base, ideals, timing)
