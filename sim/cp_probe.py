@@ -131,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-ms", type=int, default=FOLLOW_BLOCK_MS,
                     help=f"XREAD BLOCK of a follower (a producer's: {FOLLOW_BLOCK_MS})")
     ap.add_argument("--admit-hz", type=float, default=10.0, help="try_acquire calls per wall second")
-    args = ap.parse_args(argv)
-    out = asyncio.run(_main(args))
-    sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
-    sys.stdout.flush()
+    result = asyncio.run(_main(ap.parse_args(argv)))
+    print(msgspec.json.encode(result).decode(), flush=True)  # the one JSON line the simulator reads
     return 0
 
 
