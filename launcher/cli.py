@@ -161,7 +161,13 @@ def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt,
     """Run the local inference engine (SGLang-compatible HTTP subset)."""
     from rlstream.engine.server import serve as serve_main
 
-    _guard(serve_main, load(config, [*ctx.args, *(["server.simulate.enabled=true"] if simulate else [])]))
+    cfg = load(config, [*ctx.args, *(["server.simulate.enabled=true"] if simulate else [])])
+    make_engine = None
+    if cfg.server.simulate.enabled:
+        from rlstream.sim.serving import SimulatedServing
+
+        make_engine = SimulatedServing.from_config
+    _guard(serve_main, cfg, make_engine=make_engine)
     _exit_after_clean_stop()
 
 
@@ -280,6 +286,21 @@ def model_list(cache_dir: Optional[str] = typer.Option(None, "--cache-dir", help
     for name, desc, ready in list_models(cache_dir):
         where = ", ".join(f"{d}: {prepared_model_dir(name, d, cache_dir)}" for d in ready) or "not prepared"
         typer.echo(f"{name}  {desc}  [{where}]")
+
+
+@app.command(context_settings=EXTRA, add_help_option=False)
+def sim(ctx: typer.Context) -> None:
+    """Capacity planner: the real control plane against simulated engines (`rlstream sim --help`; CI: --quick)."""
+    from rlstream.launcher.redis_child import RedisChild
+    from rlstream.sim.main import main as sim_main, parser
+
+    parser().parse_args(ctx.args)  # --help and bad options answer before a redis-server starts
+    redis = RedisChild()
+    try:
+        code = sim_main(ctx.args, redis.url)
+    finally:
+        redis.stop()
+    raise typer.Exit(code)
 
 
 @app.command()

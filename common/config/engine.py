@@ -14,7 +14,7 @@ __all__ = ["SimulateConfig", "ServerConfig"]
 class SimulateConfig(Section):
     enabled: bool = False
     """Serve a simulated GPU engine: the same HTTP protocol, no model loaded, times from the timing model of
-    configs/cluster_sim.yaml (engine/simulated.py)."""
+    configs/cluster_sim.yaml (sim/engine.py)."""
     hardware: Literal["H100", "H200"] = "H100"
     """Simulated GPU (configs/cluster_sim.yaml)."""
     model: Literal["qwen2.5-1.5b", "qwen2.5-7b", "qwen2.5-32b"] = "qwen2.5-1.5b"

@@ -197,7 +197,7 @@ class SessionGroups:
         if not finished:
             await lease.abandon()
             return {"status": "abandoned"}
-        from rlstream.producer.main import should_accept
+        from rlstream.producer.admit_loop import should_accept
 
         episodes = []
         for m in finished:

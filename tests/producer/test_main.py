@@ -189,9 +189,10 @@ async def test_a_refused_producer_is_woken_by_a_release_not_its_fallback(shared_
     follower in the same XREAD as the version events) can let it commit its group before the deadline."""
     from rlstream.common.config import load_config
     from rlstream.common.models import resolve_model_paths
+    from rlstream.producer import admit_loop
     from rlstream.producer import main as producer_main
 
-    monkeypatch.setattr(producer_main, "ADMIT_FALLBACK_SECS", 3600.0)
+    monkeypatch.setattr(admit_loop, "ADMIT_FALLBACK_SECS", 3600.0)
     keys = ns_keys(experiment)
     # eta = 0, B = 1: one group may be admitted before the trainer's first step; `other` holds it
     other = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=1,

@@ -1,6 +1,6 @@
 """The import layers hold (`[tool.importlinter]` in pyproject.toml, run by `lint-imports`).
 
-common <- api <- broker <- {engine, producer, consumer} <- trainer <- launcher: imports only
+common <- api <- broker <- {engine, producer, consumer} <- trainer <- sim <- launcher: imports only
 point down, engine/producer/consumer do not import each other, and only broker/ imports
 redis. The second test proves the check bites: the same contracts on a copy of the
 package with one engine module importing the trainer fail, naming that import.
@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("common", "api", "broker", "engine", "producer", "consumer", "trainer", "launcher")
+PACKAGES = ("common", "api", "broker", "engine", "producer", "consumer", "trainer", "sim", "launcher")
 
 
 def lint_imports(cwd: Path, **env: str) -> subprocess.CompletedProcess:
@@ -44,5 +44,5 @@ def test_an_engine_module_importing_the_trainer_breaks_the_layers(tmp_path):
     out = lint_imports(tmp_path, PYTHONPATH=str(tmp_path / "site"))
 
     assert out.returncode != 0, out.stdout[-2000:]
-    assert "layers: common <- api <- broker <- {engine, producer, consumer} <- trainer <- launcher BROKEN" in out.stdout
+    assert "layers: common <- api <- broker <- {engine, producer, consumer} <- trainer <- sim <- launcher BROKEN" in out.stdout
     assert "rlstream.engine.layer_probe -> rlstream.trainer.main" in out.stdout, out.stdout[-3000:]

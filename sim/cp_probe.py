@@ -1,6 +1,6 @@
 """The control plane as a producer sees it: a probe in its own OS process.
 
-`cluster_sim.py` runs its engines, producers and event followers in one asyncio loop, so a
+The simulated cluster (`sim/cluster.py`) runs its engines, producers and event followers in one asyncio loop, so a
 latency measured there is mostly that loop's queueing. This probe runs beside it with its own
 Redis connections and its own loop, and measures
 
@@ -12,7 +12,7 @@ Redis connections and its own loop, and measures
   round trip), `admit_hz` times a wall second; a lease it gets is released at once (`release`:
   counted in `{ns}:admit:rejected`, marked done), so it never commits anything.
 
-    python benchmarks/cp_probe.py --url redis://... --ns NS --eta 2 --batch 1024
+    python -m rlstream.sim.cp_probe --url redis://... --ns NS --eta 2 --batch 1024
 
 It prints `ready` once its followers are in place, runs until its stdin closes, then prints one
 JSON line (`ProbeResult`) and exits. Nothing is pickled across the process boundary.
@@ -76,7 +76,7 @@ async def _follow(url: str, keys: Keys, block_ms: int, stop: asyncio.Event, read
 
 async def _admit(url: str, keys: Keys, eta: int, batch: int, hz: float, stop: asyncio.Event, out: ProbeResult) -> None:
     client = await connect_async(url)
-    # The producers' own controller, configured as cluster_sim's producers are (η, B, no concurrency cap).
+    # The producers' own controller with the run's η and B (no concurrency cap: it only probes).
     adm = AsyncAdmissionController(client, keys, max_head_offpolicyness=eta, consumer_batch_size=batch,
                                    max_concurrent_rollouts=10**6, lease_ttl=60.0, producer_id=None)
     period = 1.0 / hz
@@ -131,10 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-ms", type=int, default=FOLLOW_BLOCK_MS,
                     help=f"XREAD BLOCK of a follower (a producer's: {FOLLOW_BLOCK_MS})")
     ap.add_argument("--admit-hz", type=float, default=10.0, help="try_acquire calls per wall second")
-    args = ap.parse_args(argv)
-    out = asyncio.run(_main(args))
-    sys.stdout.write(msgspec.json.encode(out).decode() + "\n")
-    sys.stdout.flush()
+    result = asyncio.run(_main(ap.parse_args(argv)))
+    print(msgspec.json.encode(result).decode(), flush=True)  # the one JSON line the simulator reads
     return 0
 
 

@@ -1,13 +1,13 @@
 """The simulated engines' own control plane, in a process of its own (as real engines' are).
 
-`cluster_sim.py` simulates the engines' compute in its event loop; what each engine does against
+The simulated cluster (`sim/cluster.py`) simulates the engines' compute in its event loop; what each engine does against
 Redis besides serving runs here, one connection per engine, so those round trips do not queue
 behind the simulation: register under name resolve and keep the registration alive, as
 `rlstream serve` does. With `--follow-events` (a what-if: no rlstream engine reads the events, the
 weight broadcaster reaches engines over HTTP) each engine also follows the version events,
 `AsyncVersionRegistry.events_after` with XREAD BLOCK.
 
-    python benchmarks/cp_engines.py --url redis://... --ns NS --ttl 1.0 [--follow-events --block-ms 100]
+    python -m rlstream.sim.cp_engines --url redis://... --ns NS --ttl 1.0 [--follow-events --block-ms 100]
 
 Commands on stdin, one a line, each answered on stdout with `ok <command>`:
 `up NAME` (register, keepalive every ttl/keepalives_per_ttl, follow the events if asked), `down NAME`
