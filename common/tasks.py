@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from typing import Iterable
 
-__all__ = ["cancel_and_wait"]
+__all__ = ["cancel_and_wait", "complete_despite_cancel"]
 
 
 async def cancel_and_wait(tasks: Iterable[asyncio.Task], *, every: float = 1.0, rounds: int = 30) -> None:
@@ -28,3 +28,22 @@ async def cancel_and_wait(tasks: Iterable[asyncio.Task], *, every: float = 1.0, 
     for t in tasks:
         if t.done() and not t.cancelled():
             t.exception()  # retrieved: no "exception was never retrieved" noise at exit
+
+
+async def complete_despite_cancel(aw):
+    """Run `aw` to its end even if this task is cancelled meanwhile (once or repeatedly), then raise the
+    cancellation; for work that must land once started: a commit, a lease release.
+
+    `asyncio.wait` never cancels what it waits for, unlike awaiting the future itself or `asyncio.shield`
+    (which returns at the first cancellation and leaves the work running unawaited)."""
+    fut = asyncio.ensure_future(aw)
+    while not fut.done():
+        try:
+            await asyncio.wait([fut])
+        except asyncio.CancelledError:
+            pass
+    if asyncio.current_task().cancelling():
+        if not fut.cancelled():
+            fut.exception()  # retrieved: the cancellation is what the caller gets
+        raise asyncio.CancelledError
+    return fut.result()

@@ -22,7 +22,7 @@ from rlstream.broker.stream import entry_fields
 from rlstream.broker.versions import FOLLOW_BLOCK_MS, RUN_FINISHED
 from rlstream.common.coalesce import Coalescer
 from rlstream.common.logging import get_logger
-from rlstream.common.tasks import cancel_and_wait
+from rlstream.common.tasks import cancel_and_wait, complete_despite_cancel
 from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
 from rlstream.producer.workflow import RolloutVersions, current_rollout
 
@@ -283,7 +283,7 @@ class AdmitLoop:
                     self.generating.pop(lease_id, None)  # finished (or failed): never stopped from here on
             except asyncio.CancelledError:
                 if not seen.stopped or self.force:
-                    await asyncio.shield(self.admission.abandon([lease_id]))
+                    await complete_despite_cancel(self.admission.abandon([lease_id]))
                     raise
                 asyncio.current_task().uncancel()  # our own stop: the rollout ends as a stale drop
                 self.stopped_stale += 1
@@ -296,13 +296,7 @@ class AdmitLoop:
                 return
             else:
                 fin = asyncio.ensure_future(self._finish(lease_id, group))
-            try:
-                committed = await asyncio.shield(fin)
-            except asyncio.CancelledError:
-                # A forced stop while committing: let the (atomic) commit land first.
-                with contextlib.suppress(Exception):
-                    await fin
-                raise
+            committed = await complete_despite_cancel(fin)  # a forced stop lets the (atomic) commit land first
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. Redis gone for longer than its retries
@@ -411,9 +405,7 @@ class AdmitLoop:
         tasks = list(self.inflight.values())
         if tasks:
             log.info("releasing %d unfinished rollouts", len(tasks))
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await cancel_and_wait(tasks)  # each abandons its lease before it ends
         # Anything a cancelled task could not abandon (e.g. it had not started) goes now.
         left = list(self.inflight)
         if left:

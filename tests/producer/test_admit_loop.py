@@ -333,10 +333,8 @@ async def test_the_trainers_shutdown_releases_in_flight_rollouts_and_a_finished_
         VersionRegistry(rclient, keys).finish_run(Event(type="shutdown", detail="trainer finished"))
         await asyncio.wait_for(task, WAIT_S)  # forced: the in-flight rollouts are released, not awaited
     assert loop.force and runner.cancelled == 2 and not loop.inflight
-    # Each cancelled rollout abandons its lease in a shielded call that drain()'s second cancellation leaves
-    # running: the abandons may land just after run() returns.
-    await until(lambda: rclient.zcard(keys.admit_running) == 0, "the 2 leases abandoned")
-    assert rclient.xlen(keys.traj) == 0
+    # Each cancelled rollout abandons its lease before it ends, however often drain() cancels it.
+    assert rclient.zcard(keys.admit_running) == 0 and rclient.xlen(keys.traj) == 0
 
     again, later = make_loop(eta=10, batch=10, max_concurrent=2)  # the run is marked finished now
     async with running(again) as task:
