@@ -329,6 +329,32 @@ def test_ipc_push_serves_new_weights(engines, base_model, model_path, redis_url,
     assert served_version(engine) == 2
 
 
+@pytest.mark.slow
+def test_a_live_engine_that_missed_the_timeout_beside_a_stopped_one_is_kept(engines, model_path, redis_url,
+                                                                             experiment, keys, rclient, tmp_path,
+                                                                             broadcasters):
+    """After a failed bucket neither engine answered in time; only the one that no longer answers /health
+    (SIGSTOPped) is blamed: a stalled collective makes a live member miss the timeout too, so it is retried."""
+    from rlstream.common.engine_api import EngineError
+
+    live, stopped = engines(["server.register=false"], wait=False), engines(["server.register=false"], wait=False)
+    live.wait_ready(), stopped.wait_ready()
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, "distributed",
+                   [f"rollout.engine_addresses=[{live.address},{stopped.address}]"])
+    b = broadcasters(cfg, rclient, keys)
+    no_answer = {a: EngineError(f"{a}: no answer within 5s") for a in (live.address, stopped.address)}
+    stopped.proc.send_signal(signal.SIGSTOP)
+    try:
+        blamed = b._io.run(b.blame([live.address, stopped.address], no_answer))
+    finally:
+        stopped.proc.send_signal(signal.SIGCONT)
+    assert list(blamed) == [stopped.address]
+    # Without a dead engine, the engines that did not answer are still the ones blamed.
+    assert list(b._io.run(b.blame([live.address, stopped.address], {live.address: no_answer[live.address]}))) \
+        == [live.address]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("mode,failure", [("distributed", "kill"), ("disk", "kill"), ("distributed", "hang")])
 def test_engine_failing_during_update(mode, failure, engines, base_model, model_path, redis_url, experiment, keys,
                                       rclient, tmp_path, broadcasters):
@@ -566,6 +592,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.slow
 def test_fsdp2_sharded_trainer_gathers_and_rank0_sends(shared_engine, base_model, model_path, redis_url, experiment,
                                                        keys, rclient, tmp_path):
     """Two trainer ranks with FSDP2-sharded (DTensor) parameters both call push; the engine gets full tensors."""

@@ -355,19 +355,20 @@ class EngineBroadcaster(WeightBroadcaster):
     async def blame(self, engines: list[str], failed: dict[str, EngineError]) -> dict[str, str]:
         """Which engines to drop after a failed step (engine -> why).
 
-        First those that did not answer (no connection, or nothing within the timeout) or
-        that no longer answer /health. An engine that answered with an error while one of
-        those exists is collateral — a broken collective fails every member — and is
-        retried. Only when nobody else is to blame are the engines that answered errors
-        dropped (e.g. a model that does not match the trainer's).
+        First those that no longer answer /health. An engine that still answers /health is
+        collateral while one of those exists — a broken collective fails or stalls every
+        member, so a live engine's reply can miss the timeout as well as carry the error —
+        and is retried. Without a dead engine, those that did not answer (no connection, or
+        nothing within the timeout); only when nobody else is to blame are the engines that
+        answered errors dropped (e.g. a model that does not match the trainer's).
         """
-        culprits = {a: str(e) for a, e in failed.items() if not e.answered}
-        rest = [a for a in engines if a not in culprits]
-        alive = set(await self.fleet.healthy(rest))
-        culprits.update({a: "not answering /health after a failed transfer" for a in rest if a not in alive})
-        if culprits:
-            return culprits
-        return {a: str(e) for a, e in failed.items()}
+        alive = set(await self.fleet.healthy(engines))
+        dead = {a: str(failed[a]) if a in failed else "not answering /health after a failed transfer"
+                for a in engines if a not in alive}
+        if dead:
+            return dead
+        silent = {a: str(e) for a, e in failed.items() if not e.answered}
+        return silent or {a: str(e) for a, e in failed.items()}
 
     def _defer(self, engines: list[str]) -> None:
         """Try these again later, backing off."""
