@@ -657,6 +657,7 @@ def test_commit_whose_reply_is_lost_is_written_once(redis_factory, keys, group_f
         proxy.close()
 
 
+@pytest.mark.slow
 def test_a_redis_outage_does_not_make_live_producers_look_dead(redis_factory):
     """Liveness records expire 6 s after the last heartbeat; a Redis outage longer than that (down,
     restarting, here SIGSTOPped: its clock runs on) must not free a live producer's leases when Redis

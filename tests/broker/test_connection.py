@@ -208,6 +208,7 @@ def test_unix_socket(redis_factory, tmp_path):
         connect(f"unix://{tmp_path}/missing.sock", retries=0)
 
 
+@pytest.mark.slow
 def test_sentinel_url_follows_a_failover(redis_factory, sentinels, group_factory):
     """redis+sentinel://: the client finds the primary through 3 sentinels; the primary is SIGKILLed,
     the replica promoted, and the same client carries on there with nothing it wrote lost."""
@@ -276,6 +277,7 @@ def _kill_when_blocked(primary, direct_primary, clients_blocked: int):
     primary.proc.wait()
 
 
+@pytest.mark.slow
 def test_sentinel_command_in_flight_follows_a_failover(redis_factory, sentinels):
     """A command in flight when the primary dies (a blocking XREAD, like the trainer's) is retried on the
     promoted replica. redis-py reconnects a failed command's connection to its last address, i.e. to the
@@ -304,6 +306,7 @@ def _xread_or_error(client):
         return exc
 
 
+@pytest.mark.slow
 def test_async_sentinel_command_in_flight_follows_a_failover(redis_factory, sentinels):
     """The asyncio client (producers, engines) the same way."""
     primary, replica, url, direct = _primary_replica_sentinels(redis_factory, sentinels)

@@ -260,6 +260,7 @@ def test_cli_watch_refreshes_and_ctrl_c_exits_zero(redis_url, populated, as_json
             p.wait()
 
 
+@pytest.mark.slow
 def test_cli_watch_rides_out_a_redis_outage(redis_factory, experiment, group_factory, tmp_path):
     """`inspect --watch` through a Redis SIGKILL + restart from its AOF (~13 s down): it keeps running,
     logs that it is waiting (not one error per refresh), and shows the namespace again afterwards;

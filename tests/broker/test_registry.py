@@ -116,6 +116,7 @@ async def _watch_until(it, pred, timeout: float = 20.0) -> list[str]:
             return cur
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["redis", pytest.param("etcd", marks=pytest.mark.etcd)])
 async def test_register_watch_and_expire_after_crash(kind, request, redis_url, experiment, tmp_path):
     etcd_addr = request.getfixturevalue("etcd_server").address if kind == "etcd" else "127.0.0.1:1"

@@ -148,6 +148,7 @@ class _Lines(logging.Handler):
         return "\n".join(self.lines)
 
 
+@pytest.mark.slow
 async def test_killed_engine_moves_request_and_empty_pool_waits(shared, engines, redis_url, tiny_model_path):
     """SIGKILL an engine holding a request: it completes on another. No engine: the request waits."""
     logged = _Lines()

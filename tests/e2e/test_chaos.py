@@ -14,11 +14,14 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.helpers import child_env, cli
 
 ROOT_CONFIG = "configs/tiny-cpu.yaml"
 
 
+@pytest.mark.slow
 def test_short_chaos_soak_loses_nothing(tmp_path):
     from pathlib import Path
 

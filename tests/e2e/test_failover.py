@@ -16,11 +16,13 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
 import yaml
 
 from tests.e2e.test_faults import Pipeline, check_ledger, producer_state, wait_until
 
 
+@pytest.mark.slow
 def test_sentinel_failover_mid_run(tmp_path, redis_factory, sentinels, experiment, tiny_model_path):
     from rlstream.broker import connect
 

@@ -427,6 +427,7 @@ def admission(p: Pipeline):
 # ---------------------------------------------------------------------- faults 2 and 1
 
 
+@pytest.mark.slow
 def test_producer_and_trainer_sigkilled(pipeline):
     """Fault 2: a producer SIGKILLed holding leases; fault 1: the trainer SIGKILLed mid-step."""
     p = pipeline(steps=14).start()
@@ -545,6 +546,7 @@ def kill_during_update(p: Pipeline, victim: Engine, other: Engine, attempts: int
     raise AssertionError(f"could not catch a weight push in {attempts} attempts\n{p.trainer.tail()}")
 
 
+@pytest.mark.slow
 def test_engines_sigkilled_and_stalled(pipeline):
     """Fault 3: an engine SIGKILLed mid-generation and one mid-update, each restarted;
     fault 6: an engine SIGSTOPped for longer than the request and health timeouts."""
@@ -612,6 +614,7 @@ def test_engines_sigkilled_and_stalled(pipeline):
 # ---------------------------------------------------------------------- fault 5: Redis itself
 
 
+@pytest.mark.slow
 def test_redis_sigkilled_mid_run_is_ridden_out(tmp_path, redis_factory, experiment, tiny_model_path):
     """Redis SIGKILLed mid-run and restarted ~6 s later from its AOF: the trainer, producers and
     engines block through the outage (redis.outage_tolerance) and go on; the run finishes with the

@@ -165,6 +165,7 @@ def _engine(request, kind: str) -> tuple[str, str]:
     return "vllm", request.getfixturevalue("vllm_engine").url.removeprefix("http://")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ENGINES)
 def test_chat_template_and_stop_token(kind, request, tokenizer, prompts):
     backend, address = _engine(request, kind)
@@ -175,6 +176,7 @@ def test_chat_template_and_stop_token(kind, request, tokenizer, prompts):
     assert "5" in text, text  # the model answers the question it was asked in its chat format
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ENGINES)
 def test_logprobs_match_trainer_before_and_after_push(kind, request, base_model, prompts, redis_url, experiment,
                                                       rclient, keys, tmp_path):
@@ -214,6 +216,7 @@ def lora_model(base_model, seed: int):
     return m.eval()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ENGINES)
 def test_lora_push_sends_only_the_adapter_and_changes_outputs(kind, request, base_model, prompts, redis_url,
                                                               experiment, rclient, keys, tmp_path):
@@ -247,6 +250,7 @@ def _logits(model, ids: list[int]) -> torch.Tensor:
         return model(torch.tensor([ids])).logits
 
 
+@pytest.mark.slow
 def test_hf_export_round_trip_has_identical_logits(base_model, smollm2_path, prompts, tmp_path):
     """The trainer's HF exports load with `from_pretrained` and give the trainer's logits: a full model
     bit for bit (tied embedding kept tied), a LoRA step checkpoint as a peft adapter, `final` of a

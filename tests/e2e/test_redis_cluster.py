@@ -62,6 +62,7 @@ def _keys_in_slot(cluster: RedisCluster, slot: int) -> dict[int, set[str]]:
     return out
 
 
+@pytest.mark.slow
 def test_two_runs_on_a_redis_cluster(tmp_path, cluster, tiny_model_path):
     client = connect(cluster.url)
     try:

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -55,6 +56,7 @@ def _per_step(rclient, keys):
     return [[prompt_of[i] for i in log.for_step(s).entry_ids] for s in range(STEPS)]
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_recovers_exactly(tmp_path, redis_url, rclient, experiment, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
@@ -151,6 +153,7 @@ def test_stream_maxlen_trims_only_acknowledged_entries(tmp_path, redis_url, rcli
     assert sum(len(r.entry_ids) for r in StepLog(rclient, keys).all()) == trained
 
 
+@pytest.mark.slow
 def test_step_whose_checkpoint_was_durable_before_a_kill_keeps_its_metrics_row(tmp_path, redis_url, rclient,
                                                                                experiment, tiny_model_path):
     """A SIGKILL after step 4's recover checkpoint is durable and before its metrics.jsonl row is

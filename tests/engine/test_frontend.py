@@ -16,6 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 import aiohttp
 import msgspec
 
@@ -138,6 +139,7 @@ async def _wait_health(http, url: str, pred) -> None:
         raise AssertionError(f"/health never matched: {health}") from None
 
 
+@pytest.mark.slow
 def test_process_frontend_answers_as_inline(tiny_model_path, trainer_model, tmp_path):
     from safetensors.torch import save_file
 

@@ -357,6 +357,7 @@ def test_serve_bad_model_path_is_one_line_error(tmp_path):
     assert "missing" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_serve_stops_when_redis_is_gone_past_the_outage_tolerance(tiny_model_path, redis_factory, experiment,
                                                                   tmp_path):
     """A registered engine whose Redis stays away past redis.outage_tolerance stops with one line and

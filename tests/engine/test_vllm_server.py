@@ -195,6 +195,7 @@ async def assert_matches(client, model, temperature: float, prompts=PROMPTS) -> 
 
 
 # ----------------------------------------------------------------------------- tests
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 async def test_logprobs_match_trainer_recomputation(client, trainer_model, temperature):
     info = http("GET", client.url + "/get_model_info")[1]
@@ -228,6 +229,7 @@ async def start_long_request(client, prompt) -> asyncio.Task:
     return long
 
 
+@pytest.mark.slow
 async def test_in_place_pause_keeps_the_request_and_continue_finishes_it(client):
     """`/pause_generation {mode: in_place}` (SGLang's name for vLLM's keep): the running request stays in the
     engine without a token more while paused, and after `/continue_generation` it finishes whole, never

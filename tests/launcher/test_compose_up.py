@@ -356,6 +356,7 @@ def stack(tmp_path_factory):
             engine.stop()
 
 
+@pytest.mark.slow
 def test_compose_up_runs_the_cpu_demo(stack):
     c = stack([f"total_train_steps={STEPS_UP}", *SHORT])
     c("up", "-d", "--no-build", timeout=900)
@@ -389,6 +390,7 @@ def test_compose_up_runs_the_cpu_demo(stack):
     assert "published shutdown" in c.logs("trainer", tail=20)
 
 
+@pytest.mark.slow
 def test_scaled_producers_and_a_killed_trainer_resume(stack):
     c = stack([f"total_train_steps={STEPS_SCALE}", *SHORT])
     c("down", "-v", "--remove-orphans", timeout=300)  # a fresh stack: new volumes, new namespace

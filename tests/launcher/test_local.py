@@ -88,6 +88,7 @@ def _ports_of_run(run_dir: Path, with_redis: bool = True) -> list[int]:
     return ports
 
 
+@pytest.mark.slow
 def test_run_end_to_end(tmp_path):
     # 16 prompts / batch 4 = 4 steps per epoch: 6 steps need the producer to feed a second epoch.
     proc = _start(tmp_path, "total_train_steps=6", "launcher.demo.n_train=16")
@@ -125,6 +126,7 @@ def test_run_end_to_end(tmp_path):
         assert _port_free(port), f"port {port} still bound after the run"
 
 
+@pytest.mark.slow
 def test_lora_run_evaluates_during_training(tmp_path):
     """`actor.lora` + `evaluator.freq_steps`: every push carries the adapter's bytes only, the producer
     evaluates the served version on valid_dataset every >= 2 versions starting at the base model
@@ -160,6 +162,7 @@ def test_lora_run_evaluates_during_training(tmp_path):
     assert all(r["perf/push_bytes"] == adapter_bytes for r in steps), (adapter_bytes, [r.get("perf/push_bytes") for r in steps])
 
 
+@pytest.mark.slow
 def test_run_that_runs_out_of_data_keeps_what_it_trained(tmp_path):
     """The producer stops after 6 groups (1 step of 4 + 2): the run stops early, exit 1, with the
     reason, and still leaves the plots, the summary and a final checkpoint of the step trained."""
@@ -181,6 +184,7 @@ def test_run_that_runs_out_of_data_keeps_what_it_trained(tmp_path):
     assert _run_processes(run_dir) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["engine-0", "producer-0"])
 def test_killed_child_stops_the_run(tmp_path, victim, redis_url, experiment):
     # Against an external Redis (`--redis`): the other path of the launcher's Redis handling.
@@ -246,6 +250,7 @@ def test_live_view_renders_a_snapshot():
     assert "step 12/200 v12 (trainer v13) reward 0.625" in line(snap)
 
 
+@pytest.mark.slow
 def test_sft_cli_prepares_the_demo_and_warm_starts_once(tmp_path):
     """`rlstream sft` on a fresh folder builds the demo data + model, trains, and a second
     call is a no-op (the marker), so `rlstream run` never warm-starts twice."""
@@ -282,6 +287,7 @@ def test_sft_cli_prepares_the_demo_and_warm_starts_once(tmp_path):
     assert all((weights[k] == again[k]).all() for k in weights)
 
 
+@pytest.mark.slow
 def test_tools_demo_runs_end_to_end(tmp_path):
     """`configs/tools-cpu.yaml`, small: multi-turn warm start, episodes with the calculator, RL steps,
     held-out accuracy and tool-call rate before/after, the agent plot."""

@@ -21,6 +21,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import child_env, cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,6 +64,7 @@ def test_serve_architecture_the_engine_cannot_serve(tiny_model_path, tmp_path):
     assert str(folder) in msg and "T5ForConditionalGeneration" in msg and "not a causal LM" in msg, msg
 
 
+@pytest.mark.slow
 def test_lora_targets_matching_nothing_list_the_modules(tiny_model_path, tmp_path, redis_url, experiment):
     msg = _one_line_error(_run("train", f"actor.path={tiny_model_path}", f"redis.url={redis_url}",
                                f"experiment_name={experiment}", f"cluster.fileroot={tmp_path}",

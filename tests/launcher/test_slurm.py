@@ -101,6 +101,7 @@ def _wait_gone(run_dir: Path, timeout: float = 30) -> list[str]:
     return left
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_slurm_job_trains_and_completes(tmp_path, slurm_conf):
     job = _submit(tmp_path, slurm_conf, "total_train_steps=3")
@@ -118,6 +119,7 @@ def test_slurm_job_trains_and_completes(tmp_path, slurm_conf):
     assert _wait_gone(run_dir) == []
 
 
+@pytest.mark.slow
 @pytest.mark.slurm
 def test_slurm_failing_task_fails_the_job(tmp_path, slurm_conf):
     job = _submit(tmp_path, slurm_conf, "total_train_steps=50", "producer.reward_fn=no_such_module:reward")
@@ -215,6 +217,7 @@ def _ready(client_factory, deadline_s: float = 30.0):
             time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_job_redis_refuses_clients_without_the_per_job_password(tmp_path):
     import redis
 

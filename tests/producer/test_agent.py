@@ -231,6 +231,7 @@ async def test_weight_update_mid_episode_continues_on_the_new_version(chat_model
 # ---------------------------------------------------------------------- tool calls and bad input
 
 
+@pytest.mark.slow
 async def test_bad_tool_calls_become_error_observations_and_the_episode_goes_on():
     from rlstream.producer.tools import load_tools
 

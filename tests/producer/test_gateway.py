@@ -146,6 +146,7 @@ def _entries(redis_url, exp):
         c.close()
 
 
+@pytest.mark.slow
 def test_openai_agent_episodes_land_token_in_token_out(gateway, engine, redis_url, tool_model):
     from transformers import AutoTokenizer
 
@@ -260,6 +261,7 @@ def test_bad_requests_are_clear_4xx(gateway, tool_model):
         client.chat.completions.create(model="t", messages=[{"role": "user", "content": QUESTION}])
 
 
+@pytest.mark.slow
 def test_an_abandoned_session_releases_its_lease(redis_server, tool_model, engine, tmp_path):
     exp = f"gwa{uuid.uuid4().hex[:8]}"
     gw = GatewayProcess(tmp_path / "gw", _gateway_overrides(tool_model, redis_server.url, exp, engine,
@@ -282,6 +284,7 @@ def test_an_abandoned_session_releases_its_lease(redis_server, tool_model, engin
         gw.stop()
 
 
+@pytest.mark.slow
 def test_the_same_agent_against_vllm(redis_server, tool_model, tmp_path):
     """rollout.backend=vllm: the gateway in front of real vLLM (CPU), same agent, same checks."""
     from transformers import AutoTokenizer

@@ -73,6 +73,7 @@ def wait_for(pred, timeout=120.0, what="condition", proc=None):
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_produce_fills_stream_and_restart_continues(shared_engine, producers, data, tiny_model_path, redis_url,
                                                    experiment, rclient):
     keys = ns_keys(experiment)
@@ -122,6 +123,7 @@ def test_produce_fills_stream_and_restart_continues(shared_engine, producers, da
     assert st.accepted == 8 and st.done and st.claimed == 8
 
 
+@pytest.mark.slow
 def test_three_producers_never_exceed_the_staleness_budget(shared_engine, producers, data, tiny_model_path,
                                                           redis_url, experiment, rclient):
     """η = 1, B = 4: accepted + running <= (η + v + 1)·B at every poll while v is held fixed."""
@@ -222,6 +224,7 @@ async def test_a_refused_producer_is_woken_by_a_release_not_its_fallback(shared_
     assert other.snapshot().running == 0 and other.snapshot().accepted == 1
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_or_releases_in_flight_rollouts(shared_engine, producers, data, tiny_model_path,
                                                         redis_url, experiment, rclient):
     keys = ns_keys(experiment)
@@ -368,6 +371,7 @@ def test_a_rollout_too_stale_for_the_trainers_next_read_is_stopped_while_generat
     assert summary and int(summary[2]) >= 2 and int(summary[1]) >= int(summary[2]), p.log()[-2000:]
 
 
+@pytest.mark.slow
 def test_sigkilled_producer_frees_its_leases_in_seconds_not_lease_ttl(shared_engine, producers, data,
                                                                       tiny_model_path, redis_url, experiment, rclient):
     """Leases are tied to the producer's liveness record: a live producer keeps its leases through
@@ -404,6 +408,7 @@ def test_sigkilled_producer_frees_its_leases_in_seconds_not_lease_ttl(shared_eng
         resume(shared_engine)
 
 
+@pytest.mark.slow
 def test_producer_started_after_the_trainer_finished_commits_nothing(shared_engine, producers, data, tmp_path,
                                                                       tiny_model_path, redis_url, experiment, rclient):
     """The run state is durable ({ns}:run): a producer that starts after the trainer finished (it
@@ -441,6 +446,7 @@ def test_producer_started_after_the_trainer_finished_commits_nothing(shared_engi
     assert rclient.zcard(keys.admit_running) == 0
 
 
+@pytest.mark.slow
 def test_redis_gone_longer_than_the_outage_tolerance_is_one_line_and_exit_1(shared_engine, producers, data,
                                                                             tiny_model_path, redis_factory, experiment):
     """Past redis.outage_tolerance a producer gives up: one clear line, exit 1, no traceback."""
@@ -489,6 +495,7 @@ def test_sigkilled_producer_counter_equals_its_committed_groups(shared_engine, p
     assert len(mine) >= 3 and state is not None and state.accepted == len(mine), (state, len(mine))
 
 
+@pytest.mark.slow
 def test_producer_waits_without_engines_keeping_leases(shared_engine, engines, producers, data, tiny_model_path,
                                                       redis_url, experiment, rclient):
     """The only engine is SIGKILLed mid-request: the producer waits, reports, renews its leases; an

@@ -56,6 +56,7 @@ async def test_write_outside_the_directory(env, tmp_path):
             assert out == "ok\n" and not Path(d, marker).exists(), d
 
 
+@pytest.mark.slow
 async def test_open_a_socket(env):
     if not _isolated(env):
         pytest.skip("no network namespace without root: network isolation is not enforced here (docs/agentic.md)")

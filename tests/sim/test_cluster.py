@@ -12,9 +12,12 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from tests.helpers import cli
 
 
+@pytest.mark.slow
 def test_cluster_sim_quick(tmp_path):
     out, trace = tmp_path / "rows.json", tmp_path / "trace.json"
     proc = subprocess.run(cli("sim", "--quick", "--split-payload", "--json", str(out), "--trace", str(trace)),

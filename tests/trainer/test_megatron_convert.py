@@ -179,6 +179,7 @@ def _tp_worker(rank: int, world: int, port: int, kind: str) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama-untied", "qwen2"])
 def test_tensor_parallel_shards_match_megatron(kind):
     """Two gloo ranks build megatron's TP=2 GPTModel; our shards have its names and shapes and compute HF's function."""

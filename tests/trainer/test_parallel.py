@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -37,6 +38,7 @@ def _write(rclient, experiment, vocab, model):
         stream.append(g)
 
 
+@pytest.mark.slow
 def test_two_rank_ddp_matches_one_process(tmp_path, redis_url, rclient, experiment, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
