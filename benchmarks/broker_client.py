@@ -206,7 +206,7 @@ def attribution(rl: dict, bare: dict) -> str:
             + f"; other commands {rest:+.1f} us.")
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--n", type=int, default=960)
     p.add_argument("--rounds", type=int, default=3)
@@ -217,126 +217,166 @@ def main() -> None:
                    "alternated with this commit's in the same session: shown beside these")
     p.add_argument("--before-label", default="before")
     p.add_argument("--readme", action="store_true")
-    args = p.parse_args()
-    from rlstream.common.memory import freeze_startup_objects, keep_freed_memory
+    return p.parse_args()
 
-    keep_freed_memory()  # as the producer and trainer processes do
-    kinds = {"rlstream": one_run, "rlstream, StepReader": lambda url, n: one_run(url, n, step_reader=True),
-             "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True),
-             "bare, one writev": lambda url, n: bare_run(url, n, writev=True)}
+
+def run_kinds() -> dict:
+    """The measured clients by row name: name -> run(redis url, groups) -> metrics."""
+    return {"rlstream": one_run, "rlstream, StepReader": lambda url, n: one_run(url, n, step_reader=True),
+            "bare": bare_run, "bare + XTRIM": lambda url, n: bare_run(url, n, trim=True),
+            "bare, one writev": lambda url, n: bare_run(url, n, writev=True)}
+
+
+def measure(kinds: dict, n: int, rounds: int) -> dict[str, list[dict]]:
+    """`rounds` interleaved rounds of every kind against a throwaway redis-server, after one warm-up of each side."""
+    from rlstream.common.memory import freeze_startup_objects
+
     runs: dict[str, list[dict]] = {k: [] for k in kinds}
-    if args.rounds:  # --rounds 0: only render the runs of --merge
-        redis = RedisChild()
-        try:
-            one_run(redis.url, args.n), bare_run(redis.url, args.n)  # warm-up: the server's allocator grows once
-            freeze_startup_objects()  # as `rlstream train` does before its step loop
-            for rnd in range(args.rounds):  # interleaved, order turning: the machine is shared, load comes and goes
-                order = list(kinds)[rnd % len(kinds):] + list(kinds)[:rnd % len(kinds)]
-                for name in order:
-                    runs[name].append({**kinds[name](redis.url, args.n), "load": os.getloadavg()[0]})
-        finally:
-            redis.stop()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(runs, f)
+    redis = RedisChild()
+    try:
+        one_run(redis.url, n), bare_run(redis.url, n)  # warm-up: the server's allocator grows once
+        freeze_startup_objects()  # as `rlstream train` does before its step loop
+        for rnd in range(rounds):  # interleaved, order turning: the machine is shared, load comes and goes
+            order = list(kinds)[rnd % len(kinds):] + list(kinds)[:rnd % len(kinds)]
+            for name in order:
+                runs[name].append({**kinds[name](redis.url, n), "load": os.getloadavg()[0]})
+    finally:
+        redis.stop()
+    return runs
 
-    def load(paths: list[str], into: dict[str, list[dict]]) -> dict[str, list[dict]]:
-        for path in paths:
-            with open(path) as f:
-                for k, v in json.load(f).items():
-                    into.setdefault(k, []).extend(v)
-        return into
 
-    load(args.merge, runs)
-    med = {k: medians(v) for k, v in runs.items()}
-    before_runs = load(args.before, {})
-    before = {k: medians(v) for k, v in before_runs.items()} if args.before else None
+def load_runs(paths: list[str], into: dict[str, list[dict]]) -> dict[str, list[dict]]:
+    """Add the runs of earlier invocations' --json files to `into`."""
+    for path in paths:
+        with open(path) as f:
+            for k, v in json.load(f).items():
+                into.setdefault(k, []).extend(v)
+    return into
+
+
+def _intro(args: argparse.Namespace, runs: dict[str, list[dict]], before_runs: dict[str, list[dict]]) -> list[str]:
+    """The section's heading, the paragraph on how it ran, and the client table's header."""
     n_rounds = len(runs["rlstream"])
     invocations = len(args.merge) + (1 if args.rounds else 0)
     all_runs = [r for v in (*runs.values(), *before_runs.values()) for r in v]
     loads = [r["load"] for r in all_runs if "load" in r] or [float("nan")]
     load_note = "" if len(loads) == len(all_runs) else f", recorded for {len(loads)} of {len(all_runs)} runs"
-    lines = [SECTION, "",
-             "`nice -n 10 python benchmarks/broker_client.py`"
-             + (f" x {invocations} invocations" if invocations > 1 else "")
-             + (f", alternated in one session with as many invocations on {args.before_label} (its own script)"
-                if args.before else "") +
-             f": {args.n} groups of ~105 kB per run, medians of {n_rounds} interleaved rounds (each invocation "
-             f"warms up first), "
-             f"one process, {os.cpu_count()} CPUs shared with other engineers' work (1-min load average "
-             f"{min(loads):.1f}-{max(loads):.1f} during the runs{load_note}), {platform.machine()}; the process keeps "
-             "freed heap memory for reuse as `rlstream produce`/`train` do (glibc `mallopt`, rlstream and bare"
-             + (f"; the {args.before_label} rows ran that commit's copy of this script" if args.before else "")
-             + "). "
-             "rlstream = admission lease + MULTI/EXEC commit "
-             "(batches of 16), read with decode + validation, ack, trim; bare = pipelined XADD + XREADGROUP + XACK "
-             "of the same bytes. Redis CPU: the redis-server process (INFO `used_cpu_*`) and its main thread "
-             "(`used_cpu_*_main_thread`: the thread that runs every command and, without io-threads, all socket I/O).",
-             "", "| | producer CPU ms/group | producer wall ms/group | consumer CPU ms/group | consumer wall ms/group "
-             "| Redis CPU ms/MB | Redis main thread ms/MB | Redis us/group: producer side | consumer side |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    return [SECTION, "",
+            "`nice -n 10 python benchmarks/broker_client.py`"
+            + (f" x {invocations} invocations" if invocations > 1 else "")
+            + (f", alternated in one session with as many invocations on {args.before_label} (its own script)"
+               if args.before else "") +
+            f": {args.n} groups of ~105 kB per run, medians of {n_rounds} interleaved rounds (each invocation "
+            f"warms up first), "
+            f"one process, {os.cpu_count()} CPUs shared with other engineers' work (1-min load average "
+            f"{min(loads):.1f}-{max(loads):.1f} during the runs{load_note}), {platform.machine()}; the process keeps "
+            "freed heap memory for reuse as `rlstream produce`/`train` do (glibc `mallopt`, rlstream and bare"
+            + (f"; the {args.before_label} rows ran that commit's copy of this script" if args.before else "")
+            + "). "
+            "rlstream = admission lease + MULTI/EXEC commit "
+            "(batches of 16), read with decode + validation, ack, trim; bare = pipelined XADD + XREADGROUP + XACK "
+            "of the same bytes. Redis CPU: the redis-server process (INFO `used_cpu_*`) and its main thread "
+            "(`used_cpu_*_main_thread`: the thread that runs every command and, without io-threads, all socket I/O).",
+            "", "| | producer CPU ms/group | producer wall ms/group | consumer CPU ms/group | consumer wall ms/group "
+            "| Redis CPU ms/MB | Redis main thread ms/MB | Redis us/group: producer side | consumer side |",
+            "|---|---|---|---|---|---|---|---|---|"]
+
+
+def _client_rows(kinds: dict, med: dict, before: dict | None, before_label: str) -> list[str]:
+    """The client table's rows: each kind's medians, with the earlier commit's rlstream and bare rows."""
     rows = [(k, med[k]) for k in kinds if med.get(k)]
     if before:
-        rows.insert(1, (f"rlstream {args.before_label}", before["rlstream"]))
-        rows.append((f"bare ({args.before_label} run)", before["bare"]))
-    for k, m in rows:
-        lines.append(f"| {k} | {m['producer_ms']:.3f} | {m['producer_wall_ms']:.3f} | {m['consumer_ms']:.3f} | "
-                     f"{m['consumer_wall_ms']:.3f} | {m['redis_ms_per_mb']:.2f} | {m['redis_main_ms_per_mb']:.2f} | "
-                     f"{m.get('redis_producer_us', math.nan):.0f} | {m.get('redis_consumer_us', math.nan):.0f} |")
-    a = med["rlstream"]
+        rows.insert(1, (f"rlstream {before_label}", before["rlstream"]))
+        rows.append((f"bare ({before_label} run)", before["bare"]))
+    return [f"| {k} | {m['producer_ms']:.3f} | {m['producer_wall_ms']:.3f} | {m['consumer_ms']:.3f} | "
+            f"{m['consumer_wall_ms']:.3f} | {m['redis_ms_per_mb']:.2f} | {m['redis_main_ms_per_mb']:.2f} | "
+            f"{m.get('redis_producer_us', math.nan):.0f} | {m.get('redis_consumer_us', math.nan):.0f} |"
+            for k, m in rows]
 
-    def ratios(rs: dict[str, list[dict]], other: str) -> str:
-        def each(m: str) -> list[float]:  # rlstream / other within each round (seconds apart)
-            return [x[m] / y[m] for x, y in zip(rs["rlstream"], rs[other])]
 
-        def r(m: str) -> float:
-            return statistics.median(each(m))
+def ratios(rs: dict[str, list[dict]], other: str) -> str:
+    """rlstream over `other`: Redis CPU (with quartiles), and the producer's and consumer's client CPU."""
+    def each(m: str) -> list[float]:  # rlstream / other within each round (seconds apart)
+        return [x[m] / y[m] for x, y in zip(rs["rlstream"], rs[other])]
 
-        q1, _, q3 = statistics.quantiles(each("redis_ms_per_mb"), n=4)
-        of_medians = (statistics.median(x["redis_ms_per_mb"] for x in rs["rlstream"])
-                      / statistics.median(x["redis_ms_per_mb"] for x in rs[other]))
-        return (f"Redis CPU {r('redis_ms_per_mb'):.2f}x (quartiles {q1:.2f}-{q3:.2f}; ratio of the medians "
-                f"{of_medians:.2f}x; main thread "
-                f"{r('redis_main_ms_per_mb'):.2f}x; issue "
-                f"target <= 1.3x), producer client CPU {r('producer_ms'):.1f}x, consumer client CPU "
-                f"{r('consumer_ms'):.1f}x")
+    def r(m: str) -> float:
+        return statistics.median(each(m))
 
+    q1, _, q3 = statistics.quantiles(each("redis_ms_per_mb"), n=4)
+    of_medians = (statistics.median(x["redis_ms_per_mb"] for x in rs["rlstream"])
+                  / statistics.median(x["redis_ms_per_mb"] for x in rs[other]))
+    return (f"Redis CPU {r('redis_ms_per_mb'):.2f}x (quartiles {q1:.2f}-{q3:.2f}; ratio of the medians "
+            f"{of_medians:.2f}x; main thread "
+            f"{r('redis_main_ms_per_mb'):.2f}x; issue "
+            f"target <= 1.3x), producer client CPU {r('producer_ms'):.1f}x, consumer client CPU "
+            f"{r('consumer_ms'):.1f}x")
+
+
+def _ratio_paragraph(runs: dict[str, list[dict]], before_runs: dict[str, list[dict]] | None, before_label: str) -> str:
+    """The issue target, rlstream's ratios against each bare variant, and what rlstream does above bare."""
     met = statistics.median(x["redis_ms_per_mb"] / y["redis_ms_per_mb"] for x, y in zip(runs["rlstream"], runs["bare"]))
-    lines += ["", f"Issue target Redis CPU <= 1.3x bare: {'met' if met <= 1.3 else 'not met'} ({met:.2f}x). "
-              "Ratios are medians of the per-round ratios (a round runs rlstream and bare seconds apart, so "
-              f"load that comes and goes on the shared machine hits both). rlstream / bare: {ratios(runs, 'bare')}. "
-              f"rlstream / (bare + XTRIM): {ratios(runs, 'bare + XTRIM')}."]
+    text = (f"Issue target Redis CPU <= 1.3x bare: {'met' if met <= 1.3 else 'not met'} ({met:.2f}x). "
+            "Ratios are medians of the per-round ratios (a round runs rlstream and bare seconds apart, so "
+            f"load that comes and goes on the shared machine hits both). rlstream / bare: {ratios(runs, 'bare')}. "
+            f"rlstream / (bare + XTRIM): {ratios(runs, 'bare + XTRIM')}.")
     if runs.get("bare, one writev"):
-        lines[-1] += f" rlstream / (bare, one writev): {ratios(runs, 'bare, one writev')}."
-    if before:
-        lines[-1] += f" {args.before_label} / its bare: {ratios(before_runs, 'bare')}."
-    lines[-1] += (" Above bare, the producer encodes every group with its index fields (bare sends bytes encoded "
-                  "beforehand), takes its leases (one script call per batch) and commits them in one round trip "
-                  "(MULTI/EXEC in one write): per group Redis runs the XADD and the done marker's SET inside "
-                  "the transaction, per batch the lease script, the leases' ZREM, their owner's count (HINCRBY), "
-                  "the wake-up check (GET) and one INCRBY; the consumer "
-                  "decodes and validates every group, and the trim gives the memory of what was read back to the "
-                  "allocator (XTRIM: bare defers that to a DEL after its measured window; the bare + XTRIM row pays "
-                  "it). Most of either side's client CPU is what bare spends too: redis-py packing and sending "
-                  "(producer) or receiving and parsing (consumer) ~105 kB per group over loopback TCP.")
-    lines[-1] += (" The transaction (MULTI, the commands, EXEC) is sent in one sendmsg (writev) of all its buffers, so "
-                  "Redis reads it in a few large reads; redis-py's sendall per buffer woke Redis's thread once per "
-                  "buffer (counted in /proc: syscr and the main thread's voluntary switches, 2.3 -> 1.3 reads "
-                  "and 0.43 -> 0.18 sleeps per group on the producer side). Bare can send that way too: the "
-                  "'bare, one writev' row does, and the ratio against it is the stricter one.")
-    lines += ["", attribution(med["rlstream"], med["bare"])]
+        text += f" rlstream / (bare, one writev): {ratios(runs, 'bare, one writev')}."
+    if before_runs is not None:
+        text += f" {before_label} / its bare: {ratios(before_runs, 'bare')}."
+    text += (" Above bare, the producer encodes every group with its index fields (bare sends bytes encoded "
+             "beforehand), takes its leases (one script call per batch) and commits them in one round trip "
+             "(MULTI/EXEC in one write): per group Redis runs the XADD and the done marker's SET inside "
+             "the transaction, per batch the lease script, the leases' ZREM, their owner's count (HINCRBY), "
+             "the wake-up check (GET) and one INCRBY; the consumer "
+             "decodes and validates every group, and the trim gives the memory of what was read back to the "
+             "allocator (XTRIM: bare defers that to a DEL after its measured window; the bare + XTRIM row pays "
+             "it). Most of either side's client CPU is what bare spends too: redis-py packing and sending "
+             "(producer) or receiving and parsing (consumer) ~105 kB per group over loopback TCP.")
+    text += (" The transaction (MULTI, the commands, EXEC) is sent in one sendmsg (writev) of all its buffers, so "
+             "Redis reads it in a few large reads; redis-py's sendall per buffer woke Redis's thread once per "
+             "buffer (counted in /proc: syscr and the main thread's voluntary switches, 2.3 -> 1.3 reads "
+             "and 0.43 -> 0.18 sleeps per group on the producer side). Bare can send that way too: the "
+             "'bare, one writev' row does, and the ratio against it is the stricter one.")
+    return text
+
+
+def _command_table(kinds: dict, med: dict, before: dict | None, before_label: str) -> list[str]:
+    """Redis time per group by command, one column per client (the earlier commit's rlstream second)."""
+    a = med["rlstream"]
     cmds = sorted({k for m in (*med.values(), *(before.values() if before else ())) for k in m if k.startswith("cmd:")},
                   key=lambda k: -a.get(k, 0.0))
     others = [k for k in kinds if k != "rlstream" and med.get(k)]
-    head = ["rlstream", *([args.before_label] if before else []), *others]
-    lines += ["", "Redis time per group by command (INFO commandstats, usec; EXEC and EVALSHA include the commands "
-              "they run, which are also counted on their own lines; socket I/O is in no line):", "",
-              "| command | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
+    head = ["rlstream", *([before_label] if before else []), *others]
+    lines = ["", "Redis time per group by command (INFO commandstats, usec; EXEC and EVALSHA include the commands "
+             "they run, which are also counted on their own lines; socket I/O is in no line):", "",
+             "| command | " + " | ".join(head) + " |", "|---|" + "---|" * len(head)]
     for k in cmds:
         vals = [a.get(k, 0.0), *([before["rlstream"].get(k, 0.0)] if before else []),
                 *(med[o].get(k, 0.0) for o in others)]
         if max(vals) >= 0.05:
             lines.append(f"| {k[4:].upper()} | " + " | ".join(f"{v:.2f}" for v in vals) + " |")
+    return lines
+
+
+def main() -> None:
+    args = _parse_args()
+    from rlstream.common.memory import keep_freed_memory
+
+    keep_freed_memory()  # as the producer and trainer processes do
+    kinds = run_kinds()
+    # --rounds 0: only render the runs of --merge
+    runs = measure(kinds, args.n, args.rounds) if args.rounds else {k: [] for k in kinds}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(runs, f)
+    load_runs(args.merge, runs)
+    med = {k: medians(v) for k, v in runs.items()}
+    before_runs = load_runs(args.before, {})
+    before = {k: medians(v) for k, v in before_runs.items()} if args.before else None
+    lines = _intro(args, runs, before_runs) + _client_rows(kinds, med, before, args.before_label)
+    lines += ["", _ratio_paragraph(runs, before_runs if before else None, args.before_label)]
+    lines += ["", attribution(med["rlstream"], med["bare"])]
+    lines += _command_table(kinds, med, before, args.before_label)
     text = "\n".join(lines) + "\n"
     print(text)
     if args.readme:

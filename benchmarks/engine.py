@@ -3,7 +3,7 @@
     python benchmarks/engine.py                 # tiny model, prints a table
     python benchmarks/engine.py --readme        # also (re)writes the "Engine" section of benchmarks/README.md
     python benchmarks/engine.py --quick         # fewer requests
-    python benchmarks/engine.py --producer-only --readme   # only the producer-overhead phase
+    python benchmarks/engine.py --producer-only --readme   # only the producer-overhead phase (producer_overhead.py)
     PYTHONPATH=<older tree> python benchmarks/engine.py --no-producer --json before.json   # then:
     python benchmarks/engine.py --no-producer --readme --before before.json   # before/after table
 
@@ -21,9 +21,9 @@ The engine also returns per-token logprobs; the baseline does not compute them.
 Each cell is the best of `--repeat` runs, the three modes interleaved, because the
 machine is shared and other processes' load comes and goes.
 
-Then (skip with `--no-producer`) the producer overhead per rollout: the real producer
-loop against `rlstream serve` and a redis-server (both children, stopped by PID), with
-1 and 8 rollouts in flight; each rollout's wall time (admission through commit) minus
+Then (skip with `--no-producer`) the producer overhead per rollout, benchmarks/producer_overhead.py
+(also a script of its own): the real producer loop against `rlstream serve` and a redis-server,
+with 1 and 8 rollouts in flight; each rollout's wall time (admission through commit) minus
 the time covered by its engine HTTP requests, split into admission, reward, commit and
 the rest.
 """
@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
 import json
 import os
 import platform
@@ -41,16 +40,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from redis_child import RedisChild  # benchmarks/ is sys.path[0] when run as a script
-
-from rlstream.launcher.procs import stop_process
+from producer_overhead import PRODUCER_SECTION, producer_markdown, report as producer_report, run_producer_overhead
+from readme_section import write_nested_section  # benchmarks/ is sys.path[0] when run as a script
 
 SECTION = "## Engine"
-PRODUCER_SECTION = "### Producer overhead"
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -286,257 +282,6 @@ def run_benchmark(*, quick: bool = False, model_path: str | None = None, request
     return {"setup": setup, "rows": rows}
 
 
-# --------------------------------------------------------------------------- producer overhead
-#
-# The real producer loop (producer/main.py's `Producer`, in this process) against a real
-# `rlstream serve` child and a redis-server child. Hooks added here only (no production
-# change) split each rollout's wall time into time awaiting the engine's HTTP answers
-# and everything else: admission (lease + dataset cursor), reward, validate + encode +
-# commit, and the rest (event-loop scheduling, version reads, detokenisation, group building).
-
-_ROLLOUT: contextvars.ContextVar = contextvars.ContextVar("rlstream_bench_rollout", default=None)
-GENERATE_PATHS = ("/generate", "/v1/completions")
-
-
-@dataclass
-class _RolloutTimes:
-    admit: float = 0.0  # successful try_acquire + cursor.next before this rollout
-    start: float = 0.0
-    end: float = 0.0
-    engine: list = field(default_factory=list)  # (t0, t1) of each engine HTTP request
-    reward: list = field(default_factory=list)  # (t0, t1) of each reward call
-    finish: float = 0.0  # validate + encode + commit (one Redis transaction)
-
-
-def _union(intervals: list) -> float:
-    """Seconds covered by overlapping (t0, t1) intervals (a group's samples run concurrently)."""
-    total, cur0, cur1 = 0.0, None, None
-    for t0, t1 in sorted(intervals):
-        if cur1 is None or t0 > cur1:
-            if cur1 is not None:
-                total += cur1 - cur0
-            cur0, cur1 = t0, t1
-        else:
-            cur1 = max(cur1, t1)
-    return total + (cur1 - cur0 if cur1 is not None else 0.0)
-
-
-def _timed_producer(cfg):
-    from rlstream.producer.main import Producer
-
-    class TimedProducer(Producer):
-        async def _setup(self) -> None:
-            await super()._setup()
-            self.records: list[_RolloutTimes] = []
-            self._admit = 0.0
-            acquire, cursor_next, reward = self.admission.try_acquire, self.cursor.next, self.workflow.reward
-
-            async def try_acquire(*a, **kw):
-                t0 = time.perf_counter()
-                st, lease = await acquire(*a, **kw)
-                if lease is not None:  # a refused attempt is waiting for capacity, not per-rollout work
-                    self._admit += time.perf_counter() - t0
-                return st, lease
-
-            async def next_item():
-                t0 = time.perf_counter()
-                item = await cursor_next()
-                self._admit += time.perf_counter() - t0
-                return item
-
-            async def timed_reward(*a, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return await reward(*a, **kw)
-                finally:
-                    rec = _ROLLOUT.get()
-                    if rec is not None:
-                        rec.reward.append((t0, time.perf_counter()))
-
-            self.admission.try_acquire, self.cursor.next, self.workflow.reward = try_acquire, next_item, timed_reward
-
-        async def _rollout(self, lease_id, item) -> None:
-            rec = _RolloutTimes(admit=self._admit, start=time.perf_counter())
-            if not hasattr(self, "window"):  # (cpu, wall) from the first rollout on: start-up excluded
-                self.window = [time.process_time(), rec.start, 0.0, 0.0]
-            self._admit = 0.0
-            _ROLLOUT.set(rec)  # this task's context; the workflow's gathered requests inherit it
-            try:
-                await super()._rollout(lease_id, item)
-            finally:
-                rec.end = time.perf_counter()
-                self.records.append(rec)
-                self.window[2:] = [time.process_time(), rec.end]
-
-        async def _finish(self, lease_id, group) -> None:
-            t0 = time.perf_counter()
-            try:
-                await super()._finish(lease_id, group)
-            finally:
-                rec = _ROLLOUT.get()
-                if rec is not None:
-                    rec.finish += time.perf_counter() - t0
-
-    return TimedProducer(cfg)
-
-
-def _start_engine(workdir: Path, model: str, redis_url: str, threads: int, device: str) -> tuple[subprocess.Popen, str]:
-    """`rlstream serve` on a free port; its address comes back through RLSTREAM_ENGINE_ADDR_FILE."""
-    addr_file, log_path = workdir / "engine.addr", workdir / "engine.log"
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))
-    with open(log_path, "ab") as log_f:
-        proc = subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "serve", f"actor.path={model}",
-                                 f"redis.url={redis_url}", "experiment_name=bench-producer", "server.host=127.0.0.1",
-                                 "server.port=0", f"server.device={device}", "server.max_batch_size=32",
-                                 "server.register=false"],
-                                stdout=log_f, stderr=subprocess.STDOUT, env=env)
-    deadline = time.time() + 180
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"rlstream serve exited {proc.returncode}: {log_path.read_text()[-2000:]}")
-        if addr_file.exists() and addr_file.read_text().strip():
-            return proc, addr_file.read_text().strip()
-        time.sleep(0.1)
-    stop_process(proc, 20)
-    sys.exit(f"rlstream serve did not start within 180s: {log_path.read_text()[-2000:]}")
-
-
-def _summarise(records: list[_RolloutTimes], skip: int) -> dict:
-    recs = sorted(records, key=lambda r: r.start)[skip:]
-    walls = [r.admit + (r.end - r.start) for r in recs]
-    engine = [_union(r.engine) for r in recs]
-    over = [w - e for w, e in zip(walls, engine)]
-    n = len(recs)
-
-    def ms(xs) -> float:
-        return round(1000 * sum(xs) / n, 3)
-
-    reward, admit, finish = [_union(r.reward) for r in recs], [r.admit for r in recs], [r.finish for r in recs]
-    rest = [o - a - rw - f for o, a, rw, f in zip(over, admit, reward, finish)]
-    return {"rollouts": n, "wall_ms": ms(walls), "engine_ms": ms(engine), "overhead_ms": ms(over),
-            "overhead_median_ms": round(1000 * statistics.median(over), 3),
-            "overhead_fraction": round(sum(over) / sum(walls), 4),
-            "admission_ms": ms(admit), "reward_ms": ms(reward), "commit_ms": ms(finish), "other_ms": ms(rest),
-            "engine_requests_per_rollout": round(sum(len(r.engine) for r in recs) / n, 2)}
-
-
-def run_producer_overhead(*, groups: int = 64, concurrencies=(1, 8), n_samples: int = 4, new_tokens: int = 16,
-                          threads: int = 1, device: str = "cpu", model_path: str | None = None) -> dict:
-    """The real producer loop against `rlstream serve` + redis-server; per-rollout overhead at each concurrency."""
-    from rlstream.common.config import load_config
-    from rlstream.launcher.tiny import build_tiny_model
-    from rlstream.common.engine_client import EngineClient
-
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - a dependency on Linux/macOS
-        uvloop = None
-    tmp = tempfile.TemporaryDirectory(prefix="rlstream-bench-producer-")
-    work = Path(tmp.name)
-    model = model_path or str(build_tiny_model(work / "tiny"))
-    data = work / "arith.jsonl"
-    with open(data, "w") as f:
-        for i in range(max(groups, 64)):
-            a, b = i % 10, (i * 7) % 10
-            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
-    redis = RedisChild(work)
-    redis_url = redis.url
-    engine_proc = None
-    runs = []
-    try:
-        engine_proc, address = _start_engine(work, model, redis_url, threads, device)
-        print(f"producer overhead: engine {address}, {groups} groups x {n_samples} samples x <= {new_tokens} tokens",
-              flush=True)
-        orig_call = EngineClient.call
-
-        async def timed_call(self, route, body=None, **kw):
-            rec = _ROLLOUT.get()
-            if rec is None or route.path not in GENERATE_PATHS:
-                return await orig_call(self, route, body, **kw)
-            t0 = time.perf_counter()
-            try:
-                return await orig_call(self, route, body, **kw)
-            finally:
-                rec.engine.append((t0, time.perf_counter()))
-
-        EngineClient.call = timed_call
-        try:
-            for c in concurrencies:
-                # One namespace per run: a fresh dataset position and admission budget.
-                cfg = load_config(None, [
-                    f"actor.path={model}", f"redis.url={redis_url}", f"experiment_name=bench-producer-c{c}",
-                    f"train_dataset.path={data}", "producer.reward_fn=rlstream.producer.rewards:exact_match_reward",
-                    "producer.reward_workers=1", f"producer.max_groups={groups}", f"gconfig.n_samples={n_samples}",
-                    f"gconfig.max_new_tokens={new_tokens}", f"rollout.engine_addresses=[{address}]",
-                    f"rollout.consumer_batch_size={groups}", f"rollout.max_concurrent_rollouts={c}",
-                    "stats_logger.log_every_secs=60"])
-                producer = _timed_producer(cfg)
-                code = uvloop.run(producer.run()) if uvloop is not None else asyncio.run(producer.run())
-                if code != 0 or producer.accepted < groups:
-                    sys.exit(f"producer run at concurrency {c} failed: exit {code}, accepted {producer.accepted}")
-                cpu0, t0, cpu1, t1 = producer.window
-                n = len(producer.records)
-                # The first wave (c rollouts started together, reward workers warming up) is skipped.
-                row = {"concurrency": c, **_summarise(producer.records, skip=min(max(2, c), n - 1)),
-                       "groups_per_s": round(n / (t1 - t0), 2),
-                       # this process only (admission, HTTP client, encode, commit, loop); the reward
-                       # runs in the reward worker process, the engine in its own
-                       "producer_cpu_ms_per_rollout": round(1000 * (cpu1 - cpu0) / n, 3)}
-                runs.append(row)
-                print(f"  c={c:<3} rollout {row['wall_ms']:.1f} ms, engine {row['engine_ms']:.1f} ms, overhead "
-                      f"{row['overhead_ms']:.2f} ms ({100 * row['overhead_fraction']:.1f}%): admission "
-                      f"{row['admission_ms']:.2f}, reward {row['reward_ms']:.2f}, commit {row['commit_ms']:.2f}, "
-                      f"other {row['other_ms']:.2f} ms", flush=True)
-        finally:
-            EngineClient.call = orig_call
-    finally:
-        if engine_proc is not None:
-            stop_process(engine_proc, 20)
-        redis.stop()
-        tmp.cleanup()
-    setup = {"groups": groups, "n_samples": n_samples, "max_new_tokens": new_tokens, "engine_threads": threads,
-             "device": device, "warmup_skipped": "max(2, rollouts in flight)"}
-    return {"setup": setup, "runs": runs}
-
-
-def producer_markdown(res: dict) -> str:
-    s = res["setup"]
-    lines = [
-        PRODUCER_SECTION,
-        "",
-        f"`python benchmarks/engine.py` (also alone: `--producer-only`) — the real producer loop (`Producer` from "
-        f"producer/main.py, uvloop) against `rlstream serve` (tiny model, {s['device']}, {s['engine_threads']} thread) "
-        f"and a redis-server, both child processes; arithmetic prompts, {s['n_samples']} samples × ≤ "
-        f"{s['max_new_tokens']} new tokens per group, exact-match reward in 1 reward process, {s['groups']} groups "
-        f"per run (the first max(2, in flight) skipped as warm-up). Rollout = admission (lease + dataset cursor) "
-        "through commit; engine = time covered by the group's `/generate` HTTP requests (they run concurrently); "
-        "overhead = rollout − engine. Means per rollout:",
-        "",
-        "| rollouts in flight | rollout ms | engine ms | **overhead ms** | overhead share | admission | reward "
-        "| validate + encode + commit | other (loop, version reads, decode) | producer CPU ms / rollout | groups/s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in res["runs"]:
-        lines.append(f"| {r['concurrency']} | {r['wall_ms']:.1f} | {r['engine_ms']:.1f} | **{r['overhead_ms']:.2f}** "
-                     f"(median {r['overhead_median_ms']:.2f}) | {100 * r['overhead_fraction']:.1f}% | "
-                     f"{r['admission_ms']:.2f} | {r['reward_ms']:.2f} | {r['commit_ms']:.2f} | {r['other_ms']:.2f} | "
-                     f"{r['producer_cpu_ms_per_rollout']:.1f} | {r['groups_per_s']:.1f} |")
-    max_c = max(r["concurrency"] for r in res["runs"])
-    cpu = statistics.mean(r["producer_cpu_ms_per_rollout"] for r in res["runs"])
-    eng_lo, eng_hi = min(r["engine_ms"] for r in res["runs"]), max(r["engine_ms"] for r in res["runs"])
-    lines += ["", "With one rollout in flight the split is clean. With several, a rollout's overhead also includes "
-              "time its finished parts wait for the event loop while other rollouts' work runs, so per-rollout "
-              "overhead grows while throughput rises. Producer CPU per rollout is this process's CPU time from the "
-              "first rollout's start to the last one's end (start-up excluded; reward worker and engine are other "
-              f"processes), divided by rollouts: the load one producer puts on its core. At {max_c} in flight reward "
-              f"calls also queue: up to {max_c * s['n_samples']} samples share the one reward process. The overhead is a "
-              f"roughly fixed cost per group (~{cpu:.0f} ms of producer CPU), so its share shrinks as generation gets "
-              f"longer: here the engine serves the tiny model's ≤ {s['max_new_tokens']}-token samples in "
-              f"{eng_lo:.0f}–{eng_hi:.0f} ms per group.", ""]
-    return "\n".join(lines)
-
-
 def markdown(result: dict) -> str:
     s, rows = result["setup"], result["rows"]
     by = {(r["mode"], r["concurrency"]): r for r in rows}
@@ -665,35 +410,7 @@ def _ratio(res: dict, mode: str) -> float | None:
     return by[mode]["tokens_per_s"] / by["engine"]["tokens_per_s"] if mode in by else None
 
 
-def write_readme_section(text: str, readme: Path, section: str = SECTION) -> None:
-    """Replace our section of the README (other sections untouched), or append it.
-
-    `section` may be the "### Producer overhead" subsection alone (a `--producer-only` run):
-    it replaces that subsection, or goes at the end of the Engine section.
-    """
-    old = readme.read_text() if readme.exists() else "# Benchmarks\n\n"
-    level = section.split(" ", 1)[0]
-    start = old.find(section + "\n")
-    if start < 0 and level != SECTION.split(" ", 1)[0]:
-        eng = old.find(SECTION + "\n")
-        if eng >= 0:  # append the subsection to the end of the Engine section
-            nxt = old.find("\n## ", eng + len(SECTION))
-            end = len(old) if nxt < 0 else nxt + 1
-            head = old[:end].rstrip("\n") + "\n\n"
-            readme.write_text(head + text.rstrip("\n") + "\n" + ("\n" + old[end:] if nxt >= 0 else ""))
-            return
-    if start < 0:
-        new = old.rstrip("\n") + "\n\n" + text
-    else:
-        # the section ends where the next heading of the same or a higher level starts
-        ends = [i for i in (old.find("\n## ", start + len(section)),
-                            old.find("\n### ", start + len(section)) if level == "###" else -1) if i >= 0]
-        nxt = min(ends) if ends else -1
-        new = old[:start] + text.rstrip("\n") + "\n" + ("" if nxt < 0 else "\n" + old[nxt + 1:])
-    readme.write_text(new)
-
-
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="32 requests x 32 tokens")
     ap.add_argument("--model", default=None, help="HF model folder (default: a fresh tiny model)")
@@ -707,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--readme", action="store_true", help="write the Engine section of benchmarks/README.md")
     ap.add_argument("--no-producer", action="store_true", help="skip the producer-overhead phase")
     ap.add_argument("--producer-only", action="store_true",
-                    help="only the producer-overhead phase (with --readme: only its subsection is rewritten)")
+                    help="only the producer-overhead phase, as benchmarks/producer_overhead.py "
+                         "(with --readme: only its subsection is rewritten)")
     ap.add_argument("--producer-groups", type=int, default=64, help="groups per producer run (producer.max_groups)")
     ap.add_argument("--concurrencies", default="1,8,32", help="comma-separated concurrencies")
     ap.add_argument("--jitter-ms", type=float, default=0.0,
@@ -730,7 +448,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--encoding", default="json", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.drive:
         prompts = json.loads(Path(args.prompts_file).read_text())
         out = _loop_runner()(_drive(args.drive, prompts, args.concurrency, args.new_tokens, args.encoding, 1))
@@ -743,13 +465,17 @@ def main(argv: list[str] | None = None) -> int:
             runs.append((side, int(rnd), json.loads(Path(path).read_text()), (float(l0), float(l1))))
         print(pairs_markdown(runs))
         return 0
+    if args.producer_only:  # benchmarks/producer_overhead.py's run
+        producer_report(groups=16 if args.quick else args.producer_groups, threads=args.threads, device=args.device,
+                        model_path=args.model, json_path=args.json, readme=args.readme)
+        return 0
     readme = Path(__file__).resolve().parent / "README.md"
     result: dict = {}
     if args.from_json:
         result = json.loads(Path(args.from_json).read_text())
         result.pop("producer", None)
         args.no_producer = True
-    elif not args.producer_only:
+    else:
         load0 = os.getloadavg()[0]
         result = run_benchmark(quick=args.quick, model_path=args.model, requests=args.requests,
                                new_tokens=args.new_tokens, prompt_len=args.prompt_len, threads=args.threads,
@@ -758,29 +484,25 @@ def main(argv: list[str] | None = None) -> int:
                                jitter_ms=args.jitter_ms, hf=not args.no_hf, admission_hold_ms=args.admission_hold_ms,
                                frontend=args.frontend)
         result["setup"]["loadavg"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-    if not args.producer_only:
-        if args.before:
-            result["before"] = json.loads(Path(args.before).read_text())
-            result["before"]["label"] = args.before_label or result["before"].get("label")
-        result["notes"] = args.note
+    if args.before:
+        result["before"] = json.loads(Path(args.before).read_text())
+        result["before"]["label"] = args.before_label or result["before"].get("label")
+    result["notes"] = args.note
     if not args.no_producer:
         result["producer"] = run_producer_overhead(groups=16 if args.quick else args.producer_groups,
                                                    threads=args.threads, device=args.device, model_path=args.model)
-    if args.producer_only:
-        text, section = producer_markdown(result["producer"]), PRODUCER_SECTION
-    else:
-        text, section = markdown(result), SECTION
-        if args.no_producer and readme.exists():  # keep the README's producer subsection from its last run
-            old = readme.read_text()
-            start = old.find(PRODUCER_SECTION + "\n", old.find(SECTION + "\n"))
-            if start >= 0:
-                end = old.find("\n## ", start)
-                text = text.rstrip("\n") + "\n\n" + old[start:None if end < 0 else end + 1].rstrip("\n") + "\n"
+    text = markdown(result)
+    if args.no_producer and readme.exists():  # keep the README's producer subsection from its last run
+        old = readme.read_text()
+        start = old.find(PRODUCER_SECTION + "\n", old.find(SECTION + "\n"))
+        if start >= 0:
+            end = old.find("\n## ", start)
+            text = text.rstrip("\n") + "\n\n" + old[start:None if end < 0 else end + 1].rstrip("\n") + "\n"
     print("\n" + text)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
     if args.readme:
-        write_readme_section(text, readme, section)
+        write_nested_section(text, readme, SECTION, SECTION)
     return 0
 
 

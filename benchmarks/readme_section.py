@@ -1,4 +1,4 @@
-"""Replace (or append) one `## ` section of benchmarks/README.md, leaving the others as they are."""
+"""Replace (or append) one section of benchmarks/README.md, leaving the others as they are."""
 
 from __future__ import annotations
 
@@ -17,3 +17,29 @@ def write_section(section: str, text: str, readme: Path = README) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + text
     readme.write_text(new if new.endswith("\n") else new + "\n")
+
+
+def write_nested_section(text: str, readme: Path, section: str, parent: str) -> None:
+    """Replace `section` of `readme` (other sections untouched), or add it: `section` is either `parent`
+    itself (a `## ` heading) or a `### ` subsection of it; a missing subsection goes at the end of `parent`,
+    anything else missing at the end of the file. `text` starts with the `section` header line."""
+    old = readme.read_text() if readme.exists() else "# Benchmarks\n\n"
+    level = section.split(" ", 1)[0]
+    start = old.find(section + "\n")
+    if start < 0 and level != parent.split(" ", 1)[0]:
+        top = old.find(parent + "\n")
+        if top >= 0:  # append the subsection to the end of the parent section
+            nxt = old.find("\n## ", top + len(parent))
+            end = len(old) if nxt < 0 else nxt + 1
+            head = old[:end].rstrip("\n") + "\n\n"
+            readme.write_text(head + text.rstrip("\n") + "\n" + ("\n" + old[end:] if nxt >= 0 else ""))
+            return
+    if start < 0:
+        new = old.rstrip("\n") + "\n\n" + text
+    else:
+        # the section ends where the next heading of the same or a higher level starts
+        ends = [i for i in (old.find("\n## ", start + len(section)),
+                            old.find("\n### ", start + len(section)) if level == "###" else -1) if i >= 0]
+        nxt = min(ends) if ends else -1
+        new = old[:start] + text.rstrip("\n") + "\n" + ("" if nxt < 0 else "\n" + old[nxt + 1:])
+    readme.write_text(new)
