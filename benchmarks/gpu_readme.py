@@ -11,6 +11,7 @@ SECTION = "## GPU"
 
 
 def _f(x, nd=3) -> str:
+    """A table cell: – for a missing number, 3 significant digits for a very small or large one."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     if isinstance(x, float):
