@@ -11,7 +11,8 @@ SECTION = "## GPU"
 
 
 def _f(x, nd=3) -> str:
-    """A table cell: – for a missing number, 3 significant digits for a very small or large one."""
+    """A table cell: – for a missing number; a float with `nd` significant digits when very small or large,
+    else with `nd` decimals, trailing zeros dropped."""
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
     if isinstance(x, float):
