@@ -1,7 +1,8 @@
 """`rlstream config import-areal`: an AReaL experiment file becomes an rlstream config.
 
-The input is tests/common/data/areal_gsm8k_grpo.yaml: the 132-key set of AReaL's
-examples/math/gsm8k_grpo.yaml (inclusionAI/AReaL) with values of our own.
+Inputs: tests/common/data/areal_gsm8k_grpo.yaml (the 132-key set of AReaL's
+examples/math/gsm8k_grpo.yaml with values of our own) and tests/common/fixtures/areal/ (AReaL's
+own examples, inclusionAI/AReaL 4aef98d, each citing its source).
 """
 
 import os
@@ -56,7 +57,7 @@ actor:
   recompute_logprob: true
   use_decoupled_loss: true
   rejection_sampling: {level: token, action: mask, metric: ratio, upper: 4.0}
-  reward_norm: {mean_level: group, std_level: group, group_size: 8}
+  reward_norm: {mean_level: group, std_level: group}
   adv_norm: {mean_level: batch, std_level: none}
   weight_update_mode: distributed
   weight_update_backend: nccl
@@ -104,7 +105,7 @@ def test_cli_prints_the_summary_and_config_show_accepts_the_result(tmp_path):
     run = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "config", "import-areal", str(AREAL)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stderr.startswith("translated 9, same 69, dropped 54 (of 132 AReaL keys)")
+    assert run.stderr.startswith("translated 9, same 67, dropped 56 (of 132 AReaL keys); added 0")
     assert "dropped     perf_tracer.enabled: no tracer" in run.stderr
     mine = tmp_path / "mine.yaml"
     mine.write_text(run.stdout)
@@ -150,3 +151,146 @@ def test_areal_keys_accepted_directly():
     assert (c.train_dataset.type, c.train_dataset.max_prompt_len) == ("auto", 300)
     assert (c.actor.adv_norm.mean_level, c.actor.adv_norm.std_level) == ("none", "none")
     assert c.actor.reward_norm.std_level == "none"
+
+
+# --------------------------------------------------------------------------- AReaL's own examples
+
+FIXTURES = Path(__file__).parent / "fixtures" / "areal"
+EXAMPLES = sorted(p.stem for p in FIXTURES.glob("*.yaml"))
+# (translated, same, dropped, added) per example: every leaf key lands in exactly one list.
+COUNTS = {"gsm8k_dapo_dynamic_bs": (8, 71, 55, 0), "gsm8k_drgrpo": (8, 66, 54, 0), "gsm8k_grpo": (9, 67, 56, 0),
+          "gsm8k_grpo_lora": (13, 67, 61, 0), "gsm8k_grpo_mt": (9, 67, 55, 0), "gsm8k_ppo": (8, 65, 76, 0),
+          "gsm8k_rloo": (8, 68, 54, 0), "gsm8k_sapo": (9, 67, 56, 0)}
+
+
+def _example(name):
+    return OmegaConf.to_container(OmegaConf.load(FIXTURES / f"{name}.yaml"), resolve=True)
+
+
+def _leaf_keys(data, prefix=""):
+    if isinstance(data, dict) and data:
+        return [k for key, v in data.items() for k in _leaf_keys(v, f"{prefix}.{key}" if prefix else key)]
+    return [prefix]
+
+
+def test_the_fixtures_are_the_examples_the_issue_names():
+    assert set(EXAMPLES) == set(COUNTS)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_each_example_imports_loads_and_names_every_key_it_writes(name):
+    data = _example(name)
+    t = translate_areal(data)
+    assert (len(t.translated), len(t.same), len(t.dropped), len(t.added)) == COUNTS[name]
+    assert len(t.translated) + len(t.same) + len(t.dropped) == len(_leaf_keys(data))
+    c = load_config_dict(t.config)
+    summary = t.summary()
+    # every key of the output is named in the summary, itself or the section it sits in
+    unnamed = [k for k in _leaf_keys(t.config)
+               if not any(p in summary for p in (k, *(k.rsplit(".", n)[0] for n in range(1, k.count(".") + 1))))]
+    assert not unnamed
+    assert c.gconfig.n_samples == data["gconfig"]["n_samples"]
+    assert c.actor.optimizer.lr == data["actor"]["optimizer"]["lr"]
+    dropped = dict(t.dropped)
+    assert "Redis at once" in dropped["rollout.queue_size"]
+    if "group_size" in (data["actor"].get("reward_norm") or {}):
+        assert "gconfig.n_samples" in dropped["actor.reward_norm.group_size"]
+
+
+def test_lora_example_trains_a_lora_adapter():
+    data = _example("gsm8k_grpo_lora")
+    t = translate_areal(data)
+    c = load_config_dict(t.config)
+    assert (c.actor.lora.rank, c.actor.lora.alpha, c.actor.lora.target_modules) == (16, 16.0, ["all-linear"])
+    assert c.actor.optimizer.lr == 1.7e-4 and c.actor.weight_update_mode == "disk"
+    assert "--enable-lora" not in c.launcher.slurm.engine_args  # the engines merge the adapter
+    dropped = dict(t.dropped)
+    assert "merge" in dropped["sglang.enable_lora"] and "merge" in dropped["rollout.use_lora"]
+    # AReaL's defaults where the file says nothing: rank 32, alpha 16, all linear modules
+    del data["actor"]["lora_rank"], data["actor"]["lora_alpha"], data["actor"]["target_modules"]
+    t = translate_areal(data)
+    assert (t.config["actor"]["lora"], len(t.added)) == ({"rank": 32, "alpha": 16.0, "target_modules": ["all-linear"]}, 3)
+    data["actor"]["use_lora"] = False
+    c = load_config_dict(translate_areal(data).config)
+    assert c.actor.lora is None
+    data["actor"] |= {"use_lora": True, "peft_type": "ia3"}
+    with pytest.raises(ConfigError, match="peft_type 'ia3': rlstream trains LoRA adapters only"):
+        translate_areal(data)
+
+
+NO_WEIGHT = {"weight": "none", "upper": 1e30}
+
+
+@pytest.mark.parametrize("spelling", [{"rejection_sampling": None}, {}, {"behave_imp_weight_mode": "disabled"},
+                                      {"behave_imp_weight_cap": None}])
+def test_decoupled_loss_without_rejection_sampling_weighs_nothing_as_areal(spelling):
+    """AReaL's ppo_actor_loss_fn applies no behaviour weight without rejection sampling; rlstream's
+    equivalent is {weight: none, upper: 1e30} (the loss equality: tests/trainer/test_losses.py)."""
+    data = _example("gsm8k_grpo")
+    data["actor"].pop("rejection_sampling")
+    data["actor"] |= spelling
+    t = translate_areal(data)
+    c = load_config_dict(t.config)
+    rs = c.actor.correction
+    assert (rs.weight, rs.upper, rs.action, rs.level) == ("none", 1e30, "mask", "token")
+    assert t.config["actor"]["rejection_sampling"] == NO_WEIGHT
+    assert ("AReaL applies no behaviour weight" in t.summary()) and ("1e+30" in t.summary())
+    if not spelling:
+        assert t.added == [("actor.rejection_sampling={weight: none, upper: 1e+30}",
+                            "AReaL applies no behaviour weight without rejection sampling; rlstream's null would "
+                            "weigh the loss by exp(prox - behav)")]
+
+
+@pytest.mark.parametrize("mode,level,action", [("sequence_mask", "sequence", "mask"),
+                                               ("sequence_truncate", "sequence", "clamp"),
+                                               ("token_mask", "token", "mask"), ("token_truncate", "token", "clamp")])
+def test_removed_behave_imp_weight_modes(mode, level, action):
+    data = _example("gsm8k_grpo")
+    data["actor"].pop("rejection_sampling")
+    data["actor"] |= {"behave_imp_weight_mode": mode, "behave_imp_weight_cap": 3.0}
+    t = translate_areal(data)
+    rs = load_config_dict(t.config).actor.correction
+    assert (rs.level, rs.action, rs.metric, rs.agg, rs.upper, rs.weight) == (level, action, "ratio", "mean", 3.0, "auto")
+    assert len(t.translated) == COUNTS["gsm8k_grpo"][0] + 2  # both keys, counted once each
+    data["actor"]["behave_imp_weight_mode"] = "sequence_typo"
+    with pytest.raises(ConfigError, match="behave_imp_weight_mode 'sequence_typo': expected disabled, token_mask"):
+        translate_areal(data)
+
+
+def test_sapo_example_imports_as_sapo_without_the_ignored_rejection_sampling():
+    t = translate_areal(_example("gsm8k_sapo"))
+    c = load_config_dict(t.config)
+    assert (c.actor.policy_loss, c.actor.sapo_tau_pos, c.actor.sapo_tau_neg) == ("sapo", 1.0, 1.05)
+    assert c.actor.correction is None and not c.actor.use_decoupled_loss
+    assert "only with use_decoupled_loss: true" in dict(t.dropped)["actor.rejection_sampling.upper"]
+    with pytest.raises(ConfigError, match="actor.policy_loss=sapo .* set actor.use_decoupled_loss=false"):
+        load_config(None, ["actor.policy_loss=sapo", "actor.use_decoupled_loss=true"])
+
+
+def test_multi_turn_example_keeps_its_turn_limit():
+    t = translate_areal(_example("gsm8k_grpo_mt"))
+    assert load_config_dict(t.config).agent.max_turns == 2
+    assert "one sequence" in dict(t.dropped)["export_style"]
+    assert any("AgentWorkflow" in n for n in t.notes)
+
+
+def test_a_group_size_other_than_the_group_is_refused():
+    data = _example("gsm8k_grpo")
+    data["actor"]["reward_norm"]["group_size"] = 2
+    with pytest.raises(ConfigError, match="actor.reward_norm.group_size 2 differs from gconfig.n_samples 4"):
+        translate_areal(data)
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("roll.yaml", "pretrain: /m\nactor_train: {model_args: {dtype: bf16}}\nactor_infer: {}\n", "looks like a ROLL config"),
+    ("cosmos.toml", '[train]\nepoch = 1\n[policy]\nmodel_name_or_path = "m"\n', "not an AReaL experiment file"),
+    ("notes.txt", "just a line of text\n", "not an AReaL experiment file"),
+    ("rlinf.yaml", "runner: {max_epochs: 1}\nalgorithm: {adv_type: grpo}\nactor: {}\n", "looks like a RLinf config"),
+])
+def test_a_file_of_another_system_is_refused_in_one_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    run = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "config", "import-areal", str(path)],
+                         capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and str(path) in run.stderr and message in run.stderr
