@@ -261,7 +261,7 @@ def ppo_token_loss(
 
 
 def _sapo_token_loss(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:
-    """SAPO (Gao et al. 2025, arXiv 2511.20347; AReaL `sapo_loss_fn`): a sigmoid gate instead of the clip.
+    """SAPO (arXiv 2511.20347; AReaL `sapo_loss_fn`): a sigmoid gate instead of the clip.
 
     -(4/τ)·σ(τ(r-1))·A: the 4/τ makes the gradient at r = 1 equal PPO's (σ' = 1/4) and it fades
     smoothly as r leaves 1, faster for the larger τ; the negative-advantage τ is larger by default.
