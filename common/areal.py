@@ -413,12 +413,14 @@ def _translate_correction(t: Translation, actor: dict[str, Any], handled: set[st
 def _translate_legacy_correction(t: Translation, actor: dict[str, Any], legacy: list[str]) -> None:
     """behave_imp_weight_cap (default 5.0) and behave_imp_weight_mode (default token_mask), removed from AReaL."""
     mode, cap = actor.get("behave_imp_weight_mode", "token_mask"), actor.get("behave_imp_weight_cap", 5.0)
-    if mode == "disabled" or cap is None:
+    if mode == "disabled":
         rs, why = NO_BEHAVIOUR_WEIGHT, "disabled: " + _NO_WEIGHT_WHY
     elif mode in _LEGACY_MODES:
         level, action = _LEGACY_MODES[mode]
-        rs = {"level": level, "action": action, "metric": "ratio"} | ({"agg": "mean"} if level == "sequence" else {})
-        rs, why = rs | {"upper": cap}, f"AReaL's migration of {mode}"
+        rs = {"level": level, "action": "mask" if cap is None else action, "metric": "ratio"}
+        rs |= ({"agg": "mean"} if level == "sequence" else {}) | {"upper": 1e30 if cap is None else cap}
+        # no cap: the old code applied the weight (token ratio or sequence geometric mean) unbounded
+        why = f"AReaL's migration of {mode}" + (", no cap: the weight unbounded" if cap is None else "")
     else:
         raise ConfigError(f"actor.behave_imp_weight_mode {mode!r}: expected disabled, "
                           f"{', '.join(_LEGACY_MODES)} (or use actor.rejection_sampling)")

@@ -222,7 +222,7 @@ NO_WEIGHT = {"weight": "none", "upper": 1e30}
 
 
 @pytest.mark.parametrize("spelling", [{"rejection_sampling": None}, {}, {"behave_imp_weight_mode": "disabled"},
-                                      {"behave_imp_weight_cap": None}])
+                                      {"behave_imp_weight_mode": "disabled", "behave_imp_weight_cap": 5.0}])
 def test_decoupled_loss_without_rejection_sampling_weighs_nothing_as_areal(spelling):
     """AReaL's ppo_actor_loss_fn applies no behaviour weight without rejection sampling; rlstream's
     equivalent is {weight: none, upper: 1e30} (the loss equality: tests/trainer/test_losses.py)."""
@@ -252,6 +252,9 @@ def test_removed_behave_imp_weight_modes(mode, level, action):
     rs = load_config_dict(t.config).actor.correction
     assert (rs.level, rs.action, rs.metric, rs.agg, rs.upper, rs.weight) == (level, action, "ratio", "mean", 3.0, "auto")
     assert len(t.translated) == COUNTS["gsm8k_grpo"][0] + 2  # both keys, counted once each
+    data["actor"]["behave_imp_weight_cap"] = None  # the old code applied the weight uncapped
+    rs = load_config_dict(translate_areal(data).config).actor.correction
+    assert (rs.level, rs.action, rs.upper, rs.weight) == (level, "mask", 1e30, "auto")
     data["actor"]["behave_imp_weight_mode"] = "sequence_typo"
     with pytest.raises(ConfigError, match="behave_imp_weight_mode 'sequence_typo': expected disabled, token_mask"):
         translate_areal(data)

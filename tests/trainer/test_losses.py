@@ -423,3 +423,30 @@ def test_weight_none_with_an_unreachable_bound_is_areals_decoupled_loss_without_
             assert out.correction.kept.tolist() == mask.tolist()
     raw = ppo_token_loss(_t(logp), _t(prox), _t(adv), _t(mask), eps_clip=0.2, behav_logp=_t(behav))
     assert float(aggregate(raw.token_loss, _t(mask))) != pytest.approx(_areal_ppo_loss_without_rs(logp, prox, adv, mask, 0.2))
+
+
+def _areal_old_behave_imp_weight(prox, behav, mask, mode, cap):
+    """AReaL's removed `compute_behave_imp_weight` (areal/utils/functional/functional.py before inclusionAI/AReaL
+    bc9f009), transcribed: w = exp(prox - behav), or per sequence the geometric mean over loss tokens for the
+    sequence_* modes; truncate clamps w to [0, cap], mask sets w > cap to 0; 0 off the loss mask."""
+    lr = np.where(mask, prox - behav, 0.0)
+    w = _seq_geo_mean(lr, mask)[_SEQ] if mode.startswith("sequence") else np.exp(lr)
+    w = np.clip(w, 0.0, cap) if mode.endswith("truncate") else np.where(w > cap, 0.0, w)
+    return np.where(mask, w, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "token_truncate", "sequence_mask", "sequence_truncate"])
+def test_removed_areal_weight_modes_as_import_areal_writes_them(mode):
+    """`config import-areal` maps behave_imp_weight_mode/cap to rejection_sampling (common/areal.py
+    _LEGACY_MODES); the weight equals the old AReaL code's."""
+    level, action = mode.split("_")
+    rs = RS(level=level, action="mask" if action == "mask" else "clamp", metric="ratio", agg="mean", upper=1.3)
+    acted = 0
+    for spread in (0.1, 0.4, 1.0):
+        for seed in range(4):
+            plain, out, (prox, behav, mask) = _loss_with(rs, seed, spread)
+            w_old = _areal_old_behave_imp_weight(prox, behav, mask, mode, 1.3)
+            assert out.correction.weight.numpy() == pytest.approx(w_old, rel=1e-6, abs=1e-12)
+            assert out.token_loss.numpy() == pytest.approx(plain * w_old, rel=1e-6, abs=1e-12)
+            acted += int((w_old != np.where(mask, np.exp(prox - behav), 0.0)).sum())
+    assert acted > 0
