@@ -5,6 +5,8 @@ examples/math/gsm8k_grpo.yaml with values of our own) and tests/common/fixtures/
 own examples, inclusionAI/AReaL 4aef98d, each citing its source).
 """
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -372,3 +374,44 @@ def test_an_imported_example_trains_one_real_step(name, tmp_path, tiny_model_pat
         assert cfg.actor.policy_loss == "sapo" and stats["ppo/clip_frac"] == 0.0
     else:
         assert "imp_weight/applied_mean" in stats  # the decoupled loss with AReaL's rejection sampling
+
+
+def _run_overrides(run_dir):
+    """An imported config pointed at the CPU demo's task and tiny model, one engine/producer/trainer process."""
+    return [f"cluster.fileroot={run_dir.parents[1]}", "total_train_steps=1", "launcher.demo.task=reverse",
+            "launcher.demo.n_train=16", "launcher.demo.n_valid=8", "launcher.eval_n=0", "launcher.sft_steps=0",
+            f"actor.path={run_dir / 'model'}", f"tokenizer_path={run_dir / 'model'}", f"ref.path={run_dir / 'model'}",
+            f"train_dataset.path={run_dir / 'data' / 'train.jsonl'}", f"valid_dataset.path={run_dir / 'data' / 'valid.jsonl'}",
+            "server.device=cpu", "actor.device=cpu",
+            "actor.weight_update_backend=gloo", "launcher.n_producers=1", "rollout.max_concurrent_rollouts=8",
+            "train_dataset.max_length=64", "stats_logger.tensorboard.enabled=false",
+            *[o for o in TINY_OVERRIDES if not o.startswith("actor.weight_update_mode")]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gsm8k_grpo", "gsm8k_sapo", "gsm8k_grpo_lora"])
+def test_rlstream_run_trains_one_step_of_an_imported_example(name, tmp_path):
+    """`config import-areal` then `rlstream run --config mine.yaml` with tiny overrides: real Redis, engine,
+    producer and trainer processes, one step trained and its weights pushed (LoRA: over disk, as the file says)."""
+    imported = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "config", "import-areal",
+                               str(FIXTURES / f"{name}.yaml")], capture_output=True, text=True, timeout=120)
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(imported.stdout)
+    data = _example(name)
+    run_dir = tmp_path / "runs" / data["experiment_name"] / data["trial_name"]
+    # A reward the untrained tiny model earns sometimes (the share of digits it writes), so advantages and
+    # the gradient are not zero.
+    (tmp_path / "digit_reward.py").write_text(
+        "def digit_share(prompt, completion, answer, **kw):\n"
+        "    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "run", "--config", str(mine),
+                          *_run_overrides(run_dir), "producer.reward_fn=digit_reward:digit_share"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss/total" in r]  # the others: the evaluation before training
+    assert [r["step"] for r in steps] == [1] and math.isfinite(steps[0]["loss/total"])
+    assert steps[0]["optim/grad_norm"] > 0
+    assert ("imp_weight/applied_mean" in steps[0]) == (name != "gsm8k_sapo")  # SAPO: no decoupled loss
