@@ -7,9 +7,14 @@ Every leaf key of the AReaL file ends in exactly one of three lists:
   sglang:d4p1t1`, `actor.backend: fsdp:d4p1t1` and the older `allocation_mode` -> engines,
   trainer processes, tensor/pipeline sizes; `weight_update_mode: xccl` -> distributed over
   NCCL; name resolve nfs/etcd3/ray -> redis/etcd; `sglang.*`/`vllm.*` of the chosen backend ->
-  the engine server's command-line arguments; the removed `behave_imp_weight_*` keys ->
-  `rejection_sampling`);
+  the engine server's command-line arguments; `use_lora`/`lora_*` -> `actor.lora`;
+  `use_sapo_loss` -> `policy_loss: sapo`; the removed `behave_imp_weight_*` keys ->
+  `rejection_sampling`; `agent_run_args.max_turns` -> `agent.max_turns`);
 - dropped, each with the reason (no rlstream equivalent, or rlstream decides it elsewhere).
+
+A fourth list, added, names the rlstream keys written for AReaL defaults that rlstream does not
+share (a decoupled loss without rejection sampling weighs nothing; no advantage normalisation;
+LoRA rank/alpha), so the summary names every key the output holds.
 
 Key names follow AReaL's `areal/api/cli_args.py` (inclusionAI/AReaL); the result is validated
 against rlstream's schema by the caller (`load_config_dict`).
@@ -40,8 +45,9 @@ def parse_allocation(spec: str) -> tuple[str | None, int, int, int]:
 class Translation:
     config: dict[str, Any] = field(default_factory=dict)  # nested rlstream config
     same: list[str] = field(default_factory=list)
-    translated: list[tuple[str, str]] = field(default_factory=list)  # (AReaL key, what it became)
+    translated: list[tuple[str, str]] = field(default_factory=list)  # (AReaL key, the rlstream keys it became)
     dropped: list[tuple[str, str]] = field(default_factory=list)  # (AReaL key, reason)
+    added: list[tuple[str, str]] = field(default_factory=list)  # (rlstream key=value, why) for AReaL defaults
     notes: list[str] = field(default_factory=list)
 
     def set(self, dotted: str, value: Any) -> None:
@@ -51,13 +57,46 @@ class Translation:
             node = node.setdefault(p, {})
         node[last] = value
 
+    def translate(self, src: str, values: dict[str, Any], why: str = "") -> None:
+        """AReaL key `src` becomes the rlstream keys `values` (each named in the summary)."""
+        for dst, value in values.items():
+            self.set(dst, value)
+        dst = ", ".join(f"{k}={_show(v)}" for k, v in values.items()) or "nothing"
+        self.translated.append((src, dst + (f" ({why})" if why else "")))
+
+    def add(self, dst: str, value: Any, why: str) -> None:
+        """An rlstream key no AReaL key of the file names: AReaL's default, where rlstream's differs."""
+        self.set(dst, value)
+        self.added.append((f"{dst}={_show(value)}", why))
+
     def summary(self) -> str:
         lines = [f"translated {len(self.translated)}, same {len(self.same)}, dropped {len(self.dropped)} "
-                 f"(of {len(self.translated) + len(self.same) + len(self.dropped)} AReaL keys)"]
+                 f"(of {len(self.translated) + len(self.same) + len(self.dropped)} AReaL keys); "
+                 f"added {len(self.added)} (AReaL defaults rlstream does not share)"]
         lines += [f"  translated  {src} -> {dst}" for src, dst in self.translated]
+        lines += [f"  added       {dst}: {why}" for dst, why in self.added]
+        lines += [f"  same        {line}" for line in _wrap(self.same)]
         lines += [f"  dropped     {src}: {why}" for src, why in self.dropped]
         lines += [f"  note        {n}" for n in self.notes]
         return "\n".join(lines)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_show(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_show(v) for v in value) + "]"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _wrap(keys: list[str], width: int = 100) -> list[str]:
+    lines, line = [], ""
+    for k in keys:
+        if line and len(line) + len(k) + 2 > width:
+            lines.append(line + ",")
+            line = ""
+        line = f"{line}, {k}" if line else k
+    return lines + ([line] if line else [])
 
 
 def _leaves(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -103,10 +142,17 @@ _DROPPED = {
     "valid_dataset.num_workers": "evaluation reads prompts itself; no DataLoader",
     "valid_dataset.drop_last": "evaluation reads prompts itself; no DataLoader",
     "valid_dataset.shuffle": "evaluation uses the file order (the first evaluator.max_prompts)",
+    "dynamic_bs": "a train step always takes rollout.consumer_batch_size accepted groups: a rejected group is replaced "
+                  "(producer.dynamic_sampling drops the all-equal-reward ones), the batch never shrinks",
+    "gconfig.lora_name": "rlstream pushes the LoRA adapter and its engines merge it into the served weights: no adapter "
+                         "name to request",
     "recover.freq_epochs": "recover checkpoints every recover.freq_steps / freq_secs (steps are the unit of exact replay)",
 }
 
-_ENGINE_SKIP = {"model_path": "engines serve actor.path", "model": "engines serve actor.path"}
+_LORA_SERVING = ("rlstream pushes the LoRA adapter and its engines merge it into the served weights: "
+                 "no adapter serving to switch on")
+_ENGINE_SKIP = {"model_path": "engines serve actor.path", "model": "engines serve actor.path",
+                "enable_lora": _LORA_SERVING, "max_lora_rank": _LORA_SERVING, "lora_paths": _LORA_SERVING}
 
 
 def _drop_reason(key: str) -> str | None:
@@ -144,10 +190,39 @@ def _cli_args(section: str, values: dict[str, Any], t: Translation) -> list[str]
     return args
 
 
+# Top-level keys of AReaL's experiment dataclasses (BaseExperimentConfig, PPOConfig/GRPOConfig in
+# areal/api/cli_args.py) and of its multi-turn example's MultiTurnGRPOConfig.
+_AREAL_TOP = {"experiment_name", "trial_name", "cluster", "allocation_mode", "seed", "enable_offload",
+              "total_train_epochs", "total_train_steps", "total_train_n_seqs", "tokenizer_path", "train_dataset",
+              "valid_dataset", "saver", "evaluator", "stats_logger", "perf_tracer", "memory_profiler", "recover",
+              "sglang", "vllm", "scheduler", "launcher", "gconfig", "eval_gconfig", "rollout", "actor", "ref", "critic",
+              "teacher", "dynamic_bs", "agent_run_args", "export_style", "async_training"}
+# Top-level keys that name another system's config file.
+_OTHER_SYSTEMS = {"ROLL": {"actor_train", "actor_infer", "pretrain", "reward_pretrain"},
+                  "RLinf": {"runner", "algorithm"}, "cosmos-rl": {"policy", "train", "rollout_parallelism"},
+                  "verl": {"actor_rollout_ref", "algorithm", "trainer"}}
+
+
+def check_areal(data: Any) -> None:
+    """Refuse, in one line, a file that is not an AReaL experiment config (another system's, or none)."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"is not an AReaL experiment file (a YAML mapping with actor, rollout and gconfig sections; "
+                          f"this one is a {type(data).__name__})")
+    keys = set(map(str, data))
+    for system, marks in _OTHER_SYSTEMS.items():
+        if len(keys & marks) >= 2 or (keys & marks and not keys & {"gconfig", "allocation_mode"}):
+            raise ConfigError(f"looks like a {system} config (top-level {', '.join(sorted(keys & marks))}), not an "
+                              "AReaL experiment file: import-areal reads AReaL's YAML (e.g. examples/math/gsm8k_grpo.yaml)")
+    unknown = sorted(keys - _AREAL_TOP)
+    if not keys & {"actor", "rollout", "gconfig", "allocation_mode"} or len(unknown) > len(keys & _AREAL_TOP):
+        raise ConfigError(f"is not an AReaL experiment file (top-level keys {', '.join(sorted(keys)[:8]) or 'none'}; "
+                          "AReaL's have actor, rollout, gconfig, ...): give an AReaL YAML such as "
+                          "examples/math/gsm8k_grpo.yaml")
+
+
 def translate_areal(data: dict[str, Any]) -> Translation:
     """The rlstream config for an AReaL experiment file (already parsed, interpolations resolved)."""
-    if not isinstance(data, dict):
-        raise ConfigError("an AReaL experiment file is a mapping of keys")
+    check_areal(data)
     t = Translation()
     data = dict(data)
     engines = {s: data.pop(s) for s in ("sglang", "vllm") if s in data}
@@ -155,17 +230,29 @@ def translate_areal(data: dict[str, Any]) -> Translation:
     actor = data.get("actor") if isinstance(data.get("actor"), dict) else {}
     rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
     engine_alloc, trainer_alloc = _allocations(t, data, actor, rollout, handled)
-    engine_kind = _engine_allocation(t, engine_alloc, handled) if engine_alloc is not None else None
-    if trainer_alloc is not None:
-        _trainer_allocation(t, trainer_alloc, handled)
+    engine_keys = _engine_allocation(engine_alloc) if engine_alloc is not None else {}
+    trainer_keys = _trainer_allocation(trainer_alloc) if trainer_alloc is not None else {}
+    engine_kind = engine_keys.get("rollout.backend")
+    for src in ("rollout.backend", "actor.backend"):
+        if src in handled:
+            t.translate(src, engine_keys if src == "rollout.backend" else trainer_keys)
+    from_mode = {**({} if "rollout.backend" in handled else engine_keys),
+                 **({} if "actor.backend" in handled else trainer_keys)}
+    if "allocation_mode" in handled:
+        t.translate("allocation_mode", from_mode)
+    _translate_algorithm(t, data, actor, handled)
     top_exp = data.get("experiment_name")
     for key, value in _leaves(data):
-        if key not in handled and not key.startswith("allocation_mode"):
+        if not _covered(key, handled):
             _translate_leaf(t, data, key, value, top_exp)
-    _translate_old_weight_cap(t, actor)
     _translate_engine_options(t, engines, engine_kind)
     _note_hub_names(t, data, actor)
     return t
+
+
+def _covered(key: str, handled: set[str]) -> bool:
+    parts = key.split(".")
+    return any(".".join(parts[:n]) in handled for n in range(1, len(parts) + 1))
 
 
 def _allocations(t: Translation, data: dict[str, Any], actor: dict[str, Any], rollout: dict[str, Any],
@@ -177,7 +264,6 @@ def _allocations(t: Translation, data: dict[str, Any], actor: dict[str, Any], ro
         handled.add("allocation_mode")
         gen, _, train = spec.partition("+")
         engine_alloc, trainer_alloc = parse_allocation(gen), parse_allocation(train) if train else None
-        t.translated.append(("allocation_mode", f"engines {gen}, trainer {train or '-'}"))
     if isinstance(rollout.get("backend"), str):
         engine_alloc = parse_allocation(rollout["backend"]) if ":" in rollout["backend"] else (rollout["backend"], 1, 1, 1)
         handled.add("rollout.backend")
@@ -187,46 +273,30 @@ def _allocations(t: Translation, data: dict[str, Any], actor: dict[str, Any], ro
     return engine_alloc, trainer_alloc
 
 
-def _engine_allocation(t: Translation, engine_alloc: tuple[Any, int, int, int], handled: set[str]) -> str:
-    """The engine keys of an allocation; returns the engine kind (sglang or vllm)."""
+def _engine_allocation(engine_alloc: tuple[Any, int, int, int]) -> dict[str, Any]:
+    """The engine keys of an allocation (sglang or vllm engines)."""
     kind, d, p, tp = engine_alloc
     kind = kind or "sglang"
     if kind not in ("sglang", "vllm"):
         raise ConfigError(f"rollout.backend {kind!r}: rlstream's engines speak sglang or vllm")
-    t.set("rollout.backend", kind)
-    t.set("launcher.n_engines", d)
-    t.set("launcher.slurm.engine", kind)
-    t.set("launcher.slurm.engine_tp", tp)
-    t.set("launcher.slurm.engine_pp", p)
-    if "rollout.backend" in handled:
-        t.translated.append(("rollout.backend", f"rollout.backend={kind}, launcher.n_engines={d}, "
-                                                f"launcher.slurm.engine={kind}, engine_tp={tp}, engine_pp={p}"))
-    return kind
+    return {"rollout.backend": kind, "launcher.n_engines": d, "launcher.slurm.engine": kind,
+            "launcher.slurm.engine_tp": tp, "launcher.slurm.engine_pp": p}
 
 
-def _trainer_allocation(t: Translation, trainer_alloc: tuple[Any, int, int, int], handled: set[str]) -> None:
+def _trainer_allocation(trainer_alloc: tuple[Any, int, int, int]) -> dict[str, Any]:
     """The trainer keys of an allocation: backend, parallel sizes, processes."""
     kind, d, p, tp = trainer_alloc
     kind = kind or "fsdp"
-    dst = []
     if kind in ("fsdp", "ddp"):
-        t.set("actor.backend", "hf")
-        t.set("actor.parallel", kind)
-        dst = ["actor.backend=hf", f"actor.parallel={kind}"]
         if p > 1 or tp > 1:
             raise ConfigError(f"actor.backend {kind}:d{d}p{p}t{tp}: the hf backend is data parallel only; "
                               "use megatron:dDpPtT for tensor/pipeline parallelism")
+        keys: dict[str, Any] = {"actor.backend": "hf", "actor.parallel": kind}
     elif kind == "megatron":
-        t.set("actor.backend", "megatron")
-        t.set("actor.megatron.tensor_parallel", tp)
-        t.set("actor.megatron.pipeline_parallel", p)
-        dst = ["actor.backend=megatron", f"actor.megatron.tensor_parallel={tp}", f"pipeline_parallel={p}"]
+        keys = {"actor.backend": "megatron", "actor.megatron.tensor_parallel": tp, "actor.megatron.pipeline_parallel": p}
     else:
         raise ConfigError(f"actor.backend {kind!r}: rlstream trains with fsdp/ddp (hf) or megatron")
-    t.set("launcher.n_trainer_procs", d)
-    dst.append(f"launcher.n_trainer_procs={d}")
-    if "actor.backend" in handled:
-        t.translated.append(("actor.backend", ", ".join(dst)))
+    return keys | {"launcher.n_trainer_procs": d}
 
 
 def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, top_exp: Any) -> None:
@@ -235,8 +305,6 @@ def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, 
         _translate_name_resolve(t, data, key, value)
     elif key == "actor.weight_update_mode":
         _translate_weight_update_mode(t, key, value)
-    elif key in ("actor.behave_imp_weight_cap", "actor.behave_imp_weight_mode"):
-        pass  # together, in _translate_old_weight_cap
     elif key == "cluster.name_resolve.etcd3_addr":
         if ((data.get("cluster") or {}).get("name_resolve") or {}).get("type") not in ("etcd", "etcd3"):
             t.dropped.append((key, "name_resolve.type is not etcd3"))
@@ -251,18 +319,165 @@ def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, 
         t.dropped.append((key, "no rlstream key of that name or meaning"))
 
 
+# rejection_sampling that keeps every token and weighs none: AReaL's decoupled loss without rejection
+# sampling (ppo_actor_loss_fn applies no behaviour weight then). A ratio above 1e30 (log-ratio > 69) is
+# the one thing it would still mask; an engine does not sample such a token.
+NO_BEHAVIOUR_WEIGHT = {"weight": "none", "upper": 1e30}
+_NO_WEIGHT_WHY = ("AReaL applies no behaviour weight without rejection sampling; rlstream's null would weigh "
+                  "the loss by exp(prox - behav)")
+# AReaL's removed behave_imp_weight_mode -> (level, action), as its migration table and the sequence
+# modes' geometric-mean semantics (areal/api/cli_args.py RejectionSamplingConfig) read them.
+_LEGACY_MODES = {"token_mask": ("token", "mask"), "token_truncate": ("token", "clamp"),
+                 "sequence_mask": ("sequence", "mask"), "sequence_truncate": ("sequence", "clamp")}
+
+
+def _translate_algorithm(t: Translation, data: dict[str, Any], actor: dict[str, Any], handled: set[str]) -> None:
+    """The actor keys whose meaning depends on other keys or on AReaL's defaults."""
+    _translate_lora(t, data, actor, handled)
+    _translate_correction(t, actor, handled)
+    _translate_group_sizes(t, data, actor, handled)
+    _translate_agent(t, data, handled)
+    if "use_sapo_loss" in actor:
+        handled.add("actor.use_sapo_loss")
+        if actor["use_sapo_loss"]:
+            t.translate("actor.use_sapo_loss", {"actor.policy_loss": "sapo"})
+        else:
+            t.dropped.append(("actor.use_sapo_loss", "false: the PPO clip, rlstream's default actor.policy_loss=ppo"))
+    if "queue_size" in (data.get("rollout") or {}):
+        handled.add("rollout.queue_size")
+        t.dropped.append(("rollout.queue_size", "a finished group is written to Redis at once: no producer queue to size"))
+    if "adv_norm" not in actor:
+        t.add("actor.adv_norm", None, "AReaL's default: no advantage normalisation (rlstream's: batch mean/std)")
+    opt = actor.get("optimizer")
+    if isinstance(opt, dict) and "weight_decay" not in opt:
+        t.add("actor.optimizer.weight_decay", 0.01, "AReaL's default (rlstream's: 0)")
+
+
+def _translate_lora(t: Translation, data: dict[str, Any], actor: dict[str, Any], handled: set[str]) -> None:
+    """actor.use_lora/peft_type/lora_rank/lora_alpha/target_modules -> actor.lora (AReaL's defaults where absent)."""
+    for k in ("use_lora", "lora_name"):
+        if k in (data.get("rollout") or {}):
+            handled.add(f"rollout.{k}")
+            t.dropped.append((f"rollout.{k}", _LORA_SERVING + " (actor.use_lora decides LoRA training)"))
+    present = [k for k in ("use_lora", "peft_type", "lora_rank", "lora_alpha", "target_modules") if k in actor]
+    handled.update(f"actor.{k}" for k in present)
+    if not actor.get("use_lora"):
+        t.dropped += [(f"actor.{k}", "actor.use_lora is not true: full fine-tuning (no actor.lora)") for k in present]
+        return
+    if actor.get("peft_type", "lora") != "lora":
+        raise ConfigError(f"actor.peft_type {actor['peft_type']!r}: rlstream trains LoRA adapters only; "
+                          "set peft_type: lora, or use_lora: false for full fine-tuning")
+    targets = list(actor.get("target_modules") or []) or ["all-linear"]  # AReaL: empty = all-linear
+    lora = {"rank": int(actor.get("lora_rank", 32)), "alpha": float(actor.get("lora_alpha", 16)),
+            "target_modules": targets}
+    t.translate("actor.use_lora", {"actor.lora": {}}, "LoRA training instead of full fine-tuning")
+    for src, dst, default in (("lora_rank", "rank", 32), ("lora_alpha", "alpha", 16), ("target_modules",
+                                                                                       "target_modules", None)):
+        if src in actor:
+            t.translate(f"actor.{src}", {f"actor.lora.{dst}": lora[dst]},
+                        "AReaL's empty list" if dst == "target_modules" and not actor[src] else "")
+        else:
+            t.add(f"actor.lora.{dst}", lora[dst], f"AReaL's default {src}" + (f" ({default})" if default else ""))
+    if "peft_type" in actor:
+        t.dropped.append(("actor.peft_type", "lora is the one adapter type (actor.lora)"))
+
+
+def _translate_correction(t: Translation, actor: dict[str, Any], handled: set[str]) -> None:
+    """rejection_sampling (and its removed behave_imp_weight_* spelling), as AReaL applies it: only with the
+    decoupled loss, and no behaviour weight at all without it."""
+    legacy = [k for k in ("behave_imp_weight_cap", "behave_imp_weight_mode") if k in actor]
+    has_rs = "rejection_sampling" in actor
+    handled.update(f"actor.{k}" for k in legacy + (["rejection_sampling"] if has_rs else []))
+    rs = actor.get("rejection_sampling")
+    if not actor.get("use_decoupled_loss"):
+        why = ("AReaL applies it only with use_decoupled_loss: true (it warns and ignores it); rlstream would "
+               "weigh the loss by it")
+        t.dropped += [(key, why) for key, _ in (_leaves(rs, "actor.rejection_sampling") if has_rs else [])]
+        t.dropped += [(f"actor.{k}", why) for k in legacy]
+        return
+    if rs is not None and legacy:
+        raise ConfigError("actor.rejection_sampling and the removed actor.behave_imp_weight_cap/mode are both set: "
+                          "keep rejection_sampling")
+    if isinstance(rs, dict):
+        for key, value in _leaves(rs, "actor.rejection_sampling"):
+            t.set(key, value)
+            t.same.append(key)
+    elif legacy:
+        _translate_legacy_correction(t, actor, legacy)
+    elif has_rs:
+        t.translate("actor.rejection_sampling", {"actor.rejection_sampling": NO_BEHAVIOUR_WEIGHT}, _NO_WEIGHT_WHY)
+    else:
+        t.add("actor.rejection_sampling", NO_BEHAVIOUR_WEIGHT, _NO_WEIGHT_WHY)
+
+
+def _translate_legacy_correction(t: Translation, actor: dict[str, Any], legacy: list[str]) -> None:
+    """behave_imp_weight_cap (default 5.0) and behave_imp_weight_mode (default token_mask), removed from AReaL."""
+    mode, cap = actor.get("behave_imp_weight_mode", "token_mask"), actor.get("behave_imp_weight_cap", 5.0)
+    if mode == "disabled":
+        rs, why = NO_BEHAVIOUR_WEIGHT, "disabled: " + _NO_WEIGHT_WHY
+    elif mode in _LEGACY_MODES:
+        level, action = _LEGACY_MODES[mode]
+        rs = {"level": level, "action": "mask" if cap is None else action, "metric": "ratio"}
+        rs |= ({"agg": "mean"} if level == "sequence" else {}) | {"upper": 1e30 if cap is None else cap}
+        # no cap: the old code applied the weight (token ratio or sequence geometric mean) unbounded
+        why = f"AReaL's migration of {mode}" + (", no cap: the weight unbounded" if cap is None else "")
+    else:
+        raise ConfigError(f"actor.behave_imp_weight_mode {mode!r}: expected disabled, "
+                          f"{', '.join(_LEGACY_MODES)} (or use actor.rejection_sampling)")
+    t.translate(f"actor.{legacy[0]}", {"actor.rejection_sampling": rs}, why)
+    if len(legacy) > 1:
+        t.translated.append((f"actor.{legacy[1]}", f"actor.rejection_sampling, with actor.{legacy[0]} above"))
+
+
+def _translate_group_sizes(t: Translation, data: dict[str, Any], actor: dict[str, Any], handled: set[str]) -> None:
+    """reward_norm/adv_norm.group_size: rlstream's group is always a prompt's n_samples samples."""
+    samples = (data.get("gconfig") or {}).get("n_samples", 1)
+    for norm in ("reward_norm", "adv_norm"):
+        cfg = actor.get(norm)
+        if not isinstance(cfg, dict) or "group_size" not in cfg:
+            continue
+        key, size = f"actor.{norm}.group_size", cfg["group_size"]
+        handled.add(key)
+        if "group" not in (cfg.get("mean_level"), cfg.get("std_level")):
+            t.dropped.append((key, "no group-level statistic in this section (mean_level/std_level are not group)"))
+        elif size == samples:
+            t.dropped.append((key, f"rlstream's groups are each prompt's gconfig.n_samples ({samples}) samples, "
+                                   "the group_size given"))
+        else:
+            raise ConfigError(f"{key} {size} differs from gconfig.n_samples {samples}: rlstream normalises over each "
+                              f"prompt's whole group; set group_size to {samples}")
+
+
+def _translate_agent(t: Translation, data: dict[str, Any], handled: set[str]) -> None:
+    """The multi-turn example's agent_run_args and export_style (MultiTurnGRPOConfig)."""
+    args = data.get("agent_run_args")
+    if "agent_run_args" in data:
+        handled.add("agent_run_args")
+        for key, value in _leaves(args, "agent_run_args") if args else []:
+            if key == "agent_run_args.max_turns":
+                t.translate(key, {"agent.max_turns": value})
+            else:
+                t.dropped.append((key, "no rlstream agent option of that name (rlstream config docs agent)"))
+        t.notes.append("AReaL's multi-turn workflow is the example's own Python; rlstream runs multi-turn episodes "
+                       "with producer.workflow=rlstream.producer.agent:AgentWorkflow (agent.*)")
+    if "export_style" in data:
+        handled.add("export_style")
+        if data["export_style"] != "concat":
+            raise ConfigError(f"export_style {data['export_style']!r}: rlstream trains an episode as one sequence "
+                              "(AReaL's concat); set export_style: concat")
+        t.dropped.append(("export_style", "rlstream trains an episode as one sequence, its turns end to end (concat)"))
+
+
 def _translate_name_resolve(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:
     kind = {"nfs": "redis", "ray": "redis", "etcd3": "etcd", "etcd": "etcd"}.get(str(value))
     if kind is None:
         t.dropped.append((key, f"{value!r}: rlstream resolves names with redis, etcd or static"))
         return
-    t.set(key, kind)
     why = "engines register in the run's Redis, which every process reaches" if kind == "redis" else "etcd v3"
-    t.translated.append((key, f"cluster.name_resolve.type={kind} ({why})"))
+    t.translate(key, {key: kind}, why)
     addr = ((data.get("cluster") or {}).get("name_resolve") or {}).get("etcd3_addr")
     if kind == "etcd" and addr:
-        t.set("cluster.name_resolve.etcd_address", addr)
-        t.translated.append(("cluster.name_resolve.etcd3_addr", "cluster.name_resolve.etcd_address"))
+        t.translate("cluster.name_resolve.etcd3_addr", {"cluster.name_resolve.etcd_address": addr})
 
 
 def _translate_weight_update_mode(t: Translation, key: str, value: Any) -> None:
@@ -270,29 +485,7 @@ def _translate_weight_update_mode(t: Translation, key: str, value: Any) -> None:
     if mode is None:
         t.dropped.append((key, f"{value!r}: rlstream pushes weights by distributed, disk or ipc"))
         return
-    t.set(key, mode[0])
-    dst = f"actor.weight_update_mode={mode[0]}"
-    if mode[1]:
-        t.set("actor.weight_update_backend", mode[1])
-        dst += f", actor.weight_update_backend={mode[1]}"
-    t.translated.append((key, dst))
-
-
-def _translate_old_weight_cap(t: Translation, actor: dict[str, Any]) -> None:
-    """AReaL's removed spelling of rejection sampling, as AReaL's own migration table maps it."""
-    cap, mode = actor.get("behave_imp_weight_cap"), actor.get("behave_imp_weight_mode")
-    if "behave_imp_weight_cap" not in actor and "behave_imp_weight_mode" not in actor:
-        return
-    src = "actor.behave_imp_weight_cap/mode"
-    if mode == "disabled" or cap is None:
-        t.translated.append((src, "no correction (rejection_sampling: null)"))
-        return
-    action = {"token_truncate": "clamp", "token_mask": "mask", None: "mask"}.get(mode)
-    if action is None:
-        t.dropped.append((src, f"behave_imp_weight_mode {mode!r}: use actor.rejection_sampling"))
-    else:
-        t.set("actor.rejection_sampling", {"level": "token", "action": action, "metric": "ratio", "upper": cap})
-        t.translated.append((src, f"actor.rejection_sampling {{token, {action}, ratio, upper {cap}}}"))
+    t.translate(key, {key: mode[0]} | ({"actor.weight_update_backend": mode[1]} if mode[1] else {}))
 
 
 def _translate_engine_options(t: Translation, engines: dict[str, Any], engine_kind: str | None) -> None:

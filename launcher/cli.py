@@ -113,8 +113,11 @@ def config_import_areal(file: str = typer.Argument(..., help="An AReaL experimen
         data = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
         t = translate_areal(data)
         load_config_dict(t.config)  # what we print must load
-    except (OSError, yaml.YAMLError, OmegaConfBaseException) as exc:
+    except OSError as exc:
         _fail(f"cannot read AReaL file {file}: {str(exc).splitlines()[0]}", 2)
+    except (yaml.YAMLError, OmegaConfBaseException) as exc:
+        _fail(f"{file}: is not an AReaL experiment file (not YAML: {str(exc).splitlines()[0]}); import-areal reads "
+              "AReaL's YAML, e.g. examples/math/gsm8k_grpo.yaml", 2)
     except ConfigError as exc:
         _fail(f"{file}: {exc}", 2)
     header = "\n".join(f"# {line}" for line in [f"translated from AReaL {file} by rlstream config import-areal", *t.summary().splitlines()])

@@ -11,6 +11,7 @@ sampled), proximal logprobs `prox` and current `logp`,
     r  = exp(logp - prox)                      (GSPO: exp(mean_t(logp - prox)) per sequence)
     pg = max(-A·r, -A·clip(r, 1-eps, 1+eps_high)),   dual clip: min(pg, c·|A|)
          CISPO: -sg(clip(r, 1-eps, 1+eps_high))·A·logp
+         SAPO:  -(4/τ)·σ(τ·(r-1))·A, τ = tau_pos if A > 0 else tau_neg (AReaL sapo_loss_fn)
     w  = exp(prox - behav), then corrected (`behaviour_correction`: masked or truncated by
          `rejection_sampling`: AReaL's rejection sampling, TIS, IcePop, MIS, sequence masks)
     token loss = pg · w
@@ -190,12 +191,14 @@ def ppo_token_loss(
     behav_imp_weight_cap: float | None = None,
     importance_sampling_level: str = "token",
     policy_loss: str = "ppo",
+    sapo_tau: tuple[float, float] = (1.0, 1.05),
     seq_idx: torch.Tensor | None = None,
     n_seqs: int | None = None,
 ) -> PPOLossOut:
     """Per-token policy loss (see module docstring); `behav_logp` given = weighted by π_prox/π_behav.
 
     `behav_imp_weight_cap` is the old spelling of `correction` {token, mask, ratio, upper=cap}.
+    `sapo_tau` = (tau_pos, tau_neg) of policy_loss=sapo.
     """
     if behav_imp_weight_cap is not None:
         if correction is not None:
@@ -244,13 +247,31 @@ def ppo_token_loss(
             pg = torch.minimum(pg, pg3)
         else:
             dual_clip_mask = torch.zeros_like(mask)
+    elif policy_loss == "sapo":
+        pg = _sapo_token_loss(ratio, advantages, *sapo_tau)
+        clip_mask = torch.zeros_like(mask)
+        dual_clip_mask = torch.zeros_like(mask)
     else:
-        raise ValueError(f"actor.policy_loss must be ppo or cispo, got {policy_loss!r}")
+        raise ValueError(f"actor.policy_loss must be ppo, cispo or sapo, got {policy_loss!r}")
 
     if corr is not None:
         pg = pg * corr.weight.to(pg.dtype)
     token_loss = torch.where(mask, pg, torch.zeros_like(pg))
     return PPOLossOut(token_loss, ratio.detach(), clip_mask, dual_clip_mask, corr)
+
+
+def _sapo_token_loss(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: float, tau_neg: float) -> torch.Tensor:
+    """SAPO (arXiv 2511.20347; AReaL `sapo_loss_fn`): a sigmoid gate instead of the clip.
+
+    -(4/τ)·σ(τ(r-1))·A: the 4/τ makes the gradient at r = 1 equal PPO's (σ' = 1/4) and it fades
+    smoothly as r leaves 1, faster for the larger τ; the negative-advantage τ is larger by default.
+    """
+    if tau_pos <= 0 or tau_neg <= 0:
+        raise ValueError(f"actor.sapo_tau_pos and sapo_tau_neg must be > 0, got {tau_pos}, {tau_neg}")
+    adv = advantages.detach()
+    gate_pos = torch.sigmoid(tau_pos * (ratio - 1.0)) * (4.0 / tau_pos)
+    gate_neg = torch.sigmoid(tau_neg * (ratio - 1.0)) * (4.0 / tau_neg)
+    return -torch.where(adv > 0, gate_pos, gate_neg) * adv
 
 
 def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, mode: AggMode = "token-mean", *,

@@ -187,7 +187,7 @@ class PPOActor:
                              eps_clip_higher=a.eps_clip_higher, c_clip=a.c_clip,
                              behav_logp=behav_mb if self.behav_weighted else None, correction=self.correction,
                              importance_sampling_level=a.importance_sampling_level, policy_loss=a.policy_loss,
-                             seq_idx=seq_idx, n_seqs=n)
+                             sapo_tau=(a.sapo_tau_pos, a.sapo_tau_neg), seq_idx=seq_idx, n_seqs=n)
         agg = partial(aggregate, loss_mask=mask, mode=a.loss_agg_mode, seq_idx=seq_idx, n_seqs=n,
                       token_denom=token_denom, seq_denom=seq_denom)
         pg = agg(out.token_loss)

@@ -25,7 +25,8 @@ class NormConfig(Section):
     eps: NonNegativeFloat = 1e-5
     """Added to the std before dividing."""
     group_size: NonNegativeInt = 0
-    """Samples per group for group-level statistics (0 = n_samples)."""
+    """Accepted for compatibility with AReaL configs, not used: group statistics are taken over each prompt's group as
+    it arrived (gconfig.n_samples samples, or actor.group_size)."""
 
 
 class OptimizerConfig(Section):
@@ -193,9 +194,15 @@ class ActorConfig(Section):
     """Off-policy correction of the behaviour importance weight π_prox/π_behav (AReaL's rejection_sampling; also TIS,
     IcePop, MIS, sequence masks); needs use_decoupled_loss or recompute_logprob. None: the weight is applied unchanged
     (decoupled loss) or not at all."""
-    policy_loss: Literal["ppo", "cispo"] = "ppo"
+    policy_loss: Literal["ppo", "cispo", "sapo"] = "ppo"
     """ppo: clipped surrogate max(-A·r, -A·clip(r)); cispo (MiniMax-M1): -sg(clip(r, 1-eps_clip,
-    1+eps_clip_higher))·A·log π_θ, every token keeps a gradient."""
+    1+eps_clip_higher))·A·log π_θ, every token keeps a gradient; sapo (AReaL use_sapo_loss, arXiv 2511.20347): the
+    clip replaced by a soft gate -(4/τ)·σ(τ(r-1))·A, τ = sapo_tau_pos for A > 0 else sapo_tau_neg (no decoupled
+    loss)."""
+    sapo_tau_pos: PositiveFloat = 1.0
+    """policy_loss=sapo: gate temperature for tokens with a positive advantage (larger = sharper)."""
+    sapo_tau_neg: PositiveFloat = 1.05
+    """policy_loss=sapo: gate temperature for tokens with a zero or negative advantage."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token (PPO/GRPO) or sequence (GSPO) ratios."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"

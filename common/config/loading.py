@@ -191,6 +191,9 @@ def _check(cfg: "Config") -> None:
 
 def _check_correction(a: ActorConfig) -> None:
     rs = a.rejection_sampling
+    if a.policy_loss == "sapo" and a.use_decoupled_loss:
+        raise ConfigError("actor.policy_loss=sapo gates the ratio to the old policy itself: set "
+                          "actor.use_decoupled_loss=false (as AReaL requires for use_sapo_loss)")
     if rs is not None and a.behav_imp_weight_cap is not None:
         raise ConfigError("actor.behav_imp_weight_cap and actor.rejection_sampling are both set: behav_imp_weight_cap is "
                           "the old spelling of rejection_sampling {level: token, action: mask, metric: ratio, upper: cap}; keep one")

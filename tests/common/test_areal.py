@@ -1,9 +1,12 @@
 """`rlstream config import-areal`: an AReaL experiment file becomes an rlstream config.
 
-The input is tests/common/data/areal_gsm8k_grpo.yaml: the 132-key set of AReaL's
-examples/math/gsm8k_grpo.yaml (inclusionAI/AReaL) with values of our own.
+Inputs: tests/common/data/areal_gsm8k_grpo.yaml (the 132-key set of AReaL's
+examples/math/gsm8k_grpo.yaml with values of our own) and tests/common/fixtures/areal/ (AReaL's
+own examples, inclusionAI/AReaL 4aef98d, each citing its source).
 """
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -56,7 +59,7 @@ actor:
   recompute_logprob: true
   use_decoupled_loss: true
   rejection_sampling: {level: token, action: mask, metric: ratio, upper: 4.0}
-  reward_norm: {mean_level: group, std_level: group, group_size: 8}
+  reward_norm: {mean_level: group, std_level: group}
   adv_norm: {mean_level: batch, std_level: none}
   weight_update_mode: distributed
   weight_update_backend: nccl
@@ -104,7 +107,7 @@ def test_cli_prints_the_summary_and_config_show_accepts_the_result(tmp_path):
     run = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "config", "import-areal", str(AREAL)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stderr.startswith("translated 9, same 69, dropped 54 (of 132 AReaL keys)")
+    assert run.stderr.startswith("translated 9, same 67, dropped 56 (of 132 AReaL keys); added 0")
     assert "dropped     perf_tracer.enabled: no tracer" in run.stderr
     mine = tmp_path / "mine.yaml"
     mine.write_text(run.stdout)
@@ -150,3 +153,265 @@ def test_areal_keys_accepted_directly():
     assert (c.train_dataset.type, c.train_dataset.max_prompt_len) == ("auto", 300)
     assert (c.actor.adv_norm.mean_level, c.actor.adv_norm.std_level) == ("none", "none")
     assert c.actor.reward_norm.std_level == "none"
+
+
+# --------------------------------------------------------------------------- AReaL's own examples
+
+FIXTURES = Path(__file__).parent / "fixtures" / "areal"
+EXAMPLES = sorted(p.stem for p in FIXTURES.glob("*.yaml"))
+# (translated, same, dropped, added) per example: every leaf key lands in exactly one list.
+COUNTS = {"gsm8k_dapo_dynamic_bs": (8, 71, 55, 0), "gsm8k_drgrpo": (8, 66, 54, 0), "gsm8k_grpo": (9, 67, 56, 0),
+          "gsm8k_grpo_lora": (13, 67, 61, 0), "gsm8k_grpo_mt": (9, 67, 55, 0), "gsm8k_ppo": (8, 65, 76, 0),
+          "gsm8k_rloo": (8, 68, 54, 0), "gsm8k_sapo": (9, 67, 56, 0)}
+
+
+def _example(name):
+    return OmegaConf.to_container(OmegaConf.load(FIXTURES / f"{name}.yaml"), resolve=True)
+
+
+def _leaf_keys(data, prefix=""):
+    if isinstance(data, dict) and data:
+        return [k for key, v in data.items() for k in _leaf_keys(v, f"{prefix}.{key}" if prefix else key)]
+    return [prefix]
+
+
+def test_the_fixtures_are_the_examples_the_issue_names():
+    assert set(EXAMPLES) == set(COUNTS)
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_each_example_imports_loads_and_names_every_key_it_writes(name):
+    data = _example(name)
+    t = translate_areal(data)
+    assert (len(t.translated), len(t.same), len(t.dropped), len(t.added)) == COUNTS[name]
+    assert len(t.translated) + len(t.same) + len(t.dropped) == len(_leaf_keys(data))
+    c = load_config_dict(t.config)
+    summary = t.summary()
+    # every key of the output is named in the summary, itself or the section it sits in
+    unnamed = [k for k in _leaf_keys(t.config)
+               if not any(p in summary for p in (k, *(k.rsplit(".", n)[0] for n in range(1, k.count(".") + 1))))]
+    assert not unnamed
+    assert c.gconfig.n_samples == data["gconfig"]["n_samples"]
+    assert c.actor.optimizer.lr == data["actor"]["optimizer"]["lr"]
+    dropped = dict(t.dropped)
+    assert "Redis at once" in dropped["rollout.queue_size"]
+    if "group_size" in (data["actor"].get("reward_norm") or {}):
+        assert "gconfig.n_samples" in dropped["actor.reward_norm.group_size"]
+
+
+def test_lora_example_trains_a_lora_adapter():
+    data = _example("gsm8k_grpo_lora")
+    t = translate_areal(data)
+    c = load_config_dict(t.config)
+    assert (c.actor.lora.rank, c.actor.lora.alpha, c.actor.lora.target_modules) == (16, 16.0, ["all-linear"])
+    assert c.actor.optimizer.lr == 1.7e-4 and c.actor.weight_update_mode == "disk"
+    assert "--enable-lora" not in c.launcher.slurm.engine_args  # the engines merge the adapter
+    dropped = dict(t.dropped)
+    assert "merge" in dropped["sglang.enable_lora"] and "merge" in dropped["rollout.use_lora"]
+    # AReaL's defaults where the file says nothing: rank 32, alpha 16, all linear modules
+    del data["actor"]["lora_rank"], data["actor"]["lora_alpha"], data["actor"]["target_modules"]
+    t = translate_areal(data)
+    assert (t.config["actor"]["lora"], len(t.added)) == ({"rank": 32, "alpha": 16.0, "target_modules": ["all-linear"]}, 3)
+    data["actor"]["use_lora"] = False
+    c = load_config_dict(translate_areal(data).config)
+    assert c.actor.lora is None
+    data["actor"] |= {"use_lora": True, "peft_type": "ia3"}
+    with pytest.raises(ConfigError, match="peft_type 'ia3': rlstream trains LoRA adapters only"):
+        translate_areal(data)
+
+
+NO_WEIGHT = {"weight": "none", "upper": 1e30}
+
+
+@pytest.mark.parametrize("spelling", [{"rejection_sampling": None}, {}, {"behave_imp_weight_mode": "disabled"},
+                                      {"behave_imp_weight_mode": "disabled", "behave_imp_weight_cap": 5.0}])
+def test_decoupled_loss_without_rejection_sampling_weighs_nothing_as_areal(spelling):
+    """AReaL's ppo_actor_loss_fn applies no behaviour weight without rejection sampling; rlstream's
+    equivalent is {weight: none, upper: 1e30} (the loss equality: tests/trainer/test_losses.py)."""
+    data = _example("gsm8k_grpo")
+    data["actor"].pop("rejection_sampling")
+    data["actor"] |= spelling
+    t = translate_areal(data)
+    c = load_config_dict(t.config)
+    rs = c.actor.correction
+    assert (rs.weight, rs.upper, rs.action, rs.level) == ("none", 1e30, "mask", "token")
+    assert t.config["actor"]["rejection_sampling"] == NO_WEIGHT
+    assert ("AReaL applies no behaviour weight" in t.summary()) and ("1e+30" in t.summary())
+    if not spelling:
+        assert t.added == [("actor.rejection_sampling={weight: none, upper: 1e+30}",
+                            "AReaL applies no behaviour weight without rejection sampling; rlstream's null would "
+                            "weigh the loss by exp(prox - behav)")]
+
+
+@pytest.mark.parametrize("mode,level,action", [("sequence_mask", "sequence", "mask"),
+                                               ("sequence_truncate", "sequence", "clamp"),
+                                               ("token_mask", "token", "mask"), ("token_truncate", "token", "clamp")])
+def test_removed_behave_imp_weight_modes(mode, level, action):
+    data = _example("gsm8k_grpo")
+    data["actor"].pop("rejection_sampling")
+    data["actor"] |= {"behave_imp_weight_mode": mode, "behave_imp_weight_cap": 3.0}
+    t = translate_areal(data)
+    rs = load_config_dict(t.config).actor.correction
+    assert (rs.level, rs.action, rs.metric, rs.agg, rs.upper, rs.weight) == (level, action, "ratio", "mean", 3.0, "auto")
+    assert len(t.translated) == COUNTS["gsm8k_grpo"][0] + 2  # both keys, counted once each
+    data["actor"]["behave_imp_weight_cap"] = None  # the old code applied the weight uncapped
+    rs = load_config_dict(translate_areal(data).config).actor.correction
+    assert (rs.level, rs.action, rs.upper, rs.weight) == (level, "mask", 1e30, "auto")
+    data["actor"]["behave_imp_weight_mode"] = "sequence_typo"
+    with pytest.raises(ConfigError, match="behave_imp_weight_mode 'sequence_typo': expected disabled, token_mask"):
+        translate_areal(data)
+
+
+def test_sapo_example_imports_as_sapo_without_the_ignored_rejection_sampling():
+    t = translate_areal(_example("gsm8k_sapo"))
+    c = load_config_dict(t.config)
+    assert (c.actor.policy_loss, c.actor.sapo_tau_pos, c.actor.sapo_tau_neg) == ("sapo", 1.0, 1.05)
+    assert c.actor.correction is None and not c.actor.use_decoupled_loss
+    assert "only with use_decoupled_loss: true" in dict(t.dropped)["actor.rejection_sampling.upper"]
+    with pytest.raises(ConfigError, match="actor.policy_loss=sapo .* set actor.use_decoupled_loss=false"):
+        load_config(None, ["actor.policy_loss=sapo", "actor.use_decoupled_loss=true"])
+
+
+def test_multi_turn_example_keeps_its_turn_limit():
+    t = translate_areal(_example("gsm8k_grpo_mt"))
+    assert load_config_dict(t.config).agent.max_turns == 2
+    assert "one sequence" in dict(t.dropped)["export_style"]
+    assert any("AgentWorkflow" in n for n in t.notes)
+
+
+def test_a_group_size_other_than_the_group_is_refused():
+    data = _example("gsm8k_grpo")
+    data["actor"]["reward_norm"]["group_size"] = 2
+    with pytest.raises(ConfigError, match="actor.reward_norm.group_size 2 differs from gconfig.n_samples 4"):
+        translate_areal(data)
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("roll.yaml", "pretrain: /m\nactor_train: {model_args: {dtype: bf16}}\nactor_infer: {}\n", "looks like a ROLL config"),
+    ("cosmos.toml", '[train]\nepoch = 1\n[policy]\nmodel_name_or_path = "m"\n', "not an AReaL experiment file"),
+    ("notes.txt", "just a line of text\n", "not an AReaL experiment file"),
+    ("rlinf.yaml", "runner: {max_epochs: 1}\nalgorithm: {adv_type: grpo}\nactor: {}\n", "looks like a RLinf config"),
+])
+def test_a_file_of_another_system_is_refused_in_one_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    run = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "config", "import-areal", str(path)],
+                         capture_output=True, text=True, env=dict(os.environ), timeout=120)
+    assert run.returncode == 2 and run.stdout == ""
+    assert len(run.stderr.strip().splitlines()) == 1 and str(path) in run.stderr and message in run.stderr
+
+
+# --------------------------------------------------------------------------- one real step of an imported config
+
+TINY_OVERRIDES = ["actor.dtype=float32", "actor.gradient_checkpointing=false", "actor.parallel=ddp",
+                  "gconfig.n_samples=4", "rollout.consumer_batch_size=2", "train_dataset.batch_size=2",
+                  "gconfig.max_new_tokens=6", "actor.max_new_tokens=6", "actor.mb_spec.max_tokens_per_mb=256",
+                  "launcher.n_trainer_procs=1", "launcher.n_engines=1", "actor.weight_update_mode=none"]
+
+
+def _sampled_batch(model, n_prompts, n_samples, prompt_len, out_len, seed=0):
+    """Groups sampled from `model` itself (behaviour logprobs of its own distribution, version 0)."""
+    import torch
+
+    from rlstream.trainer.batch import SeqBatch
+
+    gen = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    ids = torch.randint(4, vocab, (n_prompts, prompt_len), generator=gen).repeat_interleave(n_samples, 0)
+    logps = []
+    with torch.no_grad():
+        for _ in range(out_len):
+            logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[:, -1].float(), -1)
+            tok = torch.multinomial(logp.exp(), 1, generator=gen)
+            logps.append(logp.gather(-1, tok))
+            ids = torch.cat([ids, tok], 1)
+    n, length = ids.shape
+    out = torch.zeros(n, length, dtype=torch.bool)
+    out[:, prompt_len:] = True
+    behav = torch.zeros(n, length)
+    behav[:, prompt_len:] = torch.cat(logps, 1)
+    return SeqBatch(input_ids=ids.reshape(-1), cu_seqlens=torch.arange(n + 1) * length,
+                    prompt_lens=torch.full((n,), prompt_len), loss_mask=out.reshape(-1), behav_logp=behav.reshape(-1),
+                    versions=torch.where(out, 0, -1).reshape(-1).long(),
+                    rewards=(ids[:, prompt_len:] % 2 == 0).float().mean(1), no_eos=torch.zeros(n, dtype=torch.bool),
+                    group_ids=torch.arange(n) // n_samples, entry_ids=[f"g{i}" for i in range(n_prompts)])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_an_imported_example_trains_one_real_step(name, tmp_path, tiny_model_path):
+    """The imported YAML, loaded as a user loads it (`--config mine.yaml` + overrides to a tiny local model),
+    drives one PPOActor step: finite loss, the trained weights move (LoRA: only the adapter's)."""
+    import math
+
+    import torch
+
+    from rlstream.trainer.model import load_model
+    from rlstream.trainer.optim import build_optimizer, build_scheduler
+    from rlstream.trainer.parallel import Parallel
+    from rlstream.trainer.ppo import PPOActor
+
+    run = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "config", "import-areal",
+                          str(FIXTURES / f"{name}.yaml")], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(run.stdout)
+    cfg = load_config(mine, [f"actor.path={tiny_model_path}", f"tokenizer_path={tiny_model_path}",
+                             f"ref.path={tiny_model_path}", *TINY_OVERRIDES])
+    torch.manual_seed(0)
+    par = Parallel()
+    model = load_model(cfg.actor.path, cfg.actor, par.device)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    opt = build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.actor.optimizer)
+    actor = PPOActor(cfg, model, opt, build_scheduler(opt, cfg.actor.optimizer, 10), par)
+    stats = actor.train_step(_sampled_batch(model, 2, cfg.gconfig.n_samples, 4, 6), version=0)
+    assert math.isfinite(stats["loss/total"]) and math.isfinite(stats["optim/grad_norm"])
+    moved = {k for k, v in model.named_parameters() if not torch.equal(v.detach(), before[k])}
+    assert moved
+    if name == "gsm8k_grpo_lora":
+        assert cfg.actor.lora is not None and all("lora_" in k for k in moved)
+    if name == "gsm8k_sapo":
+        assert cfg.actor.policy_loss == "sapo" and stats["ppo/clip_frac"] == 0.0
+    else:
+        assert "imp_weight/applied_mean" in stats  # the decoupled loss with AReaL's rejection sampling
+
+
+def _run_overrides(run_dir):
+    """An imported config pointed at the CPU demo's task and tiny model, one engine/producer/trainer process."""
+    return [f"cluster.fileroot={run_dir.parents[1]}", "total_train_steps=1", "launcher.demo.task=reverse",
+            "launcher.demo.n_train=16", "launcher.demo.n_valid=8", "launcher.eval_n=0", "launcher.sft_steps=0",
+            f"actor.path={run_dir / 'model'}", f"tokenizer_path={run_dir / 'model'}", f"ref.path={run_dir / 'model'}",
+            f"train_dataset.path={run_dir / 'data' / 'train.jsonl'}", f"valid_dataset.path={run_dir / 'data' / 'valid.jsonl'}",
+            "server.device=cpu", "actor.device=cpu",
+            "actor.weight_update_backend=gloo", "launcher.n_producers=1", "rollout.max_concurrent_rollouts=8",
+            "train_dataset.max_length=64", "stats_logger.tensorboard.enabled=false",
+            *[o for o in TINY_OVERRIDES if not o.startswith("actor.weight_update_mode")]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["gsm8k_grpo", "gsm8k_sapo", "gsm8k_grpo_lora"])
+def test_rlstream_run_trains_one_step_of_an_imported_example(name, tmp_path):
+    """`config import-areal` then `rlstream run --config mine.yaml` with tiny overrides: real Redis, engine,
+    producer and trainer processes, one step trained and its weights pushed (LoRA: over disk, as the file says)."""
+    imported = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "config", "import-areal",
+                               str(FIXTURES / f"{name}.yaml")], capture_output=True, text=True, timeout=120)
+    mine = tmp_path / "mine.yaml"
+    mine.write_text(imported.stdout)
+    data = _example(name)
+    run_dir = tmp_path / "runs" / data["experiment_name"] / data["trial_name"]
+    # A reward the untrained tiny model earns sometimes (the share of digits it writes), so advantages and
+    # the gradient are not zero.
+    (tmp_path / "digit_reward.py").write_text(
+        "def digit_share(prompt, completion, answer, **kw):\n"
+        "    return sum(c.isdigit() for c in completion) / max(len(completion), 1)\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "run", "--config", str(mine),
+                          *_run_overrides(run_dir), "producer.reward_fn=digit_reward:digit_share"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, f"{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss/total" in r]  # the others: the evaluation before training
+    assert [r["step"] for r in steps] == [1] and math.isfinite(steps[0]["loss/total"])
+    assert steps[0]["optim/grad_norm"] > 0
+    assert ("imp_weight/applied_mean" in steps[0]) == (name != "gsm8k_sapo")  # SAPO: no decoupled loss

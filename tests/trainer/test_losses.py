@@ -358,3 +358,95 @@ def test_non_finite_logprobs_give_no_nan():
     behav = torch.tensor([-1.0, -math.inf, -0.7])
     c = behaviour_correction(prox, behav, torch.ones(3, dtype=torch.bool), RS(upper=2.0))
     assert torch.isfinite(c.weight).all() and c.weight[1] == 1.0
+
+
+# --------------------------------------------------------------------------- AReaL's losses, transcribed
+
+def _areal_seq_ratio_and_adv(log_ratio, adv, mask):
+    """AReaL `_compute_sequence_level_ratio_and_advantages` (GSPO): per sequence the geometric mean of the
+    ratio over loss tokens and the mean advantage, broadcast to its tokens."""
+    lr_sum = np.array([np.where(mask, log_ratio, 0.0)[_SEQ == i].sum() for i in range(3)])
+    a_sum = np.array([np.where(mask, adv, 0.0)[_SEQ == i].sum() for i in range(3)])
+    n = np.array([max((mask & (_SEQ == i)).sum(), 1) for i in range(3)])
+    return np.exp(lr_sum / n)[_SEQ], (a_sum / n)[_SEQ]
+
+
+def _areal_sapo_loss(logp, old, adv, mask, tau_pos, tau_neg, level):
+    """AReaL `sapo_loss_fn` (areal/utils/functional/functional.py, inclusionAI/AReaL 4aef98d), transcribed:
+    r = exp(logp - old) (sequence: geometric mean); gate± = σ(τ±(r-1))·4/τ±; the gate of A > 0 is gate+,
+    else gate-; loss = Σ_mask(-gate·A) / #mask."""
+    ratio, a = (np.exp(logp - old), adv) if level == "token" else _areal_seq_ratio_and_adv(logp - old, adv, mask)
+    sig = lambda x: 1.0 / (1.0 + np.exp(-x))  # noqa: E731
+    gate = np.where(a > 0, sig(tau_pos * (ratio - 1.0)) * 4.0 / tau_pos, sig(tau_neg * (ratio - 1.0)) * 4.0 / tau_neg)
+    return np.where(mask, -gate * a, 0.0).sum() / max(mask.sum(), 1)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("tau_pos,tau_neg", [(1.0, 1.05), (0.5, 3.0)])
+def test_sapo_matches_areal_transcription(level, tau_pos, tau_neg):
+    """policy_loss=sapo equals AReaL's SAPO loss to 1e-6, and its gradient at r = 1 is PPO's (-A per token)."""
+    for seed in range(4):
+        prox, _, logp, adv, mask = _batch(seed)
+        logp = prox + np.random.default_rng(seed + 10).normal(0.0, 0.6, len(prox))  # ratios well away from 1
+        out = ppo_token_loss(_t(logp), _t(prox), _t(adv), _t(mask), eps_clip=0.2, policy_loss="sapo",
+                             sapo_tau=(tau_pos, tau_neg), importance_sampling_level=level,
+                             seq_idx=torch.tensor(_SEQ), n_seqs=3)
+        ours = float(aggregate(out.token_loss, _t(mask)))
+        assert ours == pytest.approx(_areal_sapo_loss(logp, prox, adv, mask, tau_pos, tau_neg, level), rel=1e-6, abs=1e-9)
+        assert not out.clip_mask.any()
+    prox, _, _, adv, mask = _batch(1)
+    lp = _t(prox).requires_grad_(True)
+    out = ppo_token_loss(lp, _t(prox), _t(adv), _t(mask), eps_clip=0.2, policy_loss="sapo", sapo_tau=(tau_pos, tau_neg))
+    out.token_loss.sum().backward()
+    assert lp.grad.numpy() == pytest.approx(np.where(mask, -adv, 0.0), rel=1e-6)
+
+
+def _areal_ppo_loss_without_rs(logp, prox, adv, mask, eps):
+    """AReaL `ppo_actor_loss_fn` with rejection_sampling=None (decoupled loss, AReaL HEAD 4aef98d): the PPO
+    term against the proximal policy, no behaviour weight at all; Σ_mask / #mask."""
+    r = np.exp(logp - prox)
+    pg = np.maximum(-adv * r, -adv * np.clip(r, 1 - eps, 1 + eps))
+    return np.where(mask, pg, 0.0).sum() / max(mask.sum(), 1)
+
+
+def test_weight_none_with_an_unreachable_bound_is_areals_decoupled_loss_without_rejection_sampling():
+    """What `config import-areal` writes for a decoupled loss with rejection_sampling null: {weight: none,
+    upper: 1e30} keeps every token (a ratio π_prox/π_behav of 1e30 is a log-ratio of 69) and weighs none."""
+    rs = RS(weight="none", upper=1e30)
+    for spread in (0.5, 5.0, 20.0):  # log-ratios up to ~60: the raw weight exp(prox - behav) reaches 1e26
+        for seed in range(3):
+            prox, behav, logp, adv, mask = _batch(seed, spread)
+            out = ppo_token_loss(_t(logp), _t(prox), _t(adv), _t(mask), eps_clip=0.2, behav_logp=_t(behav),
+                                 correction=rs, seq_idx=torch.tensor(_SEQ), n_seqs=3)
+            assert float(aggregate(out.token_loss, _t(mask))) == pytest.approx(
+                _areal_ppo_loss_without_rs(logp, prox, adv, mask, 0.2), rel=1e-9)
+            assert out.correction.kept.tolist() == mask.tolist()
+    raw = ppo_token_loss(_t(logp), _t(prox), _t(adv), _t(mask), eps_clip=0.2, behav_logp=_t(behav))
+    assert float(aggregate(raw.token_loss, _t(mask))) != pytest.approx(_areal_ppo_loss_without_rs(logp, prox, adv, mask, 0.2))
+
+
+def _areal_old_behave_imp_weight(prox, behav, mask, mode, cap):
+    """AReaL's removed `compute_behave_imp_weight` (areal/utils/functional/functional.py before inclusionAI/AReaL
+    bc9f009), transcribed: w = exp(prox - behav), or per sequence the geometric mean over loss tokens for the
+    sequence_* modes; truncate clamps w to [0, cap], mask sets w > cap to 0; 0 off the loss mask."""
+    lr = np.where(mask, prox - behav, 0.0)
+    w = _seq_geo_mean(lr, mask)[_SEQ] if mode.startswith("sequence") else np.exp(lr)
+    w = np.clip(w, 0.0, cap) if mode.endswith("truncate") else np.where(w > cap, 0.0, w)
+    return np.where(mask, w, 0.0)
+
+
+@pytest.mark.parametrize("mode", ["token_mask", "token_truncate", "sequence_mask", "sequence_truncate"])
+def test_removed_areal_weight_modes_as_import_areal_writes_them(mode):
+    """`config import-areal` maps behave_imp_weight_mode/cap to rejection_sampling (common/areal.py
+    _LEGACY_MODES); the weight equals the old AReaL code's."""
+    level, action = mode.split("_")
+    rs = RS(level=level, action="mask" if action == "mask" else "clamp", metric="ratio", agg="mean", upper=1.3)
+    acted = 0
+    for spread in (0.1, 0.4, 1.0):
+        for seed in range(4):
+            plain, out, (prox, behav, mask) = _loss_with(rs, seed, spread)
+            w_old = _areal_old_behave_imp_weight(prox, behav, mask, mode, 1.3)
+            assert out.correction.weight.numpy() == pytest.approx(w_old, rel=1e-6, abs=1e-12)
+            assert out.token_loss.numpy() == pytest.approx(plain * w_old, rel=1e-6, abs=1e-12)
+            acted += int((w_old != np.where(mask, np.exp(prox - behav), 0.0)).sum())
+    assert acted > 0
