@@ -9,10 +9,14 @@
 
 The real producer loop (producer/main.py's `Producer`, in this process) against a real
 `rlstream serve` child and a redis-server child (both stopped by PID), with 1 and 8 rollouts
-in flight. Hooks added here only (no production change) split each rollout's wall time
-(admission through commit) into time awaiting the engine's HTTP answers and everything
-else: admission (lease + dataset cursor), reward, validate + encode + commit, and the rest
-(event-loop scheduling, version reads, detokenisation, group building).
+in flight. Each rollout's wall time (admission through commit) is split into time awaiting the
+engine's HTTP answers and everything else: admission (lease + dataset cursor), reward,
+validate + encode + commit, and the rest (event-loop scheduling, version reads, detokenisation,
+group building). Admission, start, end and commit come from the admission loop's own
+`on_rollout_timing` hook (producer/admit_loop.py's `RolloutTiming`); the engine requests
+(`EngineClient.call`) and reward calls (`RewardPool.__call__`) are timed by wrapping those public
+methods for the run, and attributed to the rollout through a context variable the hook sets.
+tests/benchmarks/test_producer_overhead.py runs this end to end at its smallest size.
 """
 
 from __future__ import annotations
@@ -45,12 +49,44 @@ GENERATE_PATHS = ("/generate", "/v1/completions")
 
 @dataclass
 class _RolloutTimes:
-    admit: float = 0.0  # successful try_acquire + cursor.next before this rollout
-    start: float = 0.0
-    end: float = 0.0
+    timing: object  # the loop's `RolloutTiming`: admission, start, end, validate + encode + commit
     engine: list = field(default_factory=list)  # (t0, t1) of each engine HTTP request
     reward: list = field(default_factory=list)  # (t0, t1) of each reward call
-    finish: float = 0.0  # validate + encode + commit (one Redis transaction)
+
+
+class _Recorder:
+    """The producer's `on_rollout_timing` (producer/admit_loop.py): called in each rollout's task as it starts,
+    where it sets `_ROLLOUT` for the engine requests and reward calls the rollout makes, and as it ends."""
+
+    def __init__(self) -> None:
+        self.records: list[_RolloutTimes] = []
+        self.window: list[float] | None = None  # (cpu, wall) from the first rollout's start on: start-up excluded
+
+    def __call__(self, timing) -> None:
+        if not timing.ended:
+            _ROLLOUT.set(_RolloutTimes(timing))  # this task's context; the workflow's gathered calls inherit it
+            if self.window is None:
+                self.window = [time.process_time(), timing.started, 0.0, 0.0]
+            return
+        self.records.append(_ROLLOUT.get())
+        self.window[2:] = [time.process_time(), timing.ended]
+
+
+def _span_recorder(method, kind: str, generate_only: bool = False):
+    """`method` (a public async method, set on its class in its place) recording each call's (t0, t1) in the
+    calling rollout's `kind` list; `generate_only`: only calls whose first argument is a generate route."""
+
+    async def timed(self, *a, **kw):
+        rec = _ROLLOUT.get()
+        if rec is None or (generate_only and a[0].path not in GENERATE_PATHS):
+            return await method(self, *a, **kw)
+        t0 = time.perf_counter()
+        try:
+            return await method(self, *a, **kw)
+        finally:
+            getattr(rec, kind).append((t0, time.perf_counter()))
+
+    return timed
 
 
 def _union(intervals: list) -> float:
@@ -64,65 +100,6 @@ def _union(intervals: list) -> float:
         else:
             cur1 = max(cur1, t1)
     return total + (cur1 - cur0 if cur1 is not None else 0.0)
-
-
-def _timed_producer(cfg):
-    from rlstream.producer.main import Producer
-
-    class TimedProducer(Producer):
-        async def _setup(self) -> None:
-            await super()._setup()
-            self.records: list[_RolloutTimes] = []
-            self._admit = 0.0
-            acquire, cursor_next, reward = self.admission.try_acquire, self.cursor.next, self.workflow.reward
-
-            async def try_acquire(*a, **kw):
-                t0 = time.perf_counter()
-                st, lease = await acquire(*a, **kw)
-                if lease is not None:  # a refused attempt is waiting for capacity, not per-rollout work
-                    self._admit += time.perf_counter() - t0
-                return st, lease
-
-            async def next_item():
-                t0 = time.perf_counter()
-                item = await cursor_next()
-                self._admit += time.perf_counter() - t0
-                return item
-
-            async def timed_reward(*a, **kw):
-                t0 = time.perf_counter()
-                try:
-                    return await reward(*a, **kw)
-                finally:
-                    rec = _ROLLOUT.get()
-                    if rec is not None:
-                        rec.reward.append((t0, time.perf_counter()))
-
-            self.admission.try_acquire, self.cursor.next, self.workflow.reward = try_acquire, next_item, timed_reward
-
-        async def _rollout(self, lease_id, item) -> None:
-            rec = _RolloutTimes(admit=self._admit, start=time.perf_counter())
-            if not hasattr(self, "window"):  # (cpu, wall) from the first rollout on: start-up excluded
-                self.window = [time.process_time(), rec.start, 0.0, 0.0]
-            self._admit = 0.0
-            _ROLLOUT.set(rec)  # this task's context; the workflow's gathered requests inherit it
-            try:
-                await super()._rollout(lease_id, item)
-            finally:
-                rec.end = time.perf_counter()
-                self.records.append(rec)
-                self.window[2:] = [time.process_time(), rec.end]
-
-        async def _finish(self, lease_id, group) -> None:
-            t0 = time.perf_counter()
-            try:
-                await super()._finish(lease_id, group)
-            finally:
-                rec = _ROLLOUT.get()
-                if rec is not None:
-                    rec.finish += time.perf_counter() - t0
-
-    return TimedProducer(cfg)
 
 
 def _start_engine(workdir: Path, model: str, redis_url: str, threads: int, device: str) -> tuple[subprocess.Popen, str]:
@@ -148,8 +125,8 @@ def _start_engine(workdir: Path, model: str, redis_url: str, threads: int, devic
 
 
 def _summarise(records: list[_RolloutTimes], skip: int) -> dict:
-    recs = sorted(records, key=lambda r: r.start)[skip:]
-    walls = [r.admit + (r.end - r.start) for r in recs]
+    recs = sorted(records, key=lambda r: r.timing.started)[skip:]
+    walls = [r.timing.admission_s + (r.timing.ended - r.timing.started) for r in recs]
     engine = [_union(r.engine) for r in recs]
     over = [w - e for w, e in zip(walls, engine)]
     n = len(recs)
@@ -157,85 +134,90 @@ def _summarise(records: list[_RolloutTimes], skip: int) -> dict:
     def ms(xs) -> float:
         return round(1000 * sum(xs) / n, 3)
 
-    reward, admit, finish = [_union(r.reward) for r in recs], [r.admit for r in recs], [r.finish for r in recs]
+    reward, admit = [_union(r.reward) for r in recs], [r.timing.admission_s for r in recs]
+    finish = [r.timing.finish_s for r in recs]
     rest = [o - a - rw - f for o, a, rw, f in zip(over, admit, reward, finish)]
     return {"rollouts": n, "wall_ms": ms(walls), "engine_ms": ms(engine), "overhead_ms": ms(over),
             "overhead_median_ms": round(1000 * statistics.median(over), 3),
             "overhead_fraction": round(sum(over) / sum(walls), 4),
             "admission_ms": ms(admit), "reward_ms": ms(reward), "commit_ms": ms(finish), "other_ms": ms(rest),
-            "engine_requests_per_rollout": round(sum(len(r.engine) for r in recs) / n, 2)}
+            "engine_requests_per_rollout": round(sum(len(r.engine) for r in recs) / n, 2),
+            "reward_calls_per_rollout": round(sum(len(r.reward) for r in recs) / n, 2)}
+
+
+def _write_prompts(path: Path, n: int) -> None:
+    with open(path, "w") as f:
+        for i in range(n):
+            a, b = i % 10, (i * 7) % 10
+            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+
+
+def _run_at(cfg, concurrency: int, groups: int) -> dict:
+    """One producer run to `groups` accepted groups; its row of the table."""
+    from rlstream.producer.main import Producer
+
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - a dependency on Linux/macOS
+        uvloop = None
+    recorder = _Recorder()
+    producer = Producer(cfg, on_rollout_timing=recorder)
+    code = uvloop.run(producer.run()) if uvloop is not None else asyncio.run(producer.run())
+    accepted = producer.loop.accepted if producer.loop is not None else 0
+    if code != 0 or accepted < groups or not all(r.timing.committed for r in recorder.records):
+        sys.exit(f"producer run at concurrency {concurrency} failed: exit {code}, accepted {accepted}, "
+                 f"{sum(not r.timing.committed for r in recorder.records)} rollouts not committed")
+    cpu0, t0, cpu1, t1 = recorder.window
+    n = len(recorder.records)
+    # The first wave (c rollouts started together, reward workers warming up) is skipped.
+    return {"concurrency": concurrency, **_summarise(recorder.records, skip=min(max(2, concurrency), n - 1)),
+            "groups_per_s": round(n / (t1 - t0), 2),
+            # this process only (admission, HTTP client, encode, commit, loop); the reward
+            # runs in the reward worker process, the engine in its own
+            "producer_cpu_ms_per_rollout": round(1000 * (cpu1 - cpu0) / n, 3)}
 
 
 def run_producer_overhead(*, groups: int = 64, concurrencies=(1, 8), n_samples: int = 4, new_tokens: int = 16,
                           threads: int = 1, device: str = "cpu", model_path: str | None = None) -> dict:
     """The real producer loop against `rlstream serve` + redis-server; per-rollout overhead at each concurrency."""
     from rlstream.common.config import load_config
-    from rlstream.launcher.tiny import build_tiny_model
     from rlstream.common.engine_client import EngineClient
+    from rlstream.launcher.tiny import build_tiny_model
+    from rlstream.producer.rewards import RewardPool
 
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - a dependency on Linux/macOS
-        uvloop = None
     tmp = tempfile.TemporaryDirectory(prefix="rlstream-bench-producer-")
     work = Path(tmp.name)
     model = model_path or str(build_tiny_model(work / "tiny"))
     data = work / "arith.jsonl"
-    with open(data, "w") as f:
-        for i in range(max(groups, 64)):
-            a, b = i % 10, (i * 7) % 10
-            f.write(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+    _write_prompts(data, max(groups, 64))
     redis = RedisChild(work)
-    redis_url = redis.url
     engine_proc = None
     runs = []
+    patched = [(EngineClient, "call", EngineClient.call), (RewardPool, "__call__", RewardPool.__call__)]
     try:
-        engine_proc, address = _start_engine(work, model, redis_url, threads, device)
+        engine_proc, address = _start_engine(work, model, redis.url, threads, device)
         print(f"producer overhead: engine {address}, {groups} groups x {n_samples} samples x <= {new_tokens} tokens",
               flush=True)
-        orig_call = EngineClient.call
-
-        async def timed_call(self, route, body=None, **kw):
-            rec = _ROLLOUT.get()
-            if rec is None or route.path not in GENERATE_PATHS:
-                return await orig_call(self, route, body, **kw)
-            t0 = time.perf_counter()
-            try:
-                return await orig_call(self, route, body, **kw)
-            finally:
-                rec.engine.append((t0, time.perf_counter()))
-
-        EngineClient.call = timed_call
-        try:
-            for c in concurrencies:
-                # One namespace per run: a fresh dataset position and admission budget.
-                cfg = load_config(None, [
-                    f"actor.path={model}", f"redis.url={redis_url}", f"experiment_name=bench-producer-c{c}",
-                    f"train_dataset.path={data}", "producer.reward_fn=rlstream.producer.rewards:exact_match_reward",
-                    "producer.reward_workers=1", f"producer.max_groups={groups}", f"gconfig.n_samples={n_samples}",
-                    f"gconfig.max_new_tokens={new_tokens}", f"rollout.engine_addresses=[{address}]",
-                    f"rollout.consumer_batch_size={groups}", f"rollout.max_concurrent_rollouts={c}",
-                    "stats_logger.log_every_secs=60"])
-                producer = _timed_producer(cfg)
-                code = uvloop.run(producer.run()) if uvloop is not None else asyncio.run(producer.run())
-                if code != 0 or producer.accepted < groups:
-                    sys.exit(f"producer run at concurrency {c} failed: exit {code}, accepted {producer.accepted}")
-                cpu0, t0, cpu1, t1 = producer.window
-                n = len(producer.records)
-                # The first wave (c rollouts started together, reward workers warming up) is skipped.
-                row = {"concurrency": c, **_summarise(producer.records, skip=min(max(2, c), n - 1)),
-                       "groups_per_s": round(n / (t1 - t0), 2),
-                       # this process only (admission, HTTP client, encode, commit, loop); the reward
-                       # runs in the reward worker process, the engine in its own
-                       "producer_cpu_ms_per_rollout": round(1000 * (cpu1 - cpu0) / n, 3)}
-                runs.append(row)
-                print(f"  c={c:<3} rollout {row['wall_ms']:.1f} ms, engine {row['engine_ms']:.1f} ms, overhead "
-                      f"{row['overhead_ms']:.2f} ms ({100 * row['overhead_fraction']:.1f}%): admission "
-                      f"{row['admission_ms']:.2f}, reward {row['reward_ms']:.2f}, commit {row['commit_ms']:.2f}, "
-                      f"other {row['other_ms']:.2f} ms", flush=True)
-        finally:
-            EngineClient.call = orig_call
+        EngineClient.call = _span_recorder(EngineClient.call, "engine", generate_only=True)
+        RewardPool.__call__ = _span_recorder(RewardPool.__call__, "reward")
+        for c in concurrencies:
+            # One namespace per run: a fresh dataset position and admission budget.
+            cfg = load_config(None, [
+                f"actor.path={model}", f"redis.url={redis.url}", f"experiment_name=bench-producer-c{c}",
+                f"train_dataset.path={data}", "producer.reward_fn=rlstream.producer.rewards:exact_match_reward",
+                "producer.reward_workers=1", f"producer.max_groups={groups}", f"gconfig.n_samples={n_samples}",
+                f"gconfig.max_new_tokens={new_tokens}", f"rollout.engine_addresses=[{address}]",
+                f"rollout.consumer_batch_size={groups}", f"rollout.max_concurrent_rollouts={c}",
+                "stats_logger.log_every_secs=60"])
+            row = _run_at(cfg, c, groups)
+            runs.append(row)
+            print(f"  c={c:<3} rollout {row['wall_ms']:.1f} ms, engine {row['engine_ms']:.1f} ms, overhead "
+                  f"{row['overhead_ms']:.2f} ms ({100 * row['overhead_fraction']:.1f}%): admission "
+                  f"{row['admission_ms']:.2f}, reward {row['reward_ms']:.2f}, commit {row['commit_ms']:.2f}, "
+                  f"other {row['other_ms']:.2f} ms", flush=True)
     finally:
+        for cls, name, method in patched:
+            setattr(cls, name, method)
         if engine_proc is not None:
             stop_process(engine_proc, 20)
         redis.stop()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, StaleDrop
@@ -26,7 +26,7 @@ from rlstream.common.tasks import cancel_and_wait, complete_despite_cancel
 from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
 from rlstream.producer.workflow import RolloutVersions, current_rollout
 
-__all__ = ["AdmitLoop", "Clock", "LoopSettings", "should_accept"]
+__all__ = ["AdmitLoop", "Clock", "LoopSettings", "RolloutTiming", "should_accept"]
 
 log = get_logger(__name__)
 
@@ -81,20 +81,39 @@ class LoopSettings:
                    shutdown_timeout=cfg.producer.shutdown_timeout, data_epochs=cfg.data_epochs)
 
 
+@dataclass(eq=False)
+class RolloutTiming:
+    """Where one rollout's wall time went, for `AdmitLoop(on_rollout_timing=...)`; times are `time.perf_counter()`.
+
+    Admission through commit is `admission_s + ended - started`; benchmarks/producer_overhead.py splits it."""
+
+    lease_id: str
+    admission_s: float = 0.0  # its share of the lease call that granted it, plus fetching its work item
+    started: float = field(default_factory=time.perf_counter)  # its task began
+    ended: float = 0.0  # its lease was committed, released, dropped or abandoned (0: still running)
+    finish_s: float = 0.0  # validate + encode + commit (or release, or a stale drop with its wait)
+    committed: bool = False
+
+
 class AdmitLoop:
     """One producer's admission loop over an `AsyncAdmissionController` and an `AsyncVersionRegistry`.
 
     `run_rollout(item)` runs one rollout and returns its group (None: the workflow rejected it); `next_item()`
-    returns the next work item (None: nothing left). `on_engine_event(address, down)` hears engine_down/up."""
+    returns the next work item (None: nothing left). `on_engine_event(address, down)` hears engine_down/up.
+    `on_rollout_timing(timing)` (optional, must not raise) is called in each rollout's own task as it starts
+    (`timing.ended` is 0; a context variable set there reaches the rollout's engine requests and reward calls)
+    and again once its lease is settled: how benchmarks/producer_overhead.py measures the producer's cost."""
 
     def __init__(self, *, admission: Any, versions: Any, run_rollout: Callable[[Any], Awaitable[Any]],
                  next_item: Callable[[], Awaitable[Any]], producer_id: str, settings: LoopSettings,
-                 clock: Clock | None = None, on_engine_event: Callable[[str, bool], None] | None = None) -> None:
+                 clock: Clock | None = None, on_engine_event: Callable[[str, bool], None] | None = None,
+                 on_rollout_timing: Callable[[RolloutTiming], None] | None = None) -> None:
         self.admission, self.versions = admission, versions
         self.run_rollout, self.next_item = run_rollout, next_item
         self.producer_id, self.settings = producer_id, settings
         self.clock = clock or Clock()
         self.on_engine_event = on_engine_event
+        self.on_rollout_timing = on_rollout_timing
         admission.heartbeat_secs = self.clock.wall(admission.heartbeat_secs)
         self.inflight: dict[str, asyncio.Task] = {}  # lease id -> rollout task
         self.stop_reason: str | None = None
@@ -269,8 +288,12 @@ class AdmitLoop:
         return False
 
     # ------------------------------------------------------------------ rollouts
-    async def _rollout(self, lease_id: str, item: Any) -> None:
-        committed = False
+    async def _rollout(self, lease_id: str, item: Any, admission_s: float = 0.0) -> None:
+        timing = None
+        if self.on_rollout_timing is not None:
+            timing = RolloutTiming(lease_id, admission_s)
+            self.on_rollout_timing(timing)
+        committed, finish_s = False, 0.0
         seen = RolloutVersions(lambda: self._stop_if_stale(lease_id))
         if self.settings.stop_stale_rollouts:
             self.generating[lease_id] = seen
@@ -296,7 +319,9 @@ class AdmitLoop:
                 return
             else:
                 fin = asyncio.ensure_future(self._finish(lease_id, group))
+            fin_t0 = time.perf_counter()
             committed = await complete_despite_cancel(fin)  # a forced stop lets the (atomic) commit land first
+            finish_s = time.perf_counter() - fin_t0
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. Redis gone for longer than its retries
@@ -312,6 +337,9 @@ class AdmitLoop:
             # version bump) wakes the waiters through Redis.
             if not (committed and self._budget_full):
                 self._wake.set()
+            if timing is not None:
+                timing.ended, timing.finish_s, timing.committed = time.perf_counter(), finish_s, committed
+                self.on_rollout_timing(timing)
 
     async def _finish(self, lease_id: str, group: TrajectoryGroup | None) -> bool:
         """Commit, release or abandon one finished rollout's lease; True iff it was committed."""
@@ -366,7 +394,9 @@ class AdmitLoop:
                     await self._wait_wake(ADMIT_FALLBACK_SECS)  # enough in flight; admit more only if some are rejected
                     continue
                 n = min(n, max_groups - self.accepted - len(self.inflight))
+            asked = time.perf_counter()
             decisions = await self.admission.try_acquire_many(n)
+            asked = time.perf_counter() - asked
             refused = [st for st, lease in decisions if lease is None]
             st = refused[0] if refused else decisions[-1][0]
             self.last_state = st
@@ -374,7 +404,8 @@ class AdmitLoop:
                 self.request_stop(f"the run is finished ({self.versions.keys.run})")
                 break
             self._saw_version(st.version)
-            await self._start_rollouts([lease for _, lease in decisions if lease is not None])
+            leases = [lease for _, lease in decisions if lease is not None]
+            await self._start_rollouts(leases, asked / max(1, len(leases)))
             if refused:
                 ask = 1
                 self._budget_full = st.budget_full
@@ -382,16 +413,19 @@ class AdmitLoop:
             else:
                 ask = min(2 * ask, ADMIT_BATCH_MAX)
 
-    async def _start_rollouts(self, leases: list[Any]) -> None:
+    async def _start_rollouts(self, leases: list[Any], lease_s: float) -> None:
+        """One rollout per lease; `lease_s`: each lease's share of the call that granted them (`RolloutTiming`)."""
         for i, lease in enumerate(leases):
+            t0 = time.perf_counter()
             item = await self.next_item()
             if item is None:
                 await self.admission.abandon([held.lease_id for held in leases[i:]])
                 self.exhausted = True
                 self.request_stop(f"dataset exhausted ({self.settings.data_epochs} epoch(s) handed out)")
                 return
+            admission_s = lease_s + time.perf_counter() - t0
             self.inflight[lease.lease_id] = asyncio.create_task(
-                self._rollout(lease.lease_id, item), name=f"rollout:{getattr(item, 'prompt_id', item)}")
+                self._rollout(lease.lease_id, item, admission_s), name=f"rollout:{getattr(item, 'prompt_id', item)}")
 
     async def drain(self) -> None:
         """Let in-flight rollouts finish (until the grace time or a forced stop), release the rest."""

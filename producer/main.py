@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import time
+from typing import Callable
 
 import msgspec
 
@@ -24,7 +25,7 @@ from rlstream.broker.connection import BrokerError
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolveError
-from rlstream.producer.admit_loop import AdmitLoop, LoopSettings, should_accept
+from rlstream.producer.admit_loop import AdmitLoop, LoopSettings, RolloutTiming, should_accept
 
 __all__ = ["produce", "Producer", "should_accept"]
 
@@ -36,15 +37,18 @@ class SetupError(RuntimeError):
 
 
 class Producer:
-    """One producer process: the real dataset, workflow, engines and rewards around an `AdmitLoop`."""
+    """One producer process: the real dataset, workflow, engines and rewards around an `AdmitLoop`.
 
-    def __init__(self, cfg: Config) -> None:
+    `on_rollout_timing` goes to the loop (`AdmitLoop`): benchmarks/producer_overhead.py times rollouts with it."""
+
+    def __init__(self, cfg: Config, on_rollout_timing: Callable[[RolloutTiming], None] | None = None) -> None:
         pid = cfg.producer.producer_id or f"{socket.gethostname()}-{os.getpid()}"
         self.cfg = msgspec.structs.replace(cfg, producer=msgspec.structs.replace(cfg.producer, producer_id=pid))
         self.producer_id = pid
         self.loop: AdmitLoop | None = None  # made by `_setup`, once Redis is connected
         self._early_stop: tuple[str, bool] | None = None  # a stop requested before `_setup` made the loop
         self._save_lock = asyncio.Lock()
+        self._on_rollout_timing = on_rollout_timing
 
     # ------------------------------------------------------------------ setup
     async def _setup(self) -> None:
@@ -83,7 +87,7 @@ class Producer:
         self.loop = AdmitLoop(admission=self.admission, versions=self.versions, producer_id=self.producer_id,
                               run_rollout=lambda item: self.workflow.arun_episode(self.engine, item),
                               next_item=self.cursor.next, settings=LoopSettings.from_config(cfg),
-                              on_engine_event=self.pool.set_behind)
+                              on_engine_event=self.pool.set_behind, on_rollout_timing=self._on_rollout_timing)
         if self._early_stop is not None:
             self.loop.request_stop(*self._early_stop)
         # Run metadata in `{ns}:meta` (admission parameters) for inspect and a check against the trainer's.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from types import SimpleNamespace
 
 import pytest
@@ -341,3 +342,40 @@ async def test_the_trainers_shutdown_releases_in_flight_rollouts_and_a_finished_
         await asyncio.wait_for(task, WAIT_S)
     assert again.stop_reason.startswith("the run is finished") and later.started == 0
     assert rclient.zcard(keys.admit_running) == 0
+
+
+async def test_on_rollout_timing_hears_each_rollout_start_and_settle_in_its_own_task(make_loop, rclient, keys):
+    """The hook benchmarks/producer_overhead.py times rollouts with: called as each rollout starts (not yet ended)
+    and once its lease is settled, both in the rollout's task (a context variable set at the start reaches the
+    rollout runner and the settle call); committed or not as the lease went."""
+    marker: contextvars.ContextVar = contextvars.ContextVar("test_rollout_marker", default=None)
+    seen_by_runner: list = []
+
+    def item(group_fn):
+        def make():
+            seen_by_runner.append(marker.get())
+            return group_fn()
+        return make
+
+    equal = lambda: make_group(n_samples=2, reward=1.0, producer="")  # noqa: E731
+    loop, runner = make_loop(eta=10, batch=10, max_concurrent=2, dynamic_sampling=True,
+                             next_item=work(item(varied_group), item(equal), item(varied_group)))
+    starts, settled = [], []
+
+    def on_timing(timing):
+        if not timing.ended:
+            marker.set(timing.lease_id)
+            starts.append(timing.lease_id)
+        else:
+            settled.append((marker.get(), timing))
+
+    loop.on_rollout_timing = on_timing
+    runner.gate.set()
+    async with running(loop) as task:
+        await asyncio.wait_for(task, WAIT_S)  # the 3 items handed out: it stops by itself
+    assert len(starts) == 3 == len(set(starts)) and sorted(seen_by_runner) == sorted(starts)
+    assert sorted(t.lease_id for _, t in settled) == sorted(starts)
+    assert all(mark == t.lease_id for mark, t in settled)  # the settle call ran in the rollout's own task
+    assert sorted(t.committed for _, t in settled) == [False, True, True] and rclient.xlen(keys.traj) == 2
+    for _, t in settled:
+        assert t.admission_s > 0 and t.finish_s > 0 and t.started < t.ended
