@@ -51,6 +51,7 @@ def _variant(value: Any, ctx: Context) -> None:
 
 
 def _reward(value: Any, ctx: Context) -> None:
+    value = get(ctx.data, f"{_TP}.reward_function")  # a {name: weight} mapping arrives here leaf by leaf
     names = [value] if isinstance(value, str) else list(value or [])
     if names != ["boxed_math"]:
         raise ConfigError(f"{ctx.key}={value!r}: rlstream's built-in reward for cosmos-rl configs is boxed_math "

@@ -51,12 +51,21 @@ def detect(data: dict[str, Any]) -> dict[str, str]:
 
 
 def _a(system: str) -> str:
-    return ("an " if NAMES[system][0] in "AEIOU" else "a ") + NAMES[system]
+    return ("an " if system in ("areal", "rlinf") else "a ") + NAMES[system]
 
 
 def _parse(path: Path, toml: bool) -> Any:
+    """TOML as a dict; YAML as OmegaConf reads it (so `1e-5` is a number, as in the systems' own loaders),
+    interpolations not resolved yet."""
+    from omegaconf import DictConfig, OmegaConf
+
     text = path.read_text(encoding="utf-8")
-    return tomllib.loads(text) if toml else yaml.safe_load(text)
+    if toml:
+        return tomllib.loads(text)
+    if not isinstance(yaml.safe_load(text), dict):  # OmegaConf.create reads a bare string as a one-key mapping
+        return None
+    cfg = OmegaConf.create(text)
+    return OmegaConf.to_container(cfg, resolve=False) if isinstance(cfg, DictConfig) else None
 
 
 def read_file(system: str, file: str | Path) -> dict[str, Any]:
@@ -71,7 +80,7 @@ def read_file(system: str, file: str | Path) -> dict[str, Any]:
         error = None if isinstance(data, dict) else "not a mapping of keys"
     except OSError as exc:
         raise ConfigError(f"cannot read {file}: {exc.strerror or exc}; give the path of {_a(system)} config") from None
-    except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError) as exc:
+    except (tomllib.TOMLDecodeError, yaml.YAMLError, UnicodeDecodeError, OmegaConfBaseException) as exc:
         error = str(exc).splitlines()[0]
     if error is not None:
         other = _other_format(path, system == "cosmos")
@@ -81,9 +90,9 @@ def read_file(system: str, file: str | Path) -> dict[str, Any]:
     _check_system(file, system, data)
     if system == "cosmos":
         return data
-    for name, fn in _RESOLVERS[system].items():
+    for name, fn in _RESOLVERS.get(system, {}).items():
         if not OmegaConf.has_resolver(name):
-            OmegaConf.register_new_resolver(name, fn)
+            OmegaConf.register_resolver(name, fn)
     try:
         return OmegaConf.to_container(OmegaConf.create(data), resolve=True)
     except OmegaConfBaseException as exc:
