@@ -177,6 +177,13 @@ def _validation(value: Any, ctx: Context) -> str | None:
     return None
 
 
+def _top_k(dst: str, value: Any, ctx: Context) -> str | None:
+    if value is None or value <= 0:
+        return f"{value}: off, as rlstream's default {dst} (a vocabulary-sized k)"
+    ctx.t.put(ctx.key, dst, value)
+    return None
+
+
 def _hub_dataset(dst: str):
     def fn(value: Any, ctx: Context) -> str | None:
         if not value:
@@ -309,7 +316,7 @@ TABLE: Table = {
     "rollout.seed": Drop("rollout sampling has no seed of its own; seed is the run's"),
     "rollout.sampling_config.temperature": Same("gconfig.temperature"),
     "rollout.sampling_config.top_p": Same("gconfig.top_p"),
-    "rollout.sampling_config.top_k": Same("gconfig.top_k"),
+    "rollout.sampling_config.top_k": Convert(("gconfig.top_k",), lambda v, c: _top_k("gconfig.top_k", v, c)),
     "rollout.sampling_config.repetition_penalty": Missing("repetition penalty", off=(1.0, 1, None)),
     "rollout.sampling_config.use_flashinfer": Drop(_KERNEL),
     "rollout.vllm_use_flashinfer": Drop(_KERNEL),
@@ -358,7 +365,7 @@ TABLE: Table = {
     **_dataset("validation.dataset", "valid_dataset"),
     "validation.temperature": Same("eval_gconfig.temperature"),
     "validation.top_p": Same("eval_gconfig.top_p"),
-    "validation.top_k": Same("eval_gconfig.top_k"),
+    "validation.top_k": Convert(("eval_gconfig.top_k",), lambda v, c: _top_k("eval_gconfig.top_k", v, c)),
     "validation.repetition_penalty": Missing("repetition penalty", off=(1.0, 1, None)),
     "validation.n_generation": Same("eval_gconfig.n_samples"),
     "validation.max_response_length": Same("eval_gconfig.max_new_tokens"),
@@ -368,6 +375,8 @@ TABLE: Table = {
 # rlstream keys whose default differs from cosmos-rl's, set when the file leaves them out.
 DEFAULTS: dict[str, Any] = {"actor.ppo_n_minibatches": 1, "actor.kl_ctl": 0.0, "actor.c_clip": 3.0,
                             "rollout.backend": "vllm", "launcher.slurm.engine": "vllm",
+                            "rollout.max_head_offpolicyness": 4, "actor.optimizer.eps": 1e-6,
+                            "actor.optimizer.weight_decay": 0.01,
                             "actor.reward_norm": {"mean_level": "group", "std_level": "group", "std_unbiased": False,
                                                   "eps": 1e-6},
                             "actor.adv_norm": None}

@@ -132,7 +132,6 @@ TABLE: Table = {
     "save_steps": Same("saver.freq_steps"),
     "output_dir": Same("cluster.fileroot"),
     "pretrain": Same("actor.path"),
-    "reward_pretrain": Same("ref.path"),
     "logging_steps": Drop("every step's metrics are logged"),
     "actor_train.model_args.dtype": Convert(("actor.dtype",), dtype_of),
     "actor_train.model_args.disable_gradient_checkpointing": Convert(("actor.gradient_checkpointing",), _grad_ckpt,
