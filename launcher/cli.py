@@ -99,30 +99,65 @@ def config_show(ctx: typer.Context, config: Optional[str] = ConfigOpt,
     typer.echo(json.dumps(data, indent=2) if as_json else OmegaConf.to_yaml(OmegaConf.create(data)))
 
 
-@config_app.command("import-areal")
-def config_import_areal(file: str = typer.Argument(..., help="An AReaL experiment YAML (e.g. examples/math/gsm8k_grpo.yaml).")) -> None:
-    """Translate an AReaL experiment file: the rlstream YAML on stdout, the summary (translated, same, dropped) on stderr."""
+def _import(system: str, file: str) -> None:
+    """Translate a config of another system: the rlstream YAML on stdout, the summary on stderr; exit 2 and
+    nothing on stdout when the file cannot be imported."""
     import yaml
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
-    from rlstream.common.areal import translate_areal
     from rlstream.common.config import ConfigError, load_config_dict
+    from rlstream.common.importers.reader import NAMES, import_file
 
     try:
-        data = OmegaConf.to_container(OmegaConf.load(file), resolve=True)
-        t = translate_areal(data)
+        t = import_file(system, file)
         load_config_dict(t.config)  # what we print must load
-    except OSError as exc:
-        _fail(f"cannot read AReaL file {file}: {str(exc).splitlines()[0]}", 2)
-    except (yaml.YAMLError, OmegaConfBaseException) as exc:
-        _fail(f"{file}: is not an AReaL experiment file (not YAML: {str(exc).splitlines()[0]}); import-areal reads "
-              "AReaL's YAML, e.g. examples/math/gsm8k_grpo.yaml", 2)
     except ConfigError as exc:
-        _fail(f"{file}: {exc}", 2)
-    header = "\n".join(f"# {line}" for line in [f"translated from AReaL {file} by rlstream config import-areal", *t.summary().splitlines()])
-    typer.echo(header + "\n" + yaml.safe_dump(t.config, sort_keys=False))
+        msg = str(exc)
+        _fail(msg if file in msg else f"{file}: {msg}", 2)
+    header = [f"translated from {NAMES[system]} {file} by rlstream config import --from {system}", *t.summary().splitlines()]
+    typer.echo("\n".join(f"# {line}" for line in header) + "\n" + yaml.safe_dump(t.config, sort_keys=False))
     typer.echo(t.summary(), err=True)
+
+
+@config_app.command("import")
+def config_import(file: str = typer.Argument(..., help="The config file to translate."),
+                  from_: str = typer.Option(..., "--from", help="Its system: areal, roll, cosmos (TOML) or rlinf.")) -> None:
+    """Translate an AReaL, ROLL, cosmos-rl or RLinf config: `rlstream config import --from roll FILE > mine.yaml`.
+    Every key ends up same, translated or dropped with the reason (summary on stderr)."""
+    _import(from_, file)
+
+
+@config_app.command("import-areal")
+def config_import_areal(file: str = typer.Argument(..., help="An AReaL experiment YAML (e.g. examples/math/gsm8k_grpo.yaml).")) -> None:
+    """`rlstream config import --from areal FILE`: the rlstream YAML on stdout, the summary on stderr."""
+    _import("areal", file)
+
+
+@config_app.command("coverage")
+def config_coverage(check: bool = typer.Option(False, "--check", help="Compare with the file instead of writing it; exit 1 with the differing rows when stale."),
+                    out: Optional[str] = typer.Option(None, "--file", help="The table (default: docs/coverage.md of the repository)."),
+                    seeds: Optional[str] = typer.Option(None, "--seeds", help="The configuration references (default: ../shared/seeds next to the repository).")) -> None:
+    """The coverage table: every key of the AReaL, ROLL, cosmos-rl and RLinf references and what rlstream does with it."""
+    from pathlib import Path
+
+    from rlstream.common.importers.coverage import differences, render
+    from rlstream.common.importers.seeds import SeedError, seed_dir
+
+    root = Path(__file__).resolve().parents[1]
+    path = Path(out) if out else root / "docs" / "coverage.md"
+    try:
+        text = render(Path(seeds) if seeds else seed_dir(root))
+    except SeedError as exc:
+        _fail(str(exc), 2)
+    if not check:
+        path.write_text(text, encoding="utf-8")
+        typer.echo(f"wrote {path}", err=True)
+        return
+    old = path.read_text(encoding="utf-8") if path.is_file() else ""
+    diff = differences(text, old)
+    if diff:
+        typer.echo("\n".join(diff), err=True)
+        _fail(f"{path} is stale ({len(diff)} rows differ); regenerate it with `rlstream config coverage`", 1)
+    typer.echo(f"{path} is up to date", err=True)
 
 
 @config_app.command("docs")

@@ -1,0 +1,70 @@
+"""Helpers the per-system tables share: engine command-line options, dtype names, Hydra's own keys."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from rlstream.common.config import ConfigError
+from rlstream.common.importers.rules import Context, Drop, Table
+
+__all__ = ["HYDRA", "engine_arg", "dtype_of", "off_or_value", "device_count"]
+
+# Hydra's composition keys: rlstream imports one resolved file.
+HYDRA: Table = {
+    "defaults": Drop("Hydra composition: rlstream imports one file; compose yours first "
+                     "(Hydra's --cfg job prints the composed config)"),
+    "hydra": Drop("Hydra's own run settings; rlstream's run folder is cluster.fileroot/experiment/trial"),
+}
+
+
+def engine_arg(flag: str) -> Callable[[Any, Context], str | None]:
+    """A Convert function appending `flag [value]` to the engine server's command line (launcher.slurm.engine_args)."""
+    def fn(value: Any, ctx: Context) -> str | None:
+        if value is None:
+            return "null: the engine's default"
+        if value is False:
+            return f"false: the engine's default (no {flag})"
+        slurm = ctx.t.config.setdefault("launcher", {}).setdefault("slurm", {})
+        slurm.setdefault("engine_args", []).extend([flag] if value is True else [flag, str(value)])
+        return None
+    return fn
+
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "16": "float16",
+           "fp32": "float32", "float32": "float32", "32": "float32"}
+
+
+def dtype_of(value: Any, ctx: Context) -> str | None:
+    """bf16 / fp16 / fp32 (and torch's names) -> actor.dtype."""
+    if value is None:
+        return "null: the model config's torch_dtype; rlstream's actor.dtype default is float32"
+    dtype = _DTYPES.get(str(value).lower())
+    if dtype is None:
+        raise ConfigError(f"{ctx.key}={value!r}: rlstream trains in bf16, fp16 or fp32 (actor.dtype)")
+    ctx.t.put(ctx.key, "actor.dtype", dtype)
+    return None
+
+
+def off_or_value(dst: str, allowed: tuple[str, ...]) -> Callable[[Any, Context], str | None]:
+    """A Convert function copying a lower-cased name that must be one of `allowed`."""
+    def fn(value: Any, ctx: Context) -> str | None:
+        name = str(value).lower()
+        if name not in allowed:
+            raise ConfigError(f"{ctx.key}={value!r}: rlstream's {dst} is one of {', '.join(allowed)}")
+        ctx.t.put(ctx.key, dst, name)
+        return None
+    return fn
+
+
+def device_count(value: Any) -> int | None:
+    """Devices in ROLL's `device_mapping` (`list(range(0,16))`, a list, or `0,1,2`); None when unreadable."""
+    import re
+
+    if isinstance(value, list):
+        return len(value)
+    text = str(value).replace(" ", "")
+    if m := re.fullmatch(r"list\(range\((\d+),(\d+)(?:,(\d+))?\)\)", text):
+        return len(range(int(m[1]), int(m[2]), int(m[3] or 1)))
+    if re.fullmatch(r"\d+(,\d+)*", text):
+        return len(text.split(","))
+    return None

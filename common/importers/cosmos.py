@@ -1,0 +1,382 @@
+"""cosmos-rl (nvidia-cosmos/cosmos-rl) TOML configs -> rlstream configs.
+
+Key names and meanings follow cosmos-rl's config schema (`../shared/seeds/003_705d82c515e63e5c.txt`,
+`cosmos_rl/policy/config/__init__.py`); the GRPO advantage is cosmos-rl's `dispatcher/algo/grpo.py`:
+(r - mean) / (std + 1e-6) over a prompt's samples (population std), or r - mean when unbiased_advantage.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlstream.common.config import ConfigError
+from rlstream.common.importers.common import dtype_of, engine_arg, off_or_value
+from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
+
+__all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
+
+RESOLVERS: dict[str, Any] = {}
+
+_TP = "train.train_policy"
+_KERNEL = "a kernel/compiler choice of cosmos-rl's trainer; rlstream's uses transformers' defaults"
+_OFFLOAD = "trainer and engines are separate processes; nothing is offloaded between them"
+_LOADER = "producers read prompts themselves; no DataLoader"
+_SFT = "an SFT setting (train_policy.type=sft); rlstream's supervised step is `rlstream sft` (launcher.sft_*)"
+_HUB = "datasets by hub name (rlstream reads a local file or folder: train_dataset.path)"
+_ENGINE_PARALLEL = "engine parallelism beyond tp/pp is the engine's own option (launcher.slurm.engine_args)"
+
+
+def _grpo(value: Any, ctx: Context) -> None:
+    if value != "grpo":
+        raise ConfigError(f"{_TP}.type={value!r}: rlstream imports GRPO configs; supervised training is "
+                          "`rlstream sft` (launcher.sft_*)")
+    unbiased = bool(get(ctx.data, f"{_TP}.unbiased_advantage", False))
+    for key, v in (("mean_level", "group"), ("std_level", "none" if unbiased else "group"), ("std_unbiased", False),
+                   ("eps", 1e-6)):
+        ctx.t.put(ctx.key, f"actor.reward_norm.{key}", v)
+    ctx.t.put(ctx.key, "actor.adv_norm", None)
+
+
+def _unbiased(value: Any, ctx: Context) -> None:
+    ctx.t.put(ctx.key, "actor.reward_norm.std_level", "none" if value else "group")
+
+
+def _variant(value: Any, ctx: Context) -> None:
+    if value == "gspo":
+        ctx.t.put(ctx.key, "actor.importance_sampling_level", "sequence")
+    elif value == "dapo":
+        ctx.t.put(ctx.key, "producer.dynamic_sampling", True)
+    elif value != "grpo":
+        raise ConfigError(f"{_TP}.variant={value!r}: rlstream imports grpo, gspo and dapo")
+
+
+def _reward(value: Any, ctx: Context) -> None:
+    value = get(ctx.data, f"{_TP}.reward_function")  # a {name: weight} mapping arrives here leaf by leaf
+    names = [value] if isinstance(value, str) else list(value or [])
+    if names != ["boxed_math"]:
+        raise ConfigError(f"{ctx.key}={value!r}: rlstream's built-in reward for cosmos-rl configs is boxed_math "
+                          "(math_reward); point producer.reward_fn at your own function for others")
+    ctx.t.put(ctx.key, "producer.reward_fn", "rlstream.producer.rewards:math_reward")
+
+
+def _filter_metric(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "empty: no dynamic-sampling filter"
+    ctx.t.put(ctx.key, "producer.dynamic_sampling", True)  # one reward function: filter on it
+    return None
+
+
+def _temperature(value: Any, ctx: Context) -> None:
+    ctx.t.put(ctx.key, "gconfig.temperature", value)
+    ctx.t.put(ctx.key, "actor.temperature", value)
+
+
+def _on_policy(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "false: allowed_outdated_steps decides (rollout.max_head_offpolicyness)"
+    ctx.t.put(ctx.key, "rollout.max_head_offpolicyness", 0)
+    return None
+
+
+def _minibatches(value: Any, ctx: Context) -> str | None:
+    if value is None:
+        return "null: one optimizer step per batch (actor.ppo_n_minibatches=1, set below)"
+    per_replica = get(ctx.data, "train.train_batch_per_replica", 8)
+    ctx.t.put(ctx.key, "actor.ppo_n_minibatches", max(1, int(per_replica) // int(value)))
+    return None
+
+
+def _betas(value: Any, ctx: Context) -> None:
+    ctx.t.put(ctx.key, "actor.optimizer.beta1", float(value[0]))
+    ctx.t.put(ctx.key, "actor.optimizer.beta2", float(value[1]))
+
+
+def _warmup(value: Any, ctx: Context) -> str | None:
+    total = get(ctx.data, "train.max_num_steps")
+    if not value:
+        ctx.t.put(ctx.key, "actor.optimizer.warmup_steps_proportion", 0.0)
+        return None
+    if not total:
+        return ("rlstream warms up for a fraction of total_train_steps; train.max_num_steps is not set, so set "
+                "actor.optimizer.warmup_steps_proportion yourself")
+    ctx.t.put(ctx.key, "actor.optimizer.warmup_steps_proportion", min(1.0, float(value) / float(total)))
+    return None
+
+
+def _decay(value: Any, ctx: Context) -> str | None:
+    if value is None:
+        return "null: constant after warm-up (actor.optimizer.lr_scheduler_type=constant)"
+    return off_or_value("actor.optimizer.lr_scheduler_type", ("constant", "linear", "cosine"))(value, ctx)
+
+
+def _groups(value: Any, ctx: Context) -> None:
+    """cosmos-rl's batch is samples per replica per step; rlstream's is groups (prompts) per step."""
+    replicas = int(get(ctx.data, "policy.parallelism.dp_shard_size", 1) or 1) * \
+        int(get(ctx.data, "policy.parallelism.dp_replicate_size", 1) or 1)
+    n = int(get(ctx.data, "rollout.n_generation", 16) or 1)
+    ctx.t.put(ctx.key, "rollout.consumer_batch_size", max(1, int(value) * max(replicas, 1) // n))
+
+
+def _save_freq(value: Any, ctx: Context) -> str | None:
+    if not get(ctx.data, "train.ckpt.enable_checkpoint", False):
+        return "train.ckpt.enable_checkpoint is off: only the final checkpoint is saved"
+    ctx.t.put(ctx.key, "saver.freq_steps", value)
+    return None
+
+
+def _enable_ckpt(value: Any, ctx: Context) -> str | None:
+    return None if value else "false: rlstream saves only the final checkpoint (saver.freq_steps unset)"
+
+
+def _save_freq_epoch(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "0: off (saver.freq_epochs unset)"
+    ctx.t.put(ctx.key, "saver.freq_epochs", value)
+    return None
+
+
+def _resume(value: Any, ctx: Context) -> None:
+    if isinstance(value, str):
+        raise ConfigError(f"train.resume={value!r}: resuming from an explicit checkpoint path is not in rlstream yet; "
+                          "use true (recover.mode=auto resumes the run's last recover checkpoint)")
+    ctx.t.put(ctx.key, "recover.mode", "auto" if value else "disabled")
+
+
+def _trainer_procs(value: Any, ctx: Context) -> None:
+    par = get(ctx.data, "policy.parallelism", {}) or {}
+    dp = int(par.get("dp_shard_size", 1) or 1)
+    n = max(dp, 1) * int(par.get("dp_replicate_size", 1) or 1) * int(par.get("n_init_replicas", 1) or 1)
+    ctx.t.put("policy.parallelism", "launcher.n_trainer_procs", max(1, n))
+    if dp > 1:
+        ctx.t.put("policy.parallelism.dp_shard_size", "actor.parallel", "fsdp")
+
+
+def _engine_backend(value: Any, ctx: Context) -> None:
+    if value not in ("vllm", "sglang"):
+        raise ConfigError(f"rollout.backend={value!r}: rlstream's engines speak vllm or sglang")
+    ctx.t.put(ctx.key, "rollout.backend", value)
+    ctx.t.put(ctx.key, "launcher.slurm.engine", value)
+
+
+def _multi_turn(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "false: single-turn rollouts (the default workflow)"
+    ctx.t.put(ctx.key, "producer.workflow", "rlstream.producer.agent:AgentWorkflow")
+    return None
+
+
+def _loggers(value: Any, ctx: Context) -> None:
+    names = [value] if isinstance(value, str) else list(value or [])
+    ctx.t.put(ctx.key, "stats_logger.wandb.mode", "online" if "wandb" in names else "disabled")
+
+
+def _validation(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "false: no evaluation during training (evaluator.freq_steps unset)"
+    ctx.t.put(ctx.key, "evaluator.freq_steps", get(ctx.data, "validation.freq", 20) or 20)
+    return None
+
+
+def _top_k(dst: str, value: Any, ctx: Context) -> str | None:
+    if value is None or value <= 0:
+        return f"{value}: off, as rlstream's default {dst} (a vocabulary-sized k)"
+    ctx.t.put(ctx.key, dst, value)
+    return None
+
+
+def _hub_dataset(dst: str):
+    def fn(value: Any, ctx: Context) -> str | None:
+        if not value:
+            return "empty"
+        ctx.t.put(ctx.key, dst, value)
+        if isinstance(value, str) and value.count("/") == 1 and not value.startswith((".", "/", "~")):
+            ctx.t.notes.append(f"{ctx.key}={value!r} is a hub name: rlstream reads local files only; point {dst} "
+                               "at a JSONL/Parquet/CSV file or folder")
+        return None
+    return fn
+
+
+def _dataset(prefix: str, dst: str) -> Table:
+    return {f"{prefix}.name": Convert((f"{dst}.path",), _hub_dataset(f"{dst}.path"), "a local file"),
+            f"{prefix}.subset": Missing(_HUB, off=(None, "")), f"{prefix}.revision": Missing(_HUB, off=(None, "")),
+            f"{prefix}.split": Missing(_HUB, off=("train", "test", None, "", ["train"])),
+            f"{prefix}.test_size": Missing(_HUB, off=(None, 0))}
+
+
+_PROCS = Convert(("launcher.n_trainer_procs", "actor.parallel"), _trainer_procs, "dp_shard x dp_replicate x replicas")
+
+TABLE: Table = {
+    "custom": Drop("cosmos-rl's custom-script settings; rlstream's extension points are producer.workflow and "
+                   "producer.reward_fn import paths"),
+    "redis": Drop("cosmos-rl's controller Redis port; `rlstream run` starts its own Redis, or give redis.url"),
+    f"{_TP}.type": Convert(("actor.reward_norm", "actor.adv_norm"), _grpo, "group mean/std, eps 1e-6"),
+    **_dataset(f"{_TP}.dataset", "train_dataset"),
+    f"{_TP}.mini_batch": Drop(_SFT), f"{_TP}.conversation_column_name": Drop(_SFT),
+    f"{_TP}.system_prompt": Drop(_SFT), f"{_TP}.dataloader_batch_size": Drop(_SFT),
+    f"{_TP}.dataloader_shuffle": Same("train_dataset.shuffle"),
+    f"{_TP}.enable_dataset_cache": Drop(_LOADER), f"{_TP}.dataloader_num_workers": Drop(_LOADER),
+    f"{_TP}.dataloader_prefetch_factor": Drop(_LOADER),
+    f"{_TP}.balance_dp_token": Drop("micro-batches are balanced by tokens across ranks (trainer/microbatch.py)"),
+    f"{_TP}.variant": Convert(("actor.importance_sampling_level", "producer.dynamic_sampling"), _variant),
+    f"{_TP}.prompt_column_name": Same("train_dataset.prompt_key"),
+    f"{_TP}.response_column_name": Same("train_dataset.answer_key"),
+    f"{_TP}.reward_function": Convert(("producer.reward_fn",), _reward, "boxed_math = math_reward"),
+    f"{_TP}.filter_reward_metric": Convert(("producer.dynamic_sampling",), _filter_metric),
+    f"{_TP}.temperature": Convert(("gconfig.temperature", "actor.temperature"), _temperature),
+    f"{_TP}.epsilon_low": Same("actor.eps_clip"),
+    f"{_TP}.epsilon_high": Same("actor.eps_clip_higher"),
+    f"{_TP}.positive_nll_coef": Missing("the LM loss on positive samples", off=(None, 0, 0.0)),
+    f"{_TP}.lower_bound_ratio": Same("actor.c_clip"),
+    f"{_TP}.loss_type": Same("actor.loss_agg_mode"),
+    f"{_TP}.unbiased_loss_max_tokens": Missing("Dr.GRPO's constant loss normaliser", off=(None,)),
+    f"{_TP}.unbiased_advantage": Convert(("actor.reward_norm.std_level",), _unbiased, "true = no std division"),
+    f"{_TP}.overlong_reward.enable_overlong_penalty": Same("actor.overlong_reward_penalty"),
+    f"{_TP}.overlong_reward.buffer_length": Same("actor.overlong_tokens"),
+    f"{_TP}.overlong_reward.penalty_factor": Same("actor.overlong_penalty_factor"),
+    f"{_TP}.kl_beta": Same("actor.kl_ctl"),
+    f"{_TP}.aipo_rho": Missing("AIPO's clipped importance weight", off=(None,)),
+    f"{_TP}.mu_iterations": Missing("several PPO epochs over each batch", off=(1, None)),
+    f"{_TP}.batch_size_per_optimize": Convert(("actor.ppo_n_minibatches",), _minibatches,
+                                              "train_batch_per_replica / this"),
+    f"{_TP}.max_token_len_per_mini_batch": Same("actor.mb_spec.max_tokens_per_mb"),
+    f"{_TP}.entropy_coeff": Same("actor.entropy_coeff"),
+    f"{_TP}.allowed_outdated_steps": Same("rollout.max_head_offpolicyness"),
+    f"{_TP}.on_policy": Convert(("rollout.max_head_offpolicyness",), _on_policy, "true = 0"),
+    f"{_TP}.outdated_rollout_fetch_batch_size": Drop("the consumer reads rollout.consumer_batch_size groups per "
+                                                     "step and drops the too-stale ones at read time"),
+    f"{_TP}.min_filter_prefix_tokens": Missing("filtering samples by the importance ratio of their first tokens"),
+    f"{_TP}.max_retry_for_on_policy": Drop("producers keep generating until the step's batch is complete"),
+    f"{_TP}.reference_reset_interval": Missing("resetting the reference model to the policy", off=(None, 0)),
+    f"{_TP}.reset_optimizer_with_reference": Missing("resetting the optimizer with the reference model",
+                                                     off=(False, None)),
+    f"{_TP}.use_decoupled_loss": Same("actor.use_decoupled_loss"),
+    f"{_TP}.behav_imp_weight_cap": Same("actor.behav_imp_weight_cap"),
+    f"{_TP}.rollout_as_token_ids": Drop("rollouts always travel as token ids"),
+    "train.optm_name": Convert(("actor.optimizer.type",), off_or_value("actor.optimizer.type", ("adam", "adamw", "sgd"))),
+    "train.optm_lr": Same("actor.optimizer.lr"),
+    "train.optm_impl": Drop("torch's default optimizer implementation is used"),
+    "train.optm_weight_decay": Same("actor.optimizer.weight_decay"),
+    "train.optm_betas": Convert(("actor.optimizer.beta1", "actor.optimizer.beta2"), _betas),
+    "train.optm_warmup_steps": Convert(("actor.optimizer.warmup_steps_proportion",), _warmup,
+                                      "optm_warmup_steps / max_num_steps"),
+    "train.optm_decay_ratio": Missing("warmup-stable-decay schedules (decay over the last fraction)", off=(None,)),
+    "train.optm_decay_type": Convert(("actor.optimizer.lr_scheduler_type",), _decay),
+    "train.optm_min_lr_factor": Same("actor.optimizer.min_lr_ratio"),
+    "train.optm_grad_norm_clip": Same("actor.optimizer.gradient_clipping"),
+    "train.master_dtype": Missing("float32 master weights under bfloat16 compute (actor.dtype is both)"),
+    "train.param_dtype": Convert(("actor.dtype",), dtype_of),
+    "train.transfer_dtype": Drop("weights are pushed to the engines in the trainer's dtype"),
+    "train.fsdp_reduce_dtype": Drop("gradients are reduced in the parameter dtype"),
+    "train.fsdp_offload": Drop(_OFFLOAD),
+    "train.fsdp_reshard_after_forward": Drop("FSDP2's default (reshard) is used"),
+    "train.train_batch_per_replica": Convert(("rollout.consumer_batch_size",), _groups,
+                                             "samples x replicas / n_generation"),
+    "train.fp8.enable_fp8": Missing("FP8 training", off=(False, None)),
+    "train.fp8": Missing("FP8 training"),
+    "train.fp4.enable_fp4": Missing("FP4 training", off=(False, None)),
+    "train.fp4": Missing("FP4 training"),
+    "train.ckpt.enable_checkpoint": Convert(("saver.freq_steps",), _enable_ckpt, "with save_freq"),
+    "train.ckpt.save_freq": Convert(("saver.freq_steps",), _save_freq),
+    "train.ckpt.save_freq_in_epoch": Convert(("saver.freq_epochs",), _save_freq_epoch),
+    "train.ckpt.save_mode": Missing("asynchronous checkpoint writes (the step waits for the disk)"),
+    "train.ckpt.max_keep": Missing("keeping only the last N checkpoints"),
+    "train.ckpt.export_safetensors": Drop("checkpoints are always HF safetensors folders"),
+    "train.ckpt.upload_hf": Missing("uploading checkpoints to the HF hub", off=(False, None)),
+    "train.ckpt.upload_s3": Missing("uploading checkpoints to S3", off=(False, None)),
+    "train.ckpt": Drop("used only with upload_hf / upload_s3"),  # hf_repo_name, s3_bucket, s3_prefix
+    "train.resume": Convert(("recover.mode",), _resume, "true = auto"),
+    "train.epoch": Same("total_train_epochs"),
+    "train.output_dir": Same("cluster.fileroot"),
+    "train.timestamp": Drop("run folders are cluster.fileroot/experiment_name/trial_name"),
+    "train.epsilon": Same("actor.optimizer.eps"),
+    "train.async_tp_enabled": Drop(_KERNEL),
+    "train.compile": Missing("torch.compile of the trainer's model", off=(False, None)),
+    "train.sync_weight_interval": Missing("pushing weights every N steps (rlstream pushes after every step)",
+                                          off=(1, None)),
+    "train.deterministic": Missing("deterministic kernels", off=(False, None)),
+    "train.activation_offload": Drop("activation memory is saved by actor.gradient_checkpointing"),
+    "train.fa_version": Drop(_KERNEL),
+    "train.seed": Same("seed"),
+    "train.local_dataset": Drop("rlstream reads local files only (train_dataset.path)"),
+    "train.max_num_steps": Same("total_train_steps"),
+    "train.sequence_packing": Same("actor.mb_spec.packing"),
+    "rollout.parallelism.n_init_replicas": Same("launcher.n_engines"),
+    "rollout.parallelism.tp_size": Same("launcher.slurm.engine_tp"),
+    "rollout.parallelism.pp_size": Same("launcher.slurm.engine_pp"),
+    "rollout.parallelism": Drop(_ENGINE_PARALLEL),
+    "rollout.enforce_eager": Convert(("launcher.slurm.engine_args",), engine_arg("--enforce-eager")),
+    "rollout.include_stop_str_in_output": Drop("rollouts are token ids; the stop token stays in the sample"),
+    "rollout.gpu_memory_utilization": Convert(("launcher.slurm.engine_args",), engine_arg("--gpu-memory-utilization")),
+    "rollout.enable_chunked_prefill": Convert(("launcher.slurm.engine_args",), engine_arg("--enable-chunked-prefill")),
+    "rollout.max_response_length": Same("gconfig.max_new_tokens"),
+    "rollout.n_generation": Same("gconfig.n_samples"),
+    "rollout.n_generation_to_batch": Drop("engines batch the samples of a prompt themselves"),
+    "rollout.batch_size": Drop("engines batch requests themselves (continuous batching)"),
+    "rollout.quantization": Missing("quantized rollouts", off=("none", None)),
+    "rollout.seed": Drop("rollout sampling has no seed of its own; seed is the run's"),
+    "rollout.sampling_config.temperature": Same("gconfig.temperature"),
+    "rollout.sampling_config.top_p": Same("gconfig.top_p"),
+    "rollout.sampling_config.top_k": Convert(("gconfig.top_k",), lambda v, c: _top_k("gconfig.top_k", v, c)),
+    "rollout.sampling_config.repetition_penalty": Missing("repetition penalty", off=(1.0, 1, None)),
+    "rollout.sampling_config.use_flashinfer": Drop(_KERNEL),
+    "rollout.vllm_use_flashinfer": Drop(_KERNEL),
+    "rollout.backend": Convert(("rollout.backend", "launcher.slurm.engine"), _engine_backend),
+    "rollout.multi_turn_config.enable": Convert(("producer.workflow",), _multi_turn, "AgentWorkflow"),
+    "rollout.multi_turn_config.max_assistant_turns": Same("agent.max_turns"),
+    "rollout.multi_turn_config.enable_tools": Drop("the agent workflow's tools are agent.*"),
+    "rollout.multi_turn_config.enable_thinking": Missing("chat-template thinking switches", off=(False, None)),
+    "rollout.multi_turn_config.custom_chat_template_path": Missing("a custom chat template", off=(None, "")),
+    "rollout.multi_turn_config": Drop("the tokenizer's chat template is applied with a generation prompt"),
+    "policy.parallelism.n_init_replicas": _PROCS,
+    "policy.parallelism.dp_shard_size": _PROCS,
+    "policy.parallelism.dp_replicate_size": _PROCS,
+    "policy.parallelism.tp_size": Missing("tensor parallelism in the hf backend (actor.backend=megatron has it "
+                                          "only at 1 so far)", off=(1, None)),
+    "policy.parallelism.cp_size": Missing("context parallelism in the hf backend", off=(1, None)),
+    "policy.parallelism.ep_size": Missing("mixture-of-experts expert parallelism", off=(1, None)),
+    "policy.parallelism.pp_size": Missing("pipeline parallelism in the hf backend", off=(1, None)),
+    "policy.parallelism": Drop("used only with pp_size > 1"),  # pp_dynamic_shape, pp_micro_batch_size
+    "policy.model_name_or_path": Same("actor.path"),
+    "policy.model_revision": Missing("model revisions from the hub (actor.path is local)", off=(None, "")),
+    "policy.model_max_length": Drop("rlstream bounds the prompt (train_dataset.max_prompt_len) and the response "
+                                    "(gconfig.max_new_tokens) separately"),
+    "policy.model_gradient_checkpointing": Same("actor.gradient_checkpointing"),
+    "policy.lora.r": Same("actor.lora.rank"),
+    "policy.lora.lora_alpha": Same("actor.lora.alpha"),
+    "policy.lora.lora_dropout": Same("actor.lora.dropout"),
+    "policy.lora.target_modules": Same("actor.lora.target_modules"),
+    "policy.lora.use_rslora": Same("actor.lora.use_rslora"),
+    "policy.lora.modules_to_save": Missing("fully trained modules beside LoRA", off=(None, [])),
+    "policy.lora.alpha_pattern": Missing("per-module LoRA alpha", off=(None, {})),
+    "policy.lora.r_pattern": Missing("per-module LoRA rank", off=(None, {})),
+    "policy.lora.init_lora_weights": Missing("LoRA initialisation schemes (peft's default is used)",
+                                             off=(True, None, "gaussian")),
+    "policy.trainable_map": Missing("freezing parameters by name", off=(None, {})),
+    "policy.enable_liger_kernel": Drop(_KERNEL),
+    "logging.logger": Convert(("stats_logger.wandb.mode",), _loggers, "wandb in the list = online"),
+    "logging.project_name": Same("stats_logger.wandb.project"),
+    "logging.experiment_name": Same("experiment_name"),
+    "profiler.enable_profiler": Missing("the torch profiler", off=(False, None)),
+    "profiler.enable_nsys": Missing("Nsight Systems ranges", off=(False, None)),
+    "profiler": Drop("used only with enable_profiler; step phases are logged as time/* metrics"),
+    "validation.enable": Convert(("evaluator.freq_steps",), _validation, "every validation.freq steps"),
+    "validation.freq": Drop("read with validation.enable (evaluator.freq_steps)"),
+    "validation.batch_size": Drop("evaluation requests share the engines: evaluator.concurrency"),
+    **_dataset("validation.dataset", "valid_dataset"),
+    "validation.temperature": Same("eval_gconfig.temperature"),
+    "validation.top_p": Same("eval_gconfig.top_p"),
+    "validation.top_k": Convert(("eval_gconfig.top_k",), lambda v, c: _top_k("eval_gconfig.top_k", v, c)),
+    "validation.repetition_penalty": Missing("repetition penalty", off=(1.0, 1, None)),
+    "validation.n_generation": Same("eval_gconfig.n_samples"),
+    "validation.max_response_length": Same("eval_gconfig.max_new_tokens"),
+    "validation.reward_function": Drop("evaluation scores with the training reward, producer.reward_fn"),
+}
+
+# rlstream keys whose default differs from cosmos-rl's, set when the file leaves them out.
+DEFAULTS: dict[str, Any] = {"actor.ppo_n_minibatches": 1, "actor.kl_ctl": 0.0, "actor.c_clip": 3.0,
+                            "rollout.backend": "vllm", "launcher.slurm.engine": "vllm",
+                            "rollout.max_head_offpolicyness": 4, "actor.optimizer.eps": 1e-6,
+                            "actor.optimizer.weight_decay": 0.01,
+                            "actor.reward_norm": {"mean_level": "group", "std_level": "group", "std_unbiased": False,
+                                                  "eps": 1e-6},
+                            "actor.adv_norm": None}

@@ -1,0 +1,195 @@
+"""ROLL (alibaba/ROLL) pipeline YAML configs -> rlstream configs.
+
+Key names and meanings follow ROLL's configuration guide (`../shared/seeds/002_c3844dd9be1fc488.txt`): the
+pipeline keys, and the workers actor_train / actor_infer / reference / critic, each with model_args,
+training_args or generating_args, data_args, strategy_args and device_mapping.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlstream.common.config import ConfigError
+from rlstream.common.importers.common import HYDRA, device_count, dtype_of, engine_arg
+from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
+
+__all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
+
+RESOLVERS: dict[str, Any] = {}
+
+_MB = "rlstream cuts micro-batches by tokens: actor.mb_spec.max_tokens_per_mb"
+_REF = "the reference model runs in the trainer process with the actor's backend, dtype and micro-batches"
+_KERNEL = "a megatron-core kernel/communication choice; rlstream's megatron backend makes its own"
+_INFER_MODEL = "engines serve actor.path; their dtype and options are the engine's (server.dtype, launcher.slurm.engine_args)"
+
+
+def _grad_ckpt(value: Any, ctx: Context) -> None:
+    ctx.t.put(ctx.key, "actor.gradient_checkpointing", not value)
+
+
+def _recompute(value: Any, ctx: Context) -> None:
+    ctx.t.put(ctx.key, "actor.gradient_checkpointing", value in ("full", "selective"))
+
+
+def _minibatches(value: Any, ctx: Context) -> str | None:
+    """ROLL runs an optimizer step per per_device_train_batch_size x gradient_accumulation_steps x ranks samples;
+    rlstream splits each step's batch into actor.ppo_n_minibatches optimizer steps."""
+    per_device = get(ctx.data, "actor_train.training_args.per_device_train_batch_size", 1)
+    accumulation = get(ctx.data, "actor_train.training_args.gradient_accumulation_steps", 1)
+    ranks = device_count(get(ctx.data, "actor_train.device_mapping")) or 1
+    samples = get(ctx.data, "rollout_batch_size")
+    n = get(ctx.data, "num_return_sequences_in_group", 1)
+    if not samples:
+        return "rollout_batch_size is not set, so the optimizer steps per batch are unknown"
+    per_step = int(per_device) * int(accumulation) * ranks
+    ctx.t.put("actor_train.training_args (batch)", "actor.ppo_n_minibatches", max(1, int(samples) * int(n) // per_step))
+    return None
+
+
+def _warmup(value: Any, ctx: Context) -> str | None:
+    total = get(ctx.data, "max_steps")
+    if not value:
+        ctx.t.put(ctx.key, "actor.optimizer.warmup_steps_proportion", 0.0)
+        return None
+    if not total or total <= 0:
+        return "rlstream warms up for a fraction of total_train_steps; max_steps is not set, so set " \
+               "actor.optimizer.warmup_steps_proportion yourself"
+    ctx.t.put(ctx.key, "actor.optimizer.warmup_steps_proportion", min(1.0, float(value) / float(total)))
+    return None
+
+
+def _template(value: Any, ctx: Context) -> str | None:
+    if value == "native":
+        ctx.t.put(ctx.key, "train_dataset.apply_chat_template", True)
+        return None
+    raise ConfigError(f"actor_train.data_args.template={value!r}: rlstream applies the tokenizer's own chat "
+                      "template (native) or none; use native or bake the template into the prompts")
+
+
+def _file(value: Any, ctx: Context) -> str | None:
+    paths = [value] if isinstance(value, str) else list(value or [])
+    if len(paths) != 1:
+        raise ConfigError(f"{ctx.key} lists {len(paths)} files: rlstream reads one file or folder "
+                          "(train_dataset.path); put the files in one folder and give that")
+    ctx.t.put(ctx.key, "train_dataset.path", paths[0])
+    return None
+
+
+def _train_strategy(value: Any, ctx: Context) -> None:
+    if value == "megatron_train":
+        ctx.t.put(ctx.key, "actor.backend", "megatron")
+    elif value in ("fsdp2_train", "deepspeed_train", "hf_train"):
+        ctx.t.put(ctx.key, "actor.backend", "hf")
+        ctx.t.put(ctx.key, "actor.parallel", "fsdp" if value == "fsdp2_train" else "ddp")
+    else:
+        raise ConfigError(f"actor_train.strategy_args.strategy_name={value!r}: rlstream trains with megatron_train "
+                          "(actor.backend=megatron) or fsdp2_train (hf + fsdp)")
+
+
+def _infer_strategy(value: Any, ctx: Context) -> None:
+    if value in ("vllm", "sglang"):
+        ctx.t.put(ctx.key, "rollout.backend", value)
+        ctx.t.put(ctx.key, "launcher.slurm.engine", value)
+    elif value == "hf_infer":
+        ctx.t.put(ctx.key, "rollout.backend", "sglang")
+        ctx.t.put(ctx.key, "launcher.slurm.engine", "local")
+    else:
+        raise ConfigError(f"actor_infer.strategy_args.strategy_name={value!r}: rlstream's engines are vllm, sglang "
+                          "or its local engine (hf_infer)")
+
+
+def _trainer_procs(value: Any, ctx: Context) -> str | None:
+    n = device_count(value)
+    if n is None:
+        raise ConfigError(f"{ctx.key}={value!r}: expected list(range(a,b)), a list of ids or 0,1,2")
+    tp = get(ctx.data, "actor_train.strategy_args.strategy_config.tensor_model_parallel_size", 1) or 1
+    pp = get(ctx.data, "actor_train.strategy_args.strategy_config.pipeline_model_parallel_size", 1) or 1
+    ctx.t.put(ctx.key, "launcher.n_trainer_procs", max(1, n // (int(tp) * int(pp))) if tp * pp > 1 else n)
+    return None
+
+
+def _engines(value: Any, ctx: Context) -> str | None:
+    n = device_count(value)
+    if n is None:
+        raise ConfigError(f"{ctx.key}={value!r}: expected list(range(a,b)), a list of ids or 0,1,2")
+    per_engine = int(get(ctx.data, "actor_infer.num_gpus_per_worker", 1) or 1)
+    ctx.t.put(ctx.key, "launcher.n_engines", max(1, n // per_engine))
+    return None
+
+
+_STRATEGY = "actor_train.strategy_args.strategy_config"
+_INFER = "actor_infer.strategy_args.strategy_config"
+
+TABLE: Table = {
+    **HYDRA,
+    "rollout_batch_size": Same("rollout.consumer_batch_size"),
+    "prompt_length": Same("train_dataset.max_prompt_len"),
+    "response_length": Same("gconfig.max_new_tokens"),
+    "num_return_sequences_in_group": Same("gconfig.n_samples"),
+    "exp_name": Same("experiment_name"),
+    "seed": Same("seed"),
+    "max_steps": Same("total_train_steps"),
+    "save_steps": Same("saver.freq_steps"),
+    "output_dir": Same("cluster.fileroot"),
+    "pretrain": Same("actor.path"),
+    "logging_steps": Drop("every step's metrics are logged"),
+    "actor_train.model_args.dtype": Convert(("actor.dtype",), dtype_of),
+    "actor_train.model_args.disable_gradient_checkpointing": Convert(("actor.gradient_checkpointing",), _grad_ckpt,
+                                                                     "negated"),
+    "actor_train.model_args.ulysses_size": Missing("Ulysses context parallelism in the hf backend", off=(1, None)),
+    "actor_train.model_args.model_name_or_path": Same("actor.path"),
+    "actor_train.training_args.learning_rate": Same("actor.optimizer.lr"),
+    "actor_train.training_args.weight_decay": Same("actor.optimizer.weight_decay"),
+    "actor_train.training_args.per_device_train_batch_size": Convert(("actor.ppo_n_minibatches",), _minibatches,
+                                                                     "optimizer steps per batch"),
+    "actor_train.training_args.gradient_accumulation_steps": Convert(("actor.ppo_n_minibatches",), _minibatches,
+                                                                     "optimizer steps per batch"),
+    "actor_train.training_args.warmup_steps": Convert(("actor.optimizer.warmup_steps_proportion",), _warmup,
+                                                      "warmup_steps / max_steps"),
+    "actor_train.data_args.template": Convert(("train_dataset.apply_chat_template",), _template),
+    "actor_train.data_args.file_name": Convert(("train_dataset.path",), _file),
+    "actor_train.data_args.prompt": Same("train_dataset.prompt_key"),
+    "actor_train.data_args.messages": Missing("chat-message columns as prompts (rlstream reads a prompt text "
+                                              "column, train_dataset.prompt_key)", off=(None,)),
+    "actor_train.strategy_args.strategy_name": Convert(("actor.backend", "actor.parallel"), _train_strategy),
+    f"{_STRATEGY}.tensor_model_parallel_size": Same("actor.megatron.tensor_parallel"),
+    f"{_STRATEGY}.pipeline_model_parallel_size": Same("actor.megatron.pipeline_parallel"),
+    f"{_STRATEGY}.context_parallel_size": Same("actor.megatron.context_parallel"),
+    f"{_STRATEGY}.expert_model_parallel_size": Missing("mixture-of-experts expert parallelism", off=(1, None)),
+    f"{_STRATEGY}.virtual_pipeline_model_parallel_size": Missing("interleaved (virtual) pipeline stages",
+                                                                 off=(1, None)),
+    f"{_STRATEGY}.sequence_parallel": Missing("megatron sequence parallelism (the megatron backend runs TP=1)"),
+    f"{_STRATEGY}.recompute_granularity": Convert(("actor.gradient_checkpointing",), _recompute),
+    f"{_STRATEGY}.moe_layer_recompute": Missing("mixture-of-experts layers"),
+    f"{_STRATEGY}.moe_token_dispatcher_type": Missing("mixture-of-experts expert parallelism"),
+    f"{_STRATEGY}.moe_grouped_gemm": Missing("mixture-of-experts layers"),
+    f"{_STRATEGY}.moe_shared_expert_overlap": Missing("mixture-of-experts layers"),
+    f"{_STRATEGY}.overlap_grad_reduce": Drop(_KERNEL),
+    f"{_STRATEGY}.fsdp_size": Missing("hybrid sharding (HSDP); actor.parallel=fsdp shards over every trainer "
+                                      "process"),
+    f"{_STRATEGY}.param_dtype": Convert(("actor.dtype",), dtype_of),
+    f"{_STRATEGY}.reduce_dtype": Drop("gradients are reduced in the parameter dtype"),
+    f"{_STRATEGY}.reshard_after_forward": Drop("FSDP2's default (reshard) is used"),
+    f"{_STRATEGY}.offload_policy": Drop("trainer and engines are separate processes; nothing is offloaded"),
+    "actor_train.infer_batch_size": Drop(_MB + " (log-prob passes too)"),
+    "actor_train.device_mapping": Convert(("launcher.n_trainer_procs",), _trainer_procs, "devices / (tp x pp)"),
+    "actor_infer.model_args": Drop(_INFER_MODEL),
+    "actor_infer.generating_args.max_new_tokens": Same("gconfig.max_new_tokens"),
+    "actor_infer.generating_args.temperature": Same("gconfig.temperature"),
+    "actor_infer.generating_args.top_p": Same("gconfig.top_p"),
+    "actor_infer.generating_args.top_k": Same("gconfig.top_k"),
+    "actor_infer.generating_args.num_return_sequences": Same("gconfig.n_samples"),
+    "actor_infer.strategy_args.strategy_name": Convert(("rollout.backend", "launcher.slurm.engine"), _infer_strategy),
+    f"{_INFER}.gpu_memory_utilization": Convert(("launcher.slurm.engine_args",), engine_arg("--gpu-memory-utilization")),
+    f"{_INFER}.block_size": Convert(("launcher.slurm.engine_args",), engine_arg("--block-size")),
+    f"{_INFER}.max_model_len": Convert(("launcher.slurm.engine_args",), engine_arg("--max-model-len")),
+    f"{_INFER}.mem_fraction_static": Convert(("launcher.slurm.engine_args",), engine_arg("--mem-fraction-static")),
+    f"{_INFER}.load_format": Drop("engines load actor.path; the trainer pushes each new version"),
+    "actor_infer.num_gpus_per_worker": Same("launcher.slurm.engine_tp"),
+    "actor_infer.device_mapping": Convert(("launcher.n_engines",), _engines, "devices / num_gpus_per_worker"),
+    "actor_infer.infer_batch_size": Drop("engines batch requests themselves (continuous batching)"),
+    "reference": Drop(_REF),
+    "critic": Missing("a critic (value model): rlstream trains critic-free (GRPO, RLOO, ...)"),
+}
+
+DEFAULTS: dict[str, Any] = {}

@@ -1,0 +1,66 @@
+"""A cosmos-rl GRPO TOML imports key by key and loads; the GRPO advantage is cosmos-rl's."""
+
+from pathlib import Path
+
+import pytest
+
+from rlstream.common.config import ConfigError, load_config_dict
+from rlstream.common.importers.reader import import_data, import_file, read_file
+from rlstream.common.importers.rules import MISSING, leaves
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "cosmos" / "qwen2-5-3b-grpo.toml"
+
+
+@pytest.fixture(scope="module")
+def imported():
+    return import_file("cosmos", FIXTURE)
+
+
+def test_every_key_is_accounted_for_once(imported):
+    keys = [k for k, _ in leaves(read_file("cosmos", FIXTURE))]
+    done = imported.same + [k for k, _ in imported.translated] + [k for k, _ in imported.dropped]
+    assert sorted(done) == sorted(keys)
+
+
+def test_the_example_maps_to_these_rlstream_keys(imported):
+    cfg = load_config_dict(imported.config)
+    assert cfg.gconfig.n_samples == 16 and cfg.gconfig.max_new_tokens == 2048
+    assert cfg.gconfig.temperature == 0.9 and cfg.actor.temperature == 0.9
+    assert cfg.rollout.consumer_batch_size == 192 // 16  # samples per replica -> prompts
+    assert cfg.actor.optimizer.type == "adamw" and cfg.actor.optimizer.lr == 1e-6
+    assert (cfg.actor.optimizer.beta1, cfg.actor.optimizer.beta2) == (0.9, 0.999)
+    assert cfg.actor.optimizer.eps == 1e-6 and cfg.actor.optimizer.weight_decay == 0.01
+    assert cfg.actor.eps_clip == 0.2 and cfg.actor.eps_clip_higher == 0.2 and cfg.actor.kl_ctl == 0.0
+    rn = cfg.actor.reward_norm
+    assert (rn.mean_level, rn.std_level, rn.std_unbiased, rn.eps) == ("group", "group", False, 1e-6)
+    assert cfg.actor.adv_norm is None
+    assert cfg.actor.ppo_n_minibatches == 1 and cfg.actor.c_clip == 3.0  # cosmos-rl's defaults
+    assert cfg.producer.reward_fn == "rlstream.producer.rewards:math_reward"  # boxed_math
+    assert cfg.train_dataset.prompt_key == "prompt" and cfg.train_dataset.answer_key == "result"
+    assert cfg.actor.path == "Qwen/Qwen2.5-3B-Instruct" and cfg.actor.dtype == "bfloat16"
+    assert cfg.saver.freq_steps == 20 and cfg.recover.mode == "disabled" and cfg.total_train_epochs == 1
+    assert cfg.stats_logger.wandb.mode == "online" and cfg.stats_logger.wandb.project == "cosmos_rl"
+    assert cfg.rollout.backend == "vllm" and cfg.launcher.n_engines == 1 and cfg.launcher.n_trainer_procs == 1
+
+
+def test_what_is_dropped_says_why(imported):
+    why = dict(imported.dropped)
+    assert why["train.ckpt.save_mode"].startswith(MISSING) and why["train.train_policy.mu_iterations"].startswith(MISSING)
+    assert why["redis"].startswith("cosmos-rl's controller Redis port")
+    assert any("hub name" in n for n in imported.notes)
+
+
+def test_unbiased_advantage_drops_the_std_division():
+    t = import_data("cosmos", {"train": {"train_policy": {"type": "grpo", "unbiased_advantage": True}}})
+    assert t.config["actor"]["reward_norm"]["std_level"] == "none"
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"train": {"train_policy": {"type": "sft"}}}, "type='sft'"),
+    ({"train": {"train_policy": {"mu_iterations": 2}}}, "mu_iterations=2: not in rlstream yet"),
+    ({"train": {"resume": "/ckpt/step_10"}}, "explicit checkpoint path"),
+    ({"train": {"train_policy": {"reward_function": {"single_choice": 0.9, "format": 0.1}}}}, "reward_function"),
+])
+def test_values_rlstream_cannot_honour_are_refused(data, message):
+    with pytest.raises(ConfigError, match=message):
+        import_data("cosmos", data)

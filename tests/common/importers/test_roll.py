@@ -1,0 +1,63 @@
+"""ROLL's guide example imports key by key and loads as an rlstream config."""
+
+from pathlib import Path
+
+import pytest
+
+from rlstream.common.config import ConfigError, load_config_dict
+from rlstream.common.importers.reader import import_data, import_file, read_file
+from rlstream.common.importers.rules import MISSING, leaves
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "roll" / "rlvr_megatron.yaml"
+
+
+@pytest.fixture(scope="module")
+def imported():
+    return import_file("roll", FIXTURE)
+
+
+def test_every_key_is_accounted_for_once(imported):
+    keys = [k for k, _ in leaves(read_file("roll", FIXTURE))]
+    done = imported.same + [k for k, _ in imported.translated] + [k for k, _ in imported.dropped]
+    assert sorted(done) == sorted(keys)
+
+
+def test_the_example_maps_to_these_rlstream_keys(imported):
+    cfg = load_config_dict(imported.config)
+    assert cfg.rollout.consumer_batch_size == 64 and cfg.gconfig.n_samples == 8
+    assert cfg.gconfig.max_new_tokens == 4096  # response_length, and ${response_length} in generating_args
+    assert cfg.train_dataset.max_prompt_len == 2048 and cfg.train_dataset.prompt_key == "instruction"
+    assert cfg.train_dataset.path == "xxx/train.json" and cfg.train_dataset.apply_chat_template
+    assert cfg.actor.dtype == "bfloat16" and cfg.actor.gradient_checkpointing
+    assert cfg.actor.optimizer.lr == 1e-6 and cfg.actor.optimizer.weight_decay == 0
+    assert cfg.actor.backend == "megatron" and cfg.actor.megatron.tensor_parallel == 1
+    # 64 prompts x 8 samples per step, 1 x 32 x 16 ranks per optimizer step
+    assert cfg.actor.ppo_n_minibatches == 1
+    assert cfg.launcher.n_trainer_procs == 16 and cfg.launcher.n_engines == 16
+    assert cfg.rollout.backend == "vllm" and cfg.launcher.slurm.engine == "vllm"
+    assert cfg.launcher.slurm.engine_args == ["--gpu-memory-utilization", "0.6", "--block-size", "16",
+                                              "--max-model-len", "8000"]
+    assert cfg.gconfig.temperature == 0.99
+
+
+def test_what_is_dropped_says_why(imported):
+    why = dict(imported.dropped)
+    assert why["actor_train.strategy_args.strategy_config.expert_model_parallel_size"].startswith(MISSING)
+    assert "max_steps is not set" in why["actor_train.training_args.warmup_steps"]
+    assert why["reference.device_mapping"].startswith("the reference model runs in the trainer")
+
+
+def test_warmup_steps_become_a_fraction_of_max_steps():
+    t = import_data("roll", {"max_steps": 200, "actor_train": {"training_args": {"warmup_steps": 20}}})
+    assert t.config["actor"]["optimizer"]["warmup_steps_proportion"] == 0.1
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"actor_train": {"strategy_args": {"strategy_name": "deepspeed_zero3"}}}, "strategy_name='deepspeed_zero3'"),
+    ({"actor_train": {"data_args": {"template": "qwen2_5"}}}, "template='qwen2_5'"),
+    ({"actor_train": {"strategy_args": {"strategy_config": {"expert_model_parallel_size": 8}}}},
+     "expert_model_parallel_size=8: not in rlstream yet: mixture-of-experts"),
+])
+def test_values_rlstream_cannot_honour_are_refused(data, message):
+    with pytest.raises(ConfigError, match=message):
+        import_data("roll", data)
