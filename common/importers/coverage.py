@@ -68,7 +68,8 @@ def _areal_sample(key: str, default: Any) -> dict[str, Any]:
 
 def _areal_row(key: str, default: Any) -> tuple[str, str]:
     try:
-        t = translate_areal(_areal_sample(key, default))
+        # gconfig marks the one-key file as an AReaL experiment file (translate_areal refuses others).
+        t = translate_areal({"gconfig": {}, **_areal_sample(key, default)})
     except ConfigError as exc:
         return f"refused at import: {exc}", "translated"
     if key in t.same:

@@ -290,7 +290,7 @@ def test_a_group_size_other_than_the_group_is_refused():
     ("roll.yaml", "pretrain: /m\nactor_train: {model_args: {dtype: bf16}}\nactor_infer: {}\n", "looks like a ROLL config"),
     ("cosmos.toml", '[train]\nepoch = 1\n[policy]\nmodel_name_or_path = "m"\n', "import it with --from cosmos"),
     ("notes.txt", "just a line of text\n", "an AReaL config is a YAML mapping of keys"),
-    ("rlinf.yaml", "runner: {max_epochs: 1}\nalgorithm: {adv_type: grpo}\nactor: {}\n", "looks like a RLinf config"),
+    ("rlinf.yaml", "runner: {max_epochs: 1}\nalgorithm: {adv_type: grpo}\nactor: {}\n", "looks like an RLinf config"),
 ])
 def test_a_file_of_another_system_is_refused_in_one_line(tmp_path, name, text, message):
     path = tmp_path / name
