@@ -101,9 +101,10 @@ class Sandbox:
                 filter_error = f"{type(exc).__name__}: {exc}"
         self.isolate = self.cfg.isolation != "off" and os.geteuid() == 0 and _can_isolate()
         if self.cfg.isolation == "required" and not (self.isolate and self.syscall_filter):
+            why = f" ({filter_error})" if filter_error else ""
             raise RuntimeError("agent.sandbox.isolation=required but this process cannot create namespaces "
-                               "(needs root / CAP_SYS_ADMIN) or build the seccomp filter (needs libseccomp and "
-                               f"pyseccomp) {filter_error}; use auto or off".replace("  ", " "))
+                               "(needs root / CAP_SYS_ADMIN) or build the seccomp filter (needs libseccomp2 and "
+                               f"pyseccomp){why}; use auto or off")
         self.python = self.cfg.python or ("/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable)
         self.enforced = ["rlimit_cpu", "rlimit_as", "rlimit_fsize", "wall_timeout", "process_group"]
         if self.syscall_filter is not None:
