@@ -150,7 +150,7 @@ _ESCAPES = {
     "keyctl(GET_KEYRING_ID)": (f"libc.syscall({_nr('keyctl')}, 0, -3, 0)", _EPERM),  # today: a keyring id
     "bpf": (f"libc.syscall({_nr('bpf')}, 9999, None, 0)", _EPERM),  # today: EINVAL
     "perf_event_open": (f"libc.syscall({_nr('perf_event_open')}, None, 0, -1, -1, 0)", _EPERM),  # today: EFAULT
-    "process_vm_readv": (f"libc.syscall({_nr('process_vm_readv')}, os.getpid(), None, 0, None, 0, 0)", _EPERM),
+    "process_vm_readv": (f"libc.syscall({_nr('process_vm_readv')}, os.getpid(), None, 0, None, 0, 0)", _EPERM),  # today: 0
 }
 
 
