@@ -217,5 +217,5 @@ def test_without_namespaces_one_line_says_what_is_off_and_the_filter_still_holds
 
 
 def test_isolation_off_says_the_filter_is_off_too():
-    sandbox = Sandbox(load_config(None, ["agent.sandbox.isolation=off"]).agent.sandbox)
+    sandbox = Sandbox(load_config(None, ["agent.sandbox.isolation='off'"]).agent.sandbox)
     assert sandbox.not_enforced == ["seccomp", "own_uid", "rlimit_nproc", "no_network", "private_tmp", "pid_namespace"]
