@@ -33,6 +33,7 @@ from typing import Any, Callable
 import msgspec
 
 from rlstream.api.reward import RewardResult
+from rlstream.common.config.masking import environ_without_credentials
 from rlstream.common.logging import get_logger
 
 __all__ = [
@@ -200,7 +201,9 @@ class RewardPool:
         self.errors = 0
 
     async def _spawn(self) -> _Worker:
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        # A reward function needs no Redis/engine credential: the worker's environment has none.
+        env = dict(environ_without_credentials(), OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+                   TOKENIZERS_PARALLELISM="false")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rlstream.producer.rewards", self.reward_fn,
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)

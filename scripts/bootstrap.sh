@@ -56,6 +56,14 @@ else
   log "system packages present: ${!APT[*]}"
 fi
 
+# libseccomp2: a library, not a binary; the code sandbox's seccomp filter loads it through pyseccomp.
+if ! ldconfig -p 2>/dev/null | grep -q 'libseccomp\.so\.2'; then
+  SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+  log "apt-get install libseccomp2"
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq --no-install-recommends libseccomp2
+fi
+
 # ---------------------------------------------------------------- 2. python packages
 # torch first and pinned: a bare `torch` resolves to the multi-GB CUDA build.
 if "$PY" -c 'import sys, torch; sys.exit(0 if torch.__version__.split("+")[0] == "2.13.0" else 1)' 2>/dev/null; then

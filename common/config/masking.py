@@ -7,7 +7,7 @@ from typing import Any
 import msgspec
 
 __all__ = ["CREDENTIAL_KEYS", "is_credential_key", "config_to_dict", "mask_url", "masked_config_dict",
-           "register_secrets"]
+           "register_secrets", "environ_without_credentials"]
 
 # Keys that hold credentials: the whole key or its last `_` part (`hf_token`, `client_secret`),
 # never a substring (`max_new_tokens`, `stop_token_ids` and `tokenizer_path` are settings).
@@ -18,6 +18,30 @@ def is_credential_key(key: Any) -> bool:
     """Whether a config key names a credential (masked in `config show` and in every log line)."""
     k = str(key).lower().replace("-", "_")
     return any(k == w or k.endswith("_" + w) for w in CREDENTIAL_KEYS)
+
+
+# Name parts of environment variables that carry credentials or point at them: Redis/engine passwords and API keys,
+# tokens, TLS private keys (REDIS_PASSWORD, HF_TOKEN, WANDB_API_KEY, AWS_SECRET_ACCESS_KEY, RLSTREAM_REDIS_TLS_KEY).
+_CREDENTIAL_ENV_PARTS = frozenset({"PASSWORD", "PASSWD", "SECRET", "TOKEN", "APIKEY", "CREDENTIAL", "CREDENTIALS",
+                                   "KEY", "TLS", "REDIS", "AUTH"})
+# The job's config and overrides (redis.password=... may be among them): a child that needs one is given it.
+_CONFIG_ENV = frozenset({"RLSTREAM_CONFIG", "RLSTREAM_OVERRIDES"})
+
+
+def environ_without_credentials(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """`environ` (default os.environ) for a child that needs no credential: without variables whose name says they
+    hold or point at one, the job's config, or any value holding a URL password or a registered secret."""
+    import os
+
+    from rlstream.common.logging import mask_secrets
+
+    out = {}
+    for name, value in (os.environ if environ is None else environ).items():
+        parts = set(name.upper().replace("-", "_").split("_"))
+        if parts & _CREDENTIAL_ENV_PARTS or name.upper() in _CONFIG_ENV or mask_secrets(value) != value:
+            continue
+        out[name] = value
+    return out
 
 
 def register_secrets(obj: Any) -> None:

@@ -51,8 +51,9 @@ class SandboxConfig(Section):
     """Interpreter that runs the code (empty = /usr/bin/python3 when present, else the producer's own; it must be
     executable by an unprivileged uid)."""
     isolation: Literal["auto", "required", "off"] = "auto"
-    """Own uid + network/mount namespaces: auto = when running as root, required = fail without them, off = rlimits and
-    timeout only."""
+    """Own uid + network/mount/PID namespaces (as root) and the seccomp filter (needs libseccomp2): auto = what this
+    machine allows, the rest named in one warning line; required = fail without all of them; off = rlimits and timeout
+    only."""
 
 
 class AgentConfig(Section):

@@ -306,3 +306,16 @@ def test_run_without_config_says_so_and_help_mentions_overrides():
     for args in (["--help"], ["run", "--help"]):
         out = _cli(*args, env={**os.environ, "COLUMNS": "200"})
         assert out.returncode == 0 and "KEY=VALUE" in out.stdout and "total_train_steps=600" in out.stdout, args
+
+
+def test_environ_without_credentials_keeps_ordinary_settings_only():
+    from rlstream.common.config.masking import environ_without_credentials
+    from rlstream.common.logging import register_secret
+
+    register_secret("s3cr3t-value-registered")
+    env = {"PATH": "/usr/bin", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "HF_HOME": "/data/hf",
+           "REDIS_PASSWORD": "x", "REDIS_URL": "redis://h:6379", "HF_TOKEN": "x", "WANDB_API_KEY": "x",
+           "AWS_SECRET_ACCESS_KEY": "x", "RLSTREAM_REDIS_TLS_KEY": "/k.pem", "RLSTREAM_OVERRIDES": "a=b",
+           "RLSTREAM_CONFIG": "/c.yaml", "BROKER": "rediss://u:pw@h:1/0", "NOTE": "has s3cr3t-value-registered in it"}
+    assert environ_without_credentials(env) == {"PATH": "/usr/bin", "TOKENIZERS_PARALLELISM": "false",
+                                                "OMP_NUM_THREADS": "1", "HF_HOME": "/data/hf"}

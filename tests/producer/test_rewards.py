@@ -162,3 +162,31 @@ def test_a_worker_that_died_between_calls_is_replaced(tmp_path, monkeypatch):
     assert first.reward == 1.0 and first.error is None
     assert died.reward == 0.0 and "reward worker died" in died.error, died
     assert replaced.reward == 1.0 and replaced.error is None
+
+
+PLANTED_CREDENTIALS = {"REDIS_PASSWORD": "hunter2-redis", "RLSTREAM_OVERRIDES": "redis.password=hunter2-redis",
+                       "WANDB_API_KEY": "k" * 40, "HF_TOKEN": "hf_" + "t" * 30, "RLSTREAM_REDIS_TLS_KEY": "/etc/job/key.pem",
+                       "JOB_BROKER": "redis://:hunter2-redis@10.0.0.5:6379/0", "RLSTREAM_CONFIG": "/etc/job/run.yaml"}
+CREDENTIALS_SEEN = textwrap.dedent(f"""
+    import os
+
+    def credentials_seen(prompt, completion, answer, **kw):
+        # how many planted credentials reached this worker, +100 if an ordinary variable did not
+        seen = [k for k in {sorted(PLANTED_CREDENTIALS)!r} if k in os.environ]
+        print("worker environment:", sorted(os.environ))
+        return float(len(seen)) + (0.0 if os.environ.get("ORDINARY_SETTING") == "kept" else 100.0)
+""")
+
+
+async def test_reward_workers_get_no_credentials(tmp_path, monkeypatch):
+    (tmp_path / "env_rewards.py").write_text(CREDENTIALS_SEEN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    for k, v in {**PLANTED_CREDENTIALS, "ORDINARY_SETTING": "kept"}.items():
+        monkeypatch.setenv(k, v)
+    pool = RewardPool("env_rewards:credentials_seen", workers=1, timeout=30)
+    try:
+        r = await pool("p", "c", "a")
+        assert r.error is None and r.reward == 0.0
+    finally:
+        await pool.close()

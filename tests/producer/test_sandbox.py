@@ -119,7 +119,103 @@ async def test_file_size_limit():
 def test_isolation_required_fails_clearly_without_privileges():
     cfg = load_config(None, ["agent.sandbox.isolation=required"])
     if os.geteuid() == 0:
-        assert "no_network" in Sandbox(cfg.agent.sandbox).enforced
+        assert Sandbox(cfg.agent.sandbox).not_enforced == []
     else:
         with pytest.raises(RuntimeError, match="agent.sandbox.isolation=required"):
             Sandbox(cfg.agent.sandbox)
+
+
+# Escapes the PID namespace and the syscall filter stop. Each snippet prints "rc errno" of one raw
+# call; the numbers are resolved by libseccomp for this machine's architecture.
+def _nr(name: str) -> int:
+    import pyseccomp
+
+    return pyseccomp.resolve_syscall(pyseccomp.system_arch(), name)
+
+
+def _syscall_code(call: str) -> str:
+    # a raw clone that succeeds returns 0 in the child: it leaves at once
+    return ("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\npid = os.getpid()\n"
+            f"rc = {call}\nif os.getpid() != pid:\n    os._exit(0)\nprint(rc, ctypes.get_errno())")
+
+
+_EPERM, _ENOSYS = "-1 1\n", "-1 38\n"
+_ESCAPES = {
+    "unshare(CLONE_NEWUSER)": ("libc.unshare(0x10000000)", _EPERM),  # today: 0
+    "clone(CLONE_NEWUSER)": (f"libc.syscall({_nr('clone')}, 0x10000000 | 17, 0, 0, 0, 0)", _EPERM),  # today: a pid
+    "clone3": (f"libc.syscall({_nr('clone3')}, None, 0)", _ENOSYS),  # today: EINVAL; ENOSYS makes glibc use clone
+    "setns": ("libc.setns(-1, 0)", _EPERM),  # today: EBADF
+    "ptrace(PTRACE_TRACEME)": ("libc.ptrace(0, 0, None, None)", _EPERM),  # today: 0
+    "mount": ("libc.mount(b'none', b'/nonexistent-target', b'tmpfs', 0, None)", _EPERM),  # today: ENOENT
+    "keyctl(GET_KEYRING_ID)": (f"libc.syscall({_nr('keyctl')}, 0, -3, 0)", _EPERM),  # today: a keyring id
+    "bpf": (f"libc.syscall({_nr('bpf')}, 9999, None, 0)", _EPERM),  # today: EINVAL
+    "perf_event_open": (f"libc.syscall({_nr('perf_event_open')}, None, 0, -1, -1, 0)", _EPERM),  # today: EFAULT
+    "process_vm_readv": (f"libc.syscall({_nr('process_vm_readv')}, os.getpid(), None, 0, None, 0, 0)", _EPERM),  # today: 0
+}
+
+
+@pytest.mark.parametrize("name", list(_ESCAPES))
+async def test_dangerous_syscalls_are_refused_by_the_filter(env, name):
+    call, expected = _ESCAPES[name]
+    assert await _run(env, _syscall_code(call)) == expected
+
+
+async def test_the_filter_is_installed_with_no_new_privs_and_threads_still_start(env):
+    code = ("import threading\nt = threading.Thread(target=print, args=('thread ran',))\nt.start(); t.join()\n"
+            "print([l.split()[1] for l in open('/proc/self/status') if l.startswith(('Seccomp:', 'NoNewPrivs:'))])")
+    assert await _run(env, code) == "thread ran\n['1', '2']\n"
+
+
+async def test_the_host_processes_are_invisible(env):
+    if not _isolated(env):
+        pytest.skip("no PID namespace without root: host processes are visible (docs/agentic.md)")
+    me = os.getpid()
+    code = (f"import os\nprint(os.getpid(), os.getppid(), sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+            f"print(os.path.exists('/proc/{me}'))\n"
+            f"for f in ('/proc/{me}/cmdline', '/proc/{me}/environ', f'/proc/{{os.getppid()}}/environ'):\n"
+            "    try:\n        open(f).read(); print('read', f)\n    except OSError as e:\n        print(type(e).__name__)")
+    assert await _run(env, code) == "1 0 [1]\nFalse\nFileNotFoundError\nFileNotFoundError\nFileNotFoundError\n"
+
+
+async def test_the_code_gets_no_credentials(env, monkeypatch):
+    planted = {"REDIS_PASSWORD": "hunter2-redis", "RLSTREAM_OVERRIDES": "redis.password=hunter2-redis",
+               "WANDB_API_KEY": "k" * 40, "RLSTREAM_REDIS_TLS_KEY": "/etc/job/key.pem"}
+    for k, v in planted.items():
+        monkeypatch.setenv(k, v)
+    out = await _run(env, "import os\nprint(sorted(os.environ))")
+    assert out == "['HOME', 'LANG', 'PATH', 'PYTHONDONTWRITEBYTECODE']\n"
+
+
+_PROTECTIONS_OFF = """
+import sys
+from rlstream.common.config import load_config
+from rlstream.producer.sandbox import Sandbox
+from rlstream.producer.syscall_filter import build_filter
+
+build_filter().install()  # from here on this process, like an unprivileged one, cannot create namespaces
+sandbox = Sandbox(load_config(None, ["agent.sandbox.wall_timeout=20"]).agent.sandbox)
+print(sandbox.not_enforced)
+res = sandbox.run_sync("import ctypes, os\\nlibc = ctypes.CDLL(None, use_errno=True)\\n"
+                       "print(libc.unshare(0x10000000), ctypes.get_errno(), os.path.exists(f'/proc/{os.getppid()}/environ'))")
+print(res.output, end="")
+"""
+
+
+def test_without_namespaces_one_line_says_what_is_off_and_the_filter_still_holds():
+    """The path of a producer without root (or a kernel that refuses the namespaces): the probe fails, the
+    warning line names every protection that is off, and the seccomp filter (no root needed) still refuses."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _PROTECTIONS_OFF], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert proc.returncode == 0, proc.stderr
+    off = ["own_uid", "rlimit_nproc", "no_network", "private_tmp", "pid_namespace"]
+    assert proc.stdout == f"{off!r}\n-1 1 True\n"
+    warnings = [line for line in proc.stderr.splitlines() if "sandbox: NOT enforced here" in line]
+    assert len(warnings) == 1 and all(p in warnings[0] for p in off) and "seccomp" not in warnings[0], proc.stderr
+
+
+def test_isolation_off_says_the_filter_is_off_too():
+    sandbox = Sandbox(load_config(None, ["agent.sandbox.isolation='off'"]).agent.sandbox)
+    assert sandbox.not_enforced == ["seccomp", "own_uid", "rlimit_nproc", "no_network", "private_tmp", "pid_namespace"]
