@@ -223,6 +223,11 @@ class SGLangClient(EngineClient):
     """SGLang native HTTP: `/generate`, `/pause_generation`, `/continue_generation`."""
 
     def payload(self, req: ModelRequest) -> GenerateRequest:
+        # Stop strings and penalties only when set (msgspec omits a default only when it is the same object).
+        extra: dict[str, Any] = {"stop": list(req.stop)} if req.stop else {}
+        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(req, name) != neutral:
+                extra[name] = getattr(req, name)
         sp = SamplingParams(
             max_new_tokens=req.max_new_tokens,
             temperature=req.effective_temperature,
@@ -230,10 +235,7 @@ class SGLangClient(EngineClient):
             top_k=req.top_k if req.top_k < TOP_K_OFF else -1,  # -1: the server's "off" (and not sent)
             min_new_tokens=req.min_new_tokens,
             stop_token_ids=list(req.stop_token_ids) or None,
-            stop=list(req.stop) or None,
-            frequency_penalty=req.frequency_penalty,
-            presence_penalty=req.presence_penalty,
-            repetition_penalty=req.repetition_penalty,
+            **extra,
         )
         return GenerateRequest(input_ids=list(req.input_ids), sampling_params=sp, return_logprob=True, rid=req.rid)
 
