@@ -222,15 +222,17 @@ def stop_window(stop: Sequence[str]) -> int:
 
 def match_stop_strings(tokenizer: Any, outputs: Sequence[Sequence[int]], stops: Sequence[Sequence[str]]
                        ) -> list[str | None]:
-    """For each output, the first of its stop strings its last tokens' text contains, else None.
+    """For each output, the first of its stop strings that its last token completed, else None.
 
-    Checked after every sampled token, so a hit is the string the last token completed; one
-    `batch_decode` of the windows (`stop_window`) for all rows, special tokens skipped as in the
-    answer's text.
+    The text of the last tokens (`stop_window`) with and without the last one, in one `batch_decode`
+    for all rows, special tokens skipped as in the answer's text: a hit ends past the text without
+    the last token (an occurrence completed earlier, e.g. before min_new_tokens, does not count).
     """
-    texts = tokenizer.batch_decode([list(o[-stop_window(st):]) for o, st in zip(outputs, stops)],
-                                   skip_special_tokens=True)
-    return [next((s for s in st if s in text), None) for text, st in zip(texts, stops)]
+    windows = [list(o[-stop_window(st):]) for o, st in zip(outputs, stops)]
+    texts = tokenizer.batch_decode(windows + [w[:-1] for w in windows], skip_special_tokens=True)
+    n = len(windows)
+    return [next((s for s in st if s in text and text.rfind(s) + len(s) > len(before)), None)
+            for text, before, st in zip(texts[:n], texts[n:], stops)]
 
 
 def sample(logits: torch.Tensor, params: Sequence[Sampling], n_out: Sequence[int],

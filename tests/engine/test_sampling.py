@@ -187,7 +187,8 @@ def test_stop_strings_are_found_in_the_last_tokens_text(tiny_model_path):
     tok = AutoTokenizer.from_pretrained(tiny_model_path)
     ids = tok.encode("ab+cd=ef", add_special_tokens=False)
     assert stop_window(["=e"]) == 10 and stop_window(["x", "abc"]) == 14
-    hits = match_stop_strings(tok, [ids, ids[:-1], ids[:-2], [0] * 30 + ids], [["=e", "f"], ["=e"], ["=e"], ["cd="]])
-    assert hits == ["=e", "=e", None, "cd="]
+    hits = match_stop_strings(tok, [ids, ids[:-1], ids[:-2], [0] * 30 + ids[:6]], [["=e", "f"], ["=e"], ["=e"], ["cd="]])
+    assert hits == ["f", "=e", None, "cd="]  # "=e" was completed a token before "f"
+    assert match_stop_strings(tok, [ids], [["+"]]) == [None]  # in the window, but not completed by the last token
     # Special tokens are skipped as in the answer's text: "<s>" is not in "ab".
     assert match_stop_strings(tok, [[1] + tok.encode("ab", add_special_tokens=False)], [["<s>"]]) == [None]
