@@ -15,7 +15,8 @@ subclass them, and named here with the other extension interfaces:
   - `resume()`: let generation continue after `pause`.
   - `health(timeout=5.0) -> bool` and `model_info(timeout=30.0) -> ModelInfo` are provided.
 - `ModelRequest`: `input_ids`, `max_new_tokens`, `temperature`, `top_p`, `top_k`
-  (>= `TOP_K_OFF` means off), `min_new_tokens`, `stop_token_ids`, `greedy`, `rid`;
+  (>= `TOP_K_OFF` means off), `min_new_tokens`, `stop_token_ids`, `greedy`, `rid`, `stop` (strings),
+  `frequency_penalty`, `presence_penalty`, `repetition_penalty`;
   `ModelRequest.from_gconfig(input_ids, gconfig)` fills it from `gconfig`.
 - `ModelResponse`: `output_ids`, `output_logprobs` (of the sampling distribution),
   `finish_reason` ("stop", "length", "abort"), `output_versions` (per token, when the server

@@ -14,6 +14,9 @@
   distribution `log_softmax(logits / T)`, so start vLLM with
   `--logprobs-mode processed_logprobs` (vLLM >= 0.10.2; processed = after temperature
   and, if set, top-k/top-p masking). With T = 1 and no top-k/top-p the two coincide.
+  Stop strings and penalties travel under vLLM's names (`stop`, `frequency_penalty`,
+  `presence_penalty`, `repetition_penalty`); vLLM's processed logprobs include the
+  penalties, like the local engine's (docs/local_engine.md, "Behaviour logprobs").
   Pause/resume map to vLLM's `POST /pause?mode=abort` / `POST /resume` (dev-mode
   routes, `VLLM_SERVER_DEV_MODE=1`); an aborted request ends with `finish_reason` "abort".
 
@@ -101,12 +104,18 @@ class ModelRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     greedy: bool = False
     rid: str | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings; the output keeps the token completing one
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     @classmethod
     def from_gconfig(cls, input_ids: list[int], g: GenerationHyperparameters, **kw: Any) -> "ModelRequest":
         return cls(input_ids=list(input_ids), max_new_tokens=g.max_new_tokens, temperature=g.temperature,
                    top_p=g.top_p, top_k=g.top_k, min_new_tokens=g.min_new_tokens,
-                   stop_token_ids=list(g.stop_token_ids), greedy=g.greedy, **kw)
+                   stop_token_ids=list(g.stop_token_ids), greedy=g.greedy, stop=list(g.stop),
+                   frequency_penalty=g.frequency_penalty, presence_penalty=g.presence_penalty,
+                   repetition_penalty=g.repetition_penalty, **kw)
 
     @property
     def effective_temperature(self) -> float:
@@ -214,6 +223,11 @@ class SGLangClient(EngineClient):
     """SGLang native HTTP: `/generate`, `/pause_generation`, `/continue_generation`."""
 
     def payload(self, req: ModelRequest) -> GenerateRequest:
+        # Stop strings and penalties only when set (msgspec omits a default only when it is the same object).
+        extra: dict[str, Any] = {"stop": list(req.stop)} if req.stop else {}
+        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
+            if getattr(req, name) != neutral:
+                extra[name] = getattr(req, name)
         sp = SamplingParams(
             max_new_tokens=req.max_new_tokens,
             temperature=req.effective_temperature,
@@ -221,6 +235,7 @@ class SGLangClient(EngineClient):
             top_k=req.top_k if req.top_k < TOP_K_OFF else -1,  # -1: the server's "off" (and not sent)
             min_new_tokens=req.min_new_tokens,
             stop_token_ids=list(req.stop_token_ids) or None,
+            **extra,
         )
         return GenerateRequest(input_ids=list(req.input_ids), sampling_params=sp, return_logprob=True, rid=req.rid)
 
@@ -283,6 +298,14 @@ class VLLMClient(EngineClient):
             body.min_tokens = req.min_new_tokens
         if req.stop_token_ids:
             body.stop_token_ids = list(req.stop_token_ids)
+        if req.stop:
+            body.stop = list(req.stop)
+        if req.frequency_penalty:
+            body.frequency_penalty = req.frequency_penalty
+        if req.presence_penalty:
+            body.presence_penalty = req.presence_penalty
+        if req.repetition_penalty != 1.0:
+            body.repetition_penalty = req.repetition_penalty
         if req.rid:
             body.request_id = req.rid
         return body

@@ -28,6 +28,11 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     top_k: int | msgspec.UnsetType = msgspec.UNSET
     min_tokens: int | msgspec.UnsetType = msgspec.UNSET
     stop_token_ids: list[int] | msgspec.UnsetType = msgspec.UNSET
+    # Stop strings: the text ends before one (include_stop_str_in_output false), the token ids keep its last token.
+    stop: list[str] | msgspec.UnsetType = msgspec.UNSET
+    frequency_penalty: float | msgspec.UnsetType = msgspec.UNSET  # OpenAI, [-2, 2]
+    presence_penalty: float | msgspec.UnsetType = msgspec.UNSET  # OpenAI, [-2, 2]
+    repetition_penalty: float | msgspec.UnsetType = msgspec.UNSET  # vLLM's extra parameter, > 0, prompt + output
     request_id: str | msgspec.UnsetType = msgspec.UNSET
 
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlstream.engine.sampling import Penalties
+
 if TYPE_CHECKING:
     from rlstream.engine.prefix_cache import Prefix
     from rlstream.engine.scheduler import Request
@@ -40,10 +42,13 @@ class KVBatch:
         # The last decode step's attention mask (2D when no row is padded, else 4D additive), carried to the
         # next step with one column appended; None after the rows changed (prefill, finish): rebuilt once.
         self.step_mask: torch.Tensor | None = None
+        # The rows' token counts for repetition/frequency/presence penalties (held while a row is penalised).
+        self.penalties = Penalties(model.get_input_embeddings().num_embeddings, device)
 
     def reset(self) -> None:
         self.rows, self.cache, self.mask, self.next_pos, self.last = [], None, None, None, None
         self.step_mask = None
+        self.penalties.reset()
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
                  cache) -> tuple[torch.Tensor, Any]:
@@ -120,6 +125,7 @@ class KVBatch:
         if not self.rows:
             self.rows, self.cache, self.mask, self.next_pos, self.last = list(reqs), cache, mask, next_pos, last
             self.step_mask = None
+            self.penalties.join(self.rows, reqs)
             return
         L_old, L_new = self.mask.shape[1], mask.shape[1]
         L = max(L_old, L_new)
@@ -133,6 +139,7 @@ class KVBatch:
         self.last = torch.cat([self.last, last])
         self.rows = self.rows + list(reqs)
         self.step_mask = None
+        self.penalties.join(self.rows, reqs)
 
     def select(self, keep: list[int]) -> None:
         """Keep only these batch rows, then trim padding columns no row needs any more."""
@@ -153,6 +160,7 @@ class KVBatch:
         self.last = self.last.index_select(0, idx)
         self.rows = [self.rows[i] for i in keep]
         self.step_mask = None
+        self.penalties.select(keep, self.rows)
 
     def decode(self) -> torch.Tensor:
         """One [B, 1] forward feeding each row's last sampled token; returns the logits [B, V]."""

@@ -48,7 +48,7 @@ from rlstream.common.models import ModelPathError, check_model_folder, resolve_m
 from rlstream.engine.kv_batch import KVBatch
 from rlstream.engine.model_weights import ModelWeights
 from rlstream.engine.prefix_cache import Prefix, PrefixCache
-from rlstream.engine.sampling import Sampling, resolve, sample
+from rlstream.engine.sampling import Sampling, match_stop_strings, resolve, sample
 from rlstream.engine.scheduler import ADMISSION_HOLD_MS, Request, Scheduler, deliver
 
 __all__ = ["LocalEngine", "EngineError", "resolve_device", "DTYPES"]
@@ -323,8 +323,11 @@ class LocalEngine:
     # ------------------------------------------------------------------ results
 
     def _result(self, req: Request, finish: FinishReason) -> GenerateResponse:
+        text = self.tokenizer.decode(req.output_ids, skip_special_tokens=True)
+        if isinstance(finish.matched, str) and not req.params.no_stop_trim and finish.matched in text:
+            text = text[:text.rindex(finish.matched)]  # the text ends before the stop string; the ids keep it
         return GenerateResponse(
-            text=self.tokenizer.decode(req.output_ids, skip_special_tokens=True),
+            text=text,
             output_ids=list(req.output_ids),
             meta_info=MetaInfo(
                 id=req.rid,
@@ -438,25 +441,23 @@ class LocalEngine:
         """Sample one token for each of `rows` (logits[i] belongs to rows[i]); retire finished rows."""
         batch = self._batch
         reqs = [batch.rows[i] for i in rows]
-        tokens, logps = sample(logits, [r.params for r in reqs], [len(r.output_ids) for r in reqs],
-                               [r.stop_ids for r in reqs], self._generator)
+        params = [r.params for r in reqs]
+        penalties = batch.penalties.of_rows(rows) if any(p.penalised for p in params) else None
+        tokens, logps = sample(logits, params, [len(r.output_ids) for r in reqs],
+                               [r.stop_ids for r in reqs], self._generator, penalties)
+        batch.penalties.add(rows, tokens)
         tok_list, lp_list = tokens.tolist(), logps.tolist()
         version = self._version
         self.total_steps += 1
         batch.last[rows] = tokens
-        finished: set[int] = set()
-        delivered: list[tuple[Request, FinishReason]] = []
-        for i, r, t, lp in zip(rows, reqs, tok_list, lp_list):
+        for r, t, lp in zip(reqs, tok_list, lp_list):
             r.output_ids.append(t)
             r.logprobs.append(lp)
             r.versions.append(version)
-            self.total_tokens += 1
-            n = len(r.output_ids)
-            finish = None
-            if t in r.stop_ids:
-                finish = FinishReason(type="stop", matched=t)
-            elif n >= r.params.max_new_tokens or len(r.prompt) + n >= self.max_seq_len:
-                finish = FinishReason(type="length", length=n)
+        self.total_tokens += len(reqs)
+        finished: set[int] = set()
+        delivered: list[tuple[Request, FinishReason]] = []
+        for i, r, finish in zip(rows, reqs, self._finishes(reqs)):
             if finish is not None:
                 if r.kv_gen == self._weights_gen:  # else a weight update came mid-request: part of its KV is stale
                     self._prefixes.keep(r.prompt, r.output_ids, batch.cache, i)
@@ -468,3 +469,25 @@ class LocalEngine:
             self._deliver_many(delivered)
         if finished:
             batch.select([i for i in range(len(batch.rows)) if i not in finished])
+
+    def _finishes(self, reqs: list[Request]) -> list[FinishReason | None]:
+        """Why each request ends after its last token (a stop token, a stop string, its length cap), or None."""
+        out: list[FinishReason | None] = []
+        for r in reqs:
+            t, n = r.output_ids[-1], len(r.output_ids)
+            if t in r.stop_ids:
+                out.append(FinishReason(type="stop", matched=t))
+            elif n >= r.params.max_new_tokens or len(r.prompt) + n >= self.max_seq_len:
+                out.append(FinishReason(type="length", length=n))
+            else:
+                out.append(None)
+        # Stop strings count from min_new_tokens on, as stop tokens do (vLLM's and SGLang's check_stop).
+        check = [k for k, r in enumerate(reqs) if r.params.stop and len(r.output_ids) >= r.params.min_new_tokens
+                 and (out[k] is None or out[k].type == "length")]
+        if check:
+            hits = match_stop_strings(self.tokenizer, [reqs[k].output_ids for k in check],
+                                      [reqs[k].params.stop for k in check])
+            for k, hit in zip(check, hits):
+                if hit is not None:
+                    out[k] = FinishReason(type="stop", matched=hit)
+        return out

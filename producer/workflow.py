@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
+import dataclasses
 import time
 import uuid
 from typing import Any, Callable
@@ -162,11 +163,10 @@ class RolloutEngine:
             # It never overstates freshness: `{ns}:version` is set only after every engine
             # has the new weights.
             v_req = await self.versions.get()
-            sub = ModelRequest(
-                input_ids=gen.input_ids + gen.output_ids, max_new_tokens=remaining,
-                temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-                min_new_tokens=max(0, req.min_new_tokens - len(gen.output_ids)),
-                stop_token_ids=list(req.stop_token_ids), greedy=req.greedy, rid=None)
+            # The same sampling parameters (stop strings, penalties ...) on the prompt plus the output so far.
+            sub = dataclasses.replace(
+                req, input_ids=gen.input_ids + gen.output_ids, max_new_tokens=remaining,
+                min_new_tokens=max(0, req.min_new_tokens - len(gen.output_ids)), rid=None)
             resp: ModelResponse = await self.pool.agenerate(sub)
             gen.output_ids += resp.output_ids
             gen.output_logprobs += resp.output_logprobs

@@ -97,7 +97,8 @@ class GatewayConfig(Section):
     admission_timeout: PositiveFloat = 600.0
     """Seconds the first call of a group waits for an admission lease before answering 503."""
     sampling: Literal["config", "request"] = "config"
-    """config = temperature/top_p/top_k from gconfig whatever a request says (the trainer recomputes logprobs at
-    actor.temperature); request = the request's temperature/top_p (0 = greedy)."""
+    """config = temperature/top_p/top_k and the penalties from gconfig whatever a request says (the trainer recomputes
+    logprobs at actor.temperature, without penalties); request = the request's temperature/top_p (0 = greedy) and
+    frequency/presence/repetition penalties. A request's `stop` strings apply either way (with gconfig.stop)."""
     gateway_id: str | None = None
     """Producer id the gateway commits under (None = gateway-hostname-pid)."""

@@ -29,6 +29,21 @@ class GenerationHyperparameters(Section):
     """Sampling temperature; behaviour logprobs are of softmax(logits / T)."""
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     """Token ids that end a sample (the tokenizer's EOS and the model's generation_config eos ids are added)."""
+    stop: list[Annotated[str, Meta(min_length=1)]] = msgspec.field(default_factory=list)
+    """Stop strings (OpenAI/SGLang/vLLM `stop`): a sample ends once its decoded text contains one (counted from
+    min_new_tokens on). The trajectory keeps exactly the sampled tokens, up to and including the one that completed
+    the string; the answer's text ends before it (SGLang's and vLLM's default)."""
+    frequency_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
+    """OpenAI's frequency penalty: each logit minus this times the count of its token in the output so far. Any
+    penalty makes the behaviour logprobs those of the penalised distribution, which the trainer's recomputation
+    (without penalties) does not reproduce: the decoupled loss counts the gap as off-policyness."""
+    presence_penalty: Annotated[float, Meta(ge=-2, le=2)] = 0.0
+    """OpenAI's presence penalty: each logit minus this when its token is in the output so far (behaviour logprobs
+    as for frequency_penalty)."""
+    repetition_penalty: PositiveFloat = 1.0
+    """CTRL's repetition penalty (HF, vLLM): the logit of a token of the prompt or output so far divided by this when
+    positive, multiplied when negative (1 = off; > 1 discourages repeats; SGLang accepts at most 2; behaviour logprobs
+    as for frequency_penalty)."""
 
 
 class RolloutConfig(Section):

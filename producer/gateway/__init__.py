@@ -9,8 +9,10 @@ without changes: point its client at a session's base URL,
     POST /sessions/{sid}/reward {"reward": 1.0}                     # ends the episode
 
 (or send the id in an `X-Session-Id` header to `/v1/...`). Served: `POST /v1/chat/completions`
-(`tools`, `n`, `temperature`, `top_p`, `max_tokens`/`max_completion_tokens`, `stop`,
-`stream`, `logprobs`, vLLM's `return_token_ids`), `POST /v1/completions` and `GET /v1/models`.
+(`tools`, `n`, `temperature`, `top_p`, `frequency_penalty`, `presence_penalty`,
+`max_tokens`/`max_completion_tokens`, `stop` (sent to the engine), `stream`, `logprobs`, vLLM's
+`return_token_ids`), `POST /v1/completions` and `GET /v1/models`; `gateway.sampling` says whether
+a request's sampling parameters or gconfig's apply.
 
 Token-in, token-out: each call's exact ids, logprobs and versions are kept, a call that extends a
 conversation continues its branch, and each branch is one trajectory (`calls.py`). Sessions form

@@ -72,11 +72,17 @@ class Gateway(SessionGroups):
             req.max_new_tokens = max_tokens
         req.max_new_tokens = min(req.max_new_tokens, left)
         req.stop_token_ids = list(self.stop_ids)
+        # Stop strings end the call in the engine (no tokens generated past them); gconfig's apply too.
+        asked = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        req.stop = list(dict.fromkeys(s for s in req.stop + asked if s))
         if self.gc.sampling == "request":
             if body.temperature is not None:
                 req.temperature, req.greedy = body.temperature, body.temperature == 0
             if body.top_p is not None:
                 req.top_p = body.top_p
+            for name in ("frequency_penalty", "presence_penalty", "repetition_penalty"):
+                if getattr(body, name) is not None:
+                    setattr(req, name, getattr(body, name))
         return req
 
     async def _generate(self, s: Session, ids: list[int], body: GenerationRequest, max_tokens: int | None) -> list[Any]:
@@ -90,14 +96,15 @@ class Gateway(SessionGroups):
             raise HttpError(400, f"the engine refused the request: {exc}") from None
         except EngineError as exc:
             raise HttpError(502, f"engine failed: {exc}") from None
-        stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         out = []
         for gen in gens:
             o_ids, o_lp, o_v = list(gen.output_ids), list(gen.output_logprobs), list(gen.output_versions)
             text = self.tokenizer.decode(o_ids, skip_special_tokens=True)
             finish = "stop" if gen.finish_reason == "stop" else "length"
-            cut = _stop_cut(self.tokenizer, o_ids, text, stops)
-            if cut is not None:  # a stop string: the turn ends there (the ids after it are not kept)
+            cut = _stop_cut(self.tokenizer, o_ids, text, req.stop)
+            # A stop string: the text ends before it, the turn's ids at the token that completed it (the engine
+            # stopped there; an engine that ran past it, none of rlstream's, has the ids after it dropped).
+            if cut is not None:
                 k, text = cut
                 o_ids, o_lp, o_v, finish = o_ids[:k], o_lp[:k], o_v[:k], "stop"
             self.stats["generated_tokens"] += len(o_ids)
@@ -239,8 +246,14 @@ def _stop_cut(tokenizer: Any, ids: list[int], text: str, stops: list[str]) -> tu
     if not hits:
         return None
     at = min(hits)
-    for k in range(1, len(ids) + 1):  # the shortest prefix whose text reaches the stop string
+
+    def reaches(k: int) -> bool:
         t = tokenizer.decode(ids[:k], skip_special_tokens=True)
-        if len(t) > at and any(t.find(s) == at for s in stops if s):
+        return len(t) > at and any(t.find(s) == at for s in stops if s)
+
+    if not reaches(len(ids) - 1):  # the engine stopped at the token that completed it: the usual case
+        return len(ids), text[:at]
+    for k in range(1, len(ids)):  # the shortest prefix whose text reaches the stop string
+        if reaches(k):
             return k, text[:at]
     return len(ids), text[:at]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -40,6 +40,9 @@ class GenerationRequest(_In, kw_only=True):
     top_p: float | None = None
     max_tokens: int | None = None
     stop: str | list[str] | None = None
+    frequency_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    presence_penalty: Annotated[float, msgspec.Meta(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, msgspec.Meta(gt=0)] | None = None  # vLLM's extension
     stream: bool = False
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids / choices[i].token_ids
     model: str = ""

@@ -66,6 +66,13 @@ async def _until(pred, timeout=30.0, what="condition"):
         await asyncio.sleep(0.05)
 
 
+def _text(ids: list[int]) -> str:
+    """The tiny model's tokens are single characters (launcher/tiny.py): `0`-`9` from id 4, `a`-`z` from 14, ..."""
+    from rlstream.launcher.tiny import build_tokenizer
+
+    return build_tokenizer().decode(ids, skip_special_tokens=True)
+
+
 async def test_sglang_client_against_local_engine(shared):
     import aiohttp
 
@@ -83,6 +90,20 @@ async def test_sglang_client_against_local_engine(shared):
         assert len(sampled.output_ids) == 6
         info = await c.model_info()
         assert info.weight_version == 0
+        # Stop strings and penalties reach the engine under SGLang's names and are honoured there.
+        body = msgspec.to_builtins(c.payload(req(20, stop=["x"], frequency_penalty=2.0, repetition_penalty=1.5)))
+        assert body["sampling_params"] | {"stop": ["x"], "frequency_penalty": 2.0, "repetition_penalty": 1.5} \
+            == body["sampling_params"] and "presence_penalty" not in body["sampling_params"]  # defaults not sent
+        varied = await c.agenerate(ModelRequest(input_ids=[5, 6, 7], max_new_tokens=20, greedy=True,
+                                                frequency_penalty=2.0))
+        assert len(set(varied.output_ids)) > len(set(out.output_ids)) and len(varied.output_ids) >= 6
+        text = _text(varied.output_ids)
+        end = next(j for j in range(1, 21) if text[2:4] in _text(varied.output_ids[:j]))
+        stop = await c.agenerate(ModelRequest(input_ids=[5, 6, 7], max_new_tokens=20, greedy=True,
+                                              frequency_penalty=2.0, stop=[text[2:4]]))
+        assert stop.finish_reason == "stop" and stop.output_ids == varied.output_ids[:end]
+        with pytest.raises(EngineRequestError, match="HTTP 400.*presence_penalty must be in"):
+            await c.agenerate(ModelRequest(input_ids=[5], max_new_tokens=2, presence_penalty=-2.5))
 
         no_key = SGLangClient(session, e0.address, None)
         with pytest.raises(EngineRequestError, match="HTTP 401.*rollout.api_key"):
@@ -223,6 +244,12 @@ def test_vllm_payload_and_parse():
     assert body["temperature"] == 0.7 and body["top_k"] == 20 and body["stop_token_ids"] == [2]
     assert wire(c.payload(req(1, greedy=True), "tiny"))["temperature"] == 0.0
     assert "top_k" not in wire(c.payload(req(1), "tiny"))
+    plain = wire(c.payload(req(1), "tiny"))
+    assert not {"stop", "frequency_penalty", "presence_penalty", "repetition_penalty"} & set(plain)
+    body = wire(c.payload(req(1, stop=["</a>"], frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=1.2),
+                          "tiny"))
+    assert (body["stop"], body["frequency_penalty"], body["presence_penalty"], body["repetition_penalty"]) == (
+        ["</a>"], 0.5, -1.0, 1.2)
     out = c.parse(answer(VLLM_ANSWER))
     assert out.output_ids == [5, 6, 2] and out.output_logprobs == [-0.5, -1.25, -0.01]
     assert out.finish_reason == "stop" and out.output_versions is None and out.weight_version is None

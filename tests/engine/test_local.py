@@ -1,4 +1,4 @@
-"""The local engine: logprob convention, batching, stop tokens, length caps, weights.
+"""The local engine: logprob convention, batching, stop tokens and strings, penalties, length caps, weights.
 
 Everything runs for real: the tiny HF model and the decode thread, in-process
 (the HTTP surface is tests/engine/test_server.py).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 import torch
 
@@ -132,6 +133,73 @@ async def test_top_k_one_is_greedy_and_stop_tokens(engine):
     res = await engine.generate(prompt, {"max_new_tokens": 12, "temperature": 0, "stop_token_ids": [stop],
                                          "ignore_eos": True, "min_new_tokens": first + 1})
     assert len(res.output_ids) > first + 1 and stop not in res.output_ids[:first + 1]
+
+
+# ---------------------------------------------------------------------- penalties and stop strings
+
+
+def penalised_recompute(model, prompt: list[int], output: list[int], temperature: float, params: dict) -> torch.Tensor:
+    """log_softmax(penalised logits / T) at each output token, the penalties applied by their numpy definition
+    to the trainer-side logits with the prompt and the output before that token."""
+    from tests.engine.test_sampling import numpy_penalties
+
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0, len(prompt) - 1:-1].double().numpy()
+    rep, freq, pres = (params.get(k, d) for k, d in (("repetition_penalty", 1.0), ("frequency_penalty", 0.0),
+                                                     ("presence_penalty", 0.0)))
+    rows = [numpy_penalties(logits[j], prompt, output[:j], rep, freq, pres) for j in range(len(output))]
+    logp = torch.log_softmax(torch.tensor(np.stack(rows)) / temperature, -1)
+    return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1).float()
+
+
+@pytest.mark.parametrize("penalty", [{"repetition_penalty": 1.8}, {"repetition_penalty": 0.7},
+                                     {"frequency_penalty": 1.5}, {"presence_penalty": -1.2},
+                                     {"repetition_penalty": 1.3, "frequency_penalty": 0.4, "presence_penalty": 0.6}])
+async def test_penalties_sample_and_report_the_penalised_distribution(engine, trainer_model, penalty):
+    """Penalised and plain requests share the batch; each penalised row's behaviour logprobs are those of its
+    penalised distribution (numpy transcription), which the plain recomputation does not reproduce."""
+    temperature = 0.7
+    base = {"max_new_tokens": 24, "temperature": temperature, "ignore_eos": True}
+    params = [{**base, **penalty} if i % 2 == 0 else base for i in range(6)]
+    results = await asyncio.gather(*(engine.generate(p, sp) for p, sp in zip(PROMPTS[:6], params)))
+    gaps = []
+    for prompt, sp, res in zip(PROMPTS[:6], params, results):
+        behav = behaviour_logprobs(res)
+        want = penalised_recompute(trainer_model, prompt, res.output_ids, temperature, sp)
+        assert (want - behav).abs().max().item() < 1e-3, sp
+        if sp is not base:
+            gaps.append((recompute_logprobs(trainer_model, prompt, res.output_ids, temperature) - behav).abs().max())
+    assert max(gaps) > 1e-2  # the penalties did change the distribution (the decoupled loss sees this gap)
+
+
+async def test_greedy_penalties_avoid_repeats(engine):
+    prompt = PROMPTS[3]
+    plain = await engine.generate(prompt, {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True})
+    assert len(set(plain.output_ids)) < 20  # the tiny random model repeats tokens
+    pen = await engine.generate(prompt, {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True,
+                                         "presence_penalty": 2.0})
+    assert len(set(pen.output_ids)) == 20  # presence 2 outweighs this model's logit gaps: no token repeats
+
+
+async def test_stop_strings_end_at_the_token_that_completes_them(engine):
+    # Greedy with a frequency penalty: a deterministic output without loops, to cut stop strings from.
+    sp = {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True, "frequency_penalty": 2.0}
+    prompt = PROMPTS[1]
+    full = await engine.generate(prompt, sp)
+    tok = engine.tokenizer
+    stop = full.text[6:9]
+    assert len(stop) == 3 and full.text.find(stop) == 6
+    end = next(j for j in range(1, 31) if stop in tok.decode(full.output_ids[:j], skip_special_tokens=True))
+    res = await engine.generate(prompt, {**sp, "stop": [stop, "never"]})
+    assert res.output_ids == full.output_ids[:end]  # exactly the sampled tokens, the completing one included
+    assert res.meta_info.output_token_logprobs == full.meta_info.output_token_logprobs[:end]
+    assert res.meta_info.finish_reason == FinishReason(type="stop", matched=stop)
+    assert res.text == full.text[:6]  # the text ends before the stop string (SGLang's and vLLM's default)
+    kept = await engine.generate(prompt, {**sp, "stop": stop, "no_stop_trim": True})
+    assert kept.output_ids == res.output_ids and kept.text.endswith(stop)
+    # Not before min_new_tokens, as stop tokens.
+    late = await engine.generate(prompt, {**sp, "stop": [stop], "min_new_tokens": end + 1})
+    assert len(late.output_ids) > end and late.output_ids[:end] == res.output_ids
 
 
 async def test_max_seq_len_caps_generation(tiny_model_path):

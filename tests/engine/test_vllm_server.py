@@ -215,6 +215,29 @@ async def test_greedy_follows_the_argmax(client, trainer_model):
         assert torch.allclose(torch.tensor(out.output_logprobs), ref, atol=ATOL)
 
 
+async def test_stop_strings_and_penalties_reach_vllm(client, trainer_model, vllm_model):
+    """The client's stop strings and penalties are accepted by vLLM under its names and honoured: its behaviour
+    logprobs are those of the penalised distribution by the definitions the local engine implements (repetition
+    over prompt + output), and a stop string ends the output at the token that completed it."""
+    from transformers import AutoTokenizer
+
+    from tests.engine.test_local import penalised_recompute
+
+    penalties = {"repetition_penalty": 1.5, "frequency_penalty": 0.5, "presence_penalty": 0.3}
+    prompt = PROMPTS[1]
+    out = await generate(client, prompt, temperature=0.7, **penalties)
+    want = penalised_recompute(trainer_model, prompt, out.output_ids, 0.7, penalties)
+    assert (want - torch.tensor(out.output_logprobs)).abs().max().item() < ATOL
+
+    tok = AutoTokenizer.from_pretrained(vllm_model)
+    full = await generate(client, prompt, greedy=True, frequency_penalty=2.0, max_new_tokens=30)
+    text = tok.decode(full.output_ids, skip_special_tokens=True)
+    stop = text[6:9]
+    end = next(j for j in range(1, 31) if stop in tok.decode(full.output_ids[:j], skip_special_tokens=True))
+    res = await generate(client, prompt, greedy=True, frequency_penalty=2.0, max_new_tokens=30, stop=[stop])
+    assert res.finish_reason == "stop" and res.output_ids == full.output_ids[:end], (stop, res, full)
+
+
 async def start_long_request(client, prompt) -> asyncio.Task:
     """A LONG-token request, returned once the engine's /load shows it running (or once it ended: on 2 loaded
     cores it can finish before a poll sees it)."""

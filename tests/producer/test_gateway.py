@@ -239,7 +239,7 @@ def test_streaming_n_and_completions_are_recorded_as_branches(gateway, redis_url
     assert all(int(t.loss_mask_np.sum()) > 0 for t in g.trajectories)
 
 
-def test_bad_requests_are_clear_4xx(gateway, tool_model):
+def test_bad_requests_are_clear_4xx(gateway, tool_model, engine):
     _, gw = gateway
     with pytest.raises(openai.NotFoundError, match="unknown session 'nope'"):
         _client(f"{gw.url}/sessions/nope/v1").chat.completions.create(model="t", messages=[{"role": "user", "content": "x"}])
@@ -255,10 +255,31 @@ def test_bad_requests_are_clear_4xx(gateway, tool_model):
     assert r.status_code == 400 and "no recorded call" in r.json()["error"]["message"]
     r = httpx.post(f"{gw.url}/sessions/{sid}/reward", json={"reward": "high"}, timeout=30)
     assert r.status_code == 400 and "reward" in r.json()["error"]["message"]
-    client.chat.completions.create(model="t", messages=[{"role": "user", "content": QUESTION}], max_tokens=3)
+    for field, value, allowed in (("frequency_penalty", 3, "<= 2.0"), ("presence_penalty", -2.5, ">= -2.0")):
+        with pytest.raises(openai.BadRequestError, match=f"{field}: expected `float` {allowed}"):
+            client.chat.completions.create(model="t", messages=[{"role": "user", "content": QUESTION}],
+                                           **{field: value})
+    _stop_string_ends_generation_in_the_engine(client, engine, tool_model)
     assert httpx.post(f"{gw.url}/sessions/{sid}/reward", json={"reward": 1}, timeout=30).status_code == 200
     with pytest.raises(openai.ConflictError, match="finished"):
         client.chat.completions.create(model="t", messages=[{"role": "user", "content": QUESTION}])
+
+
+def _stop_string_ends_generation_in_the_engine(client, engine, tool_model) -> None:
+    """A request's `stop` reaches the engine: it generates up to the token completing the string and no further
+    (its token count grows by exactly the answer's tokens), the content ends before it, the ids keep it."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tool_model)
+    stop = '"calculator"'  # inside the fitted model's tool call (CALL)
+    before = httpx.get(f"{engine.url}/health", timeout=30).json()["total_tokens"]
+    r = client.chat.completions.create(model="t", messages=[{"role": "user", "content": QUESTION}], tools=TOOLS,
+                                       stop=[stop], extra_body={"return_token_ids": True})
+    ids = r.choices[0].model_extra["token_ids"]
+    assert httpx.get(f"{engine.url}/health", timeout=30).json()["total_tokens"] - before == len(ids)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == CALL[:CALL.index(stop)]
+    assert tok.decode(ids, skip_special_tokens=True).endswith(stop)
+    assert stop not in tok.decode(ids[:-1], skip_special_tokens=True)
 
 
 @pytest.mark.slow
