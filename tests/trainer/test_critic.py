@@ -3,6 +3,7 @@ transcriptions of AReaL's (`areal/trainer/ppo/actor.py` `_compute_advantages`,
 `areal/utils/functional` `ppo_critic_loss_fn`), the value model's values, the bad-architecture
 error, and train steps with a critic (decoupled loss, stale data, groups of one sample)."""
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -175,3 +176,68 @@ def test_a_model_without_a_scalar_head_is_refused_naming_the_key(tmp_path, tiny_
     check_critic_config(_cfg(tiny_model_path))  # the tiny Llama takes one
     with pytest.raises(ConfigError, match="critic needs actor.backend=hf"):
         check_critic_config(_cfg(tiny_model_path, "actor.backend=megatron"))
+
+
+@torch.no_grad()
+def _sample(engine, prompts, out_len, gen):
+    ids, logps = prompts.clone(), []
+    for _ in range(out_len):
+        logp = torch.log_softmax(engine(input_ids=ids, use_cache=False).logits[:, -1].float(), -1)
+        tok = torch.multinomial(logp.exp(), 1, generator=gen)
+        logps.append(logp.gather(-1, tok))
+        ids = torch.cat([ids, tok], 1)
+    return ids, torch.cat(logps, 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("prox", ["recompute", "loglinear"])
+def test_ppo_with_a_critic_trains_on_stale_groups_of_one(tiny_model_path, prox):
+    """Groups of one sample (no group baseline), one version stale (η = 1), decoupled loss: the value
+    model learns the reward, which the prompt (one of two) decides, so its loss falls and its explained variance rises."""
+    import copy
+
+    from rlstream.trainer.model import load_model
+    from rlstream.trainer.optim import build_optimizer, build_scheduler
+    from rlstream.trainer.ppo import PPOActor
+
+    steps, n, prompt, out = 12, 16, 4, 6
+    cfg = _cfg(tiny_model_path, "gconfig.n_samples=1", f"rollout.consumer_batch_size={n}", "actor.gae_lambda=1.0",
+               f"actor.prox_logp_method={prox}", "actor.optimizer.lr=1e-3", "critic.optimizer.lr=3e-3",
+               "critic.ppo_n_minibatches=2", "critic.optimizer.warmup_steps_proportion=0")
+    torch.manual_seed(0)
+    par = Parallel()
+    model = load_model(cfg.actor.path, cfg.actor, par.device)
+    opt = build_optimizer(model.parameters(), cfg.actor.optimizer)
+    actor = PPOActor(cfg, model, opt, build_scheduler(opt, cfg.actor.optimizer, steps), par,
+                     critic=Critic(cfg, par, steps))
+    engine, lagging = copy.deepcopy(model).eval(), copy.deepcopy(model.state_dict())
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    two = torch.randint(4, vocab, (2, prompt), generator=gen)  # one prompt is worth 1, the other 0
+    stats = []
+    for step in range(steps):
+        which = torch.randint(0, 2, (n,), generator=gen)
+        prompts = two[which]
+        ids, logps = _sample(engine, prompts, out, gen)
+        L = prompt + out
+        mask = torch.zeros(n, L, dtype=torch.bool)
+        mask[:, prompt:] = True
+        behav = torch.zeros(n, L)
+        behav[:, prompt:] = logps
+        batch = SeqBatch(input_ids=ids.reshape(-1), cu_seqlens=torch.arange(n + 1) * L,
+                         prompt_lens=torch.full((n,), prompt), loss_mask=mask.reshape(-1), behav_logp=behav.reshape(-1),
+                         versions=torch.where(mask, max(step - 1, 0), -1).reshape(-1),
+                         rewards=which.float(), no_eos=torch.zeros(n, dtype=torch.bool),
+                         group_ids=torch.arange(n), entry_ids=[str(i) for i in range(n)])
+        stats.append(actor.train_step(batch, version=step))
+        engine.load_state_dict(lagging)  # the engine gets the weights one version late
+        lagging = copy.deepcopy(model.state_dict())
+    for s in stats:
+        for k in ("critic/value_loss", "critic/explained_variance", "critic/values_mean", "critic/clip_frac",
+                  "loss/pg", "optim/grad_norm"):
+            assert math.isfinite(s[k]), (k, s)
+    loss = [s["critic/value_loss"] for s in stats]
+    ev = [s["critic/explained_variance"] for s in stats]
+    print(prox, "value loss", [round(x, 3) for x in loss], "explained variance", [round(x, 2) for x in ev])
+    assert np.mean(loss[-3:]) < 0.5 * np.mean(loss[:3]), loss
+    assert np.mean(ev[-3:]) > np.mean(ev[:3]) + 0.2, ev
