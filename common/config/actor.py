@@ -247,7 +247,8 @@ class CriticConfig(Section):
 
     path: str | None = None
     """Local HF causal LM the value model starts from (backbone weights; the scalar head starts random); None or empty =
-    actor.path. Its architecture needs a transformers ForTokenClassification class (Llama, Qwen2/3, Mistral, GPT-2 ...)."""
+    actor.path. Its architecture needs a transformers ForTokenClassification class (Llama, Qwen2/3, Mistral, GPT-2
+    ...)."""
     init_from_scratch: bool = False
     """Random init from the config at `path` instead of loading its weights."""
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)

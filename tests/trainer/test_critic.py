@@ -74,7 +74,8 @@ def _random_batch(rng, multi_turn):
         prompt_lens=torch.from_numpy(prompt_lens), loss_mask=torch.from_numpy(np.concatenate(masks)),
         behav_logp=torch.zeros(int(cu[-1])), versions=torch.from_numpy(np.where(np.concatenate(masks), 0, -1)),
         rewards=torch.from_numpy(rng.normal(size=n).astype(np.float32)),
-        no_eos=torch.tensor([False] * (n - 1) + [True]), group_ids=torch.arange(n), entry_ids=[str(i) for i in range(n)])
+        no_eos=torch.tensor([False] * (n - 1) + [True]), group_ids=torch.arange(n),
+        entry_ids=[str(i) for i in range(n)])
     tokens = np.concatenate([np.concatenate([[0.0], h[:-1]]) for h in head])
     values = Values(torch.tensor(tokens, dtype=torch.float32), torch.tensor([h[-1] for h in head], dtype=torch.float32))
     return batch, masks, head, values
@@ -193,7 +194,8 @@ def _sample(engine, prompts, out_len, gen):
 @pytest.mark.parametrize("prox", ["recompute", "loglinear"])
 def test_ppo_with_a_critic_trains_on_stale_groups_of_one(tiny_model_path, prox):
     """Groups of one sample (no group baseline), one version stale (η = 1), decoupled loss: the value
-    model learns the reward, which the prompt (one of two) decides, so its loss falls and its explained variance rises."""
+    model learns the reward, which the prompt (one of two) decides, so its loss falls and its explained variance
+    rises."""
     import copy
 
     from rlstream.trainer.model import load_model
