@@ -204,7 +204,7 @@ class Critic:
                                                 adv.returns[idx].to(value.device), self.c.eps_clip)
                     loss = torch.where(mask, tok_loss, 0.0).sum() / denom
                     (loss * self.par.world_size).backward()
-                    sums += torch.tensor([float(loss), float((clip & mask).sum()), float(mask.sum()), 0.0],
+                    sums += torch.tensor([float(loss.detach()), float((clip & mask).sum()), float(mask.sum()), 0.0],
                                          dtype=torch.float64)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)

@@ -243,3 +243,26 @@ def test_ppo_with_a_critic_trains_on_stale_groups_of_one(tiny_model_path, prox):
     print(prox, "value loss", [round(x, 3) for x in loss], "explained variance", [round(x, 2) for x in ev])
     assert np.mean(loss[-3:]) < 0.5 * np.mean(loss[:3]), loss
     assert np.mean(ev[-3:]) > np.mean(ev[:3]) + 0.2, ev
+
+
+def test_a_lora_critic_trains_its_adapter_and_the_whole_head(tiny_model_path):
+    cfg = _cfg(tiny_model_path, "critic.lora.rank=4", "critic.lora.target_modules=[q_proj,v_proj]",
+               "critic.optimizer.lr=1e-2", "critic.ppo_n_minibatches=1")
+    critic = Critic(cfg, Parallel(), total_steps=2)
+    trainable = {n for n, p in critic.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or ".score." in n for n in trainable), sorted(trainable)
+    assert any(".score." in n for n in trainable)
+    n, L = 4, 8
+    mask = torch.zeros(n, L, dtype=torch.bool)
+    mask[:, 3:] = True
+    batch = SeqBatch(input_ids=torch.arange(n * L) % 20 + 3, cu_seqlens=torch.arange(n + 1) * L,
+                     prompt_lens=torch.full((n,), 3), loss_mask=mask.reshape(-1), behav_logp=torch.zeros(n * L),
+                     versions=torch.where(mask, 0, -1).reshape(-1), rewards=torch.tensor([1.0, 0.0, 1.0, 0.0]),
+                     no_eos=torch.zeros(n, dtype=torch.bool), group_ids=torch.arange(n))
+    before = {k: v.clone() for k, v in critic.model.state_dict().items()}
+    old = critic.values(batch)
+    adv = compute_advantages(batch, cfg.actor, 8, values=old)
+    stats = critic.train(batch, adv, old)
+    assert math.isfinite(stats["critic/value_loss"]) and stats["critic/value_loss"] > 0
+    changed = {k for k, v in critic.model.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all("lora_" in k or "score" in k for k in changed), sorted(changed)
