@@ -1,7 +1,8 @@
 """Checkpoints: HF exports (`saver`) and recover checkpoints (`recover`), both written atomically.
 
 HF export `{run_dir}/checkpoints/step-{N}` (and `final`): `model.safetensors` + config +
-tokenizer, loadable with `AutoModelForCausalLM.from_pretrained`.
+tokenizer, loadable with `AutoModelForCausalLM.from_pretrained`; with a critic also `final-critic`
+(`AutoModelForTokenClassification`).
 
 Recover checkpoint `{run_dir}/recover/ckpt-{N:08d}` (N = completed steps):
 
@@ -430,7 +431,12 @@ class CheckpointManager:
             self._save_recover(state)
 
     def save_final(self) -> Path:
-        return self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), "final")
+        """`checkpoints/final`, and each extra model as an HF folder of its own: `checkpoints/final-critic`
+        (an AutoModelForTokenClassification folder, usable as a later run's critic.path)."""
+        path = self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), "final")
+        for name, part in self.extra.items():
+            self.checkpointer.save_hf(part.model, self.par.unwrap(part.model), f"final-{name}")
+        return path
 
     def _save_recover(self, state: TrainState) -> None:
         """The one path that makes entries durable: checkpoint covering them, then acknowledge them."""

@@ -251,6 +251,13 @@ def test_sigkill_mid_run_with_a_critic_recovers_the_critic_exactly(tmp_path, red
         assert want.keys() == got.keys(), name
         for k in want:
             assert torch.allclose(want[k], got[k], atol=1e-6, rtol=0), (name, k)
+    # the value model as an HF folder: the token-classification model a later run's critic.path can load
+    from transformers import AutoModelForTokenClassification
+
+    exported = AutoModelForTokenClassification.from_pretrained(
+        tmp_path / "runs" / crash_exp / "trial0" / "checkpoints" / "final-critic").state_dict()
+    for k, v in recover(crash_exp, "critic/model.safetensors").items():
+        assert torch.equal(exported[k], v), k
     rows = [__import__("json").loads(line) for line in
             (tmp_path / "runs" / crash_exp / "trial0" / "metrics.jsonl").read_text().splitlines()]
     assert all("critic/explained_variance" in r and "critic/value_loss" in r for r in rows)
