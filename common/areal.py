@@ -241,6 +241,7 @@ def translate_areal(data: dict[str, Any]) -> Translation:
     if "allocation_mode" in handled:
         t.translate("allocation_mode", from_mode)
     _translate_algorithm(t, data, actor, handled)
+    _translate_critic(t, data, handled)
     top_exp = data.get("experiment_name")
     for key, value in _leaves(data):
         if not _covered(key, handled):
@@ -466,6 +467,64 @@ def _translate_agent(t: Translation, data: dict[str, Any], handled: set[str]) ->
             raise ConfigError(f"export_style {data['export_style']!r}: rlstream trains an episode as one sequence "
                               "(AReaL's concat); set export_style: concat")
         t.dropped.append(("export_style", "rlstream trains an episode as one sequence, its turns end to end (concat)"))
+
+
+# critic.* keys (AReaL's PPOCriticConfig) rlstream decides elsewhere, with the reason; the rest of the
+# engine keys (fsdp.*, attn_impl ...) are dropped by the fallback reason in _translate_critic.
+_CRITIC_DROPPED = {
+    "backend": "the critic runs in the trainer process, with the actor's backend",
+    "dtype": "the critic uses actor.dtype",
+    "disable_dropout": "the critic follows actor.disable_dropout",
+    "gradient_checkpointing": "the critic follows actor.gradient_checkpointing",
+    "mask_no_eos_with_zero": "the critic trains on the actor's loss mask (actor.mask_no_eos_with_zero)",
+    "weight_update_mode": "the critic's weights are never pushed to engines",
+    "scheduling_strategy": "the critic lives in the trainer process, colocated with the actor",
+    "scheduling_spec": "the critic lives in the trainer process, colocated with the actor",
+    "mb_spec.packing_algorithm": "micro-batches are balanced by rlstream's own splitter (trainer/microbatch.py)",
+    "peft_type": "LoRA is the one adapter type (critic.lora)",
+    "experiment_name": "rlstream reads experiment_name once, at the top level",
+    "trial_name": "rlstream reads trial_name once, at the top level",
+    "fileroot": "cluster.fileroot is the one file root",
+}
+
+
+def _translate_critic(t: Translation, data: dict[str, Any], handled: set[str]) -> None:
+    """AReaL's `critic` section (PPOCriticConfig) -> rlstream's `critic` section: the value model of PPO."""
+    critic = data.get("critic")
+    if not isinstance(critic, dict):
+        return
+    t.set("critic", {})
+    lora = {"lora_rank": "rank", "lora_alpha": "alpha", "target_modules": "target_modules"}
+    use_lora = bool(critic.get("use_lora"))
+    for key, value in _leaves(critic):
+        src = f"critic.{key}"
+        handled.add(src)
+        if key == "is_critic":
+            t.translated.append((src, "a critic section (the value model: backbone + scalar head)") if value
+                                else (src, "ignored: a critic section always holds a value model"))
+        elif key == "use_lora":
+            t.translated.append((src, "critic.lora (from lora_rank, lora_alpha, target_modules)" if value
+                                 else "critic.lora: null (full fine-tuning)"))
+        elif key in lora:
+            if use_lora:
+                t.set(f"critic.lora.{lora[key]}", value)
+                t.translated.append((src, f"critic.lora.{lora[key]}"))
+            else:
+                t.dropped.append((src, "critic.use_lora is false"))
+        elif key == "path" and not value:
+            t.translated.append((src, "critic.path: null (actor.path)"))
+        elif src in _SCHEMA and not isinstance(value, dict):
+            t.set(src, value)
+            t.same.append(src)
+        elif why := next((w for k, w in _CRITIC_DROPPED.items() if key == k or key.startswith(k + ".")), None):
+            t.dropped.append((src, why))
+        else:
+            t.dropped.append((src, "an engine setting of AReaL's critic without rlstream equivalent"))
+    if _hub_like(critic.get("path")):
+        t.notes.append(f"critic.path {critic['path']!r} is a hub id: rlstream resolves it offline from the local HF "
+                       "cache (or a folder from `rlstream model get`), never downloads it")
+    if use_lora and "target_modules" not in critic:
+        t.notes.append("critic.use_lora without target_modules: critic.lora.target_modules keeps rlstream's default")
 
 
 def _translate_name_resolve(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:

@@ -146,6 +146,9 @@ class LocalRun:
             _echo(f"demo task '{cfg.launcher.demo.task}': data in {paths['train'].parent}, model in {cfg.actor.path}")
         if not cfg.actor.path or not (Path(cfg.actor.path) / "config.json").exists():
             raise ConfigError(f"actor.path={cfg.actor.path!r} is not a local HF model folder (no config.json)")
+        from rlstream.trainer.critic import check_critic_config
+
+        check_critic_config(cfg)  # a value model that cannot be built: refused before any process starts
         if cfg.launcher.sft_steps:
             from rlstream.launcher.sft import sft, sft_done
 

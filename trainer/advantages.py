@@ -8,10 +8,14 @@
    rewards (schema 2, scaled by `reward_scaling`, not normalised) on the last token of
    their turn, plus −kl_ctl·KL(old‖ref) on every trained token when the KL penalty goes
    into the reward (AReaL's default);
-5. GAE without a critic (values 0) over the trained tokens only — observation tokens
-   between turns are skipped, not discounted: A_t = Σ_{k≥t} (γλ)^{k−t} r_k — with
-   γ = λ = 1 and no KL or turn rewards that is the outcome reward broadcast to every
-   trained token, and with turn rewards each turn gets the rewards from its own on;
+5. GAE over the trained tokens only — observation tokens between turns are skipped, not
+   discounted. Without a critic (values 0): A_t = Σ_{k≥t} (γλ)^{k−t} r_k — with γ = λ = 1
+   and no KL or turn rewards that is the outcome reward broadcast to every trained token,
+   and with turn rewards each turn gets the rewards from its own on. With a critic's
+   values (`Values`, trainer/critic.py), AReaL's `compute_advantages` recursion:
+   δ_t = r_t + γ V_next − V_t, A_t = δ_t + γλ A_next, where "next" is the next trained
+   token (V after the last one: the value of the whole sequence when it ended without
+   EOS, else 0), and the critic's targets are the returns A_t + V_t (before `adv_norm`);
 6. `adv_norm` over loss tokens.
 
 A single-turn sequence's trained tokens are exactly its output, so all of this is the
@@ -34,7 +38,8 @@ from rlstream.common.config import ActorConfig, NormConfig
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.losses import kl_estimate
 
-__all__ = ["Normalization", "shape_rewards", "gae", "Advantages", "compute_advantages", "Reduce"]
+__all__ = ["Normalization", "shape_rewards", "gae", "gae_with_values", "Values", "Advantages", "compute_advantages",
+           "Reduce"]
 
 # Sums tensors in place over all data-parallel ranks (identity in one process).
 Reduce = Callable[[list[torch.Tensor]], None]
@@ -134,18 +139,49 @@ def gae(token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float, lam: floa
     return adv * m
 
 
+def gae_with_values(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, bootstrap: torch.Tensor,
+                    gamma: float, lam: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns) of `[N, L]` token rewards and values; positions off `mask` are skipped.
+
+    `values[:, t]` is the value of the state the token at t is sampled in, `bootstrap` `[N]` the
+    value after the last position (0 for a finished sequence). Returns are A + V on `mask`, 0 off it.
+    """
+    m = mask.to(token_rewards.dtype)
+    adv = torch.zeros_like(token_rewards)
+    last = torch.zeros(token_rewards.shape[0], dtype=token_rewards.dtype)
+    next_value = bootstrap.to(token_rewards.dtype)
+    for t in range(token_rewards.shape[1] - 1, -1, -1):
+        delta = token_rewards[:, t] + gamma * next_value - values[:, t]
+        new = delta + gamma * lam * last
+        next_value = torch.where(mask[:, t], values[:, t], next_value)
+        last = torch.where(mask[:, t], new, last)
+        adv[:, t] = last
+    return adv * m, (adv + values) * m
+
+
+@dataclass
+class Values:
+    """A critic's estimates for one batch, in the batch's token layout."""
+
+    tokens: torch.Tensor  # [T] float32: value of the state token t is sampled in (the prefix before t)
+    last: torch.Tensor  # [N] float32: value of each whole sequence (the state after its last token)
+
+
 @dataclass
 class Advantages:
     advantages: torch.Tensor  # [T] per token (0 off the loss mask)
     loss_mask: torch.Tensor  # [T] bool, after mask_no_eos_with_zero
     seq_rewards: torch.Tensor  # [N] shaped (and normalised) sequence rewards
     kl_rewards: torch.Tensor | None  # [T] −kl_ctl·KL when the KL penalty is in the reward
+    returns: torch.Tensor | None = None  # [T] the critic's targets A + V before adv_norm (0 off the loss mask)
 
 
 def compute_advantages(batch: SeqBatch, actor: ActorConfig, max_new_tokens: int, *,
                        old_logp: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None,
-                       kl_in_reward: bool = False, reduce: Reduce = _no_reduce) -> Advantages:
-    """Per-token advantages of a collated batch (see the module docstring for the steps)."""
+                       kl_in_reward: bool = False, reduce: Reduce = _no_reduce,
+                       values: Values | None = None) -> Advantages:
+    """Per-token advantages of a collated batch (see the module docstring for the steps); with a
+    critic's `values`, GAE with values and the returns it is trained towards."""
     n, out_lens = batch.n_seqs, batch.output_lens
     # The overlong penalty counts generated tokens: the output of a single-turn sequence.
     rewards = shape_rewards(batch.rewards, batch.model_lens, actor, max_new_tokens)
@@ -182,11 +218,22 @@ def compute_advantages(batch: SeqBatch, actor: ActorConfig, max_new_tokens: int,
     token_rewards[rows, last[has_out]] += rewards[has_out]
     grid_loss = torch.zeros(n, width, dtype=torch.bool)
     grid_loss[grid_mask] = loss_mask[flat_pos]
-    adv_grid = gae(token_rewards, grid_loss, actor.discount, actor.gae_lambda)
+    returns = None
+    if values is None:
+        adv_grid = gae(token_rewards, grid_loss, actor.discount, actor.gae_lambda)
+    else:
+        value_grid = torch.zeros(n, width, dtype=torch.float32)
+        value_grid[grid_mask] = values.tokens[flat_pos].float()
+        # AReaL bootstraps a sequence cut off without EOS with the value after its last token.
+        bootstrap = torch.where(batch.no_eos, values.last.float(), torch.zeros(n))
+        adv_grid, ret_grid = gae_with_values(token_rewards, value_grid, grid_loss, bootstrap, actor.discount,
+                                             actor.gae_lambda)
+        returns = torch.zeros(batch.n_tokens, dtype=torch.float32)
+        returns[flat_pos] = ret_grid[grid_mask]
     adv = torch.zeros(batch.n_tokens, dtype=torch.float32)
     adv[flat_pos] = adv_grid[grid_mask]
     if actor.adv_norm is not None:
         tok_groups = batch.group_ids[batch.seq_index()]
         adv = Normalization(actor.adv_norm)(adv, loss_mask, tok_groups, reduce)
     adv = torch.where(loss_mask, adv, torch.zeros_like(adv))
-    return Advantages(adv, loss_mask, rewards, kl_rewards)
+    return Advantages(adv, loss_mask, rewards, kl_rewards, returns)

@@ -1,7 +1,8 @@
 """Checkpoints: HF exports (`saver`) and recover checkpoints (`recover`), both written atomically.
 
 HF export `{run_dir}/checkpoints/step-{N}` (and `final`): `model.safetensors` + config +
-tokenizer, loadable with `AutoModelForCausalLM.from_pretrained`.
+tokenizer, loadable with `AutoModelForCausalLM.from_pretrained`; with a critic also `final-critic`
+(`AutoModelForTokenClassification`).
 
 Recover checkpoint `{run_dir}/recover/ckpt-{N:08d}` (N = completed steps):
 
@@ -13,6 +14,7 @@ Recover checkpoint `{run_dir}/recover/ckpt-{N:08d}` (N = completed steps):
     rank{r}.safetensors          torch CPU (and CUDA) RNG state of rank r
     rank{r}.json                 rank r's broker bookkeeping (consumer, entry ids this
                                  checkpoint newly covers) and Python/NumPy RNG states
+    critic/                      with a critic: its model, optimizer and scheduler files as above
 
 Nothing is pickled. Every file is written into `recover/.tmp-…` and fsynced, then the
 folder is renamed into place (atomic on POSIX) and the parent fsynced; a checkpoint
@@ -32,7 +34,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import msgspec
 import numpy as np
@@ -44,7 +46,7 @@ from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger
 from rlstream.trainer.parallel import Parallel
 
-__all__ = ["TrainState", "RankState", "Checkpointer", "CheckpointManager", "Schedule"]
+__all__ = ["TrainState", "RankState", "Part", "Checkpointer", "CheckpointManager", "Schedule"]
 
 log = get_logger(__name__)
 
@@ -81,6 +83,8 @@ def _fsync_tree(path: Path) -> None:
         if f.is_file():
             with open(f, "rb+") as fh:
                 os.fsync(fh.fileno())
+        elif f.is_dir():
+            _fsync_tree(f)
     fsync(path)
 
 
@@ -115,6 +119,81 @@ def _python_rng() -> list[Any]:
 def _numpy_rng() -> list[Any]:
     name, keys, pos, has_gauss, cached = np.random.get_state()
     return [name, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+class Part(NamedTuple):
+    """A trained model besides the policy (the critic): saved and restored with it, in a subfolder."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+
+
+def _write_part(folder: Path, model_sd: dict[str, torch.Tensor], optim_sd: dict[str, Any], scheduler: Any) -> None:
+    """model.safetensors, optimizer.safetensors + optimizer.json and scheduler.json into `folder` (rank 0)."""
+    tensors, aliases = _dedup_shared(model_sd)
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"aliases": msgspec.json.encode(aliases).decode()})
+    opt_tensors: dict[str, torch.Tensor] = {}
+    opt_rest: dict[str, Any] = {"param_groups": optim_sd.get("param_groups", []), "state": {}}
+    for pname, pstate in optim_sd.get("state", {}).items():
+        rest = {}
+        for k, v in pstate.items():
+            if isinstance(v, torch.Tensor):
+                opt_tensors[f"state/{pname}/{k}"] = v.detach().contiguous()
+            else:
+                rest[k] = v
+        opt_rest["state"][pname] = rest
+    save_file(opt_tensors, str(folder / "optimizer.safetensors"))
+    _write_json(folder / "optimizer.json", opt_rest)
+    # LambdaLR stores plain functions as None: the state is numbers only.
+    _write_json(folder / "scheduler.json", scheduler.state_dict())
+
+
+def _load_part(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """Restore what `_write_part` wrote (collective under FSDP)."""
+    from safetensors import safe_open
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as fh:
+        aliases = msgspec.json.decode((fh.metadata() or {}).get("aliases", "{}"))
+    model_sd = load_file(str(folder / "model.safetensors"))
+    for alias, target in aliases.items():
+        model_sd[alias] = model_sd[target]
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, model_sd, options=opts)
+
+    rest = msgspec.json.decode((folder / "optimizer.json").read_bytes())
+    tensors = load_file(str(folder / "optimizer.safetensors"))
+    optim_sd: dict[str, Any] = {"state": {}, "param_groups": rest["param_groups"]}
+    for pname, pstate in rest["state"].items():
+        optim_sd["state"][pname] = dict(pstate)
+    for key, t in tensors.items():
+        _, pname_key = key.split("/", 1)
+        pname, k = pname_key.rsplit("/", 1)
+        optim_sd["state"].setdefault(pname, {})[k] = t
+    for group in optim_sd["param_groups"]:
+        if "betas" in group:
+            group["betas"] = tuple(group["betas"])
+    if tensors:
+        set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
+    else:
+        # A stateless optimizer (SGD without momentum): only hyperparameters to restore,
+        # which torch's sharded loader cannot handle (it infers the device from state).
+        for group, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+    scheduler.load_state_dict(msgspec.json.decode((folder / "scheduler.json").read_bytes()))
+
+
+def _check_parts(path: Path, extra: dict[str, Part]) -> None:
+    """The checkpoint holds exactly the extra models this run trains (a resumed run cannot add or drop one)."""
+    held = {p.name for p in path.iterdir() if p.is_dir()}
+    for name in sorted(set(extra) - held):
+        raise ConfigError(f"recover checkpoint {path} holds no {name} state (the run started without a `{name}` "
+                          f"section): resume without `{name}`, or start a new trial_name")
+    for name in sorted(held - set(extra)):
+        raise ConfigError(f"recover checkpoint {path} holds {name} state but this config has no `{name}` section: "
+                          "resume with it, or start a new trial_name")
 
 
 class Checkpointer:
@@ -201,8 +280,9 @@ class Checkpointer:
         return ckpts[-1] if ckpts else None
 
     def save_recover(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
-                     state: TrainState, rank_state: RankState) -> Path:
-        """Write a recover checkpoint atomically (collective); returns its folder."""
+                     state: TrainState, rank_state: RankState, extra: dict[str, Part] | None = None) -> Path:
+        """Write a recover checkpoint atomically (collective); returns its folder. Each `extra` model
+        (the critic) gets a subfolder of its name with the same model/optimizer/scheduler files."""
         final = self.recover_dir / f"{_CKPT_PREFIX}{state.step:08d}"
         tmp = self.recover_dir / f".tmp-{_CKPT_PREFIX}{state.step:08d}"
         if self.par.is_main:
@@ -222,22 +302,13 @@ class Checkpointer:
         _write_json(tmp / f"rank{r}.json", rank_state)
 
         if self.par.is_main:
-            tensors, aliases = _dedup_shared(model_sd)
-            save_file(tensors, str(tmp / "model.safetensors"), metadata={"aliases": msgspec.json.encode(aliases).decode()})
-            opt_tensors: dict[str, torch.Tensor] = {}
-            opt_rest: dict[str, Any] = {"param_groups": optim_sd.get("param_groups", []), "state": {}}
-            for pname, pstate in optim_sd.get("state", {}).items():
-                rest = {}
-                for k, v in pstate.items():
-                    if isinstance(v, torch.Tensor):
-                        opt_tensors[f"state/{pname}/{k}"] = v.detach().contiguous()
-                    else:
-                        rest[k] = v
-                opt_rest["state"][pname] = rest
-            save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-            _write_json(tmp / "optimizer.json", opt_rest)
-            # LambdaLR stores plain functions as None: the state is numbers only.
-            _write_json(tmp / "scheduler.json", scheduler.state_dict())
+            _write_part(tmp, model_sd, optim_sd, scheduler)
+        for name, part in (extra or {}).items():  # collective: every rank gathers, rank 0 writes
+            part_model_sd, part_optim_sd = self._model_state(part.model), self._optim_state(part.model, part.optimizer)
+            if self.par.is_main:
+                (tmp / name).mkdir()
+                _write_part(tmp / name, part_model_sd, part_optim_sd, part.scheduler)
+        if self.par.is_main:
             state.created_at = time.time()
             _write_json(tmp / "meta.json", state)
         self.par.barrier()
@@ -252,46 +323,18 @@ class Checkpointer:
         return final
 
     def load_recover(self, path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     scheduler: Any, expect_optimizer: str = "") -> tuple[TrainState, RankState | None]:
-        """Restore model, optimizer, scheduler and this rank's RNG from `path` (collective)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
+                     scheduler: Any, expect_optimizer: str = "",
+                     extra: dict[str, Part] | None = None) -> tuple[TrainState, RankState | None]:
+        """Restore model, optimizer, scheduler (and each `extra` model's) and this rank's RNG from `path` (collective)."""
         state = msgspec.json.decode((path / "meta.json").read_bytes(), type=TrainState)
         if expect_optimizer and state.optimizer and state.optimizer != expect_optimizer:
             raise ConfigError(f"recover checkpoint {path} holds {state.optimizer} optimizer state but "
                              f"actor.optimizer.type={expect_optimizer}: resume with the same optimizer, "
                              "or start a new trial_name")
-        from safetensors import safe_open
-
-        with safe_open(str(path / "model.safetensors"), framework="pt") as fh:
-            aliases = msgspec.json.decode((fh.metadata() or {}).get("aliases", "{}"))
-        model_sd = load_file(str(path / "model.safetensors"))
-        for alias, target in aliases.items():
-            model_sd[alias] = model_sd[target]
-        opts = StateDictOptions(full_state_dict=True)
-        set_model_state_dict(model, model_sd, options=opts)
-
-        rest = msgspec.json.decode((path / "optimizer.json").read_bytes())
-        tensors = load_file(str(path / "optimizer.safetensors"))
-        optim_sd: dict[str, Any] = {"state": {}, "param_groups": rest["param_groups"]}
-        for pname, pstate in rest["state"].items():
-            optim_sd["state"][pname] = dict(pstate)
-        for key, t in tensors.items():
-            _, pname_key = key.split("/", 1)
-            pname, k = pname_key.rsplit("/", 1)
-            optim_sd["state"].setdefault(pname, {})[k] = t
-        for group in optim_sd["param_groups"]:
-            if "betas" in group:
-                group["betas"] = tuple(group["betas"])
-        if tensors:
-            set_optimizer_state_dict(model, optimizer, optim_sd, options=opts)
-        else:
-            # A stateless optimizer (SGD without momentum): only hyperparameters to restore,
-            # which torch's sharded loader cannot handle (it infers the device from state).
-            for group, saved in zip(optimizer.param_groups, optim_sd["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k != "params"})
-        scheduler.load_state_dict(msgspec.json.decode((path / "scheduler.json").read_bytes()))
+        _check_parts(path, extra or {})
+        _load_part(path, model, optimizer, scheduler)
+        for name, part in (extra or {}).items():
+            _load_part(path / name, part.model, part.optimizer, part.scheduler)
 
         rank_state = None
         r = self.par.rank
@@ -350,10 +393,11 @@ class CheckpointManager:
 
     def __init__(self, checkpointer: Checkpointer, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any, source: StepSource, *, saver: SaverConfig, recover: RecoverConfig,
-                 total_steps: int, steps_per_epoch: int | None) -> None:
+                 total_steps: int, steps_per_epoch: int | None, extra: dict[str, Part] | None = None) -> None:
         self.checkpointer = checkpointer
         self.par = checkpointer.par
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.extra = extra or {}  # models trained besides the policy (the critic): in every recover checkpoint
         self.source = source
         self.total_steps = total_steps
         self.hf_schedule = Schedule(saver.freq_steps, saver.freq_secs, saver.freq_epochs, steps_per_epoch)
@@ -387,13 +431,18 @@ class CheckpointManager:
             self._save_recover(state)
 
     def save_final(self) -> Path:
-        return self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), "final")
+        """`checkpoints/final`, and each extra model as an HF folder of its own: `checkpoints/final-critic`
+        (an AutoModelForTokenClassification folder, usable as a later run's critic.path)."""
+        path = self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), "final")
+        for name, part in self.extra.items():
+            self.checkpointer.save_hf(part.model, self.par.unwrap(part.model), f"final-{name}")
+        return path
 
     def _save_recover(self, state: TrainState) -> None:
         """The one path that makes entries durable: checkpoint covering them, then acknowledge them."""
         self.checkpointer.save_recover(self.model, self.optimizer, self.scheduler, state,
                                        RankState(rank=self.par.rank, consumer=self.source.consumer,
-                                                 covered_ids=self.unacked))
+                                                 covered_ids=self.unacked), extra=self.extra)
         self._ack()
         self.recover_schedule.saved()
 

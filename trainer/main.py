@@ -45,7 +45,8 @@ from rlstream.common.models import resolve_model_paths
 from rlstream.consumer.reader import ResumeInfo, StepReader
 from rlstream.trainer.batch import collate
 from rlstream.trainer.budget import resolve_total_steps
-from rlstream.trainer.checkpoint import CheckpointManager, Checkpointer, TrainState
+from rlstream.trainer.checkpoint import CheckpointManager, Checkpointer, Part, TrainState
+from rlstream.trainer.critic import Critic, check_critic_config
 from rlstream.trainer.model import load_model
 from rlstream.trainer.optim import build_optimizer, build_scheduler
 from rlstream.trainer.parallel import Parallel, init_parallel
@@ -73,6 +74,7 @@ def check_config(cfg: Config, world_size: int) -> None:
         from rlstream.trainer.megatron.backend import check_megatron_config
 
         check_megatron_config(a, world_size)
+    check_critic_config(cfg)
     if a.use_decoupled_loss and a.prox_logp_method == "loglinear" and a.recompute_logprob:
         log.warning("actor.recompute_logprob=true is ignored with prox_logp_method=loglinear (no extra forward pass)")
 
@@ -205,7 +207,8 @@ class Trainer:
                  self.total_steps, B, B // par.world_size, par.world_size, state.step)
         self.checkpoints = CheckpointManager(checkpointer, self.model, self.actor.optimizer, self.actor.scheduler,
                                              self.reader, saver=cfg.saver, recover=cfg.recover,
-                                             total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch)
+                                             total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
+                                             extra=_extra_parts(self.actor))
 
     def train(self) -> None:
         """The step loop, then the final checkpoint and the shutdown event."""
@@ -304,7 +307,15 @@ def _build_actor(cfg: Config, par: Parallel, total_steps: int) -> tuple[PPOActor
     model = par.wrap(module)
     optimizer = build_optimizer(model.parameters(), cfg.actor.optimizer)
     scheduler = build_scheduler(optimizer, cfg.actor.optimizer, total_steps)
-    return PPOActor(cfg, model, optimizer, scheduler, par, ref=ref, pad_token_id=pad_token_id), vocab_size
+    critic = Critic(cfg, par, total_steps, pad_token_id) if cfg.critic is not None else None
+    return PPOActor(cfg, model, optimizer, scheduler, par, ref=ref, pad_token_id=pad_token_id,
+                    critic=critic), vocab_size
+
+
+def _extra_parts(actor: PPOActor) -> dict[str, Part]:
+    """The models trained besides the policy, saved and restored with it by recover checkpoints."""
+    c = actor.critic
+    return {"critic": Part(c.model, c.optimizer, c.scheduler)} if c is not None else {}
 
 
 def _resume(cfg: Config, par: Parallel, checkpointer: Checkpointer, actor: PPOActor, recovering: bool,
@@ -318,7 +329,8 @@ def _resume(cfg: Config, par: Parallel, checkpointer: Checkpointer, actor: PPOAc
     if latest is None:
         return state, [], None
     state, rank_state = checkpointer.load_recover(latest, actor.model, actor.optimizer, actor.scheduler,
-                                                  expect_optimizer=cfg.actor.optimizer.type)
+                                                  expect_optimizer=cfg.actor.optimizer.type,
+                                                  extra=_extra_parts(actor))
     state.world_size, state.total_train_steps = par.world_size, total_steps
     log.info("resumed from %s: %d steps done, version %d", latest, state.step, state.version)
     return state, rank_state.covered_ids if rank_state is not None else [], latest

@@ -101,8 +101,10 @@ def is_lora(model: torch.nn.Module) -> bool:
     return isinstance(getattr(model, "module", model), PeftModel)
 
 
-def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> torch.nn.Module:
-    """Wrap `model` with a peft LoRA adapter: only the adapter's A/B matrices require grad.
+def apply_lora(model: torch.nn.Module, lora: LoRAConfig, *, key: str = "actor.lora",
+               task_type: str = "CAUSAL_LM") -> torch.nn.Module:
+    """Wrap `model` with a peft LoRA adapter: only the adapter's A/B matrices require grad
+    (and, for peft's TOKEN_CLS task of a value model, the scalar head, which peft trains in full).
 
     A target name that matches no linear module is a ConfigError listing the ones there are
     (peft matches a name against the end of each module's dotted path).
@@ -113,13 +115,13 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig) -> torch.nn.Module:
     leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
     targets = list(lora.target_modules)
     if not targets:
-        raise ConfigError(f"actor.lora.target_modules is empty; linear modules of this model: {', '.join(leaves)}")
+        raise ConfigError(f"{key}.target_modules is empty; linear modules of this model: {', '.join(leaves)}")
     if targets != ["all-linear"]:
         missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in linear)]
         if missing:
-            raise ConfigError(f"actor.lora.target_modules {missing} match no module of the model; its linear "
+            raise ConfigError(f"{key}.target_modules {missing} match no module of the model; its linear "
                               f"modules are: {', '.join(leaves)} (or use 'all-linear')")
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
                         target_modules=targets[0] if targets == ["all-linear"] else targets, bias="none",
-                        task_type="CAUSAL_LM")
+                        task_type=task_type)
     return get_peft_model(model, config)

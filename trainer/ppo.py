@@ -18,6 +18,9 @@ KL(π_behav ‖ π_prox) estimates `behav_kl/k1`, `behav_kl/k3` over all loss to
 `behav_kl/k3_same_version` over tokens sampled by the very weights the trainer recomputed
 with (the pure engine-vs-trainer mismatch; absent when no such token was in the step).
 
+With a critic (`critic.*`, trainer/critic.py) its values of the batch enter GAE, and after the
+policy's minibatches the value model takes its own minibatch steps towards the returns.
+
 Loss normalisation is exact across micro-batches and data-parallel ranks: every
 micro-batch divides by the token / sequence count of its whole minibatch over all
 ranks, and the loss is multiplied by the world size because DDP/FSDP average
@@ -37,6 +40,7 @@ from rlstream.common.config import Config
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.microbatch import minibatch_slices, synced_split
 from rlstream.trainer.advantages import compute_advantages
+from rlstream.trainer.critic import Critic
 from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import aggregate, kl_estimate, loglinear_prox_logp, ppo_token_loss, seq_token_counts
 from rlstream.trainer.parallel import Parallel
@@ -48,12 +52,14 @@ class PPOActor:
     """Holds the models and optimizer; `train_step` is one full step of the blueprint."""
 
     def __init__(self, cfg: Config, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler,
-                 par: Parallel, ref: torch.nn.Module | None = None, pad_token_id: int = 0) -> None:
+                 par: Parallel, ref: torch.nn.Module | None = None, pad_token_id: int = 0,
+                 critic: Critic | None = None) -> None:
         self.cfg = cfg
         self.a = cfg.actor
         self.model = model
         self.module = par.unwrap(model)
         self.ref = ref
+        self.critic = critic
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.par = par
@@ -112,6 +118,7 @@ class PPOActor:
         t0 = time.perf_counter()
         recomputed = self.forward_logp(self.module, batch) if self.recompute else None
         ref_logp = self.forward_logp(self.ref, batch) if self.ref is not None else None
+        values = self.critic.values(batch) if self.critic is not None else None
         timings["time/logprobs"] = time.perf_counter() - t0
 
         # 2. which logprobs play which role (table in the module docstring)
@@ -126,7 +133,7 @@ class PPOActor:
 
         # 3. rewards -> per-token advantages
         adv = compute_advantages(batch, a, self.cfg.gconfig.max_new_tokens, old_logp=old_logp, ref_logp=ref_logp,
-                                 kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum)
+                                 kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum, values=values)
         stats.batch(batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
 
         # 4. PPO minibatches
@@ -166,7 +173,9 @@ class PPOActor:
         self.scheduler.step()
         timings["time/update"] = time.perf_counter() - t1
 
-        return stats.reduce(self.par, len(minibatches), lr) | timings
+        # 5. the value model's minibatches towards the returns
+        critic_stats = self.critic.train(batch, adv, values) if self.critic is not None else {}
+        return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats
 
     def _micro_loss(self, batch: SeqBatch, seqs: list[int], adv, behav: torch.Tensor,
                     prox_all: torch.Tensor | None, ref_logp: torch.Tensor | None, version: int,

@@ -33,7 +33,7 @@ def _episode_counts(entries: list[Any]) -> torch.Tensor:
 class StepMetrics:
     """Global values of one step (the same on every rank after `gather`); `row()` is what gets logged."""
 
-    ppo: dict[str, float]  # PPOActor.train_step: statistics, time/logprobs and time/update
+    ppo: dict[str, float]  # PPOActor.train_step: statistics, time/logprobs and time/update (and critic/* with a critic)
     version: int  # the policy version this step produced
     epoch: float  # completed steps / steps per epoch (0 without epochs)
     wait_data_s: float  # the slowest rank's wait for its groups

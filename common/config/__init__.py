@@ -13,8 +13,8 @@ local engine), `launcher` (`rlstream run`, demo, Slurm) and `schema` (the top-le
 
 from __future__ import annotations
 
-from rlstream.common.config.actor import (ActorConfig, LoRAConfig, MegatronConfig, MicroBatchSpec, NormConfig,
-                                          OptimizerConfig, RefConfig, RejectionSamplingConfig)
+from rlstream.common.config.actor import (ActorConfig, CriticConfig, LoRAConfig, MegatronConfig, MicroBatchSpec,
+                                          NormConfig, OptimizerConfig, RefConfig, RejectionSamplingConfig)
 from rlstream.common.config.base import ConfigError
 from rlstream.common.config.cluster import KEEPALIVES_PER_TTL, ClusterConfig, NameResolveConfig, RedisConfig
 from rlstream.common.config.docs import FieldDoc, field_docs, field_reference
@@ -41,7 +41,8 @@ __all__ = [
     "field_reference",
     "FieldDoc",
     # the sections and the rest of what this module has always offered
-    "ActorConfig", "LoRAConfig", "MegatronConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig", "RefConfig",
+    "ActorConfig", "CriticConfig", "LoRAConfig", "MegatronConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig",
+    "RefConfig",
     "RejectionSamplingConfig", "KEEPALIVES_PER_TTL", "ClusterConfig", "NameResolveConfig", "RedisConfig",
     "ServerConfig", "SimulateConfig", "DemoTaskConfig", "LauncherConfig", "SlurmConfig", "ThreadsConfig",
     "CREDENTIAL_KEYS", "is_credential_key", "EvaluatorConfig", "PrometheusConfig", "RecoverConfig", "SaverConfig",

@@ -10,7 +10,7 @@ from msgspec import Meta
 from rlstream.common.config.base import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 
 __all__ = ["NormConfig", "OptimizerConfig", "MicroBatchSpec", "MegatronConfig", "LoRAConfig", "RejectionSamplingConfig",
-           "ActorConfig", "RefConfig"]
+           "ActorConfig", "RefConfig", "CriticConfig"]
 
 
 class NormConfig(Section):
@@ -245,3 +245,27 @@ class ActorConfig(Section):
 class RefConfig(Section):
     path: str | None = None
     """Reference model path (None = actor.path)."""
+
+
+class CriticConfig(Section):
+    """PPO's value model (AReaL's PPOCriticConfig; `is_critic` is implied): a causal-LM backbone with a scalar head,
+    trained in the trainer process next to the actor. Its values turn actor.discount / actor.gae_lambda GAE into
+    actor-critic GAE; without a `critic` section advantages are computed with values 0 (GRPO and friends)."""
+
+    path: str | None = None
+    """Local HF causal LM the value model starts from (backbone weights; the scalar head starts random); None or empty =
+    actor.path. Its architecture needs a transformers ForTokenClassification class (Llama, Qwen2/3, Mistral, GPT-2
+    ...)."""
+    init_from_scratch: bool = False
+    """Random init from the config at `path` instead of loading its weights."""
+    optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
+    """The value model's own optimizer and schedule (same keys as actor.optimizer)."""
+    eps_clip: PositiveFloat = 0.5
+    """Value clip: a new value is clipped to old value ± eps_clip and the larger of the clipped and unclipped squared
+    errors is trained on (AReaL's ppo_critic_loss_fn)."""
+    ppo_n_minibatches: PositiveInt = 4
+    """Value-model minibatches (optimizer steps) per train step."""
+    mb_spec: MicroBatchSpec = msgspec.field(default_factory=MicroBatchSpec)
+    """Micro-batching of the value model's forward and backward passes."""
+    lora: LoRAConfig | None = None
+    """Train a LoRA adapter on the backbone (the scalar head trains in full) instead of all weights (None = full)."""

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import msgspec
 
-from rlstream.common.config.actor import ActorConfig, RefConfig
+from rlstream.common.config.actor import ActorConfig, CriticConfig, RefConfig
 from rlstream.common.config.base import PositiveInt, Section
 from rlstream.common.config.cluster import ClusterConfig, RedisConfig
 from rlstream.common.config.engine import ServerConfig
@@ -50,6 +50,9 @@ class Config(Section):
     """Policy model and PPO/GRPO algorithm."""
     ref: RefConfig = msgspec.field(default_factory=RefConfig)
     """Reference model for KL."""
+    critic: CriticConfig | None = None
+    """PPO's value model (AReaL's critic section); None = no critic: GAE with values 0 (configs/algorithms/ppo.yaml
+    sets one)."""
     saver: SaverConfig = msgspec.field(default_factory=SaverConfig)
     """HF checkpoints."""
     recover: RecoverConfig = msgspec.field(default_factory=RecoverConfig)

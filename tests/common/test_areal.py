@@ -161,7 +161,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "areal"
 EXAMPLES = sorted(p.stem for p in FIXTURES.glob("*.yaml"))
 # (translated, same, dropped, added) per example: every leaf key lands in exactly one list.
 COUNTS = {"gsm8k_dapo_dynamic_bs": (8, 71, 55, 0), "gsm8k_drgrpo": (8, 66, 54, 0), "gsm8k_grpo": (9, 67, 56, 0),
-          "gsm8k_grpo_lora": (13, 67, 61, 0), "gsm8k_grpo_mt": (9, 67, 55, 0), "gsm8k_ppo": (8, 65, 76, 0),
+          "gsm8k_grpo_lora": (13, 67, 61, 0), "gsm8k_grpo_mt": (9, 67, 55, 0), "gsm8k_ppo": (9, 79, 61, 0),
           "gsm8k_rloo": (8, 68, 54, 0), "gsm8k_sapo": (9, 67, 56, 0)}
 
 
@@ -415,3 +415,44 @@ def test_rlstream_run_trains_one_step_of_an_imported_example(name, tmp_path):
     assert [r["step"] for r in steps] == [1] and math.isfinite(steps[0]["loss/total"])
     assert steps[0]["optim/grad_norm"] > 0
     assert ("imp_weight/applied_mean" in steps[0]) == (name != "gsm8k_sapo")  # SAPO: no decoupled loss
+
+
+# The critic section of AReaL's examples/math/gsm8k_ppo.yaml (interpolations resolved), values of our own.
+AREAL_PPO_CRITIC = {
+    "backend": "fsdp:d4p1t1", "is_critic": True, "experiment_name": "ppo", "trial_name": "t1",
+    "path": "/models/qwen-1.5b-instruct", "init_from_scratch": False, "disable_dropout": True, "dtype": "bfloat16",
+    "eps_clip": 0.4, "ppo_n_minibatches": 2, "mb_spec": {"max_tokens_per_mb": 8192},
+    "optimizer": {"type": "adam", "lr": 3.0e-6, "weight_decay": 0.01, "lr_scheduler_type": "constant",
+                  "gradient_clipping": 1.0, "warmup_steps_proportion": 0.001},
+    "scheduling_strategy": {"type": "colocation", "target": "actor"}, "scheduling_spec": [{"task_type": "worker"}],
+}
+
+
+def test_a_gsm8k_ppo_critic_section_becomes_the_critic():
+    data = {"experiment_name": "ppo", "actor": {"path": "/models/qwen-1.5b-instruct", "eps_clip": 0.4},
+            "critic": AREAL_PPO_CRITIC}
+    t = translate_areal(data)
+    critic_keys = [k for k in [*t.same, *(k for k, _ in t.translated), *(k for k, _ in t.dropped)]
+                   if k.startswith("critic.")]
+    assert len(critic_keys) == len(set(critic_keys)) == 20  # every leaf of the section lands in exactly one list
+    cfg = load_config_dict(t.config)
+    c = cfg.critic
+    assert (c.path, c.eps_clip, c.ppo_n_minibatches, c.mb_spec.max_tokens_per_mb) == \
+        ("/models/qwen-1.5b-instruct", 0.4, 2, 8192)
+    assert (c.optimizer.lr, c.optimizer.weight_decay, c.lora) == (3.0e-6, 0.01, None)
+    dropped = dict(t.dropped)
+    assert "colocated with the actor" in dropped["critic.scheduling_spec"]
+    assert "actor.dtype" in dropped["critic.dtype"]
+    assert "critic.is_critic" in dict(t.translated)
+    # no critic section in the AReaL file: none in rlstream's either (GAE with values 0)
+    assert load_config_dict(translate_areal({"actor": {"eps_clip": 0.4}}).config).critic is None
+
+
+def test_a_critic_with_lora_and_an_empty_path():
+    t = translate_areal({"gconfig": {}, "critic": {"is_critic": True, "path": "", "use_lora": True, "lora_rank": 8, "lora_alpha": 16,
+                                    "target_modules": ["q_proj", "v_proj"]}})
+    c = load_config_dict(t.config).critic
+    assert c.path is None and (c.lora.rank, c.lora.alpha, c.lora.target_modules) == (8, 16, ["q_proj", "v_proj"])
+    t = translate_areal({"gconfig": {}, "critic": {"use_lora": False, "lora_rank": 8}})
+    assert load_config_dict(t.config).critic.lora is None and dict(t.dropped)["critic.lora_rank"] == \
+        "critic.use_lora is false"

@@ -197,3 +197,67 @@ def test_step_whose_checkpoint_was_durable_before_a_kill_keeps_its_metrics_row(t
     for k, v in removed.items():
         if k not in ("ts", "time/step", "time/checkpoint"):
             assert restored[k] == v, (k, restored[k], v)
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_with_a_critic_recovers_the_critic_exactly(tmp_path, redis_url, rclient, experiment,
+                                                                   tiny_model_path):
+    """PPO with a critic: a trainer SIGKILLed after a recover checkpoint and restarted ends with the same
+    value model and value-model optimizer state (and the same policy) as an uninterrupted run."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    ref_exp, crash_exp = f"{experiment}cref", f"{experiment}ccrash"
+    for exp in (ref_exp, crash_exp):
+        stream = TrajectoryStream(rclient, Keys(namespace(exp, "trial0")))
+        for g in synthetic_groups(STEPS * BATCH + 3, seed=22, vocab_size=model.config.vocab_size, model=model):
+            stream.append(g)
+    critic = ["critic.optimizer.lr=1e-3", "critic.optimizer.lr_scheduler_type=cosine",
+              "critic.optimizer.warmup_steps_proportion=0.25", "critic.ppo_n_minibatches=2", "critic.eps_clip=0.2",
+              "actor.gae_lambda=0.9", "actor.adv_norm.mean_level=batch"]
+    crash_keys = Keys(namespace(crash_exp, "trial0"))
+    procs = []
+    try:
+        ref = _start([*_cmd(tmp_path, redis_url, ref_exp, tiny_model_path), *critic], tmp_path / "ref.log")
+        procs.append(ref)
+        assert ref.wait(timeout=300) == 0, (tmp_path / "ref.log").read_text()[-4000:]
+        crash_log = tmp_path / "crash.log"
+        proc = _start([*_cmd(tmp_path, redis_url, crash_exp, tiny_model_path), *critic], crash_log)
+        procs.append(proc)
+        deadline = time.time() + 240
+        while len(StepLog(rclient, crash_keys).all()) < 4 and proc.poll() is None:  # past the step-2 checkpoint
+            assert time.time() < deadline, crash_log.read_text()[-4000:]
+            time.sleep(0.01)
+        time.sleep(random.uniform(0.0, 0.08))
+        assert proc.poll() is None, "trainer ended before it could be killed:\n" + crash_log.read_text()[-4000:]
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        last = _start([*_cmd(tmp_path, redis_url, crash_exp, tiny_model_path), *critic], crash_log)
+        procs.append(last)
+        assert last.wait(timeout=300) == 0, crash_log.read_text()[-4000:]
+    finally:
+        for p in procs:
+            _stop(p)
+    assert "resumed from" in crash_log.read_text()
+
+    def recover(exp, name):
+        return load_file(str(tmp_path / "runs" / exp / "trial0" / "recover" / f"ckpt-{STEPS:08d}" / name))
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_path).state_dict()
+    critic_ref = recover(ref_exp, "critic/model.safetensors")
+    assert any(not torch.equal(critic_ref[k], base[k]) for k in base if k in critic_ref and k != "lm_head.weight")
+    for name in ("critic/model.safetensors", "critic/optimizer.safetensors", "model.safetensors"):
+        want, got = recover(ref_exp, name), recover(crash_exp, name)
+        assert want.keys() == got.keys(), name
+        for k in want:
+            assert torch.allclose(want[k], got[k], atol=1e-6, rtol=0), (name, k)
+    # the value model as an HF folder: the token-classification model a later run's critic.path can load
+    from transformers import AutoModelForTokenClassification
+
+    exported = AutoModelForTokenClassification.from_pretrained(
+        tmp_path / "runs" / crash_exp / "trial0" / "checkpoints" / "final-critic").state_dict()
+    for k, v in recover(crash_exp, "critic/model.safetensors").items():
+        assert torch.equal(exported[k], v), k
+    rows = [__import__("json").loads(line) for line in
+            (tmp_path / "runs" / crash_exp / "trial0" / "metrics.jsonl").read_text().splitlines()]
+    assert all("critic/explained_variance" in r and "critic/value_loss" in r for r in rows)

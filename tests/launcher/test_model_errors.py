@@ -6,6 +6,7 @@ As a user meets them, through the CLI:
   the local engine cannot serve (an encoder-decoder T5 config);
 - `rlstream train` with LoRA target modules that match nothing: the message lists the
   model's linear modules;
+- `rlstream train` with a critic whose architecture cannot take a scalar value head;
 - `rlstream run` asking for evaluation during training without a `valid_dataset`: an error
   before anything starts, not at the first evaluation.
 
@@ -81,3 +82,15 @@ def test_evaluation_without_valid_dataset_fails_at_start(tmp_path):
                                timeout=60, cwd=tmp_path))
     assert "evaluator.freq_steps" in msg and "valid_dataset.path" in msg, msg
     assert not (tmp_path / "runs").exists()  # nothing was started or written
+
+
+def test_a_critic_without_a_scalar_head_fails_at_train_start(tiny_model_path, tmp_path, redis_url, experiment):
+    from transformers import CodeGenConfig
+
+    folder = tmp_path / "codegen"
+    CodeGenConfig(n_layer=1, n_embd=32, n_head=2, vocab_size=64).save_pretrained(folder)
+    msg = _one_line_error(_run("train", f"actor.path={tiny_model_path}", f"redis.url={redis_url}",
+                               f"experiment_name={experiment}", f"cluster.fileroot={tmp_path}",
+                               f"critic.path={folder}", "total_train_steps=1", "recover.mode=disabled",
+                               "stats_logger.tensorboard.enabled=false"))
+    assert f"critic.path={folder}" in msg and "'codegen'" in msg and "scalar value head" in msg, msg

@@ -203,3 +203,33 @@ def test_schedule_by_seconds_counts_from_the_last_save():
     assert s.due(2)
     s.saved()
     assert not s.due(3)
+
+
+def test_a_critic_is_saved_and_restored_with_its_optimizer_and_must_match_the_config(tiny_model_path, tmp_path):
+    """The extra part (the critic) lives in `critic/` of the checkpoint; a resume that adds or drops it is refused."""
+    from rlstream.trainer.checkpoint import Part
+
+    model, critic = _model(tiny_model_path), _model(tiny_model_path)
+    opt, sched = _train_one_step(model)
+    c_opt, c_sched = _train_one_step(critic)
+    ckpt = Checkpointer(tmp_path, Parallel())
+    path = ckpt.save_recover(model, opt, sched, TrainState(step=3), RankState(rank=0, consumer="c"),
+                             extra={"critic": Part(critic, c_opt, c_sched)})
+    assert {p.name for p in (path / "critic").iterdir()} == {"model.safetensors", "optimizer.safetensors",
+                                                             "optimizer.json", "scheduler.json"}
+    fresh, fresh_critic = _model(tiny_model_path), _model(tiny_model_path)
+    opt2, opt3 = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (fresh, fresh_critic))
+    sched2, sched3 = (torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (s + 1)) for o in (opt2, opt3))
+    with pytest.raises(ConfigError, match="holds critic state but this config has no `critic` section"):
+        ckpt.load_recover(path, fresh, opt2, sched2)
+    ckpt.load_recover(path, fresh, opt2, sched2, extra={"critic": Part(fresh_critic, opt3, sched3)})
+    for k, v in fresh_critic.state_dict().items():
+        assert torch.equal(v, critic.state_dict()[k]), k
+    p_old, p_new = next(iter(critic.parameters())), next(iter(fresh_critic.parameters()))
+    for k, v in opt3.state[p_new].items():
+        assert torch.equal(torch.as_tensor(v), torch.as_tensor(c_opt.state[p_old][k])), k
+    assert sched3.last_epoch == c_sched.last_epoch == 1
+
+    plain = ckpt.save_recover(model, opt, sched, TrainState(step=4), RankState(rank=0, consumer="c"))
+    with pytest.raises(ConfigError, match="holds no critic state"):
+        ckpt.load_recover(plain, fresh, opt2, sched2, extra={"critic": Part(fresh_critic, opt3, sched3)})
