@@ -2,7 +2,7 @@
 
 One epoch is ⌊prompts / consumer_batch_size⌋ steps (AReaL's drop-last dataloader), with
 prompts counted from `train_dataset.path` (rows of JSONL / JSON / Parquet / CSV files,
-or of every such file in a folder). `total_train_steps` alone sets the count (producers
+or of every such file in a folder), or `train_dataset.size` for a generated source. `total_train_steps` alone sets the count (producers
 feed as many epochs as it needs); with `total_train_epochs` too, the smaller one wins.
 """
 
