@@ -48,6 +48,11 @@ def question_of(row: dict, prompt_key: str, text: str) -> str:
     return text
 
 
+def answer_text(answer: Any) -> str:
+    """The reference answer as text (a generated row's answer is its recipe, with the answer in it)."""
+    return str(answer["answer"]) if isinstance(answer, dict) and "answer" in answer else str(answer)
+
+
 def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None, batch_size: int = 64) -> EvalResult:
     """Greedy accuracy of the model at `model_path` on the first `n` held-out prompts."""
     import torch
@@ -55,7 +60,7 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
 
     from rlstream.producer.dataset import PromptDataset
 
-    if cfg.valid_dataset is None or not cfg.valid_dataset.path:
+    if cfg.valid_dataset is None or not cfg.valid_dataset.has_rows:
         raise ValueError("valid_dataset.path is empty: nothing to evaluate on (or set launcher.eval_n=0)")
     n = cfg.launcher.eval_n if n is None else n
     from rlstream.producer.agent import AgentWorkflow
@@ -94,7 +99,7 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
         completion = tokenizer.decode(gen[:cut], skip_special_tokens=True)
         rewards.append(float(reward_fn(text, completion, answer)))
         if len(examples) < 5:
-            examples.append((question_of(row, cfg.valid_dataset.prompt_key, text), completion, str(answer)))
+            examples.append((question_of(row, cfg.valid_dataset.prompt_key, text), completion, answer_text(answer)))
     if not rewards:
         return EvalResult(0.0, 0, 0.0, [])
     acc = sum(r > 0.5 for r in rewards) / len(rewards)
@@ -161,7 +166,7 @@ def evaluate_episodes(cfg: Config, model_path: str | Path, n: int) -> EvalResult
     examples = []
     for e, item in list(zip(episodes, items))[:5]:
         text = tokenizer.decode(e.ids[len(e.prompt_ids):], skip_special_tokens=True)
-        examples.append((question_of(item.row, cfg.valid_dataset.prompt_key, item.prompt), text, str(item.answer)))
+        examples.append((question_of(item.row, cfg.valid_dataset.prompt_key, item.prompt), text, answer_text(item.answer)))
     stats = {"tool_call_rate": sum(e.metadata.get("tool_calls", 0) > 0 for e in episodes) / len(episodes),
              "turns": sum(e.n_turns for e in episodes) / len(episodes)}
     return EvalResult(sum(r > 0.5 for r in rewards) / len(rewards), len(rewards), sum(rewards) / len(rewards),

@@ -56,7 +56,7 @@ EPISODE_STATS: dict[str, dict[str, float]] = {}
 
 def evaluate(cfg: Config, model_path: str | Path, when: str) -> float | None:
     """Held-out greedy accuracy of `model_path`, printed; None when `launcher.eval_n` is 0."""
-    if cfg.launcher.eval_n <= 0 or cfg.valid_dataset is None or not cfg.valid_dataset.path:
+    if cfg.launcher.eval_n <= 0 or cfg.valid_dataset is None or not cfg.valid_dataset.has_rows:
         return None
     from rlstream.launcher.evaluate import evaluate_accuracy
 

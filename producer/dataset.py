@@ -1,9 +1,11 @@
-"""Training prompts from local JSONL / Parquet / CSV files, with a resumable shared position.
+"""Training prompts from local JSONL / Parquet / CSV files or a reasoning-gym task, with a resumable shared position.
 
 `PromptDataset` loads local files through HF `datasets` (a path that does not exist
 is an error: rlstream never resolves a hub name), tokenizes each prompt (through the
 tokenizer's chat template when `apply_chat_template` is set, or when the prompt column
-holds a list of chat messages) and drops prompts longer than `max_prompt_len`.
+holds a list of chat messages) and drops prompts longer than `max_prompt_len`. With
+`source: reasoning_gym` the rows are generated instead (`common/reasoning_gym_tasks.py`):
+the same rows in every process for the same (task, config, seed, size).
 
 Order: epoch e visits the rows in a permutation seeded by `(seed, e)`, identical in
 every producer process. `DatasetCursor` hands out positions of that global order from
@@ -77,11 +79,51 @@ def _kind(files: list[str], configured: str, key: str) -> str:
 
 
 class PromptDataset:
-    """Local prompt/answer rows, tokenized once at start-up."""
+    """Prompt/answer rows (local files or generated), tokenized once at start-up."""
 
     def __init__(self, cfg: DatasetConfig, tokenizer: Any, *, seed: int = 1, key: str = "train_dataset") -> None:
         self.cfg = cfg
         self.seed = seed
+        if cfg.source == "reasoning_gym":
+            rows, where = self._generated(cfg, key), f"reasoning-gym task {cfg.task!r}"
+        else:
+            rows, where = self._read(cfg, key), repr(cfg.path)
+        self.items: list[tuple[int, str, Any, list[int], dict[str, Any]]] = []
+        dropped = 0
+        for i, row in enumerate(rows):
+            prompt_val = row[cfg.prompt_key]
+            text, ids = self._tokenize(tokenizer, prompt_val, i, key)
+            if cfg.max_prompt_len is not None and len(ids) > cfg.max_prompt_len:
+                dropped += 1
+                continue
+            self.items.append((i, text, row.get(cfg.answer_key) if self.has_answer else None, ids, row))
+        if dropped:
+            log.info("dropped %d of %d prompts longer than %s.max_prompt_len=%d", dropped, len(rows), key, cfg.max_prompt_len)
+        if not self.items:
+            raise DatasetError(f"{key}: {where}: no usable prompts ({len(rows)} rows, {dropped} too long)")
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _generated(self, cfg: DatasetConfig, key: str) -> list[dict[str, Any]]:
+        """The rows of a reasoning-gym task: the same in every process for the same (task, config, seed, size)."""
+        from rlstream.common.config import ConfigError
+        from rlstream.common.reasoning_gym_tasks import generate_rows
+
+        if (cfg.prompt_key, cfg.answer_key) != ("prompt", "answer"):
+            raise DatasetError(f"{key}.prompt_key/answer_key: generated rows have the columns 'prompt' and 'answer'; "
+                               "leave both at their defaults with source=reasoning_gym")
+        if not cfg.task:
+            raise DatasetError(f"{key}.source=reasoning_gym needs {key}.task (a reasoning-gym task name, e.g. chain_sum)")
+        # Unset only when the config was not loaded by load_config (which resolves it): the run's seed.
+        gen_seed = cfg.seed if cfg.seed is not None else self.seed
+        try:
+            rows = generate_rows(cfg.task, cfg.config, seed=gen_seed, size=cfg.size, few_shot=cfg.few_shot, key=key)
+        except ConfigError as exc:
+            raise DatasetError(str(exc)) from None
+        self.has_answer = True
+        return rows
+
+    def _read(self, cfg: DatasetConfig, key: str) -> Any:
+        """The rows of local files (HF `datasets`), checked for the prompt and answer columns."""
         if not cfg.path:
             raise DatasetError(f"{key}.path is empty: set it to a local JSONL, Parquet or CSV file or folder")
         path = Path(os.path.expanduser(cfg.path))
@@ -104,20 +146,7 @@ class PromptDataset:
         self.has_answer = cfg.answer_key in cols
         if not self.has_answer:
             log.warning("%s.answer_key=%r is not a column of %s; answers are None", key, cfg.answer_key, cfg.path)
-        self.items: list[tuple[int, str, Any, list[int], dict[str, Any]]] = []
-        dropped = 0
-        for i, row in enumerate(ds):
-            prompt_val = row[cfg.prompt_key]
-            text, ids = self._tokenize(tokenizer, prompt_val, i, key)
-            if cfg.max_prompt_len is not None and len(ids) > cfg.max_prompt_len:
-                dropped += 1
-                continue
-            self.items.append((i, text, row.get(cfg.answer_key) if self.has_answer else None, ids, row))
-        if dropped:
-            log.info("dropped %d of %d prompts longer than %s.max_prompt_len=%d", dropped, len(ds), key, cfg.max_prompt_len)
-        if not self.items:
-            raise DatasetError(f"{key}.path={cfg.path!r}: no usable prompts ({len(ds)} rows, {dropped} too long)")
-        self._perms: dict[int, np.ndarray] = {}
+        return ds
 
     def _tokenize(self, tokenizer: Any, value: Any, i: int, key: str) -> tuple[str, list[int]]:
         is_chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)

@@ -7,6 +7,8 @@ path `module:function` (`producer.reward_fn`). Built in:
   reference answer (1.0 / 0.0).
 - `exact_match_reward`: the completion text (up to EOS) stripped equals the answer
   stripped (the CPU demo task).
+- `reasoning_gym_reward`: a reasoning-gym task's own `score_answer` on the completion's
+  last `<answer>...</answer>` (the default for `train_dataset.source: reasoning_gym`).
 
 `RewardPool` runs them in worker processes so a slow or crashing reward never blocks
 the producer's event loop or kills the producer. The workers speak length-prefixed
@@ -39,6 +41,7 @@ from rlstream.common.logging import get_logger
 __all__ = [
     "math_reward",
     "exact_match_reward",
+    "reasoning_gym_reward",
     "extract_boxed",
     "import_by_path",
     "RewardResult",
@@ -113,6 +116,19 @@ def math_reward(prompt: str, completion: str, answer: Any, **kw: Any) -> float:
 def exact_match_reward(prompt: str, completion: str, answer: Any, **kw: Any) -> float:
     """1.0 if the completion (decoded up to EOS) stripped equals the answer stripped."""
     return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+def reasoning_gym_reward(prompt: str, completion: str, answer: Any, **kw: Any) -> float:
+    """The task's own score (0..1, partial credit where the task gives it) of the completion's last
+    `<answer>...</answer>`; `answer` is the problem's recipe a generated dataset row carries."""
+    from reasoning_gym.utils import extract_answer
+
+    from rlstream.common.reasoning_gym_tasks import score
+
+    if not isinstance(answer, dict) or "task" not in answer:
+        raise ValueError("reasoning_gym_reward scores rows of train_dataset.source=reasoning_gym (the answer is the "
+                         f"problem's recipe), got an answer of type {type(answer).__name__}")
+    return score(extract_answer(completion), answer)
 
 
 # ---------------------------------------------------------------------- wire between pool and workers

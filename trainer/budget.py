@@ -2,7 +2,7 @@
 
 One epoch is ⌊prompts / consumer_batch_size⌋ steps (AReaL's drop-last dataloader), with
 prompts counted from `train_dataset.path` (rows of JSONL / JSON / Parquet / CSV files,
-or of every such file in a folder). `total_train_steps` alone sets the count (producers
+or of every such file in a folder), or `train_dataset.size` for a generated source. `total_train_steps` alone sets the count (producers
 feed as many epochs as it needs); with `total_train_epochs` too, the smaller one wins.
 """
 
@@ -70,8 +70,9 @@ def resolve_budget(cfg: Config) -> Budget:
     """
     batch = cfg.rollout.consumer_batch_size
     steps_per_epoch, rows = None, None
-    if cfg.train_dataset.path:
-        rows = count_rows(cfg.train_dataset.path, cfg.train_dataset.type)
+    if cfg.train_dataset.has_rows:
+        ds = cfg.train_dataset
+        rows = ds.size if ds.source == "reasoning_gym" else count_rows(ds.path, ds.type)
         steps_per_epoch = rows // batch
         if steps_per_epoch == 0 and cfg.total_train_steps is None:
             raise ConfigError(f"train_dataset.path has {rows} prompts, fewer than rollout.consumer_batch_size={batch}: "

@@ -77,9 +77,22 @@ def _areal_batch_sizes(data: dict[str, Any]) -> None:
             ev["concurrency"] = vbs
 
 
+def _generated_reward(data: dict[str, Any]) -> None:
+    """A generated train_dataset brings its own scorer: producer.reward_fn defaults to it when not given (in the raw
+    dict: whether reward_fn was given is known only here)."""
+    train = data.get("train_dataset")
+    if isinstance(train, dict) and train.get("source") == "reasoning_gym":
+        producer = data.setdefault("producer", {})
+        if isinstance(producer, dict) and producer.get("reward_fn") is None:
+            from rlstream.common.reasoning_gym_tasks import REWARD_FN
+
+            producer["reward_fn"] = REWARD_FN
+
+
 def _convert(data: dict[str, Any]) -> Config:
     _check_unknown_keys(data, Config, "")
     _areal_batch_sizes(data)
+    _generated_reward(data)
     try:
         return msgspec.convert(data, Config, strict=False)
     except msgspec.ValidationError as exc:
@@ -173,6 +186,12 @@ def _normalise(cfg: "Config") -> None:
                 raise ConfigError(f"{key}.max_length={ds.max_length} and {key}.max_prompt_len={ds.max_prompt_len} "
                                   f"disagree: max_length is AReaL's name for max_prompt_len; keep one")
             ds.max_prompt_len, ds.max_length = ds.max_length, None
+    # Generated problems: train from the run's seed, held-out from another one unless given.
+    if cfg.train_dataset.source == "reasoning_gym" and cfg.train_dataset.seed is None:
+        cfg.train_dataset.seed = cfg.seed
+    if cfg.valid_dataset is not None and cfg.valid_dataset.source == "reasoning_gym" and cfg.valid_dataset.seed is None:
+        base = cfg.train_dataset.seed if cfg.train_dataset.seed is not None else cfg.seed
+        cfg.valid_dataset.seed = base + cfg.train_dataset.size
     mnt = cfg.actor.max_new_tokens
     if mnt is not None and mnt != cfg.gconfig.max_new_tokens:
         raise ConfigError(f"actor.max_new_tokens={mnt} differs from gconfig.max_new_tokens={cfg.gconfig.max_new_tokens}: "
@@ -182,11 +201,33 @@ def _normalise(cfg: "Config") -> None:
 def _check(cfg: "Config") -> None:
     """Rules across sections, at load: every process refuses the same bad config at its start."""
     _check_correction(cfg.actor)
-    if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.path):
+    _check_generated(cfg)
+    if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.has_rows):
         keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
                 if getattr(cfg.evaluator, k) is not None]
         raise ConfigError(f"{', '.join(keys)} asks for evaluation during training but valid_dataset.path is not set: "
                           "point valid_dataset.path at held-out prompts, or drop the evaluator frequency")
+
+
+def _check_generated(cfg: "Config") -> None:
+    """reasoning-gym datasets: a known task with its own options; held-out problems not the training ones."""
+    sets = [("train_dataset", cfg.train_dataset), ("valid_dataset", cfg.valid_dataset)]
+    generated = [(key, ds) for key, ds in sets if ds is not None and ds.source == "reasoning_gym"]
+    if not generated:
+        return
+    from rlstream.common.reasoning_gym_tasks import check_task
+
+    for key, ds in generated:
+        if not ds.task:
+            raise ConfigError(f"{key}.source=reasoning_gym needs {key}.task (a reasoning-gym task name, e.g. chain_sum)")
+        check_task(ds.task, ds.config, seed=ds.seed if ds.seed is not None else cfg.seed, size=ds.size, key=key)
+    train, valid = cfg.train_dataset, cfg.valid_dataset
+    # reasoning-gym draws problem i with Random(seed + i): overlapping seed ranges share problems.
+    if len(generated) == 2 and (train.task, train.config) == (valid.task, valid.config) \
+            and valid.seed < train.seed + train.size and train.seed < valid.seed + valid.size:
+        raise ConfigError(f"valid_dataset.seed={valid.seed} (size {valid.size}) overlaps train_dataset.seed={train.seed} "
+                          f"(size {train.size}): problem i is drawn with seed + i, so the held-out set would hold training "
+                          f"problems; set valid_dataset.seed >= {train.seed + train.size} (or leave it unset)")
 
 
 def _check_correction(a: ActorConfig) -> None:

@@ -16,7 +16,8 @@ class ProducerConfig(Section):
     workflow: str = "rlstream.producer.workflow:RLVRWorkflow"
     """Workflow import path `module:callable` (builds an object with `arun_episode`)."""
     reward_fn: str = "rlstream.producer.rewards:math_reward"
-    """Reward import path `module:function(prompt, completion, answer, **kw) -> float`."""
+    """Reward import path `module:function(prompt, completion, answer, **kw) -> float` (not given with
+    train_dataset.source=reasoning_gym: rlstream.producer.rewards:reasoning_gym_reward, the task's own scorer)."""
     reward_timeout: PositiveFloat = 15.0
     """Seconds a reward call may take before the sample scores 0."""
     reward_workers: PositiveInt = 2

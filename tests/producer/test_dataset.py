@@ -1,8 +1,10 @@
-"""Producer dataset: local JSONL/Parquet/CSV, keys, chat template, epochs, seeded order, shared cursor."""
+"""Producer dataset: local JSONL/Parquet/CSV, reasoning-gym tasks, keys, chat template, epochs, seeded order, shared cursor."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -163,3 +165,70 @@ async def test_stale_drops_give_prompts_back_and_no_epoch_limit(tmp_path, tokeni
         assert positions == list(range(6, 13)) and ds.at(12).epoch == 4
     finally:
         await client.aclose()
+
+
+# ---------------------------------------------------------------------- reasoning-gym tasks
+
+CHAIN = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+
+
+def _rg(seed: int, size: int = 30, **kw) -> DatasetConfig:
+    return DatasetConfig(source="reasoning_gym", task="chain_sum", size=size, seed=seed, config=dict(CHAIN), **kw)
+
+
+def _snapshot(ds: PromptDataset, n: int) -> list[tuple]:
+    return [(i.index, i.epoch, i.prompt, i.input_ids, json.dumps(i.answer, sort_keys=True))
+            for i in (ds.at(p) for p in range(n))]
+
+
+@pytest.fixture(scope="module")
+def chat_tokenizer():
+    from rlstream.launcher.tiny import build_tokenizer
+
+    return build_tokenizer(chat=True)
+
+
+def test_generated_rows_are_identical_in_every_process_and_differ_for_the_held_out_seed(chat_tokenizer, tmp_path):
+    a, b = PromptDataset(_rg(4), chat_tokenizer, seed=9), PromptDataset(_rg(4), chat_tokenizer, seed=9)
+    assert len(a) == 30 and _snapshot(a, 75) == _snapshot(b, 75)  # 2.5 epochs in the same shuffled order
+    item = a.at(0)
+    assert item.prompt.startswith("u:") and item.prompt.endswith("a:") and "<answer>" in item.prompt
+    assert item.prompt.count("u:") == 2  # the solved example, then the problem
+    assert item.row["question"] in item.prompt and item.answer["task"] == "chain_sum"
+    code = ("import json, sys; from rlstream.common.config import DatasetConfig; "
+            "from rlstream.launcher.tiny import build_tokenizer; from rlstream.producer.dataset import PromptDataset; "
+            f"ds = PromptDataset(DatasetConfig(source='reasoning_gym', task='chain_sum', size=30, seed=4, config={CHAIN!r}), "
+            "build_tokenizer(chat=True), seed=9); "
+            "print(json.dumps([(i.index, i.epoch, i.prompt, i.input_ids, json.dumps(i.answer, sort_keys=True)) "
+            "for i in (ds.at(p) for p in range(75))]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert [tuple(r) for r in json.loads(out.stdout)] == _snapshot(a, 75)
+    held_out = PromptDataset(_rg(34, shuffle=False), chat_tokenizer, seed=9, key="valid_dataset")
+    train_q = {a.at(p).row["question"] for p in range(30)}
+    assert [held_out.at(p).answer["seed"] for p in range(30)] == [34] * 30
+    assert [held_out.at(p).row["question"] for p in range(30)] != [a.at(p).row["question"] for p in range(30)]
+    assert len({held_out.at(p).row["question"] for p in range(30)} - train_q) >= 25  # chance repeats of short sums only
+
+
+async def test_two_producers_share_one_pass_over_generated_rows(chat_tokenizer, redis_url, keys):
+    from rlstream.broker import connect_async
+
+    client = await connect_async(redis_url)
+    try:
+        # Each producer builds its own dataset; the shared cursor hands out positions of one order.
+        a = DatasetCursor(client, keys, PromptDataset(_rg(4, size=6), chat_tokenizer), epochs=1, producer_id="pa")
+        b = DatasetCursor(client, keys, PromptDataset(_rg(4, size=6), chat_tokenizer), epochs=1, producer_id="pb")
+        got = [await c.next() for c in (a, b, a, b, a, b)]
+        assert await a.next() is None and await b.next() is None
+        assert sorted(i.answer["index"] for i in got) == list(range(6))
+    finally:
+        await client.aclose()
+
+
+def test_generated_source_errors_name_the_key(chat_tokenizer):
+    with pytest.raises(DatasetError, match=r"^valid_dataset.task='chainsum' is not a reasoning-gym task; close names: chain_sum"):
+        PromptDataset(DatasetConfig(source="reasoning_gym", task="chainsum"), chat_tokenizer, key="valid_dataset")
+    with pytest.raises(DatasetError, match=r"train_dataset.config.max_term is not an option"):
+        PromptDataset(DatasetConfig(source="reasoning_gym", task="chain_sum", config={"max_term": 3}), chat_tokenizer)
+    with pytest.raises(DatasetError, match="train_dataset.source=reasoning_gym needs train_dataset.task"):
+        PromptDataset(DatasetConfig(source="reasoning_gym"), chat_tokenizer)

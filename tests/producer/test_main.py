@@ -554,6 +554,51 @@ def test_dynamic_sampling_rejects_all_equal_groups(shared_engine, producers, tmp
     assert TrajectoryStream(rclient, keys).length() == 0
 
 
+@pytest.mark.slow
+def test_a_reasoning_gym_task_commits_groups_scored_by_the_tasks_own_scorer(engines, producers, smollm2_path,
+                                                                           redis_url, experiment, rclient):
+    """The real model on a generated task: prompts are the task's rows, rewards the task's score of each completion."""
+    from transformers import AutoTokenizer
+
+    from rlstream.common.config import load_config
+    from rlstream.common.models import stop_token_ids
+    from rlstream.producer.dataset import PromptDataset
+    from rlstream.producer.rewards import reasoning_gym_reward
+
+    keys = ns_keys(experiment)
+    eng = engines(smollm2_path, redis_url, experiment, "server.dtype=float32")
+    overrides = [f"actor.path={smollm2_path}", f"redis.url={redis_url}", f"experiment_name={experiment}",
+                 "train_dataset.source=reasoning_gym", "train_dataset.task=spell_backward", "train_dataset.size=20",
+                 "train_dataset.few_shot=2", "producer.reward_workers=1", "producer.max_groups=3",
+                 "gconfig.n_samples=4", "gconfig.max_new_tokens=24", "gconfig.temperature=0.7",
+                 f"rollout.engine_addresses=[{eng.address}]", "rollout.consumer_batch_size=3",
+                 "rollout.max_concurrent_rollouts=3", "rollout.max_head_offpolicyness=10",
+                 "rollout.health_check_interval=0.5", "cluster.name_resolve.lease_ttl=2"]
+    p = producers(overrides, "rg")  # no producer.reward_fn: the task's scorer is the default
+    assert p.wait(300) == 0, p.log()[-3000:]
+    groups = stream_groups(rclient, keys)
+    assert len(groups) == 3
+    cfg = load_config(None, overrides)
+    tok = AutoTokenizer.from_pretrained(smollm2_path)
+    ds = PromptDataset(cfg.train_dataset, tok, seed=cfg.seed)
+    stops = set(stop_token_ids(tok, smollm2_path, cfg.gconfig.stop_token_ids))
+    rewards = []
+    for g in groups:
+        item = ds.at(g.metadata["position"])
+        assert item.answer["task"] == "spell_backward"
+        for t in g.trajectories:
+            ids = t.input_ids_np.tolist()
+            assert ids[: t.prompt_len] == item.input_ids
+            out = ids[t.prompt_len:]
+            out = out[: next((i for i, x in enumerate(out) if x in stops), len(out))]
+            text = tok.decode(out, skip_special_tokens=True)
+            assert "reward_error" not in t.metadata
+            assert t.reward == reasoning_gym_reward(item.prompt, text, item.answer)
+            rewards.append(t.reward)
+    # The model answers in the examples' <answer> tags: the task's partial credit shows in the rewards.
+    assert any(r > 0 for r in rewards), rewards
+
+
 def test_bad_dataset_is_one_line_and_exit_1(producers, tiny_model_path, redis_url, experiment, tmp_path):
     p = producers(producer_overrides(tiny_model_path, redis_url, experiment, tmp_path / "nope.jsonl",
                                      "rollout.engine_addresses=[127.0.0.1:1]"), "bad")

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from rlstream.producer.rewards import RewardPool, exact_match_reward, extract_boxed, import_by_path, math_reward
+from rlstream.producer.rewards import (RewardPool, exact_match_reward, extract_boxed, import_by_path, math_reward,
+                                       reasoning_gym_reward)
 
 
 def test_math_reward():
@@ -25,6 +26,53 @@ def test_exact_match_reward():
     assert exact_match_reward("1+2=", " 3\n", "3") == 1.0
     assert exact_match_reward("1+2=", "3", 3) == 1.0
     assert exact_match_reward("1+2=", "33", "3") == 0.0
+
+
+def _rg_problem(task: str, seed: int = 3, index: int = 0):
+    """A generated row's answer recipe and the task's own dataset and entry for it."""
+    import reasoning_gym
+
+    from rlstream.common.reasoning_gym_tasks import generate_rows
+
+    ds = reasoning_gym.create_dataset(task, seed=seed, size=4)
+    row = generate_rows(task, {}, seed=seed, size=4, few_shot=0, key="train_dataset")[index]
+    return row["answer"], ds, ds[index]
+
+
+@pytest.mark.parametrize("task", ["chain_sum", "spell_backward", "letter_counting"])
+def test_reasoning_gym_reward_is_the_tasks_own_score(task):
+    recipe, ds, entry = _rg_problem(task)
+    gold = entry["answer"]
+    near = gold[:-1] if len(gold) > 1 else str(int(gold) + 1)  # partial credit where the task gives it
+    for answer in (gold, near, "zzz"):
+        completion = f"Let me see. <answer> {answer} </answer>"
+        assert reasoning_gym_reward("q", completion, recipe) == ds.score_answer(answer, entry)
+    assert reasoning_gym_reward("q", f"<answer>{gold}</answer>", recipe) == 1.0
+    assert reasoning_gym_reward("q", f"<answer>{near}</answer>", recipe) < 1.0
+    # No tags: no answer, the task's score of None.
+    assert reasoning_gym_reward("q", gold, recipe) == ds.score_answer(None, entry) == 0.0
+    # The last tagged answer counts.
+    assert reasoning_gym_reward("q", f"<answer>zzz</answer> no: <answer>{gold}</answer>", recipe) == 1.0
+
+
+def test_reasoning_gym_partial_credit_and_a_wrong_answer_type():
+    recipe, ds, entry = _rg_problem("spell_backward")
+    partial = reasoning_gym_reward("q", f"<answer>{entry['answer'][:-1]}</answer>", recipe)
+    assert 0.0 < partial < 1.0 and partial == ds.score_answer(entry["answer"][:-1], entry)
+    with pytest.raises(ValueError, match="scores rows of train_dataset.source=reasoning_gym"):
+        reasoning_gym_reward("q", "<answer>3</answer>", "3")
+
+
+async def test_reasoning_gym_reward_through_the_pool_matches_the_scorer():
+    """The recipe crosses to the reward processes as msgpack; they rebuild the problem and score it."""
+    pool = RewardPool("rlstream.producer.rewards:reasoning_gym_reward", workers=1, timeout=60)
+    try:
+        recipe, ds, entry = _rg_problem("spell_backward", index=2)
+        for answer in (entry["answer"], entry["answer"][:-1], "zzz"):
+            r = await pool("q", f"<answer>{answer}</answer>", recipe)
+            assert r.error is None and r.reward == ds.score_answer(answer, entry)
+    finally:
+        await pool.close()
 
 
 def test_import_by_path_errors():

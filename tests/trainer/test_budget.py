@@ -43,3 +43,10 @@ def test_epochs_alone_and_the_smaller_of_both(data):
 def test_no_way_to_count_steps_is_refused():
     with pytest.raises(ConfigError, match="set total_train_steps or train_dataset.path"):
         resolve_budget(load_config(None, []))
+
+
+def test_a_generated_dataset_counts_its_size():
+    cfg = load_config(None, ["train_dataset.source=reasoning_gym", "train_dataset.task=chain_sum",
+                             "train_dataset.size=400", "rollout.consumer_batch_size=8", "total_train_epochs=2"])
+    b = resolve_budget(cfg)
+    assert b.steps_per_epoch == 50 and b.total_steps == 100 and "400 prompts" in b.reason
