@@ -93,10 +93,14 @@ def recompute(model, prompt: list[int], output: list[int], temperature: float) -
     return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1), logits
 
 
-# The pause tests' long request: long enough that a pause lands while it runs on 2 loaded cores (480 tokens, the
-# old length, ran out before the pause 5 times in a row once under load).
+# The in-place pause test's long request (it waits for the whole of it): long enough that a pause mostly lands
+# while it runs on 2 loaded cores; a request that ended first is retried.
 LONG = 1900
-MAX_LEN = 2048
+# The abort test's request is aborted, never waited for: so long (tens of seconds or more of decode here)
+# that the pause always lands while it runs, however loaded the cores (1900 tokens ran out before the pause
+# 5 times in a row beside a CPU burner).
+ABORT_LONG = 30000
+MAX_LEN = 32768
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
@@ -238,10 +242,10 @@ async def test_stop_strings_and_penalties_reach_vllm(client, trainer_model, vllm
     assert res.finish_reason == "stop" and res.output_ids == full.output_ids[:end], (stop, res, full)
 
 
-async def start_long_request(client, prompt) -> asyncio.Task:
-    """A LONG-token request, returned once the engine's /load shows it running (or once it ended: on 2 loaded
-    cores it can finish before a poll sees it)."""
-    long = asyncio.create_task(generate(client, prompt, max_new_tokens=LONG, min_new_tokens=LONG))
+async def start_long_request(client, prompt, tokens: int = LONG) -> asyncio.Task:
+    """A `tokens`-long request, returned once the engine's /load shows it running (or once it ended: on 2 loaded
+    cores a short one can finish before a poll sees it)."""
+    long = asyncio.create_task(generate(client, prompt, max_new_tokens=tokens, min_new_tokens=tokens))
     deadline = time.monotonic() + 120
     while not long.done():
         _, load = await asyncio.to_thread(http, "GET", client.url + "/load")
@@ -278,25 +282,13 @@ async def test_in_place_pause_keeps_the_request_and_continue_finishes_it(client)
 
 
 async def test_pause_aborts_in_flight_request_and_continue_serves(client):
-    # On 2 loaded cores a LONG-token request sometimes ends before a /load poll sees it, or
-    # before the pause lands: that race is retried; a pause that lands must abort it.
-    for _attempt in range(5):
-        long = await start_long_request(client, PROMPTS[0])
-        if long.done():
-            assert (await long).finish_reason == "length"
-            continue
-        await asyncio.sleep(0.1)
-        status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "abort"})
-        assert status == 200 and body["paused"] is True
-        out = await asyncio.wait_for(long, 120)
-        if out.finish_reason == "abort":
-            break
-        assert out.finish_reason == "length" and len(out.output_ids) == LONG, out.finish_reason
-        status, body = await asyncio.to_thread(http, "POST", client.url + "/continue_generation")
-        assert status == 200 and body["paused"] is False
-    else:
-        pytest.fail(f"the {LONG}-token request finished before a pause could reach it in 5 attempts")
-    assert len(out.output_ids) < LONG and len(out.output_ids) == len(out.output_logprobs)
+    long = await start_long_request(client, PROMPTS[0], ABORT_LONG)
+    assert not long.done(), "a request of ABORT_LONG tokens ended before /load saw it"
+    status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "abort"})
+    assert status == 200 and body["paused"] is True
+    out = await asyncio.wait_for(long, 120)
+    assert out.finish_reason == "abort", out.finish_reason
+    assert len(out.output_ids) < ABORT_LONG and len(out.output_ids) == len(out.output_logprobs)
     assert http("GET", client.url + "/get_model_info")[1]["paused"] is True
 
     status, body = await asyncio.to_thread(http, "POST", client.url + "/continue_generation")
