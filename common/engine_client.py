@@ -14,9 +14,8 @@
   distribution `log_softmax(logits / T)`, so start vLLM with
   `--logprobs-mode processed_logprobs` (vLLM >= 0.10.2; processed = after temperature
   and, if set, top-k/top-p masking). With T = 1 and no top-k/top-p the two coincide.
-  Stop strings and penalties travel under vLLM's names (`stop`, `frequency_penalty`,
-  `presence_penalty`, `repetition_penalty`); vLLM's processed logprobs include the
-  penalties, like the local engine's (docs/local_engine.md, "Behaviour logprobs").
+  Stop strings and penalties go under vLLM's own names; its processed logprobs include
+  the penalties, as the local engine's do (docs/local_engine.md, "Behaviour logprobs").
   Pause/resume map to vLLM's `POST /pause?mode=abort` / `POST /resume` (dev-mode
   routes, `VLLM_SERVER_DEV_MODE=1`); an aborted request ends with `finish_reason` "abort".
 
