@@ -34,7 +34,7 @@ from typing import Any, Callable
 
 from rlstream.common.config import Config, ConfigError
 from rlstream.common.logging import get_logger
-from rlstream.launcher.local import LocalRun, RunFailed, _echo
+from rlstream.launcher.local import LocalRun, RunFailed, _echo, repair_torn_aof
 from rlstream.launcher.procs import Child
 
 __all__ = ["CHAOS_OVERRIDES", "FAULTS", "ChaosRun", "chaos"]
@@ -132,9 +132,10 @@ class ChaosRun(LocalRun):
         self._kill(self.own_redis)
         down = self.rng.uniform(1.0, 8.0)
         self._sleep(down)
+        cut = repair_torn_aof(self.run_dir / "redis")  # the SIGKILL may have torn the last transaction's write
         self.own_redis.start()
         self.redis_restarts_ms.append(int(time.time() * 1000))
-        return f"down {down:.1f}s"
+        return f"down {down:.1f}s" + (f", {cut}" if cut else "")
 
     def garbage_entries(self) -> str:
         from rlstream.broker import TrajectoryStream

@@ -23,6 +23,7 @@ import pytest
 
 from rlstream.common.net import free_port
 from rlstream.launcher.local import redis_server_binary as launcher_redis_binary
+from rlstream.launcher.local import repair_torn_aof
 from rlstream.launcher.procs import CHILD_ENV, stop_process, wait_for_port
 
 __all__ = [
@@ -63,6 +64,9 @@ class RedisServer:
 
     def start(self) -> "RedisServer":
         self.workdir.mkdir(parents=True, exist_ok=True)
+        cut = repair_torn_aof(self.workdir)  # as the launcher does before a restart: a SIGKILL may have torn the AOF
+        if cut:
+            print(f"redis-server on port {self.port}: {cut}")
         args = [redis_server_binary(), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--dir", str(self.workdir), "--protected-mode", "no", *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

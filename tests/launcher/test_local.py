@@ -327,3 +327,54 @@ def test_thread_counts_per_child():
     assert trainer_threads(load_config(None, ["launcher.threads.trainer=3"]).launcher) == 3
     assert thread_env(3) == {"OMP_NUM_THREADS": "3", "MKL_NUM_THREADS": "3"}
     assert trainer_threads(load_config(CONFIG, []).launcher) == 1  # the tiny demo: the engine is its bottleneck
+
+
+def _commit(client, tag: str) -> None:
+    """What an admission commit persists: one MULTI/EXEC block with a counter and a large stream entry."""
+    pipe = client.pipeline(transaction=True)
+    pipe.incr("accepted")
+    pipe.xadd("traj", {"d": tag * 50_000})
+    pipe.execute()
+
+
+def _consistent(client) -> tuple[int, int]:
+    return int(client.get("accepted") or 0), client.xlen("traj")
+
+
+def test_repair_torn_aof_cuts_a_transaction_a_crash_tore_off_the_tail(tmp_path):
+    # A SIGKILL in the middle of redis-server's write() of a commit's block: the AOF ends inside its XADD.
+    # Redis 7.0 alone keeps MULTI + INCR of it, and applies them with the next EXEC after one more restart.
+    import redis
+
+    from rlstream.launcher.local import repair_torn_aof
+    from tests.helpers import RedisServer
+
+    assert repair_torn_aof(tmp_path / "none") is None
+    server = RedisServer(tmp_path / "redis", extra=["--appendonly", "yes", "--appendfsync", "always"]).start()
+
+    def restart() -> redis.Redis:
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        server.start()  # RedisServer.start repairs the AOF first, as the launcher does
+        return redis.Redis(port=server.port)
+
+    try:
+        client = redis.Redis(port=server.port)
+        _commit(client, "a")
+        _commit(client, "b")
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait()
+        incr = sorted((tmp_path / "redis" / "appendonlydir").glob("*.incr.aof"))[-1]
+        data = incr.read_bytes()
+        incr.write_bytes(data[:data.rindex(b"XADD") + 20_000])  # torn inside the last block's XADD
+        assert repair_torn_aof(tmp_path / "redis").startswith("This will shrink")
+        tail = incr.read_bytes()
+        assert tail.rindex(b"EXEC") > tail.rindex(b"MULTI"), "the torn block's MULTI is still in the AOF"
+        assert repair_torn_aof(tmp_path / "redis") is None  # nothing left to cut
+        server.start()
+        client = redis.Redis(port=server.port)
+        assert _consistent(client) == (1, 1)
+        _commit(client, "c")
+        assert _consistent(restart()) == (2, 2)
+    finally:
+        server.stop()
