@@ -128,10 +128,8 @@ class ModelResponse:
     output_ids: list[int]
     output_logprobs: list[float]
     finish_reason: FinishReason
-    # Per-token versions reported by the server (rlstream's engine), else None.
-    output_versions: list[int] | None = None
-    # The server's weight version when it answered (SGLang/rlstream meta_info), else None.
-    weight_version: int | None = None
+    output_versions: list[int] | None = None  # per-token versions the server reports (rlstream's engine)
+    weight_version: int | None = None  # the server's weight version when it answered (SGLang/rlstream meta_info)
     server: str = ""
     latency: float = 0.0
 
