@@ -70,6 +70,8 @@ from rlstream.engine.weights import add_weight_routes
 __all__ = ["serve", "build_app", "run_server", "ENGINE_KEY", "ADDR_FILE_ENV"]
 
 log = get_logger(__name__)
+# How long a stopping engine tries to remove its registration before leaving it to the TTL.
+UNREGISTER_TIMEOUT_S = 5.0
 
 ENGINE_KEY = web.AppKey("engine", LocalEngine)
 METRICS_KEY = web.AppKey("metrics", CollectorRegistry)
@@ -348,11 +350,7 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
         if resolver is not None and resolver.failure is not None:
             await resolver.close_quietly()  # nothing to unregister from a backend that is gone
         elif resolver is not None:
-            try:
-                await resolver.unregister(ENGINES_SERVICE, address)
-                await resolver.close()
-            except Exception as exc:  # noqa: BLE001 - the TTL removes us anyway
-                log.warning("unregister failed (%s); the registration expires by TTL", exc)
+            await _unregister(resolver, address)
         await loop.run_in_executor(None, engine.close)  # running requests are answered abort
         if frontend is not None:
             await frontend.close()
@@ -363,6 +361,18 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
                            f"with code {frontend.proc.returncode}")
     if resolver is not None and resolver.failure is not None:
         raise BrokerError(f"engine {address} stopped: its name-resolve registration is lost: {resolver.failure}")
+
+
+async def _unregister(resolver: NameResolver, address: str) -> None:
+    """Remove this engine's registration, giving up after UNREGISTER_TIMEOUT_S: with Redis down the client
+    would wait out redis.outage_tolerance, and a stopped engine must exit now (its registration's TTL ends it)."""
+    try:
+        await asyncio.wait_for(resolver.unregister(ENGINES_SERVICE, address), UNREGISTER_TIMEOUT_S)
+        await resolver.close()
+    except Exception as exc:  # noqa: BLE001 - the TTL removes us anyway
+        log.warning("unregister failed (%s); the registration expires by TTL",
+                    f"no answer in {UNREGISTER_TIMEOUT_S:g} s" if isinstance(exc, TimeoutError) else exc)
+        await resolver.close_quietly()
 
 
 async def _close_engine(engine: LocalEngine, runner: web.AppRunner) -> None:

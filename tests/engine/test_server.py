@@ -262,6 +262,51 @@ def _prometheus_values(text: str) -> dict[str, float]:
     return {sample.name: sample.value for fam in text_string_to_metric_families(text) for sample in fam.samples}
 
 
+@pytest.mark.slow
+def test_serve_stops_on_sigterm_while_redis_is_down(tiny_model_path, redis_factory, experiment, tmp_path):
+    """With Redis gone, SIGTERM still stops the engine: unregistering gives up (the TTL ends the registration)
+    instead of waiting out redis.outage_tolerance (600 s here, past the 120 s this test waits)."""
+    redis = redis_factory()
+    addr_file = tmp_path / "engine.addr"
+    env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={tiny_model_path}",
+           f"redis.url={redis.url}", f"experiment_name={experiment}", "cluster.name_resolve.lease_ttl=5",
+           "redis.outage_tolerance=600"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not addr_file.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < deadline, "engine did not start"
+            time.sleep(0.1)
+        address = addr_file.read_text().strip()
+
+        async def listed() -> list[str]:
+            from rlstream.broker.registry import make_name_resolver
+            from rlstream.common.config import load_config
+
+            resolver = make_name_resolver(load_config(None, [f"redis.url={redis.url}", f"experiment_name={experiment}"]))
+            try:
+                return await resolver.list("engines")
+            finally:
+                await resolver.close()
+
+        deadline = time.monotonic() + 60
+        while asyncio.run(listed()) != [address]:
+            assert time.monotonic() < deadline, "the engine never registered"
+            time.sleep(0.1)
+        redis.proc.send_signal(signal.SIGKILL)
+        redis.proc.wait()
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out
+        assert "unregister failed" in out and "engine stopped" in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, redis_url, experiment, tmp_path):
     addr_file = tmp_path / "engine.addr"
     env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file), "OMP_NUM_THREADS": "1"}
