@@ -94,6 +94,8 @@ def type_text(tp: Any) -> str:
             inner = args[0]
             metas += [a for a in args[1:] if isinstance(a, Meta)]
             continue
+        if typing.get_origin(inner) is list:  # a list's bounds are its items'
+            return "list of " + type_text(typing.get_args(inner)[0]) if typing.get_args(inner) else "list"
         nested = [a for a in typing.get_args(inner) if typing.get_origin(a) is Annotated]
         if nested:  # X | None with bounds on X
             args = typing.get_args(nested[0])
@@ -112,6 +114,8 @@ def type_text(tp: Any) -> str:
             v = getattr(m, attr, None)
             if v is not None:
                 parts.append(f"{sym} {v}")
+        if getattr(m, "min_length", None):
+            parts.append(f"of length >= {m.min_length}")
     return " ".join(parts)
 
 

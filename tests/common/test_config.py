@@ -71,7 +71,7 @@ def test_yaml_interpolation_and_overrides(tmp_path, monkeypatch):
         ("rollout.backend=grpc", ["'rollout.backend'", "'grpc'", "one of 'sglang', 'vllm'"]),
         ("actor.optimizer.lr=abc", ["'actor.optimizer.lr'", "'abc'", "float > 0"]),
         ("cluster.name_resolve.type=zk", ["'cluster.name_resolve.type'", "'zk'", "'redis', 'etcd', 'static'"]),
-        ("gconfig.stop_token_ids=[1,x]", ["'gconfig.stop_token_ids[1]'", "'x'", "list[int]"]),
+        ("gconfig.stop_token_ids=[1,x]", ["'gconfig.stop_token_ids[1]'", "'x'", "list of int"]),
         ("rollout.max_concurrent_rollouts=0", ["'rollout.max_concurrent_rollouts'", "0", ">= 1"]),
         ("redis.appendfsync=sometimes", ["'redis.appendfsync'", "'always', 'everysec', 'no'"]),
         ("actor.eps_clip=0", ["'actor.eps_clip'", "> 0"]),
