@@ -140,12 +140,18 @@ def config_coverage(check: bool = typer.Option(False, "--check", help="Compare w
     from pathlib import Path
 
     from rlstream.common.importers.coverage import differences, render
-    from rlstream.common.importers.seeds import SeedError, seed_dir
+    from rlstream.common.importers.seeds import SEED_FILES, SNAPSHOT, SeedError, seed_dir, write_snapshot
 
     root = Path(__file__).resolve().parents[1]
     path = Path(out) if out else root / "docs" / "coverage.md"
+    folder = Path(seeds) if seeds else seed_dir(root)
+    present = all((folder / name).is_file() for name in SEED_FILES.values())
+    if not present:  # a clone without the references beside it: their keys as last parsed (the snapshot)
+        typer.echo(f"the references are not at {folder}: using their keys in {SNAPSHOT}", err=True)
     try:
-        text = render(Path(seeds) if seeds else seed_dir(root))
+        text = render(folder)
+        if present and not check:
+            write_snapshot(folder)
     except SeedError as exc:
         _fail(str(exc), 2)
     if not check:

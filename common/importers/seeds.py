@@ -16,6 +16,8 @@ coverage table (`rlstream config coverage`) classifies every one with the import
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import textwrap
 from pathlib import Path
@@ -23,7 +25,7 @@ from typing import Any
 
 import yaml
 
-__all__ = ["SEED_FILES", "SeedError", "seed_dir", "areal_keys", "roll_keys", "cosmos_keys", "rlinf_keys",
+__all__ = ["SEED_FILES", "SNAPSHOT", "parse_seed_keys", "snapshot_keys", "write_snapshot", "SeedError", "seed_dir", "areal_keys", "roll_keys", "cosmos_keys", "rlinf_keys",
            "rlinf_example", "seed_keys"]
 
 SEED_FILES = {"areal": "001_137dc224920c3131.txt", "roll": "002_c3844dd9be1fc488.txt",
@@ -234,5 +236,27 @@ def rlinf_keys(folder: Path) -> list[tuple[str, Any]]:
     return _leaves(yaml.safe_load(rlinf_example(folder)))
 
 
-def seed_keys(system: str, folder: Path) -> list[tuple[str, Any]]:
+# Every key the references name, with its default, as parsed here (`rlstream config coverage --snapshot`):
+# the coverage check runs from it where the references are not beside the checkout (a CI clone).
+SNAPSHOT = Path(__file__).with_name("seed_keys.json")
+
+
+def parse_seed_keys(system: str, folder: Path) -> list[tuple[str, Any]]:
+    """The keys of `system`'s reference in `folder`, parsed from its text."""
     return {"areal": areal_keys, "roll": roll_keys, "cosmos": cosmos_keys, "rlinf": rlinf_keys}[system](folder)
+
+
+def snapshot_keys(system: str) -> list[tuple[str, Any]]:
+    return [(key, default) for key, default in json.loads(SNAPSHOT.read_text(encoding="utf-8"))[system]]
+
+
+def seed_keys(system: str, folder: Path) -> list[tuple[str, Any]]:
+    """The references' keys: parsed from `folder` when it holds them, else the committed snapshot."""
+    if (folder / SEED_FILES[system]).is_file():
+        return parse_seed_keys(system, folder)
+    return snapshot_keys(system)
+
+
+def write_snapshot(folder: Path) -> None:
+    data = {system: [[k, d] for k, d in parse_seed_keys(system, folder)] for system in SEED_FILES}
+    SNAPSHOT.write_text(json.dumps(data, indent=0, sort_keys=False, default=str) + "\n", encoding="utf-8")
