@@ -262,37 +262,44 @@ def _prometheus_values(text: str) -> dict[str, float]:
     return {sample.name: sample.value for fam in text_string_to_metric_families(text) for sample in fam.samples}
 
 
+def _start_serve(model_path, tmp_path, *overrides: str) -> tuple[subprocess.Popen, str]:
+    """`rlstream serve` as a child process; returns it and its address once it listens."""
+    addr_file = tmp_path / "engine.addr"
+    env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={model_path}",
+           "cluster.name_resolve.lease_ttl=5", *overrides]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while not addr_file.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            out, _ = proc.communicate()
+            raise AssertionError(f"engine did not start:\n{out}")
+        time.sleep(0.1)
+    return proc, addr_file.read_text().strip()
+
+
+async def _registered_engines(redis_url: str, experiment: str) -> list[str]:
+    from rlstream.broker.registry import make_name_resolver
+    from rlstream.common.config import load_config
+
+    resolver = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}"]))
+    try:
+        return await resolver.list("engines")
+    finally:
+        await resolver.close()
+
+
 @pytest.mark.slow
 def test_serve_stops_on_sigterm_while_redis_is_down(tiny_model_path, redis_factory, experiment, tmp_path):
     """With Redis gone, SIGTERM still stops the engine: unregistering gives up (the TTL ends the registration)
     instead of waiting out redis.outage_tolerance (600 s here, past the 120 s this test waits)."""
     redis = redis_factory()
-    addr_file = tmp_path / "engine.addr"
-    env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={tiny_model_path}",
-           f"redis.url={redis.url}", f"experiment_name={experiment}", "cluster.name_resolve.lease_ttl=5",
-           "redis.outage_tolerance=600"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, address = _start_serve(tiny_model_path, tmp_path, f"redis.url={redis.url}", f"experiment_name={experiment}",
+                                 "redis.outage_tolerance=600")
     try:
-        deadline = time.monotonic() + 120
-        while not addr_file.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "engine did not start"
-            time.sleep(0.1)
-        address = addr_file.read_text().strip()
-
-        async def listed() -> list[str]:
-            from rlstream.broker.registry import make_name_resolver
-            from rlstream.common.config import load_config
-
-            resolver = make_name_resolver(load_config(None, [f"redis.url={redis.url}", f"experiment_name={experiment}"]))
-            try:
-                return await resolver.list("engines")
-            finally:
-                await resolver.close()
-
         deadline = time.monotonic() + 60
-        while asyncio.run(listed()) != [address]:
+        while asyncio.run(_registered_engines(redis.url, experiment)) != [address]:
             assert time.monotonic() < deadline, "the engine never registered"
             time.sleep(0.1)
         redis.proc.send_signal(signal.SIGKILL)
@@ -308,24 +315,10 @@ def test_serve_stops_on_sigterm_while_redis_is_down(tiny_model_path, redis_facto
 
 
 def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, redis_url, experiment, tmp_path):
-    addr_file = tmp_path / "engine.addr"
-    env = {**os.environ, "RLSTREAM_ENGINE_ADDR_FILE": str(addr_file), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={tiny_model_path}",
-           "server.api_key=tok", f"redis.url={redis_url}", f"experiment_name={experiment}",
-           "cluster.name_resolve.lease_ttl=5"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc, address = _start_serve(tiny_model_path, tmp_path, "server.api_key=tok", f"redis.url={redis_url}",
+                                 f"experiment_name={experiment}")
     try:
-        deadline = time.monotonic() + 120
-        while not addr_file.exists():
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "engine did not start"
-            time.sleep(0.1)
-        address = addr_file.read_text().strip()
-
         async def client() -> list[str]:
-            from rlstream.common.config import load_config
-            from rlstream.broker.registry import make_name_resolver
-
             headers = {"Authorization": "Bearer tok"}
             async with aiohttp.ClientSession(headers=headers) as http:
                 sp = {"max_new_tokens": 10, "temperature": 0.7}
@@ -349,11 +342,7 @@ def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, re
                 assert scraped["rlstream_engine_generated_tokens_total"] >= sum(
                     r["meta_info"]["completion_tokens"] for r in results)
                 assert scraped["rlstream_engine_max_batch_size"] > 0 and "rlstream_engine_kv_rows_used_ratio" in scraped
-            resolver = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}"]))
-            try:
-                return await resolver.list("engines")
-            finally:
-                await resolver.close()
+            return await _registered_engines(redis_url, experiment)
 
         assert asyncio.run(client()) == [address]
 
@@ -382,17 +371,7 @@ def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, re
         assert proc.returncode == 0, out
         assert "engine stopped" in out
 
-        async def listed() -> list[str]:
-            from rlstream.common.config import load_config
-            from rlstream.broker.registry import make_name_resolver
-
-            resolver = make_name_resolver(load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}"]))
-            try:
-                return await resolver.list("engines")
-            finally:
-                await resolver.close()
-
-        assert asyncio.run(listed()) == []  # unregistered on the way out, not left to the TTL
+        assert asyncio.run(_registered_engines(redis_url, experiment)) == []  # unregistered on the way out, not left to the TTL
     finally:
         if proc.poll() is None:
             proc.kill()
