@@ -56,17 +56,22 @@ def _per_step(rclient, keys):
     return [[prompt_of[i] for i in log.for_step(s).entry_ids] for s in range(STEPS)]
 
 
+def _fill_streams(rclient, model, experiments, seed: int) -> None:
+    """The same synthetic groups in each run's stream: more than the run needs, so the trainer never waits
+    (the rest stays unread)."""
+    for exp in experiments:
+        stream = TrajectoryStream(rclient, Keys(namespace(exp, "trial0")))
+        for g in synthetic_groups(STEPS * BATCH + 3, seed=seed, vocab_size=model.config.vocab_size, model=model):
+            stream.append(g)
+
+
 @pytest.mark.slow
 def test_sigkill_mid_run_recovers_exactly(tmp_path, redis_url, rclient, experiment, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     ref_exp, crash_exp = f"{experiment}ref", f"{experiment}crash"
-    for exp in (ref_exp, crash_exp):
-        stream = TrajectoryStream(rclient, Keys(namespace(exp, "trial0")))
-        # more groups than the run needs: the trainer never waits, the rest stays unread
-        for g in synthetic_groups(STEPS * BATCH + 3, seed=21, vocab_size=model.config.vocab_size, model=model):
-            stream.append(g)
+    _fill_streams(rclient, model, (ref_exp, crash_exp), seed=21)
 
     ref_keys, crash_keys = Keys(namespace(ref_exp, "trial0")), Keys(namespace(crash_exp, "trial0"))
     procs = []
@@ -208,10 +213,7 @@ def test_sigkill_mid_run_with_a_critic_recovers_the_critic_exactly(tmp_path, red
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
     ref_exp, crash_exp = f"{experiment}cref", f"{experiment}ccrash"
-    for exp in (ref_exp, crash_exp):
-        stream = TrajectoryStream(rclient, Keys(namespace(exp, "trial0")))
-        for g in synthetic_groups(STEPS * BATCH + 3, seed=22, vocab_size=model.config.vocab_size, model=model):
-            stream.append(g)
+    _fill_streams(rclient, model, (ref_exp, crash_exp), seed=22)
     critic = ["critic.optimizer.lr=1e-3", "critic.optimizer.lr_scheduler_type=cosine",
               "critic.optimizer.warmup_steps_proportion=0.25", "critic.ppo_n_minibatches=2", "critic.eps_clip=0.2",
               "actor.gae_lambda=0.9", "actor.adv_norm.mean_level=batch"]
