@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -30,10 +31,11 @@ from rlstream.common.config import Config, ConfigError
 from rlstream.trainer.advantages import Advantages, Values
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.logprobs import model_inputs, one_row_packing
-from rlstream.trainer.microbatch import minibatch_slices, synced_split
+from rlstream.trainer.microbatch import minibatch_slices
 from rlstream.trainer.model import DTYPES, apply_lora, check_model_path, disable_dropout
 from rlstream.trainer.optim import build_optimizer, build_scheduler
 from rlstream.trainer.parallel import Parallel
+from rlstream.trainer.update import MicroBatches
 
 __all__ = ["Critic", "check_critic_config", "load_value_model", "value_loss", "ValueStats"]
 
@@ -142,14 +144,7 @@ class Critic:
         self.model = par.wrap(load_value_model(cfg, par.device))
         self.optimizer = build_optimizer(self.model.parameters(), self.c.optimizer)
         self.scheduler = build_scheduler(self.optimizer, self.c.optimizer, total_steps)
-
-    def _split(self, lens: list[int]) -> list[list[int]]:
-        return synced_split(lens, self.c.mb_spec.max_tokens_per_mb, self.c.mb_spec.n_mbs)
-
-    def _dummy(self) -> torch.Tensor:
-        """A one-token pass: keeps collectives in step on a rank with an empty micro-batch."""
-        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.par.device)
-        return self.model(input_ids=ids, use_cache=False).logits
+        self.micro = MicroBatches(par, self.c.mb_spec, pad_token_id)
 
     def _forward(self, batch: SeqBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """([T] value of the state each token is sampled in (0 at sequence starts), [N] value after each sequence)."""
@@ -167,10 +162,7 @@ class Critic:
         was_training = self.model.training
         self.model.eval()
         tokens, last = torch.zeros(batch.n_tokens), torch.zeros(batch.n_seqs)
-        for seqs in self._split(batch.seq_lens.tolist()):
-            if not seqs:
-                self._dummy()
-                continue
+        for seqs in self.micro.each(self.model, batch.seq_lens.tolist()):
             tok_v, last_v = self._forward(batch.select(seqs))
             tokens[batch.token_index(seqs)] = tok_v.cpu()
             last[seqs] = last_v.cpu()
@@ -189,29 +181,11 @@ class Critic:
             denom = adv.loss_mask[tok].sum().to(torch.float64).reshape(1)
             self.par.all_reduce([denom], "sum")
             denom = max(float(denom), 1.0)
-            self.optimizer.zero_grad(set_to_none=True)
-            bins = self._split(batch.seq_lens[mb_seqs].tolist())
-            for j, local in enumerate(bins):
-                seqs = [mb_seqs[i] for i in local]
-                with self.par.grad_sync(self.model, enabled=(j == len(bins) - 1)):
-                    if not seqs:
-                        (self._dummy().sum() * 0.0).backward()
-                        continue
-                    idx = batch.token_index(seqs)
-                    value, _ = self._forward(batch.select(seqs))
-                    mask = adv.loss_mask[idx].to(value.device)
-                    tok_loss, clip = value_loss(value, old.tokens[idx].to(value.device),
-                                                adv.returns[idx].to(value.device), self.c.eps_clip)
-                    loss = torch.where(mask, tok_loss, 0.0).sum() / denom
-                    (loss * self.par.world_size).backward()
-                    sums += torch.tensor([float(loss.detach()), float((clip & mask).sum()), float(mask.sum()), 0.0],
-                                         dtype=torch.float64)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            if math.isfinite(grad_norm):
-                self.optimizer.step()
-            else:  # a non-finite gradient: this minibatch is skipped, as the actor's would be
-                self.optimizer.zero_grad(set_to_none=True)
+
+            micro_loss = partial(self._micro_loss, batch, adv=adv, old=old, denom=denom, sums=sums)
+            # A non-finite gradient skips the minibatch, as the actor's would be skipped.
+            grad_norm, _ = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
+                                                     micro_loss, max_norm)
             sums[3] += grad_norm / self.par.world_size  # the same on every rank: summed back to it below
         self.scheduler.step()
         self.par.all_reduce([sums], "sum")
@@ -220,3 +194,16 @@ class Critic:
                         "critic/clip_frac": float(sums[1]) / max(float(sums[2]), 1.0),
                         "critic/grad_norm": float(sums[3]) / len(minibatches), "critic/lr": lr,
                         "time/critic_update": time.perf_counter() - t0}
+
+    def _micro_loss(self, batch: SeqBatch, seqs: list[int], *, adv: Advantages, old: Values, denom: float,
+                    sums: torch.Tensor) -> torch.Tensor:
+        """The clipped value loss of `seqs` over the minibatch's `denom` loss tokens; adds to the step's `sums`."""
+        idx = batch.token_index(seqs)
+        value, _ = self._forward(batch.select(seqs))
+        mask = adv.loss_mask[idx].to(value.device)
+        tok_loss, clip = value_loss(value, old.tokens[idx].to(value.device), adv.returns[idx].to(value.device),
+                                    self.c.eps_clip)
+        loss = torch.where(mask, tok_loss, 0.0).sum() / denom
+        sums += torch.tensor([float(loss.detach()), float((clip & mask).sum()), float(mask.sum()), 0.0],
+                             dtype=torch.float64)
+        return loss

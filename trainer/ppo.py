@@ -38,13 +38,14 @@ import torch
 
 from rlstream.common.config import Config
 from rlstream.trainer.batch import SeqBatch
-from rlstream.trainer.microbatch import minibatch_slices, synced_split
+from rlstream.trainer.microbatch import minibatch_slices
 from rlstream.trainer.advantages import compute_advantages
 from rlstream.trainer.critic import Critic
 from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import aggregate, kl_estimate, loglinear_prox_logp, ppo_token_loss, seq_token_counts
 from rlstream.trainer.parallel import Parallel
 from rlstream.trainer.stats import PPOStats
+from rlstream.trainer.update import MicroBatches
 
 __all__ = ["PPOActor"]
 
@@ -73,19 +74,11 @@ class PPOActor:
         self.correction = a.correction
         # π_prox/π_behav is weighed in: decoupled loss, or TIS-style on a recomputed old policy.
         self.behav_weighted = a.use_decoupled_loss or (a.recompute_logprob and self.correction is not None)
+        self.micro = MicroBatches(par, a.mb_spec, pad_token_id)
 
     # ------------------------------------------------------------------ helpers
     def _reduce_sum(self, tensors: list[torch.Tensor]) -> None:
         self.par.all_reduce(tensors, "sum")
-
-    def _split(self, lens: list[int]) -> list[list[int]]:
-        mb = self.a.mb_spec
-        return synced_split(lens, mb.max_tokens_per_mb, mb.n_mbs)
-
-    def _dummy_logits(self, model: torch.nn.Module) -> torch.Tensor:
-        """A one-token pass: keeps collectives in step on a rank with an empty micro-batch."""
-        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.par.device)
-        return model(input_ids=ids, use_cache=False).logits
 
     def _logp(self, model: torch.nn.Module, batch: SeqBatch, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
         return token_logprobs(model, batch, temperature=self.a.temperature, packing=self.a.mb_spec.packing,
@@ -97,10 +90,7 @@ class PPOActor:
         was_training = model.training
         model.eval()
         out = torch.zeros(batch.n_tokens, dtype=torch.float32)
-        for seqs in self._split(batch.seq_lens.tolist()):
-            if not seqs:
-                self._dummy_logits(model)
-                continue
+        for seqs in self.micro.each(model, batch.seq_lens.tolist()):
             logp, _ = self._logp(model, batch.select(seqs))
             out[batch.token_index(seqs)] = logp.float().cpu()
         model.train(was_training)
@@ -149,26 +139,10 @@ class PPOActor:
             self._reduce_sum([denoms])
             token_denom, seq_denom = max(float(denoms[0]), 1.0), max(float(denoms[1]), 1.0)
 
-            self.optimizer.zero_grad(set_to_none=True)
-            bins = self._split(batch.seq_lens[mb_seqs].tolist())
-            for j, local in enumerate(bins):
-                seqs = [mb_seqs[i] for i in local]
-                with self.par.grad_sync(self.model, enabled=(j == len(bins) - 1)):
-                    if not seqs:
-                        (self._dummy_logits(self.model).sum() * 0.0).backward()
-                        continue
-                    loss = self._micro_loss(batch, seqs, adv, behav, prox_all, ref_logp, version,
-                                            token_denom, seq_denom, stats)
-                    (loss * self.par.world_size).backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-            if hasattr(grad_norm, "full_tensor"):
-                grad_norm = grad_norm.full_tensor()
-            grad_norm = float(grad_norm)
-            skipped = not math.isfinite(grad_norm)
-            if skipped:
-                self.optimizer.zero_grad(set_to_none=True)
-            else:
-                self.optimizer.step()
+            micro_loss = partial(self._micro_loss, batch, adv=adv, behav=behav, prox_all=prox_all, ref_logp=ref_logp,
+                                 version=version, token_denom=token_denom, seq_denom=seq_denom, stats=stats)
+            grad_norm, skipped = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
+                                                           micro_loss, max_norm)
             stats.optimizer_step(grad_norm, skipped, self.par.world_size)
         self.scheduler.step()
         timings["time/update"] = time.perf_counter() - t1
@@ -177,7 +151,7 @@ class PPOActor:
         critic_stats = self.critic.train(batch, adv, values) if self.critic is not None else {}
         return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats
 
-    def _micro_loss(self, batch: SeqBatch, seqs: list[int], adv, behav: torch.Tensor,
+    def _micro_loss(self, batch: SeqBatch, seqs: list[int], *, adv, behav: torch.Tensor,
                     prox_all: torch.Tensor | None, ref_logp: torch.Tensor | None, version: int,
                     token_denom: float, seq_denom: float, stats: PPOStats) -> torch.Tensor:
         a, dev = self.a, self.par.device

@@ -1,0 +1,74 @@
+"""Micro-batched passes of one model, in step on every rank: the actor and the critic both use them.
+
+A pass over a batch is split by the token budget (`mb_spec`, trainer/microbatch.py) into the same
+number of micro-batches on every rank. A rank whose micro-batch is empty still runs a one-token
+pass (weighted 0 in a backward) so DDP's all-reduce and FSDP's all-gathers stay in step.
+`optimizer_step` is one minibatch's update: gradients accumulate locally over its micro-batches
+and synchronise on the last one; the loss a caller returns is already normalised over the whole
+minibatch on all ranks, so it is multiplied by the world size (DDP/FSDP average gradients).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator
+
+import torch
+
+from rlstream.common.config.actor import MicroBatchSpec
+from rlstream.trainer.microbatch import synced_split
+from rlstream.trainer.parallel import Parallel
+
+__all__ = ["MicroBatches"]
+
+
+class MicroBatches:
+    """Splits sequences by `mb_spec` and runs a model over the micro-batches."""
+
+    def __init__(self, par: Parallel, mb_spec: MicroBatchSpec, pad_token_id: int = 0) -> None:
+        self.par = par
+        self.mb_spec = mb_spec
+        self.pad_token_id = pad_token_id
+
+    def split(self, lens: list[int]) -> list[list[int]]:
+        """Indices into `lens`, one list per micro-batch (the same count on every rank)."""
+        return synced_split(lens, self.mb_spec.max_tokens_per_mb, self.mb_spec.n_mbs)
+
+    def empty_pass(self, model: torch.nn.Module) -> torch.Tensor:
+        """A one-token pass: keeps collectives in step on a rank with an empty micro-batch."""
+        ids = torch.full((1, 1), self.pad_token_id, dtype=torch.long, device=self.par.device)
+        return model(input_ids=ids, use_cache=False).logits
+
+    def each(self, model: torch.nn.Module, lens: list[int]) -> Iterator[list[int]]:
+        """The non-empty micro-batches of a no-grad pass; empty ones run `empty_pass` on `model`."""
+        for seqs in self.split(lens):
+            if seqs:
+                yield seqs
+            else:
+                self.empty_pass(model)
+
+    def optimizer_step(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, mb_seqs: list[int],
+                       seq_lens: torch.Tensor, micro_loss: Callable[[list[int]], torch.Tensor],
+                       max_norm: float) -> tuple[float, bool]:
+        """One optimizer step over the minibatch `mb_seqs` (indices into `seq_lens`): (grad norm, skipped).
+
+        `micro_loss(seqs)` returns the loss of the sequences `seqs` (a subset of `mb_seqs`),
+        normalised over the whole minibatch. A non-finite gradient norm skips the step.
+        """
+        optimizer.zero_grad(set_to_none=True)
+        bins = self.split(seq_lens[mb_seqs].tolist())
+        for j, local in enumerate(bins):
+            with self.par.grad_sync(model, enabled=(j == len(bins) - 1)):
+                if not local:
+                    (self.empty_pass(model).sum() * 0.0).backward()
+                    continue
+                loss = micro_loss([mb_seqs[i] for i in local])
+                (loss * self.par.world_size).backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        skipped = not math.isfinite(grad_norm)
+        if skipped:
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            optimizer.step()
+        return grad_norm, skipped
