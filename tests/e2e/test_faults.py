@@ -464,13 +464,22 @@ def test_producer_and_trainer_sigkilled(pipeline):
     wait_until(lambda: (lambda s: s.accepted == full and s.running == 0)(adm.snapshot()), 60,
                f"producer-0 to fill the admission budget of {full} groups", *p.producers)
 
-    # Restart producer-1 (same producer id), then the trainer.
+    # Restart producer-1 (same producer id), then the trainer. Producer-0 holds no lease now (the budget
+    # is full, nothing runs): it is paused until producer-1's second life has committed a group, so
+    # the checks below see that life's work whichever producer the admission would have favoured.
     cursor_at_restart = p.cursor()
     t_restart = time.time()
-    p1.start()
-    wait_until(lambda: (lambda s: s is not None and s.pid == p1.pid)(producer_state(p, p1)), 120,
-               "producer-1 to start again (its record names the new pid)", p1, alive=(p1,))
-    p.trainer.start()
+    p0 = p.producers[0]
+    p0.signal(signal.SIGSTOP)
+    try:
+        p1.start()
+        wait_until(lambda: (lambda s: s is not None and s.pid == p1.pid)(producer_state(p, p1)), 120,
+                   "producer-1 to start again (its record names the new pid)", p1, alive=(p1,))
+        p.trainer.start()
+        wait_until(lambda: any(g.producer_id == "producer-1" and g.created_at >= t_restart for _, g in p.groups()),
+                   120, "the restarted producer-1 to commit a group", p1, p.trainer, alive=(p1, p.trainer), poll=0.5)
+    finally:
+        p0.signal(signal.SIGCONT)
     p.finish()
 
     counts = check_ledger(p)
