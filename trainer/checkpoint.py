@@ -111,6 +111,12 @@ def _dedup_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return out, aliases
 
 
+def _remove_oldest(folders: list[Path], keep: int) -> None:
+    """Delete all but the last `keep` of `folders` (oldest first); the newest is durable before this runs."""
+    for old in folders[:max(len(folders) - keep, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 def _python_rng() -> list[Any]:
     version, state, gauss = random.getstate()
     return [version, list(state), gauss]
@@ -199,8 +205,11 @@ def _check_parts(path: Path, extra: dict[str, Part]) -> None:
 class Checkpointer:
     """Writes and finds checkpoints of one run (`cfg.run_dir`); collective methods say so."""
 
-    def __init__(self, run_dir: Path, par: Parallel, tokenizer_path: str | None = None) -> None:
+    def __init__(self, run_dir: Path, par: Parallel, tokenizer_path: str | None = None, *,
+                 keep_hf: int | None = None, keep_recover: int = 1) -> None:
         self.run_dir = Path(run_dir)
+        self.keep_hf = keep_hf  # `step-*` HF exports kept (None = all; `final` is never removed)
+        self.keep_recover = keep_recover
         self.recover_dir = self.run_dir / "recover"
         self.save_dir = self.run_dir / "checkpoints"
         self.par = par
@@ -267,6 +276,10 @@ class Checkpointer:
             os.rename(tmp, final)
             fsync(self.save_dir)
             log.info("saved HF checkpoint %s", final)
+            if self.keep_hf is not None:
+                steps = sorted((p for p in self.save_dir.glob("step-*") if p.name[5:].isdigit()),
+                               key=lambda p: int(p.name[5:]))
+                _remove_oldest(steps, self.keep_hf)
         self.par.barrier()
         return final
 
@@ -316,9 +329,10 @@ class Checkpointer:
             _fsync_tree(tmp)
             os.rename(tmp, final)
             fsync(self.recover_dir)
-            for old in self.recover_dir.iterdir():
-                if old != final and old.is_dir() and (old.name.startswith(_CKPT_PREFIX) or old.name.startswith(".tmp-")):
-                    shutil.rmtree(old, ignore_errors=True)
+            for old in self.recover_dir.glob(".tmp-*"):
+                shutil.rmtree(old, ignore_errors=True)
+            _remove_oldest(sorted(p for p in self.recover_dir.glob(f"{_CKPT_PREFIX}*") if p.is_dir()),
+                           self.keep_recover)
         self.par.barrier()
         return final
 

@@ -233,3 +233,21 @@ def test_a_critic_is_saved_and_restored_with_its_optimizer_and_must_match_the_co
     plain = ckpt.save_recover(model, opt, sched, TrainState(step=4), RankState(rank=0, consumer="c"))
     with pytest.raises(ConfigError, match="holds no critic state"):
         ckpt.load_recover(plain, fresh, opt2, sched2, extra={"critic": Part(fresh_critic, opt3, sched3)})
+
+
+def test_max_keep_removes_the_oldest_checkpoints(tmp_path, tiny_model_path):
+    """recover.max_keep=2 keeps the two newest recover checkpoints; saver.max_keep=2 the two newest
+    `step-*` exports, never `final`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
+    ckpt = Checkpointer(tmp_path, Parallel(), keep_hf=2, keep_recover=2)
+    for step in range(1, 5):
+        ckpt.save_recover(model, opt, sched, TrainState(step=step, version=step), RankState(rank=0, consumer="c"))
+        ckpt.save_hf(model, model, f"step-{step * 5}")
+    ckpt.save_hf(model, model, "final")
+    assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["ckpt-00000003", "ckpt-00000004"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["final", "step-15", "step-20"]
+    assert ckpt.latest() == tmp_path / "recover" / "ckpt-00000004"
