@@ -19,6 +19,10 @@ class SaverConfig(Section):
     """Save an HF checkpoint every N epochs."""
     freq_secs: PositiveInt | None = None
     """Save an HF checkpoint every N seconds."""
+    async_save: bool = False
+    """Write periodic exports in a background thread while the trainer waits for data and runs forward/backward; the
+    next optimizer step waits for the write (the export holds its step's weights, no copy). `final` is always
+    written before the run ends."""
     max_keep: PositiveInt | None = None
     """Keep the newest N periodic exports `checkpoints/step-*` (None = all); `checkpoints/final` is always kept."""
 

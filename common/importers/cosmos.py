@@ -144,6 +144,12 @@ def _resume(value: Any, ctx: Context) -> None:
     ctx.t.put(ctx.key, "recover.mode", "auto" if value else "disabled")
 
 
+def _save_mode(value: Any, ctx: Context) -> None:
+    if value not in ("async", "sync"):
+        raise ConfigError(f"train.ckpt.save_mode={value!r}: allowed async, sync")
+    ctx.t.put(ctx.key, "saver.async_save", value == "async")
+
+
 def _max_keep(value: Any, ctx: Context) -> str | None:
     """cosmos-rl's checkpoints are both what a run resumes from and what it exports: both keep N."""
     if value is None or int(value) < 0:
@@ -291,7 +297,7 @@ TABLE: Table = {
     "train.ckpt.enable_checkpoint": Convert(("saver.freq_steps",), _enable_ckpt, "with save_freq"),
     "train.ckpt.save_freq": Convert(("saver.freq_steps",), _save_freq),
     "train.ckpt.save_freq_in_epoch": Convert(("saver.freq_epochs",), _save_freq_epoch),
-    "train.ckpt.save_mode": Missing("asynchronous checkpoint writes (the step waits for the disk)"),
+    "train.ckpt.save_mode": Convert(("saver.async_save",), _save_mode, "async = true"),
     "train.ckpt.max_keep": Convert(("saver.max_keep", "recover.max_keep"), _max_keep, "-1 = all"),
     "train.ckpt.export_safetensors": Drop("checkpoints are always HF safetensors folders"),
     "train.ckpt.upload_hf": Missing("uploading checkpoints to the HF hub", off=(False, None)),
