@@ -3,7 +3,8 @@
 One epoch is ⌊prompts / consumer_batch_size⌋ steps (AReaL's drop-last dataloader), with
 prompts counted from `train_dataset.path` (rows of JSONL / JSON / Parquet / CSV files,
 or of every such file in a folder), or `train_dataset.size` for a generated source. `total_train_steps` alone sets the count (producers
-feed as many epochs as it needs); with `total_train_epochs` too, the smaller one wins.
+feed as many epochs as it needs); with `total_train_epochs` too, the smaller one wins. `total_train_n_seqs` caps
+either at ⌈N / (rollout.consumer_batch_size · gconfig.n_samples)⌉ steps (the sequences a step trains), or alone sets the count.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import csv
 import json
 from pathlib import Path
 from typing import NamedTuple
+
+import msgspec
 
 from rlstream.common.config import Config, ConfigError
 
@@ -62,6 +65,23 @@ class Budget(NamedTuple):
 
 
 def resolve_budget(cfg: Config) -> Budget:
+    """Steps the trainer runs and why: the step/epoch budget, capped by `total_train_n_seqs` when set."""
+    n_seqs = cfg.total_train_n_seqs
+    if n_seqs is None:
+        return _step_budget(cfg)
+    per_step = cfg.rollout.consumer_batch_size * cfg.gconfig.n_samples
+    cap = -(-n_seqs // per_step)
+    why = f"total_train_n_seqs={n_seqs} / {per_step} sequences a step (rollout.consumer_batch_size x gconfig.n_samples)"
+    if cfg.total_train_steps is None and cfg.total_train_epochs is None:
+        spe = _step_budget(msgspec.structs.replace(cfg, total_train_steps=cap)).steps_per_epoch
+        return Budget(cap, spe, f"{cap} steps ({why})")
+    budget = _step_budget(cfg)
+    if cap < budget.total_steps:
+        return Budget(cap, budget.steps_per_epoch, f"{cap} steps ({why}); without it: {budget.reason}")
+    return budget
+
+
+def _step_budget(cfg: Config) -> Budget:
     """Steps the trainer runs and why: `total_train_steps`, epochs, or the smaller of both when both are set.
 
     With only `total_train_steps`, producers keep feeding epochs until the trainer has

@@ -33,6 +33,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple, Protocol
 
@@ -109,6 +110,12 @@ def _dedup_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
             seen[key] = k
         out[k] = v.contiguous()
     return out, aliases
+
+
+def _remove_oldest(folders: list[Path], keep: int) -> None:
+    """Delete all but the last `keep` of `folders` (oldest first); the newest is durable before this runs."""
+    for old in folders[:max(len(folders) - keep, 0)]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _python_rng() -> list[Any]:
@@ -199,13 +206,18 @@ def _check_parts(path: Path, extra: dict[str, Part]) -> None:
 class Checkpointer:
     """Writes and finds checkpoints of one run (`cfg.run_dir`); collective methods say so."""
 
-    def __init__(self, run_dir: Path, par: Parallel, tokenizer_path: str | None = None) -> None:
+    def __init__(self, run_dir: Path, par: Parallel, tokenizer_path: str | None = None, *,
+                 keep_hf: int | None = None, keep_recover: int = 1) -> None:
         self.run_dir = Path(run_dir)
+        self.keep_hf = keep_hf  # `step-*` HF exports kept (None = all; `final` is never removed)
+        self.keep_recover = keep_recover
         self.recover_dir = self.run_dir / "recover"
         self.save_dir = self.run_dir / "checkpoints"
         self.par = par
         self.tokenizer_path = tokenizer_path
         self._tokenizer: Any = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
 
     # ------------------------------------------------------------------ state dicts
     def _model_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -233,42 +245,72 @@ class Checkpointer:
                 self._tokenizer = False
         return self._tokenizer or None
 
-    def save_hf(self, model: torch.nn.Module, module: torch.nn.Module, name: str) -> Path:
+    def save_hf(self, model: torch.nn.Module, module: torch.nn.Module, name: str, *, background: bool = False) -> Path:
         """Export `{run_dir}/checkpoints/{name}` in HF format (collective).
 
         A LoRA (peft) model saves its adapter in peft format (adapter_config.json +
         adapter_model.safetensors, loadable with `PeftModel.from_pretrained(base, folder)`);
         `final` is the merged model as a plain HF folder, with the adapter in `final/adapter`.
+        `background`: rank 0 writes the live weights in a thread while the trainer waits for data and
+        runs its forward and backward passes; the next optimizer step waits for the write to finish
+        (`hold_updates`), so the export holds this step's weights without a copy. Full models only;
+        `final` is written at once. One export at a time; a failed one raises at the next export or `wait()`.
         """
         from rlstream.trainer.model import is_lora
 
         lora = is_lora(module)
         sd = None if lora else self._model_state(model)  # a LoRA adapter is the same on every rank
-        final = self.save_dir / name
         if self.par.is_main:
-            tmp = self.save_dir / f".tmp-{name}-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            if not lora:
-                module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
-            elif name == "final":
-                import copy
-
-                copy.deepcopy(module).merge_and_unload().save_pretrained(tmp, safe_serialization=True)
-                module.save_pretrained(tmp / "adapter", safe_serialization=True)
+            self.wait()
+            if background and not lora and name != "final":
+                self._pending = self._writer().submit(self._write_hf, module, sd, name, lora)
             else:
-                module.save_pretrained(tmp, safe_serialization=True)
-            tok = self._tokenizer_obj()
-            if tok is not None:
-                tok.save_pretrained(tmp)
-            _fsync_tree(tmp)
-            if final.exists():
-                shutil.rmtree(final)
-            os.rename(tmp, final)
-            fsync(self.save_dir)
-            log.info("saved HF checkpoint %s", final)
+                self._write_hf(module, sd, name, lora)
         self.par.barrier()
-        return final
+        return self.save_dir / name
+
+    def wait(self) -> None:
+        """Block until the export being written in the background (if any) is durable."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def hold_updates(self, optimizer: torch.optim.Optimizer) -> None:
+        """Make `optimizer.step()` wait for the export being written, which reads the live weights."""
+        optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait())
+
+    def _writer(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-export")
+        return self._pool
+
+    def _write_hf(self, module: torch.nn.Module, sd: dict[str, torch.Tensor] | None, name: str, lora: bool) -> None:
+        """Rank 0: the folder written into `.tmp-…`, fsynced and renamed into place; old `step-*` pruned."""
+        final = self.save_dir / name
+        tmp = self.save_dir / f".tmp-{name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if not lora:
+            module.save_pretrained(tmp, state_dict=sd, safe_serialization=True)
+        elif name == "final":
+            import copy
+
+            copy.deepcopy(module).merge_and_unload().save_pretrained(tmp, safe_serialization=True)
+            module.save_pretrained(tmp / "adapter", safe_serialization=True)
+        else:
+            module.save_pretrained(tmp, safe_serialization=True)
+        tok = self._tokenizer_obj()
+        if tok is not None:
+            tok.save_pretrained(tmp)
+        _fsync_tree(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync(self.save_dir)
+        log.info("saved HF checkpoint %s", final)
+        if self.keep_hf is not None:
+            steps = sorted((p for p in self.save_dir.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+            _remove_oldest(steps, self.keep_hf)
 
     # ------------------------------------------------------------------ recover
     def latest(self) -> Path | None:
@@ -316,9 +358,10 @@ class Checkpointer:
             _fsync_tree(tmp)
             os.rename(tmp, final)
             fsync(self.recover_dir)
-            for old in self.recover_dir.iterdir():
-                if old != final and old.is_dir() and (old.name.startswith(_CKPT_PREFIX) or old.name.startswith(".tmp-")):
-                    shutil.rmtree(old, ignore_errors=True)
+            for old in self.recover_dir.glob(".tmp-*"):
+                shutil.rmtree(old, ignore_errors=True)
+            _remove_oldest(sorted(p for p in self.recover_dir.glob(f"{_CKPT_PREFIX}*") if p.is_dir()),
+                           self.keep_recover)
         self.par.barrier()
         return final
 
@@ -400,6 +443,9 @@ class CheckpointManager:
         self.extra = extra or {}  # models trained besides the policy (the critic): in every recover checkpoint
         self.source = source
         self.total_steps = total_steps
+        self.async_save = saver.async_save
+        if self.async_save:
+            checkpointer.hold_updates(optimizer)
         self.hf_schedule = Schedule(saver.freq_steps, saver.freq_secs, saver.freq_epochs, steps_per_epoch)
         self.recover_on = recover.mode != "disabled"
         self.recover_schedule = Schedule(recover.freq_steps, recover.freq_secs)
@@ -418,7 +464,8 @@ class CheckpointManager:
     def step_done(self, state: TrainState) -> None:
         """After step `state.step`: an HF export and a recover checkpoint when due; acknowledge what is covered."""
         if self._agree(self.hf_schedule.due(state.step)) and state.step < self.total_steps:
-            self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), f"step-{state.step}")
+            self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), f"step-{state.step}",
+                                      background=self.async_save)
             self.hf_schedule.saved()
         if not self.recover_on:
             self._ack()

@@ -75,6 +75,7 @@ def check_config(cfg: Config, world_size: int) -> None:
 
         check_megatron_config(a, world_size)
     check_critic_config(cfg)
+    _resume_path(cfg)
     if a.use_decoupled_loss and a.prox_logp_method == "loglinear" and a.recompute_logprob:
         log.warning("actor.recompute_logprob=true is ignored with prox_logp_method=loglinear (no extra forward pass)")
 
@@ -180,7 +181,8 @@ class Trainer:
         # ---- model, reference, optimizer; the position of the newest recover checkpoint
         self.actor, vocab_size = _build_actor(cfg, par, self.total_steps)
         self.model = self.actor.model
-        checkpointer = Checkpointer(cfg.run_dir, par, cfg.tokenizer)
+        checkpointer = Checkpointer(cfg.run_dir, par, cfg.tokenizer, keep_hf=cfg.saver.max_keep,
+                                    keep_recover=cfg.recover.max_keep)
         recovering = _recovering(cfg.recover.mode)
         self.state, covered, latest = _resume(cfg, par, checkpointer, self.actor, recovering, self.total_steps)
 
@@ -320,20 +322,44 @@ def _extra_parts(actor: PPOActor) -> dict[str, Part]:
 
 def _resume(cfg: Config, par: Parallel, checkpointer: Checkpointer, actor: PPOActor, recovering: bool,
             total_steps: int) -> tuple[TrainState, list[str], Path | None]:
-    """The trainer's position: from the newest recover checkpoint when recovering (collective).
+    """The trainer's position (collective): the run's newest recover checkpoint when recovering, else
+    `recover.resume_path` when set, else a fresh start.
 
-    Returns the state, the entry ids the checkpoint covers on this rank, and its folder (None: a fresh start).
+    Returns the state, the entry ids the checkpoint covers on this rank (none for `resume_path`: those
+    were another run's entries) and the checkpoint's folder (None: a fresh start).
     """
     state = TrainState(world_size=par.world_size, total_train_steps=total_steps, optimizer=cfg.actor.optimizer.type)
     latest = checkpointer.latest() if recovering else None
-    if latest is None:
+    path = latest or _resume_path(cfg)
+    if path is None:
         return state, [], None
-    state, rank_state = checkpointer.load_recover(latest, actor.model, actor.optimizer, actor.scheduler,
-                                                  expect_optimizer=cfg.actor.optimizer.type,
-                                                  extra=_extra_parts(actor))
+    try:
+        state, rank_state = checkpointer.load_recover(path, actor.model, actor.optimizer, actor.scheduler,
+                                                      expect_optimizer=cfg.actor.optimizer.type,
+                                                      extra=_extra_parts(actor))
+    except (RuntimeError, KeyError) as exc:  # safetensors/torch: names or shapes of another model
+        if latest is not None:
+            raise
+        raise ConfigError(f"recover.resume_path={path} is a checkpoint of another model than actor.path "
+                          f"({str(exc).splitlines()[0][:160]})") from None
     state.world_size, state.total_train_steps = par.world_size, total_steps
-    log.info("resumed from %s: %d steps done, version %d", latest, state.step, state.version)
-    return state, rank_state.covered_ids if rank_state is not None else [], latest
+    log.info("resumed from %s: %d steps done, version %d", path, state.step, state.version)
+    covered = rank_state.covered_ids if rank_state is not None and latest is not None else []
+    return state, covered, path
+
+
+def _resume_path(cfg: Config) -> Path | None:
+    """`recover.resume_path` as a recover checkpoint folder (`…/recover/ckpt-N`, or a run's `recover/` for its newest)."""
+    if not cfg.recover.resume_path:
+        return None
+    path = Path(cfg.recover.resume_path)
+    if path.is_dir() and not (path / "meta.json").is_file():
+        newest = sorted(p for p in path.glob("ckpt-*") if (p / "meta.json").is_file())
+        path = newest[-1] if newest else path
+    if not (path / "meta.json").is_file():
+        raise ConfigError(f"recover.resume_path={cfg.recover.resume_path} holds no recover checkpoint (a folder "
+                          "recover/ckpt-N with meta.json, written by a run with recover.mode set)")
+    return path
 
 
 def _open_reader(cfg: Config, par: Parallel, client: Any, keys: Keys, admission: AdmissionController,

@@ -19,6 +19,12 @@ class SaverConfig(Section):
     """Save an HF checkpoint every N epochs."""
     freq_secs: PositiveInt | None = None
     """Save an HF checkpoint every N seconds."""
+    async_save: bool = False
+    """Write periodic exports in a background thread while the trainer waits for data and runs forward/backward; the
+    next optimizer step waits for the write (the export holds its step's weights, no copy). `final` is always
+    written before the run ends."""
+    max_keep: PositiveInt | None = None
+    """Keep the newest N periodic exports `checkpoints/step-*` (None = all); `checkpoints/final` is always kept."""
 
 
 class EvaluatorConfig(Section):
@@ -47,6 +53,13 @@ class RecoverConfig(Section):
     """Write a recover checkpoint every N seconds."""
     retries: NonNegativeInt = 3
     """Restarts a launcher attempts after a crash."""
+    resume_path: str | None = None
+    """Start from this recover checkpoint (`RUN_DIR/recover/ckpt-N`, or a `recover/` folder for its newest): model,
+    optimizer, schedule, step and version, in a new trial (this trial's own newest checkpoint wins once it has one).
+    The new trial's stream and dataset cursor start empty; the engines get the checkpoint's weights at start."""
+    max_keep: PositiveInt = 1
+    """Recover checkpoints kept (`recover/ckpt-*`, newest first); a run resumes from the newest, older ones are
+    there to resume from by `recover.resume_path` (e.g. before a divergence)."""
 
 
 class WandbConfig(Section):

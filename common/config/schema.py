@@ -31,6 +31,9 @@ class Config(Section):
     total_train_steps: PositiveInt | None = None
     """Stop after this many train steps (None = total_train_epochs decide); producers keep feeding epochs until it is
     reached."""
+    total_train_n_seqs: PositiveInt | None = None
+    """Stop once this many sequences were trained (AReaL's key): ⌈N / (rollout.consumer_batch_size · gconfig.n_samples)⌉ steps;
+    with total_train_steps or total_train_epochs too, the smallest budget wins."""
     tokenizer_path: str | None = None
     """Tokenizer path (None = actor.path)."""
     cluster: ClusterConfig = msgspec.field(default_factory=ClusterConfig)
@@ -100,7 +103,7 @@ class Config(Section):
     @property
     def data_epochs(self) -> int | None:
         """Passes over train_dataset producers hand out; None = as many as the trainer's total_train_steps needs."""
-        if self.total_train_epochs is None and self.total_train_steps is not None:
+        if self.total_train_epochs is None and (self.total_train_steps or self.total_train_n_seqs) is not None:
             return None
         return self.total_train_epochs or 1
 

@@ -136,10 +136,29 @@ def _save_freq_epoch(value: Any, ctx: Context) -> str | None:
 
 
 def _resume(value: Any, ctx: Context) -> None:
+    """true: resume the run's own newest checkpoint; a path: start from that checkpoint (an rlstream one)."""
     if isinstance(value, str):
-        raise ConfigError(f"train.resume={value!r}: resuming from an explicit checkpoint path is not in rlstream yet; "
-                          "use true (recover.mode=auto resumes the run's last recover checkpoint)")
+        ctx.t.put(ctx.key, "recover.mode", "auto")
+        ctx.t.put(ctx.key, "recover.resume_path", value)
+        return
     ctx.t.put(ctx.key, "recover.mode", "auto" if value else "disabled")
+
+
+def _save_mode(value: Any, ctx: Context) -> None:
+    if value not in ("async", "sync"):
+        raise ConfigError(f"train.ckpt.save_mode={value!r}: allowed async, sync")
+    ctx.t.put(ctx.key, "saver.async_save", value == "async")
+
+
+def _max_keep(value: Any, ctx: Context) -> str | None:
+    """cosmos-rl's checkpoints are both what a run resumes from and what it exports: both keep N."""
+    if value is None or int(value) < 0:
+        return f"{value}: every checkpoint is kept (saver.max_keep unset)"
+    if int(value) == 0:
+        raise ConfigError("train.ckpt.max_keep=0 keeps no checkpoint; rlstream keeps at least 1 (or -1 for all)")
+    ctx.t.put(ctx.key, "saver.max_keep", int(value))
+    ctx.t.put(ctx.key, "recover.max_keep", int(value))
+    return None
 
 
 def _trainer_procs(value: Any, ctx: Context) -> None:
@@ -278,13 +297,14 @@ TABLE: Table = {
     "train.ckpt.enable_checkpoint": Convert(("saver.freq_steps",), _enable_ckpt, "with save_freq"),
     "train.ckpt.save_freq": Convert(("saver.freq_steps",), _save_freq),
     "train.ckpt.save_freq_in_epoch": Convert(("saver.freq_epochs",), _save_freq_epoch),
-    "train.ckpt.save_mode": Missing("asynchronous checkpoint writes (the step waits for the disk)"),
-    "train.ckpt.max_keep": Missing("keeping only the last N checkpoints"),
+    "train.ckpt.save_mode": Convert(("saver.async_save",), _save_mode, "async = true"),
+    "train.ckpt.max_keep": Convert(("saver.max_keep", "recover.max_keep"), _max_keep, "-1 = all"),
     "train.ckpt.export_safetensors": Drop("checkpoints are always HF safetensors folders"),
     "train.ckpt.upload_hf": Missing("uploading checkpoints to the HF hub", off=(False, None)),
     "train.ckpt.upload_s3": Missing("uploading checkpoints to S3", off=(False, None)),
     "train.ckpt": Drop("used only with upload_hf / upload_s3"),  # hf_repo_name, s3_bucket, s3_prefix
-    "train.resume": Convert(("recover.mode",), _resume, "true = auto"),
+    "train.resume": Convert(("recover.mode", "recover.resume_path"), _resume,
+                            "true = auto; a path = resume_path, which must hold an rlstream recover checkpoint"),
     "train.epoch": Same("total_train_epochs"),
     "train.output_dir": Same("cluster.fileroot"),
     "train.timestamp": Drop("run folders are cluster.fileroot/experiment_name/trial_name"),

@@ -156,8 +156,7 @@ TABLE: Table = {
                               "(gconfig.max_new_tokens, imported from algorithm.sampling_params) separately"),
     "runner.enable_dynamic_batch_size": Drop(_MB + " (always dynamic)"),
     "runner.max_tokens_per_mbs": Same("actor.mb_spec.max_tokens_per_mb"),
-    "runner.resume_dir": Missing("resuming from an explicit checkpoint folder (recover.mode=auto resumes the "
-                                 "run's own last recover checkpoint)", off=(None,)),
+    "runner.resume_dir": Same("recover.resume_path"),
     "runner.experiment_name": Same("experiment_name"),
     "runner.output_dir": Same("cluster.fileroot"),
     "algorithm.group_size": Same("gconfig.n_samples"),

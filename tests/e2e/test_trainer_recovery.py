@@ -263,3 +263,46 @@ def test_sigkill_mid_run_with_a_critic_recovers_the_critic_exactly(tmp_path, red
     rows = [__import__("json").loads(line) for line in
             (tmp_path / "runs" / crash_exp / "trial0" / "metrics.jsonl").read_text().splitlines()]
     assert all("critic/explained_variance" in r and "critic/value_loss" in r for r in rows)
+
+
+def _run_to_end(cmd, log_path) -> None:
+    proc = _start(cmd, log_path)
+    try:
+        assert proc.wait(timeout=300) == 0, log_path.read_text()[-4000:]
+    finally:
+        _stop(proc)
+
+
+@pytest.mark.slow
+def test_resume_path_starts_a_new_run_from_another_runs_checkpoint(tmp_path, redis_url, rclient, experiment,
+                                                                  tiny_model_path):
+    """Run A keeps its 2 newest recover checkpoints and HF exports (max_keep); run B, a new experiment,
+    starts from A's step-4 checkpoint (`recover.resume_path`) and trains only steps 4 and 5 with A's weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    exp_a, exp_b = f"{experiment}a", f"{experiment}b"
+    _fill_streams(rclient, model, (exp_a, exp_b), seed=33)
+    keep = ["recover.freq_steps=1", "recover.max_keep=2", "saver.freq_steps=1", "saver.max_keep=2"]
+    _run_to_end([*_cmd(tmp_path, redis_url, exp_a, tiny_model_path), "total_train_steps=4", *keep], tmp_path / "a.log")
+    run_a = tmp_path / "runs" / exp_a / "trial0"
+    assert sorted(p.name for p in (run_a / "recover").iterdir()) == ["ckpt-00000003", "ckpt-00000004"]
+    assert sorted(p.name for p in (run_a / "checkpoints").iterdir()) == ["final", "step-2", "step-3"]
+
+    b_cmd = [*_cmd(tmp_path, redis_url, exp_b, tiny_model_path), "total_train_steps=6",
+             f"recover.resume_path={run_a / 'recover'}"]
+    _run_to_end(b_cmd, tmp_path / "b.log")
+    assert f"resumed from {run_a / 'recover' / 'ckpt-00000004'}: 4 steps done, version 4" in (tmp_path / "b.log").read_text()
+    keys_b = Keys(namespace(exp_b, "trial0"))
+    assert [r.step for r in StepLog(rclient, keys_b).all()] == [4, 5]
+    assert VersionRegistry(rclient, keys_b).get_trainer_version() == 6
+    assert rclient.xpending(keys_b.traj, "train")["pending"] == 0
+
+
+def test_resume_path_without_a_checkpoint_is_one_line(tmp_path, redis_url, experiment, tiny_model_path):
+    cmd = [*_cmd(tmp_path, redis_url, experiment, tiny_model_path), f"recover.resume_path={tmp_path}"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1"))
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert f"recover.resume_path={tmp_path} holds no recover checkpoint" in out.stderr
+    assert not (tmp_path / "runs" / experiment / "trial0" / "recover").exists()

@@ -50,3 +50,18 @@ def test_a_generated_dataset_counts_its_size():
                              "train_dataset.size=400", "rollout.consumer_batch_size=8", "total_train_epochs=2"])
     b = resolve_budget(cfg)
     assert b.steps_per_epoch == 50 and b.total_steps == 100 and "400 prompts" in b.reason
+
+
+def test_total_train_n_seqs_caps_or_sets_the_steps(data):
+    # 8 groups x 4 samples = 32 sequences a step: 100 sequences need 4 steps (the last one partly)
+    alone = _cfg(data, "gconfig.n_samples=4", "total_train_n_seqs=100")
+    b = resolve_budget(alone)
+    assert (b.total_steps, b.steps_per_epoch) == (4, 375) and "total_train_n_seqs=100" in b.reason
+    assert alone.data_epochs is None
+    assert resolve_budget(_cfg(data, "gconfig.n_samples=4", "total_train_n_seqs=96")).total_steps == 3
+    capped = resolve_budget(_cfg(data, "gconfig.n_samples=4", "total_train_n_seqs=100", "total_train_steps=600"))
+    assert capped.total_steps == 4 and "without it: 600 steps" in capped.reason
+    loose = resolve_budget(_cfg(data, "gconfig.n_samples=4", "total_train_n_seqs=100000", "total_train_epochs=1"))
+    assert loose.total_steps == 375
+    no_data = load_config(None, ["total_train_n_seqs=64", "rollout.consumer_batch_size=8"])
+    assert resolve_budget(no_data).total_steps == 8

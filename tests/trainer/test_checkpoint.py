@@ -233,3 +233,64 @@ def test_a_critic_is_saved_and_restored_with_its_optimizer_and_must_match_the_co
     plain = ckpt.save_recover(model, opt, sched, TrainState(step=4), RankState(rank=0, consumer="c"))
     with pytest.raises(ConfigError, match="holds no critic state"):
         ckpt.load_recover(plain, fresh, opt2, sched2, extra={"critic": Part(fresh_critic, opt3, sched3)})
+
+
+def test_max_keep_removes_the_oldest_checkpoints(tmp_path, tiny_model_path):
+    """recover.max_keep=2 keeps the two newest recover checkpoints; saver.max_keep=2 the two newest
+    `step-*` exports, never `final`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _s: 1.0)
+    ckpt = Checkpointer(tmp_path, Parallel(), keep_hf=2, keep_recover=2)
+    for step in range(1, 5):
+        ckpt.save_recover(model, opt, sched, TrainState(step=step, version=step), RankState(rank=0, consumer="c"))
+        ckpt.save_hf(model, model, f"step-{step * 5}")
+    ckpt.save_hf(model, model, "final")
+    assert sorted(p.name for p in (tmp_path / "recover").iterdir()) == ["ckpt-00000003", "ckpt-00000004"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["final", "step-15", "step-20"]
+    assert ckpt.latest() == tmp_path / "recover" / "ckpt-00000004"
+
+
+def test_background_export_holds_the_weights_of_its_step(tmp_path, tiny_model_path):
+    """saver.async_save: the next optimizer step waits for the export, so the export holds the weights of its step."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    at_save = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    ckpt = Checkpointer(tmp_path, Parallel())
+    ckpt.hold_updates(opt)
+    ckpt.save_hf(model, model, "step-1", background=True)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # the next step's update, issued while the export is being written
+    assert ckpt._pending is None and (tmp_path / "checkpoints" / "step-1").is_dir()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step-1").state_dict()
+    for k, v in at_save.items():
+        assert torch.equal(saved[k], v), k
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
+def test_a_failed_background_export_raises_at_the_next_one(tmp_path, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    ckpt = Checkpointer(tmp_path, Parallel())
+    (tmp_path / "checkpoints").write_text("a file where the folder goes")
+    ckpt.save_hf(model, model, "step-1", background=True)
+    with pytest.raises(OSError):
+        ckpt.save_hf(model, model, "final")
+
+
+def test_background_export_of_tied_weights_saves_them_tied(tmp_path, tiny_tied_model_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_tied_model_path)
+    ckpt = Checkpointer(tmp_path, Parallel())
+    ckpt.save_hf(model, model, "step-2", background=True)
+    ckpt.wait()
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoints" / "step-2")
+    assert saved.lm_head.weight.data_ptr() == saved.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(saved.model.embed_tokens.weight, model.model.embed_tokens.weight)

@@ -45,7 +45,7 @@ def test_the_example_maps_to_these_rlstream_keys(imported):
 
 def test_what_is_dropped_says_why(imported):
     why = dict(imported.dropped)
-    assert why["train.ckpt.save_mode"].startswith(MISSING) and why["train.train_policy.mu_iterations"].startswith(MISSING)
+    assert why["train.train_policy.mu_iterations"].startswith(MISSING)
     assert why["redis"].startswith("cosmos-rl's controller Redis port")
     assert any("hub name" in n for n in imported.notes)
 
@@ -55,10 +55,18 @@ def test_unbiased_advantage_drops_the_std_division():
     assert t.config["actor"]["reward_norm"]["std_level"] == "none"
 
 
+def test_resume_path_and_max_keep():
+    t = import_data("cosmos", {"train": {"resume": "/runs/a/recover", "ckpt": {"max_keep": 3, "save_mode": "async"}}})
+    assert t.config["recover"] == {"mode": "auto", "resume_path": "/runs/a/recover", "max_keep": 3}
+    assert t.config["saver"] == {"max_keep": 3, "async_save": True}
+    kept_all = import_data("cosmos", {"train": {"resume": True, "ckpt": {"max_keep": -1}}})
+    assert kept_all.config["recover"] == {"mode": "auto"} and "max_keep" not in kept_all.config.get("saver", {})
+
+
 @pytest.mark.parametrize("data,message", [
     ({"train": {"train_policy": {"type": "sft"}}}, "type='sft'"),
     ({"train": {"train_policy": {"mu_iterations": 2}}}, "mu_iterations=2: not in rlstream yet"),
-    ({"train": {"resume": "/ckpt/step_10"}}, "explicit checkpoint path"),
+    ({"train": {"ckpt": {"max_keep": 0}}}, "max_keep=0 keeps no checkpoint"),
     ({"train": {"train_policy": {"reward_function": {"single_choice": 0.9, "format": 0.1}}}}, "reward_function"),
 ])
 def test_values_rlstream_cannot_honour_are_refused(data, message):
