@@ -563,12 +563,12 @@ def _translate_engine_options(t: Translation, engines: dict[str, Any], engine_ki
 
 
 def _note_hub_names(t: Translation, data: dict[str, Any], actor: dict[str, Any]) -> None:
-    """Notes for paths that look like hub names: rlstream reads local files only."""
+    """Notes for paths that look like hub names: rlstream reads them from the local HF caches, never downloads."""
     for section in ("train_dataset", "valid_dataset"):
         path = (data.get(section) or {}).get("path") if isinstance(data.get(section), dict) else None
         if _hub_like(path):
-            t.notes.append(f"{section}.path {path!r} looks like a hub name: rlstream reads local files only; "
-                           "point it at a JSONL/Parquet/CSV file or folder")
+            t.notes.append(f"{section}.path {path!r} is a hub name: rlstream reads it from the local HF datasets cache "
+                           "(never downloads; set {section}.subset/split as needed)".replace("{section}", section))
     if _hub_like(actor.get("path")):
         t.notes.append(f"actor.path {actor['path']!r} is a hub id: rlstream resolves it offline from the local HF cache "
                        "(or a folder from `rlstream model get`), never downloads it")

@@ -1,7 +1,8 @@
 """Training prompts from local JSONL / Parquet / CSV files or a reasoning-gym task, with a resumable shared position.
 
-`PromptDataset` loads local files through HF `datasets` (a path that does not exist
-is an error: rlstream never resolves a hub name), tokenizes each prompt (through the
+`PromptDataset` loads local files through HF `datasets`, or a hub name `org/name` from the
+local HF datasets cache (common/hub_datasets.py; never downloaded), the configured `split`
+(slices allowed), tokenizes each prompt (through the
 tokenizer's chat template when `apply_chat_template` is set, or when the prompt column
 holds a list of chat messages) and drops prompts longer than `max_prompt_len`. With
 `source: reasoning_gym` the rows are generated instead (`common/reasoning_gym_tasks.py`):
@@ -31,7 +32,8 @@ import numpy as np
 
 from rlstream.broker.keys import Keys
 from rlstream.broker.producers import AsyncProducerRecords, ProducerState
-from rlstream.common.config import DatasetConfig
+from rlstream.common.config import ConfigError, DatasetConfig
+from rlstream.common.hub_datasets import is_hub_name, load_hub_split
 from rlstream.common.logging import get_logger
 
 __all__ = ["DatasetError", "DatasetItem", "PromptDataset", "DatasetCursor"]
@@ -123,12 +125,30 @@ class PromptDataset:
         return rows
 
     def _read(self, cfg: DatasetConfig, key: str) -> Any:
-        """The rows of local files (HF `datasets`), checked for the prompt and answer columns."""
+        """The rows of local files or of a cached hub dataset (HF `datasets`), checked for the prompt and answer columns."""
         if not cfg.path:
             raise DatasetError(f"{key}.path is empty: set it to a local JSONL, Parquet or CSV file or folder")
+        ds = self._hub(cfg, key) if is_hub_name(cfg.path) else self._local(cfg, key)
+        cols = set(ds.column_names)
+        if cfg.prompt_key not in cols:
+            raise DatasetError(f"{key}.prompt_key={cfg.prompt_key!r} is not a column of {cfg.path!r} (columns: {sorted(cols)})")
+        self.has_answer = cfg.answer_key in cols
+        if not self.has_answer:
+            log.warning("%s.answer_key=%r is not a column of %s; answers are None", key, cfg.answer_key, cfg.path)
+        return ds
+
+    @staticmethod
+    def _hub(cfg: DatasetConfig, key: str) -> Any:
+        try:
+            return load_hub_split(cfg, key)
+        except ConfigError as exc:
+            raise DatasetError(str(exc)) from None
+
+    @staticmethod
+    def _local(cfg: DatasetConfig, key: str) -> Any:
         path = Path(os.path.expanduser(cfg.path))
         if not path.exists():
-            raise DatasetError(f"{key}.path={cfg.path!r} does not exist (rlstream reads only local files, never a hub name)")
+            raise DatasetError(f"{key}.path={cfg.path!r} does not exist (a local file or folder, or a hub name org/name)")
         files = _files(path, cfg.type)
         if not files:
             raise DatasetError(f"{key}.path={cfg.path!r}: no .jsonl/.json/.parquet/.csv files in this folder")
@@ -137,16 +157,14 @@ class PromptDataset:
 
         datasets.disable_progress_bars()
         try:
-            ds = datasets.load_dataset(kind, data_files=files, split="train")
+            return datasets.load_dataset(kind, data_files=files, split=cfg.split)
+        except ValueError as exc:
+            if "split" in str(exc).lower() or "instruction" in str(exc).lower():
+                raise DatasetError(f"{key}.split={cfg.split!r}: {str(exc).splitlines()[0]} (local files hold one "
+                                   "split, 'train', e.g. train[:90%])") from None
+            raise DatasetError(f"{key}.path={cfg.path!r}: cannot read as {kind}: {str(exc).splitlines()[0]}") from None
         except Exception as exc:  # noqa: BLE001 - any parse failure is one line naming the file
             raise DatasetError(f"{key}.path={cfg.path!r}: cannot read as {kind}: {str(exc).splitlines()[0]}") from None
-        cols = set(ds.column_names)
-        if cfg.prompt_key not in cols:
-            raise DatasetError(f"{key}.prompt_key={cfg.prompt_key!r} is not a column of {cfg.path!r} (columns: {sorted(cols)})")
-        self.has_answer = cfg.answer_key in cols
-        if not self.has_answer:
-            log.warning("%s.answer_key=%r is not a column of %s; answers are None", key, cfg.answer_key, cfg.path)
-        return ds
 
     def _tokenize(self, tokenizer: Any, value: Any, i: int, key: str) -> tuple[str, list[int]]:
         is_chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)

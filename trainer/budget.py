@@ -16,7 +16,8 @@ from typing import NamedTuple
 
 import msgspec
 
-from rlstream.common.config import Config, ConfigError
+from rlstream.common.config import Config, ConfigError, DatasetConfig
+from rlstream.common.hub_datasets import is_hub_name, load_hub_split, split_rows
 
 __all__ = ["Budget", "count_rows", "resolve_budget", "resolve_total_steps"]
 
@@ -56,6 +57,14 @@ def count_rows(path: str, kind: str = "auto") -> int:
     return total
 
 
+def _dataset_rows(ds: DatasetConfig) -> int:
+    """Rows of train_dataset's split: a cached hub dataset's, or the local files' (sliced by `split`)."""
+    if is_hub_name(ds.path):
+        return load_hub_split(ds, "train_dataset").num_rows
+    rows = count_rows(ds.path, ds.type)
+    return rows if ds.split == "train" else split_rows(ds.split, rows, "train_dataset")
+
+
 class Budget(NamedTuple):
     """The run's step budget and, in words, what sets it."""
 
@@ -92,7 +101,7 @@ def _step_budget(cfg: Config) -> Budget:
     steps_per_epoch, rows = None, None
     if cfg.train_dataset.has_rows:
         ds = cfg.train_dataset
-        rows = ds.size if ds.source == "reasoning_gym" else count_rows(ds.path, ds.type)
+        rows = ds.size if ds.source == "reasoning_gym" else _dataset_rows(ds)
         steps_per_epoch = rows // batch
         if steps_per_epoch == 0 and cfg.total_train_steps is None:
             raise ConfigError(f"train_dataset.path has {rows} prompts, fewer than rollout.consumer_batch_size={batch}: "

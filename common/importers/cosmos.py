@@ -22,7 +22,6 @@ _KERNEL = "a kernel/compiler choice of cosmos-rl's trainer; rlstream's uses tran
 _OFFLOAD = "trainer and engines are separate processes; nothing is offloaded between them"
 _LOADER = "producers read prompts themselves; no DataLoader"
 _SFT = "an SFT setting (train_policy.type=sft); rlstream's supervised step is `rlstream sft` (launcher.sft_*)"
-_HUB = "datasets by hub name (rlstream reads a local file or folder: train_dataset.path)"
 _ENGINE_PARALLEL = "engine parallelism beyond tp/pp is the engine's own option (launcher.slurm.engine_args)"
 
 
@@ -203,23 +202,54 @@ def _top_k(dst: str, value: Any, ctx: Context) -> str | None:
     return None
 
 
-def _hub_dataset(dst: str):
+def _split(prefix: str, dst: str):
+    """cosmos-rl trains on a list of splits; HF joins splits with '+'."""
     def fn(value: Any, ctx: Context) -> str | None:
         if not value:
-            return "empty"
-        ctx.t.put(ctx.key, dst, value)
-        if isinstance(value, str) and value.count("/") == 1 and not value.startswith((".", "/", "~")):
-            ctx.t.notes.append(f"{ctx.key}={value!r} is a hub name: rlstream reads local files only; point {dst} "
-                               "at a JSONL/Parquet/CSV file or folder")
+            return "empty: the train split"
+        if get(ctx.data, f"{prefix}.test_size") not in (None, 0):
+            return None  # test_size writes the split with its slice
+        ctx.t.put(ctx.key, f"{dst}.split", "+".join(value) if isinstance(value, list) else str(value))
+        return None
+    return fn
+
+
+def _test_size(prefix: str, dst: str):
+    """The test set cut from the end of the split: the run trains on the rest and evaluates on it (valid_dataset)."""
+    def fn(value: Any, ctx: Context) -> str | None:
+        if value in (None, 0):
+            return f"{value}: no test set is split off"
+        split = get(ctx.data, f"{prefix}.split", "train") or "train"
+        split = "+".join(split) if isinstance(split, list) else str(split)
+        if "+" in split:
+            raise ConfigError(f"{ctx.key}={value!r} with several splits {split!r}: split one split, or give a test split")
+        if isinstance(value, float) and 0 < value < 1:
+            pct = value * 100
+            if abs(pct - round(pct)) > 1e-9:
+                raise ConfigError(f"{ctx.key}={value}: rlstream's split slices take whole percents (e.g. 0.05)")
+            cut = f"{100 - round(pct)}%"
+            keep, held = f"{split}[:{cut}]", f"{split}[{cut}:]"
+        elif isinstance(value, int) and value > 0:
+            keep, held = f"{split}[:-{value}]", f"{split}[-{value}:]"
+        else:
+            raise ConfigError(f"{ctx.key}={value!r}: a ratio in (0, 1) or a positive count of rows")
+        ctx.t.put(ctx.key, f"{dst}.split", keep)
+        if dst == "train_dataset" and not get(ctx.data, "validation.dataset.name"):
+            ctx.t.put(ctx.key, "valid_dataset.path", get(ctx.data, f"{prefix}.name"))
+            if get(ctx.data, f"{prefix}.subset"):
+                ctx.t.put(ctx.key, "valid_dataset.subset", get(ctx.data, f"{prefix}.subset"))
+            ctx.t.put(ctx.key, "valid_dataset.split", held)
         return None
     return fn
 
 
 def _dataset(prefix: str, dst: str) -> Table:
-    return {f"{prefix}.name": Convert((f"{dst}.path",), _hub_dataset(f"{dst}.path"), "a local file"),
-            f"{prefix}.subset": Missing(_HUB, off=(None, "")), f"{prefix}.revision": Missing(_HUB, off=(None, "")),
-            f"{prefix}.split": Missing(_HUB, off=("train", "test", None, "", ["train"])),
-            f"{prefix}.test_size": Missing(_HUB, off=(None, 0))}
+    """cosmos-rl's dataset: a hub name (read from the local HF datasets cache) or a local path."""
+    return {f"{prefix}.name": Same(f"{dst}.path"), f"{prefix}.subset": Same(f"{dst}.subset"),
+            f"{prefix}.revision": Same(f"{dst}.revision"),
+            f"{prefix}.split": Convert((f"{dst}.split",), _split(prefix, dst), "a list joined with +"),
+            f"{prefix}.test_size": Convert((f"{dst}.split", "valid_dataset"), _test_size(prefix, dst),
+                                           "the end of the split, evaluated as valid_dataset")}
 
 
 _PROCS = Convert(("launcher.n_trainer_procs", "actor.parallel"), _trainer_procs, "dp_shard x dp_replicate x replicas")
@@ -317,7 +347,8 @@ TABLE: Table = {
     "train.activation_offload": Drop("activation memory is saved by actor.gradient_checkpointing"),
     "train.fa_version": Drop(_KERNEL),
     "train.seed": Same("seed"),
-    "train.local_dataset": Drop("rlstream reads local files only (train_dataset.path)"),
+    "train.local_dataset": Drop("a local path or a hub name, both in train_dataset.path (hub names from the local "
+                                "HF datasets cache)"),
     "train.max_num_steps": Same("total_train_steps"),
     "train.sequence_packing": Same("actor.mb_spec.packing"),
     "rollout.parallelism.n_init_replicas": Same("launcher.n_engines"),

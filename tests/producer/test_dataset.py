@@ -96,8 +96,10 @@ def test_chat_template(tmp_path, tokenizer):
 def test_clear_errors(tmp_path, tokenizer):
     with pytest.raises(DatasetError, match="train_dataset.path is empty"):
         PromptDataset(DatasetConfig(path=""), tokenizer)
-    with pytest.raises(DatasetError, match=r"'openai/gsm8k' does not exist.*never a hub name"):
-        PromptDataset(DatasetConfig(path="openai/gsm8k"), tokenizer)
+    with pytest.raises(DatasetError, match=r"'rlstream-tests/absent' is not in the local HF datasets cache"):
+        PromptDataset(DatasetConfig(path="rlstream-tests/absent"), tokenizer)
+    with pytest.raises(DatasetError, match=r"'data/absent.jsonl' does not exist"):
+        PromptDataset(DatasetConfig(path="data/absent.jsonl"), tokenizer)
     p = _write(tmp_path, "jsonl", _rows(2))
     with pytest.raises(DatasetError, match=r"prompt_key='question' is not a column.*\['a', 'extra', 'q'\]"):
         PromptDataset(DatasetConfig(path=str(p), prompt_key="question"), tokenizer)

@@ -47,7 +47,18 @@ def test_what_is_dropped_says_why(imported):
     why = dict(imported.dropped)
     assert why["train.train_policy.mu_iterations"].startswith(MISSING)
     assert why["redis"].startswith("cosmos-rl's controller Redis port")
-    assert any("hub name" in n for n in imported.notes)
+    assert imported.config["train_dataset"]["path"] == "JiaxinTsao/math_examples"  # read from the HF datasets cache
+
+
+def test_test_size_holds_out_the_end_of_the_split_for_evaluation():
+    ds = {"name": "openai/gsm8k", "subset": "main", "split": ["train"], "test_size": 0.1}
+    t = import_data("cosmos", {"train": {"train_policy": {"type": "grpo", "dataset": ds}}})
+    assert t.config["train_dataset"] == {"path": "openai/gsm8k", "subset": "main", "split": "train[:90%]"}
+    assert t.config["valid_dataset"] == {"path": "openai/gsm8k", "subset": "main", "split": "train[90%:]"}
+    counted = import_data("cosmos", {"train": {"train_policy": {"dataset": {"name": "a/b", "test_size": 64}}}})
+    assert counted.config["train_dataset"]["split"] == "train[:-64]" and counted.config["valid_dataset"]["split"] == "train[-64:]"
+    with pytest.raises(ConfigError, match="whole percents"):
+        import_data("cosmos", {"train": {"train_policy": {"dataset": {"name": "a/b", "test_size": 0.125}}}})
 
 
 def test_unbiased_advantage_drops_the_std_division():
