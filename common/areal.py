@@ -149,6 +149,18 @@ _DROPPED = {
     "recover.freq_epochs": "recover checkpoints every recover.freq_steps / freq_secs (steps are the unit of exact replay)",
 }
 
+# AReaL's `ref` is a whole PPOActorConfig, but its engine only computes logprobs (no optimizer step, no
+# advantages, no rollouts): the actor's training settings repeated there change nothing.
+_REF_TRAINING_ONLY = ("is_critic", "pad_to_maximum", "gradient_checkpointing", "grad_reduce_dtype", "weight_update_mode",
+                      "fsdp", "use_lora", "lora_rank", "lora_alpha", "target_modules", "peft_type", "group_size",
+                      "ppo_n_minibatches", "eps_clip", "eps_clip_higher", "c_clip", "reward_norm", "reward_scaling",
+                      "reward_bias", "reward_clip", "overlong_reward_penalty", "overlong_tokens",
+                      "overlong_penalty_factor", "mask_no_eos_with_zero", "discount", "gae_lambda", "adv_norm",
+                      "kl_ctl", "kl_estimator", "recompute_logprob", "use_decoupled_loss", "behav_imp_weight_cap",
+                      "dynamic_sampling", "log_agent_stats", "log_agent_stats_keys", "max_new_tokens")
+_DROPPED.update({f"ref.{k}": "the reference model only computes logprobs: a training setting has no effect there"
+                 for k in _REF_TRAINING_ONLY})
+
 _LORA_SERVING = ("rlstream pushes the LoRA adapter and its engines merge it into the served weights: "
                  "no adapter serving to switch on")
 _ENGINE_SKIP = {"model_path": "engines serve actor.path", "model": "engines serve actor.path",
@@ -309,6 +321,8 @@ def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, 
     elif key == "cluster.name_resolve.etcd3_addr":
         if ((data.get("cluster") or {}).get("name_resolve") or {}).get("type") not in ("etcd", "etcd3"):
             t.dropped.append((key, "name_resolve.type is not etcd3"))
+    elif key == "ref.temperature":
+        _translate_ref_temperature(t, data, key, value)
     elif key in _SCHEMA:
         t.set(key, value)
         t.same.append(key)
@@ -525,6 +539,16 @@ def _translate_critic(t: Translation, data: dict[str, Any], handled: set[str]) -
                        "cache (or a folder from `rlstream model get`), never downloads it")
     if use_lora and "target_modules" not in critic:
         t.notes.append("critic.use_lora without target_modules: critic.lora.target_modules keeps rlstream's default")
+
+
+def _translate_ref_temperature(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:
+    """rlstream computes the reference logprobs at actor.temperature, as it computes the policy's."""
+    actor_t = (data.get("actor") or {}).get("temperature", 1.0)
+    if value is None or float(value) == float(actor_t if actor_t is not None else 1.0):
+        t.dropped.append((key, "the reference logprobs use actor.temperature (the same value)"))
+        return
+    raise ConfigError(f"ref.temperature={value} differs from actor.temperature={actor_t}: rlstream computes the "
+                      "reference logprobs at actor.temperature; set both equal")
 
 
 def _translate_name_resolve(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:

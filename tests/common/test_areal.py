@@ -456,3 +456,16 @@ def test_a_critic_with_lora_and_an_empty_path():
     t = translate_areal({"gconfig": {}, "critic": {"use_lora": False, "lora_rank": 8}})
     assert load_config_dict(t.config).critic.lora is None and dict(t.dropped)["critic.lora_rank"] == \
         "critic.use_lora is false"
+
+
+def test_the_reference_models_training_settings_are_dropped_with_the_reason():
+    data = {"actor": {"temperature": 0.7}, "gconfig": {"n_samples": 2},
+            "ref": {"path": "/m", "eps_clip": 0.4, "reward_norm": {"mean_level": "group"}, "temperature": 0.7}}
+    t = translate_areal(data)
+    why = dict(t.dropped)
+    assert why["ref.eps_clip"] == why["ref.reward_norm.mean_level"]
+    assert why["ref.eps_clip"].startswith("the reference model only computes logprobs")
+    assert why["ref.temperature"] == "the reference logprobs use actor.temperature (the same value)"
+    data["ref"]["temperature"] = 1.0
+    with pytest.raises(ConfigError, match=r"ref.temperature=1.0 differs from actor.temperature=0.7"):
+        translate_areal(data)
