@@ -161,6 +161,15 @@ _REF_TRAINING_ONLY = ("is_critic", "pad_to_maximum", "gradient_checkpointing", "
 _DROPPED.update({f"ref.{k}": "the reference model only computes logprobs: a training setting has no effect there"
                  for k in _REF_TRAINING_ONLY})
 
+_DROPPED.update({
+    "actor.mb_spec.granularity": "advantages are computed on the whole batch before it is split, so micro-batches "
+                                 "need not keep a group's sequences together",
+    "actor.pad_to_maximum": "micro-batches are packed without padding (the loss is the same; padding only shapes "
+                            "memory on GPU)",
+    "actor.attn_impl": "the trainer uses transformers' SDPA attention (torch picks the flash kernel on GPU)",
+    "ref.attn_impl": "the reference model uses transformers' SDPA attention, as the actor",
+})
+
 _LORA_SERVING = ("rlstream pushes the LoRA adapter and its engines merge it into the served weights: "
                  "no adapter serving to switch on")
 _ENGINE_SKIP = {"model_path": "engines serve actor.path", "model": "engines serve actor.path",
@@ -321,6 +330,16 @@ def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, 
     elif key == "cluster.name_resolve.etcd3_addr":
         if ((data.get("cluster") or {}).get("name_resolve") or {}).get("type") not in ("etcd", "etcd3"):
             t.dropped.append((key, "name_resolve.type is not etcd3"))
+    elif key == "async_training":
+        _translate_async_training(t, data, key, value)
+    elif key == "actor.dynamic_sampling":
+        t.set("producer.dynamic_sampling", bool(value))
+        t.translated.append((key, "producer.dynamic_sampling (all-equal-reward groups are dropped and replaced, "
+                                  "so the batch keeps its size)"))
+    elif key == "actor.is_critic":
+        if value:
+            raise ConfigError("actor.is_critic=true: the actor is the policy; a value model is the critic section")
+        t.dropped.append((key, "false: the actor is the policy (the critic section holds the value model)"))
     elif key == "ref.temperature":
         _translate_ref_temperature(t, data, key, value)
     elif key in _SCHEMA:
@@ -539,6 +558,18 @@ def _translate_critic(t: Translation, data: dict[str, Any], handled: set[str]) -
                        "cache (or a folder from `rlstream model get`), never downloads it")
     if use_lora and "target_modules" not in critic:
         t.notes.append("critic.use_lora without target_modules: critic.lora.target_modules keeps rlstream's default")
+
+
+def _translate_async_training(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:
+    """Synchronous training is the asynchronous loop with no staleness: each step's groups from the current weights."""
+    if value is not False:
+        t.dropped.append((key, "rlstream is asynchronous; rollout.max_head_offpolicyness bounds how far"))
+        return
+    eta = (data.get("rollout") or {}).get("max_head_offpolicyness")
+    if eta not in (None, 0):
+        raise ConfigError(f"async_training=false with rollout.max_head_offpolicyness={eta}: synchronous training is "
+                          "max_head_offpolicyness=0; drop one of the two")
+    t.translate(key, {"rollout.max_head_offpolicyness": 0}, "synchronous: every group from the current weights")
 
 
 def _translate_ref_temperature(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:

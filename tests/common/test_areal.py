@@ -469,3 +469,15 @@ def test_the_reference_models_training_settings_are_dropped_with_the_reason():
     data["ref"]["temperature"] = 1.0
     with pytest.raises(ConfigError, match=r"ref.temperature=1.0 differs from actor.temperature=0.7"):
         translate_areal(data)
+
+
+def test_async_training_dynamic_sampling_and_is_critic():
+    sync = translate_areal({"async_training": False, "gconfig": {"n_samples": 2}})
+    assert sync.config["rollout"]["max_head_offpolicyness"] == 0
+    assert "async_training" in dict(translate_areal({"async_training": True, "gconfig": {}}).dropped)
+    with pytest.raises(ConfigError, match="max_head_offpolicyness=0"):
+        translate_areal({"async_training": False, "rollout": {"max_head_offpolicyness": 2}})
+    dapo = translate_areal({"actor": {"dynamic_sampling": True, "is_critic": False}})
+    assert dapo.config["producer"]["dynamic_sampling"] is True and "actor.is_critic" in dict(dapo.dropped)
+    with pytest.raises(ConfigError, match="actor.is_critic=true"):
+        translate_areal({"actor": {"is_critic": True}})
