@@ -47,10 +47,10 @@ class RewardModelStage:
         t0 = time.monotonic()
         try:
             if self.rc.input == "text":
-                texts = [self.tokenizer.decode(t.input_ids_np().tolist(), skip_special_tokens=True) for t in trajs]
+                texts = [self.tokenizer.decode(t.input_ids_np.tolist(), skip_special_tokens=True) for t in trajs]
                 scores = await self.pool.score(text=texts)
             else:
-                scores = await self.pool.score(input_ids=[t.input_ids_np().tolist() for t in trajs])
+                scores = await self.pool.score(input_ids=[t.input_ids_np.tolist() for t in trajs])
         except ScoringError as exc:
             self.failed_groups += 1
             raise GroupFailed(f"reward model: {exc}") from None
