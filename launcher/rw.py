@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from rlstream.common.config import Config
+from rlstream.common.config import Config, ConfigError
 from rlstream.common.logging import get_logger
 from rlstream.common.models import dtype_kwargs
 
@@ -140,6 +140,20 @@ def _load_model(cfg: Config) -> tuple[Any, Any, int]:
     return model, tokenizer, pad
 
 
+def _data(cfg: Config, pairs: list[Pair], tokenizer: Any,
+          rng: random.Random) -> tuple[list[_Tokenized], list[_Tokenized], int]:
+    """(held-out pairs, training pairs, pairs skipped as too long), tokenized and split."""
+    rc = cfg.rw
+    data, skipped = _tokenize(pairs, tokenizer, rc.max_seq_len)
+    rng.shuffle(data)
+    n_valid = max(1, round(len(data) * rc.valid_fraction)) if rc.valid_fraction > 0 and data else 0
+    valid, train = data[:n_valid], data[n_valid:]
+    if not train:
+        raise ValueError(f"rw.dataset={rc.dataset!r}: no pair left to train on ({len(data)} pairs, {skipped} over "
+                         f"rw.max_seq_len, {n_valid} held out by rw.valid_fraction)")
+    return valid, train, skipped
+
+
 def rw(cfg: Config) -> dict[str, Any]:
     """Entry of `rlstream rw --config X`: train, write the reward model, return (and print) what was done."""
     import torch
@@ -147,19 +161,16 @@ def rw(cfg: Config) -> dict[str, Any]:
     from rlstream.launcher.demo import prepare
 
     rc = cfg.rw
-    prepare(cfg)  # the demo task's tiny model, when configured and missing
     torch.set_num_threads(1)  # several processes share few cores: more threads cost more than they give
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
-    pairs = load_pairs(rc.dataset)
-    model, tokenizer, pad = _load_model(cfg)
-    data, skipped = _tokenize(pairs, tokenizer, rc.max_seq_len)
-    rng.shuffle(data)
-    n_valid = max(1, round(len(data) * rc.valid_fraction)) if rc.valid_fraction > 0 else 0
-    valid, train = data[:n_valid], data[n_valid:]
-    if not train:
-        raise ValueError(f"rw.dataset={rc.dataset!r}: no pair left to train on ({len(data)} pairs, {skipped} over "
-                         f"rw.max_seq_len, {n_valid} held out by rw.valid_fraction)")
+    try:
+        prepare(cfg)  # the demo task's tiny model, when configured and missing
+        pairs = load_pairs(rc.dataset)
+        model, tokenizer, pad = _load_model(cfg)
+        valid, train, skipped = _data(cfg, pairs, tokenizer, rng)
+    except ValueError as exc:  # a bad dataset or model path: one line naming the key
+        raise ConfigError(str(exc)) from None
     model.eval()
     acc_before = pair_accuracy(model, valid, pad) if valid else None
     model.train()
