@@ -456,3 +456,16 @@ def test_a_critic_with_lora_and_an_empty_path():
     t = translate_areal({"gconfig": {}, "critic": {"use_lora": False, "lora_rank": 8}})
     assert load_config_dict(t.config).critic.lora is None and dict(t.dropped)["critic.lora_rank"] == \
         "critic.use_lora is false"
+
+
+def test_the_scheduler_reward_model_service_becomes_the_reward_model_pool():
+    t = translate_areal({"actor": {"path": "/m"}, "scheduler": {
+        "type": "local", "reward_model_path": "/models/rm", "reward_model_service_url": "http://10.0.0.1:30000/classify"}})
+    rm = load_config_dict(t.config).reward_model
+    assert (rm.pool.model_path, rm.pool.addresses, rm.pool.engines) == ("/models/rm", ["10.0.0.1:30000"], 0)
+    assert {"scheduler.reward_model_path", "scheduler.reward_model_service_url"} <= {k for k, _ in t.translated}
+    assert any("reward_model.rule_weight" in n for n in t.notes)
+    # empty (AReaL's default path): no reward model, the key is accounted for as dropped
+    t = translate_areal({"actor": {"path": "/m"}, "scheduler": {"reward_model_path": ""}})
+    assert load_config_dict(t.config).reward_model is None
+    assert dict(t.dropped)["scheduler.reward_model_path"] == "empty: no reward model"
