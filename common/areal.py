@@ -257,8 +257,8 @@ def _translate_reward_model(t: Translation, data: dict[str, Any], handled: set[s
     sched = data.get("scheduler") if isinstance(data.get("scheduler"), dict) else {}
     path, url = sched.get("reward_model_path"), sched.get("reward_model_service_url")
     handled.update(f"scheduler.{k}" for k in ("reward_model_path", "reward_model_service_url") if k in sched)
-    t.dropped += [(f"scheduler.{k}", "empty: no reward model") for k in ("reward_model_path", "reward_model_service_url")
-                  if k in sched and not sched[k]]
+    t.dropped += [(f"scheduler.{k}", "empty: no reward model (set, it becomes the reward_model scoring pool)")
+                  for k in ("reward_model_path", "reward_model_service_url") if k in sched and not sched[k]]
     if path:
         t.translate("scheduler.reward_model_path", {"reward_model.pool.model_path": path})
     if url:  # http://host:port/classify: a running service; rlstream scores through its /classify
