@@ -12,7 +12,9 @@ Bradley–Terry loss mean(-log σ(r_chosen − r_rejected)), the loss of AReaL's
 fraction `rw.valid_fraction` of the pairs is held out; their pair accuracy (r_chosen > r_rejected) is printed
 before and after training and written with the model in `rlstream_rw.json`.
 
-With `launcher.demo.task` set, the demo's tiny model is generated first when missing (as `rlstream sft` does).
+With `launcher.demo.task: reverse` and no file at `rw.dataset`, the demo's data, tiny model and pairs are generated
+first (`write_demo_pairs`: for each training prompt the chosen response holds a 7, the rejected one does not —
+the property `configs/reward-model-cpu.yaml` then raises by RL with this reward model alone).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ from rlstream.common.config import Config, ConfigError
 from rlstream.common.logging import get_logger
 from rlstream.common.models import dtype_kwargs
 
-__all__ = ["rw", "Pair", "load_pairs", "bradley_terry_loss", "pair_accuracy", "RW_MARKER", "rw_output_dir"]
+__all__ = ["rw", "Pair", "load_pairs", "bradley_terry_loss", "pair_accuracy", "RW_MARKER", "rw_output_dir",
+           "write_demo_pairs"]
 
 log = get_logger(__name__)
 
@@ -60,6 +63,24 @@ def load_pairs(path: str) -> list[Pair]:
     if len(pairs) < 2:
         raise ValueError(f"rw.dataset={path!r} has {len(pairs)} pair(s): at least 2 are needed (train + held out)")
     return pairs
+
+
+def write_demo_pairs(train_path: Path, out: Path, seed: int) -> int:
+    """Pairs over the reverse demo's training prompts: rejected = the correct reversal with every 7 replaced by
+    another digit, chosen = the rejected one with one digit set to 7. Returns the number written."""
+    rng = random.Random(seed)
+    n = 0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(train_path) as f, open(out, "w") as w:
+        for line in f:
+            row = json.loads(line)
+            rejected = [c if c != "7" else rng.choice("01234568") for c in str(row["answer"])]
+            chosen = list(rejected)
+            chosen[rng.randrange(len(chosen))] = "7"
+            w.write(json.dumps({"prompt": row["prompt"], "chosen": "".join(chosen),
+                                "rejected": "".join(rejected)}) + "\n")
+            n += 1
+    return n
 
 
 def bradley_terry_loss(chosen: Any, rejected: Any) -> Any:
@@ -165,7 +186,10 @@ def rw(cfg: Config) -> dict[str, Any]:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     try:
-        prepare(cfg)  # the demo task's tiny model, when configured and missing
+        paths = prepare(cfg)  # the demo task's data and tiny model, when configured and missing
+        if cfg.launcher.demo.task == "reverse" and rc.dataset and not Path(rc.dataset).exists():
+            n = write_demo_pairs(paths["train"], Path(rc.dataset), cfg.seed)
+            log.info("wrote %d demo pairs (chosen responses hold a 7) to %s", n, rc.dataset)
         pairs = load_pairs(rc.dataset)
         model, tokenizer, pad = _load_model(cfg)
         valid, train, skipped = _data(cfg, pairs, tokenizer, rng)

@@ -39,3 +39,13 @@ def test_every_scoring_key_is_documented():
     keys = [k for k in docs if k.startswith(("reward_model.", "rw."))]
     assert "reward_model.pool.concurrency" in keys and "rw.valid_fraction" in keys
     assert all(docs[k] for k in keys), [k for k in keys if not docs[k]]
+
+
+def test_the_reward_model_demo_config_rewards_by_the_model_alone():
+    from pathlib import Path
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "reward-model-cpu.yaml")
+    rm = cfg.reward_model
+    assert (rm.weight, rm.rule_weight, rm.pool.engines) == (1.0, 0.0, 1)
+    assert rm.pool.model_path.endswith("/reward_model") and cfg.rw.dataset.endswith("rw_pairs.jsonl")
+    assert cfg.producer.reward_fn.endswith(":contains_seven_reward")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlstream.launcher.rw import RW_MARKER, bradley_terry_loss, load_pairs
+from rlstream.launcher.rw import RW_MARKER, bradley_terry_loss, load_pairs, write_demo_pairs
 
 from tests.helpers import child_env, cli
 
@@ -94,3 +94,16 @@ def test_bad_rw_config_is_one_line_and_exit_2(tmp_path, tiny_model_path, args, w
     assert r.returncode == 2, r.stderr[-2000:]
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("rlstream: error:")]
     assert len(err) == 1 and words in err[0], r.stderr[-2000:]
+
+
+def test_demo_pairs_prefer_a_seven_and_differ_in_one_digit(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"prompt": f"{s}=", "answer": s[::-1]}) + "\n"
+                             for s in ("1234", "7777", "0707", "9999")))
+    assert write_demo_pairs(train, tmp_path / "pairs.jsonl", seed=0) == 4
+    for pair in load_pairs(str(tmp_path / "pairs.jsonl")):
+        assert "7" in pair.chosen and "7" not in pair.rejected and len(pair.chosen) == len(pair.rejected) == 4
+        assert sum(a != b for a, b in zip(pair.chosen, pair.rejected)) == 1
+        # the rejected response is the reversal, 7s replaced
+        want = pair.prompt[:-1][::-1]
+        assert all(r == w for r, w in zip(pair.rejected, want) if w != "7")
