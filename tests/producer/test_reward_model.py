@@ -84,3 +84,41 @@ def test_a_group_the_pool_cannot_score_is_dead_lettered_with_the_reason_never_co
     log = p.log()
     assert "dead-lettered" in log and "groups failed" in log
     assert rclient.zcard(keys.admit_running) == 0  # the failed groups' leases were dropped
+
+
+@pytest.mark.slow
+def test_killing_a_scoring_engine_mid_run_moves_its_requests_to_the_other(engines, producers, tmp_path,
+                                                                          tiny_model_path, tiny_reward_model_path,
+                                                                          redis_url, experiment, rclient):
+    policy = engines(tiny_model_path, redis_url, experiment)
+    scorers = [EngineProcess(tmp_path / f"scorer{i}", [
+        "--pool", "reward_model", f"reward_model.pool.model_path={tiny_reward_model_path}",
+        *engine_overrides(tiny_reward_model_path, redis_url, experiment),
+        "cluster.name_resolve.lease_ttl=60"]) for i in range(2)]  # the killed one stays registered
+    try:
+        for s in scorers:
+            s.launch()
+        for s in scorers:
+            s.ready()
+        data = write_arith_dataset(tmp_path / "arith.jsonl", n=40)
+        p = producers(producer_overrides(
+            tiny_model_path, redis_url, experiment, data, f"rollout.engine_addresses=[{policy.address}]",
+            f"reward_model.pool.model_path={tiny_reward_model_path}", "producer.max_groups=16",
+            "reward_model.pool.concurrency=1", "rollout.consumer_batch_size=2", "rollout.max_head_offpolicyness=100"))
+        keys = Keys(namespace(experiment, "trial0"))
+        deadline = time.time() + 120
+        while rclient.xlen(keys.traj) < 3:
+            assert p.proc.poll() is None and time.time() < deadline, p.log()[-3000:]
+            time.sleep(0.1)
+        # with one request at a time the pool sends each to the lowest address: kill that one
+        min(scorers, key=lambda s: s.address).kill()
+        assert p.wait(180) == 0, p.log()[-3000:]
+        groups = [decode_group(f[b"d"]) for _, f in rclient.xrange(keys.traj)]
+        assert len(groups) == 16 and rclient.xlen(keys.dead) == 0
+        want = rm_scores(tiny_reward_model_path, [t.input_ids_np.tolist() for g in groups for t in g.trajectories])
+        assert [t.metadata["rm_score"] for g in groups for t in g.trajectories] == pytest.approx(want, abs=1e-5)
+        last = [ln for ln in p.log().splitlines() if "reward model:" in ln][-1]
+        assert ", 0 groups failed" in last and ", 0 retries" not in last, last
+    finally:
+        for s in scorers:
+            s.stop()
