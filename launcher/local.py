@@ -178,6 +178,7 @@ class LocalRun:
         from rlstream.trainer.critic import check_critic_config
 
         check_critic_config(cfg)  # a value model that cannot be built: refused before any process starts
+        self._check_scoring_models()
         if cfg.launcher.sft_steps:
             from rlstream.launcher.sft import sft, sft_done
 
@@ -186,6 +187,18 @@ class LocalRun:
                 sft(cfg)  # logs its progress and the final loss
             else:
                 _echo("supervised warm start: already done for this model (rlstream_sft.json)")
+
+    def _check_scoring_models(self) -> None:
+        """Each scoring pool `rlstream run` starts engines for serves a model with a scalar head: refused before any
+        process starts (a reward model not trained yet is the usual reason)."""
+        from rlstream.engine.scoring import check_scalar_head
+
+        for name, pool in scoring_pools(self.cfg).items():
+            if pool.engines and not pool.addresses:
+                try:
+                    check_scalar_head(pool.model_path, f"{name}.pool.model_path")
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"{str(exc).splitlines()[0]} (train one with `rlstream rw --config ...`)") from None
 
     def evaluate(self, model_path: str | Path, when: str) -> float | None:
         from rlstream.launcher.report import evaluate

@@ -405,3 +405,14 @@ def test_reward_model_demo_trains_a_reward_model_then_rl_runs_with_its_scoring_p
     assert "reward model: " in (run_dir / "logs" / "producer-0.log").read_text()
     assert (run_dir / "logs" / "reward_model-0.log").stat().st_size > 0
     assert _run_processes(run_dir) == []
+
+
+@pytest.mark.slow
+def test_a_reward_model_not_trained_yet_is_one_line_before_anything_starts(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "run", "--config",
+                        str(ROOT / "configs" / "reward-model-cpu.yaml"), f"cluster.fileroot={tmp_path / 'runs'}", *SMALL,
+                        "launcher.sft_steps=0"], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+    assert r.returncode == 2
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("rlstream: error:")]
+    assert len(err) == 1 and "reward_model.pool.model_path=" in err[0] and "rlstream rw" in err[0], r.stderr[-2000:]
+    assert not (tmp_path / "runs" / "reward-model-cpu" / "run0" / "logs" / "engine-0.log").exists()
