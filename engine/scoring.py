@@ -33,6 +33,7 @@ from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, expos
 from rlstream.common.scoring import CLASSIFY, ClassifyMeta, ClassifyRequest, ClassifyResult, ScoringInfo
 from rlstream.engine.frontend import auth_middleware, error_response, json_response
 from rlstream.engine.local import DTYPES, resolve_device
+from rlstream.engine.server import ADDR_FILE_ENV, advertised, register, unregister, write_addr_file
 
 __all__ = ["ScoringEngine", "build_scoring_app", "run_scoring_server", "serve_scoring", "check_scalar_head", "pool_config"]
 
@@ -206,8 +207,6 @@ def pool_config(cfg: Any, pool: str) -> ScoringPoolConfig:
 
 async def run_scoring_server(cfg: Any, pool: str, stop: asyncio.Event | None = None) -> None:
     """Serve scoring pool `pool`'s model on server.host/server.port until `stop` (or SIGTERM/SIGINT)."""
-    from rlstream.engine.server import ADDR_FILE_ENV, advertised, register, unregister, write_addr_file
-
     pcfg = pool_config(cfg, pool)
     try:
         engine = ScoringEngine.from_pool(pool, pcfg)
