@@ -25,9 +25,10 @@ def rm_scores(rm_path, seqs: list[list[int]]) -> list[float]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sent", ["tokens", "text"])
 def test_committed_rewards_are_the_weighted_rule_and_model_scores(engines, producers, tmp_path, tiny_model_path,
                                                                   tiny_reward_model_path, redis_url, experiment,
-                                                                  rclient):
+                                                                  rclient, sent):
     policy = engines(tiny_model_path, redis_url, experiment)
     scorer = EngineProcess(tmp_path / "scorer", ["--pool", "reward_model",
                                                  f"reward_model.pool.model_path={tiny_reward_model_path}",
@@ -38,14 +39,20 @@ def test_committed_rewards_are_the_weighted_rule_and_model_scores(engines, produ
         p = producers(producer_overrides(
             tiny_model_path, redis_url, experiment, data, f"rollout.engine_addresses=[{policy.address}]",
             f"reward_model.pool.model_path={tiny_reward_model_path}", "reward_model.weight=0.5",
-            "reward_model.rule_weight=2.0", "producer.max_groups=3", "gconfig.n_samples=3",
+            "reward_model.rule_weight=2.0", f"reward_model.input={sent}", "producer.max_groups=3", "gconfig.n_samples=3",
             "rollout.consumer_batch_size=3", "rollout.max_head_offpolicyness=10"))
         assert p.wait(180) == 0, p.log()[-3000:]
         keys = Keys(namespace(experiment, "trial0"))
         groups = [decode_group(f[b"d"]) for _, f in rclient.xrange(keys.traj)]
         assert len(groups) == 3
         trajs = [t for g in groups for t in g.trajectories]
-        want = rm_scores(tiny_reward_model_path, [t.input_ids_np.tolist() for t in trajs])
+        seqs = [t.input_ids_np.tolist() for t in trajs]
+        if sent == "text":  # the decoded sample, tokenized again by the reward model's engine
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(tiny_reward_model_path)
+            seqs = [tok(tok.decode(s, skip_special_tokens=True))["input_ids"] for s in seqs]
+        want = rm_scores(tiny_reward_model_path, seqs)
         for t, score in zip(trajs, want):
             rule = t.metadata["rule_reward"]
             assert rule in (0.0, 1.0)
