@@ -7,7 +7,7 @@ so the trainer's weight fleet never finds them) and answer:
 - `POST /classify` `ClassifyRequest{input_ids: [[int]] | text: [str]}` -> a list of `ClassifyResult{embedding:
   [score], meta_info: {prompt_tokens}}`, one per sequence, in order. The shape is SGLang's `/classify` (its
   `EmbeddingReqInput` in, one `embedding` per input out), so the client reads the scalar at `embedding[0]`.
-- `GET /health`, `GET /get_server_info` -> `ScoringInfo` (requests, sequences, busy seconds); `GET
+- `GET /health`, `GET /get_server_info` -> `ScoringInfo` (requests, sequences, batches, busy seconds); `GET
   /get_model_info` -> `ModelInfo` with `is_generation: false`.
 
 `ScoringPool` (the client) follows the pool's engines through the name resolver it is given (or the pool's fixed
@@ -75,6 +75,7 @@ class ScoringInfo(_Body):
     running: int | None = None
     total_requests: int | None = None
     total_sequences: int | None = None
+    total_batches: int | None = None  # forwards' batches: requests waiting together share one
     busy_seconds: float | None = None
 
 

@@ -6,8 +6,9 @@ what `rlstream rw` writes); its score of a sequence is the head's output at the 
 add a random head and serve noise) is refused at start in one line. Routes and bodies: `common/scoring.py`.
 
 The engine has no weight-update routes and registers under `scoring:NAME`, never `engines`: the trainer's weight
-fleet neither finds nor pushes to it. Requests are scored one at a time on one worker thread (the event loop keeps
-answering `/health`); a request's sequences run in forward passes of up to `max_batch_size`, right-padded.
+fleet neither finds nor pushes to it. Forwards run on one worker thread (the event loop keeps answering `/health`);
+the requests waiting when a forward starts are scored together (continuous batching across requests, up to
+`max_batch_size` sequences; a longer request is split into forwards of that size), right-padded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -84,8 +86,11 @@ class ScoringEngine:
         # One worker: forwards run one at a time off the event loop.
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="scoring")
         self._lock = threading.Lock()
-        self.running = self.total_requests = self.total_sequences = 0
+        self.running = self.total_requests = self.total_sequences = self.total_batches = 0
         self.busy_seconds = 0.0
+        self._waiting: deque[tuple[list[list[int]], asyncio.Future]] = deque()
+        self._wake = asyncio.Event()
+        self._batcher: asyncio.Task | None = None
 
     @classmethod
     def from_pool(cls, name: str, pool: ScoringPoolConfig) -> "ScoringEngine":
@@ -130,22 +135,56 @@ class ScoringEngine:
         return out
 
     async def ascore(self, seqs: list[list[int]]) -> list[float]:
+        """Score one request's sequences; requests waiting together are scored in the same forwards."""
+        fut: asyncio.Future[list[float]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((seqs, fut))
+        self._wake.set()
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._batch_loop(), name="scoring-batcher")
         self.running += 1
-        t0 = time.monotonic()
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, self.score, seqs)
+            return await fut
         finally:
             self.running -= 1
-            self.busy_seconds += time.monotonic() - t0
             self.total_requests += 1
             self.total_sequences += len(seqs)
+
+    async def _batch_loop(self) -> None:
+        """Take the waiting requests (up to max_batch_size sequences, at least one request) and score them together,
+        until none waits: a request arriving during a forward joins the next one."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._waiting:
+                batch, n = [], 0
+                while self._waiting and (not batch or n + len(self._waiting[0][0]) <= self.max_batch_size):
+                    batch.append(self._waiting.popleft())
+                    n += len(batch[-1][0])
+                t0 = time.monotonic()
+                try:
+                    scores = await loop.run_in_executor(self._pool, self.score, [q for seqs, _ in batch for q in seqs])
+                except Exception as exc:  # noqa: BLE001 - each request of the batch answers the error
+                    scores = exc
+                self.busy_seconds += time.monotonic() - t0
+                self.total_batches += 1
+                at = 0
+                for seqs, fut in batch:
+                    if not fut.done():  # a request whose client went away is cancelled
+                        if isinstance(scores, Exception):
+                            fut.set_exception(scores)
+                        else:
+                            fut.set_result(scores[at:at + len(seqs)])
+                    at += len(seqs)
 
     def info(self, pool: str) -> ScoringInfo:
         return ScoringInfo(status="ok", pool=pool, model_path=self.model_path, running=self.running,
                            total_requests=self.total_requests, total_sequences=self.total_sequences,
-                           busy_seconds=round(self.busy_seconds, 3))
+                           total_batches=self.total_batches, busy_seconds=round(self.busy_seconds, 3))
 
     def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -185,7 +224,8 @@ def build_scoring_app(engine: ScoringEngine, pool: str, *, api_key: str | None =
     registry = CollectorRegistry()
     registry.register(ValuesCollector("rlstream_scoring", lambda: {
         "running_requests": engine.running, "requests": engine.total_requests, "sequences": engine.total_sequences,
-        "busy_seconds": engine.busy_seconds}, labels={"pool": pool}, counters=("requests", "sequences", "busy_seconds")))
+        "batches": engine.total_batches, "busy_seconds": engine.busy_seconds}, labels={"pool": pool},
+        counters=("requests", "sequences", "batches", "busy_seconds")))
 
     async def metrics(request: web.Request) -> web.Response:
         body, content_type = exposition(registry)

@@ -3,6 +3,7 @@ directly."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import urllib.error
@@ -115,3 +116,21 @@ def test_an_unknown_pool_is_one_line_naming_the_pools(tiny_model_path):
                        capture_output=True, text=True, timeout=120, env=child_env())
     assert r.returncode == 2
     assert "--pool 'judge': no such scoring pool" in r.stderr and "reward_model" in r.stderr
+
+
+async def test_requests_waiting_together_share_forwards_up_to_max_batch_size(tiny_reward_model_path):
+    from rlstream.engine.scoring import ScoringEngine
+
+    engine = ScoringEngine(str(tiny_reward_model_path), device="cpu", max_batch_size=4)
+    try:
+        requests = [[[5, 6, 7]], [[8, 9], [10, 11, 12]], [[20] * 5]]
+        got = await asyncio.gather(*(engine.ascore(r) for r in requests))  # all waiting before the first forward
+        assert engine.total_batches == 1 and engine.total_requests == 3 and engine.total_sequences == 4
+        for r, scores in zip(requests, got):
+            assert scores == pytest.approx(engine.score(r), abs=1e-5)  # the same as scored alone
+        # 6 one-sequence requests with room for 4 a forward: 4 + 2
+        got = await asyncio.gather(*(engine.ascore([[4 + i, 5]]) for i in range(6)))
+        assert engine.total_batches == 3 and [len(g) for g in got] == [1] * 6
+        assert [g[0] for g in got] == pytest.approx(engine.score([[4 + i, 5] for i in range(6)]), abs=1e-5)
+    finally:
+        engine.close()
