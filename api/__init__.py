@@ -17,10 +17,10 @@ from rlstream.api.environment import Action, Environment, Reset, StepResult, Too
 from rlstream.api.reward import RewardFunction, RewardResult
 from rlstream.api.tool import Tool, ToolError
 from rlstream.api.weight_transport import TransferResult, WeightTransport
-from rlstream.api.workflow import Generation, GenerationEngine, Workflow
+from rlstream.api.workflow import Generation, GenerationEngine, GroupFailed, Workflow
 
 __all__ = [
-    "Workflow", "GenerationEngine", "Generation",
+    "Workflow", "GenerationEngine", "Generation", "GroupFailed",
     "Environment", "Action", "Reset", "StepResult", "ToolCall",
     "Tool", "ToolError",
     "RewardFunction", "RewardResult",

@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 from rlstream.common.engine_client import ModelRequest
 from rlstream.common.wire import TrajectoryGroup
 
-__all__ = ["Workflow", "GenerationEngine", "Generation"]
+__all__ = ["Workflow", "GenerationEngine", "Generation", "GroupFailed"]
 
 
 @dataclass
@@ -63,6 +63,12 @@ class GenerationEngine(Protocol):
         ...
 
 
+class GroupFailed(RuntimeError):
+    """Raise from a rollout whose group cannot be trained on for a reason worth keeping (e.g. every engine of a
+    scoring pool failed): the producer records the reason in the run's dead-letter stream `{ns}:dead`, counts the
+    group as failed and frees its admission slot. The message is the reason."""
+
+
 @runtime_checkable
 class Workflow(Protocol):
     """Turns one dataset item into one trajectory group."""
@@ -79,5 +85,9 @@ class Workflow(Protocol):
         Returns:
             The group to train on, or None when nothing is worth training on (the rollout's
             lease is released).
+
+        Raises:
+            GroupFailed: the group failed for a reason recorded in `{ns}:dead`; any other
+                exception fails the group with a log line only.
         """
         ...

@@ -473,6 +473,14 @@ class Admission:
                                                  self.keys.admit_owners, self.keys.admit_waiting], lease_ids)))
 
     @operation
+    def fail(self, lease_id: str, prompt_id: str, reason: str) -> Plan:
+        """Record a group that failed before commit in `{ns}:dead` (field `lease`, no `source_id`) with its reason,
+        then drop its lease as `abandon` does."""
+        yield Call("xadd", self.keys.dead, {"lease": lease_id, "prompt_id": prompt_id, "reason": reason[:2000],
+                                            "group": "producer", "ts": time.time()})
+        return (yield from type(self).abandon.fn(self, [lease_id]))
+
+    @operation
     def renew(self, lease_ids: list[str]) -> Plan:
         """Extend live leases by lease_ttl from now; returns how many were still live."""
         if not lease_ids:

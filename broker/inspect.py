@@ -19,6 +19,7 @@ from rlstream.broker.keys import NAMESPACE_PREFIX, TRAIN_GROUP, Keys, parse_name
 from rlstream.broker.meta import read_run_meta
 from rlstream.broker.steps import StepLog
 from rlstream.broker.stream import id_str, id_tuple
+from rlstream.common.config.scoring import SCORING_SERVICE_PREFIX
 
 __all__ = ["list_namespaces", "namespace_exists", "namespace_summary", "collect", "trained_staleness"]
 
@@ -283,9 +284,23 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "throughput": throughput,
         "engines": [{"address": id_str(addr), "expires_in_ms": int(score) - now, "alive": score > now}
                     for addr, score in engines],
+        "scoring_pools": _scoring_pools(client, keys, now),
         "producers": sorted(id_str(p) for p in producers if not id_str(p).startswith("accepted:")),
         "meta": None if meta is None else {k: getattr(meta, k) for k in meta.__struct_fields__},
     }
+
+
+def _scoring_pools(client: Any, keys: Keys, now: int) -> dict[str, list[dict[str, Any]]]:
+    """Pool name -> its registered engines (`{ns}:scoring:NAME`, name_resolve=redis), like `engines`."""
+    prefix = keys.service(SCORING_SERVICE_PREFIX)
+    pools: dict[str, list[dict[str, Any]]] = {}
+    for key in sorted(id_str(k) for k in client.scan_iter(match=prefix + "*", count=100)):
+        name = key[len(prefix):]
+        if ":" in name:  # the pool's `:changes` stream
+            continue
+        pools[name] = [{"address": id_str(a), "expires_in_ms": int(score) - now, "alive": score > now}
+                       for a, score in client.zrange(key, 0, -1, withscores=True)]
+    return pools
 
 
 def _queue_staleness(client: Any, keys: Keys, groups: list[dict[str, Any]], trainer: int, eta: int, has_entries: bool,

@@ -263,6 +263,7 @@ def translate_areal(data: dict[str, Any]) -> Translation:
         t.translate("allocation_mode", from_mode)
     _translate_algorithm(t, data, actor, handled)
     _translate_critic(t, data, handled)
+    _translate_reward_model(t, data, handled)
     top_exp = data.get("experiment_name")
     for key, value in _leaves(data):
         if not _covered(key, handled):
@@ -270,6 +271,23 @@ def translate_areal(data: dict[str, Any]) -> Translation:
     _translate_engine_options(t, engines, engine_kind)
     _note_hub_names(t, data, actor)
     return t
+
+
+def _translate_reward_model(t: Translation, data: dict[str, Any], handled: set[str]) -> None:
+    """AReaL's `scheduler.reward_model_path` / `reward_model_service_url` -> the `reward_model` scoring pool."""
+    sched = data.get("scheduler") if isinstance(data.get("scheduler"), dict) else {}
+    path, url = sched.get("reward_model_path"), sched.get("reward_model_service_url")
+    handled.update(f"scheduler.{k}" for k in ("reward_model_path", "reward_model_service_url") if k in sched)
+    t.dropped += [(f"scheduler.{k}", "empty: no reward model (set, it becomes the reward_model scoring pool)")
+                  for k in ("reward_model_path", "reward_model_service_url") if k in sched and not sched[k]]
+    if path:
+        t.translate("scheduler.reward_model_path", {"reward_model.pool.model_path": path})
+    if url:  # http://host:port/classify: a running service; rlstream scores through its /classify
+        t.translate("scheduler.reward_model_service_url", {"reward_model.pool.addresses": [
+            str(url).split("://", 1)[-1].split("/", 1)[0]], "reward_model.pool.engines": 0})
+    if path or url:
+        t.notes.append("reward_model: a sample's reward = reward_model.weight x model score + reward_model.rule_weight"
+                       " x producer.reward_fn (defaults 1 and 0): set them to your mix")
 
 
 def _covered(key: str, handled: set[str]) -> bool:

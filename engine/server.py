@@ -67,7 +67,8 @@ from rlstream.engine.local import LocalEngine
 from rlstream.engine.sampling import resolve
 from rlstream.engine.weights import add_weight_routes
 
-__all__ = ["serve", "build_app", "run_server", "ENGINE_KEY", "ADDR_FILE_ENV"]
+__all__ = ["serve", "build_app", "run_server", "ENGINE_KEY", "ADDR_FILE_ENV", "advertised", "write_addr_file", "register",
+           "unregister"]
 
 log = get_logger(__name__)
 # How long a stopping engine tries to remove its registration before leaving it to the TTL.
@@ -262,14 +263,14 @@ def build_app(engine: LocalEngine, *, api_key: str | None = None) -> web.Applica
 # ---------------------------------------------------------------------- process
 
 
-def _advertised(host: str, port: int) -> str:
+def advertised(host: str, port: int) -> str:
     """The address others should use: a wildcard bind advertises this host's name."""
     if host in ("", "0.0.0.0", "::"):
         host = socket.getfqdn()
     return f"{host}:{port}"
 
 
-def _write_addr_file(path: str, address: str) -> None:
+def write_addr_file(path: str, address: str) -> None:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_name(p.name + f".tmp{os.getpid()}")
@@ -318,12 +319,12 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
             await _close_engine(engine, runner)
             raise
         port = frontend.port
-    address = _advertised(s.host, port)
+    address = advertised(s.host, port)
     log.info("serving %s (device %s, dtype %s, max_batch_size %d) at http://%s",
              engine.model_path, engine.device, s.dtype, engine.max_batch_size, address)
     print(f"rlstream engine listening on http://{address}", flush=True)
     if os.environ.get(ADDR_FILE_ENV):
-        _write_addr_file(os.environ[ADDR_FILE_ENV], address)
+        write_addr_file(os.environ[ADDR_FILE_ENV], address)
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -332,7 +333,7 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             pass
-    resolver = await _register(cfg, address) if s.register else None
+    resolver = await register(cfg, address) if s.register else None
     progress = asyncio.create_task(_progress(engine, cfg.stats_logger.log_every_secs))
     waits = [asyncio.create_task(stop.wait())]
     if resolver is not None:  # its registration gone for good (Redis away past redis.outage_tolerance)
@@ -350,7 +351,7 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
         if resolver is not None and resolver.failure is not None:
             await resolver.close_quietly()  # nothing to unregister from a backend that is gone
         elif resolver is not None:
-            await _unregister(resolver, address)
+            await unregister(resolver, address)
         await loop.run_in_executor(None, engine.close)  # running requests are answered abort
         if frontend is not None:
             await frontend.close()
@@ -363,11 +364,11 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
         raise BrokerError(f"engine {address} stopped: its name-resolve registration is lost: {resolver.failure}")
 
 
-async def _unregister(resolver: NameResolver, address: str) -> None:
-    """Remove this engine's registration, giving up after UNREGISTER_TIMEOUT_S: with Redis down the client
+async def unregister(resolver: NameResolver, address: str, service: str = ENGINES_SERVICE) -> None:
+    """Remove this engine's registration under `service`, giving up after UNREGISTER_TIMEOUT_S: with Redis down the client
     would wait out redis.outage_tolerance, and a stopped engine must exit now (its registration's TTL ends it)."""
     try:
-        await asyncio.wait_for(resolver.unregister(ENGINES_SERVICE, address), UNREGISTER_TIMEOUT_S)
+        await asyncio.wait_for(resolver.unregister(service, address), UNREGISTER_TIMEOUT_S)
         await resolver.close()
     except Exception as exc:  # noqa: BLE001 - the TTL removes us anyway
         log.warning("unregister failed (%s); the registration expires by TTL",
@@ -380,15 +381,15 @@ async def _close_engine(engine: LocalEngine, runner: web.AppRunner) -> None:
     await runner.cleanup()
 
 
-async def _register(cfg, address: str) -> NameResolver | None:
-    """Register under "engines"; None when discovery is not configured."""
+async def register(cfg, address: str, service: str = ENGINES_SERVICE) -> NameResolver | None:
+    """Register under `service` ("engines", or a scoring pool's); None when discovery is not configured."""
     try:
         resolver = make_name_resolver(cfg)
     except NameResolveError as exc:
         log.warning("not registering with name resolve: %s", exc)
         return None
     try:
-        await resolver.register(ENGINES_SERVICE, address, cfg.cluster.name_resolve.lease_ttl)
+        await resolver.register(service, address, cfg.cluster.name_resolve.lease_ttl)
     except Exception as exc:
         with contextlib.suppress(Exception):
             await resolver.close()

@@ -201,11 +201,18 @@ def inspect(ctx: typer.Context,
 
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt,
-          simulate: bool = typer.Option(False, "--simulate", help="A simulated GPU engine (server.simulate.*): same protocol, modeled timing, no model.")) -> None:
-    """Run the local inference engine (SGLang-compatible HTTP subset)."""
+          simulate: bool = typer.Option(False, "--simulate", help="A simulated GPU engine (server.simulate.*): same protocol, modeled timing, no model."),
+          pool: Optional[str] = typer.Option(None, "--pool", help="Serve this scoring pool's model (e.g. reward_model) on /classify instead of the policy.")) -> None:
+    """Run the local inference engine (SGLang-compatible HTTP subset), or an engine of a scoring pool (--pool)."""
     from rlstream.engine.server import serve as serve_main
 
     cfg = load(config, [*ctx.args, *(["server.simulate.enabled=true"] if simulate else [])])
+    if pool is not None:
+        from rlstream.engine.scoring import serve_scoring
+
+        _guard(serve_scoring, cfg, pool)
+        _exit_after_clean_stop()
+        return
     make_engine = None
     if cfg.server.simulate.enabled:
         from rlstream.sim.serving import SimulatedServing
@@ -250,6 +257,14 @@ def sft(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     from rlstream.launcher.sft import sft as sft_main
 
     _guard(sft_main, load(config, ctx.args))
+
+
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
+def rw(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
+    """Train a Bradley-Terry reward model on chosen/rejected pairs (rw.*); prints held-out pair accuracy."""
+    from rlstream.launcher.rw import rw as rw_main
+
+    _guard(rw_main, load(config, ctx.args))
 
 
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)

@@ -81,6 +81,8 @@ def render_state(s: dict[str, Any], url: str) -> Any:
         if rec["recent"]:
             parts.append(_recent_records(title, rec))
     parts.append(_engines(s["engines"]))
+    for name, engines in s.get("scoring_pools", {}).items():
+        parts.append(_engines(engines, f"scoring pool {name}"))
     return Group(*parts)
 
 
@@ -188,13 +190,14 @@ def _recent_records(title: str, rec: dict[str, Any]) -> Any:
     return t
 
 
-def _engines(engines: list[dict[str, Any]]) -> Any:
+def _engines(engines: list[dict[str, Any]], what: str = "engines") -> Any:
+    """The registered engines of the policy (`engines`) or of a scoring pool (`scoring pool NAME`)."""
     from rich.table import Table
     from rich.text import Text
 
     if not engines:
-        return Text("engines registered: none under {ns}:engines (static or etcd discovery not shown)", style="dim")
-    eng = Table(title=f"engines registered: {sum(e['alive'] for e in engines)} alive", title_justify="left")
+        return Text(f"{what} registered: none under {{ns}}:engines (static or etcd discovery not shown)", style="dim")
+    eng = Table(title=f"{what} registered: {sum(e['alive'] for e in engines)} alive", title_justify="left")
     eng.add_column("address")
     eng.add_column("registration", justify="right")
     for e in engines:

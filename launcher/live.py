@@ -50,6 +50,7 @@ class Snapshot:
     dropped_stale: int = 0
     dead: int = 0
     engines: int = 0
+    scoring_engines: dict[str, int] = field(default_factory=dict)  # scoring pool -> its engines registered, alive
     eta_s: float | None = None
     eval_accuracy: float | None = None  # the newest evaluation during training (evaluator.*)
     eval_version: int | None = None
@@ -139,6 +140,8 @@ class Monitor:
             snap.dropped_stale = info["dropped"]["count"]
             snap.dead = info["dead_letters"]["count"]
             snap.engines = sum(1 for e in info["engines"] if e["alive"])
+            snap.scoring_engines = {name: sum(1 for e in es if e["alive"])
+                                    for name, es in info.get("scoring_pools", {}).items()}
             snap.tokens_per_s = info["throughput"]["producer_tokens_per_s"]
         # Rate over the last ~RATE_WINDOW_S seconds of snapshots: smooth enough to read.
         self._history.append((now, snap.accepted))
@@ -207,5 +210,5 @@ def render(s: Snapshot, title: str):
     tok_train = f"   trainer {s.trainer_tokens_per_s:.0f} tokens/s" if s.trainer_tokens_per_s else ""
     t.add_row("throughput", f"{s.rollouts_per_s:.1f} samples/s   {s.tokens_per_s:.0f} tokens/s{tok_train}")
     t.add_row("processes", "  ".join(f"{k}:{v}" for k, v in s.children.items()))
-    t.add_row("engines", f"{s.engines} registered")
+    t.add_row("engines", f"{s.engines} registered" + "".join(f"   {name} {n}" for name, n in s.scoring_engines.items()))
     return t

@@ -8,7 +8,8 @@ Order of a run:
    127.0.0.1 port with AOF per `redis.appendonly` / `redis.appendfsync`;
 3. children, each in its own process group with its own log `{run_dir}/logs/NAME.log`:
    `engine-i` (`rlstream serve`, port 0; the bound address comes back through
-   `$RLSTREAM_ENGINE_ADDR_FILE`), then `trainer` (`rlstream train`; under `torchrun`
+   `$RLSTREAM_ENGINE_ADDR_FILE`), the scoring pools' engines `NAME-i` (`rlstream serve --pool
+   NAME`, e.g. `reward_model-0`: never pushed to), then `trainer` (`rlstream train`; under `torchrun`
    when `launcher.n_trainer_procs` > 1), then `producer-j` (`rlstream produce`);
 4. watch: a live view fed from Redis and `metrics.jsonl`; the run ends when the trainer
    exits 0 (it publishes `shutdown`, producers follow). Any other child exiting, or
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator
 
-from rlstream.common.config import Config, ConfigError, config_to_dict
+from rlstream.common.config import Config, ConfigError, config_to_dict, scoring_pools
 from rlstream.common.logging import get_logger
 from rlstream.launcher.procs import CHILD_ENV, Child, describe_exit, free_port, thread_env, trainer_threads, wait_for_port
 
@@ -117,6 +118,7 @@ class LocalRun:
         self.redis_url = redis_url or cfg.redis.url
         self.own_redis: Child | None = None
         self.engines: list[Child] = []
+        self.scorers: list[Child] = []  # engines of scoring pools (reward model ...)
         self.producers: list[Child] = []
         self.trainer: Child | None = None
         self.stop_reason: str | None = None
@@ -127,7 +129,8 @@ class LocalRun:
     # ------------------------------------------------------------------ helpers
     @property
     def children(self) -> list[Child]:
-        return [c for c in [*self.producers, self.trainer, *self.engines, self.own_redis] if c is not None]
+        return [c for c in [*self.producers, self.trainer, *self.engines, *self.scorers, self.own_redis]
+                if c is not None]
 
     def _env(self, threads: int = 1, **extra: str) -> dict[str, str]:
         # RLSTREAM_RUN_DIR marks every process of this run (grandchildren inherit it): tools and
@@ -175,6 +178,7 @@ class LocalRun:
         from rlstream.trainer.critic import check_critic_config
 
         check_critic_config(cfg)  # a value model that cannot be built: refused before any process starts
+        self._check_scoring_models()
         if cfg.launcher.sft_steps:
             from rlstream.launcher.sft import sft, sft_done
 
@@ -183,6 +187,18 @@ class LocalRun:
                 sft(cfg)  # logs its progress and the final loss
             else:
                 _echo("supervised warm start: already done for this model (rlstream_sft.json)")
+
+    def _check_scoring_models(self) -> None:
+        """Each scoring pool `rlstream run` starts engines for serves a model with a scalar head: refused before any
+        process starts (a reward model not trained yet is the usual reason)."""
+        from rlstream.engine.scoring import check_scalar_head
+
+        for name, pool in scoring_pools(self.cfg).items():
+            if pool.engines and not pool.addresses:
+                try:
+                    check_scalar_head(pool.model_path, f"{name}.pool.model_path")
+                except (OSError, ValueError) as exc:
+                    raise ConfigError(f"{str(exc).splitlines()[0]} (train one with `rlstream rw --config ...`)") from None
 
     def evaluate(self, model_path: str | Path, when: str) -> float | None:
         from rlstream.launcher.report import evaluate
@@ -246,20 +262,23 @@ class LocalRun:
         with os.fdopen(fd, "w") as f:
             f.write(text)
 
-    def start_engines(self) -> None:
+    def _start_servers(self, specs: list[tuple[str, list[str]]], into: list[Child]) -> list[tuple[Child, str]]:
+        """Start `rlstream serve` children (name, extra arguments) into `into` (so `_check_children` sees one that
+        dies while the others start) and wait for each one's bound address."""
         lc = self.cfg.launcher
         addr_dir = self.run_dir / "engines"
         addr_dir.mkdir(parents=True, exist_ok=True)
-        for i in range(lc.n_engines):
-            addr_file = addr_dir / f"engine-{i}.addr"
+        started = []
+        for name, args in specs:
+            addr_file = addr_dir / f"{name}.addr"
             addr_file.unlink(missing_ok=True)
-            child = Child(f"engine-{i}", "engine", self._argv("serve", "server.port=0"), self.logs / f"engine-{i}.log",
+            child = Child(name, "engine", self._argv("serve", *args, "server.port=0"), self.logs / f"{name}.log",
                           env=self._env(lc.threads.engine, RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))).start()
-            self.engines.append(child)
+            started.append((child, addr_file))
+            into.append(child)
         deadline = time.monotonic() + lc.startup_timeout
-        self.engine_addresses: list[str] = []
-        for i, child in enumerate(self.engines):
-            addr_file = addr_dir / f"engine-{i}.addr"
+        out = []
+        for child, addr_file in started:
             while not (addr_file.exists() and addr_file.read_text().strip()):
                 self._check_signal()
                 self._check_children(starting=True)
@@ -267,9 +286,24 @@ class LocalRun:
                     raise RunFailed(f"{child.name} (pid {child.pid}) did not report its address within "
                                     f"launcher.startup_timeout={lc.startup_timeout:g}s; see {child.log_path}")
                 time.sleep(0.2)
-            self.engine_addresses.append(addr_file.read_text().strip())
+            out.append((child, addr_file.read_text().strip()))
+        return out
+
+    def start_engines(self) -> None:
+        specs = [(f"engine-{i}", []) for i in range(self.cfg.launcher.n_engines)]
+        started = self._start_servers(specs, self.engines)
+        self.engine_addresses: list[str] = [a for _, a in started]
         if self.engines:
-            _echo(f"engines: {', '.join(f'{c.name} {a}' for c, a in zip(self.engines, self.engine_addresses))}")
+            _echo(f"engines: {', '.join(f'{c.name} {a}' for c, a in started)}")
+
+    def start_scoring_engines(self) -> None:
+        """The engines of each scoring pool (`rlstream serve --pool NAME`): never the policy, never pushed to."""
+        specs = [(f"{name}-{i}", ["--pool", name]) for name, pool in scoring_pools(self.cfg).items()
+                 if pool.backend == "local" and not pool.addresses for i in range(pool.engines)]
+        if not specs:
+            return
+        started = self._start_servers(specs, self.scorers)
+        _echo(f"scoring engines: {', '.join(f'{c.name} {a}' for c, a in started)}")
 
     def start_trainer(self) -> None:
         n = self.cfg.launcher.n_trainer_procs
@@ -300,7 +334,7 @@ class LocalRun:
         """Raise RunFailed if a child died; True once the trainer finished cleanly."""
         if self.own_redis is not None and self.own_redis.poll() is not None:
             self._fail(self.own_redis)
-        for c in self.engines:
+        for c in (*self.engines, *self.scorers):
             if c.poll() is not None:
                 self._fail(c)
         for c in self.producers:
@@ -408,7 +442,7 @@ class LocalRun:
             deadline = time.monotonic() + min(timeout, 20.0)
             while any(c.running for c in self.producers) and time.monotonic() < deadline:
                 time.sleep(0.2)
-        for group in (self.producers, [self.trainer] if self.trainer else [], self.engines):
+        for group in (self.producers, [self.trainer] if self.trainer else [], [*self.engines, *self.scorers]):
             for c in group:
                 if c.running:
                     log.debug("stopping %s (pid %s)", c.name, c.pid)
@@ -487,6 +521,7 @@ class LocalRun:
                 self.write_child_config()
                 _echo(f"inspect: {self.inspect_command()}")
                 self.start_engines()
+                self.start_scoring_engines()
                 self.t0 = time.monotonic()  # elapsed and rates count from here: set-up is not training
                 self.start_trainer()
                 self.start_producers()

@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
+from rlstream.api.workflow import GroupFailed
 from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, StaleDrop
 from rlstream.broker.stream import entry_fields
 from rlstream.broker.versions import FOLLOW_BLOCK_MS, RUN_FINISHED
@@ -312,6 +313,11 @@ class AdmitLoop:
                 self.stopped_stale += 1
                 fin = asyncio.ensure_future(self._drop_too_stale(lease_id, seen.oldest, self.read_version,
                                                                  stopped=True))
+            except GroupFailed as exc:  # failed for a reason worth keeping: recorded in {ns}:dead
+                self.failed += 1
+                log.error("rollout of prompt %s failed (dead-lettered): %s", getattr(item, "prompt_id", "?"), exc)
+                await self.admission.fail(lease_id, str(getattr(item, "prompt_id", "")), str(exc))
+                return
             except Exception as exc:  # noqa: BLE001 - a failed rollout loses its lease, not the producer
                 self.failed += 1
                 log.error("rollout of prompt %s failed: %s: %s", getattr(item, "prompt_id", "?"), type(exc).__name__, exc)

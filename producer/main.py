@@ -59,6 +59,7 @@ class Producer:
         from rlstream.producer.dataset import DatasetCursor, PromptDataset
         from rlstream.broker.registry import make_engine_resolver
         from rlstream.common.engine_client import ServerPool
+        from rlstream.producer.reward_model import make_reward_model_stage
         from rlstream.producer.rewards import RewardPool
         from rlstream.producer.workflow import RolloutEngine, load_workflow
 
@@ -80,18 +81,26 @@ class Producer:
         await self.cursor.load_state()
         self.rewards = RewardPool(cfg.producer.reward_fn, cfg.producer.reward_workers, cfg.producer.reward_timeout)
         self.workflow = load_workflow(cfg, self.tokenizer, self.rewards)
+        self.reward_model = make_reward_model_stage(cfg, self.tokenizer, self.client)
+        if self.reward_model is not None:
+            await self.reward_model.pool.start()
         self.pool = ServerPool(cfg, make_engine_resolver(cfg, redis_client=self.client))
         await self.pool.start()
         self.engine = RolloutEngine(self.pool, self.versions, resume_wait=cfg.actor.weight_update_timeout)
         self.evaluator = self._make_evaluator() if cfg.evaluator.enabled else None
         self.loop = AdmitLoop(admission=self.admission, versions=self.versions, producer_id=self.producer_id,
-                              run_rollout=lambda item: self.workflow.arun_episode(self.engine, item),
+                              run_rollout=self._run_rollout,
                               next_item=self.cursor.next, settings=LoopSettings.from_config(cfg),
                               on_engine_event=self.pool.set_behind, on_rollout_timing=self._on_rollout_timing)
         if self._early_stop is not None:
             self.loop.request_stop(*self._early_stop)
         # Run metadata in `{ns}:meta` (admission parameters) for inspect and a check against the trainer's.
         await awrite_run_meta(self.client, self.keys, cfg, component="producer")
+
+    async def _run_rollout(self, item):
+        """The workflow's group, then the reward model's scores when `reward_model` is set."""
+        group = await self.workflow.arun_episode(self.engine, item)
+        return group if self.reward_model is None else await self.reward_model(group)
 
     def _make_evaluator(self):
         from rlstream.broker.evals import AsyncEvalLog
@@ -110,8 +119,8 @@ class Producer:
     async def _teardown(self) -> None:
         if self.loop is not None:  # leases in flight go, drops already called for go out before the client closes
             await self.loop.close()
-        for name in ("pool", "rewards"):
-            obj = getattr(self, name, None)
+        stage = getattr(self, "reward_model", None)
+        for obj in (getattr(self, "pool", None), getattr(self, "rewards", None), stage and stage.pool):
             if obj is not None:
                 with contextlib.suppress(Exception):
                     await obj.close()
@@ -154,19 +163,27 @@ class Producer:
 
         def values() -> dict[str, float]:
             ps, lp = self.pool.stats(), self.loop
-            return {"accepted_groups": lp.accepted, "rejected_groups": lp.rejected, "failed_groups": lp.failed,
-                    "dropped_stale_groups": lp.dropped_stale, "stopped_stale_rollouts": lp.stopped_stale,
-                    "finished_groups": lp.finished, "generated_tokens": lp.out_tokens,
-                    "inflight_rollouts": len(lp.inflight), "version": lp.version,
-                    "stale_rollouts_waiting": lp.parked, "trainer_read_version": lp.read_version,
-                    "engines_healthy": ps["healthy"], "engine_requests_waiting": ps["waiting"],
-                    "engine_retries": ps["retries"]}
+            out = {"accepted_groups": lp.accepted, "rejected_groups": lp.rejected, "failed_groups": lp.failed,
+                   "dropped_stale_groups": lp.dropped_stale, "stopped_stale_rollouts": lp.stopped_stale,
+                   "finished_groups": lp.finished, "generated_tokens": lp.out_tokens,
+                   "inflight_rollouts": len(lp.inflight), "version": lp.version,
+                   "stale_rollouts_waiting": lp.parked, "trainer_read_version": lp.read_version,
+                   "engines_healthy": ps["healthy"], "engine_requests_waiting": ps["waiting"],
+                   "engine_retries": ps["retries"]}
+            if self.reward_model is not None:  # rm/*: the reward model's scoring pool as this producer sees it
+                rm = self.reward_model.stats()
+                out.update({"rm_requests": rm["requests"], "rm_sequences": rm["sequences"],
+                            "rm_engine_failures": rm["engine_failures"], "rm_retries": rm["retries"],
+                            "rm_failed_groups": rm["failed_groups"], "rm_latency_mean_seconds": rm["latency_mean"]})
+            return out
 
         registry = CollectorRegistry()
         registry.register(ValuesCollector("rlstream_producer", values, labels={"producer": self.producer_id},
                                           counters=("accepted_groups", "rejected_groups", "failed_groups",
                                                     "dropped_stale_groups", "stopped_stale_rollouts",
-                                                    "finished_groups", "generated_tokens", "engine_retries")))
+                                                    "finished_groups", "generated_tokens", "engine_retries",
+                                                    "rm_requests", "rm_sequences", "rm_engine_failures", "rm_retries",
+                                                    "rm_failed_groups")))
         address = serve(registry, pc.host, pc.port, run_dir=self.cfg.run_dir, name=self.producer_id)
         log.info("%s: prometheus metrics at http://%s/metrics", self.producer_id, address)
 
@@ -184,6 +201,11 @@ class Producer:
                  self.producer_id, groups_s, tokens_s, lp.accepted, lp.rejected, lp.failed, lp.dropped_stale,
                  stopped, len(lp.inflight), parked, lp.version, cap, ps["healthy"], ps["engines"], ps["retries"],
                  wait)
+        if self.reward_model is not None:
+            rm = self.reward_model.stats()
+            log.info("%s: reward model: %d requests (%d sequences), mean latency %.3fs, %d engine failures, %d retries, "
+                     "%d groups failed, %d engines", self.producer_id, rm["requests"], rm["sequences"],
+                     rm["latency_mean"], rm["engine_failures"], rm["retries"], rm["failed_groups"], rm["engines"])
 
     def _sync_state(self) -> None:
         s, lp = self.cursor.state, self.loop

@@ -9,6 +9,8 @@ path `module:function` (`producer.reward_fn`). Built in:
   stripped (the CPU demo task).
 - `reasoning_gym_reward`: a reasoning-gym task's own `score_answer` on the completion's
   last `<answer>...</answer>` (the default for `train_dataset.source: reasoning_gym`).
+- `contains_seven_reward`: the completion contains the digit 7 (the reward-model demo's
+  property, `configs/reward-model-cpu.yaml`: what its reward model learns from pairs).
 
 `RewardPool` runs them in worker processes so a slow or crashing reward never blocks
 the producer's event loop or kills the producer. The workers speak length-prefixed
@@ -42,6 +44,7 @@ __all__ = [
     "math_reward",
     "exact_match_reward",
     "reasoning_gym_reward",
+    "contains_seven_reward",
     "extract_boxed",
     "import_by_path",
     "RewardResult",
@@ -116,6 +119,11 @@ def math_reward(prompt: str, completion: str, answer: Any, **kw: Any) -> float:
 def exact_match_reward(prompt: str, completion: str, answer: Any, **kw: Any) -> float:
     """1.0 if the completion (decoded up to EOS) stripped equals the answer stripped."""
     return 1.0 if completion.strip() == str(answer).strip() else 0.0
+
+
+def contains_seven_reward(prompt: str, completion: str, answer: Any, **kw: Any) -> float:
+    """1.0 if the completion contains the digit 7 (the property the reward-model demo's pairs prefer)."""
+    return 1.0 if "7" in completion else 0.0
 
 
 def reasoning_gym_reward(prompt: str, completion: str, answer: Any, **kw: Any) -> float:

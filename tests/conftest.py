@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import EngineProcess, ProducerProcess, RedisCluster, RedisServer, engine_overrides, make_group
+from tests.helpers import (EngineProcess, ProducerProcess, RedisCluster, RedisServer, build_reward_model, engine_overrides,
+                           make_group)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -127,6 +128,13 @@ def tiny_tied_model_path(tmp_path_factory) -> Path:
     from rlstream.launcher.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-tied") / "model", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model_path(tiny_model_path, tmp_path_factory) -> Path:
+    """A reward model on the tiny model's backbone and tokenizer: LlamaForSequenceClassification, num_labels=1, its
+    scalar head seeded (random, but a fixed function of the sequence)."""
+    return build_reward_model(tiny_model_path, tmp_path_factory.mktemp("tiny-rm") / "model")
 
 
 @pytest.fixture(scope="session")

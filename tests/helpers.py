@@ -244,6 +244,21 @@ def make_group(n_samples: int = 2, prompt_len: int = 3, out_len: int = 4, versio
                            producer_id=producer, trajectories=trajs)
 
 
+def build_reward_model(base: Path, out: Path, seed: int = 0) -> Path:
+    """`base` (a causal LM folder) with a seeded scalar head, saved as a *ForSequenceClassification (num_labels=1)."""
+    import torch
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    torch.manual_seed(seed)
+    tok = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForSequenceClassification.from_pretrained(base, num_labels=1, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():  # a head large enough that sequences' scores differ clearly
+        model.score.weight.normal_(0.0, 1.0)
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
 def write_arith_dataset(path: Path, n: int = 40) -> Path:
     """`a+b=` -> `a+b` as JSONL (the demo-style exact-match task)."""
     with open(path, "w") as f:

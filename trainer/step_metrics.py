@@ -29,6 +29,24 @@ def _episode_counts(entries: list[Any]) -> torch.Tensor:
     return torch.tensor([n, turns, tools], dtype=torch.float64)
 
 
+def _reward_model_sums(entries: list[Any]) -> torch.Tensor:
+    """[samples scored, score sum, rule reward sum, groups scored, latency sum] of reward-model metadata
+    (producer/reward_model.py: `rm_score`, `rule_reward` per sample, `rm_latency` per group)."""
+    n = score = rule = groups = latency = 0.0
+    for e in entries:
+        lat = e.group.metadata.get("rm_latency")
+        if isinstance(lat, float):
+            groups += 1
+            latency += lat
+        for t in e.group.trajectories:
+            s = t.metadata.get("rm_score")
+            if isinstance(s, float):
+                n += 1
+                score += s
+                rule += float(t.metadata.get("rule_reward") or 0.0)
+    return torch.tensor([n, score, rule, groups, latency], dtype=torch.float64)
+
+
 @dataclass
 class StepMetrics:
     """Global values of one step (the same on every rank after `gather`); `row()` is what gets logged."""
@@ -46,6 +64,7 @@ class StepMetrics:
     episodes: float = 0.0  # multi-turn episodes (AgentWorkflow metadata)
     turns: float = 0.0  # model turns over those episodes
     tool_episodes: float = 0.0  # episodes with a tool call
+    reward_model: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)  # _reward_model_sums over all ranks
     push_bytes: float | None = None  # bytes per engine of this version's push (a LoRA push: the adapter)
     checkpoint_s: float | None = None  # checkpoints, acknowledgement and stream trim
     step_s: float | None = None
@@ -62,13 +81,14 @@ class StepMetrics:
         counts = torch.tensor([data.n_dropped_stale, data.n_dead, float(data.replayed), len(data.entries)],
                               dtype=torch.float64)
         episodes = _episode_counts(data.entries)
+        rm = _reward_model_sums(data.entries)
         par.all_reduce([times], "max")
-        par.all_reduce([counts, episodes], "sum")
+        par.all_reduce([counts, episodes, rm], "sum")
         pushed = push_report is not None and push_report.version == version
         return cls(ppo=ppo, version=version, epoch=epoch, wait_data_s=float(times[0]), collate_s=float(times[1]),
                    weight_push_s=weight_push_s, n_groups=float(counts[3]), dropped_stale=float(counts[0]),
                    dead=float(counts[1]), replayed=bool(counts[2] > 0), episodes=float(episodes[0]),
-                   turns=float(episodes[1]), tool_episodes=float(episodes[2]),
+                   turns=float(episodes[1]), tool_episodes=float(episodes[2]), reward_model=tuple(rm.tolist()),
                    push_bytes=float(push_report.bytes) if pushed else None)
 
     def row(self) -> dict[str, float]:
@@ -85,6 +105,12 @@ class StepMetrics:
         if self.episodes > 0:
             row["agent/turns"] = self.turns / self.episodes
             row["agent/tool_call_rate"] = self.tool_episodes / self.episodes
+        n, score, rule, groups, latency = self.reward_model
+        if n > 0:
+            row["rm/score_mean"] = score / n
+            row["rm/rule_reward_mean"] = rule / n
+        if groups > 0:
+            row["rm/latency"] = latency / groups
         if self.push_bytes is not None:
             row["perf/push_bytes"] = self.push_bytes
         if self.checkpoint_s is not None:

@@ -7,7 +7,7 @@ line below it, shown by `rlstream config docs` (`docs.py` reads them from the so
 The schema is split by concern: `cluster` (placement, discovery, Redis), `rollout`
 (sampling, admission, datasets), `actor` (model and algorithm), `persistence` (checkpoints,
 recovery, evaluation, metrics), `producer` (workflows, agents, gateway), `engine` (the
-local engine), `launcher` (`rlstream run`, demo, Slurm) and `schema` (the top-level
+local engine), `scoring` (scoring pools, the reward model, `rlstream rw`), `launcher` (`rlstream run`, demo, Slurm) and `schema` (the top-level
 `Config`). `loading` reads YAML + overrides and validates; `masking` hides credentials.
 """
 
@@ -28,6 +28,8 @@ from rlstream.common.config.persistence import (EvaluatorConfig, PrometheusConfi
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig, SandboxConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
 from rlstream.common.config.schema import Config
+from rlstream.common.config.scoring import (RewardModelConfig, RWConfig, ScoringPoolConfig, scoring_pools,
+                                            scoring_service)
 
 __all__ = [
     "Config",
@@ -48,4 +50,5 @@ __all__ = [
     "CREDENTIAL_KEYS", "is_credential_key", "EvaluatorConfig", "PrometheusConfig", "RecoverConfig", "SaverConfig",
     "StatsLoggerConfig", "TensorBoardConfig", "WandbConfig", "AgentConfig", "GatewayConfig", "ProducerConfig",
     "SandboxConfig", "DatasetConfig", "GenerationHyperparameters", "RolloutConfig",
+    "RewardModelConfig", "RWConfig", "ScoringPoolConfig", "scoring_pools", "scoring_service",
 ]

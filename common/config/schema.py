@@ -13,6 +13,7 @@ from rlstream.common.config.engine import ServerConfig
 from rlstream.common.config.launcher import LauncherConfig
 from rlstream.common.config.persistence import EvaluatorConfig, RecoverConfig, SaverConfig, StatsLoggerConfig
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig
+from rlstream.common.config.scoring import RewardModelConfig, RWConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
 
 __all__ = ["Config"]
@@ -56,6 +57,10 @@ class Config(Section):
     critic: CriticConfig | None = None
     """PPO's value model (AReaL's critic section); None = no critic: GAE with values 0 (configs/algorithms/ppo.yaml
     sets one)."""
+    reward_model: RewardModelConfig | None = None
+    """A reward model in the producer's reward stage, served by a scoring pool (None = producer.reward_fn alone)."""
+    rw: RWConfig = msgspec.field(default_factory=RWConfig)
+    """`rlstream rw`: Bradley–Terry reward-model training on preference pairs."""
     saver: SaverConfig = msgspec.field(default_factory=SaverConfig)
     """HF checkpoints."""
     recover: RecoverConfig = msgspec.field(default_factory=RecoverConfig)

@@ -275,7 +275,8 @@ TABLE: Table = {
     "actor.megatron.ckpt_format": Drop("checkpoints are HF safetensors folders"),
     "actor.megatron.use_dist_ckpt": Drop("checkpoints are HF safetensors folders"),
     "actor.megatron.use_hf_ckpt": Drop("the megatron backend always starts from the HF checkpoint at actor.path"),
-    "reward.use_reward_model": Missing("a reward model (rewards are functions: producer.reward_fn)", off=(False, None)),
+    "reward.use_reward_model": Missing("RLinf's reward-model settings (rlstream's reward model is its reward_model "
+                                       "section: set reward_model.pool.model_path)", off=(False, None)),
     "reward.reward_type": Convert(("producer.reward_fn",), _reward_type),
     "reward.reward_scale": Convert(("actor.reward_bias", "actor.reward_scaling", "actor.reward_clip"), _reward_scale,
                                    "±scale from math_reward's 1/0"),

@@ -308,3 +308,23 @@ def test_cli_watch_rides_out_a_redis_outage(redis_factory, experiment, group_fac
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+async def test_inspect_lists_each_scoring_pools_engines_apart_from_the_policy_engines(redis_url, rclient, keys):
+    from rlstream.broker import connect_async
+    from rlstream.broker.registry import RedisNameResolver
+    from rlstream.common.config import RedisConfig, scoring_service
+
+    client = await connect_async(RedisConfig(url=redis_url))
+    resolver = RedisNameResolver(client, keys.ns, default_ttl=30)
+    try:
+        await resolver.register(scoring_service("reward_model"), "10.0.0.5:7000")
+        await resolver.register("engines", "10.0.0.1:8000")
+        s = collect(rclient, keys, eta=1, batch=1, max_concurrent=1)
+        assert [e["address"] for e in s["engines"]] == ["10.0.0.1:8000"]
+        assert list(s["scoring_pools"]) == ["reward_model"]
+        (rm,) = s["scoring_pools"]["reward_model"]
+        assert rm["address"] == "10.0.0.5:7000" and rm["alive"]
+    finally:
+        await resolver.close()
+        await client.aclose()

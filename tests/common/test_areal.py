@@ -481,3 +481,16 @@ def test_async_training_dynamic_sampling_and_is_critic():
     assert dapo.config["producer"]["dynamic_sampling"] is True and "actor.is_critic" in dict(dapo.dropped)
     with pytest.raises(ConfigError, match="actor.is_critic=true"):
         translate_areal({"actor": {"is_critic": True}})
+
+
+def test_the_scheduler_reward_model_service_becomes_the_reward_model_pool():
+    t = translate_areal({"actor": {"path": "/m"}, "scheduler": {
+        "type": "local", "reward_model_path": "/models/rm", "reward_model_service_url": "http://10.0.0.1:30000/classify"}})
+    rm = load_config_dict(t.config).reward_model
+    assert (rm.pool.model_path, rm.pool.addresses, rm.pool.engines) == ("/models/rm", ["10.0.0.1:30000"], 0)
+    assert {"scheduler.reward_model_path", "scheduler.reward_model_service_url"} <= {k for k, _ in t.translated}
+    assert any("reward_model.rule_weight" in n for n in t.notes)
+    # empty (AReaL's default path): no reward model, the key is accounted for as dropped
+    t = translate_areal({"actor": {"path": "/m"}, "scheduler": {"reward_model_path": ""}})
+    assert load_config_dict(t.config).reward_model is None
+    assert dict(t.dropped)["scheduler.reward_model_path"].startswith("empty: no reward model")

@@ -63,11 +63,13 @@ def test_a_redis_failure_leaves_the_redis_numbers_at_zero(tmp_path, redis_factor
 def test_line_and_render_show_the_snapshot():
     s = Snapshot(t=125.0, step=3, total_steps=10, served_version=3, trainer_version=4, reward=0.5,
                  staleness_run_mean=0.25, queue_depth=7, running=2, rollouts_per_s=1.5, tokens_per_s=40.0,
-                 eta_s=61.0, eval_accuracy=0.3, eval_version=2, children={"engine-0": "running"})
+                 eta_s=61.0, eval_accuracy=0.3, eval_version=2, children={"engine-0": "running"}, engines=1,
+                 scoring_engines={"reward_model": 2})
     assert line(s) == ("[2m05s] step 3/10 v3 (trainer v4) reward 0.500 eval 0.300@v2 stale 0.25 queue 7 groups "
                        "running 2 samples/s 1.5 tokens/s 40 ETA 1m01s")
     console = Console(width=100, record=True)
     console.print(render(s, "run"))
     text = console.export_text()
     assert "3/10" in text and "held-out accuracy 0.300 of version 2" in text and "engine-0:running" in text
+    assert "1 registered   reward_model 2" in text
     assert "reward -" in line(Snapshot())

@@ -378,3 +378,41 @@ def test_repair_torn_aof_cuts_a_transaction_a_crash_tore_off_the_tail(tmp_path):
         assert _consistent(restart()) == (2, 2)
     finally:
         server.stop()
+
+
+@pytest.mark.slow
+def test_reward_model_demo_trains_a_reward_model_then_rl_runs_with_its_scoring_pool(tmp_path):
+    config = ROOT / "configs" / "reward-model-cpu.yaml"
+    common = [f"cluster.fileroot={tmp_path / 'runs'}", *SMALL]
+    rw = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "rw", "--config", str(config), *common,
+                         "rw.steps=20"], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+    assert rw.returncode == 0, rw.stderr[-3000:]
+    assert "held-out pair accuracy" in rw.stdout
+    proc = subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "run", "--config", str(config), *common,
+                             "total_train_steps=3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_env(), cwd=tmp_path, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=420)
+    finally:
+        _stop(proc)
+    run_dir = tmp_path / "runs" / "reward-model-cpu" / "run0"
+    assert proc.returncode == 0, f"rlstream run failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+    assert "scoring engines: reward_model-0 127.0.0.1:" in out
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # every trained sample was scored by the pool, and its reward is the score alone (rule_weight 0)
+    assert all(r["rm/score_mean"] == pytest.approx(r["reward/mean"], abs=1e-4) and r["rm/latency"] > 0 for r in rows)
+    assert "reward model: " in (run_dir / "logs" / "producer-0.log").read_text()
+    assert (run_dir / "logs" / "reward_model-0.log").stat().st_size > 0
+    assert _run_processes(run_dir) == []
+
+
+@pytest.mark.slow
+def test_a_reward_model_not_trained_yet_is_one_line_before_anything_starts(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "run", "--config",
+                        str(ROOT / "configs" / "reward-model-cpu.yaml"), f"cluster.fileroot={tmp_path / 'runs'}", *SMALL,
+                        "launcher.sft_steps=0"], capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=300)
+    assert r.returncode == 2
+    err = [ln for ln in r.stderr.splitlines() if ln.startswith("rlstream: error:")]
+    assert len(err) == 1 and "reward_model.pool.model_path=" in err[0] and "rlstream rw" in err[0], r.stderr[-2000:]
+    assert not (tmp_path / "runs" / "reward-model-cpu" / "run0" / "logs" / "engine-0.log").exists()

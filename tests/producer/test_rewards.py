@@ -22,6 +22,12 @@ def test_math_reward():
     assert extract_boxed("\\boxed{unclosed") is None
 
 
+def test_contains_seven_reward():
+    from rlstream.producer.rewards import contains_seven_reward
+
+    assert [contains_seven_reward("1234=", c, None) for c in ("4371", "4321", "", "77")] == [1.0, 0.0, 0.0, 1.0]
+
+
 def test_exact_match_reward():
     assert exact_match_reward("1+2=", " 3\n", "3") == 1.0
     assert exact_match_reward("1+2=", "3", 3) == 1.0

@@ -53,3 +53,13 @@ def test_checkpoint_row_is_finite_and_without_the_times_after_the_checkpoint():
     assert "ppo/approx_kl" not in kept and "time/checkpoint" not in kept and "time/step" not in kept
     assert kept["version"] == 1.0 and all(isinstance(v, float) for v in kept.values())
     assert torch.isfinite(torch.tensor(list(kept.values()))).all()
+
+
+def test_reward_model_scores_and_latency_become_rm_metrics():
+    a, b = _entry(0, rm_score=1.5, rule_reward=1.0), _entry(1, rm_score=-0.5, rule_reward=0.0)
+    a.group.metadata = {"rm_latency": 0.2}
+    b.group.metadata = {"rm_latency": 0.4}
+    row = _gather([a, b, _entry(2)]).row()  # the third group was not scored (no reward model): not counted
+    assert row["rm/score_mean"] == 0.5 and row["rm/rule_reward_mean"] == 0.5
+    assert math.isclose(row["rm/latency"], 0.3)
+    assert not any(k.startswith("rm/") for k in _gather([_entry(0)]).row())

@@ -57,7 +57,7 @@ def test_what_is_dropped_says_why(imported):
     ({"algorithm": {"adv_type": "gae"}}, "adv_type='gae'"),
     ({"algorithm": {"sampling_params": {"repetition_penalty": 1.1}}}, "repetition_penalty=1.1: not in rlstream yet"),
     ({"data": {"train_data_paths": ["a.jsonl", "b.jsonl"]}}, "lists 2 files"),
-    ({"reward": {"use_reward_model": True}}, "use_reward_model=True: not in rlstream yet: a reward model"),
+    ({"reward": {"use_reward_model": True}}, "use_reward_model=True: not in rlstream yet: RLinf's reward-model settings"),
 ])
 def test_values_rlstream_cannot_honour_are_refused(data, message):
     with pytest.raises(ConfigError, match=message):

@@ -1,0 +1,217 @@
+"""Scoring pools, both ends: the `/classify` contract and the client a producer scores through.
+
+A scoring pool is a set of engines serving a model that is not the policy (a reward model today; a judge or a
+distillation teacher later). Its engines register under `scoring:<pool>` in name resolve (never under `engines`,
+so the trainer's weight fleet never finds them) and answer:
+
+- `POST /classify` `ClassifyRequest{input_ids: [[int]] | text: [str]}` -> a list of `ClassifyResult{embedding:
+  [score], meta_info: {prompt_tokens}}`, one per sequence, in order. The shape is SGLang's `/classify` (its
+  `EmbeddingReqInput` in, one `embedding` per input out), so the client reads the scalar at `embedding[0]`.
+- `GET /health`, `GET /get_server_info` -> `ScoringInfo` (requests, sequences, batches, busy seconds); `GET
+  /get_model_info` -> `ModelInfo` with `is_generation: false`.
+
+`ScoringPool` (the client) follows the pool's engines through the name resolver it is given (or the pool's fixed
+`addresses`), keeps at most `concurrency` requests in flight, and sends each request to the engine with the fewest
+of this producer's requests in flight. An engine that does not answer (connection refused, timeout, HTTP 5xx) is
+skipped for `DOWN_SECS` and the request goes to another engine, up to `retries` more; when none is left the
+request raises `ScoringError` naming every engine tried. An answer of the wrong shape (a count or a width that
+does not fit) and a 4xx raise at once: another engine of the same model would answer the same.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+
+from rlstream.common.config import ScoringPoolConfig, scoring_service
+from rlstream.common.engine_api import EngineError, EngineRequestError, Route
+from rlstream.common.engine_client import SGLangClient
+from rlstream.common.logging import get_logger
+from rlstream.common.name_resolve import NameResolver
+from rlstream.common.tasks import cancel_and_wait
+
+__all__ = ["ClassifyRequest", "ClassifyMeta", "ClassifyResult", "ScoringInfo", "CLASSIFY", "SCORING_HEALTH",
+           "SCORING_SERVER_INFO", "ScoringError", "ScoringPool", "DOWN_SECS"]
+
+log = get_logger(__name__)
+
+# How long an engine that failed a request is skipped before it is tried again.
+DOWN_SECS = 5.0
+
+
+class _Body(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """A JSON object on the wire; fields at their default are not sent (as `common/engine_api.py`'s bodies)."""
+
+
+class ClassifyRequest(_Body):
+    """`POST /classify`: the sequences to score, as token ids (one list per sequence) or as text."""
+
+    input_ids: list[list[int]] | None = None
+    text: list[str] | None = None
+
+
+class ClassifyMeta(_Body):
+    prompt_tokens: int | None = None
+
+
+class ClassifyResult(_Body):
+    """One sequence's score: `embedding` holds the head's outputs (one for a scalar head)."""
+
+    embedding: list[float]
+    meta_info: ClassifyMeta | None = None
+
+
+class ScoringInfo(_Body):
+    """`GET /health` and `/get_server_info` of a scoring engine."""
+
+    status: str | None = None
+    pool: str | None = None
+    model_path: str | None = None
+    running: int | None = None
+    total_requests: int | None = None
+    total_sequences: int | None = None
+    total_batches: int | None = None  # forwards' batches: requests waiting together share one
+    busy_seconds: float | None = None
+
+
+CLASSIFY = Route("POST", "/classify", ClassifyRequest, list[ClassifyResult])
+SCORING_HEALTH = Route("GET", "/health", None, ScoringInfo)
+SCORING_SERVER_INFO = Route("GET", "/get_server_info", None, ScoringInfo)
+
+
+class ScoringError(RuntimeError):
+    """A scoring request failed for good; the message names the pool, the engines tried and why."""
+
+
+class ScoringPool:
+    """The client side of one scoring pool: `await pool.score(input_ids=[[...], ...])` -> one float per sequence."""
+
+    def __init__(self, name: str, pool: ScoringPoolConfig, resolver: NameResolver | None,
+                 api_key: str | None = None) -> None:
+        self.name = name
+        self.cfg = pool
+        self.service = scoring_service(name)
+        self.resolver = resolver
+        self.api_key = api_key
+        self.addresses: list[str] = sorted(pool.addresses)
+        self._changed = asyncio.Event()
+        self._down: dict[str, float] = {}  # address -> monotonic time it may be tried again
+        self._inflight: dict[str, int] = {}
+        self._sem = asyncio.Semaphore(pool.concurrency)
+        self._session: aiohttp.ClientSession | None = None
+        self._follow: asyncio.Task | None = None
+        # counters for `rm/*` metrics and logs
+        self.requests = self.sequences = self.engine_failures = self.retries = self.failed = 0
+        self.latency_sum = 0.0
+
+    async def start(self) -> "ScoringPool":
+        self._session = aiohttp.ClientSession()
+        if not self.cfg.addresses and self.resolver is not None:
+            self._follow = asyncio.create_task(self._follow_registrations(), name=f"scoring-follow:{self.name}")
+        return self
+
+    async def close(self) -> None:
+        if self._follow is not None:
+            await cancel_and_wait([self._follow])
+        if self._session is not None:
+            await self._session.close()
+        if self.resolver is not None:
+            with contextlib.suppress(Exception):
+                await self.resolver.close_quietly()
+
+    async def _follow_registrations(self) -> None:
+        assert self.resolver is not None
+        async for addresses in self.resolver.watch(self.service):
+            if addresses != self.addresses:
+                log.info("scoring pool %r: engines %s", self.name, ", ".join(addresses) or "none")
+            self.addresses = list(addresses)
+            self._changed.set()
+
+    async def wait_for_engines(self, timeout: float) -> list[str]:
+        """The pool's addresses once there is one; ScoringError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.addresses:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ScoringError(f"scoring pool {self.name!r}: no engine registered under {self.service!r} within "
+                                   f"{timeout:g}s")
+            self._changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+        return list(self.addresses)
+
+    def _pick(self, tried: set[str]) -> str | None:
+        """An engine not tried yet: one not marked down first, then the fewest of our requests in flight."""
+        now = time.monotonic()
+        left = [a for a in self.addresses if a not in tried]
+        if not left:
+            return None
+        return min(left, key=lambda a: (self._down.get(a, 0.0) > now, self._inflight.get(a, 0), a))
+
+    async def score(self, *, input_ids: list[list[int]] | None = None, text: list[str] | None = None) -> list[float]:
+        """One scalar per sequence (ids or text, not both); ScoringError when the pool cannot answer."""
+        n = len(input_ids) if input_ids is not None else len(text or [])
+        if n == 0:
+            return []
+        body = ClassifyRequest(input_ids=input_ids, text=text)
+        async with self._sem:
+            t0 = time.monotonic()
+            try:
+                scores = await self._score_on_some_engine(body, n)
+            except ScoringError:
+                self.failed += 1
+                raise
+            self.requests += 1
+            self.sequences += n
+            self.latency_sum += time.monotonic() - t0
+            return scores
+
+    async def _score_on_some_engine(self, body: ClassifyRequest, n: int) -> list[float]:
+        tried: set[str] = set()
+        errors: list[str] = []
+        for _ in range(1 + self.cfg.retries):
+            if not self.addresses:
+                await self.wait_for_engines(self.cfg.timeout)
+            address = self._pick(tried)
+            if address is None:
+                break
+            tried.add(address)
+            self._inflight[address] = self._inflight.get(address, 0) + 1
+            try:
+                return await self._classify(address, body, n)
+            except EngineRequestError as exc:  # refused (4xx): every engine of this model would refuse it
+                raise ScoringError(f"scoring pool {self.name!r}: {exc}") from None
+            except EngineError as exc:
+                self.engine_failures += 1
+                self._down[address] = time.monotonic() + DOWN_SECS
+                errors.append(str(exc))
+                log.warning("scoring pool %r: %s; trying another engine", self.name, exc)
+                self.retries += 1
+            finally:
+                self._inflight[address] -= 1
+        raise ScoringError(f"scoring pool {self.name!r}: {len(tried)} engine(s) tried, none answered: "
+                           + "; ".join(errors) if errors else f"scoring pool {self.name!r}: no engine")
+
+    async def _classify(self, address: str, body: ClassifyRequest, n: int) -> list[float]:
+        assert self._session is not None, "ScoringPool.start() first"
+        client = SGLangClient(self._session, address, self.api_key, self.cfg.timeout, compact=False)
+        results = await client.call(CLASSIFY, body)
+        if not isinstance(results, list) or len(results) != n:
+            got = len(results) if isinstance(results, list) else type(results).__name__
+            raise ScoringError(f"scoring pool {self.name!r}: {address} answered {got} results for {n} sequences")
+        bad = next((r.embedding for r in results if len(r.embedding) != 1), None)
+        if bad is not None:
+            raise ScoringError(f"scoring pool {self.name!r}: {address} answered a score of width {len(bad)} (a "
+                               "reward model has one scalar output: num_labels=1)")
+        return [float(r.embedding[0]) for r in results]
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start: requests, sequences, engine failures, retries, failed requests, mean latency."""
+        return {"requests": self.requests, "sequences": self.sequences, "engine_failures": self.engine_failures,
+                "retries": self.retries, "failed": self.failed, "engines": len(self.addresses),
+                "latency_mean": self.latency_sum / self.requests if self.requests else 0.0}

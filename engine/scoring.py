@@ -1,0 +1,285 @@
+"""`rlstream serve --pool NAME`: an engine of a scoring pool, serving a sequence-classification model.
+
+The model is a transformers `*ForSequenceClassification` with one output (`num_labels=1`: a reward model, e.g.
+what `rlstream rw` writes); its score of a sequence is the head's output at the sequence's last token
+(transformers' pooling for causal backbones). A folder without such a head (a plain causal LM: transformers would
+add a random head and serve noise) is refused at start in one line. Routes and bodies: `common/scoring.py`.
+
+The engine has no weight-update routes and registers under `scoring:NAME`, never `engines`: the trainer's weight
+fleet neither finds nor pushes to it. Forwards run on one worker thread (the event loop keeps answering `/health`);
+the requests waiting when a forward starts are scored together (continuous batching across requests, up to
+`max_batch_size` sequences; a longer request is split into forwards of that size), right-padded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from rlstream.common import engine_api as api
+from rlstream.common.config import ConfigError, ScoringPoolConfig, scoring_pools, scoring_service
+from rlstream.common.engine_api import BadRequest, ModelInfo
+from rlstream.common.logging import get_logger
+from rlstream.common.models import dtype_kwargs
+from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, exposition
+from rlstream.common.scoring import CLASSIFY, ClassifyMeta, ClassifyRequest, ClassifyResult, ScoringInfo
+from rlstream.engine.frontend import auth_middleware, error_response, json_response
+from rlstream.engine.local import DTYPES, resolve_device
+from rlstream.engine.server import ADDR_FILE_ENV, advertised, register, unregister, write_addr_file
+
+__all__ = ["ScoringEngine", "build_scoring_app", "run_scoring_server", "serve_scoring", "check_scalar_head", "pool_config"]
+
+log = get_logger(__name__)
+
+
+def check_scalar_head(model_path: str, key: str) -> Any:
+    """The folder's transformers config when it holds a sequence-classification model with one output; else a
+    ValueError naming `key` and what is wrong."""
+    from transformers import AutoConfig
+
+    if not (Path(model_path) / "config.json").is_file():
+        raise ValueError(f"{key}={model_path!r} is not a local HF model folder (no config.json)")
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    archs = list(config.architectures or [])
+    if not any(a.endswith("ForSequenceClassification") for a in archs) or config.num_labels != 1:
+        raise ValueError(f"{key}={model_path!r} has no scalar head ({', '.join(archs) or 'no architecture'}, "
+                         f"num_labels={config.num_labels}): a reward model is a *ForSequenceClassification with "
+                         "num_labels=1 (`rlstream rw` trains one)")
+    return config
+
+
+class ScoringEngine:
+    """A sequence-classification model scoring token sequences (or texts) with one scalar each."""
+
+    def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "float32", max_batch_size: int = 32,
+                 max_seq_len: int = 4096, key: str = "model_path") -> None:
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        config = check_scalar_head(model_path, key)
+        self.model_path = model_path
+        self.device = resolve_device(device)
+        self.dtype = DTYPES[dtype]
+        self.max_batch_size = max_batch_size
+        self.max_seq_len = max_seq_len
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            model_path, local_files_only=True, **dtype_kwargs(self.dtype)).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True) \
+            if (Path(model_path) / "tokenizer_config.json").is_file() else None
+        pad = config.pad_token_id
+        if pad is None and self.tokenizer is not None:
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError(f"{key}={model_path!r}: the config has no pad_token_id (needed to find each sequence's "
+                             "last token in a batch)")
+        self.model.config.pad_token_id = self.pad_id = int(pad)
+        self.vocab_size = int(config.vocab_size)
+        # One worker: forwards run one at a time off the event loop.
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="scoring")
+        self._lock = threading.Lock()
+        self.running = self.total_requests = self.total_sequences = self.total_batches = 0
+        self.busy_seconds = 0.0
+        self._waiting: deque[tuple[list[list[int]], asyncio.Future]] = deque()
+        self._wake = asyncio.Event()
+        self._batcher: asyncio.Task | None = None
+
+    @classmethod
+    def from_pool(cls, name: str, pool: ScoringPoolConfig) -> "ScoringEngine":
+        return cls(pool.model_path, device=pool.device, dtype=pool.dtype, max_batch_size=pool.max_batch_size,
+                   max_seq_len=pool.max_seq_len, key=f"{name}.pool.model_path")
+
+    def sequences(self, body: ClassifyRequest) -> list[list[int]]:
+        """The token ids to score; ValueError for a body that cannot be scored."""
+        if body.input_ids is not None and body.text is not None:
+            raise ValueError("give input_ids or text, not both")
+        if body.text is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"text given but {self.model_path} has no tokenizer: send input_ids")
+            seqs = [list(self.tokenizer(t)["input_ids"]) for t in body.text]
+        elif body.input_ids is not None:
+            seqs = body.input_ids
+        else:
+            raise ValueError("missing input_ids (a list of token-id lists) or text (a list of strings)")
+        for i, s in enumerate(seqs):
+            if not s:
+                raise ValueError(f"sequence {i} is empty")
+            if len(s) > self.max_seq_len:
+                raise ValueError(f"sequence {i} has {len(s)} tokens, over max_seq_len={self.max_seq_len}")
+            if min(s) < 0 or max(s) >= self.vocab_size:
+                raise ValueError(f"sequence {i} has a token id outside the vocabulary [0, {self.vocab_size})")
+        return seqs
+
+    def score(self, seqs: list[list[int]]) -> list[float]:
+        """One scalar per sequence: forwards of up to max_batch_size right-padded sequences."""
+        out: list[float] = []
+        with self._lock, torch.inference_mode():
+            for i in range(0, len(seqs), self.max_batch_size):
+                chunk = seqs[i:i + self.max_batch_size]
+                width = max(len(s) for s in chunk)
+                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+                attn = torch.zeros((len(chunk), width), dtype=torch.long)
+                for r, s in enumerate(chunk):
+                    ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+                    attn[r, :len(s)] = 1
+                logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits
+                out.extend(logits[:, 0].float().cpu().tolist())
+        return out
+
+    async def ascore(self, seqs: list[list[int]]) -> list[float]:
+        """Score one request's sequences; requests waiting together are scored in the same forwards."""
+        fut: asyncio.Future[list[float]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((seqs, fut))
+        self._wake.set()
+        if self._batcher is None or self._batcher.done():
+            self._batcher = asyncio.create_task(self._batch_loop(), name="scoring-batcher")
+        self.running += 1
+        try:
+            return await fut
+        finally:
+            self.running -= 1
+            self.total_requests += 1
+            self.total_sequences += len(seqs)
+
+    async def _batch_loop(self) -> None:
+        """Take the waiting requests (up to max_batch_size sequences, at least one request) and score them together,
+        until none waits: a request arriving during a forward joins the next one."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._waiting:
+                batch, n = [], 0
+                while self._waiting and (not batch or n + len(self._waiting[0][0]) <= self.max_batch_size):
+                    batch.append(self._waiting.popleft())
+                    n += len(batch[-1][0])
+                t0 = time.monotonic()
+                try:
+                    scores = await loop.run_in_executor(self._pool, self.score, [q for seqs, _ in batch for q in seqs])
+                except Exception as exc:  # noqa: BLE001 - each request of the batch answers the error
+                    scores = exc
+                self.busy_seconds += time.monotonic() - t0
+                self.total_batches += 1
+                at = 0
+                for seqs, fut in batch:
+                    if not fut.done():  # a request whose client went away is cancelled
+                        if isinstance(scores, Exception):
+                            fut.set_exception(scores)
+                        else:
+                            fut.set_result(scores[at:at + len(seqs)])
+                    at += len(seqs)
+
+    def info(self, pool: str) -> ScoringInfo:
+        return ScoringInfo(status="ok", pool=pool, model_path=self.model_path, running=self.running,
+                           total_requests=self.total_requests, total_sequences=self.total_sequences,
+                           total_batches=self.total_batches, busy_seconds=round(self.busy_seconds, 3))
+
+    def close(self) -> None:
+        if self._batcher is not None:
+            self._batcher.cancel()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+ENGINE_KEY = web.AppKey("scoring_engine", ScoringEngine)
+POOL_KEY = web.AppKey("scoring_pool", str)
+
+
+async def classify(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE_KEY]
+    try:
+        body = api.decode(await request.read(), ClassifyRequest)
+        seqs = engine.sequences(body)
+    except (BadRequest, ValueError) as exc:
+        return error_response(400, f"/classify: {exc}")
+    try:
+        scores = await engine.ascore(seqs)
+    except RuntimeError as exc:  # torch errors (out of memory ...): the engine answered, the request failed
+        return error_response(500, f"/classify: {type(exc).__name__}: {exc}")
+    return json_response([ClassifyResult(embedding=[s], meta_info=ClassifyMeta(prompt_tokens=len(q)))
+                          for s, q in zip(scores, seqs)])
+
+
+def build_scoring_app(engine: ScoringEngine, pool: str, *, api_key: str | None = None) -> web.Application:
+    """The aiohttp app of a scoring engine: /classify, /health, /get_server_info, /get_model_info, /metrics."""
+    app = web.Application(middlewares=[auth_middleware(api_key)] if api_key else [], client_max_size=64 * 1024 * 1024)
+    app[ENGINE_KEY], app[POOL_KEY] = engine, pool
+
+    async def info(request: web.Request) -> web.Response:
+        return json_response(engine.info(pool))
+
+    async def model_info(request: web.Request) -> web.Response:
+        return json_response(ModelInfo(model_path=engine.model_path, is_generation=False, vocab_size=engine.vocab_size,
+                                       max_seq_len=engine.max_seq_len, max_batch_size=engine.max_batch_size,
+                                       device=str(engine.device), dtype=str(engine.dtype).removeprefix("torch."),
+                                       engine="rlstream-scoring"))
+
+    registry = CollectorRegistry()
+    registry.register(ValuesCollector("rlstream_scoring", lambda: {
+        "running_requests": engine.running, "requests": engine.total_requests, "sequences": engine.total_sequences,
+        "batches": engine.total_batches, "busy_seconds": engine.busy_seconds}, labels={"pool": pool},
+        counters=("requests", "sequences", "batches", "busy_seconds")))
+
+    async def metrics(request: web.Request) -> web.Response:
+        body, content_type = exposition(registry)
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
+    app.add_routes([web.post(CLASSIFY.path, classify), web.get("/health", info), web.get("/get_server_info", info),
+                    web.get(api.MODEL_INFO.path, model_info), web.get("/metrics", metrics)])
+    return app
+
+
+def pool_config(cfg: Any, pool: str) -> ScoringPoolConfig:
+    """The pool `pool` of the config; ConfigError naming the pools there are."""
+    pools = scoring_pools(cfg)
+    if pool not in pools:
+        raise ConfigError(f"--pool {pool!r}: no such scoring pool in this config (pools: "
+                          f"{', '.join(pools) or 'none; set reward_model.pool'})")
+    return pools[pool]
+
+
+async def run_scoring_server(cfg: Any, pool: str, stop: asyncio.Event | None = None) -> None:
+    """Serve scoring pool `pool`'s model on server.host/server.port until `stop` (or SIGTERM/SIGINT)."""
+    pcfg = pool_config(cfg, pool)
+    try:
+        engine = ScoringEngine.from_pool(pool, pcfg)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(str(exc).splitlines()[0]) from None
+    runner = web.AppRunner(build_scoring_app(engine, pool, api_key=cfg.server.api_key), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, cfg.server.host, cfg.server.port)
+    await site.start()
+    address = advertised(cfg.server.host, site._server.sockets[0].getsockname()[1])
+    print(f"rlstream scoring engine ({pool}) listening on http://{address}", flush=True)
+    log.info("scoring pool %r: serving %s (device %s) at http://%s", pool, engine.model_path, engine.device, address)
+    if os.environ.get(ADDR_FILE_ENV):
+        write_addr_file(os.environ[ADDR_FILE_ENV], address)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+    service = scoring_service(pool)
+    resolver = await register(cfg, address, service) if cfg.server.register and not pcfg.addresses else None
+    try:
+        await stop.wait()
+    finally:
+        if resolver is not None:
+            await unregister(resolver, address, service)
+        await runner.cleanup()
+        await loop.run_in_executor(None, engine.close)
+        log.info("scoring engine stopped")
+
+
+def serve_scoring(cfg: Any, pool: str) -> None:
+    """Entry of `rlstream serve --pool NAME --config X`."""
+    asyncio.run(run_scoring_server(cfg, pool))
