@@ -26,7 +26,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlstream.common.config import ConfigError, field_docs
+from rlstream.common.areal_sections import (SCHEMA_KEYS, hub_like, leaves, note_hub_names, translate_async_training,
+                                            translate_critic, translate_name_resolve, translate_ref_temperature,
+                                            translate_weight_update_mode)
+from rlstream.common.config import ConfigError
 
 __all__ = ["Translation", "translate_areal", "parse_allocation"]
 
@@ -98,17 +101,6 @@ def _wrap(keys: list[str], width: int = 100) -> list[str]:
         line = f"{line}, {k}" if line else k
     return lines + ([line] if line else [])
 
-
-def _leaves(data: Any, prefix: str = "") -> list[tuple[str, Any]]:
-    if isinstance(data, dict) and data:
-        out = []
-        for k, v in data.items():
-            out += _leaves(v, f"{prefix}.{k}" if prefix else str(k))
-        return out
-    return [(prefix, data)]
-
-
-_SCHEMA = {key for key, _, _ in field_docs()}
 
 # Keys rlstream takes from one place for the whole run (AReaL repeats them per section).
 _PER_SECTION = {"experiment_name", "trial_name", "fileroot", "tokenizer_path"}
@@ -262,14 +254,14 @@ def translate_areal(data: dict[str, Any]) -> Translation:
     if "allocation_mode" in handled:
         t.translate("allocation_mode", from_mode)
     _translate_algorithm(t, data, actor, handled)
-    _translate_critic(t, data, handled)
+    translate_critic(t, data, handled)
     _translate_reward_model(t, data, handled)
     top_exp = data.get("experiment_name")
-    for key, value in _leaves(data):
+    for key, value in leaves(data):
         if not _covered(key, handled):
             _translate_leaf(t, data, key, value, top_exp)
     _translate_engine_options(t, engines, engine_kind)
-    _note_hub_names(t, data, actor)
+    note_hub_names(t, data, actor)
     return t
 
 
@@ -342,14 +334,14 @@ def _trainer_allocation(trainer_alloc: tuple[Any, int, int, int]) -> dict[str, A
 def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, top_exp: Any) -> None:
     """One leaf key of the AReaL file: translated, kept as is, or dropped with the reason."""
     if key == "cluster.name_resolve.type":
-        _translate_name_resolve(t, data, key, value)
+        translate_name_resolve(t, data, key, value)
     elif key == "actor.weight_update_mode":
-        _translate_weight_update_mode(t, key, value)
+        translate_weight_update_mode(t, key, value)
     elif key == "cluster.name_resolve.etcd3_addr":
         if ((data.get("cluster") or {}).get("name_resolve") or {}).get("type") not in ("etcd", "etcd3"):
             t.dropped.append((key, "name_resolve.type is not etcd3"))
     elif key == "async_training":
-        _translate_async_training(t, data, key, value)
+        translate_async_training(t, data, key, value)
     elif key == "actor.dynamic_sampling":
         t.set("producer.dynamic_sampling", bool(value))
         t.translated.append((key, "producer.dynamic_sampling (all-equal-reward groups are dropped and replaced, "
@@ -359,8 +351,8 @@ def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, 
             raise ConfigError("actor.is_critic=true: the actor is the policy; a value model is the critic section")
         t.dropped.append((key, "false: the actor is the policy (the critic section holds the value model)"))
     elif key == "ref.temperature":
-        _translate_ref_temperature(t, data, key, value)
-    elif key in _SCHEMA:
+        translate_ref_temperature(t, data, key, value)
+    elif key in SCHEMA_KEYS:
         t.set(key, value)
         t.same.append(key)
     elif why := _drop_reason(key):
@@ -444,14 +436,14 @@ def _translate_correction(t: Translation, actor: dict[str, Any], handled: set[st
     if not actor.get("use_decoupled_loss"):
         why = ("AReaL applies it only with use_decoupled_loss: true (it warns and ignores it); rlstream would "
                "weigh the loss by it")
-        t.dropped += [(key, why) for key, _ in (_leaves(rs, "actor.rejection_sampling") if has_rs else [])]
+        t.dropped += [(key, why) for key, _ in (leaves(rs, "actor.rejection_sampling") if has_rs else [])]
         t.dropped += [(f"actor.{k}", why) for k in legacy]
         return
     if rs is not None and legacy:
         raise ConfigError("actor.rejection_sampling and the removed actor.behave_imp_weight_cap/mode are both set: "
                           "keep rejection_sampling")
     if isinstance(rs, dict):
-        for key, value in _leaves(rs, "actor.rejection_sampling"):
+        for key, value in leaves(rs, "actor.rejection_sampling"):
             t.set(key, value)
             t.same.append(key)
     elif legacy:
@@ -505,7 +497,7 @@ def _translate_agent(t: Translation, data: dict[str, Any], handled: set[str]) ->
     args = data.get("agent_run_args")
     if "agent_run_args" in data:
         handled.add("agent_run_args")
-        for key, value in _leaves(args, "agent_run_args") if args else []:
+        for key, value in leaves(args, "agent_run_args") if args else []:
             if key == "agent_run_args.max_turns":
                 t.translate(key, {"agent.max_turns": value})
             else:
@@ -518,106 +510,6 @@ def _translate_agent(t: Translation, data: dict[str, Any], handled: set[str]) ->
             raise ConfigError(f"export_style {data['export_style']!r}: rlstream trains an episode as one sequence "
                               "(AReaL's concat); set export_style: concat")
         t.dropped.append(("export_style", "rlstream trains an episode as one sequence, its turns end to end (concat)"))
-
-
-# critic.* keys (AReaL's PPOCriticConfig) rlstream decides elsewhere, with the reason; the rest of the
-# engine keys (fsdp.*, attn_impl ...) are dropped by the fallback reason in _translate_critic.
-_CRITIC_DROPPED = {
-    "backend": "the critic runs in the trainer process, with the actor's backend",
-    "dtype": "the critic uses actor.dtype",
-    "disable_dropout": "the critic follows actor.disable_dropout",
-    "gradient_checkpointing": "the critic follows actor.gradient_checkpointing",
-    "mask_no_eos_with_zero": "the critic trains on the actor's loss mask (actor.mask_no_eos_with_zero)",
-    "weight_update_mode": "the critic's weights are never pushed to engines",
-    "scheduling_strategy": "the critic lives in the trainer process, colocated with the actor",
-    "scheduling_spec": "the critic lives in the trainer process, colocated with the actor",
-    "mb_spec.packing_algorithm": "micro-batches are balanced by rlstream's own splitter (trainer/microbatch.py)",
-    "peft_type": "LoRA is the one adapter type (critic.lora)",
-    "experiment_name": "rlstream reads experiment_name once, at the top level",
-    "trial_name": "rlstream reads trial_name once, at the top level",
-    "fileroot": "cluster.fileroot is the one file root",
-}
-
-
-def _translate_critic(t: Translation, data: dict[str, Any], handled: set[str]) -> None:
-    """AReaL's `critic` section (PPOCriticConfig) -> rlstream's `critic` section: the value model of PPO."""
-    critic = data.get("critic")
-    if not isinstance(critic, dict):
-        return
-    t.set("critic", {})
-    lora = {"lora_rank": "rank", "lora_alpha": "alpha", "target_modules": "target_modules"}
-    use_lora = bool(critic.get("use_lora"))
-    for key, value in _leaves(critic):
-        src = f"critic.{key}"
-        handled.add(src)
-        if key == "is_critic":
-            t.translated.append((src, "a critic section (the value model: backbone + scalar head)") if value
-                                else (src, "ignored: a critic section always holds a value model"))
-        elif key == "use_lora":
-            t.translated.append((src, "critic.lora (from lora_rank, lora_alpha, target_modules)" if value
-                                 else "critic.lora: null (full fine-tuning)"))
-        elif key in lora:
-            if use_lora:
-                t.set(f"critic.lora.{lora[key]}", value)
-                t.translated.append((src, f"critic.lora.{lora[key]}"))
-            else:
-                t.dropped.append((src, "critic.use_lora is false"))
-        elif key == "path" and not value:
-            t.translated.append((src, "critic.path: null (actor.path)"))
-        elif src in _SCHEMA and not isinstance(value, dict):
-            t.set(src, value)
-            t.same.append(src)
-        elif why := next((w for k, w in _CRITIC_DROPPED.items() if key == k or key.startswith(k + ".")), None):
-            t.dropped.append((src, why))
-        else:
-            t.dropped.append((src, "an engine setting of AReaL's critic without rlstream equivalent"))
-    if _hub_like(critic.get("path")):
-        t.notes.append(f"critic.path {critic['path']!r} is a hub id: rlstream resolves it offline from the local HF "
-                       "cache (or a folder from `rlstream model get`), never downloads it")
-    if use_lora and "target_modules" not in critic:
-        t.notes.append("critic.use_lora without target_modules: critic.lora.target_modules keeps rlstream's default")
-
-
-def _translate_async_training(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:
-    """Synchronous training is the asynchronous loop with no staleness: each step's groups from the current weights."""
-    if value is not False:
-        t.dropped.append((key, "rlstream is asynchronous; rollout.max_head_offpolicyness bounds how far"))
-        return
-    eta = (data.get("rollout") or {}).get("max_head_offpolicyness")
-    if eta not in (None, 0):
-        raise ConfigError(f"async_training=false with rollout.max_head_offpolicyness={eta}: synchronous training is "
-                          "max_head_offpolicyness=0; drop one of the two")
-    t.translate(key, {"rollout.max_head_offpolicyness": 0}, "synchronous: every group from the current weights")
-
-
-def _translate_ref_temperature(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:
-    """rlstream computes the reference logprobs at actor.temperature, as it computes the policy's."""
-    actor_t = (data.get("actor") or {}).get("temperature", 1.0)
-    if value is None or float(value) == float(actor_t if actor_t is not None else 1.0):
-        t.dropped.append((key, "the reference logprobs use actor.temperature (the same value)"))
-        return
-    raise ConfigError(f"ref.temperature={value} differs from actor.temperature={actor_t}: rlstream computes the "
-                      "reference logprobs at actor.temperature; set both equal")
-
-
-def _translate_name_resolve(t: Translation, data: dict[str, Any], key: str, value: Any) -> None:
-    kind = {"nfs": "redis", "ray": "redis", "etcd3": "etcd", "etcd": "etcd"}.get(str(value))
-    if kind is None:
-        t.dropped.append((key, f"{value!r}: rlstream resolves names with redis, etcd or static"))
-        return
-    why = "engines register in the run's Redis, which every process reaches" if kind == "redis" else "etcd v3"
-    t.translate(key, {key: kind}, why)
-    addr = ((data.get("cluster") or {}).get("name_resolve") or {}).get("etcd3_addr")
-    if kind == "etcd" and addr:
-        t.translate("cluster.name_resolve.etcd3_addr", {"cluster.name_resolve.etcd_address": addr})
-
-
-def _translate_weight_update_mode(t: Translation, key: str, value: Any) -> None:
-    mode = {"xccl": ("distributed", "nccl"), "nccl": ("distributed", "nccl"), "disk": ("disk", None)}.get(str(value))
-    if mode is None:
-        t.dropped.append((key, f"{value!r}: rlstream pushes weights by distributed, disk or ipc"))
-        return
-    t.translate(key, {key: mode[0]} | ({"actor.weight_update_backend": mode[1]} if mode[1] else {}))
 
 
 def _translate_engine_options(t: Translation, engines: dict[str, Any], engine_kind: str | None) -> None:
@@ -635,18 +527,3 @@ def _translate_engine_options(t: Translation, engines: dict[str, Any], engine_ki
             t.set("launcher.slurm.engine_args", args)
 
 
-def _note_hub_names(t: Translation, data: dict[str, Any], actor: dict[str, Any]) -> None:
-    """Notes for paths that look like hub names: rlstream reads them from the local HF caches, never downloads."""
-    for section in ("train_dataset", "valid_dataset"):
-        path = (data.get(section) or {}).get("path") if isinstance(data.get(section), dict) else None
-        if _hub_like(path):
-            t.notes.append(f"{section}.path {path!r} is a hub name: rlstream reads it from the local HF datasets cache "
-                           "(never downloads; set {section}.subset/split as needed)".replace("{section}", section))
-    if _hub_like(actor.get("path")):
-        t.notes.append(f"actor.path {actor['path']!r} is a hub id: rlstream resolves it offline from the local HF cache "
-                       "(or a folder from `rlstream model get`), never downloads it")
-
-
-def _hub_like(path: Any) -> bool:
-    return isinstance(path, str) and path.count("/") == 1 and not path.startswith((".", "/", "~")) \
-        and "." not in path.split("/")[-1][-8:]

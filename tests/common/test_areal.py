@@ -458,31 +458,6 @@ def test_a_critic_with_lora_and_an_empty_path():
         "critic.use_lora is false"
 
 
-def test_the_reference_models_training_settings_are_dropped_with_the_reason():
-    data = {"actor": {"temperature": 0.7}, "gconfig": {"n_samples": 2},
-            "ref": {"path": "/m", "eps_clip": 0.4, "reward_norm": {"mean_level": "group"}, "temperature": 0.7}}
-    t = translate_areal(data)
-    why = dict(t.dropped)
-    assert why["ref.eps_clip"] == why["ref.reward_norm.mean_level"]
-    assert why["ref.eps_clip"].startswith("the reference model only computes logprobs")
-    assert why["ref.temperature"] == "the reference logprobs use actor.temperature (the same value)"
-    data["ref"]["temperature"] = 1.0
-    with pytest.raises(ConfigError, match=r"ref.temperature=1.0 differs from actor.temperature=0.7"):
-        translate_areal(data)
-
-
-def test_async_training_dynamic_sampling_and_is_critic():
-    sync = translate_areal({"async_training": False, "gconfig": {"n_samples": 2}})
-    assert sync.config["rollout"]["max_head_offpolicyness"] == 0
-    assert "async_training" in dict(translate_areal({"async_training": True, "gconfig": {}}).dropped)
-    with pytest.raises(ConfigError, match="max_head_offpolicyness=0"):
-        translate_areal({"async_training": False, "rollout": {"max_head_offpolicyness": 2}})
-    dapo = translate_areal({"actor": {"dynamic_sampling": True, "is_critic": False}})
-    assert dapo.config["producer"]["dynamic_sampling"] is True and "actor.is_critic" in dict(dapo.dropped)
-    with pytest.raises(ConfigError, match="actor.is_critic=true"):
-        translate_areal({"actor": {"is_critic": True}})
-
-
 def test_the_scheduler_reward_model_service_becomes_the_reward_model_pool():
     t = translate_areal({"actor": {"path": "/m"}, "scheduler": {
         "type": "local", "reward_model_path": "/models/rm", "reward_model_service_url": "http://10.0.0.1:30000/classify"}})
