@@ -110,7 +110,8 @@ class ModelRequest:
 
     @classmethod
     def from_gconfig(cls, input_ids: list[int], g: GenerationHyperparameters, **kw: Any) -> "ModelRequest":
-        return cls(input_ids=list(input_ids), max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+        max_new = g.max_new_tokens if g.max_tokens is None else max(min(g.max_new_tokens, g.max_tokens - len(input_ids)), 0)
+        return cls(input_ids=list(input_ids), max_new_tokens=max_new, temperature=g.temperature,
                    top_p=g.top_p, top_k=g.top_k, min_new_tokens=g.min_new_tokens,
                    stop_token_ids=list(g.stop_token_ids), greedy=g.greedy, stop=list(g.stop),
                    frequency_penalty=g.frequency_penalty, presence_penalty=g.presence_penalty,

@@ -83,7 +83,8 @@ def _kind(files: list[str], configured: str, key: str) -> str:
 class PromptDataset:
     """Prompt/answer rows (local files or generated), tokenized once at start-up."""
 
-    def __init__(self, cfg: DatasetConfig, tokenizer: Any, *, seed: int = 1, key: str = "train_dataset") -> None:
+    def __init__(self, cfg: DatasetConfig, tokenizer: Any, *, seed: int = 1, key: str = "train_dataset",
+                 max_total_tokens: int | None = None) -> None:
         self.cfg = cfg
         self.seed = seed
         if cfg.source == "reasoning_gym":
@@ -91,16 +92,20 @@ class PromptDataset:
         else:
             rows, where = self._read(cfg, key), repr(cfg.path)
         self.items: list[tuple[int, str, Any, list[int], dict[str, Any]]] = []
+        # gconfig.max_tokens bounds prompt + output: a prompt of that length leaves no token to generate.
+        limits = [n for n in (cfg.max_prompt_len, max_total_tokens - 1 if max_total_tokens else None) if n is not None]
+        limit = min(limits) if limits else None
         dropped = 0
         for i, row in enumerate(rows):
             prompt_val = row[cfg.prompt_key]
             text, ids = self._tokenize(tokenizer, prompt_val, i, key)
-            if cfg.max_prompt_len is not None and len(ids) > cfg.max_prompt_len:
+            if limit is not None and len(ids) > limit:
                 dropped += 1
                 continue
             self.items.append((i, text, row.get(cfg.answer_key) if self.has_answer else None, ids, row))
         if dropped:
-            log.info("dropped %d of %d prompts longer than %s.max_prompt_len=%d", dropped, len(rows), key, cfg.max_prompt_len)
+            log.info("dropped %d of %d prompts longer than %d tokens (%s.max_prompt_len=%s, gconfig.max_tokens=%s)",
+                     dropped, len(rows), limit, key, cfg.max_prompt_len, max_total_tokens)
         if not self.items:
             raise DatasetError(f"{key}: {where}: no usable prompts ({len(rows)} rows, {dropped} too long)")
         self._perms: dict[int, np.ndarray] = {}

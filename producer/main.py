@@ -75,7 +75,8 @@ class Producer:
         except Exception as exc:  # noqa: BLE001 - one line naming the path
             raise ValueError(f"cannot load the tokenizer from {cfg.tokenizer!r} (tokenizer_path/actor.path): "
                              f"{str(exc).splitlines()[0]}") from None
-        self.dataset = PromptDataset(cfg.train_dataset, self.tokenizer, seed=cfg.seed)
+        self.dataset = PromptDataset(cfg.train_dataset, self.tokenizer, seed=cfg.seed,
+                                     max_total_tokens=cfg.gconfig.max_tokens)
         self.cursor = DatasetCursor(self.client, self.keys, self.dataset, epochs=cfg.data_epochs,
                                     producer_id=self.producer_id)
         await self.cursor.load_state()
@@ -109,7 +110,8 @@ class Producer:
         from rlstream.producer.evaluator import Evaluator
 
         cfg = self.cfg
-        valid = PromptDataset(cfg.valid_dataset, self.tokenizer, seed=cfg.seed, key="valid_dataset")
+        valid = PromptDataset(cfg.valid_dataset, self.tokenizer, seed=cfg.seed, key="valid_dataset",
+                              max_total_tokens=cfg.gconfig.max_tokens)
         return Evaluator(cfg, dataset=valid, tokenizer=self.tokenizer, engine=self.engine, reward=self.rewards,
                          versions=self.versions, evals=AsyncEvalLog(self.client, self.keys),
                          stop_ids=stop_token_ids(self.tokenizer, cfg.actor.path or None, cfg.gconfig.stop_token_ids),

@@ -17,6 +17,9 @@ class GenerationHyperparameters(Section):
     """Samples per prompt; they form one group."""
     max_new_tokens: PositiveInt = 16384
     """Maximum tokens generated per sample."""
+    max_tokens: PositiveInt | None = None
+    """Maximum tokens of prompt + generated tokens (AReaL's key): each request asks for at most max_tokens minus its
+    prompt, and prompts of max_tokens or more are dropped when the dataset loads. None = no such bound."""
     min_new_tokens: NonNegativeInt = 0
     """Minimum tokens generated before a stop token counts."""
     greedy: bool = False

@@ -260,3 +260,14 @@ def test_vllm_payload_and_parse():
         c.parse(answer(bad))
     assert c.headers == {"Authorization": "Bearer k"}
     assert base_url("h:1") == "http://h:1" and base_url("https://h:1/") == "https://h:1"
+
+
+def test_gconfig_max_tokens_bounds_prompt_plus_output():
+    from rlstream.common.config import GenerationHyperparameters
+    from rlstream.common.engine_client import ModelRequest
+
+    g = GenerationHyperparameters(max_new_tokens=16, max_tokens=20)
+    assert ModelRequest.from_gconfig(list(range(3)), g).max_new_tokens == 16  # 3 + 16 <= 20
+    assert ModelRequest.from_gconfig(list(range(8)), g).max_new_tokens == 12  # 20 - 8
+    assert ModelRequest.from_gconfig(list(range(25)), g).max_new_tokens == 0
+    assert ModelRequest.from_gconfig(list(range(8)), GenerationHyperparameters(max_new_tokens=16)).max_new_tokens == 16

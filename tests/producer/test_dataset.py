@@ -234,3 +234,13 @@ def test_generated_source_errors_name_the_key(chat_tokenizer):
         PromptDataset(DatasetConfig(source="reasoning_gym", task="chain_sum", config={"max_term": 3}), chat_tokenizer)
     with pytest.raises(DatasetError, match="train_dataset.source=reasoning_gym needs train_dataset.task"):
         PromptDataset(DatasetConfig(source="reasoning_gym"), chat_tokenizer)
+
+
+def test_gconfig_max_tokens_drops_prompts_that_leave_no_token(tmp_path, tokenizer):
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps({"prompt": "1" * n, "answer": "x"}) + "\n" for n in (2, 5, 9)))
+    lens = sorted(len(PromptDataset(DatasetConfig(path=str(p)), tokenizer).at(i).input_ids) for i in range(3))
+    ds = PromptDataset(DatasetConfig(path=str(p), shuffle=False), tokenizer, max_total_tokens=lens[1] + 1)
+    assert sorted(len(ds.at(i).input_ids) for i in range(len(ds))) == lens[:2]  # the longest leaves no token
+    capped = PromptDataset(DatasetConfig(path=str(p), max_prompt_len=lens[0]), tokenizer, max_total_tokens=100)
+    assert len(capped) == 1
