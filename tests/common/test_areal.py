@@ -456,3 +456,15 @@ def test_a_critic_with_lora_and_an_empty_path():
     t = translate_areal({"gconfig": {}, "critic": {"use_lora": False, "lora_rank": 8}})
     assert load_config_dict(t.config).critic.lora is None and dict(t.dropped)["critic.lora_rank"] == \
         "critic.use_lora is false"
+
+
+def test_m2po_and_wandb_run_keys_import_as_they_are():
+    t = translate_areal({"actor": {"m2_threshold": 0.04, "use_decoupled_loss": True, "recompute_logprob": True},
+                         "stats_logger": {"wandb": {"mode": "offline", "group": "g", "job_type": "train",
+                                                    "tags": ["a", "b"], "notes": "n"}}})
+    assert {"actor.m2_threshold", "stats_logger.wandb.group", "stats_logger.wandb.tags",
+            "stats_logger.wandb.notes", "stats_logger.wandb.job_type"} <= set(t.same)
+    cfg = load_config_dict(t.config)
+    assert cfg.actor.m2_threshold == 0.04
+    w = cfg.stats_logger.wandb
+    assert (w.group, w.job_type, w.tags, w.notes) == ("g", "train", ["a", "b"], "n")
