@@ -306,6 +306,9 @@ def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, 
         _translate_name_resolve(t, data, key, value)
     elif key == "actor.weight_update_mode":
         _translate_weight_update_mode(t, key, value)
+    elif key == "actor.dynamic_sampling":
+        t.translate(key, {"producer.dynamic_sampling": bool(value)}, "the producer drops groups of equal rewards "
+                    "and generates replacements: the batch keeps its size")
     elif key == "cluster.name_resolve.etcd3_addr":
         if ((data.get("cluster") or {}).get("name_resolve") or {}).get("type") not in ("etcd", "etcd3"):
             t.dropped.append((key, "name_resolve.type is not etcd3"))

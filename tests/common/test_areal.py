@@ -468,3 +468,10 @@ def test_m2po_and_wandb_run_keys_import_as_they_are():
     assert cfg.actor.m2_threshold == 0.04
     w = cfg.stats_logger.wandb
     assert (w.group, w.job_type, w.tags, w.notes) == ("g", "train", ["a", "b"], "n")
+
+
+def test_dynamic_sampling_moves_to_the_producer():
+    for value in (True, False):
+        t = translate_areal({"actor": {"dynamic_sampling": value}})
+        assert load_config_dict(t.config).producer.dynamic_sampling is value
+        assert [src for src, _ in t.translated] == ["actor.dynamic_sampling"]
