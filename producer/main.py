@@ -59,7 +59,7 @@ class Producer:
         from rlstream.producer.dataset import DatasetCursor, PromptDataset
         from rlstream.broker.registry import make_engine_resolver
         from rlstream.common.engine_client import ServerPool
-        from rlstream.producer.rewards import RewardPool
+        from rlstream.producer.rewards import RewardPool, import_by_path
         from rlstream.producer.workflow import RolloutEngine, load_workflow
 
         cfg = self.cfg
@@ -79,7 +79,12 @@ class Producer:
                                     producer_id=self.producer_id)
         await self.cursor.load_state()
         self.rewards = RewardPool(cfg.producer.reward_fn, cfg.producer.reward_workers, cfg.producer.reward_timeout)
-        self.workflow = load_workflow(cfg, self.tokenizer, self.rewards)
+        ds_fn = cfg.producer.dynamic_sampling_reward_fn if cfg.producer.dynamic_sampling else None
+        if ds_fn:
+            import_by_path(ds_fn, "producer.dynamic_sampling_reward_fn")  # a bad path names its own key
+        self.filter_rewards = RewardPool(ds_fn, cfg.producer.reward_workers, cfg.producer.reward_timeout) \
+            if ds_fn else None
+        self.workflow = load_workflow(cfg, self.tokenizer, self.rewards, self.filter_rewards)
         self.pool = ServerPool(cfg, make_engine_resolver(cfg, redis_client=self.client))
         await self.pool.start()
         self.engine = RolloutEngine(self.pool, self.versions, resume_wait=cfg.actor.weight_update_timeout)
@@ -110,7 +115,7 @@ class Producer:
     async def _teardown(self) -> None:
         if self.loop is not None:  # leases in flight go, drops already called for go out before the client closes
             await self.loop.close()
-        for name in ("pool", "rewards"):
+        for name in ("pool", "rewards", "filter_rewards"):
             obj = getattr(self, name, None)
             if obj is not None:
                 with contextlib.suppress(Exception):

@@ -202,6 +202,9 @@ def _check(cfg: "Config") -> None:
     """Rules across sections, at load: every process refuses the same bad config at its start."""
     _check_correction(cfg.actor)
     _check_generated(cfg)
+    if cfg.producer.dynamic_sampling_reward_fn and not cfg.producer.dynamic_sampling:
+        raise ConfigError("producer.dynamic_sampling_reward_fn decides the dynamic-sampling filter, which is off: set "
+                          "producer.dynamic_sampling=true or drop it")
     if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.has_rows):
         keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
                 if getattr(cfg.evaluator, k) is not None]

@@ -60,9 +60,14 @@ def _reward(value: Any, ctx: Context) -> None:
 
 
 def _filter_metric(value: Any, ctx: Context) -> str | None:
-    if not value:
+    value = get(ctx.data, f"{_TP}.filter_reward_metric")  # a list arrives here leaf by leaf
+    names = [value] if isinstance(value, str) else list(value or [])
+    if not names:
         return "empty: no dynamic-sampling filter"
-    ctx.t.put(ctx.key, "producer.dynamic_sampling", True)  # one reward function: filter on it
+    if names != ["boxed_math"]:  # the training reward (boxed_math = math_reward, the only one imported)
+        raise ConfigError(f"{ctx.key}={value!r}: rlstream filters on the training reward (boxed_math) or on a function "
+                          "of yours: set producer.dynamic_sampling_reward_fn to module:function scoring it")
+    ctx.t.put(ctx.key, "producer.dynamic_sampling", True)
     return None
 
 

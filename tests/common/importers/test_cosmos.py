@@ -60,6 +60,7 @@ def test_unbiased_advantage_drops_the_std_division():
 @pytest.mark.parametrize("data,message", [
     ({"train": {"train_policy": {"type": "sft"}}}, "type='sft'"),
     ({"train": {"compile": True}}, "compile=True: not in rlstream yet"),
+    ({"train": {"train_policy": {"filter_reward_metric": ["format"]}}}, "producer.dynamic_sampling_reward_fn"),
     ({"train": {"resume": "/ckpt/step_10"}}, "explicit checkpoint path"),
     ({"train": {"train_policy": {"reward_function": {"single_choice": 0.9, "format": 0.1}}}}, "reward_function"),
 ])
@@ -85,3 +86,9 @@ def test_the_algorithm_options_import():
     a = load_config_dict(off.config).actor
     assert a.reference_reset_interval is None and a.positive_nll_coef == 0.0 and a.min_filter_prefix_tokens is None
     assert (a.dtype, a.compute_dtype) == ("bfloat16", None)
+
+
+def test_filter_reward_metric_on_the_training_reward_is_dynamic_sampling():
+    t = import_data("cosmos", {"train": {"train_policy": {"reward_function": "boxed_math",
+                                                          "filter_reward_metric": "boxed_math"}}})
+    assert load_config_dict(t.config).producer.dynamic_sampling is True
