@@ -127,6 +127,10 @@ class PPOActor:
         a = self.a
         stats = PPOStats(kl_in_loss=self.kl_in_loss, entropy_in_loss=a.entropy_coeff > 0,
                          has_ref=self.ref is not None, behav_weighted=self.behav_weighted)
+        for name, on in (("loss/positive_nll", a.positive_nll_coef > 0),
+                         ("ppo/early_stopped_microbatches", a.early_stop_imp_ratio is not None)):
+            if on:  # registered on every rank: the reduction is collective over names
+                stats.tally.total(name, 0.0)
         timings: dict[str, float] = {}
 
         # 1. reference and proximal logprobs
