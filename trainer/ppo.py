@@ -85,6 +85,12 @@ class PPOActor:
         # π_prox/π_behav is weighed in: decoupled loss, or TIS-style on a recomputed old policy.
         self.behav_weighted = a.use_decoupled_loss or (a.recompute_logprob and self.correction is not None)
         self.micro = MicroBatches(par, a.mb_spec, pad_token_id)
+        # (model, optimizer, scheduler) of a reference that resets: recover checkpoints keep its weights (a resumed
+        # run must not fall back to ref.path); the optimizer is a placeholder the checkpoint format asks for.
+        self.ref_part = None
+        if ref is not None and a.reference_reset_interval is not None:
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
+            self.ref_part = (ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda _: 1.0))
         mixed = a.compute_dtype is not None and a.compute_dtype != a.dtype
         self.autocast = partial(torch.autocast, par.device.type, DTYPES[a.compute_dtype]) if mixed \
             else contextlib.nullcontext

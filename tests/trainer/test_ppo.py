@@ -213,3 +213,19 @@ def test_each_option_trains_a_step(tiny_model_path, option):
     stats = actor.train_step(batch, version=0)
     assert math.isfinite(stats["loss/total"]) and math.isfinite(stats["optim/grad_norm"])
     assert any(not torch.equal(v, before[k]) for k, v in actor.model.named_parameters())
+
+
+def test_a_reset_reference_is_kept_by_recover_checkpoints(tiny_model_path, tmp_path):
+    """A resumed run gets the reference as last reset, not ref.path's weights."""
+    from rlstream.trainer.checkpoint import Checkpointer, RankState, TrainState
+    from rlstream.trainer.main import _extra_parts
+
+    actor = _actor(tiny_model_path, "actor.reference_reset_interval=1", ref=True)
+    actor.train_step(_one_batch(actor.model), version=0)  # trains, then resets the reference to the policy
+    ckpt = Checkpointer(tmp_path, actor.par)
+    path = ckpt.save_recover(actor.model, actor.optimizer, actor.scheduler, TrainState(step=1),
+                             RankState(rank=0, consumer="c"), extra=_extra_parts(actor))
+    resumed = _actor(tiny_model_path, "actor.reference_reset_interval=1", ref=True)
+    assert not all(torch.equal(a, b) for a, b in zip(resumed.ref.parameters(), actor.ref.parameters()))
+    ckpt.load_recover(path, resumed.model, resumed.optimizer, resumed.scheduler, extra=_extra_parts(resumed))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.ref.parameters(), actor.ref.parameters()))
