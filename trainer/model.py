@@ -145,4 +145,5 @@ def apply_trainable_map(model: torch.nn.Module, trainable_map: dict[str, bool], 
             modules[name].requires_grad_(flag)
         else:
             close = sorted(n for n in modules if n.split(".")[-1] == name.split(".")[-1])[:5] or sorted(modules)[:5]
-            raise ConfigError(f"{key}: {name!r} is neither a parameter nor a module of the model (e.g. {', '.join(close)})")
+            raise ConfigError(f"{key}: {name!r} is neither a parameter nor a module of the model "
+                              f"(e.g. {', '.join(close)})")

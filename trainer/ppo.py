@@ -49,8 +49,8 @@ from rlstream.trainer.microbatch import minibatch_slices
 from rlstream.trainer.advantages import compute_advantages
 from rlstream.trainer.critic import Critic
 from rlstream.trainer.logprobs import token_logprobs
-from rlstream.trainer.losses import (aggregate, kl_estimate, loglinear_prox_logp, m2po_mask, positive_nll, ppo_token_loss,
-                                     seq_token_counts)
+from rlstream.trainer.losses import (aggregate, kl_estimate, loglinear_prox_logp, m2po_mask, positive_nll,
+                                     ppo_token_loss, seq_token_counts)
 from rlstream.trainer.model import DTYPES
 from rlstream.trainer.parallel import Parallel
 from rlstream.trainer.prefix_filter import prefix_filter_mask

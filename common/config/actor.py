@@ -237,9 +237,9 @@ class ActorConfig(Section):
     frozen parameters stay out of the optimizer. An unknown name is an error. None = all train (LoRA: its adapter;
     with LoRA only false entries may be given)."""
     compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
-    """Mixed precision (cosmos-rl param_dtype under master_dtype): forward passes run under torch.autocast in this dtype
-    while parameters, gradients and the optimizer stay in actor.dtype (e.g. float32 master weights, bfloat16
-    compute, also on CPU). None = actor.dtype, no autocast."""
+    """Mixed precision (cosmos-rl param_dtype under master_dtype): the policy's and the reference's forward passes run
+    under torch.autocast in this dtype while parameters, gradients and the optimizer stay in actor.dtype (e.g. float32
+    master weights, bfloat16 compute, also on CPU; the critic computes in its own dtype). None = actor.dtype."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How token losses become one number."""
     weight_update_mode: Literal["distributed", "disk", "ipc", "none"] = "distributed"

@@ -248,10 +248,11 @@ def _check_correction(a: ActorConfig) -> None:
     if a.aipo_rho is not None and a.policy_loss != "ppo":
         raise ConfigError(f"actor.aipo_rho replaces the PPO clip: it needs actor.policy_loss=ppo, got {a.policy_loss}")
     if a.reference_reset_interval is not None and (a.lora is not None or a.backend != "hf"):
-        raise ConfigError("actor.reference_reset_interval copies the policy's weights into the reference model: it needs "
-                          "actor.backend=hf without actor.lora (unset it, or train all weights)")
+        raise ConfigError("actor.reference_reset_interval copies the policy's weights into the reference model: it "
+                          "needs actor.backend=hf without actor.lora (unset it, or train all weights)")
     if a.trainable_map and a.lora is not None and any(a.trainable_map.values()):
-        raise ConfigError("actor.trainable_map with actor.lora may only freeze (false values): the adapter is what trains")
+        raise ConfigError("actor.trainable_map with actor.lora may only freeze (false values): the adapter is what "
+                          "trains")
     if rs is None:
         return
     if rs.lower is not None and rs.lower > rs.upper:

@@ -475,7 +475,8 @@ def test_aipo_one_sided_clip_matches_cosmos_rl():
 
 
 def _areal_m2po_keep(delta, threshold):
-    """AReaL `_get_m2po_loss_mask` read as a rule: drop the k largest m2, k the first count whose rest averages below."""
+    """AReaL `_get_m2po_loss_mask` read as a rule: drop the k largest m2, k the first count whose rest averages
+    below the threshold."""
     m2 = np.sort(delta ** 2)[::-1]
     n = len(m2)
     k = next((k for k in range(n) if m2[k:].mean() < threshold), n - 1)

@@ -111,7 +111,8 @@ def test_each_correction_trains(algo, tiny_model_path):
 
 def _actor(tiny_model_path, *overrides, ref=False):
     cfg = load_config(None, [
-        f"actor.path={tiny_model_path}", "actor.dtype=float32", f"gconfig.n_samples={G}", f"rollout.consumer_batch_size={B}",
+        f"actor.path={tiny_model_path}", "actor.dtype=float32", f"gconfig.n_samples={G}",
+        f"rollout.consumer_batch_size={B}",
         "actor.optimizer.lr=1e-2", "actor.optimizer.warmup_steps_proportion=0", "actor.mb_spec.max_tokens_per_mb=256",
         f"actor.kl_ctl={0.1 if ref else 0.0}", *overrides])
     torch.manual_seed(0)
@@ -205,7 +206,8 @@ def test_bf16_compute_over_fp32_weights(tiny_model_path):
                for p in actor.model.parameters())
 
 
-@pytest.mark.parametrize("option", ["actor.aipo_rho=2.0", "actor.m2_threshold=0.01", "actor.min_filter_prefix_tokens=1"])
+@pytest.mark.parametrize("option", ["actor.aipo_rho=2.0", "actor.m2_threshold=0.01",
+                                    "actor.min_filter_prefix_tokens=1"])
 def test_each_option_trains_a_step(tiny_model_path, option):
     actor = _actor(tiny_model_path, option, "actor.recompute_logprob=true", "actor.use_decoupled_loss=true")
     batch = _one_batch(actor.model)

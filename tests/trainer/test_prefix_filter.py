@@ -50,7 +50,8 @@ def _batch(outputs, rewards, groups, no_eos=None, prompt=(7, 7)):
     mask = torch.cat([torch.tensor([False] * len(prompt) + [True] * len(o)) for o in outputs])
     n = len(seqs)
     return SeqBatch(input_ids=torch.tensor(sum(seqs, [])), cu_seqlens=cu, prompt_lens=torch.full((n,), len(prompt)),
-                    loss_mask=mask, behav_logp=torch.zeros(len(mask)), versions=torch.zeros(len(mask), dtype=torch.long),
+                    loss_mask=mask, behav_logp=torch.zeros(len(mask)),
+                    versions=torch.zeros(len(mask), dtype=torch.long),
                     rewards=torch.tensor(rewards, dtype=torch.float32),
                     no_eos=torch.tensor(no_eos or [False] * n), group_ids=torch.tensor(groups),
                     entry_ids=[f"g{g}" for g in sorted(set(groups))])
