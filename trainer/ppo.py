@@ -18,7 +18,7 @@ KL(π_behav ‖ π_prox) estimates `behav_kl/k1`, `behav_kl/k3` over all loss to
 `behav_kl/k3_same_version` over tokens sampled by the very weights the trainer recomputed
 with (the pure engine-vs-trainer mismatch; absent when no such token was in the step).
 
-Algorithm options of the other systems (docs/algorithms.md): `mu_iterations` epochs over the batch
+Algorithm options of the other systems (docs/trainer.md): `mu_iterations` epochs over the batch
 (cosmos-rl), AIPO's one-sided clip (`aipo_rho`), M2PO token masking (`m2_threshold`, AReaL), RLinf's
 `early_stop_imp_ratio` per micro-batch, the positive-example NLL (`positive_nll_coef`), the shared-prefix
 filter (`min_filter_prefix_tokens`, trainer/prefix_filter.py), reference resets
