@@ -17,7 +17,7 @@ from typing import Any, Mapping, TextIO
 
 from rlstream.common.config import Config, masked_config_dict
 
-__all__ = ["StatsLogger", "format_line"]
+__all__ = ["StatsLogger", "format_line", "wandb_init_args"]
 
 # Keys shown in the one-line summary, in order: (metric, label, format).
 _LINE = [
@@ -94,9 +94,7 @@ class StatsLogger:
         if w.api_key:
             os.environ.setdefault("WANDB_API_KEY", w.api_key)
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
-        return wandb.init(mode=w.mode, project=w.project or cfg.experiment_name, entity=w.entity,
-                          name=w.name or cfg.trial_name, dir=str(run_dir), config=masked_config_dict(cfg),
-                          reinit="finish_previous")
+        return wandb.init(**wandb_init_args(cfg, run_dir))
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         """One step: stdout line, JSONL record, TensorBoard scalars, wandb log."""
@@ -161,3 +159,11 @@ class StatsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def wandb_init_args(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """The keyword arguments of `wandb.init` from stats_logger.wandb (the run's config masked)."""
+    w = cfg.stats_logger.wandb
+    return dict(mode=w.mode, project=w.project or cfg.experiment_name, entity=w.entity, name=w.name or cfg.trial_name,
+                group=w.group, job_type=w.job_type, tags=list(w.tags) if w.tags is not None else None, notes=w.notes,
+                dir=str(run_dir), config=masked_config_dict(cfg), reinit="finish_previous")

@@ -25,7 +25,7 @@ from rlstream.common.coalesce import Coalescer
 from rlstream.common.logging import get_logger
 from rlstream.common.tasks import cancel_and_wait, complete_despite_cancel
 from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
-from rlstream.producer.workflow import RolloutVersions, current_rollout
+from rlstream.producer.workflow import FILTER_REWARD, RolloutVersions, current_rollout
 
 __all__ = ["AdmitLoop", "Clock", "LoopSettings", "RolloutTiming", "should_accept"]
 
@@ -40,9 +40,10 @@ def should_accept(cfg: Any, group: TrajectoryGroup) -> bool:
 
 
 def _rewards_all_equal(group: TrajectoryGroup) -> bool:
+    """On the filter reward (producer.dynamic_sampling_reward_fn, in the metadata) where the workflow scored one."""
     if len(group.trajectories) < 2:
         return False
-    rewards = [t.reward for t in group.trajectories]
+    rewards = [float(t.metadata.get(FILTER_REWARD, t.reward)) for t in group.trajectories]
     return max(rewards) - min(rewards) < 1e-9
 
 

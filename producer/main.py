@@ -60,7 +60,7 @@ class Producer:
         from rlstream.broker.registry import make_engine_resolver
         from rlstream.common.engine_client import ServerPool
         from rlstream.producer.reward_model import make_reward_model_stage
-        from rlstream.producer.rewards import RewardPool
+        from rlstream.producer.rewards import RewardPool, import_by_path
         from rlstream.producer.workflow import RolloutEngine, load_workflow
 
         cfg = self.cfg
@@ -81,7 +81,12 @@ class Producer:
                                     producer_id=self.producer_id)
         await self.cursor.load_state()
         self.rewards = RewardPool(cfg.producer.reward_fn, cfg.producer.reward_workers, cfg.producer.reward_timeout)
-        self.workflow = load_workflow(cfg, self.tokenizer, self.rewards)
+        ds_fn = cfg.producer.dynamic_sampling_reward_fn if cfg.producer.dynamic_sampling else None
+        if ds_fn:
+            import_by_path(ds_fn, "producer.dynamic_sampling_reward_fn")  # a bad path names its own key
+        self.filter_rewards = RewardPool(ds_fn, cfg.producer.reward_workers, cfg.producer.reward_timeout) \
+            if ds_fn else None
+        self.workflow = load_workflow(cfg, self.tokenizer, self.rewards, self.filter_rewards)
         self.reward_model = make_reward_model_stage(cfg, self.tokenizer, self.client)
         if self.reward_model is not None:
             await self.reward_model.pool.start()
@@ -122,7 +127,8 @@ class Producer:
         if self.loop is not None:  # leases in flight go, drops already called for go out before the client closes
             await self.loop.close()
         stage = getattr(self, "reward_model", None)
-        for obj in (getattr(self, "pool", None), getattr(self, "rewards", None), stage and stage.pool):
+        for obj in (getattr(self, "pool", None), getattr(self, "rewards", None), getattr(self, "filter_rewards", None),
+                    stage and stage.pool):
             if obj is not None:
                 with contextlib.suppress(Exception):
                     await obj.close()

@@ -37,9 +37,11 @@ from rlstream.common.wire import Trajectory, TrajectoryGroup
 from rlstream.producer.rewards import import_by_path
 
 __all__ = ["Workflow", "Generation", "FollowedVersion", "RolloutVersions", "current_rollout", "RolloutEngine",
-           "RLVRWorkflow", "load_workflow"]
+           "RLVRWorkflow", "load_workflow", "FILTER_REWARD"]
 
 log = get_logger(__name__)
+
+FILTER_REWARD = "filter_reward"  # trajectory metadata: producer.dynamic_sampling_reward_fn's score
 
 
 class FollowedVersion:
@@ -224,11 +226,12 @@ def _truncate_at_eos(ids: list[int], eos: set[int]) -> list[int]:
 class RLVRWorkflow:
     """Single-turn RL with verifiable rewards: `gconfig.n_samples` samples of one prompt."""
 
-    def __init__(self, cfg: Config, tokenizer: Any, reward: Any, **_: Any) -> None:
+    def __init__(self, cfg: Config, tokenizer: Any, reward: Any, filter_reward: Any = None, **_: Any) -> None:
         self.cfg = cfg
         self.gconfig = cfg.gconfig
         self.tokenizer = tokenizer
         self.reward = reward
+        self.filter_reward = filter_reward  # producer.dynamic_sampling_reward_fn's pool, or None
         self.producer_id = cfg.producer.producer_id or ""
         # The one source of stop tokens: the tokenizer's EOS, the model's generation_config eos
         # ids (e.g. <|im_end|> / <|eot_id|> of chat models) and gconfig.stop_token_ids.
@@ -246,14 +249,18 @@ class RLVRWorkflow:
         eos = set(self.stop_ids)
         completions = [self.tokenizer.decode(_truncate_at_eos(g.output_ids, eos), skip_special_tokens=True)
                        for g in gens]
-        results: list[RewardResult] = await asyncio.gather(*(
-            self.reward(item.prompt, c, item.answer, prompt_ids=list(item.input_ids), completion_ids=list(g.output_ids))
-            for c, g in zip(completions, gens)))
+        scorers = [self.reward] + ([self.filter_reward] if self.filter_reward is not None else [])
+        scores: list[RewardResult] = await asyncio.gather(*(
+            fn(item.prompt, c, item.answer, prompt_ids=list(item.input_ids), completion_ids=list(g.output_ids))
+            for fn in scorers for c, g in zip(completions, gens)))
+        results, filters = scores[:len(gens)], scores[len(gens):]
         trajs = []
-        for g, r in zip(gens, results):
+        for i, (g, r) in enumerate(zip(gens, results)):
             meta: dict[str, Any] = {"interruptions": g.interruptions}
             if r.error is not None:
                 meta["reward_error"] = r.error
+            if filters:
+                meta[FILTER_REWARD] = filters[i].reward
             trajs.append(Trajectory.from_arrays(item.input_ids, g.output_ids, g.output_logprobs, g.output_versions,
                                                 r.reward, g.finish_reason, meta))
         return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=str(item.prompt_id),
@@ -261,10 +268,15 @@ class RLVRWorkflow:
                                trajectories=trajs, metadata={"epoch": item.epoch, "position": item.position})
 
 
-def load_workflow(cfg: Config, tokenizer: Any, reward: Any) -> Workflow:
-    """Build `producer.workflow` (import path) with cfg, tokenizer and reward."""
+def load_workflow(cfg: Config, tokenizer: Any, reward: Any, filter_reward: Any = None) -> Workflow:
+    """Build `producer.workflow` (import path) with cfg, tokenizer and reward (and the dynamic-sampling filter
+    reward's pool, which only RLVRWorkflow takes)."""
     factory = import_by_path(cfg.producer.workflow, "producer.workflow")
-    wf = factory(cfg=cfg, tokenizer=tokenizer, reward=reward)
+    if filter_reward is not None and factory is not RLVRWorkflow:
+        raise ValueError(f"producer.dynamic_sampling_reward_fn is scored by the built-in RLVRWorkflow; "
+                         f"producer.workflow={cfg.producer.workflow!r} would ignore it: unset one of them")
+    extra = {"filter_reward": filter_reward} if filter_reward is not None else {}
+    wf = factory(cfg=cfg, tokenizer=tokenizer, reward=reward, **extra)
     if not hasattr(wf, "arun_episode"):
         raise ValueError(f"producer.workflow={cfg.producer.workflow!r} built {type(wf).__name__}, "
                          "which has no arun_episode(engine, item)")

@@ -12,6 +12,7 @@ sampled), proximal logprobs `prox` and current `logp`,
     pg = max(-A·r, -A·clip(r, 1-eps, 1+eps_high)),   dual clip: min(pg, c·|A|)
          CISPO: -sg(clip(r, 1-eps, 1+eps_high))·A·logp
          SAPO:  -(4/τ)·σ(τ·(r-1))·A, τ = tau_pos if A > 0 else tau_neg (AReaL sapo_loss_fn)
+         AIPO:  -min(r, ρ)·A (arXiv 2505.24034; cosmos-rl grpo_trainer.compute_loss with aipo_rho)
     w  = exp(prox - behav), then corrected (`behaviour_correction`: masked or truncated by
          `rejection_sampling`: AReaL's rejection sampling, TIS, IcePop, MIS, sequence masks)
     token loss = pg · w
@@ -33,7 +34,7 @@ from rlstream.common.config import RejectionSamplingConfig
 
 __all__ = [
     "kl_estimate", "loglinear_prox_logp", "Correction", "behaviour_correction", "PPOLossOut", "ppo_token_loss",
-    "aggregate", "seq_token_counts",
+    "aggregate", "seq_token_counts", "m2po_mask", "positive_nll",
 ]
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -192,13 +193,14 @@ def ppo_token_loss(
     importance_sampling_level: str = "token",
     policy_loss: str = "ppo",
     sapo_tau: tuple[float, float] = (1.0, 1.05),
+    aipo_rho: float | None = None,
     seq_idx: torch.Tensor | None = None,
     n_seqs: int | None = None,
 ) -> PPOLossOut:
     """Per-token policy loss (see module docstring); `behav_logp` given = weighted by π_prox/π_behav.
 
     `behav_imp_weight_cap` is the old spelling of `correction` {token, mask, ratio, upper=cap}.
-    `sapo_tau` = (tau_pos, tau_neg) of policy_loss=sapo.
+    `sapo_tau` = (tau_pos, tau_neg) of policy_loss=sapo; `aipo_rho` set: AIPO instead of the PPO clip.
     """
     if behav_imp_weight_cap is not None:
         if correction is not None:
@@ -233,6 +235,11 @@ def ppo_token_loss(
         # term, so clipped tokens still pass a gradient through log π_θ.
         pg = -clipped.detach() * advantages * logp
         clip_mask = (ratio.detach() != clipped.detach()) & mask
+        dual_clip_mask = torch.zeros_like(mask)
+    elif policy_loss == "ppo" and aipo_rho is not None:
+        # AIPO: one-sided clip; above rho the token keeps its loss but passes no gradient.
+        pg = -ratio.clamp(max=aipo_rho) * advantages
+        clip_mask = (ratio.detach() > aipo_rho) & mask
         dual_clip_mask = torch.zeros_like(mask)
     elif policy_loss == "ppo":
         pg1 = -advantages * ratio
@@ -272,6 +279,40 @@ def _sapo_token_loss(ratio: torch.Tensor, advantages: torch.Tensor, tau_pos: flo
     gate_pos = torch.sigmoid(tau_pos * (ratio - 1.0)) * (4.0 / tau_pos)
     gate_neg = torch.sigmoid(tau_neg * (ratio - 1.0)) * (4.0 / tau_neg)
     return -torch.where(adv > 0, gate_pos, gate_neg) * adv
+
+
+def m2po_mask(behav_logp: torch.Tensor, prox_logp: torch.Tensor, loss_mask: torch.Tensor,
+              threshold: float) -> torch.Tensor:
+    """M2PO's loss mask (AReaL `_apply_m2po_masking` / `_get_m2po_loss_mask`, areal/trainer/ppo/actor.py).
+
+    The second moment m2 = (log π_behav - log π_prox)² of every loss token; sorted from the largest, the
+    first k tokens are dropped, k the smallest count such that the mean m2 of the remaining tokens is
+    below `threshold` (all but one when no count gets there).
+    """
+    mask = loss_mask.bool()
+    delta = behav_logp.detach().float() - prox_logp.detach().float()
+    m2 = (delta * delta)[mask]
+    n = m2.numel()
+    if n == 0:
+        return mask
+    sorted_m2, order = torch.sort(m2, descending=True)
+    suffix_mean = sorted_m2.flip(0).cumsum(0).flip(0) / torch.arange(n, 0, -1, dtype=sorted_m2.dtype,
+                                                                     device=m2.device)
+    below = torch.nonzero(suffix_mean < threshold)
+    n_drop = int(below[0]) if below.numel() else n - 1
+    keep_sorted = torch.ones(n, dtype=torch.bool, device=m2.device)
+    keep_sorted[:n_drop] = False
+    keep = torch.empty_like(keep_sorted)
+    keep[order] = keep_sorted
+    out = torch.zeros_like(mask)
+    out[mask] = keep
+    return out
+
+
+def positive_nll(logp: torch.Tensor, positive: torch.Tensor, denom: float | torch.Tensor) -> torch.Tensor:
+    """cosmos-rl's positive-example LM loss: Σ -log π_θ over the `positive` tokens / `denom` (their count over
+    the minibatch; cosmos-rl grpo_trainer: -mean of the positive samples' token logprobs)."""
+    return -torch.where(positive.bool(), logp, torch.zeros_like(logp)).sum() / denom
 
 
 def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, mode: AggMode = "token-mean", *,

@@ -315,9 +315,13 @@ def _build_actor(cfg: Config, par: Parallel, total_steps: int) -> tuple[PPOActor
 
 
 def _extra_parts(actor: PPOActor) -> dict[str, Part]:
-    """The models trained besides the policy, saved and restored with it by recover checkpoints."""
+    """The models trained besides the policy (and a resetting reference), saved and restored with it by recover
+    checkpoints."""
     c = actor.critic
-    return {"critic": Part(c.model, c.optimizer, c.scheduler)} if c is not None else {}
+    parts = {"critic": Part(c.model, c.optimizer, c.scheduler)} if c is not None else {}
+    if actor.ref_part is not None:
+        parts["ref"] = Part(*actor.ref_part)
+    return parts
 
 
 def _resume(cfg: Config, par: Parallel, checkpointer: Checkpointer, actor: PPOActor, recovering: bool,

@@ -18,7 +18,8 @@ import torch
 from rlstream.common.config import ActorConfig, ConfigError, LoRAConfig
 from rlstream.common.models import check_model_folder, resolve_model_path
 
-__all__ = ["DTYPES", "check_model_path", "load_causal_lm", "load_model", "disable_dropout", "apply_lora", "is_lora"]
+__all__ = ["DTYPES", "check_model_path", "load_causal_lm", "load_model", "disable_dropout", "apply_lora", "is_lora",
+           "apply_trainable_map"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -56,6 +57,8 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
         disable_dropout(model)
     if trainable and actor.lora is not None:
         model = apply_lora(model, actor.lora)
+    if trainable and actor.trainable_map:
+        apply_trainable_map(model, actor.trainable_map)
     if trainable:
         if actor.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -125,3 +128,22 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig, *, key: str = "actor.lo
                         target_modules=targets[0] if targets == ["all-linear"] else targets, bias="none",
                         task_type=task_type)
     return get_peft_model(model, config)
+
+
+def apply_trainable_map(model: torch.nn.Module, trainable_map: dict[str, bool], *,
+                        key: str = "actor.trainable_map") -> None:
+    """cosmos-rl's `apply_trainable` (cosmos_rl/policy/model/base.py): in the map's order, each name (a parameter's,
+    or a module's path: all its parameters) gets requires_grad = its flag; the optimizer then skips the frozen ones.
+    A name that is neither is a ConfigError naming a few there are."""
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    modules.pop("", None)
+    for name, flag in trainable_map.items():
+        if name in params:
+            params[name].requires_grad_(flag)
+        elif name in modules:
+            modules[name].requires_grad_(flag)
+        else:
+            close = sorted(n for n in modules if n.split(".")[-1] == name.split(".")[-1])[:5] or sorted(modules)[:5]
+            raise ConfigError(f"{key}: {name!r} is neither a parameter nor a module of the model "
+                              f"(e.g. {', '.join(close)})")

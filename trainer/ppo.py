@@ -18,6 +18,12 @@ KL(π_behav ‖ π_prox) estimates `behav_kl/k1`, `behav_kl/k3` over all loss to
 `behav_kl/k3_same_version` over tokens sampled by the very weights the trainer recomputed
 with (the pure engine-vs-trainer mismatch; absent when no such token was in the step).
 
+Algorithm options of the other systems (docs/trainer.md): `mu_iterations` epochs over the batch
+(cosmos-rl), AIPO's one-sided clip (`aipo_rho`), M2PO token masking (`m2_threshold`, AReaL), RLinf's
+`early_stop_imp_ratio` per micro-batch, the positive-example NLL (`positive_nll_coef`), the shared-prefix
+filter (`min_filter_prefix_tokens`, trainer/prefix_filter.py), reference resets
+(`reference_reset_interval`) and bf16 autocast over fp32 weights (`compute_dtype`).
+
 With a critic (`critic.*`, trainer/critic.py) its values of the batch enter GAE, and after the
 policy's minibatches the value model takes its own minibatch steps towards the returns.
 
@@ -30,6 +36,7 @@ the same update (tests/trainer/test_parallel.py).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from functools import partial
@@ -42,8 +49,11 @@ from rlstream.trainer.microbatch import minibatch_slices
 from rlstream.trainer.advantages import compute_advantages
 from rlstream.trainer.critic import Critic
 from rlstream.trainer.logprobs import token_logprobs
-from rlstream.trainer.losses import aggregate, kl_estimate, loglinear_prox_logp, ppo_token_loss, seq_token_counts
+from rlstream.trainer.losses import (aggregate, kl_estimate, loglinear_prox_logp, m2po_mask, positive_nll,
+                                     ppo_token_loss, seq_token_counts)
+from rlstream.trainer.model import DTYPES
 from rlstream.trainer.parallel import Parallel
+from rlstream.trainer.prefix_filter import prefix_filter_mask
 from rlstream.trainer.stats import PPOStats
 from rlstream.trainer.update import MicroBatches
 
@@ -75,14 +85,35 @@ class PPOActor:
         # π_prox/π_behav is weighed in: decoupled loss, or TIS-style on a recomputed old policy.
         self.behav_weighted = a.use_decoupled_loss or (a.recompute_logprob and self.correction is not None)
         self.micro = MicroBatches(par, a.mb_spec, pad_token_id)
+        # (model, optimizer, scheduler) of a reference that resets: recover checkpoints keep its weights (a resumed
+        # run must not fall back to ref.path); the optimizer is a placeholder the checkpoint format asks for.
+        self.ref_part = None
+        if ref is not None and a.reference_reset_interval is not None:
+            ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
+            self.ref_part = (ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda _: 1.0))
+        mixed = a.compute_dtype is not None and a.compute_dtype != a.dtype
+        self.autocast = partial(torch.autocast, par.device.type, DTYPES[a.compute_dtype]) if mixed \
+            else contextlib.nullcontext
 
     # ------------------------------------------------------------------ helpers
     def _reduce_sum(self, tensors: list[torch.Tensor]) -> None:
         self.par.all_reduce(tensors, "sum")
 
     def _logp(self, model: torch.nn.Module, batch: SeqBatch, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return token_logprobs(model, batch, temperature=self.a.temperature, packing=self.a.mb_spec.packing,
-                              device=self.par.device, pad_token_id=self.pad_token_id, outputs_only=True, **kw)
+        with self.autocast():
+            return token_logprobs(model, batch, temperature=self.a.temperature, packing=self.a.mb_spec.packing,
+                                  device=self.par.device, pad_token_id=self.pad_token_id, outputs_only=True, **kw)
+
+    @torch.no_grad()
+    def reset_reference(self) -> None:
+        """The reference model takes the policy's current weights (cosmos-rl reference_reset_interval), and the
+        optimizer forgets its moments when reset_optimizer_with_reference says so."""
+        ref_state = self.ref.state_dict()
+        for name, value in self.module.state_dict().items():
+            value = value.full_tensor() if hasattr(value, "full_tensor") else value
+            ref_state[name].copy_(value)
+        if self.a.reset_optimizer_with_reference:
+            self.optimizer.state.clear()
 
     @torch.no_grad()
     def forward_logp(self, model: torch.nn.Module, batch: SeqBatch) -> torch.Tensor:
@@ -102,6 +133,10 @@ class PPOActor:
         a = self.a
         stats = PPOStats(kl_in_loss=self.kl_in_loss, entropy_in_loss=a.entropy_coeff > 0,
                          has_ref=self.ref is not None, behav_weighted=self.behav_weighted)
+        for name, on in (("loss/positive_nll", a.positive_nll_coef > 0),
+                         ("ppo/early_stopped_microbatches", a.early_stop_imp_ratio is not None)):
+            if on:  # registered on every rank: the reduction is collective over names
+                stats.tally.total(name, 0.0)
         timings: dict[str, float] = {}
 
         # 1. reference and proximal logprobs
@@ -124,23 +159,28 @@ class PPOActor:
         # 3. rewards -> per-token advantages
         adv = compute_advantages(batch, a, self.cfg.gconfig.max_new_tokens, old_logp=old_logp, ref_logp=ref_logp,
                                  kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum, values=values)
+        if a.min_filter_prefix_tokens is not None:
+            adv.loss_mask = prefix_filter_mask(batch, adv.loss_mask, a.min_filter_prefix_tokens)
         stats.batch(batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
+        positive = adv.loss_mask & (batch.rewards > 0)[batch.seq_index()]
 
         # 4. PPO minibatches
         lr = float(self.scheduler.get_last_lr()[0])
         max_norm = a.optimizer.gradient_clipping if a.optimizer.gradient_clipping > 0 else math.inf
-        minibatches = minibatch_slices(batch.n_seqs, a.ppo_n_minibatches)
+        minibatches = minibatch_slices(batch.n_seqs, a.ppo_n_minibatches) * a.mu_iterations  # epochs: all again
         for mb_seqs in minibatches:
             tok = batch.token_index(mb_seqs)
             seq_of_tok = torch.repeat_interleave(torch.arange(len(mb_seqs)), batch.seq_lens[mb_seqs]) if mb_seqs \
                 else torch.zeros(0, dtype=torch.long)
             counts = seq_token_counts(adv.loss_mask[tok], seq_of_tok, len(mb_seqs))
-            denoms = torch.tensor([float(counts.sum()), float((counts > 0).sum())], dtype=torch.float64)
+            denoms = torch.tensor([float(counts.sum()), float((counts > 0).sum()), float(positive[tok].sum())],
+                                  dtype=torch.float64)
             self._reduce_sum([denoms])
-            token_denom, seq_denom = max(float(denoms[0]), 1.0), max(float(denoms[1]), 1.0)
+            token_denom, seq_denom, pos_denom = (max(float(d), 1.0) for d in denoms)
 
             micro_loss = partial(self._micro_loss, batch, adv=adv, behav=behav, prox_all=prox_all, ref_logp=ref_logp,
-                                 version=version, token_denom=token_denom, seq_denom=seq_denom, stats=stats)
+                                 version=version, token_denom=token_denom, seq_denom=seq_denom, stats=stats,
+                                 positive=(positive, pos_denom))
             grad_norm, skipped = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
                                                            micro_loss, max_norm)
             stats.optimizer_step(grad_norm, skipped, self.par.world_size)
@@ -149,11 +189,15 @@ class PPOActor:
 
         # 5. the value model's minibatches towards the returns
         critic_stats = self.critic.train(batch, adv, values) if self.critic is not None else {}
+        interval = a.reference_reset_interval
+        if self.ref is not None and interval is not None and (version + 1) % interval == 0:
+            self.reset_reference()
         return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats
 
     def _micro_loss(self, batch: SeqBatch, seqs: list[int], *, adv, behav: torch.Tensor,
                     prox_all: torch.Tensor | None, ref_logp: torch.Tensor | None, version: int,
-                    token_denom: float, seq_denom: float, stats: PPOStats) -> torch.Tensor:
+                    token_denom: float, seq_denom: float, stats: PPOStats,
+                    positive: tuple[torch.Tensor, float]) -> torch.Tensor:
         a, dev = self.a, self.par.device
         sub = batch.select(seqs)
         tok = batch.token_index(seqs)
@@ -166,11 +210,13 @@ class PPOActor:
             prox = loglinear_prox_logp(behav_mb, logp, sub.versions.to(dev), version)
         else:
             prox = prox_all[tok].to(dev)
-        out = ppo_token_loss(logp, prox, adv.advantages[tok].to(dev), mask, eps_clip=a.eps_clip,
+        pg_mask = mask if a.m2_threshold is None else m2po_mask(behav_mb, prox, mask, a.m2_threshold)
+        out = ppo_token_loss(logp, prox, adv.advantages[tok].to(dev), pg_mask, eps_clip=a.eps_clip,
                              eps_clip_higher=a.eps_clip_higher, c_clip=a.c_clip,
                              behav_logp=behav_mb if self.behav_weighted else None, correction=self.correction,
                              importance_sampling_level=a.importance_sampling_level, policy_loss=a.policy_loss,
-                             sapo_tau=(a.sapo_tau_pos, a.sapo_tau_neg), seq_idx=seq_idx, n_seqs=n)
+                             sapo_tau=(a.sapo_tau_pos, a.sapo_tau_neg), aipo_rho=a.aipo_rho, seq_idx=seq_idx,
+                             n_seqs=n)
         agg = partial(aggregate, loss_mask=mask, mode=a.loss_agg_mode, seq_idx=seq_idx, n_seqs=n,
                       token_denom=token_denom, seq_denom=seq_denom)
         pg = agg(out.token_loss)
@@ -186,6 +232,15 @@ class PPOActor:
             ent_term = agg(ent)
             loss = loss - a.entropy_coeff * ent_term
             stats.loss_term("loss/entropy", ent_term)
+        if a.positive_nll_coef > 0:
+            nll = positive_nll(logp, positive[0][tok].to(dev), positive[1])
+            loss = loss + a.positive_nll_coef * nll
+            stats.loss_term("loss/positive_nll", nll)
+        if a.early_stop_imp_ratio is not None:
+            kept = out.behav_mask if out.behav_mask is not None else pg_mask
+            if kept.any() and float(out.ratio[kept].mean()) > a.early_stop_imp_ratio:  # RLinf: abandon it
+                loss = loss * 0.0
+                stats.tally.total("ppo/early_stopped_microbatches", 1.0)
         stats.loss_term("loss/pg", pg)
         stats.loss_term("loss/total", loss)
         stats.tokens(out, mask, logp, prox, ent)

@@ -197,7 +197,7 @@ class PPOStats:
             res["reward/accuracy"] = pos
         am, asq = res.get("adv/mean", 0.0), res.pop("adv/_sq", 0.0)
         res["adv/std"] = math.sqrt(max(asq - am * am, 0.0))
-        for k in ("loss/pg", "loss/kl", "loss/entropy", "loss/total"):
+        for k in ("loss/pg", "loss/kl", "loss/entropy", "loss/positive_nll", "loss/total"):
             if k in res:
                 res[k] /= n_minibatches
         if not self.kl_in_loss:

@@ -205,6 +205,41 @@ class ActorConfig(Section):
     """policy_loss=sapo: gate temperature for tokens with a zero or negative advantage."""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """token (PPO/GRPO) or sequence (GSPO) ratios."""
+    mu_iterations: PositiveInt = 1
+    """PPO epochs over each batch (cosmos-rl mu_iterations): every one of the ppo_n_minibatches runs this many times on
+    the same batch, with advantages and old/proximal logprobs computed once before the first."""
+    aipo_rho: Annotated[float, Meta(gt=0)] | None = None
+    """AIPO (arXiv 2505.24034, cosmos-rl aipo_rho): the policy loss becomes -min(r, rho)·A, a one-sided clip of the
+    importance ratio r = π_θ/π_old (no lower bound, no dual clip); needs policy_loss=ppo; None = off."""
+    m2_threshold: PositiveFloat | None = None
+    """M2PO (AReaL m2_threshold): in each micro-batch, the loss tokens with the largest second moment
+    (log π_behav - log π_prox)² leave the policy loss until the mean over the rest is below this (at least one token
+    stays); they still count in the loss denominators. None = off."""
+    early_stop_imp_ratio: PositiveFloat | None = None
+    """RLinf early_stop_imp_ratio: a micro-batch whose mean importance ratio π_θ/π_old over its loss tokens exceeds
+    this contributes no loss (each rank judges its own micro-batch). None = off."""
+    positive_nll_coef: NonNegativeFloat = 0.0
+    """cosmos-rl positive_nll_coef: adds coef · NLL, the mean of -log π_θ over the loss tokens of samples with a
+    positive raw reward (over the minibatch), to the loss; 0 = off."""
+    min_filter_prefix_tokens: PositiveInt | None = None
+    """cosmos-rl min_filter_prefix_tokens: in a group whose rewards differ, samples sharing a longest common output
+    prefix of at least this many tokens with different rewards leave that prefix out of the loss (unless the prefix is
+    the whole output); None = off."""
+    reference_reset_interval: PositiveInt | None = None
+    """cosmos-rl reference_reset_interval: every N train steps (after step N, 2N, ...) the reference model takes the
+    current policy's weights; used with kl_ctl > 0. None = never."""
+    reset_optimizer_with_reference: bool = True
+    """cosmos-rl reset_optimizer_with_reference: a reference reset also clears the optimizer's state (Adam moments; the
+    learning-rate schedule goes on)."""
+    trainable_map: dict[str, bool] | None = None
+    """Parameter freezing (cosmos-rl policy.trainable_map): {name: train?} where a name is a parameter's
+    (model.named_parameters()) or a module's path (all its parameters), applied in order on top of "all train";
+    frozen parameters stay out of the optimizer. An unknown name is an error. None = all train (LoRA: its adapter;
+    with LoRA only false entries may be given)."""
+    compute_dtype: Literal["float32", "bfloat16", "float16"] | None = None
+    """Mixed precision (cosmos-rl param_dtype under master_dtype): the policy's and the reference's forward passes run
+    under torch.autocast in this dtype while parameters, gradients and the optimizer stay in actor.dtype (e.g. float32
+    master weights, bfloat16 compute, also on CPU; the critic computes in its own dtype). None = actor.dtype."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How token losses become one number."""
     weight_update_mode: Literal["distributed", "disk", "ipc", "none"] = "distributed"

@@ -204,6 +204,9 @@ def _check(cfg: "Config") -> None:
     _check_correction(cfg.actor)
     _check_generated(cfg)
     check_scoring(cfg)
+    if cfg.producer.dynamic_sampling_reward_fn and not cfg.producer.dynamic_sampling:
+        raise ConfigError("producer.dynamic_sampling_reward_fn decides the dynamic-sampling filter, which is off: set "
+                          "producer.dynamic_sampling=true or drop it")
     if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.has_rows):
         keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
                 if getattr(cfg.evaluator, k) is not None]
@@ -244,6 +247,14 @@ def _check_correction(a: ActorConfig) -> None:
         key = "actor.rejection_sampling" if rs is not None else "actor.behav_imp_weight_cap"
         raise ConfigError(f"{key} corrects π_prox/π_behav, which is 1 without a recomputed policy: "
                           "set actor.use_decoupled_loss=true or actor.recompute_logprob=true, or drop it")
+    if a.aipo_rho is not None and a.policy_loss != "ppo":
+        raise ConfigError(f"actor.aipo_rho replaces the PPO clip: it needs actor.policy_loss=ppo, got {a.policy_loss}")
+    if a.reference_reset_interval is not None and (a.lora is not None or a.backend != "hf"):
+        raise ConfigError("actor.reference_reset_interval copies the policy's weights into the reference model: it "
+                          "needs actor.backend=hf without actor.lora (unset it, or train all weights)")
+    if a.trainable_map and a.lora is not None and any(a.trainable_map.values()):
+        raise ConfigError("actor.trainable_map with actor.lora may only freeze (false values): the adapter is what "
+                          "trains")
     if rs is None:
         return
     if rs.lower is not None and rs.lower > rs.upper:

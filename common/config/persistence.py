@@ -73,6 +73,14 @@ class WandbConfig(Section):
     """wandb run name (None = trial_name)."""
     api_key: str | None = None
     """wandb API key; masked in logs and `config show`."""
+    group: str | None = None
+    """wandb run group (runs of one experiment side by side; None = none)."""
+    job_type: str | None = None
+    """wandb job type (e.g. train, eval; None = none)."""
+    tags: list[str] | None = None
+    """wandb run tags (None = none)."""
+    notes: str | None = None
+    """wandb run notes, a longer description of the run (None = none)."""
 
 
 class TensorBoardConfig(Section):

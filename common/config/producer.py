@@ -23,7 +23,11 @@ class ProducerConfig(Section):
     reward_workers: PositiveInt = 2
     """Processes in the reward pool."""
     dynamic_sampling: bool = False
-    """Drop groups whose rewards are all equal (DAPO dynamic sampling)."""
+    """Drop groups whose rewards are all equal (DAPO dynamic sampling); the producer generates replacements."""
+    dynamic_sampling_reward_fn: str | None = None
+    """With dynamic_sampling: import path `module:function` (as reward_fn) of a second reward whose scores decide
+    which groups are all-equal and dropped (cosmos-rl filter_reward_metric); training still uses reward_fn. Needs the
+    built-in RLVRWorkflow. None = filter on the training reward."""
     producer_id: str | None = None
     """Stable producer id (resumable dataset position); None = hostname-pid."""
     max_groups: PositiveInt | None = None

@@ -7,7 +7,7 @@ from typing import Any, Callable
 from rlstream.common.config import ConfigError
 from rlstream.common.importers.rules import Context, Drop, Table
 
-__all__ = ["HYDRA", "engine_arg", "dtype_of", "off_or_value", "device_count"]
+__all__ = ["HYDRA", "engine_arg", "dtype_of", "dtype_of_name", "off_or_value", "device_count"]
 
 # Hydra's composition keys: rlstream imports one resolved file.
 HYDRA: Table = {
@@ -32,6 +32,11 @@ def engine_arg(flag: str) -> Callable[[Any, Context], str | None]:
 
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16", "16": "float16",
            "fp32": "float32", "float32": "float32", "32": "float32"}
+
+
+def dtype_of_name(value: Any) -> str | None:
+    """bf16 / fp16 / fp32 (and torch's names) -> rlstream's dtype name; None when unknown."""
+    return _DTYPES.get(str(value).lower())
 
 
 def dtype_of(value: Any, ctx: Context) -> str | None:

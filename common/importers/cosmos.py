@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.common import dtype_of, engine_arg, off_or_value
+from rlstream.common.importers.common import dtype_of, dtype_of_name, engine_arg, off_or_value
 from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
@@ -59,9 +59,53 @@ def _reward(value: Any, ctx: Context) -> None:
 
 
 def _filter_metric(value: Any, ctx: Context) -> str | None:
-    if not value:
+    value = get(ctx.data, f"{_TP}.filter_reward_metric")  # a list arrives here leaf by leaf
+    names = [value] if isinstance(value, str) else list(value or [])
+    if not names:
         return "empty: no dynamic-sampling filter"
-    ctx.t.put(ctx.key, "producer.dynamic_sampling", True)  # one reward function: filter on it
+    if names != ["boxed_math"]:  # the training reward (boxed_math = math_reward, the only one imported)
+        raise ConfigError(f"{ctx.key}={value!r}: rlstream filters on the training reward (boxed_math) or on a function "
+                          "of yours: set producer.dynamic_sampling_reward_fn to module:function scoring it")
+    ctx.t.put(ctx.key, "producer.dynamic_sampling", True)
+    return None
+
+
+def _prefix_filter(value: Any, ctx: Context) -> str | None:
+    if value is None or int(value) < 1:
+        return f"{value!r}: no shared-prefix filter"
+    ctx.t.put(ctx.key, "actor.min_filter_prefix_tokens", int(value))
+    return None
+
+
+def _reference_reset(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return f"{value!r}: the reference model is never reset"
+    ctx.t.put(ctx.key, "actor.reference_reset_interval", int(value))
+    return None
+
+
+def _master_dtype(value: Any, ctx: Context) -> str | None:
+    """cosmos-rl keeps weights and optimizer in master_dtype (default float32) and computes in param_dtype."""
+    return dtype_of(value if value is not None else "float32", ctx)
+
+
+def _param_dtype(value: Any, ctx: Context) -> str | None:
+    if value is None:
+        return "null: compute in the master dtype"
+    compute = dtype_of_name(value)
+    if compute is None:
+        raise ConfigError(f"{ctx.key}={value!r}: rlstream computes in bf16, fp16 or fp32 (actor.compute_dtype)")
+    if compute == dtype_of_name(get(ctx.data, "train.master_dtype") or "float32"):
+        return f"{value!r}: the same as master_dtype, no autocast"
+    ctx.t.put(ctx.key, "actor.compute_dtype", compute)
+    return None
+
+
+def _trainable_map(value: Any, ctx: Context) -> str | None:
+    value = get(ctx.data, "policy.trainable_map")  # a mapping arrives here leaf by leaf
+    if not value:
+        return "empty: every parameter trains"
+    ctx.t.config.setdefault("actor", {})["trainable_map"] = {str(k): bool(v) for k, v in value.items()}
     return None
 
 
@@ -274,7 +318,7 @@ TABLE: Table = {
     f"{_TP}.temperature": Convert(("gconfig.temperature", "actor.temperature"), _temperature),
     f"{_TP}.epsilon_low": Same("actor.eps_clip"),
     f"{_TP}.epsilon_high": Same("actor.eps_clip_higher"),
-    f"{_TP}.positive_nll_coef": Missing("the LM loss on positive samples", off=(None, 0, 0.0)),
+    f"{_TP}.positive_nll_coef": Same("actor.positive_nll_coef"),
     f"{_TP}.lower_bound_ratio": Same("actor.c_clip"),
     f"{_TP}.loss_type": Same("actor.loss_agg_mode"),
     f"{_TP}.unbiased_loss_max_tokens": Missing("Dr.GRPO's constant loss normaliser", off=(None,)),
@@ -283,8 +327,8 @@ TABLE: Table = {
     f"{_TP}.overlong_reward.buffer_length": Same("actor.overlong_tokens"),
     f"{_TP}.overlong_reward.penalty_factor": Same("actor.overlong_penalty_factor"),
     f"{_TP}.kl_beta": Same("actor.kl_ctl"),
-    f"{_TP}.aipo_rho": Missing("AIPO's clipped importance weight", off=(None,)),
-    f"{_TP}.mu_iterations": Missing("several PPO epochs over each batch", off=(1, None)),
+    f"{_TP}.aipo_rho": Same("actor.aipo_rho"),
+    f"{_TP}.mu_iterations": Same("actor.mu_iterations"),
     f"{_TP}.batch_size_per_optimize": Convert(("actor.ppo_n_minibatches",), _minibatches,
                                               "train_batch_per_replica / this"),
     f"{_TP}.max_token_len_per_mini_batch": Same("actor.mb_spec.max_tokens_per_mb"),
@@ -293,11 +337,10 @@ TABLE: Table = {
     f"{_TP}.on_policy": Convert(("rollout.max_head_offpolicyness",), _on_policy, "true = 0"),
     f"{_TP}.outdated_rollout_fetch_batch_size": Drop("the consumer reads rollout.consumer_batch_size groups per "
                                                      "step and drops the too-stale ones at read time"),
-    f"{_TP}.min_filter_prefix_tokens": Missing("filtering samples by the importance ratio of their first tokens"),
+    f"{_TP}.min_filter_prefix_tokens": Convert(("actor.min_filter_prefix_tokens",), _prefix_filter),
     f"{_TP}.max_retry_for_on_policy": Drop("producers keep generating until the step's batch is complete"),
-    f"{_TP}.reference_reset_interval": Missing("resetting the reference model to the policy", off=(None, 0)),
-    f"{_TP}.reset_optimizer_with_reference": Missing("resetting the optimizer with the reference model",
-                                                     off=(False, None)),
+    f"{_TP}.reference_reset_interval": Convert(("actor.reference_reset_interval",), _reference_reset),
+    f"{_TP}.reset_optimizer_with_reference": Same("actor.reset_optimizer_with_reference"),
     f"{_TP}.use_decoupled_loss": Same("actor.use_decoupled_loss"),
     f"{_TP}.behav_imp_weight_cap": Same("actor.behav_imp_weight_cap"),
     f"{_TP}.rollout_as_token_ids": Drop("rollouts always travel as token ids"),
@@ -312,8 +355,8 @@ TABLE: Table = {
     "train.optm_decay_type": Convert(("actor.optimizer.lr_scheduler_type",), _decay),
     "train.optm_min_lr_factor": Same("actor.optimizer.min_lr_ratio"),
     "train.optm_grad_norm_clip": Same("actor.optimizer.gradient_clipping"),
-    "train.master_dtype": Missing("float32 master weights under bfloat16 compute (actor.dtype is both)"),
-    "train.param_dtype": Convert(("actor.dtype",), dtype_of),
+    "train.master_dtype": Convert(("actor.dtype",), _master_dtype, "the weights' and optimizer's dtype"),
+    "train.param_dtype": Convert(("actor.compute_dtype",), _param_dtype, "autocast dtype when it differs"),
     "train.transfer_dtype": Drop("weights are pushed to the engines in the trainer's dtype"),
     "train.fsdp_reduce_dtype": Drop("gradients are reduced in the parameter dtype"),
     "train.fsdp_offload": Drop(_OFFLOAD),
@@ -402,7 +445,7 @@ TABLE: Table = {
     "policy.lora.r_pattern": Missing("per-module LoRA rank", off=(None, {})),
     "policy.lora.init_lora_weights": Missing("LoRA initialisation schemes (peft's default is used)",
                                              off=(True, None, "gaussian")),
-    "policy.trainable_map": Missing("freezing parameters by name", off=(None, {})),
+    "policy.trainable_map": Convert(("actor.trainable_map",), _trainable_map),
     "policy.enable_liger_kernel": Drop(_KERNEL),
     "logging.logger": Convert(("stats_logger.wandb.mode",), _loggers, "wandb in the list = online"),
     "logging.project_name": Same("stats_logger.wandb.project"),

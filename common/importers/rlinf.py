@@ -175,7 +175,7 @@ TABLE: Table = {
     "algorithm.clip_ratio_c": Same("actor.c_clip"),
     "algorithm.adv_type": Convert(("actor.reward_norm",), _adv_type, "grpo = group mean/std"),
     "algorithm.normalize_advantages": Convert(("actor.adv_norm",), _normalize_adv, "batch mean/std or null"),
-    "algorithm.early_stop_imp_ratio": Missing("stopping an update early on the importance ratio"),
+    "algorithm.early_stop_imp_ratio": Same("actor.early_stop_imp_ratio"),
     "algorithm.use_valid_token_scale": Missing("scaling the loss by the valid-token fraction", off=(False, None)),
     "algorithm.sampling_params.use_greedy": Same("gconfig.greedy"),
     "algorithm.sampling_params.temperature": Same("gconfig.temperature"),

@@ -469,3 +469,22 @@ def test_the_scheduler_reward_model_service_becomes_the_reward_model_pool():
     t = translate_areal({"actor": {"path": "/m"}, "scheduler": {"reward_model_path": ""}})
     assert load_config_dict(t.config).reward_model is None
     assert dict(t.dropped)["scheduler.reward_model_path"].startswith("empty: no reward model")
+
+
+def test_m2po_and_wandb_run_keys_import_as_they_are():
+    t = translate_areal({"actor": {"m2_threshold": 0.04, "use_decoupled_loss": True, "recompute_logprob": True},
+                         "stats_logger": {"wandb": {"mode": "offline", "group": "g", "job_type": "train",
+                                                    "tags": ["a", "b"], "notes": "n"}}})
+    assert {"actor.m2_threshold", "stats_logger.wandb.group", "stats_logger.wandb.tags",
+            "stats_logger.wandb.notes", "stats_logger.wandb.job_type"} <= set(t.same)
+    cfg = load_config_dict(t.config)
+    assert cfg.actor.m2_threshold == 0.04
+    w = cfg.stats_logger.wandb
+    assert (w.group, w.job_type, w.tags, w.notes) == ("g", "train", ["a", "b"], "n")
+
+
+def test_dynamic_sampling_moves_to_the_producer():
+    for value in (True, False):
+        t = translate_areal({"actor": {"dynamic_sampling": value}})
+        assert load_config_dict(t.config).producer.dynamic_sampling is value
+        assert [src for src, _ in t.translated] == ["actor.dynamic_sampling"]

@@ -319,3 +319,15 @@ def test_environ_without_credentials_keeps_ordinary_settings_only():
            "RLSTREAM_CONFIG": "/c.yaml", "BROKER": "rediss://u:pw@h:1/0", "NOTE": "has s3cr3t-value-registered in it"}
     assert environ_without_credentials(env) == {"PATH": "/usr/bin", "TOKENIZERS_PARALLELISM": "false",
                                                 "OMP_NUM_THREADS": "1", "HF_HOME": "/data/hf"}
+
+
+def test_seed_algorithm_options_refuse_what_they_cannot_do():
+    for overrides, message in [
+        (["actor.aipo_rho=2", "actor.policy_loss=cispo"], "actor.aipo_rho replaces the PPO clip"),
+        (["actor.reference_reset_interval=5", "actor.lora.rank=4"], "actor.reference_reset_interval copies"),
+        (['actor.trainable_map={"lm_head": true}', "actor.lora.rank=4"], "actor.trainable_map with actor.lora"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(None, overrides)
+    cfg = load_config(None, ['actor.trainable_map={"lm_head": false}', "actor.lora.rank=4", "actor.mu_iterations=3"])
+    assert cfg.actor.trainable_map == {"lm_head": False} and cfg.actor.mu_iterations == 3

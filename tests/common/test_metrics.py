@@ -25,3 +25,21 @@ def test_stats_logger_all_sinks_offline(tmp_path, capsys):
     silent = StatsLogger(cfg, enabled=False)
     silent.log(3, {"x": 1.0})
     silent.close()
+
+
+def test_wandb_group_tags_notes_reach_the_run(tmp_path):
+    """stats_logger.wandb.{group, job_type, tags, notes} are passed to wandb.init and land on the (offline) run."""
+    from rlstream.common.metrics import StatsLogger, wandb_init_args
+
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", "stats_logger.wandb.mode=offline",
+                             "stats_logger.wandb.group=sweep-7", "stats_logger.wandb.job_type=train",
+                             "stats_logger.wandb.tags=[grpo,tiny]", "stats_logger.wandb.notes=a note"])
+    args = wandb_init_args(cfg, Path(cfg.run_dir))
+    assert (args["group"], args["job_type"], args["tags"], args["notes"]) == ("sweep-7", "train", ["grpo", "tiny"],
+                                                                               "a note")
+    logger = StatsLogger(cfg, total_steps=1)
+    run = logger._wandb
+    assert (run.group, run.job_type, list(run.tags), run.notes) == ("sweep-7", "train", ["grpo", "tiny"], "a note")
+    logger.close()
+    default = wandb_init_args(load_config(None, [f"cluster.fileroot={tmp_path}"]), Path(tmp_path))
+    assert default["group"] is None and default["tags"] is None and default["notes"] is None

@@ -164,6 +164,19 @@ def test_should_accept_refuses_all_equal_rewards_only_with_dynamic_sampling():
     assert should_accept(off, make_group(n_samples=3, reward=1.0))
 
 
+def test_should_accept_decides_on_the_filter_reward_when_one_was_scored():
+    """producer.dynamic_sampling_reward_fn (cosmos-rl filter_reward_metric): its scores, not the training rewards."""
+    on = SimpleNamespace(producer=SimpleNamespace(dynamic_sampling=True))
+    equal_training = make_group(n_samples=2, reward=1.0)
+    for t, f in zip(equal_training.trajectories, (0.0, 1.0)):
+        t.metadata = {**t.metadata, "filter_reward": f}
+    assert should_accept(on, equal_training)
+    varied = varied_group()
+    for t in varied.trajectories:
+        t.metadata = {**t.metadata, "filter_reward": 0.5}
+    assert not should_accept(on, varied)
+
+
 async def test_running_rollouts_never_exceed_max_concurrent_and_each_group_is_committed_once(make_loop, rclient, keys):
     loop, runner = make_loop(eta=10, batch=10, max_concurrent=3, max_groups=9)
     async with running(loop) as task:

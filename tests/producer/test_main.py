@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import time
@@ -552,6 +553,28 @@ def test_dynamic_sampling_rejects_all_equal_groups(shared_engine, producers, tmp
                                max_concurrent_rollouts=3).snapshot()
     assert snap.accepted == 0 and snap.running == 0 and snap.rejected == 6
     assert TrajectoryStream(rclient, keys).length() == 0
+
+
+def test_dynamic_sampling_filters_on_its_own_reward_fn(shared_engine, producers, tmp_path, tiny_model_path, redis_url,
+                                                      experiment, rclient, monkeypatch):
+    """The same impossible answers (training rewards all 0), filtered on a second reward that tells the completions
+    apart (producer.dynamic_sampling_reward_fn): groups are accepted, carrying both scores."""
+    keys = ns_keys(experiment)
+    data = tmp_path / "impossible.jsonl"
+    data.write_text("".join(f'{{"question": "{i}=", "solution": "never produced {i}"}}\n' for i in range(6)))
+    (tmp_path / "ds_filter_reward.py").write_text(
+        "def by_text(prompt, completion, answer, **kw):\n    return float(sum(map(ord, completion)) % 97)\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    p = producers(producer_overrides(tiny_model_path, redis_url, experiment, data,
+                                     f"rollout.engine_addresses=[{shared_engine.address}]",
+                                     "producer.dynamic_sampling=true",
+                                     "producer.dynamic_sampling_reward_fn=ds_filter_reward:by_text",
+                                     "rollout.consumer_batch_size=2", "rollout.max_concurrent_rollouts=3",
+                                     "rollout.max_head_offpolicyness=10"), "dsf")
+    assert p.wait(180) == 0, p.log()[-3000:]
+    groups = stream_groups(rclient, keys)
+    assert groups and all(t.reward == 0.0 for g in groups for t in g.trajectories)
+    assert all(len({t.metadata["filter_reward"] for t in g.trajectories}) > 1 for g in groups)
 
 
 @pytest.mark.slow

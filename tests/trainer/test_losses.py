@@ -450,3 +450,68 @@ def test_removed_areal_weight_modes_as_import_areal_writes_them(mode):
             assert out.token_loss.numpy() == pytest.approx(plain * w_old, rel=1e-6, abs=1e-12)
             acted += int((w_old != np.where(mask, np.exp(prox - behav), 0.0)).sum())
     assert acted > 0
+
+
+# ---- AIPO, M2PO, positive-example NLL (the seeds' algorithm options) ----------------------------------
+
+def test_aipo_one_sided_clip_matches_cosmos_rl():
+    """cosmos-rl grpo_trainer.compute_loss with aipo_rho: per_token_loss = -clamp(ratio, max=rho) * A."""
+    from rlstream.trainer.losses import ppo_token_loss
+
+    g = torch.Generator().manual_seed(3)
+    prox = -torch.rand(64, generator=g, dtype=torch.float64) * 3
+    logp = (prox + torch.randn(64, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(64, generator=g, dtype=torch.float64)
+    mask = torch.rand(64, generator=g) > 0.2
+    rho = 2.0
+    out = ppo_token_loss(logp, prox, adv, mask, eps_clip=0.2, aipo_rho=rho)
+    r = np.exp(logp.detach().numpy() - prox.numpy())
+    want = np.where(mask.numpy(), -np.minimum(r, rho) * adv.numpy(), 0.0)
+    np.testing.assert_allclose(out.token_loss.detach().numpy(), want, atol=1e-6)
+    assert out.clip_mask.tolist() == ((torch.from_numpy(r) > rho) & mask).tolist()
+    out.token_loss.sum().backward()
+    # d/dlogp of -r·A is -r·A below rho, 0 above it (the clamp passes no gradient), 0 off the mask.
+    np.testing.assert_allclose(logp.grad.numpy(), np.where(mask.numpy() & (r < rho), -r * adv.numpy(), 0.0), atol=1e-6)
+
+
+def _areal_m2po_keep(delta, threshold):
+    """AReaL `_get_m2po_loss_mask` read as a rule: drop the k largest m2, k the first count whose rest averages
+    below the threshold."""
+    m2 = np.sort(delta ** 2)[::-1]
+    n = len(m2)
+    k = next((k for k in range(n) if m2[k:].mean() < threshold), n - 1)
+    cut = m2[k - 1] if k > 0 else np.inf
+    order = np.argsort(-(delta ** 2), kind="stable")
+    keep = np.ones(n, dtype=bool)
+    keep[order[:k]] = False
+    assert k == 0 or (delta[order[:k]] ** 2 >= cut).all()
+    return keep
+
+
+@pytest.mark.parametrize("threshold", [1e-4, 0.05, 0.3, 10.0])
+def test_m2po_mask_matches_areal(threshold):
+    from rlstream.trainer.losses import m2po_mask
+
+    g = torch.Generator().manual_seed(5)
+    behav = -torch.rand(200, generator=g, dtype=torch.float64) * 2
+    prox = behav + torch.randn(200, generator=g, dtype=torch.float64) * 0.3
+    mask = torch.rand(200, generator=g) > 0.25
+    keep = m2po_mask(behav, prox, mask, threshold)
+    want = np.zeros(200, dtype=bool)
+    want[mask.numpy()] = _areal_m2po_keep((behav - prox).numpy()[mask.numpy()], threshold)
+    assert keep.tolist() == want.tolist()
+    kept_m2 = ((behav - prox) ** 2)[keep]
+    assert keep.sum() >= 1 and (kept_m2.mean() < threshold or keep.sum() == 1)
+    assert not (keep & ~mask).any()
+
+
+def test_positive_nll_is_mean_nll_of_positive_tokens():
+    """cosmos-rl: l_nll = -mean(current logprobs of the loss tokens of samples with reward > 0)."""
+    from rlstream.trainer.losses import positive_nll
+
+    logp = torch.tensor([-0.5, -1.0, -2.0, -0.1, -3.0], dtype=torch.float64)
+    positive = torch.tensor([True, True, False, True, False])
+    assert float(positive_nll(logp, positive, positive.sum())) == pytest.approx((0.5 + 1.0 + 0.1) / 3, abs=1e-12)
+    # Split over two micro-batches with the minibatch's count as denominator: the same total.
+    halves = positive_nll(logp[:2], positive[:2], 3) + positive_nll(logp[2:], positive[2:], 3)
+    assert float(halves) == pytest.approx((0.5 + 1.0 + 0.1) / 3, abs=1e-12)

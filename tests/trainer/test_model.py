@@ -32,3 +32,28 @@ def test_disable_dropout(tmp_path, tiny_model_path):
     assert torch.equal(a, b)
     assert model.config.attention_dropout == 0.0
     assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in model.modules())
+
+
+def test_trainable_map_freezes_in_order_and_the_optimizer_skips_frozen(tiny_model_path):
+    """cosmos-rl apply_trainable: names of parameters or modules, applied in order on top of "all train"."""
+    import pytest
+
+    from rlstream.common.config import ConfigError
+    from rlstream.trainer.optim import build_optimizer
+
+    cfg = load_config(None, [f"actor.path={tiny_model_path}",
+                             'actor.trainable_map={"model": false, "model.layers.1.mlp": true, '
+                             '"model.layers.1.mlp.up_proj.weight": false}'])
+    model = load_causal_lm(str(tiny_model_path), cfg.actor)
+    trains = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert trains == ["lm_head.weight", "model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.gate_proj.weight"]
+    opt = build_optimizer(model.parameters(), cfg.actor.optimizer)
+    assert sum(len(g["params"]) for g in opt.param_groups) == 3
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(input_ids=torch.arange(4, 20)[None]).logits.square().mean().backward()
+    opt.step()
+    changed = sorted(n for n, p in model.named_parameters() if not torch.equal(p, before[n]))
+    assert changed == trains
+    bad = load_config(None, [f"actor.path={tiny_model_path}", 'actor.trainable_map={"model.layers.9": false}'])
+    with pytest.raises(ConfigError, match="actor.trainable_map: 'model.layers.9' is neither"):
+        load_causal_lm(str(tiny_model_path), bad.actor)

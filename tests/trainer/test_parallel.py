@@ -16,7 +16,7 @@ from rlstream.consumer.synthetic import synthetic_groups
 torch.set_num_threads(1)
 
 
-def _overrides(tmp_path, redis_url, experiment, model_path):
+def _overrides(tmp_path, redis_url, experiment, model_path, *extra):
     return [
         f"experiment_name={experiment}", f"redis.url={redis_url}", f"actor.path={model_path}",
         f"cluster.fileroot={tmp_path / 'runs'}", "total_train_steps=2", "rollout.consumer_batch_size=4",
@@ -28,7 +28,7 @@ def _overrides(tmp_path, redis_url, experiment, model_path):
         # a small token budget: several micro-batches, a different number on each rank
         "actor.mb_spec.max_tokens_per_mb=48", "actor.use_decoupled_loss=true", "actor.recompute_logprob=true",
         "actor.reward_norm.mean_level=group", "actor.reward_norm.std_level=group",  # adv_norm: batch level
-        "rollout.max_head_offpolicyness=4", "recover.mode=disabled", "stats_logger.tensorboard.enabled=false",
+        "rollout.max_head_offpolicyness=4", "recover.mode=disabled", "stats_logger.tensorboard.enabled=false", *extra,
     ]
 
 
@@ -38,8 +38,15 @@ def _write(rclient, experiment, vocab, model):
         stream.append(g)
 
 
+# The seeds' options that normalise over the whole minibatch keep ranks and one process equal too (an
+# early-stop threshold that never binds still registers its counter on both ranks).
+OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positive_nll_coef=0.1",
+                                         "actor.early_stop_imp_ratio=100"]}
+
+
 @pytest.mark.slow
-def test_two_rank_ddp_matches_one_process(tmp_path, redis_url, rclient, experiment, tiny_model_path):
+@pytest.mark.parametrize("options", list(OPTIONS))
+def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient, experiment, tiny_model_path):
     from transformers import AutoModelForCausalLM
 
     from rlstream.trainer.main import train
@@ -52,11 +59,12 @@ def test_two_rank_ddp_matches_one_process(tmp_path, redis_url, rclient, experime
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "rlstream.launcher.cli", "train", *_overrides(tmp_path, redis_url, ddp, tiny_model_path)]
+           "-m", "rlstream.launcher.cli", "train",
+           *_overrides(tmp_path, redis_url, ddp, tiny_model_path, *OPTIONS[options])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
-    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path)))
+    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, *OPTIONS[options])))
 
     # Both ranks read their half of each step's groups through the consumer group.
     recs = StepLog(rclient, Keys(namespace(ddp, "trial0"))).all()

@@ -105,3 +105,129 @@ def test_each_correction_trains(algo, tiny_model_path):
     if rs is not None:
         key = "imp_weight/masked_frac" if rs.action == "mask" else "imp_weight/clamped_frac"
         assert max(s[key] for s in stats) > 0, key
+
+
+# ---- the seeds' algorithm options, each on one real step ------------------------------------------------
+
+def _actor(tiny_model_path, *overrides, ref=False):
+    cfg = load_config(None, [
+        f"actor.path={tiny_model_path}", "actor.dtype=float32", f"gconfig.n_samples={G}",
+        f"rollout.consumer_batch_size={B}",
+        "actor.optimizer.lr=1e-2", "actor.optimizer.warmup_steps_proportion=0", "actor.mb_spec.max_tokens_per_mb=256",
+        f"actor.kl_ctl={0.1 if ref else 0.0}", *overrides])
+    torch.manual_seed(0)
+    par = Parallel()
+    model = load_model(cfg.actor.path, cfg.actor, par.device)
+    ref_model = load_model(cfg.actor.path, cfg.actor, par.device, trainable=False) if ref else None
+    opt = build_optimizer(model.parameters(), cfg.actor.optimizer)
+    return PPOActor(cfg, model, opt, build_scheduler(opt, cfg.actor.optimizer, STEPS), par, ref=ref_model)
+
+
+def _one_batch(model, seed=1, version=0):
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(4, model.config.vocab_size, (B, PROMPT), generator=gen).repeat_interleave(G, 0)
+    ids, logps = _sample(copy.deepcopy(model).eval(), torch.zeros(model.config.vocab_size), prompts, gen)
+    return _batch(ids, logps, version)
+
+
+def _params(model):
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def test_mu_iterations_run_every_minibatch_again_on_the_same_batch(tiny_model_path):
+    """mu_iterations=2 is two train steps on the same batch when nothing is recomputed between them (old = behaviour
+    logprobs, advantages from the rewards); the optimizer takes mu · ppo_n_minibatches steps."""
+    two_epochs = _actor(tiny_model_path, "actor.mu_iterations=2", "actor.ppo_n_minibatches=2")
+    two_steps = _actor(tiny_model_path, "actor.ppo_n_minibatches=2")
+    batch = _one_batch(two_epochs.model)
+    stats = two_epochs.train_step(batch, version=0)
+    two_steps.train_step(batch, version=0)
+    two_steps.train_step(batch, version=0)
+    first = next(iter(two_epochs.optimizer.state.values()))
+    assert int(first["step"]) == 4 and math.isfinite(stats["loss/total"])
+    a, b = _params(two_epochs.model), _params(two_steps.model)
+    assert all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+
+
+def test_reference_reset_copies_the_policy_and_clears_the_optimizer(tiny_model_path):
+    actor = _actor(tiny_model_path, "actor.reference_reset_interval=2", ref=True)
+    batch = _one_batch(actor.model)
+    start = _params(actor.ref)
+    actor.train_step(batch, version=0)  # after step 1: no reset
+    assert all(torch.equal(v, start[k]) for k, v in actor.ref.named_parameters()) and actor.optimizer.state
+    actor.train_step(batch, version=1)  # after step 2: the reference is the policy
+    policy = _params(actor.model)
+    assert all(torch.equal(v, policy[k]) for k, v in actor.ref.named_parameters())
+    assert not actor.optimizer.state
+    kept = _actor(tiny_model_path, "actor.reference_reset_interval=1", "actor.reset_optimizer_with_reference=false",
+                  ref=True)
+    kept.train_step(batch, version=0)
+    assert kept.optimizer.state
+
+
+def test_early_stop_imp_ratio_abandons_micro_batches(tiny_model_path):
+    """RLinf: a micro-batch whose mean ratio exceeds the threshold contributes no loss (ratio is ~1 on the first
+    minibatch, so a threshold of 0.5 abandons all; one of 100 abandons none)."""
+    stopped = _actor(tiny_model_path, "actor.early_stop_imp_ratio=0.5", "actor.ppo_n_minibatches=1")
+    batch = _one_batch(stopped.model)
+    before = _params(stopped.model)
+    stats = stopped.train_step(batch, version=0)
+    assert stats["ppo/early_stopped_microbatches"] >= 1 and stats["loss/total"] == 0.0
+    assert all(torch.equal(v, before[k]) for k, v in stopped.model.named_parameters())
+    going = _actor(tiny_model_path, "actor.early_stop_imp_ratio=100", "actor.ppo_n_minibatches=1")
+    stats = going.train_step(batch, version=0)
+    assert stats["ppo/early_stopped_microbatches"] == 0
+    assert any(not torch.equal(v, before[k]) for k, v in going.model.named_parameters())
+
+
+def test_positive_nll_is_the_mean_nll_of_positive_samples(tiny_model_path):
+    actor = _actor(tiny_model_path, "actor.positive_nll_coef=0.5", "actor.ppo_n_minibatches=1")
+    batch = _one_batch(actor.model)
+    batch.rewards = (batch.rewards > batch.rewards.median()).float()  # a 0/1 reward: some samples positive
+    logp = actor.forward_logp(actor.model, batch)
+    positive = batch.loss_mask & (batch.rewards > 0)[batch.seq_index()]
+    assert 0 < int(positive.sum()) < int(batch.loss_mask.sum())  # some samples have reward 0
+    stats = actor.train_step(batch, version=0)
+    assert stats["loss/positive_nll"] == pytest.approx(float(-logp[positive].mean()), abs=1e-5)
+    assert stats["loss/total"] == pytest.approx(stats["loss/pg"] + 0.5 * stats["loss/positive_nll"], abs=1e-5)
+
+
+def test_bf16_compute_over_fp32_weights(tiny_model_path):
+    actor = _actor(tiny_model_path, "actor.compute_dtype=bfloat16", "actor.ppo_n_minibatches=1")
+    batch = _one_batch(actor.model)
+    with actor.autocast():
+        assert actor.model(input_ids=batch.input_ids[None, :8]).logits.dtype == torch.bfloat16
+    fp32 = _actor(tiny_model_path, "actor.ppo_n_minibatches=1")
+    mixed, full = actor.forward_logp(actor.model, batch), fp32.forward_logp(fp32.model, batch)
+    assert not torch.equal(mixed, full) and torch.allclose(mixed, full, atol=0.1)
+    stats = actor.train_step(batch, version=0)
+    assert math.isfinite(stats["loss/total"])
+    assert all(p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32)
+               for p in actor.model.parameters())
+
+
+@pytest.mark.parametrize("option", ["actor.aipo_rho=2.0", "actor.m2_threshold=0.01",
+                                    "actor.min_filter_prefix_tokens=1"])
+def test_each_option_trains_a_step(tiny_model_path, option):
+    actor = _actor(tiny_model_path, option, "actor.recompute_logprob=true", "actor.use_decoupled_loss=true")
+    batch = _one_batch(actor.model)
+    before = _params(actor.model)
+    stats = actor.train_step(batch, version=0)
+    assert math.isfinite(stats["loss/total"]) and math.isfinite(stats["optim/grad_norm"])
+    assert any(not torch.equal(v, before[k]) for k, v in actor.model.named_parameters())
+
+
+def test_a_reset_reference_is_kept_by_recover_checkpoints(tiny_model_path, tmp_path):
+    """A resumed run gets the reference as last reset, not ref.path's weights."""
+    from rlstream.trainer.checkpoint import Checkpointer, RankState, TrainState
+    from rlstream.trainer.main import _extra_parts
+
+    actor = _actor(tiny_model_path, "actor.reference_reset_interval=1", ref=True)
+    actor.train_step(_one_batch(actor.model), version=0)  # trains, then resets the reference to the policy
+    ckpt = Checkpointer(tmp_path, actor.par)
+    path = ckpt.save_recover(actor.model, actor.optimizer, actor.scheduler, TrainState(step=1),
+                             RankState(rank=0, consumer="c"), extra=_extra_parts(actor))
+    resumed = _actor(tiny_model_path, "actor.reference_reset_interval=1", ref=True)
+    assert not all(torch.equal(a, b) for a, b in zip(resumed.ref.parameters(), actor.ref.parameters()))
+    ckpt.load_recover(path, resumed.model, resumed.optimizer, resumed.scheduler, extra=_extra_parts(resumed))
+    assert all(torch.equal(a, b) for a, b in zip(resumed.ref.parameters(), actor.ref.parameters()))

@@ -37,7 +37,9 @@ def test_the_example_maps_to_these_rlstream_keys(imported):
     assert cfg.actor.ppo_n_minibatches == 1 and cfg.actor.c_clip == 3.0  # cosmos-rl's defaults
     assert cfg.producer.reward_fn == "rlstream.producer.rewards:math_reward"  # boxed_math
     assert cfg.train_dataset.prompt_key == "prompt" and cfg.train_dataset.answer_key == "result"
-    assert cfg.actor.path == "Qwen/Qwen2.5-3B-Instruct" and cfg.actor.dtype == "bfloat16"
+    assert cfg.actor.path == "Qwen/Qwen2.5-3B-Instruct"
+    assert cfg.actor.dtype == "float32" and cfg.actor.compute_dtype == "bfloat16"  # master float32, param bf16
+    assert cfg.actor.mu_iterations == 1 and cfg.actor.min_filter_prefix_tokens == 1
     assert cfg.saver.freq_steps == 20 and cfg.recover.mode == "disabled" and cfg.total_train_epochs == 1
     assert cfg.stats_logger.wandb.mode == "online" and cfg.stats_logger.wandb.project == "cosmos_rl"
     assert cfg.rollout.backend == "vllm" and cfg.launcher.n_engines == 1 and cfg.launcher.n_trainer_procs == 1
@@ -45,7 +47,6 @@ def test_the_example_maps_to_these_rlstream_keys(imported):
 
 def test_what_is_dropped_says_why(imported):
     why = dict(imported.dropped)
-    assert why["train.train_policy.mu_iterations"].startswith(MISSING)
     assert why["redis"].startswith("cosmos-rl's controller Redis port")
     assert imported.config["train_dataset"]["path"] == "JiaxinTsao/math_examples"  # read from the HF datasets cache
 
@@ -76,10 +77,36 @@ def test_resume_path_and_max_keep():
 
 @pytest.mark.parametrize("data,message", [
     ({"train": {"train_policy": {"type": "sft"}}}, "type='sft'"),
-    ({"train": {"train_policy": {"mu_iterations": 2}}}, "mu_iterations=2: not in rlstream yet"),
     ({"train": {"ckpt": {"max_keep": 0}}}, "max_keep=0 keeps no checkpoint"),
+    ({"train": {"compile": True}}, "compile=True: not in rlstream yet"),
+    ({"train": {"train_policy": {"filter_reward_metric": ["format"]}}}, "producer.dynamic_sampling_reward_fn"),
     ({"train": {"train_policy": {"reward_function": {"single_choice": 0.9, "format": 0.1}}}}, "reward_function"),
 ])
 def test_values_rlstream_cannot_honour_are_refused(data, message):
     with pytest.raises(ConfigError, match=message):
         import_data("cosmos", data)
+
+
+def test_the_algorithm_options_import():
+    """mu_iterations, aipo_rho, positive_nll_coef, reference resets, the prefix filter, dtypes and trainable_map."""
+    tp = {"mu_iterations": 3, "aipo_rho": 4.0, "positive_nll_coef": 0.1, "reference_reset_interval": 50,
+          "reset_optimizer_with_reference": False, "min_filter_prefix_tokens": 8}
+    t = import_data("cosmos", {"train": {"train_policy": tp, "master_dtype": "float32", "param_dtype": "bfloat16"},
+                               "policy": {"trainable_map": {"model.embed_tokens": False, "lm_head": True}}})
+    a = load_config_dict(t.config).actor
+    assert (a.mu_iterations, a.aipo_rho, a.positive_nll_coef, a.reference_reset_interval) == (3, 4.0, 0.1, 50)
+    assert a.reset_optimizer_with_reference is False and a.min_filter_prefix_tokens == 8
+    assert (a.dtype, a.compute_dtype) == ("float32", "bfloat16")
+    assert a.trainable_map == {"model.embed_tokens": False, "lm_head": True}
+    off = import_data("cosmos", {"train": {"train_policy": {"reference_reset_interval": 0, "positive_nll_coef": None,
+                                                             "min_filter_prefix_tokens": None},
+                                           "master_dtype": "bf16", "param_dtype": "bf16"}})
+    a = load_config_dict(off.config).actor
+    assert a.reference_reset_interval is None and a.positive_nll_coef == 0.0 and a.min_filter_prefix_tokens is None
+    assert (a.dtype, a.compute_dtype) == ("bfloat16", None)
+
+
+def test_filter_reward_metric_on_the_training_reward_is_dynamic_sampling():
+    t = import_data("cosmos", {"train": {"train_policy": {"reward_function": "boxed_math",
+                                                          "filter_reward_metric": "boxed_math"}}})
+    assert load_config_dict(t.config).producer.dynamic_sampling is True

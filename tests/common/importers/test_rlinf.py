@@ -34,6 +34,7 @@ def test_the_example_maps_to_these_rlstream_keys(imported):
     assert cfg.actor.backend == "megatron" and cfg.actor.dtype == "float16"
     assert cfg.actor.optimizer.lr == 2e-5 and cfg.actor.optimizer.beta2 == 0.95 and cfg.actor.optimizer.eps == 1e-5
     assert cfg.actor.optimizer.min_lr_ratio == 0.0 and cfg.actor.optimizer.warmup_steps_proportion == 0.01
+    assert cfg.actor.early_stop_imp_ratio == 5.0
     assert cfg.actor.path == "../../model/DeepSeek-R1-Distill-Qwen-1.5B/"
     assert cfg.train_dataset.path == "../../data/boba/AReaL-boba-106k.jsonl" and cfg.train_dataset.max_prompt_len == 1024
     assert cfg.total_train_epochs == 5 and cfg.total_train_steps is None  # max_steps -1
@@ -48,7 +49,7 @@ def test_the_example_maps_to_these_rlstream_keys(imported):
 
 def test_what_is_dropped_says_why(imported):
     why = dict(imported.dropped)
-    assert why["algorithm.early_stop_imp_ratio"].startswith(MISSING)
+    assert why["algorithm.use_valid_token_scale"].startswith(MISSING)
     assert why["runner.max_steps"].startswith("-1")
     assert why["actor.model.activation"] == "read from the model's HF config.json at actor.path"
 
