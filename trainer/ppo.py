@@ -45,6 +45,7 @@ from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import aggregate, kl_estimate, loglinear_prox_logp, ppo_token_loss, seq_token_counts
 from rlstream.trainer.parallel import Parallel
 from rlstream.trainer.stats import PPOStats
+from rlstream.common.tracing import span
 
 __all__ = ["PPOActor"]
 
@@ -116,9 +117,12 @@ class PPOActor:
 
         # 1. reference and proximal logprobs
         t0 = time.perf_counter()
-        recomputed = self.forward_logp(self.module, batch) if self.recompute else None
-        ref_logp = self.forward_logp(self.ref, batch) if self.ref is not None else None
-        values = self.critic.values(batch) if self.critic is not None else None
+        with span("trainer/prox_logprobs", recompute=self.recompute):
+            recomputed = self.forward_logp(self.module, batch) if self.recompute else None
+        with span("trainer/ref_logprobs", ref=self.ref is not None):
+            ref_logp = self.forward_logp(self.ref, batch) if self.ref is not None else None
+        with span("trainer/values", critic=self.critic is not None):
+            values = self.critic.values(batch) if self.critic is not None else None
         timings["time/logprobs"] = time.perf_counter() - t0
 
         # 2. which logprobs play which role (table in the module docstring)
@@ -132,34 +136,51 @@ class PPOActor:
             prox_all = old_logp
 
         # 3. rewards -> per-token advantages
-        adv = compute_advantages(batch, a, self.cfg.gconfig.max_new_tokens, old_logp=old_logp, ref_logp=ref_logp,
-                                 kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum, values=values)
-        stats.batch(batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
+        with span("trainer/advantages"):
+            adv = compute_advantages(batch, a, self.cfg.gconfig.max_new_tokens, old_logp=old_logp, ref_logp=ref_logp,
+                                     kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum, values=values)
+            stats.batch(batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
 
         # 4. PPO minibatches
         lr = float(self.scheduler.get_last_lr()[0])
         max_norm = a.optimizer.gradient_clipping if a.optimizer.gradient_clipping > 0 else math.inf
         minibatches = minibatch_slices(batch.n_seqs, a.ppo_n_minibatches)
-        for mb_seqs in minibatches:
-            tok = batch.token_index(mb_seqs)
-            seq_of_tok = torch.repeat_interleave(torch.arange(len(mb_seqs)), batch.seq_lens[mb_seqs]) if mb_seqs \
-                else torch.zeros(0, dtype=torch.long)
-            counts = seq_token_counts(adv.loss_mask[tok], seq_of_tok, len(mb_seqs))
-            denoms = torch.tensor([float(counts.sum()), float((counts > 0).sum())], dtype=torch.float64)
-            self._reduce_sum([denoms])
-            token_denom, seq_denom = max(float(denoms[0]), 1.0), max(float(denoms[1]), 1.0)
+        for k, mb_seqs in enumerate(minibatches):
+            with span("trainer/minibatch", index=k, seqs=len(mb_seqs)):
+                self._minibatch(batch, mb_seqs, adv, behav, prox_all, ref_logp, version, max_norm, stats)
+        self.scheduler.step()
+        timings["time/update"] = time.perf_counter() - t1
 
-            self.optimizer.zero_grad(set_to_none=True)
-            bins = self._split(batch.seq_lens[mb_seqs].tolist())
-            for j, local in enumerate(bins):
-                seqs = [mb_seqs[i] for i in local]
-                with self.par.grad_sync(self.model, enabled=(j == len(bins) - 1)):
-                    if not seqs:
-                        (self._dummy_logits(self.model).sum() * 0.0).backward()
-                        continue
-                    loss = self._micro_loss(batch, seqs, adv, behav, prox_all, ref_logp, version,
-                                            token_denom, seq_denom, stats)
-                    (loss * self.par.world_size).backward()
+        # 5. the value model's minibatches towards the returns
+        with span("trainer/critic", critic=self.critic is not None):
+            critic_stats = self.critic.train(batch, adv, values) if self.critic is not None else {}
+        return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats
+
+    def _minibatch(self, batch: SeqBatch, mb_seqs: list[int], adv, behav: torch.Tensor,
+                   prox_all: torch.Tensor | None, ref_logp: torch.Tensor | None, version: int, max_norm: float,
+                   stats: PPOStats) -> None:
+        """One optimizer step on the sequences `mb_seqs`: micro-batches of forward + backward, then the update."""
+        tok = batch.token_index(mb_seqs)
+        seq_of_tok = torch.repeat_interleave(torch.arange(len(mb_seqs)), batch.seq_lens[mb_seqs]) if mb_seqs \
+            else torch.zeros(0, dtype=torch.long)
+        counts = seq_token_counts(adv.loss_mask[tok], seq_of_tok, len(mb_seqs))
+        denoms = torch.tensor([float(counts.sum()), float((counts > 0).sum())], dtype=torch.float64)
+        self._reduce_sum([denoms])
+        token_denom, seq_denom = max(float(denoms[0]), 1.0), max(float(denoms[1]), 1.0)
+
+        self.optimizer.zero_grad(set_to_none=True)
+        bins = self._split(batch.seq_lens[mb_seqs].tolist())
+        for j, local in enumerate(bins):
+            seqs = [mb_seqs[i] for i in local]
+            with self.par.grad_sync(self.model, enabled=(j == len(bins) - 1)), \
+                    span("trainer/forward_backward", micro_batch=j, seqs=len(seqs)):
+                if not seqs:
+                    (self._dummy_logits(self.model).sum() * 0.0).backward()
+                    continue
+                loss = self._micro_loss(batch, seqs, adv, behav, prox_all, ref_logp, version,
+                                        token_denom, seq_denom, stats)
+                (loss * self.par.world_size).backward()
+        with span("trainer/optimizer"):
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
             if hasattr(grad_norm, "full_tensor"):
                 grad_norm = grad_norm.full_tensor()
@@ -169,13 +190,7 @@ class PPOActor:
                 self.optimizer.zero_grad(set_to_none=True)
             else:
                 self.optimizer.step()
-            stats.optimizer_step(grad_norm, skipped, self.par.world_size)
-        self.scheduler.step()
-        timings["time/update"] = time.perf_counter() - t1
-
-        # 5. the value model's minibatches towards the returns
-        critic_stats = self.critic.train(batch, adv, values) if self.critic is not None else {}
-        return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats
+        stats.optimizer_step(grad_norm, skipped, self.par.world_size)
 
     def _micro_loss(self, batch: SeqBatch, seqs: list[int], adv, behav: torch.Tensor,
                     prox_all: torch.Tensor | None, ref_logp: torch.Tensor | None, version: int,

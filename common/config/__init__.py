@@ -7,7 +7,8 @@ line below it, shown by `rlstream config docs` (`docs.py` reads them from the so
 The schema is split by concern: `cluster` (placement, discovery, Redis), `rollout`
 (sampling, admission, datasets), `actor` (model and algorithm), `persistence` (checkpoints,
 recovery, evaluation, metrics), `producer` (workflows, agents, gateway), `engine` (the
-local engine), `launcher` (`rlstream run`, demo, Slurm) and `schema` (the top-level
+local engine), `launcher` (`rlstream run`, demo, Slurm), `tracing`
+(perf and session tracers) and `schema` (the top-level
 `Config`). `loading` reads YAML + overrides and validates; `masking` hides credentials.
 """
 
@@ -28,6 +29,7 @@ from rlstream.common.config.persistence import (EvaluatorConfig, PrometheusConfi
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig, SandboxConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
 from rlstream.common.config.schema import Config
+from rlstream.common.config.tracing import PerfTracerConfig, SessionTracerConfig
 
 __all__ = [
     "Config",
@@ -47,5 +49,6 @@ __all__ = [
     "ServerConfig", "SimulateConfig", "DemoTaskConfig", "LauncherConfig", "SlurmConfig", "ThreadsConfig",
     "CREDENTIAL_KEYS", "is_credential_key", "EvaluatorConfig", "PrometheusConfig", "RecoverConfig", "SaverConfig",
     "StatsLoggerConfig", "TensorBoardConfig", "WandbConfig", "AgentConfig", "GatewayConfig", "ProducerConfig",
-    "SandboxConfig", "DatasetConfig", "GenerationHyperparameters", "RolloutConfig",
+    "SandboxConfig", "DatasetConfig", "GenerationHyperparameters", "RolloutConfig", "PerfTracerConfig",
+    "SessionTracerConfig",
 ]

@@ -14,6 +14,7 @@ from rlstream.common.config.launcher import LauncherConfig
 from rlstream.common.config.persistence import EvaluatorConfig, RecoverConfig, SaverConfig, StatsLoggerConfig
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
+from rlstream.common.config.tracing import PerfTracerConfig
 
 __all__ = ["Config"]
 
@@ -59,6 +60,8 @@ class Config(Section):
     """Recover checkpoints and crash recovery."""
     stats_logger: StatsLoggerConfig = msgspec.field(default_factory=StatsLoggerConfig)
     """Metrics sinks."""
+    perf_tracer: PerfTracerConfig = msgspec.field(default_factory=PerfTracerConfig)
+    """Spans of every process as Chrome trace events, and per-rollout session records (AReaL's perf_tracer)."""
     train_dataset: DatasetConfig = msgspec.field(default_factory=DatasetConfig)
     """Training prompts."""
     valid_dataset: DatasetConfig | None = None
