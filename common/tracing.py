@@ -34,7 +34,7 @@ from rlstream.common.logging import get_logger
 
 __all__ = ["PerfTracer", "SessionTracer", "configure", "configure_sessions", "tracer", "sessions", "span",
            "lane_span", "now_us", "read_trace_file", "read_sessions", "current_session", "session_update",
-           "session_request", "torch_profile", "LANE_BASE", "TRACE_SUFFIX"]
+           "session_request", "torch_profile", "close_all", "trace_folder", "LANE_BASE", "TRACE_SUFFIX"]
 
 log = get_logger(__name__)
 
@@ -245,6 +245,17 @@ def lane_span(name: str, **args: Any) -> _Span | _NullSpan:
     return _tracer.lane_span(name, **args) if _tracer.enabled else _NULL_SPAN
 
 
+def trace_folder(cfg: Any) -> Path:
+    """Where this run's trace files go (`perf_tracer.trace_dir`, default {run_dir}/trace)."""
+    return Path(cfg.perf_tracer.trace_dir) if cfg.perf_tracer.trace_dir else Path(cfg.run_dir) / "trace"
+
+
+def close_all() -> None:
+    """Write out what both tracers hold (before an exit that skips atexit: `os._exit`)."""
+    _tracer.close()
+    _sessions.flush()
+
+
 def _unwritable(what: str, folder: Path, exc: OSError) -> None:
     log.warning("%s: cannot write to %s (%s); this process runs without it", what, folder, exc)
 
@@ -256,8 +267,8 @@ def configure(cfg: Any, role: str, name: str | None = None) -> PerfTracer | _Nul
     _tracer.close()
     _tracer = _NULL
     if pt.enabled:
-        label = f"{role}-{name}" if name and name != role else role
-        folder = Path(cfg.run_dir) / "trace"
+        label = name if name and name.startswith(role) else f"{role}-{name}" if name else role
+        folder = trace_folder(cfg)
         try:
             _tracer = PerfTracer(folder / f"{label}-{os.getpid()}{TRACE_SUFFIX}", label,
                                  save_interval=pt.save_interval, flush_secs=pt.flush_secs)
@@ -270,7 +281,7 @@ def configure(cfg: Any, role: str, name: str | None = None) -> PerfTracer | _Nul
 
 @contextlib.contextmanager
 def torch_profile(cfg: Any, step: int, label: str) -> Iterator[None]:
-    """At `perf_tracer.profile_steps`: the body under torch.profiler, written as {run_dir}/trace/torch-step{N}-{label}.json
+    """At `perf_tracer.profile_steps`: the body under torch.profiler, written as {trace folder}/torch-step{N}-{label}.json
     (Chrome trace format; open it on its own: its clock is torch's). Elsewhere: nothing."""
     pt = cfg.perf_tracer
     if not (pt.enabled and pt.profile_steps and step in pt.profile_steps):
@@ -281,11 +292,14 @@ def torch_profile(cfg: Any, step: int, label: str) -> Iterator[None]:
     import torch
 
     activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    path = Path(cfg.run_dir) / "trace" / f"torch-step{step}-{label}.json"
+    path = trace_folder(cfg) / f"torch-step{step}-{label}.json"
     with tp.profile(activities=activities, record_shapes=True) as prof:
         yield
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(path))
+        if not path.exists():  # torch logs its failure and returns
+            raise OSError("torch.profiler wrote nothing")
         log.info("torch.profiler trace of step %d: %s", step, path)
     except OSError as exc:
         log.warning("torch.profiler: cannot write %s (%s)", path, exc)

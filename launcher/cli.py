@@ -79,6 +79,9 @@ def _exit_after_clean_stop() -> None:
     import logging
     import os
 
+    from rlstream.common.tracing import close_all
+
+    close_all()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -193,11 +196,21 @@ def inspect(ctx: typer.Context,
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
             watch: Optional[float] = typer.Option(None, "--watch", "-w", help="Refresh every N seconds until Ctrl-C."),
             list_: bool = typer.Option(False, "--list", help="List the namespaces present."),
+            show: Optional[str] = typer.Option(None, "--show", metavar="N|ID", help="Decode the newest N stream entries (or the entry ID) into the conversations they hold."),
+            dead: bool = typer.Option(False, "--dead", help="With --show: dead letters instead of stream entries."),
+            slowest: Optional[int] = typer.Option(None, "--slowest", metavar="N", help="The N slowest rollouts from the run's sessions.jsonl (perf_tracer.session_tracer.enabled)."),
             ) -> None:
     """Queue depth, lag, pending, versions, admission, staleness, dead letters, throughput."""
     from rlstream.launcher.inspect_view import inspect_main
 
     cfg = load(config, ctx.args)
+    if show is not None or slowest is not None:
+        from rlstream.launcher.inspect_show import show_main, slowest_main
+
+        if show is not None:
+            raise typer.Exit(_guard(show_main, cfg, show, redis_url=redis, namespace=namespace, as_json=as_json,
+                                    dead=dead))
+        raise typer.Exit(slowest_main(cfg, slowest, as_json=as_json))
     _guard(inspect_main, cfg, redis_url=redis, namespace=namespace, as_json=as_json, watch=watch, list_only=list_)
 
 

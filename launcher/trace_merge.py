@@ -23,7 +23,7 @@ def merge_traces(run_dir: str | Path, out: str | Path | None = None) -> Path:
     """Write the merged trace (default `{run_dir}/trace/merged.trace.json`); returns its path.
 
     Raises FileNotFoundError naming the folder when the run has no trace files."""
-    folder = Path(run_dir) / "trace"
+    folder = Path(run_dir) / "trace" if (Path(run_dir) / "trace").is_dir() else Path(run_dir)  # or the trace folder
     files = sorted(p for p in folder.glob(f"*{TRACE_SUFFIX}") if p.name != MERGED_NAME) if folder.is_dir() else []
     if not files:
         raise FileNotFoundError(f"no perf-tracer files ({folder}/*{TRACE_SUFFIX}): run with perf_tracer.enabled=true")

@@ -26,6 +26,7 @@ import random
 import signal
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -218,7 +219,8 @@ class Trainer:
         stop = _StopFlag(enabled=par.world_size == 1)
         freeze_startup_objects()  # the step loop's full GC collections no longer walk the model and the modules
         while state.step < self.total_steps and stop.requested is None:
-            with torch_profile(cfg, state.step + 1, f"rank{par.rank}"), span("trainer/step", step=state.step + 1):
+            with span("trainer/profiled_step") if _profiled(cfg, state.step + 1) else nullcontext(), \
+                    torch_profile(cfg, state.step + 1, f"rank{par.rank}"), span("trainer/step", step=state.step + 1):
                 if not self._step(stop):
                     break
             tracer().step_done(state.step)
@@ -394,6 +396,10 @@ def _recover_served_state(par: Parallel, admission: AdmissionController, broadca
         queued = admission.reset_accepted(version)
         log.info("admission reset: accepted := %d·%d + %d queued groups", version, batch, queued)
     broadcaster.push(par.unwrap(model), version)
+
+
+def _profiled(cfg: Config, step: int) -> bool:
+    return cfg.perf_tracer.enabled and step in (cfg.perf_tracer.profile_steps or ())
 
 
 def _trace_trained(data: Any, step: int) -> None:

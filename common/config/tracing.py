@@ -29,6 +29,8 @@ class PerfTracerConfig(Section):
     """Processes without train steps (producers, engines) write their buffered events every N seconds."""
     profile_steps: list[PositiveInt] | None = None
     """Train steps (1-based) at which the trainer also records a torch.profiler trace
-    ({run_dir}/trace/torch-step{N}.json); None = none."""
+    ({trace folder}/torch-step{N}-rank{R}.json); None = none."""
+    trace_dir: str | None = None
+    """Folder of the trace files (None = {run_dir}/trace); `rlstream trace merge` takes it or the run folder."""
     session_tracer: SessionTracerConfig = msgspec.field(default_factory=SessionTracerConfig)
     """Per-rollout lifecycle records (sessions.jsonl)."""
