@@ -399,7 +399,7 @@ class AdmitLoop:
                 return await self._drop_too_stale(lease_id, min_version, read_version)
             with span("rollout/commit"):
                 entry_id = await self.admission.commit(lease_id, entry_fields(group))
-            session_update(outcome="committed", entry_id=entry_id if isinstance(entry_id, str) else None)
+            session_update(outcome="committed", entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
             self.accepted += 1
             return True
         self.rejected += 1
