@@ -95,6 +95,7 @@ class SessionGroups:
         self.group_size = self.gc.group_size or cfg.gconfig.n_samples
         self.sessions: dict[str, Session] = {}
         self.gone: dict[str, str] = {}  # finished/abandoned session id -> why (bounded)
+        self.finished_info: dict[str, dict[str, Any]] = {}  # finished session id -> what GET /sessions/{id} shows
         self.open_groups: dict[str, Group] = {}
         self.stats = {"calls": 0, "committed_groups": 0, "rejected_groups": 0, "abandoned_sessions": 0,
                       "generated_tokens": 0}
@@ -136,6 +137,16 @@ class SessionGroups:
         self.gone[s.id] = why
         while len(self.gone) > 100_000:
             self.gone.pop(next(iter(self.gone)))
+        while len(self.finished_info) > 100_000:
+            self.finished_info.pop(next(iter(self.finished_info)))
+
+    def info(self, sid: str) -> dict[str, Any]:
+        """What GET /sessions/{id} answers: an open session's calls and branches; a finished one's as it ended, with
+        its reward and its group's outcome (pending until every member reported)."""
+        done = self.finished_info.get(sid)
+        if done is not None:
+            return done
+        return {**_summary(self.session(sid)), "status": "open"}
 
     # ------------------------------------------------------------------ groups and admission
     async def _join_group(self, s: Session, prompt_ids: list[int]) -> Group:
@@ -221,6 +232,9 @@ class SessionGroups:
             await lease.abandon()
             log.warning("group %s not committed: %s: %s", g.key, type(exc).__name__, exc)
             return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+        for m in finished:
+            if m.id in self.finished_info:
+                self.finished_info[m.id].update(group_status=status, group_id=group.group_id)
         log.info("group %s %s: %d sessions, %d trajectories", group.group_id, status, len(finished),
                  len(group.trajectories))
         return {"status": status, "group_id": group.group_id, "trajectories": len(group.trajectories),
@@ -235,7 +249,10 @@ class SessionGroups:
         s.reward = float(req.reward)
         s.metadata.update(req.metadata)
         self._forget(s, "finished (its reward was reported)")
+        self.finished_info[s.id] = {**_summary(s), "status": "finished", "reward": s.reward, "group_status": "pending"}
         out = await self._settle(s.group)
+        if out["status"] != "pending":
+            self.finished_info[s.id]["group_status"] = out["status"]
         return {"session_id": s.id, **out}
 
     async def abandon(self, s: Session, why: str) -> None:
@@ -257,3 +274,9 @@ class SessionGroups:
         for g in list(self.open_groups.values()):
             if g.members and all(m.finished for m in g.members) and now - g.last_join > self.gc.session_timeout:
                 await self._settle(g)
+
+
+def _summary(s: Session) -> dict[str, Any]:
+    return {"session_id": s.id, "calls": s.calls, "branches": len(s.leaves()),
+            "tokens": [len(b.episode.ids) for b in s.leaves()], "group": s.group.key if s.group else None,
+            "metadata": {k: v for k, v in s.metadata.items() if isinstance(v, (str, int, float, bool))}}

@@ -230,9 +230,14 @@ def test_streaming_n_and_completions_are_recorded_as_branches(gateway, redis_url
     comp = client.completions.create(model="tiny", prompt="u:12*34=?\n", max_tokens=4, stop=["a"])
     assert comp.choices[0].finish_reason in ("stop", "length")
     info = httpx.get(f"{gw.url}/sessions/{sid}", timeout=30).json()
-    assert info["branches"] == 4 and info["calls"] == 3
+    assert info["branches"] == 4 and info["calls"] == 3 and info["status"] == "open"
     r = httpx.post(f"{gw.url}/sessions/{sid}/reward", json={"reward": 0.5}, timeout=60)
     assert r.json()["status"] == "committed" and r.json()["trajectories"] == 4, r.text
+    after = httpx.get(f"{gw.url}/sessions/{sid}", timeout=30)  # still answers once the reward is in
+    assert after.status_code == 200, after.text
+    done = after.json()
+    assert done["status"] == "finished" and done["reward"] == 0.5 and done["group_status"] == "committed"
+    assert done["branches"] == 4 and done["calls"] == 3 and done["group_id"] == r.json()["group_id"]
     groups, _ = _entries(redis_url, exp)
     g = next(g for g in groups if g.prompt_id == "streams")
     assert len(g.trajectories) == 4 and all(t.reward == 0.5 for t in g.trajectories)
