@@ -351,7 +351,8 @@ class LocalEngine:
     def _loop(self) -> None:
         sched = self._sched
         while True:
-            t_wait, waited = now_us(), ""  # the perf tracer's idle / pause / hold span
+            tr = tracer()
+            t_wait, waited = now_us() if tr.enabled else 0, ""  # the perf tracer's idle / pause / hold span
             with sched.cv:
                 while not sched.stopping and not sched.pause_waiters:
                     # Idle: nothing to run, or paused (an in_place pause keeps its rows without running them).
@@ -364,8 +365,8 @@ class LocalEngine:
                         break
                     waited = waited or "engine/admission_hold"
                     sched.cv.wait(hold)  # nothing runs: wait for more arrivals, at most until the hold ends
-                if waited:
-                    tracer().complete(waited, t_wait, now_us())
+                if waited and tr.enabled:
+                    tr.complete(waited, t_wait, now_us())
                 if sched.stopping:
                     break
                 self._drop_cancelled()
