@@ -109,6 +109,7 @@ class PerfTracer:
         self.save_interval, self.flush_secs = save_interval, flush_secs
         self._buf: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        self._io = threading.Lock()
         self._free: list[int] = []
         self._lanes = 0
         self._threads: set[int] = set()
@@ -166,10 +167,11 @@ class PerfTracer:
 
     def add(self, event: dict[str, Any]) -> None:
         tid = event["tid"]
-        if tid < LANE_BASE and tid not in self._threads:
-            self._threads.add(tid)
-            self._meta("thread_name", tid, {"name": threading.current_thread().name})
-        self._buf.append(event)
+        with self._lock:  # the decode thread and the event loop add at once; `flush` swaps the buffer
+            if tid < LANE_BASE and tid not in self._threads:
+                self._threads.add(tid)
+                self._meta("thread_name", tid, {"name": threading.current_thread().name})
+            self._buf.append(event)
         if time.monotonic() - self._last_flush >= self.flush_secs:
             self.flush()
 
@@ -182,18 +184,22 @@ class PerfTracer:
         with self._lock:
             events, self._buf = self._buf, []
             self._last_flush = time.monotonic()
-            if not events or self._closed:
+        if not events:
+            return
+        text = "".join(json.dumps(e, separators=(",", ":")) + ",\n" for e in events)
+        with self._io:  # the file is written outside the buffer's lock: spans go on meanwhile
+            if self._closed:
                 return
             try:
                 with open(self.path, "a", encoding="utf-8") as f:
-                    f.write("".join(json.dumps(e, separators=(",", ":")) + ",\n" for e in events))
+                    f.write(text)
             except OSError as exc:
                 self._closed = True
                 log.warning("perf tracer: writing %s failed (%s); tracing stops, the run goes on", self.path, exc)
 
     def close(self) -> None:
         self.flush()
-        with self._lock:
+        with self._io:
             if self._closed:
                 return
             self._closed = True

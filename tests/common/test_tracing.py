@@ -203,3 +203,22 @@ def test_torch_profile_writes_a_trace_at_the_profile_steps_only(tmp_path):
     assert files == ["torch-step2-rank0.json"]
     doc = json.loads((cfg.run_dir / "trace" / files[0]).read_text())
     assert any(e.get("ph") == "X" for e in doc["traceEvents"])
+
+
+def test_spans_added_from_threads_while_flushing_are_all_written(tmp_path):
+    tr = tracing.PerfTracer(tmp_path / "t.trace.json", "engine", flush_secs=1000)
+    n = 5000
+
+    def adder() -> None:
+        for i in range(n):
+            with tr.span("engine/decode", i=i):
+                pass
+
+    threads = [threading.Thread(target=adder) for _ in range(2)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        tr.flush()
+    tr.close()
+    spans = [e for e in tracing.read_trace_file(tr.path) if e["ph"] == "X"]
+    assert len(spans) == 2 * n and check_nesting(spans) == []
