@@ -256,6 +256,15 @@ class TrajectoryStream:
         )
         self._note_acked([entry.id])
 
+    def raw_entries(self, count: int = 1, entry_id: str | None = None) -> list[tuple[str, dict[bytes, bytes]]]:
+        """Undecoded (id, fields) of the newest `count` entries, newest first, or of the entry `entry_id` (`inspect
+        --show`); an id not in the stream: an empty list."""
+        if entry_id is not None:
+            raw = self.client.xrange(self.keys.traj, min=entry_id, max=entry_id, count=1)
+        else:
+            raw = self.client.xrevrange(self.keys.traj, count=count)
+        return [(id_str(eid), fields) for eid, fields in raw]
+
     def dead_letters(self, count: int = 100) -> list[dict[str, Any]]:
         """The newest dead letters: id, source_id, reason, group, ts (original bytes: `dead_letter_raw`)."""
         out = []

@@ -111,7 +111,6 @@ _DROPPED = {
     "enable_offload": "rlstream's trainer and engines are separate processes; nothing is offloaded between them",
     "scheduler": "how processes start is the command you run: `rlstream run` (one machine), `rlstream launch slurm`, docker compose",
     "launcher": "AReaL's launcher ports/CPU settings; rlstream's placement is launcher.* (n_engines, n_producers, slurm.*)",
-    "perf_tracer": "no tracer; step phases are logged as time/* metrics and measured in benchmarks/",
     "cluster.name_resolve.nfs_record_root": "engines register in the run's Redis (or etcd); no shared folder",
     "rollout.scheduling_spec": "process placement is decided by rlstream run / launch slurm / compose",
     "rollout.enable_rollout_tracing": "every group stays in the Redis stream; `rlstream inspect` shows them",
@@ -337,6 +336,9 @@ def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, 
         translate_name_resolve(t, data, key, value)
     elif key == "actor.weight_update_mode":
         translate_weight_update_mode(t, key, value)
+    elif key in ("perf_tracer.save_interval", "perf_tracer.session_tracer.flush_threshold") and \
+            isinstance(value, int) and value <= 0:
+        t.translate(key, {key: 1}, "AReaL reads values <= 0 as 1")
     elif key == "cluster.name_resolve.etcd3_addr":
         if ((data.get("cluster") or {}).get("name_resolve") or {}).get("type") not in ("etcd", "etcd3"):
             t.dropped.append((key, "name_resolve.type is not etcd3"))

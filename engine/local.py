@@ -44,6 +44,7 @@ import torch
 
 from rlstream.common.engine_api import EngineError, FinishReason, GenerateResponse, MetaInfo, SamplingParams
 from rlstream.common.logging import get_logger
+from rlstream.common.tracing import now_us, span, tracer
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
 from rlstream.engine.kv_batch import KVBatch
 from rlstream.engine.model_weights import ModelWeights
@@ -350,16 +351,22 @@ class LocalEngine:
     def _loop(self) -> None:
         sched = self._sched
         while True:
+            tr = tracer()
+            t_wait, waited = now_us() if tr.enabled else 0, ""  # the perf tracer's idle / pause / hold span
             with sched.cv:
                 while not sched.stopping and not sched.pause_waiters:
                     # Idle: nothing to run, or paused (an in_place pause keeps its rows without running them).
                     if sched.paused or not (self._batch.rows or sched.waiting):
+                        waited = waited or ("engine/pause" if sched.paused else "engine/idle")
                         sched.cv.wait()
                         continue
                     hold = 0.0 if self._batch.rows else self._hold_s()
                     if hold <= 0:
                         break
+                    waited = waited or "engine/admission_hold"
                     sched.cv.wait(hold)  # nothing runs: wait for more arrivals, at most until the hold ends
+                if waited and tr.enabled:
+                    tr.complete(waited, t_wait, now_us())
                 if sched.stopping:
                     break
                 self._drop_cancelled()
@@ -383,15 +390,26 @@ class LocalEngine:
         try:
             with self._step_lock, torch.inference_mode():
                 if admit:
-                    self._prefill(admit)
+                    self._trace_queue(admit)
+                    with span("engine/prefill", requests=len(admit)):
+                        self._prefill(admit)
                 if self._batch.rows:
-                    self._decode_step()
+                    with span("engine/decode", rows=len(self._batch.rows)):
+                        self._decode_step()
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
             log.exception("decode step failed; failing %d running requests", len(self._batch.rows) + len(admit))
             err = EngineError(f"model step failed: {type(exc).__name__}: {exc}")
             self._deliver_many([(r, err) for r in set(self._batch.rows) | set(admit)])
             self._batch.reset()
         self.busy_seconds += time.monotonic() - t_busy
+
+    def _trace_queue(self, admit: list[Request]) -> None:
+        """Each admitted request's wait in the queue, as a perf-tracer span."""
+        tr = tracer()
+        if tr.enabled:
+            now, mono = now_us(), time.monotonic()
+            for r in admit:
+                tr.interval("engine/queue", now - int((mono - r.created) * 1e6), now, rid=r.rid, prompt=len(r.prompt))
 
     def _hold_s(self) -> float:
         return self._sched.hold_s(self._batch.rows, self._step_s)

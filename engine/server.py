@@ -296,6 +296,9 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
             engine = LocalEngine.from_config(cfg)
         except (OSError, ValueError) as exc:  # bad model path / device / dtype: one line, exit 2
             raise ConfigError(f"server: cannot load the model: {exc}") from None
+    from rlstream.common.tracing import configure
+
+    configure(cfg, "engine")
     engine.start()
     inline = s.frontend == "inline"
     # process: the front end checks the token; the app behind it is reached only through a private Unix socket

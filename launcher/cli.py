@@ -28,6 +28,8 @@ model_app = typer.Typer(no_args_is_help=True, help="Prepare local model folders 
 app.add_typer(config_app, name="config")
 app.add_typer(launch_app, name="launch")
 app.add_typer(model_app, name="model")
+trace_app = typer.Typer(no_args_is_help=True, help="Perf-tracer files (perf_tracer.enabled=true) of a run.")
+app.add_typer(trace_app, name="trace")
 
 EXTRA = {"allow_extra_args": True, "ignore_unknown_options": True}
 KV = "[OPTIONS] [KEY=VALUE]..."  # usage line of the commands that take config overrides
@@ -77,6 +79,9 @@ def _exit_after_clean_stop() -> None:
     import logging
     import os
 
+    from rlstream.common.tracing import close_all
+
+    close_all()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -191,11 +196,21 @@ def inspect(ctx: typer.Context,
             as_json: bool = typer.Option(False, "--json", help="Machine-readable output."),
             watch: Optional[float] = typer.Option(None, "--watch", "-w", help="Refresh every N seconds until Ctrl-C."),
             list_: bool = typer.Option(False, "--list", help="List the namespaces present."),
+            show: Optional[str] = typer.Option(None, "--show", metavar="N|ID", help="Decode the newest N stream entries (or the entry ID) into the conversations they hold."),
+            dead: bool = typer.Option(False, "--dead", help="With --show: dead letters instead of stream entries."),
+            slowest: Optional[int] = typer.Option(None, "--slowest", metavar="N", help="The N slowest rollouts from the run's sessions.jsonl (perf_tracer.session_tracer.enabled)."),
             ) -> None:
     """Queue depth, lag, pending, versions, admission, staleness, dead letters, throughput."""
     from rlstream.launcher.inspect_view import inspect_main
 
     cfg = load(config, ctx.args)
+    if show is not None or slowest is not None:
+        from rlstream.launcher.inspect_show import show_main, slowest_main
+
+        if show is not None:
+            raise typer.Exit(_guard(show_main, cfg, show, redis_url=redis, namespace=namespace, as_json=as_json,
+                                    dead=dead))
+        raise typer.Exit(slowest_main(cfg, slowest, as_json=as_json))
     _guard(inspect_main, cfg, redis_url=redis, namespace=namespace, as_json=as_json, watch=watch, list_only=list_)
 
 
@@ -360,6 +375,26 @@ def sim(ctx: typer.Context) -> None:
     finally:
         redis.stop()
     raise typer.Exit(code)
+
+
+@trace_app.command("merge")
+def trace_merge(run_dir: str = typer.Argument(..., help="The run folder ({cluster.fileroot}/{experiment}/{trial})."),
+                out: Optional[str] = typer.Option(None, "--out", "-o", help="Output file (default: RUN_DIR/trace/merged.trace.json).")) -> None:
+    """Merge every process's trace into one timeline for Perfetto or chrome://tracing."""
+    from rlstream.launcher.trace_merge import coverage, merge_traces
+
+    try:
+        path = merge_traces(run_dir, out)
+    except (FileNotFoundError, OSError) as exc:
+        _fail(str(exc), 1)
+    doc = json.loads(path.read_text())
+    names = {e["pid"]: e["args"]["name"] for e in doc["traceEvents"] if e.get("name") == "process_name"}
+    for pid, frac in sorted(coverage(doc["traceEvents"]).items()):
+        typer.echo(f"  {names.get(pid, pid)}: spans cover {100 * frac:.1f}% of its traced time")
+    for src in doc["otherData"]["sources"]:
+        if "error" in src:
+            typer.echo(f"  skipped {src['file']}: {src['error']}", err=True)
+    typer.echo(f"wrote {path} ({len(doc['traceEvents'])} events); open it in Perfetto (ui.perfetto.dev) or chrome://tracing")
 
 
 @app.command()

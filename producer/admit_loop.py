@@ -24,6 +24,7 @@ from rlstream.broker.versions import FOLLOW_BLOCK_MS, RUN_FINISHED
 from rlstream.common.coalesce import Coalescer
 from rlstream.common.logging import get_logger
 from rlstream.common.tasks import cancel_and_wait, complete_despite_cancel
+from rlstream.common.tracing import current_session, lane_span, now_us, session_update, sessions, span
 from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
 from rlstream.producer.workflow import FILTER_REWARD, RolloutVersions, current_rollout
 
@@ -172,10 +173,12 @@ class AdmitLoop:
                     *(asyncio.ensure_future(c) for c in background)]
         try:
             if self.stop_reason is None and ready is not None:
-                await ready()
+                with span("producer/wait_for_engines"):
+                    await ready()
             if self.stop_reason is None:
                 await self._admit()
-            await self.drain()
+            with span("producer/drain"):
+                await self.drain()
         finally:
             await self.close()
 
@@ -280,9 +283,13 @@ class AdmitLoop:
         The slot is given back once `read_version` is served, when the reader would have dropped the group: freed
         before, it would admit a group at the older version, which that read has passed already (so at small η the
         new group is too stale before it is done). Returns False (nothing committed)."""
+        why = "stopped while generating" if stopped else "finished"
+        session_update(outcome="dropped", reason=f"too stale ({why}): oldest version {min_version}, the trainer reads "
+                                                 f"at version {read_version}")
         self.parked += 1
         try:
-            await self._until_served(read_version)
+            with span("rollout/parked_stale"):
+                await self._until_served(read_version)
         finally:
             self.parked -= 1
         if await self._stale_drops(StaleDrop(lease_id, min_version, read_version, stopped)):
@@ -290,7 +297,23 @@ class AdmitLoop:
         return False
 
     # ------------------------------------------------------------------ rollouts
-    async def _rollout(self, lease_id: str, item: Any, admission_s: float = 0.0) -> None:
+    async def _rollout(self, lease_id: str, item: Any, admission_s: float = 0.0, submit_us: int = 0) -> None:
+        rec = None
+        if sessions().enabled:
+            rec = {"kind": "rollout", "session": lease_id, "producer": self.producer_id,
+                   "prompt_id": str(getattr(item, "prompt_id", "")), "submit": (submit_us or now_us()) / 1e6,
+                   "admitted": time.time(), "requests": []}
+            current_session.set(rec)  # this task's context: the workflow's requests add to it
+        try:
+            with lane_span("rollout", lease=lease_id, prompt=str(getattr(item, "prompt_id", ""))):
+                await self._rollout_traced(lease_id, item, admission_s)
+        finally:
+            if rec is not None:
+                rec.setdefault("outcome", "abandoned")
+                rec["end"] = time.time()
+                sessions().write(rec)
+
+    async def _rollout_traced(self, lease_id: str, item: Any, admission_s: float) -> None:
         timing = None
         if self.on_rollout_timing is not None:
             timing = RolloutTiming(lease_id, admission_s)
@@ -303,11 +326,13 @@ class AdmitLoop:
         try:
             try:
                 try:
-                    group = await self.run_rollout(item)
+                    with span("rollout/generate"):
+                        group = await self.run_rollout(item)
                 finally:
                     self.generating.pop(lease_id, None)  # finished (or failed): never stopped from here on
             except asyncio.CancelledError:
                 if not seen.stopped or self.force:
+                    session_update(outcome="abandoned", reason=self.stop_reason or "cancelled")
                     await complete_despite_cancel(self.admission.abandon([lease_id]))
                     raise
                 asyncio.current_task().uncancel()  # our own stop: the rollout ends as a stale drop
@@ -321,18 +346,21 @@ class AdmitLoop:
                 return
             except Exception as exc:  # noqa: BLE001 - a failed rollout loses its lease, not the producer
                 self.failed += 1
+                session_update(outcome="failed", reason=f"{type(exc).__name__}: {exc}")
                 log.error("rollout of prompt %s failed: %s: %s", getattr(item, "prompt_id", "?"), type(exc).__name__, exc)
                 await self.admission.abandon([lease_id])
                 return
             else:
                 fin = asyncio.ensure_future(self._finish(lease_id, group))
             fin_t0 = time.perf_counter()
-            committed = await complete_despite_cancel(fin)  # a forced stop lets the (atomic) commit land first
+            with span("rollout/finish"):
+                committed = await complete_despite_cancel(fin)  # a forced stop lets the (atomic) commit land first
             finish_s = time.perf_counter() - fin_t0
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - e.g. Redis gone for longer than its retries
             self.failed += 1
+            session_update(outcome="failed", reason=f"{type(exc).__name__}: {exc}")
             log.error("finishing the rollout of prompt %s failed: %s: %s", getattr(item, "prompt_id", "?"),
                       type(exc).__name__, exc)
             with contextlib.suppress(Exception):
@@ -353,8 +381,10 @@ class AdmitLoop:
         self.finished += 1
         if group is None:
             self.rejected += 1
+            session_update(outcome="rejected", reason="the workflow returned no group")
             await self.admission.release(lease_id)
             return False
+        _note_group(group)
         if not group.producer_id:
             group.producer_id = self.producer_id
         self.out_tokens += sum(t.output_len for t in group.trajectories)
@@ -364,6 +394,7 @@ class AdmitLoop:
             except WireError as exc:
                 self.failed += 1
                 log.error("workflow produced an invalid group for prompt %s: %s", group.prompt_id, exc)
+                session_update(outcome="failed", reason=f"invalid group: {exc}")
                 await self.admission.abandon([lease_id])
                 return False
         if not (self.settings.dynamic_sampling and _rewards_all_equal(group)):
@@ -373,10 +404,13 @@ class AdmitLoop:
             min_version, read_version = group.min_version(), self.read_version
             if self.admission.too_stale(min_version, read_version):
                 return await self._drop_too_stale(lease_id, min_version, read_version)
-            await self.admission.commit(lease_id, entry_fields(group))
+            with span("rollout/commit"):
+                entry_id = await self.admission.commit(lease_id, entry_fields(group))
+            session_update(outcome="committed", entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
             self.accepted += 1
             return True
         self.rejected += 1
+        session_update(outcome="rejected", reason="producer.dynamic_sampling: every reward of the group is equal")
         await self.admission.release(lease_id)
         return False
 
@@ -389,6 +423,7 @@ class AdmitLoop:
     async def _admit(self) -> None:
         max_groups = self.settings.max_groups
         ask = 1  # leases asked for in one call (see ADMIT_BATCH_MAX)
+        want_since = 0  # when the loop began asking for the leases it has not got yet (the session tracer's submit)
         while self.stop_reason is None:
             self._wake.clear()
             self._budget_full = False  # set again only by a refusal because the budget is used up
@@ -398,11 +433,14 @@ class AdmitLoop:
                     self.request_stop(f"producer.max_groups={max_groups} groups accepted")
                     break
                 if self.accepted + len(self.inflight) >= max_groups:
-                    await self._wait_wake(ADMIT_FALLBACK_SECS)  # enough in flight; admit more only if some are rejected
+                    with span("admission/wait", why="producer.max_groups in flight"):
+                        await self._wait_wake(ADMIT_FALLBACK_SECS)  # enough in flight; admit more only if some are rejected
                     continue
                 n = min(n, max_groups - self.accepted - len(self.inflight))
+            want_since = want_since or now_us()
             asked = time.perf_counter()
-            decisions = await self.admission.try_acquire_many(n)
+            with span("admission/acquire", asked=n):
+                decisions = await self.admission.try_acquire_many(n)
             asked = time.perf_counter() - asked
             refused = [st for st, lease in decisions if lease is None]
             st = refused[0] if refused else decisions[-1][0]
@@ -412,15 +450,19 @@ class AdmitLoop:
                 break
             self._saw_version(st.version)
             leases = [lease for _, lease in decisions if lease is not None]
-            await self._start_rollouts(leases, asked / max(1, len(leases)))
+            if leases:
+                with span("admission/start_rollouts", leases=len(leases)):
+                    await self._start_rollouts(leases, asked / max(1, len(leases)), want_since)
+                want_since = 0
             if refused:
                 ask = 1
                 self._budget_full = st.budget_full
-                await self._wait_wake(ADMIT_FALLBACK_SECS)
+                with span("admission/wait", why="budget used up" if st.budget_full else "refused"):
+                    await self._wait_wake(ADMIT_FALLBACK_SECS)
             else:
                 ask = min(2 * ask, ADMIT_BATCH_MAX)
 
-    async def _start_rollouts(self, leases: list[Any], lease_s: float) -> None:
+    async def _start_rollouts(self, leases: list[Any], lease_s: float, submit_us: int = 0) -> None:
         """One rollout per lease; `lease_s`: each lease's share of the call that granted them (`RolloutTiming`)."""
         for i, lease in enumerate(leases):
             t0 = time.perf_counter()
@@ -432,7 +474,7 @@ class AdmitLoop:
                 return
             admission_s = lease_s + time.perf_counter() - t0
             self.inflight[lease.lease_id] = asyncio.create_task(
-                self._rollout(lease.lease_id, item, admission_s), name=f"rollout:{getattr(item, 'prompt_id', item)}")
+                self._rollout(lease.lease_id, item, admission_s, submit_us), name=f"rollout:{getattr(item, 'prompt_id', item)}")
 
     async def drain(self) -> None:
         """Let in-flight rollouts finish (until the grace time or a forced stop), release the rest."""
@@ -452,3 +494,11 @@ class AdmitLoop:
         if left:
             await self.admission.abandon(left)
             self.inflight.clear()
+
+
+def _note_group(group: TrajectoryGroup) -> None:
+    """The finished group's rewards and tokens in the current session record (session tracer)."""
+    if current_session.get() is not None:
+        rewards = [t.reward for t in group.trajectories]
+        session_update(group_id=group.group_id, rewards=rewards, reward=sum(rewards) / max(1, len(rewards)),
+                       tokens=sum(t.output_len for t in group.trajectories), min_version=group.min_version())

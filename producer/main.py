@@ -296,7 +296,10 @@ def produce(cfg: Config) -> int:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     from rlstream.common.models import resolve_model_paths
 
+    from rlstream.common.tracing import configure
+
     producer = Producer(resolve_model_paths(cfg))
+    configure(producer.cfg, "producer", producer.producer_id)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux/macOS

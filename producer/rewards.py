@@ -39,6 +39,7 @@ import msgspec
 from rlstream.api.reward import RewardResult
 from rlstream.common.config.masking import environ_without_credentials
 from rlstream.common.logging import get_logger
+from rlstream.common.tracing import lane_span
 
 __all__ = [
     "math_reward",
@@ -253,6 +254,10 @@ class RewardPool:
             self._idle.put_nowait(await self._spawn())
 
     async def __call__(self, prompt: str, completion: str, answer: Any = None, **kwargs: Any) -> RewardResult:
+        with lane_span("reward"):
+            return await self._call(prompt, completion, answer, **kwargs)
+
+    async def _call(self, prompt: str, completion: str, answer: Any = None, **kwargs: Any) -> RewardResult:
         if self._closed:
             raise RuntimeError("reward pool closed")
         idle = await self._ensure_started()

@@ -32,6 +32,7 @@ from rlstream.api.workflow import Generation, Workflow
 from rlstream.common.config import Config
 from rlstream.common.engine_client import ModelRequest, ModelResponse
 from rlstream.common.logging import get_logger
+from rlstream.common.tracing import lane_span, now_us, session_request, span
 from rlstream.common.models import stop_token_ids
 from rlstream.common.wire import Trajectory, TrajectoryGroup
 from rlstream.producer.rewards import import_by_path
@@ -154,6 +155,12 @@ class RolloutEngine:
         self.output_tokens = 0
 
     async def agenerate(self, req: ModelRequest) -> Generation:
+        with lane_span("engine_request") as sp:
+            gen = await self._agenerate(req)
+            sp.set(tokens=len(gen.output_ids), interruptions=gen.interruptions, finish=gen.finish_reason)
+        return gen
+
+    async def _agenerate(self, req: ModelRequest) -> Generation:
         t0 = time.monotonic()
         gen = Generation(input_ids=list(req.input_ids))
         while True:
@@ -169,7 +176,10 @@ class RolloutEngine:
             sub = dataclasses.replace(
                 req, input_ids=gen.input_ids + gen.output_ids, max_new_tokens=remaining,
                 min_new_tokens=max(0, req.min_new_tokens - len(gen.output_ids)), rid=None)
-            resp: ModelResponse = await self.pool.agenerate(sub)
+            t_req = now_us()
+            with span("engine_request/http", version=v_req) as sp:
+                resp: ModelResponse = await self.pool.agenerate(sub)
+                sp.set(server=resp.server, tokens=len(resp.output_ids))
             gen.output_ids += resp.output_ids
             gen.output_logprobs += resp.output_logprobs
             if resp.output_versions is not None:
@@ -179,6 +189,10 @@ class RolloutEngine:
                 v = resp.weight_version if resp.weight_version is not None else v_req
                 gen.output_versions += [v] * len(resp.output_ids)
                 oldest = v if resp.output_ids else None
+            new_versions = gen.output_versions[len(gen.output_versions) - len(resp.output_ids):]
+            session_request(engine=resp.server, start=t_req / 1e6, end=now_us() / 1e6, in_tokens=len(sub.input_ids),
+                            out_tokens=len(resp.output_ids), finish=resp.finish_reason,
+                            versions=[min(new_versions), max(new_versions)] if new_versions else [])
             rollout = current_rollout.get()
             if rollout is not None and oldest is not None:
                 rollout.saw(oldest)
@@ -193,7 +207,8 @@ class RolloutEngine:
                 break
             # The engines paused for a weight update: continue once the new version is served.
             seen = max([v_req, *(resp.output_versions or []), resp.weight_version or -1])
-            await self._wait_after_abort(seen, resp.server)
+            with span("engine_request/wait_for_weights", seen=seen):
+                await self._wait_after_abort(seen, resp.server)
         gen.latency = time.monotonic() - t0
         return gen
 

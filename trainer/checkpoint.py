@@ -45,6 +45,7 @@ from safetensors.torch import load_file, save_file
 from rlstream.common.config import ConfigError, RecoverConfig, SaverConfig
 from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger
+from rlstream.common.tracing import span
 from rlstream.trainer.parallel import Parallel
 
 __all__ = ["TrainState", "RankState", "Part", "Checkpointer", "CheckpointManager", "Schedule"]
@@ -464,8 +465,9 @@ class CheckpointManager:
     def step_done(self, state: TrainState) -> None:
         """After step `state.step`: an HF export and a recover checkpoint when due; acknowledge what is covered."""
         if self._agree(self.hf_schedule.due(state.step)) and state.step < self.total_steps:
-            self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), f"step-{state.step}",
-                                      background=self.async_save)
+            with span("trainer/checkpoint", kind="hf"):
+                self.checkpointer.save_hf(self.model, self.par.unwrap(self.model), f"step-{state.step}",
+                                          background=self.async_save)
             self.hf_schedule.saved()
         if not self.recover_on:
             self._ack()
@@ -487,12 +489,14 @@ class CheckpointManager:
 
     def _save_recover(self, state: TrainState) -> None:
         """The one path that makes entries durable: checkpoint covering them, then acknowledge them."""
-        self.checkpointer.save_recover(self.model, self.optimizer, self.scheduler, state,
-                                       RankState(rank=self.par.rank, consumer=self.source.consumer,
-                                                 covered_ids=self.unacked), extra=self.extra)
+        with span("trainer/checkpoint", kind="recover"):
+            self.checkpointer.save_recover(self.model, self.optimizer, self.scheduler, state,
+                                           RankState(rank=self.par.rank, consumer=self.source.consumer,
+                                                     covered_ids=self.unacked), extra=self.extra)
         self._ack()
         self.recover_schedule.saved()
 
     def _ack(self) -> None:
-        self.source.ack(self.unacked)
+        with span("trainer/ack", entries=len(self.unacked)):
+            self.source.ack(self.unacked)
         self.unacked = []

@@ -26,6 +26,7 @@ import random
 import signal
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from rlstream.common.logging import get_logger
 from rlstream.common.memory import freeze_startup_objects
 from rlstream.common.metrics import StatsLogger
 from rlstream.common.models import resolve_model_paths
+from rlstream.common.tracing import configure, sessions, span, torch_profile, tracer
 from rlstream.consumer.reader import ResumeInfo, StepReader
 from rlstream.trainer.batch import collate
 from rlstream.trainer.budget import resolve_total_steps
@@ -154,6 +156,7 @@ def train(cfg: Config) -> None:
     """Entry point of `rlstream train`."""
     cfg = resolve_model_paths(cfg)  # prepared model names and cached hub ids -> folders (before any rank work)
     par = init_parallel(cfg.actor.device, cfg.actor.parallel)
+    configure(cfg, "trainer", f"rank{par.rank}" if par.world_size > 1 else None)
     ok = False
     try:
         Trainer(cfg, par).train()
@@ -218,50 +221,67 @@ class Trainer:
         stop = _StopFlag(enabled=par.world_size == 1)
         freeze_startup_objects()  # the step loop's full GC collections no longer walk the model and the modules
         while state.step < self.total_steps and stop.requested is None:
-            t_step = time.perf_counter()
-            # 1. this rank's groups (recorded in {ns}:steps before training)
-            try:
-                stop.waiting = True
+            with span("trainer/profiled_step") if _profiled(cfg, state.step + 1) else nullcontext(), \
+                    torch_profile(cfg, state.step + 1, f"rank{par.rank}"), span("trainer/step", step=state.step + 1):
+                if not self._step(stop):
+                    break
+            tracer().step_done(state.step)
+        self._finish(stop)
+
+    def _step(self, stop: _StopFlag) -> bool:
+        """One train step (False: stopped while waiting for data)."""
+        cfg, par, state = self.cfg, self.par, self.state
+        t_step = time.perf_counter()
+        # 1. this rank's groups (recorded in {ns}:steps before training)
+        try:
+            stop.waiting = True
+            with span("trainer/read"):
                 data = self.reader.next(state.step, state.version, steps_left=self.total_steps - state.step)
-            except _StopRequested:
-                break
-            finally:
-                stop.waiting = False
-            t0 = time.perf_counter()
+        except _StopRequested:
+            return False
+        finally:
+            stop.waiting = False
+        t0 = time.perf_counter()
+        with span("trainer/collate", groups=len(data.entries)):
             batch = collate(data.entries)
-            t_collate = time.perf_counter() - t0
+        t_collate = time.perf_counter() - t0
 
-            # 2-4. logprobs, advantages, PPO minibatches
-            ppo_stats = self.actor.train_step(batch, state.version)
-            self.checkpoints.trained(data.ids)
-            state.step += 1
-            state.version += 1
+        # 2-4. logprobs, advantages, PPO minibatches
+        ppo_stats = self.actor.train_step(batch, state.version)
+        self.checkpoints.trained(data.ids)
+        state.step += 1
+        state.version += 1
+        _trace_trained(data, state.step)
 
-            # 5. publish the new weights as the next version
-            t0 = time.perf_counter()
+        # 5. publish the new weights as the next version
+        t0 = time.perf_counter()
+        with span("trainer/push", version=state.version):
             if par.is_main:
                 self.versions.set_trainer_version(state.version)
             self.broadcaster.push(par.unwrap(self.model), state.version)
-            t_push = time.perf_counter() - t0
+        t_push = time.perf_counter() - t0
+        with span("trainer/metrics"):
             metrics = StepMetrics.gather(par, ppo_stats, data, version=state.version, epoch=self._epoch(),
                                          collate_s=t_collate, weight_push_s=t_push,
                                          push_report=getattr(self.broadcaster, "last", None))
 
-            # 6. checkpoints; entries are acknowledged once a durable checkpoint covers them. The
-            # step's metrics row goes into the recover checkpoint: a kill after it is durable and
-            # before the row is written would leave metrics.jsonl without the step (it is not re-run).
-            state.last_metrics = metrics.checkpoint_row()
-            t0 = time.perf_counter()
-            self.checkpoints.step_done(state)
-            if par.rank == 0 and cfg.redis.stream_maxlen > 0:
-                # Retention: only entries every consumer group acknowledged are trimmed, so the
-                # entries of steps a crash would replay (unacked) always stay.
+        # 6. checkpoints; entries are acknowledged once a durable checkpoint covers them. The
+        # step's metrics row goes into the recover checkpoint: a kill after it is durable and
+        # before the row is written would leave metrics.jsonl without the step (it is not re-run).
+        state.last_metrics = metrics.checkpoint_row()
+        t0 = time.perf_counter()
+        self.checkpoints.step_done(state)
+        if par.rank == 0 and cfg.redis.stream_maxlen > 0:
+            # Retention: only entries every consumer group acknowledged are trimmed, so the
+            # entries of steps a crash would replay (unacked) always stay.
+            with span("trainer/trim"):
                 self.reader.stream.trim_acked(keep=cfg.redis.stream_maxlen)
-            metrics.checkpoint_s = time.perf_counter() - t0
-            metrics.step_s = time.perf_counter() - t_step
+        metrics.checkpoint_s = time.perf_counter() - t0
+        metrics.step_s = time.perf_counter() - t_step
+        with span("trainer/log"):
             self.stats.log(state.step, metrics.row())
             self.evals.log_new(self.stats)
-        self._finish(stop)
+        return True
 
     def _epoch(self) -> float:
         return self.state.step / self.steps_per_epoch if self.steps_per_epoch else 0.0
@@ -273,7 +293,8 @@ class Trainer:
             log.warning("stopping early on %s after %d of %d steps: saving what was trained", stop.requested,
                         state.step, total_steps)
             self.checkpoints.stopped_early(state)
-        self.checkpoints.save_final()
+        with span("trainer/checkpoint", kind="final"):
+            self.checkpoints.save_final()
         stop.restore()
         self.evals.log_new(self.stats)
         if self.par.is_main:
@@ -286,6 +307,8 @@ class Trainer:
         self.broadcaster.close()
         self.stats.close()
         self.client.close()
+        tracer().close()
+        sessions().flush()
 
 
 # ---- set-up steps ----------------------------------------------------------------------
@@ -403,6 +426,19 @@ def _recover_served_state(par: Parallel, admission: AdmissionController, broadca
         queued = admission.reset_accepted(version)
         log.info("admission reset: accepted := %d·%d + %d queued groups", version, batch, queued)
     broadcaster.push(par.unwrap(model), version)
+
+
+def _profiled(cfg: Config, step: int) -> bool:
+    return cfg.perf_tracer.enabled and step in (cfg.perf_tracer.profile_steps or ())
+
+
+def _trace_trained(data: Any, step: int) -> None:
+    """Session tracer: the step that trained each group of this rank's batch."""
+    if sessions().enabled:
+        now = time.time()
+        for e in data.entries:
+            sessions().write({"kind": "trained", "group_id": e.group.group_id, "entry_id": e.id, "step": step,
+                              "version": data.version, "replayed": data.replayed, "at": now})
 
 
 def _register_queue_metrics(stats: StatsLogger, client: Any, keys: Keys, cfg: Config) -> None:

@@ -55,6 +55,7 @@ from rlstream.trainer.model import DTYPES
 from rlstream.trainer.parallel import Parallel
 from rlstream.trainer.prefix_filter import prefix_filter_mask
 from rlstream.trainer.stats import PPOStats
+from rlstream.common.tracing import span
 from rlstream.trainer.update import MicroBatches
 
 __all__ = ["PPOActor"]
@@ -141,9 +142,12 @@ class PPOActor:
 
         # 1. reference and proximal logprobs
         t0 = time.perf_counter()
-        recomputed = self.forward_logp(self.module, batch) if self.recompute else None
-        ref_logp = self.forward_logp(self.ref, batch) if self.ref is not None else None
-        values = self.critic.values(batch) if self.critic is not None else None
+        with span("trainer/prox_logprobs", recompute=self.recompute):
+            recomputed = self.forward_logp(self.module, batch) if self.recompute else None
+        with span("trainer/ref_logprobs", ref=self.ref is not None):
+            ref_logp = self.forward_logp(self.ref, batch) if self.ref is not None else None
+        with span("trainer/values", critic=self.critic is not None):
+            values = self.critic.values(batch) if self.critic is not None else None
         timings["time/logprobs"] = time.perf_counter() - t0
 
         # 2. which logprobs play which role (table in the module docstring)
@@ -157,18 +161,19 @@ class PPOActor:
             prox_all = old_logp
 
         # 3. rewards -> per-token advantages
-        adv = compute_advantages(batch, a, self.cfg.gconfig.max_new_tokens, old_logp=old_logp, ref_logp=ref_logp,
-                                 kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum, values=values)
-        if a.min_filter_prefix_tokens is not None:
-            adv.loss_mask = prefix_filter_mask(batch, adv.loss_mask, a.min_filter_prefix_tokens)
-        stats.batch(batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
+        with span("trainer/advantages"):
+            adv = compute_advantages(batch, a, self.cfg.gconfig.max_new_tokens, old_logp=old_logp, ref_logp=ref_logp,
+                                     kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum, values=values)
+            if a.min_filter_prefix_tokens is not None:
+                adv.loss_mask = prefix_filter_mask(batch, adv.loss_mask, a.min_filter_prefix_tokens)
+            stats.batch(batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
         positive = adv.loss_mask & (batch.rewards > 0)[batch.seq_index()]
 
         # 4. PPO minibatches
         lr = float(self.scheduler.get_last_lr()[0])
         max_norm = a.optimizer.gradient_clipping if a.optimizer.gradient_clipping > 0 else math.inf
         minibatches = minibatch_slices(batch.n_seqs, a.ppo_n_minibatches) * a.mu_iterations  # epochs: all again
-        for mb_seqs in minibatches:
+        for k, mb_seqs in enumerate(minibatches):
             tok = batch.token_index(mb_seqs)
             seq_of_tok = torch.repeat_interleave(torch.arange(len(mb_seqs)), batch.seq_lens[mb_seqs]) if mb_seqs \
                 else torch.zeros(0, dtype=torch.long)
@@ -181,14 +186,16 @@ class PPOActor:
             micro_loss = partial(self._micro_loss, batch, adv=adv, behav=behav, prox_all=prox_all, ref_logp=ref_logp,
                                  version=version, token_denom=token_denom, seq_denom=seq_denom, stats=stats,
                                  positive=(positive, pos_denom))
-            grad_norm, skipped = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
-                                                           micro_loss, max_norm)
+            with span("trainer/minibatch", index=k, seqs=len(mb_seqs)):
+                grad_norm, skipped = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
+                                                               micro_loss, max_norm)
             stats.optimizer_step(grad_norm, skipped, self.par.world_size)
         self.scheduler.step()
         timings["time/update"] = time.perf_counter() - t1
 
         # 5. the value model's minibatches towards the returns
-        critic_stats = self.critic.train(batch, adv, values) if self.critic is not None else {}
+        with span("trainer/critic", critic=self.critic is not None):
+            critic_stats = self.critic.train(batch, adv, values) if self.critic is not None else {}
         interval = a.reference_reset_interval
         if self.ref is not None and interval is not None and (version + 1) % interval == 0:
             self.reset_reference()

@@ -16,6 +16,7 @@ from typing import Callable, Iterator
 import torch
 
 from rlstream.common.config.actor import MicroBatchSpec
+from rlstream.common.tracing import span
 from rlstream.trainer.microbatch import synced_split
 from rlstream.trainer.parallel import Parallel
 
@@ -58,17 +59,19 @@ class MicroBatches:
         optimizer.zero_grad(set_to_none=True)
         bins = self.split(seq_lens[mb_seqs].tolist())
         for j, local in enumerate(bins):
-            with self.par.grad_sync(model, enabled=(j == len(bins) - 1)):
+            with self.par.grad_sync(model, enabled=(j == len(bins) - 1)), \
+                    span("trainer/forward_backward", micro_batch=j, seqs=len(local)):
                 if not local:
                     (self.empty_pass(model).sum() * 0.0).backward()
                     continue
                 loss = micro_loss([mb_seqs[i] for i in local])
                 (loss * self.par.world_size).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        skipped = not math.isfinite(grad_norm)
-        if skipped:
-            optimizer.zero_grad(set_to_none=True)
-        else:
-            optimizer.step()
+        with span("trainer/optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+            skipped = not math.isfinite(grad_norm)
+            if skipped:
+                optimizer.zero_grad(set_to_none=True)
+            else:
+                optimizer.step()
         return grad_norm, skipped

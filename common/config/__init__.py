@@ -7,7 +7,8 @@ line below it, shown by `rlstream config docs` (`docs.py` reads them from the so
 The schema is split by concern: `cluster` (placement, discovery, Redis), `rollout`
 (sampling, admission, datasets), `actor` (model and algorithm), `persistence` (checkpoints,
 recovery, evaluation, metrics), `producer` (workflows, agents, gateway), `engine` (the
-local engine), `scoring` (scoring pools, the reward model, `rlstream rw`), `launcher` (`rlstream run`, demo, Slurm) and `schema` (the top-level
+local engine), `scoring` (scoring pools, the reward model, `rlstream rw`), `launcher` (`rlstream run`, demo, Slurm),
+`tracing` (perf and session tracers) and `schema` (the top-level
 `Config`). `loading` reads YAML + overrides and validates; `masking` hides credentials.
 """
 
@@ -30,6 +31,7 @@ from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparamet
 from rlstream.common.config.schema import Config
 from rlstream.common.config.scoring import (RewardModelConfig, RWConfig, ScoringPoolConfig, scoring_pools,
                                             scoring_service)
+from rlstream.common.config.tracing import PerfTracerConfig, SessionTracerConfig
 
 __all__ = [
     "Config",
@@ -51,4 +53,5 @@ __all__ = [
     "StatsLoggerConfig", "TensorBoardConfig", "WandbConfig", "AgentConfig", "GatewayConfig", "ProducerConfig",
     "SandboxConfig", "DatasetConfig", "GenerationHyperparameters", "RolloutConfig",
     "RewardModelConfig", "RWConfig", "ScoringPoolConfig", "scoring_pools", "scoring_service",
+    "PerfTracerConfig", "SessionTracerConfig",
 ]

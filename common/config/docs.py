@@ -96,6 +96,9 @@ def type_text(tp: Any) -> str:
             continue
         if typing.get_origin(inner) is list:  # a list's bounds are its items'
             return "list of " + type_text(typing.get_args(inner)[0]) if typing.get_args(inner) else "list"
+        options = typing.get_args(inner)
+        if len(options) == 2 and type(None) in options and any(typing.get_origin(a) is list for a in options):
+            return type_text(next(a for a in options if a is not type(None))) + ", or None"
         nested = [a for a in typing.get_args(inner) if typing.get_origin(a) is Annotated]
         if nested:  # X | None with bounds on X
             args = typing.get_args(nested[0])

@@ -15,6 +15,7 @@ from rlstream.common.config.persistence import EvaluatorConfig, RecoverConfig, S
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig
 from rlstream.common.config.scoring import RewardModelConfig, RWConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
+from rlstream.common.config.tracing import PerfTracerConfig
 
 __all__ = ["Config"]
 
@@ -67,6 +68,8 @@ class Config(Section):
     """Recover checkpoints and crash recovery."""
     stats_logger: StatsLoggerConfig = msgspec.field(default_factory=StatsLoggerConfig)
     """Metrics sinks."""
+    perf_tracer: PerfTracerConfig = msgspec.field(default_factory=PerfTracerConfig)
+    """Spans of every process as Chrome trace events, and per-rollout session records (AReaL's perf_tracer)."""
     train_dataset: DatasetConfig = msgspec.field(default_factory=DatasetConfig)
     """Training prompts."""
     valid_dataset: DatasetConfig | None = None

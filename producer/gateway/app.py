@@ -127,9 +127,7 @@ async def delete_session(request: web.Request, gw: Gateway) -> web.Response:
 
 @_handler
 async def session_info(request: web.Request, gw: Gateway) -> web.Response:
-    s = gw.session(request.match_info["sid"])
-    return _json({"session_id": s.id, "calls": s.calls, "branches": len(s.leaves()),
-                  "tokens": [len(b.episode.ids) for b in s.leaves()], "group": s.group.key if s.group else None})
+    return _json(gw.info(request.match_info["sid"]))
 
 
 @_handler

@@ -119,7 +119,10 @@ def serve(cfg: Config) -> None:
     """Entry of `rlstream gateway --config X`."""
     from rlstream.common.models import resolve_model_paths
 
+    from rlstream.common.tracing import configure
+
     cfg = resolve_model_paths(cfg)
+    configure(cfg, "gateway")
     try:
         import uvloop
 

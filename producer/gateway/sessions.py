@@ -23,6 +23,7 @@ from typing import Any, Iterator
 
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
+from rlstream.common.tracing import current_session, sessions as session_tracer
 from rlstream.producer.agent import Episode, group_from_episodes
 from rlstream.producer.gateway.structs import HttpError, RewardRequest, SessionRequest
 from rlstream.producer.lease import EpisodeLease, NoCapacity
@@ -60,6 +61,9 @@ class Session:
     calls: int = 0
     reward: float | None = None
     finished: bool = False
+    created_wall: float = field(default_factory=time.time)
+    admitted_wall: float | None = None  # its group's lease came (the session tracer's `admitted`)
+    requests: list[dict[str, Any]] = field(default_factory=list)  # engine requests, when the session tracer is on
 
     def leaves(self) -> list[Branch]:
         return [b for b in self.branches if b.children == 0]
@@ -95,6 +99,7 @@ class SessionGroups:
         self.group_size = self.gc.group_size or cfg.gconfig.n_samples
         self.sessions: dict[str, Session] = {}
         self.gone: dict[str, str] = {}  # finished/abandoned session id -> why (bounded)
+        self.finished_info: dict[str, dict[str, Any]] = {}  # finished session id -> what GET /sessions/{id} shows
         self.open_groups: dict[str, Group] = {}
         self.stats = {"calls": 0, "committed_groups": 0, "rejected_groups": 0, "abandoned_sessions": 0,
                       "generated_tokens": 0}
@@ -104,9 +109,12 @@ class SessionGroups:
     def call(self, s: Session) -> Iterator[None]:
         """One model call of session `s`: in flight meanwhile (never reaped), counted and dated after."""
         s.inflight += 1
+        token = current_session.set({"requests": s.requests}) if session_tracer().enabled else None
         try:
             yield
         finally:
+            if token is not None:
+                current_session.reset(token)
             s.inflight -= 1
             s.calls += 1
             s.last_active = time.monotonic()
@@ -136,6 +144,16 @@ class SessionGroups:
         self.gone[s.id] = why
         while len(self.gone) > 100_000:
             self.gone.pop(next(iter(self.gone)))
+        while len(self.finished_info) > 100_000:
+            self.finished_info.pop(next(iter(self.finished_info)))
+
+    def info(self, sid: str) -> dict[str, Any]:
+        """What GET /sessions/{id} answers: an open session's calls and branches; a finished one's as it ended, with
+        its reward and its group's outcome (pending until every member reported)."""
+        done = self.finished_info.get(sid)
+        if done is not None:
+            return done
+        return {**_summary(self.session(sid)), "status": "open"}
 
     # ------------------------------------------------------------------ groups and admission
     async def _join_group(self, s: Session, prompt_ids: list[int]) -> Group:
@@ -157,6 +175,7 @@ class SessionGroups:
         assert g.lease_task is not None
         try:
             g.lease = await asyncio.shield(g.lease_task)
+            s.admitted_wall = s.admitted_wall or time.time()
         except NoCapacity as exc:
             self._dissolve(g)
             raise HttpError(503, f"no admission capacity: {exc}") from None
@@ -193,10 +212,10 @@ class SessionGroups:
         if lease is None:
             if g.lease_task is not None:
                 g.lease_task.cancel()
-            return {"status": "abandoned"}
+            return self._traced(g, finished, {"status": "abandoned"})
         if not finished:
             await lease.abandon()
-            return {"status": "abandoned"}
+            return self._traced(g, finished, {"status": "abandoned"})
         from rlstream.producer.admit_loop import should_accept
 
         episodes = []
@@ -220,11 +239,28 @@ class SessionGroups:
         except Exception as exc:  # noqa: BLE001 - e.g. a group the wire validation refuses: say why, lose the lease
             await lease.abandon()
             log.warning("group %s not committed: %s: %s", g.key, type(exc).__name__, exc)
-            return {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"}
+            return self._traced(g, finished, {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
+        for m in finished:
+            if m.id in self.finished_info:
+                self.finished_info[m.id].update(group_status=status, group_id=group.group_id)
         log.info("group %s %s: %d sessions, %d trajectories", group.group_id, status, len(finished),
                  len(group.trajectories))
-        return {"status": status, "group_id": group.group_id, "trajectories": len(group.trajectories),
-                "sessions": len(finished)}
+        return self._traced(g, finished, {"status": status, "group_id": group.group_id,
+                                          "trajectories": len(group.trajectories), "sessions": len(finished)})
+
+    def _traced(self, g: Group, finished: list[Session], out: dict[str, Any]) -> dict[str, Any]:
+        """Session tracer: one record per finished session of a settled group (the gateway's rollouts)."""
+        if session_tracer().enabled:
+            end = time.time()
+            for m in finished:
+                session_tracer().write({
+                    "kind": "rollout", "source": "gateway", "session": m.id, "producer": self.producer_id,
+                    "prompt_id": g.prompt_id, "submit": m.created_wall, "admitted": m.admitted_wall or m.created_wall,
+                    "end": end, "requests": m.requests, "calls": m.calls, "reward": m.reward,
+                    "tokens": sum(q.get("out_tokens", 0) for q in m.requests), "outcome": out["status"],
+                    **({"group_id": out["group_id"]} if "group_id" in out else {}),
+                    **({"reason": out["reason"]} if "reason" in out else {})})
+        return out
 
     async def finish(self, s: Session, req: RewardRequest) -> dict[str, Any]:
         if s.inflight:
@@ -235,7 +271,10 @@ class SessionGroups:
         s.reward = float(req.reward)
         s.metadata.update(req.metadata)
         self._forget(s, "finished (its reward was reported)")
+        self.finished_info[s.id] = {**_summary(s), "status": "finished", "reward": s.reward, "group_status": "pending"}
         out = await self._settle(s.group)
+        if out["status"] != "pending":
+            self.finished_info[s.id]["group_status"] = out["status"]
         return {"session_id": s.id, **out}
 
     async def abandon(self, s: Session, why: str) -> None:
@@ -257,3 +296,9 @@ class SessionGroups:
         for g in list(self.open_groups.values()):
             if g.members and all(m.finished for m in g.members) and now - g.last_join > self.gc.session_timeout:
                 await self._settle(g)
+
+
+def _summary(s: Session) -> dict[str, Any]:
+    return {"session_id": s.id, "calls": s.calls, "branches": len(s.leaves()),
+            "tokens": [len(b.episode.ids) for b in s.leaves()], "group": s.group.key if s.group else None,
+            "metadata": {k: v for k, v in s.metadata.items() if isinstance(v, (str, int, float, bool))}}

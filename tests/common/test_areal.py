@@ -107,14 +107,25 @@ def test_cli_prints_the_summary_and_config_show_accepts_the_result(tmp_path):
     run = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "config", "import-areal", str(AREAL)],
                          capture_output=True, text=True, env=env, timeout=120)
     assert run.returncode == 0, run.stderr
-    assert run.stderr.startswith("translated 9, same 67, dropped 56 (of 132 AReaL keys); added 0")
-    assert "dropped     perf_tracer.enabled: no tracer" in run.stderr
+    assert run.stderr.startswith("translated 9, same 69, dropped 54 (of 132 AReaL keys); added 0")
+    assert "perf_tracer.enabled, perf_tracer.session_tracer.enabled" in run.stderr  # same keys: kept
+    assert "dropped     perf_tracer.fileroot: cluster.fileroot is the one file root" in run.stderr
     mine = tmp_path / "mine.yaml"
     mine.write_text(run.stdout)
     show = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "config", "show", "--config", str(mine),
                            "--json"], capture_output=True, text=True, env=env, timeout=120)
     assert show.returncode == 0, show.stderr
     assert '"consumer_batch_size": 64' in show.stdout and '"max_prompt_len": 768' in show.stdout
+
+
+def test_perf_tracer_keys_carry_over():
+    t = translate_areal({"gconfig": {}, "perf_tracer": {"enabled": True, "save_interval": 0, "profile_steps": [3, 5],
+                                                        "session_tracer": {"enabled": True, "flush_threshold": -1}}})
+    cfg = load_config_dict(t.config)
+    pt = cfg.perf_tracer
+    assert pt.enabled and pt.save_interval == 1 and pt.profile_steps == [3, 5]
+    assert pt.session_tracer.enabled and pt.session_tracer.flush_threshold == 1
+    assert "perf_tracer.save_interval=1 (AReaL reads values <= 0 as 1)" in dict(t.translated)["perf_tracer.save_interval"]
 
 
 def test_allocation_strings_and_old_spellings():
@@ -160,9 +171,9 @@ def test_areal_keys_accepted_directly():
 FIXTURES = Path(__file__).parent / "fixtures" / "areal"
 EXAMPLES = sorted(p.stem for p in FIXTURES.glob("*.yaml"))
 # (translated, same, dropped, added) per example: every leaf key lands in exactly one list.
-COUNTS = {"gsm8k_dapo_dynamic_bs": (8, 71, 55, 0), "gsm8k_drgrpo": (8, 66, 54, 0), "gsm8k_grpo": (9, 67, 56, 0),
-          "gsm8k_grpo_lora": (13, 67, 61, 0), "gsm8k_grpo_mt": (9, 67, 55, 0), "gsm8k_ppo": (9, 79, 61, 0),
-          "gsm8k_rloo": (8, 68, 54, 0), "gsm8k_sapo": (9, 67, 56, 0)}
+COUNTS = {"gsm8k_dapo_dynamic_bs": (8, 73, 53, 0), "gsm8k_drgrpo": (8, 68, 52, 0), "gsm8k_grpo": (9, 69, 54, 0),
+          "gsm8k_grpo_lora": (13, 69, 59, 0), "gsm8k_grpo_mt": (9, 69, 53, 0), "gsm8k_ppo": (9, 81, 59, 0),
+          "gsm8k_rloo": (8, 70, 52, 0), "gsm8k_sapo": (9, 69, 54, 0)}
 
 
 def _example(name):

@@ -95,7 +95,11 @@ def _gateway_overrides(model, redis_url, exp, engine, *extra):
 @pytest.fixture(scope="module")
 def gateway(redis_server, tool_model, engine, tmp_path_factory):
     exp = f"gw{uuid.uuid4().hex[:8]}"
-    p = GatewayProcess(tmp_path_factory.mktemp("gw"), _gateway_overrides(tool_model, redis_server.url, exp, engine))
+    root = tmp_path_factory.mktemp("gwruns")
+    p = GatewayProcess(tmp_path_factory.mktemp("gw"), _gateway_overrides(
+        tool_model, redis_server.url, exp, engine, f"cluster.fileroot={root}", "perf_tracer.session_tracer.enabled=true",
+        "perf_tracer.session_tracer.flush_threshold=1"))
+    p.run_dir = root / exp / "trial0"
     p.start()
     try:
         yield exp, p
@@ -230,9 +234,21 @@ def test_streaming_n_and_completions_are_recorded_as_branches(gateway, redis_url
     comp = client.completions.create(model="tiny", prompt="u:12*34=?\n", max_tokens=4, stop=["a"])
     assert comp.choices[0].finish_reason in ("stop", "length")
     info = httpx.get(f"{gw.url}/sessions/{sid}", timeout=30).json()
-    assert info["branches"] == 4 and info["calls"] == 3
+    assert info["branches"] == 4 and info["calls"] == 3 and info["status"] == "open"
     r = httpx.post(f"{gw.url}/sessions/{sid}/reward", json={"reward": 0.5}, timeout=60)
     assert r.json()["status"] == "committed" and r.json()["trajectories"] == 4, r.text
+    after = httpx.get(f"{gw.url}/sessions/{sid}", timeout=30)  # still answers once the reward is in
+    assert after.status_code == 200, after.text
+    done = after.json()
+    assert done["status"] == "finished" and done["reward"] == 0.5 and done["group_status"] == "committed"
+    assert done["branches"] == 4 and done["calls"] == 3 and done["group_id"] == r.json()["group_id"]
+    # the session tracer's record of this session: its engine requests, outcome and group
+    from rlstream.common.tracing import read_sessions
+
+    (rec,) = [x for x in read_sessions(gw.run_dir / "sessions.jsonl") if x["session"] == sid]
+    assert rec["source"] == "gateway" and rec["outcome"] == "committed" and rec["group_id"] == done["group_id"]
+    assert rec["submit"] <= rec["admitted"] <= rec["end"] and rec["calls"] == 3 and rec["reward"] == 0.5
+    assert len(rec["requests"]) >= 4 and all(q["engine"] and q["out_tokens"] > 0 for q in rec["requests"])
     groups, _ = _entries(redis_url, exp)
     g = next(g for g in groups if g.prompt_id == "streams")
     assert len(g.trajectories) == 4 and all(t.reward == 0.5 for t in g.trajectories)

@@ -1,0 +1,36 @@
+"""Seeing where a run's time goes: the perf tracer (Chrome trace events per process) and the session tracer
+(one lifecycle record per rollout). Key names follow AReaL's `perf_tracer` / `perf_tracer.session_tracer`."""
+
+from __future__ import annotations
+
+import msgspec
+
+from rlstream.common.config.base import PositiveFloat, PositiveInt, Section
+
+__all__ = ["PerfTracerConfig", "SessionTracerConfig"]
+
+
+class SessionTracerConfig(Section):
+    enabled: bool = False
+    """Write one record per rollout (submit, admitted, engine requests, reward, commit or drop, the step that trained
+    it) to {run_dir}/sessions.jsonl; `rlstream inspect --slowest N` reads it."""
+    flush_threshold: PositiveInt = 32
+    """Write the session records out once this many are ready (and at exit)."""
+
+
+class PerfTracerConfig(Section):
+    enabled: bool = False
+    """Record spans of every phase of every process (producer, engine, trainer) as Chrome trace events, one file per
+    process under {run_dir}/trace; `rlstream trace merge RUN_DIR` joins them into one timeline Perfetto opens.
+    Off: no file and no-op spans."""
+    save_interval: PositiveInt = 1
+    """The trainer writes its buffered events every N train steps."""
+    flush_secs: PositiveFloat = 10.0
+    """Processes without train steps (producers, engines) write their buffered events every N seconds."""
+    profile_steps: list[PositiveInt] | None = None
+    """Train steps (1-based) at which the trainer also records a torch.profiler trace
+    ({trace folder}/torch-step{N}-rank{R}.json); None = none."""
+    trace_dir: str | None = None
+    """Folder of the trace files (None = {run_dir}/trace); `rlstream trace merge` takes it or the run folder."""
+    session_tracer: SessionTracerConfig = msgspec.field(default_factory=SessionTracerConfig)
+    """Per-rollout lifecycle records (sessions.jsonl)."""
