@@ -59,6 +59,9 @@ class MicroBatchSpec(Section):
     """Token budget per micro-batch."""
     packing: bool = True
     """Pack sequences into one row (no padding) instead of padding to the longest."""
+    logits_chunk_tokens: NonNegativeInt = 1024
+    """Tokens per chunk of the LM head + fp32 log-softmax over the vocabulary, forward and backward (0 = all at once):
+    peak memory of the log-prob pass grows with chunk x vocab instead of tokens x vocab; same numbers (docs/trainer.md)."""
 
 
 class MegatronConfig(Section):
