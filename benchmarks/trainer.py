@@ -18,7 +18,7 @@ train step spent waiting on Redis and decoding when data is ready.
    count), same threads, same run; the step's tokens/s against the bound that rate gives
    (6·N·tokens per step, N = the weights of the linear layers, LM head included).
 4. Peak memory of the log-prob pass at 4096 tokens, LM head + log-softmax chunked
-   (`actor.mb_spec.logits_chunk_tokens`) against all at once, counted from tensor
+   (`actor.logits_chunk_tokens`) against all at once, counted from tensor
    lifetimes (trainer/tensor_memory.py): the no-grad pass over the whole model (the
    proximal/reference recompute) and the head's forward + backward.
 
@@ -59,7 +59,7 @@ def groups(model_cfg, args, n: int, seed: int):
 
 def bench_update(model: Path, root: Path, args) -> dict:
     """tokens/s of one train step on the same batch: packing with the chunked LM head (`packing`), the LM head
-    all at once (`unchunked`, the layout before `actor.mb_spec.logits_chunk_tokens`) and padding; the variants
+    all at once (`unchunked`, the layout before `actor.logits_chunk_tokens`) and padding; the variants
     take turns, so load on the machine hits them alike."""
     from transformers import AutoConfig
 
@@ -82,7 +82,7 @@ def bench_update(model: Path, root: Path, args) -> dict:
     actors = {}
     for key, (packing, chunk) in variants.items():
         cfg = load_config(None, overrides(model, root, args, [f"actor.mb_spec.packing={str(packing).lower()}",
-                                                               f"actor.mb_spec.logits_chunk_tokens={chunk}",
+                                                               f"actor.logits_chunk_tokens={chunk}",
                                                                "total_train_steps=100"]))
         module = load_causal_lm(str(model), cfg.actor)
         opt = build_optimizer(module.parameters(), cfg.actor.optimizer)
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="train steps for the data-share measurement")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch's default: the cores)")
-    ap.add_argument("--chunk", type=int, default=1024, help="actor.mb_spec.logits_chunk_tokens for the memory rows")
+    ap.add_argument("--chunk", type=int, default=1024, help="actor.logits_chunk_tokens for the memory rows")
     ap.add_argument("--mem-tokens", type=int, default=4096, help="tokens of the log-prob pass whose memory is counted")
     ap.add_argument("--real", default=None, help="also this HF model folder (e.g. SmolLM2-135M): 4 × 4 groups, "
                                                  "outputs 16–128, packing only, and the memory rows")

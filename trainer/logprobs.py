@@ -105,7 +105,7 @@ def token_logprobs(model: torch.nn.Module, batch: SeqBatch, *, temperature: floa
     only for them. With chat prompts most tokens are prompt, and `[T, vocab]` fp32 logits are
     most of a step's memory (49k vocabulary: 0.2 MB per token) and a good part of its time.
 
-    `chunk_tokens` > 0 (`actor.mb_spec.logits_chunk_tokens`): the head and the log-softmax run
+    `chunk_tokens` > 0 (`actor.logits_chunk_tokens`): the head and the log-softmax run
     that many tokens at a time, forward and backward (trainer/chunked_head.py), so no
     `[T, vocab]` tensor exists; 0, or a model whose head `chunkable_head` refuses: all at once.
     """
