@@ -289,7 +289,7 @@ def bench_model(name: str, model: Path, root: Path, args, *, ceiling: bool) -> d
     from transformers import AutoConfig, AutoModelForCausalLM
 
     update = bench_update(model, root, args)
-    module = AutoModelForCausalLM.from_pretrained(model, torch_dtype="float32")
+    module = AutoModelForCausalLM.from_pretrained(model, dtype="float32")
     out = {"name": name, "batch": f"{args.groups} × {args.samples}, outputs {args.min_out}–{args.max_out}",
            "update": update}
     if ceiling:

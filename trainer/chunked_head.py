@@ -13,10 +13,11 @@ unchunked pass holds several such tensors: logits, tempered logits, exp, softmax
 This is the "fused linear + cross-entropy" method of Liger-Kernel (its fused linear cross
 entropy chunks the tokens and computes the gradient in the forward) and of Apple's
 Cut Your Losses in Large-Vocabulary Language Models (cut-cross-entropy, which also blocks
-over the vocabulary inside one kernel). Here the gradient is recomputed in the backward
-instead, because the forward also serves no-grad passes (proximal and reference
-logprobs) that must not pay for it, and the ops are the ones of the unchunked path, so the
-numbers equal it (tests/trainer/test_chunked_head.py).
+over the vocabulary inside one kernel). Liger can form the gradient in the forward because
+its loss is the cross-entropy itself; here the logprobs feed the PPO loss, whose gradient
+w.r.t. them is known only in the backward, so the backward recomputes each chunk's logits
+(one more LM-head matmul per token, ~5% of a SmolLM2-135M step's FLOPs). The ops are those
+of the unchunked path, so the numbers equal it (tests/trainer/test_chunked_head.py).
 
 Gradient of the tempered logits z of one row, with p = softmax(z):
 d logp[token] / dz = onehot(token) - p,  d entropy / dz = -p * (z - Σ p z).
@@ -49,15 +50,20 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
         lse = torch.empty_like(logp)
         ent = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
         mean_z = torch.empty_like(ent)  # Σ p z per row, for the entropy's gradient
+        z = None
         for s in range(0, n, chunk):
             e = min(n, s + chunk)
+            z = None  # the previous chunk's logits go before the next chunk's come
             z = _tempered_logits(hidden[s:e], weight, bias, temperature)
             lse[s:e] = torch.logsumexp(z, dim=-1)
             logp[s:e] = z.gather(-1, tokens[s:e, None]).squeeze(-1) - lse[s:e]
             if with_entropy:  # the unchunked path's ops, the product in place
                 mean_z[s:e] = torch.softmax(z, dim=-1).mul_(z).sum(-1)
                 ent[s:e] = lse[s:e] - mean_z[s:e]
-            del z
+        # The last chunk's logits stay for the backward, which then recomputes one chunk fewer (all of
+        # them when the micro-batch is one chunk); the peak stays within two chunks.
+        ctx.last_logits = z if n and any(ctx.needs_input_grad[:3]) else None
+        del z
         ctx.save_for_backward(hidden, weight, bias, tokens, lse, mean_z)
         ctx.temperature, ctx.chunk = temperature, chunk
         ctx.set_materialize_grads(False)
@@ -73,9 +79,15 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
         g_b = torch.zeros_like(bias) if need_b and bias is not None else None
         if g_ent is not None and mean_z.numel() == 0:
             g_ent = None
-        for s in range(0, hidden.shape[0] if g_logp is not None or g_ent is not None else 0, ctx.chunk):
-            e = min(hidden.shape[0], s + ctx.chunk)
-            g_logits = _chunk_logits_grad(_tempered_logits(hidden[s:e], weight, bias, ctx.temperature), lse[s:e],
+        n = hidden.shape[0] if g_logp is not None or g_ent is not None else 0
+        for s in reversed(range(0, n, ctx.chunk)):  # the kept last chunk first: it is freed before the others come
+            e = min(n, s + ctx.chunk)
+            z = None
+            if e == n and ctx.last_logits is not None:
+                z, ctx.last_logits = ctx.last_logits, None  # used up (overwritten): a second backward recomputes
+            else:
+                z = _tempered_logits(hidden[s:e], weight, bias, ctx.temperature)
+            g_logits = _chunk_logits_grad(z, lse[s:e],
                                           tokens[s:e], None if g_logp is None else g_logp[s:e],
                                           None if g_ent is None else (g_ent[s:e], mean_z[s:e]), ctx.temperature)
             g_logits = g_logits.to(hidden.dtype)
@@ -85,7 +97,7 @@ class _ChunkedHeadLogSoftmax(torch.autograd.Function):
                 g_w.addmm_(g_logits.t().float(), hidden[s:e].float())
             if g_b is not None:
                 g_b += g_logits.sum(0)
-            del g_logits
+            del g_logits, z
         return g_h, (g_w.to(weight.dtype) if need_w else None), g_b, None, None, None, None
 
 

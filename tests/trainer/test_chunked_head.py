@@ -113,3 +113,15 @@ def test_peak_memory_of_the_pass_grows_with_the_chunk_not_with_the_tokens():
     assert largest["chunked"] == chunk * v * 4
     assert peaks["chunked"] <= 2 * chunk * v * 4 + 4 * (n * h + v * h) * 4
     assert peaks["unchunked"] >= 4 * peaks["chunked"]
+
+
+def test_a_second_backward_through_the_same_graph_gives_the_same_gradients():
+    """The backward keeps the last chunk's logits from the forward and overwrites them; a second backward
+    (retain_graph) recomputes them and must agree."""
+    hidden, weight, bias, tokens = _leaves(n=30)
+    logp, ent = head_logprobs(hidden, weight, bias, tokens, temperature=0.7, chunk_tokens=8, with_entropy=True)
+    loss = logp.mean() + ent.mean()
+    first = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+    second = torch.autograd.grad(loss, (hidden, weight, bias))
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, atol=1e-7, rtol=0)
