@@ -16,7 +16,8 @@ Cut Your Losses in Large-Vocabulary Language Models (cut-cross-entropy, which al
 over the vocabulary inside one kernel). Liger can form the gradient in the forward because
 its loss is the cross-entropy itself; here the logprobs feed the PPO loss, whose gradient
 w.r.t. them is known only in the backward, so the backward recomputes each chunk's logits
-(one more LM-head matmul per token, ~5% of a SmolLM2-135M step's FLOPs). The ops are those
+but the last, which the forward leaves it (one more LM-head matmul per token beyond the first
+chunk: ~5% of a SmolLM2-135M step's FLOPs; none when a micro-batch's outputs fit one chunk). The ops are those
 of the unchunked path, so the numbers equal it (tests/trainer/test_chunked_head.py).
 
 Gradient of the tempered logits z of one row, with p = softmax(z):
