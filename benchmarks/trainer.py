@@ -270,9 +270,10 @@ def render(res: dict, args) -> str:
     d, c = res["data"], res["models"][-1].get("ceiling") or {}
     return "\n".join([
         SECTION,
-        f"What: one train step (decoupled PPO, proximal recompute, 2 minibatches, micro-batch budget {args.mb_tokens} "
-        f"tokens), variants taking turns, best of {args.repeat}; {c.get('threads', '?')} intra-op / "
-        f"{c.get('interop_threads', '?')} inter-op threads, torch {res['torch']}, {res['cpus']} shared CPUs (load {res['load']}).",
+        f"What: a train step (decoupled PPO, proximal recompute, 2 minibatches, micro-batches ≤ {args.mb_tokens} "
+        f"tokens), variants in turn, best of {args.repeat}; {c.get('threads', '?')} intra-op / "
+        f"{c.get('interop_threads', '?')} inter-op threads, torch {res['torch'].split('+')[0]}, {res['cpus']} CPUs, "
+        f"load {res['load']}.",
         "Bound: fp32 torch.matmul on the step's own GEMMs (y = xWᵀ, dx = gW, dW = gᵀx of each linear layer), same "
         "threads and run, at 6·N FLOPs/token (N = linear weights, LM head too; the recompute adds 2·N).",
         "",
