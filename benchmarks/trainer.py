@@ -273,7 +273,7 @@ def render(res: dict, args) -> str:
         f"What: a train step (decoupled PPO, proximal recompute, 2 minibatches, micro-batches ≤ {args.mb_tokens} "
         f"tokens), variants in turn, best of {args.repeat}; {c.get('threads', '?')} intra-op / "
         f"{c.get('interop_threads', '?')} inter-op threads, torch {res['torch'].split('+')[0]}, {res['cpus']} CPUs, "
-        f"load {res['load'].split()[0]}–{res.get('load_end', '?').split()[0]}.",
+        f"load {res['load'].split()[0]}" + (f"–{res['load_end'].split()[0]}." if "load_end" in res else "."),
         "Bound: fp32 torch.matmul on the step's own GEMMs (y = xWᵀ, dx = gW, dW = gᵀx of each linear layer), same "
         "threads and run, at 6·N FLOPs/token (N = linear weights, LM head too; the recompute adds 2·N).",
         "",
