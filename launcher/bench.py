@@ -55,7 +55,7 @@ def _trainer(d: dict) -> Rows:
     out = [("train step (packing)", f"{u['packing']['tokens_per_s']:.0f} tokens/s, {u['packing']['step_s']:.2f} s"),
            ("packing vs padding", f"{u['speedup']:.2f}x"),
            ("Redis + decoding share of a step", _pct(data["share"]))]
-    for m in d.get("models", []):
+    for m in (m for m in d.get("models", []) if "ceiling" in m):
         c, mem = m["ceiling"], m.get("memory")
         out.append((f"{m['name']}: step / fp32 matmul bound (6·N·tokens)",
                     f"{c['tokens_per_s']:.0f} / {c['bound_tokens_per_s']:.0f} tokens/s = {_pct(c['mfu'])} "

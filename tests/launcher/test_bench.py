@@ -23,6 +23,7 @@ def test_headline_rows_of_each_benchmark_json():
     ceiling = {"tokens_per_s": 50.0, "bound_tokens_per_s": 200.0, "mfu": 0.25, "matmul": {"gflops": 80.04}}
     rows = BENCHMARKS["trainer"][1]({"update": {"packing": {"tokens_per_s": 1234.4, "step_s": 0.5}, "speedup": 1.8},
                                      "data": {"share": 0.05}, "models": [
+                                         {"name": "tiny", "update": {}},  # steps only: no ceiling rows
                                          {"name": "m", "ceiling": ceiling, "memory": {"model_nograd_ratio": 6.04,
                                                                                       "head_grad_ratio": 9.0}}]})
     assert rows[3:] == [("m: step / fp32 matmul bound (6·N·tokens)", "50 / 200 tokens/s = 25.0% (80.0 GFLOP/s)"),
