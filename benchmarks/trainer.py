@@ -1,14 +1,17 @@
-"""Trainer benchmark: update throughput with sequence packing vs padding, and the share of a
-train step spent waiting on Redis and decoding when data is ready.
+"""Trainer benchmark: update throughput (packing, padding, chunked or all-at-once LM head), the
+share of a train step spent on Redis and decoding, the fp32 matmul ceiling and the log-prob pass's
+peak memory.
 
-    python benchmarks/trainer.py             # full run (~2 minutes on 2 CPUs)
+    python benchmarks/trainer.py             # tiny Llama (a few minutes on 2 idle CPUs)
     python benchmarks/trainer.py --quick     # smaller batch
-    python benchmarks/trainer.py --readme    # also (re)writes the "Trainer" section of benchmarks/README.md
+    python benchmarks/trainer.py --real ~/.cache/rlstream/models/smollm2-135m-instruct --readme
+                                             # + the real model's ceiling and memory rows, into benchmarks/README.md
 
 1. Update throughput: one full `PPOActor.train_step` (proximal-logprob recompute,
-   advantages, PPO minibatches with backward and optimizer steps) on the tiny Llama,
-   same batch, `actor.mb_spec.packing` true vs false. Outputs have mixed lengths (as
-   real rollouts do), so padding computes on pad positions that packing never creates.
+   advantages, PPO minibatches with backward and optimizer steps), same batch, variants
+   taking turns: packing with the chunked LM head, packing all at once
+   (`actor.logits_chunk_tokens=0`), padding. Outputs have mixed lengths (as real
+   rollouts do), so padding computes on pad positions that packing never creates.
 2. Data share: the real `rlstream train` loop (in-process) against a redis-server
    started here on a free port, with every group already in the stream: the
    `time/wait_data` (XREADGROUP + msgpack decode + validation + staleness check +
@@ -21,8 +24,6 @@ train step spent waiting on Redis and decoding when data is ready.
    (`actor.logits_chunk_tokens`) against all at once, counted from tensor
    lifetimes (trainer/tensor_memory.py): the no-grad pass over the whole model (the
    proximal/reference recompute) and the head's forward + backward.
-
-    python benchmarks/trainer.py --model ~/.cache/rlstream/models/smollm2-135m-instruct --ceiling-only
 """
 
 from __future__ import annotations
