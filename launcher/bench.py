@@ -52,9 +52,18 @@ def _engine(d: dict) -> Rows:
 
 def _trainer(d: dict) -> Rows:
     u, data = d["update"], d["data"]
-    return [("train step (packing)", f"{u['packing']['tokens_per_s']:.0f} tokens/s, {u['packing']['step_s']:.2f} s"),
-            ("packing vs padding", f"{u['speedup']:.2f}x"),
-            ("Redis + decoding share of a step", _pct(data["share"]))]
+    out = [("train step (packing)", f"{u['packing']['tokens_per_s']:.0f} tokens/s, {u['packing']['step_s']:.2f} s"),
+           ("packing vs padding", f"{u['speedup']:.2f}x"),
+           ("Redis + decoding share of a step", _pct(data["share"]))]
+    for m in (m for m in d.get("models", []) if "ceiling" in m):
+        c, mem = m["ceiling"], m.get("memory")
+        out.append((f"{m['name']}: step / fp32 matmul bound (6·N·tokens)",
+                    f"{c['tokens_per_s']:.0f} / {c['bound_tokens_per_s']:.0f} tokens/s = {_pct(c['mfu'])} "
+                    f"({c['matmul']['gflops']:.1f} GFLOP/s)"))
+        if mem:
+            out.append((f"{m['name']}: log-prob pass peak memory, all at once / chunked",
+                        f"{mem['model_nograd_ratio']:.1f}x (no grad), {mem['head_grad_ratio']:.1f}x (head fwd+bwd)"))
+    return out
 
 
 def _broadcast(rows: list[dict]) -> Rows:

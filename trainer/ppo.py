@@ -103,7 +103,8 @@ class PPOActor:
     def _logp(self, model: torch.nn.Module, batch: SeqBatch, **kw) -> tuple[torch.Tensor, torch.Tensor | None]:
         with self.autocast():
             return token_logprobs(model, batch, temperature=self.a.temperature, packing=self.a.mb_spec.packing,
-                                  device=self.par.device, pad_token_id=self.pad_token_id, outputs_only=True, **kw)
+                                  device=self.par.device, pad_token_id=self.pad_token_id, outputs_only=True,
+                                  chunk_tokens=self.a.logits_chunk_tokens, **kw)
 
     @torch.no_grad()
     def reset_reference(self) -> None:

@@ -134,6 +134,9 @@ class ActorConfig(Section):
     """Data-parallel wrapper under torchrun (gloo on CPU in CI; NCCL over several GPUs has not run)."""
     mb_spec: MicroBatchSpec = msgspec.field(default_factory=MicroBatchSpec)
     """Micro-batching."""
+    logits_chunk_tokens: NonNegativeInt = 1024
+    """Tokens per chunk of the LM head (policy and reference) + fp32 log-softmax over the vocabulary, forward and backward (0 = all at once):
+    peak memory of the log-prob pass grows with chunk x vocab instead of tokens x vocab; same numbers (docs/trainer.md)."""
     optimizer: OptimizerConfig = msgspec.field(default_factory=OptimizerConfig)
     """Optimizer and schedule."""
     group_size: NonNegativeInt = 0

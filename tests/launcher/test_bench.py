@@ -20,6 +20,14 @@ def test_headline_rows_of_each_benchmark_json():
                                      "data": {"share": 0.05}})
     assert rows == [("train step (packing)", "1234 tokens/s, 0.50 s"), ("packing vs padding", "1.80x"),
                     ("Redis + decoding share of a step", "5.0%")]
+    ceiling = {"tokens_per_s": 50.0, "bound_tokens_per_s": 200.0, "mfu": 0.25, "matmul": {"gflops": 80.04}}
+    rows = BENCHMARKS["trainer"][1]({"update": {"packing": {"tokens_per_s": 1234.4, "step_s": 0.5}, "speedup": 1.8},
+                                     "data": {"share": 0.05}, "models": [
+                                         {"name": "tiny", "update": {}},  # steps only: no ceiling rows
+                                         {"name": "m", "ceiling": ceiling, "memory": {"model_nograd_ratio": 6.04,
+                                                                                      "head_grad_ratio": 9.0}}]})
+    assert rows[3:] == [("m: step / fp32 matmul bound (6·N·tokens)", "50 / 200 tokens/s = 25.0% (80.0 GFLOP/s)"),
+                        ("m: log-prob pass peak memory, all at once / chunked", "6.0x (no grad), 9.0x (head fwd+bwd)")]
     rows = BENCHMARKS["engine"][1]({"rows": [{"mode": "http", "concurrency": 4, "tokens_per_s": 400.0},
                                              {"mode": "http", "concurrency": 16, "tokens_per_s": 900.0},
                                              {"mode": "hf_generate", "concurrency": 16, "tokens_per_s": 300.0}]})
