@@ -7,7 +7,7 @@ polls one JSON endpoint, `GET /api/state?metrics_from=N&history_from=M`, and kee
 - `history`: the server's own samples, one per `launcher.web.refresh_secs`, of what `rlstream
   inspect` reads from Redis (`broker.inspect.collect`: queue depth, admission running / accepted /
   capacity, versions, dropped, dead letters, producer tokens/s) and of each live engine's load (its
-  Prometheus `/metrics`: running and waiting requests, batch capacity);
+  Prometheus `/metrics`: running and waiting requests, batch capacity, busy seconds, generated tokens);
 - `latest`: the newest full `collect` result (the page's number panel) and the head staleness of
   every trained group (`broker.inspect.trained_staleness`, refreshed every few samples).
 
@@ -131,7 +131,8 @@ class RunReader:
 
 
 async def engine_load(http: ClientSession, address: str, api_key: str | None) -> dict[str, float] | None:
-    """Running / waiting requests and batch capacity from an engine's Prometheus `/metrics` (None: no answer)."""
+    """Running / waiting requests, batch capacity, busy seconds and generated tokens so far, from an engine's
+    Prometheus `/metrics` (None: no answer)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     url = address if address.startswith("http") else f"http://{address}"
@@ -145,7 +146,10 @@ async def engine_load(http: ClientSession, address: str, api_key: str | None) ->
         log.debug("engine %s: no /metrics: %s", address, exc)
         return None
     want = {"rlstream_engine_running_requests": "running", "rlstream_engine_waiting_requests": "waiting",
-            "rlstream_engine_max_batch_size": "max_batch", "rlstream_engine_weight_version": "version"}
+            "rlstream_engine_max_batch_size": "max_batch", "rlstream_engine_weight_version": "version",
+            # counters: the page turns their change between samples into busy fraction and tokens/s
+            "rlstream_engine_busy_seconds_total": "busy_seconds",
+            "rlstream_engine_generated_tokens_total": "generated_tokens"}
     out: dict[str, float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:

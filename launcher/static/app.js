@@ -46,9 +46,10 @@ function setup() {
   chart("staleness", [
     { label: "trained groups", paths: bars, fill: COLORS[0] + "99", points: { show: false } },
     { label: "queued now", paths: bars, fill: COLORS[1] + "99", points: { show: false } },
-  ], { xlabel: "head staleness (versions)", ylabel: "groups", steps: true });
+  ], { xlabel: "head staleness (versions)", ylabel: "groups", steps: true,
+    scales: { x: { time: false, range: (u, lo, hi) => [lo - 0.5, hi + 0.5] } } });
   chart("time", TIME_KEYS.map(([, label]) => ({ label })), { xlabel: "step", ylabel: "s", steps: true });
-  chart("engines", [], { xlabel: "seconds" });
+  chart("engines", [], { xlabel: "seconds", ylabel: "busy fraction" });
   chart("throughput", [{ label: "tokens/s (producers)" }, { label: "samples/s accepted", scale: "rate" }],
     { xlabel: "seconds", ylabel: "tokens/s", scales: { rate: {} },
       axes: [{ scale: "rate", side: 1, label: "samples/s", grid: { show: false } }] });
@@ -78,9 +79,14 @@ function engineData() {
   const names = [...new Set(S.history.flatMap((h) => Object.keys(h.engines || {})))].sort();
   if (names.join() !== S.engines.join()) {
     S.engines = names;
-    chart("engines", names.map((n) => ({ label: n })), { xlabel: "seconds", ylabel: "requests" });
+    chart("engines", names.map((n) => ({ label: n })), { xlabel: "seconds", ylabel: "busy fraction" });
   }
-  return [S.history.map((h) => h.t), ...names.map((n) => S.history.map((h) => (h.engines[n] ? h.engines[n].running : null)))];
+  // Busy fraction: the change of the engine's busy-seconds counter over the time between two samples.
+  const busy = (n) => S.history.map((h, i) => {
+    const p = S.history[i - 1], a = p && p.engines[n], b = h.engines[n];
+    return a && b && h.ts > p.ts && "busy_seconds" in b ? Math.min(1, Math.max(0, (b.busy_seconds - a.busy_seconds) / (h.ts - p.ts))) : null;
+  });
+  return [S.history.map((h) => h.t), ...names.map(busy)];
 }
 
 function throughputData() {
@@ -98,7 +104,12 @@ function numbers(st) {
   const last = [...S.metrics].reverse().find((r) => !("eval/version" in r)) || {};
   const ev = [...S.metrics].reverse().find((r) => "eval/version" in r);
   const cells = [["step", last.step ?? 0], ["reward", fmt(last["reward/mean"])], ["batch accuracy", fmt(last["reward/accuracy"])]];
-  if (ev) cells.push(["held-out", `${fmt(ev["eval/accuracy"])} @v${ev["eval/version"]}`]);
+  if (ev) {
+    // An evaluation during which the weights changed is not that version's accuracy alone: say so.
+    const moved = ev["eval/offversion_frac"] || 0;
+    cells.push(["held-out", `${fmt(ev["eval/accuracy"])} @v${ev["eval/version"]}` +
+      (moved > 0 ? ` (${(100 * moved).toFixed(0)}% on later weights)` : "")]);
+  }
   if (L) {
     const a = L.admission;
     cells.push(["version", `${L.versions.served} (trainer ${L.versions.trainer})`],

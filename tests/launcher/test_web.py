@@ -220,15 +220,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-READY = ("window.rlstream.charts.reward.data[0].length >= 2 && window.rlstream.charts.staleness.data[0].length >= 1"
+READY = ("window.rlstream.charts.reward.data[0].length >= 2 && window.rlstream.charts.staleness.data[1].some((v) => v > 0)"
          " && window.rlstream.charts.engines.data.length >= 2 && window.rlstream.charts.engines.data[1].some((v) => v !== null)")
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(CHROMIUM is None, reason="the Debian package chromium is not installed (scripts/bootstrap.sh --test)")
 def test_page_of_a_real_run_in_headless_chromium(tmp_path, redis_url, experiment):
     from PIL import Image, ImageStat
 
+    if CHROMIUM is None:
+        missing = "the Debian package chromium is not installed (scripts/bootstrap.sh --test installs it)"
+        if os.environ.get("RLSTREAM_REQUIRE_CHROMIUM") == "1":
+            pytest.fail(missing)
+        pytest.skip(missing)
     port = _free_port()
     args = [sys.executable, "-m", "rlstream.launcher.cli", "run", "--web", "--config", str(CONFIG), "--redis", redis_url,
             f"cluster.fileroot={tmp_path / 'runs'}", f"experiment_name={experiment}", f"launcher.web.port={port}",
@@ -257,8 +261,8 @@ def test_page_of_a_real_run_in_headless_chromium(tmp_path, redis_url, experiment
     assert errors == []
     assert charts["reward"]["points"][1] >= 2  # reward/mean of two trained steps or more
     assert charts["queue"]["points"][0] >= 2 and charts["throughput"]["points"][1] >= 2
-    assert sum(charts["staleness"]["points"][1:]) >= 1
-    assert charts["engines"]["series"] == 2  # x and the run's one engine, with its load sampled
+    assert charts["staleness"]["points"][1] >= 1  # the head staleness of the groups trained so far
+    assert charts["engines"]["series"] == 2 and charts["engines"]["points"][1] >= 1  # x and the one engine's busy fraction
     assert all(c["axes"] >= 2 for c in charts.values())  # every chart has its x and y axes
     img = Image.open(io.BytesIO(png)).convert("L")
     assert img.size[0] >= 1000 and img.size[1] >= 800
