@@ -284,15 +284,28 @@ def rw(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
 
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def run(ctx: typer.Context, config: Optional[str] = ConfigOpt,
-        redis: Optional[str] = typer.Option(None, "--redis", help="Use this Redis instead of starting one.")) -> None:
+        redis: Optional[str] = typer.Option(None, "--redis", help="Use this Redis instead of starting one."),
+        web_page: bool = typer.Option(False, "--web", help="Serve the live web page too (launcher.web.*).")) -> None:
     """Run a whole job on this machine: Redis, engines, producers and the trainer."""
     from rlstream.launcher.local import run as run_main
 
     if config is None:
         _fail("rlstream run needs a config: --config FILE (e.g. --config configs/tiny-cpu.yaml), "
               "then any KEY=VALUE overrides", 2)
-    code = _guard(run_main, load(config, ctx.args), redis_url=redis)
+    code = _guard(run_main, load(config, [*ctx.args, *(["launcher.web.enabled=true"] if web_page else [])]),
+                  redis_url=redis)
     raise typer.Exit(code or 0)
+
+
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
+def web(ctx: typer.Context, config: Optional[str] = ConfigOpt,
+        redis: Optional[str] = typer.Option(None, "--redis", help="Redis URL (default: the config's redis.url)."),
+        port: Optional[int] = typer.Option(None, "--port", help="Port (default: launcher.web.port; 0 = any free one)."),
+        host: Optional[str] = typer.Option(None, "--host", help="Address (default: launcher.web.host).")) -> None:
+    """Serve the live web page of the config's run (curves, queue, admission, staleness, engines) until Ctrl-C."""
+    from rlstream.launcher.web import serve as web_main
+
+    raise typer.Exit(_guard(web_main, load(config, ctx.args), redis_url=redis, port=port, host=host) or 0)
 
 
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)

@@ -380,6 +380,10 @@ class LocalRun:
         self.monitor = Monitor(self.client, self.keys, self.run_dir, eta=cfg.rollout.max_head_offpolicyness,
                                batch=cfg.rollout.consumer_batch_size, max_concurrent=cfg.max_concurrent_rollouts,
                                n_samples=cfg.gconfig.n_samples, total_steps=total, t0=self.t0)
+        if cfg.launcher.web.enabled:
+            from rlstream.launcher.web import start_in_thread
+
+            self.web = start_in_thread(cfg, self.client, self.keys, self.run_dir)
         use_live = cfg.launcher.live_view and sys.stdout.isatty()
         # Sample every second (the timeline feeds the throughput plot); print less often off a terminal.
         every = 1.0 if use_live else cfg.stats_logger.log_every_secs
@@ -428,6 +432,8 @@ class LocalRun:
         finally:
             if live is not None:
                 live.stop()
+            if getattr(self, "web", None) is not None:
+                self.web.stop()
 
     def staleness_distribution(self) -> dict[str, Any] | None:
         from rlstream.launcher.report import staleness_distribution

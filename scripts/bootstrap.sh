@@ -33,6 +33,7 @@ if ((TEST)); then
     [openssl]=openssl              # certificates for the rediss:// (TLS) tests
     [slurmctld]=slurm-wlm          # one-node slurm cluster for the launcher test
     [munged]=munge                 # slurm's authentication daemon
+    [chromium]=chromium            # headless browser of the live web page's test (tests/launcher/test_web.py)
   )
 fi
 missing=()

@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from rlstream.common.config.base import Fraction, NonNegativeInt, Port, PositiveFloat, PositiveInt, Section
 
-__all__ = ["DemoTaskConfig", "SlurmConfig", "ThreadsConfig", "LauncherConfig"]
+__all__ = ["DemoTaskConfig", "SlurmConfig", "ThreadsConfig", "WebConfig", "LauncherConfig"]
 
 
 class DemoTaskConfig(Section):
@@ -82,6 +82,18 @@ class ThreadsConfig(Section):
     """OpenMP threads of each producer (asyncio + reward workers: no heavy math)."""
 
 
+class WebConfig(Section):
+    enabled: bool = False
+    """Serve the live web page while `rlstream run` runs (`rlstream run --web` sets it; `rlstream web` serves it for
+    any run)."""
+    host: str = "127.0.0.1"
+    """Address the page listens on (0.0.0.0 shows it to other machines: the page has no login)."""
+    port: Port = 8265
+    """Port of the page (0 = pick a free one, printed). In use: one line, and the run goes on without the page."""
+    refresh_secs: Annotated[float, Meta(ge=0.2)] = 1.0
+    """Seconds between two looks at Redis and the engines (the page polls as often)."""
+
+
 class LauncherConfig(Section):
     n_engines: NonNegativeInt = 1
     """Local engines `rlstream run` starts."""
@@ -106,6 +118,8 @@ class LauncherConfig(Section):
     producers one each."""
     live_view: bool = True
     """Show the rich live view (off: one progress line every stats_logger.log_every_secs)."""
+    web: WebConfig = msgspec.field(default_factory=WebConfig)
+    """The live web page (`rlstream web`, `rlstream run --web`): curves, queue, admission, staleness, engines."""
     demo: DemoTaskConfig = msgspec.field(default_factory=DemoTaskConfig)
     """The built-in CPU demo task, generated on the spot when its files are missing."""
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
