@@ -228,6 +228,8 @@ class GenerateRequest(_Body):
     text: str | list[str] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
     return_logprob: bool | list[bool] = False
+    # SGLang: input_token_logprobs start at this position of the input (prefill scoring with max_new_tokens 0)
+    logprob_start_len: int | list[int] | None = None
     top_logprobs_num: int | list[int] | None = None
     return_text_in_logprobs: bool = False
     stream: bool = False
@@ -250,6 +252,8 @@ class MetaInfo(_Body):
     completion_tokens: int | None = None
     # [logprob, token id, token text or null] per output token (return_logprob)
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    # [logprob, token id, token text or null] per input token from logprob_start_len (null for the first token)
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = None
     # rlstream: the weight version that produced each output token
     output_token_versions: list[int] | None = None
     weight_version: int | str | None = None

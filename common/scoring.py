@@ -1,7 +1,7 @@
 """Scoring pools, both ends: the `/classify` contract and the client a producer scores through.
 
 A scoring pool is a set of engines serving a model that is not the policy (a reward model today; a judge or a
-distillation teacher later). Its engines register under `scoring:<pool>` in name resolve (never under `engines`,
+distillation teacher: `logprobs()`, prefill scoring through SGLang's `/generate`). Its engines register under `scoring:<pool>` in name resolve (never under `engines`,
 so the trainer's weight fleet never finds them) and answer:
 
 - `POST /classify` `ClassifyRequest{input_ids: [[int]] | text: [str]}` -> a list of `ClassifyResult{embedding:
@@ -29,7 +29,8 @@ import aiohttp
 import msgspec
 
 from rlstream.common.config import ScoringPoolConfig, scoring_service
-from rlstream.common.engine_api import EngineError, EngineRequestError, Route
+from rlstream.common.engine_api import (GENERATE, EngineError, EngineRequestError, GenerateRequest, Route,
+                                        SamplingParams)
 from rlstream.common.engine_client import SGLangClient
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolver
@@ -171,7 +172,46 @@ class ScoringPool:
             self.latency_sum += time.monotonic() - t0
             return scores
 
-    async def _score_on_some_engine(self, body: ClassifyRequest, n: int) -> list[float]:
+    async def logprobs(self, input_ids: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """Per sequence, the pool's logprob of each token from `starts[i]` on (a teacher pool: SGLang's `/generate`
+        with max_new_tokens 0, return_logprob, logprob_start_len); ScoringError when the pool cannot answer."""
+        if not input_ids:
+            return []
+        body = GenerateRequest(input_ids=list(input_ids), sampling_params=SamplingParams(max_new_tokens=0),
+                               return_logprob=True, logprob_start_len=list(starts))
+        async with self._sem:
+            t0 = time.monotonic()
+            try:
+                out = await self._score_on_some_engine(body, len(input_ids), self._prefill)
+            except ScoringError:
+                self.failed += 1
+                raise
+            self.requests += 1
+            self.sequences += len(input_ids)
+            self.latency_sum += time.monotonic() - t0
+            return out
+
+    async def _prefill(self, address: str, body: GenerateRequest, n: int) -> list[list[float]]:
+        assert self._session is not None, "ScoringPool.start() first"
+        client = SGLangClient(self._session, address, self.api_key, self.cfg.timeout, compact=False)
+        results = await client.call(GENERATE, body)
+        results = results if isinstance(results, list) else [results]
+        starts = body.logprob_start_len
+        assert isinstance(starts, list) and isinstance(body.input_ids, list)
+        out = []
+        for r, seq, k in zip(results, body.input_ids, starts):
+            got = r.meta_info.input_token_logprobs or []
+            assert isinstance(seq, list)
+            if len(got) != len(seq) - k or any(e[0] is None for e in got) or [e[1] for e in got] != seq[k:]:
+                raise ScoringError(f"scoring pool {self.name!r}: {address} answered {len(got)} input logprobs for "
+                                   f"{len(seq) - k} tokens (or other tokens, or a null logprob)")
+            out.append([float(e[0]) for e in got])  # type: ignore[arg-type]
+        if len(results) != n:
+            raise ScoringError(f"scoring pool {self.name!r}: {address} answered {len(results)} results for {n} "
+                               "sequences")
+        return out
+
+    async def _score_on_some_engine(self, body: Any, n: int, ask: Any = None) -> Any:
         tried: set[str] = set()
         errors: list[str] = []
         for _ in range(1 + self.cfg.retries):
@@ -183,7 +223,7 @@ class ScoringPool:
             tried.add(address)
             self._inflight[address] = self._inflight.get(address, 0) + 1
             try:
-                return await self._classify(address, body, n)
+                return await (ask or self._classify)(address, body, n)
             except EngineRequestError as exc:  # refused (4xx): every engine of this model would refuse it
                 raise ScoringError(f"scoring pool {self.name!r}: {exc}") from None
             except EngineError as exc:

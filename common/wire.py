@@ -14,6 +14,9 @@ tokens; a writer may leave a model token out of the loss with 0). Optional
 of the final `reward`. A trajectory without `loss_mask` is single-turn: every token
 after the prompt is model-generated and trained on.
 
+Schema 3 is schema 2 with `teacher_logprobs` (on-policy distillation): float32 LE, one per position after the
+prompt, the teachers' logprob of each model token (0 on observations); a group carrying them is written as 3.
+
 Schema 1 (read only) is exactly that single-turn case: entries written by it decode
 unchanged (no mask, every output token trained).
 
@@ -46,7 +49,8 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+TEACHER_SCHEMA_VERSION = 3  # written by the distillation stage: schema 2 plus `teacher_logprobs`
+READABLE_VERSIONS = (1, 2, 3)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -78,6 +82,7 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     metadata: dict[str, Scalar] = {}
     loss_mask: memoryview | None = None  # uint8, same length; 1 only on model tokens. None: single turn
     turn_rewards: list[float] | None = None  # one per model turn, added to that turn's last token
+    teacher_logprobs: memoryview | None = None  # float32 LE, one per position after the prompt (schema 3)
 
     @property
     def loss_mask_np(self) -> np.ndarray:
@@ -96,6 +101,11 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
         return int(np.count_nonzero(self.versions_np >= 0))
 
     # ---- numpy views (zero-copy on decoded entries) ---------------------------
+    @property
+    def teacher_logprobs_np(self) -> np.ndarray | None:
+        """float32 [output_len]: the teachers' logprob of each model token after the prompt (0 elsewhere)."""
+        return None if self.teacher_logprobs is None else np.frombuffer(self.teacher_logprobs, dtype=_F32)
+
     @property
     def input_ids_np(self) -> np.ndarray:
         return np.frombuffer(self.input_ids, dtype=_I32)
@@ -389,6 +399,8 @@ def _scalar_spans(group: TrajectoryGroup, pos: int, starts: array, kinds: array)
         if (n4 & 3 or len(t.logprobs) != n4 or len(t.versions) != n4 or not 1 <= p <= n or not isfinite(t.reward)
                 or t.finish_reason not in FINISH_REASONS or (mask is not None and len(mask) != n)):
             _explain_scalars(trajs)
+        if t.teacher_logprobs is not None:
+            _check_teacher(t, group.schema_version)
         if t.turn_rewards is not None:
             if not all(isfinite(r) for r in t.turn_rewards):
                 _explain_scalars(trajs)
@@ -406,6 +418,20 @@ def _scalar_spans(group: TrajectoryGroup, pos: int, starts: array, kinds: array)
             masked = True
         pos += n
     return pos, masked, rewarded
+
+
+def _check_teacher(t: Trajectory, schema_version: int) -> None:
+    """Teacher logprobs: schema >= 3, one per position after the prompt, finite and <= 0 (checked per trajectory:
+    only distillation entries carry them)."""
+    n_out = len(t.input_ids) // 4 - t.prompt_len
+    if schema_version < TEACHER_SCHEMA_VERSION:
+        raise WireError(f"teacher_logprobs in a schema {schema_version} entry (they need schema "
+                        f"{TEACHER_SCHEMA_VERSION})")
+    if len(t.teacher_logprobs) != 4 * n_out:  # type: ignore[arg-type]
+        raise WireError(f"teacher_logprobs byte length {len(t.teacher_logprobs)} != 4 x {n_out} response tokens")  # type: ignore[arg-type]
+    lp = t.teacher_logprobs_np
+    if not (np.isfinite(lp).all() and (lp <= 1e-4).all()):
+        raise WireError("teacher_logprobs must be finite and <= 0")
 
 
 def _explain_scalars(trajs: list[Trajectory]) -> None:

@@ -1,4 +1,5 @@
-"""`rlstream serve --pool NAME`: an engine of a scoring pool, serving a sequence-classification model.
+"""`rlstream serve --pool NAME`: an engine of a scoring pool, serving a sequence-classification model (`/classify`)
+or, for a pool of kind logprob (a distillation teacher), a causal LM's prefill logprobs (`/generate`, below).
 
 The model is a transformers `*ForSequenceClassification` with one output (`num_labels=1`: a reward model, e.g.
 what `rlstream rw` writes); its score of a sequence is the head's output at the sequence's last token
@@ -37,7 +38,7 @@ from rlstream.engine.frontend import auth_middleware, error_response, json_respo
 from rlstream.engine.local import DTYPES, resolve_device
 from rlstream.engine.server import ADDR_FILE_ENV, advertised, register, unregister, write_addr_file
 
-__all__ = ["ScoringEngine", "build_scoring_app", "run_scoring_server", "serve_scoring", "check_scalar_head", "pool_config"]
+__all__ = ["ScoringEngine", "LogprobEngine", "build_scoring_app", "run_scoring_server", "serve_scoring", "check_scalar_head", "pool_config"]
 
 log = get_logger(__name__)
 
@@ -188,6 +189,92 @@ class ScoringEngine:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+class LogprobEngine(ScoringEngine):
+    """A causal LM answering, per sequence, the logprob of each token given the tokens before it (prefill only, the
+    same batching as `ScoringEngine`): a distillation teacher's side of `/generate` with `max_new_tokens: 0`."""
+
+    def __init__(self, model_path: str, *, device: str = "auto", dtype: str = "float32", max_batch_size: int = 32,
+                 max_seq_len: int = 4096, key: str = "model_path") -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+        if not (Path(model_path) / "config.json").is_file():
+            raise ValueError(f"{key}={model_path!r} is not a local HF model folder (no config.json)")
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+        self.model_path, self.device, self.dtype = model_path, resolve_device(device), DTYPES[dtype]
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, local_files_only=True,
+                                                          **dtype_kwargs(self.dtype)).to(self.device).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True) \
+            if (Path(model_path) / "tokenizer_config.json").is_file() else None
+        self.pad_id, self.vocab_size = 0, int(config.vocab_size)  # right padding: pads never precede a real token
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="scoring")
+        self._lock = threading.Lock()
+        self.running = self.total_requests = self.total_sequences = self.total_batches = 0
+        self.busy_seconds = 0.0
+        self._waiting = deque()
+        self._wake = asyncio.Event()
+        self._batcher = None
+
+    def score(self, seqs: list[list[int]]) -> list[list[float]]:  # type: ignore[override]
+        """Per sequence, the logprob of tokens 1..n-1 given their prefix (fp32 log-softmax of the logits)."""
+        out: list[list[float]] = []
+        with self._lock, torch.inference_mode():
+            for i in range(0, len(seqs), self.max_batch_size):
+                chunk = seqs[i:i + self.max_batch_size]
+                width = max(len(s) for s in chunk)
+                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+                attn = torch.zeros((len(chunk), width), dtype=torch.long)
+                for r, s in enumerate(chunk):
+                    ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+                    attn[r, :len(s)] = 1
+                ids, attn = ids.to(self.device), attn.to(self.device)
+                logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+                logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0].cpu()
+                out.extend(logp[r, :len(s) - 1].tolist() for r, s in enumerate(chunk))
+        return out
+
+
+def _prefill_request(body: api.GenerateRequest) -> tuple[list[list[int]], list[int], bool]:
+    """(sequences, logprob start per sequence, whether the body held one sequence) of a prefill-scoring `/generate`
+    body; ValueError for anything else (this engine does not sample)."""
+    if body.input_ids is None or body.text is not None:
+        raise ValueError("send input_ids (a teacher engine scores token ids: the student's tokenizer)")
+    single = not body.input_ids or not isinstance(body.input_ids[0], list)
+    seqs = [body.input_ids] if single else body.input_ids
+    params = body.sampling_params if isinstance(body.sampling_params, list) else [body.sampling_params]
+    if any(p is None or p.max_new_tokens != 0 for p in params) or body.return_logprob is not True:
+        raise ValueError("a teacher engine only scores: sampling_params.max_new_tokens must be 0 and return_logprob "
+                         "true")
+    start = body.logprob_start_len if body.logprob_start_len is not None else 0
+    starts = start if isinstance(start, list) else [start] * len(seqs)
+    if len(starts) != len(seqs):
+        raise ValueError(f"{len(starts)} logprob_start_len for {len(seqs)} sequences")
+    for i, (s, k) in enumerate(zip(seqs, starts)):
+        if not 0 <= k < len(s):
+            raise ValueError(f"sequence {i}: logprob_start_len {k} outside [0, {len(s)})")
+    return seqs, starts, single  # type: ignore[return-value]
+
+
+async def prefill(request: web.Request) -> web.Response:
+    """SGLang's prefill scoring: per sequence `meta_info.input_token_logprobs` from `logprob_start_len` on (the
+    first token of a sequence has none: null)."""
+    engine = request.app[ENGINE_KEY]
+    try:
+        seqs, starts, single = _prefill_request(api.decode(await request.read(), api.GenerateRequest))
+        engine.sequences(ClassifyRequest(input_ids=seqs))
+    except (BadRequest, ValueError) as exc:
+        return error_response(400, f"/generate: {exc}")
+    try:
+        logps = await engine.ascore(seqs)
+    except RuntimeError as exc:
+        return error_response(500, f"/generate: {type(exc).__name__}: {exc}")
+    out = [api.GenerateResponse(output_ids=[], meta_info=api.MetaInfo(
+        prompt_tokens=len(s), completion_tokens=0, finish_reason=api.FinishReason(type="length", length=0),
+        input_token_logprobs=[(None if p == 0 else lp[p - 1], s[p], None) for p in range(k, len(s))]))
+        for s, k, lp in zip(seqs, starts, logps)]
+    return json_response(out[0] if single else out)
+
+
 ENGINE_KEY = web.AppKey("scoring_engine", ScoringEngine)
 POOL_KEY = web.AppKey("scoring_pool", str)
 
@@ -231,7 +318,9 @@ def build_scoring_app(engine: ScoringEngine, pool: str, *, api_key: str | None =
         body, content_type = exposition(registry)
         return web.Response(body=body, headers={"Content-Type": content_type})
 
-    app.add_routes([web.post(CLASSIFY.path, classify), web.get("/health", info), web.get("/get_server_info", info),
+    score_route = web.post("/generate", prefill) if isinstance(engine, LogprobEngine) else web.post(CLASSIFY.path,
+                                                                                                     classify)
+    app.add_routes([score_route, web.get("/health", info), web.get("/get_server_info", info),
                     web.get(api.MODEL_INFO.path, model_info), web.get("/metrics", metrics)])
     return app
 
@@ -249,7 +338,7 @@ async def run_scoring_server(cfg: Any, pool: str, stop: asyncio.Event | None = N
     """Serve scoring pool `pool`'s model on server.host/server.port until `stop` (or SIGTERM/SIGINT)."""
     pcfg = pool_config(cfg, pool)
     try:
-        engine = ScoringEngine.from_pool(pool, pcfg)
+        engine = (LogprobEngine if pcfg.kind == "logprob" else ScoringEngine).from_pool(pool, pcfg)
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None
     runner = web.AppRunner(build_scoring_app(engine, pool, api_key=cfg.server.api_key), access_log=None)

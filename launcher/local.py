@@ -194,7 +194,7 @@ class LocalRun:
         from rlstream.engine.scoring import check_scalar_head
 
         for name, pool in scoring_pools(self.cfg).items():
-            if pool.engines and not pool.addresses:
+            if pool.engines and not pool.addresses and pool.kind == "classify":  # a teacher is a causal LM
                 try:
                     check_scalar_head(pool.model_path, f"{name}.pool.model_path")
                 except (OSError, ValueError) as exc:

@@ -59,6 +59,7 @@ class Producer:
         from rlstream.producer.dataset import DatasetCursor, PromptDataset
         from rlstream.broker.registry import make_engine_resolver
         from rlstream.common.engine_client import ServerPool
+        from rlstream.producer.distillation import make_distillation_stage
         from rlstream.producer.reward_model import make_reward_model_stage
         from rlstream.producer.rewards import RewardPool, import_by_path
         from rlstream.producer.workflow import RolloutEngine, load_workflow
@@ -90,6 +91,9 @@ class Producer:
         self.reward_model = make_reward_model_stage(cfg, self.tokenizer, self.client)
         if self.reward_model is not None:
             await self.reward_model.pool.start()
+        self.distillation = make_distillation_stage(cfg, self.tokenizer, self.client)
+        if self.distillation is not None:
+            await self.distillation.start()
         self.pool = ServerPool(cfg, make_engine_resolver(cfg, redis_client=self.client))
         await self.pool.start()
         self.engine = RolloutEngine(self.pool, self.versions, resume_wait=cfg.actor.weight_update_timeout)
@@ -104,9 +108,11 @@ class Producer:
         await awrite_run_meta(self.client, self.keys, cfg, component="producer")
 
     async def _run_rollout(self, item):
-        """The workflow's group, then the reward model's scores when `reward_model` is set."""
+        """The workflow's group, then the reward model's scores and the teachers' logprobs when set."""
         group = await self.workflow.arun_episode(self.engine, item)
-        return group if self.reward_model is None else await self.reward_model(group)
+        if self.reward_model is not None:
+            group = await self.reward_model(group)
+        return group if self.distillation is None else await self.distillation(group)
 
     def _make_evaluator(self):
         from rlstream.broker.evals import AsyncEvalLog
@@ -128,7 +134,7 @@ class Producer:
             await self.loop.close()
         stage = getattr(self, "reward_model", None)
         for obj in (getattr(self, "pool", None), getattr(self, "rewards", None), getattr(self, "filter_rewards", None),
-                    stage and stage.pool):
+                    stage and stage.pool, getattr(self, "distillation", None)):
             if obj is not None:
                 with contextlib.suppress(Exception):
                     await obj.close()
@@ -214,6 +220,10 @@ class Producer:
             log.info("%s: reward model: %d requests (%d sequences), mean latency %.3fs, %d engine failures, %d retries, "
                      "%d groups failed, %d engines", self.producer_id, rm["requests"], rm["sequences"],
                      rm["latency_mean"], rm["engine_failures"], rm["retries"], rm["failed_groups"], rm["engines"])
+        if getattr(self, "distillation", None) is not None:
+            ds = self.distillation.stats()
+            log.info("%s: teachers: %d requests (%d sequences), %d engine failures, %d groups failed",
+                     self.producer_id, ds["requests"], ds["sequences"], ds["engine_failures"], ds["failed_groups"])
 
     def _sync_state(self) -> None:
         s, lp = self.cursor.state, self.loop

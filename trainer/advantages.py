@@ -16,7 +16,9 @@
    δ_t = r_t + γ V_next − V_t, A_t = δ_t + γλ A_next, where "next" is the next trained
    token (V after the last one: the value of the whole sequence when it ended without
    EOS, else 0), and the critic's targets are the returns A_t + V_t (before `adv_norm`);
-6. `adv_norm` over loss tokens.
+6. `adv_norm` over loss tokens;
+7. on-policy distillation (`distillation`, `distill_advantages`): outcome_weight times that plus coef times the
+   per-token reverse-KL advantage teacher_logp - behaviour_logp (not normalised).
 
 A single-turn sequence's trained tokens are exactly its output, so all of this is the
 single-turn computation unchanged.
@@ -38,7 +40,7 @@ from rlstream.common.config import ActorConfig, NormConfig
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.losses import kl_estimate
 
-__all__ = ["Normalization", "shape_rewards", "gae", "gae_with_values", "Values", "Advantages", "compute_advantages",
+__all__ = ["distill_advantages", "Normalization", "shape_rewards", "gae", "gae_with_values", "Values", "Advantages", "compute_advantages",
            "Reduce"]
 
 # Sums tensors in place over all data-parallel ranks (identity in one process).
@@ -237,3 +239,22 @@ def compute_advantages(batch: SeqBatch, actor: ActorConfig, max_new_tokens: int,
         adv = Normalization(actor.adv_norm)(adv, loss_mask, tok_groups, reduce)
     adv = torch.where(loss_mask, adv, torch.zeros_like(adv))
     return Advantages(adv, loss_mask, rewards, kl_rewards, returns)
+
+
+def distill_advantages(outcome: torch.Tensor, teacher_logp: torch.Tensor | None, student_logp: torch.Tensor,
+                       loss_mask: torch.Tensor, coef: float, outcome_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, per-token reverse KL) of on-policy distillation, both [T].
+
+    A_t = outcome_weight * outcome_t + coef * (teacher_logp_t - student_logp_t) on loss tokens that have a teacher
+    logprob; elsewhere (no teacher: NaN or None, e.g. a schema-2 entry) A_t = outcome_weight * outcome_t. The
+    student logprob is the behaviour (sampling) logprob, as Thinking Machines' on-policy distillation estimates
+    the reverse KL log pi(y_t) - log p_teacher(y_t) on the sampled token; the reverse KL is 0 where not defined.
+    """
+    if teacher_logp is None:
+        has = torch.zeros_like(loss_mask)
+        teacher_logp = torch.zeros_like(student_logp)
+    else:
+        has = loss_mask & ~torch.isnan(teacher_logp)
+    rkl = torch.where(has, student_logp - torch.nan_to_num(teacher_logp), torch.zeros_like(student_logp))
+    adv = outcome_weight * outcome - coef * rkl
+    return torch.where(loss_mask, adv, torch.zeros_like(adv)), rkl

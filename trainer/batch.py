@@ -50,6 +50,7 @@ class SeqBatch:
     group_ids: torch.Tensor  # [N] int64: index of the group (0..G-1) each sequence belongs to
     entry_ids: list[str] = field(default_factory=list)  # [G] stream ids, in batch order
     turn_rewards: torch.Tensor | None = None  # [T] float32: per-turn rewards on each turn's last token; None: none
+    teacher_logp: torch.Tensor | None = None  # [T] float32: teachers' logprob of token t (schema 3), NaN where none
 
     @property
     def model_lens(self) -> torch.Tensor:
@@ -108,6 +109,7 @@ class SeqBatch:
             rewards=self.rewards[idx], no_eos=self.no_eos[idx], group_ids=self.group_ids[idx],
             entry_ids=list(self.entry_ids),
             turn_rewards=None if self.turn_rewards is None else self.turn_rewards[tok],
+            teacher_logp=None if self.teacher_logp is None else self.teacher_logp[tok],
         )
 
 
@@ -120,6 +122,7 @@ def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch
     """
     ids, logps, vers, masks, plens, slens, rewards, no_eos, gids = [], [], [], [], [], [], [], [], []
     turn_rewards: dict[int, np.ndarray] = {}  # offset of the sequence -> its [len] turn reward row
+    teacher: dict[int, tuple[int, np.ndarray]] = {}  # offset of the sequence -> (prompt_len, teacher logprobs)
     offset = 0
     for g, entry in enumerate(entries):
         for t in entry.group.trajectories:
@@ -135,6 +138,8 @@ def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch
                 _, ends = model_turns(t.versions_np)
                 row[ends - 1] = t.turn_rewards
                 turn_rewards[offset] = row
+            if t.teacher_logprobs is not None:
+                teacher[offset] = (t.prompt_len, t.teacher_logprobs_np)
             offset += len(tok)
             plens.append(t.prompt_len)
             slens.append(len(tok))
@@ -155,9 +160,14 @@ def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch
         turn_t = torch.zeros(len(input_ids), dtype=torch.float32)
         for off, row in turn_rewards.items():
             turn_t[off:off + len(row)] = torch.from_numpy(row)
+    teacher_t = None
+    if teacher:  # NaN on prompts and on sequences of entries without teacher logprobs (schema < 3)
+        teacher_t = torch.full((len(input_ids),), float("nan"), dtype=torch.float32)
+        for off, (p, row) in teacher.items():
+            teacher_t[off + p:off + p + len(row)] = torch.from_numpy(row.copy())
     return SeqBatch(
         input_ids=input_ids, cu_seqlens=cu_t, prompt_lens=prompt_lens, loss_mask=loss_mask,
         behav_logp=behav, versions=versions, rewards=torch.tensor(rewards, dtype=torch.float32),
         no_eos=torch.tensor(no_eos, dtype=torch.bool), group_ids=torch.tensor(gids, dtype=torch.long),
-        entry_ids=[e.id for e in entries], turn_rewards=turn_t,
+        entry_ids=[e.id for e in entries], turn_rewards=turn_t, teacher_logp=teacher_t,
     )

@@ -46,7 +46,7 @@ import torch
 from rlstream.common.config import Config
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.microbatch import minibatch_slices
-from rlstream.trainer.advantages import compute_advantages
+from rlstream.trainer.advantages import compute_advantages, distill_advantages
 from rlstream.trainer.critic import Critic
 from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import (aggregate, kl_estimate, loglinear_prox_logp, m2po_mask, positive_nll,
@@ -165,6 +165,7 @@ class PPOActor:
         with span("trainer/advantages"):
             adv = compute_advantages(batch, a, self.cfg.gconfig.max_new_tokens, old_logp=old_logp, ref_logp=ref_logp,
                                      kl_in_reward=self.kl_in_reward, reduce=self._reduce_sum, values=values)
+            distill_stats = self._distill(batch, adv) if self.cfg.distillation is not None else {}
             if a.min_filter_prefix_tokens is not None:
                 adv.loss_mask = prefix_filter_mask(batch, adv.loss_mask, a.min_filter_prefix_tokens)
             stats.batch(batch, adv.advantages, adv.loss_mask, adv.seq_rewards, version)
@@ -200,7 +201,20 @@ class PPOActor:
         interval = a.reference_reset_interval
         if self.ref is not None and interval is not None and (version + 1) % interval == 0:
             self.reset_reference()
-        return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats
+        return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats | distill_stats
+
+    def _distill(self, batch: SeqBatch, adv) -> dict[str, float]:
+        """On-policy distillation's advantages in place of `adv.advantages` (trainer/advantages.py
+        `distill_advantages`: the student logprob is the behaviour logprob); `distill/reverse_kl` is the mean
+        per-token reverse KL over the loss tokens that have a teacher logprob, over all ranks."""
+        dc = self.cfg.distillation
+        adv.advantages, rkl = distill_advantages(adv.advantages, batch.teacher_logp, batch.behav_logp, adv.loss_mask,
+                                                 dc.coef, dc.outcome_weight)
+        has = adv.loss_mask if batch.teacher_logp is None else adv.loss_mask & ~torch.isnan(batch.teacher_logp)
+        sums = torch.tensor([float(rkl.sum()), float(has.sum())], dtype=torch.float64)
+        self._reduce_sum([sums])
+        return {"distill/reverse_kl": float(sums[0] / sums[1]) if sums[1] > 0 else 0.0,
+                "distill/teacher_tokens": float(sums[1])}
 
     def _micro_loss(self, batch: SeqBatch, seqs: list[int], *, adv, behav: torch.Tensor,
                     prox_all: torch.Tensor | None, ref_logp: torch.Tensor | None, version: int,

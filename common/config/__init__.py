@@ -29,6 +29,7 @@ from rlstream.common.config.persistence import (EvaluatorConfig, PrometheusConfi
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig, SandboxConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
 from rlstream.common.config.schema import Config
+from rlstream.common.config.distillation import DistillationConfig, TeacherConfig, teacher_pools
 from rlstream.common.config.scoring import (RewardModelConfig, RWConfig, ScoringPoolConfig, scoring_pools,
                                             scoring_service)
 from rlstream.common.config.tracing import PerfTracerConfig, SessionTracerConfig
@@ -52,6 +53,7 @@ __all__ = [
     "CREDENTIAL_KEYS", "is_credential_key", "EvaluatorConfig", "PrometheusConfig", "RecoverConfig", "SaverConfig",
     "StatsLoggerConfig", "TensorBoardConfig", "WandbConfig", "AgentConfig", "GatewayConfig", "ProducerConfig",
     "SandboxConfig", "DatasetConfig", "GenerationHyperparameters", "RolloutConfig",
+    "DistillationConfig", "TeacherConfig", "teacher_pools",
     "RewardModelConfig", "RWConfig", "ScoringPoolConfig", "scoring_pools", "scoring_service",
     "PerfTracerConfig", "SessionTracerConfig",
 ]

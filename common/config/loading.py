@@ -16,6 +16,7 @@ from rlstream.common.config.base import ConfigError
 from rlstream.common.config.docs import allowed_values, struct_fields
 from rlstream.common.config.masking import config_to_dict, register_secrets
 from rlstream.common.config.schema import Config
+from rlstream.common.config.distillation import check_distillation
 from rlstream.common.config.scoring import check_scoring
 
 __all__ = ["load_config", "load_config_dict"]
@@ -203,6 +204,7 @@ def _check(cfg: "Config") -> None:
     """Rules across sections, at load: every process refuses the same bad config at its start."""
     _check_correction(cfg.actor)
     _check_generated(cfg)
+    check_distillation(cfg)
     check_scoring(cfg)
     if cfg.producer.dynamic_sampling_reward_fn and not cfg.producer.dynamic_sampling:
         raise ConfigError("producer.dynamic_sampling_reward_fn decides the dynamic-sampling filter, which is off: set "

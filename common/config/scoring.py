@@ -34,8 +34,10 @@ class ScoringPoolConfig(Section):
     model_path: str = ""
     """Local HF folder the pool's engines serve (for a reward model: a *ForSequenceClassification with num_labels=1,
     e.g. what `rlstream rw` writes)."""
-    kind: Literal["classify"] = "classify"
-    """What the engines serve: classify = one scalar per sequence from a sequence-classification head (`/classify`)."""
+    kind: Literal["classify", "logprob"] = "classify"
+    """What the engines serve: classify = one scalar per sequence from a sequence-classification head (`/classify`);
+    logprob = a causal LM's prefill logprobs of given tokens (`/generate` with max_new_tokens 0: a distillation
+    teacher)."""
     backend: Literal["local"] = "local"
     """Engine kind: local = `rlstream serve --pool NAME` (engine/scoring.py; its /classify body follows SGLang's)."""
     engines: NonNegativeInt = 1
@@ -105,7 +107,9 @@ def scoring_pools(cfg: msgspec.Struct) -> dict[str, ScoringPoolConfig]:
     rm = getattr(cfg, "reward_model", None)
     if rm is not None:
         pools["reward_model"] = rm.pool
-    return pools
+    from rlstream.common.config.distillation import teacher_pools
+
+    return pools | teacher_pools(cfg)
 
 
 def check_scoring(cfg: msgspec.Struct) -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from rlstream.common.wire import (
     SCHEMA_VERSION,
+    TEACHER_SCHEMA_VERSION,
     Trajectory,
     TrajectoryGroup,
     WireError,
@@ -176,8 +177,8 @@ def test_validation_reasons(kw, reason):
 
 def test_schema_version_mismatch_is_named():
     g = _group()
-    g.schema_version = SCHEMA_VERSION + 1
-    with pytest.raises(WireError, match=rf"schema_version {SCHEMA_VERSION + 1} not in supported \(1, 2\)"):
+    g.schema_version = TEACHER_SCHEMA_VERSION + 1
+    with pytest.raises(WireError, match=rf"schema_version {TEACHER_SCHEMA_VERSION + 1} not in supported \(1, 2, 3\)"):
         decode_group(encode_group(g))
     with pytest.raises(WireError, match="no trajectories"):
         decode_group(encode_group(TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[])))
@@ -392,3 +393,36 @@ def test_logprob_edge_values_follow_the_per_position_rules(bits, where):
     assert _rules_hold(g) == (not isinstance(res[1], WireError)), res[1]
     if isinstance(res[1], WireError):
         assert "logprobs" in str(res[1])
+
+
+# ---- schema 3: teacher logprobs (on-policy distillation)
+
+def _teacher_group(teacher, schema_version=TEACHER_SCHEMA_VERSION):
+    g = _group(teacher_logprobs=np.asarray(teacher, dtype="<f4").tobytes())
+    g.schema_version = schema_version
+    return g
+
+
+def test_v3_teacher_logprobs_round_trip_and_v2_entries_still_decode():
+    teacher = [-0.5, -1.25, -2.0, -0.125]  # one per response token (4 after a 2-token prompt)
+    back = decode_group(encode_group(_teacher_group(teacher)))
+    assert back.schema_version == 3 and back.trajectories[0].teacher_logprobs_np.tolist() == teacher
+    old = decode_group(encode_group(_group()))
+    assert old.schema_version == SCHEMA_VERSION == 2 and old.trajectories[0].teacher_logprobs_np is None
+    assert b"teacher_logprobs" not in encode_group(_group())  # a schema-2 entry is byte-for-byte what it was
+
+
+@pytest.mark.parametrize("teacher, version, reason", [
+    ([-0.5, -1.0, -2.0], 3, r"teacher_logprobs byte length 12 != 4 x 4 response tokens"),
+    ([-0.5, -1.0, -2.0, -1.0, -1.0], 3, "teacher_logprobs byte length 20"),
+    ([-0.5, np.nan, -2.0, -1.0], 3, "teacher_logprobs must be finite and <= 0"),
+    ([-0.5, 0.5, -2.0, -1.0], 3, "teacher_logprobs must be finite and <= 0"),
+    ([-0.5, -1.0, -2.0, -1.0], 2, "teacher_logprobs in a schema 2 entry"),
+])
+def test_malformed_teacher_logprobs_are_a_dead_letter_reason(teacher, version, reason):
+    raw = encode_group(_teacher_group(teacher, version))
+    with pytest.raises(WireError, match=reason):
+        decode_group(raw)
+    good = encode_group(_teacher_group([-1.0] * 4))
+    res = decode_many([good, raw])  # one bad entry fails only itself
+    assert isinstance(res[1], WireError) and not isinstance(res[0], WireError)

@@ -134,3 +134,45 @@ async def test_requests_waiting_together_share_forwards_up_to_max_batch_size(tin
         assert [g[0] for g in got] == pytest.approx(engine.score([[4 + i, 5] for i in range(6)]), abs=1e-5)
     finally:
         engine.close()
+
+
+# ---- a teacher pool (kind logprob): prefill logprobs through SGLang's /generate body
+
+def direct_logprobs(model_path, seq: list[int]) -> list[float]:
+    """log p(token t | tokens < t) for t = 1..n-1, the causal LM run on the sequence alone."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logp = torch.log_softmax(model(input_ids=torch.tensor([seq])).logits[0, :-1].float(), -1)
+    return logp.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0].tolist()
+
+
+@pytest.mark.slow
+def test_teacher_prefill_logprobs_over_http_equal_the_model_run_directly(tiny_model_path, redis_url, experiment,
+                                                                         tmp_path):
+    teacher = EngineProcess(tmp_path / "teacher", [
+        "--pool", "teacher", f"distillation.teachers=[{{name: teacher, pool: {{model_path: {tiny_model_path}, "
+        "max_batch_size: 2}}]", *engine_overrides(tiny_model_path, redis_url, experiment)])
+    try:
+        url = f"http://{teacher.start().address}"
+        seqs, starts = [[5, 6, 7, 8], [9, 10, 11, 12, 13, 14, 15], [20, 21]], [2, 3, 1]
+        status, body = post(url + "/generate", {"input_ids": seqs, "sampling_params": {"max_new_tokens": 0},
+                                                "return_logprob": True, "logprob_start_len": starts})
+        assert status == 200, body
+        for seq, k, r in zip(seqs, starts, body):
+            got = r["meta_info"]["input_token_logprobs"]
+            assert [e[1] for e in got] == seq[k:] and r["meta_info"]["completion_tokens"] == 0
+            assert [e[0] for e in got] == pytest.approx(direct_logprobs(tiny_model_path, seq)[k - 1:], abs=1e-4)
+        status, one = post(url + "/generate", {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 0},
+                                               "return_logprob": True})  # one sequence, from position 0: null first
+        assert status == 200 and one["meta_info"]["input_token_logprobs"][0][0] is None
+        for bad, words in (({"sampling_params": {"max_new_tokens": 4}, "return_logprob": True}, "only scores"),
+                           ({"sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+                             "logprob_start_len": 9}, "logprob_start_len 9 outside")):
+            status, err = post(url + "/generate", {"input_ids": [[5, 6, 7]], **bad})
+            assert status == 400 and words in json.dumps(err), err
+        status, _ = post(url + "/classify", {"input_ids": [[5, 6]]})
+        assert status in (404, 405)  # a teacher engine does not classify
+    finally:
+        teacher.stop()

@@ -7,7 +7,7 @@ import torch
 from rlstream.broker.stream import Entry
 from rlstream.common.config import ActorConfig, NormConfig
 from rlstream.common.wire import Trajectory, TrajectoryGroup
-from rlstream.trainer.advantages import Normalization, compute_advantages, gae, shape_rewards
+from rlstream.trainer.advantages import Normalization, compute_advantages, distill_advantages, gae, shape_rewards
 from rlstream.trainer.batch import collate
 
 RNG = np.random.default_rng(7)
@@ -138,3 +138,58 @@ def test_compute_advantages_no_eos_mask_and_kl_reward():
     # A_t = 1 - 0.02 · (tokens from t to the end)
     s0, p0 = int(batch.cu_seqlens[0]), int(batch.prompt_lens[0])
     assert res.advantages[s0 + p0:s0 + p0 + 3].tolist() == pytest.approx([1 - 0.06, 1 - 0.04, 1 - 0.02])
+
+
+# ---- on-policy distillation: the per-token reverse KL as the advantage
+
+def _distill_entries():
+    """Two groups: one with teacher logprobs (schema 3), one without (schema 2)."""
+    rng = np.random.default_rng(3)
+    entries = []
+    for g, teacher in enumerate((True, False)):
+        trajs = []
+        for _ in range(2):
+            n_p, n_o = 3, int(rng.integers(2, 6))
+            t = Trajectory.from_arrays(rng.integers(0, 50, n_p), rng.integers(0, 50, n_o),
+                                       -rng.random(n_o).astype(np.float32), np.zeros(n_o), float(rng.random()), "stop")
+            if teacher:
+                t.teacher_logprobs = (-rng.random(n_o) * 3).astype("<f4").tobytes()
+            trajs.append(t)
+        group = TrajectoryGroup(group_id=f"g{g}", prompt_id=f"p{g}", producer_id="x", trajectories=trajs,
+                                schema_version=3 if teacher else 2)
+        entries.append(Entry(id=f"{g}-0", group=group, min_version=0))
+    return entries
+
+
+def test_distill_advantage_is_the_reverse_kl_definition_and_mixes_by_its_coefficients():
+    entries = _distill_entries()
+    batch = collate(entries)
+    outcome = compute_advantages(batch, ActorConfig(), 16).advantages
+    # numpy: per model token, A = outcome_weight * A_outcome + coef * (log p_teacher - log pi_behav)
+    want_rkl, has = np.zeros(batch.n_tokens), np.zeros(batch.n_tokens, bool)
+    at = 0
+    for e in entries:
+        for t in e.group.trajectories:
+            if t.teacher_logprobs is not None:
+                sl = slice(at + t.prompt_len, at + t.seq_len)
+                want_rkl[sl] = t.logprobs_np[t.prompt_len:].astype(np.float64) - t.teacher_logprobs_np
+                has[sl] = True
+            at += t.seq_len
+    for coef, ow in ((1.0, 0.0), (0.5, 1.0), (2.0, 0.25)):
+        adv, rkl = distill_advantages(outcome, batch.teacher_logp, batch.behav_logp, batch.loss_mask, coef, ow)
+        np.testing.assert_allclose(rkl.numpy(), want_rkl, atol=1e-6)
+        want = np.where(batch.loss_mask.numpy(), ow * outcome.double().numpy() - coef * want_rkl, 0.0)
+        np.testing.assert_allclose(adv.double().numpy(), want, atol=1e-6)
+    # distillation alone: the schema-2 group (no teacher) gets advantage 0, the teacher's group -rkl exactly
+    adv, _ = distill_advantages(outcome, batch.teacher_logp, batch.behav_logp, batch.loss_mask, 1.0, 0.0)
+    assert has.any() and (adv.numpy()[~has] == 0).all()
+    assert torch.isnan(batch.teacher_logp[~torch.from_numpy(has)]).all()  # prompts and the schema-2 group
+
+
+def test_without_any_teacher_logprobs_only_the_outcome_advantage_is_left():
+    entries = _distill_entries()[1:]
+    batch = collate(entries)
+    assert batch.teacher_logp is None
+    outcome = compute_advantages(batch, ActorConfig(), 16).advantages
+    adv, rkl = distill_advantages(outcome, None, batch.behav_logp, batch.loss_mask, 1.0, 0.5)
+    assert torch.equal(adv, 0.5 * outcome) and not rkl.any()

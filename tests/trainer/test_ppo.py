@@ -231,3 +231,38 @@ def test_a_reset_reference_is_kept_by_recover_checkpoints(tiny_model_path, tmp_p
     assert not all(torch.equal(a, b) for a, b in zip(resumed.ref.parameters(), actor.ref.parameters()))
     ckpt.load_recover(path, resumed.model, resumed.optimizer, resumed.scheduler, extra=_extra_parts(resumed))
     assert all(torch.equal(a, b) for a, b in zip(resumed.ref.parameters(), actor.ref.parameters()))
+
+
+def test_distillation_step_pulls_the_student_towards_the_teacher_and_old_entries_still_train(tiny_model_path):
+    """A train step with `distillation` on a batch whose first group has teacher logprobs and whose second has none
+    (a schema-2 entry): the loss is finite, `distill/reverse_kl` is the mean over the teacher's tokens, and a few
+    steps lower the reverse KL of the same samples under the updated student."""
+    cfg = load_config(None, [
+        f"actor.path={tiny_model_path}", "actor.dtype=float32", "actor.gradient_checkpointing=false",
+        f"gconfig.n_samples={G}", "actor.kl_ctl=0.0", "actor.optimizer.lr=1e-2",
+        "actor.optimizer.warmup_steps_proportion=0", "actor.mb_spec.max_tokens_per_mb=256",
+        "actor.recompute_logprob=true", "actor.use_decoupled_loss=false",
+        "distillation.teachers=[{name: teacher, pool: {model_path: /unused}}]", "distillation.outcome_weight=0.0"])
+    torch.manual_seed(0)
+    par = Parallel()
+    model = load_model(cfg.actor.path, cfg.actor, par.device)
+    opt = build_optimizer(model.parameters(), cfg.actor.optimizer)
+    actor = PPOActor(cfg, model, opt, build_scheduler(opt, cfg.actor.optimizer, 4), par)
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(4, model.config.vocab_size, (2, PROMPT), generator=gen).repeat_interleave(G, 0)
+    ids, logps = _sample(copy.deepcopy(model).eval(), 0.0, prompts, gen)
+    batch = _batch(ids, logps, 0)
+    teacher = torch.full_like(batch.behav_logp, float("nan"))
+    half = batch.n_tokens // 2  # the teacher likes token 0 mod 2 (so its logprob is higher on even tokens)
+    teacher[:half] = torch.where(batch.input_ids[:half] % 2 == 0, -0.5, -6.0)
+    teacher[~batch.loss_mask] = float("nan")
+    batch.teacher_logp = teacher
+    has = batch.loss_mask & ~torch.isnan(teacher)
+    want = float((batch.behav_logp - teacher)[has].mean())
+    m = actor.train_step(batch, version=0)
+    assert m["distill/reverse_kl"] == pytest.approx(want, abs=1e-5) and m["distill/teacher_tokens"] == has.sum()
+    assert math.isfinite(m["loss/total"]) and math.isfinite(m["optim/grad_norm"])
+    for v in range(1, 4):
+        actor.train_step(batch, version=v)
+    after = actor.forward_logp(model, batch)
+    assert float((after - teacher)[has].mean()) < want  # the student moved towards the teacher
