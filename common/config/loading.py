@@ -16,6 +16,7 @@ from rlstream.common.config.base import ConfigError
 from rlstream.common.config.docs import allowed_values, struct_fields
 from rlstream.common.config.masking import config_to_dict, register_secrets
 from rlstream.common.config.schema import Config
+from rlstream.common.config.judge import check_judge
 from rlstream.common.config.scoring import check_scoring
 
 __all__ = ["load_config", "load_config_dict"]
@@ -204,6 +205,7 @@ def _check(cfg: "Config") -> None:
     _check_correction(cfg.actor)
     _check_generated(cfg)
     check_scoring(cfg)
+    check_judge(cfg)
     if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.has_rows):
         keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
                 if getattr(cfg.evaluator, k) is not None]

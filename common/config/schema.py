@@ -13,6 +13,7 @@ from rlstream.common.config.engine import ServerConfig
 from rlstream.common.config.launcher import LauncherConfig
 from rlstream.common.config.persistence import EvaluatorConfig, RecoverConfig, SaverConfig, StatsLoggerConfig
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig
+from rlstream.common.config.judge import JudgeConfig
 from rlstream.common.config.scoring import RewardModelConfig, RWConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
 
@@ -59,6 +60,8 @@ class Config(Section):
     sets one)."""
     reward_model: RewardModelConfig | None = None
     """A reward model in the producer's reward stage, served by a scoring pool (None = producer.reward_fn alone)."""
+    judge: JudgeConfig | None = None
+    """An LLM judge in the producer's reward stage, served by a scoring pool that generates (None = no judge)."""
     rw: RWConfig = msgspec.field(default_factory=RWConfig)
     """`rlstream rw`: Bradley–Terry reward-model training on preference pairs."""
     saver: SaverConfig = msgspec.field(default_factory=SaverConfig)
