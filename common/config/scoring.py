@@ -118,6 +118,9 @@ def check_scoring(cfg: msgspec.Struct) -> None:
     """Rules on the pools at load: a pool needs a model or addresses, and addresses without name resolve."""
     static = cfg.cluster.name_resolve.type == "static"
     for name, pool in scoring_pools(cfg).items():
+        if pool.kind == "classify" and pool.backend == "vllm":
+            raise ConfigError(f"{name}.pool.backend=vllm: a classify pool speaks SGLang's /classify; allowed: local, "
+                              "sglang")
         if pool.backend != "local" and not pool.addresses:
             raise ConfigError(f"{name}.pool.backend={pool.backend}: `rlstream run` starts local engines only; list the "
                               f"pool's {pool.backend} engines in {name}.pool.addresses")
