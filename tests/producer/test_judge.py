@@ -30,7 +30,7 @@ TEMPLATE = "Q: {question}\nRef: {reference}\nResp: {response}\nVerdict:"
 # score -> "Score: <len(response) % 11>/10"; yes_no -> yes when the response equals the reference; garbage -> no
 # score at all. It speaks the local engine's /generate (text in, `text` out) and vLLM's /v1/completions.
 JUDGE_SERVER = r'''
-import json, sys
+import asyncio, json, os, sys
 from aiohttp import web
 
 mode, addr_file = sys.argv[1], sys.argv[2]
@@ -73,12 +73,10 @@ async def main():
     await site.start()
     with open(addr_file + ".tmp", "w") as f:
         f.write(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
-    import os
     os.replace(addr_file + ".tmp", addr_file)
     while True:
         await asyncio.sleep(3600)
 
-import asyncio
 asyncio.run(main())
 '''
 
@@ -312,8 +310,6 @@ def test_a_real_judge_engine_serves_under_its_pool_and_its_greedy_answers_are_pa
         engines, producers, tmp_path, tiny_model_path, redis_url, experiment, rclient):
     from transformers import AutoTokenizer
 
-    from rlstream.producer.judge import Unparseable as Bad
-
     policy = engines(tiny_model_path, redis_url, experiment)
     judge = EngineProcess(tmp_path / "judge", ["--pool", "judge", f"judge.pool.model_path={tiny_model_path}",
                                                *engine_overrides(tiny_model_path, redis_url, experiment)]).start()
@@ -346,7 +342,7 @@ def test_a_real_judge_engine_serves_under_its_pool_and_its_greedy_answers_are_pa
                 assert t.metadata["judge_answer"] == answer  # greedy: the engine answers the same prompt the same
                 try:
                     want = parse_answer(answer, jc)
-                except Bad as exc:
+                except Unparseable as exc:
                     assert t.metadata["judge_failed"] is True and t.metadata["judge_error"] == str(exc)
                 else:
                     assert t.metadata["judge_score"] == want
