@@ -7,10 +7,13 @@ so the trainer's weight fleet never finds them) and answer:
 - `POST /classify` `ClassifyRequest{input_ids: [[int]] | text: [str]}` -> a list of `ClassifyResult{embedding:
   [score], meta_info: {prompt_tokens}}`, one per sequence, in order. The shape is SGLang's `/classify` (its
   `EmbeddingReqInput` in, one `embedding` per input out), so the client reads the scalar at `embedding[0]`.
+- kind generate (an LLM judge): `POST /generate` `GenerateRequest{text, sampling_params: {max_new_tokens,
+  temperature: 0}}` -> `GenerateResponse{text}` (SGLang's and the local engine's), or, backend vllm, `POST
+  /v1/completions` with a text prompt -> `choices[0].text`.
 - `GET /health`, `GET /get_server_info` -> `ScoringInfo` (requests, sequences, batches, busy seconds); `GET
   /get_model_info` -> `ModelInfo` with `is_generation: false`.
 
-`ScoringPool` (the client) follows the pool's engines through the name resolver it is given (or the pool's fixed
+`ScoringPool` (the client: `score` for classify, `generate` for generate) follows the pool's engines through the name resolver it is given (or the pool's fixed
 `addresses`), keeps at most `concurrency` requests in flight, and sends each request to the engine with the fewest
 of this producer's requests in flight. An engine that does not answer (connection refused, timeout, HTTP 5xx) is
 skipped for `DOWN_SECS` and the request goes to another engine, up to `retries` more; when none is left the
@@ -23,23 +26,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable, TypeVar
 
 import aiohttp
 import msgspec
 
 from rlstream.common.config import ScoringPoolConfig, scoring_service
-from rlstream.common.engine_api import (GENERATE, EngineError, EngineRequestError, GenerateRequest, Route,
-                                        SamplingParams)
-from rlstream.common.engine_client import SGLangClient
+from rlstream.common.engine_api import (GENERATE, EngineError, EngineRequestError, GenerateRequest, GenerateResponse,
+                                       Route, SamplingParams)
+from rlstream.common.engine_client import SGLangClient, VLLMClient
+from rlstream.common.vllm_api import CompletionResponse
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolver
 from rlstream.common.tasks import cancel_and_wait
 
-__all__ = ["ClassifyRequest", "ClassifyMeta", "ClassifyResult", "ScoringInfo", "CLASSIFY", "SCORING_HEALTH",
+__all__ = ["TextCompletionRequest", "TEXT_COMPLETIONS", "ClassifyRequest", "ClassifyMeta", "ClassifyResult", "ScoringInfo", "CLASSIFY", "SCORING_HEALTH",
            "SCORING_SERVER_INFO", "ScoringError", "ScoringPool", "DOWN_SECS"]
 
 log = get_logger(__name__)
+
+T = TypeVar("T")
 
 # How long an engine that failed a request is skipped before it is tried again.
 DOWN_SECS = 5.0
@@ -80,7 +86,17 @@ class ScoringInfo(_Body):
     busy_seconds: float | None = None
 
 
+class TextCompletionRequest(msgspec.Struct, kw_only=True):
+    """vLLM's `POST /v1/completions` with a text prompt, greedy (a judge pool of backend vllm)."""
+
+    model: str
+    prompt: str
+    max_tokens: int
+    temperature: float = 0.0
+
+
 CLASSIFY = Route("POST", "/classify", ClassifyRequest, list[ClassifyResult])
+TEXT_COMPLETIONS = Route("POST", "/v1/completions", TextCompletionRequest, CompletionResponse)
 SCORING_HEALTH = Route("GET", "/health", None, ScoringInfo)
 SCORING_SERVER_INFO = Route("GET", "/get_server_info", None, ScoringInfo)
 
@@ -160,17 +176,25 @@ class ScoringPool:
         if n == 0:
             return []
         body = ClassifyRequest(input_ids=input_ids, text=text)
+        return await self._request(lambda address: self._classify(address, body, n), n)
+
+    async def generate(self, prompt: str, max_new_tokens: int) -> str:
+        """The pool's greedy answer to a text prompt (kind generate); ScoringError when the pool cannot answer."""
+        return await self._request(lambda address: self._generate(address, prompt, max_new_tokens), 1)
+
+    async def _request(self, call: Callable[[str], Awaitable[T]], n: int) -> T:
+        """`call(address)` on some engine, counted; at most `concurrency` at once."""
         async with self._sem:
             t0 = time.monotonic()
             try:
-                scores = await self._score_on_some_engine(body, n)
+                out = await self._on_some_engine(call)
             except ScoringError:
                 self.failed += 1
                 raise
             self.requests += 1
             self.sequences += n
             self.latency_sum += time.monotonic() - t0
-            return scores
+            return out
 
     async def logprobs(self, input_ids: list[list[int]], starts: list[int]) -> list[list[float]]:
         """Per sequence, the pool's logprob of each token from `starts[i]` on (a teacher pool: SGLang's `/generate`
@@ -179,17 +203,7 @@ class ScoringPool:
             return []
         body = GenerateRequest(input_ids=list(input_ids), sampling_params=SamplingParams(max_new_tokens=0),
                                return_logprob=True, logprob_start_len=list(starts))
-        async with self._sem:
-            t0 = time.monotonic()
-            try:
-                out = await self._score_on_some_engine(body, len(input_ids), self._prefill)
-            except ScoringError:
-                self.failed += 1
-                raise
-            self.requests += 1
-            self.sequences += len(input_ids)
-            self.latency_sum += time.monotonic() - t0
-            return out
+        return await self._request(lambda address: self._prefill(address, body, len(input_ids)), len(input_ids))
 
     async def _prefill(self, address: str, body: GenerateRequest, n: int) -> list[list[float]]:
         assert self._session is not None, "ScoringPool.start() first"
@@ -211,7 +225,7 @@ class ScoringPool:
                                "sequences")
         return out
 
-    async def _score_on_some_engine(self, body: Any, n: int, ask: Any = None) -> Any:
+    async def _on_some_engine(self, call: Callable[[str], Awaitable[T]]) -> T:
         tried: set[str] = set()
         errors: list[str] = []
         for _ in range(1 + self.cfg.retries):
@@ -223,7 +237,7 @@ class ScoringPool:
             tried.add(address)
             self._inflight[address] = self._inflight.get(address, 0) + 1
             try:
-                return await (ask or self._classify)(address, body, n)
+                return await call(address)
             except EngineRequestError as exc:  # refused (4xx): every engine of this model would refuse it
                 raise ScoringError(f"scoring pool {self.name!r}: {exc}") from None
             except EngineError as exc:
@@ -236,6 +250,24 @@ class ScoringPool:
                 self._inflight[address] -= 1
         raise ScoringError(f"scoring pool {self.name!r}: {len(tried)} engine(s) tried, none answered: "
                            + "; ".join(errors) if errors else f"scoring pool {self.name!r}: no engine")
+
+    async def _generate(self, address: str, prompt: str, max_new_tokens: int) -> str:
+        assert self._session is not None, "ScoringPool.start() first"
+        if self.cfg.backend == "vllm":
+            client = VLLMClient(self._session, address, self.api_key, self.cfg.timeout)
+            body = TextCompletionRequest(model=await client.model_name(), prompt=prompt, max_tokens=max_new_tokens)
+            out = await client.call(TEXT_COMPLETIONS, body)
+            if not out.choices:
+                raise ScoringError(f"scoring pool {self.name!r}: {address} answered no completion")
+            return out.choices[0].text
+        client = SGLangClient(self._session, address, self.api_key, self.cfg.timeout, compact=False)
+        body = GenerateRequest(text=prompt, sampling_params=SamplingParams(max_new_tokens=max_new_tokens,
+                                                                            temperature=0.0))
+        out = await client.call(GENERATE, body)
+        if not isinstance(out, GenerateResponse) or out.text is None:
+            raise ScoringError(f"scoring pool {self.name!r}: {address} answered no text to /generate "
+                               f"({type(out).__name__})")
+        return out.text
 
     async def _classify(self, address: str, body: ClassifyRequest, n: int) -> list[float]:
         assert self._session is not None, "ScoringPool.start() first"

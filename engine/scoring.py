@@ -1,5 +1,6 @@
 """`rlstream serve --pool NAME`: an engine of a scoring pool, serving a sequence-classification model (`/classify`)
-or, for a pool of kind logprob (a distillation teacher), a causal LM's prefill logprobs (`/generate`, below).
+or, for a pool of kind logprob (a distillation teacher), a causal LM's prefill logprobs (`/generate`, below). A pool
+of kind generate (an LLM judge) is served by the policy's local engine instead (`serve_scoring`).
 
 The model is a transformers `*ForSequenceClassification` with one output (`num_labels=1`: a reward model, e.g.
 what `rlstream rw` writes); its score of a sequence is the head's output at the sequence's last token
@@ -38,7 +39,8 @@ from rlstream.engine.frontend import auth_middleware, error_response, json_respo
 from rlstream.engine.local import DTYPES, resolve_device
 from rlstream.engine.server import ADDR_FILE_ENV, advertised, register, unregister, write_addr_file
 
-__all__ = ["ScoringEngine", "LogprobEngine", "build_scoring_app", "run_scoring_server", "serve_scoring", "check_scalar_head", "pool_config"]
+__all__ = ["ScoringEngine", "LogprobEngine", "build_scoring_app", "run_scoring_server", "serve_scoring",
+           "check_scalar_head", "pool_config", "generating_engine_config"]
 
 log = get_logger(__name__)
 
@@ -330,7 +332,7 @@ def pool_config(cfg: Any, pool: str) -> ScoringPoolConfig:
     pools = scoring_pools(cfg)
     if pool not in pools:
         raise ConfigError(f"--pool {pool!r}: no such scoring pool in this config (pools: "
-                          f"{', '.join(pools) or 'none; set reward_model.pool'})")
+                          f"{', '.join(pools) or 'none; set reward_model.pool or judge.pool'})")
     return pools[pool]
 
 
@@ -369,6 +371,30 @@ async def run_scoring_server(cfg: Any, pool: str, stop: asyncio.Event | None = N
         log.info("scoring engine stopped")
 
 
+def generating_engine_config(cfg: Any, pool: str) -> Any:
+    """The config a generating pool's engine is the local policy engine under: the pool's model, device, dtype and
+    batch size in place of the policy's, registering only when the pool follows name resolve."""
+    import msgspec
+
+    pcfg = pool_config(cfg, pool)
+    if not pcfg.model_path:
+        raise ConfigError(f"{pool}.pool.model_path is empty: set it to the local HF folder of the model the pool serves")
+    server = msgspec.structs.replace(cfg.server, model_path=pcfg.model_path, device=pcfg.device, dtype=pcfg.dtype,
+                                     max_batch_size=pcfg.max_batch_size, max_seq_len=pcfg.max_seq_len,
+                                     register=cfg.server.register and not pcfg.addresses)
+    return msgspec.structs.replace(cfg, server=server, tokenizer_path=None)
+
+
 def serve_scoring(cfg: Any, pool: str) -> None:
-    """Entry of `rlstream serve --pool NAME --config X`."""
+    """Entry of `rlstream serve --pool NAME --config X`: a classify pool's engine here; a generate pool's (an LLM
+    judge) is the local policy engine (engine/server.py) serving the pool's model under `scoring:NAME`, whose weight
+    routes nobody calls (the trainer pushes to `engines` only)."""
+    if pool_config(cfg, pool).kind == "generate":
+        from rlstream.engine.server import run_server
+
+        from rlstream.common.models import resolve_model_paths
+
+        served = resolve_model_paths(generating_engine_config(cfg, pool), serving=True)
+        asyncio.run(run_server(served, service=scoring_service(pool)))
+        return
     asyncio.run(run_scoring_server(cfg, pool))

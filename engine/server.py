@@ -279,9 +279,10 @@ def write_addr_file(path: str, address: str) -> None:
 
 
 async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event | None = None,
-                     make_engine: Callable[[Any], Any] | None = None) -> None:
+                     make_engine: Callable[[Any], Any] | None = None, service: str = ENGINES_SERVICE) -> None:
     """Serve until `stop` is set (or SIGTERM/SIGINT when run as the main loop). `make_engine(cfg)`: an engine in
-    place of the local one, made in the serving loop (`rlstream serve --simulate` passes the simulated engine's)."""
+    place of the local one, made in the serving loop (`rlstream serve --simulate` passes the simulated engine's).
+    `service`: the name-resolve service registered under (a generating scoring pool's, e.g. `scoring:judge`)."""
     s = cfg.server
     if engine is None and make_engine is not None:
         engine = make_engine(cfg)
@@ -336,7 +337,7 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
             pass
-    resolver = await register(cfg, address) if s.register else None
+    resolver = await register(cfg, address, service) if s.register else None
     progress = asyncio.create_task(_progress(engine, cfg.stats_logger.log_every_secs))
     waits = [asyncio.create_task(stop.wait())]
     if resolver is not None:  # its registration gone for good (Redis away past redis.outage_tolerance)
@@ -354,7 +355,7 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
         if resolver is not None and resolver.failure is not None:
             await resolver.close_quietly()  # nothing to unregister from a backend that is gone
         elif resolver is not None:
-            await unregister(resolver, address)
+            await unregister(resolver, address, service)
         await loop.run_in_executor(None, engine.close)  # running requests are answered abort
         if frontend is not None:
             await frontend.close()

@@ -217,7 +217,7 @@ def inspect(ctx: typer.Context,
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt,
           simulate: bool = typer.Option(False, "--simulate", help="A simulated GPU engine (server.simulate.*): same protocol, modeled timing, no model."),
-          pool: Optional[str] = typer.Option(None, "--pool", help="Serve this scoring pool's model (reward_model on /classify, a distillation teacher on /generate) instead of the policy.")) -> None:
+          pool: Optional[str] = typer.Option(None, "--pool", help="Serve this scoring pool's model instead of the policy (reward_model: /classify; judge: /generate; a distillation teacher: /generate prefill logprobs).")) -> None:
     """Run the local inference engine (SGLang-compatible HTTP subset), or an engine of a scoring pool (--pool)."""
     from rlstream.engine.server import serve as serve_main
 

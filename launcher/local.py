@@ -189,12 +189,16 @@ class LocalRun:
                 _echo("supervised warm start: already done for this model (rlstream_sft.json)")
 
     def _check_scoring_models(self) -> None:
-        """Each scoring pool `rlstream run` starts engines for serves a model with a scalar head: refused before any
-        process starts (a reward model not trained yet is the usual reason)."""
+        """Each scoring pool `rlstream run` starts engines for serves a model with a scalar head (a generating pool:
+        a model folder): refused before any process starts (a reward model not trained yet is the usual reason)."""
         from rlstream.engine.scoring import check_scalar_head
 
         for name, pool in scoring_pools(self.cfg).items():
-            if pool.engines and not pool.addresses and pool.kind == "classify":  # a teacher is a causal LM
+            if pool.kind == "generate" and pool.engines and not pool.addresses:
+                if not (Path(pool.model_path) / "config.json").is_file():
+                    raise ConfigError(f"{name}.pool.model_path={pool.model_path!r} is not a local HF model folder "
+                                      "(no config.json)")
+            elif pool.engines and not pool.addresses and pool.kind == "classify":  # a teacher is a causal LM
                 try:
                     check_scalar_head(pool.model_path, f"{name}.pool.model_path")
                 except (OSError, ValueError) as exc:

@@ -60,6 +60,7 @@ class Producer:
         from rlstream.broker.registry import make_engine_resolver
         from rlstream.common.engine_client import ServerPool
         from rlstream.producer.distillation import make_distillation_stage
+        from rlstream.producer.judge import make_judge_stage
         from rlstream.producer.reward_model import make_reward_model_stage
         from rlstream.producer.rewards import RewardPool, import_by_path
         from rlstream.producer.workflow import RolloutEngine, load_workflow
@@ -91,6 +92,9 @@ class Producer:
         self.reward_model = make_reward_model_stage(cfg, self.tokenizer, self.client)
         if self.reward_model is not None:
             await self.reward_model.pool.start()
+        self.judge = make_judge_stage(cfg, self.tokenizer, self.client)
+        if self.judge is not None:
+            await self.judge.pool.start()
         self.distillation = make_distillation_stage(cfg, self.tokenizer, self.client)
         if self.distillation is not None:
             await self.distillation.start()
@@ -108,10 +112,12 @@ class Producer:
         await awrite_run_meta(self.client, self.keys, cfg, component="producer")
 
     async def _run_rollout(self, item):
-        """The workflow's group, then the reward model's scores and the teachers' logprobs when set."""
+        """The workflow's group, then the reward model's scores, the judge's, and the teachers' logprobs, each when set."""
         group = await self.workflow.arun_episode(self.engine, item)
         if self.reward_model is not None:
             group = await self.reward_model(group)
+        if self.judge is not None:
+            group = await self.judge(group, item)
         return group if self.distillation is None else await self.distillation(group)
 
     def _make_evaluator(self):
@@ -132,9 +138,9 @@ class Producer:
     async def _teardown(self) -> None:
         if self.loop is not None:  # leases in flight go, drops already called for go out before the client closes
             await self.loop.close()
-        stage = getattr(self, "reward_model", None)
+        stage, judge = getattr(self, "reward_model", None), getattr(self, "judge", None)
         for obj in (getattr(self, "pool", None), getattr(self, "rewards", None), getattr(self, "filter_rewards", None),
-                    stage and stage.pool, getattr(self, "distillation", None)):
+                    stage and stage.pool, judge and judge.pool, getattr(self, "distillation", None)):
             if obj is not None:
                 with contextlib.suppress(Exception):
                     await obj.close()
@@ -189,6 +195,12 @@ class Producer:
                 out.update({"rm_requests": rm["requests"], "rm_sequences": rm["sequences"],
                             "rm_engine_failures": rm["engine_failures"], "rm_retries": rm["retries"],
                             "rm_failed_groups": rm["failed_groups"], "rm_latency_mean_seconds": rm["latency_mean"]})
+            if self.judge is not None:  # judge/*: the judge's pool and its unparseable answers
+                js = self.judge.stats()
+                out.update({"judge_requests": js["requests"], "judge_failures": js["failures"],
+                            "judge_engine_failures": js["engine_failures"], "judge_retries": js["retries"],
+                            "judge_failed_groups": js["failed_groups"], "judge_score_mean": js["score_mean"],
+                            "judge_latency_mean_seconds": js["latency_mean"]})
             return out
 
         registry = CollectorRegistry()
@@ -197,7 +209,8 @@ class Producer:
                                                     "dropped_stale_groups", "stopped_stale_rollouts",
                                                     "finished_groups", "generated_tokens", "engine_retries",
                                                     "rm_requests", "rm_sequences", "rm_engine_failures", "rm_retries",
-                                                    "rm_failed_groups")))
+                                                    "rm_failed_groups", "judge_requests", "judge_failures",
+                                                    "judge_engine_failures", "judge_retries", "judge_failed_groups")))
         address = serve(registry, pc.host, pc.port, run_dir=self.cfg.run_dir, name=self.producer_id)
         log.info("%s: prometheus metrics at http://%s/metrics", self.producer_id, address)
 
@@ -220,6 +233,12 @@ class Producer:
             log.info("%s: reward model: %d requests (%d sequences), mean latency %.3fs, %d engine failures, %d retries, "
                      "%d groups failed, %d engines", self.producer_id, rm["requests"], rm["sequences"],
                      rm["latency_mean"], rm["engine_failures"], rm["retries"], rm["failed_groups"], rm["engines"])
+        if self.judge is not None:
+            js = self.judge.stats()
+            log.info("%s: judge: %d requests, mean latency %.3fs, mean score %.3f, %d unparseable answers, %d engine "
+                     "failures, %d retries, %d groups failed, %d engines", self.producer_id, js["requests"],
+                     js["latency_mean"], js["score_mean"], js["failures"], js["engine_failures"], js["retries"],
+                     js["failed_groups"], js["engines"])
         if getattr(self, "distillation", None) is not None:
             ds = self.distillation.stats()
             log.info("%s: teachers: %d requests (%d sequences), %d engine failures, %d groups failed",

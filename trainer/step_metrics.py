@@ -47,6 +47,24 @@ def _reward_model_sums(entries: list[Any]) -> torch.Tensor:
     return torch.tensor([n, score, rule, groups, latency], dtype=torch.float64)
 
 
+def _judge_sums(entries: list[Any]) -> torch.Tensor:
+    """[samples judged, score sum, unparseable answers kept with their rule reward, groups judged, latency sum] of
+    judge metadata (producer/judge.py: `judge_score` or `judge_failed` per sample, `judge_latency` per group)."""
+    n = score = failed = groups = latency = 0.0
+    for e in entries:
+        lat = e.group.metadata.get("judge_latency")
+        if isinstance(lat, float):
+            groups += 1
+            latency += lat
+        for t in e.group.trajectories:
+            s = t.metadata.get("judge_score")
+            if isinstance(s, float):
+                n += 1
+                score += s
+            failed += float(t.metadata.get("judge_failed") is True)
+    return torch.tensor([n, score, failed, groups, latency], dtype=torch.float64)
+
+
 @dataclass
 class StepMetrics:
     """Global values of one step (the same on every rank after `gather`); `row()` is what gets logged."""
@@ -65,6 +83,7 @@ class StepMetrics:
     turns: float = 0.0  # model turns over those episodes
     tool_episodes: float = 0.0  # episodes with a tool call
     reward_model: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)  # _reward_model_sums over all ranks
+    judge: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)  # _judge_sums over all ranks
     push_bytes: float | None = None  # bytes per engine of this version's push (a LoRA push: the adapter)
     checkpoint_s: float | None = None  # checkpoints, acknowledgement and stream trim
     step_s: float | None = None
@@ -81,14 +100,15 @@ class StepMetrics:
         counts = torch.tensor([data.n_dropped_stale, data.n_dead, float(data.replayed), len(data.entries)],
                               dtype=torch.float64)
         episodes = _episode_counts(data.entries)
-        rm = _reward_model_sums(data.entries)
+        rm, judge = _reward_model_sums(data.entries), _judge_sums(data.entries)
         par.all_reduce([times], "max")
-        par.all_reduce([counts, episodes, rm], "sum")
+        par.all_reduce([counts, episodes, rm, judge], "sum")
         pushed = push_report is not None and push_report.version == version
         return cls(ppo=ppo, version=version, epoch=epoch, wait_data_s=float(times[0]), collate_s=float(times[1]),
                    weight_push_s=weight_push_s, n_groups=float(counts[3]), dropped_stale=float(counts[0]),
                    dead=float(counts[1]), replayed=bool(counts[2] > 0), episodes=float(episodes[0]),
                    turns=float(episodes[1]), tool_episodes=float(episodes[2]), reward_model=tuple(rm.tolist()),
+                   judge=tuple(judge.tolist()),
                    push_bytes=float(push_report.bytes) if pushed else None)
 
     def row(self) -> dict[str, float]:
@@ -111,12 +131,23 @@ class StepMetrics:
             row["rm/rule_reward_mean"] = rule / n
         if groups > 0:
             row["rm/latency"] = latency / groups
+        row.update(self._judge_row())
         if self.push_bytes is not None:
             row["perf/push_bytes"] = self.push_bytes
         if self.checkpoint_s is not None:
             row["time/checkpoint"] = self.checkpoint_s
         if self.step_s is not None:
             row["time/step"] = self.step_s
+        return row
+
+    def _judge_row(self) -> dict[str, float]:
+        """judge/*: mean score of the judged samples, unparseable answers trained with their rule reward, latency."""
+        n, score, failed, groups, latency = self.judge
+        if groups == 0:
+            return {}
+        row = {"judge/failures": failed, "judge/latency": latency / groups}
+        if n > 0:
+            row["judge/score_mean"] = score / n
         return row
 
     def checkpoint_row(self) -> dict[str, float]:

@@ -7,8 +7,9 @@ line below it, shown by `rlstream config docs` (`docs.py` reads them from the so
 The schema is split by concern: `cluster` (placement, discovery, Redis), `rollout`
 (sampling, admission, datasets), `actor` (model and algorithm), `persistence` (checkpoints,
 recovery, evaluation, metrics), `producer` (workflows, agents, gateway), `engine` (the
-local engine), `scoring` (scoring pools, the reward model, `rlstream rw`), `launcher` (`rlstream run`, demo, Slurm),
-`tracing` (perf and session tracers) and `schema` (the top-level
+local engine), `scoring` (scoring pools, the reward model, `rlstream rw`), `judge` (the LLM judge), `distillation`
+(on-policy distillation's teachers), `launcher` (`rlstream run`, demo, Slurm), `tracing` (perf and session tracers)
+and `schema` (the top-level
 `Config`). `loading` reads YAML + overrides and validates; `masking` hides credentials.
 """
 
@@ -26,6 +27,7 @@ from rlstream.common.config.masking import (CREDENTIAL_KEYS, config_to_dict, is_
                                             masked_config_dict)
 from rlstream.common.config.persistence import (EvaluatorConfig, PrometheusConfig, RecoverConfig, SaverConfig,
                                                 StatsLoggerConfig, TensorBoardConfig, WandbConfig)
+from rlstream.common.config.judge import JudgeConfig
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig, SandboxConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
 from rlstream.common.config.schema import Config
@@ -56,4 +58,5 @@ __all__ = [
     "DistillationConfig", "TeacherConfig", "teacher_pools",
     "RewardModelConfig", "RWConfig", "ScoringPoolConfig", "scoring_pools", "scoring_service",
     "PerfTracerConfig", "SessionTracerConfig",
+    "JudgeConfig",
 ]

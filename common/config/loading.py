@@ -17,6 +17,7 @@ from rlstream.common.config.docs import allowed_values, struct_fields
 from rlstream.common.config.masking import config_to_dict, register_secrets
 from rlstream.common.config.schema import Config
 from rlstream.common.config.distillation import check_distillation
+from rlstream.common.config.judge import check_judge
 from rlstream.common.config.scoring import check_scoring
 
 __all__ = ["load_config", "load_config_dict"]
@@ -209,6 +210,7 @@ def _check(cfg: "Config") -> None:
     if cfg.producer.dynamic_sampling_reward_fn and not cfg.producer.dynamic_sampling:
         raise ConfigError("producer.dynamic_sampling_reward_fn decides the dynamic-sampling filter, which is off: set "
                           "producer.dynamic_sampling=true or drop it")
+    check_judge(cfg)
     if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.has_rows):
         keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
                 if getattr(cfg.evaluator, k) is not None]

@@ -14,6 +14,7 @@ from rlstream.common.config.launcher import LauncherConfig
 from rlstream.common.config.persistence import EvaluatorConfig, RecoverConfig, SaverConfig, StatsLoggerConfig
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig
 from rlstream.common.config.distillation import DistillationConfig
+from rlstream.common.config.judge import JudgeConfig
 from rlstream.common.config.scoring import RewardModelConfig, RWConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
 from rlstream.common.config.tracing import PerfTracerConfig
@@ -63,6 +64,8 @@ class Config(Section):
     """A reward model in the producer's reward stage, served by a scoring pool (None = producer.reward_fn alone)."""
     distillation: DistillationConfig | None = None
     """On-policy distillation: teachers' logprobs of every sampled token, reverse KL as the per-token advantage."""
+    judge: JudgeConfig | None = None
+    """An LLM judge in the producer's reward stage, served by a scoring pool that generates (None = no judge)."""
     rw: RWConfig = msgspec.field(default_factory=RWConfig)
     """`rlstream rw`: Bradley–Terry reward-model training on preference pairs."""
     saver: SaverConfig = msgspec.field(default_factory=SaverConfig)

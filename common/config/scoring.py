@@ -34,12 +34,14 @@ class ScoringPoolConfig(Section):
     model_path: str = ""
     """Local HF folder the pool's engines serve (for a reward model: a *ForSequenceClassification with num_labels=1,
     e.g. what `rlstream rw` writes)."""
-    kind: Literal["classify", "logprob"] = "classify"
+    kind: Literal["classify", "generate", "logprob"] = "classify"
     """What the engines serve: classify = one scalar per sequence from a sequence-classification head (`/classify`);
-    logprob = a causal LM's prefill logprobs of given tokens (`/generate` with max_new_tokens 0: a distillation
-    teacher)."""
-    backend: Literal["local"] = "local"
-    """Engine kind: local = `rlstream serve --pool NAME` (engine/scoring.py; its /classify body follows SGLang's)."""
+    generate = text from a causal LM (`/generate`, e.g. an LLM judge's answer); logprob = a causal LM's prefill
+    logprobs of given tokens (`/generate` with max_new_tokens 0: a distillation teacher)."""
+    backend: Literal["local", "sglang", "vllm"] = "local"
+    """Engine kind: local = `rlstream serve --pool NAME` (engine/scoring.py; its /classify body follows SGLang's);
+    sglang / vllm = engines started elsewhere, listed in addresses (kind generate only: SGLang's `/generate`, vLLM's
+    `/v1/completions`)."""
     engines: NonNegativeInt = 1
     """Engines `rlstream run` starts for this pool (0 = none: the pool's engines are started elsewhere or listed in
     addresses)."""
@@ -107,6 +109,9 @@ def scoring_pools(cfg: msgspec.Struct) -> dict[str, ScoringPoolConfig]:
     rm = getattr(cfg, "reward_model", None)
     if rm is not None:
         pools["reward_model"] = rm.pool
+    judge = getattr(cfg, "judge", None)
+    if judge is not None:
+        pools["judge"] = judge.pool
     from rlstream.common.config.distillation import teacher_pools
 
     return pools | teacher_pools(cfg)
@@ -116,6 +121,12 @@ def check_scoring(cfg: msgspec.Struct) -> None:
     """Rules on the pools at load: a pool needs a model or addresses, and addresses without name resolve."""
     static = cfg.cluster.name_resolve.type == "static"
     for name, pool in scoring_pools(cfg).items():
+        if pool.kind == "classify" and pool.backend == "vllm":
+            raise ConfigError(f"{name}.pool.backend=vllm: a classify pool speaks SGLang's /classify; allowed: local, "
+                              "sglang")
+        if pool.backend != "local" and not pool.addresses:
+            raise ConfigError(f"{name}.pool.backend={pool.backend}: `rlstream run` starts local engines only; list the "
+                              f"pool's {pool.backend} engines in {name}.pool.addresses")
         if static and not pool.addresses:
             raise ConfigError(f"{name}.pool.addresses is empty with cluster.name_resolve.type=static: list the pool's "
                               "engines there (the static list names the policy engines only)")

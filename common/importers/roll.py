@@ -117,6 +117,41 @@ def _engines(value: Any, ctx: Context) -> str | None:
     return None
 
 
+_JUDGE_WORKER = "LLMJudgeRewardWorker"  # ROLL's roll.pipeline.rlvr.rewards.llm_judge_reward_worker
+
+
+def _judge_section(ctx: Context) -> dict[str, Any]:
+    """The `rewards.<domain>` section the key is in, when its worker is ROLL's LLM judge; else {}."""
+    section = get(ctx.data, ".".join(ctx.key.split(".")[:2]), {})
+    return section if str(section.get("worker_cls", "")).endswith(_JUDGE_WORKER) else {}
+
+
+def _judge_key(dst: str) -> Any:
+    """A ROLL LLM-judge worker's key copied to `dst`; the same key of another reward worker is dropped."""
+    def put(value: Any, ctx: Context) -> str | None:
+        if not _judge_section(ctx):
+            return "a key of a ROLL reward worker that is not the LLM judge (producer.reward_fn scores rules)"
+        ctx.t.put(ctx.key, dst, value)
+        return None
+    return put
+
+
+def _judge_type(value: Any, ctx: Context) -> str | None:
+    """ROLL's judge_model_type: inference = a model the run serves (judge.pool), api = a server at judge_api_url."""
+    if value == "inference":
+        return None
+    if value != "api":
+        raise ConfigError(f"{ctx.key}={value!r}: ROLL's judge_model_type is inference or api")
+    url = get(ctx.data, ".".join(ctx.key.split(".")[:2]) + ".judge_api_url")
+    if not url:
+        raise ConfigError(f"{ctx.key}=api without judge_api_url: set the judge server's URL")
+    from urllib.parse import urlparse
+
+    ctx.t.put(ctx.key, "judge.pool.backend", "vllm")  # an OpenAI-compatible server: /v1/completions
+    ctx.t.put(ctx.key, "judge.pool.addresses", [urlparse(url).netloc or str(url)])
+    return None
+
+
 _STRATEGY = "actor_train.strategy_args.strategy_config"
 _INFER = "actor_infer.strategy_args.strategy_config"
 
@@ -190,6 +225,16 @@ TABLE: Table = {
     "actor_infer.infer_batch_size": Drop("engines batch requests themselves (continuous batching)"),
     "reference": Drop(_REF),
     "critic": Missing("a critic (value model): rlstream trains critic-free (GRPO, RLOO, ...)"),
+    # ROLL's LLM-as-judge reward worker (rewards.<domain> with worker_cls ...LLMJudgeRewardWorker) -> judge.*
+    "rewards.*.judge_model_type": Convert(("judge.pool.backend", "judge.pool.addresses"), _judge_type),
+    "rewards.*.judge_api_url": Drop("read with judge_model_type=api: judge.pool.addresses"),
+    "rewards.*.judge_model_name": Drop("a vLLM server's served model is asked at /v1/models"),
+    "rewards.*.judge_api_key": Drop("a credential: the judge's engines get rollout.api_key"),
+    "rewards.*.judge_prompt": Drop("a name in ROLL's prompt table: write the prompt as judge.template (placeholders "
+                                   "{question}, {reference}, {response}; the default asks yes or no)"),
+    "rewards.*.model_args.model_name_or_path": Convert(("judge.pool.model_path",), _judge_key("judge.pool.model_path")),
+    "rewards.*.generating_args.max_new_tokens": Convert(("judge.max_new_tokens",),
+                                                        _judge_key("judge.max_new_tokens")),
 }
 
 DEFAULTS: dict[str, Any] = {}

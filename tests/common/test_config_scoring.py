@@ -19,7 +19,7 @@ def test_a_reward_model_section_defines_the_reward_model_pool():
 
 @pytest.mark.parametrize("overrides,words", [
     (["reward_model.pool.model_path=/rm", "reward_model.pool.backend=vllm"],
-     "config key 'reward_model.pool.backend': bad value 'vllm'"),
+     "reward_model.pool.backend=vllm: a classify pool speaks SGLang's /classify; allowed: local, sglang"),
     (["reward_model.pool.model_path=/rm", "reward_model.pool.concurrency=0"], "allowed: int >= 1"),
     (["reward_model.pool.model_path=/rm", "reward_model.input=ids"], "one of 'tokens', 'text'"),
     (["reward_model.weight=1"], "reward_model.pool.model_path is empty"),

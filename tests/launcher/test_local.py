@@ -416,3 +416,27 @@ def test_a_reward_model_not_trained_yet_is_one_line_before_anything_starts(tmp_p
     err = [ln for ln in r.stderr.splitlines() if ln.startswith("rlstream: error:")]
     assert len(err) == 1 and "reward_model.pool.model_path=" in err[0] and "rlstream rw" in err[0], r.stderr[-2000:]
     assert not (tmp_path / "runs" / "reward-model-cpu" / "run0" / "logs" / "engine-0.log").exists()
+
+
+@pytest.mark.slow
+def test_rlstream_run_starts_the_judge_pool_and_trains_on_judged_groups(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "run", "--config",
+                             str(ROOT / "configs" / "tiny-cpu.yaml"), f"cluster.fileroot={tmp_path / 'runs'}", *SMALL,
+                             "total_train_steps=2", "judge.pool.model_path=${actor.path}", "judge.max_new_tokens=4",
+                             "judge.on_unparseable=rule_reward", "judge.weight=0", "judge.rule_weight=1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=420)
+    finally:
+        _stop(proc)
+    run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
+    assert proc.returncode == 0, f"rlstream run failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
+    assert "scoring engines: judge-0 127.0.0.1:" in out
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    # every trained group was judged: its latency logged, its unparseable answers counted (never a silent 0)
+    assert all(r["judge/latency"] > 0 and r["judge/failures"] >= 0 for r in rows)
+    assert "judge: " in (run_dir / "logs" / "producer-0.log").read_text()
+    assert (run_dir / "logs" / "judge-0.log").stat().st_size > 0
+    assert _run_processes(run_dir) == []

@@ -63,3 +63,14 @@ def test_reward_model_scores_and_latency_become_rm_metrics():
     assert row["rm/score_mean"] == 0.5 and row["rm/rule_reward_mean"] == 0.5
     assert math.isclose(row["rm/latency"], 0.3)
     assert not any(k.startswith("rm/") for k in _gather([_entry(0)]).row())
+
+
+def test_judge_scores_failures_and_latency_become_judge_metrics():
+    a, b = _entry(0, judge_score=1.0, rule_reward=1.0), _entry(1, judge_failed=True, judge_error="no yes or no")
+    c = _entry(2, judge_score=0.0)
+    for e, lat in ((a, 0.1), (b, 0.2), (c, 0.6)):
+        e.group.metadata = {"judge_latency": lat, "judge_failures": int(e is b)}
+    row = _gather([a, b, c, _entry(3)]).row()  # the fourth group was not judged: not counted
+    assert row["judge/score_mean"] == 0.5 and row["judge/failures"] == 1.0
+    assert math.isclose(row["judge/latency"], 0.3)
+    assert not any(k.startswith("judge/") for k in _gather([_entry(0)]).row())

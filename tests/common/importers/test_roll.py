@@ -61,3 +61,26 @@ def test_warmup_steps_become_a_fraction_of_max_steps():
 def test_values_rlstream_cannot_honour_are_refused(data, message):
     with pytest.raises(ConfigError, match=message):
         import_data("roll", data)
+
+
+def test_the_llm_judge_reward_worker_maps_to_the_judge_section():
+    judge = {"worker_cls": "roll.pipeline.rlvr.rewards.llm_judge_reward_worker.LLMJudgeRewardWorker",
+             "judge_prompt": "Qwen2.5-7B-Instruct-RLVR-prompt", "judge_model_type": "inference",
+             "model_args": {"model_name_or_path": "/models/judge"}, "generating_args": {"max_new_tokens": 12}}
+    t = import_data("roll", {"pretrain": "/models/policy", "rewards": {"llm_judge": judge}})
+    cfg = load_config_dict(t.config)
+    assert cfg.judge.pool.model_path == "/models/judge" and cfg.judge.max_new_tokens == 12
+    assert cfg.judge.pool.kind == "generate" and cfg.judge.parse == "yes_no"
+    assert any(k == "rewards.llm_judge.judge_prompt" and "judge.template" in why for k, why in t.dropped)
+    api = import_data("roll", {"rewards": {"llm_judge": {**judge, "judge_model_type": "api",
+                                                         "judge_api_url": "http://10.0.0.5:8000/v1/chat/completions"}}})
+    cfg = load_config_dict(api.config)
+    assert cfg.judge.pool.backend == "vllm" and cfg.judge.pool.addresses == ["10.0.0.5:8000"]
+
+
+def test_a_reward_worker_that_is_not_the_judge_does_not_become_one():
+    t = import_data("roll", {"rewards": {"math": {"worker_cls": "roll.pipeline.rlvr.rewards.math_rule_reward_worker."
+                                                                "MathRuleRewardWorker",
+                                                  "model_args": {"model_name_or_path": "/m"}}}})
+    assert "judge" not in t.config
+    assert any(k == "rewards.math.model_args.model_name_or_path" and "not the LLM judge" in why for k, why in t.dropped)
