@@ -16,8 +16,6 @@ the requests waiting when a forward starts are scored together (continuous batch
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import threading
 import time
 from collections import deque
@@ -37,7 +35,7 @@ from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, expos
 from rlstream.common.scoring import CLASSIFY, ClassifyMeta, ClassifyRequest, ClassifyResult, ScoringInfo
 from rlstream.engine.frontend import auth_middleware, error_response, json_response
 from rlstream.engine.local import DTYPES, resolve_device
-from rlstream.engine.server import ADDR_FILE_ENV, advertised, register, unregister, write_addr_file
+from rlstream.engine.server import advertised, register, stop_on_signals, unregister, write_addr_file_if_asked
 
 __all__ = ["ScoringEngine", "LogprobEngine", "build_scoring_app", "run_scoring_server", "serve_scoring",
            "check_scalar_head", "pool_config", "generating_engine_config"]
@@ -125,17 +123,22 @@ class ScoringEngine:
         """One scalar per sequence: forwards of up to max_batch_size right-padded sequences."""
         out: list[float] = []
         with self._lock, torch.inference_mode():
-            for i in range(0, len(seqs), self.max_batch_size):
-                chunk = seqs[i:i + self.max_batch_size]
-                width = max(len(s) for s in chunk)
-                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-                attn = torch.zeros((len(chunk), width), dtype=torch.long)
-                for r, s in enumerate(chunk):
-                    ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
-                    attn[r, :len(s)] = 1
-                logits = self.model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits
+            for _chunk, ids, attn in self._padded_batches(seqs):
+                logits = self.model(input_ids=ids, attention_mask=attn).logits
                 out.extend(logits[:, 0].float().cpu().tolist())
         return out
+
+    def _padded_batches(self, seqs: list[list[int]]):
+        """(sequences, ids, attention mask) per forward: up to max_batch_size sequences, right-padded, on the device."""
+        for i in range(0, len(seqs), self.max_batch_size):
+            chunk = seqs[i:i + self.max_batch_size]
+            width = max(len(s) for s in chunk)
+            ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
+            attn = torch.zeros((len(chunk), width), dtype=torch.long)
+            for r, s in enumerate(chunk):
+                ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
+                attn[r, :len(s)] = 1
+            yield chunk, ids.to(self.device), attn.to(self.device)
 
     async def ascore(self, seqs: list[list[int]]) -> list[float]:
         """Score one request's sequences; requests waiting together are scored in the same forwards."""
@@ -221,15 +224,7 @@ class LogprobEngine(ScoringEngine):
         """Per sequence, the logprob of tokens 1..n-1 given their prefix (fp32 log-softmax of the logits)."""
         out: list[list[float]] = []
         with self._lock, torch.inference_mode():
-            for i in range(0, len(seqs), self.max_batch_size):
-                chunk = seqs[i:i + self.max_batch_size]
-                width = max(len(s) for s in chunk)
-                ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
-                attn = torch.zeros((len(chunk), width), dtype=torch.long)
-                for r, s in enumerate(chunk):
-                    ids[r, :len(s)] = torch.tensor(s, dtype=torch.long)
-                    attn[r, :len(s)] = 1
-                ids, attn = ids.to(self.device), attn.to(self.device)
+            for chunk, ids, attn in self._padded_batches(seqs):
                 logits = self.model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
                 logp = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0].cpu()
                 out.extend(logp[r, :len(s) - 1].tolist() for r, s in enumerate(chunk))
@@ -350,15 +345,8 @@ async def run_scoring_server(cfg: Any, pool: str, stop: asyncio.Event | None = N
     address = advertised(cfg.server.host, site._server.sockets[0].getsockname()[1])
     print(f"rlstream scoring engine ({pool}) listening on http://{address}", flush=True)
     log.info("scoring pool %r: serving %s (device %s) at http://%s", pool, engine.model_path, engine.device, address)
-    if os.environ.get(ADDR_FILE_ENV):
-        write_addr_file(os.environ[ADDR_FILE_ENV], address)
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            pass
+    write_addr_file_if_asked(address)
+    stop = stop_on_signals(stop)
     service = scoring_service(pool)
     resolver = await register(cfg, address, service) if cfg.server.register and not pcfg.addresses else None
     try:
@@ -367,7 +355,7 @@ async def run_scoring_server(cfg: Any, pool: str, stop: asyncio.Event | None = N
         if resolver is not None:
             await unregister(resolver, address, service)
         await runner.cleanup()
-        await loop.run_in_executor(None, engine.close)
+        await asyncio.get_running_loop().run_in_executor(None, engine.close)
         log.info("scoring engine stopped")
 
 

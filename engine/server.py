@@ -67,8 +67,8 @@ from rlstream.engine.local import LocalEngine
 from rlstream.engine.sampling import resolve
 from rlstream.engine.weights import add_weight_routes
 
-__all__ = ["serve", "build_app", "run_server", "ENGINE_KEY", "ADDR_FILE_ENV", "advertised", "write_addr_file", "register",
-           "unregister"]
+__all__ = ["serve", "build_app", "run_server", "ENGINE_KEY", "ADDR_FILE_ENV", "advertised", "write_addr_file",
+           "write_addr_file_if_asked", "stop_on_signals", "register", "unregister"]
 
 log = get_logger(__name__)
 # How long a stopping engine tries to remove its registration before leaving it to the TTL.
@@ -278,6 +278,24 @@ def write_addr_file(path: str, address: str) -> None:
     os.replace(tmp, p)  # readers never see a half-written address
 
 
+def write_addr_file_if_asked(address: str) -> None:
+    """The launcher learns a port-0 server's address from the file $RLSTREAM_ADDR_FILE names, when set."""
+    if os.environ.get(ADDR_FILE_ENV):
+        write_addr_file(os.environ[ADDR_FILE_ENV], address)
+
+
+def stop_on_signals(stop: asyncio.Event | None) -> asyncio.Event:
+    """`stop` (a new event when None), set by SIGTERM/SIGINT when running in the main thread."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
+            pass
+    return stop
+
+
 async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event | None = None,
                      make_engine: Callable[[Any], Any] | None = None, service: str = ENGINES_SERVICE) -> None:
     """Serve until `stop` is set (or SIGTERM/SIGINT when run as the main loop). `make_engine(cfg)`: an engine in
@@ -327,16 +345,9 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
     log.info("serving %s (device %s, dtype %s, max_batch_size %d) at http://%s",
              engine.model_path, engine.device, s.dtype, engine.max_batch_size, address)
     print(f"rlstream engine listening on http://{address}", flush=True)
-    if os.environ.get(ADDR_FILE_ENV):
-        write_addr_file(os.environ[ADDR_FILE_ENV], address)
+    write_addr_file_if_asked(address)
 
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread
-            pass
+    stop = stop_on_signals(stop)
     resolver = await register(cfg, address, service) if s.register else None
     progress = asyncio.create_task(_progress(engine, cfg.stats_logger.log_every_secs))
     waits = [asyncio.create_task(stop.wait())]
@@ -356,7 +367,7 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
             await resolver.close_quietly()  # nothing to unregister from a backend that is gone
         elif resolver is not None:
             await unregister(resolver, address, service)
-        await loop.run_in_executor(None, engine.close)  # running requests are answered abort
+        await asyncio.get_running_loop().run_in_executor(None, engine.close)  # running requests are answered abort
         if frontend is not None:
             await frontend.close()
         await runner.cleanup()
