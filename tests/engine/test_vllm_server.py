@@ -93,12 +93,10 @@ def recompute(model, prompt: list[int], output: list[int], temperature: float) -
     return logp.gather(-1, torch.tensor(output)[:, None]).squeeze(-1), logits
 
 
-# The in-place pause test's long request (it waits for the whole of it): long enough that a pause mostly lands
-# while it runs on 2 loaded cores; a request that ended first is retried.
-LONG = 1900
-# The abort test's request is aborted, never waited for: so long (tens of seconds or more of decode here)
-# that the pause always lands while it runs, however loaded the cores (1900 tokens ran out before the pause
-# 5 times in a row beside a CPU burner).
+# The in-place pause test's held request: paused before it arrives, it is waited for whole.
+LONG = 300
+# A request never waited for (the abort test's; the in-place test's running one): so long (tens of seconds
+# or more of decode here) that a pause always lands while it runs, however loaded the cores.
 ABORT_LONG = 30000
 MAX_LEN = 32768
 
@@ -243,40 +241,101 @@ async def test_stop_strings_and_penalties_reach_vllm(client, trainer_model, vllm
 
 
 async def start_long_request(client, prompt, tokens: int = LONG) -> asyncio.Task:
-    """A `tokens`-long request, returned once the engine's /load shows it running (or once it ended: on 2 loaded
-    cores a short one can finish before a poll sees it)."""
+    """A `tokens`-long request, returned once the engine's /load shows it (or once it ended)."""
     long = asyncio.create_task(generate(client, prompt, max_new_tokens=tokens, min_new_tokens=tokens))
-    deadline = time.monotonic() + 120
-    while not long.done():
-        _, load = await asyncio.to_thread(http, "GET", client.url + "/load")
-        if load.get("server_load", 0) >= 1:
-            break
-        assert time.monotonic() < deadline, f"request never showed up in /load: {load}"
-        await asyncio.sleep(0.05)
+    await wait_for_load(client, until=lambda: long.done())
     return long
 
 
+async def wait_for_load(client, until=lambda: False) -> None:
+    deadline = time.monotonic() + 120
+    while not until():
+        _, load = await asyncio.to_thread(http, "GET", client.url + "/load")
+        if load.get("server_load", 0) >= 1:
+            return
+        assert time.monotonic() < deadline, f"request never showed up in /load: {load}"
+        await asyncio.sleep(0.05)
+
+
+class StreamedTokens:
+    """A /v1/completions request streamed in the background: `count` tokens so far, `finish` once ended."""
+
+    def __init__(self, url: str, prompt: list[int], tokens: int):
+        self.count, self.finish = 0, None
+        self._body = {"model": "tiny", "prompt": prompt, "max_tokens": tokens, "min_tokens": tokens,
+                      "temperature": 1.0, "stream": True}
+        self._url = url + "/v1/completions"
+        self.task = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        async with aiohttp.ClientSession() as session, session.post(self._url, json=self._body) as resp:
+            async for line in resp.content:
+                text = line.decode().strip()
+                if not text.startswith("data: {"):
+                    continue
+                choice = json.loads(text[len("data: "):])["choices"][0]
+                self.count += 1 if choice.get("text") is not None else 0
+                self.finish = choice.get("finish_reason") or self.finish
+
+    async def settled(self, quiet_s: float = 0.5, limit_s: float = 60) -> int:
+        """The count once it stopped moving for `quiet_s` (outputs already in flight drain first)."""
+        deadline = time.monotonic() + limit_s
+        while True:
+            before = self.count
+            await asyncio.sleep(quiet_s)
+            if self.count == before:
+                return before
+            assert time.monotonic() < deadline, f"tokens still coming {limit_s} s into a pause: {self.count}"
+
+    async def grown_past(self, count: int, limit_s: float = 120) -> None:
+        deadline = time.monotonic() + limit_s
+        while self.count <= count and not self.task.done():
+            assert time.monotonic() < deadline, f"no token past {count} within {limit_s} s of continuing"
+            await asyncio.sleep(0.05)
+
+
+async def pause(client, mode: str) -> None:
+    status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": mode})
+    assert status == 200 and body["paused"] is True, body
+
+
+async def resume(client) -> None:
+    status, body = await asyncio.to_thread(http, "POST", client.url + "/continue_generation")
+    assert status == 200 and body["paused"] is False, body
+
+
 @pytest.mark.slow
-async def test_in_place_pause_keeps_the_request_and_continue_finishes_it(client):
-    """`/pause_generation {mode: in_place}` (SGLang's name for vLLM's keep): the running request stays in the
-    engine without a token more while paused, and after `/continue_generation` it finishes whole, never
-    aborted. A request that ended before the pause reached it is retried (2 loaded cores)."""
-    for _attempt in range(5):
-        long = await start_long_request(client, PROMPTS[1])
-        status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "in_place"})
-        assert status == 200 and body["paused"] is True
-        held = (await asyncio.to_thread(http, "GET", client.url + "/load"))[1].get("server_load", 0)
-        if held:
-            await asyncio.sleep(0.5)
-            assert not long.done(), "a kept request went on while the engine was paused"
-        status, body = await asyncio.to_thread(http, "POST", client.url + "/continue_generation")
-        assert status == 200 and body["paused"] is False
-        out = await asyncio.wait_for(long, 120)
-        assert out.finish_reason == "length" and len(out.output_ids) == LONG, out.finish_reason  # never aborted
-        if held:
-            break
-    else:
-        pytest.fail(f"the {LONG}-token request finished before a pause could reach it in 5 attempts")
+async def test_in_place_pause_freezes_a_running_request_and_continue_goes_on(client):
+    """`/pause_generation {mode: in_place}` (SGLang's name for vLLM's keep) on a running request: no token
+    more while paused, not ended; after `/continue_generation` it decodes again. The request is too long to
+    end first, so the pause always lands on it; an abort pause ends it."""
+    stream = StreamedTokens(client.url, PROMPTS[1], ABORT_LONG)
+    await stream.grown_past(0)
+    await pause(client, "in_place")
+    frozen = await stream.settled()
+    assert stream.finish is None and not stream.task.done(), "a kept request ended during the pause"
+    assert (await asyncio.to_thread(http, "GET", client.url + "/load"))[1]["server_load"] >= 1
+    await resume(client)
+    await stream.grown_past(frozen)
+    assert stream.count > frozen and stream.finish is None
+    await pause(client, "abort")
+    await asyncio.wait_for(stream.task, 120)
+    assert stream.finish == "abort", stream.finish
+    await resume(client)
+
+
+@pytest.mark.slow
+async def test_in_place_pause_holds_a_new_request_and_continue_finishes_it(client):
+    """A request that arrives during an in-place pause waits in the engine (never aborted, no token) and
+    after `/continue_generation` finishes whole. SGLang's `retract` is refused by name."""
+    await pause(client, "in_place")
+    held = asyncio.create_task(generate(client, PROMPTS[1], max_new_tokens=LONG, min_new_tokens=LONG))
+    await wait_for_load(client)
+    await asyncio.sleep(0.5)
+    assert not held.done(), "a request ran while the engine was paused"
+    await resume(client)
+    out = await asyncio.wait_for(held, 120)
+    assert out.finish_reason == "length" and len(out.output_ids) == LONG, out.finish_reason
     status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "retract"})
     assert status == 400 and "retract" in body["message"]
 
