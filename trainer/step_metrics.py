@@ -29,40 +29,33 @@ def _episode_counts(entries: list[Any]) -> torch.Tensor:
     return torch.tensor([n, turns, tools], dtype=torch.float64)
 
 
-def _reward_model_sums(entries: list[Any]) -> torch.Tensor:
-    """[samples scored, score sum, rule reward sum, groups scored, latency sum] of reward-model metadata
-    (producer/reward_model.py: `rm_score`, `rule_reward` per sample, `rm_latency` per group)."""
-    n = score = rule = groups = latency = 0.0
+def _scoring_sums(entries: list[Any], stage: str, third: Any) -> torch.Tensor:
+    """[samples scored, score sum, third sum, groups scored, latency sum] of one scoring stage's metadata:
+    `<stage>_score` per sample, `<stage>_latency` per group; `third(trajectory, scored)` is the stage's own count."""
+    n = score = extra = groups = latency = 0.0
     for e in entries:
-        lat = e.group.metadata.get("rm_latency")
+        lat = e.group.metadata.get(f"{stage}_latency")
         if isinstance(lat, float):
             groups += 1
             latency += lat
         for t in e.group.trajectories:
-            s = t.metadata.get("rm_score")
-            if isinstance(s, float):
+            s = t.metadata.get(f"{stage}_score")
+            scored = isinstance(s, float)
+            if scored:
                 n += 1
                 score += s
-                rule += float(t.metadata.get("rule_reward") or 0.0)
-    return torch.tensor([n, score, rule, groups, latency], dtype=torch.float64)
+            extra += third(t, scored)
+    return torch.tensor([n, score, extra, groups, latency], dtype=torch.float64)
+
+
+def _reward_model_sums(entries: list[Any]) -> torch.Tensor:
+    """Reward-model sums (producer/reward_model.py): the third is the rule reward of the scored samples."""
+    return _scoring_sums(entries, "rm", lambda t, scored: float(t.metadata.get("rule_reward") or 0.0) if scored else 0.0)
 
 
 def _judge_sums(entries: list[Any]) -> torch.Tensor:
-    """[samples judged, score sum, unparseable answers kept with their rule reward, groups judged, latency sum] of
-    judge metadata (producer/judge.py: `judge_score` or `judge_failed` per sample, `judge_latency` per group)."""
-    n = score = failed = groups = latency = 0.0
-    for e in entries:
-        lat = e.group.metadata.get("judge_latency")
-        if isinstance(lat, float):
-            groups += 1
-            latency += lat
-        for t in e.group.trajectories:
-            s = t.metadata.get("judge_score")
-            if isinstance(s, float):
-                n += 1
-                score += s
-            failed += float(t.metadata.get("judge_failed") is True)
-    return torch.tensor([n, score, failed, groups, latency], dtype=torch.float64)
+    """Judge sums (producer/judge.py): the third is the unparseable answers kept with their rule reward."""
+    return _scoring_sums(entries, "judge", lambda t, scored: float(t.metadata.get("judge_failed") is True))
 
 
 @dataclass
