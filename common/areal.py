@@ -29,6 +29,7 @@ from typing import Any
 from rlstream.common.areal_sections import (SCHEMA_KEYS, hub_like, leaves, note_hub_names, translate_async_training,
                                             translate_critic, translate_name_resolve, translate_ref_temperature,
                                             translate_weight_update_mode)
+from rlstream.common.areal_trainers import experiment_kind, translate_sft_rw
 from rlstream.common.config import ConfigError
 
 __all__ = ["Translation", "translate_areal", "parse_allocation"]
@@ -208,7 +209,7 @@ _AREAL_TOP = {"experiment_name", "trial_name", "cluster", "allocation_mode", "se
               "total_train_epochs", "total_train_steps", "total_train_n_seqs", "tokenizer_path", "train_dataset",
               "valid_dataset", "saver", "evaluator", "stats_logger", "perf_tracer", "memory_profiler", "recover",
               "sglang", "vllm", "scheduler", "launcher", "gconfig", "eval_gconfig", "rollout", "actor", "ref", "critic",
-              "teacher", "dynamic_bs", "agent_run_args", "export_style", "async_training"}
+              "teacher", "dynamic_bs", "agent_run_args", "export_style", "async_training", "model"}
 # Top-level keys that name another system's config file.
 _OTHER_SYSTEMS = {"ROLL": {"actor_train", "actor_infer", "pretrain", "reward_pretrain"},
                   "RLinf": {"runner", "algorithm"}, "cosmos-rl": {"policy", "train", "rollout_parallelism"},
@@ -226,7 +227,7 @@ def check_areal(data: Any) -> None:
             raise ConfigError(f"looks like a {system} config (top-level {', '.join(sorted(keys & marks))}), not an "
                               "AReaL experiment file: import-areal reads AReaL's YAML (e.g. examples/math/gsm8k_grpo.yaml)")
     unknown = sorted(keys - _AREAL_TOP)
-    if not keys & {"actor", "rollout", "gconfig", "allocation_mode"} or len(unknown) > len(keys & _AREAL_TOP):
+    if not keys & {"actor", "model", "rollout", "gconfig", "allocation_mode"} or len(unknown) > len(keys & _AREAL_TOP):
         raise ConfigError(f"is not an AReaL experiment file (top-level keys {', '.join(sorted(keys)[:8]) or 'none'}; "
                           "AReaL's have actor, rollout, gconfig, ...): give an AReaL YAML such as "
                           "examples/math/gsm8k_grpo.yaml")
@@ -239,6 +240,10 @@ def translate_areal(data: dict[str, Any]) -> Translation:
     data = dict(data)
     engines = {s: data.pop(s) for s in ("sglang", "vllm") if s in data}
     handled: set[str] = set()
+    if kind := experiment_kind(data):
+        translate_sft_rw(t, data, kind, handled)
+        for section in ("model" if isinstance(data.get("model"), dict) else "actor", "allocation_mode"):
+            data.pop(section, None)
     actor = data.get("actor") if isinstance(data.get("actor"), dict) else {}
     rollout = data.get("rollout") if isinstance(data.get("rollout"), dict) else {}
     engine_alloc, trainer_alloc = _allocations(t, data, actor, rollout, handled)
@@ -252,7 +257,8 @@ def translate_areal(data: dict[str, Any]) -> Translation:
                  **({} if "actor.backend" in handled else trainer_keys)}
     if "allocation_mode" in handled:
         t.translate("allocation_mode", from_mode)
-    _translate_algorithm(t, data, actor, handled)
+    if kind is None:
+        _translate_algorithm(t, data, actor, handled)
     translate_critic(t, data, handled)
     _translate_reward_model(t, data, handled)
     top_exp = data.get("experiment_name")

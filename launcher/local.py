@@ -179,11 +179,11 @@ class LocalRun:
 
         check_critic_config(cfg)  # a value model that cannot be built: refused before any process starts
         self._check_scoring_models()
-        if cfg.launcher.sft_steps:
+        if cfg.launcher.sft_steps or cfg.launcher.sft_epochs:
             from rlstream.launcher.sft import sft, sft_done
 
             if sft_done(cfg.actor.path) is None:
-                _echo(f"supervised warm start: {cfg.launcher.sft_steps} steps ...")
+                _echo(f"supervised warm start: {cfg.launcher.sft_steps or f'{cfg.launcher.sft_epochs:g} epochs of'} steps ...")
                 sft(cfg)  # logs its progress and the final loss
             else:
                 _echo("supervised warm start: already done for this model (rlstream_sft.json)")

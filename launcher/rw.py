@@ -20,6 +20,7 @@ the property `configs/reward-model-cpu.yaml` then raises by RL with this reward 
 from __future__ import annotations
 
 import json
+import math
 import random
 import shutil
 import time
@@ -180,6 +181,7 @@ def rw(cfg: Config) -> dict[str, Any]:
     import torch
 
     from rlstream.launcher.demo import prepare
+    from rlstream.trainer.optim import OptimizerStepper
 
     rc = cfg.rw
     torch.set_num_threads(1)  # several processes share few cores: more threads cost more than they give
@@ -198,26 +200,24 @@ def rw(cfg: Config) -> dict[str, Any]:
     model.eval()
     acc_before = pair_accuracy(model, valid, pad) if valid else None
     model.train()
-    opt = torch.optim.Adam(model.parameters(), lr=rc.lr)
+    steps = math.ceil(rc.epochs * len(train) / rc.batch_size) if rc.epochs > 0 else rc.steps
+    stepper = OptimizerStepper(model.parameters(), rc.optimizer, rc.lr, steps)
     t0 = last = time.monotonic()
     loss_val = float("nan")
-    for step in range(1, rc.steps + 1):
+    for step in range(1, steps + 1):
         batch = [train[rng.randrange(len(train))] for _ in range(rc.batch_size)]
         s = _scores(model, [x for p in batch for x in p], pad).view(-1, 2)
         loss = bradley_terry_loss(s[:, 0], s[:, 1])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        stepper.step(loss)
         loss_val = float(loss.item())
-        if time.monotonic() - last > 5 or step == rc.steps:
+        if time.monotonic() - last > 5 or step == steps:
             last = time.monotonic()
-            log.info("rw step %d/%d loss %.4f (%.1fs)", step, rc.steps, loss_val, last - t0)
+            log.info("rw step %d/%d loss %.4f (%.1fs)", step, steps, loss_val, last - t0)
     model.eval()
     acc_after = pair_accuracy(model, valid, pad) if valid else None
     out = rw_output_dir(cfg)
     _save(model, tokenizer, out)
-    marker = {"steps": rc.steps, "lr": rc.lr, "batch_size": rc.batch_size, "final_loss": loss_val,
+    marker = {"steps": steps, "lr": rc.optimizer.lr if rc.optimizer else rc.lr, "batch_size": rc.batch_size, "final_loss": loss_val,
               "train_pairs": len(train), "valid_pairs": len(valid), "skipped_pairs": skipped,
               "valid_accuracy_before": acc_before, "valid_accuracy_after": acc_after, "data": rc.dataset,
               "base": rc.path or cfg.actor.path, "seconds": round(time.monotonic() - t0, 2)}

@@ -1,7 +1,7 @@
 """`rlstream sft`: a short supervised warm start of `actor.path` before RL.
 
-Trains the causal LM at `actor.path` for `launcher.sft_steps` Adam steps (lr
-`launcher.sft_lr`, `launcher.sft_batch_size` sequences a step) on prompt/answer rows of
+Trains the causal LM at `actor.path` for `launcher.sft_steps` Adam steps (or `sft_epochs` passes; lr
+`launcher.sft_lr`, or the full `launcher.sft_optimizer`; `launcher.sft_batch_size` sequences a step) on prompt/answer rows of
 `launcher.sft_dataset` (empty: `train_dataset.path`), with the loss on the answer tokens
 and EOS only. Rows holding a `messages` list are whole multi-turn conversations
 (assistant turns, tool results), tokenized exactly as `AgentWorkflow` builds episodes
@@ -19,6 +19,7 @@ and a marker `rlstream_sft.json` records what was done: a second `rlstream sft` 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import shutil
@@ -99,10 +100,12 @@ def sft(cfg: Config) -> dict | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlstream.launcher.demo import prepare
+    from rlstream.trainer.model import disable_dropout
+    from rlstream.trainer.optim import OptimizerStepper
 
     lc = cfg.launcher
-    if lc.sft_steps == 0:
-        log.info("launcher.sft_steps=0: no warm start")
+    if lc.sft_steps == 0 and lc.sft_epochs == 0:
+        log.info("launcher.sft_steps=0 and sft_epochs=0: no warm start")
         return None
     prepare(cfg)  # the demo task's data and model, when configured and missing
     model_path = Path(cfg.actor.path)
@@ -120,14 +123,19 @@ def sft(cfg: Config) -> dict | None:
     rng = random.Random(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
     model = AutoModelForCausalLM.from_pretrained(model_path, **dtype_kwargs(torch.float32))
+    if cfg.actor.disable_dropout:
+        disable_dropout(model)
+    if cfg.actor.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     examples = _examples(cfg, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    opt = torch.optim.Adam(model.parameters(), lr=lc.sft_lr)
+    steps = lc.sft_steps or math.ceil(lc.sft_epochs * len(examples) / lc.sft_batch_size)
+    stepper = OptimizerStepper(model.parameters(), lc.sft_optimizer, lc.sft_lr, steps)
     t0 = time.monotonic()
     last = t0
     loss_val = float("nan")
-    for step in range(1, lc.sft_steps + 1):
+    for step in range(1, steps + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(lc.sft_batch_size)]
         width = max(len(seq) for seq, _ in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
@@ -139,14 +147,11 @@ def sft(cfg: Config) -> dict | None:
             labels[r, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)  # model turns only
             attn[r, : len(seq)] = 1
         loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        stepper.step(loss)
         loss_val = float(loss.item())
-        if time.monotonic() - last > 5 or step == lc.sft_steps:
+        if time.monotonic() - last > 5 or step == steps:
             last = time.monotonic()
-            log.info("sft step %d/%d loss %.4f (%.1fs)", step, lc.sft_steps, loss_val, last - t0)
+            log.info("sft step %d/%d loss %.4f (%.1fs)", step, steps, loss_val, last - t0)
 
     # Write next to the model, then move the files in: a crash never leaves a half-written model.
     tmp = model_path.with_name(model_path.name + ".sft-tmp")
@@ -155,10 +160,10 @@ def sft(cfg: Config) -> dict | None:
     for f in tmp.iterdir():
         os.replace(f, model_path / f.name)
     tmp.rmdir()
-    marker = {"steps": lc.sft_steps, "lr": lc.sft_lr, "batch_size": lc.sft_batch_size, "final_loss": loss_val,
+    marker = {"steps": steps, "lr": lc.sft_optimizer.lr if lc.sft_optimizer else lc.sft_lr, "batch_size": lc.sft_batch_size, "final_loss": loss_val,
               "examples": len(examples), "seconds": round(time.monotonic() - t0, 2),
               "data": cfg.launcher.sft_dataset or cfg.train_dataset.path}
     (model_path / SFT_MARKER).write_text(json.dumps(marker, indent=2))
-    log.info("warm start done: %d steps, final loss %.4f, %.1fs -> %s", lc.sft_steps, loss_val, marker["seconds"],
+    log.info("warm start done: %d steps, final loss %.4f, %.1fs -> %s", steps, loss_val, marker["seconds"],
              model_path)
     return marker

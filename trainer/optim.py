@@ -17,7 +17,7 @@ import torch
 
 from rlstream.common.config import OptimizerConfig
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier"]
+__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier", "OptimizerStepper"]
 
 
 def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -49,3 +49,30 @@ def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, total_steps, cfg))
+
+
+class OptimizerStepper:
+    """zero_grad, backward, clip, step and schedule for a standalone loop (`rlstream sft`, `rlstream rw`).
+
+    `cfg` None is plain Adam at `lr` with the grad norm clipped at 1.0 (the commands' defaults); a full
+    OptimizerConfig (AReaL's SFT/RW `model.optimizer`) is built as the trainer builds actor.optimizer, its
+    schedule spread over `total_steps`.
+    """
+
+    def __init__(self, params, cfg: OptimizerConfig | None, lr: float, total_steps: int):
+        self.params = [p for p in params if p.requires_grad]
+        if cfg is None:
+            self.optimizer: torch.optim.Optimizer = torch.optim.Adam(self.params, lr=lr)
+            self.scheduler, self.clip = None, 1.0
+        else:
+            self.optimizer = build_optimizer(self.params, cfg)
+            self.scheduler, self.clip = build_scheduler(self.optimizer, cfg, total_steps), cfg.gradient_clipping
+
+    def step(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if self.clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()

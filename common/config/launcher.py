@@ -7,7 +7,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from rlstream.common.config.base import Fraction, NonNegativeInt, Port, PositiveFloat, PositiveInt, Section
+from rlstream.common.config.actor import OptimizerConfig
+from rlstream.common.config.base import Fraction, NonNegativeFloat, NonNegativeInt, Port, PositiveFloat, PositiveInt, Section
 
 __all__ = ["DemoTaskConfig", "SlurmConfig", "ThreadsConfig", "WebConfig", "LauncherConfig"]
 
@@ -106,11 +107,18 @@ class LauncherConfig(Section):
     eval_n: NonNegativeInt = 0
     """Held-out prompts scored before and after training (0 = skip)."""
     sft_steps: NonNegativeInt = 0
-    """Supervised warm-start steps before RL (0 = none)."""
+    """Supervised warm-start steps before RL (0 = sft_epochs decides; both 0 = none)."""
+    sft_epochs: NonNegativeFloat = 0.0
+    """Passes over the demonstrations when sft_steps is 0: ceil(sft_epochs x rows / sft_batch_size) steps (AReaL SFT's
+    total_train_epochs)."""
     sft_lr: PositiveFloat = 1e-3
     """Learning rate of the supervised warm start (Adam)."""
     sft_batch_size: PositiveInt = 64
     """Sequences per supervised warm-start step."""
+    sft_optimizer: OptimizerConfig | None = None
+    """The warm start's optimizer in full, its schedule over sft_steps (AReaL SFT's `model.optimizer`; its lr replaces
+    sft_lr); None = Adam at sft_lr with the grad norm clipped at 1.0. actor.gradient_checkpointing and
+    actor.disable_dropout apply to the warm start too."""
     sft_dataset: str = ""
     """JSONL/Parquet/CSV of prompt/answer demonstrations for `rlstream sft` (empty = train_dataset.path)."""
     threads: ThreadsConfig = msgspec.field(default_factory=ThreadsConfig)

@@ -13,7 +13,8 @@ from typing import Literal
 
 import msgspec
 
-from rlstream.common.config.base import (ConfigError, Fraction, NonNegativeInt, PositiveFloat, PositiveInt, Section)
+from rlstream.common.config.actor import OptimizerConfig
+from rlstream.common.config.base import (ConfigError, Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section)
 
 __all__ = ["ScoringPoolConfig", "RewardModelConfig", "RWConfig", "scoring_pools", "scoring_service", "check_scoring",
            "SCORING_SERVICE_PREFIX"]
@@ -91,11 +92,17 @@ class RWConfig(Section):
     """Where the trained reward model is written (None = reward_model.pool.model_path when set, else
     <run_dir>/reward_model)."""
     steps: PositiveInt = 200
-    """Adam steps."""
+    """Adam steps (unless rw.epochs is set)."""
+    epochs: NonNegativeFloat = 0.0
+    """Passes over the training pairs; > 0 replaces rw.steps with ceil(epochs x training pairs / batch_size) (AReaL RW's
+    total_train_epochs)."""
     batch_size: PositiveInt = 16
     """Pairs per step."""
     lr: PositiveFloat = 1e-3
     """Adam learning rate."""
+    optimizer: OptimizerConfig | None = None
+    """The optimizer in full, its schedule over rw.steps (AReaL RW's `actor.optimizer`; its lr replaces rw.lr); None =
+    Adam at rw.lr with the grad norm clipped at 1.0."""
     valid_fraction: Fraction = 0.2
     """Fraction of the pairs held out (never trained on) for the pair accuracy printed at the end."""
     max_seq_len: PositiveInt = 1024

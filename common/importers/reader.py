@@ -29,7 +29,8 @@ _RESOLVERS = {"roll": roll.RESOLVERS, "cosmos": cosmos.RESOLVERS, "rlinf": rlinf
 # What makes a parsed file a config of each system: (test, the key that shows it).
 _SIGNS: dict[str, list[tuple[str, Callable[[dict[str, Any]], bool]]]] = {
     "areal": [("gconfig", lambda d: "gconfig" in d), ("allocation_mode", lambda d: "allocation_mode" in d),
-              ("actor + train_dataset", lambda d: "actor" in d and "train_dataset" in d)],
+              ("actor + train_dataset", lambda d: "actor" in d and "train_dataset" in d),
+              ("model + train_dataset", lambda d: "model" in d and "train_dataset" in d)],
     "roll": [(k, lambda d, k=k: k in d) for k in ("actor_train", "actor_infer", "num_return_sequences_in_group")],
     "cosmos": [("train.train_policy", lambda d: get(d, "train.train_policy") is not None),
                ("policy.model_name_or_path", lambda d: get(d, "policy.model_name_or_path") is not None),

@@ -83,6 +83,31 @@ def test_rw_learns_the_preference_and_writes_a_reward_model_the_pool_serves(tmp_
     assert with_x > without
 
 
+@pytest.mark.slow
+def test_an_areal_rw_file_runs_as_rlstream_rw(tmp_path, tiny_model_path):
+    """AReaL's RW experiment imported (`rlstream config import --from areal`), then run: its optimizer, schedule
+    and epochs are the ones `rlstream rw` trains with."""
+    import yaml
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", 50)
+    areal = {"experiment_name": "rw", "trial_name": "t0", "total_train_epochs": 1, "allocation_mode": "d1p1t1",
+             "cluster": {"fileroot": str(tmp_path)},
+             "actor": {"path": str(tiny_model_path), "is_critic": True,
+                       "optimizer": {"type": "adam", "lr": 0.003, "lr_scheduler_type": "cosine", "gradient_clipping": 1.0}},
+             "train_dataset": {"batch_size": 8, "path": str(pairs), "type": "rw"}}
+    (tmp_path / "areal.yaml").write_text(yaml.safe_dump(areal))
+    imported = subprocess.run(cli("config", "import", "--from", "areal", str(tmp_path / "areal.yaml")),
+                              capture_output=True, text=True, timeout=300, env=child_env())
+    assert imported.returncode == 0, imported.stderr[-2000:]
+    (tmp_path / "rw.yaml").write_text(imported.stdout)
+    out = tmp_path / "rm"
+    r = subprocess.run(cli("rw", "--config", str(tmp_path / "rw.yaml"), f"rw.output_dir={out}"),
+                       capture_output=True, text=True, timeout=600, env=child_env())
+    assert r.returncode == 0, r.stderr[-3000:]
+    marker = json.loads((out / RW_MARKER).read_text())
+    assert marker["train_pairs"] == 40 and marker["steps"] == 5 and marker["lr"] == 0.003  # ceil(1 x 40 / 8)
+
+
 @pytest.mark.parametrize("args,words", [
     (["rw.dataset=/nonexistent.jsonl"], "rw.dataset='/nonexistent.jsonl' is not a file"),
     (["rw.lr=0"], "rw.lr"),

@@ -53,3 +53,12 @@ def test_no_steps_no_warm_start_and_a_missing_model_is_an_error(tmp_path):
     assert sft(_cfg(tmp_path, "tiny-cpu.yaml", "launcher.sft_steps=0")) is None
     with pytest.raises(ValueError, match="is not a local HF model folder"):
         sft(load_config(None, [f"actor.path={tmp_path / 'nothing'}", "launcher.sft_steps=1"]))
+
+
+def test_epochs_and_a_full_optimizer_as_an_areal_sft_file_gives_them(tmp_path):
+    """`sft_epochs` (AReaL's total_train_epochs) sets the steps from the rows; `sft_optimizer` replaces the Adam default."""
+    cfg = _cfg(tmp_path, "tiny-cpu.yaml", "launcher.sft_steps=0", "launcher.sft_epochs=1.5",
+               "launcher.sft_optimizer.type=adamw", "launcher.sft_optimizer.lr=0.002",
+               "launcher.sft_optimizer.lr_scheduler_type=cosine")
+    marker = sft(cfg)
+    assert marker["steps"] == 6 and marker["lr"] == 0.002  # ceil(1.5 x 16 rows / 4 a step)

@@ -17,3 +17,23 @@ def test_lr_schedules():
     cos = lrs("cosine")
     assert cos[2] == pytest.approx(1.0) and cos[-1] == pytest.approx(0.5 * (1 + np.cos(np.pi * 7 / 8)))
     assert all(a > b for a, b in zip(cos[2:], cos[3:]))
+
+
+def test_the_stepper_follows_the_schedule_and_clips_as_configured():
+    import torch
+
+    from rlstream.common.config import OptimizerConfig
+    from rlstream.trainer.optim import OptimizerStepper, lr_multiplier
+
+    w = torch.nn.Parameter(torch.zeros(4))
+    cfg = OptimizerConfig(type="sgd", lr=0.1, lr_scheduler_type="linear", warmup_steps_proportion=0.0,
+                          min_lr_ratio=0.0, gradient_clipping=0.5)
+    stepper = OptimizerStepper([w], cfg, lr=123.0, total_steps=4)  # the config's lr wins over `lr`
+    for step in range(4):
+        before = w.detach().clone()
+        stepper.step((w * torch.tensor([30.0, 40.0, 0.0, 0.0])).sum())  # gradient norm 50, clipped to 0.5
+        moved = float((w.detach() - before).norm())
+        assert moved == pytest.approx(0.1 * lr_multiplier(step, 4, cfg) * 0.5, rel=1e-5)
+    plain = OptimizerStepper([torch.nn.Parameter(torch.zeros(2))], None, lr=0.01, total_steps=4)
+    assert isinstance(plain.optimizer, torch.optim.Adam) and plain.scheduler is None and plain.clip == 1.0
+    assert plain.optimizer.param_groups[0]["lr"] == 0.01
