@@ -162,6 +162,10 @@ _DROPPED.update({
     "ref.attn_impl": "the reference model uses transformers' SDPA attention, as the actor",
 })
 
+# Keys rlstream names differently, same meaning.
+_RENAMED = {"stats_logger.wandb.wandb_api_key": "stats_logger.wandb.api_key",
+            "stats_logger.wandb.wandb_base_url": "stats_logger.wandb.base_url"}
+
 _LORA_SERVING = ("rlstream pushes the LoRA adapter and its engines merge it into the served weights: "
                  "no adapter serving to switch on")
 _ENGINE_SKIP = {"model_path": "engines serve actor.path", "model": "engines serve actor.path",
@@ -360,6 +364,11 @@ def _translate_leaf(t: Translation, data: dict[str, Any], key: str, value: Any, 
         t.dropped.append((key, "false: the actor is the policy (the critic section holds the value model)"))
     elif key == "ref.temperature":
         translate_ref_temperature(t, data, key, value)
+    elif key in _RENAMED:
+        if value is None:
+            t.dropped.append((key, f"null: {_RENAMED[key]} unset"))
+        else:
+            t.translate(key, {_RENAMED[key]: value})
     elif key in SCHEMA_KEYS:
         t.set(key, value)
         t.same.append(key)

@@ -93,6 +93,8 @@ class StatsLogger:
         w = cfg.stats_logger.wandb
         if w.api_key:
             os.environ.setdefault("WANDB_API_KEY", w.api_key)
+        if w.base_url:
+            os.environ["WANDB_BASE_URL"] = w.base_url
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         return wandb.init(**wandb_init_args(cfg, run_dir))
 
@@ -164,6 +166,9 @@ class StatsLogger:
 def wandb_init_args(cfg: Config, run_dir: Path) -> dict[str, Any]:
     """The keyword arguments of `wandb.init` from stats_logger.wandb (the run's config masked)."""
     w = cfg.stats_logger.wandb
-    return dict(mode=w.mode, project=w.project or cfg.experiment_name, entity=w.entity, name=w.name or cfg.trial_name,
+    args = dict(mode=w.mode, project=w.project or cfg.experiment_name, entity=w.entity, name=w.name or cfg.trial_name,
                 group=w.group, job_type=w.job_type, tags=list(w.tags) if w.tags is not None else None, notes=w.notes,
-                dir=str(run_dir), config=masked_config_dict(cfg), reinit="finish_previous")
+                dir=str(run_dir), config={**(w.config or {}), **masked_config_dict(cfg)}, reinit="finish_previous")
+    if w.id_suffix:
+        args.update(id=f"{cfg.experiment_name}_{cfg.trial_name}_{w.id_suffix}", resume="allow")
+    return args

@@ -345,10 +345,10 @@ async def run_scoring_server(cfg: Any, pool: str, stop: asyncio.Event | None = N
     address = advertised(cfg.server.host, site._server.sockets[0].getsockname()[1])
     print(f"rlstream scoring engine ({pool}) listening on http://{address}", flush=True)
     log.info("scoring pool %r: serving %s (device %s) at http://%s", pool, engine.model_path, engine.device, address)
-    write_addr_file_if_asked(address)
     stop = stop_on_signals(stop)
     service = scoring_service(pool)
     resolver = await register(cfg, address, service) if cfg.server.register and not pcfg.addresses else None
+    write_addr_file_if_asked(address)  # after registering: whoever waits on the file finds the pool in name resolve
     try:
         await stop.wait()
     finally:

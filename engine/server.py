@@ -279,7 +279,8 @@ def write_addr_file(path: str, address: str) -> None:
 
 
 def write_addr_file_if_asked(address: str) -> None:
-    """The launcher learns a port-0 server's address from the file $RLSTREAM_ADDR_FILE names, when set."""
+    """The launcher learns a port-0 server's address from the file $RLSTREAM_ADDR_FILE names, when set; servers
+    write it once they are registered, so the file also means "discoverable"."""
     if os.environ.get(ADDR_FILE_ENV):
         write_addr_file(os.environ[ADDR_FILE_ENV], address)
 
@@ -345,10 +346,9 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
     log.info("serving %s (device %s, dtype %s, max_batch_size %d) at http://%s",
              engine.model_path, engine.device, s.dtype, engine.max_batch_size, address)
     print(f"rlstream engine listening on http://{address}", flush=True)
-    write_addr_file_if_asked(address)
-
     stop = stop_on_signals(stop)
     resolver = await register(cfg, address, service) if s.register else None
+    write_addr_file_if_asked(address)  # after registering: whoever waits on the file finds the engine in name resolve
     progress = asyncio.create_task(_progress(engine, cfg.stats_logger.log_every_secs))
     waits = [asyncio.create_task(stop.wait())]
     if resolver is not None:  # its registration gone for good (Redis away past redis.outage_tolerance)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -81,6 +81,14 @@ class WandbConfig(Section):
     """wandb run tags (None = none)."""
     notes: str | None = None
     """wandb run notes, a longer description of the run (None = none)."""
+    base_url: str | None = None
+    """URL of a self-hosted wandb server (WANDB_BASE_URL; None = wandb's default or the environment's)."""
+    config: dict[str, Any] | None = None
+    """Extra entries for the run's config in wandb, next to rlstream's own (its keys win on a clash: the run's
+    config is what ran)."""
+    id_suffix: str | None = None
+    """wandb run id `{experiment_name}_{trial_name}_{id_suffix}`: a restarted run with the same id resumes the same
+    wandb run (None = a new id each start)."""
 
 
 class TensorBoardConfig(Section):

@@ -1,6 +1,7 @@
 """The stats logger with every sink, offline (`common.metrics`)."""
 
 import json
+import os
 from pathlib import Path
 
 from rlstream.common.config import load_config
@@ -43,3 +44,27 @@ def test_wandb_group_tags_notes_reach_the_run(tmp_path):
     logger.close()
     default = wandb_init_args(load_config(None, [f"cluster.fileroot={tmp_path}"]), Path(tmp_path))
     assert default["group"] is None and default["tags"] is None and default["notes"] is None
+
+
+def test_wandb_id_suffix_resumes_one_run_and_extra_config_and_server_reach_it(tmp_path, monkeypatch):
+    """stats_logger.wandb.id_suffix gives a fixed run id (a restart resumes it), config adds entries next to the
+    run's own, base_url points wandb at a self-hosted server; AReaL's wandb_api_key/wandb_base_url import to them."""
+    from rlstream.common.areal import translate_areal
+    from rlstream.common.metrics import StatsLogger, wandb_init_args
+
+    monkeypatch.delenv("WANDB_BASE_URL", raising=False)
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", "stats_logger.wandb.mode=offline",
+                             "stats_logger.wandb.id_suffix=train", "stats_logger.wandb.config={lab: rl, seed: -1}",
+                             "stats_logger.wandb.base_url=http://127.0.0.1:9"])
+    args = wandb_init_args(cfg, Path(cfg.run_dir))
+    assert args["id"] == f"{cfg.experiment_name}_{cfg.trial_name}_train" and args["resume"] == "allow"
+    assert args["config"]["lab"] == "rl" and args["config"]["seed"] == cfg.seed  # the run's own keys win
+    logger = StatsLogger(cfg, total_steps=1)
+    assert logger._wandb.id == args["id"] and logger._wandb.config["lab"] == "rl"
+    assert os.environ["WANDB_BASE_URL"] == "http://127.0.0.1:9"
+    logger.close()
+    assert "id" not in wandb_init_args(load_config(None, [f"cluster.fileroot={tmp_path}"]), Path(tmp_path))
+    t = translate_areal({"gconfig": {}, "stats_logger": {"wandb": {"wandb_api_key": "k", "wandb_base_url": "http://w",
+                                                                    "id_suffix": "train", "config": None}}})
+    assert t.config["stats_logger"]["wandb"] == {"api_key": "k", "base_url": "http://w", "id_suffix": "train",
+                                                 "config": None}

@@ -1,7 +1,7 @@
 """`rlstream trace merge` (launcher/trace_merge.py): the files of real processes as one timeline.
 
 - two processes (real subprocesses, each with its own tracer) merge into one Chrome trace: one Perfetto
-  process each, named, on one clock (their spans interleave as they ran), starting at 0;
+  process each, named, on one clock (spans open at the same moment overlap), starting at 0;
 - the coverage and nesting checks find a gap and a crossing span (they can fail);
 - a run without trace files: exit 1 and one line naming the folder.
 """
@@ -22,9 +22,14 @@ _CHILD = """
 import sys, time
 from pathlib import Path
 from rlstream.common.tracing import PerfTracer
-tr = PerfTracer(Path(sys.argv[1]) / f"{sys.argv[2]}-1.trace.json", sys.argv[2])
+folder, name, other = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+tr = PerfTracer(folder / f"{name}-1.trace.json", name)
 for i in range(3):
-    with tr.span(sys.argv[2] + "/work", i=i):
+    with tr.span(name + "/work", i=i):
+        if i == 0:  # both first spans are open at once: each waits inside it for the other's
+            (folder / f"{name}.in").touch()
+            while not (folder / f"{other}.in").exists():
+                time.sleep(0.01)
         time.sleep(0.05)
 tr.close()
 """
@@ -37,8 +42,8 @@ def _env() -> dict[str, str]:
 def test_two_processes_merge_into_one_timeline(tmp_path):
     folder = tmp_path / "trace"
     folder.mkdir()
-    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(folder), name], env=_env())
-             for name in ("producer", "trainer")]
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, str(folder), name, other], env=_env())
+             for name, other in (("producer", "trainer"), ("trainer", "producer"))]
     assert [p.wait(60) for p in procs] == [0, 0]
     path = merge_traces(tmp_path)
     assert path == folder / "merged.trace.json"
@@ -48,10 +53,10 @@ def test_two_processes_merge_into_one_timeline(tmp_path):
     assert sorted(names.values()) == ["producer", "trainer"] and len(names) == 2
     spans = [e for e in events if e["ph"] == "X"]
     assert len(spans) == 6 and min(e["ts"] for e in spans) == 0
-    # one clock: both ran at once, so their spans overlap in time
-    by = {n: [e for e in spans if e["pid"] == pid] for pid, n in names.items()}
-    p_start, p_end = by["producer"][0]["ts"], by["producer"][-1]["ts"] + by["producer"][-1]["dur"]
-    assert any(p_start < e["ts"] < p_end for e in by["trainer"])
+    # one clock: the first spans were open at the same moment (the children wait for each other inside them),
+    # so on the merged timeline they overlap
+    first = {names[e["pid"]]: e for e in spans if e["args"].get("i") == 0}
+    assert max(e["ts"] for e in first.values()) < min(e["ts"] + e["dur"] for e in first.values())
     assert check_nesting(events) == []
     assert all(f > 0.9 for f in coverage(events).values())
     assert doc["otherData"]["origin_epoch_us"] > 1.6e15
