@@ -212,6 +212,9 @@ def _check(cfg: "Config") -> None:
     _check_correction(cfg.actor)
     _check_generated(cfg)
     _check_verifiers(cfg)
+    if cfg.agent.environment.endswith("openenv_env:OpenEnvEnvironment") and not cfg.agent.openenv.url:
+        raise ConfigError("agent.environment=OpenEnvEnvironment needs agent.openenv.url (the OpenEnv environment "
+                          "server's base URL, e.g. http://127.0.0.1:8000)")
     check_distillation(cfg)
     check_scoring(cfg)
     if cfg.producer.dynamic_sampling_reward_fn and not cfg.producer.dynamic_sampling:
