@@ -3,8 +3,10 @@
 An environment is built once per episode from the import path `agent.environment`
 (`module:callable`, called with keyword arguments `cfg`, `tokenizer`, `reward`, `tools`;
 it may ignore what it does not need). Its two methods may be sync or async. An exception
-in either fails that sample (`agent.on_env_error`); it never reaches the producer. The
-built-in one is `producer.environment.ToolEnvironment`.
+in either fails that sample (`agent.on_env_error`); it never reaches the producer. An
+optional `close()` (sync or async) is called after the episode, whatever its end. The
+built-in one is `producer.environment.ToolEnvironment`; `producer.openenv_env.OpenEnvEnvironment`
+runs an OpenEnv server's environment.
 """
 
 from __future__ import annotations

@@ -148,10 +148,22 @@ class AgentWorkflow:
                                    metadata={"epoch": getattr(item, "epoch", 0), "position": getattr(item, "position", 0)})
 
     async def run_episode(self, engine: Any, item: Any) -> Episode:
-        """One episode; never raises for environment, tool or timeout trouble (recorded on the Episode)."""
+        """One episode; never raises for environment, tool or timeout trouble (recorded on the Episode). An
+        environment with a `close()` (plain or async) is closed after it, e.g. to end a server session."""
+        env = self.env_factory(cfg=self.cfg, tokenizer=self.tokenizer, reward=self.reward, tools=self.tools)
+        try:
+            return await self._run_episode(env, engine, item)
+        finally:
+            close = getattr(env, "close", None)
+            if callable(close):
+                try:
+                    await _maybe_await(close())
+                except Exception as exc:  # noqa: BLE001 - the episode is recorded; a failed close is only logged
+                    log.warning("environment close raised %s: %s", type(exc).__name__, exc)
+
+    async def _run_episode(self, env: Any, engine: Any, item: Any) -> Episode:
         a = self.acfg
         deadline = time.monotonic() + a.episode_timeout
-        env = self.env_factory(cfg=self.cfg, tokenizer=self.tokenizer, reward=self.reward, tools=self.tools)
         try:
             reset: Reset = await asyncio.wait_for(_maybe_await(env.reset(item)), a.episode_timeout)
         except Exception as exc:  # noqa: BLE001 - an environment's failure fails the sample, not the producer

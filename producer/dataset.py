@@ -1,4 +1,5 @@
-"""Training prompts from local JSONL / Parquet / CSV files or a reasoning-gym task, with a resumable shared position.
+"""Training prompts from local JSONL / Parquet / CSV files, a reasoning-gym task or a verifiers environment's
+dataset, with a resumable shared position.
 
 `PromptDataset` loads local files through HF `datasets`, or a hub name `org/name` from the
 local HF datasets cache (common/hub_datasets.py; never downloaded), the configured `split`
@@ -6,7 +7,8 @@ local HF datasets cache (common/hub_datasets.py; never downloaded), the configur
 tokenizer's chat template when `apply_chat_template` is set, or when the prompt column
 holds a list of chat messages) and drops prompts longer than `max_prompt_len`. With
 `source: reasoning_gym` the rows are generated instead (`common/reasoning_gym_tasks.py`):
-the same rows in every process for the same (task, config, seed, size).
+the same rows in every process for the same (task, config, seed, size). With `source: verifiers` they are
+the dataset of the verifiers environment `task` (producer/verifiers_env.py).
 
 Order: epoch e visits the rows in a permutation seeded by `(seed, e)`, identical in
 every producer process. `DatasetCursor` hands out positions of that global order from
@@ -89,6 +91,8 @@ class PromptDataset:
         self.seed = seed
         if cfg.source == "reasoning_gym":
             rows, where = self._generated(cfg, key), f"reasoning-gym task {cfg.task!r}"
+        elif cfg.source == "verifiers":
+            rows, where = self._environment(cfg, key), f"verifiers environment {cfg.task!r}"
         else:
             rows, where = self._read(cfg, key), repr(cfg.path)
         self.items: list[tuple[int, str, Any, list[int], dict[str, Any]]] = []
@@ -128,6 +132,16 @@ class PromptDataset:
             raise DatasetError(str(exc)) from None
         self.has_answer = True
         return rows
+
+    def _environment(self, cfg: DatasetConfig, key: str) -> list[dict[str, Any]]:
+        """The rows of a verifiers environment's dataset (its eval dataset for valid_dataset)."""
+        from rlstream.producer.verifiers_env import dataset_rows
+
+        if (cfg.prompt_key, cfg.answer_key) != ("prompt", "answer"):
+            raise DatasetError(f"{key}.prompt_key/answer_key: a verifiers environment's rows have the columns 'prompt' "
+                               "and 'answer'; leave both at their defaults with source=verifiers")
+        self.has_answer = True
+        return dataset_rows(cfg.task, cfg.config, eval_split=key == "valid_dataset")
 
     def _read(self, cfg: DatasetConfig, key: str) -> Any:
         """The rows of local files or of a cached hub dataset (HF `datasets`), checked for the prompt and answer columns."""

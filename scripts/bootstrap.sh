@@ -81,6 +81,16 @@ else
   "$PY" -m pip install -q -e .
 fi
 
+# verifiers and OpenEnv for their adapters' tests (the `envs` extra), without their full dependency trees (sandbox
+# clouds, MCP servers, gradio): verifiers' classic environments need only the packages below.
+if ((TEST)) && ! "$PY" -c 'import verifiers.legacy.envs.tool_env, openenv.core.env_server' 2>/dev/null; then
+  log "pip install --no-deps verifiers + openenv-core and what their environments import"
+  "$PY" -m pip install -q --no-deps "verifiers==0.3.1" "openenv-core==0.3.0" anthropic docstring_parser renderers \
+    prime-pydantic-config aiolimiter prime-sandboxes "connectrpc<0.12" "protobuf-py==0.1.1" pyqwest aiofiles pyzmq \
+    setproctitle
+  "$PY" -m pip install -q "fastmcp-slim[client,server]==4.2.3" fastapi
+fi
+
 # ---------------------------------------------------------------- 3. vLLM (CPU) virtualenv
 # vLLM pins its own transformers, so it lives in its own venv (default /opt/rlstream-vllm-venv);
 # tests marked `vllm` use it. ~3 min fresh, ~10 s when reused.

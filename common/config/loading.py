@@ -90,6 +90,12 @@ def _generated_reward(data: dict[str, Any]) -> None:
             from rlstream.common.reasoning_gym_tasks import REWARD_FN
 
             producer["reward_fn"] = REWARD_FN
+    if isinstance(train, dict) and train.get("source") == "verifiers":
+        producer = data.setdefault("producer", {})
+        if isinstance(producer, dict) and producer.get("workflow") is None:
+            from rlstream.common.verifiers_envs import WORKFLOW
+
+            producer["workflow"] = WORKFLOW
 
 
 def _convert(data: dict[str, Any]) -> Config:
@@ -205,6 +211,10 @@ def _check(cfg: "Config") -> None:
     """Rules across sections, at load: every process refuses the same bad config at its start."""
     _check_correction(cfg.actor)
     _check_generated(cfg)
+    _check_verifiers(cfg)
+    if cfg.agent.environment.endswith("openenv_env:OpenEnvEnvironment") and not cfg.agent.openenv.url:
+        raise ConfigError("agent.environment=OpenEnvEnvironment needs agent.openenv.url (the OpenEnv environment "
+                          "server's base URL, e.g. http://127.0.0.1:8000)")
     check_distillation(cfg)
     check_scoring(cfg)
     if cfg.producer.dynamic_sampling_reward_fn and not cfg.producer.dynamic_sampling:
@@ -216,6 +226,15 @@ def _check(cfg: "Config") -> None:
                 if getattr(cfg.evaluator, k) is not None]
         raise ConfigError(f"{', '.join(keys)} asks for evaluation during training but valid_dataset.path is not set: "
                           "point valid_dataset.path at held-out prompts, or drop the evaluator frequency")
+
+
+def _check_verifiers(cfg: "Config") -> None:
+    """verifiers environments: named, and installed (found without importing them)."""
+    from rlstream.common.verifiers_envs import check_environment
+
+    for key, ds in (("train_dataset", cfg.train_dataset), ("valid_dataset", cfg.valid_dataset)):
+        if ds is not None and ds.source == "verifiers":
+            check_environment(ds.task, key=key)
 
 
 def _check_generated(cfg: "Config") -> None:

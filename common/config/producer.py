@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from rlstream.common.config.base import NonNegativeFloat, Port, PositiveFloat, PositiveInt, Section
 
-__all__ = ["ProducerConfig", "SandboxConfig", "AgentConfig", "GatewayConfig"]
+__all__ = ["ProducerConfig", "SandboxConfig", "OpenEnvConfig", "AgentConfig", "GatewayConfig"]
 
 
 class ProducerConfig(Section):
@@ -61,6 +61,23 @@ class SandboxConfig(Section):
     only."""
 
 
+class OpenEnvConfig(Section):
+    url: str = ""
+    """Base URL of a running OpenEnv environment server (`http://host:port`), used by
+    agent.environment=rlstream.producer.openenv_env:OpenEnvEnvironment; each episode opens its own session on it."""
+    action_field: str = "message"
+    """The field of the environment's action that receives the model's turn (its text outside tool-call markup), e.g.
+    `message` for echo_env, `code` for coding_env."""
+    observation_field: str | None = None
+    """The observation's field shown to the model as the next user message; None = every field but done, reward and
+    metadata, as JSON."""
+    prompt: Literal["observation", "dataset", "both"] = "both"
+    """The episode's first user message: the reset observation, the dataset item's prompt, or the prompt followed by
+    the observation."""
+    message_timeout: PositiveFloat = 60.0
+    """Seconds one reset or step may take on the server before the sample fails."""
+
+
 class AgentConfig(Section):
     environment: str = "rlstream.producer.environment:ToolEnvironment"
     """Environment import path `module:callable(cfg=, tokenizer=, reward=, tools=)`, one built per episode."""
@@ -87,6 +104,8 @@ class AgentConfig(Section):
     whole group is dropped."""
     sandbox: SandboxConfig = msgspec.field(default_factory=SandboxConfig)
     """Limits of the process the python tool runs code in."""
+    openenv: OpenEnvConfig = msgspec.field(default_factory=OpenEnvConfig)
+    """The OpenEnv environment server an OpenEnvEnvironment episode talks to."""
 
 
 class GatewayConfig(Section):
