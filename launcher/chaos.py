@@ -372,7 +372,7 @@ class ChaosRun(LocalRun):
             "over_budget_samples": self.over_rows, "admission_samples": self.samples,
             "unexpected_exits": len(self.unexpected), "unexpected": self.unexpected,
             "steps_after_faults": self.steps_after_faults, "mid_step_kills": self.mid_step_kills,
-            "scoring_pools": self.pools, "scored_by": list(self.scored_by),
+            "scoring_pools": self.pools, "scored_by": list(self.scored_by), "critic": self.cfg.critic is not None,
             "duration_s": round(time.monotonic() - self.t0, 1), "seed": self.seed,
             "faults": dict(sorted({k: sum(f["kind"] == k for f in self.faults) for k in self.kinds}.items())),
             "fault_log": self.faults,
