@@ -19,8 +19,9 @@ of this producer's requests in flight. An engine that does not answer (connectio
 skipped for `DOWN_SECS` and the request goes to another engine, up to `retries` more. When every engine it knows
 has failed the request, a pool that follows name resolve waits up to `timeout` for an engine it has not tried to
 register (a killed engine restarted comes back on a new port): a pool whose only engine crashed and restarts loses
-no group to it. When none is left the request raises `ScoringError` naming every engine tried. An answer of the wrong shape (a count or a width that
-does not fit) and a 4xx raise at once: another engine of the same model would answer the same.
+no group to it. When none is left the request raises `ScoringError` naming every engine tried. An answer of the
+wrong shape (a count or a width that does not fit) and a 4xx raise at once: another engine of the same model would
+answer the same.
 """
 
 from __future__ import annotations

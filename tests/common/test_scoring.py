@@ -122,7 +122,8 @@ async def test_a_request_whose_only_engine_died_waits_for_one_to_register_and_is
     client = await connect_async(cfg.redis)
     registrar = make_name_resolver(cfg, redis_client=client)
     await registrar.register("scoring:reward_model", "127.0.0.1:9", ttl=60)  # nothing listens: refused
-    pool = await ScoringPool("reward_model", cfg.reward_model.pool, make_name_resolver(cfg, redis_client=client)).start()
+    resolver = make_name_resolver(cfg, redis_client=client)
+    pool = await ScoringPool("reward_model", cfg.reward_model.pool, resolver).start()
     try:
         await pool.wait_for_engines(10)
         request = asyncio.ensure_future(pool.score(input_ids=SEQS))
