@@ -141,9 +141,12 @@ class ChaosRun(LocalRun):
         return step if step >= version and ms >= self.started_ms.get("trainer", 0.0) else None
 
     def trainer_kill_mid_step(self) -> str:
-        deadline = time.monotonic() + MID_STEP_WAIT_S
+        deadline, polls = time.monotonic() + MID_STEP_WAIT_S, 0
         while time.monotonic() < deadline:
             self._check_signal()
+            polls += 1
+            if polls % 10 == 0:  # the admission samples and the watch on children go on while it waits
+                self._sample()
             step = self._step_in_progress()
             if step is not None:
                 self.trainer._signal_group(signal.SIGSTOP)
