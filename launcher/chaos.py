@@ -64,6 +64,7 @@ FAULTS = ("trainer_kill", "trainer_kill_mid_step", "producer_kill", "engine_kill
 SAMPLE_S = 0.5
 MID_STEP_WAIT_S = 120.0  # trainer_kill_mid_step: longest wait for a step in progress (a restarted trainer loads first)
 FINISH_TIMEOUT_S = 180.0  # the trainer's graceful stop, then the producers'
+FAULTS_LINE_WIDTH = 80  # characters of fault counts per ledger line
 
 
 class ChaosRun(LocalRun):
@@ -419,7 +420,12 @@ def format_ledger(result: dict[str, Any]) -> list[str]:
             else:
                 value = f"{v:.2%}" if isinstance(v, float) and key.endswith("restarts") else str(v)
         out.append(f"{name:<48} {value}")
-    out.append(f"{'faults':<48} " + ", ".join(f"{k} {n}" for k, n in result["faults"].items()))
+    rows: list[list[str]] = [[]]  # the faults, a few per line (scoring pools add two kinds each)
+    for item in (f"{k} {n}" for k, n in result["faults"].items()):
+        if rows[-1] and len(", ".join([*rows[-1], item])) > FAULTS_LINE_WIDTH:
+            rows.append([])
+        rows[-1].append(item)
+    out += [f"{'faults' if i == 0 else '':<48} " + ", ".join(row) for i, row in enumerate(rows)]
     return out
 
 
