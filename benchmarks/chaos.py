@@ -4,12 +4,20 @@
     python benchmarks/chaos.py --duration 1800 --seed 11 --readme # also (re)writes its README section
     python benchmarks/chaos.py --from-json RUN_DIR/chaos.json --duration 1800 --seed 11 --readme
                                                                   # the section of a finished soak
+    python benchmarks/chaos.py --duration 1800 --parts reward_model,judge,teacher,critic
+                                                                  # with scoring pools and a critic
 
 `rlstream chaos` (launcher/chaos.py) starts what `rlstream run --config configs/tiny-cpu.yaml`
 starts, with 2 engines, 2 producers, recover.mode=auto and a recover checkpoint every step,
 its own redis-server with AOF (appendfsync always), and kills / stops / restarts the trainer,
 producers, engines and Redis and injects garbage at seeded moments; at the end the ledger is
 read from Redis (rlstream.broker.ledger). Run it with `nice -n 10` on a shared machine.
+
+`--parts` adds the new parts, each with its own faults: `reward_model` (a reward model trained first by
+`rlstream rw`, one engine, killed and stopped), `judge` (the demo policy's warm start as an LLM judge of one
+engine; its answers rarely parse, so samples keep their rule reward flagged `judge_failed`), `teacher` (the same
+model as a distillation teacher of one engine) and `critic` (PPO's value model in the trainer: the trainer kills,
+`trainer_kill_mid_step` among them, then restore it).
 """
 
 from __future__ import annotations
@@ -30,13 +38,38 @@ SECTION = "## Chaos soak"
 
 # Keys of the ledger that must be 0 (or, for the stale share, small) for the run to pass.
 MUST_BE_ZERO = ("lost", "trained_twice", "unaccounted", "in_two_states", "over_admissions", "unexpected_exits",
-                "steps_without_record", "steps_replayed_with_other_entries", "dropped_twice", "dead_lettered_twice")
+                "steps_without_record", "steps_replayed_with_other_entries", "dropped_twice", "dead_lettered_twice",
+                "unscored_groups")
+PARTS = ("reward_model", "judge", "teacher", "critic")
+RUN = "${cluster.fileroot}/tiny-cpu/run0"  # the demo's run folder (data, model) under the soak's fileroot
 
 
-def run_soak(duration: float, seed: int, mean_gap: float, workdir: Path) -> dict:
-    cmd = [sys.executable, "-m", "rlstream.launcher.cli", "chaos", "--config", str(CONFIG), "--duration",
-           str(duration), "--seed", str(seed), "--mean-gap", str(mean_gap), f"cluster.fileroot={workdir / 'runs'}"]
-    subprocess.run(cmd, cwd=workdir, check=False, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+def part_overrides(parts: list[str]) -> list[str]:
+    """The config overrides that add `parts` to the CPU demo (the reward model's folder: see train_reward_model)."""
+    out: list[str] = []
+    if "reward_model" in parts:
+        out += [f"reward_model.pool.model_path={RUN}/reward_model", "reward_model.pool.device=cpu",
+                "reward_model.rule_weight=1.0", "reward_model.weight=0.1", f"rw.dataset={RUN}/data/rw_pairs.jsonl"]
+    if "judge" in parts:
+        out += ["judge.pool.model_path=${actor.path}", "judge.pool.device=cpu", "judge.max_new_tokens=4",
+                "judge.on_unparseable=rule_reward", "judge.rule_weight=1.0", "judge.weight=0.1"]
+    if "teacher" in parts:
+        out += ['distillation.teachers=[{name: teacher, pool: {model_path: "${actor.path}", device: cpu}}]',
+                "distillation.outcome_weight=1.0"]
+    if "critic" in parts:
+        out += ["critic.optimizer.lr=1e-3"]
+    return out
+
+
+def run_soak(duration: float, seed: int, mean_gap: float, workdir: Path, parts: list[str]) -> dict:
+    base = [f"cluster.fileroot={workdir / 'runs'}", *part_overrides(parts)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    cli = [sys.executable, "-m", "rlstream.launcher.cli"]
+    if "reward_model" in parts:  # a Bradley-Terry reward model on the demo's pairs (launcher/rw.py), before the soak
+        subprocess.run([*cli, "rw", "--config", str(CONFIG), *base, "rw.steps=50"], cwd=workdir, check=True, env=env)
+    cmd = [*cli, "chaos", "--config", str(CONFIG), "--duration", str(duration), "--seed", str(seed), "--mean-gap",
+           str(mean_gap), *base]
+    subprocess.run(cmd, cwd=workdir, check=False, env=env)
     return json.loads((workdir / "runs" / "tiny-cpu" / "run0" / "chaos.json").read_text())
 
 
@@ -49,7 +82,9 @@ def section(r: dict, note: str, duration: float, mean_gap: float) -> str:
         f"`nice -n 10 rlstream chaos --config configs/tiny-cpu.yaml --duration {duration:g} --seed {r['seed']} "
         f"--mean-gap {mean_gap:g}`: {r['duration_s'] / 60:.1f} minutes from the trainer's start to the ledger, "
         f"2 engines, 2 producers, the trainer with recover.mode=auto and a recover checkpoint every step, "
-        f"Redis with AOF (appendfsync always). Faults, one at a time, at seeded random moments: "
+        + (f"scoring pools {', '.join(r['scoring_pools'])} (one engine each), " if r.get("scoring_pools") else "")
+        + ("a critic in the trainer, " if r.get("critic") else "")
+        + "Redis with AOF (appendfsync always). Faults, one at a time, at seeded random moments: "
         + ", ".join(f"{n} × {k}" for k, n in r["faults"].items()) + ". " + note, "",
         "```", *format_ledger(r), "```", "",
         "Reading it: every entry of the stream is trained once, dropped as too stale (its slot given back), "
@@ -61,7 +96,9 @@ def section(r: dict, note: str, duration: float, mean_gap: float) -> str:
         "their own line. *Waste* is groups generated and not trained: committed ones dropped as stale or "
         "left in the queue at the end, and the rollouts killed producers had in flight (their leases right after "
         "the kill). Stall seconds add up gaps over 10 s between steps "
-        "(trainer restarts, Redis outages). "
+        "(trainer restarts, Redis outages). *Groups failed before commit* are groups a scoring pool could not score "
+        "(`GroupFailed`: dead letters naming the stage, counted in waste); *missing a pool's score* counts groups in "
+        "the stream without a configured pool's result (a reward nobody computed). "
         + ("**Checks: all zero.**" if not bad else f"**Not zero: {', '.join(bad)}.**"), "",
     ]
     return "\n".join(lines)
@@ -75,12 +112,17 @@ def main() -> None:
     ap.add_argument("--from-json", type=Path, help="write the section of a finished soak's chaos.json")
     ap.add_argument("--note", default="", help="a sentence on the machine (e.g. shared, load)")
     ap.add_argument("--readme", action="store_true")
+    ap.add_argument("--parts", default="", help=f"comma-separated new parts to add: {', '.join(PARTS)}")
     args = ap.parse_args()
+    parts = [p for p in args.parts.split(",") if p]
+    bad = sorted(set(parts) - set(PARTS))
+    if bad:
+        ap.error(f"--parts: unknown {', '.join(bad)}; allowed: {', '.join(PARTS)}")
     if args.from_json:
         r = json.loads(args.from_json.read_text())
     else:
         with tempfile.TemporaryDirectory(prefix="rlstream-chaos-") as d:
-            r = run_soak(args.duration, args.seed, args.mean_gap, Path(d))
+            r = run_soak(args.duration, args.seed, args.mean_gap, Path(d), parts)
     text = section(r, args.note, args.duration, args.mean_gap)
     print(text)
     if args.readme:

@@ -18,6 +18,12 @@ sets, or in the steps of two different steps, is counted as such. `lost` compare
 the producers' exact commit counters (`accepted:<id>`, bumped in each commit's
 transaction) with the decodable groups the stream holds. Only reads; used by
 `rlstream chaos` (launcher/chaos.py) and its tests.
+
+Groups that failed before their commit (`GroupFailed`: a scoring pool that could not answer, an unparseable judge
+answer) never reach the stream: their rows in `{ns}:dead` name a lease, not an entry, and are counted apart
+(`failed_before_commit`, by stage in `failed_by_stage`: `reward model`, `judge`, `distillation teacher`, `other`).
+With `scored_by` (the run's scoring stages) every group in the stream is checked to carry each stage's result
+(`unscored_groups`: a group trained on a reward nobody computed, e.g. a silent 0, counts there).
 """
 
 from __future__ import annotations
@@ -30,15 +36,24 @@ from rlstream.broker.producers import accepted_field
 from rlstream.broker.stream import id_str, id_tuple
 from rlstream.broker.steps import StepLog
 
-__all__ = ["ledger", "leases_held_by"]
+__all__ = ["ledger", "leases_held_by", "SCORING_STAGES", "failed_stage"]
+
+# The reason prefixes of the producer's scoring stages' GroupFailed (producer/reward_model.py, judge.py,
+# distillation.py), by the stage names `scored_by` takes.
+SCORING_STAGES = {"reward_model": "reward model", "judge": "judge", "distillation": "distillation teacher"}
 
 
 def _ms(entry_id: str) -> int:
     return int(entry_id.split("-")[0])
 
 
+def failed_stage(reason: str) -> str:
+    """The stage a failed group's reason names (`reward model`, `judge`, `distillation teacher`), else `other`."""
+    return next((s for s in SCORING_STAGES.values() if reason.startswith(s + ":")), "other")
+
+
 def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_gap_s: float = 10.0,
-           until_ts: float | None = None) -> dict[str, Any]:
+           until_ts: float | None = None, scored_by: tuple[str, ...] = ()) -> dict[str, Any]:
     """Counts of the ledger (see the module doc); `redis_restarts_ms`: when Redis came back (server ms).
 
     `stall_seconds` adds up the gaps longer than `stall_gap_s` between the first records of
@@ -48,7 +63,7 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
     `stale_waste_after_redis_restarts` is the share of the groups consumed (trained or dropped)
     after the first restart that were dropped as too stale (a wrong admission count after an AOF
     reload shows up there as a lasting drop loop)."""
-    ids, groups, garbage_in_stream = _stream_entries(client, keys)
+    ids, groups, garbage_in_stream, unscored = _stream_entries(client, keys, scored_by)
     present = set(ids)
     trainer_version, plans, first_ts = _step_plans(client, keys)
     replayed_differently = sum(1 for p in plans.values() if any(ids_ != p[0] for ids_ in p))
@@ -63,7 +78,11 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
     # a producer's drop before commit names its lease, not an entry: the stream never held that group
     dropped_rows = [(id_str(eid), id_str(f[b"source_id"])) for eid, f in drop_records if b"source_id" in f]
     dropped_before_commit = sum(1 for _eid, f in drop_records if b"source_id" not in f)
-    dead_rows = [id_str(f.get(b"source_id", b"")) for _eid, f in client.xrange(keys.dead)]
+    dead_records = client.xrange(keys.dead)
+    dead_rows = [id_str(f[b"source_id"]) for _eid, f in dead_records if b"source_id" in f]
+    # a group that failed before its commit (GroupFailed) names its lease: never in the stream
+    failed_by_stage = Counter(failed_stage(id_str(f.get(b"reason", b""))) for _eid, f in dead_records
+                              if b"source_id" not in f)
     dropped, dead = {s for _, s in dropped_rows}, set(dead_rows)
     pending, undelivered = _train_group_state(client, keys, ids)
 
@@ -90,6 +109,9 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
         "dropped_before_commit": dropped_before_commit,
         "dead_lettered": len(dead),
         "dead_lettered_twice": len(dead_rows) - len(dead),
+        "failed_before_commit": sum(failed_by_stage.values()),
+        "failed_by_stage": dict(sorted(failed_by_stage.items())),
+        "unscored_groups": unscored,
         "pending": len(pending - trained),
         "pending_trained": len(pending & trained),
         "planned_not_trained": len(planned_not_trained),
@@ -113,21 +135,38 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
     return out
 
 
-def _stream_entries(client: Any, keys: Keys) -> tuple[list[str], int, int]:
-    """The stream's entry ids, how many of them decode as groups, how many do not (garbage)."""
+def _stream_entries(client: Any, keys: Keys, scored_by: tuple[str, ...]) -> tuple[list[str], int, int, int]:
+    """The stream's entry ids, how many of them decode as groups, how many do not (garbage), and how many groups
+    miss a result of one of the `scored_by` stages."""
     from rlstream.common.wire import WireError, decode_group
 
+    unknown = set(scored_by) - set(SCORING_STAGES)
+    if unknown:
+        raise ValueError(f"scored_by: unknown stage(s) {sorted(unknown)}; allowed: {', '.join(SCORING_STAGES)}")
     ids: list[str] = []
-    groups = 0
-    garbage_in_stream = 0
+    groups = garbage_in_stream = unscored = 0
     for eid, fields in client.xrange(keys.traj):
         ids.append(id_str(eid))
         try:
-            decode_group(fields[b"d"])
-            groups += 1
+            group = decode_group(fields[b"d"])
         except (KeyError, WireError):
             garbage_in_stream += 1
-    return ids, groups, garbage_in_stream
+            continue
+        groups += 1
+        unscored += any(not _scored(group, t, stage) for t in group.trajectories for stage in scored_by)
+    return ids, groups, garbage_in_stream, unscored
+
+
+def _scored(group: Any, traj: Any, stage: str) -> bool:
+    """Whether `stage` left its result on the trajectory: the reward model its score, the judge its score or its
+    flagged failure (judge.on_unparseable=rule_reward), the teachers their logprobs (wire schema 3)."""
+    meta = traj.metadata
+    if stage == "reward_model":
+        return isinstance(meta.get("rm_score"), (int, float))
+    if stage == "judge":
+        return isinstance(meta.get("judge_score"), (int, float)) or meta.get("judge_failed") is True
+    lp = traj.teacher_logprobs_np
+    return group.schema_version >= 3 and lp is not None and len(lp) == traj.output_len
 
 
 def _step_plans(client: Any, keys: Keys) -> tuple[int, dict[int, list[list[str]]], dict[int, float]]:

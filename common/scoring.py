@@ -16,9 +16,12 @@ so the trainer's weight fleet never finds them) and answer:
 `ScoringPool` (the client: `score` for classify, `generate` for generate) follows the pool's engines through the name resolver it is given (or the pool's fixed
 `addresses`), keeps at most `concurrency` requests in flight, and sends each request to the engine with the fewest
 of this producer's requests in flight. An engine that does not answer (connection refused, timeout, HTTP 5xx) is
-skipped for `DOWN_SECS` and the request goes to another engine, up to `retries` more; when none is left the
-request raises `ScoringError` naming every engine tried. An answer of the wrong shape (a count or a width that
-does not fit) and a 4xx raise at once: another engine of the same model would answer the same.
+skipped for `DOWN_SECS` and the request goes to another engine, up to `retries` more. When every engine it knows
+has failed the request, a pool that follows name resolve waits up to `timeout` for an engine it has not tried to
+register (a killed engine restarted comes back on a new port): a pool whose only engine crashed and restarts loses
+no group to it. When none is left the request raises `ScoringError` naming every engine tried. An answer of the
+wrong shape (a count or a width that does not fit) and a 4xx raise at once: another engine of the same model would
+answer the same.
 """
 
 from __future__ import annotations
@@ -232,6 +235,8 @@ class ScoringPool:
             if not self.addresses:
                 await self.wait_for_engines(self.cfg.timeout)
             address = self._pick(tried)
+            if address is None and errors and not self.cfg.addresses and self.resolver is not None:
+                address = await self._wait_for_another(tried)
             if address is None:
                 break
             tried.add(address)
@@ -250,6 +255,18 @@ class ScoringPool:
                 self._inflight[address] -= 1
         raise ScoringError(f"scoring pool {self.name!r}: {len(tried)} engine(s) tried, none answered: "
                            + "; ".join(errors) if errors else f"scoring pool {self.name!r}: no engine")
+
+    async def _wait_for_another(self, tried: set[str]) -> str | None:
+        """An engine not in `tried` once one registers, within the pool's `timeout`; None after it."""
+        deadline = time.monotonic() + self.cfg.timeout
+        while (left := deadline - time.monotonic()) > 0:
+            self._changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), min(left, 1.0))
+            address = self._pick(tried)
+            if address is not None:
+                return address
+        return None
 
     async def _generate(self, address: str, prompt: str, max_new_tokens: int) -> str:
         assert self._session is not None, "ScoringPool.start() first"

@@ -6,12 +6,20 @@ recover checkpoint every step; defaults 2 and 2 here). For `--duration` seconds,
 moments drawn from a seeded RNG, one fault at a time:
 
 - `trainer_kill`: SIGKILL the trainer (anywhere in a step), restart it (it resumes);
+- `trainer_kill_mid_step`: SIGKILL the trainer while a step is in progress (its record in `{ns}:steps` written
+  since the trainer started, the trainer version not past it; checked with the trainer SIGSTOPped, so the step
+  cannot complete between the check and the kill), restart it (it re-runs that step with the recorded entries);
 - `producer_kill`: SIGKILL a producer (and its reward workers), restart it under its id;
 - `engine_kill`: SIGKILL an engine, restart it (it registers again; the next push updates it);
 - `engine_stop`: SIGSTOP an engine for a few seconds, then SIGCONT;
 - `redis_kill`: SIGKILL redis-server, leave it down a few seconds, restart it from its AOF
   (`appendfsync always`: an acknowledged commit is on disk);
-- `garbage`: XADD undecodable or invalid entries into `{ns}:traj`.
+- `garbage`: XADD undecodable or invalid entries into `{ns}:traj`;
+- `scoring_kill:NAME` / `scoring_stop:NAME`, for each scoring pool NAME whose engines the run starts (reward
+  model, judge, distillation teachers): SIGKILL one of its engines and restart it, or SIGSTOP it for a few
+  seconds, then SIGCONT. A group the pool cannot score meanwhile fails (`GroupFailed`: a row in `{ns}:dead`
+  naming its lease and the reason); the ledger counts those by stage and checks that every group in the stream
+  carries each stage's result (`unscored_groups`: never a reward nobody computed).
 
 The first faults go through every kind once (in a seeded order; past `--duration` if a loaded
 machine makes them slow), then kinds are drawn at random; the time between two faults is uniform in [0.5, 1.5]·`--mean-gap`. While it runs the admission state is sampled every ~0.5 s (`over_admissions`
@@ -32,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from rlstream.common.config import Config, ConfigError
+from rlstream.common.config import Config, ConfigError, scoring_pools
 from rlstream.common.logging import get_logger
 from rlstream.launcher.local import LocalRun, RunFailed, _echo, repair_torn_aof
 from rlstream.launcher.procs import Child
@@ -51,9 +59,12 @@ CHAOS_OVERRIDES = [
     "rollout.health_check_interval=1",
 ]
 
-FAULTS = ("trainer_kill", "producer_kill", "engine_kill", "engine_stop", "redis_kill", "garbage")
+FAULTS = ("trainer_kill", "trainer_kill_mid_step", "producer_kill", "engine_kill", "engine_stop", "redis_kill",
+          "garbage")  # and, per scoring pool NAME the run starts engines for, scoring_kill:NAME and scoring_stop:NAME
 SAMPLE_S = 0.5
+MID_STEP_WAIT_S = 120.0  # trainer_kill_mid_step: longest wait for a step in progress (a restarted trainer loads first)
 FINISH_TIMEOUT_S = 180.0  # the trainer's graceful stop, then the producers'
+FAULTS_LINE_WIDTH = 80  # characters of fault counts per ledger line
 
 
 class ChaosRun(LocalRun):
@@ -75,6 +86,14 @@ class ChaosRun(LocalRun):
         self.killed_in_flight = 0  # rollouts in flight on killed producers (their leases)
         self.steps_after_faults = 0  # steps trained after the last fault (within FINISH_TIMEOUT_S)
         self._events_seen = "0"  # the last event read from the run's event stream
+        self.mid_step_kills = 0  # trainer kills that landed inside a step (checked, see trainer_kill_mid_step)
+        self.started_ms: dict[str, float] = {}  # child name -> wall-clock ms of its latest start
+        # Scoring pools with engines of their own here: their faults join the kinds.
+        self.pools = sorted(name for name, p in scoring_pools(cfg).items()
+                            if p.backend == "local" and not p.addresses and p.engines)
+        self.kinds = FAULTS + tuple(f"scoring_{act}:{pool}" for pool in self.pools for act in ("kill", "stop"))
+        self.scored_by = tuple(stage for stage, section in (("reward_model", cfg.reward_model), ("judge", cfg.judge),
+                                                            ("distillation", cfg.distillation)) if section is not None)
 
     # ------------------------------------------------------------------ faults
     def _kill(self, child: Child) -> None:
@@ -82,15 +101,67 @@ class ChaosRun(LocalRun):
         child._signal_group(signal.SIGKILL)
         child.proc.wait(30)
 
+    def _start(self, child: Child) -> None:
+        child.start()
+        self.started_ms[child.name] = time.time() * 1000
+
     def _restart_after(self, child: Child, low: float, high: float) -> float:
         down = self.rng.uniform(low, high)
         self._sleep(down)
-        child.start()
+        self._start(child)
         return down
+
+    def _stop_for_a_while(self, child: Child) -> str:
+        stopped = self.rng.uniform(2.0, 12.0)
+        child._signal_group(signal.SIGSTOP)
+        try:
+            self._sleep(stopped)
+        finally:
+            child._signal_group(signal.SIGCONT)
+        return f"{child.name}, stopped {stopped:.1f}s"
 
     def trainer_kill(self) -> str:
         self._kill(self.trainer)
         return f"down {self._restart_after(self.trainer, 0.0, 3.0):.1f}s, at step {self._trained_steps()}"
+
+    def _step_in_progress(self) -> int | None:
+        """The step the trainer is in: the last step record, written since the trainer's latest start, of a step
+        the trainer version has not passed; None between steps (or while Redis does not answer)."""
+        try:
+            version = int(self.client.get(self.keys.trainer_version) or 0)
+            last = self.client.xrevrange(self.keys.steps, count=1)
+        except Exception as exc:  # noqa: BLE001 - Redis restarting: no step known
+            log.debug("step in progress unknown: %s", exc)
+            return None
+        if not last:
+            return None
+        from rlstream.broker.stream import id_str
+
+        eid, fields = last[0]
+        step, ms = int(fields[b"step"]), int(id_str(eid).split("-")[0])
+        return step if step >= version and ms >= self.started_ms.get("trainer", 0.0) else None
+
+    def trainer_kill_mid_step(self) -> str:
+        deadline, polls = time.monotonic() + MID_STEP_WAIT_S, 0
+        while time.monotonic() < deadline:
+            self._check_signal()
+            polls += 1
+            if polls % 10 == 0:  # the admission samples and the watch on children go on while it waits
+                self._sample()
+            step = self._step_in_progress()
+            if step is not None:
+                self.trainer._signal_group(signal.SIGSTOP)
+                time.sleep(0.2)  # a write the trainer had sent lands before the check
+                if self._step_in_progress() == step:  # still in it, and stopped: the kill lands inside the step
+                    self._kill(self.trainer)
+                    self.mid_step_kills += 1
+                    return (f"in step {step} (recorded, not completed), down "
+                            f"{self._restart_after(self.trainer, 0.0, 3.0):.1f}s")
+                self.trainer._signal_group(signal.SIGCONT)
+            time.sleep(0.05)
+        self._kill(self.trainer)
+        return (f"no step in progress within {MID_STEP_WAIT_S:.0f}s: killed between steps, down "
+                f"{self._restart_after(self.trainer, 0.0, 3.0):.1f}s")
 
     def producer_kill(self) -> str:
         child = self.rng.choice(self.producers)
@@ -119,14 +190,18 @@ class ChaosRun(LocalRun):
         return f"{child.name}, down {self._restart_after(child, 0.0, 3.0):.1f}s"
 
     def engine_stop(self) -> str:
-        child = self.rng.choice(self.engines)
-        stopped = self.rng.uniform(2.0, 12.0)
-        child._signal_group(signal.SIGSTOP)
-        try:
-            self._sleep(stopped)
-        finally:
-            child._signal_group(signal.SIGCONT)
-        return f"{child.name}, stopped {stopped:.1f}s"
+        return self._stop_for_a_while(self.rng.choice(self.engines))
+
+    def _scorers_of(self, pool: str) -> list[Child]:
+        return [c for c in self.scorers if c.name.rsplit("-", 1)[0] == pool]
+
+    def scoring_kill(self, pool: str) -> str:
+        child = self.rng.choice(self._scorers_of(pool))
+        self._kill(child)
+        return f"{child.name}, down {self._restart_after(child, 0.0, 3.0):.1f}s"
+
+    def scoring_stop(self, pool: str) -> str:
+        return self._stop_for_a_while(self.rng.choice(self._scorers_of(pool)))
 
     def redis_kill(self) -> str:
         self._kill(self.own_redis)
@@ -150,9 +225,10 @@ class ChaosRun(LocalRun):
         return f"{n} entries"
 
     def inject(self, kind: str) -> None:
-        act: Callable[[], str] = getattr(self, "garbage_entries" if kind == "garbage" else kind)
+        name, _, pool = kind.partition(":")  # scoring_kill:NAME acts on pool NAME
+        act: Callable[..., str] = getattr(self, "garbage_entries" if name == "garbage" else name)
         t = time.monotonic() - self.t0
-        detail = act()
+        detail = act(pool) if pool else act()
         self.faults.append({"t": round(t, 1), "kind": kind, "detail": detail})
         _echo(f"chaos {t:6.0f}s  {kind:<13} {detail}")
 
@@ -173,13 +249,13 @@ class ChaosRun(LocalRun):
 
         if not (self.own_redis and self.own_redis.running):
             return
-        for child in [*self.engines, *self.producers, self.trainer]:
+        for child in [*self.engines, *self.scorers, *self.producers, self.trainer]:
             if child.proc is not None and child.proc.returncode is None and child.poll() is not None \
                     and not getattr(self, "_stopping", False):
                 self.unexpected.append(f"{child.name} {child.proc.returncode}")
                 _echo(f"chaos: {child.name} exited by itself ({child.proc.returncode}); restarting; see "
                       f"{child.log_path}", err=True)
-                child.start()
+                self._start(child)
         try:
             self._follow_versions()
             s = AdmissionController.from_config(self.client, self.keys, self.cfg).snapshot()
@@ -236,7 +312,7 @@ class ChaosRun(LocalRun):
         self.stop_all(graceful=False)
 
     def chaos_loop(self) -> None:
-        order = list(FAULTS)
+        order = list(self.kinds)
         self.rng.shuffle(order)  # every kind once, in a seeded order, then at random
         end = time.monotonic() + self.duration
         # Faults start once the run trains (the first step is recorded).
@@ -248,7 +324,7 @@ class ChaosRun(LocalRun):
             self._sleep(self.rng.uniform(*self.gap))
             if time.monotonic() >= end and not order:  # every kind once, however long that takes
                 break
-            self.inject(order.pop(0) if order else self.rng.choice(FAULTS))
+            self.inject(order.pop(0) if order else self.rng.choice(self.kinds))
         # Let the run show that it recovered: one more step after the last fault (a run that stalls, e.g. every
         # engine out of rotation or the budget held by rollouts that never end, shows 0 in the ledger).
         steps, deadline = self._trained_steps(), time.monotonic() + FINISH_TIMEOUT_S
@@ -275,18 +351,23 @@ class ChaosRun(LocalRun):
             self.write_child_config()
             _echo(f"inspect: {self.inspect_command()}")
             self.start_engines()
+            self.start_scoring_engines()
             self.t0 = time.monotonic()
             self.start_trainer()
+            self.started_ms["trainer"] = time.time() * 1000
             self.start_producers()
             _echo(f"chaos: {self.duration:.0f}s of faults, seed {self.seed}")
             self.chaos_loop()
             _echo("chaos: faults over; stopping the trainer (SIGTERM), then the producers and engines")
             stopped_at = time.time()
             self.stop_gracefully()
-            result = ledger(self.client, self.keys, redis_restarts_ms=self.redis_restarts_ms, until_ts=stopped_at)
-        # Waste counts the rollouts killed producers had in flight as generated and not trained.
-        generated = result["groups_committed"] + self.killed_in_flight
-        result["waste_groups"] += self.killed_in_flight
+            result = ledger(self.client, self.keys, redis_restarts_ms=self.redis_restarts_ms, until_ts=stopped_at,
+                            scored_by=self.scored_by)
+        # Waste counts the rollouts killed producers had in flight and the groups that failed before their commit
+        # (a scoring pool that could not answer) as generated and not trained.
+        lost_before_commit = self.killed_in_flight + result["failed_before_commit"]
+        generated = result["groups_committed"] + lost_before_commit
+        result["waste_groups"] += lost_before_commit
         result["waste_frac"] = result["waste_groups"] / generated if generated else 0.0
         result.update({
             "killed_in_flight": self.killed_in_flight,
@@ -294,9 +375,10 @@ class ChaosRun(LocalRun):
             "max_over_admission": self.max_over, "over_budget_after_rollback": self.over_after_rollback,
             "over_budget_samples": self.over_rows, "admission_samples": self.samples,
             "unexpected_exits": len(self.unexpected), "unexpected": self.unexpected,
-            "steps_after_faults": self.steps_after_faults,
+            "steps_after_faults": self.steps_after_faults, "mid_step_kills": self.mid_step_kills,
+            "scoring_pools": self.pools, "scored_by": list(self.scored_by), "critic": self.cfg.critic is not None,
             "duration_s": round(time.monotonic() - self.t0, 1), "seed": self.seed,
-            "faults": dict(sorted({k: sum(f["kind"] == k for f in self.faults) for k in FAULTS}.items())),
+            "faults": dict(sorted({k: sum(f["kind"] == k for f in self.faults) for k in self.kinds}.items())),
             "fault_log": self.faults,
         })
         (self.run_dir / "chaos.json").write_text(json.dumps(result, indent=1))
@@ -314,6 +396,10 @@ LEDGER_LINES = [
     ("steps trained", "steps_trained"), ("stall seconds (gaps > 10 s)", "stall_seconds"),
     ("longest stall (s)", "longest_stall_s"), ("steps trained after the last fault", "steps_after_faults"),
     ("rollouts in flight on killed producers", "killed_in_flight"),
+    ("trainer kills inside a step", "mid_step_kills"),
+    ("groups failed before commit (dead letters)", "failed_before_commit"),
+    ("  by stage (reason prefix)", "failed_by_stage"),
+    ("groups in the stream missing a pool's score", "unscored_groups"),
     ("waste: groups generated, not trained", ("waste_groups", "waste_frac")),
     ("stale waste after Redis restarts", "stale_waste_after_redis_restarts"),
     ("unexpected exits", "unexpected_exits"),
@@ -329,9 +415,17 @@ def format_ledger(result: dict[str, Any]) -> list[str]:
             value = f"{a} ({b:.1%})" if isinstance(b, float) else f"{a} / {b}"
         else:
             v = result.get(key)
-            value = f"{v:.2%}" if isinstance(v, float) and key.endswith("restarts") else str(v)
+            if isinstance(v, dict):
+                value = ", ".join(f"{k} {n}" for k, n in v.items()) or "none"
+            else:
+                value = f"{v:.2%}" if isinstance(v, float) and key.endswith("restarts") else str(v)
         out.append(f"{name:<48} {value}")
-    out.append(f"{'faults':<48} " + ", ".join(f"{k} {n}" for k, n in result["faults"].items()))
+    rows: list[list[str]] = [[]]  # the faults, a few per line (scoring pools add two kinds each)
+    for item in (f"{k} {n}" for k, n in result["faults"].items()):
+        if rows[-1] and len(", ".join([*rows[-1], item])) > FAULTS_LINE_WIDTH:
+            rows.append([])
+        rows[-1].append(item)
+    out += [f"{'faults' if i == 0 else '':<48} " + ", ".join(row) for i, row in enumerate(rows)]
     return out
 
 

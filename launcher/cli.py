@@ -320,8 +320,8 @@ def chaos(ctx: typer.Context, config: Optional[str] = ConfigOpt,
     if config is None:
         _fail("rlstream chaos needs a config: --config FILE (e.g. --config configs/tiny-cpu.yaml)", 2)
     result = _guard(chaos_main, load(config, [*CHAOS_OVERRIDES, *ctx.args]), duration, seed, mean_gap)
-    bad = {k: result[k] for k in ("lost", "trained_twice", "unaccounted", "over_admissions", "in_two_states")
-           if result[k]}
+    bad = {k: result[k] for k in ("lost", "trained_twice", "unaccounted", "over_admissions", "in_two_states",
+                                  "unscored_groups") if result[k]}
     if result["steps_after_faults"] < 1:
         bad["steps_after_faults"] = 0  # stalled: no step after the last fault
     raise typer.Exit(1 if bad else 0)

@@ -61,7 +61,9 @@ class ScoringPoolConfig(Section):
     timeout: PositiveFloat = 30.0
     """Seconds one request may take before it counts as an engine failure and is retried on another engine."""
     retries: NonNegativeInt = 2
-    """Further engines a failed request is tried on (each once) before the group fails (dead letter with the reason)."""
+    """Further engines a failed request is tried on (each once) before the group fails (dead letter with the reason).
+    Once every engine known has failed it, a pool following name resolve waits up to `timeout` for one it has not
+    tried to register (a crashed engine restarted) before it counts that try as failed."""
 
 
 class RewardModelConfig(Section):

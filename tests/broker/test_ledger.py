@@ -50,3 +50,48 @@ def test_leases_held_by_counts_a_process_leases(rclient, keys):
     assert leases_held_by(rclient, keys, 101) == 2
     assert leases_held_by(rclient, keys, 1101) == 1
     assert leases_held_by(rclient, keys, 5) == 0
+
+
+def test_groups_failed_before_commit_are_counted_by_stage_not_as_dead_entries(rclient, keys, group_factory):
+    from rlstream.broker.admission import AdmissionController
+
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    stream.append_raw({"d": b"garbage"})
+    stream.read("c0", count=1, block_ms=None)  # the trainer's reader dead-letters the garbage entry
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=1, consumer_batch_size=4,
+                              max_concurrent_rollouts=8)
+    reasons = ["reward model: scoring pool 'reward_model': 1 engine(s) tried, none answered: refused",
+               "judge: 3 of 4 answers unparseable", "distillation teacher: no engine", "workflow: tool crashed"]
+    for reason in reasons:
+        _decision, lease = adm.try_acquire()
+        assert lease is not None
+        adm.fail(lease.lease_id, "prompt-1", reason)
+    out = ledger(rclient, keys)
+    assert out["failed_before_commit"] == 4
+    assert out["failed_by_stage"] == {"distillation teacher": 1, "judge": 1, "other": 1, "reward model": 1}
+    assert out["dead_lettered"] == 1 and out["dead_lettered_twice"] == 0  # the garbage entry alone
+
+
+def test_scored_by_counts_groups_missing_a_stages_result(rclient, keys, group_factory):
+    import numpy as np
+    import pytest
+
+    from rlstream.common.wire import TEACHER_SCHEMA_VERSION
+
+    stream = TrajectoryStream(rclient, keys)
+    scored = group_factory(n_samples=2)
+    for t in scored.trajectories:
+        t.metadata = {"rm_score": 0.25, "judge_failed": True}
+        t.teacher_logprobs = np.full(t.output_len, -0.5, dtype=np.float32).tobytes()
+    scored.schema_version = TEACHER_SCHEMA_VERSION
+    half = group_factory(n_samples=2)
+    half.trajectories[0].metadata = {"rm_score": 1.0, "judge_score": 1.0}  # its second sample: no score at all
+    stream.append(scored)
+    stream.append(half)
+    assert ledger(rclient, keys)["unscored_groups"] == 0  # no stage asked
+    assert ledger(rclient, keys, scored_by=("reward_model",))["unscored_groups"] == 1
+    assert ledger(rclient, keys, scored_by=("judge",))["unscored_groups"] == 1
+    assert ledger(rclient, keys, scored_by=("distillation",))["unscored_groups"] == 1
+    with pytest.raises(ValueError, match="unknown stage.*allowed: reward_model, judge, distillation"):
+        ledger(rclient, keys, scored_by=("critic",))

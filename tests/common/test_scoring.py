@@ -44,7 +44,8 @@ async def test_killing_an_engine_sends_its_requests_to_the_other(tmp_path, tiny_
     scorers = start_scorers(tmp_path, tiny_reward_model_path, redis_url, experiment, 2)
     try:
         cfg = load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}",
-                                 f"reward_model.pool.model_path={tiny_reward_model_path}"])
+                                 f"reward_model.pool.model_path={tiny_reward_model_path}",
+                                 "reward_model.pool.timeout=5"])  # at the end, how long it waits for another engine
         client = await connect_async(cfg.redis)
         pool = await ScoringPool("reward_model", cfg.reward_model.pool,
                                  make_name_resolver(cfg, redis_client=client)).start()
@@ -109,6 +110,35 @@ async def test_no_engine_registered_fails_after_the_timeout():
             await pool.score(input_ids=SEQS)
     finally:
         await pool.close()
+
+
+async def test_a_request_whose_only_engine_died_waits_for_one_to_register_and_is_answered(redis_url, experiment):
+    """A pool following name resolve whose only engine is gone (still registered) waits for a new one to register (a
+    restarted engine, on a new port) instead of failing the group at once; the dead one counts as an engine
+    failure."""
+    runner, address = await serve_wrong_shape(1, 0)  # one score per sequence: a well-formed answer
+    cfg = load_config(None, [f"redis.url={redis_url}", f"experiment_name={experiment}",
+                             "reward_model.pool.model_path=/rm", "reward_model.pool.timeout=20"])
+    client = await connect_async(cfg.redis)
+    registrar = make_name_resolver(cfg, redis_client=client)
+    await registrar.register("scoring:reward_model", "127.0.0.1:9", ttl=60)  # nothing listens: refused
+    resolver = make_name_resolver(cfg, redis_client=client)
+    pool = await ScoringPool("reward_model", cfg.reward_model.pool, resolver).start()
+    try:
+        await pool.wait_for_engines(10)
+        request = asyncio.ensure_future(pool.score(input_ids=SEQS))
+        while pool.stats()["engine_failures"] == 0:
+            await asyncio.sleep(0.05)
+        assert not request.done()  # waiting for another engine, not failed
+        await registrar.register("scoring:reward_model", address, ttl=60)  # the restarted engine
+        assert await asyncio.wait_for(request, 20) == [0.5] * len(SEQS)
+        st = pool.stats()
+        assert st["engine_failures"] == 1 and st["failed"] == 0 and st["requests"] == 1
+    finally:
+        await pool.close()
+        await registrar.close_quietly()
+        await client.aclose()
+        await runner.cleanup()
 
 
 async def test_at_most_concurrency_requests_are_in_flight():

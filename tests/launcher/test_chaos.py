@@ -48,4 +48,34 @@ def test_format_ledger_lines(rclient, keys):
     assert f"{'garbage injected / dead-lettered':<48} 2 / 0" in lines
     assert f"{'waste: groups generated, not trained':<48} 0 (0.0%)" in lines
     assert f"{'stale waste after Redis restarts':<48} 25.00%" in lines
-    assert lines[-1] == f"{'faults':<48} " + ", ".join(f"{k} 1" for k in FAULTS)
+    first = next(i for i, ln in enumerate(lines) if ln.startswith("faults "))
+    fault_lines = lines[first:]
+    assert len(fault_lines) > 1 and all(len(ln) <= 48 + 1 + 80 for ln in fault_lines)  # wrapped, none too wide
+    assert ", ".join(ln[49:] for ln in fault_lines) == ", ".join(f"{k} 1" for k in FAULTS)
+
+
+def test_scoring_pools_add_their_kill_and_stop_kinds_and_stages(tmp_path):
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", "reward_model.pool.model_path=/rm",
+                             "judge.pool.model_path=/judge", "judge.pool.engines=0", "judge.pool.addresses=[h:1]"])
+    run = ChaosRun(cfg, duration=0.0, seed=0)
+    # the judge's engines run elsewhere (addresses): chaos cannot kill them, but checks its scores
+    assert run.pools == ["reward_model"]
+    assert run.kinds == (*FAULTS, "scoring_kill:reward_model", "scoring_stop:reward_model")
+    assert run.scored_by == ("reward_model", "judge")
+
+
+def test_step_in_progress_is_a_step_recorded_since_the_trainer_started_and_not_completed(tmp_path, rclient, keys):
+    import time
+
+    from rlstream.broker.steps import StepLog, StepRecord
+
+    run = _run(tmp_path, rclient, keys, seed=0)
+    steps = StepLog(rclient, keys)
+    assert run._step_in_progress() is None  # no record yet
+    steps.record(StepRecord(step=0, version=0, entry_ids=["1-0"]))
+    rclient.set(keys.trainer_version, 1)
+    assert run._step_in_progress() is None  # step 0 completed: between steps
+    steps.record(StepRecord(step=1, version=1, entry_ids=["2-0"]))
+    assert run._step_in_progress() == 1
+    run.started_ms["trainer"] = time.time() * 1000 + 60_000  # a trainer started after that record: replays it
+    assert run._step_in_progress() is None
