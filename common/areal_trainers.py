@@ -31,6 +31,7 @@ _MODEL_DROPPED = {
     "pad_to_maximum": "sequences are padded to the batch's longest (padding only shapes GPU memory)",
     "mb_spec": "each step is one forward over the step's sequences (no micro-batches)",
     "backend": "one process with transformers (no FSDP/Megatron sharding)",
+    "grad_reduce_dtype": "one process: gradients are never reduced across ranks",
     "weight_update_mode": "the model is written to disk at the end; no engine receives weights",
     "scheduling_spec": "the command runs where it is started",
     "scheduling_strategy": "the command runs where it is started",

@@ -37,27 +37,32 @@ class Parallel:
         return self.rank == 0
 
     # ---- model wrapping ------------------------------------------------------------
-    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """DDP or FSDP2 around `model` (returned unchanged in one process)."""
+    def wrap(self, model: torch.nn.Module, reduce_dtype: str = "float32") -> torch.nn.Module:
+        """DDP or FSDP2 around `model` (returned unchanged in one process); gradients are averaged across ranks in
+        `reduce_dtype` (actor.grad_reduce_dtype: float32, or bfloat16/float16 for half the traffic)."""
         if not self.distributed:
             return model
         if self.mode == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mesh = init_device_mesh(self.device.type, (self.world_size,))
+            mp = MixedPrecisionPolicy(reduce_dtype=None if reduce_dtype == "float32" else getattr(torch, reduce_dtype))
             # Shard each decoder layer, then the rest: the usual FSDP2 recipe for HF LMs.
             layers = getattr(getattr(model, "model", None), "layers", None)
             for layer in layers or []:
-                fully_shard(layer, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+                fully_shard(layer, mesh=mesh, mp_policy=mp)
+            fully_shard(model, mesh=mesh, mp_policy=mp)
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # Buffers (rotary frequencies) never change: skipping their broadcast keeps a
         # forward pass free of collectives.
         kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
-        return DDP(model, broadcast_buffers=False, **kwargs)
+        ddp = DDP(model, broadcast_buffers=False, **kwargs)
+        if reduce_dtype != "float32":
+            ddp.register_comm_hook(getattr(torch, reduce_dtype), _compressed_allreduce)
+        return ddp
 
     @staticmethod
     def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -114,6 +119,20 @@ class Parallel:
                 self.barrier()
             _destroy_megatron_state()
             dist.destroy_process_group()
+
+
+def _compressed_allreduce(dtype, bucket):  # no annotations: DDP checks them, and they are strings here
+    """A DDP comm hook: the bucket averaged across ranks in `dtype`, written back in its own dtype. torch's
+    bf16/fp16_compress_hook do the same but refuse anything but NCCL; gloo (CPU) reduces half floats too."""
+    buf = bucket.buffer()
+    half = buf.to(dtype).div_(dist.get_world_size())
+    fut = dist.all_reduce(half, async_op=True).get_future()
+
+    def write_back(f: torch.futures.Future) -> torch.Tensor:
+        buf.copy_(f.value()[0])
+        return buf
+
+    return fut.then(write_back)
 
 
 def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0) -> Parallel:

@@ -126,6 +126,9 @@ class ActorConfig(Section):
     """Random init from the config at `path` instead of loading weights."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype."""
+    grad_reduce_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """dtype gradients are averaged across data-parallel ranks in: bfloat16/float16 halve the traffic at their
+    precision (DDP: torch's bf16/fp16 compress hooks; FSDP2: the reduce-scatter's reduce_dtype); the critic follows."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory."""
     device: str = "auto"

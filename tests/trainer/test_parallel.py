@@ -41,7 +41,9 @@ def _write(rclient, experiment, vocab, model):
 # The seeds' options that normalise over the whole minibatch keep ranks and one process equal too (an
 # early-stop threshold that never binds still registers its counter on both ranks).
 OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positive_nll_coef=0.1",
-                                         "actor.early_stop_imp_ratio=100"]}
+                                         "actor.early_stop_imp_ratio=100"],
+           # gradients averaged in bfloat16 (torch's compress hook): equal to bf16 precision, and visibly not exact
+           "bf16_reduce": ["actor.grad_reduce_dtype=bfloat16"]}
 
 
 @pytest.mark.slow
@@ -76,5 +78,9 @@ def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient,
     w_ddp = load_file(str(tmp_path / "runs" / ddp / "trial0" / "checkpoints" / "final" / "model.safetensors"))
     moved = max(float((w_one[k] - base[k]).abs().max()) for k in base)
     assert moved > 1e-4  # two SGD steps moved the weights ...
+    diff = {k: float((w_one[k] - w_ddp[k]).abs().max()) for k in base}
+    if options == "bf16_reduce":  # one SGD step moves a weight by lr x grad; bf16 keeps 8 bits of the grad
+        assert 2e-6 < max(diff.values()) < moved / 50, (moved, diff)
+        return
     for k in base:  # ... identically, up to float summation order
-        assert torch.allclose(w_one[k], w_ddp[k], atol=2e-6, rtol=0), (k, float((w_one[k] - w_ddp[k]).abs().max()))
+        assert diff[k] <= 2e-6, (k, diff[k])
