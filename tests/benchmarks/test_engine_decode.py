@@ -34,14 +34,14 @@ def test_bound_counts_prefill_and_decode_matmuls():
 
 def test_table_takes_the_best_round_and_shows_the_ratios():
     bd = _driver()
-    this = [{"ttft_s": 0.2, "1": 10.0, "32": 100.0, "bound": {"1": 20.0, "32": 150.0}},
-            {"ttft_s": 0.1, "1": 12.0, "32": 90.0, "bound": {"1": 19.0, "32": 160.0}}]
-    base = [{"ttft_s": 0.3, "1": 6.0, "32": 50.0}]
+    this = [{"ttft_s": 0.2, "1": 10.0, "32": 100.0, "32_cpu": 120.0, "bound": {"1": 20.0, "32": 150.0}},
+            {"ttft_s": 0.1, "1": 12.0, "32": 90.0, "32_cpu": 110.0, "bound": {"1": 19.0, "32": 160.0}}]
+    base = [{"ttft_s": 0.3, "1": 6.0, "32": 50.0, "32_cpu": 80.0}]
     res = {"this": this, "baseline": base, "vllm": {"ttft_s": 0.08, "1": 12.0, "32": 200.0},
            "setup": {"model": "m", "params_m": 134.5, "requests": 32, "new_tokens": 32, "prompt_len": 16,
                      "threads": 1, "rounds": 2, "concurrencies": [1, 32], "loadavg": [1.0, 2.0]}}
-    assert bd.best(this) == {"ttft_s": 0.1, "1": 12.0, "32": 100.0, "bound": {"1": 20.0, "32": 160.0}}
+    assert bd.best(this) == {"ttft_s": 0.1, "1": 12.0, "32": 100.0, "32_cpu": 120.0, "bound": {"1": 20.0, "32": 160.0}}
     lines = bd.markdown(res).splitlines()
-    assert "| 1 | 12.0 | 6.0 | 2.00× | 12.0 | 1.00× | 20.0 | 0.60× |" in lines
-    assert "| 32 | 100.0 | 50.0 | 2.00× | 200.0 | 0.50× | 160.0 | 0.62× |" in lines
+    assert "| 1 | 12.0 | 6.0 | 2.00× | – | 12.0 | 1.00× | 20.0 | 0.60× |" in lines
+    assert "| 32 | 100.0 | 50.0 | 2.00× | 1.50× | 200.0 | 0.50× | 160.0 | 0.62× |" in lines
     assert "this 100 ms, baseline 300 ms, vLLM-CPU 80 ms" in lines[-1]
