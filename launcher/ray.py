@@ -139,10 +139,18 @@ def poll_all(children: list[RayChild]) -> None:
     for c, ref in zip(live, refs):
         try:
             c.code = ray.get(ref, timeout=CALL_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            continue  # a busy node: ask again next time
+        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
+            continue  # a busy node or a network blip: ask again next time (a dead actor says so)
         except ray.exceptions.RayError as exc:
-            c.lost, c.code = str(exc).strip().splitlines()[0][:200], LOST
+            c.lost, c.code = _reason(exc), LOST
+
+
+def _reason(exc: BaseException) -> str:
+    """The first sentence of a Ray error, for one line."""
+    import textwrap
+
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return textwrap.shorten(first.split(". ")[0], 160, placeholder=" ...")
 
 
 class RankGroup:
@@ -386,7 +394,7 @@ class RayRun(LocalRun):
             except ray.exceptions.RayError as exc:
                 if not elastic:
                     raise RunFailed(f"{c.name} did not start on the Ray cluster: {str(exc).splitlines()[0]}") from None
-                c.lost, c.code = str(exc).strip().splitlines()[0][:200], LOST
+                c.lost, c.code = _reason(exc), LOST
                 continue
             if c.role == "engine" and c not in self.scorers:
                 self.engines.append(c)
@@ -418,7 +426,9 @@ class RayRun(LocalRun):
         lc, rc = self.cfg.launcher, self.cfg.launcher.ray
         # The trainer's resources first: elastic engines take what is left on each node.
         self.trainer_pg = placement_group([_bundle(rc.trainer_cpus, rc.trainer_gpus)] * lc.n_trainer_procs,
-                                          strategy=rc.trainer_strategy, name=f"{self.cfg.namespace}:trainer")
+                                          strategy=rc.trainer_strategy, name=f"{self.cfg.namespace}:trainer",
+                                          bundle_label_selector=[dict(rc.trainer_labels)] * lc.n_trainer_procs
+                                          if rc.trainer_labels else None)
         self._wait_pg(self.trainer_pg, "the trainer")
         fixed = [] if rc.engines_per_node else (
             [_bundle(rc.engine_cpus, rc.engine_gpus)] * lc.n_engines + [_bundle(rc.producer_cpus, 0)] * lc.n_producers)
@@ -534,13 +544,15 @@ class RayRun(LocalRun):
                                  bundle_label_selector=[{"ray.io/node-id": nid}] * len(bundles))
             self.slots[nid] = NodeSlot(nid, node["NodeManagerAddress"], pg, [None] * len(bundles))
         pending = [s for s in self.slots.values() if not s.started]
-        if wait and pending:  # at start: the first group granted, then a moment for the others
-            refs = [s.pg.ready() for s in pending]
-            ray.wait(refs, num_returns=1, timeout=self.cfg.launcher.startup_timeout)
-            ray.wait(refs, num_returns=len(refs), timeout=5)
-        for slot in pending:
-            if ray.wait([slot.pg.ready()], timeout=0)[1]:
-                continue  # not granted yet: started on a later look
+
+        def granted() -> list[NodeSlot]:
+            return [s for s in pending if placement_group_table(s.pg).get("state") == "CREATED"]
+
+        if wait and pending:  # at start: the groups that fit are granted within moments, unless other jobs hold them
+            deadline = time.monotonic() + min(30.0, self.cfg.launcher.startup_timeout)
+            while len(granted()) < len(pending) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        for slot in granted():  # the others are started on a later look
             self._fill(slot, announce=not wait)
 
     def _fill(self, slot: NodeSlot, announce: bool) -> None:

@@ -98,6 +98,9 @@ class RayConfig(Section):
     """GPUs reserved per trainer rank (0 = CPU training)."""
     trainer_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
     """Placement-group strategy of the trainer ranks: PACK keeps them on as few nodes as fit."""
+    trainer_labels: dict[str, str] = msgspec.field(default_factory=dict)
+    """Node labels the trainer ranks must run on, e.g. {rlstream-role: trainer} for nodes started with `ray start
+    --labels='{"rlstream-role": "trainer"}'` (empty: any node with room; elastic engines take what is left there)."""
     node_check_secs: PositiveFloat = 2.0
     """Seconds between two looks at the cluster's nodes (joins and losses) while the run runs."""
 
