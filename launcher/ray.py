@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import secrets
-import socket
 import sys
 import time
 from dataclasses import dataclass, field
@@ -46,8 +45,9 @@ from rlstream.common.config import Config, ConfigError
 from rlstream.common.logging import get_logger
 from rlstream.launcher.local import LocalRun, RunFailed, _echo
 from rlstream.launcher.procs import Child
+from rlstream.launcher.ray_plan import bundle, check_cluster, fits, fixed_needs, node_bundles, resolve_address
 
-__all__ = ["launch", "RayRun", "ProcessActor", "resolve_address", "check_resources"]
+__all__ = ["launch", "RayRun", "ProcessActor"]
 
 log = get_logger(__name__)
 
@@ -98,8 +98,8 @@ class ProcessActor:
 class RayChild:
     """`procs.Child`'s interface (what `LocalRun` watches and stops) over one `ProcessActor`."""
 
-    def __init__(self, name: str, role: str, log_path: Path, actor: Any, slot: str = "") -> None:
-        self.name, self.role, self.log_path, self.actor, self.slot = name, role, log_path, actor, slot
+    def __init__(self, name: str, role: str, log_path: Path, actor: Any) -> None:
+        self.name, self.role, self.log_path, self.actor = name, role, log_path, actor
         self.code: int | None = None  # refreshed by `poll_all`
         self.lost: str | None = None  # why the actor is gone (its node left, its worker died)
         self.pid: int | None = None
@@ -204,90 +204,6 @@ class NodeSlot:
     started: bool = False
 
 
-# ---------------------------------------------------------------------- before anything starts
-
-
-def resolve_address(cfg: Config, cli_address: str | None) -> tuple[str, str]:
-    """(address, the key it came from); '' = start a one-node Ray. A host:port that does not answer is refused."""
-    if cli_address:
-        addr, key = cli_address, "--address"
-    elif cfg.launcher.ray.address:
-        addr, key = cfg.launcher.ray.address, "launcher.ray.address"
-    else:
-        addr, key = os.environ.get("RAY_ADDRESS", ""), "RAY_ADDRESS"
-    if addr and addr != "auto":
-        if "://" in addr:
-            raise ConfigError(f"{key}={addr}: give the GCS address host:port of the head node (Ray Client and job "
-                              f"server URLs are not supported: run the launch on the cluster, e.g. `ray job submit`)")
-        host, _, port = addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise ConfigError(f"{key}={addr}: not host:port (the head's `ray start --head --port`), or 'auto'")
-        try:
-            socket.create_connection((host, int(port)), timeout=5).close()
-        except OSError as exc:
-            raise ConfigError(f"{key}={addr}: no Ray cluster answers there ({exc.strerror or exc}); start one with "
-                              f"`ray start --head` or fix the address") from None
-    return addr, key
-
-
-def _bundle(cpus: float, gpus: float) -> dict[str, float]:
-    return {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-
-
-def fixed_needs(cfg: Config, n_scorers: int) -> list[tuple[str, dict[str, float], int]]:
-    """(what, bundle, count) of the processes placed once: the trainer ranks, and without elastic placement the
-    engines and producers; the scoring pools' engines (one CPU each)."""
-    lc, rc = cfg.launcher, cfg.launcher.ray
-    needs = [(f"launcher.ray.trainer_cpus={rc.trainer_cpus:g}/trainer_gpus={rc.trainer_gpus:g} x "
-              f"launcher.n_trainer_procs={lc.n_trainer_procs}", _bundle(rc.trainer_cpus, rc.trainer_gpus),
-              lc.n_trainer_procs)]
-    if not rc.engines_per_node:
-        needs += [(f"launcher.ray.engine_cpus={rc.engine_cpus:g}/engine_gpus={rc.engine_gpus:g} x "
-                   f"launcher.n_engines={lc.n_engines}", _bundle(rc.engine_cpus, rc.engine_gpus), lc.n_engines),
-                  (f"launcher.ray.producer_cpus={rc.producer_cpus:g} x launcher.n_producers={lc.n_producers}",
-                   _bundle(rc.producer_cpus, 0), lc.n_producers)]
-    if n_scorers:
-        needs.append((f"{n_scorers} scoring engine(s) x 1 CPU", _bundle(1, 0), n_scorers))
-    return [n for n in needs if n[2]]
-
-
-def node_bundles(cfg: Config) -> list[dict[str, float]]:
-    """The bundles of one node's elastic group: engines first, then producers."""
-    rc = cfg.launcher.ray
-    return ([_bundle(rc.engine_cpus, rc.engine_gpus)] * rc.engines_per_node
-            + [_bundle(rc.producer_cpus, 0)] * rc.producers_per_node)
-
-
-def check_resources(cfg: Config, nodes: list[dict[str, float]], where: str, n_scorers: int = 0) -> None:
-    """Refuse, naming the keys, what the cluster's nodes (their total resources) cannot hold."""
-    needs = fixed_needs(cfg, n_scorers)
-    for res, unit in (("CPU", "CPUs"), ("GPU", "GPUs")):
-        largest = max((n.get(res, 0.0) for n in nodes), default=0.0)
-        total = sum(n.get(res, 0.0) for n in nodes)
-        for what, bundle, _count in needs:
-            if bundle.get(res, 0.0) > largest:
-                raise ConfigError(f"{what}: {bundle[res]:g} {unit} per process, but no node of the Ray cluster "
-                                  f"{where} has more than {largest:g}")
-        want = sum(bundle.get(res, 0.0) * count for _what, bundle, count in needs)
-        if want > total:
-            raise ConfigError(f"{' + '.join(w for w, b, _ in needs if b.get(res))} = {want:g} {unit}: the Ray "
-                              f"cluster {where} has {total:g}")
-        per_node = sum(b.get(res, 0.0) for b in node_bundles(cfg))
-        if per_node > largest:
-            rc = cfg.launcher.ray
-            raise ConfigError(f"launcher.ray.engines_per_node={rc.engines_per_node} (+ producers_per_node="
-                              f"{rc.producers_per_node}) need {per_node:g} {unit} on one node; no node of the Ray "
-                              f"cluster {where} has more than {largest:g}")
-
-
-def _fits(total: dict[str, float], used: dict[str, float], bundles: list[dict[str, float]]) -> bool:
-    want: dict[str, float] = {}
-    for b in bundles:
-        for k, v in b.items():
-            want[k] = want.get(k, 0.0) + v
-    return all(total.get(k, 0.0) - used.get(k, 0.0) >= v - 1e-9 for k, v in want.items())
-
-
 # ---------------------------------------------------------------------- the run
 
 
@@ -324,8 +240,9 @@ class RayRun(LocalRun):
             raise ConfigError(f"{key}={addr or '(none)'}: cannot connect to Ray: {str(exc).splitlines()[0]}") from None
         self.where = f"at {addr}" if addr and addr != "auto" else "of this machine"
         self.ProcessActor = ray.remote(ProcessActor)
-        nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
-        check_resources(self.cfg, nodes, self.where, len(self.scoring_engine_specs()))
+        alive = [n for n in ray.nodes() if n["Alive"]]
+        check_cluster(self.cfg, alive, self.where, len(self.scoring_engine_specs()))
+        nodes = [n["Resources"] for n in alive]
         _echo(f"ray: {len(nodes)} node(s) {self.where}, {sum(n.get('CPU', 0) for n in nodes):g} CPUs, "
               f"{sum(n.get('GPU', 0) for n in nodes):g} GPUs")
 
@@ -341,16 +258,16 @@ class RayRun(LocalRun):
         super().start_redis()
 
     def _spawn(self, name: str, role: str, args: list[str], pg: Any, bundle: int, resources: dict[str, float],
-               threads: int, slot: str = "", **env: str) -> RayChild:
+               threads: int, **env: str) -> RayChild:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         log_path = self.logs / f"{name}.log"
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
         actor = self.ProcessActor.options(
-            name=None, num_cpus=resources.get("CPU", 0.0), num_gpus=resources.get("GPU", 0.0),
-            scheduling_strategy=strategy, max_restarts=0,
-        ).remote(name, role, ["-m", "rlstream.launcher.cli", *args], str(log_path), self._env(threads, **env))
-        child = RayChild(name, role, log_path, actor, slot)
+            num_cpus=resources.get("CPU", 0.0), num_gpus=resources.get("GPU", 0.0), scheduling_strategy=strategy,
+            max_restarts=0).remote(name, role, ["-m", "rlstream.launcher.cli", *args], str(log_path),
+                                   self._env(threads, **env))
+        child = RayChild(name, role, log_path, actor)
         self.actors.append(child)
         return child
 
@@ -364,24 +281,28 @@ class RayRun(LocalRun):
                             f"launcher.startup_timeout={timeout:g}s (resources in use by other jobs?)")
 
     # ------------------------------------------------------------------ engines and producers
-    def _engine(self, pg: Any, bundle: int, slot: str = "") -> RayChild:
-        rc, k = self.cfg.launcher.ray, self._counts["engine"]
-        self._counts["engine"] += 1
-        name = f"engine-{k}"
+    def _server(self, name: str, extra: list[str], pg: Any, bundle: int, resources: dict[str, float]) -> RayChild:
+        """An `rlstream serve` on its bundle's node, bound to that node's address; it reports the port it got."""
         addr_file = self.run_dir / "engines" / f"{name}.addr"
         addr_file.parent.mkdir(parents=True, exist_ok=True)
         addr_file.unlink(missing_ok=True)
-        args = ["serve", "--config", str(self.child_config), "server.port=0", "server.host={node_ip}"]
-        return self._spawn(name, "engine", args, pg, bundle, _bundle(rc.engine_cpus, rc.engine_gpus),
-                           self.cfg.launcher.threads.engine, slot, RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))
+        args = ["serve", "--config", str(self.child_config), *extra, "server.port=0", "server.host={node_ip}"]
+        return self._spawn(name, "engine", args, pg, bundle, resources, self.cfg.launcher.threads.engine,
+                           RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))
 
-    def _producer(self, pg: Any, bundle: int, slot: str = "") -> RayChild:
-        k = self._counts["producer"]
-        self._counts["producer"] += 1
-        name = f"producer-{k}"
+    def _next_name(self, role: str) -> str:
+        self._counts[role] += 1
+        return f"{role}-{self._counts[role] - 1}"
+
+    def _engine(self, pg: Any, bundle: int) -> RayChild:
+        rc = self.cfg.launcher.ray
+        return self._server(self._next_name("engine"), [], pg, bundle, bundle(rc.engine_cpus, rc.engine_gpus))
+
+    def _producer(self, pg: Any, bundle: int) -> RayChild:
+        name = self._next_name("producer")
         args = ["produce", "--config", str(self.child_config), f"producer.producer_id={name}"]
-        return self._spawn(name, "producer", args, pg, bundle, _bundle(self.cfg.launcher.ray.producer_cpus, 0),
-                           self.cfg.launcher.threads.producer, slot)
+        return self._spawn(name, "producer", args, pg, bundle, bundle(self.cfg.launcher.ray.producer_cpus, 0),
+                           self.cfg.launcher.threads.producer)
 
     def _start(self, children: list[RayChild], env: dict[str, str] | None = None, elastic: bool = False) -> None:
         """Start each actor's process; elastic ones that are already gone (their node left) are only marked lost."""
@@ -425,14 +346,14 @@ class RayRun(LocalRun):
 
         lc, rc = self.cfg.launcher, self.cfg.launcher.ray
         # The trainer's resources first: elastic engines take what is left on each node.
-        self.trainer_pg = placement_group([_bundle(rc.trainer_cpus, rc.trainer_gpus)] * lc.n_trainer_procs,
+        self.trainer_pg = placement_group([bundle(rc.trainer_cpus, rc.trainer_gpus)] * lc.n_trainer_procs,
                                           strategy=rc.trainer_strategy, name=f"{self.cfg.namespace}:trainer",
                                           bundle_label_selector=[dict(rc.trainer_labels)] * lc.n_trainer_procs
                                           if rc.trainer_labels else None)
         self._wait_pg(self.trainer_pg, "the trainer")
         fixed = [] if rc.engines_per_node else (
-            [_bundle(rc.engine_cpus, rc.engine_gpus)] * lc.n_engines + [_bundle(rc.producer_cpus, 0)] * lc.n_producers)
-        fixed += [_bundle(1, 0)] * len(self.scoring_engine_specs())
+            [bundle(rc.engine_cpus, rc.engine_gpus)] * lc.n_engines + [bundle(rc.producer_cpus, 0)] * lc.n_producers)
+        fixed += [bundle(1, 0)] * len(self.scoring_engine_specs())
         if fixed:
             self.fixed_pg = placement_group(fixed, strategy="SPREAD", name=f"{self.cfg.namespace}:fixed")
             self._wait_pg(self.fixed_pg, "the engines and producers")
@@ -453,15 +374,10 @@ class RayRun(LocalRun):
         specs = self.scoring_engine_specs()
         if not specs:
             return
-        first = 0 if self.cfg.launcher.ray.engines_per_node else self.cfg.launcher.n_engines + self.cfg.launcher.n_producers
-        scorers = []
-        for i, (name, args) in enumerate(specs):
-            addr_file = self.run_dir / "engines" / f"{name}.addr"
-            addr_file.unlink(missing_ok=True)
-            scorers.append(self._spawn(name, "engine", ["serve", "--config", str(self.child_config), *args,
-                                                        "server.port=0", "server.host={node_ip}"],
-                                       self.fixed_pg, first + i, _bundle(1, 0), self.cfg.launcher.threads.engine,
-                                       RLSTREAM_ENGINE_ADDR_FILE=str(addr_file)))
+        lc = self.cfg.launcher
+        first = 0 if lc.ray.engines_per_node else lc.n_engines + lc.n_producers  # after them in the fixed group
+        scorers = [self._server(name, args, self.fixed_pg, first + i, bundle(1, 0))
+                   for i, (name, args) in enumerate(specs)]
         self.scorers += scorers
         self._start(scorers)
         addresses = self._wait_addresses(scorers)
@@ -483,7 +399,7 @@ class RayRun(LocalRun):
         # torchrun's environment for each rank; LOCAL_RANK 0: Ray shows each rank only its own GPUs.
         ranks = [self._spawn("trainer" if r == 0 else f"trainer-rank{r}", "trainer",
                              ["train", "--config", str(self.child_config)], self.trainer_pg, r,
-                             _bundle(rc.trainer_cpus, rc.trainer_gpus), threads,
+                             bundle(rc.trainer_cpus, rc.trainer_gpus), threads,
                              **({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
                                 if n > 1 else {})) for r in range(n)]
         rendezvous = {}
@@ -535,7 +451,7 @@ class RayRun(LocalRun):
         for nid, node in alive.items():
             if nid in self.slots or nid in self.no_room:
                 continue
-            if not _fits(node["Resources"], used.get(nid, {}), bundles):
+            if not fits(node["Resources"], used.get(nid, {}), bundles):
                 self.no_room.add(nid)
                 _echo(f"ray: node {node['NodeManagerAddress']} ({nid[:8]}) has no room for launcher.ray.engines_per_node="
                       f"{self.cfg.launcher.ray.engines_per_node} engine(s) + producers_per_node: none placed there")
@@ -562,7 +478,7 @@ class RayRun(LocalRun):
         new = []
         for b, c in enumerate(slot.members):
             if c is None:
-                slot.members[b] = (self._engine if b < n_eng else self._producer)(slot.pg, b, slot.node_id)
+                slot.members[b] = (self._engine if b < n_eng else self._producer)(slot.pg, b)
                 new.append(slot.members[b])
         self._start(new, elastic=True)
         if announce:

@@ -2,7 +2,8 @@
 one GCS and a raylet per node, each node with its own CPUs; the head holds the trainer's CPU, each
 worker node an engine and a producer).
 
-- the tiny CPU config runs to completion with elastic placement (`launcher.ray.engines_per_node=1`):
+- the tiny CPU config runs to completion with elastic placement (`launcher.ray.engines_per_node=1`)
+  and the launcher's own Redis (on this node's address, password in the 0600 config):
   a worker node removed mid-run takes its engine and producer with it and the run goes on; the
   other worker removed too, a node added gets an engine and a producer, which carry the run to
   its end; the ledger is exact (every committed entry trained once, nothing pending, no dead
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from rlstream.broker import Keys, StepLog, namespace
 from rlstream.broker.keys import TRAIN_GROUP
@@ -152,13 +154,14 @@ def _leftovers(run_dir: Path) -> list[str]:
 
 
 @pytest.mark.slow
-def test_ray_launch_survives_node_loss_and_join(tmp_path, ray_cluster, redis_url, rclient, experiment):
+def test_ray_launch_survives_node_loss_and_join(tmp_path, ray_cluster, redis_factory, experiment):
+    from rlstream.broker import connect
     from rlstream.broker.producers import ProducerRecords
 
     run_dir = tmp_path / "runs" / experiment / "run0"
     out = tmp_path / "launch.out"
     with open(out, "w") as f:
-        proc = _launch(tmp_path, "--address", ray_cluster.address, "--redis", redis_url, f"experiment_name={experiment}",
+        proc = _launch(tmp_path, "--address", ray_cluster.address, f"experiment_name={experiment}",
                        f"total_train_steps={STEPS}", "launcher.ray.engines_per_node=1", "launcher.ray.node_check_secs=0.5",
                        "launcher.ray.trainer_labels={rlstream-role: trainer}",
                        *SMALL, stdout=f, stderr=subprocess.STDOUT)
@@ -192,6 +195,12 @@ def test_ray_launch_survives_node_loss_and_join(tmp_path, ray_cluster, redis_url
     assert names == ["engine-2", "producer-2"], joined
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # The launcher's own Redis: on this node's address (every node reaches it), behind a per-run password that only
+    # the 0600 config holds; its AOF is the run's durable record, read back by a redis-server restarted on it.
+    assert f"redis: started on {ray_cluster.head_node.node_ip_address}:" in text
+    password = yaml.safe_load((run_dir / "config.yaml").read_text())["redis"]["password"]
+    assert len(password) >= 32 and password not in text and (run_dir / "config.yaml").stat().st_mode & 0o777 == 0o600
+    rclient = connect(redis_factory(["--appendonly", "yes"], workdir=run_dir / "redis").url)
     keys = Keys(namespace(experiment, "run0"))
     counts = _check_ledger(rclient, keys)
     # The joined node's producer committed groups (nothing else was left to produce them) through its engine.
