@@ -257,12 +257,12 @@ class RayRun(LocalRun):
                 self.cfg = msgspec.structs.replace(self.cfg, redis=rcfg)
         super().start_redis()
 
-    def _spawn(self, name: str, role: str, args: list[str], pg: Any, bundle: int, resources: dict[str, float],
+    def _spawn(self, name: str, role: str, args: list[str], pg: Any, index: int, resources: dict[str, float],
                threads: int, **env: str) -> RayChild:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         log_path = self.logs / f"{name}.log"
-        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
         actor = self.ProcessActor.options(
             num_cpus=resources.get("CPU", 0.0), num_gpus=resources.get("GPU", 0.0), scheduling_strategy=strategy,
             max_restarts=0).remote(name, role, ["-m", "rlstream.launcher.cli", *args], str(log_path),
@@ -281,27 +281,27 @@ class RayRun(LocalRun):
                             f"launcher.startup_timeout={timeout:g}s (resources in use by other jobs?)")
 
     # ------------------------------------------------------------------ engines and producers
-    def _server(self, name: str, extra: list[str], pg: Any, bundle: int, resources: dict[str, float]) -> RayChild:
+    def _server(self, name: str, extra: list[str], pg: Any, index: int, resources: dict[str, float]) -> RayChild:
         """An `rlstream serve` on its bundle's node, bound to that node's address; it reports the port it got."""
         addr_file = self.run_dir / "engines" / f"{name}.addr"
         addr_file.parent.mkdir(parents=True, exist_ok=True)
         addr_file.unlink(missing_ok=True)
         args = ["serve", "--config", str(self.child_config), *extra, "server.port=0", "server.host={node_ip}"]
-        return self._spawn(name, "engine", args, pg, bundle, resources, self.cfg.launcher.threads.engine,
+        return self._spawn(name, "engine", args, pg, index, resources, self.cfg.launcher.threads.engine,
                            RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))
 
     def _next_name(self, role: str) -> str:
         self._counts[role] += 1
         return f"{role}-{self._counts[role] - 1}"
 
-    def _engine(self, pg: Any, bundle: int) -> RayChild:
+    def _engine(self, pg: Any, index: int) -> RayChild:
         rc = self.cfg.launcher.ray
-        return self._server(self._next_name("engine"), [], pg, bundle, bundle(rc.engine_cpus, rc.engine_gpus))
+        return self._server(self._next_name("engine"), [], pg, index, bundle(rc.engine_cpus, rc.engine_gpus))
 
-    def _producer(self, pg: Any, bundle: int) -> RayChild:
+    def _producer(self, pg: Any, index: int) -> RayChild:
         name = self._next_name("producer")
         args = ["produce", "--config", str(self.child_config), f"producer.producer_id={name}"]
-        return self._spawn(name, "producer", args, pg, bundle, bundle(self.cfg.launcher.ray.producer_cpus, 0),
+        return self._spawn(name, "producer", args, pg, index, bundle(self.cfg.launcher.ray.producer_cpus, 0),
                            self.cfg.launcher.threads.producer)
 
     def _start(self, children: list[RayChild], env: dict[str, str] | None = None, elastic: bool = False) -> None:
