@@ -322,7 +322,8 @@ class RayRun(LocalRun):
             elif c.role == "producer":
                 self.producers.append(c)
 
-    def _wait_addresses(self, children: list[RayChild]) -> list[str]:
+    def _wait_addresses(self, children: list[RayChild]) -> list[tuple[RayChild, str]]:
+        """Each engine's bound address once it listens; one lost meanwhile fails the run, unless it is elastic."""
         import ray
 
         deadline = time.monotonic() + self.cfg.launcher.startup_timeout
@@ -331,9 +332,14 @@ class RayRun(LocalRun):
             while True:
                 self._check_signal()
                 self._check_children(starting=True)
-                addr = ray.get(c.actor.address.remote(), timeout=CALL_TIMEOUT_S)
+                try:
+                    addr = ray.get(c.actor.address.remote(), timeout=CALL_TIMEOUT_S)
+                except ray.exceptions.RayError as exc:
+                    c.lost, c.code = _reason(exc), LOST
+                    self._check_children(starting=True)  # drops an elastic one, fails the run for the others
+                    break
                 if addr:
-                    out.append(addr)
+                    out.append((c, addr))
                     break
                 if time.monotonic() > deadline:
                     raise RunFailed(f"{c.name} (pid {c.pid} on {c.ip}) did not report its address within "
@@ -366,9 +372,9 @@ class RayRun(LocalRun):
         else:
             started = [self._engine(self.fixed_pg, i) for i in range(lc.n_engines)]
             self._start(started)
-        addresses = self._wait_addresses(started)
-        if started:
-            _echo(f"engines: {', '.join(f'{c.name} {a}' for c, a in zip(started, addresses))}")
+        up = self._wait_addresses(started)
+        if up:
+            _echo(f"engines: {', '.join(f'{c.name} {a}' for c, a in up)}")
 
     def start_scoring_engines(self) -> None:
         specs = self.scoring_engine_specs()
@@ -380,13 +386,14 @@ class RayRun(LocalRun):
                    for i, (name, args) in enumerate(specs)]
         self.scorers += scorers
         self._start(scorers)
-        addresses = self._wait_addresses(scorers)
-        _echo(f"scoring engines: {', '.join(f'{c.name} {a}' for c, a in zip(scorers, addresses))}")
+        _echo(f"scoring engines: {', '.join(f'{c.name} {a}' for c, a in self._wait_addresses(scorers))}")
 
     def start_producers(self) -> None:
         lc = self.cfg.launcher
-        if not lc.ray.engines_per_node:  # elastic producers started with their node's engines
+        if not lc.ray.engines_per_node:
             self._start([self._producer(self.fixed_pg, lc.n_engines + j) for j in range(lc.n_producers)])
+        for slot in self.slots.values():  # elastic: each node's producers, now that the trainer runs
+            self._fill(slot, announce=False)
         if self.producers:
             _echo(f"producers: {', '.join(f'{c.name} on {c.ip}' for c in self.producers)}")
 
@@ -472,12 +479,13 @@ class RayRun(LocalRun):
             self._fill(slot, announce=not wait)
 
     def _fill(self, slot: NodeSlot, announce: bool) -> None:
-        """Start a process in each bundle of a node's granted group (a lost one is not replaced: its node may be
-        going; a node that comes back joins anew)."""
+        """Start a process in each empty bundle of a node's granted group: its engines, and its producers once the
+        trainer runs (a producer must not see an earlier run's end while the trainer loads). A lost one is not
+        replaced: its node may be going; a node that comes back joins anew."""
         n_eng = self.cfg.launcher.ray.engines_per_node
         new = []
         for b, c in enumerate(slot.members):
-            if c is None:
+            if c is None and (b < n_eng or self.trainer is not None):
                 slot.members[b] = (self._engine if b < n_eng else self._producer)(slot.pg, b)
                 new.append(slot.members[b])
         self._start(new, elastic=True)
