@@ -23,7 +23,7 @@ OVERRIDES_HELP = ("Any config key can be overridden after the options as KEY=VAL
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help=f"rlstream: asynchronous RL post-training on Redis streams.\n\n{OVERRIDES_HELP}")
 config_app = typer.Typer(no_args_is_help=True, help="Show and document configuration.")
-launch_app = typer.Typer(no_args_is_help=True, help="Launch on a cluster scheduler.")
+launch_app = typer.Typer(no_args_is_help=True, help="Launch on a cluster scheduler (Slurm, Ray).")
 model_app = typer.Typer(no_args_is_help=True, help="Prepare local model folders (no hub at run time).")
 app.add_typer(config_app, name="config")
 app.add_typer(launch_app, name="launch")
@@ -343,6 +343,19 @@ def launch_slurm(ctx: typer.Context, config: Optional[str] = ConfigOpt,
     from rlstream.launcher.slurm import launch as slurm_main
 
     code = _guard(slurm_main, load(config, ctx.args), dry_run=dry_run, redis_url=redis)
+    raise typer.Exit(code or 0)
+
+
+@launch_app.command("ray", context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
+def launch_ray(ctx: typer.Context, config: Optional[str] = ConfigOpt,
+               address: Optional[str] = typer.Option(None, "--address", help="Ray cluster (GCS host:port, or auto); default: launcher.ray.address, $RAY_ADDRESS, else a one-node Ray."),
+               redis: Optional[str] = typer.Option(None, "--redis", help="Use this Redis instead of starting one on this node.")) -> None:
+    """Run the job on a Ray cluster: engines, producers and trainer ranks as Ray actors (docs/launcher.md, Ray)."""
+    from rlstream.launcher.ray import launch as ray_main
+
+    if config is None:
+        _fail("rlstream launch ray needs a config: --config FILE, then any KEY=VALUE overrides", 2)
+    code = _guard(ray_main, load(config, ctx.args), address=address, redis_url=redis)
     raise typer.Exit(code or 0)
 
 

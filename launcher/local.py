@@ -111,6 +111,8 @@ def repair_torn_aof(data_dir: Path) -> str | None:
 class LocalRun:
     """One `rlstream run`: owns its children and stops every one of them, whatever happens."""
 
+    redis_bind = "127.0.0.1"  # the interface of the Redis the run starts (a Ray launch binds its node's address)
+
     def __init__(self, cfg: Config, redis_url: str | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(cfg.run_dir)
@@ -220,18 +222,23 @@ class LocalRun:
             cut = repair_torn_aof(data_dir)  # a recovered run restarts on the AOF a crash may have torn
             if cut:
                 _echo(f"redis: {cut}")
-            argv = [_redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir),
+            argv = [_redis_binary(), "--port", str(port), "--bind", self.redis_bind, "--dir", str(data_dir),
                     "--save", "", "--appendonly", "yes" if cfg.redis.appendonly else "no",
                     "--appendfsync", cfg.redis.appendfsync, "--protected-mode", "no"]
             if cfg.redis.password:
-                argv += ["--requirepass", cfg.redis.password]
+                # In a 0600 file, not on the command line (which every user of the machine can read).
+                conf = data_dir / "redis.conf"
+                fd = os.open(conf, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(f"requirepass {cfg.redis.password}\n")
+                argv.insert(1, str(conf))
             self.own_redis = Child("redis", "redis", argv, self.logs / "redis.log", env=self._env()).start()
-            if not wait_for_port("127.0.0.1", port, 15):
+            if not wait_for_port(self.redis_bind, port, 15):
                 code = self.own_redis.poll()
                 raise RunFailed(f"redis (pid {self.own_redis.pid}) did not start ({describe_exit(code)}); "
                                 f"see {self.own_redis.log_path}")
-            self.redis_url = f"redis://127.0.0.1:{port}/0"
-            _echo(f"redis: started on 127.0.0.1:{port} (pid {self.own_redis.pid}, AOF "
+            self.redis_url = f"redis://{self.redis_bind}:{port}/0"
+            _echo(f"redis: started on {self.redis_bind}:{port} (pid {self.own_redis.pid}, AOF "
                   f"{'on, fsync ' + cfg.redis.appendfsync if cfg.redis.appendonly else 'off'})")
         else:
             _echo(f"redis: using {mask_url(self.redis_url)}")
@@ -300,10 +307,14 @@ class LocalRun:
         if self.engines:
             _echo(f"engines: {', '.join(f'{c.name} {a}' for c, a in started)}")
 
+    def scoring_engine_specs(self) -> list[tuple[str, list[str]]]:
+        """(name, `rlstream serve` arguments) of each scoring pool's engine the launcher starts."""
+        return [(f"{name}-{i}", ["--pool", name]) for name, pool in scoring_pools(self.cfg).items()
+                if pool.backend == "local" and not pool.addresses for i in range(pool.engines)]
+
     def start_scoring_engines(self) -> None:
         """The engines of each scoring pool (`rlstream serve --pool NAME`): never the policy, never pushed to."""
-        specs = [(f"{name}-{i}", ["--pool", name]) for name, pool in scoring_pools(self.cfg).items()
-                 if pool.backend == "local" and not pool.addresses for i in range(pool.engines)]
+        specs = self.scoring_engine_specs()
         if not specs:
             return
         started = self._start_servers(specs, self.scorers)
@@ -320,6 +331,9 @@ class LocalRun:
         self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=self._env(threads)).start()
         _echo(f"trainer: pid {self.trainer.pid}" + (f" (torchrun, {n} processes)" if n > 1 else "")
               + f", {threads} thread(s) each")
+        self.mark_run_started()
+
+    def mark_run_started(self) -> None:
         from rlstream.broker import VersionRegistry
 
         # The run is running from now on, before any producer starts: a producer must not read the

@@ -4,7 +4,8 @@
 #   bash scripts/bootstrap.sh          # run a job: redis-server, pinned CPU torch, rlstream
 #   bash scripts/bootstrap.sh --test   # + what the test suite needs: etcd, slurm, openssl,
 #                                      #   a Docker engine, docker-compose and debootstrap
-#                                      #   (tests/launcher/test_compose_up.py), test extras,
+#                                      #   (tests/launcher/test_compose_up.py), test extras
+#                                      #   (ray among them: tests/launcher/test_ray.py),
 #                                      #   the vLLM (CPU) virtualenv, and the real test model
 #                                      #   (SmolLM2-135M-Instruct, converted once into
 #                                      #   ~/.cache/rlstream/models by `rlstream model get`)

@@ -1,4 +1,4 @@
-"""Launching: `rlstream run` on one machine, the demo task, Slurm."""
+"""Launching: `rlstream run` on one machine, the demo task, Slurm, Ray."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import msgspec
 from msgspec import Meta
 
 from rlstream.common.config.actor import OptimizerConfig
-from rlstream.common.config.base import Fraction, NonNegativeFloat, NonNegativeInt, Port, PositiveFloat, PositiveInt, Section
+from rlstream.common.config.base import (Fraction, NonNegativeFloat, NonNegativeInt, Port, PositiveFloat, PositiveInt,
+                                         Section)
 
-__all__ = ["DemoTaskConfig", "SlurmConfig", "ThreadsConfig", "WebConfig", "LauncherConfig"]
+__all__ = ["DemoTaskConfig", "RayConfig", "SlurmConfig", "ThreadsConfig", "WebConfig", "LauncherConfig"]
 
 
 class DemoTaskConfig(Section):
@@ -73,6 +74,38 @@ class SlurmConfig(Section):
     """Private key (PEM) of redis_tls_cert."""
 
 
+class RayConfig(Section):
+    address: str = ""
+    """Ray cluster to run on: host:port of its GCS (the head's `ray start --head --port`), or `auto` (the cluster
+    `ray start` joined on this machine). Empty: $RAY_ADDRESS when set (`ray job submit` sets it), else a one-node Ray
+    started for the run, with the CPUs the run reserves (at least this machine's cores). `rlstream launch ray
+    --address` overrides it."""
+    engines_per_node: NonNegativeInt = 0
+    """Elastic placement: every node with room for them gets this many engines (`rlstream serve`) and
+    producers_per_node producers, a node added mid-run too; a node that leaves takes its own with it and the run goes
+    on. 0: launcher.n_engines engines and launcher.n_producers producers spread over the cluster once (a lost one
+    stops the run)."""
+    producers_per_node: NonNegativeInt = 1
+    """Producers per node when engines_per_node > 0."""
+    engine_cpus: PositiveFloat = 1.0
+    """CPUs reserved per engine (its placement-group bundle)."""
+    engine_gpus: NonNegativeFloat = 0.0
+    """GPUs reserved per engine (0 = a CPU engine); Ray sets the engine's CUDA_VISIBLE_DEVICES."""
+    producer_cpus: PositiveFloat = 1.0
+    """CPUs reserved per producer (producers never get a GPU)."""
+    trainer_cpus: PositiveFloat = 1.0
+    """CPUs reserved per trainer rank (launcher.n_trainer_procs ranks, one Ray actor each)."""
+    trainer_gpus: NonNegativeFloat = 0.0
+    """GPUs reserved per trainer rank (0 = CPU training)."""
+    trainer_strategy: Literal["PACK", "STRICT_PACK", "SPREAD", "STRICT_SPREAD"] = "PACK"
+    """Placement-group strategy of the trainer ranks: PACK keeps them on as few nodes as fit."""
+    trainer_labels: dict[str, str] = msgspec.field(default_factory=dict)
+    """Node labels the trainer ranks must run on, e.g. {rlstream-role: trainer} for nodes started with `ray start
+    --labels='{"rlstream-role": "trainer"}'` (empty: any node with room; elastic engines take what is left there)."""
+    node_check_secs: PositiveFloat = 2.0
+    """Seconds between two looks at the cluster's nodes (joins and losses) while the run runs."""
+
+
 class ThreadsConfig(Section):
     trainer: NonNegativeInt = 0
     """torch/OpenMP threads of each trainer process (0 = this machine's cores divided among
@@ -132,3 +165,5 @@ class LauncherConfig(Section):
     """The built-in CPU demo task, generated on the spot when its files are missing."""
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
     """`rlstream launch slurm`: sbatch options and placement."""
+    ray: RayConfig = msgspec.field(default_factory=RayConfig)
+    """`rlstream launch ray`: the Ray cluster, resources per process and elastic placement."""

@@ -1,0 +1,211 @@
+"""`rlstream launch ray` on a real multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`:
+one GCS and a raylet per node, each node with its own CPUs; the head holds the trainer's CPU, each
+worker node an engine and a producer).
+
+- the tiny CPU config runs to completion with elastic placement (`launcher.ray.engines_per_node=1`)
+  and the launcher's own Redis (on this node's address, password in the 0600 config):
+  a worker node removed mid-run takes its engine and producer with it and the run goes on; the
+  other worker removed too, a node added gets an engine and a producer, which carry the run to
+  its end; the ledger is exact (every committed entry trained once, nothing pending, no dead
+  letter); no process of the run is left;
+- bad input, before anything starts: a Ray address that does not answer, more CPUs than the
+  cluster has, more per node than a node has: one line naming the key, no run folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from rlstream.broker import Keys, StepLog, namespace
+from rlstream.broker.keys import TRAIN_GROUP
+from tests.helpers import free_port
+
+ray = pytest.importorskip("ray")
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
+MB = 1 << 20
+STEPS = 60
+BATCH = 4
+SMALL = [
+    "launcher.demo.n_train=512", "launcher.demo.n_valid=16", "launcher.sft_steps=20", "launcher.eval_n=0",
+    f"rollout.consumer_batch_size={BATCH}", "gconfig.n_samples=4", "stats_logger.tensorboard.enabled=false",
+    "launcher.live_view=false", "cluster.name_resolve.lease_ttl=3",
+]
+
+
+def _worker(cluster):
+    return cluster.add_node(num_cpus=2, object_store_memory=80 * MB)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    from ray.cluster_utils import Cluster
+
+    # Node loss is noticed in ~2 s (health checks every 0.5 s, 4 misses) instead of Ray's default ~30 s.
+    fast = {"health_check_period_ms": 500, "health_check_failure_threshold": 4, "health_check_initial_delay_ms": 0}
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "object_store_memory": 80 * MB, "include_dashboard": False, "_system_config": fast,
+        "labels": {"rlstream-role": "trainer"}})
+    try:
+        cluster.workers = [_worker(cluster), _worker(cluster)]
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+def _launch(tmp_path: Path, *args: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "launch", "ray", "--config", str(CONFIG),
+                             f"cluster.fileroot={tmp_path / 'runs'}", *args], env=env, cwd=tmp_path, text=True, **popen)
+
+
+def _refused(tmp_path: Path, *args: str) -> str:
+    proc = _launch(tmp_path, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, out + err
+    assert not (tmp_path / "runs").exists(), "refused, yet the run folder was touched"
+    lines = [ln for ln in err.splitlines() if ln.startswith("rlstream: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.mark.slow
+def test_bad_ray_input_is_one_line_before_anything_starts(tmp_path, ray_cluster):
+    port = free_port()
+    line = _refused(tmp_path, "--address", f"127.0.0.1:{port}")
+    assert f"--address=127.0.0.1:{port}: no Ray cluster answers there" in line
+    line = _refused(tmp_path, "launcher.ray.address=ray://head:10001")
+    assert "launcher.ray.address=ray://head:10001" in line
+    # The cluster has 5 CPUs, 2 at most on one node.
+    line = _refused(tmp_path, "--address", ray_cluster.address, "launcher.ray.trainer_cpus=3")
+    assert "launcher.ray.trainer_cpus=3" in line and "no node of the Ray cluster" in line and "more than 2" in line
+    line = _refused(tmp_path, "--address", ray_cluster.address, "launcher.n_engines=4")
+    assert "launcher.n_engines=4" in line and "= 6 CPUs: the Ray cluster" in line and "has 5" in line
+    line = _refused(tmp_path, "--address", ray_cluster.address, "launcher.ray.engines_per_node=2")
+    assert "launcher.ray.engines_per_node=2" in line and "3 CPUs on one node" in line
+
+
+def _wait(what: str, cond, proc: subprocess.Popen, out: Path, timeout: float = 240.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        if proc.poll() is not None:
+            pytest.fail(f"the launch exited ({proc.returncode}) while waiting for {what}:\n{out.read_text()[-4000:]}")
+        time.sleep(0.3)
+    pytest.fail(f"no {what} after {timeout:g}s:\n{out.read_text()[-4000:]}")
+
+
+def _steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def _check_ledger(r, keys: Keys) -> dict[str, int]:
+    """Every step trained BATCH committed entries, none twice, nothing pending or dead-lettered, every delivered
+    entry trained or visibly dropped, each dataset position rolled out once."""
+    from rlstream.broker.stream import id_tuple
+    from rlstream.common.wire import decode_group, validate_group
+
+    by_step: dict[int, list[str]] = {}
+    for rec in StepLog(r, keys).all():
+        assert by_step.setdefault(rec.step, rec.entry_ids) == rec.entry_ids, f"step {rec.step} replayed otherwise"
+    assert sorted(by_step) == list(range(STEPS))
+    trained = [i for s in sorted(by_step) for i in by_step[s]]
+    assert len(trained) == len(set(trained)) == STEPS * BATCH, "an entry was trained twice"
+    groups = [(eid.decode(), decode_group(f[b"d"])) for eid, f in r.xrange(keys.traj)]
+    for _eid, g in groups:
+        validate_group(g)
+    ids = [eid for eid, _ in groups]
+    assert set(trained) <= set(ids)
+    assert r.xpending(keys.traj, TRAIN_GROUP)["pending"] == 0
+    assert r.xlen(keys.dead) == 0, r.xrange(keys.dead)
+    dropped = [f[b"source_id"].decode() for _, f in r.xrange(keys.dropped) if b"source_id" in f]
+    assert not set(dropped) & set(trained)
+    info = next(g for g in r.xinfo_groups(keys.traj) if g["name"].decode() == TRAIN_GROUP)
+    last = id_tuple(info["last-delivered-id"].decode())
+    assert {i for i in ids if id_tuple(i) <= last} == set(trained) | set(dropped)
+    positions = [g.metadata["position"] for _, g in groups]
+    assert len(positions) == len(set(positions)), "a prompt position was written twice"
+    return {"entries": len(ids), "trained": len(trained), "dropped": len(dropped)}
+
+
+def _leftovers(run_dir: Path) -> list[str]:
+    want, found = str(run_dir.resolve()), []
+    for p in psutil.process_iter(["pid"]):
+        try:
+            if p.environ().get("RLSTREAM_RUN_DIR") == want and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(" ".join(p.cmdline()))
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+@pytest.mark.slow
+def test_ray_launch_survives_node_loss_and_join(tmp_path, ray_cluster, redis_factory, experiment):
+    from rlstream.broker import connect
+    from rlstream.broker.producers import ProducerRecords
+
+    run_dir = tmp_path / "runs" / experiment / "run0"
+    out = tmp_path / "launch.out"
+    with open(out, "w") as f:
+        proc = _launch(tmp_path, "--address", ray_cluster.address, f"experiment_name={experiment}",
+                       f"total_train_steps={STEPS}", "launcher.ray.engines_per_node=1", "launcher.ray.node_check_secs=0.5",
+                       "launcher.ray.trainer_labels={rlstream-role: trainer}",
+                       *SMALL, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        a, b = ray_cluster.workers
+        _wait("train step 2", lambda: _steps(run_dir) >= 2, proc, out)
+        # One worker node goes: its engine and producer leave the run, the other node's carry on.
+        ray_cluster.remove_node(b, allow_graceful=False)
+        _wait("notice of the node leaving", lambda: f"({b.node_id[:8]}) left the cluster" in out.read_text(), proc, out)
+        at_loss = _steps(run_dir)
+        _wait("steps after the node loss", lambda: _steps(run_dir) >= at_loss + 2, proc, out)
+        # The other worker goes too (no engine left: the run waits), then a node joins and finishes the run.
+        ray_cluster.remove_node(a, allow_graceful=False)
+        _wait("notice of the second node leaving", lambda: f"({a.node_id[:8]}) left" in out.read_text(), proc, out)
+        c = _worker(ray_cluster)
+        joined = _wait("the new node's engine and producer",
+                       lambda: [ln for ln in out.read_text().splitlines() if f"({c.node_id[:8]}) joined:" in ln],
+                       proc, out)
+        proc.wait(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(60)
+    text = out.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    assert "training finished" in text
+    # Each lost node's engine and producer were dropped, not the run.
+    gone = {name for ln in text.splitlines() if " gone (" in ln for name in ln.split("ray: ")[1].split(" on node")[0].split(", ")}
+    assert gone == {"engine-0", "engine-1", "producer-0", "producer-1"}, text
+    names = joined[0].split("joined: ")[1].split(" started")[0].split(", ")
+    assert names == ["engine-2", "producer-2"], joined
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    # The launcher's own Redis: on this node's address (every node reaches it), behind a per-run password that only
+    # the 0600 config holds; its AOF is the run's durable record, read back by a redis-server restarted on it.
+    assert f"redis: started on {ray_cluster.head_node.node_ip_address}:" in text
+    password = yaml.safe_load((run_dir / "config.yaml").read_text())["redis"]["password"]
+    assert len(password) >= 32 and password not in text and (run_dir / "config.yaml").stat().st_mode & 0o777 == 0o600
+    rclient = connect(redis_factory(["--appendonly", "yes"], workdir=run_dir / "redis").url)
+    keys = Keys(namespace(experiment, "run0"))
+    counts = _check_ledger(rclient, keys)
+    # The joined node's producer committed groups (nothing else was left to produce them) through its engine.
+    late = ProducerRecords(rclient, keys).load("producer-2")
+    assert late is not None and late.accepted > 0, late
+    assert (run_dir / "checkpoints" / "final" / "config.json").exists()
+    assert _leftovers(run_dir) == []
+    print(f"ledger {counts}, producer-2 committed {late.accepted}")

@@ -1,0 +1,81 @@
+"""What `rlstream launch ray` refuses before it starts anything (launcher/ray_plan.py): the Ray address
+(format, a Ray Client URL, a host:port where nothing answers, one where something does), and the CPUs,
+GPUs and labels the run's placement groups need against the node records `ray.nodes()` returns.
+The end-to-end refusals through the command line are in tests/launcher/test_ray.py."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from rlstream.common.config import ConfigError, load_config
+from rlstream.launcher.ray_plan import check_cluster, fits, fixed_needs, node_bundles, resolve_address
+from tests.helpers import free_port
+
+CONFIG = "configs/tiny-cpu.yaml"
+
+
+def _cfg(*overrides: str):
+    from pathlib import Path
+
+    return load_config(str(Path(__file__).resolve().parents[2] / CONFIG), list(overrides))
+
+
+def _node(cpus: float, gpus: float = 0.0, **labels: str) -> dict:
+    """A live node as `ray.nodes()` lists it (the fields the checks read)."""
+    res = {"CPU": cpus, "memory": 1e9, **({"GPU": gpus} if gpus else {})}
+    return {"Alive": True, "Resources": res, "Labels": {"ray.io/node-id": "x" * 56, **labels}}
+
+
+def test_address_sources_and_refusals(monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert resolve_address(_cfg(), None) == ("", "RAY_ADDRESS")  # nothing given: a one-node Ray for the run
+    assert resolve_address(_cfg(), "auto") == ("auto", "--address")
+    with pytest.raises(ConfigError, match=r"^launcher\.ray\.address=ray://h:10001: give the GCS address"):
+        resolve_address(_cfg("launcher.ray.address=ray://h:10001"), None)
+    with pytest.raises(ConfigError, match=r"^RAY_ADDRESS=headnode: not host:port"):
+        monkeypatch.setenv("RAY_ADDRESS", "headnode")
+        resolve_address(_cfg(), None)
+    port = free_port()
+    with pytest.raises(ConfigError, match=rf"^--address=127\.0\.0\.1:{port}: no Ray cluster answers there"):
+        resolve_address(_cfg(), f"127.0.0.1:{port}")
+    with socket.socket() as srv:  # something listens: the address is passed on to Ray
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        addr = f"127.0.0.1:{srv.getsockname()[1]}"
+        assert resolve_address(_cfg(f"launcher.ray.address={addr}"), None) == (addr, "launcher.ray.address")
+
+
+def test_cluster_too_small_names_the_keys():
+    nodes = [_node(1, rlstream_role="trainer"), _node(2), _node(2)]
+    check_cluster(_cfg(), nodes, "at h:1")  # 3 CPUs for trainer + engine + producer
+    check_cluster(_cfg("launcher.ray.engines_per_node=1"), nodes, "at h:1")
+    with pytest.raises(ConfigError) as e:
+        check_cluster(_cfg("launcher.ray.trainer_gpus=1"), nodes, "at h:1")
+    assert str(e.value).startswith("launcher.ray.trainer_cpus=1/trainer_gpus=1 x launcher.n_trainer_procs=1: 1 GPUs "
+                                   "per process, but no node of the Ray cluster at h:1 has more than 0")
+    with pytest.raises(ConfigError, match=r"launcher.n_engines=4 \+ .*launcher.n_producers=1 = 6 CPUs: .* has 5$"):
+        check_cluster(_cfg("launcher.n_engines=4"), nodes, "at h:1")
+    with pytest.raises(ConfigError, match=r"^launcher.ray.engines_per_node=2 \(\+ producers_per_node=1\) need 3 CPUs"):
+        check_cluster(_cfg("launcher.ray.engines_per_node=2"), nodes, "at h:1")
+    with pytest.raises(ConfigError, match=r"^launcher.ray.trainer_labels=\{'role': 'trainer'\}: no node"):
+        check_cluster(_cfg("launcher.ray.trainer_labels={role: trainer}"), nodes, "at h:1")
+    check_cluster(_cfg("launcher.ray.trainer_labels={rlstream_role: trainer}"), nodes, "at h:1")
+    # GPUs: 2 nodes x 8; trainer 8 ranks x 1 GPU + 8 engines x 1 GPU fit, one more engine does not.
+    gpu_nodes = [_node(64, 8), _node(64, 8)]
+    gpus = ["launcher.n_trainer_procs=8", "launcher.ray.trainer_gpus=1", "launcher.ray.engine_gpus=1"]
+    check_cluster(_cfg(*gpus, "launcher.n_engines=8"), gpu_nodes, "at h:1")
+    with pytest.raises(ConfigError, match=r"= 17 GPUs: the Ray cluster at h:1 has 16$"):
+        check_cluster(_cfg(*gpus, "launcher.n_engines=9"), gpu_nodes, "at h:1")
+
+
+def test_bundles_and_fit():
+    cfg = _cfg("launcher.ray.engines_per_node=2", "launcher.ray.engine_gpus=1", "launcher.ray.producers_per_node=1")
+    assert node_bundles(cfg) == [{"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0}]
+    # elastic: only the trainer is placed once
+    assert [(b, n) for _w, b, n in fixed_needs(cfg, n_scorers=0)] == [({"CPU": 1.0}, 1)]
+    assert [n for _w, _b, n in fixed_needs(_cfg(), n_scorers=2)] == [1, 1, 1, 2]
+    assert fits({"CPU": 4, "GPU": 2}, {"CPU": 1}, node_bundles(cfg))
+    assert not fits({"CPU": 4, "GPU": 2}, {"GPU": 1}, node_bundles(cfg))
+    assert not fits({"CPU": 2, "GPU": 2}, {}, node_bundles(cfg))
