@@ -223,6 +223,8 @@ def test_three_node_job_completes_with_an_exact_ledger(nodes):
     assert state == "COMPLETED", f"{state}\n{out}\n{nodes.job_logs('multi')}"
     assert re.search(r"job \d+ on rlsnode1 rlsnode2 rlsnode3", out), out
     assert "trainer finished" in out
+    # torchrun across rlsnode1 and rlsnode2 (one rank per node): both ranks train their share of each step
+    assert (run_dir / "logs" / "trainer.log").read_text().count("(4 per rank x 2 ranks)") == 2
     ledger = nodes.ledger("multi", steps, n_producers=2, world=2)
     print(f"ledger of the three-node job: {ledger}")
     # the weight push crossed the bridge: the engine on rlsnode3 joined the group at rlsnode1's address
