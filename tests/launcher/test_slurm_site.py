@@ -30,9 +30,9 @@ def _launch(tmp_path: Path, *overrides: str) -> subprocess.CompletedProcess:
 
 
 def _srun_lines(script: str) -> list[str]:
-    """Every srun the script runs, continuation lines joined."""
+    """Every srun command line of the script (continuation lines joined), not its mentions in comments or echo."""
     joined = script.replace("\\\n", " ")
-    return [ln.strip() for ln in joined.splitlines() if re.search(r"(^|[;{(]\s*)srun ", ln.strip())]
+    return [ln.strip() for ln in joined.splitlines() if re.search(r"(^|[{]\s)srun --", ln.strip())]
 
 
 def test_pyxis_puts_every_srun_in_the_image(tmp_path):
