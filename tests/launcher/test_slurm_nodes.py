@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 from tests.broker.test_connection import _make_certs
-from tests.launcher.docker_engine import LEDGER_DUMP, ROOT, DockerEngine, check_ledger, docker_tools, run_command
+from tests.launcher.docker_engine import (
+    LEDGER_DUMP, ROOT, DockerEngine, check_ledger, docker_tools, metric_steps, run_command)
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -44,12 +45,14 @@ FINAL = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 
 
 def slurm_conf(cpus: int) -> str:
-    """The cluster's slurm.conf: rlsnode1 is the controller; node loss is noticed after SlurmdTimeout."""
+    """The cluster's slurm.conf: rlsnode1 is the controller; a lost node is noticed after SlurmdTimeout, and a
+    requeued job starts again after cred_expire (default 120 s)."""
     return f"""ClusterName=rlstreamnodes
 SlurmctldHost={NODES[0]}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+AuthInfo=cred_expire=30
 CredType=cred/munge
 StateSaveLocation=/var/spool/slurmctld
 SlurmdSpoolDir=/var/spool/slurmd
@@ -104,6 +107,24 @@ class SlurmNodes:
             time.sleep(1)
         logs = self.docker("logs", "--tail", "20", NODES[0], check=False)
         raise AssertionError(f"the nodes are not idle after 120 s:\n{states}\n{logs.stdout}{logs.stderr}")
+
+    def kill_when_training(self, node: str, job: str, trial: str, after_steps: int) -> list[int]:
+        """`docker kill` the node once the trainer has logged `after_steps` steps; returns the steps logged by then."""
+        deadline = time.monotonic() + 600
+        while len(steps := metric_steps(self.run_dir(trial) / "metrics.jsonl")) < after_steps:
+            assert self.job_state(job) not in FINAL, f"job {job} ended before the kill\n{self.job_logs(trial)}"
+            assert time.monotonic() < deadline, f"no {after_steps} steps within 600 s\n{self.job_logs(trial)}"
+            time.sleep(0.5)
+        self.docker("kill", node)
+        return steps
+
+    def revive(self, node: str) -> None:
+        """Start a killed node's container again; Slurm returns it to service when its slurmd registers."""
+        self.docker("start", node)
+        deadline = time.monotonic() + 120
+        while "idle" not in self.sh(NODES[0], f"sinfo -h -n {node} -o %T", check=False).stdout:
+            assert time.monotonic() < deadline, self.sh(NODES[0], f"scontrol show node {node}", check=False).stdout
+            time.sleep(1)
 
     def remove(self) -> None:
         for name in NODES:
@@ -233,3 +254,56 @@ def test_three_node_job_completes_with_an_exact_ledger(nodes):
     assert joined and set(joined) == {nodes.address(NODES[0])}, engine_log[-2000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
+
+
+def test_a_lost_engine_node_leaves_the_job_running_on_the_others(nodes):
+    """node_loss=continue (sbatch --no-kill): rlsnode4, with engine-1 and producer-1, is killed mid-run; the trainer
+    drops its engine, producer-0 goes on with engine-0, the job completes, and the ledger is exact."""
+    steps, trial = 30, "engine-loss"
+    job = nodes.submit(trial, f"total_train_steps={steps}", "cluster.n_nodes=4", "launcher.slurm.trainer_nodes=2",
+                       "launcher.n_trainer_procs=2", "launcher.n_engines=2", "launcher.n_producers=2",
+                       "launcher.slurm.node_loss=continue", "actor.weight_update_timeout=20",
+                       "rollout.request_timeout=30")
+    try:
+        before = nodes.kill_when_training(NODES[3], job, trial, after_steps=3)
+        state = nodes.wait_job(job, trial)
+    finally:
+        nodes.revive(NODES[3])
+    run_dir = nodes.run_dir(trial)
+    out = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", f"{state}\n{out}\n{nodes.job_logs(trial)}"
+    assert len(before) < steps, "the run ended before the kill: make it longer"
+    for task in ("engine-1", "producer-1"):
+        assert re.search(rf"rlstream: {task} ended with code \d+ \(node lost\?\); going on with", out), out
+    assert "engine rlsnode4:30000 dropped" in (run_dir / "logs" / "trainer.log").read_text()
+    ledger = nodes.ledger(trial, steps, n_producers=2, world=2)
+    print(f"ledger after losing an engine node at step {len(before)}: {ledger}")
+    assert metric_steps(run_dir / "metrics.jsonl") == list(range(1, steps + 1))
+
+
+def test_a_lost_trainer_node_requeues_the_job_and_it_resumes_exactly(nodes):
+    """node_loss=fail, max_restarts=2, recover.mode=auto: rlsnode2 (trainer rank 1) is killed mid-run; the job is
+    requeued on the nodes left (rlsnode1, 3, 4), resumes from its recover checkpoint and completes: every step
+    trained once or replayed with the same entries, nothing lost."""
+    steps, trial = 30, "trainer-loss"
+    job = nodes.submit(trial, f"total_train_steps={steps}", "cluster.n_nodes=3", "launcher.slurm.trainer_nodes=2",
+                       "launcher.n_trainer_procs=2", "launcher.n_engines=1", "launcher.n_producers=2",
+                       "launcher.slurm.max_restarts=2", "recover.mode=auto", "actor.weight_update_timeout=20")
+    try:
+        before = nodes.kill_when_training(NODES[1], job, trial, after_steps=3)
+        state = nodes.wait_job(job, trial, timeout=900)
+        restarts = re.search(r"Restarts=(\d+)", nodes.sh(NODES[0], f"scontrol show job {job}").stdout)
+    finally:
+        nodes.revive(NODES[1])
+    run_dir = nodes.run_dir(trial)
+    out = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", f"{state}\n{out}\n{nodes.job_logs(trial)}"
+    assert len(before) < steps, "the run ended before the kill: make it longer"
+    assert restarts and int(restarts.group(1)) >= 1, out
+    assert re.search(r"job \d+ on rlsnode1 rlsnode3 rlsnode4", out), out  # the second life, without rlsnode2
+    logged = metric_steps(run_dir / "metrics.jsonl")
+    # the second life resumed from a recover checkpoint instead of starting over at step 1
+    resumed_at = [logged[i] for i in range(1, len(logged)) if logged[i] <= logged[i - 1]]
+    assert len(resumed_at) == int(restarts.group(1)) and min(resumed_at) > 1 and logged[-1] == steps, logged
+    ledger = nodes.ledger(trial, steps, n_producers=2, world=2)
+    print(f"ledger after losing a trainer node at step {len(before)}: {ledger}")
