@@ -152,17 +152,18 @@ if [ "$RESTARTS" -gt "$MAX_RESTARTS" ]; then
   exit 1
 fi
 
-declare -A NAME_OF=()
+declare -A NAME_OF=() NODE_OF=()
 PIDS=()
 # task NAME [srun options] -- COMMAND...: one srun step in the background, its own log.
 task() {{
   local name=$1; shift
-  local opts=()
-  while [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  local opts=() node=""
+  while [ "$1" != "--" ]; do opts+=("$1"); [[ $1 == --nodelist=* ]] && node=${{1#--nodelist=}}; shift; done
   shift
   srun --overlap --kill-on-bad-exit=1 --job-name="$name" "${{IMAGE_SRUN[@]}}" "${{opts[@]}}" \\
     "${{IMAGE_EXEC[@]}}" "$@" > "$LOGS/$name.log" 2>&1 &
   NAME_OF[$!]=$name
+  NODE_OF[$!]=$node
   PIDS+=("$!")
   echo "started $name (srun pid $!)"
 }}
@@ -402,14 +403,21 @@ while true; do
   fi
   [[ $name == producer-* ]] && PRODUCERS_LEFT=$((PRODUCERS_LEFT - 1))
   [[ $name == engine-* ]] && ENGINES_LEFT=$((ENGINES_LEFT - 1))
+  # A node Slurm reports down or not responding (its srun may end with code 0 then)
+  lost=""
+  [ -n "${NODE_OF[$DONE]}" ] && lost=$(sinfo -h -N -n "${NODE_OF[$DONE]}" -o '%N %t' 2>/dev/null \\
+    | awk '$2 ~ /down|fail|[*]/ {print $1}' | sort -u | paste -sd,)
+  if [ -n "$lost" ]; then
+    if [ "$NODE_LOSS" = continue ] && [[ $name == engine-* || $name == producer-* ]] \\
+       && [ "$ENGINES_LEFT" -gt 0 ] && [ "$PRODUCERS_LEFT" -gt 0 ]; then
+      echo "rlstream: node $lost lost, and $name with it; going on with $ENGINES_LEFT engine(s)," \\
+           "$PRODUCERS_LEFT producer(s)" >&2
+      continue
+    fi
+    fail "node $lost lost, and task $name with it (launcher.slurm.node_loss=$NODE_LOSS)"
+  fi
   if [[ $name == producer-* ]] && [ "$rc" = 0 ]; then
     echo "$name exited 0 (shutdown event or dataset done)"
-    continue
-  fi
-  if [ "$NODE_LOSS" = continue ] && [[ $name == engine-* || $name == producer-* ]] \\
-     && [ "$ENGINES_LEFT" -gt 0 ] && [ "$PRODUCERS_LEFT" -gt 0 ]; then
-    echo "rlstream: $name ended with code $rc (node lost?); going on with $ENGINES_LEFT engine(s)," \\
-         "$PRODUCERS_LEFT producer(s); see $LOGS/$name.log" >&2
     continue
   fi
   fail "task $name exited with code $rc; see $LOGS/$name.log"

@@ -90,8 +90,8 @@ class SlurmConfig(Section):
     """Nodes the job runs on (sbatch --nodelist), at least cluster.n_nodes of them (empty = any the scheduler picks)."""
     node_loss: Literal["fail", "continue"] = "fail"
     """A node lost mid-run. fail: Slurm ends the job (NODE_FAIL; requeued while max_restarts allows). continue: the
-    job runs on (sbatch --no-kill): a lost engine or producer task is dropped while one engine and one producer are
-    left; losing the trainer, Redis or the last engine or producer still ends the job."""
+    job runs on (sbatch --no-kill): the engine and producer tasks of a node Slurm reports down are dropped while one
+    engine and one producer are left; losing the trainer, Redis or the last engine or producer still ends the job."""
     max_restarts: NonNegativeInt = 0
     """Times the job is requeued after a lost node or a failed task (sbatch --requeue); each restart resumes through
     recover.mode (auto or resume: exactly where the last recover checkpoint left off)."""
