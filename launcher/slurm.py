@@ -185,7 +185,8 @@ fail() {{  # stop everything; requeue the job (same id, resumed by recover.mode)
   fi
   exit 1
 }}
-trap 'fail "interrupted (job cancelled or out of time)"' TERM INT
+# Cancelled, out of time or ended by Slurm after a lost node: no requeue from here (Slurm requeues a lost node's job)
+trap 'MAX_RESTARTS=0; fail "interrupted (job cancelled, out of time or a node lost)"' TERM INT
 """
 
 _REDIS_OWN = """
