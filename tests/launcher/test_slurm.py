@@ -330,7 +330,7 @@ def test_node_loss_and_restarts_reach_sbatch(tmp_path):
     assert out.returncode == 0, out.stderr
     script = out.stdout
     for line in ("#SBATCH --nodelist=a1,a2,a3", "#SBATCH --no-kill", "#SBATCH --requeue", "MAX_RESTARTS=1",
-                 "NODE_LOSS=continue", 'scontrol requeue "$SLURM_JOB_ID"'):
+                 "NODE_LOSS=continue", 'scontrol requeue "$SLURM_JOB_ID"', 'sinfo -h -N -n "${NODE_OF[$DONE]}"'):
         assert line in script, line
     assert subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True).returncode == 0
     plain = _dry_run(tmp_path).stdout
