@@ -164,13 +164,14 @@ class SlurmNodes:
 
     def ledger(self, trial: str, steps: int, n_producers: int, world: int) -> dict[str, int]:
         """check_ledger on the job's Redis state: its AOF, loaded by a redis-server on the head after the job."""
-        run = RUN.format(trial=trial)
-        port = 6399
-        self.sh(NODES[0], f"redis-server {run}/slurm/redis.conf --port 0 --tls-port {port} --bind 0.0.0.0 "
-                          f"--dir {run}/redis --appendonly yes --daemonize yes --pidfile /run/ledger-redis.pid")
+        run, port = RUN.format(trial=trial), 6399
+        tls = "tls-cert-file" in (self.run_dir(trial) / "slurm" / "redis.conf").read_text()
+        ports = f"--port 0 --tls-port {port}" if tls else f"--port {port}"
+        self.sh(NODES[0], f"redis-server {run}/slurm/redis.conf {ports} --bind 0.0.0.0 --dir {run}/redis "
+                          f"--appendonly yes --daemonize yes --pidfile /run/ledger-redis.pid")
         try:
-            env = {"RLSTREAM_CONFIG": f"{run}/slurm/config.yaml",
-                   "RLSTREAM_LEDGER_REDIS_URL": f"rediss://{NODES[0]}:{port}/0"}
+            env = {"RLSTREAM_CONFIG": f"{run}/slurm/config.yaml", "RLSTREAM_OVERRIDES": "redis.outage_tolerance=5",
+                   "RLSTREAM_LEDGER_REDIS_URL": f"{'rediss' if tls else 'redis'}://{NODES[0]}:{port}/0"}
             deadline = time.monotonic() + 60
             while True:  # the AOF is loaded before the server answers
                 out = self.sh(NODES[0], f"python -c {shlex.quote(LEDGER_DUMP)}", env=env, check=False, timeout=120)
