@@ -23,6 +23,9 @@ Failure: the batch script waits on every task (`wait -n`); the trainer exiting 0
 the job successfully (producers stop on its `shutdown` event, engines and Redis are then
 stopped); any other task exiting — a producer only when it fails — stops every task and
 exits 1, so Slurm marks the job FAILED with the task named in `{run_dir}/logs/slurm-JOB.out`.
+`launcher.slurm.node_loss=continue` (sbatch --no-kill) lets the job go on without a lost
+engine or producer task; `launcher.slurm.max_restarts` requeues a failed job, which resumes
+through recover.mode. `launcher.slurm.container` runs every task in an image (slurm_site.py).
 
 The run folder (`cluster.fileroot`) must be on a filesystem every node sees: the resolved
 config, the logs, checkpoints and the demo data go there.
@@ -44,6 +47,7 @@ from pathlib import Path
 
 from rlstream.common.config import Config, ConfigError, config_to_dict
 from rlstream.common.logging import get_logger
+from rlstream.launcher.slurm_site import check_container, check_partition, container_python, container_shell
 
 __all__ = ["launch", "plan", "render_script", "Placement", "redis_conf_text", "redis_server_command"]
 
@@ -73,6 +77,12 @@ def plan(cfg: Config, external_redis: bool) -> Placement:
     """Which node runs what; every impossible request is a ConfigError naming its key."""
     n, g = cfg.cluster.n_nodes, cfg.cluster.n_gpus_per_node
     sc, lc = cfg.launcher.slurm, cfg.launcher
+    if sc.nodelist and len(sc.nodelist) < n:
+        raise ConfigError(f"launcher.slurm.nodelist names {len(sc.nodelist)} node(s) ({','.join(sc.nodelist)}) but the "
+                          f"placement needs cluster.n_nodes={n}: add nodes or lower cluster.n_nodes")
+    if sc.max_restarts and cfg.recover.mode == "disabled":
+        raise ConfigError(f"launcher.slurm.max_restarts={sc.max_restarts} needs recover.mode=auto (or resume): a "
+                          f"restarted job with recover.mode=disabled would train from step 0 again")
     per_engine = sc.engine_tp * sc.engine_pp
     if g and per_engine > g:
         raise ConfigError(f"launcher.slurm.engine_tp x engine_pp = {per_engine} GPUs per engine server exceeds "
@@ -133,17 +143,27 @@ export OMP_NUM_THREADS=${{OMP_NUM_THREADS:-1}} TOKENIZERS_PARALLELISM=false HF_H
        TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1 RLSTREAM_RUN_DIR="$RUN_DIR"
 mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")
 echo "job $SLURM_JOB_ID on ${{NODES[*]}}"
+{container}
+RESTARTS=${{SLURM_RESTART_COUNT:-0}}
+MAX_RESTARTS={max_restarts}
+if [ "$RESTARTS" -gt 0 ]; then echo "restart $RESTARTS of at most $MAX_RESTARTS (recover.mode resumes the run)"; fi
+if [ "$RESTARTS" -gt "$MAX_RESTARTS" ]; then
+  echo "rlstream: job failed: restarted $RESTARTS times, more than launcher.slurm.max_restarts=$MAX_RESTARTS" >&2
+  exit 1
+fi
 
-declare -A NAME_OF=()
+declare -A NAME_OF=() NODE_OF=()
 PIDS=()
 # task NAME [srun options] -- COMMAND...: one srun step in the background, its own log.
 task() {{
   local name=$1; shift
-  local opts=()
-  while [ "$1" != "--" ]; do opts+=("$1"); shift; done
+  local opts=() node=""
+  while [ "$1" != "--" ]; do opts+=("$1"); [[ $1 == --nodelist=* ]] && node=${{1#--nodelist=}}; shift; done
   shift
-  srun --overlap --kill-on-bad-exit=1 --job-name="$name" "${{opts[@]}}" "$@" > "$LOGS/$name.log" 2>&1 &
+  srun --overlap --kill-on-bad-exit=1 --job-name="$name" "${{IMAGE_SRUN[@]}}" "${{opts[@]}}" \\
+    "${{IMAGE_EXEC[@]}}" "$@" > "$LOGS/$name.log" 2>&1 &
   NAME_OF[$!]=$name
+  NODE_OF[$!]=$node
   PIDS+=("$!")
   echo "started $name (srun pid $!)"
 }}
@@ -156,8 +176,17 @@ stop_all() {{  # SIGTERM every step (srun forwards it to the tasks), SIGKILL aft
   for p in "${{PIDS[@]}}"; do kill -KILL "$p" 2>/dev/null; done
   wait 2>/dev/null
 }}
-fail() {{ echo "rlstream: job failed: $*" >&2; stop_all; exit 1; }}
-trap 'fail "interrupted (job cancelled or out of time)"' TERM INT
+fail() {{  # stop everything; requeue the job (same id, resumed by recover.mode) while max_restarts allows
+  echo "rlstream: job failed: $*" >&2
+  stop_all
+  if [ "$RESTARTS" -lt "$MAX_RESTARTS" ]; then
+    echo "rlstream: requeueing the job (restart $((RESTARTS + 1)) of at most $MAX_RESTARTS)" >&2
+    scontrol requeue "$SLURM_JOB_ID"
+  fi
+  exit 1
+}}
+# Cancelled, out of time or ended by Slurm after a lost node: no requeue from here (Slurm requeues a lost node's job)
+trap 'MAX_RESTARTS=0; fail "interrupted (job cancelled, out of time or a node lost)"' TERM INT
 """
 
 _REDIS_OWN = """
@@ -166,14 +195,14 @@ _REDIS_OWN = """
 REDIS_PORT={port}
 task redis --nodes=1 --ntasks=1 --nodelist="${{NODES[{node}]}}" -- {redis_cmd}
 REDIS_URL="{scheme}://${{NODES[{node}]}}:$REDIS_PORT/0"
-"$PY" -m rlstream.launcher.slurm wait-redis "$REDIS_URL" --config "$CONFIG" --timeout {timeout} \\
+here "$PY" -m rlstream.launcher.slurm wait-redis "$REDIS_URL" --config "$CONFIG" --timeout {timeout} \\
   --watch "redis:${{PIDS[-1]}}" || fail "redis did not come up; see $LOGS/redis.log"
 """
 
 _REDIS_EXTERNAL = """
 # ---- external Redis
 REDIS_URL={url}
-"$PY" -m rlstream.launcher.slurm wait-redis "$REDIS_URL" --config "$CONFIG" --timeout {timeout} || fail "cannot reach Redis"
+here "$PY" -m rlstream.launcher.slurm wait-redis "$REDIS_URL" --config "$CONFIG" --timeout {timeout} || fail "cannot reach Redis"
 """
 
 
@@ -243,6 +272,9 @@ def render_script(cfg: Config, pl: Placement, *, config_path: Path, redis_url: s
     out += _engine_tasks(cfg, pl, timeout)
     out += _trainer_task(pl)
     out += _producer_tasks(cfg, pl)
+    out.append(f"\n# ---- tasks a lost node may take while the job goes on (launcher.slurm.node_loss=continue)\n"
+               f"NODE_LOSS={cfg.launcher.slurm.node_loss}\nENGINES_LEFT={len(pl.engines)}\n"
+               f"PRODUCERS_LEFT={cfg.launcher.n_producers}")
     out.append(_WAIT)
     return "\n".join(out)
 
@@ -258,17 +290,24 @@ def _header(cfg: Config, pl: Placement, config_path: Path) -> str:
         sb.append(f"#SBATCH --gpus-per-node={pl.gpus_per_node}")
     if sc.exclusive:
         sb.append("#SBATCH --exclusive")
+    if sc.nodelist:
+        sb.append(f"#SBATCH --nodelist={','.join(sc.nodelist)}")
+    if sc.node_loss == "continue":
+        sb.append("#SBATCH --no-kill")  # a lost node does not end the job: its tasks end, the others go on
+    if sc.max_restarts:
+        sb.append("#SBATCH --requeue")
     for key, val in (("partition", sc.partition), ("account", sc.account), ("time", sc.time_limit)):
         if val:
             sb.append(f"#SBATCH --{key}={val}")
     sb += [f"#SBATCH {a}" for a in sc.sbatch_args]
-    py = sc.python or sys.executable
+    py = sc.python or container_python(cfg) or sys.executable
     summary = (f"{len(pl.engines)} {sc.engine} engine server(s), trainer on {len(pl.trainer_nodes)} node(s) x "
                f"{pl.trainer_procs_per_node} process(es), {lc.n_producers} producer(s), "
                + ("external Redis" if pl.redis_node is None else "Redis on the first node"))
     return _HEADER.format(sbatch="\n".join(sb), exp=cfg.experiment_name, trial=cfg.trial_name, summary=summary,
                           logs=_q(logs), setup="\n".join(sc.setup), py=_q(py), engine_py=_q(sc.engine_python or py),
-                          config=_q(config_path), run_dir=_q(run_dir))
+                          config=_q(config_path), run_dir=_q(run_dir), container=container_shell(cfg),
+                          max_restarts=sc.max_restarts)
 
 
 def _redis_own(cfg: Config, pl: Placement, redis_conf: Path | None, timeout: int) -> str:
@@ -283,7 +322,8 @@ def _redis_own(cfg: Config, pl: Placement, redis_conf: Path | None, timeout: int
 
 _PREPARE = """
 # ---- prepare: demo data/model and the supervised warm start when configured (must succeed)
-srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" "$PY" -m rlstream.launcher.slurm prepare \\
+srun --overlap --nodes=1 --ntasks=1 --nodelist="${NODES[0]}" "${IMAGE_SRUN[@]}" "${IMAGE_EXEC[@]}" \\
+  "$PY" -m rlstream.launcher.slurm prepare \\
   --config "$CONFIG" > "$LOGS/prepare.log" 2>&1 || fail "prepare failed; see $LOGS/prepare.log"
 """
 
@@ -299,7 +339,7 @@ def _engine_tasks(cfg: Config, pl: Placement, timeout: int) -> list[str]:
         out.append(f'ENGINES+=("${{NODES[{e.node}]}}:{e.port}")')
         watch.append(f'--watch "engine-{i}:${{PIDS[-1]}}"')
     if pl.engines:
-        out.append(f'"$PY" -m rlstream.launcher.slurm wait-http "${{ENGINES[@]}}" --config "$CONFIG" '
+        out.append(f'here "$PY" -m rlstream.launcher.slurm wait-http "${{ENGINES[@]}}" --config "$CONFIG" '
                    f'--timeout {timeout} {" ".join(watch)} || fail "engines did not come up; see $LOGS/engine-*.log"')
         out.append('ENGINE_LIST="[$(IFS=,; echo "${ENGINES[*]}")]"')
         out.append('COMMON=("redis.url=$REDIS_URL" "rollout.engine_addresses=$ENGINE_LIST")')
@@ -362,6 +402,21 @@ while true; do
     echo "rlstream: job finished: metrics in $RUN_DIR/metrics.jsonl, checkpoint in $RUN_DIR/checkpoints/final"
     exit 0
   fi
+  [[ $name == producer-* ]] && PRODUCERS_LEFT=$((PRODUCERS_LEFT - 1))
+  [[ $name == engine-* ]] && ENGINES_LEFT=$((ENGINES_LEFT - 1))
+  # A node Slurm reports down or not responding (its srun may end with code 0 then)
+  lost=""
+  [ -n "${NODE_OF[$DONE]}" ] && lost=$(sinfo -h -N -n "${NODE_OF[$DONE]}" -o '%N %t' 2>/dev/null \\
+    | awk '$2 ~ /down|fail|[*]/ {print $1}' | sort -u | paste -sd,)
+  if [ -n "$lost" ]; then
+    if [ "$NODE_LOSS" = continue ] && [[ $name == engine-* || $name == producer-* ]] \\
+       && [ "$ENGINES_LEFT" -gt 0 ] && [ "$PRODUCERS_LEFT" -gt 0 ]; then
+      echo "rlstream: node $lost lost, and $name with it; going on with $ENGINES_LEFT engine(s)," \\
+           "$PRODUCERS_LEFT producer(s)" >&2
+      continue
+    fi
+    fail "node $lost lost, and task $name with it (launcher.slurm.node_loss=$NODE_LOSS)"
+  fi
   if [[ $name == producer-* ]] && [ "$rc" = 0 ]; then
     echo "$name exited 0 (shutdown event or dataset done)"
     continue
@@ -400,6 +455,9 @@ def launch(cfg: Config, dry_run: bool = False, redis_url: str | None = None) -> 
 
     redis_url = redis_url or cfg.redis.url or None
     pl = plan(cfg, external_redis=redis_url is not None)
+    check_container(cfg)
+    if not dry_run:
+        check_partition(cfg)
     run_dir = Path(cfg.run_dir).resolve()
     slurm_dir = run_dir / "slurm"
     config_path = slurm_dir / "config.yaml"

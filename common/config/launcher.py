@@ -11,7 +11,8 @@ from rlstream.common.config.actor import OptimizerConfig
 from rlstream.common.config.base import (Fraction, NonNegativeFloat, NonNegativeInt, Port, PositiveFloat, PositiveInt,
                                          Section)
 
-__all__ = ["DemoTaskConfig", "RayConfig", "SlurmConfig", "ThreadsConfig", "WebConfig", "LauncherConfig"]
+__all__ = ["DemoTaskConfig", "RayConfig", "SlurmContainerConfig", "SlurmConfig", "ThreadsConfig", "WebConfig",
+           "LauncherConfig"]
 
 
 class DemoTaskConfig(Section):
@@ -34,6 +35,22 @@ class DemoTaskConfig(Section):
     """Hidden size of the tiny model built for the demo."""
     num_layers: PositiveInt = 2
     """Layers of the tiny model built for the demo."""
+
+
+class SlurmContainerConfig(Section):
+    runtime: Literal["none", "pyxis", "apptainer"] = "none"
+    """Run every task of the job inside `image`: pyxis = srun --container-image (NVIDIA's Slurm plugin, enroot
+    underneath); apptainer = apptainer exec around each command; none = the nodes' own Python."""
+    image: str = ""
+    """The image. pyxis: a registry reference ([USER@][REGISTRY#]IMAGE[:TAG], e.g. nvcr.io#nvidia/pytorch:24.05-py3) or
+    a squashfs file (.sqsh); apptainer: a .sif file, a sandbox folder or a docker://, oras://, library:// URI.
+    A local file must exist when the job is submitted; redis-server must be in the image when the job starts Redis."""
+    mounts: list[str] = msgspec.field(default_factory=list)
+    """Host folders the tasks see, SRC[:DST[:ro]] each, SRC absolute (pyxis --container-mounts, apptainer --bind);
+    the run folder (cluster.fileroot) is always mounted at its own path."""
+    args: list[str] = msgspec.field(default_factory=list)
+    """Extra options of the runtime, one per item: pyxis srun options (e.g. --container-writable), apptainer exec
+    options (e.g. --nv for GPUs)."""
 
 
 class SlurmConfig(Section):
@@ -72,6 +89,17 @@ class SlurmConfig(Section):
     rediss:// (clients check it against redis.ssl_ca_certs)."""
     redis_tls_key: str = ""
     """Private key (PEM) of redis_tls_cert."""
+    nodelist: list[str] = msgspec.field(default_factory=list)
+    """Nodes the job runs on (sbatch --nodelist), at least cluster.n_nodes of them (empty = any the scheduler picks)."""
+    node_loss: Literal["fail", "continue"] = "fail"
+    """A node lost mid-run. fail: Slurm ends the job (NODE_FAIL; requeued while max_restarts allows). continue: the
+    job runs on (sbatch --no-kill): the engine and producer tasks of a node Slurm reports down are dropped while one
+    engine and one producer are left; losing the trainer, Redis or the last engine or producer still ends the job."""
+    max_restarts: NonNegativeInt = 0
+    """Times the job is requeued after a lost node or a failed task (sbatch --requeue); each restart resumes through
+    recover.mode (auto or resume: exactly where the last recover checkpoint left off)."""
+    container: SlurmContainerConfig = msgspec.field(default_factory=SlurmContainerConfig)
+    """Every task inside a container image (pyxis or Apptainer); docs/launcher.md "Containers on Slurm"."""
 
 
 class RayConfig(Section):

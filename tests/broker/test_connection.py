@@ -142,7 +142,7 @@ def test_password_and_acl(redis_factory, broker_log):
     assert connect(f"redis://alice:alicepw@127.0.0.1:{port}/0").get("{rlstream:x:y}:version") == b"3"
 
 
-def _make_certs(d):
+def _make_certs(d, san: str = "IP:127.0.0.1,DNS:localhost"):
     if not shutil.which("openssl"):
         pytest.fail("openssl not found: `apt-get install -y openssl` (needed to make test certificates)")
 
@@ -151,7 +151,7 @@ def _make_certs(d):
 
     run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
         "-subj", "/CN=rlstream-test-ca")
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    (d / "ext.cnf").write_text(f"subjectAltName={san}\n")
     for name in ("server", "client"):
         run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", f"{name}.csr",
             "-subj", f"/CN={name}")

@@ -22,7 +22,7 @@ docker-compose.yml brought up with Debian's docker-compose (v1.29).
   nothing dead-lettered, and each of the three producers' own commit counter equals its
   entries in the stream (nothing lost).
 
-The ledger is read inside the stack (`docker-compose run` of the rlstream image on the
+The engine, the images and the ledger come from tests/launcher/docker_engine.py. The ledger is read inside the stack (`docker-compose run` of the rlstream image on the
 compose network; Redis publishes no port). Marked `docker`: without dockerd,
 docker-compose or debootstrap (or not root) the module is skipped, except with
 RLSTREAM_REQUIRE_DOCKER=1 (CI), where it fails.
@@ -30,147 +30,22 @@ RLSTREAM_REQUIRE_DOCKER=1 (CI), where it fails.
 
 from __future__ import annotations
 
-import fcntl
 import json
-import os
 import shutil
 import subprocess
 import time
-from collections import Counter
 from pathlib import Path
 
 import pytest
-
-from rlstream.launcher.procs import stop_process
+from tests.launcher.docker_engine import (
+    BATCH, LEDGER_DUMP, ROOT, DockerEngine, check_ledger, docker_tools, metric_steps, run_command)
 
 pytestmark = [pytest.mark.docker, pytest.mark.timeout(2400)]
 
-ROOT = Path(__file__).resolve().parents[2]
-REQUIRE_ENV = "RLSTREAM_REQUIRE_DOCKER"
-DOCKER_ROOT = Path(os.environ.get("RLSTREAM_DOCKER_ROOT", "/var/lib/rlstream-docker"))
-RUN_DIR = Path("/run/rlstream-docker")  # exec root, pidfile, socket (short: unix socket paths)
-WHEELS = Path(os.environ.get("RLSTREAM_TORCH_WHEELS", "/opt/wheels"))
-CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
-TORCH_VERSION = "2.13.0"
 PROJECT = "rlstreamtest"
-BATCH, ETA = 8, 1  # configs/tiny-cpu.yaml: rollout.consumer_batch_size, max_head_offpolicyness
 STEPS_UP, STEPS_SCALE = 12, 60
 SHORT = ["launcher.sft_steps=100", "launcher.eval_n=50", "stats_logger.log_every_secs=5"]
 RUN = Path("tiny-cpu") / "run0"  # {experiment_name}/{trial_name} of tiny-cpu.yaml, in the runs volume
-
-
-def _tail(path: Path, n: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return "(no log)"
-
-
-def _run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 600, check: bool = True,
-         **kw) -> subprocess.CompletedProcess:
-    out = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout, **kw)
-    if check and out.returncode != 0:
-        raise AssertionError(f"{' '.join(argv[:6])} ... exited {out.returncode}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}")
-    return out
-
-
-def _tools() -> dict[str, str]:
-    """dockerd, the docker CLI of the docker.io package (BuildKit with --secret, no buildx
-    needed), docker-compose, debootstrap; skip or fail (RLSTREAM_REQUIRE_DOCKER=1) without."""
-    found = {"dockerd": shutil.which("dockerd") or shutil.which("dockerd", path="/usr/sbin:/sbin"),
-             "docker": "/usr/bin/docker" if Path("/usr/bin/docker").exists() else shutil.which("docker"),
-             "docker-compose": shutil.which("docker-compose"), "debootstrap": shutil.which("debootstrap")
-             or shutil.which("debootstrap", path="/usr/sbin:/sbin")}
-    missing = [name for name, path in found.items() if path is None]
-    msg = None
-    if missing:
-        msg = f"{', '.join(missing)} not found: apt-get install -y docker.io docker-compose debootstrap"
-    elif os.geteuid() != 0:
-        msg = "dockerd and debootstrap run as root here"
-    if msg:
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{REQUIRE_ENV}=1 but {msg}")
-        pytest.skip(msg)
-    return found
-
-
-class DockerEngine:
-    """Our own dockerd: persistent data root, the rest under RUN_DIR; stopped by PID."""
-
-    def __init__(self, dockerd: str, docker: str, log_path: Path) -> None:
-        self.dockerd, self.docker, self.log_path = dockerd, docker, log_path
-        self.sock = RUN_DIR / "docker.sock"
-        self.pidfile = RUN_DIR / "dockerd.pid"
-        self.proc: subprocess.Popen | None = None
-        self._lock = None
-
-    @property
-    def env(self) -> dict[str, str]:
-        # Nothing of the caller's docker/compose settings leaks in (.env and our variables decide).
-        base = {k: v for k, v in os.environ.items()
-                if not k.startswith(("DOCKER_", "COMPOSE_")) and not k.startswith("RLSTREAM_")}
-        return {**base, "DOCKER_HOST": f"unix://{self.sock}"}
-
-    def start(self) -> "DockerEngine":
-        DOCKER_ROOT.mkdir(parents=True, exist_ok=True)
-        RUN_DIR.mkdir(parents=True, exist_ok=True)
-        # Another test session on this data root: wait for it (bounded), never share its engine.
-        self._lock = open(f"{DOCKER_ROOT}.lock", "w")
-        deadline = time.monotonic() + 1800
-        while True:
-            try:
-                fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    pytest.fail(f"{DOCKER_ROOT}.lock held by another session for 30 min")
-                time.sleep(2)
-        if self.pidfile.exists():
-            try:
-                old = int(self.pidfile.read_text().strip())
-                os.kill(old, 0)
-                pytest.fail(f"a dockerd (pid {old}) already runs with {self.pidfile}: stop it first")
-            except (ValueError, ProcessLookupError):
-                self.pidfile.unlink(missing_ok=True)  # left by a killed session
-        self.sock.unlink(missing_ok=True)
-        argv = [self.dockerd, "--data-root", str(DOCKER_ROOT), "--exec-root", str(RUN_DIR / "exec"),
-                "--pidfile", str(self.pidfile), "-H", f"unix://{self.sock}", "--log-level", "warn"]
-        with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                pytest.fail(f"dockerd exited {self.proc.returncode}\n{_tail(self.log_path)}")
-            if _run([self.docker, "version"], env=self.env, timeout=30, check=False).returncode == 0:
-                return self
-            time.sleep(0.5)
-        pytest.fail(f"dockerd did not answer on {self.sock} within 90 s\n{_tail(self.log_path)}")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process(self.proc, timeout=90)  # SIGTERM: dockerd stops its containerd and any container
-        if self._lock is not None:
-            self._lock.close()
-
-    def build_images(self) -> dict[str, str]:
-        """Stand-in base images, the torch wheels image, the rlstream image; returns the compose variables."""
-        env = {**self.env, "DOCKER": self.docker, "DOCKER_BUILDKIT": "1"}
-        out = _run(["bash", str(ROOT / "scripts" / "docker" / "standin_images.sh")], env=env, timeout=1800)
-        images = dict(line.split("=", 1) for line in out.stdout.split() if "=" in line)
-        build = [self.docker, "build", "-q", "-t", "rlstream:latest",
-                 "--build-arg", f"RLSTREAM_BASE_IMAGE={images['RLSTREAM_BASE_IMAGE']}"]
-        if list(WHEELS.glob(f"torch-{TORCH_VERSION}[+-]*.whl")):
-            _run([self.docker, "build", "-q", "-t", "rlstream-torch-wheels:local", "-f",
-                  str(ROOT / "scripts" / "docker" / "wheels.Dockerfile"), str(WHEELS)], env=env, timeout=900)
-            images["TORCH_WHEELS_IMAGE"] = "rlstream-torch-wheels:local"
-            build += ["--build-arg", "TORCH_WHEELS_IMAGE=rlstream-torch-wheels:local"]
-        if CA_BUNDLE.exists():
-            build += ["--secret", f"id=ca_bundle,src={CA_BUNDLE}"]
-        _run([*build, str(ROOT)], env=env, timeout=1800)
-        # Retagging leaves the previous rlstream image dangling; the build cache stays (warm runs).
-        _run([self.docker, "image", "prune", "-f"], env=env, timeout=300)
-        _run([self.docker, "builder", "prune", "-f", "--keep-storage", "10GB"], env=env, timeout=300)
-        return images
 
 
 class Compose:
@@ -182,10 +57,10 @@ class Compose:
         self.env = {**engine.env, **images, "RLSTREAM_OVERRIDES": " ".join(overrides)}
 
     def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        return _run([self.exe, "-p", PROJECT, *args], env=self.env, timeout=timeout, check=check, cwd=ROOT)
+        return run_command([self.exe, "-p", PROJECT, *args], env=self.env, timeout=timeout, check=check, cwd=ROOT)
 
     def docker(self, *args: str, timeout: float = 60) -> str:
-        return _run([self.engine.docker, *args], env=self.env, timeout=timeout).stdout
+        return run_command([self.engine.docker, *args], env=self.env, timeout=timeout).stdout
 
     def containers(self, service: str) -> list[str]:
         return self("ps", "-q", service, timeout=60).stdout.split()
@@ -243,99 +118,9 @@ class Compose:
             raise AssertionError(f"{exc}\n{self.logs('producer', 'trainer', tail=25)}") from None
 
 
-# Runs inside the rlstream image: the namespace from RLSTREAM_CONFIG + RLSTREAM_OVERRIDES.
-LEDGER_DUMP = """
-import json, os
-from rlstream.broker import Keys, StepLog, TRAIN_GROUP, connect
-from rlstream.common.config import load_config
-from rlstream.common.wire import decode_group, validate_group
-from rlstream.broker.producers import CURSOR_FIELD, ProducerRecords, accepted_field
-
-cfg = load_config(os.environ["RLSTREAM_CONFIG"],
-                  os.environ.get("RLSTREAM_OVERRIDES", "").split() + ["redis.url=redis://redis:6379/0"])
-r, k = connect(cfg.redis), Keys(cfg.namespace)
-entries = []
-for eid, f in r.xrange(k.traj):
-    g = decode_group(f[b"d"])
-    validate_group(g)
-    entries.append({"id": eid.decode(), "producer": g.producer_id, "position": g.metadata.get("position")})
-group = next(g for g in r.xinfo_groups(k.traj) if g["name"].decode() == TRAIN_GROUP)
-# fields: cursor, <producer id> (its state), accepted:<producer id> (its exact commit count)
-ids = {f.decode().removeprefix(accepted_field("")) for f in r.hkeys(k.producers) if f.decode() != CURSOR_FIELD}
-records = ProducerRecords(r, k)
-producers = {pid: records.load(pid).accepted for pid in ids}
-print(json.dumps({
-    "entries": entries,
-    "steps": [{"step": s.step, "version": s.version, "rank": s.rank, "ids": s.entry_ids} for s in StepLog(r, k).all()],
-    "last_delivered": group["last-delivered-id"].decode(),
-    "pending": r.xpending(k.traj, TRAIN_GROUP)["pending"],
-    "dead": r.xlen(k.dead),
-    "dropped": [f[b"source_id"].decode() for _, f in r.xrange(k.dropped) if b"source_id" in f],
-    "dropped_before_commit": [f[b"lease"].decode() for _, f in r.xrange(k.dropped) if b"source_id" not in f],
-    "version": int(r.get(k.version) or 0), "trainer_version": int(r.get(k.trainer_version) or 0),
-    "producers": producers,
-}))
-"""
-
-
-def _id(entry_id: str) -> tuple[int, int]:
-    ms, seq = entry_id.split("-")
-    return int(ms), int(seq)
-
-
-def check_ledger(d: dict, steps: int, n_producers: int) -> dict[str, int]:
-    """Nothing lost, nothing trained twice, nothing pending or dead; returns counts."""
-    by_step: dict[int, list[list[str]]] = {}
-    for rec in d["steps"]:
-        assert rec["rank"] == 0 and len(rec["ids"]) == BATCH, rec
-        by_step.setdefault(rec["step"], []).append(rec["ids"])
-    assert sorted(by_step) == list(range(steps)), f"steps recorded: {sorted(by_step)}"
-    for step, plans in by_step.items():  # a step replayed after a crash trained the same entries
-        assert all(ids == plans[0] for ids in plans), f"step {step} was replayed with other entries: {plans}"
-    trained = [i for step in sorted(by_step) for i in by_step[step][0]]
-    assert len(trained) == len(set(trained)) == steps * BATCH, "an entry was trained twice"
-
-    ids = [e["id"] for e in d["entries"]]
-    assert set(trained) <= set(ids), "a trained entry is missing from the stream"
-    dropped = d["dropped"]
-    assert len(dropped) == len(set(dropped)) and not set(dropped) & set(trained)
-    delivered = {i for i in ids if _id(i) <= _id(d["last_delivered"])}
-    assert delivered == set(trained) | set(dropped), (
-        f"delivered but neither trained nor dropped: {sorted(delivered - set(trained) - set(dropped))}")
-    assert d["pending"] == 0 and d["dead"] == 0, (d["pending"], d["dead"])
-    positions = [e["position"] for e in d["entries"]]
-    assert len(positions) == len(set(positions)), "a prompt position was written twice"
-
-    # Every group a producer committed (its own counter in {ns}:producers) is in the stream.
-    per_producer = Counter(e["producer"] for e in d["entries"])
-    assert dict(per_producer) == d["producers"], (dict(per_producer), d["producers"])
-    assert len(per_producer) == n_producers and all(n > 0 for n in per_producer.values()), per_producer
-    assert d["version"] == d["trainer_version"] == steps
-    undelivered = len(ids) - len(delivered)
-    # Producers may run ahead of the last step by the admission budget, never further.
-    assert undelivered <= (ETA + 1) * BATCH, undelivered
-    return {"entries": len(ids), "trained": len(trained), "dropped": len(dropped),
-            "dropped_before_commit": len(d["dropped_before_commit"]), "undelivered": undelivered}
-
-
-def metric_steps(path: Path) -> list[int]:
-    """Steps of the trainer's metrics.jsonl lines, in file order (a replayed step appears again)."""
-    steps = []
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        return steps
-    for line in text.splitlines():
-        try:
-            steps.append(int(json.loads(line)["step"]))
-        except (ValueError, KeyError):
-            continue
-    return steps
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tools = _tools()
+    tools = docker_tools()
     log = tmp_path_factory.mktemp("docker") / "dockerd.log"
     engine = DockerEngine(tools["dockerd"], tools["docker"], log)
     images: dict[str, str] = {}

@@ -308,3 +308,42 @@ def test_dry_run_warns_about_a_run_folder_that_holds_a_run(tmp_path):
     warning = [ln for ln in out.stderr.splitlines() if "warning" in ln]
     assert len(warning) == 1 and "already holds a run (summary.json)" in warning[0] and "trial_name" in warning[0]
     assert "sbatch " + str(run_dir / "slurm" / "job.sbatch") in out.stderr
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["cluster.n_nodes=3", "launcher.slurm.nodelist=[node1,node2]"],
+     "launcher.slurm.nodelist names 2 node(s) (node1,node2) but the placement needs cluster.n_nodes=3"),
+    (["launcher.slurm.max_restarts=2"], "launcher.slurm.max_restarts=2 needs recover.mode=auto (or resume)"),
+])
+def test_a_placement_the_nodes_cannot_hold_is_one_line(tmp_path, overrides, message):
+    out = _dry_run(tmp_path, *overrides)
+    assert out.returncode == 2, out.stdout + out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
+    assert not (tmp_path / "tiny-cpu").exists()  # nothing written
+
+
+def test_node_loss_and_restarts_reach_sbatch(tmp_path):
+    out = _dry_run(tmp_path, "cluster.n_nodes=3", "launcher.n_trainer_procs=2", "launcher.slurm.trainer_nodes=2",
+                   "launcher.slurm.nodelist=[a1,a2,a3]", "launcher.slurm.node_loss=continue",
+                   "launcher.slurm.max_restarts=1", "recover.mode=auto")
+    assert out.returncode == 0, out.stderr
+    script = out.stdout
+    for line in ("#SBATCH --nodelist=a1,a2,a3", "#SBATCH --no-kill", "#SBATCH --requeue", "MAX_RESTARTS=1",
+                 "NODE_LOSS=continue", 'scontrol requeue "$SLURM_JOB_ID"', 'sinfo -h -N -n "${NODE_OF[$DONE]}"'):
+        assert line in script, line
+    assert subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True).returncode == 0
+    plain = _dry_run(tmp_path).stdout
+    assert "--no-kill" not in plain and "--requeue" not in plain and "NODE_LOSS=fail" in plain
+
+
+@pytest.mark.slurm
+def test_more_nodes_than_the_partition_has_is_refused_before_submitting(tmp_path, slurm_conf):
+    env = {**os.environ, "SLURM_CONF": slurm_conf}
+    out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(CONFIG),
+                          f"cluster.fileroot={tmp_path / 'runs'}", "cluster.n_nodes=2"],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip() == ("rlstream: error: cluster.n_nodes=2 but the default partition has 1 node(s) (sinfo): "
+                                  "lower cluster.n_nodes or choose launcher.slurm.partition"), out.stderr
+    assert "submitted" not in out.stdout
