@@ -28,8 +28,9 @@ __all__ = ["KVBatch", "cache_layers", "make_cache", "lpad"]
 class KVBatch:
     """The running batch, row i <-> `rows[i]`, and the model forwards over it."""
 
-    def __init__(self, model, *, device: torch.device, dtype: torch.dtype, pad_id: int) -> None:
+    def __init__(self, model, *, device: torch.device, dtype: torch.dtype, pad_id: int, vision=None) -> None:
         self.model = model
+        self.vision = vision  # engine/vision.VisionEncoder of a vision-language model, else None
         self.device = device
         self.dtype = dtype
         self.pad_id = pad_id
@@ -51,10 +52,13 @@ class KVBatch:
         self.penalties.reset()
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
-                 cache) -> tuple[torch.Tensor, Any]:
-        kw = {"logits_to_keep": 1} if self._logits_to_keep else {}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=pos, past_key_values=cache, use_cache=True, **kw)
+                 cache, embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
+        kw: dict[str, Any] = {"logits_to_keep": 1} if self._logits_to_keep else {}
+        if embeds is None:
+            kw["input_ids"] = input_ids
+        else:  # a prefill with images: their features are in the embeddings
+            kw["inputs_embeds"] = embeds
+        out = self.model(attention_mask=attention_mask, position_ids=pos, past_key_values=cache, use_cache=True, **kw)
         return out.logits[:, -1, :].float(), out.past_key_values
 
     def _attention_mask(self, mask: torch.Tensor, q_len: int) -> torch.Tensor:
@@ -100,9 +104,12 @@ class KVBatch:
             mask[i, P + S - len(tail):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]
+        next_pos, embeds = torch.tensor(lens, dtype=torch.long, device=dev), None
+        if self.vision is not None and any(r.images for r in reqs):
+            embeds, pos, next_pos = self.vision.prefill_inputs(reqs, ids, past, lens)
         cache = DynamicCache() if P == 0 else self._reused_cache(hits, past, P)
-        logits, cache = self._forward(ids, self._attention_mask(mask, S), pos, cache)
-        self._merge(reqs, cache, mask, torch.tensor(lens, dtype=torch.long, device=dev))
+        logits, cache = self._forward(ids, self._attention_mask(mask, S), pos, cache, embeds)
+        self._merge(reqs, cache, mask, next_pos)
         return logits, sum(past)
 
     def _reused_cache(self, hits: list[tuple[Prefix, int] | None], past: list[int], P: int):

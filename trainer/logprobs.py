@@ -15,6 +15,7 @@ import torch
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.chunked_head import head_logprobs
 from rlstream.trainer.packing import ModelInputs, next_token_logits, packed_inputs, padded_inputs
+from rlstream.trainer.vision import has_images, vision_kwargs
 
 __all__ = ["chunkable_head", "model_inputs", "one_row_packing", "token_logprobs"]
 
@@ -110,7 +111,11 @@ def token_logprobs(model: torch.nn.Module, batch: SeqBatch, *, temperature: floa
     `[T, vocab]` tensor exists; 0, or a model whose head `chunkable_head` refuses: all at once.
     """
     dtype = next(model.parameters()).dtype
-    inputs = model_inputs(batch, packing, pad_token_id, one_row_packing(model), dtype).to(device)
+    images = has_images(batch)
+    inputs = model_inputs(batch, packing and not images, pad_token_id, one_row_packing(model), dtype)
+    if images:  # trainer/vision.py: one sequence per row, the images' pixels and grids with them
+        inputs.kwargs.update(vision_kwargs(model, batch))
+    inputs = inputs.to(device)
     ids = batch.input_ids.to(device)
     first = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     first[batch.cu_seqlens[:-1].to(device)] = True
