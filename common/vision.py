@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VisionSpec", "vision_spec", "ImageInputs", "image_inputs", "expand_image_tokens",
-           "count_image_tokens", "is_vision_config"]
+           "count_image_tokens", "is_vision_config", "mask_vision_logits"]
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -37,6 +37,9 @@ class VisionSpec:
     path: str
     image_token_id: int
     merge_size: int  # patches per token along each side (`spatial_merge_size`)
+    # Never generated: the engine and the trainer give them the lowest logit (`mask_vision_logits`), so an
+    # output never holds tokens the model would take for an image (and both compute the same distribution).
+    suppressed: tuple[int, ...] = ()
 
     def tokens_of(self, grid: Any) -> int:
         """Image tokens of one `(t, h, w)` grid."""
@@ -69,7 +72,16 @@ def vision_spec(path: str | Path, key: str = "actor.path") -> VisionSpec | None:
     if not (path / "preprocessor_config.json").is_file():
         raise ValueError(f"{key}={str(path)!r}: vision model without an image processor "
                          f"(no preprocessor_config.json in the folder)")
-    return VisionSpec(str(path), int(cfg["image_token_id"]), int(vision["spatial_merge_size"]))
+    special = (cfg.get(k) for k in ("image_token_id", "video_token_id", "vision_start_token_id"))
+    return VisionSpec(str(path), int(cfg["image_token_id"]), int(vision["spatial_merge_size"]),
+                      tuple(int(t) for t in special if t is not None))
+
+
+def mask_vision_logits(logits: Any, spec: VisionSpec) -> Any:
+    """`logits` [..., V] with the vision tokens at the dtype's lowest value (not -inf: entropies stay finite)."""
+    import torch
+
+    return logits.index_fill(-1, torch.tensor(spec.suppressed, device=logits.device), torch.finfo(logits.dtype).min)
 
 
 @dataclass(frozen=True)

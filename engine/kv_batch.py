@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlstream.common.vision import mask_vision_logits
 from rlstream.engine.sampling import Penalties
 
 if TYPE_CHECKING:
@@ -59,7 +60,10 @@ class KVBatch:
         else:  # a prefill with images: their features are in the embeddings
             kw["inputs_embeds"] = embeds
         out = self.model(attention_mask=attention_mask, position_ids=pos, past_key_values=cache, use_cache=True, **kw)
-        return out.logits[:, -1, :].float(), out.past_key_values
+        logits = out.logits[:, -1, :].float()
+        if self.vision is not None:  # a vision model never samples its image tokens (common/vision.py)
+            logits = mask_vision_logits(logits, self.vision.spec)
+        return logits, out.past_key_values
 
     def _attention_mask(self, mask: torch.Tensor, q_len: int) -> torch.Tensor:
         """The mask the model gets: 2D when nothing is padded, else a ready 4D additive mask.

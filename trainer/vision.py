@@ -14,10 +14,10 @@ from typing import Any
 import torch
 
 from rlstream.common.images import image_sha256
-from rlstream.common.vision import ImageInputs, VisionSpec, image_inputs, vision_spec
+from rlstream.common.vision import ImageInputs, VisionSpec, image_inputs, is_vision_config, vision_spec
 from rlstream.trainer.batch import SeqBatch
 
-__all__ = ["has_images", "vision_kwargs", "model_vision_spec"]
+__all__ = ["has_images", "vision_kwargs", "model_vision_spec", "vision_spec_of"]
 
 _PREPROCESSED: OrderedDict[str, ImageInputs] = OrderedDict()  # by sha256: an image is preprocessed once
 _MAX_PREPROCESSED = 1024
@@ -40,6 +40,16 @@ def model_vision_spec(model: torch.nn.Module) -> VisionSpec:
             raise ValueError(f"batch has images but the model ({type(base).__name__} from {path!r}) is text-only")
         base._rls_vision_spec = spec
     return spec
+
+
+def vision_spec_of(model: torch.nn.Module) -> VisionSpec | None:
+    """The model's `VisionSpec`, None for a text model (read once per model)."""
+    inner = getattr(model, "module", model)
+    get_base = getattr(inner, "get_base_model", None)
+    base = get_base() if callable(get_base) else inner
+    if not is_vision_config(getattr(base, "config", None)):
+        return None
+    return model_vision_spec(model)
 
 
 def _inputs(spec: VisionSpec, data: bytes) -> ImageInputs:
