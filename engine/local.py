@@ -152,7 +152,7 @@ class LocalEngine:
 
     def _load_model(self, model_path: str | os.PathLike, tokenizer_path: str | os.PathLike | None,
                     device: str, dtype: str) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         self.model_path = resolve_model_path(str(model_path), "server.model_path")
         self.tokenizer_path = resolve_model_path(str(tokenizer_path), "tokenizer_path") if tokenizer_path \
@@ -170,10 +170,10 @@ class LocalEngine:
             spec = vision_spec(self.model_path, "server.model_path")
         except ValueError as exc:
             raise ModelPathError(str(exc)) from None
-        if spec is not None:  # a vision-language model: images come with the prompt (engine/vision.py)
-            from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
-                                                          local_files_only=True).to(self.device).eval()
+        # A vision-language model takes its images with the prompt (engine/vision.py).
+        model_class = AutoModelForCausalLM if spec is None else AutoModelForImageTextToText
+        self.model = model_class.from_pretrained(self.model_path, dtype=self.dtype,
+                                                 local_files_only=True).to(self.device).eval()
         self.vision = VisionEncoder(self.model, spec) if spec is not None else None
         self.model.requires_grad_(False)
 

@@ -36,7 +36,7 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
                    init_from_scratch: bool = False, seed: int = 1) -> torch.nn.Module:
     """Load (or randomly initialise from its config) a causal LM, or a vision-language model of the Qwen2-VL
     family, on CPU in `actor.dtype`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     import transformers
 
@@ -48,15 +48,15 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     dkw = {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
     config = AutoConfig.from_pretrained(p, local_files_only=True)
-    if is_vision_config(config):  # a vision-language model (trainer/vision.py feeds it the images)
-        from transformers import AutoModelForImageTextToText as AutoModelForCausalLM  # noqa: N814
+    # A vision-language model takes its images with the batch (trainer/vision.py).
+    model_class = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     if init_from_scratch:
         # Same seed on every rank: identical initial weights without a broadcast.
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, **dkw)
+            model = model_class.from_config(config, **dkw)
     else:
-        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, **dkw)
+        model = model_class.from_pretrained(p, local_files_only=True, **dkw)
     if actor.disable_dropout:
         disable_dropout(model)
     if trainable and actor.lora is not None:
