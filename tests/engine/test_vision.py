@@ -12,8 +12,6 @@ from rlstream.common.vision import image_inputs, mask_vision_logits, vision_spec
 from rlstream.engine.local import LocalEngine
 from tests.helpers import shape_png, vlm_prompt
 
-pytestmark = pytest.mark.slow
-
 
 @pytest.fixture(scope="module")
 def vlm_engine(tiny_vlm_path):

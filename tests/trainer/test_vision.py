@@ -19,8 +19,6 @@ from rlstream.trainer.model import load_causal_lm
 from rlstream.trainer.vision import has_images, vision_kwargs
 from tests.helpers import shape_png, vlm_prompt
 
-pytestmark = pytest.mark.slow
-
 
 def _entry(i: int, prompt: list[int], results, images: list[bytes] | None) -> Entry:
     trajs = [Trajectory.from_arrays(prompt, r.output_ids, [lp for lp, _t, _ in r.meta_info.output_token_logprobs],
