@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
 import torch
 
 from rlstream.broker.stream import Entry
