@@ -34,6 +34,7 @@ from redis.exceptions import WatchError
 
 from rlstream.broker import lua
 from rlstream.broker.connection import BrokerUnavailable
+from rlstream.broker.images import IMAGES_FIELD, store_calls
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.broker.producers import accepted_field
 from rlstream.broker.plan import Async, Call, Plan, Sleep, Sync, Transaction, Watch, operation, script
@@ -124,7 +125,7 @@ class _CommitLayout(NamedTuple):
 
     owners: list[tuple[str, int]]  # per owner, in order: its leases (a ZREM's and a HINCRBY's reply each)
     refresh: bool  # the liveness record's ZADD follows the GET of `armed`
-    head: int  # the first XADD's reply; each item's XADD and SET follow
+    xadds: list[int]  # per item, where its XADD's reply is (its SET follows; its images' commands precede it)
 
 
 @dataclass(frozen=True)
@@ -286,11 +287,16 @@ class Admission:
                      Call("execute_command", "INCRBY", k.admit_accepted, n))
         if self.producer_id:
             calls.append(Call("execute_command", "HINCRBY", k.producers, accepted_field(self.producer_id), n))
-        layout = _CommitLayout([(owner, len(leases)) for owner, leases in per_owner.items()], refresh, len(calls))
+        xadds: list[int] = []
         for lid, fields in items:
+            if IMAGES_FIELD in fields:  # the group's image bytes: stored under their hash, ahead of its XADD
+                fields = dict(fields)
+                images = fields.pop(IMAGES_FIELD)
+                calls.extend(Call("execute_command", *cmd) for cmd in store_calls(k, images, server_ms))
+            xadds.append(len(calls))
             calls.append(Call("execute_command", "XADD", k.traj, "*", *(x for kv in fields.items() for x in kv)))
             calls.append(Call("execute_command", "SET", k.admit_done(lid), "1", "PX", DONE_TTL_MS))
-        return calls, layout
+        return calls, _CommitLayout([(owner, len(leases)) for owner, leases in per_owner.items()], refresh, xadds)
 
     def _server_ms(self) -> int | None:
         """The Redis server's clock now (ms), as estimated from the acquisitions (None before the first one)."""
@@ -368,7 +374,7 @@ class Admission:
             if where.refresh and int(res[2 * len(where.owners) + 1]):
                 self._alive_at = max(self._alive_at, sent)
             for i, j in enumerate(fresh):
-                out[j] = res[where.head + 2 * i]
+                out[j] = res[where.xadds[i]]
                 self._remember(items[j][0], out[j])
             expired = [owner for (owner, n), got in zip(where.owners, removed) if got < n]
             if expired:

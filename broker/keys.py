@@ -151,11 +151,22 @@ class Keys:
         """String (expires): `version:owner` of the evaluation running now."""
         return self._k("eval:claim")
 
+    def image(self, sha256: str) -> str:
+        """String: the bytes of one image of a multimodal prompt, named by their sha256 (broker/images.py)."""
+        return self._k("img:" + sha256)
+
+    @property
+    def images_live(self) -> str:
+        """Sorted set: image sha256 -> a time (ms) at or after the id of the newest entry referencing it; a trim
+        deletes the images whose every entry is gone (broker/images.py)."""
+        return self._k("img:live")
+
     def all(self) -> list[str]:
         return [
             self.traj, self.version, self.trainer_version, self.events, self.admit_accepted,
             self.admit_running, self.admit_owners, self.admit_waiting, self.admit_alive, self.admit_rejected, self.dead, self.dropped, self.steps,
             self.engines, self.service_changes(ENGINES_SERVICE), self.admit_wake, self.admit_armed, self.producers, self.meta, self.run, self.evals, self.eval_claim,
+            self.images_live,
         ]
 
 

@@ -19,6 +19,7 @@ import redis
 from redis.exceptions import ResponseError
 
 from rlstream.broker.connection import execute_raw
+from rlstream.broker.images import IMAGES_FIELD, RELEASE_IMAGES, fetch_images, images_problem, store_calls
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.broker.lua import LUA_WAKE
 from rlstream.common.logging import get_logger
@@ -38,16 +39,21 @@ def id_tuple(entry_id: str) -> tuple[int, int]:
     return int(ms), int(seq or 0)
 
 
-def entry_fields(group: TrajectoryGroup, payload: bytes | None = None) -> dict[str, Any]:
-    """XADD fields for one group."""
+def entry_fields(group: TrajectoryGroup, payload: bytes | None = None,
+                 images: dict[str, bytes] | None = None) -> dict[str, Any]:
+    """XADD fields for one group; with `images` ({sha256: bytes} of the group's `ImageRef`s) the fields carry
+    them under `IMAGES_FIELD`, which the commit stores as image keys instead of a stream field."""
     rewards = [t.reward for t in group.trajectories]
-    return {
+    fields = {
         "d": payload if payload is not None else encode_group(group),
         "v": group.min_version(),
         "p": group.producer_id,
         "n": group.n_tokens(),
         "r": sum(rewards) / max(len(rewards), 1),
     }
+    if images:
+        fields[IMAGES_FIELD] = images
+    return fields
 
 
 def _stream_entries(res: Any) -> list[tuple[bytes, dict[bytes, Any]]]:
@@ -93,6 +99,7 @@ class Entry(msgspec.Struct, gc=False):
     group: TrajectoryGroup
     min_version: int
     delivery_count: int = 1
+    images: list[bytes] | None = None  # the bytes of `group.images`, in order, checked against their hashes
 
 
 class TrajectoryStream:
@@ -103,18 +110,28 @@ class TrajectoryStream:
         self.keys = keys
         self.group = group
         self._drop_script = client.register_script(_DROP_STALE)
+        self._release_images = client.register_script(RELEASE_IMAGES)
+        self._images_seen: bool | None = None  # whether the run has images to release at trims (None: ask once)
         self.dead_lettered = 0  # entries this object moved to `{ns}:dead` (undecodable ones included)
         # Ids this object acknowledged, so that `trim_acked(keep)` finds its boundary without
         # reading `keep` whole entries back from Redis (grown by trim_acked to fit its `keep`).
         self._acked: deque[tuple[int, int]] = deque(maxlen=8192)
 
     # ---------------------------------------------------------------- writing
-    def append(self, group: TrajectoryGroup) -> str:
-        """XADD without admission (tests, replays, tools). Producers use AdmissionController.commit."""
-        return id_str(self.client.xadd(self.keys.traj, entry_fields(group)))
+    def append(self, group: TrajectoryGroup, images: dict[str, bytes] | None = None) -> str:
+        """XADD without admission (tests, replays, tools), storing `images` as `commit` does. Producers use
+        AdmissionController.commit."""
+        return self.append_raw(entry_fields(group, images=images))
 
     def append_raw(self, fields: dict[str, Any]) -> str:
-        return id_str(self.client.xadd(self.keys.traj, fields))
+        images = fields.get(IMAGES_FIELD)
+        if not images:
+            return id_str(self.client.xadd(self.keys.traj, fields))
+        pipe = self.client.pipeline(transaction=True)
+        for cmd in store_calls(self.keys, images, None):
+            pipe.execute_command(*cmd)
+        pipe.xadd(self.keys.traj, {k: v for k, v in fields.items() if k != IMAGES_FIELD})
+        return id_str(pipe.execute()[-1])
 
     # ---------------------------------------------------------------- consumer group
     def ensure_group(self, start_id: str = "0") -> None:
@@ -138,11 +155,31 @@ class TrajectoryStream:
                 good.append(Entry(eid.decode() if type(eid) is bytes else eid, *res))
             else:
                 self.dead_letter(id_str(eid), fields, "entry has no 'd' payload field" if b"d" not in fields else str(res))
+        if any(e.group.images for e in good):
+            good = self._with_images(good, dict(have))
         if gone:
             log.warning("%d pending entries of %s were deleted from the stream; acknowledged: %s",
                         len(gone), self.keys.traj, ", ".join(gone[:5]))
             self.ack(gone)
         return good
+
+    def _with_images(self, entries: list[Entry], fields: dict[Any, dict[bytes, bytes]]) -> list[Entry]:
+        """Attach the stored bytes of the entries' images (one MGET); an entry with a missing, corrupt or
+        undecodable image goes to the dead-letter stream with the reason."""
+        self._images_seen = True
+        stored = fetch_images(self.client, self.keys, [r.sha256 for e in entries for r in e.group.images or ()])
+        out = []
+        for e in entries:
+            refs = e.group.images
+            if refs:
+                problem = images_problem(refs, stored, self.keys)
+                if problem:
+                    raw = fields.get(e.id.encode(), fields.get(e.id, {}))
+                    self.dead_letter(e.id, raw, problem)
+                    continue
+                e.images = [stored[r.sha256] for r in refs]  # type: ignore[misc]
+            out.append(e)
+        return out
 
     def read(self, consumer: str, count: int, block_ms: int | None = 1000) -> list[Entry]:
         """New entries for `consumer` (XREADGROUP >). Bad entries go to the dead-letter stream."""
@@ -333,7 +370,13 @@ class TrajectoryStream:
                     return 0
                 cut = id_tuple(id_str(older[-1][0]))
             boundary = f"{cut[0]}-{cut[1]}"
-        return int(self.client.xtrim(self.keys.traj, minid=boundary, approximate=False))
+        trimmed = int(self.client.xtrim(self.keys.traj, minid=boundary, approximate=False))
+        # Images every remaining entry is newer than (by at most the commit's slack) are no longer referenced.
+        if self._images_seen is None:
+            self._images_seen = bool(self.client.exists(self.keys.images_live))
+        if self._images_seen:
+            self._release_images(keys=[self.keys.images_live], args=[id_tuple(boundary)[0], self.keys.image("")])
+        return trimmed
 
     def _keep_cut(self, boundary: tuple[int, int], keep: int) -> tuple[int, int] | None:
         """The `keep`-th newest id below `boundary` among the ids this object acknowledged.

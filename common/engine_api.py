@@ -234,6 +234,9 @@ class GenerateRequest(_Body):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: str | list[str] | None = None
+    # SGLang's images of a vision-language prompt: per prompt a list (one prompt: the list itself, or one image),
+    # each a base64 string or a `data:image/...;base64,` URL (the local engine reads no paths or remote URLs)
+    image_data: str | list[str | list[str]] | None = None
 
 
 class FinishReason(_Body):

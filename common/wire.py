@@ -17,6 +17,10 @@ after the prompt is model-generated and trained on.
 Schema 3 is schema 2 with `teacher_logprobs` (on-policy distillation): float32 LE, one per position after the
 prompt, the teachers' logprob of each model token (0 on observations); a group carrying them is written as 3.
 
+Schema 4 is schema 3 with the group's `images`: one `ImageRef` (sha256, length) per image of the prompt, in
+the order of their placeholder tokens; the bytes are stored once per run under a key named by the hash
+(`broker/images.py`), never in the entry. Every trajectory's sequence holds those images.
+
 Schema 1 (read only) is exactly that single-turn case: entries written by it decode
 unchanged (no mask, every output token trained).
 
@@ -34,7 +38,11 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from rlstream.common.images import IMAGE_SCHEMA_VERSION, ImageRef, refs_problem
+
 __all__ = [
+    "IMAGE_SCHEMA_VERSION",
+    "ImageRef",
     "SCHEMA_VERSION",
     "Trajectory",
     "TrajectoryGroup",
@@ -50,7 +58,7 @@ __all__ = [
 
 SCHEMA_VERSION = 2
 TEACHER_SCHEMA_VERSION = 3  # written by the distillation stage: schema 2 plus `teacher_logprobs`
-READABLE_VERSIONS = (1, 2, 3)
+READABLE_VERSIONS = (1, 2, 3, IMAGE_SCHEMA_VERSION)
 
 _I32 = np.dtype("<i4")
 _F32 = np.dtype("<f4")
@@ -215,6 +223,7 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, gc=False):
     finished_at: float = 0.0
     trajectories: list[Trajectory]
     metadata: dict[str, Scalar] = {}
+    images: list[ImageRef] | None = None  # the prompt's images, by content address (schema 4)
 
     @property
     def n_samples(self) -> int:
@@ -390,6 +399,8 @@ def _scalar_spans(group: TrajectoryGroup, pos: int, starts: array, kinds: array)
     trajs = group.trajectories
     if not trajs:
         raise WireError("group has no trajectories")
+    if group.images is not None and (problem := refs_problem(group.images, group.schema_version)):
+        raise WireError(problem)
     masked = rewarded = False
     isfinite = math.isfinite
     add_start, add_kind = starts.append, kinds.append

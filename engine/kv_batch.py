@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlstream.common.vision import mask_vision_logits
 from rlstream.engine.sampling import Penalties
 
 if TYPE_CHECKING:
@@ -29,8 +30,9 @@ __all__ = ["KVBatch", "cache_layers", "make_cache", "lpad", "use_gqa_attention",
 class KVBatch:
     """The running batch, row i <-> `rows[i]`, and the model forwards over it."""
 
-    def __init__(self, model, *, device: torch.device, dtype: torch.dtype, pad_id: int) -> None:
+    def __init__(self, model, *, device: torch.device, dtype: torch.dtype, pad_id: int, vision=None) -> None:
         self.model = model
+        self.vision = vision  # engine/vision.VisionEncoder of a vision-language model, else None
         self.device = device
         self.dtype = dtype
         self.pad_id = pad_id
@@ -54,15 +56,21 @@ class KVBatch:
         self.penalties.reset()
 
     def _forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, pos: torch.Tensor,
-                 cache) -> tuple[torch.Tensor, Any]:
+                 cache, embeds: torch.Tensor | None = None) -> tuple[torch.Tensor, Any]:
         # The last position as an index tensor, not the int 1: HF slices the hidden states with it, and
         # a [B, 1, H] slice of a longer prefill is not contiguous, so the LM head ran as a bmm against
         # the weight expanded B times (~10x slower than one mm); an index gathers a contiguous copy.
         last = 1 if input_ids.shape[1] == 1 else torch.tensor([input_ids.shape[1] - 1], device=input_ids.device)
-        kw = {"logits_to_keep": last} if self._logits_to_keep else {}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask,
-                         position_ids=pos, past_key_values=cache, use_cache=True, **kw)
-        return out.logits[:, -1, :].float(), out.past_key_values
+        kw: dict[str, Any] = {"logits_to_keep": last} if self._logits_to_keep else {}
+        if embeds is None:
+            kw["input_ids"] = input_ids
+        else:  # a prefill with images: their features are in the embeddings
+            kw["inputs_embeds"] = embeds
+        out = self.model(attention_mask=attention_mask, position_ids=pos, past_key_values=cache, use_cache=True, **kw)
+        logits = out.logits[:, -1, :].float()
+        if self.vision is not None:  # a vision model never samples its image tokens (common/vision.py)
+            logits = mask_vision_logits(logits, self.vision.spec)
+        return logits, out.past_key_values
 
     def _attention_mask(self, mask: torch.Tensor, q_len: int) -> torch.Tensor:
         """The mask the model gets: 2D when nothing is padded, else a ready 4D additive mask.
@@ -105,9 +113,12 @@ class KVBatch:
             mask[i, P + S - len(tail):] = 1
         ids, mask = ids.to(dev), mask.to(dev)
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, P:]
+        next_pos, embeds = torch.tensor(lens, dtype=torch.long, device=dev), None
+        if self.vision is not None and any(r.images for r in reqs):
+            embeds, pos, next_pos = self.vision.prefill_inputs(reqs, ids, past, lens)
         cache = make_cache() if P == 0 else self._reused_cache(hits, past, P)
-        logits, cache = self._forward(ids, self._attention_mask(mask, S), pos, cache)
-        self._merge(reqs, cache, mask, torch.tensor(lens, dtype=torch.long, device=dev))
+        logits, cache = self._forward(ids, self._attention_mask(mask, S), pos, cache, embeds)
+        self._merge(reqs, cache, mask, next_pos)
         return logits, sum(past)
 
     def _reused_cache(self, hits: list[tuple[Prefix, int] | None], past: list[int], P: int):

@@ -46,11 +46,13 @@ from rlstream.common.engine_api import EngineError, FinishReason, GenerateRespon
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import now_us, span, tracer
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
+from rlstream.common.vision import is_vision_config, vision_spec
 from rlstream.engine.kv_batch import KVBatch
 from rlstream.engine.model_weights import ModelWeights
 from rlstream.engine.prefix_cache import Prefix, PrefixCache
 from rlstream.engine.sampling import Sampling, match_stop_strings, resolve, sample
 from rlstream.engine.scheduler import ADMISSION_HOLD_MS, Request, Scheduler, deliver
+from rlstream.engine.vision import VisionEncoder
 
 __all__ = ["LocalEngine", "EngineError", "resolve_device", "DTYPES"]
 
@@ -81,6 +83,11 @@ def _check_architecture(model_path: str) -> None:
     except (OSError, ValueError, KeyError) as exc:
         raise ModelPathError(f"server.model_path={model_path!r}: cannot read config.json: "
                              f"{str(exc).splitlines()[0]}") from None
+    if is_vision_config(config):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+        if config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+            return
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         archs = ", ".join(getattr(config, "architectures", None) or [config.model_type])
         raise ModelPathError(f"server.model_path={model_path!r}: architecture {archs} (model_type "
@@ -125,7 +132,7 @@ class LocalEngine:
         self._thread: threading.Thread | None = None
 
         # Decode-thread state: the running batch.
-        self._batch = KVBatch(self.model, device=self.device, dtype=self.dtype, pad_id=self.pad_id)
+        self._batch = KVBatch(self.model, device=self.device, dtype=self.dtype, pad_id=self.pad_id, vision=self.vision)
 
         # Counters for stats(); written by the decode thread only.
         self.total_tokens = 0
@@ -145,7 +152,7 @@ class LocalEngine:
 
     def _load_model(self, model_path: str | os.PathLike, tokenizer_path: str | os.PathLike | None,
                     device: str, dtype: str) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         self.model_path = resolve_model_path(str(model_path), "server.model_path")
         self.tokenizer_path = resolve_model_path(str(tokenizer_path), "tokenizer_path") if tokenizer_path \
@@ -159,8 +166,15 @@ class LocalEngine:
         self.dtype = DTYPES[dtype]
         _check_architecture(self.model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path, local_files_only=True)
-        self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype,
-                                                          local_files_only=True).to(self.device).eval()
+        try:
+            spec = vision_spec(self.model_path, "server.model_path")
+        except ValueError as exc:
+            raise ModelPathError(str(exc)) from None
+        # A vision-language model takes its images with the prompt (engine/vision.py).
+        model_class = AutoModelForCausalLM if spec is None else AutoModelForImageTextToText
+        self.model = model_class.from_pretrained(self.model_path, dtype=self.dtype,
+                                                 local_files_only=True).to(self.device).eval()
+        self.vision = VisionEncoder(self.model, spec) if spec is not None else None
         self.model.requires_grad_(False)
 
     @classmethod
@@ -228,14 +242,18 @@ class LocalEngine:
                              f"max_seq_len={self.max_seq_len}")
         return list(input_ids)
 
-    async def generate(self, input_ids: list[int],
-                       sampling_params: Sampling | SamplingParams | dict | None = None) -> GenerateResponse:
-        """Generate for one prompt; returns the SGLang /generate response.
+    async def generate(self, input_ids: list[int], sampling_params: Sampling | SamplingParams | dict | None = None,
+                       images: list[bytes] | None = None) -> GenerateResponse:
+        """Generate for one prompt (with a vision-language model, and its `images`' encoded bytes: the prompt
+        holds each image's tokens); returns the SGLang /generate response.
 
         Raises ValueError for a bad prompt or bad sampling params, EngineError when the
         model failed. A cancelled caller's request leaves the batch at the next step.
         """
         prompt = self.validate_prompt(input_ids)
+        if images and self.vision is None:
+            raise ValueError(f"image_data given, but server.model_path={str(self.model_path)!r} is a text-only model")
+        prepared = self.vision.prepare(prompt, list(images or ())) if self.vision is not None else None
         params = resolve(sampling_params)
         for t in params.stop_token_ids:
             if not 0 <= t < self.vocab_size:
@@ -243,7 +261,7 @@ class LocalEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         loop = asyncio.get_running_loop()
         req = Request(rid=f"r{next(self._ids)}", prompt=prompt, params=params, stop_ids=stop_ids,
-                      loop=loop, future=loop.create_future())
+                      loop=loop, future=loop.create_future(), images=prepared or None)
         if params.max_new_tokens == 0:
             return self._result(req, FinishReason(type="length", length=0))
         self.start()
@@ -292,6 +310,8 @@ class LocalEngine:
             if n:
                 self._weights_gen += 1  # rows prefilled before this hold KV of the old weights
                 self._prefixes.clear()  # their KV came from the old weights
+                if self.vision is not None:
+                    self.vision.clear()  # so did the images' features
             if version is not None:
                 self._version = int(version)
         return n
@@ -314,7 +334,9 @@ class LocalEngine:
                 "peak_running": self.peak_running, "weight_version": self._version,
                 "busy_seconds": round(self.busy_seconds, 6), "prefill_tokens": self.prefill_tokens,
                 "cached_prompt_tokens": self.cached_prompt_tokens, "prefix_cache_entries": len(self._prefixes),
-                "prefix_cache_used_tokens": self._prefixes.total_tokens}
+                "prefix_cache_used_tokens": self._prefixes.total_tokens,
+                **({"images_encoded": self.vision.encoded, "image_cache_hits": self.vision.cache_hits}
+                   if self.vision is not None else {})}
 
     def flush_cache(self) -> None:
         """Drop every kept prefix (SGLang's /flush_cache)."""
@@ -428,7 +450,8 @@ class LocalEngine:
         """Prefill new requests: those extending a kept prefix in one forward, the others in another."""
         for r in reqs:
             r.kv_gen = self._weights_gen
-        hits = [self._prefixes.lookup(r.prompt) for r in reqs]
+        img = self.vision.spec.image_token_id if self.vision is not None else None
+        hits = [self._prefixes.lookup(r.prompt, _shas(r), img) for r in reqs]
         reused = [(r, h) for r, h in zip(reqs, hits) if h is not None]
         fresh = [r for r, h in zip(reqs, hits) if h is None]
         if reused:
@@ -478,7 +501,8 @@ class LocalEngine:
         for i, r, finish in zip(rows, reqs, self._finishes(reqs)):
             if finish is not None:
                 if r.kv_gen == self._weights_gen:  # else a weight update came mid-request: part of its KV is stale
-                    self._prefixes.keep(r.prompt, r.output_ids, batch.cache, i)
+                    self._prefixes.keep(r.prompt, r.output_ids, batch.cache, i, _shas(r),
+                                        sum(im.inputs.n_tokens for im in r.images or ()))
                 delivered.append((r, finish))
                 finished.add(i)
         if delivered:
@@ -509,3 +533,8 @@ class LocalEngine:
                 if hit is not None:
                     out[k] = FinishReason(type="stop", matched=hit)
         return out
+
+
+def _shas(r: Request) -> tuple[str, ...]:
+    """The content addresses of a request's images, in order."""
+    return tuple(im.sha256 for im in r.images) if r.images else ()

@@ -9,6 +9,10 @@ the common prefix go through the model. A weight update empties the cache (its K
 from the old weights). The outputs are those of a full prefill up to float rounding
 (the kept KV of output tokens was computed one decode step at a time).
 
+With images (vision-language models) a kept prefix also records its prompt's images (sha256s) and how many
+image tokens they fill: it serves a prompt only if those are the prompt's first images, and never past an
+image token of the prompt that its own KV did not compute from an image (a token the model sampled).
+
 Used by the decode thread, and by weight updates under the engine's step lock.
 """
 
@@ -33,6 +37,8 @@ PREFIX_HEAD = 8
 class Prefix:
     tokens: torch.Tensor  # [n] token ids on the CPU
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer [1, H, n, D]
+    images: tuple[str, ...] = ()  # sha256 of each image of its prompt, in order
+    image_tokens: int = 0  # the prompt's image tokens (those its KV computed from images)
 
 
 class PrefixCache:
@@ -48,7 +54,8 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def keep(self, prompt: list[int], output_ids: list[int], cache, row: int) -> None:
+    def keep(self, prompt: list[int], output_ids: list[int], cache, row: int, images: tuple[str, ...] = (),
+             image_tokens: int = 0) -> None:
         """Keep the KV of a finished batch row: its prompt and every output token but the last (never fed)."""
         if not self.max_tokens:
             return
@@ -64,14 +71,16 @@ class PrefixCache:
             if len(e.tokens) <= n and torch.equal(e.tokens, tokens[:len(e.tokens)]):
                 self._drop(key)
         key = next(self._ids)
-        self._entries[key] = Prefix(tokens, kv)
+        self._entries[key] = Prefix(tokens, kv, images, image_tokens)
         self._by_head.setdefault(head, set()).add(key)
         self.total_tokens += n
         while self.total_tokens > self.max_tokens:
             self._drop(next(iter(self._entries)))
 
-    def lookup(self, prompt: list[int]) -> tuple[Prefix, int] | None:
-        """The kept entry sharing the longest prefix with `prompt` and that length (< len(prompt)), if any."""
+    def lookup(self, prompt: list[int], images: tuple[str, ...] = (),
+               image_token_id: int | None = None) -> tuple[Prefix, int] | None:
+        """The kept entry sharing the longest prefix with `prompt` and that length (< len(prompt)), if any;
+        with `images`/`image_token_id` (a vision model) only one whose images are the prompt's first ones."""
         keys = self._by_head.get(tuple(prompt[:PREFIX_HEAD])) if len(prompt) > PREFIX_HEAD else None
         if not keys:
             return None
@@ -80,10 +89,13 @@ class PrefixCache:
         for key in keys:
             e = self._entries[key]
             m = min(len(e.tokens), len(p) - 1)  # at least one prompt token must run, for its logits
-            if m <= best_n:
+            if m <= best_n or e.images != images[:len(e.images)]:
                 continue
             diff = (e.tokens[:m] != p[:m]).nonzero()
             n = int(diff[0]) if len(diff) else m
+            if image_token_id is not None:  # stop before the first image token its KV did not take from an image
+                at = (p[:n] == image_token_id).nonzero()
+                n = int(at[e.image_tokens]) if len(at) > e.image_tokens else n
             if n > best_n:
                 best, best_n, best_key = e, n, key
         if best is None or 2 * best_n < len(prompt):

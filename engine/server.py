@@ -33,6 +33,8 @@ private Unix socket behind it.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import os
 import signal
@@ -110,6 +112,7 @@ async def answer_generate(engine: LocalEngine, body: GenerateRequest) -> tuple[i
         params = [resolve(s) for s in sps]
         for p in prompts:
             engine.validate_prompt(p)
+        images = request_images(body.image_data, len(prompts))
     except ValueError as exc:  # BadRequest too
         return 400, _error(400, f"/generate: {exc}")
     if body.stream:
@@ -119,7 +122,10 @@ async def answer_generate(engine: LocalEngine, body: GenerateRequest) -> tuple[i
     rl = body.return_logprob
     return_logprob = rl if isinstance(rl, list) else [rl] * len(prompts)
     try:
-        if len(prompts) == 1:  # the usual case: no gather, no extra task
+        if images is not None:  # a vision-language prompt (engine/vision.py)
+            results = await asyncio.gather(*(engine.generate(p, s, images=im) for p, s, im in
+                                             zip(prompts, params, images)))
+        elif len(prompts) == 1:  # the usual case: no gather, no extra task
             results = [await engine.generate(prompts[0], params[0])]
         else:
             results = await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, params)))
@@ -134,6 +140,30 @@ async def answer_generate(engine: LocalEngine, body: GenerateRequest) -> tuple[i
         elif body.return_text_in_logprobs and meta.output_token_logprobs:
             meta.output_token_logprobs = [(lp, t, engine.tokenizer.decode([t])) for lp, t, _ in meta.output_token_logprobs]
     return 200, (list(results) if batched else results[0])
+
+
+def request_images(image_data: Any, n_prompts: int) -> list[list[bytes]] | None:
+    """Each prompt's images of SGLang's `image_data` (base64 strings or data URLs), decoded; BadRequest naming the
+    entry that is not."""
+    if not image_data:
+        return None
+    if isinstance(image_data, str):
+        image_data = [image_data]
+    per_prompt = image_data if image_data and isinstance(image_data[0], list) else [image_data]
+    if len(per_prompt) != n_prompts:
+        raise BadRequest(f"image_data has {len(per_prompt)} lists for {n_prompts} prompts")
+    out = []
+    for i, items in enumerate(per_prompt):
+        decoded = []
+        for j, item in enumerate(items):
+            b64 = item.split(",", 1)[1] if item.startswith("data:") else item
+            try:
+                decoded.append(base64.b64decode(b64, validate=True))
+            except (binascii.Error, ValueError):
+                raise BadRequest(f"image_data[{i}][{j}] is not base64 or a data:image/...;base64 URL "
+                                 f"(the local engine reads no paths or remote URLs)") from None
+        out.append(decoded)
+    return out
 
 
 def _prompts(engine: LocalEngine, body: GenerateRequest) -> tuple[list[Any], bool]:

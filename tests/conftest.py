@@ -123,6 +123,14 @@ def tiny_model_path(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vlm_path(tmp_path_factory) -> Path:
+    """A tiny Qwen2-VL (vision tower, character tokenizer, image processor), random weights."""
+    from rlstream.launcher.tiny_vlm import build_tiny_vlm
+
+    return build_tiny_vlm(tmp_path_factory.mktemp("tiny-vlm") / "model")
+
+
+@pytest.fixture(scope="session")
 def tiny_tied_model_path(tmp_path_factory) -> Path:
     """The tiny model with lm_head tied to embed_tokens (like SmolLM2, Qwen2.5, Llama-3.2)."""
     from rlstream.launcher.tiny import build_tiny_model

@@ -407,3 +407,29 @@ async def wait_for(pred, timeout: float = 60.0, what: str = "condition") -> None
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.01)
+
+
+def shape_png(colour: str = "red", shape: str = "ellipse", size: int = 56) -> bytes:
+    """A PNG of one filled shape (`ellipse` or `rectangle`) on white, for the multimodal tests."""
+    import io
+
+    from PIL import Image, ImageDraw
+
+    img = Image.new("RGB", (size, size), "white")
+    getattr(ImageDraw.Draw(img), shape)([size // 7, size // 7, size * 5 // 7, size * 5 // 7], fill=colour)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def vlm_prompt(path, images: list[bytes], text: str = "count?") -> list[int]:
+    """A tiny VLM's chat prompt with `images` (one image part each, then the text), image tokens expanded."""
+    from transformers import AutoTokenizer
+
+    from rlstream.common.vision import expand_image_tokens, image_inputs, vision_spec
+
+    spec = vision_spec(path)
+    tok = AutoTokenizer.from_pretrained(path)
+    parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    ids = tok.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=True)
+    return expand_image_tokens(ids, spec, [image_inputs(spec, d).n_tokens for d in images], "test prompt")

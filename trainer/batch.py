@@ -51,6 +51,7 @@ class SeqBatch:
     entry_ids: list[str] = field(default_factory=list)  # [G] stream ids, in batch order
     turn_rewards: torch.Tensor | None = None  # [T] float32: per-turn rewards on each turn's last token; None: none
     teacher_logp: torch.Tensor | None = None  # [T] float32: teachers' logprob of token t (schema 3), NaN where none
+    images: list[list[bytes]] | None = None  # [N] each sequence's images' bytes, in token order (schema 4); None: none
 
     @property
     def model_lens(self) -> torch.Tensor:
@@ -110,6 +111,7 @@ class SeqBatch:
             entry_ids=list(self.entry_ids),
             turn_rewards=None if self.turn_rewards is None else self.turn_rewards[tok],
             teacher_logp=None if self.teacher_logp is None else self.teacher_logp[tok],
+            images=None if self.images is None else [self.images[i] for i in seqs],
         )
 
 
@@ -124,8 +126,11 @@ def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch
     turn_rewards: dict[int, np.ndarray] = {}  # offset of the sequence -> its [len] turn reward row
     teacher: dict[int, tuple[int, np.ndarray]] = {}  # offset of the sequence -> (prompt_len, teacher logprobs)
     offset = 0
+    images: list[list[bytes]] | None = [] if any(e.images for e in entries) else None
     for g, entry in enumerate(entries):
         for t in entry.group.trajectories:
+            if images is not None:
+                images.append(entry.images or [])
             tok = t.input_ids_np
             if vocab_size is not None and len(tok) and (int(tok.max()) >= vocab_size or int(tok.min()) < 0):
                 raise BadEntry(entry.id, f"token id outside [0, {vocab_size}) (max {int(tok.max())}, min {int(tok.min())})")
@@ -169,5 +174,5 @@ def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch
         input_ids=input_ids, cu_seqlens=cu_t, prompt_lens=prompt_lens, loss_mask=loss_mask,
         behav_logp=behav, versions=versions, rewards=torch.tensor(rewards, dtype=torch.float32),
         no_eos=torch.tensor(no_eos, dtype=torch.bool), group_ids=torch.tensor(gids, dtype=torch.long),
-        entry_ids=[e.id for e in entries], turn_rewards=turn_t, teacher_logp=teacher_t,
+        entry_ids=[e.id for e in entries], turn_rewards=turn_t, teacher_logp=teacher_t, images=images,
     )

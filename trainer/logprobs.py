@@ -15,6 +15,8 @@ import torch
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.chunked_head import head_logprobs
 from rlstream.trainer.packing import ModelInputs, next_token_logits, packed_inputs, padded_inputs
+from rlstream.common.vision import mask_vision_logits
+from rlstream.trainer.vision import has_images, vision_kwargs, vision_spec_of
 
 __all__ = ["chunkable_head", "model_inputs", "one_row_packing", "token_logprobs"]
 
@@ -110,14 +112,20 @@ def token_logprobs(model: torch.nn.Module, batch: SeqBatch, *, temperature: floa
     `[T, vocab]` tensor exists; 0, or a model whose head `chunkable_head` refuses: all at once.
     """
     dtype = next(model.parameters()).dtype
-    inputs = model_inputs(batch, packing, pad_token_id, one_row_packing(model), dtype).to(device)
+    images = has_images(batch)
+    inputs = model_inputs(batch, packing and not images, pad_token_id, one_row_packing(model), dtype)
+    if images:  # trainer/vision.py: one sequence per row, the images' pixels and grids with them
+        inputs.kwargs.update(vision_kwargs(model, batch))
+    inputs = inputs.to(device)
     ids = batch.input_ids.to(device)
     first = torch.zeros(ids.shape[0], dtype=torch.bool, device=device)
     first[batch.cu_seqlens[:-1].to(device)] = True
-    head = chunkable_head(model) if chunk_tokens > 0 else None
+    vision = vision_spec_of(model)  # a vision model's logits have its image tokens masked: the full path
+    head = chunkable_head(model) if chunk_tokens > 0 and vision is None else None
     if head is None:
         return _full_token_logprobs(model, batch, inputs, ids, first, temperature=temperature,
-                                    with_entropy=with_entropy, entropy_grad=entropy_grad, outputs_only=outputs_only)
+                                    with_entropy=with_entropy, entropy_grad=entropy_grad, outputs_only=outputs_only,
+                                    vision=vision)
     keep = ~first & (batch.versions >= 0).to(device) if outputs_only else ~first
     sel = keep.nonzero().squeeze(1)
     # Token t at grid position p is predicted at p - 1 (same row: t is not a sequence start).
@@ -134,7 +142,7 @@ def token_logprobs(model: torch.nn.Module, batch: SeqBatch, *, temperature: floa
 
 def _full_token_logprobs(model: torch.nn.Module, batch: SeqBatch, inputs: ModelInputs, ids: torch.Tensor,
                          first: torch.Tensor, *, temperature: float, with_entropy: bool, entropy_grad: bool,
-                         outputs_only: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                         outputs_only: bool, vision=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`token_logprobs` with the `[T, vocab]` logits at once (HF `logits_to_keep` for `outputs_only`)."""
     device = ids.device
     want = None
@@ -153,6 +161,8 @@ def _full_token_logprobs(model: torch.nn.Module, batch: SeqBatch, inputs: ModelI
         logits = out.logits.reshape(rows * cols.numel(), -1)[(pred // width) * cols.numel() + col_of]
         logits = logits.float() / temperature
         tok = ids[want]
+    if vision is not None:
+        logits = mask_vision_logits(logits, vision)
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, tok[:, None]).squeeze(-1) - lse
     entropy = None

@@ -17,6 +17,7 @@ import torch
 
 from rlstream.common.config import ActorConfig, ConfigError, LoRAConfig
 from rlstream.common.models import check_model_folder, resolve_model_path
+from rlstream.common.vision import is_vision_config
 
 __all__ = ["DTYPES", "check_model_path", "load_causal_lm", "load_model", "disable_dropout", "apply_lora", "is_lora",
            "apply_trainable_map"]
@@ -33,8 +34,9 @@ def check_model_path(path: str, key: str) -> Path:
 
 def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", trainable: bool = True,
                    init_from_scratch: bool = False, seed: int = 1) -> torch.nn.Module:
-    """Load (or randomly initialise from its config) a causal LM on CPU in `actor.dtype`."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """Load (or randomly initialise from its config) a causal LM, or a vision-language model of the Qwen2-VL
+    family, on CPU in `actor.dtype`."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     import transformers
 
@@ -45,14 +47,16 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
     # transformers 4.56 renamed `torch_dtype` to `dtype`.
     major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
     dkw = {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
+    config = AutoConfig.from_pretrained(p, local_files_only=True)
+    # A vision-language model takes its images with the batch (trainer/vision.py).
+    model_class = AutoModelForImageTextToText if is_vision_config(config) else AutoModelForCausalLM
     if init_from_scratch:
-        config = AutoConfig.from_pretrained(p, local_files_only=True)
         # Same seed on every rank: identical initial weights without a broadcast.
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(config, **dkw)
+            model = model_class.from_config(config, **dkw)
     else:
-        model = AutoModelForCausalLM.from_pretrained(p, local_files_only=True, **dkw)
+        model = model_class.from_pretrained(p, local_files_only=True, **dkw)
     if actor.disable_dropout:
         disable_dropout(model)
     if trainable and actor.lora is not None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from rlstream.common.wire import (
     SCHEMA_VERSION,
+    IMAGE_SCHEMA_VERSION,
     TEACHER_SCHEMA_VERSION,
     Trajectory,
     TrajectoryGroup,
@@ -177,8 +178,8 @@ def test_validation_reasons(kw, reason):
 
 def test_schema_version_mismatch_is_named():
     g = _group()
-    g.schema_version = TEACHER_SCHEMA_VERSION + 1
-    with pytest.raises(WireError, match=rf"schema_version {TEACHER_SCHEMA_VERSION + 1} not in supported \(1, 2, 3\)"):
+    g.schema_version = IMAGE_SCHEMA_VERSION + 1
+    with pytest.raises(WireError, match=rf"schema_version {IMAGE_SCHEMA_VERSION + 1} not in supported \(1, 2, 3, 4\)"):
         decode_group(encode_group(g))
     with pytest.raises(WireError, match="no trajectories"):
         decode_group(encode_group(TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[])))

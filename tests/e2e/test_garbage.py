@@ -32,7 +32,7 @@ from rlstream.common.config import ConfigError, Config, field_docs, load_config
 from rlstream.common.wire import (
     FINISH_REASONS,
     SCHEMA_VERSION,
-    TEACHER_SCHEMA_VERSION,
+    IMAGE_SCHEMA_VERSION,
     Trajectory,
     TrajectoryGroup,
     WireError,
@@ -78,7 +78,7 @@ def bad_entries() -> list[tuple[str, dict[str, bytes], str]]:
         ("truncated payload", {"d": valid[: len(valid) // 2]}, "undecodable"),
         ("no d field", {"x": b"1"}, "no 'd' payload"),
         ("missing struct field", {"d": missing_trajs}, "trajectories"),
-        ("wrong schema version", {"d": encode_group(_group(schema_version=TEACHER_SCHEMA_VERSION + 1))}, "schema_version"),
+        ("wrong schema version", {"d": encode_group(_group(schema_version=IMAGE_SCHEMA_VERSION + 1))}, "schema_version"),
         ("inconsistent lengths", {"d": encode_group(_group(_traj(logprobs=_f32(0, 0, 0, -1.0))))},
          "inconsistent lengths"),
         ("ragged byte length", {"d": encode_group(_group(_traj(versions=_i32(-1, -1, -1, 0, 0) + b"\x00")))},
@@ -282,7 +282,7 @@ def _near_valid_trajectory(draw) -> tuple[dict, bool]:
 @st.composite
 def _near_valid_group(draw) -> tuple[dict, bool]:
     trajs = draw(st.lists(_near_valid_trajectory(), min_size=0, max_size=3))
-    schema = draw(st.sampled_from([SCHEMA_VERSION] * 3 + [1] * 3 + [0, TEACHER_SCHEMA_VERSION + 1, -1]))
+    schema = draw(st.sampled_from([SCHEMA_VERSION] * 3 + [1] * 3 + [0, IMAGE_SCHEMA_VERSION + 1, -1]))
     obj = {"schema_version": schema, "group_id": "g", "prompt_id": "p", "producer_id": "x",
            "trajectories": [t for t, _ in trajs]}
     return obj, schema in (1, SCHEMA_VERSION) and bool(trajs) and all(ok for _, ok in trajs)

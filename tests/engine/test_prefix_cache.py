@@ -111,3 +111,25 @@ async def test_a_request_spanning_a_weight_update_is_not_kept(tiny_model_path):
         assert on.stats()["prefix_cache_entries"] == 1
     finally:
         on.close()
+
+
+def test_a_kept_prefix_with_images_serves_only_prompts_that_start_with_its_images():
+    from rlstream.engine.kv_batch import make_cache
+    from rlstream.engine.prefix_cache import PrefixCache
+
+    img = 99
+    cache = PrefixCache(1000)
+    kv = make_cache([(torch.zeros(1, 1, 20, 2), torch.zeros(1, 1, 20, 2))])
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, img, img, 9, 10]
+    cache.keep(prompt, [11, 12, img, 13], kv, 0, images=("a",), image_tokens=2)
+    turn2 = prompt + [11, 12, img, 13, 14, 15]
+    assert cache.lookup(turn2, ("a",), img) is not None
+    assert cache.lookup(turn2, ("b",), img) is None  # the same tokens with another image
+    assert cache.lookup(turn2, (), img) is None
+    # The sampled image token at position 14: its KV came from a text embedding, so reuse stops before it
+    # when the new prompt takes it for an image token.
+    hit = cache.lookup(turn2, ("a", "c"), img)
+    assert hit is not None and hit[1] == len(prompt) + 2
+    text = PrefixCache(1000)
+    text.keep(prompt, [11, 12], kv, 0)
+    assert text.lookup(prompt + [11, 14], (), None)[1] == len(prompt) + 1  # text models: as before

@@ -1,0 +1,119 @@
+"""A vision-language model's image inputs, shared by the producer, the engines and the trainer.
+
+The supported family is Qwen2-VL's (Qwen2-VL, Qwen2.5-VL and the tiny one `launcher/tiny_vlm.py` builds): an
+image becomes `pixel_values` patches and a `(t, h, w)` patch grid from the model folder's image processor
+(`AutoImageProcessor`, `preprocessor_config.json`), and `t·h·w / merge²` copies of the image token in the
+prompt, between the vision start and end tokens. Building prompts from chat messages with image parts is the
+chat template's job (the tokenizer's); `expand_image_tokens` then gives each image its number of tokens, as
+HF's `Qwen2VLProcessor` does (used directly here: that class needs torchvision for its video half).
+
+Every function is deterministic, so the producer, the engine and the trainer turn the same bytes into the
+same tensors and token counts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+__all__ = ["VisionSpec", "vision_spec", "ImageInputs", "image_inputs", "expand_image_tokens",
+           "count_image_tokens", "is_vision_config", "mask_vision_logits"]
+
+IMAGE_PAD = "<|image_pad|>"
+
+
+def is_vision_config(config: Any) -> bool:
+    """A model config of the supported vision-language family (has a vision tower and an image token)."""
+    return getattr(config, "vision_config", None) is not None and getattr(config, "image_token_id", None) is not None
+
+
+@dataclass(frozen=True)
+class VisionSpec:
+    """What turning images into model inputs needs to know about one model folder."""
+
+    path: str
+    image_token_id: int
+    merge_size: int  # patches per token along each side (`spatial_merge_size`)
+    # Never generated: the engine and the trainer give them the lowest logit (`mask_vision_logits`), so an
+    # output never holds tokens the model would take for an image (and both compute the same distribution).
+    suppressed: tuple[int, ...] = ()
+
+    def tokens_of(self, grid: Any) -> int:
+        """Image tokens of one `(t, h, w)` grid."""
+        t, h, w = (int(x) for x in grid)
+        return t * h * w // self.merge_size ** 2
+
+    @property
+    def processor(self):
+        return _image_processor(self.path)
+
+
+@lru_cache(maxsize=8)
+def _image_processor(path: str):
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path, local_files_only=True)
+
+
+def vision_spec(path: str | Path, key: str = "actor.path") -> VisionSpec | None:
+    """The folder's `VisionSpec`; None for a text-only model. ValueError (one line naming `key`) for a vision
+    model without an image processor or outside the supported family."""
+    path = Path(path)
+    cfg = json.loads((path / "config.json").read_text())
+    vision = cfg.get("vision_config")
+    if vision is None:
+        return None
+    if "image_token_id" not in cfg or "spatial_merge_size" not in vision:
+        raise ValueError(f"{key}={str(path)!r}: model_type {cfg.get('model_type')!r} is a vision model outside the "
+                         f"supported Qwen2-VL family (needs image_token_id and vision_config.spatial_merge_size)")
+    if not (path / "preprocessor_config.json").is_file():
+        raise ValueError(f"{key}={str(path)!r}: vision model without an image processor "
+                         f"(no preprocessor_config.json in the folder)")
+    special = (cfg.get(k) for k in ("image_token_id", "video_token_id", "vision_start_token_id"))
+    return VisionSpec(str(path), int(cfg["image_token_id"]), int(vision["spatial_merge_size"]),
+                      tuple(int(t) for t in special if t is not None))
+
+
+def mask_vision_logits(logits: Any, spec: VisionSpec) -> Any:
+    """`logits` [..., V] with the vision tokens at the dtype's lowest value (not -inf: entropies stay finite)."""
+    import torch
+
+    return logits.index_fill(-1, torch.tensor(spec.suppressed, device=logits.device), torch.finfo(logits.dtype).min)
+
+
+@dataclass(frozen=True)
+class ImageInputs:
+    """One image as the model takes it."""
+
+    pixel_values: Any  # torch.Tensor [patches, C·T·P·P] float32
+    grid: Any  # torch.Tensor [3] int64: (t, h, w) in patches
+    n_tokens: int  # image tokens it takes in the prompt
+
+
+def image_inputs(spec: VisionSpec, data: bytes) -> ImageInputs:
+    """Preprocess one image's bytes with the model's image processor."""
+    from rlstream.common.images import open_image
+
+    out = spec.processor(images=[open_image(data)], return_tensors="pt")
+    grid = out["image_grid_thw"][0]
+    return ImageInputs(out["pixel_values"], grid, spec.tokens_of(grid))
+
+
+def count_image_tokens(ids: Any, spec: VisionSpec) -> int:
+    return sum(1 for t in ids if t == spec.image_token_id)
+
+
+def expand_image_tokens(ids: list[int], spec: VisionSpec, n_tokens: list[int], where: str) -> list[int]:
+    """`ids` with its i-th image token repeated `n_tokens[i]` times (the chat template writes one per image);
+    ValueError naming `where` when the prompt's image tokens and the images differ in number."""
+    found = count_image_tokens(ids, spec)
+    if found != len(n_tokens):
+        raise ValueError(f"{where}: the prompt has {found} image placeholders for {len(n_tokens)} images")
+    out: list[int] = []
+    it = iter(n_tokens)
+    for t in ids:
+        out.extend([t] * next(it) if t == spec.image_token_id else (t,))
+    return out

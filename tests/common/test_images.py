@@ -1,0 +1,116 @@
+"""Images on the wire (schema 4): content addresses, loading a dataset's image values, checks, compatibility."""
+
+from __future__ import annotations
+
+import io
+
+import msgspec
+import numpy as np
+import pytest
+from PIL import Image
+
+from rlstream.common.images import image_problem, image_sha256, image_to_bytes, open_image, ref_of
+from rlstream.common.wire import (
+    IMAGE_SCHEMA_VERSION,
+    TEACHER_SCHEMA_VERSION,
+    ImageRef,
+    Trajectory,
+    TrajectoryGroup,
+    WireError,
+    decode_group,
+    encode_group,
+)
+
+
+def png(colour: str = "red", size: int = 16) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def _traj() -> Trajectory:
+    return Trajectory.from_arrays([1, 2, 3], [4, 5], [-0.1, -0.2], [0, 0], 1.0, "stop")
+
+
+def _group(images, schema_version=IMAGE_SCHEMA_VERSION, **kw) -> TrajectoryGroup:
+    return TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[_traj(), _traj()],
+                           images=images, schema_version=schema_version, **kw)
+
+
+def test_schema_4_round_trip_carries_references_not_bytes():
+    data = [png("red"), png("blue", 24)]
+    g = _group([ref_of(d) for d in data])
+    wire = encode_group(g)
+    back = decode_group(wire)
+    assert back.schema_version == 4
+    assert back.images == [ImageRef(image_sha256(d), len(d)) for d in data]
+    assert all(d not in wire for d in data)  # only the 64-hex address and length travel in the entry
+    assert encode_group(back) == wire
+    assert back.trajectories[0].input_ids_np.tolist() == [1, 2, 3, 4, 5]
+
+
+def test_earlier_schemas_still_decode_without_images():
+    class V1Traj(msgspec.Struct, kw_only=True):
+        input_ids: bytes
+        prompt_len: int
+        logprobs: bytes
+        versions: bytes
+        reward: float
+        finish_reason: str
+
+    class V1Group(msgspec.Struct, kw_only=True):
+        schema_version: int = 1
+        group_id: str
+        prompt_id: str
+        producer_id: str
+        trajectories: list[V1Traj]
+
+    t = V1Traj(input_ids=np.array([1, 2, 3], "<i4").tobytes(), prompt_len=1,
+               logprobs=np.array([0, -0.5, -0.25], "<f4").tobytes(), versions=np.array([-1, 0, 0], "<i4").tobytes(),
+               reward=0.5, finish_reason="stop")
+    v1 = decode_group(msgspec.msgpack.encode(V1Group(group_id="g", prompt_id="p", producer_id="x", trajectories=[t])))
+    assert v1.schema_version == 1 and v1.images is None and v1.trajectories[0].loss_mask_np.tolist() == [0, 1, 1]
+    for version in (2, TEACHER_SCHEMA_VERSION):
+        g = TrajectoryGroup(group_id="g", prompt_id="p", producer_id="x", trajectories=[_traj()],
+                            schema_version=version)
+        back = decode_group(encode_group(g))
+        assert back.schema_version == version and back.images is None
+
+
+@pytest.mark.parametrize("images, version, reason", [
+    ([ImageRef("a" * 64, 10)], 3, "images in a schema 3 entry"),
+    ([ImageRef("xyz", 10)], 4, "image 0: sha256 'xyz' is not 64 lowercase hex"),
+    ([ImageRef("a" * 64, 10), ImageRef("b" * 64, 0)], 4, "image 1: nbytes 0 must be > 0"),
+])
+def test_malformed_references_are_named(images, version, reason):
+    with pytest.raises(WireError, match=reason):
+        decode_group(encode_group(_group(images, schema_version=version)))
+
+
+def test_image_values_of_every_kind_become_the_same_bytes(tmp_path):
+    data = png("green")
+    path = tmp_path / "a.png"
+    path.write_bytes(data)
+    assert image_to_bytes(str(path), "row 0") == data
+    assert image_to_bytes(data, "row 0") == data
+    assert image_to_bytes({"bytes": data, "path": None}, "row 0") == data  # HF datasets Image feature, undecoded
+    assert image_to_bytes({"bytes": None, "path": str(path)}, "row 0") == data
+    pil = image_to_bytes(Image.open(io.BytesIO(data)), "row 0")
+    assert open_image(pil).getpixel((3, 3)) == (0, 128, 0)
+
+
+def test_bad_image_values_name_the_row(tmp_path):
+    with pytest.raises(ValueError, match=r"^dataset row 7: does not decode as an image"):
+        image_to_bytes(b"not an image", "dataset row 7")
+    with pytest.raises(ValueError, match=r"^dataset row 8: cannot read image file"):
+        image_to_bytes(str(tmp_path / "missing.png"), "dataset row 8")
+    with pytest.raises(ValueError, match=r"^dataset row 9: an image must be a path, bytes"):
+        image_to_bytes(3.5, "dataset row 9")
+
+
+def test_image_problem_checks_the_hash_and_the_decoding():
+    data = png()
+    assert image_problem(data, image_sha256(data)) is None
+    assert "not to their reference" in image_problem(data[:-1] + b"\x00", image_sha256(data))
+    truncated = data[:40]
+    assert "does not decode" in image_problem(truncated, image_sha256(truncated))
