@@ -20,7 +20,8 @@ The parts, one module each:
 - `engine/kv_batch.py`: the running batch's left-padded KV cache and its prefill/decode forwards;
 - `engine/prefix_cache.py`: the KV of finished requests, reused by prompts that extend them;
 - `engine/model_weights.py`: copying weight updates into the model, reading them from disk;
-- `engine/sampling.py`: sampling and the behaviour logprob convention (the trainer recomputes exactly this).
+- `engine/sampling.py`: sampling and the behaviour logprob convention (the trainer recomputes exactly this);
+- `engine/grammar.py`: structured outputs (`json_schema`, `regex`, `ebnf`): llguidance token masks on the logits.
 
 Results are the contract's `GenerateResponse` (`common/engine_api.py`), the shape SGLang's
 `/generate` answers with.
@@ -46,6 +47,7 @@ from rlstream.common.engine_api import EngineError, FinishReason, GenerateRespon
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import now_us, span, tracer
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
+from rlstream.engine.grammar import Grammars, constraint_of
 from rlstream.engine.kv_batch import KVBatch
 from rlstream.engine.model_weights import ModelWeights
 from rlstream.engine.prefix_cache import Prefix, PrefixCache
@@ -106,6 +108,7 @@ class LocalEngine:
         self.admission_hold_s = admission_hold_ms / 1000
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_ids = self._eos_ids()
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
             log.warning("model config has sliding_window=%s: the engine keeps full-attention caches",
@@ -244,6 +247,9 @@ class LocalEngine:
         loop = asyncio.get_running_loop()
         req = Request(rid=f"r{next(self._ids)}", prompt=prompt, params=params, stop_ids=stop_ids,
                       loop=loop, future=loop.create_future())
+        constraint = constraint_of(params)
+        if constraint is not None:  # compiled off the event loop: a large grammar takes 10-1000 ms
+            req.grammar = await loop.run_in_executor(None, self.grammars.matcher, *constraint)
         if params.max_new_tokens == 0:
             return self._result(req, FinishReason(type="length", length=0))
         self.start()
@@ -461,10 +467,14 @@ class LocalEngine:
         reqs = [batch.rows[i] for i in rows]
         params = [r.params for r in reqs]
         penalties = batch.penalties.of_rows(rows) if any(p.penalised for p in params) else None
+        matchers = [r.grammar for r in reqs]
+        allowed = self.grammars.allowed_tokens(matchers, logits.device)  # None when no row is constrained
         tokens, logps = sample(logits, params, [len(r.output_ids) for r in reqs],
-                               [r.stop_ids for r in reqs], self._generator, penalties)
+                               [r.stop_ids for r in reqs], self._generator, penalties, allowed)
         batch.penalties.add(rows, tokens)
         tok_list, lp_list = tokens.tolist(), logps.tolist()
+        if allowed is not None:
+            self.grammars.advance(matchers, tok_list)
         version = self._version
         self.total_steps += 1
         batch.last[rows] = tokens

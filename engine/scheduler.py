@@ -56,6 +56,7 @@ class Request:
     done: bool = False
     finish_version: int | None = None  # served version when the request finished
     kv_gen: int = -1  # weights generation its prompt KV was computed under (prefix cache: keep only if current)
+    grammar: Any = None  # llguidance LLMatcher of a structured-output request (engine/grammar.py)
 
 
 class Scheduler:

@@ -1,0 +1,133 @@
+"""Structured outputs in the local engine: llguidance grammars as token masks on the logits.
+
+A request's `sampling_params` may carry one constraint, as SGLang names them: `json_schema`
+(a JSON Schema, as a string), `regex`, or `ebnf` (a Lark or GBNF grammar). `Grammars.matcher`
+compiles it with llguidance (the grammar library vLLM's `guidance` backend uses; Microsoft's
+`guidance-ai/llguidance`) into a per-request `LLMatcher`; a constraint llguidance cannot compile is
+a ValueError with llguidance's message (the server answers 400).
+
+Each step, `allowed_tokens` asks every constrained row's matcher for its next-token bitmask
+and unpacks it into a [B, V] bool mask (unconstrained rows all True); the sampler sets the
+logits of disallowed tokens to -inf before the temperature (`engine/sampling.py`), so the
+sampled token and its recorded logprob come from the constrained distribution. `advance`
+feeds each sampled token to its matcher. Once the grammar is complete the mask allows only
+the end-of-sequence tokens, so a constrained answer ends with EOS like any other turn.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["CONSTRAINTS", "Grammars", "constraint_of"]
+
+# The sampling_params fields that constrain the output (SGLang's names); at most one per request.
+CONSTRAINTS = ("json_schema", "regex", "ebnf")
+# JSON as `json.dumps` writes it: no free whitespace, which a weak model would otherwise emit without end (vLLM's
+# `disable_any_whitespace` sets the same); a schema's own `x-guidance` options override these.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def constraint_of(params: Any) -> tuple[str, str] | None:
+    """(field, text) of the request's constraint, or None; ValueError when more than one is set."""
+    set_ = [(name, getattr(params, name)) for name in CONSTRAINTS if getattr(params, name, None) is not None]
+    if len(set_) > 1:
+        raise ValueError(f"sampling_params: set at most one of {', '.join(CONSTRAINTS)} "
+                         f"(got {', '.join(n for n, _ in set_)})")
+    return set_[0] if set_ else None
+
+
+class Grammars:
+    """Compiles a tokenizer's constraints into llguidance matchers; the LLTokenizer is built once, on first use."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width (may exceed the tokenizer's: padded embeddings)
+        self.eos_ids = sorted(eos_ids)
+        self._ll: Any = None
+        self._lock = threading.Lock()  # compiled from the server's request handlers, used by the decode thread
+
+    def _lltokenizer(self) -> Any:
+        with self._lock:
+            if self._ll is None:
+                self._ll = _build_lltokenizer(self.tokenizer, self.vocab_size, self.eos_ids)
+            return self._ll
+
+    def matcher(self, field: str, text: str) -> Any:
+        """A fresh `LLMatcher` for one request's constraint; ValueError with llguidance's message."""
+        import llguidance
+
+        try:
+            if field == "json_schema":
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
+            elif field == "regex":
+                grammar = llguidance.LLMatcher.grammar_from_regex(text)
+            else:
+                grammar = llguidance.grammar_from("ebnf", text)
+        except ValueError as exc:
+            raise ValueError(f"sampling_params.{field}: {exc}") from None
+        m = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
+        if m.is_error():
+            raise ValueError(f"sampling_params.{field}: the grammar library cannot compile it: {m.get_error()}")
+        return m
+
+    def allowed_tokens(self, matchers: Sequence[Any], device: torch.device) -> torch.Tensor | None:
+        """[B, V] bool: the tokens each row may sample next (all, for a row without a matcher); None if no row has one."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return None
+        words = (self.vocab_size + 31) // 32
+        bits = torch.zeros((len(rows), words), dtype=torch.int32)
+        for k, i in enumerate(rows):
+            matchers[i].unsafe_compute_mask_ptr(bits[k].data_ptr(), words * 4)
+        shifts = torch.arange(32, dtype=torch.int32)
+        unpacked = ((bits[:, :, None] >> shifts) & 1).reshape(len(rows), words * 32)[:, :self.vocab_size].bool()
+        allowed = torch.ones((len(matchers), self.vocab_size), dtype=torch.bool)
+        allowed[rows] = unpacked
+        # A matcher in an error state allows nothing; let it end instead of sampling from an empty set.
+        dead = [i for i in rows if not bool(allowed[i].any())]
+        for i in dead:
+            allowed[i, self.eos_ids] = True
+        return allowed.to(device)
+
+    @staticmethod
+    def advance(matchers: Sequence[Any], tokens: Sequence[int]) -> None:
+        """Feed each constrained row its sampled token."""
+        for m, t in zip(matchers, tokens):
+            if m is not None and not m.is_stopped():
+                m.consume_token(t)
+
+
+def _build_lltokenizer(tokenizer: Any, vocab_size: int, eos_ids: list[int]) -> Any:
+    """llguidance's tokenizer: from the HF fast tokenizer's own JSON when llguidance reads it, else token by token."""
+    import llguidance
+    import llguidance.hf
+
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_ids)
+    except ValueError:
+        # e.g. a decoder llguidance does not know (the tiny test model's character-level `Fuse`):
+        # give it each token's bytes as the tokenizer decodes it alone.
+        return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_TokenTable(tokenizer, vocab_size)),
+                                      n_vocab=vocab_size, eos_token=eos_ids)
+
+
+class _TokenTable:
+    """What `llguidance.TokenizerWrapper` reads: each token's bytes, the special ids, and an encoder."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int) -> None:
+        self._tok = tokenizer
+        self.eos_token_id = tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        special = set(tokenizer.all_special_ids)
+        n = len(tokenizer)
+        self.tokens = [b"" if i in special or i >= n else tokenizer.decode([i]).encode("utf-8")
+                       for i in range(vocab_size)]
+        self.special_token_ids = sorted(i for i in special if i < vocab_size)
+
+    def __call__(self, text: str) -> list[int]:
+        if not isinstance(text, str):
+            raise TypeError("text only")  # TokenizerWrapper probes with bytes: it then sends str
+        return self._tok.encode(text, add_special_tokens=False)
