@@ -1,10 +1,9 @@
 """Structured outputs in the local engine: llguidance grammars as token masks on the logits.
 
-A request's `sampling_params` may carry one constraint, as SGLang names them: `json_schema`
-(a JSON Schema, as a string), `regex`, or `ebnf` (a Lark or GBNF grammar). `Grammars.matcher`
-compiles it with llguidance (the grammar library vLLM's `guidance` backend uses; Microsoft's
-`guidance-ai/llguidance`) into a per-request `LLMatcher`; a constraint llguidance cannot compile is
-a ValueError with llguidance's message (the server answers 400).
+A request's `sampling_params` may carry one constraint (`common/grammars.py`: `json_schema`,
+`regex` or `ebnf`). `Grammars.matcher` compiles it into a per-request llguidance `LLMatcher`;
+a constraint llguidance cannot compile is a ValueError with llguidance's message (the server
+answers 400).
 
 Each step, `allowed_tokens` asks every constrained row's matcher for its next-token bitmask
 and unpacks it into a [B, V] bool mask (unconstrained rows all True); the sampler sets the
@@ -21,22 +20,9 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["CONSTRAINTS", "Grammars", "constraint_of"]
+from rlstream.common.grammars import constraint_of, grammar_text
 
-# The sampling_params fields that constrain the output (SGLang's names); at most one per request.
-CONSTRAINTS = ("json_schema", "regex", "ebnf")
-# JSON as `json.dumps` writes it: no free whitespace, which a weak model would otherwise emit without end (vLLM's
-# `disable_any_whitespace` sets the same); a schema's own `x-guidance` options override these.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def constraint_of(params: Any) -> tuple[str, str] | None:
-    """(field, text) of the request's constraint, or None; ValueError when more than one is set."""
-    set_ = [(name, getattr(params, name)) for name in CONSTRAINTS if getattr(params, name, None) is not None]
-    if len(set_) > 1:
-        raise ValueError(f"sampling_params: set at most one of {', '.join(CONSTRAINTS)} "
-                         f"(got {', '.join(n for n, _ in set_)})")
-    return set_[0] if set_ else None
+__all__ = ["Grammars", "constraint_of"]
 
 
 class Grammars:
@@ -59,16 +45,7 @@ class Grammars:
         """A fresh `LLMatcher` for one request's constraint; ValueError with llguidance's message."""
         import llguidance
 
-        try:
-            if field == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(text, defaults=JSON_OPTIONS)
-            elif field == "regex":
-                grammar = llguidance.LLMatcher.grammar_from_regex(text)
-            else:
-                grammar = llguidance.grammar_from("ebnf", text)
-        except ValueError as exc:
-            raise ValueError(f"sampling_params.{field}: {exc}") from None
-        m = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
+        m = llguidance.LLMatcher(self._lltokenizer(), grammar_text(field, text), log_level=0)
         if m.is_error():
             raise ValueError(f"sampling_params.{field}: the grammar library cannot compile it: {m.get_error()}")
         return m
