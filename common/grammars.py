@@ -33,7 +33,11 @@ def constraint_of(params: Any) -> tuple[str, str] | None:
 
 def grammar_text(field: str, text: str) -> str:
     """llguidance's grammar for one constraint, checked; ValueError `sampling_params.<field>: <llguidance's message>`."""
-    import llguidance
+    try:
+        import llguidance
+    except ImportError:
+        raise ValueError(f"sampling_params.{field}: structured outputs need llguidance, not installed here "
+                         "(pip install 'rlstream[structured]')") from None
 
     try:
         if field == "json_schema":
