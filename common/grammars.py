@@ -32,7 +32,7 @@ def constraint_of(params: Any) -> tuple[str, str] | None:
 
 
 def grammar_text(field: str, text: str) -> str:
-    """llguidance's grammar for one constraint, checked; ValueError `sampling_params.<field>: <llguidance's message>`."""
+    """llguidance's grammar for one constraint, checked; ValueError `sampling_params.<field>: <its message>`."""
     try:
         import llguidance
     except ImportError:

@@ -50,11 +50,13 @@ class Grammars:
             raise ValueError(f"sampling_params.{field}: the grammar library cannot compile it: {m.get_error()}")
         return m
 
-    def allowed_tokens(self, matchers: Sequence[Any], device: torch.device) -> torch.Tensor | None:
-        """[B, V] bool: the tokens each row may sample next (all, for a row without a matcher); None if no row has one."""
+    def allowed_tokens(self, matchers: Sequence[Any], device: torch.device
+                       ) -> tuple[torch.Tensor | None, list[int]]:
+        """([B, V] bool: the tokens each row may sample next, all for a row without a matcher, or None when no row
+        has one; the rows whose grammar allows no token at all: a string the tokenizer cannot spell, or an error)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
-            return None
+            return None, []
         words = (self.vocab_size + 31) // 32
         bits = torch.zeros((len(rows), words), dtype=torch.int32)
         for k, i in enumerate(rows):
@@ -63,11 +65,17 @@ class Grammars:
         unpacked = ((bits[:, :, None] >> shifts) & 1).reshape(len(rows), words * 32)[:, :self.vocab_size].bool()
         allowed = torch.ones((len(matchers), self.vocab_size), dtype=torch.bool)
         allowed[rows] = unpacked
-        # A matcher in an error state allows nothing; let it end instead of sampling from an empty set.
         dead = [i for i in rows if not bool(allowed[i].any())]
         for i in dead:
-            allowed[i, self.eos_ids] = True
-        return allowed.to(device)
+            allowed[i, self.eos_ids] = True  # it ends at once; the engine fails the request (dead_end)
+        return allowed.to(device), dead
+
+    @staticmethod
+    def dead_end(params: Any, n_tokens: int) -> ValueError:
+        """The error a request gets when its grammar allows no token of this vocabulary."""
+        field, _ = constraint_of(params) or ("grammar", "")
+        return ValueError(f"sampling_params.{field}: after {n_tokens} output tokens the grammar allows no token of "
+                          "this model's vocabulary (a character the tokenizer cannot spell?)")
 
     @staticmethod
     def advance(matchers: Sequence[Any], tokens: Sequence[int]) -> None:

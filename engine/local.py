@@ -468,7 +468,7 @@ class LocalEngine:
         params = [r.params for r in reqs]
         penalties = batch.penalties.of_rows(rows) if any(p.penalised for p in params) else None
         matchers = [r.grammar for r in reqs]
-        allowed = self.grammars.allowed_tokens(matchers, logits.device)  # None when no row is constrained
+        allowed, dead = self.grammars.allowed_tokens(matchers, logits.device)  # None when no row is constrained
         tokens, logps = sample(logits, params, [len(r.output_ids) for r in reqs],
                                [r.stop_ids for r in reqs], self._generator, penalties, allowed)
         batch.penalties.add(rows, tokens)
@@ -484,12 +484,13 @@ class LocalEngine:
             r.versions.append(version)
         self.total_tokens += len(reqs)
         finished: set[int] = set()
-        delivered: list[tuple[Request, FinishReason]] = []
-        for i, r, finish in zip(rows, reqs, self._finishes(reqs)):
+        delivered: list[tuple[Request, FinishReason | BaseException]] = []
+        failed = {k: self.grammars.dead_end(reqs[k].params, len(reqs[k].output_ids) - 1) for k in dead}
+        for k, (i, r, finish) in enumerate(zip(rows, reqs, self._finishes(reqs))):
             if finish is not None:
                 if r.kv_gen == self._weights_gen:  # else a weight update came mid-request: part of its KV is stale
                     self._prefixes.keep(r.prompt, r.output_ids, batch.cache, i)
-                delivered.append((r, finish))
+                delivered.append((r, failed.get(k, finish)))
                 finished.add(i)
         if delivered:
             # Their clients' next requests are expected (admission holds); before they can come.

@@ -18,11 +18,12 @@ this engine counts the prompt too, as vLLM does.
 Behaviour logprob convention: the logprob of a sampled token is
 `log_softmax(penalised_logits / T)[token]` in fp32 — the distribution it was sampled from,
 penalties included — taken BEFORE top-p/top-k filtering and before the min_new_tokens
-stop-token mask, and AFTER a structured-output grammar's token mask (`engine/grammar.py`): a
-constrained token's logprob is that of the constrained distribution; T = 1 for greedy (T = 0). Without penalties this is exactly what the
-trainer recomputes; with penalties the trainer's recomputation (no penalties) differs,
-and the decoupled loss treats the difference as off-policyness (docs/local_engine.md); the same
-holds for grammar-constrained tokens (docs/local_engine.md, "Structured outputs").
+stop-token mask, and AFTER a structured-output grammar's token mask (`engine/grammar.py`: a
+constrained token's logprob is that of the constrained distribution); T = 1 for greedy (T = 0).
+Without penalties or a grammar this is exactly what the trainer recomputes; with penalties the
+trainer's recomputation (no penalties) differs, and the decoupled loss treats the difference as
+off-policyness (docs/local_engine.md); the same holds for grammar-constrained tokens
+(docs/local_engine.md, "Structured outputs").
 
 Stop strings (`stop`, as OpenAI/SGLang/vLLM): a request ends when its decoded output text
 (special tokens skipped) contains one, once it has min_new_tokens tokens. The output ids are
@@ -273,7 +274,6 @@ def sample(logits: torch.Tensor, params: Sequence[Sampling], n_out: Sequence[int
             scaled[i, ids] = float("-inf")
             if allowed is not None and not bool(torch.isfinite(scaled[i]).any()):
                 scaled[i] = row  # the grammar allows only a stop token: it ends the answer before min_new_tokens
-
 
     V = scaled.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < V else V for p in params]

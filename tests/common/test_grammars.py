@@ -37,5 +37,6 @@ def test_good_constraints_compile():
     ("ebnf", "start: undefined_rule", "unknown name"),
 ])
 def test_what_does_not_compile_names_the_field_and_carries_the_message(field, text, match):
-    with pytest.raises(ValueError, match=f"sampling_params.{field}: the grammar library cannot compile it: (?s:.*){match}"):
+    want = f"sampling_params.{field}: the grammar library cannot compile it: (?s:.*){match}"
+    with pytest.raises(ValueError, match=want):
         grammar_text(field, text)

@@ -2,7 +2,7 @@
 (outputs match, end with EOS), the recorded logprob is that of the constrained distribution (recomputed here from
 the model's logits and the grammar's masks, replayed), a forced token has logprob 0, an unconstrained request in
 the same batch is unaffected, and a constraint the grammar library cannot compile is a ValueError with its
-message (the server's 400)."""
+message (the server's 400), as is a grammar the tokenizer cannot spell, once it gets there."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_logprobs_are_those_of_the_constrained_distribution(chat_engine):
     matcher = eng.grammars.matcher("json_schema", json.dumps(SCHEMA))
     want, forced = [], []
     for pos, tok in enumerate(r.output_ids):
-        allowed = eng.grammars.allowed_tokens([matcher], torch.device("cpu"))[0]
+        allowed = eng.grammars.allowed_tokens([matcher], torch.device("cpu"))[0][0]
         want.append(torch.log_softmax(logits[pos].masked_fill(~allowed, float("-inf")), -1)[tok].item())
         forced.append(int(allowed.sum()) == 1)
         eng.grammars.advance([matcher], [tok])
@@ -82,6 +82,8 @@ def test_logprobs_are_those_of_the_constrained_distribution(chat_engine):
     ({"regex": "("}, "sampling_params.regex: the grammar library cannot compile it: (?s:.*)unclosed group"),
     ({"ebnf": "start: nothing_here"}, r"sampling_params.ebnf: .*unknown name"),
     ({"regex": "a", "json_schema": "{}"}, "set at most one of json_schema, regex, ebnf"),
+    # the tiny tokenizer has no capital letters: the grammar compiles, then allows no token after "a"
+    ({"regex": "aB"}, "sampling_params.regex: after 1 output tokens the grammar allows no token of this model's"),
 ])
 def test_a_constraint_that_does_not_compile_is_a_value_error(chat_engine, params, match):
     with pytest.raises(ValueError, match=match):
