@@ -8,7 +8,9 @@ temperature 1.0, at most `--new-tokens` tokens each, once unconstrained (ignore_
 generates exactly that many) and once with `json_schema` (a request ends when its JSON is complete,
 or at the cap). Throughput is generated tokens / wall seconds, best of `--repeat` runs (the machine is
 shared); the per-token overhead is the difference of the two per-token times. The engine's grammar
-compile cost (llguidance's tokenizer, once per engine; one schema, per request) is reported apart.
+compile cost (llguidance's tokenizer, once per engine; one schema, per request) is reported apart, and so
+is the mask step alone (`Grammars.allowed_tokens` + `advance` over B rows replaying one valid answer's
+tokens), the part of the overhead that does not depend on the shared machine's load.
 """
 
 from __future__ import annotations
@@ -23,6 +25,23 @@ SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", 
                                                                                "maximum": 120},
                          "city": {"enum": ["Paris", "Lima", "Oslo"]},
                          "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}}
+
+
+VALID = {"name": "Ada Lovelace", "age": 36, "city": "Oslo", "tags": ["math", "poetry"]}
+
+
+def _mask_step_us(engine, rows: int) -> float:
+    """Microseconds per row and token of the mask step, replaying a valid answer in `rows` matchers at once."""
+    import torch
+
+    g = engine.grammars
+    ids = engine.tokenizer.encode(json.dumps(VALID), add_special_tokens=False)
+    matchers = [g.matcher("json_schema", json.dumps(SCHEMA)) for _ in range(rows)]
+    t0 = time.perf_counter()
+    for t in ids:
+        g.allowed_tokens(matchers, torch.device("cpu"))
+        g.advance(matchers, [t] * rows)
+    return (time.perf_counter() - t0) / (len(ids) * rows) * 1e6
 
 
 async def _run(engine, prompts: list[list[int]], params: dict, concurrency: int) -> tuple[int, float]:
@@ -42,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=48)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
 
     import torch
@@ -66,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     constrained = {"max_new_tokens": args.new_tokens, "json_schema": json.dumps(SCHEMA)}
     print(f"grammar compile: first {first * 1000:.0f} ms (llguidance tokenizer + schema), then {again * 1000:.1f} ms"
           f" per request; model {args.model}, {args.requests} requests, <= {args.new_tokens} tokens each")
+    print("mask step: " + ", ".join(f"{_mask_step_us(engine, b):.0f} us per row-token at B={b}" for b in (1, 8)))
     print("| concurrency | unconstrained tok/s | json_schema tok/s | per-token overhead |")
     print("|---|---|---|---|")
     try:

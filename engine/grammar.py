@@ -53,7 +53,8 @@ class Grammars:
     def allowed_tokens(self, matchers: Sequence[Any], device: torch.device
                        ) -> tuple[torch.Tensor | None, list[int]]:
         """([B, V] bool: the tokens each row may sample next, all for a row without a matcher, or None when no row
-        has one; the rows whose grammar allows no token at all: a string the tokenizer cannot spell, or an error)."""
+        has one; the rows whose grammar allows no token: its matcher is in an error state, or the tokenizer cannot
+        spell what the grammar wants next)."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return None, []
@@ -65,8 +66,9 @@ class Grammars:
         unpacked = ((bits[:, :, None] >> shifts) & 1).reshape(len(rows), words * 32)[:, :self.vocab_size].bool()
         allowed = torch.ones((len(matchers), self.vocab_size), dtype=torch.bool)
         allowed[rows] = unpacked
-        dead = [i for i in rows if not bool(allowed[i].any())]
+        dead = [i for i in rows if matchers[i].is_error() or not bool(allowed[i].any())]
         for i in dead:
+            allowed[i] = False
             allowed[i, self.eos_ids] = True  # it ends at once; the engine fails the request (dead_end)
         return allowed.to(device), dead
 
@@ -108,7 +110,9 @@ class _TokenTable:
         self.bos_token_id = tokenizer.bos_token_id
         special = set(tokenizer.all_special_ids)
         n = len(tokenizer)
-        self.tokens = [b"" if i in special or i >= n else tokenizer.decode([i]).encode("utf-8")
+        # llguidance marks a special token by a leading 0xFF byte (never in UTF-8 text): grammars match no text by it
+        self.tokens = [b"\xff" + str(tokenizer.convert_ids_to_tokens(i)).encode() if i in special
+                       else b"\xff<pad%d>" % i if i >= n else tokenizer.decode([i]).encode("utf-8")
                        for i in range(vocab_size)]
         self.special_token_ids = sorted(i for i in special if i < vocab_size)
 
