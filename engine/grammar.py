@@ -111,9 +111,7 @@ class _TokenTable:
         self.bos_token_id = tokenizer.bos_token_id
         special = set(tokenizer.all_special_ids)
         n = len(tokenizer)
-        # llguidance marks a special token by a leading 0xFF byte (never in UTF-8 text): grammars match no text by it
-        self.tokens = [b"\xff" + str(tokenizer.convert_ids_to_tokens(i)).encode() if i in special
-                       else b"\xff<pad%d>" % i if i >= n else tokenizer.decode([i]).encode("utf-8")
+        self.tokens = [b"" if i in special or i >= n else tokenizer.decode([i]).encode("utf-8")
                        for i in range(vocab_size)]
         self.special_token_ids = sorted(i for i in special if i < vocab_size)
 
