@@ -19,6 +19,9 @@
   Pause/resume map to vLLM's `POST /pause?mode=abort` / `POST /resume` (dev-mode
   routes, `VLLM_SERVER_DEV_MODE=1`); an aborted request ends with `finish_reason` "abort".
 
+Structured outputs (`ModelRequest.json_schema` / `regex` / `grammar`) go as SGLang's sampling_params
+`json_schema` / `regex` / `ebnf` and as vLLM's `structured_outputs` (`json` / `regex` / `grammar`).
+
 Every body sent and received is a struct of `common/engine_api.py` (`EngineClient.call`
 takes a route and a struct); the trainer's weight broadcaster reaches the SGLang
 control and weight-update routes of every engine kind through `SGLangClient.call` too.
@@ -48,39 +51,15 @@ import msgspec
 
 from rlstream.common import engine_api as api
 from rlstream.common.config import Config, GenerationHyperparameters
-from rlstream.common.engine_api import (
-    ENGINES_SERVICE,
-    CompletionRequest,
-    CompletionResponse,
-    ContinueRequest,
-    EngineError,
-    EngineRequestError,
-    EngineUnavailable,
-    ErrorReply,
-    GenerateRequest,
-    GenerateResponse,
-    ModelInfo,
-    PauseRequest,
-    Route,
-    SamplingParams,
-    base_url,
-)
+from rlstream.common.engine_api import (ENGINES_SERVICE, CompletionRequest, CompletionResponse, ContinueRequest,
+                                        EngineError, EngineRequestError, EngineUnavailable, ErrorReply, GenerateRequest,
+                                        GenerateResponse, ModelInfo, PauseRequest, Route, SamplingParams, base_url)
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolver
 from rlstream.common.tasks import cancel_and_wait
 
-__all__ = [
-    "ModelRequest",
-    "ModelResponse",
-    "EngineClient",
-    "SGLangClient",
-    "VLLMClient",
-    "EngineError",
-    "EngineRequestError",
-    "EngineUnavailable",
-    "ServerPool",
-    "make_engine_client",
-]
+__all__ = ["ModelRequest", "ModelResponse", "EngineClient", "SGLangClient", "VLLMClient", "EngineError",
+           "EngineRequestError", "EngineUnavailable", "ServerPool", "make_engine_client"]
 
 log = get_logger(__name__)
 
@@ -107,6 +86,11 @@ class ModelRequest:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Structured outputs, at most one: a JSON Schema (as a string), a regex, or a grammar (Lark, or GBNF: llguidance
+    # reads both; the local engine's and SGLang's `ebnf`, vLLM's `structured_outputs.grammar`).
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     @classmethod
     def from_gconfig(cls, input_ids: list[int], g: GenerationHyperparameters, **kw: Any) -> "ModelRequest":
@@ -226,6 +210,9 @@ class SGLangClient(EngineClient):
         for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0), ("repetition_penalty", 1.0)):
             if getattr(req, name) != neutral:
                 extra[name] = getattr(req, name)
+        for name, field_ in (("json_schema", "json_schema"), ("regex", "regex"), ("grammar", "ebnf")):
+            if getattr(req, name) is not None:
+                extra[field_] = getattr(req, name)
         sp = SamplingParams(
             max_new_tokens=req.max_new_tokens,
             temperature=req.effective_temperature,
@@ -306,6 +293,10 @@ class VLLMClient(EngineClient):
             body.repetition_penalty = req.repetition_penalty
         if req.rid:
             body.request_id = req.rid
+        # vLLM's structured outputs (`StructuredOutputsParams`: json / regex / grammar).
+        so = {k: v for k, v in (("json", req.json_schema), ("regex", req.regex), ("grammar", req.grammar)) if v}
+        if so:
+            body.structured_outputs = so
         return body
 
     def parse(self, data: CompletionResponse | None) -> ModelResponse:

@@ -34,6 +34,7 @@ class CompletionRequest(msgspec.Struct, kw_only=True):
     presence_penalty: float | msgspec.UnsetType = msgspec.UNSET  # OpenAI, [-2, 2]
     repetition_penalty: float | msgspec.UnsetType = msgspec.UNSET  # vLLM's extra parameter, > 0, prompt + output
     request_id: str | msgspec.UnsetType = msgspec.UNSET
+    structured_outputs: dict[str, str] | msgspec.UnsetType = msgspec.UNSET  # {json | regex | grammar: text}
 
 
 class CompletionLogprobs(msgspec.Struct):

@@ -20,7 +20,8 @@ The parts, one module each:
 - `engine/kv_batch.py`: the running batch's left-padded KV cache and its prefill/decode forwards;
 - `engine/prefix_cache.py`: the KV of finished requests, reused by prompts that extend them;
 - `engine/model_weights.py`: copying weight updates into the model, reading them from disk;
-- `engine/sampling.py`: sampling and the behaviour logprob convention (the trainer recomputes exactly this).
+- `engine/sampling.py`: sampling and the behaviour logprob convention (the trainer recomputes exactly this);
+- `engine/grammar.py`: structured outputs (`json_schema`, `regex`, `ebnf`): llguidance token masks on the logits.
 
 Results are the contract's `GenerateResponse` (`common/engine_api.py`), the shape SGLang's
 `/generate` answers with.
@@ -47,6 +48,7 @@ from rlstream.common.logging import get_logger
 from rlstream.common.tracing import now_us, span, tracer
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
 from rlstream.common.vision import is_vision_config, vision_spec
+from rlstream.engine.grammar import Grammars, constraint_of
 from rlstream.engine.kv_batch import KVBatch
 from rlstream.engine.model_weights import ModelWeights
 from rlstream.engine.prefix_cache import Prefix, PrefixCache
@@ -113,6 +115,7 @@ class LocalEngine:
         self.admission_hold_s = admission_hold_ms / 1000
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_ids = self._eos_ids()
+        self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
             log.warning("model config has sliding_window=%s: the engine keeps full-attention caches",
@@ -262,6 +265,9 @@ class LocalEngine:
         loop = asyncio.get_running_loop()
         req = Request(rid=f"r{next(self._ids)}", prompt=prompt, params=params, stop_ids=stop_ids,
                       loop=loop, future=loop.create_future(), images=prepared or None)
+        constraint = constraint_of(params)
+        if constraint is not None:  # compiled off the event loop: a large grammar takes 10-1000 ms
+            req.grammar = await loop.run_in_executor(None, self.grammars.matcher, *constraint)
         if params.max_new_tokens == 0:
             return self._result(req, FinishReason(type="length", length=0))
         self.start()
@@ -484,10 +490,14 @@ class LocalEngine:
         reqs = [batch.rows[i] for i in rows]
         params = [r.params for r in reqs]
         penalties = batch.penalties.of_rows(rows) if any(p.penalised for p in params) else None
+        matchers = [r.grammar for r in reqs]
+        allowed, dead = self.grammars.allowed_tokens(matchers, logits.device)  # None when no row is constrained
         tokens, logps = sample(logits, params, [len(r.output_ids) for r in reqs],
-                               [r.stop_ids for r in reqs], self._generator, penalties)
+                               [r.stop_ids for r in reqs], self._generator, penalties, allowed)
         batch.penalties.add(rows, tokens)
         tok_list, lp_list = tokens.tolist(), logps.tolist()
+        if allowed is not None:
+            self.grammars.advance(matchers, tok_list)
         version = self._version
         self.total_steps += 1
         batch.last[rows] = tokens
@@ -497,13 +507,14 @@ class LocalEngine:
             r.versions.append(version)
         self.total_tokens += len(reqs)
         finished: set[int] = set()
-        delivered: list[tuple[Request, FinishReason]] = []
-        for i, r, finish in zip(rows, reqs, self._finishes(reqs)):
+        delivered: list[tuple[Request, FinishReason | BaseException]] = []
+        failed = {k: self.grammars.dead_end(reqs[k].params, len(reqs[k].output_ids) - 1) for k in dead}
+        for k, (i, r, finish) in enumerate(zip(rows, reqs, self._finishes(reqs))):
             if finish is not None:
                 if r.kv_gen == self._weights_gen:  # else a weight update came mid-request: part of its KV is stale
                     self._prefixes.keep(r.prompt, r.output_ids, batch.cache, i, _shas(r),
                                         sum(im.inputs.n_tokens for im in r.images or ()))
-                delivered.append((r, finish))
+                delivered.append((r, failed.get(k, finish)))
                 finished.add(i)
         if delivered:
             # Their clients' next requests are expected (admission holds); before they can come.

@@ -18,9 +18,12 @@ this engine counts the prompt too, as vLLM does.
 Behaviour logprob convention: the logprob of a sampled token is
 `log_softmax(penalised_logits / T)[token]` in fp32 — the distribution it was sampled from,
 penalties included — taken BEFORE top-p/top-k filtering and before the min_new_tokens
-stop-token mask; T = 1 for greedy (T = 0). Without penalties this is exactly what the
-trainer recomputes; with penalties the trainer's recomputation (no penalties) differs,
-and the decoupled loss treats the difference as off-policyness (docs/local_engine.md).
+stop-token mask, and AFTER a structured-output grammar's token mask (`engine/grammar.py`: a
+constrained token's logprob is that of the constrained distribution); T = 1 for greedy (T = 0).
+Without penalties or a grammar this is exactly what the trainer recomputes; with penalties the
+trainer's recomputation (no penalties) differs, and the decoupled loss treats the difference as
+off-policyness (docs/local_engine.md); the same holds for grammar-constrained tokens
+(docs/local_engine.md, "Structured outputs").
 
 Stop strings (`stop`, as OpenAI/SGLang/vLLM): a request ends when its decoded output text
 (special tokens skipped) contains one, once it has min_new_tokens tokens. The output ids are
@@ -43,7 +46,8 @@ __all__ = ["Sampling", "Penalties", "resolve", "sample", "inverse_cdf", "apply_p
 
 # What the local engine implements; every other SGLang sampling parameter must stay at its default.
 SUPPORTED = ("max_new_tokens", "min_new_tokens", "temperature", "top_p", "top_k", "stop_token_ids", "ignore_eos",
-             "stop", "no_stop_trim", "frequency_penalty", "presence_penalty", "repetition_penalty")
+             "stop", "no_stop_trim", "frequency_penalty", "presence_penalty", "repetition_penalty",
+             "json_schema", "regex", "ebnf")
 # Parameters SGLang clients commonly send that do not change what the local engine returns.
 IGNORED = frozenset({"skip_special_tokens", "spaces_between_special_tokens", "n"})
 # OpenAI's range of frequency_penalty and presence_penalty (vLLM and SGLang check the same).
@@ -67,6 +71,9 @@ class Sampling:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    json_schema: str | None = None  # structured outputs (engine/grammar.py): at most one of these three
+    regex: str | None = None
+    ebnf: str | None = None
 
     @property
     def penalised(self) -> bool:
@@ -102,7 +109,8 @@ def resolve(params: SamplingParams | dict[str, Any] | Sampling | None) -> Sampli
                  stop=(stop,) if isinstance(stop, str) else tuple(stop or ()), no_stop_trim=bool(params.no_stop_trim),
                  frequency_penalty=float(value("frequency_penalty")),
                  presence_penalty=float(value("presence_penalty")),
-                 repetition_penalty=float(value("repetition_penalty")))
+                 repetition_penalty=float(value("repetition_penalty")),
+                 json_schema=params.json_schema, regex=params.regex, ebnf=params.ebnf)
     _check(p)
     return p
 
@@ -237,15 +245,19 @@ def match_stop_strings(tokenizer: Any, outputs: Sequence[Sequence[int]], stops: 
 
 def sample(logits: torch.Tensor, params: Sequence[Sampling], n_out: Sequence[int],
            stop_ids: Sequence[frozenset[int]], generator: torch.Generator,
-           penalties: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its behaviour logprob (log_softmax(penalised logits / T), before any filtering).
+           penalties: tuple[torch.Tensor, torch.Tensor] | None = None,
+           allowed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its behaviour logprob (log_softmax(penalised, masked logits / T), before filtering).
 
     Row i samples with `params[i]`, has `n_out[i]` tokens so far and stops at `stop_ids[i]`;
-    `penalties`: the rows' (counts, in_prompt) (`Penalties.of_rows`), None when none is penalised.
+    `penalties`: the rows' (counts, in_prompt) (`Penalties.of_rows`), None when none is penalised;
+    `allowed`: [B, V] bool, the tokens a structured-output grammar lets each row sample (None: all).
     """
     dev = logits.device
     if penalties is not None:
         logits = apply_penalties(logits, *penalties, params)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, float("-inf"))
     temps = [p.temperature for p in params]
     greedy = torch.tensor([t == 0 for t in temps], device=dev)
     t_eff = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=dev)
@@ -259,7 +271,10 @@ def sample(logits: torch.Tensor, params: Sequence[Sampling], n_out: Sequence[int
     if blocked:
         scaled = scaled.clone()
         for i, ids in blocked:
+            row = scaled[i].clone()
             scaled[i, ids] = float("-inf")
+            if allowed is not None and not bool(torch.isfinite(scaled[i]).any()):
+                scaled[i] = row  # the grammar allows only a stop token: it ends the answer before min_new_tokens
 
     V = scaled.shape[-1]
     top_k = [p.top_k if 0 < p.top_k < V else V for p in params]

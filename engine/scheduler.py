@@ -57,6 +57,7 @@ class Request:
     finish_version: int | None = None  # served version when the request finished
     kv_gen: int = -1  # weights generation its prompt KV was computed under (prefix cache: keep only if current)
     images: list | None = None  # engine/vision.EngineImage per image of the prompt, in order (vision models)
+    grammar: Any = None  # llguidance LLMatcher of a structured-output request (engine/grammar.py)
 
 
 class Scheduler:

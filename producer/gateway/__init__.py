@@ -11,8 +11,9 @@ without changes: point its client at a session's base URL,
 (or send the id in an `X-Session-Id` header to `/v1/...`). Served: `POST /v1/chat/completions`
 (`tools`, `n`, `temperature`, `top_p`, `frequency_penalty`, `presence_penalty`,
 `max_tokens`/`max_completion_tokens`, `stop` (sent to the engine), `stream`, `logprobs`, vLLM's
-`return_token_ids`), `POST /v1/completions` and `GET /v1/models`; `gateway.sampling` says whether
-a request's sampling parameters or gconfig's apply.
+`return_token_ids`, and structured outputs: `response_format`, an enforced `tool_choice`,
+`parallel_tool_calls`, constrained in the engine, `structured.py`), `POST /v1/completions` and
+`GET /v1/models`; `gateway.sampling` says whether a request's sampling parameters or gconfig's apply.
 
 Token-in, token-out: each call's exact ids, logprobs and versions are kept, a call that extends a
 conversation continues its branch, and each branch is one trajectory (`calls.py`). Sessions form
@@ -20,7 +21,8 @@ groups committed through one admission lease each (`sessions.py`). The HTTP rout
 the process `server.py`, the request bodies `structs.py`.
 
 Errors are JSON `{"error": {"message", "code"}}`: 400 a body that does not fit (naming the
-field) or a conversation beyond the model's context, 404 an unknown session, 409 a finished
+field; a structured output it cannot honour, with the grammar library's message) or a conversation
+beyond the model's context, 404 an unknown session, 409 a finished
 one, 410 one abandoned, 503 no admission capacity or the run finished.
 """
 

@@ -27,6 +27,7 @@ from rlstream.producer.agent import Episode
 from rlstream.producer.chat import ChatTemplate
 from rlstream.common.engine_client import ModelRequest
 from rlstream.producer.gateway.sessions import Branch, Session, SessionGroups
+from rlstream.producer.gateway.structured import Constraint, constraint_of_chat, response_constraint
 from rlstream.producer.gateway.structs import (ChatRequest, CompletionRequest, GenerationRequest, HttpError, Message,
                                                ToolCallIn, message_key, template_message)
 from rlstream.producer.rewards import import_by_path
@@ -60,7 +61,8 @@ class Gateway(SessionGroups):
             t = self._templates[key] = ChatTemplate(self.tokenizer, tools)
         return t
 
-    def _request(self, ids: list[int], body: GenerationRequest, max_tokens: int | None) -> ModelRequest:
+    def _request(self, ids: list[int], body: GenerationRequest, max_tokens: int | None,
+                 constraint: Constraint) -> ModelRequest:
         left = self.max_context - len(ids)
         if left <= 0:
             raise HttpError(400, f"the conversation is {len(ids)} tokens; the model's context is {self.max_context}")
@@ -74,7 +76,8 @@ class Gateway(SessionGroups):
         req.stop_token_ids = list(self.stop_ids)
         # Stop strings end the call in the engine (no tokens generated past them); gconfig's apply too.
         asked = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        req.stop = list(dict.fromkeys(s for s in req.stop + asked if s))
+        req.stop = list(dict.fromkeys(s for s in req.stop + asked + constraint.stop if s))
+        req.json_schema, req.grammar = constraint.json_schema, constraint.grammar
         if self.gc.sampling == "request":
             if body.temperature is not None:
                 req.temperature, req.greedy = body.temperature, body.temperature == 0
@@ -85,10 +88,11 @@ class Gateway(SessionGroups):
                     setattr(req, name, getattr(body, name))
         return req
 
-    async def _generate(self, s: Session, ids: list[int], body: GenerationRequest, max_tokens: int | None) -> list[Any]:
+    async def _generate(self, s: Session, ids: list[int], body: GenerationRequest, max_tokens: int | None,
+                        constraint: Constraint) -> list[Any]:
         if not 1 <= body.n <= 16:
             raise HttpError(400, "n: expected 1 to 16")
-        req = self._request(ids, body, max_tokens)
+        req = self._request(ids, body, max_tokens, constraint)
         await self._join_group(s, ids)
         try:
             gens = await asyncio.gather(*(self.engine.agenerate(req) for _ in range(body.n)))
@@ -132,6 +136,7 @@ class Gateway(SessionGroups):
     async def chat(self, s: Session, body: ChatRequest) -> tuple[dict[str, Any], list[int], list[list[int]]]:
         if not body.messages:
             raise HttpError(400, "messages: expected at least one message")
+        constraint = constraint_of_chat(body, self.cfg.agent.tool_parser)
         chat = self.template(body.tools)
         norm = [message_key(m) for m in body.messages]
         parent = max((b for b in s.branches if b.key is not None and len(b.key) <= len(norm)
@@ -152,7 +157,7 @@ class Gateway(SessionGroups):
             raise
         except Exception as exc:  # noqa: BLE001 - a message the template cannot render
             raise HttpError(400, f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}") from None
-        outs = await self._generate(s, prompt_ids, body, body.max_completion_tokens or body.max_tokens)
+        outs = await self._generate(s, prompt_ids, body, body.max_completion_tokens or body.max_tokens, constraint)
         choices, token_ids = [], []
         for i, (o_ids, o_lp, o_v, text, finish) in enumerate(outs):
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -193,6 +198,7 @@ class Gateway(SessionGroups):
     # ------------------------------------------------------------------ /v1/completions
     async def complete(self, s: Session, body: CompletionRequest) -> dict[str, Any]:
         tok = self.tokenizer
+        constraint = response_constraint(body)  # one it cannot honour: 400 before anything else
         parent: Branch | None = None
         if isinstance(body.prompt, str):
             parent = max((b for b in s.branches if b.text is not None and body.prompt.startswith(b.text)),
@@ -213,7 +219,7 @@ class Gateway(SessionGroups):
             raise HttpError(400, "prompt: empty")
         if parent is not None and not obs:
             parent = None  # the same sequence again: a fresh branch from it as a prompt
-        outs = await self._generate(s, prompt_ids, body, body.max_tokens)
+        outs = await self._generate(s, prompt_ids, body, body.max_tokens, constraint)
         choices = []
         for i, (o_ids, o_lp, o_v, text, finish) in enumerate(outs):
             b = self._record(s, parent, prompt_ids if parent is None else [], obs, o_ids, o_lp, o_v, finish)

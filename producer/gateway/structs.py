@@ -46,12 +46,15 @@ class GenerationRequest(_In, kw_only=True):
     stream: bool = False
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids / choices[i].token_ids
     model: str = ""
+    # Structured outputs (producer/gateway/structured.py): {"type": "text" | "json_object" | "json_schema", ...}
+    response_format: dict[str, Any] | None = None
 
 
 class ChatRequest(GenerationRequest, kw_only=True):
     messages: list[Message]
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
 
