@@ -208,6 +208,13 @@ def test_unix_socket(redis_factory, tmp_path):
         connect(f"unix://{tmp_path}/missing.sock", retries=0)
 
 
+def _field(reply, name: str):
+    """A field of one SENTINEL REPLICAS/SENTINELS row: a map (RESP3) or a flat name/value list (RESP2)."""
+    if isinstance(reply, dict):
+        return reply.get(name, reply.get(name.encode()))
+    return reply[reply.index(name.encode()) + 1]
+
+
 @pytest.mark.slow
 def test_sentinel_url_follows_a_failover(redis_factory, sentinels, group_factory):
     """redis+sentinel://: the client finds the primary through 3 sentinels; the primary is SIGKILLed,
@@ -220,6 +227,16 @@ def test_sentinel_url_follows_a_failover(redis_factory, sentinels, group_factory
     while direct.info("replication").get("master_link_status") != "up":  # the replica has synced once
         assert time.monotonic() < deadline, direct.info("replication")
         time.sleep(0.1)
+    # Sentinels learn of a replica from the primary's INFO (every 10 s) and of each other over its hello
+    # channel: killed before they know both, no sentinel has a replica to promote or a quorum to agree on it.
+    for port in ports:
+        watcher = connect(f"redis://127.0.0.1:{port}")
+        replicas = lambda: watcher.execute_command("SENTINEL", "REPLICAS", "rls")  # noqa: E731
+        while not (any(int(_field(r, "port")) == replica.port for r in replicas())
+                   and len(watcher.execute_command("SENTINEL", "SENTINELS", "rls")) == len(ports) - 1):
+            assert time.monotonic() < deadline + 60, "the sentinels never saw the replica and each other"
+            time.sleep(0.2)
+        watcher.close()
     url = "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/rls/0"
     client = connect(RedisConfig(url=url, connect_timeout=1.0, socket_timeout=2.0))
     keys = Keys(namespace("sentinel", "t"))
