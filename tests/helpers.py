@@ -433,3 +433,16 @@ def vlm_prompt(path, images: list[bytes], text: str = "count?") -> list[int]:
     parts = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
     ids = tok.apply_chat_template([{"role": "user", "content": parts}], add_generation_prompt=True, tokenize=True)
     return expand_image_tokens(ids, spec, [image_inputs(spec, d).n_tokens for d in images], "test prompt")
+
+
+class RecordingEngine:
+    """An engine client as a workflow sees it, recording every turn's request ids and generated ids."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.calls: list[tuple[list[int], list[int]]] = []
+
+    async def agenerate(self, req):
+        gen = await self.inner.agenerate(req)
+        self.calls.append((list(req.input_ids), list(gen.output_ids)))
+        return gen

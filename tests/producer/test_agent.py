@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from rlstream.producer.dataset import DatasetItem
 from rlstream.producer.environment import Action, Reset, StepResult, ToolEnvironment
 from rlstream.producer.toolcalls import parse_hermes
 
-from tests.helpers import EngineProcess, engine_overrides
+from tests.helpers import RecordingEngine
 
 N_TURNS = 3
 
@@ -47,35 +46,6 @@ class RaisingEnv(ScriptedEnv):
         return await super().step(action)
 
 
-class Recorder:
-    """The engine as the workflow sees it, recording every turn's request ids and generated ids."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.calls: list[tuple[list[int], list[int]]] = []
-
-    async def agenerate(self, req):
-        gen = await self.inner.agenerate(req)
-        self.calls.append((list(req.input_ids), list(gen.output_ids)))
-        return gen
-
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    from rlstream.launcher.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-chat") / "model", chat=True)
-
-
-@pytest.fixture(scope="module")
-def engine_proc(redis_server, chat_model, tmp_path_factory):
-    exp = f"ag{uuid.uuid4().hex[:8]}"
-    p = EngineProcess(tmp_path_factory.mktemp("agent-engine"), engine_overrides(chat_model, redis_server.url, exp))
-    p.start()
-    try:
-        yield exp, p
-    finally:
-        p.stop()
 
 
 def _cfg(model, redis_url, exp, address, *extra):
@@ -111,7 +81,7 @@ async def _run(cfg, redis_url, exp, item=None, env=None):
     pool = await ServerPool(cfg, make_engine_resolver(cfg)).start()
     try:
         await pool.wait_for_servers(1, 60)
-        engine = Recorder(RolloutEngine(pool, AsyncVersionRegistry(client, Keys(namespace(exp, "trial0"))), resume_wait=60))
+        engine = RecordingEngine(RolloutEngine(pool, AsyncVersionRegistry(client, Keys(namespace(exp, "trial0"))), resume_wait=60))
         wf = AgentWorkflow(cfg=cfg, tokenizer=tok, reward=None)
         group = await asyncio.wait_for(wf.arun_episode(engine, item or _item(tok)), 120)
     finally:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import uuid
 
 import pytest
 
@@ -19,21 +18,11 @@ from rlstream.common.wire import decode_group, encode_group  # noqa: E402
 from rlstream.producer.dataset import DatasetItem  # noqa: E402
 from rlstream.producer.toolcalls import parse_hermes  # noqa: E402
 
-from tests.helpers import EngineProcess, child_env, engine_overrides, stop_process, wait_for_port  # noqa: E402
+from tests.helpers import RecordingEngine, child_env, stop_process, wait_for_port  # noqa: E402
 from tests.producer.openenv_echo import RAISING_SEED, STEPS  # noqa: E402
 
 ENV = "agent.environment=rlstream.producer.openenv_env:OpenEnvEnvironment"
 
-
-class Recorder:
-    def __init__(self, inner):
-        self.inner = inner
-        self.calls: list[tuple[list[int], list[int]]] = []
-
-    async def agenerate(self, req):
-        gen = await self.inner.agenerate(req)
-        self.calls.append((list(req.input_ids), list(gen.output_ids)))
-        return gen
 
 
 @pytest.fixture(scope="module")
@@ -49,23 +38,6 @@ def openenv_server(tmp_path_factory):
         stop_process(proc, 10)
         log.close()
 
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    from rlstream.launcher.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-chat") / "model", chat=True)
-
-
-@pytest.fixture(scope="module")
-def engine_proc(redis_server, chat_model, tmp_path_factory):
-    exp = f"oe{uuid.uuid4().hex[:8]}"
-    p = EngineProcess(tmp_path_factory.mktemp("oe-engine"), engine_overrides(chat_model, redis_server.url, exp))
-    p.start()
-    try:
-        yield exp, p
-    finally:
-        p.stop()
 
 
 def _cfg(model, redis_url, exp, address, url, *extra):
@@ -96,7 +68,7 @@ async def _run(cfg, redis_url, exp, seed=7):
     pool = await ServerPool(cfg, make_engine_resolver(cfg)).start()
     try:
         await pool.wait_for_servers(1, 60)
-        engine = Recorder(RolloutEngine(pool, AsyncVersionRegistry(client, Keys(namespace(exp, "trial0"))),
+        engine = RecordingEngine(RolloutEngine(pool, AsyncVersionRegistry(client, Keys(namespace(exp, "trial0"))),
                                         resume_wait=60))
         group = await asyncio.wait_for(AgentWorkflow(cfg=cfg, tokenizer=tok, reward=None).arun_episode(engine, item),
                                        120)

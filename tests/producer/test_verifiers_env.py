@@ -5,7 +5,6 @@ tool-using episodes token-in/token-out, the rubric as the reward, a raising envi
 from __future__ import annotations
 
 import asyncio
-import uuid
 
 import numpy as np
 import pytest
@@ -18,23 +17,11 @@ from rlstream.common.wire import decode_group, encode_group  # noqa: E402
 from rlstream.producer.dataset import PromptDataset  # noqa: E402
 from rlstream.producer.verifiers_env import VerifiersWorkflow  # noqa: E402
 
-from tests.helpers import EngineProcess, engine_overrides  # noqa: E402
+from tests.helpers import RecordingEngine  # noqa: E402
 from tests.producer.verifiers_arith import HINT  # noqa: E402
 
 ENV = "tests.producer.verifiers_arith"
 
-
-class Recorder:
-    """The engine as the workflow sees it, recording every turn's request ids and generated ids."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.calls: list[tuple[list[int], list[int]]] = []
-
-    async def agenerate(self, req):
-        gen = await self.inner.agenerate(req)
-        self.calls.append((list(req.input_ids), list(gen.output_ids)))
-        return gen
 
 
 class ScriptedModel:
@@ -51,23 +38,6 @@ class ScriptedModel:
         return Generation(input_ids=list(req.input_ids), output_ids=ids, output_logprobs=[-1.0] * len(ids),
                           output_versions=[0] * len(ids), finish_reason="stop")
 
-
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
-    from rlstream.launcher.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-chat") / "model", chat=True)
-
-
-@pytest.fixture(scope="module")
-def engine_proc(redis_server, chat_model, tmp_path_factory):
-    exp = f"vf{uuid.uuid4().hex[:8]}"
-    p = EngineProcess(tmp_path_factory.mktemp("vf-engine"), engine_overrides(chat_model, redis_server.url, exp))
-    p.start()
-    try:
-        yield exp, p
-    finally:
-        p.stop()
 
 
 def _overrides(model, redis_url, exp, address, kind, *extra):
@@ -101,7 +71,7 @@ async def _run(cfg, redis_url, exp, engine=None, position=0):
     pool = await ServerPool(cfg, make_engine_resolver(cfg)).start()
     try:
         await pool.wait_for_servers(1, 60)
-        engine = Recorder(RolloutEngine(pool, AsyncVersionRegistry(client, Keys(namespace(exp, "trial0"))),
+        engine = RecordingEngine(RolloutEngine(pool, AsyncVersionRegistry(client, Keys(namespace(exp, "trial0"))),
                                         resume_wait=60))
         group = await asyncio.wait_for(wf.arun_episode(engine, item), 120)
     finally:
