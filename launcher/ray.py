@@ -202,6 +202,7 @@ class NodeSlot:
     pg: Any
     members: list[RayChild | None] = field(default_factory=list)  # by bundle: engines first, then producers
     started: bool = False
+    reported: set[str] = field(default_factory=set)  # members whose loss was announced
 
 
 # ---------------------------------------------------------------------- the run
@@ -422,8 +423,10 @@ class RayRun(LocalRun):
     def _drop_lost(self) -> None:
         """Elastic processes whose actor is gone (its node left, its worker died) leave the run, which goes on."""
         for slot in self.slots.values():
-            lost = [c for c in slot.members if c is not None and c.lost and (c in self.engines or c in self.producers)]
+            # One that never started (its node went first) is announced too: it is as gone as a running one.
+            lost = [c for c in slot.members if c is not None and c.lost and c.name not in slot.reported]
             for c in lost:
+                slot.reported.add(c.name)
                 for group in (self.engines, self.producers):
                     if c in group:
                         group.remove(c)
