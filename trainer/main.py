@@ -263,7 +263,8 @@ class Trainer:
         with span("trainer/metrics"):
             metrics = StepMetrics.gather(par, ppo_stats, data, version=state.version, epoch=self._epoch(),
                                          collate_s=t_collate, weight_push_s=t_push,
-                                         push_report=getattr(self.broadcaster, "last", None))
+                                         push_report=getattr(self.broadcaster, "last", None),
+                                         agent_keys=cfg.actor.log_agent_stats_keys if cfg.actor.log_agent_stats else None)
 
         # 6. checkpoints; entries are acknowledged once a durable checkpoint covers them. The
         # step's metrics row goes into the recover checkpoint: a kill after it is durable and

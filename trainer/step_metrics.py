@@ -29,6 +29,21 @@ def _episode_counts(entries: list[Any]) -> torch.Tensor:
     return torch.tensor([n, turns, tools], dtype=torch.float64)
 
 
+def _agent_stats(entries: list[Any], keys: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per key of actor.log_agent_stats_keys: [samples, sum] and [max, -min] of its numeric metadata values (a
+    sample's own, else its group's)."""
+    sums = torch.zeros(len(keys), 2, dtype=torch.float64)
+    extremes = torch.full((len(keys), 2), -math.inf, dtype=torch.float64)
+    for e in entries:
+        for t in e.group.trajectories:
+            for i, key in enumerate(keys):
+                v = t.metadata.get(key, e.group.metadata.get(key))
+                if isinstance(v, (int, float)) and math.isfinite(v):  # a bool counts as 0/1, as AReaL's tracker
+                    sums[i] += torch.tensor([1.0, float(v)], dtype=torch.float64)
+                    extremes[i] = torch.maximum(extremes[i], torch.tensor([float(v), -float(v)], dtype=torch.float64))
+    return sums, extremes
+
+
 def _scoring_sums(entries: list[Any], stage: str, third: Any) -> torch.Tensor:
     """[samples scored, score sum, third sum, groups scored, latency sum] of one scoring stage's metadata:
     `<stage>_score` per sample, `<stage>_latency` per group; `third(trajectory, scored)` is the stage's own count."""
@@ -77,17 +92,20 @@ class StepMetrics:
     tool_episodes: float = 0.0  # episodes with a tool call
     reward_model: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)  # _reward_model_sums over all ranks
     judge: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0, 0.0)  # _judge_sums over all ranks
+    agent_stats: dict[str, tuple[float, float, float, float]] | None = None  # key -> (samples, sum, min, max)
     push_bytes: float | None = None  # bytes per engine of this version's push (a LoRA push: the adapter)
     checkpoint_s: float | None = None  # checkpoints, acknowledgement and stream trim
     step_s: float | None = None
 
     @classmethod
     def gather(cls, par: Parallel, ppo: dict[str, float], data: Any, *, version: int, epoch: float,
-               collate_s: float, weight_push_s: float, push_report: Any) -> StepMetrics:
+               collate_s: float, weight_push_s: float, push_report: Any,
+               agent_keys: list[str] | None = None) -> StepMetrics:
         """The loop's numbers over all ranks (collective): the slowest rank's times, summed counts.
 
         `data` is the rank's StepData (consumer/reader.py); `push_report` the broadcaster's
-        last PushReport (None for a backend without one).
+        last PushReport (None for a backend without one); `agent_keys` actor.log_agent_stats_keys when
+        actor.log_agent_stats is on.
         """
         times = torch.tensor([data.wait_s, collate_s], dtype=torch.float64)
         counts = torch.tensor([data.n_dropped_stale, data.n_dead, float(data.replayed), len(data.entries)],
@@ -95,13 +113,18 @@ class StepMetrics:
         episodes = _episode_counts(data.entries)
         rm, judge = _reward_model_sums(data.entries), _judge_sums(data.entries)
         par.all_reduce([times], "max")
-        par.all_reduce([counts, episodes, rm, judge], "sum")
+        keys = list(agent_keys or [])
+        agent_sums, agent_extremes = _agent_stats(data.entries, keys)
+        par.all_reduce([counts, episodes, rm, judge, agent_sums], "sum")
+        par.all_reduce([agent_extremes], "max")
+        agent = {k: (float(agent_sums[i, 0]), float(agent_sums[i, 1]), -float(agent_extremes[i, 1]),
+                     float(agent_extremes[i, 0])) for i, k in enumerate(keys)}
         pushed = push_report is not None and push_report.version == version
         return cls(ppo=ppo, version=version, epoch=epoch, wait_data_s=float(times[0]), collate_s=float(times[1]),
                    weight_push_s=weight_push_s, n_groups=float(counts[3]), dropped_stale=float(counts[0]),
                    dead=float(counts[1]), replayed=bool(counts[2] > 0), episodes=float(episodes[0]),
                    turns=float(episodes[1]), tool_episodes=float(episodes[2]), reward_model=tuple(rm.tolist()),
-                   judge=tuple(judge.tolist()),
+                   judge=tuple(judge.tolist()), agent_stats=agent or None,
                    push_bytes=float(push_report.bytes) if pushed else None)
 
     def row(self) -> dict[str, float]:
@@ -125,6 +148,9 @@ class StepMetrics:
         if groups > 0:
             row["rm/latency"] = latency / groups
         row.update(self._judge_row())
+        for key, (n, total, low, high) in (self.agent_stats or {}).items():
+            if n > 0:
+                row.update({f"agent/{key}/avg": total / n, f"agent/{key}/min": low, f"agent/{key}/max": high})
         if self.push_bytes is not None:
             row["perf/push_bytes"] = self.push_bytes
         if self.checkpoint_s is not None:

@@ -271,6 +271,12 @@ class ActorConfig(Section):
     lora: LoRAConfig | None = None
     """Train a LoRA adapter (peft) instead of all weights; pushes send only the adapter, engines merge it (None = full
     fine-tuning)."""
+    log_agent_stats: bool = False
+    """Log statistics of the trajectories' metadata keys named in log_agent_stats_keys (a workflow's or agent's own
+    numbers: turns, tool calls, a rubric's parts ...) each step, as agent/<key>/avg, /min and /max over the batch's
+    samples that carry the key."""
+    log_agent_stats_keys: list[str] = msgspec.field(default_factory=list)
+    """Metadata keys log_agent_stats logs (a sample's own metadata, else its group's); non-numeric values are skipped."""
 
     @property
     def correction(self) -> RejectionSamplingConfig | None:

@@ -221,6 +221,9 @@ def _check(cfg: "Config") -> None:
         raise ConfigError("producer.dynamic_sampling_reward_fn decides the dynamic-sampling filter, which is off: set "
                           "producer.dynamic_sampling=true or drop it")
     check_judge(cfg)
+    if cfg.actor.log_agent_stats and not cfg.actor.log_agent_stats_keys:
+        raise ConfigError("actor.log_agent_stats=true needs actor.log_agent_stats_keys (the trajectory metadata keys to "
+                          "log, e.g. [turns, tool_calls])")
     if cfg.evaluator.enabled and (cfg.valid_dataset is None or not cfg.valid_dataset.has_rows):
         keys = [f"evaluator.{k}" for k in ("freq_steps", "freq_epochs", "freq_secs")
                 if getattr(cfg.evaluator, k) is not None]

@@ -331,3 +331,10 @@ def test_seed_algorithm_options_refuse_what_they_cannot_do():
             load_config(None, overrides)
     cfg = load_config(None, ['actor.trainable_map={"lm_head": false}', "actor.lora.rank=4", "actor.mu_iterations=3"])
     assert cfg.actor.trainable_map == {"lm_head": False} and cfg.actor.mu_iterations == 3
+
+
+def test_log_agent_stats_needs_its_keys():
+    with pytest.raises(ConfigError, match=r"actor.log_agent_stats=true needs actor.log_agent_stats_keys"):
+        load_config(None, ["actor.log_agent_stats=true"])
+    cfg = load_config(None, ["actor.log_agent_stats=true", "actor.log_agent_stats_keys=[turns, tool_calls]"])
+    assert cfg.actor.log_agent_stats_keys == ["turns", "tool_calls"]

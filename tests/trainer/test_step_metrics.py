@@ -24,7 +24,7 @@ def _entry(i: int, **metadata) -> Entry:
 def _gather(entries, **kw) -> StepMetrics:
     data = StepData(step=0, version=0, entries=entries, wait_s=0.25, n_dropped_stale=2, n_dead=1)
     return StepMetrics.gather(Parallel(), dict(PPO), data, version=1, epoch=0.5, collate_s=0.01, weight_push_s=0.1,
-                              push_report=kw.get("push_report"))
+                              push_report=kw.get("push_report"), agent_keys=kw.get("agent_keys"))
 
 
 def test_row_names_and_order():
@@ -43,6 +43,17 @@ def test_multi_turn_episodes_and_a_push_of_another_version():
     row = m.row()
     assert row["agent/turns"] == 2.0 and row["agent/tool_call_rate"] == 0.5
     assert "perf/push_bytes" not in row  # the report is of an earlier push
+
+
+def test_agent_stats_of_the_named_metadata_keys():
+    """actor.log_agent_stats_keys: avg/min/max over the samples carrying the key (a sample's own value, else its
+    group's); a key no sample carries, and non-numeric values, log nothing."""
+    a, b, c = _entry(0, n_searches=4, verdict="ok"), _entry(1, n_searches=1), _entry(2)
+    c.group.metadata = {"n_searches": 7}
+    row = _gather([a, b, c], agent_keys=["n_searches", "verdict", "absent"]).row()
+    assert (row["agent/n_searches/avg"], row["agent/n_searches/min"], row["agent/n_searches/max"]) == (4.0, 1.0, 7.0)
+    assert not [k for k in row if k.startswith(("agent/verdict", "agent/absent"))]
+    assert not [k for k in _gather([a, b]).row() if k.startswith("agent/n_searches")]  # off: not logged
 
 
 def test_checkpoint_row_is_finite_and_without_the_times_after_the_checkpoint():
