@@ -83,6 +83,10 @@ class RolloutConfig(Section):
     """Bearer token sent to engines; masked in logs."""
     health_check_interval: PositiveFloat = 5.0
     """Seconds between engine health checks."""
+    pause_grace_period: NonNegativeFloat = 0.0
+    """Seconds a weight push waits after every engine acknowledged /pause_generation before it sends weights (AReaL's
+    key: for engines whose pause returns before their running requests are dropped; rlstream's engines, vLLM's and
+    SGLang's abort pause acknowledge once nothing runs, so 0 needs no wait)."""
 
 
 class DatasetConfig(Section):

@@ -247,6 +247,20 @@ def test_push_serves_new_weights_and_publishes(mode, shared_engine, base_model, 
         assert len(set(index["weight_map"].values())) >= 2, "one shard per weight_chunked_mem_mb"
 
 
+def test_pause_grace_period_holds_the_transfer_after_the_pause(shared_engine, base_model, model_path, redis_url,
+                                                                experiment, keys, rclient, tmp_path, broadcasters):
+    """rollout.pause_grace_period: the weights go out no sooner than that long after the engines were paused (the
+    `pause` event is published before the pause, the `version` event after the transfer)."""
+    from rlstream.broker.versions import VersionRegistry
+
+    cfg = make_cfg(redis_url, experiment, model_path, tmp_path, "disk",
+                   [f"rollout.engine_addresses=[{shared_engine.address}]", "rollout.pause_grace_period=1.5"])
+    broadcasters(cfg, rclient, keys).push(perturbed(base_model, 103), 1)
+    assert served_version(shared_engine) == 1
+    ms = {e.type: int(i.split("-")[0]) for i, e in VersionRegistry(rclient, keys).events_since("0")}
+    assert ms["version"] - ms["pause"] >= 1500, ms
+
+
 def test_weight_routes_reject_bad_input(shared_engine, tmp_path):
     url = shared_engine.url
     code, out = http(url + "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1,

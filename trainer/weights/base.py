@@ -9,7 +9,7 @@ trainer rank 0 against the engines of `fleet.EngineFleet`:
 2. list the engines, keep those answering /health;
 3. `/pause_generation` on each, mode `actor.weight_update_pause` (abort: in-flight requests come
    back aborted; in_place: they stay with their KV cache and decode on after the update; new ones
-   wait either way), announced by a `pause` event;
+   wait either way), announced by a `pause` event; then `rollout.pause_grace_period` seconds;
 4. (backend) transfer the weights; the last call carries `weight_version`; the transfer
    returns a `TransferResult` (bytes, full/delta/fallback, delta base ready) the push records;
 5. `/continue_generation`, announced by a `resume` event;
@@ -169,6 +169,7 @@ class EngineBroadcaster(WeightBroadcaster):
         super().__init__(cfg, client, keys, rank)
         self.timeout = cfg.actor.weight_update_timeout
         self.pause_mode = cfg.actor.weight_update_pause
+        self.pause_grace = cfg.rollout.pause_grace_period
         # An in_place pause keeps requests with their KV cache in the engines: a cache flush would take it
         # from them (SGLang refuses one while requests run), so the last bucket does not ask for one.
         self.flush_after_update = cfg.actor.weight_update_pause not in KEEPS_RUNNING
@@ -336,6 +337,8 @@ class EngineBroadcaster(WeightBroadcaster):
 
     async def _pause(self, engines: list[str]) -> None:
         await self._each(engines, api.PAUSE_GENERATION, PauseRequest(mode=self.pause_mode))
+        if self.pause_grace:
+            await asyncio.sleep(self.pause_grace)
 
     async def _continue(self, engines: list[str]) -> None:
         await self._each(engines, api.CONTINUE_GENERATION, ContinueRequest())
