@@ -201,7 +201,7 @@ class Versions:
             log.warning("reading %s failed: %s", ", ".join(streams), exc)
             yield Sleep(1.0)
             return [], ids
-        events, wakes, read = [], [], []
+        got: list[tuple[tuple[int, int], Event]] = []  # (entry id, event): the streams merged in time order
         for name, entries in res or []:
             key = name.decode() if isinstance(name, bytes) else name
             for eid, fields in entries:
@@ -209,17 +209,21 @@ class Versions:
                 if key == self.keys.steps:
                     done = reads.seen(fields) if reads is not None else None
                     if done is not None:
-                        read.append(Event(type="read", version=done))
+                        got.append((_id_order(eid), Event(type="read", version=done)))
                     continue
                 if key == self.keys.admit_wake:
                     why, owners = fields.get(b"w", b""), fields.get(b"o", b"")
-                    wakes.append(Event(type="capacity", detail=_text(why), owners=tuple(_text(owners).split())))
+                    got.append((_id_order(eid), Event(type="capacity", detail=_text(why),
+                                                      owners=tuple(_text(owners).split()))))
                     continue
                 try:
-                    events.append(decode_event(fields[b"e"]))
+                    got.append((_id_order(eid), decode_event(fields[b"e"])))
                 except (KeyError, msgspec.DecodeError):  # a foreign entry must not stop a follower
                     continue
-        return events + wakes + read, ids
+        # One XREAD returns each stream's entries together; a follower wants them as they happened (a step's
+        # `read` before the version published after it). The streams share a hash tag: one server, one clock.
+        got.sort(key=lambda item: item[0])
+        return [event for _, event in got], ids
 
     @operation
     def last_wake_id(self) -> Plan:
@@ -232,6 +236,12 @@ class Versions:
         """The id of the newest step record ("0-0" when there is none)."""
         last = yield Call("xrevrange", self.keys.steps, count=1)
         return last[0][0] if last else b"0-0"
+
+
+def _id_order(entry_id: Any) -> tuple[int, int]:
+    """A stream entry id as (ms, seq), for ordering entries of several streams."""
+    ms, _, seq = _text(entry_id).partition("-")
+    return int(ms), int(seq or 0)
 
 
 class VersionRegistry(Versions, Sync):

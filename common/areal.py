@@ -110,9 +110,14 @@ _SECTIONS_WITH_COPIES = ("actor", "ref", "saver", "recover", "evaluator", "stats
 # Whole sections or keys dropped, with the reason (longest prefix wins).
 _DROPPED = {
     "enable_offload": "rlstream's trainer and engines are separate processes; nothing is offloaded between them",
-    "scheduler": "how processes start is the command you run: `rlstream run` (one machine), `rlstream launch slurm`, docker compose",
+    "scheduler": "how processes start is the command you run: `rlstream run` (one machine), `rlstream launch slurm`, "
+                 "`rlstream launch ray`, docker compose",
     "launcher": "AReaL's launcher ports/CPU settings; rlstream's placement is launcher.* (n_engines, n_producers, slurm.*)",
     "cluster.name_resolve.nfs_record_root": "engines register in the run's Redis (or etcd); no shared folder",
+    "cluster.name_resolve.ray_actor_name": "name_resolve type ray becomes redis: engines register in the run's Redis, "
+                                           "which every node of `rlstream launch ray` reaches; no Ray KV-store actor",
+    "cluster.cluster_name": "AReaL picks environment presets of its own clusters by this name; rlstream's per-node "
+                            "environment is launcher.slurm.setup (Slurm) or the Ray nodes' own",
     "rollout.scheduling_spec": "process placement is decided by rlstream run / launch slurm / compose",
     "rollout.enable_rollout_tracing": "every group stays in the Redis stream; `rlstream inspect` shows them",
     "rollout.dump_to_file": "every group stays in the Redis stream (durable, AOF); `rlstream inspect` reads it",
