@@ -41,8 +41,9 @@ class ScoringPoolConfig(Section):
     logprobs of given tokens (`/generate` with max_new_tokens 0: a distillation teacher)."""
     backend: Literal["local", "sglang", "vllm"] = "local"
     """Engine kind: local = `rlstream serve --pool NAME` (engine/scoring.py; its /classify body follows SGLang's);
-    sglang / vllm = engines started elsewhere, listed in addresses (kind generate only: SGLang's `/generate`, vLLM's
-    `/v1/completions`)."""
+    sglang / vllm = engines started elsewhere, listed in addresses (kind generate: SGLang's `/generate`, vLLM's
+    `/v1/completions`; kind logprob: SGLang's prefill `/generate`, vLLM's `prompt_logprobs`; kind classify: SGLang's
+    `/classify`, not vllm)."""
     engines: NonNegativeInt = 1
     """Engines `rlstream run` starts for this pool (0 = none: the pool's engines are started elsewhere or listed in
     addresses)."""
