@@ -250,6 +250,27 @@ async def test_a_teacher_pool_of_backend_vllm_answers_the_models_logprob_of_each
         assert torch.allclose(torch.tensor(full), want, atol=ATOL)
 
 
+async def test_a_judge_pool_of_backend_vllm_answers_greedy_text(vllm_server, vllm_model):
+    """An LLM judge served by vLLM: `ScoringPool.generate` sends a text prompt to `/v1/completions` at temperature 0
+    and returns the greedy continuation (the same one each time, at most max_new_tokens tokens)."""
+    from transformers import AutoTokenizer
+
+    from rlstream.common.config import ScoringPoolConfig
+    from rlstream.common.scoring import ScoringPool
+
+    cfg = ScoringPoolConfig(kind="generate", backend="vllm", addresses=[vllm_server.removeprefix("http://")],
+                            timeout=300)
+    pool = await ScoringPool("judge", cfg, None).start()
+    try:
+        answers = [await pool.generate("Question: 1+2=\nAnswer:", 6) for _ in range(2)]
+    finally:
+        await pool.close()
+    assert answers[0] == answers[1] and isinstance(answers[0], str)
+    tok = AutoTokenizer.from_pretrained(vllm_model)
+    assert len(tok(answers[0], add_special_tokens=False)["input_ids"]) <= 6 + 1  # + 1: re-tokenizing may split one
+    assert pool.stats()["requests"] == 2 and pool.stats()["failed"] == 0
+
+
 async def test_stop_strings_and_penalties_reach_vllm(client, trainer_model, vllm_model):
     """The client's stop strings and penalties are accepted by vLLM under its names and honoured: its behaviour
     logprobs are those of the penalised distribution by the definitions the local engine implements (repetition
