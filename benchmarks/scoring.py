@@ -196,14 +196,13 @@ def scoring_markdown(res: dict) -> str:
     sat = {x["pool"]: x for x in res["saturated"]}
     lines = [
         SECTION,
-        "What: the real producer loop (`Producer`) with one pool's stage, against the same loop without it, in one run: "
-        "redis-server, the policy's `rlstream serve`, one `rlstream serve",
-        f"--pool NAME` per pool (tiny Llama, 1 torch thread each); {s['n_samples']} samples × ≤ {s['max_new_tokens']} "
-        f"new tokens per group, {s['groups']} groups per run. Generation = the group's policy `/generate` time; stage = "
-        "what the pool's",
-        "stage adds to the group (reward model: one `/classify`; teacher: one prefill-logprob `/generate`; judge: one "
-        f"greedy ≤ {s['judge_new_tokens']}-token `/generate` per sample). Saturated: the pool's client (`ScoringPool`, "
-        f"{res['saturated'][0]['concurrency']} in flight), back to back.",
+        "What: the real producer loop (`Producer`) with one pool's stage against the same loop without it, in one run "
+        "(redis-server, the policy's `rlstream serve`, one `rlstream serve",
+        f"--pool NAME` per pool; tiny Llama, 1 torch thread each); {s['n_samples']} samples × ≤ {s['max_new_tokens']} "
+        f"new tokens per group, {s['groups']} groups per run. Generation = the group's policy `/generate` time;",
+        "stage = what the pool adds to the group (reward model: one `/classify`; teacher: one prefill `/generate`; "
+        f"judge: a greedy ≤ {s['judge_new_tokens']}-token `/generate` per sample); saturated: the pool's client, "
+        f"{res['saturated'][0]['concurrency']} in flight.",
         "",
         "| pool | in flight | generation ms / group | stage ms / group (median) | stage / generation | rollout ms "
         "| groups/s (without) | saturated sequences/s |",
@@ -217,10 +216,13 @@ def scoring_markdown(res: dict) -> str:
                      f"({r['scoring_median_ms']:.1f}) | {r['scoring_ms'] / r['engine_ms']:.2f}× | {r['wall_ms']:.1f} | "
                      f"{r['groups_per_s']:.1f} ({b['groups_per_s']:.1f}) | {x['sequences_per_s']:.0f} |")
     top = max(base)
-    lines += ["", f"The policy engine generated {base[top]['groups_per_s'] * s['n_samples']:.0f} sequences/s in the "
-              f"run without a pool at {top} in flight. Rerun: `python benchmarks/scoring.py [--quick] [--readme] "
-              "[--json FILE]`."]
-    return "\n".join(lines) + "\n"
+    policy = base[top]["groups_per_s"] * s["n_samples"]
+    lines += ["", f"The policy generated {policy:.0f} sequences/s without a pool at {top} in flight; a pool that "
+              "only prefills (reward model, teacher) scores one group in one forward, a judge generates. All processes "
+              "share the",
+              "machine's cores, so a busy pool also slows the policy's generation. Rerun: `python benchmarks/scoring.py "
+              "[--quick] [--readme] [--json FILE]`."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
