@@ -52,6 +52,7 @@ class _RolloutTimes:
     timing: object  # the loop's `RolloutTiming`: admission, start, end, validate + encode + commit
     engine: list = field(default_factory=list)  # (t0, t1) of each engine HTTP request
     reward: list = field(default_factory=list)  # (t0, t1) of each reward call
+    scoring: list = field(default_factory=list)  # (t0, t1) of each scoring stage (benchmarks/scoring.py)
 
 
 class _Recorder:
@@ -72,13 +73,15 @@ class _Recorder:
         self.window[2:] = [time.process_time(), timing.ended]
 
 
-def _span_recorder(method, kind: str, generate_only: bool = False):
+def _span_recorder(method, kind: str, generate_only: bool = False, address: str | None = None):
     """`method` (a public async method, set on its class in its place) recording each call's (t0, t1) in the
-    calling rollout's `kind` list; `generate_only`: only calls whose first argument is a generate route."""
+    calling rollout's `kind` list; `generate_only`: only calls whose first argument is a generate route;
+    `address`: only calls of a client of that engine (the policy's, not a scoring pool's)."""
 
     async def timed(self, *a, **kw):
         rec = _ROLLOUT.get()
-        if rec is None or (generate_only and a[0].path not in GENERATE_PATHS):
+        if rec is None or (generate_only and a[0].path not in GENERATE_PATHS) or \
+                (address is not None and self.address != address):
             return await method(self, *a, **kw)
         t0 = time.perf_counter()
         try:
@@ -102,13 +105,15 @@ def _union(intervals: list) -> float:
     return total + (cur1 - cur0 if cur1 is not None else 0.0)
 
 
-def _start_engine(workdir: Path, model: str, redis_url: str, threads: int, device: str) -> tuple[subprocess.Popen, str]:
-    """`rlstream serve` on a free port; its address comes back through RLSTREAM_ENGINE_ADDR_FILE."""
-    addr_file, log_path = workdir / "engine.addr", workdir / "engine.log"
+def _start_engine(workdir: Path, model: str, redis_url: str, threads: int, device: str, *, name: str = "engine",
+                  extra: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`rlstream serve [extra]` on a free port (`extra`: e.g. `--pool NAME` and its keys); its address comes back
+    through RLSTREAM_ENGINE_ADDR_FILE."""
+    addr_file, log_path = workdir / f"{name}.addr", workdir / f"{name}.log"
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), HF_HUB_OFFLINE="1",
                TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))
     with open(log_path, "ab") as log_f:
-        proc = subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "serve", f"actor.path={model}",
+        proc = subprocess.Popen([sys.executable, "-m", "rlstream.launcher.cli", "serve", *extra, f"actor.path={model}",
                                  f"redis.url={redis_url}", "experiment_name=bench-producer", "server.host=127.0.0.1",
                                  "server.port=0", f"server.device={device}", "server.max_batch_size=32",
                                  "server.register=false"],
@@ -135,12 +140,13 @@ def _summarise(records: list[_RolloutTimes], skip: int) -> dict:
         return round(1000 * sum(xs) / n, 3)
 
     reward, admit = [_union(r.reward) for r in recs], [r.timing.admission_s for r in recs]
-    finish = [r.timing.finish_s for r in recs]
-    rest = [o - a - rw - f for o, a, rw, f in zip(over, admit, reward, finish)]
+    finish, scoring = [r.timing.finish_s for r in recs], [_union(r.scoring) for r in recs]
+    rest = [o - a - rw - f - sc for o, a, rw, f, sc in zip(over, admit, reward, finish, scoring)]
     return {"rollouts": n, "wall_ms": ms(walls), "engine_ms": ms(engine), "overhead_ms": ms(over),
             "overhead_median_ms": round(1000 * statistics.median(over), 3),
             "overhead_fraction": round(sum(over) / sum(walls), 4),
             "admission_ms": ms(admit), "reward_ms": ms(reward), "commit_ms": ms(finish), "other_ms": ms(rest),
+            "scoring_ms": ms(scoring), "scoring_median_ms": round(1000 * statistics.median(scoring), 3),
             "engine_requests_per_rollout": round(sum(len(r.engine) for r in recs) / n, 2),
             "reward_calls_per_rollout": round(sum(len(r.reward) for r in recs) / n, 2)}
 

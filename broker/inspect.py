@@ -12,11 +12,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Iterator
 
+import msgspec
 from redis.exceptions import ResponseError
 
 from rlstream.broker.admission import budget, capacity
 from rlstream.broker.keys import NAMESPACE_PREFIX, TRAIN_GROUP, Keys, parse_namespace
 from rlstream.broker.meta import read_run_meta
+from rlstream.broker.producers import CURSOR_FIELD, ProducerState
 from rlstream.broker.steps import StepLog
 from rlstream.broker.stream import id_str, id_tuple
 from rlstream.common.config.scoring import SCORING_SERVICE_PREFIX
@@ -54,6 +56,8 @@ for j = 1, #ARGV do
 end
 return out
 """
+
+_producer_state = msgspec.msgpack.Decoder(ProducerState)
 
 _BATCH = 500  # entries per script call: bounds how long one call holds Redis
 
@@ -285,6 +289,7 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         "engines": [{"address": id_str(addr), "expires_in_ms": int(score) - now, "alive": score > now}
                     for addr, score in engines],
         "scoring_pools": _scoring_pools(client, keys, now),
+        "scoring_traffic": _scoring_traffic(client, keys, now, window_s),
         "producers": sorted(id_str(p) for p in producers if not id_str(p).startswith("accepted:")),
         "meta": None if meta is None else {k: getattr(meta, k) for k in meta.__struct_fields__},
     }
@@ -301,6 +306,31 @@ def _scoring_pools(client: Any, keys: Keys, now: int) -> dict[str, list[dict[str
         pools[name] = [{"address": id_str(a), "expires_in_ms": int(score) - now, "alive": score > now}
                        for a, score in client.zrange(key, 0, -1, withscores=True)]
     return pools
+
+
+def _scoring_traffic(client: Any, keys: Keys, now: int, window_s: float) -> dict[str, dict[str, Any]]:
+    """Pool name -> the producers' requests to it, summed over `{ns}:producers`: totals, failed, and the request rate
+    of the producers still running (a state saved within `window_s`, not done)."""
+    pools: dict[str, dict[str, Any]] = {}
+    for field, raw in client.hgetall(keys.producers).items():
+        name = id_str(field)
+        if name == CURSOR_FIELD or name.startswith("accepted:"):
+            continue
+        try:
+            state = _producer_state.decode(raw)
+        except msgspec.DecodeError:
+            continue  # `ProducerRecords.load` warns about it; inspect only shows what it can read
+        live = not state.done and now / 1000 - state.updated_at <= window_s
+        for pool, t in state.scoring.items():
+            row = pools.setdefault(pool, {"requests": 0, "sequences": 0, "failed": 0, "requests_per_s": 0.0,
+                                          "producers": 0})
+            row["requests"] += t.requests
+            row["sequences"] += t.sequences
+            row["failed"] += t.failed
+            if live:
+                row["requests_per_s"] = round(row["requests_per_s"] + t.rate, 3)
+                row["producers"] += 1
+    return dict(sorted(pools.items()))
 
 
 def _queue_staleness(client: Any, keys: Keys, groups: list[dict[str, Any]], trainer: int, eta: int, has_entries: bool,

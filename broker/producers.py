@@ -6,7 +6,8 @@ producer continues the run rather than its own); field `<producer id>` is that
 producer's msgpack `ProducerState` (counters, last position), so a producer restarted
 under the same id keeps its counters; field `accepted:<producer id>` counts its committed
 groups exactly (HINCRBY inside each commit's transaction, `broker/admission.py`), so the
-count survives a SIGKILL between two periodic state saves. `rlstream inspect` lists the producers from it.
+count survives a SIGKILL between two periodic state saves. `rlstream inspect` lists the producers from it, and each
+scoring pool's request rate from their `scoring` traffic.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from rlstream.broker.keys import Keys
 from rlstream.broker.plan import Async, Call, Plan, Sync, operation
 from rlstream.common.logging import get_logger
 
-__all__ = ["ProducerState", "ProducerRecords", "AsyncProducerRecords", "CURSOR_FIELD", "accepted_field"]
+__all__ = ["PoolTraffic", "ProducerState", "ProducerRecords", "AsyncProducerRecords", "CURSOR_FIELD", "accepted_field"]
 
 log = get_logger(__name__)
 
@@ -29,6 +30,15 @@ CURSOR_FIELD = "cursor"
 def accepted_field(producer_id: str) -> str:
     """The field counting a producer's committed groups (written by its commits)."""
     return f"accepted:{producer_id}"
+
+
+class PoolTraffic(msgspec.Struct, kw_only=True):
+    """One producer's requests to one scoring pool (`rlstream inspect` sums them per pool)."""
+
+    requests: int = 0
+    sequences: int = 0
+    failed: int = 0  # requests no engine of the pool answered (or answered with a wrong shape)
+    rate: float = 0.0  # answered requests per second between this producer's last two state saves
 
 
 class ProducerState(msgspec.Struct, kw_only=True):
@@ -45,6 +55,7 @@ class ProducerState(msgspec.Struct, kw_only=True):
     rejected: int = 0
     failed: int = 0
     done: bool = False
+    scoring: dict[str, PoolTraffic] = msgspec.field(default_factory=dict)  # pool name -> this producer's traffic
 
 
 _enc = msgspec.msgpack.Encoder()

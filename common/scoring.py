@@ -1,8 +1,9 @@
 """Scoring pools, both ends: the `/classify` contract and the client a producer scores through.
 
-A scoring pool is a set of engines serving a model that is not the policy (a reward model today; a judge or a
-distillation teacher: `logprobs()`, prefill scoring through SGLang's `/generate`). Its engines register under `scoring:<pool>` in name resolve (never under `engines`,
-so the trainer's weight fleet never finds them) and answer:
+A scoring pool is a set of engines serving a model that is not the policy (a reward model; a judge; a distillation
+teacher: `logprobs()`, prefill scoring through SGLang's `/generate`, or vLLM's `prompt_logprobs` for backend vllm).
+Its engines register under `scoring:<pool>` in name resolve (never under `engines`, so the trainer's weight fleet
+never finds them) and answer:
 
 - `POST /classify` `ClassifyRequest{input_ids: [[int]] | text: [str]}` -> a list of `ClassifyResult{embedding:
   [score], meta_info: {prompt_tokens}}`, one per sequence, in order. The shape is SGLang's `/classify` (its
@@ -10,6 +11,10 @@ so the trainer's weight fleet never finds them) and answer:
 - kind generate (an LLM judge): `POST /generate` `GenerateRequest{text, sampling_params: {max_new_tokens,
   temperature: 0}}` -> `GenerateResponse{text}` (SGLang's and the local engine's), or, backend vllm, `POST
   /v1/completions` with a text prompt -> `choices[0].text`.
+- kind logprob (a distillation teacher): `POST /generate` `GenerateRequest{input_ids, sampling_params:
+  {max_new_tokens: 0}, return_logprob, logprob_start_len}` -> `meta_info.input_token_logprobs` (SGLang's and
+  `rlstream serve --pool`'s), or, backend vllm, `POST /v1/completions` with `prompt_logprobs: 0` -> each choice's
+  `prompt_logprobs` (`common/vllm_api.py`).
 - `GET /health`, `GET /get_server_info` -> `ScoringInfo` (requests, sequences, batches, busy seconds); `GET
   /get_model_info` -> `ModelInfo` with `is_generation: false`.
 
@@ -38,7 +43,7 @@ from rlstream.common.config import ScoringPoolConfig, scoring_service
 from rlstream.common.engine_api import (GENERATE, EngineError, EngineRequestError, GenerateRequest, GenerateResponse,
                                        Route, SamplingParams)
 from rlstream.common.engine_client import SGLangClient, VLLMClient
-from rlstream.common.vllm_api import CompletionResponse
+from rlstream.common.vllm_api import CompletionResponse, PromptLogprobsRequest, PromptLogprobsResponse
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolver
 from rlstream.common.tasks import cancel_and_wait
@@ -100,6 +105,7 @@ class TextCompletionRequest(msgspec.Struct, kw_only=True):
 
 CLASSIFY = Route("POST", "/classify", ClassifyRequest, list[ClassifyResult])
 TEXT_COMPLETIONS = Route("POST", "/v1/completions", TextCompletionRequest, CompletionResponse)
+PROMPT_LOGPROBS = Route("POST", "/v1/completions", PromptLogprobsRequest, PromptLogprobsResponse)
 SCORING_HEALTH = Route("GET", "/health", None, ScoringInfo)
 SCORING_SERVER_INFO = Route("GET", "/get_server_info", None, ScoringInfo)
 
@@ -204,6 +210,8 @@ class ScoringPool:
         with max_new_tokens 0, return_logprob, logprob_start_len); ScoringError when the pool cannot answer."""
         if not input_ids:
             return []
+        if self.cfg.backend == "vllm":
+            return await self._request(lambda address: self._prefill_vllm(address, input_ids, starts), len(input_ids))
         body = GenerateRequest(input_ids=list(input_ids), sampling_params=SamplingParams(max_new_tokens=0),
                                return_logprob=True, logprob_start_len=list(starts))
         return await self._request(lambda address: self._prefill(address, body, len(input_ids)), len(input_ids))
@@ -227,6 +235,27 @@ class ScoringPool:
             raise ScoringError(f"scoring pool {self.name!r}: {address} answered {len(results)} results for {n} "
                                "sequences")
         return out
+
+    async def _prefill_vllm(self, address: str, seqs: list[list[int]], starts: list[int]) -> list[list[float]]:
+        """vLLM's `prompt_logprobs` (a teacher pool of backend vllm): position j of a sequence holds the logprob of
+        its token j given the tokens before it, keyed by that token's id."""
+        assert self._session is not None, "ScoringPool.start() first"
+        client = VLLMClient(self._session, address, self.api_key, self.cfg.timeout)
+        out = await client.call(PROMPT_LOGPROBS, PromptLogprobsRequest(model=await client.model_name(),
+                                                                      prompt=list(seqs)))
+        choices = sorted(out.choices, key=lambda c: c.index)
+        if len(choices) != len(seqs):
+            raise ScoringError(f"scoring pool {self.name!r}: {address} answered {len(choices)} results for "
+                               f"{len(seqs)} sequences")
+        result = []
+        for c, seq, k in zip(choices, seqs, starts):
+            rows = c.prompt_logprobs or []
+            got = [None if row is None else row.get(str(tok)) for row, tok in zip(rows[k:], seq[k:])]
+            if len(rows) != len(seq) or any(g is None or g.logprob is None for g in got):
+                raise ScoringError(f"scoring pool {self.name!r}: {address} answered {len(rows)} prompt logprobs for "
+                                   f"{len(seq)} tokens (or other tokens, or a null logprob)")
+            result.append([float(g.logprob) for g in got])  # type: ignore[union-attr,arg-type]
+        return result
 
     async def _on_some_engine(self, call: Callable[[str], Awaitable[T]]) -> T:
         tried: set[str] = set()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import msgspec
 
 __all__ = ["CompletionRequest", "CompletionLogprobs", "CompletionChoice", "CompletionResponse", "ModelCard",
-           "ModelList", "PausedReply"]
+           "ModelList", "PausedReply", "PromptLogprobsRequest", "PromptLogprob", "PromptLogprobsChoice",
+           "PromptLogprobsResponse"]
 
 
 class CompletionRequest(msgspec.Struct, kw_only=True):
@@ -50,6 +51,31 @@ class CompletionChoice(msgspec.Struct):
 
 class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice] = msgspec.field(default_factory=list)
+
+
+class PromptLogprobsRequest(msgspec.Struct, kw_only=True):
+    """`POST /v1/completions` scoring given token ids (a distillation teacher): `prompt_logprobs: 0` returns each
+    prompt token's own logprob (no top-k beside it); one greedy token is generated and ignored."""
+
+    model: str
+    prompt: list[list[int]]  # a batch: one choice per sequence, `index` in this order
+    prompt_logprobs: int = 0
+    max_tokens: int = 1
+    temperature: float = 0.0
+
+
+class PromptLogprob(msgspec.Struct):
+    logprob: float | None = None
+
+
+class PromptLogprobsChoice(msgspec.Struct):
+    index: int = 0
+    # per prompt position: None at the first, else {"<token id>": {"logprob": ...}} holding the prompt token
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+
+
+class PromptLogprobsResponse(msgspec.Struct):
+    choices: list[PromptLogprobsChoice] = msgspec.field(default_factory=list)
 
 
 class ModelCard(msgspec.Struct):

@@ -119,6 +119,17 @@ def _broker_scale(d: dict) -> Rows:
              ", ".join(f"D={k[len('share_D'):]}: {_pct(x[k])}" for k in shares))]
 
 
+def _scoring(d: dict) -> Rows:
+    """Per scoring pool, at the most rollouts in flight: its stage's time per group against the policy's generation,
+    and its client's saturated throughput."""
+    top = max(r["concurrency"] for r in d["runs"])
+    sat = {x["pool"]: x["sequences_per_s"] for x in d["saturated"]}
+    return [(f"{r['pool']}: stage per group, {top} in flight",
+             f"{r['scoring_ms']:.1f} ms = {r['scoring_ms'] / r['engine_ms']:.2f}x the policy's generation; "
+             f"saturated {sat[r['pool']]:.0f} sequences/s")
+            for r in d["runs"] if r["pool"] != "none" and r["concurrency"] == top]
+
+
 # name -> (script, extractor)
 BENCHMARKS: dict[str, tuple[str, Callable[[Any], Rows]]] = {
     "broker": ("broker.py", _broker),
@@ -129,6 +140,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[Any], Rows]]] = {
     "broadcast": ("broadcast.py", _broadcast),
     "scaling": ("scaling.py", _scaling),
     "async_vs_sync": ("async_vs_sync.py", _async),
+    "scoring": ("scoring.py", _scoring),
 }
 
 

@@ -81,8 +81,10 @@ def render_state(s: dict[str, Any], url: str) -> Any:
         if rec["recent"]:
             parts.append(_recent_records(title, rec))
     parts.append(_engines(s["engines"]))
-    for name, engines in s.get("scoring_pools", {}).items():
-        parts.append(_engines(engines, f"scoring pool {name}"))
+    pools, traffic = s.get("scoring_pools", {}), s.get("scoring_traffic", {})
+    for name in sorted({*pools, *traffic}):
+        parts.append(_engines(pools.get(name, []), f"scoring pool {name}{_traffic(traffic.get(name))}",
+                              f"{{ns}}:scoring:{name}"))
     return Group(*parts)
 
 
@@ -190,13 +192,22 @@ def _recent_records(title: str, rec: dict[str, Any]) -> Any:
     return t
 
 
-def _engines(engines: list[dict[str, Any]], what: str = "engines") -> Any:
+def _traffic(t: dict[str, Any] | None) -> str:
+    """A scoring pool's request rate as its producers last saved it, and their totals."""
+    if t is None:
+        return ""
+    return (f": {t['requests_per_s']:.2f} requests/s from {t['producers']} running producer(s) ({t['requests']} "
+            f"requests, {t['sequences']} sequences, {t['failed']} failed)")
+
+
+def _engines(engines: list[dict[str, Any]], what: str = "engines", key: str = "{ns}:engines") -> Any:
     """The registered engines of the policy (`engines`) or of a scoring pool (`scoring pool NAME`)."""
     from rich.table import Table
     from rich.text import Text
 
     if not engines:
-        return Text(f"{what} registered: none under {{ns}}:engines (static or etcd discovery not shown)", style="dim")
+        return Text(f"{what}; registered: none under {key} (fixed addresses, static or etcd discovery not shown)",
+                    style="dim")
     eng = Table(title=f"{what} registered: {sum(e['alive'] for e in engines)} alive", title_justify="left")
     eng.add_column("address")
     eng.add_column("registration", justify="right")

@@ -49,6 +49,8 @@ class Producer:
         self._early_stop: tuple[str, bool] | None = None  # a stop requested before `_setup` made the loop
         self._save_lock = asyncio.Lock()
         self._on_rollout_timing = on_rollout_timing
+        self._traffic_at: dict[str, tuple[float, int]] = {}  # scoring pool -> (monotonic time, requests) at last save
+        self._started = time.monotonic()
 
     # ------------------------------------------------------------------ setup
     async def _setup(self) -> None:
@@ -248,6 +250,22 @@ class Producer:
         s, lp = self.cursor.state, self.loop
         s.accepted, s.rejected, s.failed = self._base[0] + lp.accepted, self._base[1] + lp.rejected, \
             self._base[2] + lp.failed
+        s.scoring = self._scoring_traffic()
+
+    def _scoring_traffic(self) -> dict:
+        """Each scoring pool's requests from this process, with the rate since the previous save (`inspect`)."""
+        from rlstream.broker.producers import PoolTraffic
+
+        stage, judge, distill = self.reward_model, self.judge, self.distillation
+        pools = [*(stage.pool for stage in (stage, judge) if stage is not None), *(distill.pools if distill else [])]
+        now, out = time.monotonic(), {}
+        for pool in pools:
+            st = pool.stats()
+            t0, n0 = self._traffic_at.get(pool.name, (self._started, 0))
+            self._traffic_at[pool.name] = (now, st["requests"])
+            out[pool.name] = PoolTraffic(requests=st["requests"], sequences=st["sequences"], failed=st["failed"],
+                                         rate=round((st["requests"] - n0) / (now - t0), 3) if now > t0 else 0.0)
+        return out
 
     async def _save_state(self, done: bool = False) -> None:
         """Write this producer's counters; one write at a time, so a periodic save sent before
@@ -288,6 +306,7 @@ class Producer:
             except (ValueError, NameResolveError) as exc:  # DatasetError, bad import paths, bad addresses
                 raise SetupError(str(exc)) from None
             self._base = (self.cursor.state.accepted, self.cursor.state.rejected, self.cursor.state.failed)
+            self._started = time.monotonic()
             t_start = time.monotonic()
             epochs = self.cfg.data_epochs
             log.info("producer %s: %d prompts x %s, run position %d, %s backend, namespace %s",

@@ -41,8 +41,9 @@ class ScoringPoolConfig(Section):
     logprobs of given tokens (`/generate` with max_new_tokens 0: a distillation teacher)."""
     backend: Literal["local", "sglang", "vllm"] = "local"
     """Engine kind: local = `rlstream serve --pool NAME` (engine/scoring.py; its /classify body follows SGLang's);
-    sglang / vllm = engines started elsewhere, listed in addresses (kind generate only: SGLang's `/generate`, vLLM's
-    `/v1/completions`)."""
+    sglang / vllm = engines started elsewhere, listed in addresses (kind generate: SGLang's `/generate`, vLLM's
+    `/v1/completions`; kind logprob: SGLang's prefill `/generate`, vLLM's `prompt_logprobs`; kind classify: SGLang's
+    `/classify`, not vllm)."""
     engines: NonNegativeInt = 1
     """Engines `rlstream run` starts for this pool (0 = none: the pool's engines are started elsewhere or listed in
     addresses)."""
@@ -129,7 +130,10 @@ def scoring_pools(cfg: msgspec.Struct) -> dict[str, ScoringPoolConfig]:
 def check_scoring(cfg: msgspec.Struct) -> None:
     """Rules on the pools at load: a pool needs a model or addresses, and addresses without name resolve."""
     static = cfg.cluster.name_resolve.type == "static"
-    for name, pool in scoring_pools(cfg).items():
+    dc = getattr(cfg, "distillation", None)
+    teacher_keys = {t.name: f"distillation.teachers[{i}]" for i, t in enumerate(dc.teachers)} if dc else {}
+    for pool_name, pool in scoring_pools(cfg).items():
+        name = teacher_keys.get(pool_name, pool_name)  # the config key of the section holding the pool
         if pool.kind == "classify" and pool.backend == "vllm":
             raise ConfigError(f"{name}.pool.backend=vllm: a classify pool speaks SGLang's /classify; allowed: local, "
                               "sglang")

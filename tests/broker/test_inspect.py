@@ -328,3 +328,37 @@ async def test_inspect_lists_each_scoring_pools_engines_apart_from_the_policy_en
     finally:
         await resolver.close()
         await client.aclose()
+
+
+def test_each_scoring_pools_request_rate_is_the_sum_over_its_running_producers(rclient, keys):
+    """Producers save their requests to each pool (`ProducerState.scoring`); inspect sums the totals over all of them
+    and the rate over the running ones (not done, saved within the window)."""
+    from rlstream.broker.producers import PoolTraffic, ProducerRecords, ProducerState
+
+    records, now = ProducerRecords(rclient, keys), time.time()
+
+    def save(pid: str, updated_at: float, done: bool, **traffic: tuple[int, int, int, float]) -> None:
+        scoring = {pool: PoolTraffic(requests=r, sequences=s, failed=f, rate=rate)
+                   for pool, (r, s, f, rate) in traffic.items()}
+        records.save(ProducerState(producer_id=pid, updated_at=updated_at, done=done, scoring=scoring))
+
+    save("p0", now, False, reward_model=(100, 800, 1, 2.5), judge=(40, 40, 0, 1.0))
+    save("p1", now - 1, False, reward_model=(60, 480, 0, 1.5))
+    save("p2", now, True, reward_model=(10, 80, 2, 9.0))  # finished: its rate is not current
+    save("p3", now - 600, False, judge=(5, 5, 0, 7.0))  # silent for 10 minutes: dead, not running
+    records.save(ProducerState(producer_id="p4", updated_at=now))  # no scoring pool
+    rclient.hset(keys.producers, "accepted:p0", 12)
+    s = collect(rclient, keys, eta=1, batch=1, max_concurrent=1, window_s=60)
+    assert s["scoring_traffic"] == {
+        "judge": {"requests": 45, "sequences": 45, "failed": 0, "requests_per_s": 1.0, "producers": 1},
+        "reward_model": {"requests": 170, "sequences": 1360, "failed": 3, "requests_per_s": 4.0, "producers": 2}}
+    from rich.console import Console
+
+    from rlstream.launcher.inspect_view import render_state
+
+    console = Console(width=200, record=True)
+    console.print(render_state(s, "redis://127.0.0.1:1"))
+    text = console.export_text()
+    assert "scoring pool reward_model: 4.00 requests/s from 2 running producer(s) (170 requests, 1360 sequences, " \
+           "3 failed)" in text, text
+    assert "scoring pool judge: 1.00 requests/s" in text and "registered: none under {ns}:scoring:judge" in text

@@ -21,8 +21,18 @@ def test_each_teacher_is_a_logprob_pool_named_by_the_teacher():
     assert load_config(None, []).distillation is None and "teacher" not in scoring_pools(load_config(None, []))
 
 
+def test_a_teacher_served_by_vllm_or_sglang_elsewhere_is_listed_by_address():
+    cfg = load_config(None, ["distillation.teachers=[{name: v, pool: {backend: vllm, addresses: [h1:8000]}}, "
+                             "{name: s, pool: {backend: sglang, addresses: [h2:30000]}}]"])
+    pools = scoring_pools(cfg)
+    assert [(p.kind, p.backend, p.addresses) for p in pools.values()] == [("logprob", "vllm", ["h1:8000"]),
+                                                                           ("logprob", "sglang", ["h2:30000"])]
+
+
 @pytest.mark.parametrize("overrides, words", [
     (["distillation.teachers=[]"], "distillation.teachers is empty"),
+    (["distillation.teachers=[{name: t, pool: {backend: vllm, model_path: /x}}]"],
+     "distillation.teachers[0].pool.backend=vllm: `rlstream run` starts local engines only"),
     (["distillation.teachers=[{name: a, pool: {model_path: /x}}, {name: a, pool: {model_path: /y}}]"],
      "distillation.teachers[*].name must be distinct"),
     (["distillation.teachers=[{name: t}]"], "distillation.teachers[0].pool.model_path is empty"),

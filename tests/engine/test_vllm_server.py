@@ -221,6 +221,56 @@ async def test_greedy_follows_the_argmax(client, trainer_model):
         assert torch.allclose(torch.tensor(out.output_logprobs), ref, atol=ATOL)
 
 
+async def test_a_teacher_pool_of_backend_vllm_answers_the_models_logprob_of_each_given_token(vllm_server,
+                                                                                              trainer_model):
+    """A distillation teacher served by vLLM: `ScoringPool.logprobs` (vLLM's `prompt_logprobs`) equals the model's
+    log_softmax(logits) at each given token from the start position on; position 0 has none: a visible error."""
+    from rlstream.common.config import ScoringPoolConfig
+    from rlstream.common.scoring import ScoringError, ScoringPool
+
+    seqs = [p + [20, 21, 22, 2 + i] for i, p in enumerate(PROMPTS)]
+    starts = [len(p) for p in PROMPTS]
+    cfg = ScoringPoolConfig(kind="logprob", backend="vllm", addresses=[vllm_server.removeprefix("http://")],
+                            timeout=300)
+    pool = await ScoringPool("teacher", cfg, None).start()
+    try:
+        got = await pool.logprobs(seqs, starts)
+        whole = await pool.logprobs(seqs, [1] * len(seqs))
+        with pytest.raises(ScoringError, match="null logprob"):
+            await pool.logprobs(seqs[:1], [0])
+    finally:
+        await pool.close()
+    for seq, k, part, full in zip(seqs, starts, got, whole):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            logp = torch.log_softmax(trainer_model(ids).logits[0].float(), dim=-1)
+        want = logp[:-1].gather(-1, ids[0, 1:, None]).squeeze(-1)  # token j given the tokens before it, j >= 1
+        assert len(part) == len(seq) - k and len(full) == len(seq) - 1
+        assert torch.allclose(torch.tensor(part), want[k - 1:], atol=ATOL), (part, want[k - 1:].tolist())
+        assert torch.allclose(torch.tensor(full), want, atol=ATOL)
+
+
+async def test_a_judge_pool_of_backend_vllm_answers_greedy_text(vllm_server, vllm_model):
+    """An LLM judge served by vLLM: `ScoringPool.generate` sends a text prompt to `/v1/completions` at temperature 0
+    and returns the greedy continuation (the same one each time, at most max_new_tokens tokens)."""
+    from transformers import AutoTokenizer
+
+    from rlstream.common.config import ScoringPoolConfig
+    from rlstream.common.scoring import ScoringPool
+
+    cfg = ScoringPoolConfig(kind="generate", backend="vllm", addresses=[vllm_server.removeprefix("http://")],
+                            timeout=300)
+    pool = await ScoringPool("judge", cfg, None).start()
+    try:
+        answers = [await pool.generate("Question: 1+2=\nAnswer:", 6) for _ in range(2)]
+    finally:
+        await pool.close()
+    assert answers[0] == answers[1] and isinstance(answers[0], str)
+    tok = AutoTokenizer.from_pretrained(vllm_model)
+    assert len(tok(answers[0], add_special_tokens=False)["input_ids"]) <= 6 + 1  # + 1: re-tokenizing may split one
+    assert pool.stats()["requests"] == 2 and pool.stats()["failed"] == 0
+
+
 async def test_stop_strings_and_penalties_reach_vllm(client, trainer_model, vllm_model):
     """The client's stop strings and penalties are accepted by vLLM under its names and honoured: its behaviour
     logprobs are those of the penalised distribution by the definitions the local engine implements (repetition

@@ -50,6 +50,15 @@ def _script(tmp_path, body: str):
     return p
 
 
+def test_scoring_headline_is_each_pools_stage_against_the_policys_generation():
+    runs = [{"pool": "none", "concurrency": 8, "scoring_ms": 0.0, "engine_ms": 50.0},
+            {"pool": "judge", "concurrency": 1, "scoring_ms": 9.0, "engine_ms": 20.0},
+            {"pool": "judge", "concurrency": 8, "scoring_ms": 25.0, "engine_ms": 50.0}]
+    rows = BENCHMARKS["scoring"][1]({"runs": runs, "saturated": [{"pool": "judge", "sequences_per_s": 250.4}]})
+    assert rows == [("judge: stage per group, 8 in flight",
+                     "25.0 ms = 0.50x the policy's generation; saturated 250 sequences/s")]
+
+
 def test_run_reads_the_json_a_script_writes(tmp_path):
     data = {"update": {"packing": {"tokens_per_s": 10.0, "step_s": 1.0}, "speedup": 2.0}, "data": {"share": 0.5}}
     script = _script(tmp_path, f"assert '--quick' in sys.argv\njson.dump({json.dumps(data)}, open(out, 'w'))\n"

@@ -4,12 +4,15 @@ engines and a real producer process."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
 from rlstream.broker import Keys, namespace
+from rlstream.broker.producers import ProducerRecords
 from rlstream.common.wire import decode_group
 from rlstream.producer.reward_model import combined_reward
 
@@ -62,19 +65,68 @@ def test_committed_rewards_are_the_weighted_rule_and_model_scores(engines, produ
         assert all(g.metadata["rm_latency"] > 0 for g in groups)  # one request per group
         assert "reward model: 3 requests (9 sequences)" in p.log()
         assert rclient.xlen(keys.dead) == 0
+        # the producer's saved state carries its traffic to the pool (`rlstream inspect` sums it per pool)
+        records = ProducerRecords(rclient, keys)
+        (state,) = [records.load(f.decode()) for f in rclient.hkeys(keys.producers)
+                    if f != b"cursor" and not f.startswith(b"accepted:")]
+        traffic = state.scoring["reward_model"]
+        assert (traffic.requests, traffic.sequences, traffic.failed) == (3, 9, 0) and traffic.rate > 0
     finally:
         scorer.stop()
 
 
+# A reward-model service that answers `/classify` with two outputs per sequence (a head of num_labels=2, say):
+# a real HTTP server, since rlstream's own scoring engine refuses such a model at start.
+WRONG_SHAPE_SERVER = r'''
+import asyncio, json, os, sys
+from aiohttp import web
+
+async def classify(request):
+    n = len(json.loads(await request.read())["input_ids"])
+    return web.json_response([{"embedding": [0.25, 0.75]} for _ in range(n)])
+
+async def main():
+    app = web.Application()
+    app.add_routes([web.post("/classify", classify)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    with open(sys.argv[1] + ".tmp", "w") as f:
+        f.write(f"127.0.0.1:{site._server.sockets[0].getsockname()[1]}")
+    os.replace(sys.argv[1] + ".tmp", sys.argv[1])
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+'''
+
+
+@pytest.fixture
+def wrong_shape_server(tmp_path):
+    addr = tmp_path / "wrong-shape.addr"
+    proc = subprocess.Popen([sys.executable, "-c", WRONG_SHAPE_SERVER, str(addr)])
+    try:
+        deadline = time.time() + 60
+        while not addr.exists():
+            assert proc.poll() is None and time.time() < deadline, "the wrong-shape server did not start"
+            time.sleep(0.05)
+        yield addr.read_text()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("service", ["dead", "wrong_shape"])
 def test_a_group_the_pool_cannot_score_is_dead_lettered_with_the_reason_never_committed(
-        engines, producers, tmp_path, tiny_model_path, redis_url, experiment, rclient):
+        engines, producers, tmp_path, tiny_model_path, redis_url, experiment, rclient, request, service):
     policy = engines(tiny_model_path, redis_url, experiment)
     data = write_arith_dataset(tmp_path / "arith.jsonl", n=20)
-    # nothing listens on port 9: every request fails to connect
+    # dead: nothing listens on port 9, every request fails to connect; wrong_shape: a width-2 answer per sequence
+    address = "127.0.0.1:9" if service == "dead" else request.getfixturevalue("wrong_shape_server")
     p = producers(producer_overrides(
         tiny_model_path, redis_url, experiment, data, f"rollout.engine_addresses=[{policy.address}]",
-        "reward_model.pool.addresses=[127.0.0.1:9]", "reward_model.pool.retries=0", "rollout.consumer_batch_size=2",
+        f"reward_model.pool.addresses=[{address}]", "reward_model.pool.retries=0", "rollout.consumer_batch_size=2",
         "rollout.max_head_offpolicyness=10"))
     keys = Keys(namespace(experiment, "trial0"))
     deadline = time.time() + 120
@@ -84,9 +136,11 @@ def test_a_group_the_pool_cannot_score_is_dead_lettered_with_the_reason_never_co
     p.signal(signal.SIGTERM)
     assert p.wait(60) == 0, p.log()[-3000:]
     assert rclient.xlen(keys.traj) == 0  # no group got a silent 0 and went to training
+    why = "none answered" if service == "dead" else "answered a score of width 2 (a reward model has one scalar output"
     for _, f in rclient.xrange(keys.dead):
         reason = f[b"reason"].decode()
-        assert reason.startswith("reward model: scoring pool 'reward_model'") and "127.0.0.1:9" in reason, reason
+        assert reason.startswith("reward model: scoring pool 'reward_model'") and address in reason, reason
+        assert why in reason, reason
         assert f[b"group"] == b"producer" and f[b"lease"] and f[b"prompt_id"]
     log = p.log()
     assert "dead-lettered" in log and "groups failed" in log
