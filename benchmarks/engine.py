@@ -193,7 +193,7 @@ async def _bench(engine, prompts, concurrencies, new_tokens, repeat: int, jitter
         from rlstream.engine.frontend import start_frontend
         from rlstream.engine.server import answer_generate
 
-        fe = await start_frontend(runner, lambda body: answer_generate(engine, body), "127.0.0.1", 0, None)
+        fe = await start_frontend(runner, lambda body, _trace: answer_generate(engine, body), "127.0.0.1", 0, None)
         port = fe.port
     else:
         site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -86,6 +86,15 @@ class Evals:
         return eid.decode() if isinstance(eid, bytes) else eid
 
     @operation
+    def running(self) -> Plan:
+        """The version whose evaluation runs now (it holds the claim), or None."""
+        raw = yield Call("get", self.keys.eval_claim)
+        if not raw:
+            return None
+        version = (raw.decode() if isinstance(raw, bytes) else raw).split(":", 1)[0]
+        return int(version) if version.lstrip("-").isdigit() else None
+
+    @operation
     def last(self) -> Plan:
         """The newest evaluation record, or None."""
         got = _decode((yield Call("xrevrange", self.keys.evals, count=1)))

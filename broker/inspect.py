@@ -128,6 +128,20 @@ def trained_staleness(client: Any, keys: Keys) -> dict[int, int]:
     return dict(sorted(hist.items()))
 
 
+def dropped_counts(client: Any, keys: Keys, batch: int = 1000) -> dict[str, int]:
+    """Groups dropped as too stale, by who dropped them: `producer` (before commit; the record names the lease) and
+    `reader` (the trainer's reader, at read time; the record names the entry). Records trimmed away are not counted."""
+    out = {"producer": 0, "reader": 0}
+    start = "-"
+    while rows := client.xrange(keys.dropped, min=start, count=batch):
+        for _, f in rows:
+            out["producer" if f.get(b"lease") else "reader"] += 1
+        if len(rows) < batch:
+            break
+        start = "(" + id_str(rows[-1][0])
+    return out
+
+
 def namespace_summary(client: Any, ns: str) -> dict[str, Any]:
     """A one-row overview of a namespace for `inspect --list`."""
     keys = Keys(ns)

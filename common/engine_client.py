@@ -57,6 +57,7 @@ from rlstream.common.engine_api import (ENGINES_SERVICE, CompletionRequest, Comp
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolver
 from rlstream.common.tasks import cancel_and_wait
+from rlstream.common.tracing import trace_headers
 
 __all__ = ["ModelRequest", "ModelResponse", "EngineClient", "SGLangClient", "VLLMClient", "EngineError",
            "EngineRequestError", "EngineUnavailable", "ServerPool", "make_engine_client"]
@@ -146,6 +147,8 @@ class EngineClient(abc.ABC):
         url = self.url + route.path
         timeout = timeout or self.request_timeout
         headers = self.headers_body if body is not None else self.headers_get
+        if trace := trace_headers():  # exporting to OpenTelemetry: the engine's spans join this request's trace
+            headers = {**headers, **trace}
         data = None if body is None else api.encode(body)
         try:
             async with self.session.request(route.method, url, data=data, params=params, headers=headers,

@@ -14,6 +14,10 @@ carries it into child tasks): Perfetto shows each lane as a track.
 Session tracer: one JSON record per rollout (and one per group the trainer trained) appended to
 `{run_dir}/sessions.jsonl`; `read_sessions` joins them by group id (`rlstream inspect --slowest N`).
 
+OpenTelemetry (`perf_tracer.otlp_endpoint`, common/otel.py): every span is also an OTel span sent to an OTLP/HTTP
+endpoint. `root_span` starts a trace (a rollout), `trace_headers` gives an outgoing engine request the W3C
+`traceparent`, `remote_span` continues it in the engine, so one rollout is one trace across processes.
+
 Off (the default): `span()` returns one shared no-op context manager, no file is opened. A tracing folder that
 cannot be written: one warning line, and the process runs on untraced.
 """
@@ -33,7 +37,7 @@ from typing import Any, Iterator
 from rlstream.common.logging import get_logger
 
 __all__ = ["PerfTracer", "SessionTracer", "configure", "configure_sessions", "tracer", "sessions", "span",
-           "lane_span", "now_us", "read_trace_file", "read_sessions", "current_session", "session_update",
+           "lane_span", "root_span", "remote_span", "trace_headers", "trace_context", "now_us", "read_trace_file", "read_sessions", "current_session", "session_update",
            "session_request", "torch_profile", "close_all", "trace_folder", "LANE_BASE", "TRACE_SUFFIX"]
 
 log = get_logger(__name__)
@@ -52,10 +56,12 @@ def now_us() -> int:
 
 
 class _Span:
-    __slots__ = ("tracer", "name", "args", "new_lane", "tid", "t0", "token")
+    __slots__ = ("tracer", "name", "args", "new_lane", "tid", "t0", "token", "root", "parent", "otel")
 
-    def __init__(self, tracer: PerfTracer, name: str, args: dict[str, Any], new_lane: bool) -> None:
+    def __init__(self, tracer: PerfTracer, name: str, args: dict[str, Any], new_lane: bool, root: bool = False,
+                 parent: Any = None) -> None:
         self.tracer, self.name, self.args, self.new_lane = tracer, name, args, new_lane
+        self.root, self.parent = root, parent  # OTel only: start a trace / continue a remote one
 
     def set(self, **args: Any) -> None:
         """Add arguments known only once the span ran (tokens, outcome)."""
@@ -68,12 +74,16 @@ class _Span:
         else:
             self.tid = _lane.get() or threading.get_native_id()
         self.t0 = now_us()
+        if self.tracer.otel is not None:
+            self.otel = self.tracer.otel.start(self.name, self.t0, self.parent, self.root)
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         t1 = now_us()
         if exc_type is not None:
             self.args["error"] = exc_type.__name__
+        if self.tracer.otel is not None:
+            self.tracer.otel.end(self.otel, t1, self.args, None if exc_type is None else exc_type.__name__)
         self.tracer.add({"name": self.name, "ph": "X", "ts": self.t0, "dur": t1 - self.t0, "pid": self.tracer.pid,
                          "tid": self.tid, "args": self.args})
         if self.new_lane:
@@ -99,12 +109,14 @@ _NULL_SPAN = _NullSpan()
 
 class PerfTracer:
     """One process's trace file: events buffered in memory, appended to the file every `flush_secs` seconds, every
-    `save_interval` calls of `step_done`, and at exit. Use `configure` to make the process's tracer."""
+    `save_interval` calls of `step_done`, and at exit. Use `configure` to make the process's tracer.
+    `path` None: no file (spans only exported through `otel`); `otel`: a common/otel.py `OtelExport`."""
 
     enabled = True
 
-    def __init__(self, path: Path, process_name: str, *, save_interval: int = 1, flush_secs: float = 10.0) -> None:
-        self.path, self.process_name = path, process_name
+    def __init__(self, path: Path | None, process_name: str, *, save_interval: int = 1, flush_secs: float = 10.0,
+                 otel: Any = None) -> None:
+        self.path, self.process_name, self.otel = path, process_name, otel
         self.pid = os.getpid()
         self.save_interval, self.flush_secs = save_interval, flush_secs
         self._buf: list[dict[str, Any]] = []
@@ -115,10 +127,11 @@ class PerfTracer:
         self._threads: set[int] = set()
         self._interval_lanes: list[list[int]] = []  # [tid, end of its last span]
         self._last_flush = time.monotonic()
-        self._closed = False
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", encoding="utf-8") as f:  # the array stays open: a killed process leaves a readable file
-            f.write("[\n")
+        self._closed = path is None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "w", encoding="utf-8") as f:  # the array stays open: a killed process leaves a readable file
+                f.write("[\n")
         self._meta("process_name", 0, {"name": process_name})
         self._meta("process_labels", 0, {"labels": f"os pid {self.pid}, clock anchor {_WALL_ANCHOR_US} us"})
 
@@ -131,12 +144,16 @@ class PerfTracer:
     def lane_span(self, name: str, **args: Any) -> _Span:
         return _Span(self, name, args, True)
 
-    def complete(self, name: str, start_us: int, end_us: int, tid: int | None = None, **args: Any) -> None:
-        """A span that already ended (e.g. a request's wait in a queue, known when it leaves the queue)."""
+    def complete(self, name: str, start_us: int, end_us: int, tid: int | None = None, parent: Any = None,
+                 **args: Any) -> None:
+        """A span that already ended (e.g. a request's wait in a queue, known when it leaves the queue); `parent`: the
+        OTel context it belongs under (`trace_context()` where the work began; None = the current one)."""
+        if self.otel is not None:
+            self.otel.complete(name, start_us, end_us, args, parent)
         self.add({"name": name, "ph": "X", "ts": start_us, "dur": max(0, end_us - start_us), "pid": self.pid,
                   "tid": tid if tid is not None else threading.get_native_id(), "args": args})
 
-    def interval(self, name: str, start_us: int, end_us: int, **args: Any) -> None:
+    def interval(self, name: str, start_us: int, end_us: int, parent: Any = None, **args: Any) -> None:
         """A span that already ended and may overlap others of its kind (requests waiting in a queue): on the first
         lane kept for such spans whose last one ended before it starts."""
         with self._lock:
@@ -149,7 +166,7 @@ class PerfTracer:
                 self._interval_lanes.append(lane)
                 self._meta("thread_name", lane[0], {"name": f"{name} {len(self._interval_lanes)}"})
             lane[1] = end_us
-        self.complete(name, start_us, end_us, tid=lane[0], **args)
+        self.complete(name, start_us, end_us, tid=lane[0], parent=parent, **args)
 
     def take_lane(self) -> int:
         with self._lock:
@@ -166,6 +183,8 @@ class PerfTracer:
             self._free.sort(reverse=True)  # the lowest free lane next: tracks stay few and dense
 
     def add(self, event: dict[str, Any]) -> None:
+        if self.path is None:
+            return
         tid = event["tid"]
         with self._lock:  # the decode thread and the event loop add at once; `flush` swaps the buffer
             if tid < LANE_BASE and tid not in self._threads:
@@ -184,7 +203,7 @@ class PerfTracer:
         with self._lock:
             events, self._buf = self._buf, []
             self._last_flush = time.monotonic()
-        if not events:
+        if not events or self.path is None:
             return
         text = "".join(json.dumps(e, separators=(",", ":")) + ",\n" for e in events)
         with self._io:  # the file is written outside the buffer's lock: spans go on meanwhile
@@ -198,6 +217,8 @@ class PerfTracer:
                 log.warning("perf tracer: writing %s failed (%s); tracing stops, the run goes on", self.path, exc)
 
     def close(self) -> None:
+        if self.otel is not None:
+            self.otel.close()
         self.flush()
         with self._io:
             if self._closed:
@@ -211,6 +232,7 @@ class _NullTracer:
     """Tracing off: no-op spans, nothing written."""
 
     enabled = False
+    otel = None
 
     def span(self, name: str, **args: Any) -> _NullSpan:
         return _NULL_SPAN
@@ -251,6 +273,41 @@ def lane_span(name: str, **args: Any) -> _Span | _NullSpan:
     return _tracer.lane_span(name, **args) if _tracer.enabled else _NULL_SPAN
 
 
+def root_span(name: str, **args: Any) -> _Span | _NullSpan:
+    """A lane span that, exported to OpenTelemetry, starts a trace of its own (a rollout) instead of joining the
+    span it was started under (the admission loop's)."""
+    return _Span(_tracer, name, args, True, root=True) if _tracer.enabled else _NULL_SPAN
+
+
+def remote_span(name: str, headers: Any, **args: Any) -> _Span | _NullSpan:
+    """A lane span serving a request: exported to OpenTelemetry, the child of the span its W3C `traceparent`
+    header names (`headers`: the request's)."""
+    if not _tracer.enabled:
+        return _NULL_SPAN
+    parent = None
+    if _tracer.otel is not None:
+        from rlstream.common.otel import extract
+
+        parent = extract(headers)
+    return _Span(_tracer, name, args, True, parent=parent)
+
+
+def trace_headers() -> dict[str, str]:
+    """Headers that carry the current span to the process a request goes to (W3C traceparent); {} unless exporting
+    to OpenTelemetry."""
+    if _tracer.otel is None:
+        return {}
+    from rlstream.common.otel import inject
+
+    return inject({})
+
+
+def trace_context() -> Any:
+    """The current OTel context, for a span recorded later on another thread (`complete(parent=...)`); None unless
+    exporting to OpenTelemetry."""
+    return None if _tracer.otel is None else _tracer.otel.current()
+
+
 def trace_folder(cfg: Any) -> Path:
     """Where this run's trace files go (`perf_tracer.trace_dir`, default {run_dir}/trace)."""
     return Path(cfg.perf_tracer.trace_dir) if cfg.perf_tracer.trace_dir else Path(cfg.run_dir) / "trace"
@@ -272,15 +329,24 @@ def configure(cfg: Any, role: str, name: str | None = None) -> PerfTracer | _Nul
     pt = cfg.perf_tracer
     _tracer.close()
     _tracer = _NULL
+    label = name if name and name.startswith(role) else f"{role}-{name}" if name else role
+    otel = None
+    if pt.otlp_endpoint:
+        from rlstream.common.otel import make_export
+
+        otel = make_export(pt.otlp_endpoint, label, f"{cfg.experiment_name}/{cfg.trial_name}")
+    path = None
     if pt.enabled:
-        label = name if name and name.startswith(role) else f"{role}-{name}" if name else role
         folder = trace_folder(cfg)
+        path = folder / f"{label}-{os.getpid()}{TRACE_SUFFIX}"
         try:
-            _tracer = PerfTracer(folder / f"{label}-{os.getpid()}{TRACE_SUFFIX}", label,
-                                 save_interval=pt.save_interval, flush_secs=pt.flush_secs)
-            atexit.register(_tracer.close)
+            _tracer = PerfTracer(path, label, save_interval=pt.save_interval, flush_secs=pt.flush_secs, otel=otel)
         except OSError as exc:
             _unwritable("perf tracer", folder, exc)
+    if _tracer is _NULL and otel is not None:  # exporting only (files off, or their folder not writable)
+        _tracer = PerfTracer(None, label, otel=otel)
+    if _tracer is not _NULL:
+        atexit.register(_tracer.close)
     configure_sessions(cfg)
     return _tracer
 

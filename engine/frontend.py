@@ -104,6 +104,7 @@ class _Ready(msgspec.Struct, tag="ready"):
 class _Call(msgspec.Struct, tag="call"):
     id: int
     body: GenerateRequest
+    trace: dict[str, str] = {}  # the request's W3C trace-context headers (traceparent, tracestate), when it had them
 
 
 class _Cancel(msgspec.Struct, tag="cancel"):
@@ -155,7 +156,7 @@ class FrontendLost(EngineError):
     """The front-end process exited or closed its channel while `serve` was running."""
 
 
-GenerateFn = Callable[[GenerateRequest], Awaitable[tuple[int, Any]]]
+GenerateFn = Callable[[GenerateRequest, dict[str, str]], Awaitable[tuple[int, Any]]]
 
 
 class FrontendProcess:
@@ -205,7 +206,7 @@ class FrontendProcess:
             while (data := await _read_frame(reader)) is not None:
                 msg = msgspec.msgpack.decode(data, type=_ToEngine)
                 if type(msg) is _Call:
-                    self._tasks[msg.id] = asyncio.create_task(self._answer(msg.id, msg.body))
+                    self._tasks[msg.id] = asyncio.create_task(self._answer(msg.id, msg.body, msg.trace))
                 elif type(msg) is _Cancel:
                     if (task := self._tasks.get(msg.id)) is not None:
                         task.cancel()
@@ -214,9 +215,9 @@ class FrontendProcess:
         finally:
             self._closed.set()
 
-    async def _answer(self, rid: int, body: GenerateRequest) -> None:
+    async def _answer(self, rid: int, body: GenerateRequest, trace: dict[str, str]) -> None:
         try:
-            status, obj = await self._generate(body)
+            status, obj = await self._generate(body, trace)
         except asyncio.CancelledError:  # its client went away: nobody to answer
             return
         except Exception as exc:  # noqa: BLE001 - answer, as aiohttp would with a 500
@@ -278,6 +279,7 @@ _ERROR = msgspec.msgpack.Decoder(ErrorReply)
 _FROM_ENGINE = msgspec.msgpack.Decoder(_ToFrontend)
 _FORWARDED_HEADERS = ("Accept", "Content-Type")
 _GONE = "the engine process is not running"
+_TRACE_HEADERS = ("traceparent", "tracestate")  # W3C trace context, carried to the engine for OTel export
 
 
 class _Frontend:
@@ -307,7 +309,8 @@ class _Frontend:
         rid = next(self.ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending[rid] = fut
-        self.writer.write(_frame(_Call(id=rid, body=body)))
+        trace = {k: v for k in _TRACE_HEADERS if (v := request.headers.get(k)) is not None}
+        self.writer.write(_frame(_Call(id=rid, body=body, trace=trace)))
         try:
             answer: _Answer | None = await fut
         except asyncio.CancelledError:  # the client went away: the engine drops the request

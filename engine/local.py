@@ -45,7 +45,7 @@ import torch
 
 from rlstream.common.engine_api import EngineError, FinishReason, GenerateResponse, MetaInfo, SamplingParams
 from rlstream.common.logging import get_logger
-from rlstream.common.tracing import now_us, span, tracer
+from rlstream.common.tracing import now_us, span, trace_context, tracer
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
 from rlstream.common.vision import is_vision_config, vision_spec
 from rlstream.engine.grammar import Grammars, constraint_of
@@ -264,7 +264,7 @@ class LocalEngine:
         stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         loop = asyncio.get_running_loop()
         req = Request(rid=f"r{next(self._ids)}", prompt=prompt, params=params, stop_ids=stop_ids,
-                      loop=loop, future=loop.create_future(), images=prepared or None)
+                      loop=loop, future=loop.create_future(), images=prepared or None, trace=trace_context())
         constraint = constraint_of(params)
         if constraint is not None:  # compiled off the event loop: a large grammar takes 10-1000 ms
             req.grammar = await loop.run_in_executor(None, self.grammars.matcher, *constraint)
@@ -437,7 +437,8 @@ class LocalEngine:
         if tr.enabled:
             now, mono = now_us(), time.monotonic()
             for r in admit:
-                tr.interval("engine/queue", now - int((mono - r.created) * 1e6), now, rid=r.rid, prompt=len(r.prompt))
+                tr.interval("engine/queue", now - int((mono - r.created) * 1e6), now, parent=r.trace, rid=r.rid,
+                            prompt=len(r.prompt))
 
     def _hold_s(self) -> float:
         return self._sched.hold_s(self._batch.rows, self._step_s)

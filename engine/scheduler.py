@@ -58,6 +58,7 @@ class Request:
     kv_gen: int = -1  # weights generation its prompt KV was computed under (prefix cache: keep only if current)
     images: list | None = None  # engine/vision.EngineImage per image of the prompt, in order (vision models)
     grammar: Any = None  # llguidance LLMatcher of a structured-output request (engine/grammar.py)
+    trace: Any = None  # OTel context of the request's span (common/tracing.trace_context): its queue wait's parent
 
 
 class Scheduler:

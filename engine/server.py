@@ -63,6 +63,7 @@ from rlstream.common.engine_api import (
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolveError, NameResolver
 from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, exposition
+from rlstream.common.tracing import remote_span
 from rlstream.engine.frontend import (FrontendLost, auth_middleware, error_response, json_response,
                                       negotiated_response, start_frontend)
 from rlstream.engine.local import LocalEngine
@@ -91,7 +92,8 @@ async def generate(request: web.Request) -> web.Response:
         body = api.decode(await request.read(), GenerateRequest)
     except BadRequest as exc:
         return error_response(400, f"/generate: {exc}")
-    status, reply = await answer_generate(request.app[ENGINE_KEY], body)
+    with remote_span("engine/generate", request.headers):  # OTel: the child of the producer's request span
+        status, reply = await answer_generate(request.app[ENGINE_KEY], body)
     return negotiated_response(request, reply) if status == 200 else json_response(reply, status)
 
 
@@ -361,10 +363,11 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
         await site.start()
         port = site._server.sockets[0].getsockname()[1]  # port 0: the one the OS picked
     else:
-        async def generate_in_engine(body: GenerateRequest) -> tuple[int, Any]:
+        async def generate_in_engine(body: GenerateRequest, trace: dict[str, str]) -> tuple[int, Any]:
             if app.get("draining"):
                 return 503, _error(503, "engine is shutting down")
-            return await answer_generate(engine, body)
+            with remote_span("engine/generate", trace):
+                return await answer_generate(engine, body)
 
         try:
             frontend = await start_frontend(runner, generate_in_engine, s.host, s.port, s.api_key)

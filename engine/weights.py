@@ -57,7 +57,7 @@ from rlstream.common.engine_api import (DELTA_FORMAT, BadRequest, DestroyWeights
                                         IpcWeightUpdate, WeightDelta, WeightsByName, WeightsByNameReply,
                                         WeightsChecksumReply, WeightsChecksumRequest, WeightsReply, WeightUpdate)
 from rlstream.common.logging import get_logger
-from rlstream.common.tracing import lane_span
+from rlstream.common.tracing import remote_span
 from rlstream.common.weights.delta_codec import DeltaMismatch, apply_delta, bits_checksum
 from rlstream.common.weights.dist import WeightSyncGroup, init_weight_sync_group, parse_dtype, resolve_backend, run_in_thread
 
@@ -400,7 +400,7 @@ def _route(route: api.Route, op: Callable[[WeightReceiver, Any], Any]):
         except BadRequest as exc:
             return _answer(False, f"{request.path}: {exc}")
         try:
-            with lane_span("engine/weight_receive", route=request.path):
+            with remote_span("engine/weight_receive", request.headers, route=request.path):
                 result = op(receiver, body)
                 if asyncio.iscoroutine(result):
                     result = await result

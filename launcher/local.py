@@ -125,7 +125,8 @@ class LocalRun:
         self.trainer: Child | None = None
         self.stop_reason: str | None = None
         self._signal: int | None = None
-        self.t0 = time.monotonic()
+        self.t_start = self.t0 = time.monotonic()  # t0: the training's start, once the engines are up
+        self.t_trained: float | None = None
         self.summary: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ helpers
@@ -391,7 +392,7 @@ class LocalRun:
 
     def watch(self) -> None:
         """Until the trainer finishes: live view + child checks."""
-        from rlstream.launcher.live import Monitor, line, render
+        from rlstream.launcher.live import Monitor, line, render, stall_warning
 
         cfg = self.cfg
         total = self.budget.total_steps
@@ -437,9 +438,7 @@ class LocalRun:
                         stall_step, stall_since, stall_warned = snap.step, now, False
                     elif snap.step > 0 and not stall_warned and now - stall_since > STALL_WARN_S:
                         stall_warned = True
-                        _echo(f"rlstream: warning: no train step for {STALL_WARN_S:.0f}s (step {snap.step}): "
-                              f"{snap.queue_depth} groups queued, {snap.running} rollouts running, accepted "
-                              f"{snap.accepted}, dropped as stale {snap.dropped_stale}; see {self.logs}", err=True)
+                        _echo(stall_warning(snap, STALL_WARN_S, self.logs), err=True)
                 time.sleep(0.25)
             snap = self.monitor.sample({c.name: ("up" if c.running else describe_exit(c.poll()))
                                         for c in self.children if c.role != "redis"})
@@ -550,7 +549,8 @@ class LocalRun:
                 self.start_trainer()
                 self.start_producers()
                 self.watch()
-                _echo(f"training finished in {time.monotonic() - self.t0:.0f}s; stopping producers and engines")
+                self.t_trained = time.monotonic()
+                _echo(f"training finished in {self.t_trained - self.t0:.0f}s; stopping producers and engines")
             except RunFailed as exc:
                 self.stop_reason = str(exc)
                 code = 130 if self._signal is not None else 1
@@ -571,7 +571,8 @@ class LocalRun:
 
         try:
             self.summary = finish(cfg, self.run_dir, acc_before=acc_before, t0=self.t0,
-                                  total_steps=self.budget.total_steps, stop_reason=self.stop_reason)
+                                  total_steps=self.budget.total_steps, stop_reason=self.stop_reason,
+                                  t_start=self.t_start, t_trained=self.t_trained)
         except Exception as exc:  # noqa: BLE001 - after a failure the report is best effort
             if code == 0:
                 raise

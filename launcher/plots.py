@@ -10,7 +10,8 @@ Outputs in `{run_dir}/plots/`:
   (`eval/accuracy` rows, at their version's step) and before/after;
 - `staleness.png`: distribution of head staleness (trainer version - oldest model-token version) of
   trained groups, the budget η and the groups dropped beyond it;
-- `throughput.png`: samples/s and tokens/s produced and trained, over the same 10 s windows;
+- `throughput.png`: samples/s and tokens/s produced and trained, over the same 10 s windows, stretched to the
+  time between steps (trained) or between commits (produced, launcher/live.py) when those are longer;
 - `time_split.png`: where each step's time went (waiting for data, logprobs, update, weight push, ...).
 """
 
@@ -20,7 +21,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-__all__ = ["make_plots", "read_jsonl"]
+__all__ = ["make_plots", "read_jsonl", "trained_rates"]
 
 _TIME_KEYS = [("time/wait_data", "wait for data"), ("time/collate", "collate"), ("time/logprobs", "logprobs"),
               ("time/update", "update"), ("time/weight_push", "weight push"), ("time/checkpoint", "checkpoint")]
@@ -48,8 +49,9 @@ def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
 
 
 def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_after: float | None = None,
-               title: str = "") -> list[Path]:
-    """Write the PNGs for the run at `run_dir`; returns their paths (plots without data are skipped)."""
+               title: str = "", reward_name: str | None = None) -> list[Path]:
+    """Write the PNGs for the run at `run_dir`; returns their paths (plots without data are skipped).
+    `reward_name`: the reward function (`producer.reward_fn`), named in the reward plot's legend."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -71,7 +73,8 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
         plt.close(fig)
         written.append(p)
 
-    save(_reward(plt, metrics, acc_before, acc_after, title), "reward.png")
+    rejected = int(timeline[-1].get("rejected", 0)) if timeline else 0
+    save(_reward(plt, metrics, acc_before, acc_after, title, reward_name, rejected), "reward.png")
     save(_agent(plt, metrics, title), "agent.png")
     save(_staleness(plt, metrics, run_dir / "staleness.json"), "staleness.png")
     save(_throughput(plt, metrics, timeline), "throughput.png")
@@ -80,26 +83,25 @@ def make_plots(run_dir: str | Path, *, acc_before: float | None = None, acc_afte
     return written
 
 
-def _reward(plt, metrics: list[dict], acc_before: float | None, acc_after: float | None, title: str):
-    """Reward and accuracy per step, held-out accuracy during training and before/after."""
+def _reward(plt, metrics: list[dict], acc_before: float | None, acc_after: float | None, title: str,
+            reward_name: str | None = None, rejected: int = 0):
+    """Reward and accuracy per step (of the trained groups: rejected and stale-dropped ones never reach the trainer),
+    held-out accuracy during training (hollow where a weight push landed mid-evaluation) and before/after."""
     if not metrics:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     xs_r, ys_r = _series(metrics, "reward/mean")
     xs_a, ys_a = _series(metrics, "reward/accuracy")
     if xs_r and xs_r == xs_a and all(abs(r - a) < 1e-6 for r, a in zip(ys_r, ys_a)):
-        # Exact-match rewards: accuracy is the reward, and two lines would lie on top of each other.
-        ax.plot(xs_r, ys_r, lw=1.5, label="batch reward = batch accuracy (exact match)")
+        # A 0/1 reward: accuracy is the reward, and two lines would lie on top of each other.
+        name = f" ({reward_name.rsplit(':', 1)[-1]})" if reward_name else ""
+        ax.plot(xs_r, ys_r, lw=1.5, label=f"batch reward = batch accuracy{name}")
     else:
         if xs_r:
             ax.plot(xs_r, ys_r, lw=2.5, alpha=0.6, label="batch reward (mean)")
         if xs_a:
             ax.plot(xs_a, ys_a, lw=1, ls="--", color="tab:orange", label="batch accuracy")
-    xs, ys = _series(metrics, "eval/accuracy")  # evaluation during training, at its version's step
-    if xs:
-        order = sorted(range(len(xs)), key=xs.__getitem__)
-        ax.plot([xs[i] for i in order], [ys[i] for i in order], "o-", color="tab:purple", lw=2,
-                label="held-out accuracy (eval during training)")
+    _eval_points(ax, metrics)
     last = max((r.get("step", 0) for r in metrics), default=1)
     if acc_before is not None:
         ax.scatter([0], [acc_before], color="tab:red", zorder=5, label=f"held-out acc before RL: {acc_before:.1%}")
@@ -110,8 +112,28 @@ def _reward(plt, metrics: list[dict], acc_before: float | None, acc_after: float
     ax.set_ylim(-0.05, 1.05)
     ax.set_title(f"Reward per step {title}".strip())
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right", fontsize=8)
+    kept = "batch: the trained groups only" + (f"; {rejected} groups rejected by the producer (e.g. "
+                                                 "dynamic_sampling) are not in it" if rejected else "")
+    ax.legend(loc="lower right", fontsize=8, title=kept, title_fontsize=7)
     return fig
+
+
+def _eval_points(ax, metrics: list[dict]) -> None:
+    """Evaluation during training, at its version's step; a point whose weights changed midway (tokens generated by
+    a later version: `eval/offversion_frac`) is hollow and counted in the legend, not that version's accuracy."""
+    rows = sorted((r for r in metrics if r.get("eval/accuracy") is not None), key=lambda r: r.get("step", 0))
+    if not rows:
+        return
+    xs, ys = [r.get("step", 0) for r in rows], [r["eval/accuracy"] for r in rows]
+    ax.plot(xs, ys, "-", color="tab:purple", lw=2, label="held-out accuracy (eval during training)")
+    mixed = [r for r in rows if r.get("eval/offversion_frac", 0.0) > 0]
+    clean = [r for r in rows if r.get("eval/offversion_frac", 0.0) <= 0]
+    ax.plot([r.get("step", 0) for r in clean], [r["eval/accuracy"] for r in clean], "o", color="tab:purple")
+    if mixed:
+        worst = max(r["eval/offversion_frac"] for r in mixed)
+        ax.plot([r.get("step", 0) for r in mixed], [r["eval/accuracy"] for r in mixed], "o", mfc="white",
+                color="tab:purple", label=f"weights changed mid-evaluation ({len(mixed)}; up to {worst:.0%} of "
+                                          "tokens from later versions)")
 
 
 def _agent(plt, metrics: list[dict], title: str):
@@ -141,11 +163,16 @@ def _staleness(plt, metrics: list[dict], stale_path: Path):
     """Head staleness of the trained groups, the budget η and the groups dropped beyond it."""
     hist: dict[int, int] = {}
     eta = None
+    dropped = int(sum(r.get("data/dropped_stale", 0.0) for r in metrics))  # the trainer's reader's drops only
+    by_whom = ""
     if stale_path.exists():
         stale = json.loads(stale_path.read_text())
         hist = {int(k): int(v) for k, v in stale.get("histogram", {}).items()}
         eta = stale.get("max_head_offpolicyness")
-    dropped = int(sum(r.get("data/dropped_stale", 0.0) for r in metrics))
+        if "dropped" in stale:  # every drop recorded in {ns}:dropped: the producers' and the reader's
+            d = stale["dropped"]
+            dropped = d["producer"] + d["reader"]
+            by_whom = f" ({d['producer']} by producers, {d['reader']} by the trainer's reader)"
     source = "trained groups"
     if not hist and metrics:  # fall back to the per-step mean staleness
         source = "steps (mean staleness, rounded)"
@@ -163,7 +190,7 @@ def _staleness(plt, metrics: list[dict], stale_path: Path):
         ax.axvline(ks.index(eta) + 0.5 if eta in ks else len(ks) - 0.5, color="tab:red", ls="--",
                    label=f"η = max_head_offpolicyness = {eta}")
         ax.bar([f"> {eta}\n(dropped)"], [dropped], color="tab:red", alpha=0.6,
-               label=f"dropped as stale: {dropped} groups")
+               label=f"dropped as stale: {dropped} groups{by_whom}")
     ax.set_xlabel("head staleness (trainer version - oldest model-token version)")
     ax.set_ylabel(f"count of {source}" if eta is None else "groups")
     ax.set_title("Staleness distribution")
@@ -189,22 +216,13 @@ def _throughput(plt, metrics: list[dict], timeline: list[dict]):
     steps = [r for r in metrics if "ts" in r and "eval/version" not in r]
     if steps:
         t_first = steps[0]["ts"] if t_first is None else t_first
-        xs, rs, toks = [], [], []
-        j = 0
-        for i, r in enumerate(steps):  # trained in the last RATE_WINDOW_S, like the produced rate
-            while steps[j]["ts"] < r["ts"] - RATE_WINDOW_S:
-                j += 1
-            window = min(RATE_WINDOW_S, r["ts"] - t_first)
-            if window <= 0:
-                continue
-            xs.append(r["ts"] - t_first)
-            rs.append(sum(m.get("data/n_seqs", 0.0) for m in steps[j : i + 1]) / window)
-            toks.append(sum(m.get("data/n_tokens", 0.0) for m in steps[j : i + 1]) / window)
+        xs, rs, toks = trained_rates(steps, t_first, RATE_WINDOW_S)
         if xs:
             ax_r.plot(xs, rs, label="trained (samples/s)")
             ax_t.plot(xs, toks, label="trained tokens/s (prompt + output)")
     ax_r.set_ylabel("samples/s")
-    ax_r.set_title(f"Throughput over time ({RATE_WINDOW_S:.0f} s windows)")
+    ax_r.set_title(f"Throughput over time ({RATE_WINDOW_S:.0f} s windows, or the time between steps when longer)",
+                   fontsize=10)
     ax_t.set_ylabel("tokens/s")
     ax_t.set_xlabel("seconds since the run's processes started")
     ax_t.set_xlim(left=0)
@@ -212,6 +230,27 @@ def _throughput(plt, metrics: list[dict], timeline: list[dict]):
         ax.grid(alpha=0.3)
         ax.legend(loc="upper left", fontsize=8)
     return fig
+
+
+def trained_rates(steps: list[dict], t_first: float, window_s: float) -> tuple[list[float], list[float], list[float]]:
+    """(seconds since `t_first`, trained samples/s, trained tokens/s) at each step: what the steps ending in the
+    window before it trained, over a window of `window_s` or, when steps are further apart, the time since the
+    previous step (a 56 s step of 16 samples is 0.29 samples/s, not 16 samples in a 10 s window)."""
+    xs: list[float] = []
+    rs: list[float] = []
+    toks: list[float] = []
+    j = 0
+    for i, r in enumerate(steps):
+        prev = steps[i - 1]["ts"] if i else t_first
+        window = min(max(window_s, r["ts"] - prev), r["ts"] - t_first)
+        if window <= 0:
+            continue
+        while steps[j]["ts"] <= r["ts"] - window and j < i:
+            j += 1
+        xs.append(r["ts"] - t_first)
+        rs.append(sum(m.get("data/n_seqs", 0.0) for m in steps[j : i + 1]) / window)
+        toks.append(sum(m.get("data/n_tokens", 0.0) for m in steps[j : i + 1]) / window)
+    return xs, rs, toks
 
 
 def _time_split(plt, metrics: list[dict]):

@@ -6,7 +6,8 @@ step it prints a progress line every `stats_logger.log_every_secs` and appends t
 timeline the throughput plot reads (`launcher.live.Monitor`). Then it writes what
 `rlstream run` writes at its end, into `{run_dir}`:
 
-- `staleness.json`: head staleness of every trained group (from the step records);
+- `staleness.json`: head staleness of every trained group (from the step records) and the groups dropped as
+  too stale, by producers and by the trainer's reader (`{ns}:dropped`);
 - held-out accuracy of `actor.path` (before RL) and of `checkpoints/final` (after RL)
   on `launcher.eval_n` prompts, printed;
 - `plots/*.png` and `summary.json`.
@@ -36,16 +37,18 @@ def _echo(msg: str, err: bool = False) -> None:
 
 
 def staleness_distribution(client: Any, keys: Any, run_dir: Path, eta: int) -> dict[str, Any] | None:
-    """Head staleness (step version - oldest token version) of every trained group -> staleness.json."""
-    from rlstream.broker.inspect import trained_staleness
+    """Head staleness (step version - oldest token version) of every trained group, and the groups dropped as too
+    stale by producers and by the reader -> staleness.json."""
+    from rlstream.broker.inspect import dropped_counts, trained_staleness
 
     try:
         hist = trained_staleness(client, keys)
+        dropped = dropped_counts(client, keys)
     except Exception as exc:  # noqa: BLE001 - a missing plot must not fail the run
         log.warning("could not read the staleness of trained groups: %s", exc)
         return None
     out = {"histogram": {str(k): hist[k] for k in sorted(hist)}, "n": sum(hist.values()),
-           "max_head_offpolicyness": eta}
+           "max_head_offpolicyness": eta, "dropped": dropped}
     (Path(run_dir) / "staleness.json").write_text(json.dumps(out, indent=2))
     return out
 
@@ -81,8 +84,11 @@ def trained_steps(run_dir: Path) -> int:
 
 
 def finish(cfg: Config, run_dir: Path, *, acc_before: float | None, t0: float, total_steps: int | None = None,
-           stop_reason: str | None = None) -> dict[str, Any]:
-    """Accuracy after RL, plots and `summary.json` of a run, finished or stopped early; returns the summary."""
+           stop_reason: str | None = None, t_start: float | None = None, t_trained: float | None = None
+           ) -> dict[str, Any]:
+    """Accuracy after RL, plots and `summary.json` of a run, finished or stopped early; returns the summary.
+    Monotonic times: `t_start` the command's start (set-up, evaluation before RL), `t0` the training's start,
+    `t_trained` its end; the wall time counts from `t_start` and the summary splits it in these phases."""
     from rlstream.launcher.plots import make_plots
 
     final = run_dir / "checkpoints" / "final"
@@ -94,9 +100,14 @@ def finish(cfg: Config, run_dir: Path, *, acc_before: float | None, t0: float, t
         _echo(f"no final checkpoint at {final} (the trainer could not save one); skipping the evaluation after RL",
               err=True)
     plots = make_plots(run_dir, acc_before=acc_before, acc_after=acc_after,
-                       title=f"({cfg.experiment_name}/{cfg.trial_name})")
-    wall = time.monotonic() - t0
-    summary = {"acc_before": acc_before, "acc_after": acc_after, "wall_time_s": round(wall, 1),
+                       title=f"({cfg.experiment_name}/{cfg.trial_name})", reward_name=cfg.producer.reward_fn)
+    now = time.monotonic()
+    t_start = t0 if t_start is None else t_start
+    t_trained = now if t_trained is None else t_trained
+    wall = now - t_start
+    phases = {"before_training_s": round(t0 - t_start, 1), "training_s": round(t_trained - t0, 1),
+              "after_training_s": round(now - t_trained, 1)}
+    summary = {"acc_before": acc_before, "acc_after": acc_after, "wall_time_s": round(wall, 1), "phases": phases,
                "steps": steps, "total_steps": total_steps, "finished": stop_reason is None,
                "stop_reason": stop_reason,
                "final_checkpoint": str(final) if (final / "config.json").exists() else None,
@@ -113,7 +124,8 @@ def finish(cfg: Config, run_dir: Path, *, acc_before: float | None, t0: float, t
               f"after RL")
     if stop_reason is not None:
         _echo(f"stopped early after {steps} of {total_steps} steps; what was trained is kept:")
-    _echo(f"done in {wall:.0f}s: metrics {run_dir / 'metrics.jsonl'}, checkpoint {final}, plots in {run_dir / 'plots'}")
+    _echo(f"done in {wall:.0f}s ({phases['before_training_s']:.0f}s set-up and evaluation before RL, "
+          f"{phases['training_s']:.0f}s training, {phases['after_training_s']:.0f}s evaluation after RL and plots): metrics {run_dir / 'metrics.jsonl'}, checkpoint {final}, plots in {run_dir / 'plots'}")
     return summary
 
 

@@ -24,7 +24,7 @@ from rlstream.broker.versions import FOLLOW_BLOCK_MS, RUN_FINISHED
 from rlstream.common.coalesce import Coalescer
 from rlstream.common.logging import get_logger
 from rlstream.common.tasks import cancel_and_wait, complete_despite_cancel
-from rlstream.common.tracing import current_session, lane_span, now_us, session_update, sessions, span
+from rlstream.common.tracing import current_session, now_us, root_span, session_update, sessions, span
 from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
 from rlstream.producer.workflow import FILTER_REWARD, RolloutVersions, current_rollout
 
@@ -305,7 +305,7 @@ class AdmitLoop:
                    "admitted": time.time(), "requests": []}
             current_session.set(rec)  # this task's context: the workflow's requests add to it
         try:
-            with lane_span("rollout", lease=lease_id, prompt=str(getattr(item, "prompt_id", ""))):
+            with root_span("rollout", lease=lease_id, prompt=str(getattr(item, "prompt_id", ""))):
                 await self._rollout_traced(lease_id, item, admission_s)
         finally:
             if rec is not None:

@@ -30,6 +30,7 @@ __all__ = [
     "free_port", "stop_process", "child_env", "cli", "redis_server_binary", "RedisServer", "RedisCluster", "EngineProcess",
     "ProducerProcess", "GatewayProcess", "make_group", "write_arith_dataset", "engine_overrides", "producer_overrides",
     "PROMPTS", "recompute_logprobs", "behaviour_logprobs", "perturbed_state", "vllm_python_or_skip", "VllmServer",
+    "OtlpReceiver",
 ]
 
 
@@ -446,3 +447,74 @@ class RecordingEngine:
         gen = await self.inner.agenerate(req)
         self.calls.append((list(req.input_ids), list(gen.output_ids)))
         return gen
+
+
+class OtlpReceiver:
+    """A real OTLP/HTTP traces receiver on 127.0.0.1 (aiohttp on a thread of its own): decodes each protobuf
+    `ExportTraceServiceRequest` POSTed to /v1/traces into `spans`, one dict per span (service, name, ids as hex,
+    parent id, attributes)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.spans: list[dict] = []
+        self.requests = 0
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._serve()), name="otlp-receiver", daemon=True)
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1/traces"
+
+    def __enter__(self) -> "OtlpReceiver":
+        self._thread.start()
+        assert self._ready.wait(30), "the OTLP receiver did not start"
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(30)
+
+    async def _serve(self) -> None:
+        from aiohttp import web
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
+                                                                              ExportTraceServiceResponse)
+
+        async def traces(request: web.Request) -> web.Response:
+            msg = ExportTraceServiceRequest.FromString(await request.read())
+            self.requests += 1
+            for rs in msg.resource_spans:
+                resource = {a.key: _any_value(a.value) for a in rs.resource.attributes}
+                for ss in rs.scope_spans:
+                    for sp in ss.spans:
+                        self.spans.append({
+                            "service": resource.get("service.name"), "instance": resource.get("service.instance.id"),
+                            "name": sp.name, "trace_id": sp.trace_id.hex(), "span_id": sp.span_id.hex(),
+                            "parent": sp.parent_span_id.hex() or None, "start_ns": sp.start_time_unix_nano,
+                            "end_ns": sp.end_time_unix_nano, "kind": sp.kind,
+                            "attrs": {a.key: _any_value(a.value) for a in sp.attributes}})
+            return web.Response(body=ExportTraceServiceResponse().SerializeToString(),
+                                content_type="application/x-protobuf")
+
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        app = web.Application(client_max_size=64 * 2**20)
+        app.add_routes([web.post("/v1/traces", traces)])
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self._ready.set()
+        await self._stop.wait()
+        await runner.cleanup()
+
+
+def _any_value(v) -> object:
+    """The Python value of an OTLP `AnyValue`."""
+    kind = v.WhichOneof("value")
+    if kind == "array_value":
+        return [_any_value(x) for x in v.array_value.values]
+    return getattr(v, kind) if kind else None

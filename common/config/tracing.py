@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from rlstream.common.config.base import PositiveFloat, PositiveInt, Section
 
@@ -32,5 +35,10 @@ class PerfTracerConfig(Section):
     ({trace folder}/torch-step{N}-rank{R}.json); None = none."""
     trace_dir: str | None = None
     """Folder of the trace files (None = {run_dir}/trace); `rlstream trace merge` takes it or the run folder."""
+    otlp_endpoint: Annotated[str, Meta(pattern=r"^https?://[^/\s]+")] | None = None
+    """OTLP/HTTP traces endpoint (e.g. http://127.0.0.1:4318/v1/traces) to which every process also exports the same
+    spans through the OpenTelemetry SDK (the `otel` extra), also with `enabled` off (then without files); engine
+    requests carry the W3C traceparent, so one rollout is one trace across producer and engine. None = no export.
+    An endpoint that does not answer: one warning line per process, the run goes on."""
     session_tracer: SessionTracerConfig = msgspec.field(default_factory=SessionTracerConfig)
     """Per-rollout lifecycle records (sessions.jsonl)."""

@@ -9,14 +9,16 @@ from rlstream.broker.evals import AsyncEvalLog, EvalLog, EvalRecord
 
 def test_claim_is_exclusive_and_released_only_by_its_owner(rclient, keys):
     log = EvalLog(rclient, keys)
+    assert log.running() is None
     assert log.claim(3, "p1", ttl_s=60)
+    assert log.running() == 3  # what the live view names when no step comes while it runs
     assert not log.claim(3, "p2", ttl_s=60) and not log.claim(4, "p2", ttl_s=60)
     assert rclient.get(keys.eval_claim) == b"3:p1"
     assert 0 < rclient.pttl(keys.eval_claim) <= 60_000
     log.release(3, "p2")  # not p2's: kept
     assert rclient.get(keys.eval_claim) == b"3:p1"
     log.release(3, "p1")
-    assert rclient.get(keys.eval_claim) is None
+    assert rclient.get(keys.eval_claim) is None and log.running() is None
     assert log.claim(4, "p2", ttl_s=60)
 
 

@@ -24,7 +24,7 @@ from rlstream.broker import (
     namespace,
     write_run_meta,
 )
-from rlstream.broker.inspect import collect, list_namespaces
+from rlstream.broker.inspect import collect, dropped_counts, list_namespaces
 from rlstream.broker.stream import entry_fields
 from rlstream.common.config import load_config
 
@@ -98,6 +98,16 @@ def test_collect_fields(rclient, populated):
     stream.read("trainer-1", count=10, block_ms=10)
     s2 = collect(rclient, keys, 0, 1, 1)
     assert s2["dead_letters"]["count"] == 1 and "undecodable" in s2["dead_letters"]["recent"][0]["reason"]
+
+
+def test_dropped_counts_tell_the_producers_drops_from_the_readers(rclient, populated):
+    cfg, keys, _ = populated
+    assert dropped_counts(rclient, keys) == {"producer": 0, "reader": 1}
+    adm = AdmissionController.from_config(rclient, keys, cfg)
+    for _ in range(3):  # dropped before commit: recorded under the lease
+        _, lease = adm.try_acquire()
+        assert lease is not None and adm.drop_stale(lease.lease_id, min_version=0, read_version=3)
+    assert dropped_counts(rclient, keys, batch=2) == {"producer": 3, "reader": 1}  # read over several batches
 
 
 def test_collect_falls_back_to_config_without_meta(rclient, keys):

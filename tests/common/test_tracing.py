@@ -184,7 +184,8 @@ def test_session_records_of_producer_and_trainer_join_by_group(tmp_path):
                                            ("perf_tracer.profile_steps=3", "perf_tracer.profile_steps"),
                                            ("perf_tracer.enabeld=true", "perf_tracer.enabeld"),
                                            ("perf_tracer.session_tracer.flush_threshold=-1",
-                                            "perf_tracer.session_tracer.flush_threshold")])
+                                            "perf_tracer.session_tracer.flush_threshold"),
+                                           ("perf_tracer.otlp_endpoint=localhost:4318", "perf_tracer.otlp_endpoint")])
 def test_bad_values_name_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError) as err:
         _cfg(tmp_path, override)

@@ -7,7 +7,11 @@ producer and trainer processes, weights over gloo), a few steps, as a user runs 
 - sessions.jsonl: one record per committed or dropped group (as many as the stream and the dropped records hold),
   each with submit <= admitted <= end, and every group the trainer read carries the step that trained it;
 - `rlstream inspect --show` prints a real entry's conversation and `--json` parses; `--slowest` reads the records;
-- a tracing folder that cannot be written: the run completes, each process says so in one line.
+- OpenTelemetry (`perf_tracer.otlp_endpoint`, files off): a real OTLP/HTTP receiver gets the spans of the engine,
+  the producer and the trainer; each rollout is one trace whose engine spans are the children of the producer's
+  request spans (the W3C traceparent crossed the process boundary), the engine's queue waits under its handler's span;
+- a tracing folder that cannot be written and an OTLP endpoint that does not answer: the run completes, each process
+  says so in one line each.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ import pytest
 
 from rlstream.broker.keys import Keys
 from rlstream.common.tracing import read_sessions
+from rlstream.common.net import free_port
 from rlstream.launcher.trace_merge import check_nesting, coverage
+from tests.helpers import OtlpReceiver
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
@@ -126,10 +132,47 @@ def _check_sessions(run_dir: Path, rclient, keys: Keys) -> None:
 def test_unwritable_trace_folder_is_one_line_per_process_and_the_run_completes(tmp_path, redis_url, experiment):
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("a file where the trace folder would go")
+    dead = f"http://127.0.0.1:{free_port()}/v1/traces"  # nothing listens there
     _, run_dir = _run(tmp_path, redis_url, experiment, "perf_tracer.enabled=true",
-                      f"perf_tracer.trace_dir={blocker / 'trace'}")
+                      f"perf_tracer.trace_dir={blocker / 'trace'}", f"perf_tracer.otlp_endpoint={dead}")
     rows = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(rows) == 4
     for name in ("engine-0", "producer-0", "trainer"):
-        lines = [ln for ln in (run_dir / "logs" / f"{name}.log").read_text().splitlines() if "perf tracer" in ln]
+        log_lines = (run_dir / "logs" / f"{name}.log").read_text().splitlines()
+        lines = [ln for ln in log_lines if "perf tracer" in ln]
         assert len(lines) == 1 and "cannot write to" in lines[0] and "runs without it" in lines[0], (name, lines)
+        lines = [ln for ln in log_lines if "OTel" in ln or "opentelemetry" in ln.lower()]
+        assert len(lines) == 1 and dead in lines[0] and "does not answer" in lines[0], (name, lines)
+
+
+@pytest.mark.slow
+def test_otel_export_makes_each_rollout_one_trace_across_producer_and_engine(tmp_path, redis_url, experiment):
+    with OtlpReceiver() as rx:
+        _, run_dir = _run(tmp_path, redis_url, experiment, f"perf_tracer.otlp_endpoint={rx.endpoint}")
+        spans = list(rx.spans)
+    assert not (run_dir / "trace").exists()  # perf_tracer.enabled off: exported only
+    by_service: dict[str, set[str]] = {}
+    for s in spans:
+        by_service.setdefault(s["service"], set()).add(s["name"])
+    assert {"rlstream-engine", "rlstream-producer", "rlstream-trainer"} <= set(by_service), sorted(by_service)
+    assert PHASES["producer"] <= by_service["rlstream-producer"]
+    assert {"engine/generate", "engine/queue", "engine/decode"} <= by_service["rlstream-engine"]
+    assert {"trainer/step", "trainer/push"} <= by_service["rlstream-trainer"]
+    by_id = {s["span_id"]: s for s in spans}
+    rollouts = [s for s in spans if s["name"] == "rollout"]
+    assert rollouts and all(r["parent"] is None for r in rollouts)  # each rollout starts its own trace
+    assert len({r["trace_id"] for r in rollouts}) == len(rollouts)
+    generates = [s for s in spans if s["name"] == "engine/generate"]
+    assert generates
+    for g in generates:  # every engine request continues the producer's request span, in the rollout's trace
+        parent = by_id[g["parent"]]
+        assert parent["name"] == "engine_request/http" and parent["service"] == "rlstream-producer"
+        assert parent["trace_id"] == g["trace_id"]
+        root = parent
+        while root["parent"] is not None:
+            root = by_id[root["parent"]]
+        assert root["name"] == "rollout"
+    queued = [s for s in spans if s["name"] == "engine/queue"]
+    assert queued and all(by_id[q["parent"]]["name"] == "engine/generate" for q in queued)
+    steps = sorted(s["attrs"]["step"] for s in spans if s["name"] == "trainer/step")
+    assert steps == [1, 2, 3, 4]

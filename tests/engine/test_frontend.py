@@ -5,6 +5,7 @@ same requests to both; the answers (bodies, status codes, JSON and msgpack) must
 and pause/continue and a disk weight update must work through the front end. Then the
 lifetimes: SIGTERM stops both processes with exit 0 (a running request answered `abort`),
 a killed engine process fails requests instead of hanging, a killed front end stops serve.
+With OpenTelemetry export on, a request's W3C traceparent crosses the front end: the engine's span continues it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import aiohttp
 import msgspec
 
-from tests.helpers import PROMPTS, EngineProcess, child_env, cli, perturbed_state
+from tests.helpers import PROMPTS, EngineProcess, OtlpReceiver, child_env, cli, perturbed_state
 
 AUTH = {"Authorization": "Bearer tok"}
 MSGPACK = {**AUTH, "Accept": "application/msgpack, application/json;q=0.9"}
@@ -180,6 +181,29 @@ def test_process_frontend_answers_as_inline(tiny_model_path, trainer_model, tmp_
         inline.stop()
         process.stop()
     assert process.proc.returncode == 0
+
+
+@pytest.mark.slow
+def test_the_traceparent_crosses_the_front_end_to_the_engines_span(tiny_model_path, tmp_path):
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    with OtlpReceiver() as rx:
+        engine = _serve(tmp_path, tiny_model_path, "process", f"perf_tracer.otlp_endpoint={rx.endpoint}").start()
+        try:
+            async def generate() -> int:
+                async with aiohttp.ClientSession() as http:
+                    headers = {**AUTH, "traceparent": f"00-{trace_id}-{parent_id}-01"}
+                    body = {"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 3}}
+                    async with http.post(engine.url + "/generate", json=body, headers=headers) as resp:
+                        return resp.status
+
+            assert asyncio.run(generate()) == 200
+        finally:
+            engine.stop()  # exports what it holds at exit
+        spans = list(rx.spans)
+    (gen,) = [s for s in spans if s["name"] == "engine/generate"]
+    assert (gen["trace_id"], gen["parent"], gen["service"]) == (trace_id, parent_id, "rlstream-engine")
+    (queued,) = [s for s in spans if s["name"] == "engine/queue"]
+    assert queued["trace_id"] == trace_id and queued["parent"] == gen["span_id"]
 
 
 def test_sigterm_answers_running_requests_and_stops_both_processes(tiny_model_path, tmp_path):

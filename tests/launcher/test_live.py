@@ -9,7 +9,8 @@ import time
 from rich.console import Console
 
 from rlstream.broker import TrajectoryStream, VersionRegistry
-from rlstream.launcher.live import Monitor, Snapshot, line, render
+from rlstream.broker.evals import EvalLog
+from rlstream.launcher.live import Monitor, Snapshot, line, recent_rate, render, stall_warning
 
 
 def _monitor(rclient, keys, run_dir, total_steps=10) -> Monitor:
@@ -35,7 +36,7 @@ def test_sample_reads_metrics_redis_and_appends_the_timeline(tmp_path, rclient, 
     assert (snap.step, snap.reward, snap.total_steps) == (2, 0.75, 10)
     assert (snap.served_version, snap.trainer_version, snap.queue_depth) == (2, 2, 1)
     assert (snap.staleness_run_mean, snap.staleness_run_max) == (0.5, 2.0)
-    assert (snap.eval_accuracy, snap.eval_version) == (0.4, 2)
+    assert (snap.eval_accuracy, snap.eval_version, snap.eval_offversion, snap.evaluating) == (0.4, 2, 0.0, None)
     assert snap.trainer_tokens_per_s == 99.0 and snap.children == {"trainer": "running"}
     assert snap.eta_s is not None and snap.eta_s >= 0
     # a line the trainer is still writing is read once it is complete, not before
@@ -73,3 +74,34 @@ def test_line_and_render_show_the_snapshot():
     assert "3/10" in text and "held-out accuracy 0.300 of version 2" in text and "engine-0:running" in text
     assert "1 registered   reward_model 2" in text
     assert "reward -" in line(Snapshot())
+
+
+def test_rates_of_rare_commits_spread_over_the_time_between_them():
+    # one snapshot a second; 4 groups committed every 14 s (a slow real-model run): the rate is about 4/14, never 0
+    # between commits and never 4 groups in a 10 s window at one
+    history = []
+    rates = {}
+    for t in range(0, 60):
+        history.append((float(t), 4 * (1 + (t - 2) // 14) if t >= 2 else 0))
+        rates[t] = recent_rate(history)
+    assert rates[3] == 4 / 3  # one commit so far: over the whole history
+    assert all(rates[t] == 4 / 14 for t in range(16, 60)), rates  # each commit over the time between commits
+    history += [(float(t), history[-1][1]) for t in range(60, 90)]  # production stops: the rate decays
+    assert recent_rate(history) == 4 / (89 - 58)
+    # dense commits: the plain 10 s window
+    dense = [(float(t), t) for t in range(30)]
+    assert recent_rate(dense) == 1.0 and recent_rate(dense[:1]) == 0.0
+    assert recent_rate([(0.0, 5), (20.0, 5)]) == 0.0  # nothing committed: 0
+
+
+def test_the_stall_warning_names_an_evaluation_holding_the_engines(rclient, keys, tmp_path):
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 4, "ts": time.time() - 200, "eval/version": 3,
+                                                        "eval/accuracy": 0.5, "eval/offversion_frac": 0.41}) + "\n")
+    mon = _monitor(rclient, keys, tmp_path)
+    assert stall_warning(mon.sample(), 120, "logs").endswith("dropped as stale 0; see logs")
+    EvalLog(rclient, keys).claim(4, "producer-0", ttl_s=60)
+    snap = mon.sample()
+    assert snap.evaluating == 4 and snap.eval_offversion == 0.41
+    warning = stall_warning(snap, 120, "logs")
+    assert "no train step for 120s" in warning and "an evaluation of version 4 is running on the same engines" in warning
+    assert "eval 0.500@v3 (41% of tokens from later versions) evaluating v4 " in line(snap)

@@ -6,7 +6,13 @@ from __future__ import annotations
 import json
 import struct
 
-from rlstream.launcher.plots import make_plots, read_jsonl
+import matplotlib
+
+from rlstream.launcher import plots
+from rlstream.launcher.plots import make_plots, read_jsonl, trained_rates
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402 - after choosing the display-less backend
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -58,3 +64,38 @@ def test_single_turn_runs_get_no_agent_plot(tmp_path):
     _write_jsonl(tmp_path / "metrics.jsonl", [{"step": s, "reward/mean": 0.5, "staleness/mean": 1.2} for s in (1, 2)])
     names = sorted(p.name for p in make_plots(tmp_path))
     assert "agent.png" not in names and {"reward.png", "staleness.png"} <= set(names)
+
+
+def _labels(fig) -> list[str]:
+    return [t.get_text() for ax in fig.axes if ax.get_legend() for t in ax.get_legend().get_texts()]
+
+
+def test_trained_rates_spread_a_long_step_over_its_own_time():
+    slow = [{"ts": 100.0 + 56 * i, "data/n_seqs": 16, "data/n_tokens": 1600} for i in range(1, 4)]
+    xs, rs, toks = trained_rates(slow, 100.0, 10.0)
+    assert xs == [56.0, 112.0, 168.0] and rs == [16 / 56] * 3 and toks == [1600 / 56] * 3
+    fast = [{"ts": 100.0 + i, "data/n_seqs": 8, "data/n_tokens": 80} for i in range(1, 31)]
+    xs, rs, _ = trained_rates(fast, 100.0, 10.0)
+    assert rs[-1] == 8.0 and rs[0] == 8.0  # ten 1 s steps in the 10 s window; the first over its own second
+
+
+def test_reward_legend_names_the_reward_and_says_only_trained_groups_count():
+    rows = [{"step": s, "reward/mean": r, "reward/accuracy": r} for s, r in ((1, 0.25), (2, 0.5))]
+    rows.append({"step": 2, "eval/version": 2, "eval/accuracy": 0.4, "eval/offversion_frac": 0.41})
+    rows.append({"step": 1, "eval/version": 1, "eval/accuracy": 0.3, "eval/offversion_frac": 0.0})
+    fig = plots._reward(plt, rows, None, None, "", "rlstream.producer.rewards:math_reward", rejected=3)
+    labels = _labels(fig)
+    assert "batch reward = batch accuracy (math_reward)" in labels and not any("exact" in x for x in labels)
+    assert "weights changed mid-evaluation (1; up to 41% of tokens from later versions)" in labels
+    title = fig.axes[0].get_legend().get_title().get_text()
+    assert title.startswith("batch: the trained groups only; 3 groups rejected by the producer")
+    plt.close(fig)
+
+
+def test_staleness_counts_the_producers_drops_too(tmp_path):
+    stale = {"histogram": {"0": 5, "1": 3}, "n": 8, "max_head_offpolicyness": 1,
+             "dropped": {"producer": 1, "reader": 0}}
+    (tmp_path / "staleness.json").write_text(json.dumps(stale))
+    fig = plots._staleness(plt, [{"step": 1, "data/dropped_stale": 0.0}], tmp_path / "staleness.json")
+    assert "dropped as stale: 1 groups (1 by producers, 0 by the trainer's reader)" in _labels(fig)
+    plt.close(fig)

@@ -5,12 +5,13 @@ trained groups from the step records (staleness.json), and the whole report of a
 from __future__ import annotations
 
 import json
+import time
 
 from rlstream.broker import TrajectoryStream, VersionRegistry
 from rlstream.broker.steps import StepLog, StepRecord
 from rlstream.broker.versions import Event
 from rlstream.common.config import load_config
-from rlstream.launcher.report import report, staleness_distribution, trained_steps
+from rlstream.launcher.report import finish, report, staleness_distribution, trained_steps
 
 
 def _write_metrics(run_dir, rows) -> None:
@@ -30,7 +31,8 @@ def test_staleness_distribution_counts_trained_groups_by_head_staleness(tmp_path
     fresh = stream.append(group_factory(version=2))
     StepLog(rclient, keys).record(StepRecord(step=2, version=2, entry_ids=old + [fresh]))
     out = staleness_distribution(rclient, keys, tmp_path, eta=2)
-    assert out == {"histogram": {"0": 1, "2": 2}, "n": 3, "max_head_offpolicyness": 2}
+    assert out == {"histogram": {"0": 1, "2": 2}, "n": 3, "max_head_offpolicyness": 2,
+                   "dropped": {"producer": 0, "reader": 0}}
     assert json.loads((tmp_path / "staleness.json").read_text()) == out
 
 
@@ -51,3 +53,14 @@ def test_report_of_a_finished_run_writes_its_summary_and_plots(tmp_path, redis_u
     out = capsys.readouterr()
     assert f"following {cfg.namespace} until the trainer finishes 2 steps" in out.out
     assert "no final checkpoint" in out.err
+
+
+def test_the_wall_time_counts_the_evaluation_before_rl_and_says_each_phase(tmp_path, capsys):
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", "launcher.eval_n=0"])
+    _write_metrics(cfg.run_dir, [{"step": 1, "ts": 100.0, "reward/mean": 0.5}])
+    now = time.monotonic()
+    summary = finish(cfg, cfg.run_dir, acc_before=None, t_start=now - 300, t0=now - 60, t_trained=now - 10)
+    assert summary["wall_time_s"] >= 300 and summary["phases"]["before_training_s"] == 240.0
+    assert summary["phases"]["training_s"] == 50.0 and summary["phases"]["after_training_s"] >= 10
+    done = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("done in")]
+    assert done and "s (240s set-up and evaluation before RL, 50s training, " in done[0]
