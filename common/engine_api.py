@@ -322,6 +322,7 @@ class ServerInfo(_Body):
     prefill_tokens: int | None = None  # rlstream local engine: prompt tokens run through the model
     prefill_forwards: int | None = None  # ... forwards that prefilled joining rows (total_steps counts them too)
     cached_prompt_tokens: int | None = None  # ... and those whose KV came from its prefix cache
+    prefilling: int | None = None  # ... admitted requests whose prompts are still prefilling, a chunk per step
     prefix_cache_entries: int | None = None
     prefix_cache_used_tokens: int | None = None
     tp_size: int | None = None

@@ -13,6 +13,7 @@ Only the decode thread touches a `KVBatch`.
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,7 +25,28 @@ if TYPE_CHECKING:
     from rlstream.engine.prefix_cache import Prefix
     from rlstream.engine.scheduler import Request
 
-__all__ = ["KVBatch", "cache_layers", "make_cache", "lpad", "use_gqa_attention", "GQA_SDPA"]
+__all__ = ["KVBatch", "PendingPrefill", "cache_layers", "make_cache", "lpad", "use_gqa_attention", "GQA_SDPA"]
+
+
+@dataclass(eq=False)
+class PendingPrefill:
+    """Joining rows whose prompts run through the model a chunk at a time; they join the batch after the last."""
+
+    reqs: list[Request]
+    ids: torch.Tensor  # [n, S] the uncached prompt tails, left-padded
+    mask: torch.Tensor  # [n, past + S] 1 = real token (kept prefix columns first)
+    pos: torch.Tensor  # position ids of `ids` ([n, S]; a vision model's may have a leading axis)
+    next_pos: torch.Tensor  # [n] position id of each row's first generated token
+    embeds: torch.Tensor | None  # [n, S, H] input embeddings of a prefill with images, else None
+    cache: Any  # KV of the kept prefixes and of the chunks run so far
+    past: int  # kept prefix columns at the front of `mask`
+    reused: int  # prompt tokens whose KV came from kept prefixes
+    done: int = 0  # columns of `ids` run so far
+
+    @property
+    def tokens(self) -> int:
+        """Padded prompt tokens (rows x columns) still to run."""
+        return self.ids.shape[0] * (self.ids.shape[1] - self.done)
 
 
 class KVBatch:
@@ -90,13 +112,17 @@ class KVBatch:
         return torch.where(keep, zero, torch.finfo(self.dtype).min)
 
     def prefill(self, reqs: list[Request], hits: list[tuple[Prefix, int] | None]) -> tuple[torch.Tensor, int]:
-        """One forward over the prompts' uncached tails, left-padded, after their kept KV (if any).
+        """One forward over the prompts' uncached tails (`start_prefill`, then all of it); the rows join the
+        batch. Returns their logits and the prompt tokens whose KV came from the kept prefixes."""
+        pending = self.start_prefill(reqs, hits)
+        return self.prefill_chunk(pending, 0), pending.reused
+
+    def start_prefill(self, reqs: list[Request], hits: list[tuple[Prefix, int] | None]) -> PendingPrefill:
+        """The prompts' uncached tails, left-padded, after their kept KV (if any), ready to run in chunks.
 
         Every row feeds its last S tokens, S = the longest uncached tail, so each row is still
         one contiguous run of real columns (the batch invariant): a row whose uncached tail is
-        shorter re-runs a few cached tokens instead of padding in the middle. The rows join the
-        batch as its last `len(reqs)` rows. Returns their logits and the prompt tokens whose KV
-        came from the kept prefixes.
+        shorter re-runs a few cached tokens instead of padding in the middle.
         """
         dev = self.device
         n = len(reqs)
@@ -117,9 +143,27 @@ class KVBatch:
         if self.vision is not None and any(r.images for r in reqs):
             embeds, pos, next_pos = self.vision.prefill_inputs(reqs, ids, past, lens)
         cache = make_cache() if P == 0 else self._reused_cache(hits, past, P)
-        logits, cache = self._forward(ids, self._attention_mask(mask, S), pos, cache, embeds)
-        self._merge(reqs, cache, mask, next_pos)
-        return logits, sum(past)
+        return PendingPrefill(list(reqs), ids, mask, pos, next_pos, embeds, cache, P, sum(past))
+
+    def prefill_chunk(self, pending: PendingPrefill, columns: int) -> torch.Tensor | None:
+        """Run the next `columns` columns of a pending prefill (<= 0, or a prompt with images: all the rest).
+
+        Each chunk attends to the KV of the chunks before it (causal within the chunk), so the
+        result is the one-forward prefill's up to float rounding. After the last chunk the rows
+        join the batch as its last rows and their logits are returned; before it, None.
+        """
+        S, start = pending.ids.shape[1], pending.done
+        end = S if columns <= 0 or pending.embeds is not None else min(S, start + columns)
+        mask = pending.mask[:, :pending.past + end]
+        pos = pending.pos[..., start:end]
+        embeds = None if pending.embeds is None else pending.embeds[:, start:end]
+        logits, pending.cache = self._forward(pending.ids[:, start:end], self._attention_mask(mask, end - start),
+                                              pos, pending.cache, embeds)
+        pending.done = end
+        if end < S:
+            return None
+        self._merge(pending.reqs, pending.cache, pending.mask, pending.next_pos)
+        return logits
 
     def _reused_cache(self, hits: list[tuple[Prefix, int] | None], past: list[int], P: int):
         """A cache of `P` columns: each row's first `past[i]` kept KV columns, left-padded."""

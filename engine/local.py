@@ -8,9 +8,12 @@ get their results back on their own event loop. Between two decode steps the loo
 2. on a pause, aborts every running request (mode `abort`: they return the tokens
    they have with `finish_reason.type == "abort"`) or keeps them, KV cache and all, to
    decode on after resume (mode `in_place`, SGLang's name; vLLM calls it `keep`),
-3. prefills waiting requests (left-padded, one forward) and merges their KV cache
-   into the running batch, up to `max_batch_size` sequences — unless it holds them a
-   little for others to join them (admission holds),
+3. prefills waiting requests (left-padded) and merges their KV cache into the running
+   batch, up to `max_batch_size` sequences — unless it holds them a little for others to
+   join them (admission holds). With `prefill_chunk_tokens` the prompts run a chunk per
+   step (at most that many padded tokens) between the decode steps of the running rows, so
+   a long prompt does not stall them (vLLM's and SGLang's chunked prefill); the next
+   requests are admitted once the last chunk ran,
 4. runs one [B, 1] decode forward over the running batch and samples one token per
    sequence; finished sequences leave the batch.
 
@@ -37,6 +40,7 @@ import itertools
 import os
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -49,7 +53,7 @@ from rlstream.common.tracing import now_us, span, trace_context, tracer
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
 from rlstream.common.vision import is_vision_config, vision_spec
 from rlstream.engine.grammar import Grammars, constraint_of
-from rlstream.engine.kv_batch import KVBatch
+from rlstream.engine.kv_batch import KVBatch, PendingPrefill
 from rlstream.engine.model_weights import ModelWeights
 from rlstream.engine.prefix_cache import Prefix, PrefixCache
 from rlstream.engine.sampling import Sampling, match_stop_strings, resolve, sample
@@ -102,7 +106,7 @@ class LocalEngine:
     def __init__(self, model_path: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None,
                  device: str = "auto", dtype: str = "float32", max_batch_size: int = 64,
                  max_seq_len: int = 4096, seed: int = 1, version: int = 0, prefix_cache_tokens: int = 0,
-                 admission_hold_ms: float = ADMISSION_HOLD_MS) -> None:
+                 admission_hold_ms: float = ADMISSION_HOLD_MS, prefill_chunk_tokens: int = 0) -> None:
         self._load_model(model_path, tokenizer_path, device, dtype)
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None)
@@ -113,6 +117,10 @@ class LocalEngine:
         if admission_hold_ms < 0:
             raise ValueError(f"server.admission_hold_ms must be >= 0, got {admission_hold_ms}")
         self.admission_hold_s = admission_hold_ms / 1000
+        if prefill_chunk_tokens < 0:
+            raise ValueError(f"server.prefill_chunk_tokens must be >= 0 (0 = whole prompts at once), "
+                             f"got {prefill_chunk_tokens}")
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.vocab_size = self.model.get_input_embeddings().num_embeddings
         self.eos_ids = self._eos_ids()
         self.grammars = Grammars(self.tokenizer, self.vocab_size, self.eos_ids)
@@ -136,6 +144,8 @@ class LocalEngine:
 
         # Decode-thread state: the running batch.
         self._batch = KVBatch(self.model, device=self.device, dtype=self.dtype, pad_id=self.pad_id, vision=self.vision)
+        # Admitted requests whose prompts are still being prefilled, a chunk per step, oldest first.
+        self._pending: deque[PendingPrefill] = deque()
 
         # Counters for stats(); written by the decode thread only.
         self.total_tokens = 0
@@ -189,7 +199,8 @@ class LocalEngine:
             raise ValueError("no model to serve: set server.model_path or actor.path")
         return cls(model_path, tokenizer_path=cfg.tokenizer_path or model_path, device=s.device, dtype=s.dtype,
                    max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, seed=cfg.seed,
-                   prefix_cache_tokens=s.prefix_cache_tokens, admission_hold_ms=s.admission_hold_ms)
+                   prefix_cache_tokens=s.prefix_cache_tokens, admission_hold_ms=s.admission_hold_ms,
+                   prefill_chunk_tokens=s.prefill_chunk_tokens)
 
     def _eos_ids(self) -> frozenset[int]:
         # The one source of stop tokens (tokenizer EOS + generation_config eos ids), shared with
@@ -335,6 +346,7 @@ class LocalEngine:
     def stats(self) -> dict[str, Any]:
         """Load figures for health/info routes."""
         return {"running": len(self._batch.rows), "waiting": len(self._sched.waiting), "paused": self._sched.paused,
+                "prefilling": sum(len(p.reqs) for p in self._pending),
                 "total_tokens": self.total_tokens, "total_requests": self.total_requests,
                 "total_steps": self.total_steps, "prefill_forwards": self.prefill_forwards,
                 "peak_running": self.peak_running, "weight_version": self._version,
@@ -384,11 +396,11 @@ class LocalEngine:
             with sched.cv:
                 while not sched.stopping and not sched.pause_waiters:
                     # Idle: nothing to run, or paused (an in_place pause keeps its rows without running them).
-                    if sched.paused or not (self._batch.rows or sched.waiting):
+                    if sched.paused or not (self._batch.rows or self._pending or sched.waiting):
                         waited = waited or ("engine/pause" if sched.paused else "engine/idle")
                         sched.cv.wait()
                         continue
-                    hold = 0.0 if self._batch.rows else self._hold_s()
+                    hold = 0.0 if self._batch.rows or self._pending else self._hold_s()
                     if hold <= 0:
                         break
                     waited = waited or "engine/admission_hold"
@@ -403,7 +415,7 @@ class LocalEngine:
                         self._abort_rows("paused for a weight update")
                     sched.release_pause_waiters()
                     continue
-                admit = [] if self._hold_s() > 0 else sched.take_waiting(len(self._batch.rows))
+                admit = [] if self._pending or self._hold_s() > 0 else sched.take_waiting(len(self._batch.rows))
             self._step(admit)
         with sched.cv:
             self._abort_rows("engine shutting down")
@@ -419,16 +431,20 @@ class LocalEngine:
             with self._step_lock, torch.inference_mode():
                 if admit:
                     self._trace_queue(admit)
-                    with span("engine/prefill", requests=len(admit)):
-                        self._prefill(admit)
+                    self._start_prefill(admit)
+                if self._pending:
+                    with span("engine/prefill", requests=len(self._pending[0].reqs), tokens=self._pending[0].tokens):
+                        self._prefill_step()
                 if self._batch.rows:
                     with span("engine/decode", rows=len(self._batch.rows)):
                         self._decode_step()
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
-            log.exception("decode step failed; failing %d running requests", len(self._batch.rows) + len(admit))
+            failing = set(self._batch.rows) | set(admit) | {r for p in self._pending for r in p.reqs}
+            log.exception("decode step failed; failing %d running requests", len(failing))
             err = EngineError(f"model step failed: {type(exc).__name__}: {exc}")
-            self._deliver_many([(r, err) for r in set(self._batch.rows) | set(admit)])
+            self._deliver_many([(r, err) for r in failing])
             self._batch.reset()
+            self._pending.clear()
         self.busy_seconds += time.monotonic() - t_busy
 
     def _trace_queue(self, admit: list[Request]) -> None:
@@ -445,16 +461,20 @@ class LocalEngine:
 
     def _drop_cancelled(self) -> None:
         self._sched.drop_cancelled_waiting()
+        # A prefill whose callers all went away stops; one with a caller left runs on (the others leave after it).
+        self._pending = deque(p for p in self._pending if not all(r.cancelled for r in p.reqs))
         keep = [i for i, r in enumerate(self._batch.rows) if not r.cancelled]
         if len(keep) != len(self._batch.rows):
             self._batch.select(keep)
 
     def _abort_rows(self, message: str) -> None:
-        self._deliver_many([(r, FinishReason(type="abort", message=message)) for r in self._batch.rows])
+        rows = self._batch.rows + [r for p in self._pending for r in p.reqs]
+        self._deliver_many([(r, FinishReason(type="abort", message=message)) for r in rows])
         self._batch.reset()
+        self._pending.clear()
 
-    def _prefill(self, reqs: list[Request]) -> None:
-        """Prefill new requests: those extending a kept prefix in one forward, the others in another."""
+    def _start_prefill(self, reqs: list[Request]) -> None:
+        """Queue the admitted requests' prefills: those extending a kept prefix in one, the others in another."""
         for r in reqs:
             r.kv_gen = self._weights_gen
         img = self.vision.spec.image_token_id if self.vision is not None else None
@@ -462,21 +482,33 @@ class LocalEngine:
         reused = [(r, h) for r, h in zip(reqs, hits) if h is not None]
         fresh = [r for r, h in zip(reqs, hits) if h is None]
         if reused:
-            self._prefill_rows([r for r, _ in reused], [h for _, h in reused])
+            self._pending.append(self._batch.start_prefill([r for r, _ in reused], [h for _, h in reused]))
         if fresh:
-            self._prefill_rows(fresh, [None] * len(fresh))
+            self._pending.append(self._batch.start_prefill(fresh, [None] * len(fresh)))
 
-    def _prefill_rows(self, reqs: list[Request], hits: list[tuple[Prefix, int] | None]) -> None:
-        """One prefill forward (`KVBatch.prefill`); the new rows join the batch and sample their first token."""
-        n = len(reqs)
-        logits, reused = self._batch.prefill(reqs, hits)
-        self.prefill_forwards += 1
-        self.total_requests += n
-        self.prefill_tokens += sum(len(r.prompt) for r in reqs) - reused
-        self.cached_prompt_tokens += reused
-        rows = len(self._batch.rows)
-        self.peak_running = max(self.peak_running, rows)
-        self._sample_and_advance(logits, rows=list(range(rows - n, rows)))
+    def _prefill_step(self) -> None:
+        """Without chunking every queued prefill whole; with it, one chunk of the oldest within the token budget.
+
+        A finished prefill's rows join the batch and sample their first token.
+        """
+        budget = self.prefill_chunk_tokens
+        while self._pending:
+            pending = self._pending[0]
+            columns = max(1, budget // len(pending.reqs)) if budget else 0  # at least one column per step
+            logits = self._batch.prefill_chunk(pending, columns)
+            self.prefill_forwards += 1
+            if logits is None:
+                return
+            self._pending.popleft()
+            n = len(pending.reqs)
+            self.total_requests += n
+            self.prefill_tokens += sum(len(r.prompt) for r in pending.reqs) - pending.reused
+            self.cached_prompt_tokens += pending.reused
+            rows = len(self._batch.rows)
+            self.peak_running = max(self.peak_running, rows)
+            self._sample_and_advance(logits, rows=list(range(rows - n, rows)))
+            if budget:
+                return
 
     def _decode_step(self) -> None:
         t0 = time.monotonic()

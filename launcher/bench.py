@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,19 @@ def _engine_decode(d: dict) -> Rows:
     if d.get("vllm"):
         out.append(("  vs vLLM-CPU", f"{tps / d['vllm'][c]:.2f}x"))
     return out
+
+
+def _engine_prefill(d: dict) -> Rows:
+    """Each chunk budget's longest decode stall and long-prompt time to first token against whole-prompt prefill."""
+    def med(runs: list[dict], key: str) -> float:
+        return statistics.median(r[key] for r in runs)
+
+    s, sides = d["setup"], d["sides"]
+    whole = sides["this, whole"]
+    return [(f"decode stall while {s['long']} x {s['long_len']}-token prompts prefill, {name[6:]} / whole",
+             f"{med(runs, 'itl_max_s') / med(whole, 'itl_max_s'):.2f}x (their first token "
+             f"{med(runs, 'ttft_mean_s') / med(whole, 'ttft_mean_s'):.2f}x)")
+            for name, runs in sides.items() if name.startswith("this, chunk")]
 
 
 def _trainer(d: dict) -> Rows:
@@ -136,6 +150,7 @@ BENCHMARKS: dict[str, tuple[str, Callable[[Any], Rows]]] = {
     "broker_scale": ("broker_scale.py", _broker_scale),
     "engine": ("engine.py", _engine),
     "engine_decode": ("engine_decode.py", _engine_decode),
+    "engine_prefill": ("engine_prefill.py", _engine_prefill),
     "trainer": ("trainer.py", _trainer),
     "broadcast": ("broadcast.py", _broadcast),
     "scaling": ("scaling.py", _scaling),

@@ -39,6 +39,12 @@ def test_headline_rows_of_each_benchmark_json():
                                                     {"1": 9.0, "32": 150.0}]})
     assert rows == [("local engine decode, 32 concurrent", "150 tokens/s = 37.5% of the fp32 matmul bound"),
                     ("  vs vLLM-CPU", "0.75x")]
+    run = {"ttft_mean_s": 4.0, "itl_max_s": 2.0}
+    rows = BENCHMARKS["engine_prefill"][1]({"setup": {"long": 2, "long_len": 512}, "sides": {
+        "baseline": [run], "this, whole": [run, {"ttft_mean_s": 6.0, "itl_max_s": 6.0}],
+        "this, chunk 256": [{"ttft_mean_s": 6.0, "itl_max_s": 1.0}]}})
+    assert rows == [("decode stall while 2 x 512-token prompts prefill, chunk 256 / whole",
+                     "0.25x (their first token 1.20x)")]
     rows = BENCHMARKS["scaling"][1]([{"engines": 1, "producers": 2, "rollouts_per_s": 3.0, "engine_busy": 0.5},
                                      {"engines": 1, "producers": 1, "rollouts_per_s": 2.0, "engine_busy": None}])
     assert rows == [("rollouts/s with 1 engine(s)", "1p 2.0, 2p 3.0 (engine busy up to 50.0%)")]
