@@ -118,24 +118,21 @@ def _med(rows: list[dict], key: str, **match) -> float:
 
 def readme(res: dict) -> str:
     s, y, steps = res["slurm"], res["ray"], res["steps"]
-    lines = [SECTION, f"What: the tiny CPU config, {steps} steps, medians of {res['rounds']} alternated rounds "
-             "(`benchmarks/nodes.py`). Slurm: the same job (Redis, 1 engine, 2 producers, the trainer as 2 gloo ranks) on 1 "
-             "or 3 Slurm nodes, Docker containers on this machine (tests/launcher/test_slurm_nodes.py's cluster; the 3-node "
-             "placement: Redis + rank 0, rank 1, engine + producers); the containers share the 2 cores, so 3 nodes add "
-             "network hops, not CPU. Ray: `rlstream launch ray` on a running 3-node `ray.cluster_utils.Cluster` vs "
-             "`rlstream run`, same config.", "",
-             "| Slurm job | submit to first step | steady step | weight push (same bytes) |", "|---|---:|---:|---:|"]
-    for n in (1, 3):
-        if any(r["nodes"] == n for r in s):
-            lines.append(f"| {n} node{'s' if n > 1 else ''} | {_med(s, 'first_step_s', nodes=n):.1f} s | "
-                         f"{_med(s, 'step_s', nodes=n) * 1000:.0f} ms | {_med(s, 'push_s', nodes=n) * 1000:.1f} ms |")
-    lines += ["", "| launch | start to first step | whole run | steady step |", "|---|---:|---:|---:|"]
-    for how, name in (("run", "`rlstream run` (baseline)"), ("ray", "`rlstream launch ray`")):
-        if any(r["launch"] == how for r in y):
-            lines.append(f"| {name} | {_med(y, 'first_step_s', launch=how):.1f} s | {_med(y, 'wall_s', launch=how):.1f} s "
-                         f"| {_med(y, 'step_s', launch=how) * 1000:.0f} ms |")
-    lines += ["", f"Both first-step times include the demo's prepare and a 30-step warm start. Raw: `results/nodes.json`. "
-              f"Rerun: `python benchmarks/nodes.py --rounds {res['rounds']} --steps {steps} --readme` (root, for dockerd)."]
+    rows = [(s, {"nodes": 1}, "Slurm job, 1 node (baseline)"), (s, {"nodes": 3}, "Slurm job, 3 nodes"),
+            (y, {"launch": "run"}, "`rlstream run` (baseline)"), (y, {"launch": "ray"}, "`rlstream launch ray`, 3-node Ray")]
+    lines = [SECTION, f"What: tiny CPU config, {steps} steps, medians of {res['rounds']} alternated rounds. Slurm: one job (Redis, "
+             "1 engine, 2 producers, the trainer as 2 gloo ranks) on 1 or 3 Slurm nodes, Docker containers sharing this "
+             "machine's 2 cores (3 nodes add network hops, not CPU; Redis + rank 0 | rank 1 | engine + producers); first "
+             "step from submit. Ray: `launch ray --address` on a running 3-node `ray.cluster_utils.Cluster` vs `rlstream "
+             "run` (1 engine, 1 producer, 1 rank); first step from the command's start. Both include the demo's prepare "
+             "and a 30-step warm start. Weight push: the trainer's `time/weight_push` (same bytes).", "",
+             "| setup | to first step | steady step | weight push |", "|---|---:|---:|---:|"]
+    for rs, match, name in rows:
+        if any(all(r[k] == v for k, v in match.items()) for r in rs):
+            lines.append(f"| {name} | {_med(rs, 'first_step_s', **match):.1f} s | {_med(rs, 'step_s', **match) * 1000:.0f} ms"
+                         f" | {_med(rs, 'push_s', **match) * 1000:.1f} ms |")
+    lines += ["", f"Raw: `results/nodes.json`. Rerun: `python benchmarks/nodes.py --rounds {res['rounds']} --steps {steps} "
+              "--readme` (root: it starts dockerd, as tests/launcher/test_slurm_nodes.py)."]
     return "\n".join(lines) + "\n"
 
 

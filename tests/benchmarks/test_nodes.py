@@ -32,10 +32,10 @@ def test_readme_shows_medians_per_placement_and_launch():
     slurm = [{"nodes": n, "round": r, "first_step_s": 20.0 + n + r, "step_s": 0.1 * n, "push_s": 0.002 * n}
              for r in range(3) for n in (1, 3)]
     ray = [{"launch": how, "round": r, "first_step_s": (10.0 if how == "run" else 15.0) + r, "wall_s": 40.0 + r,
-            "step_s": 0.2} for r in range(3) for how in ("run", "ray")]
+            "step_s": 0.2, "push_s": 0.001} for r in range(3) for how in ("run", "ray")]
     text = bd.readme({"rounds": 3, "steps": 40, "slurm": slurm, "ray": ray})
     assert text.startswith(bd.SECTION + "\n")
-    assert "| 1 node | 22.0 s | 100 ms | 2.0 ms |" in text
-    assert "| 3 nodes | 24.0 s | 300 ms | 6.0 ms |" in text
-    assert "| `rlstream run` (baseline) | 11.0 s | 41.0 s | 200 ms |" in text
-    assert "| `rlstream launch ray` | 16.0 s | 41.0 s | 200 ms |" in text
+    assert "| Slurm job, 1 node (baseline) | 22.0 s | 100 ms | 2.0 ms |" in text
+    assert "| Slurm job, 3 nodes | 24.0 s | 300 ms | 6.0 ms |" in text
+    assert "| `rlstream run` (baseline) | 11.0 s | 200 ms | 1.0 ms |" in text
+    assert "| `rlstream launch ray`, 3-node Ray | 16.0 s | 200 ms | 1.0 ms |" in text
