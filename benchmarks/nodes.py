@@ -1,6 +1,7 @@
 """Past one machine: a 1-node vs a 3-node Slurm job on the same config, and `rlstream launch ray` vs `rlstream run`.
 
     python benchmarks/nodes.py [--rounds 2] [--steps 40] [--only slurm|ray] [--readme]
+    python benchmarks/nodes.py --from-json benchmarks/results/nodes.json   # only rewrite the README section
 
 Slurm (root, dockerd and debootstrap: the cluster of tests/launcher/test_slurm_nodes.py, built and started by
 its `slurm_cluster`): the same processes either way, Redis, one engine, two producers and the trainer as two
@@ -27,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
@@ -116,24 +118,35 @@ def _med(rows: list[dict], key: str, **match) -> float:
     return statistics.median(r[key] for r in rows if all(r[k] == v for k, v in match.items()))
 
 
+def _wrap(text: str) -> list[str]:
+    return textwrap.wrap(text, 198, break_on_hyphens=False)
+
+
 def readme(res: dict) -> str:
     s, y, steps = res["slurm"], res["ray"], res["steps"]
     rows = [(s, {"nodes": 1}, "Slurm job, 1 node (baseline)"), (s, {"nodes": 3}, "Slurm job, 3 nodes"),
             (y, {"launch": "run"}, "`rlstream run` (baseline)"), (y, {"launch": "ray"}, "`rlstream launch ray`, 3-node Ray")]
-    lines = [SECTION, f"What: tiny CPU config, {steps} steps, medians of {res['rounds']} alternated rounds. Slurm: one job (Redis, "
-             "1 engine, 2 producers, the trainer as 2 gloo ranks) on 1 or 3 Slurm nodes, Docker containers sharing this "
-             "machine's 2 cores (3 nodes add network hops, not CPU; Redis + rank 0 | rank 1 | engine + producers); first "
-             "step from submit. Ray: `launch ray --address` on a running 3-node `ray.cluster_utils.Cluster` vs `rlstream "
-             "run` (1 engine, 1 producer, 1 rank); first step from the command's start. Both include the demo's prepare "
-             "and a 30-step warm start. Weight push: the trainer's `time/weight_push` (same bytes).", "",
-             "| setup | to first step | steady step | weight push |", "|---|---:|---:|---:|"]
+    lines = [SECTION, *_wrap(
+        f"What: tiny CPU config, {steps} steps, medians of {res['rounds']} alternated rounds. Slurm: the same job (Redis, 1 "
+        "engine, 2 producers, the trainer as 2 gloo ranks) on 1 node or on 3 (Redis + rank 0 | rank 1 | engine + "
+        "producers), nodes being Docker containers sharing the 2 cores (3 nodes add network hops, not CPU); from submit. "
+        "Ray: `launch ray --address` on a running 3-node `ray.cluster_utils.Cluster` vs `rlstream run` (1 engine, 1 "
+        "producer, 1 rank); from the command's start. Prepare + 30-step warm start included; push = the trainer's "
+        "`time/weight_push`, same bytes."), "", "| setup | to first step | steady step | weight push |", "|---|---:|---:|---:|"]
     for rs, match, name in rows:
         if any(all(r[k] == v for k, v in match.items()) for r in rs):
             lines.append(f"| {name} | {_med(rs, 'first_step_s', **match):.1f} s | {_med(rs, 'step_s', **match) * 1000:.0f} ms"
                          f" | {_med(rs, 'push_s', **match) * 1000:.1f} ms |")
-    lines += ["", f"Raw: `results/nodes.json`. Rerun: `python benchmarks/nodes.py --rounds {res['rounds']} --steps {steps} "
-              "--readme` (root: it starts dockerd, as tests/launcher/test_slurm_nodes.py)."]
-    return "\n".join(lines) + "\n"
+    tail = [res["note"]] if res.get("note") else []
+    if s and y:
+        tail.append(f"Crossing hosts: {_med(s, 'first_step_s', nodes=3) - _med(s, 'first_step_s', nodes=1):+.1f} s to the "
+                    f"first step, {_med(s, 'step_s', nodes=3) / _med(s, 'step_s', nodes=1) - 1:+.0%} per step, "
+                    f"{(_med(s, 'push_s', nodes=3) - _med(s, 'push_s', nodes=1)) * 1000:+.1f} ms per push; Ray: "
+                    f"{_med(y, 'first_step_s', launch='ray') - _med(y, 'first_step_s', launch='run'):+.1f} s to the first "
+                    "step (connection, placement groups, a worker process per actor).")
+    tail.append(f"Raw: `results/nodes.json`. Rerun: `python benchmarks/nodes.py --rounds {res['rounds']} --steps {steps} "
+                "--readme` (root: it starts dockerd).")
+    return "\n".join([*lines, "", *_wrap(" ".join(tail))]) + "\n"
 
 
 def main() -> None:
@@ -142,8 +155,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--only", choices=["slurm", "ray"])
     ap.add_argument("--readme", action="store_true", help="(re)write the section in benchmarks/README.md")
+    ap.add_argument("--from-json", help="render the README section from a results file instead of running")
+    ap.add_argument("--note", default="", help="what else ran on the machine, for the README (kept in the results)")
     args = ap.parse_args()
-    res = {"rounds": args.rounds, "steps": args.steps,
+    if args.from_json:
+        write_section(SECTION, readme(json.loads(Path(args.from_json).read_text())))
+        return
+    res = {"rounds": args.rounds, "steps": args.steps, "note": args.note,
            "slurm": slurm_jobs(args.rounds, args.steps) if args.only != "ray" else [],
            "ray": ray_launches(args.rounds, args.steps) if args.only != "slurm" else []}
     RESULTS.write_text(json.dumps(res, indent=1) + "\n")
