@@ -11,7 +11,10 @@ containers on a private bridge network, on this machine.
   Redis (per-job password + TLS) on rlsnode1, the trainer as torchrun across rlsnode1 and
   rlsnode2 (gloo, c10d rendezvous across hosts), the engine and two producers on rlsnode3.
   The job COMPLETES, the ledger (read from the job's AOF afterwards) is exact, and the engine
-  joined the weight group at rlsnode1's bridge address: the weight push crossed the network.
+  joined the weight group at rlsnode1's bridge address: the weight push crossed the network;
+- node loss mid-run (`docker kill`): an engine node, a trainer node, and the Redis node (a Redis
+  outside the job, AOF on a mounted folder: started again, every task rides the outage out;
+  not started again, the job fails with one line naming Redis and redis.outage_tolerance).
 
 Marked docker + slow: skipped without dockerd, debootstrap or root, except with
 RLSTREAM_REQUIRE_DOCKER=1 (CI), where it fails.
@@ -26,6 +29,7 @@ import re
 import secrets
 import shlex
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -136,8 +140,7 @@ class SlurmNodes:
     def start_redis(self, password: str) -> str:
         """A Redis node outside the job (a service node: its own container on the network), AOF on a host folder
         mounted at /data, so the AOF outlives the container; returns its URL (password in redis.password)."""
-        aof = self.shared.parent / "redis-node"
-        aof.mkdir(exist_ok=True)
+        aof = tempfile.mkdtemp(prefix="redis-node-", dir=self.shared.parent)  # a fresh AOF for each Redis node
         self.docker("run", "-d", "--init", "--name", REDIS_NODE, "--hostname", REDIS_NODE, "--network", NETWORK,
                     "-v", f"{aof}:/data", "--entrypoint", "redis-server", NODE_IMAGE, "--requirepass", password,
                     "--bind", "0.0.0.0", "--dir", "/data", "--save", "", "--appendonly", "yes",
