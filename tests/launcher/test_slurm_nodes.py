@@ -396,5 +396,6 @@ def test_the_redis_node_lost_for_good_ends_the_job_with_one_line(nodes):
     out = (nodes.run_dir(trial) / "logs" / f"slurm-{job}.out").read_text()
     assert state == "FAILED", f"{state}\n{out}"
     line = next((x for x in out.splitlines() if x.startswith("rlstream: job failed: task ")), "")
+    print(f"the job's line: {line}")
     assert re.search(r"exited with code \d+: .*unreachable for \d+s, longer than redis\.outage_tolerance=15s",
                      line), out
