@@ -72,10 +72,12 @@ class ProcessActor:
 
         return self.ip, free_port("")
 
-    def start(self, env: dict[str, str] | None = None) -> tuple[str, int | None]:
+    def start(self, env: dict[str, str] | None = None) -> tuple[str, int | None, str]:
+        import ray
+
         self.child.env.update(env or {})
         self.child.start()
-        return self.ip, self.child.pid
+        return self.ip, self.child.pid, ray.get_runtime_context().get_node_id()
 
     def address(self) -> str | None:
         """The address an engine wrote to $RLSTREAM_ENGINE_ADDR_FILE once it listens, else None."""
@@ -103,7 +105,7 @@ class RayChild:
         self.code: int | None = None  # refreshed by `poll_all`
         self.lost: str | None = None  # why the actor is gone (its node left, its worker died)
         self.pid: int | None = None
-        self.ip = ""
+        self.ip = self.node_id = ""
 
     def poll(self) -> int | None:
         return self.code
@@ -312,7 +314,7 @@ class RayRun(LocalRun):
         refs = [c.actor.start.remote(env) for c in children]
         for c, ref in zip(children, refs):
             try:
-                c.ip, c.pid = ray.get(ref, timeout=CALL_TIMEOUT_S * 4)  # the first call waits for the worker
+                c.ip, c.pid, c.node_id = ray.get(ref, timeout=CALL_TIMEOUT_S * 4)  # the first call waits for the worker
             except ray.exceptions.RayError as exc:
                 if not elastic:
                     raise RunFailed(f"{c.name} did not start on the Ray cluster: {str(exc).splitlines()[0]}") from None
@@ -416,7 +418,8 @@ class RayRun(LocalRun):
             rendezvous = {"MASTER_ADDR": master, "MASTER_PORT": str(port)}
         self._start(ranks, rendezvous)
         self.trainer = RankGroup(ranks)
-        _echo(f"trainer: {', '.join(f'{c.name} pid {c.pid} on {c.ip}' for c in ranks)}, {threads} thread(s) each")
+        _echo(f"trainer: {', '.join(f'{c.name} pid {c.pid} on {c.ip} ({c.node_id[:8]})' for c in ranks)}, "
+              f"{threads} thread(s) each")
         self.mark_run_started()
 
     # ------------------------------------------------------------------ elastic placement

@@ -167,6 +167,9 @@ task() {{
   PIDS+=("$!")
   echo "started $name (srun pid $!)"
 }}
+# The task's own last error line (an E/C log line, `rlstream: error:`, an exception; not srun's)
+last_words() {{ local why; why=$(grep -aE ' [EC] \\[|rlstream: |[Ee]rror|ERROR' "$LOGS/$1.log" 2>/dev/null | grep -av '^srun: ' | tail -n 1)
+  [ -n "$why" ] || why=$(grep -av '^[[:space:]]*$\\|^srun: ' "$LOGS/$1.log" 2>/dev/null | tail -n 1); echo "${{why:0:300}}"; }}
 alive() {{ local p; for p in "${{PIDS[@]}}"; do kill -0 "$p" 2>/dev/null && return 0; done; return 1; }}
 stop_all() {{  # SIGTERM every step (srun forwards it to the tasks), SIGKILL after 30 s
   trap - TERM INT
@@ -421,7 +424,7 @@ while true; do
     echo "$name exited 0 (shutdown event or dataset done)"
     continue
   fi
-  fail "task $name exited with code $rc; see $LOGS/$name.log"
+  fail "task $name exited with code $rc: $(last_words "$name"); see $LOGS/$name.log"
 done
 """
 

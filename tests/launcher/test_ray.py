@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -97,6 +98,39 @@ def test_bad_ray_input_is_one_line_before_anything_starts(tmp_path, ray_cluster)
     assert "launcher.ray.engines_per_node=2" in line and "3 CPUs on one node" in line
 
 
+@pytest.mark.slow
+def test_ray_trainer_ranks_on_two_nodes_train_each_entry_once(tmp_path, ray_cluster, redis_factory, experiment):
+    """launcher.n_trainer_procs=2, trainer_strategy=STRICT_SPREAD: the two trainer ranks run on two Ray nodes with
+    torchrun's environment (rendezvous on rank 0's node) and train over gloo; each step is both ranks' shares of one
+    batch, every committed entry trained once."""
+    from rlstream.broker import connect
+
+    steps = 8
+    run_dir = tmp_path / "runs" / experiment / "run0"
+    out = tmp_path / "launch.out"
+    with open(out, "w") as f:
+        proc = _launch(tmp_path, "--address", ray_cluster.address, f"experiment_name={experiment}",
+                       f"total_train_steps={steps}", "launcher.n_trainer_procs=2",
+                       "launcher.ray.trainer_strategy=STRICT_SPREAD", *SMALL, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(60)
+    text = out.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    nodes = re.search(r"trainer: trainer pid \d+ on \S+ \((\w+)\), trainer-rank1 pid \d+ on \S+ \((\w+)\)", text)
+    assert nodes and nodes.group(1) != nodes.group(2), text  # two Ray nodes (raylets) hold the two ranks
+    ranks_log = "".join((run_dir / "logs" / name).read_text() for name in ("trainer.log", "trainer-rank1.log"))
+    assert ranks_log.count(f"({BATCH // 2} per rank x 2 ranks)") == 2, ranks_log[-3000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    rclient = connect(redis_factory(["--appendonly", "yes"], workdir=run_dir / "redis").url)
+    print(f"ledger {_check_ledger(rclient, Keys(namespace(experiment, 'run0')), steps=steps, world=2)}")
+    assert _leftovers(run_dir) == []
+
+
 def _wait(what: str, cond, proc: subprocess.Popen, out: Path, timeout: float = 240.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -114,18 +148,19 @@ def _steps(run_dir: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def _check_ledger(r, keys: Keys) -> dict[str, int]:
-    """Every step trained BATCH committed entries, none twice, nothing pending or dead-lettered, every delivered
-    entry trained or visibly dropped, each dataset position rolled out once."""
+def _check_ledger(r, keys: Keys, steps: int = STEPS, world: int = 1) -> dict[str, int]:
+    """Every step trained BATCH committed entries (the shares of its `world` ranks), none twice, nothing pending or
+    dead-lettered, every delivered entry trained or visibly dropped, each dataset position rolled out once."""
     from rlstream.broker.stream import id_tuple
     from rlstream.common.wire import decode_group, validate_group
 
-    by_step: dict[int, list[str]] = {}
+    by_step: dict[tuple[int, int], list[str]] = {}
     for rec in StepLog(r, keys).all():
-        assert by_step.setdefault(rec.step, rec.entry_ids) == rec.entry_ids, f"step {rec.step} replayed otherwise"
-    assert sorted(by_step) == list(range(STEPS))
+        share = by_step.setdefault((rec.step, rec.rank), rec.entry_ids)
+        assert share == rec.entry_ids, f"step {rec.step} rank {rec.rank} replayed otherwise"
+    assert sorted(by_step) == [(s, k) for s in range(steps) for k in range(world)]
     trained = [i for s in sorted(by_step) for i in by_step[s]]
-    assert len(trained) == len(set(trained)) == STEPS * BATCH, "an entry was trained twice"
+    assert len(trained) == len(set(trained)) == steps * BATCH, "an entry was trained twice"
     groups = [(eid.decode(), decode_group(f[b"d"])) for eid, f in r.xrange(keys.traj)]
     for _eid, g in groups:
         validate_group(g)

@@ -127,7 +127,8 @@ def test_slurm_failing_task_fails_the_job(tmp_path, slurm_conf):
     run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
     out = (run_dir / "logs" / f"slurm-{job}.out").read_text()
     assert state == "FAILED", out
-    assert "rlstream: job failed: task producer-0 exited with code 1" in out
+    line = next(x for x in out.splitlines() if x.startswith("rlstream: job failed: task producer-0 exited with code 1"))
+    assert "no_such_module" in line, out  # the task's own one-line error, quoted
     assert _wait_gone(run_dir) == []
 
 

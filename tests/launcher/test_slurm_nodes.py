@@ -11,7 +11,10 @@ containers on a private bridge network, on this machine.
   Redis (per-job password + TLS) on rlsnode1, the trainer as torchrun across rlsnode1 and
   rlsnode2 (gloo, c10d rendezvous across hosts), the engine and two producers on rlsnode3.
   The job COMPLETES, the ledger (read from the job's AOF afterwards) is exact, and the engine
-  joined the weight group at rlsnode1's bridge address: the weight push crossed the network.
+  joined the weight group at rlsnode1's bridge address: the weight push crossed the network;
+- node loss mid-run (`docker kill`): an engine node, a trainer node, and the Redis node (a Redis
+  outside the job, AOF on a mounted folder: started again, every task rides the outage out;
+  not started again, the job fails with one line naming Redis and redis.outage_tolerance).
 
 Marked docker + slow: skipped without dockerd, debootstrap or root, except with
 RLSTREAM_REQUIRE_DOCKER=1 (CI), where it fails.
@@ -19,11 +22,14 @@ RLSTREAM_REQUIRE_DOCKER=1 (CI), where it fails.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import secrets
 import shlex
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -37,6 +43,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow, pytest.mark.timeout(1800)]
 NODE_IMAGE = "rlstream-slurm-node:latest"
 NETWORK = "rlstream-slurm"
 NODES = [f"rlsnode{i}" for i in range(1, 5)]
+REDIS_NODE = "rlsredis"  # a Redis outside the job, on its own container (test_the_redis_node_*)
 CONFIG = "/opt/rlstream/configs/tiny-cpu.yaml"  # in the image
 RUN = "/shared/runs/tiny-cpu/{trial}"  # {cluster.fileroot}/{experiment_name}/{trial_name} on every node
 SMALL = ["launcher.sft_steps=30", "launcher.eval_n=0", "launcher.demo.n_train=512", "launcher.demo.n_valid=16",
@@ -127,8 +134,26 @@ class SlurmNodes:
             time.sleep(1)
 
     def remove(self) -> None:
-        for name in NODES:
+        for name in [*NODES, REDIS_NODE]:
             self.docker("rm", "-f", name, check=False)
+
+    def start_redis(self, password: str) -> str:
+        """A Redis node outside the job (a service node: its own container on the network), AOF on a host folder
+        mounted at /data, so the AOF outlives the container; returns its URL (password in redis.password)."""
+        aof = tempfile.mkdtemp(prefix="redis-node-", dir=self.shared.parent)  # a fresh AOF for each Redis node
+        self.docker("run", "-d", "--init", "--name", REDIS_NODE, "--hostname", REDIS_NODE, "--network", NETWORK,
+                    "-v", f"{aof}:/data", "--entrypoint", "redis-server", NODE_IMAGE, "--requirepass", password,
+                    "--bind", "0.0.0.0", "--dir", "/data", "--save", "", "--appendonly", "yes",
+                    "--appendfsync", "everysec")
+        return f"redis://{REDIS_NODE}:6379/0"
+
+    def wait_log(self, trial: str, task: str, pattern: str, job: str, timeout: float = 300) -> None:
+        """Until the task's log matches `pattern` (the job still running)."""
+        deadline, log = time.monotonic() + timeout, self.run_dir(trial) / "logs" / f"{task}.log"
+        while not (log.exists() and re.search(pattern, log.read_text(errors="replace"))):
+            assert self.job_state(job) not in FINAL, f"job {job} ended first\n{self.job_logs(trial)}"
+            assert time.monotonic() < deadline, f"no {pattern!r} in {task}.log\n{self.job_logs(trial)}"
+            time.sleep(0.5)
 
     def submit(self, trial: str, *overrides: str) -> str:
         argv = ["rlstream", "launch", "slurm", "--config", CONFIG, "cluster.fileroot=/shared/runs",
@@ -162,16 +187,20 @@ class SlurmNodes:
         return "\n".join(f"== {p.name}\n" + "\n".join(p.read_text(errors="replace").splitlines()[-lines:])
                          for p in sorted(logs.glob("*")) if p.is_file())
 
-    def ledger(self, trial: str, steps: int, n_producers: int, world: int, committing: int | None = None) -> dict[str, int]:
-        """check_ledger on the job's Redis state: its AOF, loaded by a redis-server on the head after the job."""
+    def ledger(self, trial: str, steps: int, n_producers: int, world: int, committing: int | None = None,
+               redis_url: str | None = None) -> dict[str, int]:
+        """check_ledger on the job's Redis state: its AOF, loaded by a redis-server on the head after the job, or
+        the Redis at `redis_url` (a Redis outside the job)."""
         run, port = RUN.format(trial=trial), 6399
-        tls = "tls-cert-file" in (self.run_dir(trial) / "slurm" / "redis.conf").read_text()
-        ports = f"--port 0 --tls-port {port}" if tls else f"--port {port}"
-        self.sh(NODES[0], f"redis-server {run}/slurm/redis.conf {ports} --bind 0.0.0.0 --dir {run}/redis "
-                          f"--appendonly yes --daemonize yes --pidfile /run/ledger-redis.pid")
+        if redis_url is None:
+            tls = "tls-cert-file" in (self.run_dir(trial) / "slurm" / "redis.conf").read_text()
+            ports = f"--port 0 --tls-port {port}" if tls else f"--port {port}"
+            self.sh(NODES[0], f"redis-server {run}/slurm/redis.conf {ports} --bind 0.0.0.0 --dir {run}/redis "
+                              f"--appendonly yes --daemonize yes --pidfile /run/ledger-redis.pid")
+            redis_url = f"{'rediss' if tls else 'redis'}://{NODES[0]}:{port}/0"
         try:
             env = {"RLSTREAM_CONFIG": f"{run}/slurm/config.yaml", "RLSTREAM_OVERRIDES": "redis.outage_tolerance=5",
-                   "RLSTREAM_LEDGER_REDIS_URL": f"{'rediss' if tls else 'redis'}://{NODES[0]}:{port}/0"}
+                   "RLSTREAM_LEDGER_REDIS_URL": redis_url}
             deadline = time.monotonic() + 60
             while True:  # the AOF is loaded before the server answers
                 out = self.sh(NODES[0], f"python -c {shlex.quote(LEDGER_DUMP)}", env=env, check=False, timeout=120)
@@ -202,10 +231,11 @@ def _cluster_files(cluster_dir: Path) -> None:
     _make_certs(tls, san=f"DNS:{NODES[0]}")
 
 
-@pytest.fixture(scope="module")
-def nodes(tmp_path_factory):
+@contextlib.contextmanager
+def slurm_cluster(tmp: Path):
+    """Our dockerd, the images, the network and the four node containers, idle; all removed on exit (benchmarks/nodes.py
+    runs its jobs on the same cluster)."""
     tools = docker_tools()
-    tmp = tmp_path_factory.mktemp("slurmnodes")
     engine = DockerEngine(tools["dockerd"], tools["docker"], tmp / "dockerd.log")
     cluster_dir, shared = tmp / "cluster", tmp / "shared"
     cluster_dir.mkdir()
@@ -232,6 +262,12 @@ def nodes(tmp_path_factory):
                 cluster.docker("network", "rm", NETWORK, check=False)
         finally:
             engine.stop()
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    with slurm_cluster(tmp_path_factory.mktemp("slurmnodes")) as cluster:
+        yield cluster
 
 
 def test_three_node_job_completes_with_an_exact_ledger(nodes):
@@ -315,3 +351,51 @@ def test_a_lost_trainer_node_requeues_the_job_and_it_resumes_exactly(nodes):
     assert metric_steps(run_dir / "metrics.jsonl") == list(range(1, steps + 1))
     ledger = nodes.ledger(trial, steps, n_producers=2, world=2)
     print(f"ledger after losing a trainer node at step {len(before)}: {ledger}")
+
+
+def test_the_redis_node_killed_and_restarted_is_ridden_out(nodes):
+    """The job's Redis on a node of its own (a service node outside the job, AOF on a mounted folder) is killed
+    with `docker kill` mid-run and started again: every task rides the outage out (redis.outage_tolerance), the job
+    completes without a restart, every step trained once, and the ledger, read from the restarted Redis, is exact."""
+    steps, trial, password = 16, "redis-loss", secrets.token_urlsafe(16)
+    url = nodes.start_redis(password)
+    try:
+        job = nodes.submit(trial, f"total_train_steps={steps}", "cluster.n_nodes=3", "launcher.slurm.trainer_nodes=2",
+                           "launcher.n_trainer_procs=2", "launcher.n_engines=1", "launcher.n_producers=2",
+                           f"redis.url={url}", f"redis.password={password}", "redis.outage_tolerance=300")
+        before = nodes.kill_when_training(REDIS_NODE, job, trial, after_steps=3)
+        # the trainer noticed: its Redis calls fail and retry; then the node comes back, with the AOF it wrote
+        nodes.wait_log(trial, "trainer", r"Redis at \S+: .*; reconnecting", job)
+        nodes.docker("start", REDIS_NODE)
+        state = nodes.wait_job(job, trial)
+        run_dir = nodes.run_dir(trial)
+        out = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+        assert state == "COMPLETED", f"{state}\n{out}\n{nodes.job_logs(trial)}"
+        assert len(before) < steps, "the run ended before the kill: make it longer"
+        assert not re.search(r"^restart \d+ of", out, re.M), out  # ridden out inside the job's one life
+        assert metric_steps(run_dir / "metrics.jsonl") == list(range(1, steps + 1))
+        ledger = nodes.ledger(trial, steps, n_producers=2, world=2, redis_url=url)
+        print(f"ledger after killing the Redis node at step {len(before)}: {ledger}")
+    finally:
+        nodes.docker("rm", "-f", REDIS_NODE, check=False)
+
+
+def test_the_redis_node_lost_for_good_ends_the_job_with_one_line(nodes):
+    """The Redis node killed and not started again: past redis.outage_tolerance the first task to give up ends the
+    job, and slurm-JOB.out says why in one line (Redis unreachable, the key to raise)."""
+    trial, password = "redis-gone", secrets.token_urlsafe(16)
+    url = nodes.start_redis(password)
+    try:
+        job = nodes.submit(trial, "total_train_steps=200", "cluster.n_nodes=2", "launcher.slurm.trainer_nodes=1",
+                           "launcher.n_engines=1", "launcher.n_producers=1", f"redis.url={url}",
+                           f"redis.password={password}", "redis.outage_tolerance=15")
+        nodes.kill_when_training(REDIS_NODE, job, trial, after_steps=2)
+        state = nodes.wait_job(job, trial)
+    finally:
+        nodes.docker("rm", "-f", REDIS_NODE, check=False)
+    out = (nodes.run_dir(trial) / "logs" / f"slurm-{job}.out").read_text()
+    assert state == "FAILED", f"{state}\n{out}"
+    line = next((x for x in out.splitlines() if x.startswith("rlstream: job failed: task ")), "")
+    print(f"the job's line: {line}")
+    assert re.search(r"exited with code \d+: .*unreachable for \d+s, longer than redis\.outage_tolerance=15s",
+                     line), out
