@@ -330,7 +330,7 @@ def _build_actor(cfg: Config, par: Parallel, total_steps: int) -> tuple[PPOActor
     ref = None
     if cfg.actor.kl_ctl > 0:
         ref = load_model(cfg.ref.path or cfg.actor.path, cfg.actor, par.device, key="ref.path", trainable=False)
-    model = par.wrap(module, cfg.actor.grad_reduce_dtype)
+    model = par.wrap(module, cfg.actor.grad_reduce_dtype, cfg.actor.fsdp)
     optimizer = build_optimizer(model.parameters(), cfg.actor.optimizer)
     scheduler = build_scheduler(optimizer, cfg.actor.optimizer, total_steps)
     critic = Critic(cfg, par, total_steps, pad_token_id) if cfg.critic is not None else None

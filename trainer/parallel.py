@@ -16,7 +16,12 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-__all__ = ["Parallel", "init_parallel"]
+from rlstream.common.config import ConfigError, FSDPConfig
+from rlstream.common.logging import get_logger
+
+log = get_logger(__name__)
+
+__all__ = ["Parallel", "fsdp_units", "init_parallel"]
 
 
 @dataclass
@@ -37,22 +42,30 @@ class Parallel:
         return self.rank == 0
 
     # ---- model wrapping ------------------------------------------------------------
-    def wrap(self, model: torch.nn.Module, reduce_dtype: str = "float32") -> torch.nn.Module:
+    def wrap(self, model: torch.nn.Module, reduce_dtype: str = "float32",
+             fsdp: FSDPConfig | None = None) -> torch.nn.Module:
         """DDP or FSDP2 around `model` (returned unchanged in one process); gradients are averaged across ranks in
-        `reduce_dtype` (actor.grad_reduce_dtype: float32, or bfloat16/float16 for half the traffic)."""
+        `reduce_dtype` (actor.grad_reduce_dtype: float32, or bfloat16/float16 for half the traffic); `fsdp`
+        (actor.fsdp) picks FSDP2's units and parameter offload."""
+        fsdp = fsdp or FSDPConfig()
+        units = fsdp_units(model, fsdp) if self.mode == "fsdp" else []  # a bad class name is refused in one process too
         if not self.distributed:
             return model
         if self.mode == "fsdp":
             from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
             mesh = init_device_mesh(self.device.type, (self.world_size,))
             mp = MixedPrecisionPolicy(reduce_dtype=None if reduce_dtype == "float32" else getattr(torch, reduce_dtype))
-            # Shard each decoder layer, then the rest: the usual FSDP2 recipe for HF LMs.
-            layers = getattr(getattr(model, "model", None), "layers", None)
-            for layer in layers or []:
-                fully_shard(layer, mesh=mesh, mp_policy=mp)
-            fully_shard(model, mesh=mesh, mp_policy=mp)
+            # FSDP2's CPU offload copies host shards to the accelerator per unit: a CPU trainer's are on the host.
+            offload = CPUOffloadPolicy() if fsdp.offload_params and self.device.type == "cuda" else OffloadPolicy()
+            kinds = sorted({type(u).__name__ for u in units})  # before fully_shard renames them FSDP<name>
+            for unit in units:  # inner units first, then the whole model: the FSDP2 recipe for HF LMs
+                fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
+            if self.is_main:
+                log.info("FSDP2 units: %d (%s) + the model%s", len(units), ", ".join(kinds),
+                         ", parameters offloaded to host memory" if isinstance(offload, CPUOffloadPolicy) else "")
+            fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -155,6 +168,19 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode)
+
+
+def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig) -> list[torch.nn.Module]:
+    """The submodules FSDP2 shards as units, innermost first: those whose class is named in
+    actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap, else in the model's `_no_split_modules`."""
+    named = fsdp.wrap_policy.transformer_layer_cls_to_wrap if fsdp.wrap_policy is not None else None
+    classes = set(named if named is not None else getattr(model, "_no_split_modules", None) or [])
+    units = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in classes]
+    if named and not units:
+        present = sorted({type(m).__name__ for m in model.modules()})
+        raise ConfigError(f"actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap={named}: no submodule of the model is "
+                          f"of these classes; its classes: {', '.join(present)}")
+    return units
 
 
 def _destroy_megatron_state() -> None:

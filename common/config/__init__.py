@@ -15,8 +15,9 @@ and `schema` (the top-level
 
 from __future__ import annotations
 
-from rlstream.common.config.actor import (ActorConfig, CriticConfig, LoRAConfig, MegatronConfig, MicroBatchSpec,
-                                          NormConfig, OptimizerConfig, RefConfig, RejectionSamplingConfig)
+from rlstream.common.config.actor import (ActorConfig, CriticConfig, FSDPConfig, FSDPWrapPolicy, LoRAConfig,
+                                          MegatronConfig, MicroBatchSpec, NormConfig, OptimizerConfig, RefConfig,
+                                          RejectionSamplingConfig)
 from rlstream.common.config.base import ConfigError
 from rlstream.common.config.cluster import KEEPALIVES_PER_TTL, ClusterConfig, NameResolveConfig, RedisConfig
 from rlstream.common.config.docs import FieldDoc, field_docs, field_reference
@@ -49,7 +50,7 @@ __all__ = [
     "field_reference",
     "FieldDoc",
     # the sections and the rest of what this module has always offered
-    "ActorConfig", "CriticConfig", "LoRAConfig", "MegatronConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig",
+    "ActorConfig", "CriticConfig", "FSDPConfig", "FSDPWrapPolicy", "LoRAConfig", "MegatronConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig",
     "RefConfig",
     "RejectionSamplingConfig", "KEEPALIVES_PER_TTL", "ClusterConfig", "NameResolveConfig", "RedisConfig",
     "ServerConfig", "SimulateConfig", "DemoTaskConfig", "LauncherConfig", "RayConfig", "SlurmConfig", "SlurmContainerConfig",

@@ -9,8 +9,8 @@ from msgspec import Meta
 
 from rlstream.common.config.base import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 
-__all__ = ["NormConfig", "OptimizerConfig", "MicroBatchSpec", "MegatronConfig", "LoRAConfig", "RejectionSamplingConfig",
-           "ActorConfig", "RefConfig", "CriticConfig"]
+__all__ = ["NormConfig", "OptimizerConfig", "MicroBatchSpec", "MegatronConfig", "FSDPWrapPolicy", "FSDPConfig",
+           "LoRAConfig", "RejectionSamplingConfig", "ActorConfig", "RefConfig", "CriticConfig"]
 
 
 class NormConfig(Section):
@@ -68,6 +68,22 @@ class MegatronConfig(Section):
     """Pipeline-parallel size (megatron backend; only 1 trains so far)."""
     context_parallel: PositiveInt = 1
     """Context-parallel size (megatron backend; only 1 trains so far)."""
+
+
+class FSDPWrapPolicy(Section):
+    transformer_layer_cls_to_wrap: list[str] | None = None
+    """Class names of the submodules FSDP2 shards as units, each gathered for its own forward and backward (None = the
+    model's `_no_split_modules`: its decoder layers); the whole model is the last unit."""
+
+
+class FSDPConfig(Section):
+    """FSDP2 settings of actor.parallel=fsdp (AReaL's FSDPEngineConfig names)."""
+
+    wrap_policy: FSDPWrapPolicy | None = None
+    """Which submodules are sharded as units (None = the decoder layers)."""
+    offload_params: bool = False
+    """Keep the sharded parameters, gradients and optimizer step in host memory, copied to the GPU per unit for its
+    forward and backward (FSDP2's CPUOffloadPolicy): less GPU memory, slower steps. A CPU trainer's are there already."""
 
 
 class LoRAConfig(Section):
@@ -135,6 +151,8 @@ class ActorConfig(Section):
     """Device: auto (cuda if present), cpu, cuda (one-rank FSDP2 bf16 ran on an H100, benchmarks/README.md GPU)."""
     parallel: Literal["ddp", "fsdp"] = "ddp"
     """Data-parallel wrapper under torchrun (gloo on CPU in CI; NCCL over several GPUs has not run)."""
+    fsdp: FSDPConfig = msgspec.field(default_factory=FSDPConfig)
+    """FSDP2 wrapping and parameter offload when parallel=fsdp (the critic follows)."""
     mb_spec: MicroBatchSpec = msgspec.field(default_factory=MicroBatchSpec)
     """Micro-batching."""
     logits_chunk_tokens: NonNegativeInt = 1024

@@ -1,4 +1,5 @@
-"""Two-rank DDP (gloo, under torchrun) gives the same weights as one process on the same batches."""
+"""Two-rank DDP and FSDP2 (gloo, under torchrun) give the same weights as one process on the same batches; FSDP2's
+units are the model's decoder layers or the classes actor.fsdp.wrap_policy names."""
 
 import os
 import subprocess
@@ -43,7 +44,10 @@ def _write(rclient, experiment, vocab, model):
 OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positive_nll_coef=0.1",
                                          "actor.early_stop_imp_ratio=100"],
            # gradients averaged in bfloat16 (torch's compress hook): equal to bf16 precision, and visibly not exact
-           "bf16_reduce": ["actor.grad_reduce_dtype=bfloat16"]}
+           "bf16_reduce": ["actor.grad_reduce_dtype=bfloat16"],
+           # FSDP2 sharding the attention and MLP blocks (not whole decoder layers) as its units: the same weights
+           "fsdp_units": ["actor.parallel=fsdp",
+                          "actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap=[LlamaAttention, LlamaMLP]"]}
 
 
 @pytest.mark.slow
@@ -65,6 +69,8 @@ def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient,
            *_overrides(tmp_path, redis_url, ddp, tiny_model_path, *OPTIONS[options])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if options == "fsdp_units":  # each layer's two blocks (the tiny model has 2 layers)
+        assert "FSDP2 units: 4 (LlamaAttention, LlamaMLP) + the model" in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
     train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, *OPTIONS[options])))
 
@@ -84,3 +90,19 @@ def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient,
         return
     for k in base:  # ... identically, up to float summation order
         assert diff[k] <= 2e-6, (k, diff[k])
+
+
+def test_fsdp_units_default_to_the_decoder_layers_and_a_bad_class_name_is_one_line(tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    from rlstream.common.config import ConfigError, FSDPConfig, FSDPWrapPolicy
+    from rlstream.trainer.parallel import Parallel, fsdp_units
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
+    assert [type(u).__name__ for u in fsdp_units(model, FSDPConfig())] == ["LlamaDecoderLayer"] * 2
+    named = FSDPConfig(wrap_policy=FSDPWrapPolicy(transformer_layer_cls_to_wrap=["LlamaMLP", "LlamaDecoderLayer"]))
+    kinds = [type(u).__name__ for u in fsdp_units(model, named)]
+    assert kinds == ["LlamaMLP", "LlamaDecoderLayer"] * 2  # each block before the layer holding it
+    bad = FSDPConfig(wrap_policy=FSDPWrapPolicy(transformer_layer_cls_to_wrap=["QwenBlock"]))
+    with pytest.raises(ConfigError, match=r"transformer_layer_cls_to_wrap=\['QwenBlock'\]: no submodule .* LlamaMLP"):
+        Parallel(mode="fsdp").wrap(model, fsdp=bad)  # refused before any process group is needed
