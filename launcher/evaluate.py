@@ -74,10 +74,13 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
     # `rlstream run` evaluates before the children start and after they stopped: the cores are ours.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
-    ds = PromptDataset(cfg.valid_dataset, tokenizer, seed=cfg.seed, key="valid_dataset")
+    from rlstream.common.vision import actor_vision
+
+    ds = PromptDataset(cfg.valid_dataset, tokenizer, seed=cfg.seed, key="valid_dataset", vision=actor_vision(cfg))
     reward_fn = import_by_path(cfg.producer.reward_fn)
     stops = stop_token_ids(tokenizer, model_path, cfg.gconfig.stop_token_ids)
     items = [ds.items[i] for i in range(min(n, len(ds)))]  # file order: the same prompts before and after
+    images = [list(ds.images[i]) or None for i in range(len(items))]
     # Greedy through the local engine (continuous batching, the engine the run samples with): the
     # same tokens `model.generate` picks, several times faster on CPU for chat-length prompts.
     engine = LocalEngine(model_path, tokenizer_path=cfg.tokenizer, device=cfg.server.device,
@@ -85,7 +88,8 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
     params = {"max_new_tokens": cfg.gconfig.max_new_tokens, "temperature": 0.0, "stop_token_ids": list(stops)}
 
     async def run_all() -> list[Any]:
-        return await asyncio.gather(*(engine.generate(list(ids), params) for _, _, _, ids, _ in items))
+        return await asyncio.gather(*(engine.generate(list(ids), params, images=im)
+                                      for (_, _, _, ids, _), im in zip(items, images)))
 
     try:
         outs = asyncio.run(run_all())

@@ -31,6 +31,7 @@ from rlstream.api.reward import RewardResult
 from rlstream.api.workflow import Generation, Workflow
 from rlstream.common.config import Config
 from rlstream.common.engine_client import ModelRequest, ModelResponse
+from rlstream.common.images import ref_of
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import lane_span, now_us, session_request, span
 from rlstream.common.models import stop_token_ids
@@ -255,6 +256,7 @@ class RLVRWorkflow:
     def request(self, item: Any) -> ModelRequest:
         req = ModelRequest.from_gconfig(item.input_ids, self.gconfig)
         req.stop_token_ids = list(self.stop_ids)
+        req.images = list(getattr(item, "images", ())) or None
         return req
 
     async def arun_episode(self, engine: RolloutEngine, item: Any) -> TrajectoryGroup | None:
@@ -280,7 +282,8 @@ class RLVRWorkflow:
                                                 r.reward, g.finish_reason, meta))
         return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=str(item.prompt_id),
                                producer_id=self.producer_id, created_at=created, finished_at=time.time(),
-                               trajectories=trajs, metadata={"epoch": item.epoch, "position": item.position})
+                               trajectories=trajs, metadata={"epoch": item.epoch, "position": item.position},
+                               images=[ref_of(b) for b in req.images] if req.images else None)
 
 
 def load_workflow(cfg: Config, tokenizer: Any, reward: Any, filter_reward: Any = None) -> Workflow:
