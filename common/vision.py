@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VisionSpec", "vision_spec", "ImageInputs", "image_inputs", "expand_image_tokens",
-           "count_image_tokens", "is_vision_config", "mask_vision_logits", "image_prompt_ids",
+           "count_image_tokens", "is_vision_config", "mask_vision_logits", "image_prompt_ids", "image_tokens",
            "actor_vision"]
 
 IMAGE_PAD = "<|image_pad|>"
@@ -111,6 +111,15 @@ def image_inputs(spec: VisionSpec, data: bytes) -> ImageInputs:
     return ImageInputs(out["pixel_values"], grid, spec.tokens_of(grid))
 
 
+def image_tokens(spec: VisionSpec, data: bytes) -> int:
+    """Image tokens one image's bytes take in the prompt, without PyTorch (numpy outputs): what a producer or the
+    gateway, which never import torch, needs to build prompts."""
+    from rlstream.common.images import open_image
+
+    out = spec.processor(images=[open_image(data)], return_tensors="np")
+    return spec.tokens_of(out["image_grid_thw"][0])
+
+
 def count_image_tokens(ids: Any, spec: VisionSpec) -> int:
     return sum(1 for t in ids if t == spec.image_token_id)
 
@@ -138,4 +147,4 @@ def image_prompt_ids(tokenizer: Any, spec: VisionSpec, messages: list[dict[str, 
                          "image placeholders); this tokenizer has none")
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-    return text, expand_image_tokens(ids, spec, [image_inputs(spec, b).n_tokens for b in images], where)
+    return text, expand_image_tokens(ids, spec, [image_tokens(spec, b) for b in images], where)

@@ -38,9 +38,14 @@ class EvalResult:
     episode_stats: dict[str, float] = field(default_factory=dict)  # multi-turn: tool_call_rate, turns
 
 
-def question_of(row: dict, prompt_key: str, text: str) -> str:
-    """What to show of a prompt: the last user message of a chat, else the prompt text."""
+def question_of(row: dict, prompt_key: str, text: str, image_key: str = "images") -> str:
+    """What to show of a prompt: the last user message of a chat, else the prompt text; a row's image files
+    named before it."""
     value = row.get(prompt_key)
+    images = row.get(image_key)
+    if isinstance(value, str) and images:
+        names = [v for v in (images if isinstance(images, list) else [images]) if isinstance(v, str)]
+        return f"[{', '.join(names) or 'image'}] {value}"
     if isinstance(value, list):
         users = [m.get("content", "") for m in value if isinstance(m, dict) and m.get("role") == "user"]
         if users:
@@ -103,7 +108,8 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
         completion = tokenizer.decode(gen[:cut], skip_special_tokens=True)
         rewards.append(float(reward_fn(text, completion, answer)))
         if len(examples) < 5:
-            examples.append((question_of(row, cfg.valid_dataset.prompt_key, text), completion, answer_text(answer)))
+            examples.append((question_of(row, cfg.valid_dataset.prompt_key, text, cfg.valid_dataset.image_key),
+                             completion, answer_text(answer)))
     if not rewards:
         return EvalResult(0.0, 0, 0.0, [])
     acc = sum(r > 0.5 for r in rewards) / len(rewards)

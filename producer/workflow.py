@@ -31,7 +31,7 @@ from rlstream.api.reward import RewardResult
 from rlstream.api.workflow import Generation, Workflow
 from rlstream.common.config import Config
 from rlstream.common.engine_client import ModelRequest, ModelResponse
-from rlstream.common.images import ref_of
+from rlstream.common.images import IMAGE_SCHEMA_VERSION, ref_of
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import lane_span, now_us, session_request, span
 from rlstream.common.models import stop_token_ids
@@ -232,6 +232,13 @@ class RolloutEngine:
                 return
 
 
+def _image_fields(images: list[bytes] | None) -> dict[str, Any]:
+    """A group's `images` (and the schema that carries them) for its prompt's image bytes; nothing without."""
+    if not images:
+        return {}
+    return {"images": [ref_of(b) for b in images], "schema_version": IMAGE_SCHEMA_VERSION}
+
+
 def _truncate_at_eos(ids: list[int], eos: set[int]) -> list[int]:
     for i, t in enumerate(ids):
         if t in eos:
@@ -283,7 +290,7 @@ class RLVRWorkflow:
         return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=str(item.prompt_id),
                                producer_id=self.producer_id, created_at=created, finished_at=time.time(),
                                trajectories=trajs, metadata={"epoch": item.epoch, "position": item.position},
-                               images=[ref_of(b) for b in req.images] if req.images else None)
+                               **_image_fields(req.images))
 
 
 def load_workflow(cfg: Config, tokenizer: Any, reward: Any, filter_reward: Any = None) -> Workflow:

@@ -27,7 +27,7 @@ from rlstream.producer.agent import Episode
 from rlstream.producer.chat import ChatTemplate
 from rlstream.common.engine_client import ModelRequest
 from rlstream.common.images import message_images
-from rlstream.common.vision import actor_vision, expand_image_tokens, image_inputs
+from rlstream.common.vision import actor_vision, expand_image_tokens, image_tokens
 from rlstream.producer.gateway.sessions import Branch, Session, SessionGroups
 from rlstream.producer.gateway.structured import Constraint, constraint_of_chat, response_constraint
 from rlstream.producer.gateway.structs import (ChatRequest, CompletionRequest, GenerationRequest, HttpError, Message,
@@ -78,8 +78,7 @@ class Gateway(SessionGroups):
         ids = chat.prompt(history)
         if images:
             try:
-                ids = expand_image_tokens(ids, self.vision, [image_inputs(self.vision, b).n_tokens for b in images],
-                                          "messages")
+                ids = expand_image_tokens(ids, self.vision, [image_tokens(self.vision, b) for b in images], "messages")
             except ValueError as exc:
                 raise HttpError(400, str(exc)) from None
         return history, ids, images

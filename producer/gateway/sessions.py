@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from rlstream.common.config import Config
-from rlstream.common.images import image_sha256, ref_of
+from rlstream.common.images import IMAGE_SCHEMA_VERSION, image_sha256, ref_of
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import current_session, sessions as session_tracer
 from rlstream.producer.agent import Episode, group_from_episodes
@@ -235,7 +235,8 @@ class SessionGroups:
                 episodes.append(b.episode)
         group = group_from_episodes(episodes, prompt_id=g.prompt_id, producer_id=self.producer_id,
                                     created_at=g.created_wall, metadata={"source": "gateway", "sessions": len(finished)})
-        group.images = [ref_of(b) for b in g.images] if g.images else None
+        if g.images:
+            group.images, group.schema_version = [ref_of(b) for b in g.images], IMAGE_SCHEMA_VERSION
         try:
             if should_accept(self.cfg, group):
                 await lease.commit(group, images={image_sha256(b): b for b in g.images or ()} or None)
