@@ -4,7 +4,7 @@
 
 The tiny vision-language model of `configs/vlm-cpu.yaml` (`launcher/tiny_vlm.py`, built on the spot) and that
 demo's prompts: "colour?" with one 56x56 PNG of a coloured shape (4 image tokens), or a 112x112 one (16 image
-tokens), against the same question with no image.
+tokens), against distinct text prompts of about the 56x56 prompt's length ("000017colour?", no image).
 
 - Redis: `--groups` groups of 8 samples x 8 output tokens committed to a stream (`TrajectoryStream.append`, the
   images stored once under their hash as the producer's commit does, one distinct image per group as in the
@@ -39,7 +39,8 @@ def _prompts(model: Path, n: int, size: int | None) -> tuple[list[list[int]], li
     ids, images = [], []
     for _ in range(n):
         if size is None:
-            text = tok.apply_chat_template([{"role": "user", "content": "colour?"}], tokenize=False,
+            # distinct prompts of about the image prompt's length: the prefix cache serves neither side
+            text = tok.apply_chat_template([{"role": "user", "content": f"{_:06d}colour?"}], tokenize=False,
                                            add_generation_prompt=True)
             ids.append(list(tok(text, add_special_tokens=False)["input_ids"]))
             images.append([])
