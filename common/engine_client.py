@@ -92,9 +92,7 @@ class ModelRequest:
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
-    # A vision-language prompt's images (encoded bytes, in the order of their tokens in `input_ids`): SGLang's
-    # `image_data` as base64; the prompt already holds each image's tokens (common/vision.py).
-    images: list[bytes] | None = None
+    images: list[bytes] | None = None  # a prompt's images (encoded, in token order): SGLang's `image_data`
 
     @classmethod
     def from_gconfig(cls, input_ids: list[int], g: GenerationHyperparameters, **kw: Any) -> "ModelRequest":
