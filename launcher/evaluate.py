@@ -36,6 +36,8 @@ class EvalResult:
     mean_reward: float
     examples: list[tuple[str, str, str]]  # (question, completion, answer), a few for the log
     episode_stats: dict[str, float] = field(default_factory=dict)  # multi-turn: tool_call_rate, turns
+    # image prompts: (the prompt's first image, completion, answer) of the first few, for the before/after picture
+    image_examples: list[tuple[bytes, str, str]] = field(default_factory=list)
 
 
 def question_of(row: dict, prompt_key: str, text: str, image_key: str = "images") -> str:
@@ -102,7 +104,8 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
         engine.close()
     rewards: list[float] = []
     examples = []
-    for out, (_, text, answer, _, row) in zip(outs, items):
+    pictured = []
+    for out, (_, text, answer, _, row), im in zip(outs, items, images):
         gen = list(out.output_ids)
         cut = next((i for i, t in enumerate(gen) if t in stops), len(gen))
         completion = tokenizer.decode(gen[:cut], skip_special_tokens=True)
@@ -110,10 +113,12 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
         if len(examples) < 5:
             examples.append((question_of(row, cfg.valid_dataset.prompt_key, text, cfg.valid_dataset.image_key),
                              completion, answer_text(answer)))
+        if im and len(pictured) < 8:
+            pictured.append((im[0], completion, answer_text(answer)))
     if not rewards:
         return EvalResult(0.0, 0, 0.0, [])
     acc = sum(r > 0.5 for r in rewards) / len(rewards)
-    return EvalResult(acc, len(rewards), sum(rewards) / len(rewards), examples)
+    return EvalResult(acc, len(rewards), sum(rewards) / len(rewards), examples, image_examples=pictured)
 
 
 class _InProcessEngine:

@@ -64,6 +64,7 @@ def test_vlm_demo_runs_images_end_to_end(tmp_path, redis_server):
     assert proc.returncode == 0, f"rlstream run failed ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}"
     assert "held-out accuracy: " in out and " before RL -> " in out
     assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (run_dir / "plots" / "image_answers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     train = [json.loads(x) for x in (run_dir / "data" / "train.jsonl").read_text().splitlines()]
     pngs = {image_sha256((run_dir / "data" / r["images"][0]).read_bytes()): r["answer"] for r in train}
     c = connect(redis_server.url)

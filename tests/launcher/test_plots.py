@@ -58,3 +58,19 @@ def test_single_turn_runs_get_no_agent_plot(tmp_path):
     _write_jsonl(tmp_path / "metrics.jsonl", [{"step": s, "reward/mean": 0.5, "staleness/mean": 1.2} for s in (1, 2)])
     names = sorted(p.name for p in make_plots(tmp_path))
     assert "agent.png" not in names and {"reward.png", "staleness.png"} <= set(names)
+
+
+def test_image_answers_draws_each_image_with_its_answers(tmp_path):
+    from PIL import Image
+
+    from rlstream.launcher.plots import image_answers
+    from tests.helpers import shape_png
+
+    before = [(shape_png("red"), "green", "red"), (shape_png("blue"), "blue", "blue")]
+    after = [(shape_png("red"), "red", "red"), (shape_png("blue"), "blue", "blue")]
+    path = image_answers(tmp_path / "plots" / "image_answers.png", before, after)
+    img = Image.open(path).convert("RGB")
+    assert img.size == (2 * 120, 112 + 48)  # one cell per image, the 56-pixel images drawn twice as large
+    assert img.getpixel((60, 56)) == (255, 0, 0) and img.getpixel((180, 56)) == (0, 0, 255)
+    assert any(img.getpixel((x, y)) == (200, 0, 0) for x in range(120) for y in range(112, 160))  # wrong: red
+    assert not any(img.getpixel((x, y)) == (200, 0, 0) for x in range(120, 240) for y in range(112, 160))
