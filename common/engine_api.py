@@ -325,6 +325,8 @@ class ServerInfo(_Body):
     prefilling: int | None = None  # ... admitted requests whose prompts are still prefilling, a chunk per step
     prefix_cache_entries: int | None = None
     prefix_cache_used_tokens: int | None = None
+    images_encoded: int | None = None  # ... a vision-language model: images run through its vision tower
+    image_cache_hits: int | None = None  # ... and those whose features came from its cache
     tp_size: int | None = None
     pp_size: int | None = None
     tensor_parallel_size: int | None = None

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import base64
 import contextlib
 import itertools
 import random
@@ -92,6 +93,7 @@ class ModelRequest:
     json_schema: str | None = None
     regex: str | None = None
     grammar: str | None = None
+    images: list[bytes] | None = None  # a prompt's images (encoded, in token order): SGLang's `image_data`
 
     @classmethod
     def from_gconfig(cls, input_ids: list[int], g: GenerationHyperparameters, **kw: Any) -> "ModelRequest":
@@ -225,7 +227,9 @@ class SGLangClient(EngineClient):
             stop_token_ids=list(req.stop_token_ids) or None,
             **extra,
         )
-        return GenerateRequest(input_ids=list(req.input_ids), sampling_params=sp, return_logprob=True, rid=req.rid)
+        images = [base64.b64encode(b).decode() for b in req.images] if req.images else None
+        return GenerateRequest(input_ids=list(req.input_ids), sampling_params=sp, return_logprob=True, rid=req.rid,
+                               image_data=images)
 
     def parse(self, data: GenerateResponse | list[GenerateResponse] | None) -> ModelResponse:
         if isinstance(data, list) and data:  # batch form: one prompt sent, one answer
@@ -278,6 +282,9 @@ class VLLMClient(EngineClient):
         return self._model
 
     def payload(self, req: ModelRequest, model: str) -> CompletionRequest:
+        if req.images:
+            raise EngineRequestError("rollout.backend=vllm: prompts with images are not sent to vLLM yet "
+                                     "(multi_modal_data); use rollout.backend=sglang (SGLang or the local engine)")
         body = CompletionRequest(model=model, prompt=list(req.input_ids), max_tokens=req.max_new_tokens,
                                  temperature=req.effective_temperature, top_p=req.top_p)
         if req.top_k < TOP_K_OFF:

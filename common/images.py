@@ -8,6 +8,8 @@ bytes, and checking bytes decode. Decoding uses Pillow.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import re
@@ -17,7 +19,7 @@ from typing import Any
 import msgspec
 
 __all__ = ["IMAGE_SCHEMA_VERSION", "ImageRef", "image_sha256", "image_to_bytes", "open_image", "image_problem",
-           "refs_problem", "ref_of"]
+           "refs_problem", "ref_of", "data_url_bytes", "message_images", "is_image_part"]
 
 IMAGE_SCHEMA_VERSION = 4  # schema 3 plus the group's `images` (common/wire.py)
 
@@ -98,3 +100,82 @@ def refs_problem(refs: Any, schema_version: int) -> str | None:
         if r.nbytes <= 0:
             return f"image {i}: nbytes {r.nbytes} must be > 0"
     return None
+
+
+def data_url_bytes(url: str, where: str) -> bytes:
+    """The bytes of a `data:image/...;base64,` URL. ValueError naming `where` for any other URL: nothing is loaded
+    from the network (an http(s) URL would make a rollout depend on a remote server's answer and speed)."""
+    if url.startswith(("http://", "https://")):
+        raise ValueError(f"{where}: image URL {url[:80]!r} refused: images load from nothing but data: URLs "
+                         f"(data:image/png;base64,...), never from the network")
+    head, sep, payload = url.partition(",")
+    if not (url.startswith("data:image/") and sep and head.endswith(";base64")):
+        raise ValueError(f"{where}: image URL {url[:40]!r}... is not a data:image/...;base64, URL")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{where}: the data URL's payload is not valid base64") from None
+
+
+def is_image_part(part: Any) -> bool:
+    """An image content part (HF datasets give every part of a column every key, None where unset)."""
+    return isinstance(part, dict) and (part.get("type") in ("image", "image_url") or part.get("image_url") is not None)
+
+
+def _part_image(part: dict[str, Any], where: str, allow_paths: bool) -> Any:
+    """The image value of one content part (before `image_to_bytes`)."""
+    if part.get("type") == "image_url" or part.get("image_url") is not None:
+        url = part.get("image_url")
+        url = url.get("url", "") if isinstance(url, dict) else str(url or "")
+        if url.startswith("data:") or url.startswith(("http://", "https://")) or not allow_paths:
+            return data_url_bytes(url, where)
+        return url.removeprefix("file://")
+    return part.get("image")
+
+
+def message_images(messages: list[dict[str, Any]], images: list[Any], where: str, *,
+                   allow_paths: bool = True) -> tuple[list[dict[str, Any]], list[bytes]]:
+    """Chat messages with every image content part replaced by `{"type": "image"}` (what chat templates render
+    as the image's placeholder tokens), and the images' checked bytes in the order of their parts.
+
+    Parts: OpenAI's `{"type": "image_url", "image_url": {"url": "data:image/png;base64,..."}}` (with
+    `allow_paths`, a local path or file:// URL too), HF's `{"type": "image", "image": <path | bytes | PIL>}`,
+    and a bare `{"type": "image"}`, which takes the next of `images` (a dataset row's image column, as HF
+    datasets lay out vision chats). Unused `images` go before the text of the first user message. ValueError
+    naming `where` for an image that is missing, unreadable or does not decode."""
+    pending = list(images)
+    out_msgs: list[dict[str, Any]] = []
+    found: list[bytes] = []
+    for m_i, m in enumerate(messages):
+        content = m.get("content")
+        if not isinstance(content, list):
+            out_msgs.append(dict(m))
+            continue
+        parts = []
+        for p_i, part in enumerate(content):
+            at = f"{where} message {m_i} part {p_i}"
+            if not is_image_part(part):
+                parts.append(part)
+                continue
+            value = _part_image(part, at, allow_paths)
+            if value is None:
+                if not pending:
+                    raise ValueError(f"{at}: an image part without an image, and the row's images are used up")
+                value = pending.pop(0)
+            found.append(image_to_bytes(value, at))
+            parts.append({"type": "image"})
+        out_msgs.append({**m, "content": parts})
+    if pending:
+        first = next((i for i, m in enumerate(out_msgs) if m.get("role") == "user"), None)
+        if first is None:
+            raise ValueError(f"{where}: {len(pending)} images but no user message to show them in")
+        m = out_msgs[first]
+        text = m.get("content")
+        rest = text if isinstance(text, list) else [{"type": "text", "text": str(text or "")}]
+        lead = [image_to_bytes(v, f"{where} image {k}") for k, v in enumerate(pending)]
+        out_msgs[first] = {**m, "content": [{"type": "image"} for _ in lead] + rest}
+        # the row's images come before the parts' in the prompt
+        placed = sum(1 for mm in out_msgs[:first] if isinstance(mm.get("content"), list)
+                     for p in mm["content"] if isinstance(p, dict) and p.get("type") == "image")
+        found[placed:placed] = lead
+    return out_msgs, found

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["VisionSpec", "vision_spec", "ImageInputs", "image_inputs", "expand_image_tokens",
-           "count_image_tokens", "is_vision_config", "mask_vision_logits"]
+           "count_image_tokens", "is_vision_config", "mask_vision_logits", "image_prompt_ids", "image_tokens",
+           "actor_vision"]
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -77,6 +78,14 @@ def vision_spec(path: str | Path, key: str = "actor.path") -> VisionSpec | None:
                       tuple(int(t) for t in special if t is not None))
 
 
+def actor_vision(cfg: Any) -> VisionSpec | None:
+    """The `VisionSpec` of the run's `actor.path` (None: a text-only model, or no local model folder yet)."""
+    path = cfg.actor.path
+    if not path or not (Path(path) / "config.json").is_file():
+        return None
+    return vision_spec(path, "actor.path")
+
+
 def mask_vision_logits(logits: Any, spec: VisionSpec) -> Any:
     """`logits` [..., V] with the vision tokens at the dtype's lowest value (not -inf: entropies stay finite)."""
     import torch
@@ -102,6 +111,15 @@ def image_inputs(spec: VisionSpec, data: bytes) -> ImageInputs:
     return ImageInputs(out["pixel_values"], grid, spec.tokens_of(grid))
 
 
+def image_tokens(spec: VisionSpec, data: bytes) -> int:
+    """Image tokens one image's bytes take in the prompt, without PyTorch (numpy outputs): what a producer or the
+    gateway, which never import torch, needs to build prompts."""
+    from rlstream.common.images import open_image
+
+    out = spec.processor(images=[open_image(data)], return_tensors="np")
+    return spec.tokens_of(out["image_grid_thw"][0])
+
+
 def count_image_tokens(ids: Any, spec: VisionSpec) -> int:
     return sum(1 for t in ids if t == spec.image_token_id)
 
@@ -117,3 +135,16 @@ def expand_image_tokens(ids: list[int], spec: VisionSpec, n_tokens: list[int], w
     for t in ids:
         out.extend([t] * next(it) if t == spec.image_token_id else (t,))
     return out
+
+
+def image_prompt_ids(tokenizer: Any, spec: VisionSpec, messages: list[dict[str, Any]], images: list[bytes],
+                     where: str, *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """(text, token ids) of chat messages whose image parts are `{"type": "image"}` placeholders
+    (`common.images.message_images`), through the tokenizer's chat template, with each image's placeholder token
+    repeated as many times as the image processor makes tokens of it. ValueError naming `where` otherwise."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(f"{where}: a prompt with images needs the tokenizer's chat template (it writes the "
+                         "image placeholders); this tokenizer has none")
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return text, expand_image_tokens(ids, spec, [image_tokens(spec, b) for b in images], where)

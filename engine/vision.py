@@ -47,6 +47,10 @@ class VisionEncoder:
         self.max_images = max_images
         self.max_cached = max_cached
         self._features: OrderedDict[str, torch.Tensor] = OrderedDict()
+        # Preprocessed inputs by sha256 (they do not depend on the weights): the n samples of a group, submitted
+        # as n requests, preprocess their image once.
+        self._inputs: OrderedDict[str, ImageInputs] = OrderedDict()
+        self.max_preprocessed = 256
         self.encoded = 0  # images run through the vision tower
         self.cache_hits = 0  # images whose features came from the cache
 
@@ -57,11 +61,20 @@ class VisionEncoder:
             raise ValueError(f"{len(images)} images in one request; the engine accepts at most {self.max_images}")
         out = []
         for i, data in enumerate(images):
-            try:
-                out.append(EngineImage(image_sha256(data), image_inputs(self.spec, data)))
-            except Exception as exc:  # noqa: BLE001 - PIL raises many kinds for bad bytes
-                raise ValueError(f"image_data[{i}] does not decode as an image: {type(exc).__name__}: "
-                                 f"{str(exc)[:120]}") from None
+            sha = image_sha256(data)
+            inputs = self._inputs.get(sha)
+            if inputs is None:
+                try:
+                    inputs = image_inputs(self.spec, data)
+                except Exception as exc:  # noqa: BLE001 - PIL raises many kinds for bad bytes
+                    raise ValueError(f"image_data[{i}] does not decode as an image: {type(exc).__name__}: "
+                                     f"{str(exc)[:120]}") from None
+                self._inputs[sha] = inputs
+                while len(self._inputs) > self.max_preprocessed:
+                    self._inputs.popitem(last=False)
+            else:
+                self._inputs.move_to_end(sha)
+            out.append(EngineImage(sha, inputs))
         want = sum(im.inputs.n_tokens for im in out)
         have = count_image_tokens(prompt, self.spec)
         if have != want:

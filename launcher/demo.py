@@ -167,6 +167,10 @@ def prepare(cfg: Config) -> dict[str, Path]:
         return _prepare_word_problems(cfg, paths)
     if demo.task == "tool_multiply":
         return _prepare_tool_multiply(cfg, paths)
+    if demo.task == "shape_colour":
+        from rlstream.launcher.demo_shapes import prepare_shape_colour
+
+        return prepare_shape_colour(cfg, paths, _write_jsonl)
     if not (paths["train"].exists() and paths["valid"].exists() and paths["sft"].exists()):
         train, valid = make_reverse_items(demo.n_train, demo.n_valid, demo.digits, cfg.seed)
         rng = random.Random(cfg.seed + 1)

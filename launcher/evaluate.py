@@ -36,11 +36,18 @@ class EvalResult:
     mean_reward: float
     examples: list[tuple[str, str, str]]  # (question, completion, answer), a few for the log
     episode_stats: dict[str, float] = field(default_factory=dict)  # multi-turn: tool_call_rate, turns
+    # image prompts: (the prompt's first image, completion, answer) of the first few, for the before/after picture
+    image_examples: list[tuple[bytes, str, str]] = field(default_factory=list)
 
 
-def question_of(row: dict, prompt_key: str, text: str) -> str:
-    """What to show of a prompt: the last user message of a chat, else the prompt text."""
+def question_of(row: dict, prompt_key: str, text: str, image_key: str = "images") -> str:
+    """What to show of a prompt: the last user message of a chat, else the prompt text; a row's image files
+    named before it."""
     value = row.get(prompt_key)
+    images = row.get(image_key)
+    if isinstance(value, str) and images:
+        names = [v for v in (images if isinstance(images, list) else [images]) if isinstance(v, str)]
+        return f"[{', '.join(names) or 'image'}] {value}"
     if isinstance(value, list):
         users = [m.get("content", "") for m in value if isinstance(m, dict) and m.get("role") == "user"]
         if users:
@@ -74,10 +81,13 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
     # `rlstream run` evaluates before the children start and after they stopped: the cores are ours.
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0))))
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
-    ds = PromptDataset(cfg.valid_dataset, tokenizer, seed=cfg.seed, key="valid_dataset")
+    from rlstream.common.vision import actor_vision
+
+    ds = PromptDataset(cfg.valid_dataset, tokenizer, seed=cfg.seed, key="valid_dataset", vision=actor_vision(cfg))
     reward_fn = import_by_path(cfg.producer.reward_fn)
     stops = stop_token_ids(tokenizer, model_path, cfg.gconfig.stop_token_ids)
     items = [ds.items[i] for i in range(min(n, len(ds)))]  # file order: the same prompts before and after
+    images = [list(ds.images[i]) or None for i in range(len(items))]
     # Greedy through the local engine (continuous batching, the engine the run samples with): the
     # same tokens `model.generate` picks, several times faster on CPU for chat-length prompts.
     engine = LocalEngine(model_path, tokenizer_path=cfg.tokenizer, device=cfg.server.device,
@@ -85,7 +95,8 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
     params = {"max_new_tokens": cfg.gconfig.max_new_tokens, "temperature": 0.0, "stop_token_ids": list(stops)}
 
     async def run_all() -> list[Any]:
-        return await asyncio.gather(*(engine.generate(list(ids), params) for _, _, _, ids, _ in items))
+        return await asyncio.gather(*(engine.generate(list(ids), params, images=im)
+                                      for (_, _, _, ids, _), im in zip(items, images)))
 
     try:
         outs = asyncio.run(run_all())
@@ -93,17 +104,21 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
         engine.close()
     rewards: list[float] = []
     examples = []
-    for out, (_, text, answer, _, row) in zip(outs, items):
+    pictured = []
+    for out, (_, text, answer, _, row), im in zip(outs, items, images):
         gen = list(out.output_ids)
         cut = next((i for i, t in enumerate(gen) if t in stops), len(gen))
         completion = tokenizer.decode(gen[:cut], skip_special_tokens=True)
         rewards.append(float(reward_fn(text, completion, answer)))
         if len(examples) < 5:
-            examples.append((question_of(row, cfg.valid_dataset.prompt_key, text), completion, answer_text(answer)))
+            examples.append((question_of(row, cfg.valid_dataset.prompt_key, text, cfg.valid_dataset.image_key),
+                             completion, answer_text(answer)))
+        if im and len(pictured) < 8:
+            pictured.append((im[0], completion, answer_text(answer)))
     if not rewards:
         return EvalResult(0.0, 0, 0.0, [])
     acc = sum(r > 0.5 for r in rewards) / len(rewards)
-    return EvalResult(acc, len(rewards), sum(rewards) / len(rewards), examples)
+    return EvalResult(acc, len(rewards), sum(rewards) / len(rewards), examples, image_examples=pictured)
 
 
 class _InProcessEngine:

@@ -277,3 +277,27 @@ def _time_split(plt, metrics: list[dict]):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
     return fig
+
+
+def image_answers(path: Path, before: list[tuple[bytes, str, str]], after: list[tuple[bytes, str, str]],
+                  scale: int = 2) -> Path:
+    """A PNG of held-out images, each with the model's answer before and after RL and the reference answer
+    (`before` / `after`: (image bytes, completion, answer) of the same prompts, as `evaluate_accuracy` keeps them)."""
+    from PIL import Image, ImageDraw
+
+    from rlstream.common.images import open_image
+
+    tiles = [open_image(data) for data, _, _ in before]
+    side = max(max(t.size) for t in tiles) * scale
+    cell_w, text_h = max(side, 120), 48
+    sheet = Image.new("RGB", (cell_w * len(tiles), side + text_h), "white")
+    draw = ImageDraw.Draw(sheet)
+    for i, (tile, (_, b, answer), (_, a, _)) in enumerate(zip(tiles, before, after)):
+        x = i * cell_w
+        sheet.paste(tile.resize((tile.width * scale, tile.height * scale)), (x + (cell_w - tile.width * scale) // 2, 0))
+        for row, (label, text) in enumerate((("before", b), ("after", a), ("answer", answer))):
+            ok = label == "answer" or text.strip() == answer.strip()
+            draw.text((x + 4, side + 2 + 15 * row), f"{label}: {text[:12]}", fill=(0, 0, 0) if ok else (200, 0, 0))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sheet.save(path)
+    return path

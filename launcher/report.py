@@ -55,6 +55,8 @@ def staleness_distribution(client: Any, keys: Any, run_dir: Path, eta: int) -> d
 
 # Multi-turn episode statistics (tool-call rate, turns) of the last evaluation, by `when`.
 EPISODE_STATS: dict[str, dict[str, float]] = {}
+# Image prompts: (image, completion, answer) of the first held-out prompts, by `when` (the before/after picture).
+IMAGE_EXAMPLES: dict[str, list[tuple[bytes, str, str]]] = {}
 
 
 def evaluate(cfg: Config, model_path: str | Path, when: str) -> float | None:
@@ -70,6 +72,8 @@ def evaluate(cfg: Config, model_path: str | Path, when: str) -> float | None:
         EPISODE_STATS[when] = res.episode_stats
         _echo(f"held-out tool-call rate {when}: {res.episode_stats['tool_call_rate']:.1%} of episodes, "
               f"{res.episode_stats['turns']:.2f} turns per episode")
+    if res.image_examples:
+        IMAGE_EXAMPLES[when] = res.image_examples
     for prompt, completion, answer in res.examples[:3]:
         _echo(f"    {prompt!r} -> {completion!r} (answer {answer!r})")
     return res.accuracy
@@ -101,6 +105,11 @@ def finish(cfg: Config, run_dir: Path, *, acc_before: float | None, t0: float, t
               err=True)
     plots = make_plots(run_dir, acc_before=acc_before, acc_after=acc_after,
                        title=f"({cfg.experiment_name}/{cfg.trial_name})", reward_name=cfg.producer.reward_fn)
+    if IMAGE_EXAMPLES.get("before RL") and IMAGE_EXAMPLES.get("after RL"):
+        from rlstream.launcher.plots import image_answers
+
+        plots.append(image_answers(run_dir / "plots" / "image_answers.png", IMAGE_EXAMPLES["before RL"],
+                                   IMAGE_EXAMPLES["after RL"]))
     now = time.monotonic()
     t_start = t0 if t_start is None else t_start
     t_trained = now if t_trained is None else t_trained

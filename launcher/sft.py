@@ -11,6 +11,9 @@ warm-started model sees exactly the token ids it will be prompted with during RL
 With `launcher.demo.task` set, the demo's data and tiny model are generated first when
 missing (so `rlstream sft --config configs/tiny-cpu.yaml` works on a fresh checkout).
 
+A vision-language `actor.path` (docs/multimodal.md) learns from rows with images the same way: the prompt's
+image tokens come from `PromptDataset`, the images go with each batch as `pixel_values` / `image_grid_thw`.
+
 The result replaces the weights at `actor.path` (written next to it, then moved in)
 and a marker `rlstream_sft.json` records what was done: a second `rlstream sft` or
 `rlstream run` on the same model is a no-op instead of a second warm start.
@@ -68,21 +71,22 @@ def _conversations(cfg: Config, tokenizer, path: str) -> list[tuple[list[int], l
     return out
 
 
-def _examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
-    """(token ids, loss mask) for every demonstration row: prompt + answer + EOS with the loss
+def _examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int], tuple[bytes, ...]]]:
+    """(token ids, loss mask, images) for every demonstration row: prompt + answer + EOS with the loss
     on the answer and EOS, or a whole conversation with the loss on the assistant turns."""
+    from rlstream.common.vision import actor_vision
     from rlstream.producer.dataset import PromptDataset
 
     path = cfg.launcher.sft_dataset or cfg.train_dataset.path
     key = "launcher.sft_dataset" if cfg.launcher.sft_dataset else "train_dataset"
     convs = _conversations(cfg, tokenizer, path)
     if convs is not None:
-        return convs
+        return [(ids, mask, ()) for ids, mask in convs]
     dcfg = DatasetConfig(path=path, type=cfg.train_dataset.type, prompt_key=cfg.train_dataset.prompt_key,
-                         answer_key=cfg.train_dataset.answer_key,
+                         answer_key=cfg.train_dataset.answer_key, image_key=cfg.train_dataset.image_key,
                          apply_chat_template=cfg.train_dataset.apply_chat_template, shuffle=False,
                          max_prompt_len=cfg.train_dataset.max_prompt_len)
-    ds = PromptDataset(dcfg, tokenizer, seed=cfg.seed, key=key)
+    ds = PromptDataset(dcfg, tokenizer, seed=cfg.seed, key=key, vision=actor_vision(cfg))
     if not ds.has_answer:
         raise ValueError(f"{key}.path={path!r} has no {cfg.train_dataset.answer_key!r} column to learn from")
     eos = tokenizer.eos_token_id
@@ -90,14 +94,36 @@ def _examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int]]]:
     for i in range(len(ds)):
         item = ds.at(i)
         ans = list(tokenizer(str(item.answer), add_special_tokens=False)["input_ids"]) + [eos]
-        out.append((list(item.input_ids) + ans, [0] * len(item.input_ids) + [1] * len(ans)))
+        out.append((list(item.input_ids) + ans, [0] * len(item.input_ids) + [1] * len(ans), item.images))
     return out
+
+
+def _image_kwargs(spec, batch: list[tuple[list[int], list[int], tuple[bytes, ...]]], cache: dict) -> dict:
+    """`pixel_values` / `image_grid_thw` of a batch's images in row order (each image preprocessed once)."""
+    import torch
+
+    from rlstream.common.images import image_sha256
+    from rlstream.common.vision import image_inputs
+
+    images = []
+    for _, _, row_images in batch:
+        for data in row_images:
+            sha = image_sha256(data)
+            if sha not in cache:
+                cache[sha] = image_inputs(spec, data)
+            images.append(cache[sha])
+    if not images:
+        return {}
+    return {"pixel_values": torch.cat([im.pixel_values for im in images]),
+            "image_grid_thw": torch.stack([im.grid for im in images])}
 
 
 def sft(cfg: Config) -> dict | None:
     """Entry of `rlstream sft --config X`; returns the marker written (None when skipped)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+    from rlstream.common.vision import actor_vision
 
     from rlstream.launcher.demo import prepare
     from rlstream.trainer.model import disable_dropout
@@ -122,7 +148,9 @@ def sft(cfg: Config) -> dict | None:
     torch.manual_seed(cfg.seed)
     rng = random.Random(cfg.seed)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer)
-    model = AutoModelForCausalLM.from_pretrained(model_path, **dtype_kwargs(torch.float32))
+    vision = actor_vision(cfg)
+    model_class = AutoModelForCausalLM if vision is None else AutoModelForImageTextToText
+    model = model_class.from_pretrained(model_path, **dtype_kwargs(torch.float32))
     if cfg.actor.disable_dropout:
         disable_dropout(model)
     if cfg.actor.gradient_checkpointing:
@@ -135,18 +163,20 @@ def sft(cfg: Config) -> dict | None:
     t0 = time.monotonic()
     last = t0
     loss_val = float("nan")
+    preprocessed: dict = {}
     for step in range(1, steps + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(lc.sft_batch_size)]
-        width = max(len(seq) for seq, _ in batch)
+        width = max(len(seq) for seq, _, _ in batch)
         ids = torch.full((len(batch), width), pad, dtype=torch.long)
         labels = torch.full((len(batch), width), -100, dtype=torch.long)
         attn = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, (seq, mask) in enumerate(batch):
+        for r, (seq, mask, _) in enumerate(batch):
             t = torch.tensor(seq)
             ids[r, : len(seq)] = t
             labels[r, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)  # model turns only
             attn[r, : len(seq)] = 1
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        extra = _image_kwargs(vision, batch, preprocessed) if vision is not None else {}
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels, **extra).loss
         stepper.step(loss)
         loss_val = float(loss.item())
         if time.monotonic() - last > 5 or step == steps:

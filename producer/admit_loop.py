@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Mapping
 
 from rlstream.api.workflow import GroupFailed
 from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEARTBEAT_SECS, StaleDrop
@@ -110,8 +110,10 @@ class AdmitLoop:
     def __init__(self, *, admission: Any, versions: Any, run_rollout: Callable[[Any], Awaitable[Any]],
                  next_item: Callable[[], Awaitable[Any]], producer_id: str, settings: LoopSettings,
                  clock: Clock | None = None, on_engine_event: Callable[[str, bool], None] | None = None,
-                 on_rollout_timing: Callable[[RolloutTiming], None] | None = None) -> None:
+                 on_rollout_timing: Callable[[RolloutTiming], None] | None = None,
+                 images: Mapping[str, bytes] | None = None) -> None:
         self.admission, self.versions = admission, versions
+        self.images = images if images is not None else {}  # sha256 -> bytes of the images groups may reference
         self.run_rollout, self.next_item = run_rollout, next_item
         self.producer_id, self.settings = producer_id, settings
         self.clock = clock or Clock()
@@ -405,7 +407,7 @@ class AdmitLoop:
             if self.admission.too_stale(min_version, read_version):
                 return await self._drop_too_stale(lease_id, min_version, read_version)
             with span("rollout/commit"):
-                entry_id = await self.admission.commit(lease_id, entry_fields(group))
+                entry_id = await self.admission.commit(lease_id, entry_fields(group, images=self._group_images(group)))
             session_update(outcome="committed", entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
             self.accepted += 1
             return True
@@ -413,6 +415,16 @@ class AdmitLoop:
         session_update(outcome="rejected", reason="producer.dynamic_sampling: every reward of the group is equal")
         await self.admission.release(lease_id)
         return False
+
+    def _group_images(self, group: TrajectoryGroup) -> dict[str, bytes] | None:
+        """The bytes of the group's images, which its commit stores once under their hash (broker/images.py)."""
+        if not group.images:
+            return None
+        missing = [r.sha256[:12] for r in group.images if r.sha256 not in self.images]
+        if missing:
+            raise ValueError(f"the group of prompt {group.prompt_id} references images {missing} that are not "
+                             "its dataset's (a group's images are its prompt's)")
+        return {r.sha256: self.images[r.sha256] for r in group.images}
 
     # ------------------------------------------------------------------ the loop
     async def _wait_wake(self, timeout: float) -> None:

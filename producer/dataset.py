@@ -10,6 +10,11 @@ holds a list of chat messages) and drops prompts longer than `max_prompt_len`. W
 the same rows in every process for the same (task, config, seed, size). With `source: verifiers` they are
 the dataset of the verifiers environment `task` (producer/verifiers_env.py).
 
+Images (a vision-language `actor.path`, docs/multimodal.md): a row's `image_key` column and the image parts of
+its chat messages become the item's `images` (checked, encoded bytes) and the prompt's image tokens, through the
+chat template and the model's image processor (`common.images.message_images`, `common.vision.image_prompt_ids`).
+A row whose image is missing or does not decode is skipped with one line naming it.
+
 Order: epoch e visits the rows in a permutation seeded by `(seed, e)`, identical in
 every producer process. `DatasetCursor` hands out positions of that global order from
 one Redis counter (`cursor` field of `{ns}:producers`), so several producers share one
@@ -36,6 +41,7 @@ from rlstream.broker.keys import Keys
 from rlstream.broker.producers import AsyncProducerRecords, ProducerState
 from rlstream.common.config import ConfigError, DatasetConfig
 from rlstream.common.hub_datasets import is_hub_name, load_hub_split
+from rlstream.common.images import image_sha256, is_image_part, message_images
 from rlstream.common.logging import get_logger
 
 __all__ = ["DatasetError", "DatasetItem", "PromptDataset", "DatasetCursor"]
@@ -61,6 +67,7 @@ class DatasetItem:
     answer: Any
     input_ids: list[int]
     row: dict[str, Any]  # the whole row, for user workflows
+    images: tuple[bytes, ...] = ()  # the prompt's images (encoded bytes), in the order of their tokens
 
 
 def _files(path: Path, kind: str) -> list[str]:
@@ -86,9 +93,12 @@ class PromptDataset:
     """Prompt/answer rows (local files or generated), tokenized once at start-up."""
 
     def __init__(self, cfg: DatasetConfig, tokenizer: Any, *, seed: int = 1, key: str = "train_dataset",
-                 max_total_tokens: int | None = None) -> None:
+                 max_total_tokens: int | None = None, vision: Any = None) -> None:
         self.cfg = cfg
         self.seed = seed
+        self.vision = vision  # common.vision.VisionSpec of a vision-language model; None: text only
+        local = Path(os.path.expanduser(cfg.path)) if cfg.source == "files" and cfg.path else None
+        self._image_dir = (local.parent if local.is_file() else local) if local is not None else None
         if cfg.source == "reasoning_gym":
             rows, where = self._generated(cfg, key), f"reasoning-gym task {cfg.task!r}"
         elif cfg.source == "verifiers":
@@ -96,22 +106,36 @@ class PromptDataset:
         else:
             rows, where = self._read(cfg, key), repr(cfg.path)
         self.items: list[tuple[int, str, Any, list[int], dict[str, Any]]] = []
+        self.images: list[tuple[bytes, ...]] = []  # per item, its prompt's images
+        self.image_bytes: dict[str, bytes] = {}  # sha256 -> bytes of every image of the dataset (for commits)
         # gconfig.max_tokens bounds prompt + output: a prompt of that length leaves no token to generate.
         limits = [n for n in (cfg.max_prompt_len, max_total_tokens - 1 if max_total_tokens else None) if n is not None]
         limit = min(limits) if limits else None
-        dropped = 0
+        dropped = bad = 0
         for i, row in enumerate(rows):
-            prompt_val = row[cfg.prompt_key]
-            text, ids = self._tokenize(tokenizer, prompt_val, i, key)
+            try:
+                text, ids, images = self._prompt(tokenizer, row, i, key)
+            except DatasetError:
+                raise
+            except ValueError as exc:  # an image missing or undecodable: this row goes, the run does not
+                bad += 1
+                if bad <= 20:
+                    log.warning("%s (row skipped)", exc)
+                continue
             if limit is not None and len(ids) > limit:
                 dropped += 1
                 continue
             self.items.append((i, text, row.get(cfg.answer_key) if self.has_answer else None, ids, row))
+            self.images.append(images)
+            self.image_bytes.update((image_sha256(b), b) for b in images)
         if dropped:
             log.info("dropped %d of %d prompts longer than %d tokens (%s.max_prompt_len=%s, gconfig.max_tokens=%s)",
                      dropped, len(rows), limit, key, cfg.max_prompt_len, max_total_tokens)
+        if bad:
+            log.warning("%s: skipped %d of %d rows with unusable images", key, bad, len(rows))
         if not self.items:
-            raise DatasetError(f"{key}: {where}: no usable prompts ({len(rows)} rows, {dropped} too long)")
+            raise DatasetError(f"{key}: {where}: no usable prompts ({len(rows)} rows, {dropped} too long, "
+                               f"{bad} with unusable images)")
         self._perms: dict[int, np.ndarray] = {}
 
     def _generated(self, cfg: DatasetConfig, key: str) -> list[dict[str, Any]]:
@@ -185,6 +209,33 @@ class PromptDataset:
         except Exception as exc:  # noqa: BLE001 - any parse failure is one line naming the file
             raise DatasetError(f"{key}.path={cfg.path!r}: cannot read as {kind}: {str(exc).splitlines()[0]}") from None
 
+    def _prompt(self, tokenizer: Any, row: dict[str, Any], i: int, key: str) -> tuple[str, list[int], tuple[bytes, ...]]:
+        """(text, ids, images) of one row; ValueError naming the row for an unusable image."""
+        value = row[self.cfg.prompt_key]
+        raw = row.get(self.cfg.image_key)
+        raw = [] if raw is None else list(raw) if isinstance(raw, (list, tuple)) else [raw]
+        is_chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
+        if not raw and not (is_chat and _has_image_parts(value)):
+            return (*self._tokenize(tokenizer, value, i, key), ())
+        if self.vision is None:
+            raise DatasetError(f"{key}: row {i} has images, but the model is text-only (actor.path has no "
+                               f"vision_config); use a vision-language model or point {key}.image_key elsewhere")
+        messages = value if is_chat else [{"role": "user", "content": str(value)}]
+        where = f"{key} row {i}"
+        messages, images = message_images(messages, [self._local_path(v) for v in raw], where)
+        from rlstream.common.vision import image_prompt_ids
+
+        text, ids = image_prompt_ids(tokenizer, self.vision, messages, images, where)
+        return text, ids, tuple(images)
+
+    def _local_path(self, value: Any) -> Any:
+        """A relative image path read from the dataset's folder when it is there (else as given)."""
+        if isinstance(value, str) and self._image_dir is not None and not os.path.isabs(value):
+            there = self._image_dir / value
+            if there.exists():
+                return str(there)
+        return value
+
     def _tokenize(self, tokenizer: Any, value: Any, i: int, key: str) -> tuple[str, list[int]]:
         is_chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
         if self.cfg.apply_chat_template or is_chat:
@@ -219,7 +270,11 @@ class PromptDataset:
         idx = int(self.order(epoch)[offset])
         i, text, answer, ids, row = self.items[idx]
         return DatasetItem(index=i, epoch=epoch, position=position, prompt_id=f"{i}", prompt=text,
-                           answer=answer, input_ids=list(ids), row=row)
+                           answer=answer, input_ids=list(ids), row=row, images=self.images[idx])
+
+
+def _has_image_parts(messages: list[dict[str, Any]]) -> bool:
+    return any(is_image_part(p) for m in messages if isinstance(m.get("content"), list) for p in m["content"])
 
 
 class DatasetCursor:

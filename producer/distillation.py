@@ -80,7 +80,7 @@ class DistillationStage:
             lp = combine_teachers([np.asarray(per[i], dtype=np.float32) for per in per_teacher], self.weights)
             lp[t.versions_np[t.prompt_len:] < 0] = 0.0  # observations: not sampled by the student
             t.teacher_logprobs = lp.tobytes()
-        group.schema_version = TEACHER_SCHEMA_VERSION
+        group.schema_version = max(group.schema_version, TEACHER_SCHEMA_VERSION)  # a group with images stays at 4
         group.metadata = {**group.metadata, "teacher_latency": time.monotonic() - t0}
         return group
 

@@ -56,7 +56,8 @@ class Evaluator:
         self.g = eval_gconfig(cfg)
         n = len(dataset) if self.ev.max_prompts is None else min(self.ev.max_prompts, len(dataset))
         # (prompt text, answer, prompt ids) of the first n rows in file order: the same prompts every time
-        self.items = [(text, answer, ids) for _i, text, answer, ids, _row in dataset.items[:n]]
+        self.items = [(text, answer, ids, images) for (_i, text, answer, ids, _row), images
+                      in zip(dataset.items[:n], dataset.images[:n])]
         self.tokenizer = tokenizer
         self.engine = engine
         self.reward = reward
@@ -125,9 +126,9 @@ class Evaluator:
         sem = asyncio.Semaphore(self.ev.concurrency)
         g = self.g
 
-        async def one(item: tuple[str, Any, list[int]]) -> tuple[list[float], int, int]:
-            prompt, answer, prompt_ids = item
-            req = ModelRequest.from_gconfig(prompt_ids, g)
+        async def one(item: tuple[str, Any, list[int], tuple[bytes, ...]]) -> tuple[list[float], int, int]:
+            prompt, answer, prompt_ids, images = item
+            req = ModelRequest.from_gconfig(prompt_ids, g, images=list(images) or None)
             req.stop_token_ids = sorted(set(self.stop_ids) | set(g.stop_token_ids))
             rewards, tokens, off = [], 0, 0
             for _ in range(g.n_samples):

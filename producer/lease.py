@@ -78,11 +78,12 @@ class EpisodeLease:
         with contextlib.suppress(asyncio.CancelledError):
             await self._renew
 
-    async def commit(self, group: TrajectoryGroup) -> None:
-        """Validate and write the group to the stream, dropping the lease (atomically)."""
+    async def commit(self, group: TrajectoryGroup, images: dict[str, bytes] | None = None) -> None:
+        """Validate and write the group to the stream (with `images`, {sha256: bytes} of `group.images`, stored once
+        under their hash), dropping the lease (atomically)."""
         validate_group(group)
         await self._stop_renewing()
-        await self.admission.commit(self.lease_id, entry_fields(group))
+        await self.admission.commit(self.lease_id, entry_fields(group, images=images))
         self.done = True
 
     async def release(self) -> None:

@@ -25,6 +25,7 @@ from rlstream.broker.connection import BrokerError
 from rlstream.common.config import Config
 from rlstream.common.logging import get_logger
 from rlstream.common.name_resolve import NameResolveError
+from rlstream.common.vision import actor_vision
 from rlstream.producer.admit_loop import AdmitLoop, LoopSettings, RolloutTiming, should_accept
 
 __all__ = ["produce", "Producer", "should_accept"]
@@ -79,8 +80,9 @@ class Producer:
         except Exception as exc:  # noqa: BLE001 - one line naming the path
             raise ValueError(f"cannot load the tokenizer from {cfg.tokenizer!r} (tokenizer_path/actor.path): "
                              f"{str(exc).splitlines()[0]}") from None
+        self.vision = actor_vision(cfg)  # None: a text-only model
         self.dataset = PromptDataset(cfg.train_dataset, self.tokenizer, seed=cfg.seed,
-                                     max_total_tokens=cfg.gconfig.max_tokens)
+                                     max_total_tokens=cfg.gconfig.max_tokens, vision=self.vision)
         self.cursor = DatasetCursor(self.client, self.keys, self.dataset, epochs=cfg.data_epochs,
                                     producer_id=self.producer_id)
         await self.cursor.load_state()
@@ -107,7 +109,8 @@ class Producer:
         self.loop = AdmitLoop(admission=self.admission, versions=self.versions, producer_id=self.producer_id,
                               run_rollout=self._run_rollout,
                               next_item=self.cursor.next, settings=LoopSettings.from_config(cfg),
-                              on_engine_event=self.pool.set_behind, on_rollout_timing=self._on_rollout_timing)
+                              on_engine_event=self.pool.set_behind, on_rollout_timing=self._on_rollout_timing,
+                              images=self.dataset.image_bytes)
         if self._early_stop is not None:
             self.loop.request_stop(*self._early_stop)
         # Run metadata in `{ns}:meta` (admission parameters) for inspect and a check against the trainer's.
@@ -130,7 +133,7 @@ class Producer:
 
         cfg = self.cfg
         valid = PromptDataset(cfg.valid_dataset, self.tokenizer, seed=cfg.seed, key="valid_dataset",
-                              max_total_tokens=cfg.gconfig.max_tokens)
+                              max_total_tokens=cfg.gconfig.max_tokens, vision=self.vision)
         return Evaluator(cfg, dataset=valid, tokenizer=self.tokenizer, engine=self.engine, reward=self.rewards,
                          versions=self.versions, evals=AsyncEvalLog(self.client, self.keys),
                          stop_ids=stop_token_ids(self.tokenizer, cfg.actor.path or None, cfg.gconfig.stop_token_ids),

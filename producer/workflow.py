@@ -31,6 +31,7 @@ from rlstream.api.reward import RewardResult
 from rlstream.api.workflow import Generation, Workflow
 from rlstream.common.config import Config
 from rlstream.common.engine_client import ModelRequest, ModelResponse
+from rlstream.common.images import IMAGE_SCHEMA_VERSION, ref_of
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import lane_span, now_us, session_request, span
 from rlstream.common.models import stop_token_ids
@@ -231,6 +232,13 @@ class RolloutEngine:
                 return
 
 
+def _image_fields(images: list[bytes] | None) -> dict[str, Any]:
+    """A group's `images` (and the schema that carries them) for its prompt's image bytes; nothing without."""
+    if not images:
+        return {}
+    return {"images": [ref_of(b) for b in images], "schema_version": IMAGE_SCHEMA_VERSION}
+
+
 def _truncate_at_eos(ids: list[int], eos: set[int]) -> list[int]:
     for i, t in enumerate(ids):
         if t in eos:
@@ -255,6 +263,7 @@ class RLVRWorkflow:
     def request(self, item: Any) -> ModelRequest:
         req = ModelRequest.from_gconfig(item.input_ids, self.gconfig)
         req.stop_token_ids = list(self.stop_ids)
+        req.images = list(getattr(item, "images", ())) or None
         return req
 
     async def arun_episode(self, engine: RolloutEngine, item: Any) -> TrajectoryGroup | None:
@@ -280,7 +289,8 @@ class RLVRWorkflow:
                                                 r.reward, g.finish_reason, meta))
         return TrajectoryGroup(group_id=uuid.uuid4().hex, prompt_id=str(item.prompt_id),
                                producer_id=self.producer_id, created_at=created, finished_at=time.time(),
-                               trajectories=trajs, metadata={"epoch": item.epoch, "position": item.position})
+                               trajectories=trajs, metadata={"epoch": item.epoch, "position": item.position},
+                               **_image_fields(req.images))
 
 
 def load_workflow(cfg: Config, tokenizer: Any, reward: Any, filter_reward: Any = None) -> Workflow:

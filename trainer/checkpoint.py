@@ -303,6 +303,9 @@ class Checkpointer:
         tok = self._tokenizer_obj()
         if tok is not None:
             tok.save_pretrained(tmp)
+        processor = Path(self.tokenizer_path or "") / "preprocessor_config.json"
+        if self.tokenizer_path and processor.is_file():  # a vision-language model's image processor goes with it
+            shutil.copy2(processor, tmp / processor.name)
         _fsync_tree(tmp)
         if final.exists():
             shutil.rmtree(final)

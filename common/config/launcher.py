@@ -16,11 +16,11 @@ __all__ = ["DemoTaskConfig", "RayConfig", "SlurmContainerConfig", "SlurmConfig",
 
 
 class DemoTaskConfig(Section):
-    task: Literal["none", "reverse", "word_problems", "tool_multiply"] = "none"
+    task: Literal["none", "reverse", "word_problems", "tool_multiply", "shape_colour"] = "none"
     """none; reverse: reverse a digit string (exact-match reward; data and tiny model generated locally); word_problems:
     one-step arithmetic word problems as one-shot chat prompts with \\boxed{} answers (math reward), for a real chat
     model; tool_multiply: multiply a 3-digit by a 2-digit number, with the calculator tool (multi-turn, tiny chat
-    model)."""
+    model); shape_colour: name the colour of a shape drawn with PIL (an image prompt, tiny vision-language model)."""
     tool_rate: Fraction = 0.15
     """tool_multiply: fraction of warm-start demonstrations that call the calculator (the others answer directly)."""
     digits: Annotated[int, Meta(ge=2, le=12)] = 4
@@ -30,7 +30,8 @@ class DemoTaskConfig(Section):
     n_valid: PositiveInt = 200
     """Held-out prompts generated (disjoint from training)."""
     sft_noise: Fraction = 0.7
-    """Fraction of warm-start demonstrations from an imperfect teacher that echoes the digits unreversed."""
+    """Fraction of warm-start demonstrations from an imperfect teacher: reverse echoes the digits unreversed,
+    shape_colour names the next colour of the palette instead of the shape's."""
     hidden_size: Annotated[int, Meta(ge=8)] = 64
     """Hidden size of the tiny model built for the demo."""
     num_layers: PositiveInt = 2

@@ -128,6 +128,11 @@ class DatasetConfig(Section):
     """Column with the prompt text."""
     answer_key: str = "answer"
     """Column with the reference answer."""
+    image_key: str = "images"
+    """Column with each row's images (a list, or one image): file paths (relative ones from the dataset's folder),
+    bytes, or HF datasets `Image` values. A chat prompt's bare `{"type": "image"}` parts take them in order; the
+    rest go before the first user message's text (a text prompt becomes that message). A missing column: no
+    images; chat messages may still carry their own (`image` / `image_url` parts). Needs a vision actor.path."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
     shuffle: bool = True

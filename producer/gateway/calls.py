@@ -26,6 +26,8 @@ from rlstream.common.engine_api import EngineError, EngineRequestError
 from rlstream.producer.agent import Episode
 from rlstream.producer.chat import ChatTemplate
 from rlstream.common.engine_client import ModelRequest
+from rlstream.common.images import message_images
+from rlstream.common.vision import actor_vision, expand_image_tokens, image_tokens
 from rlstream.producer.gateway.sessions import Branch, Session, SessionGroups
 from rlstream.producer.gateway.structured import Constraint, constraint_of_chat, response_constraint
 from rlstream.producer.gateway.structs import (ChatRequest, CompletionRequest, GenerationRequest, HttpError, Message,
@@ -53,6 +55,7 @@ class Gateway(SessionGroups):
 
         self.stop_ids = stop_token_ids(tokenizer, cfg.actor.path or None, cfg.gconfig.stop_token_ids)
         self._templates: dict[str, ChatTemplate] = {}
+        self.vision = actor_vision(cfg)  # None: a text-only model (image parts are refused)
 
     def template(self, tools: list[dict[str, Any]] | None) -> ChatTemplate:
         key = json.dumps(tools, sort_keys=True)
@@ -60,6 +63,25 @@ class Gateway(SessionGroups):
         if t is None:
             t = self._templates[key] = ChatTemplate(self.tokenizer, tools)
         return t
+
+    def _image_prompt(self, chat: ChatTemplate, history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],
+                                                                                         list[int], list[bytes]]:
+        """(messages with image placeholders, prompt ids, image bytes) of a conversation's first call. Images come
+        as OpenAI `image_url` parts with data: URLs only (nothing loads from the network): anything else is a 400."""
+        try:
+            history, images = message_images(history, [], "messages", allow_paths=False)
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
+        if images and self.vision is None:
+            raise HttpError(400, f"messages: image content parts, but actor.path={self.cfg.actor.path!r} is a "
+                                 "text-only model")
+        ids = chat.prompt(history)
+        if images:
+            try:
+                ids = expand_image_tokens(ids, self.vision, [image_tokens(self.vision, b) for b in images], "messages")
+            except ValueError as exc:
+                raise HttpError(400, str(exc)) from None
+        return history, ids, images
 
     def _request(self, ids: list[int], body: GenerationRequest, max_tokens: int | None,
                  constraint: Constraint) -> ModelRequest:
@@ -89,11 +111,12 @@ class Gateway(SessionGroups):
         return req
 
     async def _generate(self, s: Session, ids: list[int], body: GenerationRequest, max_tokens: int | None,
-                        constraint: Constraint) -> list[Any]:
+                        constraint: Constraint, images: list[bytes] | None = None) -> list[Any]:
         if not 1 <= body.n <= 16:
             raise HttpError(400, "n: expected 1 to 16")
         req = self._request(ids, body, max_tokens, constraint)
-        await self._join_group(s, ids)
+        req.images = list(images) if images else None
+        await self._join_group(s, ids, req.images)
         try:
             gens = await asyncio.gather(*(self.engine.agenerate(req) for _ in range(body.n)))
         except EngineRequestError as exc:
@@ -116,7 +139,8 @@ class Gateway(SessionGroups):
         return out
 
     def _record(self, s: Session, parent: Branch | None, prompt_ids: list[int], obs: list[int],
-                o_ids: list[int], o_lp: list[float], o_v: list[int], finish: str) -> Branch:
+                o_ids: list[int], o_lp: list[float], o_v: list[int], finish: str,
+                images: list[bytes] | None = None) -> Branch:
         if parent is None:
             ep = Episode(prompt_ids=list(prompt_ids))
         else:
@@ -128,7 +152,7 @@ class Gateway(SessionGroups):
         ep.add_turn(o_ids, o_lp, o_v)
         ep.finish_reason = finish if finish in ("stop", "length") else "stop"
         ep.metadata["calls"] = ep.n_turns
-        b = Branch(episode=ep, last_output=list(o_ids))
+        b = Branch(episode=ep, last_output=list(o_ids), images=images or None)
         s.branches.append(b)
         return b
 
@@ -145,11 +169,14 @@ class Gateway(SessionGroups):
             raise HttpError(400, "messages: the last message is the assistant's own answer; nothing to respond to")
         try:
             if parent is None:
-                history = [template_message(m) for m in body.messages]
-                prompt_ids = chat.prompt(history)
+                history, prompt_ids, images = self._image_prompt(chat, [template_message(m) for m in body.messages])
                 obs: list[int] = []
             else:
                 new = [template_message(m) for m in body.messages[len(parent.key or ()):]]
+                if any(isinstance(m["content"], list) for m in new):
+                    raise HttpError(400, "messages: image content parts are taken only in a conversation's first "
+                                         "call (a group's images are its prompt's); start a new session for new images")
+                images = parent.images or []
                 obs = chat.close_turn(parent.last_output) + chat.observation(parent.history or [], new)
                 history = (parent.history or []) + new
                 prompt_ids = parent.episode.ids + obs
@@ -157,7 +184,8 @@ class Gateway(SessionGroups):
             raise
         except Exception as exc:  # noqa: BLE001 - a message the template cannot render
             raise HttpError(400, f"messages: the chat template cannot render them: {type(exc).__name__}: {exc}") from None
-        outs = await self._generate(s, prompt_ids, body, body.max_completion_tokens or body.max_tokens, constraint)
+        outs = await self._generate(s, prompt_ids, body, body.max_completion_tokens or body.max_tokens, constraint,
+                                    images)
         choices, token_ids = [], []
         for i, (o_ids, o_lp, o_v, text, finish) in enumerate(outs):
             message: dict[str, Any] = {"role": "assistant", "content": text}
@@ -171,7 +199,7 @@ class Gateway(SessionGroups):
                     message = {"role": "assistant", "content": parsed.content or None, "tool_calls": calls}
                     if finish == "stop":
                         finish = "tool_calls"
-            b = self._record(s, parent, prompt_ids if parent is None else [], obs, o_ids, o_lp, o_v, finish)
+            b = self._record(s, parent, prompt_ids if parent is None else [], obs, o_ids, o_lp, o_v, finish, images)
             if parent is None:
                 b.episode.prompt_ids = list(prompt_ids)
             b.history = history + [{"role": "assistant", "content": text}]  # rendered as generated

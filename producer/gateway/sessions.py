@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 from rlstream.common.config import Config
+from rlstream.common.images import IMAGE_SCHEMA_VERSION, image_sha256, ref_of
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import current_session, sessions as session_tracer
 from rlstream.producer.agent import Episode, group_from_episodes
@@ -45,6 +46,7 @@ class Branch:
     key: list[tuple] | None = None  # chat: the messages as the agent will send them back
     text: str | None = None  # completions: the prompt text so far
     children: int = 0
+    images: list[bytes] | None = None  # the conversation's images (its first call's), sent with every call
 
 
 @dataclass
@@ -80,6 +82,7 @@ class Group:
     created_wall: float = field(default_factory=time.time)
     last_join: float = field(default_factory=time.monotonic)
     closed: bool = False
+    images: list[bytes] | None = None  # its prompt's images (every member's are the same)
 
     @property
     def open(self) -> bool:
@@ -156,15 +159,20 @@ class SessionGroups:
         return {**_summary(self.session(sid)), "status": "open"}
 
     # ------------------------------------------------------------------ groups and admission
-    async def _join_group(self, s: Session, prompt_ids: list[int]) -> Group:
+    async def _join_group(self, s: Session, prompt_ids: list[int], images: list[bytes] | None = None) -> Group:
         """The session's group (joined at its first call); waits for the group's lease."""
         if s.group is None:
+            shas = [image_sha256(b) for b in images or ()]  # two images of one size make the same prompt ids
             key = (f"group:{s.group_name}" if s.group_name is not None
-                   else "prompt:" + hashlib.sha1(json.dumps(prompt_ids).encode()).hexdigest()[:16])
+                   else "prompt:" + hashlib.sha1(json.dumps([prompt_ids, shas]).encode()).hexdigest()[:16])
             g = self.open_groups.get(key)
+            if g is not None and g.open and [image_sha256(b) for b in g.images or ()] != shas:
+                raise HttpError(400, f"group {s.group_name!r}: this session's images differ from the group's (a "
+                                     "group's sessions share one prompt's images)")
             if g is None or not g.open:
                 g = Group(key=key, size=s.group_size or self.group_size,
-                          prompt_id=s.group_name if s.group_name is not None else key.split(":", 1)[1])
+                          prompt_id=s.group_name if s.group_name is not None else key.split(":", 1)[1],
+                          images=list(images) if images else None)
                 g.lease_task = asyncio.create_task(EpisodeLease.acquire(
                     self.admission, timeout=self.gc.admission_timeout, wake=self._wake))
                 self.open_groups[key] = g
@@ -227,9 +235,11 @@ class SessionGroups:
                 episodes.append(b.episode)
         group = group_from_episodes(episodes, prompt_id=g.prompt_id, producer_id=self.producer_id,
                                     created_at=g.created_wall, metadata={"source": "gateway", "sessions": len(finished)})
+        if g.images:
+            group.images, group.schema_version = [ref_of(b) for b in g.images], IMAGE_SCHEMA_VERSION
         try:
             if should_accept(self.cfg, group):
-                await lease.commit(group)
+                await lease.commit(group, images={image_sha256(b): b for b in g.images or ()} or None)
                 self.stats["committed_groups"] += 1
                 status = "committed"
             else:

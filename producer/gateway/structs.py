@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+from rlstream.common.images import is_image_part
+
 __all__ = ["FunctionCallIn", "ToolCallIn", "Message", "GenerationRequest", "ChatRequest", "CompletionRequest",
            "SessionRequest", "RewardRequest", "HttpError", "message_key", "template_message"]
 
@@ -108,8 +110,12 @@ def message_key(m: Message) -> tuple:
 
 
 def template_message(m: Message) -> dict[str, Any]:
-    """A message as HF chat templates take it (tool-call arguments as objects)."""
-    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": _text(m.content)}
+    """A message as HF chat templates take it (tool-call arguments as objects; content with image parts stays a
+    list of parts, for `common.images.message_images`)."""
+    content: Any = _text(m.content)
+    if isinstance(m.content, list) and any(is_image_part(p) for p in m.content):
+        content = [p for p in m.content if is_image_part(p) or p.get("type") == "text"]
+    out: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": content}
     if m.name:
         out["name"] = m.name
     if m.tool_call_id:

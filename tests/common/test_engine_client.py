@@ -271,3 +271,18 @@ def test_gconfig_max_tokens_bounds_prompt_plus_output():
     assert ModelRequest.from_gconfig(list(range(8)), g).max_new_tokens == 12  # 20 - 8
     assert ModelRequest.from_gconfig(list(range(25)), g).max_new_tokens == 0
     assert ModelRequest.from_gconfig(list(range(8)), GenerationHyperparameters(max_new_tokens=16)).max_new_tokens == 16
+
+
+def test_images_go_as_sglang_image_data_and_vllm_refuses_them():
+    import base64
+
+    from rlstream.common.engine_api import EngineRequestError
+
+    images = [b"\x89PNG first", b"\x89PNG second"]
+    body = msgspec.json.decode(msgspec.json.encode(SGLangClient(None, "127.0.0.1:1", None).payload(
+        req(4, images=images))))
+    assert [base64.b64decode(s) for s in body["image_data"]] == images
+    assert "image_data" not in msgspec.json.decode(msgspec.json.encode(
+        SGLangClient(None, "127.0.0.1:1", None).payload(req(4))))
+    with pytest.raises(EngineRequestError, match=r"^rollout.backend=vllm: prompts with images are not sent"):
+        VLLMClient(None, "127.0.0.1:8000", "k").payload(req(4, images=images), "tiny")

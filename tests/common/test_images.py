@@ -114,3 +114,57 @@ def test_image_problem_checks_the_hash_and_the_decoding():
     assert "not to their reference" in image_problem(data[:-1] + b"\x00", image_sha256(data))
     truncated = data[:40]
     assert "does not decode" in image_problem(truncated, image_sha256(truncated))
+
+
+def _data_url(data: bytes) -> str:
+    import base64
+
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def test_message_images_takes_every_kind_of_part_in_order(tmp_path):
+    from rlstream.common.images import message_images
+
+    red, green, blue, grey = png("red"), png("green"), png("blue"), png("grey")
+    (tmp_path / "g.png").write_bytes(green)
+    messages = [{"role": "system", "content": "look"},
+                {"role": "user", "content": [
+                    {"type": "image_url", "image_url": {"url": _data_url(red)}},  # OpenAI
+                    {"type": "text", "text": "and"},
+                    {"type": "image", "image": str(tmp_path / "g.png")},  # HF, a path
+                    {"type": "image"},  # the row's next image
+                    {"type": "text", "text": "colours?", "image": None, "image_url": None}]}]  # HF datasets' nulls
+    out, images = message_images(messages, [blue, grey], "row 3")
+    # the row's unused image leads the first user message; the parts keep their order after it
+    assert images == [grey, red, green, blue]
+    assert out[0] == {"role": "system", "content": "look"}
+    assert [p["type"] for p in out[1]["content"]] == ["image", "image", "text", "image", "image", "text"]
+    assert messages[1]["content"][0]["type"] == "image_url"  # the caller's messages are not changed
+
+
+def test_message_images_names_the_part_of_a_bad_image(tmp_path):
+    from rlstream.common.images import message_images
+
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image", "image": b"not a png"}]}]
+    with pytest.raises(ValueError, match=r"^row 7 message 0 part 1: does not decode as an image"):
+        message_images(msgs, [], "row 7")
+    with pytest.raises(ValueError, match=r"row 7 message 0 part 0: an image part without an image"):
+        message_images([{"role": "user", "content": [{"type": "image"}]}], [], "row 7")
+    with pytest.raises(ValueError, match=r"row 7 image 0: cannot read image file"):
+        message_images([{"role": "user", "content": "x"}], [str(tmp_path / "missing.png")], "row 7")
+
+
+def test_data_urls_only_never_the_network():
+    from rlstream.common.images import data_url_bytes, message_images
+
+    assert data_url_bytes(_data_url(png()), "m") == png()
+    with pytest.raises(ValueError, match=r"^messages: image URL 'https://x/y.png' refused: .*never from the network"):
+        data_url_bytes("https://x/y.png", "messages")
+    with pytest.raises(ValueError, match="not a data:image"):
+        data_url_bytes("data:text/plain;base64,aGk=", "m")
+    with pytest.raises(ValueError, match="not valid base64"):
+        data_url_bytes("data:image/png;base64,@@@", "m")
+    # a local path is a dataset's privilege: the gateway (allow_paths=False) refuses it
+    part = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}]
+    with pytest.raises(ValueError, match="not a data:image"):
+        message_images(part, [], "messages", allow_paths=False)

@@ -41,3 +41,21 @@ def test_vision_folders_that_cannot_serve_are_named(tiny_vlm_path, tmp_path):
     (other / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"^actor.path=.*outside the supported Qwen2-VL family"):
         vision_spec(other)
+
+
+def test_image_prompt_ids_expand_each_image_through_the_chat_template(tiny_vlm_path, tiny_model_path):
+    from transformers import AutoTokenizer
+
+    from rlstream.common.config import load_config
+    from rlstream.common.vision import actor_vision, image_prompt_ids
+
+    spec = vision_spec(tiny_vlm_path)
+    tok = AutoTokenizer.from_pretrained(tiny_vlm_path)
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "hi"}, {"type": "image"}]}]
+    text, ids = image_prompt_ids(tok, spec, msgs, [shape_png(size=56), shape_png(size=112)], "row 0")
+    assert text == "u:<|vision_start|><|image_pad|><|vision_end|>hi<|vision_start|><|image_pad|><|vision_end|>\na:"
+    assert ids.count(spec.image_token_id) == 4 + 16
+    with pytest.raises(ValueError, match=r"^row 0: the prompt has 2 image placeholders for 1 images"):
+        image_prompt_ids(tok, spec, msgs, [shape_png()], "row 0")
+    assert actor_vision(load_config(None, [f"actor.path={tiny_vlm_path}"])) == spec
+    assert actor_vision(load_config(None, [f"actor.path={tiny_model_path}"])) is None

@@ -123,3 +123,13 @@ def test_generate_route_takes_sglang_image_data(vlm_engine, tiny_vlm_path):
     assert status == 200 and answer[0].output_ids == answer[1].output_ids  # the same image either way
     status, answer = asyncio.run(answer_generate(vlm_engine, GenerateRequest(input_ids=prompt, image_data=["/etc/hosts"])))
     assert status == 400 and "image_data[0][0] is not base64" in answer.text()
+
+
+def test_an_image_is_preprocessed_once_for_every_request_showing_it(vlm_engine, tiny_vlm_path):
+    images = [shape_png("green"), shape_png("yellow", "rectangle")]
+    prompt = vlm_prompt(tiny_vlm_path, images)
+    first = vlm_engine.vision.prepare(prompt, images)
+    again = vlm_engine.vision.prepare(prompt, list(reversed(images))[::-1])
+    assert [a.inputs is b.inputs for a, b in zip(first, again)] == [True, True]  # the n samples of a group
+    with pytest.raises(ValueError, match=r"^image_data\[1\] does not decode as an image"):
+        vlm_engine.vision.prepare(prompt, [images[0], b"not an image"])

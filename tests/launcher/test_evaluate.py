@@ -17,6 +17,8 @@ def test_question_of_a_chat_prompt_is_its_last_user_message():
                       {"role": "user", "content": "the question"}]}
     assert question_of(row, "prompt", "<templated text>") == "the question"
     assert question_of({"prompt": "12="}, "prompt", "12=") == "12="
+    assert question_of({"prompt": "colour?", "images": ["images/00001.png"]}, "prompt", "u:<|...|>") == \
+        "[images/00001.png] colour?"
     assert question_of({"prompt": [{"role": "system", "content": "s"}]}, "prompt", "text") == "text"
 
 

@@ -99,3 +99,23 @@ def test_staleness_counts_the_producers_drops_too(tmp_path):
     fig = plots._staleness(plt, [{"step": 1, "data/dropped_stale": 0.0}], tmp_path / "staleness.json")
     assert "dropped as stale: 1 groups (1 by producers, 0 by the trainer's reader)" in _labels(fig)
     plt.close(fig)
+
+
+def test_image_answers_draws_each_image_with_its_answers(tmp_path):
+    from PIL import Image
+
+    from rlstream.launcher.plots import image_answers
+    from tests.helpers import shape_png
+
+    before = [(shape_png("red"), "green", "red"), (shape_png("blue"), "blue", "blue")]
+    after = [(shape_png("red"), "red", "red"), (shape_png("blue"), "blue", "blue")]
+    path = image_answers(tmp_path / "plots" / "image_answers.png", before, after)
+    img = Image.open(path).convert("RGB")
+    assert img.size == (2 * 120, 112 + 48)  # one cell per image, the 56-pixel images drawn twice as large
+    assert img.getpixel((60, 56)) == (255, 0, 0) and img.getpixel((180, 56)) == (0, 0, 255)
+
+    def reddish(x0: int) -> int:  # text pixels drawn in red (anti-aliased), under one cell
+        return sum(1 for x in range(x0, x0 + 120) for y in range(112, 160)
+                   if (p := img.getpixel((x, y)))[0] > 120 and p[1] < 90 and p[2] < 90)
+
+    assert reddish(0) > 0 and reddish(120) == 0  # the wrong answer before RL is red, right ones are not

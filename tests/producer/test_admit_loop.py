@@ -112,10 +112,12 @@ def make_loop(aclient, keys):
         admission = AsyncAdmissionController(aclient, keys, max_head_offpolicyness=eta, consumer_batch_size=batch,
                                              max_concurrent_rollouts=max_concurrent, producer_id=PRODUCER)
         runner = Runner(admission)
+        images = settings.pop("images", None)
         loop = AdmitLoop(admission=admission, versions=AsyncVersionRegistry(aclient, keys), run_rollout=runner,
                          next_item=next_item or work(), producer_id=PRODUCER,
                          settings=LoopSettings(shutdown_timeout=WAIT_S, **settings), clock=Clock(),
-                         on_engine_event=lambda address, down: runner.engine_events.append((address, down)))
+                         on_engine_event=lambda address, down: runner.engine_events.append((address, down)),
+                         images=images)
         return loop, runner
 
     return make
@@ -392,3 +394,30 @@ async def test_on_rollout_timing_hears_each_rollout_start_and_settle_in_its_own_
     assert sorted(t.committed for _, t in settled) == [False, True, True] and rclient.xlen(keys.traj) == 2
     for _, t in settled:
         assert t.admission_s > 0 and t.finish_s > 0 and t.started < t.ended
+
+
+async def test_a_groups_images_are_committed_with_it_and_unknown_ones_are_not(make_loop, rclient, keys):
+    """The bytes of a group's images come from the loop's `images` (the dataset's, by hash) and are stored once under
+    their key with the entry; a group referencing an image the producer does not hold is abandoned, not committed."""
+    from rlstream.common.images import IMAGE_SCHEMA_VERSION, image_sha256, ref_of
+    from tests.helpers import shape_png
+
+    known, unknown = shape_png("red"), shape_png("blue")
+
+    def with_image(data):
+        def make():
+            g = varied_group()
+            g.images, g.schema_version = [ref_of(data)], IMAGE_SCHEMA_VERSION
+            return g
+        return make
+
+    loop, runner = make_loop(eta=0, batch=10, max_concurrent=10, images={image_sha256(known): known},
+                             next_item=work(with_image(known), with_image(unknown), with_image(known)))
+    runner.gate.set()
+    async with running(loop) as task:
+        await asyncio.wait_for(task, WAIT_S)
+    assert loop.accepted == 2 and loop.failed == 1
+    groups = committed_groups(rclient, keys)
+    assert [[r.sha256 for r in g.images] for g in groups] == [[image_sha256(known)]] * 2
+    assert rclient.get(keys.image(image_sha256(known))) == known  # one key for both groups
+    assert not rclient.exists(keys.image(image_sha256(unknown))) and rclient.zcard(keys.admit_running) == 0

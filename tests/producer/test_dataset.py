@@ -244,3 +244,72 @@ def test_gconfig_max_tokens_drops_prompts_that_leave_no_token(tmp_path, tokenize
     assert sorted(len(ds.at(i).input_ids) for i in range(len(ds))) == lens[:2]  # the longest leaves no token
     capped = PromptDataset(DatasetConfig(path=str(p), max_prompt_len=lens[0]), tokenizer, max_total_tokens=100)
     assert len(capped) == 1
+
+
+# ---------------------------------------------------------------------------- images (vision-language models)
+
+@pytest.fixture(scope="module")
+def vlm(tiny_vlm_path):
+    from transformers import AutoTokenizer
+
+    from rlstream.common.vision import vision_spec
+
+    return AutoTokenizer.from_pretrained(tiny_vlm_path, local_files_only=True), vision_spec(tiny_vlm_path)
+
+
+def test_rows_with_image_paths_bytes_and_chat_parts_become_prompts_with_images(tmp_path, vlm):
+    import base64
+
+    from rlstream.common.images import image_sha256
+    from tests.helpers import shape_png
+
+    tok, spec = vlm
+    red, blue = shape_png("red"), shape_png("blue", size=112)
+    (tmp_path / "img").mkdir()
+    (tmp_path / "img" / "red.png").write_bytes(red)
+    url = "data:image/png;base64," + base64.b64encode(blue).decode()
+    rows = [{"prompt": "colour?", "images": ["img/red.png"], "answer": "red"},  # a path, relative to the data
+            {"prompt": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                     {"type": "text", "text": "colour?"}]}], "answer": "blue"},
+            {"prompt": "colour?", "images": ["img/missing.png"], "answer": "x"},  # skipped, named
+            {"prompt": "plain", "answer": "none"}]  # a text row next to image rows
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = PromptDataset(DatasetConfig(path=str(p), shuffle=False), tok, vision=spec)
+    items = [ds.at(i) for i in range(len(ds))]
+    assert [it.index for it in items] == [0, 1, 3]
+    assert [it.images for it in items] == [(red,), (blue,), ()]
+    assert [it.input_ids.count(spec.image_token_id) for it in items] == [4, 16, 0]
+    assert items[0].prompt == "u:<|vision_start|><|image_pad|><|vision_end|>colour?\na:"
+    assert ds.image_bytes == {image_sha256(red): red, image_sha256(blue): blue}
+
+
+def test_hf_image_feature_rows_in_parquet(tmp_path, vlm):
+    import datasets
+
+    from tests.helpers import shape_png
+
+    tok, spec = vlm
+    feats = datasets.Features({"prompt": datasets.Value("string"), "answer": datasets.Value("string"),
+                               "images": datasets.Sequence(datasets.Image())})
+    ds_in = datasets.Dataset.from_dict({"prompt": ["which?", "which?"], "answer": ["red", "green"],
+                                        "images": [[{"bytes": shape_png("red"), "path": None}],
+                                                   [{"bytes": shape_png("green"), "path": None}]]}, features=feats)
+    ds_in.to_parquet(str(tmp_path / "d.parquet"))
+    ds = PromptDataset(DatasetConfig(path=str(tmp_path / "d.parquet"), shuffle=False), tok, vision=spec)
+    got = [ds.at(i) for i in range(2)]
+    from rlstream.common.images import open_image
+
+    # decoded by datasets into PIL images, saved again as PNG: the same pixels
+    assert [open_image(it.images[0]).getpixel((28, 28)) for it in got] == [(255, 0, 0), (0, 128, 0)]
+    assert all(it.input_ids.count(spec.image_token_id) == 4 for it in got)
+
+
+def test_image_rows_for_a_text_model_or_all_bad_are_one_line(tmp_path, vlm, tokenizer):
+    tok, spec = vlm
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"prompt": "c?", "images": ["nope.png"], "answer": "x"}) + "\n")
+    with pytest.raises(DatasetError, match=r"^train_dataset: row 0 has images, but the model is text-only"):
+        PromptDataset(DatasetConfig(path=str(p)), tokenizer)
+    with pytest.raises(DatasetError, match=r"no usable prompts \(1 rows, 0 too long, 1 with unusable images\)"):
+        PromptDataset(DatasetConfig(path=str(p)), tok, vision=spec)
