@@ -20,9 +20,7 @@
   routes, `VLLM_SERVER_DEV_MODE=1`); an aborted request ends with `finish_reason` "abort".
 
 Structured outputs (`ModelRequest.json_schema` / `regex` / `grammar`) go as SGLang's sampling_params
-`json_schema` / `regex` / `ebnf` and as vLLM's `structured_outputs` (`json` / `regex` / `grammar`).
-
-Every body sent and received is a struct of `common/engine_api.py` (`EngineClient.call`
+`json_schema` / `regex` / `ebnf` and as vLLM's `structured_outputs` (`json` / `regex` / `grammar`). Every body sent and received is a struct of `common/engine_api.py` (`EngineClient.call`
 takes a route and a struct); the trainer's weight broadcaster reaches the SGLang
 control and weight-update routes of every engine kind through `SGLangClient.call` too.
 
