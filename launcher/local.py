@@ -42,7 +42,7 @@ from rlstream.common.config import Config, ConfigError, config_to_dict, scoring_
 from rlstream.common.logging import get_logger
 from rlstream.launcher.procs import CHILD_ENV, Child, describe_exit, free_port, thread_env, trainer_threads, wait_for_port
 
-__all__ = ["run", "LocalRun", "RunFailed"]
+__all__ = ["run", "LocalRun", "RunFailed", "scoring_engine_specs"]
 
 log = get_logger(__name__)
 
@@ -106,6 +106,13 @@ def repair_torn_aof(data_dir: Path) -> str | None:
         raise RunFailed(f"redis-check-aof --fix {aof} failed (exit {done.returncode}): {done.stdout[-500:]}")
     cut = [line for line in done.stdout.splitlines() if line.startswith("This will shrink")]
     return cut[0] if cut and "Successfully truncated" in done.stdout else None
+
+
+def scoring_engine_specs(cfg: Config) -> list[tuple[str, list[str]]]:
+    """(name, `rlstream serve` arguments) of each scoring pool's engine a launcher starts: the local-backend pools
+    without fixed addresses (the others' engines are started elsewhere)."""
+    return [(f"{name}-{i}", ["--pool", name]) for name, pool in scoring_pools(cfg).items()
+            if pool.backend == "local" and not pool.addresses for i in range(pool.engines)]
 
 
 class LocalRun:
@@ -309,9 +316,7 @@ class LocalRun:
             _echo(f"engines: {', '.join(f'{c.name} {a}' for c, a in started)}")
 
     def scoring_engine_specs(self) -> list[tuple[str, list[str]]]:
-        """(name, `rlstream serve` arguments) of each scoring pool's engine the launcher starts."""
-        return [(f"{name}-{i}", ["--pool", name]) for name, pool in scoring_pools(self.cfg).items()
-                if pool.backend == "local" and not pool.addresses for i in range(pool.engines)]
+        return scoring_engine_specs(self.cfg)
 
     def start_scoring_engines(self) -> None:
         """The engines of each scoring pool (`rlstream serve --pool NAME`): never the policy, never pushed to."""

@@ -10,7 +10,8 @@ Placement (`cluster.n_nodes` nodes, `cluster.n_gpus_per_node` GPUs each):
   on GPUs (each pinned to its GPUs through CUDA_VISIBLE_DEVICES), or
   `launcher.n_engines` spread over them on CPU-only nodes;
 - Redis on the first node (AOF in `{run_dir}/redis`), unless `--redis URL` / `redis.url`
-  names an external one; producers are CPU-only tasks spread over the engine nodes.
+  names an external one; producers are CPU-only tasks spread over the engine nodes, and so
+  are the scoring pools' engines (`launcher/slurm_pools.py`: reward model, judge, teachers).
   That Redis listens on every interface behind a per-job random password (TLS only with
   `launcher.slurm.redis_tls_cert`/`redis_tls_key`); the password reaches the tasks in the
   0600 `slurm/config.yaml` and `slurm/redis.conf`, never on a command line or in the output.
@@ -47,6 +48,8 @@ from pathlib import Path
 
 from rlstream.common.config import Config, ConfigError, config_to_dict
 from rlstream.common.logging import get_logger
+from rlstream.launcher.local import scoring_engine_specs
+from rlstream.launcher.slurm_pools import absolute_paths, scoring_tasks
 from rlstream.launcher.slurm_site import check_container, check_partition, container_python, container_shell
 
 __all__ = ["launch", "plan", "render_script", "Placement", "redis_conf_text", "redis_server_command"]
@@ -273,6 +276,7 @@ def render_script(cfg: Config, pl: Placement, *, config_path: Path, redis_url: s
         out.append(_redis_own(cfg, pl, redis_conf, timeout))
     out.append(_PREPARE)
     out += _engine_tasks(cfg, pl, timeout)
+    out += scoring_tasks(cfg, pl.producer_nodes, cfg.launcher.slurm.engine_port + len(pl.engines), timeout)
     out += _trainer_task(pl)
     out += _producer_tasks(cfg, pl)
     out.append(f"\n# ---- tasks a lost node may take while the job goes on (launcher.slurm.node_loss=continue)\n"
@@ -306,6 +310,7 @@ def _header(cfg: Config, pl: Placement, config_path: Path) -> str:
     py = sc.python or container_python(cfg) or sys.executable
     summary = (f"{len(pl.engines)} {sc.engine} engine server(s), trainer on {len(pl.trainer_nodes)} node(s) x "
                f"{pl.trainer_procs_per_node} process(es), {lc.n_producers} producer(s), "
+               f"{len(scoring_engine_specs(cfg))} scoring engine(s), "
                + ("external Redis" if pl.redis_node is None else "Redis on the first node"))
     return _HEADER.format(sbatch="\n".join(sb), exp=cfg.experiment_name, trial=cfg.trial_name, summary=summary,
                           logs=_q(logs), setup="\n".join(sc.setup), py=_q(py), engine_py=_q(sc.engine_python or py),
@@ -340,7 +345,7 @@ def _engine_tasks(cfg: Config, pl: Placement, timeout: int) -> list[str]:
         out.append(f'task engine-{i} --nodes=1 --ntasks=1 --nodelist="${{NODES[{e.node}]}}" -- {env}'
                    f"{_engine_cmd(cfg, e.port)}")
         out.append(f'ENGINES+=("${{NODES[{e.node}]}}:{e.port}")')
-        watch.append(f'--watch "engine-{i}:${{PIDS[-1]}}"')
+        watch.append(f'--watch "engine-{i}:${{PIDS[-{len(pl.engines) - i}]}}"')  # its pid, counted from the end
     if pl.engines:
         out.append(f'here "$PY" -m rlstream.launcher.slurm wait-http "${{ENGINES[@]}}" --config "$CONFIG" '
                    f'--timeout {timeout} {" ".join(watch)} || fail "engines did not come up; see $LOGS/engine-*.log"')
@@ -473,11 +478,7 @@ def launch(cfg: Config, dry_run: bool = False, redis_url: str | None = None) -> 
               f"(recover.mode=auto)", file=sys.stderr)
     # Paths in the config become absolute: tasks may start in another directory.
     data = config_to_dict(cfg)
-    data["cluster"]["fileroot"] = str(Path(cfg.cluster.fileroot).resolve())
-    for sect, key in (("actor", "path"), ("train_dataset", "path"), ("valid_dataset", "path"),
-                      ("launcher", "sft_dataset"), ("ref", "path"), ("server", "model_path")):
-        if data.get(sect) and data[sect].get(key):
-            data[sect][key] = str(Path(data[sect][key]).resolve())
+    absolute_paths(data)
     if redis_conf is not None:
         password = cfg.redis.password or secrets.token_urlsafe(32)
         data["redis"]["password"] = password

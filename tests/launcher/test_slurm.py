@@ -53,9 +53,9 @@ def slurm_conf(tmp_path_factory):
         subprocess.run(["bash", str(CLUSTER), "stop", str(state)], capture_output=True, timeout=120)
 
 
-def _submit(tmp_path: Path, slurm_conf: str, *overrides: str) -> str:
+def _submit(tmp_path: Path, slurm_conf: str, *overrides: str, config: Path = CONFIG) -> str:
     env = {**os.environ, "SLURM_CONF": slurm_conf, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(CONFIG),
+    out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(config),
                           f"cluster.fileroot={tmp_path / 'runs'}", f"launcher.slurm.engine_port={free_port()}",
                           *SMALL, *overrides], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -162,6 +162,39 @@ def test_dry_run_multi_node_gpu_placement(tmp_path):
     assert script.count("rlstream.launcher.cli produce") == 3
     assert "task redis" not in script and "REDIS_URL=redis://redis.example:6379/0" in script
     assert "rollout.engine_addresses=$ENGINE_LIST" in script
+
+
+def test_dry_run_starts_each_local_scoring_pool_next_to_the_policy_engines(tmp_path):
+    """The reward model's two engines and no judge engine (its SGLang server is given by address): CPU-only
+    `rlstream serve --pool` steps on ports after the policy engines', waited for in name resolve before the trainer."""
+    out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config",
+                          str(ROOT / "configs" / "reward-model-cpu.yaml"), "--dry-run", f"cluster.fileroot={tmp_path}",
+                          "cluster.n_nodes=3", "launcher.slurm.trainer_nodes=1", "launcher.n_engines=2",
+                          "launcher.slurm.engine_port=31000", "reward_model.pool.engines=2",
+                          "judge.pool.backend=sglang", "judge.pool.addresses=[judge.example:30000]"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    script = out.stdout
+    assert subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True).returncode == 0
+    scorers = re.findall(r'task (reward_model-\d) --nodes=1 --ntasks=1 --nodelist="\$\{NODES\[(\d)\]\}" -- '
+                         r'env CUDA_VISIBLE_DEVICES= "\$PY" -m rlstream.launcher.cli serve --pool reward_model '
+                         r'--config "\$CONFIG" "redis.url=\$REDIS_URL" server.host=0.0.0.0 server.port=(\d+)', script)
+    assert scorers == [("reward_model-0", "1", "31002"), ("reward_model-1", "2", "31003")]
+    assert re.findall(r"task engine-\d .*server.port=(\d+)", script) == ["31000", "31000"]
+    assert "--pool judge" not in script and "judge-0" not in script  # started elsewhere: left as it is
+    wait = script.index("wait-pool \"$REDIS_URL\" reward_model=2 --config")
+    assert script.index("task reward_model-1") < wait < script.index("task trainer")
+    assert '--watch "reward_model-0:${PIDS[-2]}" --watch "reward_model-1:${PIDS[-1]}"' in script
+    assert "2 scoring engine(s)" in script
+    job_cfg = (tmp_path / "reward-model-cpu" / "run0" / "slurm" / "config.yaml").read_text()
+    assert f"model_path: {tmp_path / 'reward-model-cpu' / 'run0' / 'reward_model'}" in job_cfg  # absolute
+
+
+def test_a_scoring_pool_on_cuda_is_one_line(tmp_path):
+    out = _dry_run(tmp_path, "judge.pool.model_path=${actor.path}", "judge.pool.device=cuda")
+    assert out.returncode == 2
+    err = [ln for ln in out.stderr.splitlines() if ln.startswith("rlstream: error:")]
+    assert len(err) == 1 and "judge.pool.device=cuda" in err[0] and "allowed: cpu, auto" in err[0], out.stderr
 
 
 def test_impossible_placement_is_a_config_error(tmp_path):
