@@ -5,6 +5,7 @@ started by tests/launcher/slurm_cluster.sh on this machine, stopped by PID after
   leaves metrics and the final checkpoint;
 - a task that fails (a producer with a reward function that does not import) fails the
   whole job, and the job's output names the task;
+- a reward model trained by `rlstream rw` serves as a job step that the producer scores with;
 - `--dry-run` placement for a multi-node GPU layout (no cluster needed);
 - the job's own Redis: a real redis-server started with the generated command line
   refuses a client without the per-job password, which is never printed; TLS by config;
@@ -132,6 +133,31 @@ def test_slurm_failing_task_fails_the_job(tmp_path, slurm_conf):
     assert _wait_gone(run_dir) == []
 
 
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_slurm_job_trains_with_a_reward_model_pool(tmp_path, slurm_conf):
+    """A reward model trained by `rlstream rw`, then a job whose producer scores every sample on the pool's engine,
+    a job step of its own that the producer found by name resolve."""
+    config = ROOT / "configs" / "reward-model-cpu.yaml"
+    rw = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "rw", "--config", str(config),
+                         f"cluster.fileroot={tmp_path / 'runs'}", *SMALL, "rw.steps=20"], capture_output=True, text=True,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, timeout=300)
+    assert rw.returncode == 0, rw.stderr[-3000:]
+    job = _submit(tmp_path, slurm_conf, "total_train_steps=3", config=config)
+    state = _wait_job(job, slurm_conf)
+    run_dir = tmp_path / "runs" / "reward-model-cpu" / "run0"
+    out = (run_dir / "logs" / f"slurm-{job}.out").read_text()
+    assert state == "COMPLETED", out + "\n" + "\n".join(
+        f"== {p.name}\n{p.read_text()[-1500:]}" for p in (run_dir / "logs").glob("*.log"))
+    assert "started reward_model-0" in out and "trainer finished" in out
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # every trained sample was scored by the pool, and its reward is the score alone (rule_weight 0)
+    assert all(r["rm/score_mean"] == pytest.approx(r["reward/mean"], abs=1e-4) and r["rm/latency"] > 0 for r in rows)
+    assert "scoring engine (reward_model) listening on http://" in (run_dir / "logs" / "reward_model-0.log").read_text()
+    assert _wait_gone(run_dir) == []
+
+
 def test_dry_run_multi_node_gpu_placement(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(CONFIG),
                           "--dry-run", f"cluster.fileroot={tmp_path}", "cluster.n_nodes=4", "cluster.n_gpus_per_node=8",
@@ -162,39 +188,6 @@ def test_dry_run_multi_node_gpu_placement(tmp_path):
     assert script.count("rlstream.launcher.cli produce") == 3
     assert "task redis" not in script and "REDIS_URL=redis://redis.example:6379/0" in script
     assert "rollout.engine_addresses=$ENGINE_LIST" in script
-
-
-def test_dry_run_starts_each_local_scoring_pool_next_to_the_policy_engines(tmp_path):
-    """The reward model's two engines and no judge engine (its SGLang server is given by address): CPU-only
-    `rlstream serve --pool` steps on ports after the policy engines', waited for in name resolve before the trainer."""
-    out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config",
-                          str(ROOT / "configs" / "reward-model-cpu.yaml"), "--dry-run", f"cluster.fileroot={tmp_path}",
-                          "cluster.n_nodes=3", "launcher.slurm.trainer_nodes=1", "launcher.n_engines=2",
-                          "launcher.slurm.engine_port=31000", "reward_model.pool.engines=2",
-                          "judge.pool.backend=sglang", "judge.pool.addresses=[judge.example:30000]"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=60)
-    assert out.returncode == 0, out.stderr
-    script = out.stdout
-    assert subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True).returncode == 0
-    scorers = re.findall(r'task (reward_model-\d) --nodes=1 --ntasks=1 --nodelist="\$\{NODES\[(\d)\]\}" -- '
-                         r'env CUDA_VISIBLE_DEVICES= "\$PY" -m rlstream.launcher.cli serve --pool reward_model '
-                         r'--config "\$CONFIG" "redis.url=\$REDIS_URL" server.host=0.0.0.0 server.port=(\d+)', script)
-    assert scorers == [("reward_model-0", "1", "31002"), ("reward_model-1", "2", "31003")]
-    assert re.findall(r"task engine-\d .*server.port=(\d+)", script) == ["31000", "31000"]
-    assert "--pool judge" not in script and "judge-0" not in script  # started elsewhere: left as it is
-    wait = script.index("wait-pool \"$REDIS_URL\" reward_model=2 --config")
-    assert script.index("task reward_model-1") < wait < script.index("task trainer")
-    assert '--watch "reward_model-0:${PIDS[-2]}" --watch "reward_model-1:${PIDS[-1]}"' in script
-    assert "2 scoring engine(s)" in script
-    job_cfg = (tmp_path / "reward-model-cpu" / "run0" / "slurm" / "config.yaml").read_text()
-    assert f"model_path: {tmp_path / 'reward-model-cpu' / 'run0' / 'reward_model'}" in job_cfg  # absolute
-
-
-def test_a_scoring_pool_on_cuda_is_one_line(tmp_path):
-    out = _dry_run(tmp_path, "judge.pool.model_path=${actor.path}", "judge.pool.device=cuda")
-    assert out.returncode == 2
-    err = [ln for ln in out.stderr.splitlines() if ln.startswith("rlstream: error:")]
-    assert len(err) == 1 and "judge.pool.device=cuda" in err[0] and "allowed: cpu, auto" in err[0], out.stderr
 
 
 def test_impossible_placement_is_a_config_error(tmp_path):
