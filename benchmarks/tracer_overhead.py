@@ -4,6 +4,7 @@ on, alternated, and the cost of one span.
     python benchmarks/tracer_overhead.py              # 3 pairs of 12-step runs
     python benchmarks/tracer_overhead.py --pairs 1 --steps 4
     python benchmarks/tracer_overhead.py --otel       # "on" = OpenTelemetry export only, to a local receiver
+    python benchmarks/tracer_overhead.py --otel --sample-ratio 0.1   # ... exporting a tenth of the traces
 
 Each pair runs the same config twice, off then on (the order alternates between pairs so a machine that
 slows down during the benchmark does not favour one side), and compares the trainer's median `time/step`
@@ -12,7 +13,7 @@ left 200 000 times in this process, tracer off (the shared no-op) and on (buffer
 Writes benchmarks/results/tracer_overhead.json. With --otel the "on" side exports the spans over OTLP/HTTP
 (`perf_tracer.otlp_endpoint`, trace files off) to a receiver this script serves on 127.0.0.1 (it answers each
 export as a collector does, without decoding it), and the span cost is with the OTel SDK on;
-benchmarks/results/tracer_overhead_otel.json.
+benchmarks/results/tracer_overhead_otel.json (with --sample-ratio below 1: tracer_overhead_otel_sampled.json).
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def span_cost_ns(n: int = 200_000, otlp: str | None = None) -> dict[str, float]:
     return out
 
 
-def one_run(workdir: Path, steps: int, traced: bool, otlp: str | None = None) -> dict[str, float]:
-    on = [f"perf_tracer.otlp_endpoint={otlp}"] if otlp else TRACED
+def one_run(workdir: Path, steps: int, traced: bool, otlp: str | None = None, ratio: float = 1.0) -> dict[str, float]:
+    on = [f"perf_tracer.otlp_endpoint={otlp}", f"perf_tracer.otlp_sample_ratio={ratio}"] if otlp else TRACED
     args = [sys.executable, "-m", "rlstream.launcher.cli", "run", "--config", str(CONFIG),
             f"cluster.fileroot={workdir / 'runs'}", "launcher.demo.n_train=256", "launcher.demo.n_valid=8",
             "launcher.eval_n=0", "launcher.sft_steps=20", "stats_logger.tensorboard.enabled=false",
@@ -109,6 +110,7 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--otel", action="store_true", help="on = OpenTelemetry export (to a local receiver) only")
+    ap.add_argument("--sample-ratio", type=float, default=1.0, help="with --otel: perf_tracer.otlp_sample_ratio")
     a = ap.parse_args()
     otlp = serve_otlp() if a.otel else None
     pairs = []
@@ -117,7 +119,7 @@ def main() -> None:
         got = {}
         for traced in order:
             with tempfile.TemporaryDirectory() as d:
-                got["on" if traced else "off"] = one_run(Path(d), a.steps, traced, otlp)
+                got["on" if traced else "off"] = one_run(Path(d), a.steps, traced, otlp, a.sample_ratio)
         pairs.append(got)
         print(f"pair {k + 1}: step off {got['off']['step_s'] * 1e3:.1f} ms, on {got['on']['step_s'] * 1e3:.1f} ms; "
               f"wall off {got['off']['wall_s']:.1f} s, on {got['on']['wall_s']:.1f} s", flush=True)
@@ -126,7 +128,10 @@ def main() -> None:
     cost = span_cost_ns(otlp=otlp)
     result = {"pairs": pairs, "steps": a.steps, "step_ratio_median": step_ratio, "wall_ratio_median": wall_ratio,
               "span_ns": cost, "on": "otel export only" if otlp else "perf + session tracer files"}
-    out = RESULTS_OTEL if otlp else RESULTS
+    if otlp:
+        result["sample_ratio"] = a.sample_ratio
+    out = (RESULTS_OTEL if a.sample_ratio == 1.0 else RESULTS.with_name("tracer_overhead_otel_sampled.json")) if otlp \
+        else RESULTS
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"trainer step on/off median {step_ratio:.3f}x, run wall on/off {wall_ratio:.3f}x; one span "
           f"{cost['off']:.0f} ns off, {cost['on']:.0f} ns on; {out}")

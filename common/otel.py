@@ -27,6 +27,9 @@ log = get_logger(__name__)
 
 EXPORT_TIMEOUT_S = 5.0  # one export request (the SDK's default is 10 s, with retries inside it)
 RETRY_AFTER_S = 30.0  # after a failed export, batches are dropped for this long before the endpoint is tried again
+# The SDK's defaults (2048 queued, 512 a batch) overflow on span-dense runs; fewer, larger POSTs cost less CPU per span.
+MAX_QUEUE_SIZE = 16384
+MAX_EXPORT_BATCH_SIZE = 4096
 _SDK_LOGGERS = ("opentelemetry.exporter.otlp.proto.http.trace_exporter", "opentelemetry.exporter.otlp.common.http")
 
 
@@ -85,12 +88,13 @@ class _GuardedExporter:
 class OtelExport:
     """One process's OTel tracer provider and exporter. `start`/`end` bracket a span the perf tracer records."""
 
-    def __init__(self, endpoint: str, process: str, run: str) -> None:
+    def __init__(self, endpoint: str, process: str, run: str, sample_ratio: float = 1.0) -> None:
         from opentelemetry import context, trace
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 
         for name in _SDK_LOGGERS:  # _GuardedExporter says it once instead of a line per batch
             logging.getLogger(name).setLevel(logging.CRITICAL)
@@ -98,9 +102,11 @@ class OtelExport:
         self.endpoint = endpoint
         role = process.split("-", 1)[0]
         self.provider = TracerProvider(resource=Resource.create(
-            {"service.name": f"rlstream-{role}", "service.instance.id": process, "rlstream.run": run}))
+            {"service.name": f"rlstream-{role}", "service.instance.id": process, "rlstream.run": run}),
+            sampler=ParentBased(TraceIdRatioBased(sample_ratio)))  # a remote parent's sampled flag decides
         self.exporter = _GuardedExporter(OTLPSpanExporter(endpoint=endpoint, timeout=EXPORT_TIMEOUT_S), endpoint)
-        self.provider.add_span_processor(BatchSpanProcessor(self.exporter))
+        self.provider.add_span_processor(BatchSpanProcessor(self.exporter, max_queue_size=MAX_QUEUE_SIZE,
+                                                            max_export_batch_size=MAX_EXPORT_BATCH_SIZE))
         self.tracer = self.provider.get_tracer("rlstream")
         self._server = trace.SpanKind.SERVER
         self._closed = False
@@ -143,10 +149,10 @@ class OtelExport:
         t.join(EXPORT_TIMEOUT_S + 1.0)
 
 
-def make_export(endpoint: str, process: str, run: str) -> OtelExport | None:
+def make_export(endpoint: str, process: str, run: str, sample_ratio: float = 1.0) -> OtelExport | None:
     """The process's OTel export, or None (one warning line) when the `otel` extra is not installed."""
     try:
-        return OtelExport(endpoint, process, run)
+        return OtelExport(endpoint, process, run, sample_ratio)
     except ImportError as exc:
         log.warning("perf_tracer.otlp_endpoint is set but OpenTelemetry is not installed (%s; pip install "
                     "'rlstream[otel]'); spans are not exported, the run goes on", exc)

@@ -37,7 +37,7 @@ from typing import Any, Iterator
 from rlstream.common.logging import get_logger
 
 __all__ = ["PerfTracer", "SessionTracer", "configure", "configure_sessions", "tracer", "sessions", "span",
-           "lane_span", "root_span", "remote_span", "trace_headers", "trace_context", "now_us", "read_trace_file", "read_sessions", "current_session", "session_update",
+           "lane_span", "step_span", "root_span", "remote_span", "trace_headers", "trace_context", "now_us", "read_trace_file", "read_sessions", "current_session", "session_update",
            "session_request", "torch_profile", "close_all", "trace_folder", "LANE_BASE", "TRACE_SUFFIX"]
 
 log = get_logger(__name__)
@@ -59,9 +59,10 @@ class _Span:
     __slots__ = ("tracer", "name", "args", "new_lane", "tid", "t0", "token", "root", "parent", "otel")
 
     def __init__(self, tracer: PerfTracer, name: str, args: dict[str, Any], new_lane: bool, root: bool = False,
-                 parent: Any = None) -> None:
+                 parent: Any = None, export: bool = True) -> None:
         self.tracer, self.name, self.args, self.new_lane = tracer, name, args, new_lane
         self.root, self.parent = root, parent  # OTel only: start a trace / continue a remote one
+        self.otel = tracer.otel if export else None  # the export, then (entered) the OTel span's handle
 
     def set(self, **args: Any) -> None:
         """Add arguments known only once the span ran (tokens, outcome)."""
@@ -74,15 +75,15 @@ class _Span:
         else:
             self.tid = _lane.get() or threading.get_native_id()
         self.t0 = now_us()
-        if self.tracer.otel is not None:
-            self.otel = self.tracer.otel.start(self.name, self.t0, self.parent, self.root)
+        if self.otel is not None:
+            self.otel = self.otel.start(self.name, self.t0, self.parent, self.root)
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
         t1 = now_us()
         if exc_type is not None:
             self.args["error"] = exc_type.__name__
-        if self.tracer.otel is not None:
+        if self.otel is not None:
             self.tracer.otel.end(self.otel, t1, self.args, None if exc_type is None else exc_type.__name__)
         self.tracer.add({"name": self.name, "ph": "X", "ts": self.t0, "dur": t1 - self.t0, "pid": self.tracer.pid,
                          "tid": self.tid, "args": self.args})
@@ -145,10 +146,11 @@ class PerfTracer:
         return _Span(self, name, args, True)
 
     def complete(self, name: str, start_us: int, end_us: int, tid: int | None = None, parent: Any = None,
-                 **args: Any) -> None:
+                 export: bool = True, **args: Any) -> None:
         """A span that already ended (e.g. a request's wait in a queue, known when it leaves the queue); `parent`: the
-        OTel context it belongs under (`trace_context()` where the work began; None = the current one)."""
-        if self.otel is not None:
+        OTel context it belongs under (`trace_context()` where the work began; None = the current one); `export`
+        False: in the trace file only (see `step_span`)."""
+        if self.otel is not None and export:
             self.otel.complete(name, start_us, end_us, args, parent)
         self.add({"name": name, "ph": "X", "ts": start_us, "dur": max(0, end_us - start_us), "pid": self.pid,
                   "tid": tid if tid is not None else threading.get_native_id(), "args": args})
@@ -273,6 +275,13 @@ def lane_span(name: str, **args: Any) -> _Span | _NullSpan:
     return _tracer.lane_span(name, **args) if _tracer.enabled else _NULL_SPAN
 
 
+def step_span(name: str, **args: Any) -> _Span | _NullSpan:
+    """A span in the trace file that is not exported to OpenTelemetry: an engine's per-step spans (a prefill, a
+    decode step, an idle wait) come hundreds a second and serve many rollouts at once, so they belong to no rollout's
+    trace and would fill the SDK's queue (the file shows them; OTel keeps the request-level spans)."""
+    return _Span(_tracer, name, args, False, export=False) if _tracer.enabled else _NULL_SPAN
+
+
 def root_span(name: str, **args: Any) -> _Span | _NullSpan:
     """A lane span that, exported to OpenTelemetry, starts a trace of its own (a rollout) instead of joining the
     span it was started under (the admission loop's)."""
@@ -334,7 +343,8 @@ def configure(cfg: Any, role: str, name: str | None = None) -> PerfTracer | _Nul
     if pt.otlp_endpoint:
         from rlstream.common.otel import make_export
 
-        otel = make_export(pt.otlp_endpoint, label, f"{cfg.experiment_name}/{cfg.trial_name}")
+        otel = make_export(pt.otlp_endpoint, label, f"{cfg.experiment_name}/{cfg.trial_name}",
+                           pt.otlp_sample_ratio)
     path = None
     if pt.enabled:
         folder = trace_folder(cfg)

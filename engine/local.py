@@ -49,7 +49,7 @@ import torch
 
 from rlstream.common.engine_api import EngineError, FinishReason, GenerateResponse, MetaInfo, SamplingParams
 from rlstream.common.logging import get_logger
-from rlstream.common.tracing import now_us, span, trace_context, tracer
+from rlstream.common.tracing import now_us, step_span, trace_context, tracer
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
 from rlstream.common.vision import is_vision_config, vision_spec
 from rlstream.engine.grammar import Grammars, constraint_of
@@ -406,7 +406,7 @@ class LocalEngine:
                     waited = waited or "engine/admission_hold"
                     sched.cv.wait(hold)  # nothing runs: wait for more arrivals, at most until the hold ends
                 if waited and tr.enabled:
-                    tr.complete(waited, t_wait, now_us())
+                    tr.complete(waited, t_wait, now_us(), export=False)
                 if sched.stopping:
                     break
                 self._drop_cancelled()
@@ -433,10 +433,11 @@ class LocalEngine:
                     self._trace_queue(admit)
                     self._start_prefill(admit)
                 if self._pending:
-                    with span("engine/prefill", requests=len(self._pending[0].reqs), tokens=self._pending[0].tokens):
+                    head = self._pending[0]
+                    with step_span("engine/prefill", requests=len(head.reqs), tokens=head.tokens):
                         self._prefill_step()
                 if self._batch.rows:
-                    with span("engine/decode", rows=len(self._batch.rows)):
+                    with step_span("engine/decode", rows=len(self._batch.rows)):
                         self._decode_step()
         except Exception as exc:  # noqa: BLE001 - fail the batch, keep serving
             failing = set(self._batch.rows) | set(admit) | {r for p in self._pending for r in p.reqs}

@@ -22,7 +22,7 @@ from typing import Any
 
 from rlstream.common.logging import get_logger
 
-__all__ = ["Monitor", "Snapshot", "recent_rate", "stall_warning"]
+__all__ = ["AcceptedRate", "Monitor", "Snapshot", "recent_rate", "stall_warning"]
 
 log = get_logger(__name__)
 
@@ -45,6 +45,29 @@ def recent_rate(history: list[tuple[float, int]] | deque, window_s: float = RATE
         return (history[ups[-1]][1] - history[ups[-1] - 1][1]) / max(last - prev, t_now - last)
     t_old, c_old = history[start if len(ups) >= 2 else 0]
     return max(0, c_now - c_old) / (t_now - t_old) if t_now > t_old else 0.0
+
+
+class AcceptedRate:
+    """Samples/s and tokens/s accepted, recent (`recent_rate` of admission's accepted-groups count): what the console
+    line, the timeline plots and the web page show, so all three read one number."""
+
+    def __init__(self, n_samples: int) -> None:
+        self.n_samples = n_samples
+        self._history: deque[tuple[float, int]] = deque()  # (t, accepted groups)
+        self._tokens_per_group: float | None = None  # generated tokens per accepted group, recent
+
+    def update(self, now: float, info: dict[str, Any] | None, accepted: int) -> tuple[float, float]:
+        """Note one look (`info`: `broker.inspect.collect`'s result, None when Redis did not answer);
+        (samples/s, tokens/s)."""
+        if info is not None:
+            thr = info["throughput"]
+            if thr["producer_groups_per_s"] > 0:
+                self._tokens_per_group = thr["producer_tokens_per_s"] / thr["producer_groups_per_s"]
+        self._history.append((now, accepted))
+        while len(self._history) > 2 and now - self._history[1][0] >= RATE_HISTORY_S:
+            self._history.popleft()
+        groups_per_s = recent_rate(self._history)
+        return groups_per_s * self.n_samples, groups_per_s * (self._tokens_per_group or 0.0)
 
 
 @dataclass
@@ -96,8 +119,7 @@ class Monitor:
         self._last_metrics: dict[str, float] = {}
         self._last_eval: dict[str, float] = {}
         self._stale_sum, self._stale_n, self._stale_max = 0.0, 0, 0.0
-        self._history: deque[tuple[float, int]] = deque()  # (t, accepted groups)
-        self._tokens_per_group: float | None = None  # generated tokens per accepted group, recent
+        self.rate = AcceptedRate(n_samples)
         self.rows: list[dict[str, float]] = []
         self._warned = False
 
@@ -167,15 +189,7 @@ class Monitor:
             snap.scoring_engines = {name: sum(1 for e in es if e["alive"])
                                     for name, es in info.get("scoring_pools", {}).items()}
             snap.evaluating = self._evaluating()
-            thr = info["throughput"]
-            if thr["producer_groups_per_s"] > 0:
-                self._tokens_per_group = thr["producer_tokens_per_s"] / thr["producer_groups_per_s"]
-        self._history.append((now, snap.accepted))
-        while len(self._history) > 2 and now - self._history[1][0] >= RATE_HISTORY_S:
-            self._history.popleft()
-        groups_per_s = recent_rate(self._history)
-        snap.rollouts_per_s = groups_per_s * self.n_samples
-        snap.tokens_per_s = groups_per_s * (self._tokens_per_group or 0.0)
+        snap.rollouts_per_s, snap.tokens_per_s = self.rate.update(now, info, snap.accepted)
         if self.total_steps and len(self.rows) >= 2 and "ts" in self.rows[0]:
             # Pace from the trainer's own step timestamps (recent steps weigh in most).
             first, last = self.rows[max(0, len(self.rows) - 20)], self.rows[-1]

@@ -7,7 +7,8 @@ polls one JSON endpoint, `GET /api/state?metrics_from=N&history_from=M`, and kee
 - `history`: the server's own samples, one per `launcher.web.refresh_secs`, of what `rlstream
   inspect` reads from Redis (`broker.inspect.collect`: queue depth, admission running / accepted /
   capacity, versions, dropped, dead letters, producer tokens/s) and of each live engine's load (its
-  Prometheus `/metrics`: running and waiting requests, batch capacity, busy seconds, generated tokens);
+  Prometheus `/metrics`: running and waiting requests, batch capacity, busy seconds, generated tokens) and the
+  samples/s and tokens/s accepted, computed as the console line computes them (`launcher.live.AcceptedRate`);
 - `latest`: the newest full `collect` result (the page's number panel) and the head staleness of
   every trained group (`broker.inspect.trained_staleness`, refreshed every few samples).
 
@@ -32,6 +33,7 @@ from typing import Any
 from aiohttp import ClientSession, ClientTimeout, web
 
 from rlstream.common.logging import get_logger
+from rlstream.launcher.live import AcceptedRate
 
 __all__ = ["RunReader", "WebServer", "WebUnavailable", "build_app", "start_in_thread", "serve"]
 
@@ -50,7 +52,7 @@ class RunReader:
     """What the page shows of one run: metrics.jsonl rows and samples of Redis and the engines."""
 
     def __init__(self, client: Any, keys: Any, run_dir: Path, *, eta: int, batch: int, max_concurrent: int,
-                 title: str, engine_api_key: str | None = None) -> None:
+                 title: str, engine_api_key: str | None = None, n_samples: int = 1) -> None:
         self.client, self.keys, self.run_dir = client, keys, Path(run_dir)
         self.eta, self.batch, self.max_concurrent = eta, batch, max_concurrent
         self.title = title
@@ -61,6 +63,7 @@ class RunReader:
         self.latest: dict[str, Any] | None = None
         self.trained_staleness: dict[str, int] = {}
         self.error: str | None = None
+        self.rate = AcceptedRate(n_samples)
         self._pos = 0
         self._n = 0
         self._t0 = time.time()
@@ -107,6 +110,7 @@ class RunReader:
         alive = [e["address"] for e in info["engines"] if e["alive"]]
         loads = await asyncio.gather(*(engine_load(http, a, self.engine_api_key) for a in alive))
         adm, st = info["admission"], info["staleness"]
+        samples_per_s, tokens_per_s = self.rate.update(time.monotonic(), info, adm["accepted"])
         self.latest = info
         if len(self.history) == self.history.maxlen:
             self.dropped_from_history += 1
@@ -116,7 +120,7 @@ class RunReader:
             "queued": st["queued"], "running": adm["running"], "accepted": adm["accepted"],
             "capacity": adm["capacity"], "budget": adm["budget"], "rejected": adm["rejected"],
             "dropped": info["dropped"]["count"], "dead": info["dead_letters"]["count"],
-            "tokens_per_s": info["throughput"]["producer_tokens_per_s"],
+            "samples_per_s": round(samples_per_s, 4), "tokens_per_s": round(tokens_per_s, 2),
             "engines": {a: load for a, load in zip(alive, loads) if load is not None},
         })
 
@@ -238,7 +242,8 @@ class WebServer:
 def reader_for(cfg: Any, client: Any, keys: Any, run_dir: Path) -> RunReader:
     return RunReader(client, keys, run_dir, eta=cfg.rollout.max_head_offpolicyness,
                      batch=cfg.rollout.consumer_batch_size, max_concurrent=cfg.max_concurrent_rollouts,
-                     title=f"{cfg.experiment_name}/{cfg.trial_name}", engine_api_key=cfg.server.api_key)
+                     title=f"{cfg.experiment_name}/{cfg.trial_name}", engine_api_key=cfg.server.api_key,
+                     n_samples=cfg.gconfig.n_samples)
 
 
 def start_in_thread(cfg: Any, client: Any, keys: Any, run_dir: Path) -> WebServer | None:

@@ -40,5 +40,8 @@ class PerfTracerConfig(Section):
     spans through the OpenTelemetry SDK (the `otel` extra), also with `enabled` off (then without files); engine
     requests carry the W3C traceparent, so one rollout is one trace across producer and engine. None = no export.
     An endpoint that does not answer: one warning line per process, the run goes on."""
+    otlp_sample_ratio: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
+    """Share of traces exported to `otlp_endpoint` (OTel's parent-based trace-id ratio sampler): a rollout's trace
+    is kept or dropped whole, across producer and engine; each trainer step is a trace of its own. 1.0 = all."""
     session_tracer: SessionTracerConfig = msgspec.field(default_factory=SessionTracerConfig)
     """Per-rollout lifecycle records (sessions.jsonl)."""

@@ -50,7 +50,7 @@ function setup() {
     scales: { x: { time: false, range: (u, lo, hi) => [lo - 0.5, hi + 0.5] } } });
   chart("time", TIME_KEYS.map(([, label]) => ({ label })), { xlabel: "step", ylabel: "s", steps: true });
   chart("engines", [], { xlabel: "seconds", ylabel: "busy fraction" });
-  chart("throughput", [{ label: "tokens/s (producers)" }, { label: "samples/s accepted", scale: "rate" }],
+  chart("throughput", [{ label: "tokens/s accepted" }, { label: "samples/s accepted", scale: "rate" }],
     { xlabel: "seconds", ylabel: "tokens/s", scales: { rate: {} },
       axes: [{ scale: "rate", side: 1, label: "samples/s", grid: { show: false } }] });
 }
@@ -90,13 +90,9 @@ function engineData() {
 }
 
 function throughputData() {
+  // The server's rates (launcher/live.py AcceptedRate): the numbers the console line shows.
   const h = S.history;
-  const n = (S.latest && S.latest.meta && S.latest.meta.n_samples) || 1;
-  const rate = h.map((p, i) => {
-    const j = h.findIndex((q) => p.t - q.t <= 10);  // the samples of the last ~10 s
-    return i > j && p.t > h[j].t ? Math.max(0, p.accepted - h[j].accepted) * n / (p.t - h[j].t) : null;
-  });
-  return [h.map((p) => p.t), h.map((p) => p.tokens_per_s), rate];
+  return [h.map((p) => p.t), h.map((p) => p.tokens_per_s), h.map((p) => p.samples_per_s)];
 }
 
 function numbers(st) {
@@ -116,7 +112,11 @@ function numbers(st) {
       ["queued", L.staleness.queued], ["running", a.running], ["accepted", a.accepted],
       ["capacity", `${a.capacity} of ${a.max_concurrent_rollouts}`], ["rejected", a.rejected],
       ["dropped stale", L.dropped.count], ["dead letters", L.dead_letters.count],
-      ["engines", L.engines.filter((e) => e.alive).length], ["tokens/s", fmt(L.throughput.producer_tokens_per_s, 0)]);
+      ["engines", L.engines.filter((e) => e.alive).length]);
+  }
+  if (S.history.length) {
+    const h = S.history[S.history.length - 1];
+    cells.push(["samples/s", fmt(h.samples_per_s, 2)], ["tokens/s", fmt(h.tokens_per_s, 0)]);
   }
   if ("staleness/mean" in last) cells.push(["staleness (last step)", `${fmt(last["staleness/mean"], 2)} max ${fmt(last["staleness/max"], 0)}`]);
   el("numbers").innerHTML = "";

@@ -5,6 +5,8 @@ OTLP/HTTP receiver (tests/helpers.OtlpReceiver: aiohttp decoding the protobuf Ex
   tracer's timestamps and their nesting; a rollout (`root_span`) starts a trace of its own even when started under
   another span; `trace_headers` carries the current span as a W3C traceparent that `remote_span` continues, and a
   span recorded later on another thread (`complete(parent=trace_context())`) lands under the span it names;
+- an engine's per-step spans (`step_span`, `complete(export=False)`) go to the trace file only;
+- `perf_tracer.otlp_sample_ratio` keeps or drops a rollout's trace whole, the engine's side included;
 - an endpoint that refuses or never answers: one warning line, spans keep running, close returns.
   (Across real producer and engine processes: tests/e2e/test_tracing.py.)
 """
@@ -102,6 +104,41 @@ def test_with_files_on_the_same_spans_go_to_both(tmp_path):
     events = [e for e in tracing.read_trace_file(path) if e["ph"] == "X"]
     assert sorted((e["name"], e["ts"]) for e in events) == exported and len(exported) == 4
 
+
+
+def test_engine_step_spans_stay_in_the_file(tmp_path):
+    with OtlpReceiver() as rx:
+        cfg = _cfg(tmp_path, "perf_tracer.enabled=true", f"perf_tracer.otlp_endpoint={rx.endpoint}")
+        tr = tracing.configure(cfg, "engine")
+        with tracing.remote_span("engine/generate", {}):
+            pass
+        for rows in (1, 2):
+            with tracing.step_span("engine/decode", rows=rows):
+                pass
+        tr.complete("engine/idle", tracing.now_us(), tracing.now_us() + 5, export=False)
+        tracing.close_all()
+        exported = [s["name"] for s in rx.spans]
+    (path,) = (cfg.run_dir / "trace").glob("engine-*.trace.json")
+    in_file = sorted(e["name"] for e in tracing.read_trace_file(path) if e["ph"] == "X")
+    assert in_file == ["engine/decode", "engine/decode", "engine/generate", "engine/idle"]
+    assert exported == ["engine/generate"]
+
+
+def test_the_sample_ratio_keeps_or_drops_a_rollouts_trace_whole(tmp_path):
+    with OtlpReceiver() as rx:
+        cfg = _cfg(tmp_path, f"perf_tracer.otlp_endpoint={rx.endpoint}", "perf_tracer.otlp_sample_ratio=0.5")
+        tracing.configure(cfg, "producer", "p0")
+        for i in range(40):
+            with tracing.root_span("rollout", lease=f"L{i}"), tracing.span("engine_request/http"):
+                headers = tracing.trace_headers()
+            with tracing.remote_span("engine/generate", headers):  # the engine continues the sampling decision
+                pass
+        tracing.close_all()
+        by_trace: dict[str, list[str]] = {}
+        for sp in rx.spans:
+            by_trace.setdefault(sp["trace_id"], []).append(sp["name"])
+    assert 0 < len(by_trace) < 40  # some rollouts' traces kept, some dropped
+    assert all(sorted(names) == ["engine/generate", "engine_request/http", "rollout"] for names in by_trace.values())
 
 def _export_to_dead_endpoint(tmp_path: Path, endpoint: str) -> list[str]:
     cfg = _cfg(tmp_path, f"perf_tracer.otlp_endpoint={endpoint}")

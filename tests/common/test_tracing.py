@@ -185,7 +185,9 @@ def test_session_records_of_producer_and_trainer_join_by_group(tmp_path):
                                            ("perf_tracer.enabeld=true", "perf_tracer.enabeld"),
                                            ("perf_tracer.session_tracer.flush_threshold=-1",
                                             "perf_tracer.session_tracer.flush_threshold"),
-                                           ("perf_tracer.otlp_endpoint=localhost:4318", "perf_tracer.otlp_endpoint")])
+                                           ("perf_tracer.otlp_endpoint=localhost:4318", "perf_tracer.otlp_endpoint"),
+                                           ("perf_tracer.otlp_sample_ratio=0", "perf_tracer.otlp_sample_ratio"),
+                                           ("perf_tracer.otlp_sample_ratio=1.5", "perf_tracer.otlp_sample_ratio")])
 def test_bad_values_name_the_key(tmp_path, override, key):
     with pytest.raises(ConfigError) as err:
         _cfg(tmp_path, override)

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from rlstream.broker import TrajectoryStream, VersionRegistry
 from rlstream.broker.evals import EvalLog
-from rlstream.launcher.live import Monitor, Snapshot, line, recent_rate, render, stall_warning
+from rlstream.launcher.live import AcceptedRate, Monitor, Snapshot, line, recent_rate, render, stall_warning
 
 
 def _monitor(rclient, keys, run_dir, total_steps=10) -> Monitor:
@@ -93,6 +93,16 @@ def test_rates_of_rare_commits_spread_over_the_time_between_them():
     assert recent_rate(dense) == 1.0 and recent_rate(dense[:1]) == 0.0
     assert recent_rate([(0.0, 5), (20.0, 5)]) == 0.0  # nothing committed: 0
 
+
+
+def test_accepted_rate_is_samples_and_tokens_of_the_stretched_group_rate():
+    # 2 groups of 4 samples committed every 30 s, 400 tokens a group; looks once a second
+    rate = AcceptedRate(n_samples=4)
+    thr = {"throughput": {"producer_groups_per_s": 0.5, "producer_tokens_per_s": 200.0}}
+    for t in range(0, 46):
+        samples, tokens = rate.update(float(t), thr, 2 * (t >= 1) + 2 * (t >= 31))
+    assert samples == 4 * 2 / 30 and tokens == 400 * 2 / 30  # 14 s after the last commit: not 0
+    assert rate.update(46.0, None, 4)[0] == samples  # Redis did not answer: the count and tokens/group stay
 
 def test_the_stall_warning_names_an_evaluation_holding_the_engines(rclient, keys, tmp_path):
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 4, "ts": time.time() - 200, "eval/version": 3,

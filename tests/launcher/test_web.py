@@ -73,6 +73,28 @@ def test_state_hands_out_new_rows_and_samples_of_the_real_redis(tmp_path, rclien
     assert later["metrics"] == [] and len(later["history"]) == 1
 
 
+
+def test_samples_per_s_is_the_console_lines_rate_not_a_plain_window(tmp_path, rclient, keys):
+    from rlstream.launcher.live import AcceptedRate
+
+    reader = RunReader(rclient, keys, tmp_path, eta=1, batch=2, max_concurrent=4, title="t/0", n_samples=4)
+    console = AcceptedRate(n_samples=4)
+
+    async def samples():
+        async with aiohttp.ClientSession() as http:
+            for accepted in (0, 2, 2):  # a commit of 2 groups, then none
+                rclient.set(keys.admit_accepted, accepted)
+                await reader.sample(http)
+
+    asyncio.run(samples())
+    hist = reader.state(0, 0)["history"]
+    assert [h["accepted"] for h in hist] == [0, 2, 2]
+    # the same looks fed to the console line's rate give the same number (the page shows it, not its own)
+    for h in hist:
+        expect = console.update(h["ts"], {"throughput": {"producer_groups_per_s": 0.0}}, h["accepted"])[0]
+    assert hist[-1]["samples_per_s"] == pytest.approx(expect, rel=0.05) and expect > 0
+    assert hist[0]["samples_per_s"] == 0.0 and "tokens_per_s" in hist[-1]
+
 def test_a_redis_failure_is_shown_on_the_page_not_raised(tmp_path, redis_factory, keys):
     from rlstream.broker import connect
 
