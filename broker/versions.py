@@ -38,6 +38,7 @@ from rlstream.broker.connection import is_cluster_client, max_block_ms
 from rlstream.broker.keys import Keys
 from rlstream.broker.plan import Async, Call, Pipeline, Plan, Sleep, Sync, operation
 from rlstream.broker.steps import ReadTracker
+from rlstream.broker.stream import id_tuple
 from rlstream.common.logging import get_logger
 
 __all__ = ["Event", "VersionRegistry", "AsyncVersionRegistry", "decode_event", "RUN_RUNNING", "RUN_FINISHED"]
@@ -209,15 +210,15 @@ class Versions:
                 if key == self.keys.steps:
                     done = reads.seen(fields) if reads is not None else None
                     if done is not None:
-                        got.append((_id_order(eid), Event(type="read", version=done)))
+                        got.append((id_tuple(_text(eid)), Event(type="read", version=done)))
                     continue
                 if key == self.keys.admit_wake:
                     why, owners = fields.get(b"w", b""), fields.get(b"o", b"")
-                    got.append((_id_order(eid), Event(type="capacity", detail=_text(why),
+                    got.append((id_tuple(_text(eid)), Event(type="capacity", detail=_text(why),
                                                       owners=tuple(_text(owners).split()))))
                     continue
                 try:
-                    got.append((_id_order(eid), decode_event(fields[b"e"])))
+                    got.append((id_tuple(_text(eid)), decode_event(fields[b"e"])))
                 except (KeyError, msgspec.DecodeError):  # a foreign entry must not stop a follower
                     continue
         # One XREAD returns each stream's entries together; a follower wants them as they happened (a step's
@@ -236,12 +237,6 @@ class Versions:
         """The id of the newest step record ("0-0" when there is none)."""
         last = yield Call("xrevrange", self.keys.steps, count=1)
         return last[0][0] if last else b"0-0"
-
-
-def _id_order(entry_id: Any) -> tuple[int, int]:
-    """A stream entry id as (ms, seq), for ordering entries of several streams."""
-    ms, _, seq = _text(entry_id).partition("-")
-    return int(ms), int(seq or 0)
 
 
 class VersionRegistry(Versions, Sync):
