@@ -47,7 +47,6 @@ __all__ = ["run", "LocalRun", "RunFailed", "scoring_engine_specs"]
 log = get_logger(__name__)
 
 STALL_WARN_S = 120.0  # no new train step for this long: warn once
-DATA_OUT_S = 30.0  # every producer finished and no new step for this long: no data is coming, stop early
 TRAINER_STOP_S = 120.0  # a stopping trainer's time to finish its step and save `final`
 
 
@@ -374,15 +373,16 @@ class LocalRun:
                 self._fail(self.trainer)
         if not starting and self.producers and all(c.poll() == 0 for c in self.producers):
             # Every producer finished its data (epochs handed out, producer.max_groups); the trainer
-            # may still drain the queue, but once no step came for DATA_OUT_S no more data is coming.
+            # may still drain the queue, but once no step came for launcher.data_out_timeout no more data is coming.
             step = self._trained_steps()
             if step != getattr(self, "_last_seen_step", None):
                 self._last_seen_step, self._step_seen_at = step, time.monotonic()
-            if time.monotonic() - self._step_seen_at > DATA_OUT_S:
+            wait = self.cfg.launcher.data_out_timeout
+            if time.monotonic() - self._step_seen_at > wait:
                 pc = self.cfg.producer
                 why = (f"producer.max_groups={pc.max_groups} reached" if pc.max_groups is not None else
                        f"total_train_epochs={self.cfg.data_epochs} handed out; groups rejected or failed cost data too")
-                raise RunFailed(f"every producer finished its data ({why}) and no step came for {DATA_OUT_S:.0f}s: "
+                raise RunFailed(f"every producer finished its data ({why}) and no step came for {wait:.0f}s: "
                                 f"the data ran out at step {step} of {self.budget.total_steps}")
         return False
 
@@ -479,7 +479,8 @@ class LocalRun:
                               f"as checkpoints/final")
             for c in group:
                 # SIGTERM: a trainer finishes its step and writes `final` (TRAINER_STOP_S to do so).
-                c.stop(TRAINER_STOP_S if c.role == "trainer" else timeout)
+                # A failed run's producers release their leases at once: their rollouts would not be trained.
+                c.stop(TRAINER_STOP_S if c.role == "trainer" else timeout, urgent=not graceful and c.role == "producer")
         self._sweep()
 
     def _trained_steps(self) -> int:

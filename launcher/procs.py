@@ -12,6 +12,7 @@ then forceful (SIGKILL to the group) after a timeout.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -28,6 +29,7 @@ __all__ = ["CHILD_ENV", "Child", "describe_exit", "free_port", "stop_process", "
            "wait_for_port"]
 
 _PR_SET_PDEATHSIG = 1
+URGENT_SECOND_SIGNAL_S = 0.5  # Child.stop(urgent=True): the pause between the two SIGTERMs
 
 # The environment every rlstream child process gets (launcher, tests and benchmarks alike).
 CHILD_ENV = {
@@ -150,14 +152,24 @@ class Child:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def stop(self, timeout: float = 15.0) -> int | None:
-        """SIGTERM the group, wait up to `timeout`, then SIGKILL the group; returns the exit code."""
+    def stop(self, timeout: float = 15.0, urgent: bool = False) -> int | None:
+        """SIGTERM the group, wait up to `timeout`, then SIGKILL the group; returns the exit code.
+
+        `urgent`: a second SIGTERM shortly after the first, which a producer reads as "release your leases now"
+        instead of "let in-flight rollouts finish" (pointless when the run has failed)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
             try:
-                self.proc.wait(timeout)
+                if urgent:
+                    # Two signals sent back to back can merge into one; the second goes once the first is handled.
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        self.proc.wait(min(URGENT_SECOND_SIGNAL_S, timeout))
+                    if self.proc.poll() is None:
+                        self._signal_group(signal.SIGTERM)
+                self.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
         # Even when the leader is gone, stragglers of its group (grandchildren) get SIGKILL.

@@ -166,6 +166,9 @@ class LauncherConfig(Section):
     """Trainer processes (torchrun data parallel) `rlstream run` starts."""
     startup_timeout: PositiveFloat = 300.0
     """Seconds for every child to become ready."""
+    data_out_timeout: PositiveFloat = 30.0
+    """Seconds without a train step, once every producer has finished its data, before the run stops as out of data
+    (the trainer may still be reading the last groups committed)."""
     eval_n: NonNegativeInt = 0
     """Held-out prompts scored before and after training (0 = skip)."""
     sft_steps: NonNegativeInt = 0

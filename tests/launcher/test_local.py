@@ -22,6 +22,9 @@ from pathlib import Path
 
 import psutil
 import pytest
+import redis
+
+from rlstream.broker import Keys, namespace
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
@@ -166,7 +169,8 @@ def test_lora_run_evaluates_during_training(tmp_path):
 def test_run_that_runs_out_of_data_keeps_what_it_trained(tmp_path):
     """The producer stops after 6 groups (1 step of 4 + 2): the run stops early, exit 1, with the
     reason, and still leaves the plots, the summary and a final checkpoint of the step trained."""
-    proc = _start(tmp_path, "total_train_steps=40", "producer.max_groups=6", "launcher.eval_n=0")
+    proc = _start(tmp_path, "total_train_steps=40", "producer.max_groups=6", "launcher.eval_n=0",
+                  "launcher.data_out_timeout=8")
     try:
         out, err = proc.communicate(timeout=420)
     finally:
@@ -224,6 +228,11 @@ def test_killed_child_stops_the_run(tmp_path, victim, redis_url, experiment):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert victim in summary["stop_reason"] and not summary["finished"] and summary["steps"] >= 1
     assert summary["final_checkpoint"] and list((run_dir / "checkpoints" / "final").glob("*.safetensors"))
+    if role == "engine":
+        # The surviving producer was told to release its leases (a failed run trains none of its rollouts), not
+        # left to drain rollouts no engine serves until SIGKILL left its leases to expire.
+        client = redis.Redis.from_url(redis_url)
+        assert client.zcard(Keys(namespace(experiment, "run0")).admit_running) == 0
 
 
 def test_live_view_renders_a_snapshot():

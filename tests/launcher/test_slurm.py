@@ -238,6 +238,8 @@ def _ready(client_factory, deadline_s: float = 30.0):
     while True:
         try:
             return client_factory().ping()
+        except redis.AuthenticationError:  # a ConnectionError too, but the server is up: it answered
+            raise
         except redis.ConnectionError:
             if time.monotonic() > deadline:
                 raise
