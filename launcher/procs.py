@@ -29,7 +29,7 @@ __all__ = ["CHILD_ENV", "Child", "describe_exit", "free_port", "stop_process", "
            "wait_for_port"]
 
 _PR_SET_PDEATHSIG = 1
-URGENT_SECOND_SIGNAL_S = 0.5  # Child.stop(urgent=True): the pause between the two SIGTERMs
+URGENT_SIGNAL_EVERY_S = 0.5  # Child.stop(urgent=True): the pause between its SIGTERMs
 
 # The environment every rlstream child process gets (launcher, tests and benchmarks alike).
 CHILD_ENV = {
@@ -155,23 +155,21 @@ class Child:
     def stop(self, timeout: float = 15.0, urgent: bool = False) -> int | None:
         """SIGTERM the group, wait up to `timeout`, then SIGKILL the group; returns the exit code.
 
-        `urgent`: a second SIGTERM shortly after the first, which a producer reads as "release your leases now"
+        `urgent`: SIGTERM again shortly after the first, which a producer reads as "release your leases now"
         instead of "let in-flight rollouts finish" (pointless when the run has failed)."""
         if self.proc is None:
             return None
         if self.proc.poll() is None:
             self._signal_group(signal.SIGTERM)
             deadline = time.monotonic() + timeout
-            try:
-                if urgent:
-                    # Two signals sent back to back can merge into one; the second goes once the first is handled.
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        self.proc.wait(min(URGENT_SECOND_SIGNAL_S, timeout))
-                    if self.proc.poll() is None:
-                        self._signal_group(signal.SIGTERM)
+            # Signals sent back to back can merge into one: the urgent ones are repeated until the child is gone.
+            while urgent and self.proc.poll() is None and time.monotonic() < deadline:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(min(URGENT_SIGNAL_EVERY_S, max(0.0, deadline - time.monotonic())))
+                if self.proc.poll() is None:
+                    self._signal_group(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         # Even when the leader is gone, stragglers of its group (grandchildren) get SIGKILL.
         self._signal_group(signal.SIGKILL)
         if self.proc.poll() is None:

@@ -82,6 +82,26 @@ def test_child_logs_to_its_file_and_stop_reaches_its_grandchildren(tmp_path):
     assert _gone(grandchild)
 
 
+def test_an_urgent_stop_sends_a_second_sigterm(tmp_path):
+    """A child that drains on the first SIGTERM (as a producer lets its rollouts finish) and stops on the second:
+    an urgent stop ends it through its own second-signal path (exit 3), not the SIGKILL after the timeout."""
+    ready = tmp_path / "ready"
+    code = ("import signal, sys, time, pathlib\n"
+            "seen = []\n"
+            "def on_term(*_):\n"
+            "    seen.append(1)\n"
+            "    if len(seen) == 2: sys.exit(3)\n"
+            "signal.signal(signal.SIGTERM, on_term)\n"
+            f"pathlib.Path({str(ready)!r}).write_text('1')\n"
+            "while True: time.sleep(0.05)\n")
+    child = Child("producer-0", "producer", [sys.executable, "-c", code], tmp_path / "p.log").start()
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert time.monotonic() < deadline and child.running, child.tail()
+        time.sleep(0.05)
+    assert child.stop(timeout=60, urgent=True) == 3
+
+
 def _gone(pid: int) -> bool:
     """No such process, or a zombie waiting for its reaper (it runs nothing any more)."""
     try:
