@@ -132,7 +132,7 @@ def run_eta(s: Setting, timing: TimingModel, eta: int, redis_url: str, client) -
     wall = result.redis_at_end[3] - result.redis_at_steady[3]
     result.redis_reads_per_step = reads / n
     if s.control_plane and wall > 0:
-        result.round_trip_cpu_s = round_trip_cpu_s(client, reads / wall)
+        result.round_trip_cpu_s = round_trip_cpu_s(client, reads / wall, s.round_trip_probe_s)
     result.checks = check(result, redis_url, cluster.keys, s)
     if s.trace:
         steps = step_records(client, cluster.keys)

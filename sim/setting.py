@@ -41,6 +41,7 @@ class Setting:
     max_new_tokens: int = 8192
     steps: int = 12
     accel: float = 20.0
+    round_trip_probe_s: float = 5.0  # wall seconds of bare PINGs that price a round trip after the run (control plane)
     max_running: int = 256  # sequences per engine batch
     # The control plane as a cluster runs it: every engine registers under name resolve (keepalive), as
     # `rlstream serve` does; producers pick engines from their resolved list. Engines read nothing else from
@@ -184,6 +185,6 @@ SETTINGS = {
                                 # as docs/scaling.md advises at hundreds of engines (the defaults are 3 and 10 s)
                                 keepalives_per_ttl=2, engine_ttl=30.0),
     "quick": Setting("quick", model="qwen2.5-1.5b", engines=4, train_gpus=4, producers=2, batch=8, n_samples=4,
-                     prompt_len=128, len_median=256, len_sigma=0.8, max_new_tokens=2048, steps=6, accel=5.0,
-                     control_plane=True, elastic=1),
+                     prompt_len=128, len_median=256, len_sigma=0.8, max_new_tokens=2048, steps=6, accel=20.0,
+                     control_plane=True, elastic=1, round_trip_probe_s=1.0),
 }
