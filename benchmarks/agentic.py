@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import subprocess
@@ -33,7 +32,7 @@ import time
 import uuid
 from pathlib import Path
 
-from readme_section import write_section
+from readme_section import publish
 from redis_child import RedisChild  # benchmarks/ is sys.path[0] when run as a script
 
 from rlstream.launcher.procs import stop_process
@@ -334,11 +333,7 @@ def main(argv: list[str] | None = None) -> int:
         print("tool start-up:", flush=True)
         res["tools"] = run_tools(args.tool_calls)
     text = markdown(res)
-    print("\n" + text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.readme:
-        write_section(SECTION, text)
+    publish(text, res, args.json, SECTION if args.readme else None)
     return 0
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 README = Path(__file__).with_name("README.md")
 
@@ -17,6 +19,15 @@ def write_section(section: str, text: str, readme: Path = README) -> None:
     else:
         new = old.rstrip("\n") + "\n\n" + text
     readme.write_text(new if new.endswith("\n") else new + "\n")
+
+
+def publish(text: str, raw: Any, json_path: str | None, section: str | None) -> None:
+    """A benchmark's result: its table printed, its raw numbers to `json_path`, its README section replaced."""
+    print("\n" + text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(raw, indent=2))
+    if section:
+        write_section(section, text)
 
 
 def write_nested_section(text: str, readme: Path, section: str, parent: str) -> None:

@@ -40,7 +40,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
+from readme_section import publish  # benchmarks/ is sys.path[0] when run as a script
 
 SECTION = "## Real model (SmolLM2-135M-Instruct)"
 MODEL = "smollm2-135m-instruct"
@@ -376,11 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     setup["load_end"] = _load()
     res = {"setup": setup, "generation": gen, "trainer": trainer}
     text = markdown(res)
-    print("\n" + text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.readme:
-        write_section(SECTION, text)
+    publish(text, res, args.json, SECTION if args.readme else None)
     return 0
 
 

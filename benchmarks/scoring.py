@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import time
 from pathlib import Path
 
 from producer_overhead import _run_at, _span_recorder, _start_engine, _write_prompts  # benchmarks/ is sys.path[0]
-from readme_section import write_section
+from readme_section import publish
 from redis_child import RedisChild
 
 from rlstream.launcher.procs import stop_process
@@ -236,11 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     res = run_scoring(groups=12 if args.quick else args.groups, saturate=16 if args.quick else 64,
                       model_path=args.model)
     text = scoring_markdown(res)
-    print("\n" + text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.readme:
-        write_section(SECTION, text)
+    publish(text, res, args.json, SECTION if args.readme else None)
     return 0
 
 

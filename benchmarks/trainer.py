@@ -36,7 +36,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from readme_section import write_section  # benchmarks/ is sys.path[0] when run as a script
+from readme_section import publish  # benchmarks/ is sys.path[0] when run as a script
 from redis_child import RedisChild
 
 SECTION = "## Trainer"
@@ -345,11 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     res["load_end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
     res["update"] = res["models"][0]["update"]  # the headline numbers `rlstream bench` reads
     text = render(res, args)
-    print(text)
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=2))
-    if args.readme:
-        write_section(SECTION, text)
+    publish(text, res, args.json, SECTION if args.readme else None)
     return 0
 
 

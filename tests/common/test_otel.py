@@ -32,11 +32,7 @@ def _cfg(tmp_path: Path, *overrides: str):
     return load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"cluster.fileroot={tmp_path}", *overrides])
 
 
-@pytest.fixture(autouse=True)
-def _reset_tracer():
-    yield
-    tracing.close_all()
-    tracing._tracer = tracing._NULL
+pytestmark = pytest.mark.usefixtures("reset_tracer")
 
 
 class _Lines(logging.Handler):

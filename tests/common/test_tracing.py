@@ -30,12 +30,7 @@ def _cfg(tmp_path: Path, *overrides: str):
     return load_config(ROOT / "configs" / "tiny-cpu.yaml", [f"cluster.fileroot={tmp_path}", *overrides])
 
 
-@pytest.fixture(autouse=True)
-def _reset_tracer():
-    yield
-    tracing.close_all()
-    tracing._tracer = tracing._NULL
-    tracing._sessions = tracing._NullSessions()
+pytestmark = pytest.mark.usefixtures("reset_tracer")
 
 
 def test_off_spans_are_one_noop_and_no_file(tmp_path):
