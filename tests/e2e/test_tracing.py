@@ -7,7 +7,7 @@ producer and trainer processes, weights over gloo), a few steps, as a user runs 
 - sessions.jsonl: one record per committed or dropped group (as many as the stream and the dropped records hold),
   each with submit <= admitted <= end, and every group the trainer read carries the step that trained it;
 - `rlstream inspect --show` prints a real entry's conversation and `--json` parses; `--slowest` reads the records;
-- OpenTelemetry (`perf_tracer.otlp_endpoint`, files off): a real OTLP/HTTP receiver gets the spans of the engine,
+- OpenTelemetry (`perf_tracer.otlp_endpoint`, in the same run): a real OTLP/HTTP receiver gets the spans of the engine,
   the producer and the trainer; each rollout is one trace whose engine spans are the children of the producer's
   request spans (the W3C traceparent crossed the process boundary), the engine's queue waits under its handler's span;
 - a tracing folder that cannot be written and an OTLP endpoint that does not answer: the run completes, each process
@@ -72,8 +72,13 @@ def _run(tmp_path: Path, redis_url: str, experiment: str, *overrides: str) -> tu
 
 @pytest.mark.slow
 def test_traced_run_merges_into_one_covering_timeline(tmp_path, redis_url, experiment, rclient):
-    _, run_dir = _run(tmp_path, redis_url, experiment, "perf_tracer.enabled=true",
-                      "perf_tracer.session_tracer.enabled=true", "perf_tracer.profile_steps=[2]")
+    """Files and the OTLP export at once (the same spans go to both: tests/common/test_otel.py)."""
+    with OtlpReceiver() as rx:
+        _, run_dir = _run(tmp_path, redis_url, experiment, "perf_tracer.enabled=true",
+                          "perf_tracer.session_tracer.enabled=true", "perf_tracer.profile_steps=[2]",
+                          f"perf_tracer.otlp_endpoint={rx.endpoint}")
+        spans = list(rx.spans)
+    _check_otel(spans)
     merged = _cli("trace", "merge", str(run_dir))
     assert merged.returncode == 0, merged.stderr
     assert "spans cover" in merged.stdout
@@ -145,12 +150,8 @@ def test_unwritable_trace_folder_is_one_line_per_process_and_the_run_completes(t
         assert len(lines) == 1 and dead in lines[0] and "does not answer" in lines[0], (name, lines)
 
 
-@pytest.mark.slow
-def test_otel_export_makes_each_rollout_one_trace_across_producer_and_engine(tmp_path, redis_url, experiment):
-    with OtlpReceiver() as rx:
-        _, run_dir = _run(tmp_path, redis_url, experiment, f"perf_tracer.otlp_endpoint={rx.endpoint}")
-        spans = list(rx.spans)
-    assert not (run_dir / "trace").exists()  # perf_tracer.enabled off: exported only
+def _check_otel(spans: list[dict]) -> None:
+    """Each rollout is one trace across the producer and the engine (the traceparent crossed the process)."""
     by_service: dict[str, set[str]] = {}
     for s in spans:
         by_service.setdefault(s["service"], set()).add(s["name"])
