@@ -7,12 +7,13 @@ containers on a private bridge network, on this machine.
 - the cluster: nodes rlsnode1..4, each its own hostname on the network `rlstream-slurm`, one
   munge key, one slurm.conf (rlsnode1 runs slurmctld too); a host folder mounted at /shared on
   every node is the run folder every node sees (`cluster.fileroot`);
-- a three-node job, submitted from the head with `rlstream launch slurm` (no --dry-run):
+- a four-node job, submitted from the head with `rlstream launch slurm` (no --dry-run):
   Redis (per-job password + TLS) on rlsnode1, the trainer as torchrun across rlsnode1 and
-  rlsnode2 (gloo, c10d rendezvous across hosts), the engine and two producers on rlsnode3.
-  The job COMPLETES, the ledger (read from the job's AOF afterwards) is exact, and the engine
-  joined the weight group at rlsnode1's bridge address: the weight push crossed the network;
-- node loss mid-run (`docker kill`): an engine node, a trainer node, and the Redis node (a Redis
+  rlsnode2 (gloo, c10d rendezvous across hosts), an engine and a producer on rlsnode3 and on
+  rlsnode4; rlsnode4 is killed mid-run. The job COMPLETES, the ledger (read from the job's AOF
+  afterwards) is exact, and the engine joined the weight group at rlsnode1's bridge address: the
+  weight push crossed the network;
+- node loss mid-run (`docker kill`): that engine node, a trainer node, and the Redis node (a Redis
   outside the job, AOF on a mounted folder: started again, every task rides the outage out;
   not started again, the job fails with one line naming Redis and redis.outage_tolerance).
 
@@ -270,42 +271,18 @@ def nodes(tmp_path_factory):
         yield cluster
 
 
-def test_three_node_job_completes_with_an_exact_ledger(nodes):
-    steps = 6
-    submitted = time.time()
-    job = nodes.submit("multi", f"total_train_steps={steps}", "cluster.n_nodes=3", "launcher.slurm.trainer_nodes=2",
-                       "launcher.n_trainer_procs=2", "launcher.n_engines=1", "launcher.n_producers=2",
-                       "launcher.slurm.redis_tls_cert=/cluster/tls/server.crt",
-                       "launcher.slurm.redis_tls_key=/cluster/tls/server.key", "redis.ssl_ca_certs=/cluster/tls/ca.crt")
-    state = nodes.wait_job(job, "multi")
-    run_dir = nodes.run_dir("multi")
-    out = (run_dir / "logs" / f"slurm-{job}.out").read_text()
-    assert state == "COMPLETED", f"{state}\n{out}\n{nodes.job_logs('multi')}"
-    assert re.search(r"job \d+ on rlsnode1 rlsnode2 rlsnode3", out), out
-    assert "trainer finished" in out
-    # torchrun across rlsnode1 and rlsnode2 (one rank per node): both ranks train their share of each step
-    assert (run_dir / "logs" / "trainer.log").read_text().count("(4 per rank x 2 ranks)") == 2
-    ledger = nodes.ledger("multi", steps, n_producers=2, world=2)
-    print(f"ledger of the three-node job: {ledger}")
-    # the weight push crossed the bridge: the engine on rlsnode3 joined the group at rlsnode1's address
-    engine_log = (run_dir / "logs" / "engine-0.log").read_text()
-    joined = re.findall(r"joining weight group \S+ as rank \d+ of \d+ at ([\d.]+):\d+", engine_log)
-    assert joined and set(joined) == {nodes.address(NODES[0])}, engine_log[-2000:]
-    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-    gaps = sorted(b["ts"] - a["ts"] for a, b in zip(rows, rows[1:]))
-    print(f"three-node job: submit to first step {rows[0]['ts'] - submitted:.1f} s (prepare and warm start "
-          f"included), median step {gaps[len(gaps) // 2]:.2f} s")
-
-
-def test_a_lost_engine_node_leaves_the_job_running_on_the_others(nodes):
-    """node_loss=continue (sbatch --no-kill): rlsnode4, with engine-1 and producer-1, is killed mid-run; the trainer
-    drops its engine, producer-0 goes on with engine-0, the job completes, and the ledger is exact."""
+def test_a_job_across_four_nodes_loses_an_engine_node_and_completes_with_an_exact_ledger(nodes):
+    """One job over four nodes: Redis with TLS on rlsnode1, the trainer as torchrun across rlsnode1 and rlsnode2,
+    engine-0 on rlsnode3, engine-1 and producer-1 on rlsnode4. node_loss=continue (sbatch --no-kill): rlsnode4 is
+    killed mid-run; the trainer drops its engine, producer-0 goes on with engine-0, the job completes, the weight
+    push crossed the bridge network, and the ledger is exact."""
     steps, trial = 150, "engine-loss"  # long enough for Slurm to notice the lost node (SlurmdTimeout) mid-run
+    submitted = time.time()
     job = nodes.submit(trial, f"total_train_steps={steps}", "cluster.n_nodes=4", "launcher.slurm.trainer_nodes=2",
                        "launcher.n_trainer_procs=2", "launcher.n_engines=2", "launcher.n_producers=2",
                        "launcher.slurm.node_loss=continue", "actor.weight_update_timeout=20",
-                       "rollout.request_timeout=30")
+                       "rollout.request_timeout=30", "launcher.slurm.redis_tls_cert=/cluster/tls/server.crt",
+                       "launcher.slurm.redis_tls_key=/cluster/tls/server.key", "redis.ssl_ca_certs=/cluster/tls/ca.crt")
     try:
         before = nodes.kill_when_training(NODES[3], job, trial, after_steps=3)
         state = nodes.wait_job(job, trial)
@@ -322,7 +299,16 @@ def test_a_lost_engine_node_leaves_the_job_running_on_the_others(nodes):
     assert "engine rlsnode4:30000 dropped" in (run_dir / "logs" / "trainer.log").read_text()
     ledger = nodes.ledger(trial, steps, n_producers=2, world=2, committing=1)  # producer-1 died with rlsnode4
     print(f"ledger after losing an engine node at step {len(before)}: {ledger}")
-    assert metric_steps(run_dir / "metrics.jsonl") == list(range(1, steps + 1))
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    print(f"four-node job: submit to first step {rows[0]['ts'] - submitted:.1f} s (prepare and warm start included)")
+    assert re.search(r"job \d+ on rlsnode1 rlsnode2 rlsnode3 rlsnode4", out), out
+    # torchrun across rlsnode1 and rlsnode2 (one rank per node): both ranks train their share of each step
+    assert (run_dir / "logs" / "trainer.log").read_text().count("(4 per rank x 2 ranks)") == 2
+    # the weight push crossed the bridge: the engine on rlsnode3 joined the group at rlsnode1's address
+    engine_log = (run_dir / "logs" / "engine-0.log").read_text()
+    joined = re.findall(r"joining weight group \S+ as rank \d+ of \d+ at ([\d.]+):\d+", engine_log)
+    assert joined and set(joined) == {nodes.address(NODES[0])}, engine_log[-2000:]
 
 
 def test_a_lost_trainer_node_requeues_the_job_and_it_resumes_exactly(nodes):
