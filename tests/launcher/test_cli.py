@@ -10,7 +10,7 @@ import subprocess
 from rlstream.common.net import free_port
 from tests.helpers import cli
 
-COMMANDS = ("config", "inspect", "serve", "produce", "gateway", "train", "sft", "run", "chaos", "report", "launch",
+COMMANDS = ("config", "inspect", "serve", "produce", "gateway", "train", "sft", "run", "chaos", "report", "compose", "launch",
             "model", "bench")
 
 
