@@ -14,7 +14,9 @@ docker-compose.yml brought up with Debian's docker-compose (v1.29).
   the engine stay up and healthy; `docker-compose run --rm inspect --json` reports the final
   served version, nothing pending and only the leftovers the admission budget allows; the
   runs volume holds metrics, plots, summary and the final checkpoint; the Redis volume
-  the AOF; rlstream runs as a non-root user; `docker-compose logs` shows the trainer's end;
+  the AOF; rlstream runs as a non-root user; `docker-compose logs` shows the trainer's end.
+  The run has a scoring pool, a distillation teacher of two engines whose services `rlstream
+  compose` wrote: both healthy and in etcd under `scoring:teacher`, every sample scored;
 - `up --scale producer=3` of a fresh stack (60 steps), `kill trainer` mid-run, `up -d
   trainer`: the trainer resumes from its recover checkpoint (recover.mode=auto), the run
   finishes, and the ledger holds: every step recorded once or replayed with the same
