@@ -46,7 +46,8 @@ def _pools_to_start(cfg: Config) -> dict[str, tuple[list[str], int]]:
 
 def _check_pool(cfg: Config, name: str) -> None:
     pool = scoring_pools(cfg)[name]
-    key = name if name in ("reward_model", "judge") else f"distillation.teachers[name={name}]"
+    teachers = [t.name for t in cfg.distillation.teachers] if cfg.distillation is not None else []
+    key = f"distillation.teachers[{teachers.index(name)}]" if name in teachers else name  # the section's config key
     if pool.device == "cuda":
         raise ConfigError(f"{key}.pool.device=cuda: `rlstream compose` runs scoring engines in the CPU image "
                           f"(rlstream:latest); allowed: cpu, auto (or start the pool elsewhere and list it in "

@@ -167,7 +167,7 @@ def test_pools_started_elsewhere_or_on_cuda_or_unnameable():
     with pytest.raises(ConfigError, match=r"^judge\.pool\.device=cuda: .*allowed: cpu, auto"):
         pool_services(_cfg("judge.pool.model_path=/j", "judge.pool.device=cuda"), COMPOSE)
     bad = 'distillation.teachers=[{"name":"a b","pool":{"model_path":"/t"}}]'
-    with pytest.raises(ConfigError, match=r"^distillation\.teachers\[name=a b\]: pool name 'a b' cannot name"):
+    with pytest.raises(ConfigError, match=r"^distillation\.teachers\[0\]: pool name 'a b' cannot name"):
         pool_services(_cfg(bad), COMPOSE)
     with pytest.raises(ConfigError, match="no `engine` or `producer` service"):
         pool_services(_cfg(*POOLS), {"services": {"redis": {}}})
