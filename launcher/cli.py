@@ -215,6 +215,21 @@ def inspect(ctx: typer.Context,
 
 
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
+def compose(ctx: typer.Context, config: Optional[str] = ConfigOpt,
+            file: str = typer.Option("docker-compose.yml", "--file", "-f", help="The rlstream compose file whose policy engine the pools' services copy."),
+            output: Optional[str] = typer.Option(None, "--output", "-o", help="Where to write (default: docker-compose.override.yml beside --file, which `docker compose up` merges; '-' = stdout).")) -> None:
+    """Write the docker compose services of the config's scoring pools (reward model, judge, teachers)."""
+    from rlstream.launcher.compose import load_compose_file, override_document, write_override
+
+    cfg = load(config, ctx.args)
+    made_from = " ".join(["from", f"--config {config}" if config else "the defaults", *ctx.args])
+    if output == "-":
+        typer.echo(_guard(lambda: override_document(cfg, load_compose_file(file), made_from)), nl=False)
+    else:
+        typer.echo(_guard(write_override, cfg, file, output, made_from))
+
+
+@app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt,
           simulate: bool = typer.Option(False, "--simulate", help="A simulated GPU engine (server.simulate.*): same protocol, modeled timing, no model."),
           pool: Optional[str] = typer.Option(None, "--pool", help="Serve this scoring pool's model instead of the policy (reward_model: /classify; judge: /generate; a distillation teacher: /generate prefill logprobs).")) -> None:

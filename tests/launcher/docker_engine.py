@@ -169,7 +169,9 @@ entries = []
 for eid, f in r.xrange(k.traj):
     g = decode_group(f[b"d"])
     validate_group(g)
-    entries.append({"id": eid.decode(), "producer": g.producer_id, "position": g.metadata.get("position")})
+    entries.append({"id": eid.decode(), "producer": g.producer_id, "position": g.metadata.get("position"),
+                    "samples": len(g.trajectories),
+                    "teacher_scored": sum(t.teacher_logprobs is not None for t in g.trajectories)})
 group = next(g for g in r.xinfo_groups(k.traj) if g["name"].decode() == TRAIN_GROUP)
 # fields: cursor, <producer id> (its state), accepted:<producer id> (its exact commit count)
 ids = {f.decode().removeprefix(accepted_field("")) for f in r.hkeys(k.producers) if f.decode() != CURSOR_FIELD}

@@ -10,8 +10,8 @@ import subprocess
 from rlstream.common.net import free_port
 from tests.helpers import cli
 
-COMMANDS = ("config", "inspect", "serve", "produce", "gateway", "train", "sft", "run", "chaos", "report", "launch",
-            "model", "bench")
+COMMANDS = ("config", "inspect", "serve", "produce", "gateway", "train", "sft", "run", "chaos", "report", "compose",
+            "launch", "model", "bench")
 
 
 def _cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:

@@ -1,8 +1,9 @@
 """docker-compose.yml: the resolved file (`docker-compose config`, Debian's docker-compose)
 has the services, profiles, volumes and commands a user relies on.
 
-This checks the file; tests/launcher/test_compose_up.py brings the stack up on a real
-Docker engine.
+Also `rlstream compose` (launcher/compose.py): the scoring pools' services it writes, checked as data and merged by
+docker-compose. This checks the files; tests/launcher/test_compose_up.py brings the stack up on a real Docker engine
+(with a pool's services).
 """
 
 from __future__ import annotations
@@ -11,19 +12,31 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from rlstream.common.config import ConfigError, load_config
+from rlstream.launcher.compose import GENERATED_MARK, pool_services, write_override
+from rlstream.launcher.local import scoring_engine_specs
+
 ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+# Three kinds of pools: a judge (generate), two teachers (logprob, the first of two engines), a reward model whose
+# engines run elsewhere (fixed addresses: no service), on the demo config.
+POOLS = ["judge.pool.model_path=/work/runs/judge",
+         'distillation.teachers=[{"name":"teacher","pool":{"model_path":"/m/t","engines":2}},'
+         '{"name":"t2","pool":{"model_path":"/m/t2"}}]',
+         "reward_model.pool.addresses=[rm-host:30000]"]
 
 
-def _compose(*args: str, env: dict[str, str] | None = None) -> dict:
+def _compose(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> dict:
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.fail("docker-compose not found: apt-get install -y docker-compose")
-    out = subprocess.run([exe, *args, "config"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+    out = subprocess.run([exe, *args, "config"], cwd=cwd, capture_output=True, text=True, timeout=60,
                          env={**os.environ, **(env or {})})
     assert out.returncode == 0, out.stderr
     return yaml.safe_load(out.stdout)
@@ -115,3 +128,80 @@ def test_env_example_lists_every_variable():
     example = {line.split("=", 1)[0] for line in (ROOT / ".env.example").read_text().splitlines()
                if line and not line.startswith("#")}
     assert used and used | {"COMPOSE_PROFILES"} == example, (used, example)
+
+
+def _cfg(*overrides: str):
+    return load_config(ROOT / "configs" / "tiny-cpu.yaml", list(overrides))
+
+
+def _cli(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "compose", *args], capture_output=True,
+                          text=True, cwd=cwd, env=os.environ.copy(), timeout=120)
+
+
+def test_each_pool_is_the_policy_engine_service_serving_the_pool_scaled_to_its_engines():
+    cfg = _cfg(*POOLS)
+    services = pool_services(cfg, COMPOSE)
+    assert list(services) == ["scoring-judge", "scoring-teacher", "scoring-t2", "producer"]
+    engine = COMPOSE["services"]["engine"]
+    specs = scoring_engine_specs(cfg)  # what `rlstream run` starts: the same pools, the same arguments
+    for name in ("judge", "teacher", "t2"):
+        s = services[f"scoring-{name}"]
+        (args,) = {tuple(a) for _, a in specs if a[1] == name}
+        assert s["scale"] == sum(a[1] == name for _, a in specs) == (2 if name == "teacher" else 1)
+        assert s["entrypoint"][-1] == engine["entrypoint"][-1].replace("rlstream serve ",
+                                                                       f"rlstream serve {' '.join(args)} ")
+        assert "profiles" not in s  # started whichever profile runs the policy
+        same = {k: v for k, v in s.items() if k not in ("entrypoint", "scale")}
+        assert same == {k: v for k, v in engine.items() if k not in ("entrypoint", "profiles")}
+    deps = services["producer"]["depends_on"]
+    assert deps == {**COMPOSE["services"]["producer"]["depends_on"],
+                    **{f"scoring-{n}": {"condition": "service_healthy"} for n in ("judge", "teacher", "t2")}}
+
+
+def test_pools_started_elsewhere_or_on_cuda_or_unnameable():
+    assert pool_services(_cfg(), COMPOSE) == {}
+    assert pool_services(_cfg("judge.pool.model_path=/j", "judge.pool.engines=0"), COMPOSE) == {}
+    assert pool_services(_cfg("judge.pool.model_path=/j", "judge.pool.backend=sglang",
+                              "judge.pool.addresses=[h:1]"), COMPOSE) == {}
+    with pytest.raises(ConfigError, match=r"^judge\.pool\.device=cuda: .*allowed: cpu, auto"):
+        pool_services(_cfg("judge.pool.model_path=/j", "judge.pool.device=cuda"), COMPOSE)
+    bad = 'distillation.teachers=[{"name":"a b","pool":{"model_path":"/t"}}]'
+    with pytest.raises(ConfigError, match=r"^distillation\.teachers\[0\]: pool name 'a b' cannot name"):
+        pool_services(_cfg(bad), COMPOSE)
+    with pytest.raises(ConfigError, match="no `engine` or `producer` service"):
+        pool_services(_cfg(*POOLS), {"services": {"redis": {}}})
+
+
+def test_docker_compose_merges_the_written_override(tmp_path):
+    shutil.copy(ROOT / "docker-compose.yml", tmp_path)
+    shutil.copy(ROOT / ".env", tmp_path)
+    done = _cli("--config", str(ROOT / "configs" / "tiny-cpu.yaml"), *POOLS, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    override = tmp_path / "docker-compose.override.yml"
+    assert done.stdout.startswith("wrote docker-compose.override.yml: scoring-judge, scoring-teacher, scoring-t2;")
+    assert override.read_text().startswith(GENERATED_MARK)
+    services = _compose(cwd=tmp_path)["services"]
+    assert services["scoring-teacher"]["scale"] == 2 and services["scoring-judge"]["scale"] == 1
+    assert "--pool teacher " in services["scoring-teacher"]["entrypoint"][-1]
+    assert set(services["producer"]["depends_on"]) == {"redis", "etcd", "prepare", "scoring-judge",
+                                                       "scoring-teacher", "scoring-t2"}
+    assert services["scoring-t2"]["volumes"] == services["engine"]["volumes"]
+
+    # Regenerated for a config without pools: the stale override goes (an empty one would not parse in v1).
+    done = _cli("--config", str(ROOT / "configs" / "tiny-cpu.yaml"), cwd=tmp_path)
+    assert done.returncode == 0 and "nothing to start; removed" in done.stdout, done.stderr
+    assert not override.exists()
+
+
+def test_a_file_the_command_did_not_write_is_left_alone(tmp_path):
+    shutil.copy(ROOT / "docker-compose.yml", tmp_path)
+    mine = tmp_path / "docker-compose.override.yml"
+    mine.write_text("services: {engine: {environment: {A: '1'}}}\n")
+    with pytest.raises(ConfigError, match="exists and was not written by `rlstream compose`"):
+        write_override(_cfg(*POOLS), tmp_path / "docker-compose.yml", None, "test")
+    assert mine.read_text().startswith("services:")
+    done = _cli("--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "--file", "nowhere.yml", *POOLS, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.startswith("rlstream: error: --file nowhere.yml: No such file")
+    out = _cli("--config", str(ROOT / "configs" / "tiny-cpu.yaml"), "-o", "-", *POOLS, cwd=ROOT)
+    assert out.returncode == 0 and yaml.safe_load(out.stdout)["services"]["scoring-teacher"]["scale"] == 2

@@ -14,7 +14,9 @@ docker-compose.yml brought up with Debian's docker-compose (v1.29).
   the engine stay up and healthy; `docker-compose run --rm inspect --json` reports the final
   served version, nothing pending and only the leftovers the admission budget allows; the
   runs volume holds metrics, plots, summary and the final checkpoint; the Redis volume
-  the AOF; rlstream runs as a non-root user; `docker-compose logs` shows the trainer's end;
+  the AOF; rlstream runs as a non-root user; `docker-compose logs` shows the trainer's end.
+  The run has a scoring pool, a distillation teacher of two engines whose services `rlstream
+  compose` wrote: both healthy and in etcd under `scoring:teacher`, every sample scored;
 - `up --scale producer=3` of a fresh stack (60 steps), `kill trainer` mid-run, `up -d
   trainer`: the trainer resumes from its recover checkpoint (recover.mode=auto), the run
   finishes, and the ledger holds: every step recorded once or replayed with the same
@@ -31,12 +33,15 @@ RLSTREAM_REQUIRE_DOCKER=1 (CI), where it fails.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+import yaml
 from tests.launcher.docker_engine import (
     BATCH, LEDGER_DUMP, ROOT, DockerEngine, check_ledger, docker_tools, metric_steps, run_command)
 
@@ -46,18 +51,52 @@ PROJECT = "rlstreamtest"
 STEPS_UP, STEPS_SCALE = 12, 60
 SHORT = ["launcher.sft_steps=100", "launcher.eval_n=50", "stats_logger.log_every_secs=5"]
 RUN = Path("tiny-cpu") / "run0"  # {experiment_name}/{trial_name} of tiny-cpu.yaml, in the runs volume
+# A scoring pool in the demo: a distillation teacher (the warm start `prepare` writes) of two engines, next to the
+# outcome reward; RLSTREAM_OVERRIDES splits on spaces, so the list is written without any.
+TEACHER = ['distillation.teachers=[{"name":"teacher","pool":{"model_path":"/work/runs/tiny-cpu/run0/model",'
+           '"engines":2}}]', "distillation.outcome_weight=1.0"]
+TEACHER_ENGINES = """
+import asyncio, json, os
+from rlstream.broker.registry import make_name_resolver
+from rlstream.common.config import load_config, scoring_service
+cfg = load_config(os.environ["RLSTREAM_CONFIG"], os.environ["RLSTREAM_OVERRIDES"].split()
+                  + ["cluster.name_resolve.type=etcd", "cluster.name_resolve.etcd_address=etcd:2379"])
+async def main():
+    resolver = make_name_resolver(cfg)
+    try:
+        print(json.dumps(sorted(await resolver.list(scoring_service("teacher")))))
+    finally:
+        await resolver.close_quietly()
+asyncio.run(main())
+"""
+
+
+def pools_override(overrides: list[str], out: Path) -> Path:
+    """`rlstream compose` as a user runs it: the scoring pools' services of tiny-cpu.yaml with these overrides."""
+    done = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "compose", "--config",
+                           str(ROOT / "configs" / "tiny-cpu.yaml"), "--file", str(ROOT / "docker-compose.yml"),
+                           "--output", str(out), *overrides], capture_output=True, text=True, timeout=120,
+                          env=os.environ.copy())
+    assert done.returncode == 0 and "scoring-teacher" in done.stdout, done.stderr
+    return out
 
 
 class Compose:
     """docker-compose (v1) on the repo's file, project PROJECT, with the given rlstream overrides."""
 
-    def __init__(self, engine: DockerEngine, images: dict[str, str], overrides: list[str]) -> None:
+    def __init__(self, engine: DockerEngine, images: dict[str, str], overrides: list[str],
+                 pools: Path | None = None) -> None:
         self.engine = engine
         self.exe = shutil.which("docker-compose")
         self.env = {**engine.env, **images, "RLSTREAM_OVERRIDES": " ".join(overrides)}
+        # `pools`: the override `rlstream compose` wrote for these overrides (the scoring pools' services)
+        self.files = ["-f", "docker-compose.yml", *(["-f", str(pools)] if pools else [])]
+        self.pool_services = [n for n in yaml.safe_load(pools.read_text())["services"] if n.startswith("scoring-")
+                              ] if pools else []
 
     def __call__(self, *args: str, timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
-        return run_command([self.exe, "-p", PROJECT, *args], env=self.env, timeout=timeout, check=check, cwd=ROOT)
+        return run_command([self.exe, "-p", PROJECT, *self.files, *args], env=self.env, timeout=timeout, check=check,
+                           cwd=ROOT)
 
     def docker(self, *args: str, timeout: float = 60) -> str:
         return run_command([self.engine.docker, *args], env=self.env, timeout=timeout).stdout
@@ -94,7 +133,7 @@ class Compose:
         """What a stuck run looks like: each service's last lines (the producers' progress lines say what they wait
         for; the trainer's last, its repeated wait comes last), then the queue and admission (`rlstream inspect`)."""
         parts = []
-        others = ("engine", "etcd", "prepare", "producer", "redis", "report")
+        others = ("engine", "etcd", "prepare", "producer", "redis", "report", *self.pool_services)
         for what, args, timeout in ((None, ("logs", "--no-color", "--tail", "30", *others), 60),
                                     (None, ("logs", "--no-color", "--tail", "10", "trainer"), 60),
                                     ("rlstream inspect --json: ", ("run", "--rm", "-T", "inspect", "--json"), 180)):
@@ -112,8 +151,9 @@ class Compose:
     def ledger(self, steps: int, n_producers: int) -> dict[str, int]:
         """check_ledger on the run's Redis state, read by the rlstream image on the compose network."""
         out = self("run", "--rm", "-T", "--entrypoint", "python", "inspect", "-c", LEDGER_DUMP, timeout=180)
+        self.dumped = json.loads(out.stdout.strip().splitlines()[-1])  # the entries, for checks beyond the ledger
         try:
-            return check_ledger(json.loads(out.stdout.strip().splitlines()[-1]), steps, n_producers)
+            return check_ledger(self.dumped, steps, n_producers)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.logs('producer', 'trainer', tail=25)}") from None
 
@@ -130,7 +170,7 @@ def stack(tmp_path_factory):
         images = engine.build_images()
         print(f"images ready in {time.monotonic() - t0:.0f}s: {images}")
         Compose(engine, images, [])("down", "-v", "--remove-orphans", timeout=300)  # a killed session's leftovers
-        yield lambda overrides: Compose(engine, images, overrides)
+        yield lambda overrides, pools=None: Compose(engine, images, overrides, pools)
     finally:
         try:
             if engine.proc is not None and engine.proc.poll() is None:
@@ -142,14 +182,17 @@ def stack(tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_compose_up_runs_the_cpu_demo(stack):
-    c = stack([f"total_train_steps={STEPS_UP}", *SHORT])
+def test_compose_up_runs_the_cpu_demo(stack, tmp_path):
+    overrides = [f"total_train_steps={STEPS_UP}", *SHORT, *TEACHER]
+    c = stack(overrides, pools_override(overrides, tmp_path / "pools.yml"))
     c("up", "-d", "--no-build", timeout=900)
     assert c.wait_exited("trainer", 900) == [0], c.logs("trainer")
     assert c.wait_exited("producer", 180) == [0], c.logs("producer")
     assert c.wait_exited("report", 300) == [0], c.logs("report")
     for service in ("redis", "etcd", "engine"):  # servers stay up, and their healthchecks pass
         assert c.health(service) == "healthy", (service, c.logs(service))
+    teachers = c.states("scoring-teacher")  # the pool's service, scaled to its pool.engines
+    assert [s.get("Health", {}).get("Status") for s in teachers] == ["healthy"] * 2, c.logs("scoring-teacher")
 
     info = c.inspect()
     assert info["versions"] == {"served": STEPS_UP, "trainer": STEPS_UP}, info["versions"]
@@ -159,6 +202,15 @@ def test_compose_up_runs_the_cpu_demo(stack):
     # the trainer (producers run ahead of the last step by at most the admission budget).
     assert st["pending"] == 0 and st["queued"] == st["undelivered"] == ledger["undelivered"], (st, ledger)
     assert info["dead_letters"]["count"] == 0 and info["stream"]["length"] == ledger["entries"]
+    # Every sample of every entry carries the teacher pool's logprobs; both engines are in name resolve (etcd)
+    # under scoring:teacher at their container's address, and no request to the pool failed.
+    entries = c.dumped["entries"]
+    assert entries and all(e["teacher_scored"] == e["samples"] > 0 for e in entries), entries[:3]
+    listed = json.loads(c("run", "--rm", "-T", "--entrypoint", "python", "inspect", "-c", TEACHER_ENGINES,
+                          timeout=180).stdout.strip().splitlines()[-1])
+    assert listed == sorted(f"{cid[:12]}:30000" for cid in c.containers("scoring-teacher")), listed
+    traffic = info["scoring_traffic"]["teacher"]
+    assert traffic["failed"] == 0 and traffic["requests"] > 0, traffic
 
     run = c.volume("runs") / RUN
     assert metric_steps(run / "metrics.jsonl") == list(range(1, STEPS_UP + 1))
