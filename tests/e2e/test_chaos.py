@@ -1,8 +1,8 @@
 """The short chaos soak: `rlstream chaos` on the CPU demo (2 engines, 2 producers, a reward-model scoring pool of
 one engine, the trainer with a critic (PPO's value model), recover.mode=auto and a recover checkpoint every step,
-its own AOF Redis) for ~60 s of faults at seeded moments: every kind at least once (trainer SIGKILL anywhere and
-inside a step, producer and engine SIGKILL + restart, an engine SIGSTOP/SIGCONT, Redis SIGKILL + restart from its
-AOF, garbage entries, the reward model's engine SIGKILL + restart and SIGSTOP/SIGCONT).
+its own AOF Redis) with faults 2-6 s apart at seeded moments until every kind happened once (~45 s): trainer
+SIGKILL anywhere and inside a step, producer and engine SIGKILL + restart, an engine SIGSTOP/SIGCONT, Redis SIGKILL
++ restart from its AOF, garbage entries, the reward model's engine SIGKILL + restart and SIGSTOP/SIGCONT.
 
 The ledger is read from Redis after the trainer stopped (`rlstream.broker.ledger`, written to
 `{run_dir}/chaos.json`): nothing lost, nothing trained twice, nothing unaccounted, never over
@@ -34,7 +34,7 @@ def test_short_chaos_soak_loses_nothing(tmp_path, tiny_model_path):
     log = tmp_path / "chaos.log"
     with open(log, "wb") as out:
         proc = subprocess.run(
-            cli("chaos", "--config", str(root / ROOT_CONFIG), "--duration", "60", "--seed", "3", "--mean-gap", "6",
+            cli("chaos", "--config", str(root / ROOT_CONFIG), "--duration", "30", "--seed", "3", "--mean-gap", "4",
                 f"cluster.fileroot={tmp_path / 'runs'}", "launcher.sft_steps=0", "launcher.demo.n_train=2000",
                 f"reward_model.pool.model_path={rm}", "reward_model.pool.device=cpu", "reward_model.rule_weight=1.0",
                 "reward_model.weight=0.1", "critic.optimizer.lr=1e-3"),
