@@ -130,13 +130,25 @@ async def drive(gateway: str, cfg: Any, *, n: int, groups: int = 0, concurrency:
             async with gate:
                 out.append(await run_group(env, task, http, n=n, model=model, on_env_error=on_env_error))
 
-        tasks: list[Any] = []
-        epoch = 0
-        while not tasks or (groups and len(tasks) < groups):
-            tasks += list(env.taskset.shuffle(seed=seed + epoch))
-            epoch += 1
-        await asyncio.gather(*(one(t) for t in tasks[: groups or None]))
+        await asyncio.gather(*(one(t) for t in _tasks(env.taskset, groups, seed)))
     return out
+
+
+def _tasks(taskset: Any, groups: int, seed: int) -> list[Any]:
+    """`groups` tasks: passes over the shuffled taskset (an infinite one: its first `groups`, in order)."""
+    if not taskset.bounded:
+        if not groups:
+            raise ValueError(f"{type(taskset).__name__} is infinite: set --groups")
+        return list(taskset.take(groups))
+    tasks: list[Any] = []
+    epoch = 0
+    while not tasks or len(tasks) < groups:
+        more = list(taskset.shuffle(seed=seed + epoch))
+        if not more:
+            raise ValueError(f"{type(taskset).__name__} has no tasks")
+        tasks += more
+        epoch += 1
+    return tasks[: groups or None]
 
 
 def main(argv: list[str] | None = None) -> int:
