@@ -77,8 +77,11 @@ def main() -> None:
     new = [run_entry(r) for r in a.runs]
     fresh = {e["seed"] for e in new}
     entries = sorted([e for e in old.get("seeds", []) if e["seed"] not in fresh] + new, key=lambda e: e["seed"])
-    result = {**{k: v for k, v in old.items() if k not in ("seeds", "aggregate")},
+    result = {**{k: v for k, v in old.items() if k not in ("seeds", "aggregate", "incomplete")},
               "seeds": entries, "aggregate": aggregate(entries)}
+    unfinished = [e for e in old.get("incomplete", []) if e["seed"] not in {s["seed"] for s in entries}]
+    if unfinished:  # runs that ended before their after-RL evaluation, until a finished run replaces them
+        result["incomplete"] = unfinished
     a.recorded.write_text(json.dumps(result, indent=1) + "\n")
     plot(entries, a.plot)
     for e in entries:
