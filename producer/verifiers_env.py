@@ -16,8 +16,8 @@ the trained sequence is exactly what the model was given and what it generated. 
 from the turn's text by `agent.tool_parser` and handed to the environment as OpenAI-style calls.
 
 Supported: the classic environment classes (`vf.SingleTurnEnv`, `vf.MultiTurnEnv`, `vf.ToolEnv`,
-`vf.StatefulToolEnv`, ...) of verifiers 0.2-0.3 (`verifiers.legacy` in 0.3); the `verifiers.v1` stack
-(tasksets, harnesses, 0.4) is not. An environment that raises, or a rollout that ends with an error in its
+`vf.StatefulToolEnv`, ...) of verifiers 0.2-0.3 (`verifiers.legacy` in 0.3); verifiers 0.4's `verifiers.v1`
+stack (tasksets, harnesses) runs through the gateway instead (`producer/verifiers_v1.py`). An environment that raises, or a rollout that ends with an error in its
 state, fails the sample with the reason (`agent.on_env_error`), as for rlstream's own environments.
 """
 
