@@ -8,6 +8,9 @@ worker node an engine and a producer).
   other worker removed too, a node added gets an engine and a producer, which carry the run to
   its end; the ledger is exact (every committed entry trained once, nothing pending, no dead
   letter); no process of the run is left;
+- as a Ray job through the head's job server (the dashboard runs on the head): `rlstream launch ray --submit URL`
+  runs to SUCCEEDED with the launcher's lines in the job's logs and an exact ledger; a job submitted with
+  `ray job submit` and stopped with `ray job stop` stops in order and leaves no process;
 - bad input, before anything starts: a Ray address that does not answer, more CPUs than the
   cluster has, more per node than a node has: one line naming the key, no run folder.
 """
@@ -270,20 +273,14 @@ def _ray_job(cluster, command: str, *args: str, timeout: float = 600) -> str:
     return done.stdout + done.stderr
 
 
-def _submit(cluster, tmp_path: Path, job_id: str, experiment: str, *args: str, wait: bool) -> str:
-    assert shutil.which("rlstream"), "the rlstream command is not on PATH (pip install -e .)"
-    return _ray_job(cluster, "submit", "--submission-id", job_id, *([] if wait else ["--no-wait"]), "--",
-                    "rlstream", "launch", "ray", "--config", str(CONFIG), f"cluster.fileroot={tmp_path / 'runs'}",
-                    f"experiment_name={experiment}", *SMALL, *args)
-
-
 @pytest.mark.slow
 def test_ray_job_submit_runs_to_the_end_and_ray_job_stop_stops_every_process(tmp_path, ray_cluster, redis_factory,
                                                                             experiment):
-    """`ray job submit -- rlstream launch ray ...` through the head's job server: the entrypoint runs on the head and
-    finds the cluster by itself (RAY_ADDRESS); the job SUCCEEDED, `ray job logs` shows the launcher's progress, the
-    ledger is exact. A second job stopped mid-run with `ray job stop` stops in order (the trainer saves `final`,
-    Redis last) and leaves no process of the run, the launcher included."""
+    """The launch as a Ray job through the head's job server (`rlstream launch ray --submit URL`, the Jobs SDK): the
+    entrypoint runs on the head and finds the cluster by itself (RAY_ADDRESS); the job SUCCEEDED, its logs (followed
+    by the command, and `ray job logs`) show the launcher's progress, the ledger is exact. A second job, submitted
+    with `ray job submit` and stopped mid-run with `ray job stop`, stops in order (the trainer saves `final`, Redis
+    last) and leaves no process of the run, the launcher included."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     from rlstream.broker import connect
@@ -291,13 +288,19 @@ def test_ray_job_submit_runs_to_the_end_and_ray_job_stop_stops_every_process(tmp
     client = JobSubmissionClient(ray_cluster.job_server)
     steps = 8
     run_dir = tmp_path / "runs" / experiment / "run0"
-    _submit(ray_cluster, tmp_path, f"{experiment}-done", experiment, f"total_train_steps={steps}", wait=True)
-    assert client.get_job_status(f"{experiment}-done") == JobStatus.SUCCEEDED
-    logs = _ray_job(ray_cluster, "logs", f"{experiment}-done")
+    done = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "ray", "--submit",
+                           ray_cluster.job_server, "--config", str(CONFIG), f"cluster.fileroot={tmp_path / 'runs'}",
+                           f"experiment_name={experiment}", *SMALL, f"total_train_steps={steps}"],
+                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    job_id = re.search(r"ray job (\S+) submitted to ", done.stdout).group(1)
+    assert done.stdout.rstrip().endswith(f"ray job {job_id}: SUCCEEDED"), done.stdout[-2000:]
+    assert client.get_job_status(job_id) == JobStatus.SUCCEEDED
+    logs = _ray_job(ray_cluster, "logs", job_id)
     for line in ("ray: 3 node(s) at ", f"redis: started on {ray_cluster.head_node.node_ip_address}:", "engines: engine-0 ",
                  "trainer: trainer pid ", "producers: producer-0 on ", "] step ", "training finished",
                  f"checkpoint {run_dir}/checkpoints/final"):
-        assert line in logs, f"{line!r} not in the job's logs:\n{logs[-4000:]}"
+        assert line in logs and line in done.stdout, f"{line!r} not in the job's logs:\n{logs[-4000:]}"
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     rclient = connect(redis_factory(["--appendonly", "yes"], workdir=run_dir / "redis").url)
@@ -306,7 +309,10 @@ def test_ray_job_submit_runs_to_the_end_and_ray_job_stop_stops_every_process(tmp
 
     stopped, job_id = f"{experiment}s", f"{experiment}-stopped"
     run_dir = tmp_path / "runs" / stopped / "run0"
-    _submit(ray_cluster, tmp_path, job_id, stopped, "total_train_steps=1000", "launcher.sft_steps=0", wait=False)
+    assert shutil.which("rlstream"), "the rlstream command is not on PATH (pip install -e .)"
+    _ray_job(ray_cluster, "submit", "--submission-id", job_id, "--no-wait", "--", "rlstream", "launch", "ray",
+             "--config", str(CONFIG), f"cluster.fileroot={tmp_path / 'runs'}", f"experiment_name={stopped}", *SMALL,
+             "total_train_steps=1000", "launcher.sft_steps=0")
     deadline = time.monotonic() + 300
     while _steps(run_dir) < 2:
         status = client.get_job_status(job_id)
