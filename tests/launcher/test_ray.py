@@ -67,6 +67,9 @@ def ray_cluster():
     dashboard_port = free_port()
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_JOB_STOP_WAIT_TIME_S", str(JOB_STOP_WAIT_S))
+        # No OOM killing by Ray: its threshold is 95% of the machine's memory, which other tests running beside
+        # this one fill (seen: a worker killed at 22 of 23.5 GB with the run itself using a small part).
+        env.setenv("RAY_memory_monitor_refresh_ms", "0")
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "object_store_memory": 80 * MB, "_system_config": fast,
             "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port,
