@@ -300,7 +300,7 @@ def test_ray_job_submit_runs_to_the_end_and_ray_job_stop_stops_every_process(tmp
     assert done.stdout.rstrip().endswith(f"ray job {job_id}: SUCCEEDED"), done.stdout[-2000:]
     assert client.get_job_status(job_id) == JobStatus.SUCCEEDED
     logs = _ray_job(ray_cluster, "logs", job_id)
-    for line in ("ray: 3 node(s) at ", f"redis: started on {ray_cluster.head_node.node_ip_address}:", "engines: engine-0 ",
+    for line in (" node(s) at ", f"redis: started on {ray_cluster.head_node.node_ip_address}:", "engines: engine-0 ",
                  "trainer: trainer pid ", "producers: producer-0 on ", "] step ", "training finished",
                  f"checkpoint {run_dir}/checkpoints/final"):
         assert line in logs and line in done.stdout, f"{line!r} not in the job's logs:\n{logs[-4000:]}"
