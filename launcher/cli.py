@@ -364,12 +364,20 @@ def launch_slurm(ctx: typer.Context, config: Optional[str] = ConfigOpt,
 @launch_app.command("ray", context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def launch_ray(ctx: typer.Context, config: Optional[str] = ConfigOpt,
                address: Optional[str] = typer.Option(None, "--address", help="Ray cluster (GCS host:port, or auto); default: launcher.ray.address, $RAY_ADDRESS, else a one-node Ray."),
-               redis: Optional[str] = typer.Option(None, "--redis", help="Use this Redis instead of starting one on this node.")) -> None:
+               redis: Optional[str] = typer.Option(None, "--redis", help="Use this Redis instead of starting one on this node."),
+               submit: Optional[str] = typer.Option(None, "--submit", help="Submit the launch as a Ray job to this job server (http://HEAD:8265) and print its logs until it ends.")) -> None:
     """Run the job on a Ray cluster: engines, producers and trainer ranks as Ray actors (docs/launcher.md, Ray)."""
     from rlstream.launcher.ray import launch as ray_main
 
     if config is None:
         _fail("rlstream launch ray needs a config: --config FILE, then any KEY=VALUE overrides", 2)
+    if submit:
+        from rlstream.launcher.ray_submit import submit as submit_main
+
+        if address:
+            _fail(f"--address={address} with --submit: the job runs on the head and finds its cluster itself", 2)
+        code = _guard(submit_main, load(config, ctx.args), config, list(ctx.args), submit, redis_url=redis)
+        raise typer.Exit(code or 0)
     code = _guard(ray_main, load(config, ctx.args), address=address, redis_url=redis)
     raise typer.Exit(code or 0)
 

@@ -218,6 +218,9 @@ class LocalRun:
 
         return evaluate(self.cfg, model_path, when)
 
+    def _start_redis_process(self, argv: list[str]) -> Child:
+        return Child("redis", "redis", argv, self.logs / "redis.log", env=self._env()).start()
+
     def start_redis(self) -> None:
         from rlstream.broker.connection import connect, mask_url
 
@@ -239,7 +242,7 @@ class LocalRun:
                 with os.fdopen(fd, "w") as f:
                     f.write(f"requirepass {cfg.redis.password}\n")
                 argv.insert(1, str(conf))
-            self.own_redis = Child("redis", "redis", argv, self.logs / "redis.log", env=self._env()).start()
+            self.own_redis = self._start_redis_process(argv)
             if not wait_for_port(self.redis_bind, port, 15):
                 code = self.own_redis.poll()
                 raise RunFailed(f"redis (pid {self.own_redis.pid}) did not start ({describe_exit(code)}); "

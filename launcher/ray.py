@@ -5,10 +5,12 @@ is the very process `rlstream run` starts, started by a small Ray actor (`Proces
 node Ray placed that actor on; the actor holds the process's placement-group bundle (CPUs,
 GPUs: Ray sets CUDA_VISIBLE_DEVICES) and reports its exit code. Everything else is
 `rlstream run`'s (`LocalRun`): preparation, the Redis it starts (or `--redis` /
-`redis.url`), the live view, the stop order, the report. Redis stays outside Ray: the one
-the launcher starts binds this node's address behind a per-run random password (kept in the
-0600 config every process reads). Engines register with name resolve as always; producers
-and the trainer find them there.
+`redis.url`), the live view, the stop order, the report. Redis stays outside the placement
+groups: the one the launcher starts runs in an actor on the launcher's node (not as its child:
+`ray job stop` signals the entrypoint and all its descendants at once, and Redis stops last),
+bound to this node's address behind a per-run random password (kept in the 0600 config every
+process reads). Engines register with name resolve as always; producers and the trainer find
+them there.
 
 Placement groups:
 
@@ -58,12 +60,13 @@ CALL_TIMEOUT_S = 30.0  # one call to an actor (poll, stop, tail) on a healthy cl
 class ProcessActor:
     """One rlstream process on the node this actor runs on (made a Ray actor by `RayRun`)."""
 
-    def __init__(self, name: str, role: str, args: list[str], log_path: str, env: dict[str, str]) -> None:
+    def __init__(self, name: str, role: str, args: list[str], log_path: str, env: dict[str, str],
+                 python: bool = True) -> None:
         import ray
 
         self.ip = ray.util.get_node_ip_address()
         # `{node_ip}`: the address others reach this node on (an engine binds and advertises it).
-        argv = [sys.executable, *(a.replace("{node_ip}", self.ip) for a in args)]
+        argv = [*([sys.executable] if python else []), *(a.replace("{node_ip}", self.ip) for a in args)]
         self.child = Child(name, role, argv, Path(log_path), env=env)
 
     def free_port(self) -> tuple[str, int]:
@@ -259,6 +262,21 @@ class RayRun(LocalRun):
                 rcfg = msgspec.structs.replace(self.cfg.redis, password=secrets.token_urlsafe(32))
                 self.cfg = msgspec.structs.replace(self.cfg, redis=rcfg)
         super().start_redis()
+
+    def _start_redis_process(self, argv: list[str]) -> RayChild:
+        """The run's Redis in an actor on this node, not a child of the launcher: `ray job stop` signals the job's
+        entrypoint and all its descendants at once, and Redis must outlive the ordered stop (it stops last)."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        log_path = self.logs / "redis.log"
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actor = self.ProcessActor.options(num_cpus=0, scheduling_strategy=here, max_restarts=0).remote(
+            "redis", "redis", argv, str(log_path), self._env(), python=False)
+        child = RayChild("redis", "redis", log_path, actor)
+        self.actors.append(child)
+        self._start([child])
+        return child
 
     def _spawn(self, name: str, role: str, args: list[str], pg: Any, index: int, resources: dict[str, float],
                threads: int, **env: str) -> RayChild:
@@ -519,6 +537,8 @@ class RayRun(LocalRun):
         from ray.util.placement_group import remove_placement_group
 
         for c in self.actors:
+            if c.role == "redis":
+                continue  # stopped last, by `stop_redis`
             try:
                 ray.kill(c.actor, no_restart=True)
             except Exception:  # noqa: BLE001 - already gone
