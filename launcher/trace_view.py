@@ -153,7 +153,9 @@ async def _shoot(browser: _Browser, url: str, track: str, timeout: float) -> tup
             raise ValueError(f"no track of the trace has {track!r} in its name")
         await browser.wait_for(f"{TRACK_TITLE}.startsWith({json.dumps(picked)})", 10, f"show the track {picked}")
         title = await browser.eval(TRACK_TITLE)
-        await asyncio.sleep(0.5)  # the flame chart's canvas is drawn on the frame after the switch
+        # the flame chart's canvas is drawn on an animation frame after the switch: wait for two to pass
+        await browser.call("Runtime.evaluate", awaitPromise=True, expression="new Promise((r) => "
+                           "requestAnimationFrame(() => requestAnimationFrame(() => r(true))))")
         shot = await browser.call("Page.captureScreenshot", format="png")
         return title, base64.b64decode(shot["data"])
 
