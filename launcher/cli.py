@@ -429,7 +429,7 @@ def sim(ctx: typer.Context) -> None:
 @trace_app.command("merge")
 def trace_merge(run_dir: str = typer.Argument(..., help="The run folder ({cluster.fileroot}/{experiment}/{trial})."),
                 out: Optional[str] = typer.Option(None, "--out", "-o", help="Output file (default: RUN_DIR/trace/merged.trace.json).")) -> None:
-    """Merge every process's trace into one timeline for Perfetto or chrome://tracing."""
+    """Merge every process's trace into one timeline for Perfetto or `rlstream trace view`."""
     from rlstream.launcher.trace_merge import coverage, merge_traces
 
     try:
@@ -443,7 +443,31 @@ def trace_merge(run_dir: str = typer.Argument(..., help="The run folder ({cluste
     for src in doc["otherData"]["sources"]:
         if "error" in src:
             typer.echo(f"  skipped {src['file']}: {src['error']}", err=True)
-    typer.echo(f"wrote {path} ({len(doc['traceEvents'])} events); open it in Perfetto (ui.perfetto.dev) or chrome://tracing")
+    typer.echo(f"wrote {path} ({len(doc['traceEvents'])} events); open it in Perfetto (ui.perfetto.dev) or `rlstream trace view`")
+
+
+@trace_app.command("view")
+def trace_view(run_dir: str = typer.Argument(..., help="The run folder (its trace is merged first when not yet), or a trace file."),
+               png: Optional[str] = typer.Option(None, "--png", help="Draw one track into this PNG (headless Chromium) instead of serving the page."),
+               track: str = typer.Option("trainer", "--track", help="With --png: the first track whose title holds this text (process or thread name)."),
+               port: int = typer.Option(0, "--port", help="Serve the viewer on this port of 127.0.0.1 (0: a free one).")) -> None:
+    """Open the run's merged trace in speedscope (vendored, offline); Perfetto opens the same file."""
+    from rlstream.launcher.trace_view import TraceServer, merged_trace, screenshot
+
+    try:
+        trace_file = merged_trace(run_dir)
+        if png is not None:
+            title = screenshot(trace_file, png, track)
+            typer.echo(f"wrote {png}: {title} of {trace_file}")
+            return
+        server = TraceServer(trace_file, port)
+    except (FileNotFoundError, OSError, RuntimeError, ValueError) as exc:
+        _fail(f"trace view: {exc}", 1)
+    typer.echo(f"speedscope on {trace_file}: {server.url}  (Ctrl-C stops; n / p switch tracks)")
+    try:
+        server.thread.join()
+    except KeyboardInterrupt:
+        server.close()
 
 
 @app.command()
