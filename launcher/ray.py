@@ -93,8 +93,8 @@ class ProcessActor:
     def poll(self) -> int | None:
         return self.child.poll()
 
-    def stop(self, timeout: float) -> int | None:
-        return self.child.stop(timeout)
+    def stop(self, timeout: float, urgent: bool = False) -> int | None:
+        return self.child.stop(timeout, urgent)
 
     def tail(self, lines: int) -> list[str]:
         return self.child.tail(lines)
@@ -119,12 +119,12 @@ class RayChild:
         poll_all([self])
         return self.code is None
 
-    def stop(self, timeout: float = 15.0) -> int | None:
+    def stop(self, timeout: float = 15.0, urgent: bool = False) -> int | None:
         import ray
 
         if self.lost is None:
             try:
-                self.code = ray.get(self.actor.stop.remote(timeout), timeout=timeout + CALL_TIMEOUT_S)
+                self.code = ray.get(self.actor.stop.remote(timeout, urgent), timeout=timeout + CALL_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - an actor already gone has nothing left to stop
                 log.debug("stopping %s: %s", self.name, exc)
         ray.kill(self.actor, no_restart=True)
@@ -182,10 +182,10 @@ class RankGroup:
         poll_all(self.ranks)
         return self.poll() is None
 
-    def stop(self, timeout: float = 15.0) -> int | None:
+    def stop(self, timeout: float = 15.0, urgent: bool = False) -> int | None:
         import ray
 
-        refs = [r.actor.stop.remote(timeout) for r in self.ranks if r.lost is None]  # all at once: a collective
+        refs = [r.actor.stop.remote(timeout, urgent) for r in self.ranks if r.lost is None]  # all at once: a collective
         try:
             ray.get(refs, timeout=timeout + CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - a rank already gone
