@@ -158,6 +158,8 @@ class _Reply(msgspec.Struct, kw_only=True):
 
 
 _HDR = struct.Struct("<I")
+# A worker's first frame (id 0) says it imported the reward function; start-up is not the reward's time.
+WORKER_START_TIMEOUT_S = 120.0
 
 
 def _worker_main(path: str) -> None:
@@ -177,6 +179,8 @@ def _worker_main(path: str) -> None:
         load_error = None
     except Exception as exc:  # noqa: BLE001 - reported per call
         fn, load_error = None, str(exc)
+    hello = enc.encode(_Reply(id=0))
+    proto_out.write(_HDR.pack(len(hello)) + hello)
     while True:
         hdr = proto_in.read(_HDR.size)
         if len(hdr) < _HDR.size:
@@ -200,6 +204,7 @@ def _worker_main(path: str) -> None:
 class _Worker:
     def __init__(self, proc: asyncio.subprocess.Process) -> None:
         self.proc = proc
+        self.ready = False  # its hello frame was read
 
     def kill(self) -> None:
         if self.proc.returncode is None:
@@ -253,6 +258,11 @@ class RewardPool:
         if not self._closed and self._idle is not None:
             self._idle.put_nowait(await self._spawn())
 
+    async def _read(self, w: _Worker) -> _Reply:
+        assert w.proc.stdout is not None
+        hdr = await w.proc.stdout.readexactly(_HDR.size)
+        return self._dec.decode(await w.proc.stdout.readexactly(_HDR.unpack(hdr)[0]))
+
     async def __call__(self, prompt: str, completion: str, answer: Any = None, **kwargs: Any) -> RewardResult:
         with lane_span("reward"):
             return await self._call(prompt, completion, answer, **kwargs)
@@ -266,17 +276,20 @@ class RewardPool:
         call = _Call(id=self._ids, prompt=prompt, completion=completion, answer=answer, kwargs=kwargs)
         t0 = time.monotonic()
         try:
+            if not w.ready:
+                await asyncio.wait_for(self._read(w), WORKER_START_TIMEOUT_S)
+                w.ready, t0 = True, time.monotonic()
             data = self._enc.encode(call)
-            assert w.proc.stdin is not None and w.proc.stdout is not None
+            assert w.proc.stdin is not None
             w.proc.stdin.write(_HDR.pack(len(data)) + data)
             await w.proc.stdin.drain()
-
-            async def read() -> _Reply:
-                hdr = await w.proc.stdout.readexactly(_HDR.size)
-                return self._dec.decode(await w.proc.stdout.readexactly(_HDR.unpack(hdr)[0]))
-
-            reply = await asyncio.wait_for(read(), self.timeout)
+            reply = await asyncio.wait_for(self._read(w), self.timeout)
         except asyncio.TimeoutError:
+            if not w.ready:
+                self.errors += 1
+                await self._replace(w)
+                return RewardResult(0.0, f"reward worker did not start within {WORKER_START_TIMEOUT_S:g}s",
+                                    time.monotonic() - t0)
             self.errors += 1
             await self._replace(w)
             return RewardResult(0.0, f"reward timed out after {self.timeout:g}s", time.monotonic() - t0)

@@ -139,6 +139,24 @@ async def test_pool_runs_builtin_and_user_rewards(user_module):
         await pool.close()
 
 
+async def test_a_workers_start_up_is_not_the_rewards_time(tmp_path, monkeypatch):
+    """A reward module that takes longer to import than producer.reward_timeout: the first call still scores,
+    because the timeout starts when the worker said it is ready (before, every fresh worker timed out)."""
+    (tmp_path / "slow_import_rewards.py").write_text(
+        "import time\n"
+        "time.sleep(2.0)  # a heavy import (sympy, a tokenizer)\n"
+        "def one(prompt, completion, answer, **kw):\n"
+        "    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    pool = RewardPool("slow_import_rewards:one", workers=1, timeout=1.0)
+    try:
+        r = await pool("p", "c", "a")
+        assert r.reward == 1.0 and r.error is None, r
+    finally:
+        await pool.close()
+
+
 async def test_crash_timeout_and_death_mark_the_sample_not_the_pool(user_module):
     pool = RewardPool(f"{user_module}:crashing", workers=1, timeout=30)
     try:
