@@ -43,7 +43,9 @@ class Agent:
         self.rng = random.Random(seed)
         self.timeout = timeout
         self.tool = Calculator()
-        self.counts = {"episodes_rewarded": 0, "episodes_failed": 0, "tool_calls": 0}
+        # episodes_failed: opened, then cut short (their sessions abandoned); unreachable: the gateway did not answer
+        # the group's first session (down or restarting), retried after RETRY_S.
+        self.counts = {"episodes_rewarded": 0, "episodes_failed": 0, "gateway_unreachable": 0, "tool_calls": 0}
         self.last_error = ""
         self._group_seq = 0
 
@@ -93,6 +95,13 @@ class Agent:
     async def group(self, http: httpx.AsyncClient) -> None:
         base = self.gateway()
         if base is None:
+            await asyncio.sleep(RETRY_S)
+            return
+        try:
+            (await http.get(f"{base}/health")).raise_for_status()
+        except httpx.HTTPError as exc:
+            self.counts["gateway_unreachable"] += 1
+            self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
             await asyncio.sleep(RETRY_S)
             return
         row = self.rng.choice(self.rows)

@@ -24,16 +24,16 @@ def test_a_gateway_without_an_address_file_is_waited_for(tmp_path):
     agent = Agent(tmp_path / "gateway.addr", ROWS, group_size=2)
     assert agent.gateway() is None
     asyncio.run(_one_group(agent))
-    assert agent.counts == {"episodes_rewarded": 0, "episodes_failed": 0, "tool_calls": 0}
+    assert agent.counts == {"episodes_rewarded": 0, "episodes_failed": 0, "gateway_unreachable": 0, "tool_calls": 0}
 
 
-def test_episodes_against_a_dead_gateway_are_counted_as_failed(tmp_path):
+def test_a_dead_gateway_is_counted_as_unreachable_and_retried(tmp_path):
     addr = tmp_path / "gateway.addr"
     addr.write_text(f"127.0.0.1:{_closed_port()}\n")
     agent = Agent(addr, ROWS, group_size=3, timeout=5.0)
     assert agent.gateway() == addr.read_text().strip().join(["http://", ""])
     asyncio.run(_one_group(agent))
-    assert agent.counts["episodes_failed"] == 3 and agent.counts["episodes_rewarded"] == 0
+    assert agent.counts["gateway_unreachable"] == 1 and agent.counts["episodes_failed"] == 0
     assert agent.last_error.startswith("ConnectError")
 
 

@@ -291,7 +291,8 @@ def test_the_chaos_agent_runs_its_episodes_through_the_gateway(gateway, redis_ur
     exp, gw = gateway
     agent = Agent(gw.addr_file, [{"prompt": QUESTION, "answer": "408"}], group_size=2, timeout=120)
     asyncio.run(_agent_group(agent))
-    assert agent.counts == {"episodes_rewarded": 2, "episodes_failed": 0, "tool_calls": 2}, agent.last_error
+    assert agent.counts == {"episodes_rewarded": 2, "episodes_failed": 0, "gateway_unreachable": 0, "tool_calls": 2}, \
+        agent.last_error
     groups, _ = _entries(redis_url, exp)
     (g,) = [g for g in groups if g.prompt_id == "chaos-agent-1"]
     assert len(g.trajectories) == 2 and all(t.reward == 1.0 for t in g.trajectories)
