@@ -56,7 +56,8 @@ def part_overrides(parts: list[str]) -> list[str]:
         # reward-model weight keeps the policy learning the tool instead of the reward model's 7s.
         weight = 0.01 if {"tools", "gateway"} & set(parts) else 0.1
         out += [f"reward_model.pool.model_path={RUN}/reward_model", "reward_model.pool.device=cpu",
-                "reward_model.rule_weight=1.0", f"reward_model.weight={weight}", f"rw.dataset={RUN}/data/rw_pairs.jsonl"]
+                "reward_model.rule_weight=1.0", f"reward_model.weight={weight}",
+                f"rw.dataset={RUN}/data/rw_pairs.jsonl"]
     if "judge" in parts:
         out += ["judge.pool.model_path=${actor.path}", "judge.pool.device=cpu", "judge.max_new_tokens=4",
                 "judge.on_unparseable=rule_reward", "judge.rule_weight=1.0", "judge.weight=0.1"]
