@@ -16,8 +16,11 @@ read from Redis (rlstream.broker.ledger). Run it with `nice -n 10` on a shared m
 `--parts` adds the new parts, each with its own faults: `reward_model` (a reward model trained first by
 `rlstream rw`, one engine, killed and stopped), `judge` (the demo policy's warm start as an LLM judge of one
 engine; its answers rarely parse, so samples keep their rule reward flagged `judge_failed`), `teacher` (the same
-model as a distillation teacher of one engine) and `critic` (PPO's value model in the trainer: the trainer kills,
-`trainer_kill_mid_step` among them, then restore it).
+model as a distillation teacher of one engine), `critic` (PPO's value model in the trainer: the trainer kills,
+`trainer_kill_mid_step` among them, then restore it), `tools` (the multi-turn demo, configs/tools-cpu.yaml, instead
+of tiny-cpu: the producers run AgentWorkflow episodes with the calculator tool) and `gateway` (implies `tools`:
+`rlstream chaos --agent`, i.e. `rlstream gateway` and an agent driving it with the openai SDK, both killed too).
+With `tools` the reward model learns the reverse demo's pairs rule (a 7 in the answer) on the multiply prompts.
 """
 
 from __future__ import annotations
@@ -34,22 +37,27 @@ from readme_section import write_section  # benchmarks/ is sys.path[0] when run 
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny-cpu.yaml"
+TOOLS_CONFIG = ROOT / "configs" / "tools-cpu.yaml"
 SECTION = "## Chaos soak"
 
 # Keys of the ledger that must be 0 (or, for the stale share, small) for the run to pass.
 MUST_BE_ZERO = ("lost", "trained_twice", "unaccounted", "in_two_states", "over_admissions", "unexpected_exits",
                 "steps_without_record", "steps_replayed_with_other_entries", "dropped_twice", "dead_lettered_twice",
                 "unscored_groups")
-PARTS = ("reward_model", "judge", "teacher", "critic")
-RUN = "${cluster.fileroot}/tiny-cpu/run0"  # the demo's run folder (data, model) under the soak's fileroot
+PARTS = ("reward_model", "judge", "teacher", "critic", "tools", "gateway")
+RUN = "${cluster.fileroot}/${experiment_name}/${trial_name}"  # the demo's run folder (data, model)
 
 
 def part_overrides(parts: list[str]) -> list[str]:
     """The config overrides that add `parts` to the CPU demo (the reward model's folder: see train_reward_model)."""
     out: list[str] = []
     if "reward_model" in parts:
+        # With tools the exact-match reward is rare (the model calls the calculator ~5% of the time at first): a small
+        # reward-model weight keeps the policy learning the tool instead of the reward model's 7s.
+        weight = 0.01 if {"tools", "gateway"} & set(parts) else 0.1
         out += [f"reward_model.pool.model_path={RUN}/reward_model", "reward_model.pool.device=cpu",
-                "reward_model.rule_weight=1.0", "reward_model.weight=0.1", f"rw.dataset={RUN}/data/rw_pairs.jsonl"]
+                "reward_model.rule_weight=1.0", f"reward_model.weight={weight}",
+                f"rw.dataset={RUN}/data/rw_pairs.jsonl"]
     if "judge" in parts:
         out += ["judge.pool.model_path=${actor.path}", "judge.pool.device=cpu", "judge.max_new_tokens=4",
                 "judge.on_unparseable=rule_reward", "judge.rule_weight=1.0", "judge.weight=0.1"]
@@ -61,16 +69,37 @@ def part_overrides(parts: list[str]) -> list[str]:
     return out
 
 
+def config_of(parts: list[str]) -> Path:
+    return TOOLS_CONFIG if {"tools", "gateway"} & set(parts) else CONFIG
+
+
+def write_tool_pairs(config: Path, overrides: list[str]) -> None:
+    """The tool demo's data and model, and reward-model pairs over its prompts (`rlstream rw` writes pairs for the
+    reverse demo only)."""
+    from rlstream.common.config import load_config
+    from rlstream.launcher.demo import prepare
+    from rlstream.launcher.rw import write_demo_pairs
+
+    cfg = load_config(config, overrides)
+    paths = prepare(cfg)
+    if not Path(cfg.rw.dataset).exists():
+        write_demo_pairs(paths["train"], Path(cfg.rw.dataset), cfg.seed)
+
+
 def run_soak(duration: float, seed: int, mean_gap: float, workdir: Path, parts: list[str]) -> dict:
     base = [f"cluster.fileroot={workdir / 'runs'}", *part_overrides(parts)]
+    config = config_of(parts)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     cli = [sys.executable, "-m", "rlstream.launcher.cli"]
     if "reward_model" in parts:  # a Bradley-Terry reward model on the demo's pairs (launcher/rw.py), before the soak
-        subprocess.run([*cli, "rw", "--config", str(CONFIG), *base, "rw.steps=50"], cwd=workdir, check=True, env=env)
-    cmd = [*cli, "chaos", "--config", str(CONFIG), "--duration", str(duration), "--seed", str(seed), "--mean-gap",
-           str(mean_gap), *base]
+        if config == TOOLS_CONFIG:
+            write_tool_pairs(config, base)
+        subprocess.run([*cli, "rw", "--config", str(config), *base, "rw.steps=50"], cwd=workdir, check=True, env=env)
+    cmd = [*cli, "chaos", "--config", str(config), "--duration", str(duration), "--seed", str(seed), "--mean-gap",
+           str(mean_gap), *(["--agent"] if "gateway" in parts else []), *base]
     subprocess.run(cmd, cwd=workdir, check=False, env=env)
-    return json.loads((workdir / "runs" / "tiny-cpu" / "run0" / "chaos.json").read_text())
+    name = "tools-cpu" if config == TOOLS_CONFIG else "tiny-cpu"
+    return json.loads((workdir / "runs" / name / "run0" / "chaos.json").read_text())
 
 
 def section(r: dict, note: str, duration: float, mean_gap: float) -> str:

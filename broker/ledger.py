@@ -16,20 +16,22 @@ stopped (a crash or a clean stop):
 Anything else is *unaccounted* (lost inside the pipeline); an entry in two of the
 sets, or in the steps of two different steps, is counted as such. `lost` compares
 the producers' exact commit counters (`accepted:<id>`, bumped in each commit's
-transaction) with the decodable groups the stream holds. Only reads; used by
+transaction) with the decodable groups the stream holds of those producers. Only reads; used by
 `rlstream chaos` (launcher/chaos.py) and its tests.
 
 Groups that failed before their commit (`GroupFailed`: a scoring pool that could not answer, an unparseable judge
 answer) never reach the stream: their rows in `{ns}:dead` name a lease, not an entry, and are counted apart
 (`failed_before_commit`, by stage in `failed_by_stage`: `reward model`, `judge`, `distillation teacher`, `other`).
 With `scored_by` (the run's scoring stages) every group in the stream is checked to carry each stage's result
-(`unscored_groups`: a group trained on a reward nobody computed, e.g. a silent 0, counts there).
+(`unscored_groups`: a group trained on a reward nobody computed, e.g. a silent 0, counts there). The gateway's groups
+(metadata `source: gateway`) are exempt: their reward is the agent's, no scoring stage runs there; they are counted
+in `gateway_groups`.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any
+from typing import Any, NamedTuple
 
 from rlstream.broker.keys import TRAIN_GROUP, Keys
 from rlstream.broker.producers import accepted_field
@@ -63,7 +65,8 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
     `stale_waste_after_redis_restarts` is the share of the groups consumed (trained or dropped)
     after the first restart that were dropped as too stale (a wrong admission count after an AOF
     reload shows up there as a lasting drop loop)."""
-    ids, groups, garbage_in_stream, unscored = _stream_entries(client, keys, scored_by)
+    scan = _stream_entries(client, keys, scored_by)
+    ids, groups = scan.ids, sum(scan.by_producer.values())
     present = set(ids)
     trainer_version, plans, first_ts = _step_plans(client, keys)
     replayed_differently = sum(1 for p in plans.values() if any(ids_ != p[0] for ids_ in p))
@@ -90,14 +93,19 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
     states = [trained, dropped, dead, pending - trained, undelivered]
     in_two = sum(1 for i in present if sum(i in s for s in states) > 1)
     accounted = set().union(*states)
-    committed = sum(int(v) for k, v in client.hgetall(keys.producers).items()
-                    if id_str(k).startswith(accepted_field("")))
+    counters = {id_str(k)[len(accepted_field("")):]: int(v) for k, v in client.hgetall(keys.producers).items()
+                if id_str(k).startswith(accepted_field(""))}
+    committed = sum(counters.values())
+    # Groups of a producer without a commit counter were never committed (written by hand, e.g. chaos garbage).
+    counted = sum(n for pid, n in scan.by_producer.items() if pid in counters)
 
     out: dict[str, Any] = {
         "entries_added": len(ids),
         "groups_committed": committed,
-        "garbage_in_stream": garbage_in_stream,
-        "lost": max(0, committed - groups),
+        "garbage_in_stream": scan.garbage,
+        "uncommitted_groups_in_stream": groups - counted,
+        "gateway_groups": scan.from_gateway,
+        "lost": max(0, committed - counted),
         "trained_once": sum(1 for n in trained_count.values() if n == 1),
         "trained_twice": sum(1 for n in trained_count.values() if n > 1),
         "trained_missing_from_stream": len(trained - present),
@@ -111,20 +119,20 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
         "dead_lettered_twice": len(dead_rows) - len(dead),
         "failed_before_commit": sum(failed_by_stage.values()),
         "failed_by_stage": dict(sorted(failed_by_stage.items())),
-        "unscored_groups": unscored,
+        "unscored_groups": len(scan.unscored - dead),  # a dead-lettered group is never trained
         "pending": len(pending - trained),
         "pending_trained": len(pending & trained),
         "planned_not_trained": len(planned_not_trained),
         "never_delivered": len(undelivered),
         "in_two_states": in_two,
         "unaccounted": len(present - accounted),
-        "waste_groups": groups - len(trained & present),
+        "waste_groups": max(0, counted - len(trained & present)),  # committed, not trained
     }
     starts = sorted(first_ts[s] for s in plans) + ([until_ts] if until_ts is not None and plans else [])
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     out["stall_seconds"] = round(sum(g for g in gaps if g > stall_gap_s), 1)
     out["longest_stall_s"] = round(max(gaps, default=0.0), 1)
-    out["waste_frac"] = out["waste_groups"] / groups if groups else 0.0
+    out["waste_frac"] = out["waste_groups"] / counted if counted else 0.0
     if redis_restarts_ms:
         since = min(redis_restarts_ms)
         drops_after = sum(1 for did, _ in dropped_rows if _ms(did) >= since)
@@ -135,26 +143,36 @@ def ledger(client: Any, keys: Keys, *, redis_restarts_ms: list[int] = (), stall_
     return out
 
 
-def _stream_entries(client: Any, keys: Keys, scored_by: tuple[str, ...]) -> tuple[list[str], int, int, int]:
-    """The stream's entry ids, how many of them decode as groups, how many do not (garbage), and how many groups
-    miss a result of one of the `scored_by` stages."""
+class _StreamScan(NamedTuple):
+    ids: list[str]  # every entry id, in order
+    by_producer: Counter[str]  # decodable groups per producer id
+    garbage: int  # entries that do not decode as a group
+    unscored: set[str]  # groups missing a result of one of the `scored_by` stages
+    from_gateway: int  # groups the gateway committed (exempt from `scored_by`)
+
+
+def _stream_entries(client: Any, keys: Keys, scored_by: tuple[str, ...]) -> _StreamScan:
+    """One pass over the stream: see `_StreamScan`."""
     from rlstream.common.wire import WireError, decode_group
 
     unknown = set(scored_by) - set(SCORING_STAGES)
     if unknown:
         raise ValueError(f"scored_by: unknown stage(s) {sorted(unknown)}; allowed: {', '.join(SCORING_STAGES)}")
-    ids: list[str] = []
-    groups = garbage_in_stream = unscored = 0
+    scan = _StreamScan([], Counter(), 0, set(), 0)
+    garbage = from_gateway = 0
     for eid, fields in client.xrange(keys.traj):
-        ids.append(id_str(eid))
+        scan.ids.append(id_str(eid))
         try:
             group = decode_group(fields[b"d"])
         except (KeyError, WireError):
-            garbage_in_stream += 1
+            garbage += 1
             continue
-        groups += 1
-        unscored += any(not _scored(group, t, stage) for t in group.trajectories for stage in scored_by)
-    return ids, groups, garbage_in_stream, unscored
+        scan.by_producer[group.producer_id] += 1
+        if group.metadata.get("source") == "gateway":
+            from_gateway += 1
+        elif any(not _scored(group, t, stage) for t in group.trajectories for stage in scored_by):
+            scan.unscored.add(scan.ids[-1])
+    return scan._replace(garbage=garbage, from_gateway=from_gateway)
 
 
 def _scored(group: Any, traj: Any, stage: str) -> bool:

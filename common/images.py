@@ -13,6 +13,7 @@ import binascii
 import hashlib
 import io
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +78,21 @@ def open_image(data: bytes):
 
 
 def image_problem(data: bytes, sha256: str | None = None) -> str | None:
-    """Why `data` is not a usable image (with `sha256`: also when it does not hash to it), or None."""
+    """Why `data` is not a usable image (with `sha256`: also when it does not hash to it), or None.
+
+    An image over Pillow's pixel limit (`PIL.Image.MAX_IMAGE_PIXELS`, ~89 M) is refused: its header alone can ask
+    a reader for gigabytes (a decompression bomb), and past twice the limit Pillow raises instead of warning."""
     from PIL import Image, UnidentifiedImageError
 
     if sha256 is not None and image_sha256(data) != sha256:
         return f"bytes hash to {image_sha256(data)[:12]}, not to their reference {sha256[:12]} (corrupt)"
     try:
-        with Image.open(io.BytesIO(data)) as img:
-            img.verify()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as img:
+                img.verify()
+    except (Image.DecompressionBombWarning, Image.DecompressionBombError) as exc:
+        return f"over the image size limit ({str(exc)[:120]})"
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
         return f"does not decode as an image ({type(exc).__name__}: {str(exc)[:120]})"
     return None

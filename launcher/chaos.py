@@ -14,12 +14,18 @@ moments drawn from a seeded RNG, one fault at a time:
 - `engine_stop`: SIGSTOP an engine for a few seconds, then SIGCONT;
 - `redis_kill`: SIGKILL redis-server, leave it down a few seconds, restart it from its AOF
   (`appendfsync always`: an acknowledged commit is on disk);
-- `garbage`: XADD undecodable or invalid entries into `{ns}:traj`;
+- `garbage`: XADD undecodable or invalid entries into `{ns}:traj`, and one schema-4 entry with a bad image (its
+  key missing, a sha that is not one, bytes hashing to another sha, over the pixel limit, not an image; in turn:
+  launcher/chaos_garbage.py); each must be dead-lettered with its reason;
 - `scoring_kill:NAME` / `scoring_stop:NAME`, for each scoring pool NAME whose engines the run starts (reward
   model, judge, distillation teachers): SIGKILL one of its engines and restart it, or SIGSTOP it for a few
   seconds, then SIGCONT. A group the pool cannot score meanwhile fails (`GroupFailed`: a row in `{ns}:dead`
   naming its lease and the reason); the ledger counts those by stage and checks that every group in the stream
   carries each stage's result (`unscored_groups`: never a reward nobody computed).
+- with `--agent`, `gateway_kill` / `agent_kill`: SIGKILL `rlstream gateway` (its open episodes are lost, the leases
+  of their groups counted as in flight and freed by the liveness reaper) or the agent driving it with the `openai`
+  SDK (launcher/chaos_agent.py: its sessions are abandoned by `gateway.session_timeout`), restart it. The gateway
+  commits under `gateway.gateway_id=gateway-0`, so its groups join the same ledger.
 
 The first faults go through every kind once (in a seeded order; past `--duration` if a loaded
 machine makes them slow), then kinds are drawn at random; the time between two faults is uniform in [0.5, 1.5]·`--mean-gap`. While it runs the admission state is sampled every ~0.5 s (`over_admissions`
@@ -36,6 +42,7 @@ from __future__ import annotations
 import json
 import random
 import signal
+import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -45,7 +52,7 @@ from rlstream.common.logging import get_logger
 from rlstream.launcher.local import LocalRun, RunFailed, _echo, repair_torn_aof
 from rlstream.launcher.procs import Child
 
-__all__ = ["CHAOS_OVERRIDES", "FAULTS", "ChaosRun", "chaos"]
+__all__ = ["AGENT_FAULTS", "AGENT_OVERRIDES", "CHAOS_OVERRIDES", "FAULTS", "ChaosRun", "chaos"]
 
 log = get_logger(__name__)
 
@@ -61,6 +68,12 @@ CHAOS_OVERRIDES = [
 
 FAULTS = ("trainer_kill", "trainer_kill_mid_step", "producer_kill", "engine_kill", "engine_stop", "redis_kill",
           "garbage")  # and, per scoring pool NAME the run starts engines for, scoring_kill:NAME and scoring_stop:NAME
+AGENT_FAULTS = ("gateway_kill", "agent_kill")  # with --agent
+# With --agent: the gateway commits under a fixed id (its counter survives restarts); an episode whose agent died
+# frees its group within seconds, and a group waits for a lease shorter than the agent waits for an answer.
+AGENT_OVERRIDES = ["gateway.gateway_id=gateway-0", "gateway.port=0", "gateway.session_timeout=20",
+                   "gateway.admission_timeout=30"]
+AGENT_TIMEOUT_S = 90.0  # the agent's per-request timeout (> gateway.admission_timeout)
 SAMPLE_S = 0.5
 MID_STEP_WAIT_S = 120.0  # trainer_kill_mid_step: longest wait for a step in progress (a restarted trainer loads first)
 FINISH_TIMEOUT_S = 180.0  # the trainer's graceful stop, then the producers'
@@ -70,7 +83,7 @@ FAULTS_LINE_WIDTH = 80  # characters of fault counts per ledger line
 class ChaosRun(LocalRun):
     """A LocalRun whose watch loop injects faults; `run` returns the ledger."""
 
-    def __init__(self, cfg: Config, duration: float, seed: int, mean_gap: float = 15.0) -> None:
+    def __init__(self, cfg: Config, duration: float, seed: int, mean_gap: float = 15.0, agent: bool = False) -> None:
         if cfg.redis.url:
             raise ConfigError("rlstream chaos starts and kills its own redis-server: leave redis.url empty")
         super().__init__(cfg)
@@ -83,6 +96,7 @@ class ChaosRun(LocalRun):
         self.over_rows: list[dict[str, Any]] = []
         self.max_over = 0
         self.garbage = 0
+        self.image_garbage = 0  # of self.garbage: schema-4 entries with a bad image
         self.killed_in_flight = 0  # rollouts in flight on killed producers (their leases)
         self.steps_after_faults = 0  # steps trained after the last fault (within FINISH_TIMEOUT_S)
         self._events_seen = "0"  # the last event read from the run's event stream
@@ -92,6 +106,13 @@ class ChaosRun(LocalRun):
         self.pools = sorted(name for name, p in scoring_pools(cfg).items()
                             if p.backend == "local" and not p.addresses and p.engines)
         self.kinds = FAULTS + tuple(f"scoring_{act}:{pool}" for pool in self.pools for act in ("kill", "stop"))
+        self.agent = agent
+        self.gateway_child: Child | None = None
+        self.agent_child: Child | None = None
+        if agent:
+            if not cfg.train_dataset.path:
+                raise ConfigError("rlstream chaos --agent: train_dataset.path is empty (the agent's prompts)")
+            self.kinds += AGENT_FAULTS
         self.scored_by = tuple(stage for stage, section in (("reward_model", cfg.reward_model), ("judge", cfg.judge),
                                                             ("distillation", cfg.distillation)) if section is not None)
 
@@ -200,6 +221,50 @@ class ChaosRun(LocalRun):
         self._kill(child)
         return f"{child.name}, down {self._restart_after(child, 0.0, 3.0):.1f}s"
 
+    def gateway_kill(self) -> str:
+        assert self.gateway_child is not None
+        pid = self.gateway_child.pid
+        self._kill(self.gateway_child)
+        lost = self._leases_of(pid)
+        self.killed_in_flight += lost
+        return f"{lost} groups in flight lost, down {self._restart_after(self.gateway_child, 0.0, 3.0):.1f}s"
+
+    def agent_kill(self) -> str:
+        assert self.agent_child is not None
+        self._kill(self.agent_child)
+        return f"down {self._restart_after(self.agent_child, 0.0, 3.0):.1f}s"
+
+    def start_agent(self) -> None:
+        """`rlstream gateway` (its address in engines/gateway.addr) and the agent driving it."""
+        from rlstream.producer.gateway import ADDR_FILE_ENV
+
+        addr_file = self.run_dir / "engines" / "gateway.addr"
+        addr_file.unlink(missing_ok=True)
+        threads = self.cfg.launcher.threads.producer
+        self.gateway_child = Child("gateway", "producer", self._argv("gateway"), self.logs / "gateway.log",
+                                   env=self._env(threads, **{ADDR_FILE_ENV: str(addr_file)}))
+        agent_argv = [sys.executable, "-m", "rlstream.launcher.chaos_agent", "--addr-file", str(addr_file),
+                      "--dataset", str(self.cfg.train_dataset.path), "--group-size",
+                      str(self.cfg.gateway.group_size or self.cfg.gconfig.n_samples), "--seed", str(self.seed),
+                      "--timeout", str(AGENT_TIMEOUT_S)]
+        self.agent_child = Child("agent", "producer", agent_argv, self.logs / "agent.log", env=self._env(1))
+        self._start(self.gateway_child)
+        self._start(self.agent_child)
+        _echo(f"gateway: pid {self.gateway_child.pid}; agent: pid {self.agent_child.pid}")
+
+    @property
+    def agent_children(self) -> list[Child]:
+        return [c for c in (self.gateway_child, self.agent_child) if c is not None]
+
+    @property
+    def children(self) -> list[Child]:
+        return [*self.agent_children, *super().children]
+
+    def stop_all(self, graceful: bool) -> None:
+        for child in reversed(self.agent_children):  # the agent first: it holds the gateway's sessions
+            child.stop(timeout=10.0)
+        super().stop_all(graceful)
+
     def scoring_stop(self, pool: str) -> str:
         return self._stop_for_a_while(self.rng.choice(self._scorers_of(pool)))
 
@@ -213,16 +278,19 @@ class ChaosRun(LocalRun):
         return f"down {down:.1f}s" + (f", {cut}" if cut else "")
 
     def garbage_entries(self) -> str:
+        """1-3 undecodable entries and one schema-4 entry with a bad image, its kind in turn (chaos_garbage.py)."""
         from rlstream.broker import TrajectoryStream
+        from rlstream.launcher.chaos_garbage import IMAGE_KINDS, TEXT_KINDS, image_garbage, text_garbage
 
-        n = self.rng.randint(1, 3)
         stream = TrajectoryStream(self.client, self.keys)
-        kinds = [{"d": self.rng.randbytes(self.rng.randint(0, 200))}, {"x": b"no payload"},
-                 {"d": b"\x85\xa1a\x01"}]  # random bytes, no `d` field, msgpack that is not a group
-        for _ in range(n):
-            stream.append_raw(self.rng.choice(kinds))
-        self.garbage += n
-        return f"{n} entries"
+        kinds = [self.rng.choice(TEXT_KINDS) for _ in range(self.rng.randint(1, 3))]
+        for kind in kinds:
+            stream.append_raw(text_garbage(kind, self.rng))
+        image_kind = IMAGE_KINDS[self.image_garbage % len(IMAGE_KINDS)]
+        stream.append_raw(image_garbage(image_kind, self.rng))
+        self.garbage += len(kinds) + 1
+        self.image_garbage += 1
+        return f"{len(kinds) + 1} entries ({', '.join(kinds)}, {image_kind})"
 
     def inject(self, kind: str) -> None:
         name, _, pool = kind.partition(":")  # scoring_kill:NAME acts on pool NAME
@@ -249,7 +317,7 @@ class ChaosRun(LocalRun):
 
         if not (self.own_redis and self.own_redis.running):
             return
-        for child in [*self.engines, *self.scorers, *self.producers, self.trainer]:
+        for child in [*self.engines, *self.scorers, *self.producers, self.trainer, *self.agent_children]:
             if child.proc is not None and child.proc.returncode is None and child.poll() is not None \
                     and not getattr(self, "_stopping", False):
                 self.unexpected.append(f"{child.name} {child.proc.returncode}")
@@ -302,6 +370,8 @@ class ChaosRun(LocalRun):
     def stop_gracefully(self) -> None:
         """SIGTERM the trainer (it finishes its step and publishes `shutdown`); producers follow."""
         self._stopping = True
+        for child in reversed(self.agent_children):  # the agent, then the gateway (it abandons open sessions)
+            child.stop(timeout=30.0)
         self.trainer._signal_group(signal.SIGTERM)
         deadline = time.monotonic() + FINISH_TIMEOUT_S
         while any(c.running for c in [self.trainer, *self.producers]) and time.monotonic() < deadline:
@@ -356,6 +426,8 @@ class ChaosRun(LocalRun):
             self.start_trainer()
             self.started_ms["trainer"] = time.time() * 1000
             self.start_producers()
+            if self.agent:
+                self.start_agent()
             _echo(f"chaos: {self.duration:.0f}s of faults, seed {self.seed}")
             self.chaos_loop()
             _echo("chaos: faults over; stopping the trainer (SIGTERM), then the producers and engines")
@@ -371,12 +443,14 @@ class ChaosRun(LocalRun):
         result["waste_frac"] = result["waste_groups"] / generated if generated else 0.0
         result.update({
             "killed_in_flight": self.killed_in_flight,
-            "garbage_injected": self.garbage, "redis_restarts": len(self.redis_restarts_ms), "over_admissions": self.over_admissions,
+            "garbage_injected": self.garbage, "image_garbage_injected": self.image_garbage,
+            "redis_restarts": len(self.redis_restarts_ms), "over_admissions": self.over_admissions,
             "max_over_admission": self.max_over, "over_budget_after_rollback": self.over_after_rollback,
             "over_budget_samples": self.over_rows, "admission_samples": self.samples,
             "unexpected_exits": len(self.unexpected), "unexpected": self.unexpected,
             "steps_after_faults": self.steps_after_faults, "mid_step_kills": self.mid_step_kills,
-            "scoring_pools": self.pools, "scored_by": list(self.scored_by), "critic": self.cfg.critic is not None,
+            "scoring_pools": self.pools, "scored_by": list(self.scored_by), "agent": self.agent,
+            "critic": self.cfg.critic is not None,
             "duration_s": round(time.monotonic() - self.t0, 1), "seed": self.seed,
             "faults": dict(sorted({k: sum(f["kind"] == k for f in self.faults) for k in self.kinds}.items())),
             "fault_log": self.faults,
@@ -429,10 +503,10 @@ def format_ledger(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def chaos(cfg: Config, duration: float, seed: int, mean_gap: float = 15.0) -> dict[str, Any]:
+def chaos(cfg: Config, duration: float, seed: int, mean_gap: float = 15.0, agent: bool = False) -> dict[str, Any]:
     """Entry of `rlstream chaos`: runs, prints the ledger, returns it."""
     try:
-        result = ChaosRun(cfg, duration, seed, mean_gap).run()
+        result = ChaosRun(cfg, duration, seed, mean_gap, agent).run()
     except RunFailed as exc:
         _echo(f"rlstream: chaos stopped: {exc}", err=True)
         raise SystemExit(1) from None

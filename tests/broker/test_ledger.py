@@ -14,7 +14,7 @@ def test_each_entry_is_counted_in_exactly_one_state(rclient, keys, group_factory
     stream.ensure_group()
     ids = [stream.append(group_factory()) for _ in range(4)]
     stream.append_raw({"d": b"garbage"})
-    rclient.hincrby(keys.producers, accepted_field("p1"), 5)  # one more commit than the stream holds groups
+    rclient.hincrby(keys.producers, accepted_field("test"), 5)  # one more commit than the stream holds groups
     got = stream.read("c0", count=4, block_ms=None)  # the four groups: delivered, pending
     assert [e.id for e in got] == ids
     StepLog(rclient, keys).record(StepRecord(step=0, version=0, entry_ids=ids[:2], ts=100.0))
@@ -95,3 +95,26 @@ def test_scored_by_counts_groups_missing_a_stages_result(rclient, keys, group_fa
     assert ledger(rclient, keys, scored_by=("distillation",))["unscored_groups"] == 1
     with pytest.raises(ValueError, match="unknown stage.*allowed: reward_model, judge, distillation"):
         ledger(rclient, keys, scored_by=("critic",))
+
+
+def test_groups_of_a_producer_without_commits_and_gateway_groups(rclient, keys, group_factory):
+    """A group written by hand (no commit counter for its producer) can neither hide a lost commit nor count as
+    waste; a dead-lettered group is never missing a score; the gateway's groups carry the agent's reward only."""
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    scored = group_factory(producer="p1")
+    for t in scored.trajectories:
+        t.metadata = {"rm_score": 0.5}
+    stream.append(scored)
+    rclient.hincrby(keys.producers, accepted_field("p1"), 2)  # two commits, one group of p1 in the stream
+    gateway = group_factory(producer="gateway-0")
+    gateway.metadata = {"source": "gateway"}
+    stream.append(gateway)
+    rclient.hincrby(keys.producers, accepted_field("gateway-0"), 1)
+    by_hand = [stream.append(group_factory(producer="by-hand")) for _ in range(2)]
+    stream.dead_letter_entry(by_hand[0], "bad image")
+    out = ledger(rclient, keys, scored_by=("reward_model",))
+    assert out["lost"] == 1  # the two hand-written groups do not make up for p1's missing one
+    assert out["uncommitted_groups_in_stream"] == 2 and out["gateway_groups"] == 1
+    assert out["unscored_groups"] == 1  # the live hand-written group; not the dead-lettered one, not the gateway's
+    assert out["waste_groups"] == 2 and out["dead_lettered"] == 1  # p1's and the gateway's committed groups

@@ -168,3 +168,13 @@ def test_data_urls_only_never_the_network():
     part = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "/etc/hostname"}}]}]
     with pytest.raises(ValueError, match="not a data:image"):
         message_images(part, [], "messages", allow_paths=False)
+
+
+def test_an_image_over_the_pixel_limit_is_refused_not_raised():
+    """A header claiming more pixels than Pillow's limit: refused with a reason (past twice the limit Pillow raises
+    DecompressionBombError, which would stop a reader), never decoded."""
+    from rlstream.launcher.chaos_garbage import png_header
+
+    assert image_problem(png_header(8, 8)) is None
+    for side in (10_000, 20_000):  # 100 M pixels (Pillow warns), 400 M (Pillow raises)
+        assert "over the image size limit" in image_problem(png_header(side, side))

@@ -2,7 +2,8 @@
 one engine, the trainer with a critic (PPO's value model), recover.mode=auto and a recover checkpoint every step,
 its own AOF Redis) with faults 2-6 s apart at seeded moments until every kind happened once (~45 s): trainer
 SIGKILL anywhere and inside a step, producer and engine SIGKILL + restart, an engine SIGSTOP/SIGCONT, Redis SIGKILL
-+ restart from its AOF, garbage entries, the reward model's engine SIGKILL + restart and SIGSTOP/SIGCONT.
++ restart from its AOF, garbage entries (one with a bad image per fault), the reward model's engine SIGKILL +
+restart and SIGSTOP/SIGCONT.
 
 The ledger is read from Redis after the trainer stopped (`rlstream.broker.ledger`, written to
 `{run_dir}/chaos.json`): nothing lost, nothing trained twice, nothing unaccounted, never over
@@ -58,7 +59,9 @@ def test_short_chaos_soak_loses_nothing(tmp_path, tiny_model_path):
         assert r[key] == 0, (key, r, text[-3000:])
     assert r["admission_samples"] > 0
     assert r["steps_after_faults"] >= 1, r  # the run recovered from its last fault: no stall
-    assert r["dead_lettered"] == r["garbage_injected"] == r["garbage_in_stream"] >= 1, r
+    # Garbage: undecodable entries and schema-4 groups with a bad image (no committing producer): all dead-lettered.
+    assert r["dead_lettered"] == r["garbage_injected"] == r["garbage_in_stream"] + r["uncommitted_groups_in_stream"], r
+    assert r["garbage_in_stream"] >= 1 and r["image_garbage_injected"] >= 1, r
     # Scoring: every group in the stream carries the reward model's score; a group it could not score failed with
     # the reward model named in its dead letter (nothing else failed).
     assert r["scored_by"] == ["reward_model"] and r["unscored_groups"] == 0, r

@@ -281,6 +281,31 @@ def test_bad_requests_are_clear_4xx(gateway, tool_model, engine):
         client.chat.completions.create(model="t", messages=[{"role": "user", "content": QUESTION}])
 
 
+def test_the_chaos_agent_runs_its_episodes_through_the_gateway(gateway, redis_url):
+    """`rlstream chaos --agent`'s agent (launcher/chaos_agent.py): one group of two tool-using episodes, each one
+    trajectory (the agent sends back the assistant messages it got, so the gateway continues the branch)."""
+    import asyncio
+
+    from rlstream.launcher.chaos_agent import Agent
+
+    exp, gw = gateway
+    agent = Agent(gw.addr_file, [{"prompt": QUESTION, "answer": "408"}], group_size=2, timeout=120)
+    asyncio.run(_agent_group(agent))
+    assert agent.counts == {"episodes_rewarded": 2, "episodes_failed": 0, "gateway_unreachable": 0, "tool_calls": 2}, \
+        agent.last_error
+    groups, _ = _entries(redis_url, exp)
+    (g,) = [g for g in groups if g.prompt_id == "chaos-agent-1"]
+    assert len(g.trajectories) == 2 and all(t.reward == 1.0 for t in g.trajectories)
+    for t in g.trajectories:  # two model turns (the call, the answer) with the tool's observation between
+        mask = t.loss_mask_np.astype(int).tolist()
+        assert sum(1 for a, b in zip([0, *mask], mask) if (a, b) == (0, 1)) == 2
+
+
+async def _agent_group(agent) -> None:
+    async with httpx.AsyncClient(timeout=120) as http:
+        await agent.group(http)
+
+
 def _stop_string_ends_generation_in_the_engine(client, engine, tool_model) -> None:
     """A request's `stop` reaches the engine: it generates up to the token completing the string and no further
     (its token count grows by exactly the answer's tokens), the content ends before it, the ids keep it."""
