@@ -20,7 +20,8 @@ from typing import Any
 import msgspec
 
 __all__ = ["IMAGE_SCHEMA_VERSION", "ImageRef", "image_sha256", "image_to_bytes", "open_image", "image_problem",
-           "refs_problem", "ref_of", "data_url_bytes", "message_images", "is_image_part"]
+           "refs_problem", "ref_of", "data_url_bytes", "message_images", "is_image_part", "image_limit_problem",
+           "count_limit_problem"]
 
 IMAGE_SCHEMA_VERSION = 4  # schema 3 plus the group's `images` (common/wire.py)
 
@@ -98,6 +99,30 @@ def image_problem(data: bytes, sha256: str | None = None) -> str | None:
     return None
 
 
+def image_limit_problem(data: bytes, limits: Any) -> str | None:
+    """Why `data` is over `limits` (`common.config.ImageLimitsConfig`: `max_bytes`, `max_pixels`), naming the key,
+    or None. The pixel count comes from the header (Pillow opens lazily): an image over it is never decoded."""
+    from PIL import Image, UnidentifiedImageError
+
+    if len(data) > limits.max_bytes:
+        return f"{len(data):,} bytes, over images.max_bytes={limits.max_bytes:,}"
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            w, h = img.size
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
+        return None  # not an image at all: image_problem says so
+    if w * h > limits.max_pixels:
+        return f"{w}x{h} = {w * h:,} pixels, over images.max_pixels={limits.max_pixels:,}"
+    return None
+
+
+def count_limit_problem(n: int, limits: Any) -> str | None:
+    """Why `n` images in one sequence are over `limits.max_per_prompt`, naming the key, or None."""
+    if n > limits.max_per_prompt:
+        return f"{n} images, over images.max_per_prompt={limits.max_per_prompt}"
+    return None
+
+
 def refs_problem(refs: Any, schema_version: int) -> str | None:
     """Why a group's `images` field is malformed, or None (the wire's scalar check)."""
     if schema_version < IMAGE_SCHEMA_VERSION:
@@ -141,8 +166,8 @@ def _part_image(part: dict[str, Any], where: str, allow_paths: bool) -> Any:
     return part.get("image")
 
 
-def message_images(messages: list[dict[str, Any]], images: list[Any], where: str, *,
-                   allow_paths: bool = True) -> tuple[list[dict[str, Any]], list[bytes]]:
+def message_images(messages: list[dict[str, Any]], images: list[Any], where: str, *, allow_paths: bool = True,
+                   limits: Any = None) -> tuple[list[dict[str, Any]], list[bytes]]:
     """Chat messages with every image content part replaced by `{"type": "image"}` (what chat templates render
     as the image's placeholder tokens), and the images' checked bytes in the order of their parts.
 
@@ -150,7 +175,15 @@ def message_images(messages: list[dict[str, Any]], images: list[Any], where: str
     `allow_paths`, a local path or file:// URL too), HF's `{"type": "image", "image": <path | bytes | PIL>}`,
     and a bare `{"type": "image"}`, which takes the next of `images` (a dataset row's image column, as HF
     datasets lay out vision chats). Unused `images` go before the text of the first user message. ValueError
-    naming `where` for an image that is missing, unreadable or does not decode."""
+    naming `where` for an image that is missing, unreadable or does not decode, and with `limits`
+    (`ImageLimitsConfig`) for one over them or more images than they allow."""
+
+    def checked(value: Any, at: str) -> bytes:
+        data = image_to_bytes(value, at)
+        if limits is not None and (problem := image_limit_problem(data, limits)):
+            raise ValueError(f"{at}: {problem}")
+        return data
+
     pending = list(images)
     out_msgs: list[dict[str, Any]] = []
     found: list[bytes] = []
@@ -170,7 +203,7 @@ def message_images(messages: list[dict[str, Any]], images: list[Any], where: str
                 if not pending:
                     raise ValueError(f"{at}: an image part without an image, and the row's images are used up")
                 value = pending.pop(0)
-            found.append(image_to_bytes(value, at))
+            found.append(checked(value, at))
             parts.append({"type": "image"})
         out_msgs.append({**m, "content": parts})
     if pending:
@@ -180,10 +213,12 @@ def message_images(messages: list[dict[str, Any]], images: list[Any], where: str
         m = out_msgs[first]
         text = m.get("content")
         rest = text if isinstance(text, list) else [{"type": "text", "text": str(text or "")}]
-        lead = [image_to_bytes(v, f"{where} image {k}") for k, v in enumerate(pending)]
+        lead = [checked(v, f"{where} image {k}") for k, v in enumerate(pending)]
         out_msgs[first] = {**m, "content": [{"type": "image"} for _ in lead] + rest}
         # the row's images come before the parts' in the prompt
         placed = sum(1 for mm in out_msgs[:first] if isinstance(mm.get("content"), list)
                      for p in mm["content"] if isinstance(p, dict) and p.get("type") == "image")
         found[placed:placed] = lead
+    if limits is not None and (problem := count_limit_problem(len(found), limits)):
+        raise ValueError(f"{where}: {problem}")
     return out_msgs, found

@@ -17,11 +17,13 @@ import json
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
+
+import numpy as np
 
 __all__ = ["VisionSpec", "vision_spec", "ImageInputs", "image_inputs", "expand_image_tokens",
            "count_image_tokens", "is_vision_config", "mask_vision_logits", "image_prompt_ids", "image_tokens",
-           "actor_vision"]
+           "actor_vision", "image_token_runs", "GroupImageCheck"]
 
 IMAGE_PAD = "<|image_pad|>"
 
@@ -148,3 +150,54 @@ def image_prompt_ids(tokenizer: Any, spec: VisionSpec, messages: list[dict[str, 
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return text, expand_image_tokens(ids, spec, [image_tokens(spec, b) for b in images], where)
+
+
+def image_token_runs(ids: Any, image_token_id: int) -> list[int]:
+    """Lengths of the runs of `image_token_id` in `ids`, in order: one run per image (the chat template puts the
+    vision start and end tokens around each)."""
+    m = np.concatenate([[False], np.asarray(ids) == image_token_id, [False]])
+    edges = np.flatnonzero(m[1:] != m[:-1])
+    return (edges[1::2] - edges[0::2]).tolist()
+
+
+class GroupImageCheck:
+    """A group's images checked before its commit: every image known (bytes at hand), within `limits`
+    (`common.config.ImageLimitsConfig`), and each trajectory's image tokens exactly what the model's image processor
+    makes of its images, image by image (with a `spec`); a prompt built with another processor or resolution would
+    otherwise fail the trainer's forward. `problem` is the dead-letter reason, or None."""
+
+    def __init__(self, spec: VisionSpec | None, limits: Any) -> None:
+        self.spec, self.limits = spec, limits
+        self._tokens: dict[str, int] = {}  # sha256 -> image tokens (one processor run per image)
+
+    def tokens(self, sha: str, data: bytes) -> int:
+        n = self._tokens.get(sha)
+        if n is None:
+            if len(self._tokens) >= 65536:
+                self._tokens.clear()
+            n = self._tokens[sha] = image_tokens(self.spec, data)
+        return n
+
+    def problem(self, group: Any, images: Mapping[str, bytes]) -> str | None:
+        from rlstream.common.images import count_limit_problem, image_limit_problem
+
+        refs = group.images or []
+        for i, r in enumerate(refs):
+            data = images.get(r.sha256)
+            if data is None:
+                return f"image {i} ({r.sha256[:12]}): no bytes for it (a group's images are its prompt's and its turns')"
+            if problem := image_limit_problem(data, self.limits):
+                return f"image {i} ({r.sha256[:12]}): {problem}"
+        for j, t in enumerate(group.trajectories):
+            own = group.images_of(t)
+            if problem := count_limit_problem(len(own), self.limits):
+                return f"trajectory {j}: {problem}"
+            if self.spec is None:  # no model folder to count tokens with (tests, tools): bytes and limits only
+                continue
+            want = [self.tokens(r.sha256, images[r.sha256]) for r in own]
+            runs = image_token_runs(t.input_ids_np, self.spec.image_token_id)
+            if runs != want:
+                return (f"trajectory {j}: its image tokens (id {self.spec.image_token_id}) come in runs {runs[:8]}, but "
+                        f"its {len(own)} images take {want[:8]} with the image processor of {self.spec.path} (a "
+                        "prompt built with another processor or resolution)")
+        return None

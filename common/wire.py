@@ -19,7 +19,8 @@ prompt, the teachers' logprob of each model token (0 on observations); a group c
 
 Schema 4 is schema 3 with the group's `images`: one `ImageRef` (sha256, length) per image of the prompt, in
 the order of their placeholder tokens; the bytes are stored once per run under a key named by the hash
-(`broker/images.py`), never in the entry. Every trajectory's sequence holds those images.
+(`broker/images.py`), never in the entry. A trajectory's `images` (indices into the group's) name the images its
+sequence holds, prompt and later turns; without them it holds every image of the group.
 
 Schema 1 (read only) is exactly that single-turn case: entries written by it decode
 unchanged (no mask, every output token trained).
@@ -91,6 +92,9 @@ class Trajectory(msgspec.Struct, kw_only=True, omit_defaults=True, gc=False):
     loss_mask: memoryview | None = None  # uint8, same length; 1 only on model tokens. None: single turn
     turn_rewards: list[float] | None = None  # one per model turn, added to that turn's last token
     teacher_logprobs: memoryview | None = None  # float32 LE, one per position after the prompt (schema 3)
+    # Indices into the group's `images`, in the order of this sequence's image tokens (schema 4): a multi-turn
+    # episode shows images after its prompt, each branch its own. None: every image of the group.
+    images: list[int] | None = None
 
     @property
     def loss_mask_np(self) -> np.ndarray:
@@ -228,6 +232,11 @@ class TrajectoryGroup(msgspec.Struct, kw_only=True, gc=False):
     @property
     def n_samples(self) -> int:
         return len(self.trajectories)
+
+    def images_of(self, t: Trajectory) -> list[ImageRef]:
+        """The images of one of its trajectories, in the order of their tokens."""
+        refs = self.images or []
+        return list(refs) if t.images is None else [refs[k] for k in t.images]
 
     def min_version(self) -> int:
         """Oldest weight version among model tokens (head staleness = trainer − this); -1: none."""
@@ -412,6 +421,8 @@ def _scalar_spans(group: TrajectoryGroup, pos: int, starts: array, kinds: array)
             _explain_scalars(trajs)
         if t.teacher_logprobs is not None:
             _check_teacher(t, group.schema_version)
+        if t.images is not None and not all(0 <= k < len(group.images or ()) for k in t.images):
+            raise WireError(f"trajectory images {t.images[:16]} index past the group's {len(group.images or ())} images")
         if t.turn_rewards is not None:
             if not all(isfinite(r) for r in t.turn_rewards):
                 _explain_scalars(trajs)

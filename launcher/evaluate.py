@@ -83,7 +83,8 @@ def evaluate_accuracy(cfg: Config, model_path: str | Path, n: int | None = None,
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer, local_files_only=True)
     from rlstream.common.vision import actor_vision
 
-    ds = PromptDataset(cfg.valid_dataset, tokenizer, seed=cfg.seed, key="valid_dataset", vision=actor_vision(cfg))
+    ds = PromptDataset(cfg.valid_dataset, tokenizer, seed=cfg.seed, key="valid_dataset", vision=actor_vision(cfg),
+                       image_limits=cfg.images)
     reward_fn = import_by_path(cfg.producer.reward_fn)
     stops = stop_token_ids(tokenizer, model_path, cfg.gconfig.stop_token_ids)
     items = [ds.items[i] for i in range(min(n, len(ds)))]  # file order: the same prompts before and after

@@ -86,7 +86,7 @@ def _examples(cfg: Config, tokenizer) -> list[tuple[list[int], list[int], tuple[
                          answer_key=cfg.train_dataset.answer_key, image_key=cfg.train_dataset.image_key,
                          apply_chat_template=cfg.train_dataset.apply_chat_template, shuffle=False,
                          max_prompt_len=cfg.train_dataset.max_prompt_len)
-    ds = PromptDataset(dcfg, tokenizer, seed=cfg.seed, key=key, vision=actor_vision(cfg))
+    ds = PromptDataset(dcfg, tokenizer, seed=cfg.seed, key=key, vision=actor_vision(cfg), image_limits=cfg.images)
     if not ds.has_answer:
         raise ValueError(f"{key}.path={path!r} has no {cfg.train_dataset.answer_key!r} column to learn from")
     eos = tokenizer.eos_token_id

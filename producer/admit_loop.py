@@ -22,8 +22,10 @@ from rlstream.broker.admission import ADMIT_BATCH_MAX, ADMIT_FALLBACK_SECS, HEAR
 from rlstream.broker.stream import entry_fields
 from rlstream.broker.versions import FOLLOW_BLOCK_MS, RUN_FINISHED
 from rlstream.common.coalesce import Coalescer
+from rlstream.common.config import ImageLimitsConfig
 from rlstream.common.logging import get_logger
 from rlstream.common.tasks import cancel_and_wait, complete_despite_cancel
+from rlstream.common.vision import GroupImageCheck
 from rlstream.common.tracing import current_session, now_us, root_span, session_update, sessions, span
 from rlstream.common.wire import TrajectoryGroup, WireError, validate_group
 from rlstream.producer.workflow import FILTER_REWARD, RolloutVersions, current_rollout
@@ -111,9 +113,11 @@ class AdmitLoop:
                  next_item: Callable[[], Awaitable[Any]], producer_id: str, settings: LoopSettings,
                  clock: Clock | None = None, on_engine_event: Callable[[str, bool], None] | None = None,
                  on_rollout_timing: Callable[[RolloutTiming], None] | None = None,
-                 images: Mapping[str, bytes] | None = None) -> None:
+                 images: Mapping[str, bytes] | None = None, vision: Any = None, image_limits: Any = None) -> None:
         self.admission, self.versions = admission, versions
         self.images = images if images is not None else {}  # sha256 -> bytes of the images groups may reference
+        # a group's images checked before commit; `vision` (a VisionSpec) adds their token counts
+        self.image_check = GroupImageCheck(vision, image_limits or ImageLimitsConfig())
         self.run_rollout, self.next_item = run_rollout, next_item
         self.producer_id, self.settings = producer_id, settings
         self.clock = clock or Clock()
@@ -399,6 +403,13 @@ class AdmitLoop:
                 session_update(outcome="failed", reason=f"invalid group: {exc}")
                 await self.admission.abandon([lease_id])
                 return False
+        problem = self._images_problem(group)
+        if problem is not None:  # e.g. image tokens the trainer's forward would refuse: dead-lettered, not trained
+            self.failed += 1
+            log.error("group of prompt %s not committed (dead-lettered): %s", group.prompt_id, problem)
+            session_update(outcome="failed", reason=problem)
+            await self.admission.fail(lease_id, str(group.prompt_id), problem)
+            return False
         if not (self.settings.dynamic_sampling and _rewards_all_equal(group)):
             # Already too stale for the trainer (it reads fresh groups at the version served now or later, and
             # past every version all its ranks have read a step at): recording the drop here saves writing,
@@ -416,14 +427,15 @@ class AdmitLoop:
         await self.admission.release(lease_id)
         return False
 
+    def _images_problem(self, group: TrajectoryGroup) -> str | None:
+        """Why the group's images cannot be committed (the dead-letter reason), or None."""
+        return self.image_check.problem(group, self.images) if group.images or self.image_check.spec else None
+
     def _group_images(self, group: TrajectoryGroup) -> dict[str, bytes] | None:
-        """The bytes of the group's images, which its commit stores once under their hash (broker/images.py)."""
+        """The bytes of the group's images (checked by `_images_problem`), which its commit stores once under their
+        hash (broker/images.py)."""
         if not group.images:
             return None
-        missing = [r.sha256[:12] for r in group.images if r.sha256 not in self.images]
-        if missing:
-            raise ValueError(f"the group of prompt {group.prompt_id} references images {missing} that are not "
-                             "its dataset's (a group's images are its prompt's)")
         return {r.sha256: self.images[r.sha256] for r in group.images}
 
     # ------------------------------------------------------------------ the loop

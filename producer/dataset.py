@@ -13,7 +13,8 @@ the dataset of the verifiers environment `task` (producer/verifiers_env.py).
 Images (a vision-language `actor.path`, docs/multimodal.md): a row's `image_key` column and the image parts of
 its chat messages become the item's `images` (checked, encoded bytes) and the prompt's image tokens, through the
 chat template and the model's image processor (`common.images.message_images`, `common.vision.image_prompt_ids`).
-A row whose image is missing or does not decode is skipped with one line naming it.
+A row whose image is missing, does not decode or is over `images.*` (count, bytes, pixels) is skipped with one
+line naming it.
 
 Order: epoch e visits the rows in a permutation seeded by `(seed, e)`, identical in
 every producer process. `DatasetCursor` hands out positions of that global order from
@@ -39,7 +40,7 @@ import numpy as np
 
 from rlstream.broker.keys import Keys
 from rlstream.broker.producers import AsyncProducerRecords, ProducerState
-from rlstream.common.config import ConfigError, DatasetConfig
+from rlstream.common.config import ConfigError, DatasetConfig, ImageLimitsConfig
 from rlstream.common.hub_datasets import is_hub_name, load_hub_split
 from rlstream.common.images import image_sha256, is_image_part, message_images
 from rlstream.common.logging import get_logger
@@ -93,8 +94,10 @@ class PromptDataset:
     """Prompt/answer rows (local files or generated), tokenized once at start-up."""
 
     def __init__(self, cfg: DatasetConfig, tokenizer: Any, *, seed: int = 1, key: str = "train_dataset",
-                 max_total_tokens: int | None = None, vision: Any = None) -> None:
+                 max_total_tokens: int | None = None, vision: Any = None,
+                 image_limits: ImageLimitsConfig | None = None) -> None:
         self.cfg = cfg
+        self.image_limits = image_limits or ImageLimitsConfig()  # a row over them is skipped
         self.seed = seed
         self.vision = vision  # common.vision.VisionSpec of a vision-language model; None: text only
         local = Path(os.path.expanduser(cfg.path)) if cfg.source == "files" and cfg.path else None
@@ -117,7 +120,7 @@ class PromptDataset:
                 text, ids, images = self._prompt(tokenizer, row, i, key)
             except DatasetError:
                 raise
-            except ValueError as exc:  # an image missing or undecodable: this row goes, the run does not
+            except ValueError as exc:  # an image missing, undecodable or over a limit: this row goes, the run does not
                 bad += 1
                 if bad <= 20:
                     log.warning("%s (row skipped)", exc)
@@ -222,7 +225,8 @@ class PromptDataset:
                                f"vision_config); use a vision-language model or point {key}.image_key elsewhere")
         messages = value if is_chat else [{"role": "user", "content": str(value)}]
         where = f"{key} row {i}"
-        messages, images = message_images(messages, [self._local_path(v) for v in raw], where)
+        messages, images = message_images(messages, [self._local_path(v) for v in raw], where,
+                                          limits=self.image_limits)
         from rlstream.common.vision import image_prompt_ids
 
         text, ids = image_prompt_ids(tokenizer, self.vision, messages, images, where)

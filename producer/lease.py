@@ -86,6 +86,12 @@ class EpisodeLease:
         await self.admission.commit(self.lease_id, entry_fields(group, images=images))
         self.done = True
 
+    async def fail(self, prompt_id: str, reason: str) -> None:
+        """The episode's group cannot be trained on for `reason`: recorded in `{ns}:dead`, the lease dropped."""
+        await self._stop_renewing()
+        await self.admission.fail(self.lease_id, prompt_id, reason)
+        self.done = True
+
     async def release(self) -> None:
         """The episode is not trained on (e.g. filtered): counted as rejected."""
         await self._stop_renewing()

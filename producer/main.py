@@ -82,7 +82,8 @@ class Producer:
                              f"{str(exc).splitlines()[0]}") from None
         self.vision = actor_vision(cfg)  # None: a text-only model
         self.dataset = PromptDataset(cfg.train_dataset, self.tokenizer, seed=cfg.seed,
-                                     max_total_tokens=cfg.gconfig.max_tokens, vision=self.vision)
+                                     max_total_tokens=cfg.gconfig.max_tokens, vision=self.vision,
+                                     image_limits=cfg.images)
         self.cursor = DatasetCursor(self.client, self.keys, self.dataset, epochs=cfg.data_epochs,
                                     producer_id=self.producer_id)
         await self.cursor.load_state()
@@ -110,7 +111,7 @@ class Producer:
                               run_rollout=self._run_rollout,
                               next_item=self.cursor.next, settings=LoopSettings.from_config(cfg),
                               on_engine_event=self.pool.set_behind, on_rollout_timing=self._on_rollout_timing,
-                              images=self.dataset.image_bytes)
+                              images=self.dataset.image_bytes, vision=self.vision, image_limits=cfg.images)
         if self._early_stop is not None:
             self.loop.request_stop(*self._early_stop)
         # Run metadata in `{ns}:meta` (admission parameters) for inspect and a check against the trainer's.
@@ -133,7 +134,7 @@ class Producer:
 
         cfg = self.cfg
         valid = PromptDataset(cfg.valid_dataset, self.tokenizer, seed=cfg.seed, key="valid_dataset",
-                              max_total_tokens=cfg.gconfig.max_tokens, vision=self.vision)
+                              max_total_tokens=cfg.gconfig.max_tokens, vision=self.vision, image_limits=cfg.images)
         return Evaluator(cfg, dataset=valid, tokenizer=self.tokenizer, engine=self.engine, reward=self.rewards,
                          versions=self.versions, evals=AsyncEvalLog(self.client, self.keys),
                          stop_ids=stop_token_ids(self.tokenizer, cfg.actor.path or None, cfg.gconfig.stop_token_ids),

@@ -129,8 +129,9 @@ def collate(entries: Sequence[Entry], vocab_size: int | None = None) -> SeqBatch
     images: list[list[bytes]] | None = [] if any(e.images for e in entries) else None
     for g, entry in enumerate(entries):
         for t in entry.group.trajectories:
-            if images is not None:
-                images.append(entry.images or [])
+            if images is not None:  # the trajectory's own (prompt and later turns), else every image of the group
+                own = entry.images or []
+                images.append(own if t.images is None else [own[k] for k in t.images])
             tok = t.input_ids_np
             if vocab_size is not None and len(tok) and (int(tok.max()) >= vocab_size or int(tok.min()) < 0):
                 raise BadEntry(entry.id, f"token id outside [0, {vocab_size}) (max {int(tok.max())}, min {int(tok.min())})")

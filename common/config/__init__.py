@@ -31,7 +31,7 @@ from rlstream.common.config.persistence import (EvaluatorConfig, PrometheusConfi
                                                 StatsLoggerConfig, TensorBoardConfig, WandbConfig)
 from rlstream.common.config.judge import JudgeConfig
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig, SandboxConfig
-from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
+from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, ImageLimitsConfig, RolloutConfig
 from rlstream.common.config.schema import Config
 from rlstream.common.config.distillation import DistillationConfig, TeacherConfig, teacher_pools
 from rlstream.common.config.scoring import (RewardModelConfig, RWConfig, ScoringPoolConfig, scoring_pools,
@@ -57,7 +57,7 @@ __all__ = [
     "ThreadsConfig", "WebConfig",
     "CREDENTIAL_KEYS", "is_credential_key", "EvaluatorConfig", "PrometheusConfig", "RecoverConfig", "SaverConfig",
     "StatsLoggerConfig", "TensorBoardConfig", "WandbConfig", "AgentConfig", "GatewayConfig", "ProducerConfig",
-    "SandboxConfig", "DatasetConfig", "GenerationHyperparameters", "RolloutConfig",
+    "SandboxConfig", "DatasetConfig", "GenerationHyperparameters", "ImageLimitsConfig", "RolloutConfig",
     "DistillationConfig", "TeacherConfig", "teacher_pools",
     "RewardModelConfig", "RWConfig", "ScoringPoolConfig", "scoring_pools", "scoring_service",
     "PerfTracerConfig", "SessionTracerConfig",

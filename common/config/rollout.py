@@ -9,7 +9,7 @@ from msgspec import Meta
 
 from rlstream.common.config.base import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 
-__all__ = ["GenerationHyperparameters", "RolloutConfig", "DatasetConfig"]
+__all__ = ["GenerationHyperparameters", "RolloutConfig", "ImageLimitsConfig", "DatasetConfig"]
 
 
 class GenerationHyperparameters(Section):
@@ -87,6 +87,25 @@ class RolloutConfig(Section):
     """Seconds a weight push waits after every engine acknowledged /pause_generation before it sends weights (AReaL's
     key: for engines whose pause returns before their running requests are dropped; rlstream's engines, vLLM's and
     SGLang's abort pause acknowledge once nothing runs, so 0 needs no wait)."""
+
+
+class ImageLimitsConfig(Section):
+    """Limits on the images of one prompt, enforced where images enter: a dataset row over them is skipped with one
+    line naming it, a gateway call is a 400 naming the limit, a group a workflow built over them goes to the
+    dead-letter stream with the reason instead of its commit. vLLM names the count limit `limit_mm_per_prompt`
+    (`{"image": N}`), SGLang `--limit-mm-data-per-request`; the pixel bound is the Qwen2-VL image processor's
+    `max_pixels`."""
+
+    max_per_prompt: PositiveInt = 16
+    """Images one sequence may hold, over all its turns (vLLM's `limit_mm_per_prompt.image`, SGLang's
+    `limit_mm_data_per_request.image`); 16 is also the most the local engine takes in one request."""
+    max_bytes: PositiveInt = 20 * 1024 * 1024
+    """Largest encoded image (PNG/JPEG bytes as given), 20 MiB: a photo is far under it; each one is stored in Redis
+    once per run (`{ns}:img:<sha256>`), so this bounds one key's size."""
+    max_pixels: PositiveInt = 12_845_056
+    """Largest image in pixels (width x height, read from the header without decoding), 3584 x 3584: Qwen2-VL's image
+    processor shrinks anything larger to its `max_pixels` (12,845,056 in Qwen2-VL's released configs) anyway, so a
+    larger image only costs decoding memory (Pillow's decompression-bomb guard is at 89 M pixels)."""
 
 
 class DatasetConfig(Section):

@@ -16,7 +16,7 @@ from rlstream.common.config.producer import AgentConfig, GatewayConfig, Producer
 from rlstream.common.config.distillation import DistillationConfig
 from rlstream.common.config.judge import JudgeConfig
 from rlstream.common.config.scoring import RewardModelConfig, RWConfig
-from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, RolloutConfig
+from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, ImageLimitsConfig, RolloutConfig
 from rlstream.common.config.tracing import PerfTracerConfig
 
 __all__ = ["Config"]
@@ -80,6 +80,8 @@ class Config(Section):
     """Training prompts."""
     valid_dataset: DatasetConfig | None = None
     """Held-out prompts for evaluation."""
+    images: ImageLimitsConfig = msgspec.field(default_factory=ImageLimitsConfig)
+    """Limits on a prompt's images (a vision-language actor.path): count, bytes and pixels (docs/multimodal.md)."""
     producer: ProducerConfig = msgspec.field(default_factory=ProducerConfig)
     """Rollout producers."""
     agent: AgentConfig = msgspec.field(default_factory=AgentConfig)

@@ -26,8 +26,8 @@ from rlstream.common.engine_api import EngineError, EngineRequestError
 from rlstream.producer.agent import Episode
 from rlstream.producer.chat import ChatTemplate
 from rlstream.common.engine_client import ModelRequest
-from rlstream.common.images import message_images
-from rlstream.common.vision import actor_vision, expand_image_tokens, image_tokens
+from rlstream.common.images import count_limit_problem, message_images
+from rlstream.common.vision import expand_image_tokens, image_tokens
 from rlstream.producer.gateway.sessions import Branch, Session, SessionGroups
 from rlstream.producer.gateway.structured import Constraint, constraint_of_chat, response_constraint
 from rlstream.producer.gateway.structs import (ChatRequest, CompletionRequest, GenerationRequest, HttpError, Message,
@@ -55,7 +55,7 @@ class Gateway(SessionGroups):
 
         self.stop_ids = stop_token_ids(tokenizer, cfg.actor.path or None, cfg.gconfig.stop_token_ids)
         self._templates: dict[str, ChatTemplate] = {}
-        self.vision = actor_vision(cfg)  # None: a text-only model (image parts are refused)
+        self.vision = self.image_check.spec  # None: a text-only model (image parts are refused)
 
     def template(self, tools: list[dict[str, Any]] | None) -> ChatTemplate:
         key = json.dumps(tools, sort_keys=True)
@@ -68,20 +68,31 @@ class Gateway(SessionGroups):
                                                                                          list[int], list[bytes]]:
         """(messages with image placeholders, prompt ids, image bytes) of a conversation's first call. Images come
         as OpenAI `image_url` parts with data: URLs only (nothing loads from the network): anything else is a 400."""
+        history, images = self._message_images(history, 0)
+        return history, self._with_image_tokens(chat.prompt(history), images), images
+
+    def _message_images(self, messages: list[dict[str, Any]], before: int) -> tuple[list[dict[str, Any]], list[bytes]]:
+        """`message_images` of a call's new messages (`before`: the conversation's images so far); a 400 naming the
+        part or the `images.*` limit for an image that is not a data: URL, does not decode or is over a limit."""
         try:
-            history, images = message_images(history, [], "messages", allow_paths=False)
+            messages, images = message_images(messages, [], "messages", allow_paths=False, limits=self.cfg.images)
+            if problem := count_limit_problem(before + len(images), self.cfg.images):
+                raise ValueError(f"messages: the conversation's {problem}")
         except ValueError as exc:
             raise HttpError(400, str(exc)) from None
         if images and self.vision is None:
             raise HttpError(400, f"messages: image content parts, but actor.path={self.cfg.actor.path!r} is a "
                                  "text-only model")
-        ids = chat.prompt(history)
-        if images:
-            try:
-                ids = expand_image_tokens(ids, self.vision, [image_tokens(self.vision, b) for b in images], "messages")
-            except ValueError as exc:
-                raise HttpError(400, str(exc)) from None
-        return history, ids, images
+        return messages, images
+
+    def _with_image_tokens(self, ids: list[int], images: list[bytes]) -> list[int]:
+        """`ids` with each image's placeholder repeated as many times as the image processor makes tokens of it."""
+        if not images:
+            return ids
+        try:
+            return expand_image_tokens(ids, self.vision, [image_tokens(self.vision, b) for b in images], "messages")
+        except ValueError as exc:
+            raise HttpError(400, str(exc)) from None
 
     def _request(self, ids: list[int], body: GenerationRequest, max_tokens: int | None,
                  constraint: Constraint) -> ModelRequest:
@@ -173,11 +184,11 @@ class Gateway(SessionGroups):
                 obs: list[int] = []
             else:
                 new = [template_message(m) for m in body.messages[len(parent.key or ()):]]
-                if any(isinstance(m["content"], list) for m in new):
-                    raise HttpError(400, "messages: image content parts are taken only in a conversation's first "
-                                         "call (a group's images are its prompt's); start a new session for new images")
-                images = parent.images or []
-                obs = chat.close_turn(parent.last_output) + chat.observation(parent.history or [], new)
+                # a later turn's images: their tokens go in the observation, the engine gets every image so far
+                new, added = self._message_images(new, len(parent.images or ()))
+                images = (parent.images or []) + added
+                obs = chat.close_turn(parent.last_output) + self._with_image_tokens(
+                    chat.observation(parent.history or [], new), added)
                 history = (parent.history or []) + new
                 prompt_ids = parent.episode.ids + obs
         except HttpError:

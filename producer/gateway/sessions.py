@@ -25,6 +25,8 @@ from rlstream.common.config import Config
 from rlstream.common.images import IMAGE_SCHEMA_VERSION, image_sha256, ref_of
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import current_session, sessions as session_tracer
+from rlstream.common.vision import GroupImageCheck, actor_vision
+from rlstream.common.wire import TrajectoryGroup
 from rlstream.producer.agent import Episode, group_from_episodes
 from rlstream.producer.gateway.structs import HttpError, RewardRequest, SessionRequest
 from rlstream.producer.lease import EpisodeLease, NoCapacity
@@ -104,8 +106,10 @@ class SessionGroups:
         self.gone: dict[str, str] = {}  # finished/abandoned session id -> why (bounded)
         self.finished_info: dict[str, dict[str, Any]] = {}  # finished session id -> what GET /sessions/{id} shows
         self.open_groups: dict[str, Group] = {}
-        self.stats = {"calls": 0, "committed_groups": 0, "rejected_groups": 0, "abandoned_sessions": 0,
-                      "generated_tokens": 0}
+        self.stats = {"calls": 0, "committed_groups": 0, "rejected_groups": 0, "failed_groups": 0,
+                      "abandoned_sessions": 0, "generated_tokens": 0}
+        # a group's images checked before commit (limits, image tokens vs the image processor); spec None: text model
+        self.image_check = GroupImageCheck(actor_vision(cfg), cfg.images)
 
     # ------------------------------------------------------------------ sessions
     @contextlib.contextmanager
@@ -226,20 +230,25 @@ class SessionGroups:
             return self._traced(g, finished, {"status": "abandoned"})
         from rlstream.producer.admit_loop import should_accept
 
-        episodes = []
+        episodes, branch_images = [], []
         for m in finished:
             for b in m.leaves():
                 b.episode.reward = float(m.reward or 0.0)
                 b.episode.metadata.setdefault("session", m.id)
                 b.episode.metadata.update({k: v for k, v in m.metadata.items() if k not in b.episode.metadata})
                 episodes.append(b.episode)
+                branch_images.append(b.images or [])
         group = group_from_episodes(episodes, prompt_id=g.prompt_id, producer_id=self.producer_id,
                                     created_at=g.created_wall, metadata={"source": "gateway", "sessions": len(finished)})
-        if g.images:
-            group.images, group.schema_version = [ref_of(b) for b in g.images], IMAGE_SCHEMA_VERSION
+        stored = _with_images(group, branch_images)
+        problem = self.image_check.problem(group, stored) if stored or self.image_check.spec else None
         try:
-            if should_accept(self.cfg, group):
-                await lease.commit(group, images={image_sha256(b): b for b in g.images or ()} or None)
+            if problem is not None:  # e.g. over images.max_per_prompt: recorded in {ns}:dead, not trained
+                await lease.fail(str(g.prompt_id), problem)
+                self.stats["failed_groups"] += 1
+                status = "failed"
+            elif should_accept(self.cfg, group):
+                await lease.commit(group, images=stored or None)
                 self.stats["committed_groups"] += 1
                 status = "committed"
             else:
@@ -250,6 +259,9 @@ class SessionGroups:
             await lease.abandon()
             log.warning("group %s not committed: %s: %s", g.key, type(exc).__name__, exc)
             return self._traced(g, finished, {"status": "failed", "reason": f"{type(exc).__name__}: {exc}"})
+        if problem is not None:
+            log.warning("group %s dead-lettered: %s", g.key, problem)
+            return self._traced(g, finished, {"status": "failed", "reason": problem})
         for m in finished:
             if m.id in self.finished_info:
                 self.finished_info[m.id].update(group_status=status, group_id=group.group_id)
@@ -312,3 +324,21 @@ def _summary(s: Session) -> dict[str, Any]:
     return {"session_id": s.id, "calls": s.calls, "branches": len(s.leaves()),
             "tokens": [len(b.episode.ids) for b in s.leaves()], "group": s.group.key if s.group else None,
             "metadata": {k: v for k, v in s.metadata.items() if isinstance(v, (str, int, float, bool))}}
+
+
+def _with_images(group: TrajectoryGroup, branch_images: list[list[bytes]]) -> dict[str, bytes]:
+    """Give `group` (one trajectory per branch) the images its branches showed, each stored once: the group's list
+    is every distinct image in order of first use, each trajectory's `images` its own, as indices into it (a later
+    turn's image is one branch's). Returns {sha256: bytes} for the commit."""
+    stored: dict[str, bytes] = {}
+    for imgs in branch_images:
+        stored.update((image_sha256(b), b) for b in imgs if image_sha256(b) not in stored)
+    if not stored:
+        return stored
+    order = {sha: k for k, sha in enumerate(stored)}
+    group.images, group.schema_version = [ref_of(b) for b in stored.values()], IMAGE_SCHEMA_VERSION
+    every = list(range(len(order)))
+    for t, imgs in zip(group.trajectories, branch_images):
+        own = [order[image_sha256(b)] for b in imgs]
+        t.images = None if own == every else own
+    return stored

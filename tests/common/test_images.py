@@ -178,3 +178,36 @@ def test_an_image_over_the_pixel_limit_is_refused_not_raised():
     assert image_problem(png_header(8, 8)) is None
     for side in (10_000, 20_000):  # 100 M pixels (Pillow warns), 400 M (Pillow raises)
         assert "over the image size limit" in image_problem(png_header(side, side))
+
+
+def test_each_trajectory_may_name_its_own_images_and_a_bad_index_is_named():
+    data = [png("red"), png("blue"), png("green")]
+    g = _group([ref_of(d) for d in data])
+    g.trajectories[0].images, g.trajectories[1].images = [0, 1], [0, 2]
+    back = decode_group(encode_group(g))
+    assert [t.images for t in back.trajectories] == [[0, 1], [0, 2]]
+    assert [r.sha256 for r in back.images_of(back.trajectories[1])] == [image_sha256(data[0]), image_sha256(data[2])]
+    plain = _group([ref_of(d) for d in data[:2]])  # no indices: every image of the group (entries before them)
+    assert plain.images_of(plain.trajectories[0]) == plain.images
+    g.trajectories[1].images = [0, 3]
+    with pytest.raises(WireError, match=r"trajectory images \[0, 3\] index past the group's 3 images"):
+        decode_group(encode_group(g))
+
+
+def test_limits_name_the_key_and_read_pixels_from_the_header():
+    from rlstream.common.config import ImageLimitsConfig
+    from rlstream.common.images import count_limit_problem, image_limit_problem, message_images
+
+    img = png("red", 40)
+    assert image_limit_problem(img, ImageLimitsConfig()) is None
+    assert image_limit_problem(img, ImageLimitsConfig(max_pixels=1599)) == \
+        "40x40 = 1,600 pixels, over images.max_pixels=1,599"
+    assert image_limit_problem(img, ImageLimitsConfig(max_bytes=10)) == \
+        f"{len(img):,} bytes, over images.max_bytes=10"
+    assert count_limit_problem(17, ImageLimitsConfig()) == "17 images, over images.max_per_prompt=16"
+    assert count_limit_problem(16, ImageLimitsConfig()) is None
+    msgs = [{"role": "user", "content": [{"type": "image", "image": img}, {"type": "text", "text": "c?"}]}]
+    with pytest.raises(ValueError, match=r"^row 3 message 0 part 0: 40x40 = 1,600 pixels, over images.max_pixels=100$"):
+        message_images(msgs, [], "row 3", limits=ImageLimitsConfig(max_pixels=100))
+    with pytest.raises(ValueError, match=r"^row 3: 2 images, over images.max_per_prompt=1$"):
+        message_images(msgs, [img], "row 3", limits=ImageLimitsConfig(max_per_prompt=1))

@@ -59,3 +59,10 @@ def test_image_prompt_ids_expand_each_image_through_the_chat_template(tiny_vlm_p
         image_prompt_ids(tok, spec, msgs, [shape_png()], "row 0")
     assert actor_vision(load_config(None, [f"actor.path={tiny_vlm_path}"])) == spec
     assert actor_vision(load_config(None, [f"actor.path={tiny_model_path}"])) is None
+
+
+def test_image_token_runs_one_per_image():
+    from rlstream.common.vision import image_token_runs
+
+    assert image_token_runs([1, 9, 9, 9, 2, 3, 9, 2, 9, 9], 9) == [3, 1, 2]
+    assert image_token_runs([1, 2, 3], 9) == []

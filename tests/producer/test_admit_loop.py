@@ -113,11 +113,12 @@ def make_loop(aclient, keys):
                                              max_concurrent_rollouts=max_concurrent, producer_id=PRODUCER)
         runner = Runner(admission)
         images = settings.pop("images", None)
+        vision, limits = settings.pop("vision", None), settings.pop("image_limits", None)
         loop = AdmitLoop(admission=admission, versions=AsyncVersionRegistry(aclient, keys), run_rollout=runner,
                          next_item=next_item or work(), producer_id=PRODUCER,
                          settings=LoopSettings(shutdown_timeout=WAIT_S, **settings), clock=Clock(),
                          on_engine_event=lambda address, down: runner.engine_events.append((address, down)),
-                         images=images)
+                         images=images, vision=vision, image_limits=limits)
         return loop, runner
 
     return make
@@ -398,7 +399,8 @@ async def test_on_rollout_timing_hears_each_rollout_start_and_settle_in_its_own_
 
 async def test_a_groups_images_are_committed_with_it_and_unknown_ones_are_not(make_loop, rclient, keys):
     """The bytes of a group's images come from the loop's `images` (the dataset's, by hash) and are stored once under
-    their key with the entry; a group referencing an image the producer does not hold is abandoned, not committed."""
+    their key with the entry; a group referencing an image the producer does not hold is dead-lettered, not
+    committed."""
     from rlstream.common.images import IMAGE_SCHEMA_VERSION, image_sha256, ref_of
     from tests.helpers import shape_png
 
@@ -421,3 +423,46 @@ async def test_a_groups_images_are_committed_with_it_and_unknown_ones_are_not(ma
     assert [[r.sha256 for r in g.images] for g in groups] == [[image_sha256(known)]] * 2
     assert rclient.get(keys.image(image_sha256(known))) == known  # one key for both groups
     assert not rclient.exists(keys.image(image_sha256(unknown))) and rclient.zcard(keys.admit_running) == 0
+    (dead,) = [f for _, f in rclient.xrange(keys.dead)]
+    assert f"image 0 ({image_sha256(unknown)[:12]}): no bytes for it".encode() in dead[b"reason"]
+
+
+async def test_image_tokens_the_processor_would_not_make_and_images_over_a_limit_are_dead_lettered(
+        make_loop, rclient, keys, tiny_vlm_path):
+    """Before commit, each trajectory's image tokens are checked against what the model's image processor makes of
+    its images (a 56x56 PNG: 4 tokens), and its images against `images.*`: a prompt built for another resolution
+    (16 tokens) and a group over images.max_per_prompt go to `{ns}:dead` with the reason instead of the stream."""
+    from rlstream.common.config import ImageLimitsConfig
+    from rlstream.common.images import IMAGE_SCHEMA_VERSION, image_sha256, ref_of
+    from rlstream.common.vision import vision_spec
+    from rlstream.common.wire import Trajectory, TrajectoryGroup
+    from tests.helpers import shape_png
+
+    spec = vision_spec(tiny_vlm_path)
+    red, blue = shape_png("red"), shape_png("blue")
+    vs, ve = 2, 3  # any other ids around each image's run
+
+    def group(runs: list[int], refs: list[bytes]):
+        def make():
+            prompt = [1]
+            for n in runs:
+                prompt += [vs] + [spec.image_token_id] * n + [ve]
+            trajs = [Trajectory.from_arrays(prompt, [5, 6], [-0.5, -0.5], [0, 0], float(k), "stop") for k in range(2)]
+            return TrajectoryGroup(group_id=f"g{len(runs)}{runs[:1]}", prompt_id="p", producer_id="", trajectories=trajs,
+                                   images=[ref_of(b) for b in refs], schema_version=IMAGE_SCHEMA_VERSION)
+        return make
+
+    known = {image_sha256(red): red, image_sha256(blue): blue}
+    loop, runner = make_loop(eta=0, batch=10, max_concurrent=10, images=known, vision=spec,
+                             image_limits=ImageLimitsConfig(max_per_prompt=2),
+                             next_item=work(group([4], [red]), group([16], [red]), group([4, 4, 4], [red, blue, red]),
+                                            group([4, 4], [red, blue])))
+    runner.gate.set()
+    async with running(loop) as task:
+        await asyncio.wait_for(task, WAIT_S)
+    assert loop.accepted == 2 and loop.failed == 2
+    reasons = sorted(f[b"reason"].decode() for _, f in rclient.xrange(keys.dead))
+    assert reasons[0].startswith("trajectory 0: 3 images, over images.max_per_prompt=2"), reasons
+    assert reasons[1].startswith(f"trajectory 0: its image tokens (id {spec.image_token_id}) come in runs [16], but "
+                                 "its 1 images take [4] with the image processor of"), reasons
+    assert [len(g.images) for g in committed_groups(rclient, keys)] == [1, 2]

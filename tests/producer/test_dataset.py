@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 
@@ -313,3 +314,37 @@ def test_image_rows_for_a_text_model_or_all_bad_are_one_line(tmp_path, vlm, toke
         PromptDataset(DatasetConfig(path=str(p)), tokenizer)
     with pytest.raises(DatasetError, match=r"no usable prompts \(1 rows, 0 too long, 1 with unusable images\)"):
         PromptDataset(DatasetConfig(path=str(p)), tok, vision=spec)
+
+
+def test_rows_over_the_image_limits_are_skipped_with_one_line_naming_them(tmp_path, vlm):
+    """images.max_per_prompt / max_pixels / max_bytes: a row over one is skipped with a line naming the row and the
+    key; rows within them stay."""
+    from rlstream.common.config import ImageLimitsConfig
+    from tests.helpers import shape_png
+
+    tok, spec = vlm
+    small, big = shape_png("red"), shape_png("blue", size=112)
+    for name, data in (("small.png", small), ("big.png", big)):
+        (tmp_path / name).write_bytes(data)
+    rows = [{"prompt": "c?", "images": ["small.png"], "answer": "red"},
+            {"prompt": "c?", "images": ["small.png", "small.png"], "answer": "x"},  # 2 images: over 1
+            {"prompt": "c?", "images": ["big.png"], "answer": "x"}]  # 112x112 = 12,544 pixels: over 56x56
+    p = tmp_path / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    limits = ImageLimitsConfig(max_per_prompt=1, max_pixels=56 * 56)
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger = logging.getLogger("rlstream.producer.dataset")  # rlstream's loggers do not propagate to caplog
+    logger.addHandler(handler)
+    try:
+        ds = PromptDataset(DatasetConfig(path=str(p), shuffle=False), tok, vision=spec, image_limits=limits)
+    finally:
+        logger.removeHandler(handler)
+    assert [ds.at(i).index for i in range(len(ds))] == [0]
+    text = "\n".join(lines)
+    assert "train_dataset row 1: 2 images, over images.max_per_prompt=1 (row skipped)" in text
+    assert "train_dataset row 2 image 0: 112x112 = 12,544 pixels, over images.max_pixels=3,136 (row skipped)" in text
+    tight = ImageLimitsConfig(max_bytes=len(small) - 1)
+    with pytest.raises(DatasetError, match=r"no usable prompts \(3 rows, 0 too long, 3 with unusable images\)"):
+        PromptDataset(DatasetConfig(path=str(p)), tok, vision=spec, image_limits=tight)

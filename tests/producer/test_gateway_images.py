@@ -1,6 +1,7 @@
 """`rlstream gateway` with OpenAI image content parts, driven by the `openai` SDK against a real `rlstream serve`
 of the tiny vision-language model and Redis: data: URLs are prompts with images whose group lands in the stream
-with its images stored once; http URLs and images for a later turn are one clear 400."""
+with its images stored once; a later turn's new image joins the conversation (each trajectory names its own);
+http URLs, undecodable images and images over `images.*` are one clear 400."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def vlm_gateway(redis_server, tiny_vlm_path, tmp_path_factory):
         f"actor.path={tiny_vlm_path}", f"redis.url={redis_server.url}", f"experiment_name={exp}",
         f"rollout.engine_addresses=[{eng.address}]", "rollout.health_check_interval=0.5",
         f"rollout.consumer_batch_size={BATCH}", "rollout.max_head_offpolicyness=0", "gconfig.max_new_tokens=6",
-        "gconfig.n_samples=2"])
+        "gconfig.n_samples=2", "images.max_per_prompt=3", "images.max_pixels=20000"])
     try:
         gw.start()
         yield exp, gw
@@ -88,7 +89,7 @@ def test_image_parts_train_through_the_gateway(vlm_gateway, redis_url, tiny_vlm_
 
 
 @pytest.mark.slow
-def test_network_urls_and_late_images_are_one_clear_400(vlm_gateway):
+def test_network_urls_bad_images_and_images_over_the_limits_are_one_clear_400(vlm_gateway):
     _, gw = vlm_gateway
     _, base = _session(gw)
     with pytest.raises(openai.BadRequestError, match="never from the network"):
@@ -96,11 +97,52 @@ def test_network_urls_and_late_images_are_one_clear_400(vlm_gateway):
                     {"type": "text", "text": "what?"}])
     with pytest.raises(openai.BadRequestError, match="does not decode as an image"):
         _ask(base, [{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}])
-    client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
-    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(shape_png())}},
-                                          {"type": "text", "text": "c?"}]}]
-    r = client.chat.completions.create(model="tiny", messages=first)
-    later = first + [{"role": "assistant", "content": r.choices[0].message.content or ""},
-                     {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(shape_png("blue"))}}]}]
-    with pytest.raises(openai.BadRequestError, match="only in a conversation's first call"):
-        client.chat.completions.create(model="tiny", messages=later)
+    with pytest.raises(openai.BadRequestError, match=r"part 0: 150x150 = 22,500 pixels, over images.max_pixels=20,000"):
+        _ask(base, [{"type": "image_url", "image_url": {"url": _url(shape_png(size=150))}}])
+    four = [{"type": "image_url", "image_url": {"url": _url(shape_png(c))}} for c in ("red", "blue", "green", "red")]
+    with pytest.raises(openai.BadRequestError, match=r"messages: 4 images, over images.max_per_prompt=3"):
+        _ask(base, four)
+
+
+@pytest.mark.slow
+def test_a_new_image_in_a_later_turn_trains_with_each_trajectorys_own_images(vlm_gateway, redis_url, tiny_vlm_path):
+    """Two agents on one prompt (one red image), each sending its own new image in turn 2: the group stores the three
+    images once and each trajectory names its two; the engine saw both (4 image tokens each, in two runs)."""
+    from rlstream.broker import Keys, TrajectoryStream, connect, namespace
+    from rlstream.common.vision import image_token_runs, vision_spec
+
+    exp, gw = vlm_gateway
+    spec = vision_spec(tiny_vlm_path)
+    red, later = shape_png("red", "rectangle"), [shape_png("blue", "rectangle"), shape_png("yellow", "rectangle")]
+    first = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(red)}},
+                                          {"type": "text", "text": "turn 1?"}]}]
+    for k, img in enumerate(later):
+        sid, base = _session(gw)
+        client = openai.OpenAI(base_url=base, api_key="unused", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="tiny", messages=first)
+        msgs = first + [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(img)}},
+                                                     {"type": "text", "text": "and now?"}]}]
+        r2 = client.chat.completions.create(model="tiny", messages=msgs, extra_body={"return_token_ids": True})
+        assert image_token_runs(r2.model_extra["prompt_token_ids"], spec.image_token_id) == [4, 4]
+        if k == 0:  # two more in turn 3 make the conversation's 4: over images.max_per_prompt=3
+            more = msgs + [{"role": "assistant", "content": r2.choices[0].message.content or ""},
+                           {"role": "user", "content": [{"type": "image_url", "image_url": {"url": _url(b)}}
+                                                        for b in later]}]
+            with pytest.raises(openai.BadRequestError, match=r"the conversation's 4 images, over images.max_per_"):
+                client.chat.completions.create(model="tiny", messages=more)
+        r = httpx.post(f"{gw.url}/sessions/{sid}/reward", json={"reward": float(k)}, timeout=60)
+        assert r.status_code == 200, r.text
+    assert r.json()["status"] == "committed", r.json()
+    c = connect(redis_url)
+    try:
+        keys = Keys(namespace(exp, "trial0"))
+        entries = TrajectoryStream(c, keys).read_ids([i.decode() for i, _ in c.xrange(keys.traj)])
+        (entry,) = [e for e in entries if e.group.images and e.group.images[0].sha256 == image_sha256(red)]
+        assert entry.images == [red, *later]  # each image once, fetched from its key and checked
+        trajs = sorted(entry.group.trajectories, key=lambda t: t.reward)
+        assert [t.images for t in trajs] == [[0, 1], [0, 2]]
+        assert all(image_token_runs(t.input_ids_np, spec.image_token_id) == [4, 4] for t in trajs)
+        assert all(c.get(keys.image(image_sha256(b))) == b for b in [red, *later])
+    finally:
+        c.close()

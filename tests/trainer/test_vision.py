@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 import torch
 
 from rlstream.broker.stream import Entry
@@ -77,3 +78,45 @@ def test_vision_kwargs_follow_the_sequence_order(tiny_vlm_path):
     kw = vision_kwargs(model, collate(entries))
     assert kw["image_grid_thw"].tolist() == [[1, 4, 4], [1, 4, 4], [1, 8, 8], [1, 4, 4], [1, 8, 8], [1, 4, 4]]
     assert kw["pixel_values"].shape[0] == 16 * 4 + 64 * 2
+
+
+@pytest.mark.slow
+def test_images_in_a_later_turn_match_the_engine_with_each_trajectorys_own_images(tiny_vlm_path):
+    """Multi-turn with a new image in turn 2, a different one per sample: the engine takes every image so far (the
+    first turn's KV from its prefix cache), the group stores each image once and each trajectory names its own
+    (`Trajectory.images`); the trainer's logprobs of both turns equal the engine's (fp32, <= 1e-3)."""
+    first, later = shape_png("red"), [shape_png("blue", "rectangle"), shape_png("green", size=112)]
+    prompt = vlm_prompt(tiny_vlm_path, [first], "colour?")
+    obs = [vlm_prompt(tiny_vlm_path, [b], "and now?") for b in later]  # a user turn with its image, then "a:"
+    engine = LocalEngine(tiny_vlm_path, device="cpu", max_batch_size=4, seed=0)
+    params = {"max_new_tokens": 8, "temperature": 1.0}
+
+    async def run():
+        turn1 = await asyncio.gather(*[engine.generate(prompt, params, images=[first]) for _ in later])
+        turn2 = await asyncio.gather(*[engine.generate(prompt + r.output_ids + o, params, images=[first, b])
+                                       for r, o, b in zip(turn1, obs, later)])
+        return turn1, turn2
+
+    try:
+        turn1, turn2 = asyncio.run(run())
+        assert engine.stats()["images_encoded"] == 3  # the first image once for both samples and both turns
+    finally:
+        engine.close()
+
+    def seg(r):
+        return (r.output_ids, [lp for lp, _t, _ in r.meta_info.output_token_logprobs], r.meta_info.output_token_versions)
+
+    trajs = [Trajectory.from_segments([(prompt, None, None), seg(r1), (o, None, None), seg(r2)], len(prompt), 0.0,
+                                      "stop") for r1, o, r2 in zip(turn1, obs, turn2)]
+    trajs[0].images, trajs[1].images = [0, 1], [0, 2]
+    group = TrajectoryGroup(group_id="g", prompt_id="p", producer_id="t", trajectories=trajs,
+                            schema_version=IMAGE_SCHEMA_VERSION, images=[ref_of(d) for d in [first, *later]])
+    entry = Entry("0-0", group, 0, images=[first, *later])
+    batch = collate([entry])
+    assert batch.images == [[first, later[0]], [first, later[1]]]
+    model = load_causal_lm(str(tiny_vlm_path), ActorConfig(path=str(tiny_vlm_path)), trainable=False)
+    with torch.no_grad():
+        logp, _ = token_logprobs(model, batch, outputs_only=True)
+    out = batch.versions >= 0
+    assert int(out.sum()) == sum(len(r.output_ids) for r in turn1 + turn2)
+    assert float((logp[out] - batch.behav_logp[out]).abs().max()) <= 1e-3
