@@ -321,17 +321,21 @@ def perturbed_state(model, seed: int = 1) -> dict:
 VLLM_REQUIRE_ENV = "RLSTREAM_REQUIRE_VLLM"
 
 
+def venv_python_or_skip(py: Path, what: str, setup: str, venv_env: str, require_env: str) -> Path:
+    """`py` (a side venv's python); skip without it, except with `require_env`=1 (CI), where it fails."""
+    if not py.is_file():
+        msg = f"{what} venv not found ({py}): run `bash {setup}` (or point {venv_env} at one)"
+        if os.environ.get(require_env) == "1":
+            pytest.fail(f"{require_env}=1 but {msg}")
+        pytest.skip(msg)
+    return py
+
+
 def vllm_python_or_skip() -> Path:
     """The vLLM venv's python; skip without it, except with RLSTREAM_REQUIRE_VLLM=1 (CI), where it fails."""
     from rlstream.engine.vllm_server import VENV_ENV, venv_python
 
-    py = venv_python()
-    if not py.is_file():
-        msg = f"vLLM venv not found ({py}): run `bash scripts/setup_vllm_venv.sh` (or point {VENV_ENV} at one)"
-        if os.environ.get(VLLM_REQUIRE_ENV) == "1":
-            pytest.fail(f"{VLLM_REQUIRE_ENV}=1 but {msg}")
-        pytest.skip(msg)
-    return py
+    return venv_python_or_skip(venv_python(), "vLLM", "scripts/setup_vllm_venv.sh", VENV_ENV, VLLM_REQUIRE_ENV)
 
 
 class VllmServer:

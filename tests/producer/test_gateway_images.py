@@ -54,9 +54,23 @@ def _ask(base: str, content: list, **kw):
                                           extra_body={"return_token_ids": True}, **kw)
 
 
+def _reward(gw, sid: str, reward: float) -> str:
+    """Reward a session; the group's status afterwards (committed once every session of it has its reward)."""
+    r = httpx.post(f"{gw.url}/sessions/{sid}/reward", json={"reward": reward}, timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()["status"]
+
+
+def _entries(c, keys) -> list:
+    """Every entry of the run's stream, its images fetched and checked."""
+    from rlstream.broker import TrajectoryStream
+
+    return TrajectoryStream(c, keys).read_ids([i.decode() for i, _ in c.xrange(keys.traj)])
+
+
 @pytest.mark.slow
 def test_image_parts_train_through_the_gateway(vlm_gateway, redis_url, tiny_vlm_path):
-    from rlstream.broker import Keys, TrajectoryStream, connect, namespace
+    from rlstream.broker import Keys, connect, namespace
     from rlstream.common.vision import vision_spec
 
     exp, gw = vlm_gateway
@@ -71,14 +85,12 @@ def test_image_parts_train_through_the_gateway(vlm_gateway, redis_url, tiny_vlm_
         assert prompt.count(spec.image_token_id) == 4 + 16  # each image's tokens, from its size
         if k == 0:  # the same messages again: another sample (branch) of this session, with the same images
             assert _ask(base, content).model_extra["prompt_token_ids"] == prompt
-        r = httpx.post(f"{gw.url}/sessions/{sid}/reward", json={"reward": float(k)}, timeout=60)
-        assert r.status_code == 200, r.text
-    assert r.json()["status"] == "committed", r.json()
+        status = _reward(gw, sid, float(k))
+    assert status == "committed"
     c = connect(redis_url)
     try:
         keys = Keys(namespace(exp, "trial0"))
-        ids = [i.decode() for i, _ in c.xrange(keys.traj)]
-        (entry,) = TrajectoryStream(c, keys).read_ids(ids)
+        (entry,) = _entries(c, keys)
         assert [ref.sha256 for ref in entry.group.images] == [image_sha256(red), image_sha256(blue)]
         assert entry.images == [red, blue]  # fetched from their keys and checked
         assert sorted(t.reward for t in entry.group.trajectories) == [0.0, 0.0, 1.0]
@@ -108,7 +120,7 @@ def test_network_urls_bad_images_and_images_over_the_limits_are_one_clear_400(vl
 def test_a_new_image_in_a_later_turn_trains_with_each_trajectorys_own_images(vlm_gateway, redis_url, tiny_vlm_path):
     """Two agents on one prompt (one red image), each sending its own new image in turn 2: the group stores the three
     images once and each trajectory names its two; the engine saw both (4 image tokens each, in two runs)."""
-    from rlstream.broker import Keys, TrajectoryStream, connect, namespace
+    from rlstream.broker import Keys, connect, namespace
     from rlstream.common.vision import image_token_runs, vision_spec
 
     exp, gw = vlm_gateway
@@ -131,14 +143,12 @@ def test_a_new_image_in_a_later_turn_trains_with_each_trajectorys_own_images(vlm
                                                         for b in later]}]
             with pytest.raises(openai.BadRequestError, match=r"the conversation's 4 images, over images.max_per_"):
                 client.chat.completions.create(model="tiny", messages=more)
-        r = httpx.post(f"{gw.url}/sessions/{sid}/reward", json={"reward": float(k)}, timeout=60)
-        assert r.status_code == 200, r.text
-    assert r.json()["status"] == "committed", r.json()
+        status = _reward(gw, sid, float(k))
+    assert status == "committed"
     c = connect(redis_url)
     try:
         keys = Keys(namespace(exp, "trial0"))
-        entries = TrajectoryStream(c, keys).read_ids([i.decode() for i, _ in c.xrange(keys.traj)])
-        (entry,) = [e for e in entries if e.group.images and e.group.images[0].sha256 == image_sha256(red)]
+        (entry,) = [e for e in _entries(c, keys) if e.group.images and e.group.images[0].sha256 == image_sha256(red)]
         assert entry.images == [red, *later]  # each image once, fetched from its key and checked
         trajs = sorted(entry.group.trajectories, key=lambda t: t.reward)
         assert [t.images for t in trajs] == [[0, 1], [0, 2]]

@@ -18,7 +18,7 @@ import pytest
 
 from rlstream.producer.verifiers_v1 import VENV_ENV, venv_python
 
-from tests.helpers import GatewayProcess
+from tests.helpers import GatewayProcess, venv_python_or_skip
 
 HERE = Path(__file__).resolve().parent
 REQUIRE_ENV = "RLSTREAM_REQUIRE_VERIFIERS_V1"
@@ -27,13 +27,8 @@ N = 2
 
 
 def _python() -> Path:
-    py = venv_python()
-    if not py.is_file():
-        msg = f"verifiers 0.4 venv not found ({py}): run `bash scripts/setup_verifiers_v1_venv.sh` (or set {VENV_ENV})"
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{REQUIRE_ENV}=1 but {msg}")
-        pytest.skip(msg)
-    return py
+    return venv_python_or_skip(venv_python(), "verifiers 0.4", "scripts/setup_verifiers_v1_venv.sh", VENV_ENV,
+                               REQUIRE_ENV)
 
 
 @pytest.fixture(scope="module")
