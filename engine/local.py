@@ -106,8 +106,9 @@ class LocalEngine:
     def __init__(self, model_path: str | os.PathLike, *, tokenizer_path: str | os.PathLike | None = None,
                  device: str = "auto", dtype: str = "float32", max_batch_size: int = 64,
                  max_seq_len: int = 4096, seed: int = 1, version: int = 0, prefix_cache_tokens: int = 0,
-                 admission_hold_ms: float = ADMISSION_HOLD_MS, prefill_chunk_tokens: int = 0) -> None:
-        self._load_model(model_path, tokenizer_path, device, dtype)
+                 admission_hold_ms: float = ADMISSION_HOLD_MS, prefill_chunk_tokens: int = 0,
+                 max_images: int = 16) -> None:
+        self._load_model(model_path, tokenizer_path, device, dtype, max_images)
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None)
         self.max_seq_len = min(max_seq_len, limit) if limit else max_seq_len
@@ -164,7 +165,7 @@ class LocalEngine:
         self._weights_gen = 0  # bumped by every weight update
 
     def _load_model(self, model_path: str | os.PathLike, tokenizer_path: str | os.PathLike | None,
-                    device: str, dtype: str) -> None:
+                    device: str, dtype: str, max_images: int = 16) -> None:
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         self.model_path = resolve_model_path(str(model_path), "server.model_path")
@@ -187,7 +188,7 @@ class LocalEngine:
         model_class = AutoModelForCausalLM if spec is None else AutoModelForImageTextToText
         self.model = model_class.from_pretrained(self.model_path, dtype=self.dtype,
                                                  local_files_only=True).to(self.device).eval()
-        self.vision = VisionEncoder(self.model, spec) if spec is not None else None
+        self.vision = VisionEncoder(self.model, spec, max_images=max_images) if spec is not None else None
         self.model.requires_grad_(False)
 
     @classmethod
@@ -200,7 +201,7 @@ class LocalEngine:
         return cls(model_path, tokenizer_path=cfg.tokenizer_path or model_path, device=s.device, dtype=s.dtype,
                    max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, seed=cfg.seed,
                    prefix_cache_tokens=s.prefix_cache_tokens, admission_hold_ms=s.admission_hold_ms,
-                   prefill_chunk_tokens=s.prefill_chunk_tokens)
+                   prefill_chunk_tokens=s.prefill_chunk_tokens, max_images=cfg.images.max_per_prompt)
 
     def _eos_ids(self) -> frozenset[int]:
         # The one source of stop tokens (tokenizer EOS + generation_config eos ids), shared with

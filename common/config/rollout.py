@@ -98,7 +98,7 @@ class ImageLimitsConfig(Section):
 
     max_per_prompt: PositiveInt = 16
     """Images one sequence may hold, over all its turns (vLLM's `limit_mm_per_prompt.image`, SGLang's
-    `limit_mm_data_per_request.image`); 16 is also the most the local engine takes in one request."""
+    `limit_mm_data_per_request.image`); the local engine refuses a request with more."""
     max_bytes: PositiveInt = 20 * 1024 * 1024
     """Largest encoded image (PNG/JPEG bytes as given), 20 MiB: a photo is far under it; each one is stored in Redis
     once per run (`{ns}:img:<sha256>`), so this bounds one key's size."""

@@ -108,6 +108,23 @@ def test_bad_image_requests_are_one_line(vlm_engine, engine, tiny_vlm_path):
         asyncio.run(engine.generate([5, 6, 7], {"max_new_tokens": 2}, images=images))
 
 
+def test_the_engines_image_cap_is_images_max_per_prompt(tiny_vlm_path, tmp_path):
+    from pathlib import Path
+
+    from rlstream.common.config import load_config
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "vlm-cpu.yaml"
+    cfg = load_config(config, [f"cluster.fileroot={tmp_path}", f"actor.path={tiny_vlm_path}", "server.device=cpu",
+                               "images.max_per_prompt=1"])
+    eng = LocalEngine.from_config(cfg)
+    try:
+        images = [shape_png("red"), shape_png("blue")]
+        with pytest.raises(ValueError, match=r"^2 images in one request; the engine accepts at most 1$"):
+            asyncio.run(eng.generate(vlm_prompt(tiny_vlm_path, images), {"max_new_tokens": 2}, images=images))
+    finally:
+        eng.close()
+
+
 def test_generate_route_takes_sglang_image_data(vlm_engine, tiny_vlm_path):
     import base64
 
