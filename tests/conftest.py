@@ -15,9 +15,21 @@ from tests.helpers import (EngineProcess, ProducerProcess, RedisCluster, RedisSe
                            make_group)
 
 
+def pytest_configure(config):
+    # xdist reorders files by test count unless told not to; the order below is by time.
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `cuda` are skipped, with the reason, where no CUDA GPU is visible (CI)."""
+    """The longest files first (tests/file_times.py); tests marked `cuda` are skipped, with the
+    reason, where no CUDA GPU is visible (CI)."""
     import torch
+
+    from tests.file_times import load
+
+    seconds = load()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))  # stable: within a file as written
 
     if torch.cuda.is_available():
         return
