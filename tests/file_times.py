@@ -1,4 +1,4 @@
-"""Per-file test times for the suite's order: the longest files go to the two workers first.
+"""Per-file test times for the suite's order: the longest files go to the workers first.
 
 `--dist loadfile` hands whole files to the workers; started in collection order, a long file
 collected last leaves one worker idle while the other finishes it. `tests/conftest.py` orders
