@@ -427,8 +427,13 @@ async def test_in_place_pause_holds_a_new_request_and_continue_finishes_it(clien
 
 
 async def test_pause_aborts_in_flight_request_and_continue_serves(client):
+    # The request arrives while the engine is frozen (an in-place pause): it is in flight and cannot end
+    # before the abort, and the API server is idle enough to answer /load at once. Polled while a long
+    # request decoded on loaded cores, vLLM's API server once answered /load only after it had ended.
+    # (An abort of a request that has decoded tokens: the in-place test above, on a streamed request.)
+    await pause(client, "in_place")
     long = await start_long_request(client, PROMPTS[0], ABORT_LONG)
-    assert not long.done(), "a request of ABORT_LONG tokens ended before /load saw it"
+    assert not long.done(), f"a request held by a paused engine ended: {long.result()}"
     status, body = await asyncio.to_thread(http, "POST", client.url + "/pause_generation", {"mode": "abort"})
     assert status == 200 and body["paused"] is True
     out = await asyncio.wait_for(long, 120)
