@@ -159,7 +159,9 @@ def sft(cfg: Config) -> dict | None:
     examples = _examples(cfg, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     steps = lc.sft_steps or math.ceil(lc.sft_epochs * len(examples) / lc.sft_batch_size)
-    stepper = OptimizerStepper(model.parameters(), lc.sft_optimizer, lc.sft_lr, steps)
+    # float16 compute (autocast over the float32 weights) scales the loss (trainer/loss_scale.py)
+    float16 = "float16" in (cfg.actor.dtype, cfg.actor.compute_dtype)
+    stepper = OptimizerStepper(model.parameters(), lc.sft_optimizer, lc.sft_lr, steps, float16=float16)
     t0 = time.monotonic()
     last = t0
     loss_val = float("nan")
@@ -176,12 +178,15 @@ def sft(cfg: Config) -> dict | None:
             labels[r, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)  # model turns only
             attn[r, : len(seq)] = 1
         extra = _image_kwargs(vision, batch, preprocessed) if vision is not None else {}
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels, **extra).loss
-        stepper.step(loss)
+        with torch.autocast("cpu", torch.float16, enabled=float16):
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels, **extra).loss
+        metrics = stepper.step(loss)
         loss_val = float(loss.item())
-        if time.monotonic() - last > 5 or step == steps:
+        if time.monotonic() - last > 5 or step == steps or metrics["skipped"]:
             last = time.monotonic()
-            log.info("sft step %d/%d loss %.4f (%.1fs)", step, steps, loss_val, last - t0)
+            log.info("sft step %d/%d loss %.4f%s%s (%.1fs)", step, steps, loss_val,
+                     " skipped (inf/nan gradients)" if metrics["skipped"] else "",
+                     f" loss_scale {metrics['loss_scale']:g}" if "loss_scale" in metrics else "", last - t0)
 
     # Write next to the model, then move the files in: a crash never leaves a half-written model.
     tmp = model_path.with_name(model_path.name + ".sft-tmp")

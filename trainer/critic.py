@@ -142,7 +142,7 @@ class Critic:
         self.par = par
         self.pad_token_id = pad_token_id
         self.model = par.wrap(load_value_model(cfg, par.device), cfg.actor.grad_reduce_dtype, cfg.actor.fsdp)
-        self.optimizer = build_optimizer(self.model.parameters(), self.c.optimizer)
+        self.optimizer = build_optimizer(self.model.parameters(), self.c.optimizer, float16=cfg.actor.dtype == "float16")
         self.scheduler = build_scheduler(self.optimizer, self.c.optimizer, total_steps)
         self.micro = MicroBatches(par, self.c.mb_spec, pad_token_id)
 
