@@ -111,3 +111,17 @@ def test_loss_scaling_and_offload_of_model_optimizer_reach_the_warm_start():
         (65536.0, 2.0, 10, 3, True)
     assert {src for src, _ in t.translated} >= {f"model.optimizer.{k}" for k in (
         "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "offload")}
+
+
+def test_model_fsdp_becomes_the_warm_starts_fsdp_settings():
+    data = sft_file()
+    data["model"]["fsdp"] = {"wrap_policy": {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]},
+                             "offload_params": True}
+    t = translate_areal(data)
+    fsdp = load_config_dict(t.config).launcher.sft_fsdp
+    assert fsdp.wrap_policy.transformer_layer_cls_to_wrap == ["Qwen2DecoderLayer"] and fsdp.offload_params
+    assert {"model.fsdp.wrap_policy.transformer_layer_cls_to_wrap", "model.fsdp.offload_params"} <= \
+        {src for src, _ in t.translated}
+    rw = rw_file()
+    rw["actor"]["fsdp"] = {"offload_params": True}
+    assert dict(translate_areal(rw).dropped)["actor.fsdp.offload_params"].startswith("rlstream rw trains in one")
