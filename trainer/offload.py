@@ -25,16 +25,17 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, inner_factory: Callable[[list[torch.Tensor]], torch.optim.Optimizer]) -> None:
         params = [p for p in params if p.requires_grad]
-        pin = torch.cuda.is_available() and any(p.device.type == "cuda" for p in params)
-        self.masters = [p.detach().to("cpu", torch.float32, copy=True) for p in params]
-        if pin:  # page-locked host memory: the device<->host copies run at full bandwidth
-            self.masters = [m.pin_memory() for m in self.masters]
-        for m in self.masters:
-            m.requires_grad_(True)
+        self.on_cuda = any(p.device.type == "cuda" for p in params)
+
+        def host_copy(p: torch.Tensor) -> torch.Tensor:
+            t = p.detach().to("cpu", torch.float32, copy=True)
+            return t.pin_memory() if self.on_cuda else t  # page-locked: the copies run at full bandwidth
+
+        self.masters = [host_copy(p).requires_grad_(True) for p in params]
+        self.grad_buffers = [torch.zeros_like(m, pin_memory=self.on_cuda) for m in self.masters]
         self.inner = inner_factory(self.masters)
-        defaults = {k: v for k, v in self.inner.defaults.items()}
-        super().__init__(params, defaults)
-        self._master_of = dict(zip(map(id, params), self.masters))
+        super().__init__(params, dict(self.inner.defaults))
+        self._master_of = dict(zip(map(id, params), zip(self.masters, self.grad_buffers)))
         self._link_state()
 
     def _link_state(self) -> None:
@@ -42,7 +43,7 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         self.state.clear()
         for group in self.param_groups:
             for p in group["params"]:
-                master = self._master_of[id(p)]
+                master = self._master_of[id(p)][0]
                 if master in self.inner.state:
                     self.state[p] = self.inner.state[master]
 
@@ -58,14 +59,17 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         self._sync_groups()
         for group in self.param_groups:
             for p in group["params"]:
-                master = self._master_of[id(p)]
-                master.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32, non_blocking=True)
-        if torch.cuda.is_available():
+                master, buffer = self._master_of[id(p)]
+                if p.grad is None:
+                    master.grad = None
+                else:
+                    master.grad = buffer.copy_(p.grad.detach(), non_blocking=True)
+        if self.on_cuda:
             torch.cuda.synchronize()  # the non-blocking gradient copies have landed
         self.inner.step()
         for group in self.param_groups:
             for p in group["params"]:
-                p.copy_(self._master_of[id(p)], non_blocking=True)
+                p.copy_(self._master_of[id(p)][0], non_blocking=True)
         for m in self.masters:
             m.grad = None
         self._link_state()
@@ -87,4 +91,4 @@ class HostOffloadOptimizer(torch.optim.Optimizer):
         """Copy the device weights into the masters (after the model's weights were loaded or reset)."""
         for group in self.param_groups:
             for p in group["params"]:
-                self._master_of[id(p)].copy_(p.detach().to("cpu", torch.float32))
+                self._master_of[id(p)][0].copy_(p.detach().to("cpu", torch.float32))

@@ -63,8 +63,9 @@ class OptimizerConfig(Section):
     restores the count."""
     offload: bool = False
     """Keep the optimizer state and a float32 master copy of the trained weights in host memory and take the step
-    there, copying the updated weights back to the device (ZeRO-Offload style): saves accelerator memory (about 12
-    bytes a parameter with Adam) at the cost of two copies a step; on a CPU trainer there is nothing to save."""
+    there, copying the updated weights back to the device (ZeRO-Offload style): the accelerator no longer holds Adam's
+    moments, at the cost of two copies a step; on a CPU trainer there is nothing to save (parallel=ddp only; FSDP:
+    actor.fsdp.offload_params)."""
 
 
 class MicroBatchSpec(Section):
