@@ -108,6 +108,11 @@ def _model_key(t: Translation, src: str, key: str, value: Any, kind: Kind, use_l
         t.dropped.append((src, "false: the weights are loaded from path"))
     elif key.startswith("optimizer.") and key.removeprefix("optimizer.") in _OPTIMIZER_FIELDS:
         t.translate(src, {f"{optimizer}.{key.removeprefix('optimizer.')}": value})
+    elif key.startswith("fsdp.") and kind == "sft":
+        t.translate(src, {f"launcher.sft_fsdp.{key.removeprefix('fsdp.')}": value},
+                    "the warm start's FSDP2 settings: one process, so checked against the model, nothing sharded")
+    elif key.startswith("fsdp.") and kind == "rw":
+        t.dropped.append((src, "rlstream rw trains in one process: no FSDP sharding"))
     elif kind == "sft" and key in ("dtype", "disable_dropout", "gradient_checkpointing"):
         t.translate(src, {f"actor.{key}": value}, "the warm start and the RL run after it train actor.path")
     elif kind == "rw" and key in _RW_ONLY_DROPPED:

@@ -1,8 +1,9 @@
-"""Metrics sinks: one stdout line per step, `{run_dir}/metrics.jsonl`, TensorBoard, wandb, Prometheus.
+"""Metrics sinks: one stdout line per step, `{run_dir}/metrics.jsonl`, TensorBoard, wandb, SwanLab, Prometheus.
 
 Only the process that owns the sinks writes (the trainer's rank 0); other ranks make a
 logger that does nothing. `stats_logger.wandb.mode`: `online`, `offline` (no network:
-the run lands in `{run_dir}/wandb` for a later `wandb sync`) or `disabled`.
+the run lands in `{run_dir}/wandb` for a later `wandb sync`) or `disabled`;
+`stats_logger.swanlab.mode` likewise (offline: `{run_dir}/swanlab` for a later `swanlab sync`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any, Mapping, TextIO
 
 from rlstream.common.config import Config, masked_config_dict
 
-__all__ = ["StatsLogger", "format_line", "wandb_init_args"]
+__all__ = ["StatsLogger", "format_line", "wandb_init_args", "swanlab_init_args"]
 
 # Keys shown in the one-line summary, in order: (metric, label, format).
 _LINE = [
@@ -57,6 +58,7 @@ class StatsLogger:
         self._jsonl = None
         self._tb = None
         self._wandb = None
+        self._swanlab = None
         self.registry = None  # Prometheus: the trainer adds the run's queue numbers to it (rank 0 only)
         self._last: dict[str, float] = {}
         if not enabled:
@@ -74,6 +76,8 @@ class StatsLogger:
             self._tb = SummaryWriter(log_dir=sl.tensorboard.path or str(run_dir / "tensorboard"))
         if sl.wandb.mode != "disabled":
             self._wandb = self._init_wandb(cfg, run_dir)
+        if sl.swanlab.mode not in (None, "disabled"):
+            self._swanlab = self._init_swanlab(cfg, run_dir)
         if sl.prometheus.enabled:
             from rlstream.common.logging import get_logger
             from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, serve
@@ -98,8 +102,19 @@ class StatsLogger:
         (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
         return wandb.init(**wandb_init_args(cfg, run_dir))
 
+    @staticmethod
+    def _init_swanlab(cfg: Config, run_dir: Path) -> Any:
+        try:
+            import swanlab  # imported only when enabled: an optional extra
+        except ImportError:
+            raise RuntimeError(f"stats_logger.swanlab.mode is {cfg.stats_logger.swanlab.mode!r} but swanlab is not "
+                               "installed (pip install 'rlstream[swanlab]')") from None
+        if cfg.stats_logger.swanlab.api_key:
+            os.environ.setdefault("SWANLAB_API_KEY", cfg.stats_logger.swanlab.api_key)
+        return swanlab.init(**swanlab_init_args(cfg, run_dir))
+
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
-        """One step: stdout line, JSONL record, TensorBoard scalars, wandb log."""
+        """One step: stdout line, JSONL record, TensorBoard scalars, wandb and SwanLab logs."""
         if not self.enabled:
             return
         clean = {k: float(v) for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(float(v))}
@@ -113,6 +128,8 @@ class StatsLogger:
             self._tb.flush()
         if self._wandb is not None:
             self._wandb.log(clean, step=step)
+        if self._swanlab is not None:
+            self._swanlab.log(clean, step=step)
 
     def logged_steps(self) -> set[int]:
         """Train steps with a row in metrics.jsonl (evaluation rows and torn lines aside)."""
@@ -150,6 +167,8 @@ class StatsLogger:
                 self._wandb.define_metric("eval/*", step_metric="eval/version")
                 self._wandb_eval_axis = True
             self._wandb.log(clean)
+        if self._swanlab is not None:  # each key is its own series: eval/* at step = version
+            self._swanlab.log(clean, step=version)
 
     def close(self) -> None:
         if self._jsonl is not None:
@@ -161,6 +180,9 @@ class StatsLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._swanlab is not None:
+            self._swanlab.finish()
+            self._swanlab = None
 
 
 def wandb_init_args(cfg: Config, run_dir: Path) -> dict[str, Any]:
@@ -172,3 +194,12 @@ def wandb_init_args(cfg: Config, run_dir: Path) -> dict[str, Any]:
     if w.id_suffix:
         args.update(id=f"{cfg.experiment_name}_{cfg.trial_name}_{w.id_suffix}", resume="allow")
     return args
+
+
+def swanlab_init_args(cfg: Config, run_dir: Path) -> dict[str, Any]:
+    """The keyword arguments of `swanlab.init` from stats_logger.swanlab (the run's config masked)."""
+    sw = cfg.stats_logger.swanlab
+    logdir = sw.logdir or str(run_dir / "swanlab")
+    Path(logdir).mkdir(parents=True, exist_ok=True)
+    return dict(project=sw.project or cfg.experiment_name, experiment_name=sw.name or cfg.trial_name, logdir=logdir,
+                mode=sw.mode, config={**(sw.config or {}), **masked_config_dict(cfg)})

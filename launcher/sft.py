@@ -128,6 +128,7 @@ def sft(cfg: Config) -> dict | None:
     from rlstream.launcher.demo import prepare
     from rlstream.trainer.model import disable_dropout
     from rlstream.trainer.optim import OptimizerStepper
+    from rlstream.trainer.parallel import fsdp_units
 
     lc = cfg.launcher
     if lc.sft_steps == 0 and lc.sft_epochs == 0:
@@ -153,17 +154,24 @@ def sft(cfg: Config) -> dict | None:
     model = model_class.from_pretrained(model_path, **dtype_kwargs(torch.float32))
     if cfg.actor.disable_dropout:
         disable_dropout(model)
+    fsdp_key = "launcher.sft_fsdp" if lc.sft_fsdp is not None else "actor.fsdp"
+    units = fsdp_units(model, lc.sft_fsdp or cfg.actor.fsdp, fsdp_key)  # one process: checked, nothing to shard
+    log.info("warm start in one process: %s's %d FSDP2 unit(s) (%s) shard nothing", fsdp_key, len(units),
+             ", ".join(sorted({type(u).__name__ for u in units})) or "none")
     if cfg.actor.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     examples = _examples(cfg, tokenizer)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     steps = lc.sft_steps or math.ceil(lc.sft_epochs * len(examples) / lc.sft_batch_size)
-    stepper = OptimizerStepper(model.parameters(), lc.sft_optimizer, lc.sft_lr, steps)
+    # float16 compute (autocast over the float32 weights) scales the loss (trainer/loss_scale.py)
+    float16 = "float16" in (cfg.actor.dtype, cfg.actor.compute_dtype)
+    stepper = OptimizerStepper(model.parameters(), lc.sft_optimizer, lc.sft_lr, steps, float16=float16)
     t0 = time.monotonic()
     last = t0
     loss_val = float("nan")
     preprocessed: dict = {}
+    skipped = 0
     for step in range(1, steps + 1):
         batch = [examples[rng.randrange(len(examples))] for _ in range(lc.sft_batch_size)]
         width = max(len(seq) for seq, _, _ in batch)
@@ -176,12 +184,16 @@ def sft(cfg: Config) -> dict | None:
             labels[r, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), t, -100)  # model turns only
             attn[r, : len(seq)] = 1
         extra = _image_kwargs(vision, batch, preprocessed) if vision is not None else {}
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels, **extra).loss
-        stepper.step(loss)
+        with torch.autocast("cpu", torch.float16, enabled=float16):
+            loss = model(input_ids=ids, attention_mask=attn, labels=labels, **extra).loss
+        metrics = stepper.step(loss)
+        skipped += int(metrics["skipped"])
         loss_val = float(loss.item())
-        if time.monotonic() - last > 5 or step == steps:
+        if time.monotonic() - last > 5 or step == steps or metrics["skipped"]:
             last = time.monotonic()
-            log.info("sft step %d/%d loss %.4f (%.1fs)", step, steps, loss_val, last - t0)
+            log.info("sft step %d/%d loss %.4f%s%s (%.1fs)", step, steps, loss_val,
+                     " skipped (inf/nan gradients)" if metrics["skipped"] else "",
+                     f" loss_scale {metrics['loss_scale']:g}" if "loss_scale" in metrics else "", last - t0)
 
     # Write next to the model, then move the files in: a crash never leaves a half-written model.
     tmp = model_path.with_name(model_path.name + ".sft-tmp")
@@ -192,7 +204,8 @@ def sft(cfg: Config) -> dict | None:
     tmp.rmdir()
     marker = {"steps": steps, "lr": lc.sft_optimizer.lr if lc.sft_optimizer else lc.sft_lr, "batch_size": lc.sft_batch_size, "final_loss": loss_val,
               "examples": len(examples), "seconds": round(time.monotonic() - t0, 2),
-              "data": cfg.launcher.sft_dataset or cfg.train_dataset.path}
+              "data": cfg.launcher.sft_dataset or cfg.train_dataset.path, "skipped_steps": skipped,
+              "fsdp_units": len(units)} | ({"loss_scale": metrics["loss_scale"]} if "loss_scale" in metrics else {})
     (model_path / SFT_MARKER).write_text(json.dumps(marker, indent=2))
     log.info("warm start done: %d steps, final loss %.4f, %.1fs -> %s", steps, loss_val, marker["seconds"],
              model_path)

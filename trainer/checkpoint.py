@@ -46,6 +46,7 @@ from rlstream.common.config import ConfigError, RecoverConfig, SaverConfig
 from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import span
+from rlstream.trainer.offload import HostOffloadOptimizer
 from rlstream.trainer.parallel import Parallel
 
 __all__ = ["TrainState", "RankState", "Part", "Checkpointer", "CheckpointManager", "Schedule"]
@@ -170,6 +171,8 @@ def _load_part(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         model_sd[alias] = model_sd[target]
     opts = StateDictOptions(full_state_dict=True)
     set_model_state_dict(model, model_sd, options=opts)
+    if isinstance(optimizer, HostOffloadOptimizer):
+        optimizer.reload_weights()  # its host master copy takes the weights just loaded, before any step copies back
 
     rest = msgspec.json.decode((folder / "optimizer.json").read_bytes())
     tensors = load_file(str(folder / "optimizer.safetensors"))

@@ -142,7 +142,7 @@ class Critic:
         self.par = par
         self.pad_token_id = pad_token_id
         self.model = par.wrap(load_value_model(cfg, par.device), cfg.actor.grad_reduce_dtype, cfg.actor.fsdp)
-        self.optimizer = build_optimizer(self.model.parameters(), self.c.optimizer)
+        self.optimizer = build_optimizer(self.model.parameters(), self.c.optimizer, float16=cfg.actor.dtype == "float16")
         self.scheduler = build_scheduler(self.optimizer, self.c.optimizer, total_steps)
         self.micro = MicroBatches(par, self.c.mb_spec, pad_token_id)
 
@@ -176,6 +176,7 @@ class Critic:
         max_norm = self.c.optimizer.gradient_clipping or math.inf
         sums = torch.zeros(4, dtype=torch.float64)  # loss (per minibatch mean), clipped tokens, loss tokens, grad norm
         minibatches = minibatch_slices(batch.n_seqs, self.c.ppo_n_minibatches)
+        all_skipped = True
         for mb_seqs in minibatches:
             tok = batch.token_index(mb_seqs)
             denom = adv.loss_mask[tok].sum().to(torch.float64).reshape(1)
@@ -184,10 +185,12 @@ class Critic:
 
             micro_loss = partial(self._micro_loss, batch, adv=adv, old=old, denom=denom, sums=sums)
             # A non-finite gradient skips the minibatch, as the actor's would be skipped.
-            grad_norm, _ = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
-                                                     micro_loss, max_norm)
+            grad_norm, skipped = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
+                                                           micro_loss, max_norm)
+            all_skipped = all_skipped and skipped
             sums[3] += grad_norm / self.par.world_size  # the same on every rank: summed back to it below
-        self.scheduler.step()
+        if not all_skipped:  # as the actor's: a step that changed no weight leaves the schedule where it is
+            self.scheduler.step()
         self.par.all_reduce([sums], "sum")
         stats = ValueStats.of(old.tokens, adv.returns, adv.loss_mask).metrics(self.par)
         return stats | {"critic/value_loss": float(sums[0]) / len(minibatches),

@@ -16,12 +16,24 @@ import math
 import torch
 
 from rlstream.common.config import OptimizerConfig
+from rlstream.trainer.loss_scale import DynamicLossScaler, clip_and_step, loss_scaler
+from rlstream.trainer.offload import HostOffloadOptimizer
 
 __all__ = ["build_optimizer", "build_scheduler", "lr_multiplier", "OptimizerStepper"]
 
 
-def build_optimizer(params, cfg: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(params, cfg: OptimizerConfig, float16: bool = False) -> torch.optim.Optimizer:
+    """The optimizer `cfg` names over the trainable `params`; on the host when cfg.offload (trainer/offload.py),
+    with a dynamic loss scale when the model computes in `float16` (trainer/loss_scale.py)."""
     params = [p for p in params if p.requires_grad]
+    optimizer = HostOffloadOptimizer(params, lambda masters: _plain_optimizer(masters, cfg)) if cfg.offload \
+        else _plain_optimizer(params, cfg)
+    if float16:
+        DynamicLossScaler.attach(optimizer, cfg)
+    return optimizer
+
+
+def _plain_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     if cfg.type in ("adam", "adamw"):
         return torch.optim.AdamW(params, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
                                  weight_decay=cfg.weight_decay)
@@ -56,23 +68,29 @@ class OptimizerStepper:
 
     `cfg` None is plain Adam at `lr` with the grad norm clipped at 1.0 (the commands' defaults); a full
     OptimizerConfig (AReaL's SFT/RW `model.optimizer`) is built as the trainer builds actor.optimizer, its
-    schedule spread over `total_steps`.
+    schedule spread over `total_steps`. `float16`: the model computes in float16, so the loss is scaled
+    (trainer/loss_scale.py). A step with inf/nan gradients is skipped: no update, the schedule stays.
     """
 
-    def __init__(self, params, cfg: OptimizerConfig | None, lr: float, total_steps: int):
+    def __init__(self, params, cfg: OptimizerConfig | None, lr: float, total_steps: int, float16: bool = False):
         self.params = [p for p in params if p.requires_grad]
         if cfg is None:
             self.optimizer: torch.optim.Optimizer = torch.optim.Adam(self.params, lr=lr)
+            if float16:
+                DynamicLossScaler.attach(self.optimizer, OptimizerConfig())  # the default loss-scale settings
             self.scheduler, self.clip = None, 1.0
         else:
-            self.optimizer = build_optimizer(self.params, cfg)
+            self.optimizer = build_optimizer(self.params, cfg, float16)
             self.scheduler, self.clip = build_scheduler(self.optimizer, cfg, total_steps), cfg.gradient_clipping
 
-    def step(self, loss: torch.Tensor) -> None:
+    def step(self, loss: torch.Tensor) -> dict[str, float]:
+        """One update from `loss`; its metrics: grad_norm, skipped (1.0 when inf/nan gradients skipped it) and,
+        in float16, the loss_scale the next step uses."""
         self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if self.clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.params, self.clip)
-        self.optimizer.step()
-        if self.scheduler is not None:
+        scaler = loss_scaler(self.optimizer)
+        (loss * scaler.scale if scaler is not None else loss).backward()
+        grad_norm, skipped = clip_and_step(self.optimizer, self.params, self.clip if self.clip > 0 else math.inf)
+        if self.scheduler is not None and not skipped:
             self.scheduler.step()
+        return {"grad_norm": grad_norm, "skipped": float(skipped)} | (
+            {"loss_scale": scaler.scale} if scaler is not None else {})

@@ -170,15 +170,15 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
     return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode)
 
 
-def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig) -> list[torch.nn.Module]:
+def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp") -> list[torch.nn.Module]:
     """The submodules FSDP2 shards as units, innermost first: those whose class is named in
-    actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap, else in the model's `_no_split_modules`."""
+    `key`.wrap_policy.transformer_layer_cls_to_wrap, else in the model's `_no_split_modules`."""
     named = fsdp.wrap_policy.transformer_layer_cls_to_wrap if fsdp.wrap_policy is not None else None
     classes = set(named if named is not None else getattr(model, "_no_split_modules", None) or [])
     units = [m for m in reversed(list(model.modules())) if m is not model and type(m).__name__ in classes]
     if named and not units:
         present = sorted({type(m).__name__ for m in model.modules()})
-        raise ConfigError(f"actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap={named}: no submodule of the model is "
+        raise ConfigError(f"{key}.wrap_policy.transformer_layer_cls_to_wrap={named}: no submodule of the model is "
                           f"of these classes; its classes: {', '.join(present)}")
     return units
 

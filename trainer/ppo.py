@@ -51,7 +51,9 @@ from rlstream.trainer.critic import Critic
 from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import (aggregate, kl_estimate, loglinear_prox_logp, m2po_mask, positive_nll,
                                      ppo_token_loss, seq_token_counts)
+from rlstream.trainer.loss_scale import DynamicLossScaler, loss_scaler
 from rlstream.trainer.model import DTYPES
+from rlstream.trainer.offload import HostOffloadOptimizer
 from rlstream.trainer.parallel import Parallel
 from rlstream.trainer.prefix_filter import prefix_filter_mask
 from rlstream.trainer.stats import PPOStats
@@ -92,6 +94,8 @@ class PPOActor:
         if ref is not None and a.reference_reset_interval is not None:
             ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
             self.ref_part = (ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda _: 1.0))
+        if "float16" in (a.dtype, a.compute_dtype) and loss_scaler(optimizer) is None:
+            DynamicLossScaler.attach(optimizer, a.optimizer)  # float16 gradients need the loss scaled
         mixed = a.compute_dtype is not None and a.compute_dtype != a.dtype
         self.autocast = partial(torch.autocast, par.device.type, DTYPES[a.compute_dtype]) if mixed \
             else contextlib.nullcontext
@@ -116,6 +120,8 @@ class PPOActor:
             ref_state[name].copy_(value)
         if self.a.reset_optimizer_with_reference:
             self.optimizer.state.clear()
+            if isinstance(self.optimizer, HostOffloadOptimizer):
+                self.optimizer.inner.state.clear()
 
     @torch.no_grad()
     def forward_logp(self, model: torch.nn.Module, batch: SeqBatch) -> torch.Tensor:
@@ -175,6 +181,7 @@ class PPOActor:
         lr = float(self.scheduler.get_last_lr()[0])
         max_norm = a.optimizer.gradient_clipping if a.optimizer.gradient_clipping > 0 else math.inf
         minibatches = minibatch_slices(batch.n_seqs, a.ppo_n_minibatches) * a.mu_iterations  # epochs: all again
+        all_skipped = True
         for k, mb_seqs in enumerate(minibatches):
             tok = batch.token_index(mb_seqs)
             seq_of_tok = torch.repeat_interleave(torch.arange(len(mb_seqs)), batch.seq_lens[mb_seqs]) if mb_seqs \
@@ -191,8 +198,10 @@ class PPOActor:
             with span("trainer/minibatch", index=k, seqs=len(mb_seqs)):
                 grad_norm, skipped = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
                                                                micro_loss, max_norm)
-            stats.optimizer_step(grad_norm, skipped, self.par.world_size)
-        self.scheduler.step()
+            stats.optimizer_step(grad_norm, skipped, self.par.world_size, loss_scaler(self.optimizer))
+            all_skipped = all_skipped and skipped
+        if not all_skipped:  # a step that changed no weight leaves the schedule where it is (Megatron's rule)
+            self.scheduler.step()
         timings["time/update"] = time.perf_counter() - t1
 
         # 5. the value model's minibatches towards the returns

@@ -101,6 +101,7 @@ class PPOStats:
         self.kl_in_loss, self.entropy_in_loss = kl_in_loss, entropy_in_loss
         self.has_ref, self.behav_weighted = has_ref, behav_weighted
         self.tally = Tally()
+        self.loss_scale: float | None = None  # float16 training: the loss scale after the step (the same on every rank)
         for n in _MEANS:
             self.tally.mean(n, 0.0, 0.0)
         for n in _TOTALS:
@@ -179,10 +180,13 @@ class PPOStats:
         same = mask & (versions == version)
         tally.mean("behav_kl/k3_same_version", float(k3[same].sum()), float(same.sum()))
 
-    def optimizer_step(self, grad_norm: float, skipped: bool, world_size: int) -> None:
-        """One minibatch's gradient norm (the same on every rank), and whether a non-finite norm skipped the step."""
+    def optimizer_step(self, grad_norm: float, skipped: bool, world_size: int, scaler=None) -> None:
+        """One minibatch's gradient norm (the same on every rank), whether a non-finite norm skipped the step, and
+        the float16 loss scale after it (`optim/loss_scale`: the last minibatch's)."""
         if skipped:
             self.tally.total("optim/skipped_steps", 1.0 / world_size)
+        if scaler is not None:
+            self.loss_scale = scaler.scale
         self.tally.mean("optim/grad_norm", grad_norm / world_size, 1.0 / world_size)
 
     def reduce(self, par: Parallel, n_minibatches: int, lr: float) -> dict[str, float]:
@@ -210,4 +214,6 @@ class PPOStats:
             for k in [k for k in res if k.startswith(("imp_weight", "behav_kl"))]:
                 res.pop(k)
         res["optim/lr"] = lr
+        if self.loss_scale is not None:
+            res["optim/loss_scale"] = self.loss_scale
         return res

@@ -10,13 +10,13 @@ minibatch on all ranks, so it is multiplied by the world size (DDP/FSDP average 
 
 from __future__ import annotations
 
-import math
 from typing import Callable, Iterator
 
 import torch
 
 from rlstream.common.config.actor import MicroBatchSpec
 from rlstream.common.tracing import span
+from rlstream.trainer.loss_scale import clip_and_step, loss_scaler
 from rlstream.trainer.microbatch import synced_split
 from rlstream.trainer.parallel import Parallel
 
@@ -54,9 +54,12 @@ class MicroBatches:
         """One optimizer step over the minibatch `mb_seqs` (indices into `seq_lens`): (grad norm, skipped).
 
         `micro_loss(seqs)` returns the loss of the sequences `seqs` (a subset of `mb_seqs`),
-        normalised over the whole minibatch. A non-finite gradient norm skips the step.
+        normalised over the whole minibatch. A non-finite gradient norm skips the step. With a loss scaler (float16,
+        trainer/loss_scale.py) the loss is multiplied by its scale and the gradients divided by it before clipping.
         """
         optimizer.zero_grad(set_to_none=True)
+        scaler = loss_scaler(optimizer)
+        scale = scaler.scale * self.par.world_size if scaler is not None else self.par.world_size
         bins = self.split(seq_lens[mb_seqs].tolist())
         for j, local in enumerate(bins):
             with self.par.grad_sync(model, enabled=(j == len(bins) - 1)), \
@@ -65,13 +68,6 @@ class MicroBatches:
                     (self.empty_pass(model).sum() * 0.0).backward()
                     continue
                 loss = micro_loss([mb_seqs[i] for i in local])
-                (loss * self.par.world_size).backward()
+                (loss * scale).backward()
         with span("trainer/optimizer"):
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-            grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-            skipped = not math.isfinite(grad_norm)
-            if skipped:
-                optimizer.zero_grad(set_to_none=True)
-            else:
-                optimizer.step()
-        return grad_norm, skipped
+            return clip_and_step(optimizer, list(model.parameters()), max_norm)

@@ -50,6 +50,22 @@ class OptimizerConfig(Section):
     """Fraction of total steps used for linear warm-up."""
     gradient_clipping: NonNegativeFloat = 1.0
     """Max global grad norm (0 = off)."""
+    initial_loss_scale: PositiveFloat = 2.0**32
+    """float16 training (actor.dtype or actor.compute_dtype float16): the loss is multiplied by this scale before the
+    backward pass and the gradients divided by it before clipping, so small gradients do not underflow (Megatron's
+    DynamicGradScaler). Unused in float32/bfloat16."""
+    min_loss_scale: PositiveFloat = 1.0
+    """The loss scale is never halved below this (at most initial_loss_scale)."""
+    loss_scale_window: Annotated[float, Meta(ge=1)] = 5.0
+    """Clean (finite-gradient) steps in a row after which the loss scale doubles."""
+    hysteresis: PositiveInt = 2
+    """Overflowing steps (inf/nan gradients: the step is skipped) after which the loss scale halves; a doubling
+    restores the count."""
+    offload: bool = False
+    """Keep the optimizer state and a float32 master copy of the trained weights in host memory and take the step
+    there, copying the updated weights back to the device (ZeRO-Offload style): the accelerator no longer holds Adam's
+    moments, at the cost of two copies a step; on a CPU trainer there is nothing to save (parallel=ddp only; FSDP:
+    actor.fsdp.offload_params)."""
 
 
 class MicroBatchSpec(Section):

@@ -7,7 +7,7 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import Meta
 
-from rlstream.common.config.actor import OptimizerConfig
+from rlstream.common.config.actor import FSDPConfig, OptimizerConfig
 from rlstream.common.config.base import (Fraction, NonNegativeFloat, NonNegativeInt, Port, PositiveFloat, PositiveInt,
                                          Section)
 
@@ -184,6 +184,10 @@ class LauncherConfig(Section):
     """The warm start's optimizer in full, its schedule over sft_steps (AReaL SFT's `model.optimizer`; its lr replaces
     sft_lr); None = Adam at sft_lr with the grad norm clipped at 1.0. actor.gradient_checkpointing and
     actor.disable_dropout apply to the warm start too."""
+    sft_fsdp: FSDPConfig | None = None
+    """The warm start's FSDP2 settings (AReaL SFT's `model.fsdp`); None = actor.fsdp. `rlstream sft` trains in one
+    process on the host, where FSDP2 has nothing to shard: the unit classes are checked against the model (a name no
+    submodule has is an error) and logged, and the weights are in host memory already (offload_params)."""
     sft_dataset: str = ""
     """JSONL/Parquet/CSV of prompt/answer demonstrations for `rlstream sft` (empty = train_dataset.path)."""
     threads: ThreadsConfig = msgspec.field(default_factory=ThreadsConfig)

@@ -210,6 +210,7 @@ def _normalise(cfg: "Config") -> None:
 def _check(cfg: "Config") -> None:
     """Rules across sections, at load: every process refuses the same bad config at its start."""
     _check_correction(cfg.actor)
+    _check_optimizers(cfg)
     _check_generated(cfg)
     _check_verifiers(cfg)
     if cfg.agent.environment.endswith("openenv_env:OpenEnvEnvironment") and not cfg.agent.openenv.url:
@@ -229,6 +230,21 @@ def _check(cfg: "Config") -> None:
                 if getattr(cfg.evaluator, k) is not None]
         raise ConfigError(f"{', '.join(keys)} asks for evaluation during training but valid_dataset.path is not set: "
                           "point valid_dataset.path at held-out prompts, or drop the evaluator frequency")
+
+
+def _check_optimizers(cfg: "Config") -> None:
+    """Loss-scale bounds in order; optimizer offload where it is implemented (whole, unsharded parameters)."""
+    optimizers = {"actor.optimizer": cfg.actor.optimizer, "launcher.sft_optimizer": cfg.launcher.sft_optimizer,
+                  "rw.optimizer": cfg.rw.optimizer,
+                  "critic.optimizer": cfg.critic.optimizer if cfg.critic is not None else None}
+    for key, opt in optimizers.items():
+        if opt is not None and opt.min_loss_scale > opt.initial_loss_scale:
+            raise ConfigError(f"{key}.min_loss_scale={opt.min_loss_scale} must be in (0, {key}.initial_loss_scale="
+                              f"{opt.initial_loss_scale}]")
+    if cfg.actor.parallel == "fsdp" and (cfg.actor.optimizer.offload or
+                                         (cfg.critic is not None and cfg.critic.optimizer.offload)):
+        raise ConfigError("actor.optimizer.offload=true with actor.parallel=fsdp: FSDP offloads its sharded optimizer "
+                          "step itself, set actor.fsdp.offload_params=true instead (offload works with parallel=ddp)")
 
 
 def _check_verifiers(cfg: "Config") -> None:

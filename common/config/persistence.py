@@ -8,7 +8,7 @@ import msgspec
 
 from rlstream.common.config.base import NonNegativeInt, Port, PositiveFloat, PositiveInt, Section
 
-__all__ = ["SaverConfig", "EvaluatorConfig", "RecoverConfig", "WandbConfig", "TensorBoardConfig", "PrometheusConfig",
+__all__ = ["SaverConfig", "EvaluatorConfig", "RecoverConfig", "WandbConfig", "SwanlabConfig", "TensorBoardConfig", "PrometheusConfig",
            "StatsLoggerConfig"]
 
 
@@ -91,6 +91,26 @@ class WandbConfig(Section):
     wandb run (None = a new id each start)."""
 
 
+class SwanlabConfig(Section):
+    """SwanLab experiment tracking (the `swanlab` package: pip install 'rlstream[swanlab]'), AReaL's names."""
+
+    mode: Literal["disabled", "offline", "local", "cloud", "online"] | None = "disabled"
+    """disabled (None too, as in AReaL), offline (no network: the run is written to logdir for a later `swanlab sync`),
+    local (logdir, viewed with `swanlab watch`; needs swanlab's dashboard extra) or cloud (= online: the SwanLab
+    server)."""
+    project: str | None = None
+    """SwanLab project (None = experiment_name)."""
+    name: str | None = None
+    """SwanLab experiment name (None = trial_name)."""
+    config: dict[str, Any] | None = None
+    """Extra entries for the experiment's config, next to rlstream's own (its keys win on a clash: the config is what
+    ran)."""
+    logdir: str | None = None
+    """Folder of SwanLab's run files (None = {run_dir}/swanlab)."""
+    api_key: str | None = None
+    """SwanLab API key for mode=cloud (SWANLAB_API_KEY); masked in logs and `config show`."""
+
+
 class TensorBoardConfig(Section):
     path: str | None = None
     """TensorBoard log dir (None = {run_dir}/tensorboard)."""
@@ -116,5 +136,7 @@ class StatsLoggerConfig(Section):
     """Prometheus /metrics endpoints (prometheus-client)."""
     tensorboard: TensorBoardConfig = msgspec.field(default_factory=TensorBoardConfig)
     """TensorBoard."""
+    swanlab: SwanlabConfig = msgspec.field(default_factory=SwanlabConfig)
+    """SwanLab (off unless stats_logger.swanlab.mode says otherwise)."""
     log_every_secs: PositiveFloat = 10.0
     """Seconds between one-line progress summaries of long-running processes."""

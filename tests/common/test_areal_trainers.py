@@ -99,3 +99,29 @@ def test_lora_keys_are_dropped_without_use_lora_and_refused_with_it():
     data["model"]["use_lora"] = True
     with pytest.raises(ConfigError, match=r"model.use_lora=true: rlstream sft trains every weight"):
         translate_areal(data)
+
+
+def test_loss_scaling_and_offload_of_model_optimizer_reach_the_warm_start():
+    data = sft_file()
+    data["model"]["optimizer"] |= {"initial_loss_scale": 65536.0, "min_loss_scale": 2.0, "loss_scale_window": 10,
+                                   "hysteresis": 3, "offload": True}
+    t = translate_areal(data)
+    opt = load_config_dict(t.config).launcher.sft_optimizer
+    assert (opt.initial_loss_scale, opt.min_loss_scale, opt.loss_scale_window, opt.hysteresis, opt.offload) == \
+        (65536.0, 2.0, 10, 3, True)
+    assert {src for src, _ in t.translated} >= {f"model.optimizer.{k}" for k in (
+        "initial_loss_scale", "min_loss_scale", "loss_scale_window", "hysteresis", "offload")}
+
+
+def test_model_fsdp_becomes_the_warm_starts_fsdp_settings():
+    data = sft_file()
+    data["model"]["fsdp"] = {"wrap_policy": {"transformer_layer_cls_to_wrap": ["Qwen2DecoderLayer"]},
+                             "offload_params": True}
+    t = translate_areal(data)
+    fsdp = load_config_dict(t.config).launcher.sft_fsdp
+    assert fsdp.wrap_policy.transformer_layer_cls_to_wrap == ["Qwen2DecoderLayer"] and fsdp.offload_params
+    assert {"model.fsdp.wrap_policy.transformer_layer_cls_to_wrap", "model.fsdp.offload_params"} <= \
+        {src for src, _ in t.translated}
+    rw = rw_file()
+    rw["actor"]["fsdp"] = {"offload_params": True}
+    assert dict(translate_areal(rw).dropped)["actor.fsdp.offload_params"].startswith("rlstream rw trains in one")

@@ -68,3 +68,39 @@ def test_wandb_id_suffix_resumes_one_run_and_extra_config_and_server_reach_it(tm
                                                                     "id_suffix": "train", "config": None}}})
     assert t.config["stats_logger"]["wandb"] == {"api_key": "k", "base_url": "http://w", "id_suffix": "train",
                                                  "config": None}
+
+
+def test_swanlab_offline_writes_the_logged_steps_to_its_logdir(tmp_path):
+    """stats_logger.swanlab.mode=offline (no network): the steps' metrics and an evaluation are in the run's SwanLab
+    backup under logdir, read back with swanlab's own reader; the config's API key is masked there."""
+    import pytest
+
+    pytest.importorskip("swanlab")
+    from swanlab.data.porter.datastore import DataStore
+
+    from rlstream.common.metrics import StatsLogger
+
+    logdir = tmp_path / "sw"
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}", "stats_logger.tensorboard.enabled=false",
+                             "stats_logger.swanlab.mode=offline", f"stats_logger.swanlab.logdir={logdir}",
+                             "stats_logger.swanlab.project=proj", "stats_logger.swanlab.name=exp",
+                             "stats_logger.swanlab.api_key=sk-secret", "stats_logger.swanlab.config={lab: rl}"])
+    logger = StatsLogger(cfg, total_steps=3)
+    for step in (1, 2, 3):
+        logger.log(step, {"reward/mean": step / 4, "loss/total": 1.0 / step})
+    logger.log_eval(2, {"eval/accuracy": 0.5})
+    logger.close()
+    (backup,) = logdir.glob("run-*/backup.swanlab")
+    store = DataStore()
+    store.open_for_scan(str(backup))
+    records = [json.loads(r) for r in store]
+    scalars = {(r["data"]["key"], r["data"]["step"]): r["data"]["metric"]["data"]
+               for r in records if r["model_type"] == "Scalar" and not r["data"]["key"].startswith("__swanlab__")}
+    assert {k: v for k, v in scalars.items() if k[0] == "reward/mean"} == {
+        ("reward/mean", 1): 0.25, ("reward/mean", 2): 0.5, ("reward/mean", 3): 0.75}
+    assert scalars["loss/total", 3] == 1 / 3 and scalars["eval/accuracy", 2] == 0.5
+    (project,) = [r["data"]["name"] for r in records if r["model_type"] == "Project"]
+    (experiment,) = [r["data"]["name"] for r in records if r["model_type"] == "Experiment"]
+    assert (project, experiment) == ("proj", "exp")
+    config = next(logdir.glob("run-*/files/config.yaml")).read_text()
+    assert "lab" in config and "sk-secret" not in config

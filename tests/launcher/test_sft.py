@@ -62,3 +62,21 @@ def test_epochs_and_a_full_optimizer_as_an_areal_sft_file_gives_them(tmp_path):
                "launcher.sft_optimizer.lr_scheduler_type=cosine")
     marker = sft(cfg)
     assert marker["steps"] == 6 and marker["lr"] == 0.002  # ceil(1.5 x 16 rows / 4 a step)
+
+
+def test_float16_offload_and_the_fsdp_settings_of_an_areal_sft_file(tmp_path):
+    """The warm start reads launcher.sft_fsdp (a unit class the model lacks is refused in one line), steps a host
+    master copy (sft_optimizer.offload) and scales the float16 loss (marker: no skipped step, the scale kept)."""
+    from rlstream.common.config import ConfigError
+
+    bad = _cfg(tmp_path, "tiny-cpu.yaml", "launcher.sft_fsdp.wrap_policy.transformer_layer_cls_to_wrap=[NoSuchLayer]")
+    with pytest.raises(ConfigError, match=r"^launcher.sft_fsdp.wrap_policy.transformer_layer_cls_to_wrap=\['NoSuchLayer'\]"):
+        sft(bad)
+    cfg = _cfg(tmp_path, "tiny-cpu.yaml", "launcher.sft_fsdp.wrap_policy.transformer_layer_cls_to_wrap=[LlamaDecoderLayer]",
+               "launcher.sft_optimizer.offload=true", "launcher.sft_optimizer.initial_loss_scale=1024",
+               "actor.compute_dtype=float16")
+    before = _weights(Path(cfg.actor.path))
+    marker = sft(cfg)
+    assert marker["fsdp_units"] == 1 and marker["skipped_steps"] == 0 and marker["loss_scale"] == 1024.0
+    after = _weights(Path(cfg.actor.path))
+    assert any(not torch.equal(after[k], v) for k, v in before.items())

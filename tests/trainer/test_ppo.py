@@ -266,3 +266,22 @@ def test_distillation_step_pulls_the_student_towards_the_teacher_and_old_entries
         actor.train_step(batch, version=v)
     after = actor.forward_logp(model, batch)
     assert float((after - teacher)[has].mean()) < want  # the student moved towards the teacher
+
+
+def test_float16_compute_scales_the_loss_and_skips_overflowing_minibatches(tiny_model_path):
+    """A scale too large for float16 overflows every minibatch: skipped (no weight moves, the schedule stays) and
+    halved at once (hysteresis 1); a workable scale trains and is reported in optim/loss_scale."""
+    huge = _actor(tiny_model_path, "actor.compute_dtype=float16", "actor.ppo_n_minibatches=2",
+                  "actor.optimizer.initial_loss_scale=1e30", "actor.optimizer.hysteresis=1")
+    batch = _one_batch(huge.model)
+    before = _params(huge.model)
+    stats = huge.train_step(batch, version=0)
+    assert stats["optim/skipped_steps"] == 2 and stats["optim/loss_scale"] == 1e30 / 4
+    assert all(torch.equal(v, before[k]) for k, v in huge.model.named_parameters())
+    assert huge.scheduler.last_epoch == 0 and not huge.optimizer.state
+    fits = _actor(tiny_model_path, "actor.compute_dtype=float16", "actor.ppo_n_minibatches=1",
+                  "actor.optimizer.initial_loss_scale=1024")
+    stats = fits.train_step(batch, version=0)
+    assert stats["optim/skipped_steps"] == 0 and stats["optim/loss_scale"] == 1024.0
+    assert any(not torch.equal(v, before[k]) for k, v in fits.model.named_parameters())
+    assert fits.scheduler.last_epoch == 1
