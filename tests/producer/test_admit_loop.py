@@ -465,4 +465,5 @@ async def test_image_tokens_the_processor_would_not_make_and_images_over_a_limit
     assert reasons[0].startswith("trajectory 0: 3 images, over images.max_per_prompt=2"), reasons
     assert reasons[1].startswith(f"trajectory 0: its image tokens (id {spec.image_token_id}) come in runs [16], but "
                                  "its 1 images take [4] with the image processor of"), reasons
-    assert [len(g.images) for g in committed_groups(rclient, keys)] == [1, 2]
+    # the two rollouts run at once: either may commit first
+    assert sorted(len(g.images) for g in committed_groups(rclient, keys)) == [1, 2]
