@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -67,12 +68,20 @@ class _Handler(http.server.SimpleHTTPRequestHandler):
         pass  # one line per file fetched says nothing to a user
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A browser that closes a connection mid-file (headless Chromium does) is not an error of the view.
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
+
+
 class TraceServer:
     """The vendored speedscope page and one trace file on 127.0.0.1:`port` (0: a free port), in a daemon thread."""
 
     def __init__(self, trace_file: Path, port: int = 0) -> None:
         handler = type("TraceHandler", (_Handler,), {"trace_file": Path(trace_file).resolve()})
-        self.httpd = http.server.ThreadingHTTPServer(
+        self.httpd = _Server(
             ("127.0.0.1", port), functools.partial(handler, directory=str(SPEEDSCOPE_DIR)))
         self.port = self.httpd.server_address[1]
         self.thread = threading.Thread(target=self.httpd.serve_forever, name="trace-view", daemon=True)
