@@ -99,10 +99,13 @@ def recompute(model, prompt: list[int], output: list[int], temperature: float) -
 
 # The in-place pause test's held request: paused before it arrives, it is waited for whole.
 LONG = 300
-# A request never waited for (the abort test's; the in-place test's running one): so long (tens of seconds
-# or more of decode here) that a pause always lands while it runs, however loaded the cores.
-ABORT_LONG = 30000
-MAX_LEN = 32768
+# A request never waited for (the abort test's; the in-place test's running one): the test sees its
+# progress through the HTTP stream, which on loaded cores here lagged the engine by over a minute (tokens
+# held, then a burst), so a 30000-token request once ended before a pause sent on its first token landed.
+# This one cannot end within a test: 30000 tokens took 80 s here, 250k of growing context take over 11 min.
+# Its KV cache is 250 MiB (1 KiB a token: 2 layers x K,V x 2 heads x 32 x fp32) of the 1 GiB given.
+ABORT_LONG = 250_000
+MAX_LEN = 262_144
 
 # ----------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
