@@ -318,11 +318,12 @@ def positive_nll(logp: torch.Tensor, positive: torch.Tensor, denom: float | torc
 def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, mode: AggMode = "token-mean", *,
               seq_idx: torch.Tensor | None = None, n_seqs: int | None = None,
               token_denom: float | torch.Tensor | None = None,
-              seq_denom: float | torch.Tensor | None = None) -> torch.Tensor:
+              seq_denom: float | torch.Tensor | None = None, norm_tokens: int | None = None) -> torch.Tensor:
     """One number from per-token values over the loss mask.
 
     token-mean:            Σ_t v / (#loss tokens)                       (DAPO; AReaL default)
     seq-mean-token-mean:   mean over sequences of (Σ_t v / |o_i|)        (GRPO paper, GSPO)
+                           or of (Σ_t v / norm_tokens) when given        (Dr.GRPO's unbiased loss, cosmos-rl)
     seq-mean-token-sum:    mean over sequences of Σ_t v                  (Dr.GRPO, up to a constant)
 
     Denominators default to this call's own counts; the trainer passes the counts of the
@@ -341,6 +342,6 @@ def aggregate(values: torch.Tensor, loss_mask: torch.Tensor, mode: AggMode = "to
     per_seq = torch.zeros(n_seqs, dtype=v.dtype, device=v.device).index_add(0, seq_idx, v)
     counts = seq_token_counts(mask, seq_idx, n_seqs)
     if mode == "seq-mean-token-mean":
-        per_seq = per_seq / counts.clamp(min=1.0).to(v.dtype)
+        per_seq = per_seq / (norm_tokens if norm_tokens is not None else counts.clamp(min=1.0).to(v.dtype))
     denom = seq_denom if seq_denom is not None else (counts > 0).sum().clamp(min=1)
     return per_seq.sum() / denom

@@ -43,20 +43,28 @@ def _plain_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: OptimizerConfig) -> float:
-    """Factor on the peak lr for 0-based train step `step`."""
+    """Factor on the peak lr for 0-based train step `step`: warm-up, then constant until the decay starts (all
+    steps after warm-up, or the last decay_steps_proportion of them), then the decay down to min_lr_ratio."""
     warmup = int(cfg.warmup_steps_proportion * total_steps)
     if step < warmup:
         return (step + 1) / (warmup + 1)
     if cfg.lr_scheduler_type == "constant":
         return 1.0
-    decay_steps = max(total_steps - warmup, 1)
-    progress = min(max(step - warmup, 0) / decay_steps, 1.0)
+    decay_steps = total_steps - warmup
+    if cfg.decay_steps_proportion is not None:
+        decay_steps = min(round(cfg.decay_steps_proportion * total_steps), decay_steps)
+    if decay_steps <= 0:
+        return 1.0
+    progress = min(max(step - (total_steps - decay_steps), 0) / decay_steps, 1.0)
     floor = cfg.min_lr_ratio
     if cfg.lr_scheduler_type == "linear":
         return 1.0 - (1.0 - floor) * progress
     if cfg.lr_scheduler_type == "cosine":
         return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
-    raise ValueError(f"actor.optimizer.lr_scheduler_type must be constant, linear or cosine, got {cfg.lr_scheduler_type!r}")
+    if cfg.lr_scheduler_type == "sqrt":
+        return 1.0 - (1.0 - floor) * math.sqrt(progress)
+    raise ValueError(f"actor.optimizer.lr_scheduler_type must be constant, linear, cosine or sqrt, "
+                     f"got {cfg.lr_scheduler_type!r}")
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig, total_steps: int):

@@ -249,7 +249,7 @@ class PPOActor:
                              sapo_tau=(a.sapo_tau_pos, a.sapo_tau_neg), aipo_rho=a.aipo_rho, seq_idx=seq_idx,
                              n_seqs=n)
         agg = partial(aggregate, loss_mask=mask, mode=a.loss_agg_mode, seq_idx=seq_idx, n_seqs=n,
-                      token_denom=token_denom, seq_denom=seq_denom)
+                      token_denom=token_denom, seq_denom=seq_denom, norm_tokens=a.loss_agg_norm_tokens)
         pg = agg(out.token_loss)
         loss = pg
         if ref_logp is not None:

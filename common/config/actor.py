@@ -44,10 +44,15 @@ class OptimizerConfig(Section):
     """Adam epsilon."""
     min_lr_ratio: Fraction = 0.0
     """Final lr as a fraction of lr for linear/cosine schedules."""
-    lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    """Learning-rate schedule after warm-up."""
+    lr_scheduler_type: Literal["constant", "linear", "cosine", "sqrt"] = "constant"
+    """Learning-rate schedule after warm-up: constant, or a decay from lr to min_lr_ratio * lr that is linear, cosine
+    (half a period) or sqrt (1 - sqrt(progress), cosmos-rl's)."""
     warmup_steps_proportion: Fraction = 0.001
     """Fraction of total steps used for linear warm-up."""
+    decay_steps_proportion: Fraction | None = None
+    """Warmup-stable-decay (cosmos-rl optm_decay_ratio): the decay of lr_scheduler_type spans only this fraction of
+    total steps, at the end of the run, with lr constant from warm-up until then. None = the decay spans every step
+    after warm-up; 0 = no decay."""
     gradient_clipping: NonNegativeFloat = 1.0
     """Max global grad norm (0 = off)."""
     initial_loss_scale: PositiveFloat = 2.0**32
@@ -282,6 +287,10 @@ class ActorConfig(Section):
     master weights, bfloat16 compute, also on CPU; the critic computes in its own dtype). None = actor.dtype."""
     loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
     """How token losses become one number."""
+    loss_agg_norm_tokens: PositiveInt | None = None
+    """Dr.GRPO's unbiased loss (cosmos-rl unbiased_loss_max_tokens; verl's seq-mean-token-sum-norm): with loss_agg_mode
+    seq-mean-token-mean, each sequence's token sum is divided by this constant (e.g. the longest response allowed)
+    instead of its own length, so long and short answers weigh per token alike. None = its own length."""
     weight_update_mode: Literal["distributed", "disk", "ipc", "none"] = "distributed"
     """How weights reach the engines after a step: distributed (torch.distributed broadcast; gloo ran on CPU, NCCL needs
     2 GPUs and has not run), disk (safetensors), ipc (CUDA IPC handles, trainer and engines on one GPU; ran on an H100,

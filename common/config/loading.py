@@ -222,6 +222,10 @@ def _check(cfg: "Config") -> None:
         raise ConfigError("producer.dynamic_sampling_reward_fn decides the dynamic-sampling filter, which is off: set "
                           "producer.dynamic_sampling=true or drop it")
     check_judge(cfg)
+    if cfg.actor.loss_agg_norm_tokens is not None and cfg.actor.loss_agg_mode != "seq-mean-token-mean":
+        raise ConfigError(f"actor.loss_agg_norm_tokens={cfg.actor.loss_agg_norm_tokens} replaces each sequence's length "
+                          f"in loss_agg_mode=seq-mean-token-mean, but actor.loss_agg_mode={cfg.actor.loss_agg_mode!r}: "
+                          "set loss_agg_mode: seq-mean-token-mean or drop loss_agg_norm_tokens")
     if cfg.actor.log_agent_stats and not cfg.actor.log_agent_stats_keys:
         raise ConfigError("actor.log_agent_stats=true needs actor.log_agent_stats_keys (the trajectory metadata keys to "
                           "log, e.g. [turns, tool_calls])")

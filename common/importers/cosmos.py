@@ -149,7 +149,26 @@ def _warmup(value: Any, ctx: Context) -> str | None:
 def _decay(value: Any, ctx: Context) -> str | None:
     if value is None:
         return "null: constant after warm-up (actor.optimizer.lr_scheduler_type=constant)"
-    return off_or_value("actor.optimizer.lr_scheduler_type", ("constant", "linear", "cosine"))(value, ctx)
+    if value == "none":
+        return "none: constant after warm-up (actor.optimizer.lr_scheduler_type=constant)"
+    return off_or_value("actor.optimizer.lr_scheduler_type", ("constant", "linear", "cosine", "sqrt"))(value, ctx)
+
+
+def _decay_ratio(value: Any, ctx: Context) -> str | None:
+    if value is None:
+        return "null: the decay spans every step after warm-up (actor.optimizer.decay_steps_proportion=null)"
+    ctx.t.put(ctx.key, "actor.optimizer.decay_steps_proportion", float(value))
+    return None
+
+
+def _unbiased_max_tokens(value: Any, ctx: Context) -> str | None:
+    """Dr.GRPO's constant normaliser; cosmos-rl reads it only under loss_type seq-mean-token-mean."""
+    if value is None or value <= 0:
+        return f"{value}: each sequence's token sum is divided by its own length"
+    if get(ctx.data, f"{_TP}.loss_type", "token-mean") != "seq-mean-token-mean":
+        return f"{value}: cosmos-rl reads it only with loss_type seq-mean-token-mean"
+    ctx.t.put(ctx.key, "actor.loss_agg_norm_tokens", int(value))
+    return None
 
 
 def _groups(value: Any, ctx: Context) -> None:
@@ -321,7 +340,8 @@ TABLE: Table = {
     f"{_TP}.positive_nll_coef": Same("actor.positive_nll_coef"),
     f"{_TP}.lower_bound_ratio": Same("actor.c_clip"),
     f"{_TP}.loss_type": Same("actor.loss_agg_mode"),
-    f"{_TP}.unbiased_loss_max_tokens": Missing("Dr.GRPO's constant loss normaliser", off=(None,)),
+    f"{_TP}.unbiased_loss_max_tokens": Convert(("actor.loss_agg_norm_tokens",), _unbiased_max_tokens,
+                                             "with loss_type seq-mean-token-mean"),
     f"{_TP}.unbiased_advantage": Convert(("actor.reward_norm.std_level",), _unbiased, "true = no std division"),
     f"{_TP}.overlong_reward.enable_overlong_penalty": Same("actor.overlong_reward_penalty"),
     f"{_TP}.overlong_reward.buffer_length": Same("actor.overlong_tokens"),
@@ -351,7 +371,7 @@ TABLE: Table = {
     "train.optm_betas": Convert(("actor.optimizer.beta1", "actor.optimizer.beta2"), _betas),
     "train.optm_warmup_steps": Convert(("actor.optimizer.warmup_steps_proportion",), _warmup,
                                       "optm_warmup_steps / max_num_steps"),
-    "train.optm_decay_ratio": Missing("warmup-stable-decay schedules (decay over the last fraction)", off=(None,)),
+    "train.optm_decay_ratio": Convert(("actor.optimizer.decay_steps_proportion",), _decay_ratio),
     "train.optm_decay_type": Convert(("actor.optimizer.lr_scheduler_type",), _decay),
     "train.optm_min_lr_factor": Same("actor.optimizer.min_lr_ratio"),
     "train.optm_grad_norm_clip": Same("actor.optimizer.gradient_clipping"),
@@ -411,7 +431,7 @@ TABLE: Table = {
     "rollout.sampling_config.temperature": Same("gconfig.temperature"),
     "rollout.sampling_config.top_p": Same("gconfig.top_p"),
     "rollout.sampling_config.top_k": Convert(("gconfig.top_k",), lambda v, c: _top_k("gconfig.top_k", v, c)),
-    "rollout.sampling_config.repetition_penalty": Missing("repetition penalty", off=(1.0, 1, None)),
+    "rollout.sampling_config.repetition_penalty": Same("gconfig.repetition_penalty"),
     "rollout.sampling_config.use_flashinfer": Drop(_KERNEL),
     "rollout.vllm_use_flashinfer": Drop(_KERNEL),
     "rollout.backend": Convert(("rollout.backend", "launcher.slurm.engine"), _engine_backend),
@@ -460,7 +480,7 @@ TABLE: Table = {
     "validation.temperature": Same("eval_gconfig.temperature"),
     "validation.top_p": Same("eval_gconfig.top_p"),
     "validation.top_k": Convert(("eval_gconfig.top_k",), lambda v, c: _top_k("eval_gconfig.top_k", v, c)),
-    "validation.repetition_penalty": Missing("repetition penalty", off=(1.0, 1, None)),
+    "validation.repetition_penalty": Same("eval_gconfig.repetition_penalty"),
     "validation.n_generation": Same("eval_gconfig.n_samples"),
     "validation.max_response_length": Same("eval_gconfig.max_new_tokens"),
     "validation.reward_function": Drop("evaluation scores with the training reward, producer.reward_fn"),

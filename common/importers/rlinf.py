@@ -63,10 +63,29 @@ def _kl_type(value: Any, ctx: Context) -> None:
 
 
 def _adv_type(value: Any, ctx: Context) -> None:
+    if value == "gae":
+        if not get(ctx.data, "critic.use_critic_model"):
+            raise ConfigError("algorithm.adv_type=gae needs critic.use_critic_model: true (GAE takes the values of a "
+                              "critic)")
+        return  # actor-critic GAE on raw rewards: the critic section comes from critic.use_critic_model
     if value != "grpo":
-        raise ConfigError(f"algorithm.adv_type={value!r}: rlstream imports grpo (group-normalised rewards); "
-                          "for RLOO set actor.reward_norm.mean_leave1out yourself, GAE needs a critic rlstream lacks")
+        raise ConfigError(f"algorithm.adv_type={value!r}: rlstream imports grpo (group-normalised rewards) and gae "
+                          "(with critic.use_critic_model); for RLOO set actor.reward_norm.mean_leave1out yourself")
     ctx.t.put(ctx.key, "actor.reward_norm", {"mean_level": "group", "std_level": "group"})
+
+
+def _critic(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "false: critic-free advantages (no critic section)"
+    ctx.t.put(ctx.key, "critic", {})  # the value model starts from actor.path, as RLinf's critic does
+    return None
+
+
+def _reward_model(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "false: rewards come from reward.reward_type's function"
+    raise ConfigError("reward.use_reward_model=true: the RLinf reference names no reward-model path; set rlstream's "
+                      "reward_model.pool.model_path (a sequence-classification model) in the imported file")
 
 
 def _normalize_adv(value: Any, ctx: Context) -> None:
@@ -173,15 +192,17 @@ TABLE: Table = {
     "algorithm.entropy_bonus": Same("actor.entropy_coeff"),
     "algorithm.calculate_entropy": Drop("the policy entropy is always logged (ppo/entropy)"),
     "algorithm.clip_ratio_c": Same("actor.c_clip"),
-    "algorithm.adv_type": Convert(("actor.reward_norm",), _adv_type, "grpo = group mean/std"),
+    "algorithm.adv_type": Convert(("actor.reward_norm",), _adv_type, "grpo = group mean/std; gae = critic GAE"),
     "algorithm.normalize_advantages": Convert(("actor.adv_norm",), _normalize_adv, "batch mean/std or null"),
     "algorithm.early_stop_imp_ratio": Same("actor.early_stop_imp_ratio"),
-    "algorithm.use_valid_token_scale": Missing("scaling the loss by the valid-token fraction", off=(False, None)),
+    "algorithm.use_valid_token_scale": Drop("rlstream's loss aggregation always divides by the whole minibatch's "
+                                            "counts over every rank, which is what true does in RLinf (false "
+                                            "weighs each micro-batch's mean alike instead)"),
     "algorithm.sampling_params.use_greedy": Same("gconfig.greedy"),
     "algorithm.sampling_params.temperature": Same("gconfig.temperature"),
     "algorithm.sampling_params.top_k": Same("gconfig.top_k"),
     "algorithm.sampling_params.top_p": Same("gconfig.top_p"),
-    "algorithm.sampling_params.repetition_penalty": Missing("repetition penalty", off=(1.0, 1, None)),
+    "algorithm.sampling_params.repetition_penalty": Same("gconfig.repetition_penalty"),
     "algorithm.sampling_params.max_new_tokens": Same("gconfig.max_new_tokens"),
     "algorithm.sampling_params.min_new_tokens": Same("gconfig.min_new_tokens"),
     "inference.group_name": Drop(_GROUP),
@@ -275,13 +296,12 @@ TABLE: Table = {
     "actor.megatron.ckpt_format": Drop("checkpoints are HF safetensors folders"),
     "actor.megatron.use_dist_ckpt": Drop("checkpoints are HF safetensors folders"),
     "actor.megatron.use_hf_ckpt": Drop("the megatron backend always starts from the HF checkpoint at actor.path"),
-    "reward.use_reward_model": Missing("RLinf's reward-model settings (rlstream's reward model is its reward_model "
-                                       "section: set reward_model.pool.model_path)", off=(False, None)),
+    "reward.use_reward_model": Convert(("reward_model.pool.model_path",), _reward_model,
+                                       "true: set the path yourself; the RLinf reference names none"),
     "reward.reward_type": Convert(("producer.reward_fn",), _reward_type),
     "reward.reward_scale": Convert(("actor.reward_bias", "actor.reward_scaling", "actor.reward_clip"), _reward_scale,
                                    "±scale from math_reward's 1/0"),
-    "critic.use_critic_model": Missing("a critic (value model): rlstream trains critic-free (GRPO, RLOO, ...)",
-                                       off=(False, None)),
+    "critic.use_critic_model": Convert(("critic",), _critic, "true: a value model from actor.path"),
 }
 
 # rlstream keys whose default differs from RLinf's, set when the file leaves them out.

@@ -152,6 +152,58 @@ def _judge_type(value: Any, ctx: Context) -> str | None:
     return None
 
 
+def _gae(data: dict[str, Any]) -> bool:
+    return get(data, "adv_estimator", "gae") == "gae"  # ROLL's default estimator, the one with a critic
+
+
+def _adv_estimator(value: Any, ctx: Context) -> str | None:
+    if value != "gae":
+        return (f"{value}: critic-free; the advantages come from the rewards as rlstream's actor.reward_norm and "
+                "adv_norm say")
+    if not isinstance(ctx.data.get("critic"), dict):
+        raise ConfigError("adv_estimator=gae needs a critic worker (a `critic` section); give one, or choose "
+                          "grpo / reinforce")
+    return None  # the critic section imports as rlstream's critic: actor-critic GAE
+
+
+_CRITIC_IN_TRAINER = "the critic runs in the trainer process with the actor's backend, dtype, parallelism and " \
+                     "micro-batches"
+
+
+def _critic_key(dst: str | None, convert: Any = None) -> Any:
+    """A critic worker key: it counts only when ROLL builds the critic (adv_estimator gae, its default)."""
+    def put(value: Any, ctx: Context) -> str | None:
+        if not _gae(ctx.data):
+            return "ROLL builds the critic only for adv_estimator gae"
+        ctx.t.config.setdefault("critic", {})  # a critic section turns actor-critic GAE on
+        if convert is not None:
+            return convert(value, ctx)
+        if dst is None:
+            return _CRITIC_IN_TRAINER
+        ctx.t.put(ctx.key, dst, value)
+        return None
+    return put
+
+
+def _critic_warmup(value: Any, ctx: Context) -> str | None:
+    total = get(ctx.data, "max_steps")
+    if value and (not total or total <= 0):
+        return "max_steps is not set, so set critic.optimizer.warmup_steps_proportion yourself"
+    ctx.t.put(ctx.key, "critic.optimizer.warmup_steps_proportion", min(1.0, float(value or 0) / float(total or 1)))
+    return None
+
+
+_CRITIC_KEYS: Table = {
+    "critic": Convert(("critic",), _critic_key(None), "with adv_estimator gae: the value model"),
+    "critic.model_args.model_name_or_path": Convert(("critic.path",), _critic_key("critic.path")),
+    "critic.training_args.learning_rate": Convert(("critic.optimizer.lr",), _critic_key("critic.optimizer.lr")),
+    "critic.training_args.weight_decay": Convert(("critic.optimizer.weight_decay",),
+                                                 _critic_key("critic.optimizer.weight_decay")),
+    "critic.training_args.warmup_steps": Convert(("critic.optimizer.warmup_steps_proportion",),
+                                                 _critic_key(None, _critic_warmup), "warmup_steps / max_steps"),
+    "adv_estimator": Convert(("critic",), _adv_estimator, "gae = actor-critic GAE with the critic worker"),
+}
+
 _STRATEGY = "actor_train.strategy_args.strategy_config"
 _INFER = "actor_infer.strategy_args.strategy_config"
 
@@ -224,7 +276,7 @@ TABLE: Table = {
     "actor_infer.device_mapping": Convert(("launcher.n_engines",), _engines, "devices / num_gpus_per_worker"),
     "actor_infer.infer_batch_size": Drop("engines batch requests themselves (continuous batching)"),
     "reference": Drop(_REF),
-    "critic": Missing("a critic (value model): rlstream trains critic-free (GRPO, RLOO, ...)"),
+    **_CRITIC_KEYS,
     # ROLL's LLM-as-judge reward worker (rewards.<domain> with worker_cls ...LLMJudgeRewardWorker) -> judge.*
     "rewards.*.judge_model_type": Convert(("judge.pool.backend", "judge.pool.addresses"), _judge_type),
     "rewards.*.judge_api_url": Drop("read with judge_model_type=api: judge.pool.addresses"),

@@ -110,6 +110,16 @@ def test_aggregation_modes():
         aggregate(v, full, "bogus", **kw)
 
 
+def test_dr_grpo_norm_tokens_divide_every_sequence_by_one_constant():
+    """cosmos-rl unbiased_loss_max_tokens: seq-mean-token-mean with each token sum over the constant, not |o_i|."""
+    v = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    kw = dict(seq_idx=torch.tensor([0, 0, 1, 1, 1]), n_seqs=2)
+    full = torch.ones(5, dtype=torch.bool)
+    assert float(aggregate(v, full, "seq-mean-token-mean", norm_tokens=8, **kw)) == pytest.approx((3 / 8 + 12 / 8) / 2)
+    part = torch.tensor([True, True, True, True, False])
+    assert float(aggregate(v, part, "seq-mean-token-mean", norm_tokens=8, **kw)) == pytest.approx((3 / 8 + 7 / 8) / 2)
+
+
 def test_kl_estimators():
     logp = torch.tensor([0.5, -1.0])
     ref = torch.zeros(2)

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlstream.common.config import load_config
+from rlstream.common.config import ConfigError, load_config
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.model import load_model
 from rlstream.trainer.optim import build_optimizer, build_scheduler
@@ -178,6 +178,18 @@ def test_early_stop_imp_ratio_abandons_micro_batches(tiny_model_path):
     stats = going.train_step(batch, version=0)
     assert stats["ppo/early_stopped_microbatches"] == 0
     assert any(not torch.equal(v, before[k]) for k, v in going.model.named_parameters())
+
+
+def test_dr_grpo_norm_tokens_scale_the_sequence_sum_loss_by_one_constant(tiny_model_path):
+    """actor.loss_agg_norm_tokens=N under seq-mean-token-mean is seq-mean-token-sum's loss over N."""
+    summed = _actor(tiny_model_path, "actor.loss_agg_mode=seq-mean-token-sum", "actor.ppo_n_minibatches=1")
+    normed = _actor(tiny_model_path, "actor.loss_agg_mode=seq-mean-token-mean", "actor.loss_agg_norm_tokens=64",
+                    "actor.ppo_n_minibatches=1")
+    batch = _one_batch(summed.model)
+    a, b = summed.train_step(batch, version=0), normed.train_step(batch, version=0)
+    assert a["loss/pg"] != 0 and b["loss/pg"] == pytest.approx(a["loss/pg"] / 64, rel=1e-5)
+    with pytest.raises(ConfigError, match="actor.loss_agg_norm_tokens=64 .*seq-mean-token-mean"):
+        load_config(None, ["actor.loss_agg_norm_tokens=64"])
 
 
 def test_positive_nll_is_the_mean_nll_of_positive_samples(tiny_model_path):

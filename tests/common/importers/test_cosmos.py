@@ -87,6 +87,25 @@ def test_values_rlstream_cannot_honour_are_refused(data, message):
         import_data("cosmos", data)
 
 
+def test_dr_grpo_normaliser_decay_schedules_and_penalties_import():
+    """unbiased_loss_max_tokens (read by cosmos-rl only under seq-mean-token-mean), optm_decay_ratio/type and the
+    repetition penalties."""
+    t = import_data("cosmos", {
+        "train": {"max_num_steps": 100, "optm_decay_ratio": 0.2, "optm_decay_type": "sqrt",
+                  "train_policy": {"loss_type": "seq-mean-token-mean", "unbiased_loss_max_tokens": 4096}},
+        "rollout": {"sampling_config": {"repetition_penalty": 1.05}}, "validation": {"repetition_penalty": 1.2}})
+    cfg = load_config_dict(t.config)
+    assert (cfg.actor.loss_agg_mode, cfg.actor.loss_agg_norm_tokens) == ("seq-mean-token-mean", 4096)
+    assert (cfg.actor.optimizer.lr_scheduler_type, cfg.actor.optimizer.decay_steps_proportion) == ("sqrt", 0.2)
+    assert (cfg.gconfig.repetition_penalty, cfg.eval_gconfig.repetition_penalty) == (1.05, 1.2)
+    ignored = import_data("cosmos", {"train": {"optm_decay_type": "none", "optm_decay_ratio": None, "train_policy": {
+        "loss_type": "token-mean", "unbiased_loss_max_tokens": 4096}}})
+    why = dict(ignored.dropped)
+    assert why[f"train.train_policy.unbiased_loss_max_tokens"].endswith("only with loss_type seq-mean-token-mean")
+    assert why["train.optm_decay_type"].startswith("none: constant")
+    assert load_config_dict(ignored.config).actor.loss_agg_norm_tokens is None
+
+
 def test_the_algorithm_options_import():
     """mu_iterations, aipo_rho, positive_nll_coef, reference resets, the prefix filter, dtypes and trainable_map."""
     tp = {"mu_iterations": 3, "aipo_rho": 4.0, "positive_nll_coef": 0.1, "reference_reset_interval": 50,

@@ -71,10 +71,10 @@ def test_unparsable_and_foreign_files_say_what_to_do(tmp_path):
 
 def test_a_value_with_no_equivalent_names_the_key(tmp_path):
     f = tmp_path / "rlinf.yaml"
-    f.write_text("runner: {max_epochs: 1}\nalgorithm: {sampling_params: {repetition_penalty: 1.2}}\n")
+    f.write_text("runner: {max_epochs: 1}\nactor: {checkpoint_load_path: /ckpt/iter_100}\n")
     run = _cli("import", "--from", "rlinf", str(f))
     assert run.returncode == 2 and run.stdout == ""
-    assert "algorithm.sampling_params.repetition_penalty=1.2: not in rlstream yet: repetition penalty" in run.stderr
+    assert "actor.checkpoint_load_path='/ckpt/iter_100': not in rlstream yet: starting from an explicit" in run.stderr
 
 
 @pytest.mark.slow

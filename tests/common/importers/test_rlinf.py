@@ -6,7 +6,7 @@ import pytest
 
 from rlstream.common.config import ConfigError, load_config_dict
 from rlstream.common.importers.reader import import_data, import_file, read_file
-from rlstream.common.importers.rules import MISSING, leaves
+from rlstream.common.importers.rules import leaves
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "rlinf" / "grpo_megatron_sglang.yaml"
 
@@ -49,17 +49,28 @@ def test_the_example_maps_to_these_rlstream_keys(imported):
 
 def test_what_is_dropped_says_why(imported):
     why = dict(imported.dropped)
-    assert why["algorithm.use_valid_token_scale"].startswith(MISSING)
+    assert why["algorithm.use_valid_token_scale"].startswith("rlstream's loss aggregation always divides")
     assert why["runner.max_steps"].startswith("-1")
     assert why["actor.model.activation"] == "read from the model's HF config.json at actor.path"
 
 
 @pytest.mark.parametrize("data,message", [
-    ({"algorithm": {"adv_type": "gae"}}, "adv_type='gae'"),
-    ({"algorithm": {"sampling_params": {"repetition_penalty": 1.1}}}, "repetition_penalty=1.1: not in rlstream yet"),
+    ({"algorithm": {"adv_type": "gae"}}, "adv_type=gae needs critic.use_critic_model: true"),
+    ({"algorithm": {"adv_type": "reinpp"}}, "adv_type='reinpp'"),
     ({"data": {"train_data_paths": ["a.jsonl", "b.jsonl"]}}, "lists 2 files"),
-    ({"reward": {"use_reward_model": True}}, "use_reward_model=True: not in rlstream yet: RLinf's reward-model settings"),
+    ({"reward": {"use_reward_model": True}}, "use_reward_model=true: .* set rlstream's reward_model.pool.model_path"),
 ])
 def test_values_rlstream_cannot_honour_are_refused(data, message):
     with pytest.raises(ConfigError, match=message):
         import_data("rlinf", data)
+
+
+def test_a_critic_and_gae_import_as_actor_critic_ppo():
+    t = import_data("rlinf", {"critic": {"use_critic_model": True}, "reward": {"use_reward_model": False},
+                              "algorithm": {"adv_type": "gae", "sampling_params": {"repetition_penalty": 1.1}}})
+    cfg = load_config_dict(t.config)
+    assert cfg.critic is not None and cfg.critic.path is None  # the value model starts from actor.path
+    assert cfg.actor.reward_norm is None and cfg.gconfig.repetition_penalty == 1.1
+    off = import_data("rlinf", {"critic": {"use_critic_model": False}})
+    assert load_config_dict(off.config).critic is None
+    assert dict(off.dropped)["critic.use_critic_model"].startswith("false: critic-free")

@@ -84,3 +84,22 @@ def test_a_reward_worker_that_is_not_the_judge_does_not_become_one():
                                                   "model_args": {"model_name_or_path": "/m"}}}})
     assert "judge" not in t.config
     assert any(k == "rewards.math.model_args.model_name_or_path" and "not the LLM judge" in why for k, why in t.dropped)
+
+
+def test_a_critic_worker_with_gae_imports_as_rlstream_s_critic():
+    """ROLL builds its critic for adv_estimator gae (its default): the worker's model and optimizer keys become
+    the critic section; with another estimator the worker is not built, so it is dropped."""
+    critic = {"model_args": {"model_name_or_path": "/models/value", "dtype": "bf16"},
+              "training_args": {"learning_rate": 2e-6, "weight_decay": 0.01, "warmup_steps": 10},
+              "device_mapping": "list(range(0,8))"}
+    t = import_data("roll", {"max_steps": 100, "critic": critic})
+    c = load_config_dict(t.config).critic
+    assert c is not None and c.path == "/models/value" and c.optimizer.lr == 2e-6
+    assert (c.optimizer.weight_decay, c.optimizer.warmup_steps_proportion) == (0.01, 0.1)
+    assert dict(t.dropped)["critic.model_args.dtype"].startswith("the critic runs in the trainer process")
+    grpo = import_data("roll", {"adv_estimator": "grpo", "critic": critic})
+    assert load_config_dict(grpo.config).critic is None
+    assert dict(grpo.dropped)["critic.model_args.model_name_or_path"] == "ROLL builds the critic only for " \
+                                                                          "adv_estimator gae"
+    with pytest.raises(ConfigError, match="adv_estimator=gae needs a critic worker"):
+        import_data("roll", {"adv_estimator": "gae"})
