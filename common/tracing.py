@@ -362,11 +362,13 @@ def configure(cfg: Any, role: str, name: str | None = None) -> PerfTracer | _Nul
 
 
 @contextlib.contextmanager
-def torch_profile(cfg: Any, step: int, label: str) -> Iterator[None]:
-    """At `perf_tracer.profile_steps`: the body under torch.profiler, written as {trace folder}/torch-step{N}-{label}.json
-    (Chrome trace format; open it on its own: its clock is torch's). Elsewhere: nothing."""
+def torch_profile(cfg: Any, step: int, rank: int) -> Iterator[None]:
+    """At `perf_tracer.profile_steps` on `profile_ranks`: the body under torch.profiler, written as
+    {trace folder}/torch-step{N}-rank{R}.json (Chrome trace format; open it on its own: its clock is torch's).
+    Elsewhere: nothing."""
     pt = cfg.perf_tracer
-    if not (pt.enabled and pt.profile_steps and step in pt.profile_steps):
+    if not (pt.enabled and pt.profile_steps and step in pt.profile_steps) or \
+            (pt.profile_ranks is not None and rank not in pt.profile_ranks):
         yield
         return
     import torch.profiler as tp
@@ -374,8 +376,9 @@ def torch_profile(cfg: Any, step: int, label: str) -> Iterator[None]:
     import torch
 
     activities = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    path = trace_folder(cfg) / f"torch-step{step}-{label}.json"
-    with tp.profile(activities=activities, record_shapes=True) as prof:
+    path = trace_folder(cfg) / f"torch-step{step}-rank{rank}.json"
+    with tp.profile(activities=activities, record_shapes=True, profile_memory=pt.profile_memory,
+                    with_stack=pt.profile_with_stack, with_modules=pt.profile_with_modules) as prof:
         yield
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

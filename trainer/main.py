@@ -222,7 +222,7 @@ class Trainer:
         freeze_startup_objects()  # the step loop's full GC collections no longer walk the model and the modules
         while state.step < self.total_steps and stop.requested is None:
             with span("trainer/profiled_step") if _profiled(cfg, state.step + 1) else nullcontext(), \
-                    torch_profile(cfg, state.step + 1, f"rank{par.rank}"), span("trainer/step", step=state.step + 1):
+                    torch_profile(cfg, state.step + 1, par.rank), span("trainer/step", step=state.step + 1):
                 if not self._step(stop):
                     break
             tracer().step_done(state.step)

@@ -8,7 +8,7 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
-from rlstream.common.config.base import PositiveFloat, PositiveInt, Section
+from rlstream.common.config.base import NonNegativeInt, PositiveFloat, PositiveInt, Section
 
 __all__ = ["PerfTracerConfig", "SessionTracerConfig"]
 
@@ -33,6 +33,15 @@ class PerfTracerConfig(Section):
     profile_steps: list[PositiveInt] | None = None
     """Train steps (1-based) at which the trainer also records a torch.profiler trace
     ({trace folder}/torch-step{N}-rank{R}.json); None = none."""
+    profile_ranks: list[NonNegativeInt] | None = None
+    """Trainer ranks that record the torch.profiler trace at profile_steps (cosmos-rl rank_filter); None = every rank."""
+    profile_memory: bool = False
+    """torch.profiler also tracks tensor allocations and frees (its profile_memory)."""
+    profile_with_stack: bool = False
+    """torch.profiler also records the Python/C++ stack of each op (its with_stack; larger traces)."""
+    profile_with_modules: bool = False
+    """torch.profiler also records the nn.Module hierarchy each op ran under (its with_modules; torch writes the module
+    scopes into the trace together with profile_with_stack)."""
     trace_dir: str | None = None
     """Folder of the trace files (None = {run_dir}/trace); `rlstream trace merge` takes it or the run folder."""
     otlp_endpoint: Annotated[str, Meta(pattern=r"^https?://[^/\s]+")] | None = None

@@ -154,6 +154,25 @@ def _decay(value: Any, ctx: Context) -> str | None:
     return off_or_value("actor.optimizer.lr_scheduler_type", ("constant", "linear", "cosine", "sqrt"))(value, ctx)
 
 
+def _profiler(value: Any, ctx: Context) -> str | None:
+    """cosmos-rl's torch.profiler schedule skips wait_steps, warms up warmup_steps, records active_steps
+    (0-based steps); rlstream profiles the same steps, numbered from 1."""
+    if not value:
+        return "false: no torch profile (perf_tracer.profile_steps unset)"
+    sub = get(ctx.data, "profiler.sub_profiler_config", {}) or {}
+    first = int(sub.get("wait_steps", 1)) + int(sub.get("warmup_steps", 1)) + 1
+    ctx.t.put(ctx.key, "perf_tracer.enabled", True)
+    ctx.t.put(ctx.key, "perf_tracer.profile_steps", list(range(first, first + max(1, int(sub.get("active_steps", 1))))))
+    return None
+
+
+def _profile_ranks(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "[]: every rank records (perf_tracer.profile_ranks unset)"
+    ctx.t.put(ctx.key, "perf_tracer.profile_ranks", [int(r) for r in value])
+    return None
+
+
 def _decay_ratio(value: Any, ctx: Context) -> str | None:
     if value is None:
         return "null: the decay spans every step after warm-up (actor.optimizer.decay_steps_proportion=null)"
@@ -470,9 +489,15 @@ TABLE: Table = {
     "logging.logger": Convert(("stats_logger.wandb.mode",), _loggers, "wandb in the list = online"),
     "logging.project_name": Same("stats_logger.wandb.project"),
     "logging.experiment_name": Same("experiment_name"),
-    "profiler.enable_profiler": Missing("the torch profiler", off=(False, None)),
+    "profiler.enable_profiler": Convert(("perf_tracer.enabled", "perf_tracer.profile_steps"), _profiler,
+                                        "the step after wait_steps + warmup_steps, for active_steps steps"),
     "profiler.enable_nsys": Missing("Nsight Systems ranges", off=(False, None)),
-    "profiler": Drop("used only with enable_profiler; step phases are logged as time/* metrics"),
+    "profiler.sub_profiler_config.rank_filter": Convert(("perf_tracer.profile_ranks",), _profile_ranks),
+    "profiler.sub_profiler_config.record_shape": Drop("rlstream's torch profile always records shapes"),
+    "profiler.sub_profiler_config.profile_memory": Same("perf_tracer.profile_memory"),
+    "profiler.sub_profiler_config.with_stack": Same("perf_tracer.profile_with_stack"),
+    "profiler.sub_profiler_config.with_modules": Same("perf_tracer.profile_with_modules"),
+    "profiler": Drop("read with enable_profiler (perf_tracer.profile_steps)"),
     "validation.enable": Convert(("evaluator.freq_steps",), _validation, "every validation.freq steps"),
     "validation.freq": Drop("read with validation.enable (evaluator.freq_steps)"),
     "validation.batch_size": Drop("evaluation requests share the engines: evaluator.concurrency"),

@@ -75,6 +75,18 @@ def _file(value: Any, ctx: Context) -> str | None:
     return None
 
 
+def _messages(value: Any, ctx: Context) -> str | None:
+    """ROLL's messages column (it conflicts with data_args.prompt): rlstream renders a prompt column that holds
+    chat messages ([{role, content}, ...]) with the tokenizer's chat template."""
+    if value is None:
+        return "null: prompts come from data_args.prompt"
+    if get(ctx.data, "actor_train.data_args.prompt") is not None:
+        raise ConfigError(f"actor_train.data_args.messages={value!r} and data_args.prompt are both set; ROLL reads one "
+                          "(they conflict): keep one")
+    ctx.t.put(ctx.key, "train_dataset.prompt_key", value)
+    return None
+
+
 def _train_strategy(value: Any, ctx: Context) -> None:
     if value == "megatron_train":
         ctx.t.put(ctx.key, "actor.backend", "megatron")
@@ -236,8 +248,8 @@ TABLE: Table = {
     "actor_train.data_args.template": Convert(("train_dataset.apply_chat_template",), _template),
     "actor_train.data_args.file_name": Convert(("train_dataset.path",), _file),
     "actor_train.data_args.prompt": Same("train_dataset.prompt_key"),
-    "actor_train.data_args.messages": Missing("chat-message columns as prompts (rlstream reads a prompt text "
-                                              "column, train_dataset.prompt_key)", off=(None,)),
+    "actor_train.data_args.messages": Convert(("train_dataset.prompt_key",), _messages,
+                                              "a column of chat messages, rendered by the chat template"),
     "actor_train.strategy_args.strategy_name": Convert(("actor.backend", "actor.parallel"), _train_strategy),
     f"{_STRATEGY}.tensor_model_parallel_size": Same("actor.megatron.tensor_parallel"),
     f"{_STRATEGY}.pipeline_model_parallel_size": Same("actor.megatron.pipeline_parallel"),

@@ -195,12 +195,31 @@ def test_torch_profile_writes_a_trace_at_the_profile_steps_only(tmp_path):
 
     cfg = _cfg(tmp_path, "perf_tracer.enabled=true", "perf_tracer.profile_steps=[2]")
     for step in (1, 2):
-        with tracing.torch_profile(cfg, step, "rank0"):
+        with tracing.torch_profile(cfg, step, 0):
             torch.ones(8, 8) @ torch.ones(8, 8)
     files = sorted(p.name for p in (cfg.run_dir / "trace").glob("torch-*.json"))
     assert files == ["torch-step2-rank0.json"]
     doc = json.loads((cfg.run_dir / "trace" / files[0]).read_text())
     assert any(e.get("ph") == "X" for e in doc["traceEvents"])
+    assert not any(e.get("name") == "[memory]" for e in doc["traceEvents"])  # profile_memory is off
+
+
+def test_torch_profile_options_and_rank_filter(tmp_path):
+    """cosmos-rl's sub-profiler options: only the listed ranks record; memory events and module scopes when asked."""
+    import torch
+
+    cfg = _cfg(tmp_path, "perf_tracer.enabled=true", "perf_tracer.profile_steps=[1]", "perf_tracer.profile_ranks=[1]",
+               "perf_tracer.profile_memory=true", "perf_tracer.profile_with_stack=true",
+               "perf_tracer.profile_with_modules=true")
+    layer = torch.nn.Linear(8, 8)
+    for rank in (0, 1):
+        with tracing.torch_profile(cfg, 1, rank):
+            layer(torch.ones(4, 8))
+    files = sorted(p.name for p in (cfg.run_dir / "trace").glob("torch-*.json"))
+    assert files == ["torch-step1-rank1.json"]
+    events = json.loads((cfg.run_dir / "trace" / files[0]).read_text())["traceEvents"]
+    assert any(e.get("name") == "[memory]" for e in events)
+    assert any("nn.Module: Linear" in str(e.get("name")) for e in events)
 
 
 def test_spans_added_from_threads_while_flushing_are_all_written(tmp_path):

@@ -106,6 +106,15 @@ def test_dr_grpo_normaliser_decay_schedules_and_penalties_import():
     assert load_config_dict(ignored.config).actor.loss_agg_norm_tokens is None
 
 
+def test_the_profiler_imports_as_the_torch_profile_steps():
+    sub = {"wait_steps": 2, "warmup_steps": 1, "active_steps": 2, "rank_filter": [0], "profile_memory": True}
+    t = import_data("cosmos", {"profiler": {"enable_profiler": True, "sub_profiler_config": sub}})
+    pt = load_config_dict(t.config).perf_tracer
+    assert pt.enabled and pt.profile_steps == [4, 5] and pt.profile_ranks == [0] and pt.profile_memory
+    off = import_data("cosmos", {"profiler": {"enable_profiler": False, "sub_profiler_config": {"rank_filter": []}}})
+    assert load_config_dict(off.config).perf_tracer.profile_steps is None
+
+
 def test_the_algorithm_options_import():
     """mu_iterations, aipo_rho, positive_nll_coef, reference resets, the prefix filter, dtypes and trainable_map."""
     tp = {"mu_iterations": 3, "aipo_rho": 4.0, "positive_nll_coef": 0.1, "reference_reset_interval": 50,

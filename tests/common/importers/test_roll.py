@@ -103,3 +103,11 @@ def test_a_critic_worker_with_gae_imports_as_rlstream_s_critic():
                                                                           "adv_estimator gae"
     with pytest.raises(ConfigError, match="adv_estimator=gae needs a critic worker"):
         import_data("roll", {"adv_estimator": "gae"})
+
+
+def test_a_messages_column_becomes_the_prompt_column_the_chat_template_renders():
+    t = import_data("roll", {"actor_train": {"data_args": {"messages": "conversation", "template": "native"}}})
+    cfg = load_config_dict(t.config)
+    assert cfg.train_dataset.prompt_key == "conversation" and cfg.train_dataset.apply_chat_template
+    with pytest.raises(ConfigError, match="data_args.messages='conversation' and data_args.prompt are both set"):
+        import_data("roll", {"actor_train": {"data_args": {"messages": "conversation", "prompt": "instruction"}}})
