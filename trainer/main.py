@@ -253,12 +253,13 @@ class Trainer:
         state.version += 1
         _trace_trained(data, state.step)
 
-        # 5. publish the new weights as the next version
+        # 5. publish the new weights as the next version (to the engines every weight_update_interval steps)
         t0 = time.perf_counter()
         with span("trainer/push", version=state.version):
             if par.is_main:
                 self.versions.set_trainer_version(state.version)
-            self.broadcaster.push(par.unwrap(self.model), state.version)
+            if state.step % cfg.actor.weight_update_interval == 0:
+                self.broadcaster.push(par.unwrap(self.model), state.version)
         t_push = time.perf_counter() - t0
         with span("trainer/metrics"):
             metrics = StepMetrics.gather(par, ppo_stats, data, version=state.version, epoch=self._epoch(),

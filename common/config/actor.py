@@ -291,6 +291,10 @@ class ActorConfig(Section):
     """Dr.GRPO's unbiased loss (cosmos-rl unbiased_loss_max_tokens; verl's seq-mean-token-sum-norm): with loss_agg_mode
     seq-mean-token-mean, each sequence's token sum is divided by this constant (e.g. the longest response allowed)
     instead of its own length, so long and short answers weigh per token alike. None = its own length."""
+    weight_update_interval: PositiveInt = 1
+    """Push the weights to the engines every N train steps (cosmos-rl sync_weight_interval); in between the engines
+    keep serving the last pushed version, so a rollout can be up to N-1 versions behind the trainer before any other
+    lag: needs rollout.max_head_offpolicyness >= N-1. The trainer's own version still moves every step."""
     weight_update_mode: Literal["distributed", "disk", "ipc", "none"] = "distributed"
     """How weights reach the engines after a step: distributed (torch.distributed broadcast; gloo ran on CPU, NCCL needs
     2 GPUs and has not run), disk (safetensors), ipc (CUDA IPC handles, trainer and engines on one GPU; ran on an H100,

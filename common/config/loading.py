@@ -222,6 +222,11 @@ def _check(cfg: "Config") -> None:
         raise ConfigError("producer.dynamic_sampling_reward_fn decides the dynamic-sampling filter, which is off: set "
                           "producer.dynamic_sampling=true or drop it")
     check_judge(cfg)
+    interval, eta = cfg.actor.weight_update_interval, cfg.rollout.max_head_offpolicyness
+    if eta < interval - 1:
+        raise ConfigError(f"actor.weight_update_interval={interval} leaves the engines up to {interval - 1} versions "
+                          f"behind, past rollout.max_head_offpolicyness={eta}: every rollout between pushes would be "
+                          f"too stale to train; set max_head_offpolicyness >= {interval - 1} or push more often")
     if cfg.actor.loss_agg_norm_tokens is not None and cfg.actor.loss_agg_mode != "seq-mean-token-mean":
         raise ConfigError(f"actor.loss_agg_norm_tokens={cfg.actor.loss_agg_norm_tokens} replaces each sequence's length "
                           f"in loss_agg_mode=seq-mean-token-mean, but actor.loss_agg_mode={cfg.actor.loss_agg_mode!r}: "

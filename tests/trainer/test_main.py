@@ -61,6 +61,28 @@ def test_one_full_train_step(tmp_path, redis_url, rclient, experiment, tiny, tin
     assert [e.type for _, e in reg.events_since()][-1] == "shutdown"
 
 
+def test_weights_reach_the_engines_every_weight_update_interval_steps(tmp_path, redis_url, rclient, experiment, tiny,
+                                                                        tiny_model_path):
+    """cosmos-rl sync_weight_interval: 3 steps pushing every 2nd publish version 2 only; the trainer's version moves
+    every step. An interval whose lag exceeds the staleness budget is refused at load."""
+    from rlstream.common.config import ConfigError
+    from rlstream.trainer.main import train
+
+    cfg = _cfg(tmp_path, redis_url, experiment, tiny_model_path, "total_train_steps=3",
+               "actor.weight_update_interval=2", "rollout.max_head_offpolicyness=2")
+    keys = Keys(namespace(experiment, "trial0"))
+    stream = TrajectoryStream(rclient, keys)
+    for g in synthetic_groups(6, seed=5, vocab_size=tiny.config.vocab_size, model=tiny):
+        stream.append(g)
+    train(cfg)
+    reg = VersionRegistry(rclient, keys)
+    assert [e.version for _, e in reg.events_since() if e.type == "version"] == [2]
+    assert reg.get() == 2 and reg.get_trainer_version() == 3
+    with pytest.raises(ConfigError, match="actor.weight_update_interval=3 .* rollout.max_head_offpolicyness=1:"):
+        _cfg(tmp_path, redis_url, experiment, tiny_model_path, "actor.weight_update_interval=3",
+             "rollout.max_head_offpolicyness=1")
+
+
 @pytest.mark.parametrize("algo", ["grpo", "drgrpo", "rloo", "dapo", "gspo", "areal-gsm8k-grpo"])
 def test_algorithm_configs_train_a_step(algo, tmp_path, redis_url, rclient, experiment, tiny, tiny_model_path):
     """Each configs/algorithms/*.yaml, shrunk to the tiny model, runs a real step; so does the

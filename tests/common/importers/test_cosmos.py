@@ -106,6 +106,12 @@ def test_dr_grpo_normaliser_decay_schedules_and_penalties_import():
     assert load_config_dict(ignored.config).actor.loss_agg_norm_tokens is None
 
 
+def test_sync_weight_interval_is_the_weight_update_interval():
+    t = import_data("cosmos", {"train": {"sync_weight_interval": 2, "train_policy": {"allowed_outdated_steps": 2}}})
+    cfg = load_config_dict(t.config)
+    assert (cfg.actor.weight_update_interval, cfg.rollout.max_head_offpolicyness) == (2, 2)
+
+
 def test_the_profiler_imports_as_the_torch_profile_steps():
     sub = {"wait_steps": 2, "warmup_steps": 1, "active_steps": 2, "rank_filter": [0], "profile_memory": True}
     t = import_data("cosmos", {"profiler": {"enable_profiler": True, "sub_profiler_config": sub}})
