@@ -48,6 +48,7 @@ from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.microbatch import minibatch_slices
 from rlstream.trainer.advantages import compute_advantages, distill_advantages
 from rlstream.trainer.critic import Critic
+from rlstream.trainer.flops import ModelFlops
 from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import (aggregate, kl_estimate, loglinear_prox_logp, m2po_mask, positive_nll,
                                      ppo_token_loss, seq_token_counts)
@@ -61,6 +62,14 @@ from rlstream.common.tracing import span
 from rlstream.trainer.update import MicroBatches
 
 __all__ = ["PPOActor"]
+
+
+def _model_flops(model: torch.nn.Module | None) -> ModelFlops | None:
+    """A transformers model's FLOPs counter; None for none, or for a model without a transformers config."""
+    try:
+        return ModelFlops(model) if model is not None else None
+    except AttributeError:
+        return None
 
 class PPOActor:
     """Holds the models and optimizer; `train_step` is one full step of the blueprint."""
@@ -96,6 +105,10 @@ class PPOActor:
             self.ref_part = (ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda _: 1.0))
         if "float16" in (a.dtype, a.compute_dtype) and loss_scaler(optimizer) is None:
             DynamicLossScaler.attach(optimizer, a.optimizer)  # float16 gradients need the loss scaled
+        # FLOPs counters: the policy's, and those of the models that only run forward (reference, value model)
+        self.policy_flops = _model_flops(self.module)
+        self.forward_flops = [f for m in (ref, par.unwrap(critic.model) if critic else None)
+                              if (f := _model_flops(m)) is not None]
         mixed = a.compute_dtype is not None and a.compute_dtype != a.dtype
         self.autocast = partial(torch.autocast, par.device.type, DTYPES[a.compute_dtype]) if mixed \
             else contextlib.nullcontext
@@ -210,7 +223,20 @@ class PPOActor:
         interval = a.reference_reset_interval
         if self.ref is not None and interval is not None and (version + 1) % interval == 0:
             self.reset_reference()
-        return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats | distill_stats
+        return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats | distill_stats | \
+            self._step_flops(batch)
+
+    def _step_flops(self, batch: SeqBatch) -> dict[str, float]:
+        """`perf/step_tflop`: the model FLOPs (trainer/flops.py) of the step's policy, reference and value forward
+        passes and the policy's forward and backward passes, over all ranks; the critic's own update is left out."""
+        if self.policy_flops is None:
+            return {}
+        lens = batch.seq_lens.tolist()
+        policy_passes = (1 if self.recompute else 0) + 3 * self.a.mu_iterations  # a backward pass is 2 forwards
+        total = torch.tensor([self.policy_flops.forward(lens) * policy_passes +
+                              sum(f.forward(lens) for f in self.forward_flops)], dtype=torch.float64)
+        self._reduce_sum([total])
+        return {"perf/step_tflop": float(total[0]) / 1e12}
 
     def _distill(self, batch: SeqBatch, adv) -> dict[str, float]:
         """On-policy distillation's advantages in place of `adv.advantages` (trainer/advantages.py

@@ -138,6 +138,8 @@ class StepMetrics:
             "data/replayed": float(self.replayed),
             "perf/tokens_per_s": self.ppo["data/n_tokens"] / compute if compute > 0 else 0.0,
         }
+        if "perf/step_tflop" in self.ppo:  # model FLOPs over the same compute time: MFU's numerator
+            row["perf/tflops_per_s"] = self.ppo["perf/step_tflop"] / compute if compute > 0 else 0.0
         if self.episodes > 0:
             row["agent/turns"] = self.turns / self.episodes
             row["agent/tool_call_rate"] = self.tool_episodes / self.episodes

@@ -252,7 +252,8 @@ TABLE: Table = {
     "actor.offload_weight": Drop("trainer and engines are separate processes; nothing is offloaded between them"),
     "actor.offload_grad": Drop("trainer and engines are separate processes; nothing is offloaded between them"),
     "actor.enable_dp_load_balance": Drop("micro-batches are balanced by tokens across ranks (trainer/microbatch.py)"),
-    "actor.calculate_flops": Missing("FLOPs accounting (rlstream logs perf/tokens_per_s)"),
+    "actor.calculate_flops": Drop("rlstream always logs each step's model FLOPs (perf/step_tflop) and their rate "
+                                  "(perf/tflops_per_s)"),
     "actor.seed": Same("seed"),
     "actor.model.precision": Convert(("actor.dtype",), dtype_of),
     "actor.model.tensor_model_parallel_size": Same("actor.megatron.tensor_parallel"),

@@ -41,7 +41,7 @@ def test_one_full_train_step(tmp_path, redis_url, rclient, experiment, tiny, tin
     m = lines[0]
     for key in ("loss/total", "reward/mean", "reward/std", "reward/accuracy", "staleness/mean", "staleness/min",
                 "staleness/max", "imp_weight/mean", "imp_weight/masked_frac", "ppo/clip_frac", "ppo/entropy",
-                "optim/grad_norm", "optim/lr", "perf/tokens_per_s", "time/wait_data", "time/logprobs",
+                "optim/grad_norm", "optim/lr", "perf/tokens_per_s", "perf/step_tflop", "perf/tflops_per_s", "time/wait_data", "time/logprobs",
                 "time/update", "time/weight_push"):
         assert key in m, key
     assert np.isfinite(m["loss/total"]) and m["optim/grad_norm"] > 0
