@@ -291,6 +291,13 @@ class ActorConfig(Section):
     """Dr.GRPO's unbiased loss (cosmos-rl unbiased_loss_max_tokens; verl's seq-mean-token-sum-norm): with loss_agg_mode
     seq-mean-token-mean, each sequence's token sum is divided by this constant (e.g. the longest response allowed)
     instead of its own length, so long and short answers weigh per token alike. None = its own length."""
+    compile: bool = False
+    """torch.compile each transformer block of the policy (cosmos-rl train.compile; trainer/compile.py), with dynamic
+    shapes. The first train steps include the compilation (about a minute on 2 CPU cores for a tiny model); on CPU
+    the inductor backend needs a C++ compiler."""
+    compile_backend: Literal["inductor", "aot_eager", "eager"] = "inductor"
+    """torch.compile's backend: inductor generates fused kernels; aot_eager and eager only trace (for debugging a
+    graph break or checking that the model compiles, in seconds)."""
     weight_update_interval: PositiveInt = 1
     """Push the weights to the engines every N train steps (cosmos-rl sync_weight_interval); in between the engines
     keep serving the last pushed version, so a rollout can be up to N-1 versions behind the trainer before any other

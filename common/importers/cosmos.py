@@ -422,7 +422,7 @@ TABLE: Table = {
     "train.timestamp": Drop("run folders are cluster.fileroot/experiment_name/trial_name"),
     "train.epsilon": Same("actor.optimizer.eps"),
     "train.async_tp_enabled": Drop(_KERNEL),
-    "train.compile": Missing("torch.compile of the trainer's model", off=(False, None)),
+    "train.compile": Same("actor.compile"),
     "train.sync_weight_interval": Same("actor.weight_update_interval"),
     "train.deterministic": Missing("deterministic kernels", off=(False, None)),
     "train.activation_offload": Drop("activation memory is saved by actor.gradient_checkpointing"),

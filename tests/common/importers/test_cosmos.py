@@ -78,7 +78,7 @@ def test_resume_path_and_max_keep():
 @pytest.mark.parametrize("data,message", [
     ({"train": {"train_policy": {"type": "sft"}}}, "type='sft'"),
     ({"train": {"ckpt": {"max_keep": 0}}}, "max_keep=0 keeps no checkpoint"),
-    ({"train": {"compile": True}}, "compile=True: not in rlstream yet"),
+    ({"train": {"fp8": {"enable_fp8": True}}}, "enable_fp8=True: not in rlstream yet"),
     ({"train": {"train_policy": {"filter_reward_metric": ["format"]}}}, "producer.dynamic_sampling_reward_fn"),
     ({"train": {"train_policy": {"reward_function": {"single_choice": 0.9, "format": 0.1}}}}, "reward_function"),
 ])
@@ -98,6 +98,7 @@ def test_dr_grpo_normaliser_decay_schedules_and_penalties_import():
     assert (cfg.actor.loss_agg_mode, cfg.actor.loss_agg_norm_tokens) == ("seq-mean-token-mean", 4096)
     assert (cfg.actor.optimizer.lr_scheduler_type, cfg.actor.optimizer.decay_steps_proportion) == ("sqrt", 0.2)
     assert (cfg.gconfig.repetition_penalty, cfg.eval_gconfig.repetition_penalty) == (1.05, 1.2)
+    assert import_data("cosmos", {"train": {"compile": True}}).config["actor"]["compile"] is True
     ignored = import_data("cosmos", {"train": {"optm_decay_type": "none", "optm_decay_ratio": None, "train_policy": {
         "loss_type": "token-mean", "unbiased_loss_max_tokens": 4096}}})
     why = dict(ignored.dropped)
