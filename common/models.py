@@ -95,12 +95,15 @@ def read_marker(folder: Path) -> dict | None:
         return None
 
 
-def _hf_cache_lookup(repo_id: str) -> Path | None:
-    """The snapshot folder of `repo_id` in the local HF cache, without any network access."""
+def _hf_cache_lookup(repo_id: str, revision: str | None = None) -> Path | None:
+    """The snapshot folder of `repo_id` (at `revision`: a branch, tag or commit) in the local HF cache, without any
+    network access."""
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(repo_id, local_files_only=True))
+        # HF_HUB_CACHE read now, not when huggingface_hub was imported
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True,
+                                      cache_dir=os.environ.get("HF_HUB_CACHE") or None))
     except Exception:  # noqa: BLE001 - not cached, malformed id, or no huggingface_hub: all mean "not here"
         return None
 
@@ -111,12 +114,16 @@ def _looks_like_hub_id(path: str) -> bool:
             and not any(c in path for c in " \\:"))
 
 
-def resolve_model_path(path: str, key: str = "actor.path") -> str:
-    """A local folder for `path` (a folder, a prepared known model, or a cached hub id), or ModelPathError."""
+def resolve_model_path(path: str, key: str = "actor.path", revision: str | None = None) -> str:
+    """A local folder for `path` (a folder, a prepared known model, or a cached hub id at `revision`), or
+    ModelPathError."""
     if not path:
         raise ModelPathError(f"{key} is empty: set it to a local HF model folder, a prepared model "
                              f"({', '.join(KNOWN_MODELS)}) or a hub id in the local HF cache")
     p = Path(path).expanduser()
+    if revision is not None and not _looks_like_hub_id(path):
+        raise ModelPathError(f"actor.revision={revision!r} picks a revision of a hub id, but {key}={path!r} is not "
+                             "one (a folder holds one revision): drop actor.revision or give the hub id")
     if p.is_dir():
         return str(p)
     if path in KNOWN_MODELS:
@@ -126,13 +133,14 @@ def resolve_model_path(path: str, key: str = "actor.path") -> str:
         raise ModelPathError(f"{key}={path!r} is not prepared yet (looked in {folder}): run "
                              f"`rlstream model get {path}` once (or set RLSTREAM_MODEL_CACHE to where it is)")
     if _looks_like_hub_id(path):
-        found = _hf_cache_lookup(path)
+        found = _hf_cache_lookup(path, revision)
         if found is not None:
             return str(found)
         hf_home = os.environ.get("HF_HUB_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-        raise ModelPathError(f"{key}={path!r} is neither a local folder nor in the local Hugging Face cache "
+        at, flag = (f" at revision {revision!r}", f" --revision {revision}") if revision else ("", "")
+        raise ModelPathError(f"{key}={path!r}{at} is neither a local folder nor in the local Hugging Face cache "
                              f"({hf_home}); rlstream never downloads at run time: fetch it beforehand "
-                             f"(`huggingface-cli download {path}`) or point {key} at a folder")
+                             f"(`huggingface-cli download {path}{flag}`) or point {key} at a folder")
     raise ModelPathError(f"{key}={path!r}: no such folder")
 
 
@@ -144,16 +152,19 @@ def resolve_model_paths(cfg: Config, *, serving: bool = False) -> Config:
     `serving`: an engine given server.model_path serves that folder and never reads actor.path,
     so an actor.path that does not exist where the engine runs is not an error there.
     """
-    def res(value: str | None, key: str) -> str | None:
-        return resolve_model_path(value, key) if value else value
+    def res(value: str | None, key: str, revision: str | None = None) -> str | None:
+        return resolve_model_path(value, key, revision) if value else value
 
+    rev = cfg.actor.revision
     skip_actor = serving and bool(cfg.server.model_path)
-    actor = msgspec.structs.replace(
-        cfg.actor, path=cfg.actor.path if skip_actor else (res(cfg.actor.path, "actor.path") or ""))
+    actor_path = cfg.actor.path if skip_actor else (res(cfg.actor.path, "actor.path", rev) or "")
+    actor = msgspec.structs.replace(cfg.actor, path=actor_path, revision=None)  # a folder now: one revision
     ref = msgspec.structs.replace(cfg.ref, path=res(cfg.ref.path, "ref.path"))
     server = msgspec.structs.replace(cfg.server, model_path=res(cfg.server.model_path, "server.model_path"))
+    # A tokenizer_path equal to the hub id follows the actor's revision (the tokenizer of that snapshot).
+    tok_rev = rev if cfg.tokenizer_path == cfg.actor.path else None
     return msgspec.structs.replace(cfg, actor=actor, ref=ref, server=server,
-                                   tokenizer_path=res(cfg.tokenizer_path, "tokenizer_path"))
+                                   tokenizer_path=res(cfg.tokenizer_path, "tokenizer_path", tok_rev))
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")

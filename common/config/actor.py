@@ -154,6 +154,10 @@ class RejectionSamplingConfig(Section):
 class ActorConfig(Section):
     path: str = ""
     """Local path of the HF causal LM (no hub downloads)."""
+    revision: str | None = None
+    """With a hub id in actor.path: the branch, tag or commit of it to use from the local HF cache (cosmos-rl
+    model_revision); the trainer, engines and reference (unless ref.path is set) all read that snapshot. None = the
+    cache's main."""
     backend: Literal["hf", "megatron"] = "hf"
     """Model backend: hf (transformers; DDP/FSDP2 per actor.parallel) or megatron (megatron-core GPTModel for
     Llama/Qwen2; EXPERIMENTAL: one CUDA rank, TP=PP=CP=1, ran on an H100, see benchmarks/README.md)."""

@@ -173,6 +173,13 @@ def _profile_ranks(value: Any, ctx: Context) -> str | None:
     return None
 
 
+def _revision(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return f"{value!r}: the cache's main revision"
+    ctx.t.put(ctx.key, "actor.revision", str(value))
+    return None
+
+
 def _decay_ratio(value: Any, ctx: Context) -> str | None:
     if value is None:
         return "null: the decay spans every step after warm-up (actor.optimizer.decay_steps_proportion=null)"
@@ -469,7 +476,7 @@ TABLE: Table = {
     "policy.parallelism.pp_size": Missing("pipeline parallelism in the hf backend", off=(1, None)),
     "policy.parallelism": Drop("used only with pp_size > 1"),  # pp_dynamic_shape, pp_micro_batch_size
     "policy.model_name_or_path": Same("actor.path"),
-    "policy.model_revision": Missing("model revisions from the hub (actor.path is local)", off=(None, "")),
+    "policy.model_revision": Convert(("actor.revision",), _revision, "looked up in the local HF cache"),
     "policy.model_max_length": Drop("rlstream bounds the prompt (train_dataset.max_prompt_len) and the response "
                                     "(gconfig.max_new_tokens) separately"),
     "policy.model_gradient_checkpointing": Same("actor.gradient_checkpointing"),

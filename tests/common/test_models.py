@@ -75,3 +75,32 @@ def test_stop_tokens_join_eos_generation_config_and_extra(tmp_path):
     assert stop_token_ids(tok, tmp_path, extra=[11]) == sorted({tok.eos_token_id, 7, 9, 11})
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 5}))
     assert stop_token_ids(tok, tmp_path) == sorted({tok.eos_token_id, 5})
+
+
+def _hub_cache(root, repo: str, revisions: dict[str, str]) -> dict[str, str]:
+    """A local HF hub cache holding `repo` at each ref name -> commit, as huggingface_hub lays it out."""
+    base = root / ("models--" + repo.replace("/", "--"))
+    (base / "refs").mkdir(parents=True)
+    for ref, commit in revisions.items():
+        (base / "refs" / ref).write_text(commit)
+        snap = base / "snapshots" / commit
+        snap.mkdir(parents=True, exist_ok=True)
+        (snap / "config.json").write_text(json.dumps({"commit": commit}))
+    return {ref: str(base / "snapshots" / commit) for ref, commit in revisions.items()}
+
+
+def test_a_hub_id_resolves_at_actor_revision_from_the_local_cache(monkeypatch, tmp_path):
+    """cosmos-rl model_revision: a branch, tag or commit of a cached hub id; never downloaded."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    a, b = "a" * 40, "b" * 40
+    snaps = _hub_cache(tmp_path / "hub", "org/tiny", {"main": a, "v1": b})
+    assert resolve_model_path("org/tiny") == snaps["main"]
+    assert resolve_model_path("org/tiny", revision="v1") == snaps["v1"]
+    assert resolve_model_path("org/tiny", revision=b) == snaps["v1"]
+    cfg = resolve_model_paths(load_config(None, ["actor.path=org/tiny", "actor.revision=v1", "tokenizer_path=org/tiny"]))
+    assert cfg.actor.path == snaps["v1"] and cfg.tokenizer_path == snaps["v1"] and cfg.actor.revision is None
+    with pytest.raises(ModelPathError, match=r"actor.path='org/tiny' at revision 'v9' is neither .*--revision v9"):
+        resolve_model_path("org/tiny", revision="v9")
+    with pytest.raises(ModelPathError, match="actor.revision='v1' picks a revision of a hub id"):
+        resolve_model_path(str(tmp_path), revision="v1")

@@ -39,6 +39,14 @@ def _start(cmd, log_path):
     return subprocess.Popen(cmd, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
 
 
+def _exit_code(proc, log_path, timeout=300):
+    """The trainer's exit code; still running after `timeout` s, the test fails with the end of its log."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the trainer still ran after {timeout} s; its log ends:\n{Path(log_path).read_text()[-4000:]}")
+
+
 def _stop(proc):
     if proc.poll() is None:  # a crash, not a stop: SIGKILL
         proc.kill()
@@ -147,7 +155,7 @@ def test_stream_maxlen_trims_only_acknowledged_entries(tmp_path, redis_url, rcli
     cmd = [*_cmd(tmp_path, redis_url, experiment, tiny_model_path), "redis.stream_maxlen=3"]
     proc = _start(cmd, tmp_path / "train.log")
     try:
-        assert proc.wait(timeout=300) == 0, (tmp_path / "train.log").read_text()[-4000:]
+        assert _exit_code(proc, tmp_path / "train.log") == 0, (tmp_path / "train.log").read_text()[-4000:]
     finally:
         _stop(proc)
     left = [eid.decode() for eid, _ in rclient.xrange(keys.traj)]
@@ -178,7 +186,7 @@ def test_step_whose_checkpoint_was_durable_before_a_kill_keeps_its_metrics_row(t
     proc = _start([*_cmd(tmp_path, redis_url, experiment, tiny_model_path), "recover.freq_steps=1",
                    "total_train_steps=4"], log)
     try:
-        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+        assert _exit_code(proc, log) == 0, log.read_text()[-4000:]
     finally:
         _stop(proc)
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -188,7 +196,7 @@ def test_step_whose_checkpoint_was_durable_before_a_kill_keeps_its_metrics_row(t
 
     proc = _start(_cmd(tmp_path, redis_url, experiment, tiny_model_path), log)
     try:
-        assert proc.wait(timeout=300) == 0, log.read_text()[-4000:]
+        assert _exit_code(proc, log) == 0, log.read_text()[-4000:]
     finally:
         _stop(proc)
     rows = []
@@ -268,7 +276,7 @@ def test_sigkill_mid_run_with_a_critic_recovers_the_critic_exactly(tmp_path, red
 def _run_to_end(cmd, log_path) -> None:
     proc = _start(cmd, log_path)
     try:
-        assert proc.wait(timeout=300) == 0, log_path.read_text()[-4000:]
+        assert _exit_code(proc, log_path) == 0, log_path.read_text()[-4000:]
     finally:
         _stop(proc)
 

@@ -99,6 +99,7 @@ def test_dr_grpo_normaliser_decay_schedules_and_penalties_import():
     assert (cfg.actor.optimizer.lr_scheduler_type, cfg.actor.optimizer.decay_steps_proportion) == ("sqrt", 0.2)
     assert (cfg.gconfig.repetition_penalty, cfg.eval_gconfig.repetition_penalty) == (1.05, 1.2)
     assert import_data("cosmos", {"train": {"compile": True}}).config["actor"]["compile"] is True
+    assert import_data("cosmos", {"policy": {"model_revision": "v1.1"}}).config["actor"]["revision"] == "v1.1"
     ignored = import_data("cosmos", {"train": {"optm_decay_type": "none", "optm_decay_ratio": None, "train_policy": {
         "loss_type": "token-mean", "unbiased_loss_max_tokens": 4096}}})
     why = dict(ignored.dropped)
