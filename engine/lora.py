@@ -1,9 +1,11 @@
 """Applying pushed LoRA adapters on an engine: merged into the base weights, W = W0 + s·B·A.
 
-With `actor.lora` the trainer pushes only the adapter tensors, named as peft saves them
+With `actor.lora` the trainer pushes only what trains: the adapter tensors, named as peft saves them
 (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, `...lora_B.weight`),
 and the update request carries the scaling `s` (`lora_alpha / r`, or `/ sqrt(r)` for
-rsLoRA). The engine keeps serving a plain model: for every adapted module it computes
+rsLoRA; when rank/alpha patterns give modules their own scalings the push carries s = 1 and
+each B comes multiplied by its module's scaling). The full weights of peft's `modules_to_save`
+come with them as plain weights of the base model. The engine keeps serving a plain model: for every adapted module it computes
 `W0 + s·B·A` in fp32 from the BASE weight `W0` — read once from the served model folder,
 so merges never accumulate rounding from earlier versions — and loads the result like a
 full-weight update. The local engine and the vLLM worker extension both use this class;
