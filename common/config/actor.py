@@ -209,6 +209,11 @@ class ActorConfig(Section):
     """AReaL's copy of gconfig.max_new_tokens (None = gconfig's); when set it must equal gconfig.max_new_tokens."""
     disable_dropout: bool = False
     """Set every dropout probability of the model to 0 (nn.Dropout modules and attention dropout)."""
+    deterministic: bool = False
+    """Deterministic training (cosmos-rl train.deterministic): before building the model the trainer calls
+    torch.use_deterministic_algorithms(True) (an operation without a deterministic kernel raises) and, on CUDA, sets
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless set) and cuDNN's deterministic, non-benchmarking mode, so a rerun on the
+    same data and hardware gives bit-identical weights; slower. The seed is `seed` (cosmos-rl uses 42 when unset)."""
     reward_norm: NormConfig | None = None
     """Reward normalisation (None = off)."""
     reward_scaling: float = 1.0
