@@ -5,7 +5,8 @@ With `actor.lora` the trainer pushes only what trains: the adapter tensors, name
 and the update request carries the scaling `s` (`lora_alpha / r`, or `/ sqrt(r)` for
 rsLoRA; when rank/alpha patterns give modules their own scalings the push carries s = 1 and
 each B comes multiplied by its module's scaling). The full weights of peft's `modules_to_save`
-come with them as plain weights of the base model. The engine keeps serving a plain model: for every adapted module it computes
+come with them as plain weights of the base model. The engine keeps serving a plain model:
+for every adapted module it computes
 `W0 + s·B·A` in fp32 from the BASE weight `W0` — read once from the served model folder,
 so merges never accumulate rounding from earlier versions — and loads the result like a
 full-weight update. The local engine and the vLLM worker extension both use this class;
