@@ -117,7 +117,7 @@ class LoRAConfig(Section):
     rank_pattern: dict[str, PositiveInt] = msgspec.field(default_factory=dict)
     """Per-module ranks (peft `rank_pattern`, cosmos-rl `r_pattern`): {regex: rank}; an adapted module whose dotted
     path ends in a match of the regex takes that rank, the first matching key in order winning. A key that matches no
-    adapted module is an error."""
+    linear module of the model is an error."""
     alpha_pattern: dict[str, PositiveFloat] = msgspec.field(default_factory=dict)
     """Per-module alphas (peft `alpha_pattern`, cosmos-rl `alpha_pattern`), matched like rank_pattern; each module's
     update is scaled by its own alpha / rank (pushes carry every module's scaling)."""
