@@ -140,14 +140,17 @@ def expand_image_tokens(ids: list[int], spec: VisionSpec, n_tokens: list[int], w
 
 
 def image_prompt_ids(tokenizer: Any, spec: VisionSpec, messages: list[dict[str, Any]], images: list[bytes],
-                     where: str, *, add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+                     where: str, *, add_generation_prompt: bool = True, chat_template: str | None = None,
+                     template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """(text, token ids) of chat messages whose image parts are `{"type": "image"}` placeholders
-    (`common.images.message_images`), through the tokenizer's chat template, with each image's placeholder token
-    repeated as many times as the image processor makes tokens of it. ValueError naming `where` otherwise."""
-    if getattr(tokenizer, "chat_template", None) is None:
+    (`common.images.message_images`), through the tokenizer's chat template (or `chat_template`, with
+    `template_kwargs`), with each image's placeholder token repeated as many times as the image processor makes
+    tokens of it. ValueError naming `where` otherwise."""
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(f"{where}: a prompt with images needs the tokenizer's chat template (it writes the "
                          "image placeholders); this tokenizer has none")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         chat_template=chat_template, **(template_kwargs or {}))
     ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return text, expand_image_tokens(ids, spec, [image_tokens(spec, b) for b in images], where)
 

@@ -1,9 +1,12 @@
 """Applying pushed LoRA adapters on an engine: merged into the base weights, W = W0 + s·B·A.
 
-With `actor.lora` the trainer pushes only the adapter tensors, named as peft saves them
+With `actor.lora` the trainer pushes only what trains: the adapter tensors, named as peft saves them
 (`base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`, `...lora_B.weight`),
 and the update request carries the scaling `s` (`lora_alpha / r`, or `/ sqrt(r)` for
-rsLoRA). The engine keeps serving a plain model: for every adapted module it computes
+rsLoRA; when rank/alpha patterns give modules their own scalings the push carries s = 1 and
+each B comes multiplied by its module's scaling). The full weights of peft's `modules_to_save`
+come with them as plain weights of the base model. The engine keeps serving a plain model:
+for every adapted module it computes
 `W0 + s·B·A` in fp32 from the BASE weight `W0` — read once from the served model folder,
 so merges never accumulate rounding from earlier versions — and loads the result like a
 full-weight update. The local engine and the vLLM worker extension both use this class;
@@ -18,10 +21,11 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-__all__ = ["AdapterMerger", "is_adapter_tensor", "adapter_scaling", "ADAPTER_CONFIG"]
+__all__ = ["AdapterMerger", "is_adapter_tensor", "adapter_scaling", "module_scalings", "ADAPTER_CONFIG"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 _ADAPTER = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<half>[AB])(?:\.[^.]+)?\.weight$")
@@ -33,10 +37,30 @@ def is_adapter_tensor(name: str) -> bool:
 
 
 def adapter_scaling(folder: str | Path) -> float:
-    """`s` of a peft adapter folder (adapter_config.json: lora_alpha / r, or / sqrt(r) with rsLoRA)."""
+    """`s` of a peft adapter folder (adapter_config.json: lora_alpha / r, or / sqrt(r) with rsLoRA), for
+    modules no rank/alpha pattern names."""
+    return module_scalings(folder)("")
+
+
+def module_scalings(folder: str | Path) -> Callable[[str], float]:
+    """Each module's `s` in a peft adapter folder: the `rlstream_scaling` a trainer's push folder states (its B
+    matrices are pre-scaled per module), else lora_alpha / r with the module's own r and alpha from rank_pattern /
+    alpha_pattern (peft's rule: the first key k with `(.*\\.)?(k)$` matching the module path), / sqrt(r) with rsLoRA."""
     cfg = json.loads((Path(folder) / ADAPTER_CONFIG).read_text())
-    r, alpha = float(cfg["r"]), float(cfg.get("lora_alpha", cfg["r"]))
-    return alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
+    if cfg.get("rlstream_scaling") is not None:
+        fixed = float(cfg["rlstream_scaling"])
+        return lambda _module: fixed
+
+    def pick(patterns: dict[str, float] | None, module: str, default: float) -> float:
+        key = next((k for k in patterns or {} if re.match(rf"(.*\.)?({k})$", module)), None)
+        return float(patterns[key]) if key is not None else default
+
+    def of(module: str) -> float:
+        module = module.removeprefix("base_model.model.")
+        r = pick(cfg.get("rank_pattern"), module, float(cfg["r"]))
+        alpha = pick(cfg.get("alpha_pattern"), module, float(cfg.get("lora_alpha", cfg["r"])))
+        return alpha / (r ** 0.5) if cfg.get("use_rslora") else alpha / r
+    return of
 
 
 class AdapterMerger:
@@ -112,16 +136,23 @@ class AdapterMerger:
         return name, merged
 
     def load_folder(self, folder: str | Path) -> list[tuple[str, torch.Tensor]]:
-        """All merged weights of a peft adapter folder (adapter_config.json + *.safetensors)."""
+        """All merged weights of a peft adapter folder (adapter_config.json + *.safetensors), and the full
+        weights of its `modules_to_save` (peft stores them as `base_model.model.<module>.weight`) under the
+        base model's names."""
         from safetensors import safe_open
 
         folder = Path(folder)
-        scaling = adapter_scaling(folder)
-        named = []
+        scaling_of = module_scalings(folder)
+        by_scaling: dict[float, list[tuple[str, torch.Tensor]]] = {}  # a module's A and B share its scaling
+        plain = []
         for f in sorted(folder.glob("*.safetensors")):
             with safe_open(str(f), framework="pt", device="cpu") as fh:
-                named += [(k, fh.get_tensor(k)) for k in fh.keys()]
-        merged = self.add(named, scaling)
+                for k in fh.keys():
+                    if (m := _ADAPTER.match(k)) is not None:
+                        by_scaling.setdefault(scaling_of(m["module"]), []).append((k, fh.get_tensor(k)))
+                    else:
+                        plain.append((k.removeprefix("base_model.model."), fh.get_tensor(k)))
+        merged = [w for s, named in by_scaling.items() for w in self.add(named, s)] + plain
         if self.pending:
             raise ValueError(f"adapter folder {str(folder)!r} lacks the other half of {sorted(self.pending)[:3]}")
         return merged

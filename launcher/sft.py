@@ -61,7 +61,7 @@ def _conversations(cfg: Config, tokenizer, path: str) -> list[tuple[list[int], l
         first = f.readline()
     if not first.strip() or "messages" not in json.loads(first):
         return None
-    chat = ChatTemplate(tokenizer, [t.schema for t in load_tools(cfg).values()])
+    chat = ChatTemplate.of_config(cfg, tokenizer, [t.schema for t in load_tools(cfg).values()])
     out = []
     with open(p) as f:
         for line in f:

@@ -129,7 +129,7 @@ class AgentWorkflow:
         self.producer_id = cfg.producer.producer_id or ""
         self.tools = load_tools(cfg)
         self.schemas = [t.schema for t in self.tools.values()]
-        self.chat = ChatTemplate(tokenizer, self.schemas)
+        self.chat = ChatTemplate.of_config(cfg, tokenizer, self.schemas)
         self.parser = import_by_path(self.acfg.tool_parser, "agent.tool_parser")
         self.env_factory = import_by_path(self.acfg.environment, "agent.environment")
         self.stop_ids = stop_token_ids(tokenizer, cfg.actor.path or None, cfg.gconfig.stop_token_ids)
@@ -170,7 +170,7 @@ class AgentWorkflow:
             ep = Episode(prompt_ids=list(getattr(item, "input_ids", []) or [0]), finish_reason="abort")
             ep.failed = f"reset raised {type(exc).__name__}: {exc}"
             return ep
-        chat = self.chat if reset.tools is None else ChatTemplate(self.tokenizer, reset.tools)
+        chat = self.chat if reset.tools is None else ChatTemplate.of_config(self.cfg, self.tokenizer, reset.tools)
         messages = list(reset.messages)
         ep = Episode(prompt_ids=chat.prompt(messages))
         n_ids = len(ep.prompt_ids)

@@ -13,27 +13,57 @@ the template adds between two model turns is computed as a token delta:
    conversation instead, which renders the new messages exactly as they would follow
    any assistant turn.
 
-Tools are offered through `tools=` (the template renders their schemas).
+Tools are offered through `tools=` (the template renders their schemas). A run's own template
+(`train_dataset.chat_template_path`) replaces the tokenizer's, and `chat_template_kwargs` are passed
+to every rendering (`ChatTemplate.of_config`).
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from typing import Any
 
-__all__ = ["ChatTemplate"]
+from rlstream.common.config import Config, ConfigError, DatasetConfig
+
+__all__ = ["ChatTemplate", "read_chat_template"]
 
 _BASE = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
 
 
-class ChatTemplate:
-    """A tokenizer's chat template with a fixed tool list."""
+def read_chat_template(cfg: DatasetConfig, key: str) -> str | None:
+    """The Jinja text of `{key}.chat_template_path` (None when unset), read once per process."""
+    if not cfg.chat_template_path:
+        return None
+    return _read_template(cfg.chat_template_path, f"{key}.chat_template_path")
 
-    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> None:
-        if not getattr(tokenizer, "chat_template", None):
+
+@functools.lru_cache(maxsize=8)
+def _read_template(path: str, key: str) -> str:
+    try:
+        with open(os.path.expanduser(path), encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise ConfigError(f"{key}={path!r}: cannot read the chat template file ({exc.strerror}); give a Jinja "
+                          "template file, or unset it to use the tokenizer's") from None
+
+
+class ChatTemplate:
+    """A tokenizer's chat template (or a run's own, `template`) with a fixed tool list and extra template
+    variables (`template_kwargs`, e.g. enable_thinking)."""
+
+    def __init__(self, tokenizer: Any, tools: list[dict[str, Any]] | None = None, *, template: str | None = None,
+                 template_kwargs: dict[str, Any] | None = None) -> None:
+        if not (template or getattr(tokenizer, "chat_template", None)):
             raise ValueError("multi-turn episodes need a tokenizer with a chat template "
-                             f"({getattr(tokenizer, 'name_or_path', '?')} has none)")
+                             f"({getattr(tokenizer, 'name_or_path', '?')} has none; or set "
+                             "train_dataset.chat_template_path)")
         self.tokenizer = tokenizer
         self.tools = tools or None
+        self.template = template
+        self.template_kwargs = dict(template_kwargs or {})
+        if template:
+            self.template_kwargs["chat_template"] = template
         self._base_ids = self.ids(_BASE, add_generation_prompt=False)
         gen = self.ids(_BASE[:1], add_generation_prompt=True)
         y = tokenizer.encode("y", add_special_tokens=False)
@@ -41,9 +71,16 @@ class ChatTemplate:
         # What the template writes after an assistant's content: end-of-turn token(s).
         self.turn_tail: list[int] = rest[len(y):] if rest[:len(y)] == y else []
 
+    @classmethod
+    def of_config(cls, cfg: Config, tokenizer: Any, tools: list[dict[str, Any]] | None = None) -> "ChatTemplate":
+        """The run's chat template: train_dataset's chat_template_path and chat_template_kwargs."""
+        return cls(tokenizer, tools, template=read_chat_template(cfg.train_dataset, "train_dataset"),
+                   template_kwargs=cfg.train_dataset.chat_template_kwargs)
+
     def ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> list[int]:
         out = self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=True,
-                                                 add_generation_prompt=add_generation_prompt)
+                                                 add_generation_prompt=add_generation_prompt,
+                                                 **self.template_kwargs)
         if isinstance(out, dict) or hasattr(out, "input_ids"):
             out = out["input_ids"]
         return [int(t) for t in out]

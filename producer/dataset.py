@@ -44,6 +44,7 @@ from rlstream.common.config import ConfigError, DatasetConfig, ImageLimitsConfig
 from rlstream.common.hub_datasets import is_hub_name, load_hub_split
 from rlstream.common.images import image_sha256, is_image_part, message_images
 from rlstream.common.logging import get_logger
+from rlstream.producer.chat import read_chat_template
 
 __all__ = ["DatasetError", "DatasetItem", "PromptDataset", "DatasetCursor"]
 
@@ -98,6 +99,7 @@ class PromptDataset:
                  image_limits: ImageLimitsConfig | None = None) -> None:
         self.cfg = cfg
         self.image_limits = image_limits or ImageLimitsConfig()  # a row over them is skipped
+        self.chat_template = read_chat_template(cfg, key)  # None: the tokenizer's
         self.seed = seed
         self.vision = vision  # common.vision.VisionSpec of a vision-language model; None: text only
         local = Path(os.path.expanduser(cfg.path)) if cfg.source == "files" and cfg.path else None
@@ -229,7 +231,8 @@ class PromptDataset:
                                           limits=self.image_limits)
         from rlstream.common.vision import image_prompt_ids
 
-        text, ids = image_prompt_ids(tokenizer, self.vision, messages, images, where)
+        text, ids = image_prompt_ids(tokenizer, self.vision, messages, images, where, chat_template=self.chat_template,
+                                     template_kwargs=self.cfg.chat_template_kwargs)
         return text, ids, tuple(images)
 
     def _local_path(self, value: Any) -> Any:
@@ -242,11 +245,13 @@ class PromptDataset:
 
     def _tokenize(self, tokenizer: Any, value: Any, i: int, key: str) -> tuple[str, list[int]]:
         is_chat = isinstance(value, list) and all(isinstance(m, dict) and "role" in m for m in value)
-        if self.cfg.apply_chat_template or is_chat:
+        if self.cfg.apply_chat_template or self.chat_template or is_chat:
             messages = value if is_chat else [{"role": "user", "content": str(value)}]
-            if getattr(tokenizer, "chat_template", None) is None:
-                raise DatasetError(f"{key}.apply_chat_template is set but the tokenizer has no chat template")
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            if self.chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+                raise DatasetError(f"{key}.apply_chat_template is set but the tokenizer has no chat template "
+                                   f"(or set {key}.chat_template_path)")
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 chat_template=self.chat_template, **self.cfg.chat_template_kwargs)
             # The template already holds the special tokens (BOS, role markers).
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             return text, list(ids)

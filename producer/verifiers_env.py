@@ -181,7 +181,7 @@ class EngineClient:
     def _extend(self, prompt: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[int]:
         """The episode's ids for this call's prompt: the first renders it, later ones append the delta."""
         if self.episode is None:
-            self.chat = ChatTemplate(self.tokenizer, tools)
+            self.chat = ChatTemplate.of_config(self.cfg, self.tokenizer, tools)
             self.episode = Episode(prompt_ids=self.chat.prompt(prompt))
             return self.episode.ids
         n = len(self.history)

@@ -22,7 +22,6 @@ acknowledges entries right after their step.
 from __future__ import annotations
 
 import os
-import random
 import signal
 import threading
 import time
@@ -30,7 +29,6 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from rlstream.broker.admission import AdmissionController
@@ -50,6 +48,7 @@ from rlstream.trainer.budget import resolve_total_steps
 from rlstream.trainer.checkpoint import CheckpointManager, Checkpointer, Part, TrainState
 from rlstream.trainer.compile import compile_blocks
 from rlstream.trainer.critic import Critic, check_critic_config
+from rlstream.trainer.determinism import seed_everything
 from rlstream.trainer.model import load_model
 from rlstream.trainer.optim import build_optimizer, build_scheduler
 from rlstream.trainer.parallel import Parallel, init_parallel
@@ -171,7 +170,7 @@ class Trainer:
 
     def __init__(self, cfg: Config, par: Parallel) -> None:
         check_config(cfg, par.world_size)
-        _seed(cfg.seed + par.rank)
+        seed_everything(cfg.seed + par.rank, cfg.actor.deterministic)  # before the model is built
         self.cfg, self.par = cfg, par
         B = cfg.rollout.consumer_batch_size
         self.total_steps, self.steps_per_epoch = resolve_total_steps(cfg)
@@ -315,12 +314,6 @@ class Trainer:
 
 
 # ---- set-up steps ----------------------------------------------------------------------
-
-def _seed(seed: int) -> None:
-    torch.manual_seed(seed)
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-
 
 def _build_actor(cfg: Config, par: Parallel, total_steps: int) -> tuple[PPOActor, int]:
     """The policy wrapped for the ranks, the reference model when a KL term needs one, the

@@ -110,11 +110,11 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 def apply_lora(model: torch.nn.Module, lora: LoRAConfig, *, key: str = "actor.lora",
                task_type: str = "CAUSAL_LM") -> torch.nn.Module:
-    """Wrap `model` with a peft LoRA adapter: only the adapter's A/B matrices require grad
-    (and, for peft's TOKEN_CLS task of a value model, the scalar head, which peft trains in full).
+    """Wrap `model` with a peft LoRA adapter: only the adapter's A/B matrices require grad, and the modules of
+    `modules_to_save` (and, for peft's TOKEN_CLS task of a value model, the scalar head), which peft trains in full.
 
-    A target name that matches no linear module is a ConfigError listing the ones there are
-    (peft matches a name against the end of each module's dotted path).
+    A target, a modules_to_save name or a rank/alpha pattern that matches no module is a ConfigError
+    naming the ones there are (peft matches a name against the end of each module's dotted path).
     """
     from peft import LoraConfig, get_peft_model
 
@@ -128,10 +128,42 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig, *, key: str = "actor.lo
         if missing:
             raise ConfigError(f"{key}.target_modules {missing} match no module of the model; its linear "
                               f"modules are: {', '.join(leaves)} (or use 'all-linear')")
+    _check_lora_extras(model, lora, key, linear)
     config = LoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout, use_rslora=lora.use_rslora,
                         target_modules=targets[0] if targets == ["all-linear"] else targets, bias="none",
-                        task_type=task_type)
+                        task_type=task_type, rank_pattern=dict(lora.rank_pattern),
+                        alpha_pattern=dict(lora.alpha_pattern), modules_to_save=list(lora.modules_to_save) or None,
+                        init_lora_weights=lora.init_lora_weights)
     return get_peft_model(model, config)
+
+
+def _check_lora_extras(model: torch.nn.Module, lora: LoRAConfig, key: str, linear: list[str]) -> None:
+    """Patterns are regexes peft matches as `(.*\\.)?(pattern)$` against module paths (peft's get_pattern_key);
+    modules_to_save names match the end of a path, and may not be one half of tied embeddings (the engines' copy
+    is tied, so training one half there would move the other)."""
+    import re
+
+    for field in ("rank_pattern", "alpha_pattern"):
+        for pattern in getattr(lora, field):
+            try:
+                rx = re.compile(rf"(.*\.)?({pattern})$")
+            except re.error as exc:
+                raise ConfigError(f"{key}.{field}: {pattern!r} is not a regular expression ({exc})") from None
+            if not any(rx.match(n) for n in linear):
+                raise ConfigError(f"{key}.{field}: {pattern!r} matches no linear module of the model (e.g. "
+                                  f"{', '.join(linear[:3])})")
+    modules = [n for n, _ in model.named_modules() if n]
+    tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    embeddings = {id(model.get_input_embeddings()), id(model.get_output_embeddings())} if tied else set()
+    by_name = dict(model.named_modules())
+    for name in lora.modules_to_save:
+        found = [n for n in modules if n == name or n.endswith("." + name)]
+        if not found:
+            raise ConfigError(f"{key}.modules_to_save: {name!r} matches no module of the model (e.g. "
+                              f"{', '.join(n for n in modules if '.' not in n)})")
+        if any(id(by_name[n]) in embeddings for n in found):
+            raise ConfigError(f"{key}.modules_to_save: {name!r} is one of the model's tied input/output embeddings; "
+                              "train it with full fine-tuning (actor.lora unset) or untie it in the model folder")
 
 
 def apply_trainable_map(model: torch.nn.Module, trainable_map: dict[str, bool], *,

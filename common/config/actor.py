@@ -119,6 +119,23 @@ class LoRAConfig(Section):
     """Linear modules adapted, by name (peft `target_modules`: leaf names such as q_proj, or 'all-linear')."""
     use_rslora: bool = False
     """Rank-stabilised LoRA: scale by alpha / sqrt(rank)."""
+    rank_pattern: dict[str, PositiveInt] = msgspec.field(default_factory=dict)
+    """Per-module ranks (peft `rank_pattern`, cosmos-rl `r_pattern`): {regex: rank}; an adapted module whose dotted
+    path ends in a match of the regex takes that rank, the first matching key in order winning. A key that matches no
+    linear module of the model is an error."""
+    alpha_pattern: dict[str, PositiveFloat] = msgspec.field(default_factory=dict)
+    """Per-module alphas (peft `alpha_pattern`, cosmos-rl `alpha_pattern`), matched like rank_pattern; each module's
+    update is scaled by its own alpha / rank (pushes carry every module's scaling)."""
+    modules_to_save: list[str] = msgspec.field(default_factory=list)
+    """Modules trained in full beside the adapter (peft `modules_to_save`, e.g. lm_head, embed_tokens; names matched
+    against the end of each module's path): their full weights are pushed to the engines with the adapter and saved in
+    its checkpoints. Not allowed for input/output embeddings the model ties together."""
+    init_lora_weights: bool | Literal["gaussian"] = True
+    """Adapter initialisation (peft `init_lora_weights`): true = A random (Kaiming), B zero, so the adapter starts as a
+    no-op; gaussian = A Gaussian scaled by the rank, B zero; false = A and B random, the adapter is not a no-op
+    (debugging; the engines serve the base weights until the first push). peft's data- or SVD-based schemes (pissa,
+    olora, corda, loftq, eva) rewrite the base weights, which the engines read from the model folder, so they are
+    refused."""
 
 
 class RejectionSamplingConfig(Section):
@@ -201,6 +218,11 @@ class ActorConfig(Section):
     """AReaL's copy of gconfig.max_new_tokens (None = gconfig's); when set it must equal gconfig.max_new_tokens."""
     disable_dropout: bool = False
     """Set every dropout probability of the model to 0 (nn.Dropout modules and attention dropout)."""
+    deterministic: bool = False
+    """Deterministic training (cosmos-rl train.deterministic): before building the model the trainer calls
+    torch.use_deterministic_algorithms(True) (an operation without a deterministic kernel raises) and, on CUDA, sets
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 (unless set) and cuDNN's deterministic, non-benchmarking mode, so a rerun on the
+    same data and hardware gives bit-identical weights; slower. The seed is `seed` (cosmos-rl uses 42 when unset)."""
     reward_norm: NormConfig | None = None
     """Reward normalisation (None = off)."""
     reward_scaling: float = 1.0

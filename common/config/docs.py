@@ -96,6 +96,9 @@ def type_text(tp: Any) -> str:
             continue
         if typing.get_origin(inner) is list:  # a list's bounds are its items'
             return "list of " + type_text(typing.get_args(inner)[0]) if typing.get_args(inner) else "list"
+        if typing.get_origin(inner) is dict and typing.get_args(inner):  # a mapping's bounds are its values'
+            key, value = typing.get_args(inner)
+            return f"mapping of {type_text(key)} to {type_text(value)}"
         options = typing.get_args(inner)
         if len(options) == 2 and type(None) in options and any(typing.get_origin(a) is list for a in options):
             return type_text(next(a for a in options if a is not type(None))) + ", or None"
@@ -109,6 +112,9 @@ def type_text(tp: Any) -> str:
     for arg in [inner, *typing.get_args(inner)]:
         if typing.get_origin(arg) is Literal:
             parts.append("one of " + ", ".join(repr(v) for v in typing.get_args(arg)))
+    plain = [a.__name__ for a in typing.get_args(inner) if isinstance(a, type) and a is not type(None)]
+    if parts and plain:  # e.g. bool | Literal["gaussian"]
+        parts = [" or ".join(plain + parts)]
     if not parts:
         parts.append(re.sub(r"\b(typing|[\w.]+\.config(\.\w+)?)\.", "", str(inner)) if typing.get_args(inner)
                      else getattr(inner, "__name__", None) or str(inner))

@@ -154,6 +154,15 @@ class DatasetConfig(Section):
     images; chat messages may still carry their own (`image` / `image_url` parts). Needs a vision actor.path."""
     apply_chat_template: bool = False
     """Wrap prompts with the tokenizer's chat template."""
+    chat_template_path: str | None = None
+    """A Jinja chat template file used instead of the tokenizer's (cosmos-rl multi_turn_config.custom_chat_template_path;
+    implies apply_chat_template), read once when a process starts; train_dataset's also renders the turns of the
+    agent, verifiers and gateway workflows and `rlstream sft`'s conversations. An unreadable file is an error naming
+    this key."""
+    chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Extra variables of every chat-template rendering (keyword arguments of tokenizer.apply_chat_template, as verl and
+    SGLang pass them), e.g. {enable_thinking: false} for Qwen3's template (cosmos-rl multi_turn_config.enable_thinking);
+    train_dataset's also apply to the workflows' turns."""
     shuffle: bool = True
     """Shuffle each epoch (seeded)."""
     batch_size: PositiveInt | None = None

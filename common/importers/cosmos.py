@@ -18,6 +18,7 @@ __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
 RESOLVERS: dict[str, Any] = {}
 
 _TP = "train.train_policy"
+_CHAT_KWARGS = "train_dataset.chat_template_kwargs"
 _KERNEL = "a kernel/compiler choice of cosmos-rl's trainer; rlstream's uses transformers' defaults"
 _OFFLOAD = "trainer and engines are separate processes; nothing is offloaded between them"
 _LOADER = "producers read prompts themselves; no DataLoader"
@@ -269,6 +270,54 @@ def _multi_turn(value: Any, ctx: Context) -> str | None:
     if not value:
         return "false: single-turn rollouts (the default workflow)"
     ctx.t.put(ctx.key, "producer.workflow", "rlstream.producer.agent:AgentWorkflow")
+    if get(ctx.data, "rollout.multi_turn_config.enable_thinking") is None:  # cosmos-rl passes its default, false
+        ctx.t.put(ctx.key, f"{_CHAT_KWARGS}.enable_thinking", False)
+    return None
+
+
+def _thinking(value: Any, ctx: Context) -> str | None:
+    """cosmos-rl passes enable_thinking to tokenizer.apply_chat_template when it renders a conversation."""
+    if value is None:
+        return "null: the chat template's own default"
+    ctx.t.put(ctx.key, f"{_CHAT_KWARGS}.enable_thinking", bool(value))
+    return None
+
+
+def _chat_template(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return f"{value!r}: the tokenizer's chat template"
+    ctx.t.put(ctx.key, "train_dataset.chat_template_path", str(value))
+    return None
+
+
+def _deterministic(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "false: torch's default kernels"
+    ctx.t.put(ctx.key, "actor.deterministic", True)
+    if get(ctx.data, "train.seed") is None:  # cosmos-rl's seed for a deterministic run that sets none
+        ctx.t.put(ctx.key, "seed", 42)
+    return None
+
+
+def _lora_pattern(field: str, dst: str):
+    """A {regex: value} mapping (it arrives here leaf by leaf; a regex key may hold dots, so it is read whole)."""
+    def fn(value: Any, ctx: Context) -> str | None:
+        value = get(ctx.data, f"policy.lora.{field}")
+        if not value:
+            return f"{value!r}: no per-module overrides"
+        ctx.t.config.setdefault("actor", {}).setdefault("lora", {})[dst] = dict(value)
+        return None
+    return fn
+
+
+def _init_lora(value: Any, ctx: Context) -> str | None:
+    if value is None:
+        return "null: peft's default (true)"
+    if value not in (True, False, "gaussian"):
+        raise ConfigError(f"{ctx.key}={value!r}: rlstream initialises LoRA with true, false or gaussian "
+                          "(actor.lora.init_lora_weights); pissa, olora, eva, corda and loftq rewrite the base weights "
+                          "the engines read from the model folder")
+    ctx.t.put(ctx.key, "actor.lora.init_lora_weights", value)
     return None
 
 
@@ -431,7 +480,7 @@ TABLE: Table = {
     "train.async_tp_enabled": Drop(_KERNEL),
     "train.compile": Same("actor.compile"),
     "train.sync_weight_interval": Same("actor.weight_update_interval"),
-    "train.deterministic": Missing("deterministic kernels", off=(False, None)),
+    "train.deterministic": Convert(("actor.deterministic", "seed"), _deterministic, "seed 42 when train.seed is unset"),
     "train.activation_offload": Drop("activation memory is saved by actor.gradient_checkpointing"),
     "train.fa_version": Drop(_KERNEL),
     "train.seed": Same("seed"),
@@ -460,11 +509,13 @@ TABLE: Table = {
     "rollout.sampling_config.use_flashinfer": Drop(_KERNEL),
     "rollout.vllm_use_flashinfer": Drop(_KERNEL),
     "rollout.backend": Convert(("rollout.backend", "launcher.slurm.engine"), _engine_backend),
-    "rollout.multi_turn_config.enable": Convert(("producer.workflow",), _multi_turn, "AgentWorkflow"),
+    "rollout.multi_turn_config.enable": Convert(("producer.workflow", _CHAT_KWARGS), _multi_turn,
+                                                "AgentWorkflow; {enable_thinking: false} unless given"),
     "rollout.multi_turn_config.max_assistant_turns": Same("agent.max_turns"),
     "rollout.multi_turn_config.enable_tools": Drop("the agent workflow's tools are agent.*"),
-    "rollout.multi_turn_config.enable_thinking": Missing("chat-template thinking switches", off=(False, None)),
-    "rollout.multi_turn_config.custom_chat_template_path": Missing("a custom chat template", off=(None, "")),
+    "rollout.multi_turn_config.enable_thinking": Convert((_CHAT_KWARGS,), _thinking, "{enable_thinking: this}"),
+    "rollout.multi_turn_config.custom_chat_template_path": Convert(("train_dataset.chat_template_path",),
+                                                                   _chat_template),
     "rollout.multi_turn_config": Drop("the tokenizer's chat template is applied with a generation prompt"),
     "policy.parallelism.n_init_replicas": _PROCS,
     "policy.parallelism.dp_shard_size": _PROCS,
@@ -485,11 +536,11 @@ TABLE: Table = {
     "policy.lora.lora_dropout": Same("actor.lora.dropout"),
     "policy.lora.target_modules": Same("actor.lora.target_modules"),
     "policy.lora.use_rslora": Same("actor.lora.use_rslora"),
-    "policy.lora.modules_to_save": Missing("fully trained modules beside LoRA", off=(None, [])),
-    "policy.lora.alpha_pattern": Missing("per-module LoRA alpha", off=(None, {})),
-    "policy.lora.r_pattern": Missing("per-module LoRA rank", off=(None, {})),
-    "policy.lora.init_lora_weights": Missing("LoRA initialisation schemes (peft's default is used)",
-                                             off=(True, None, "gaussian")),
+    "policy.lora.modules_to_save": Same("actor.lora.modules_to_save"),
+    "policy.lora.alpha_pattern": Convert(("actor.lora.alpha_pattern",),
+                                         _lora_pattern("alpha_pattern", "alpha_pattern")),
+    "policy.lora.r_pattern": Convert(("actor.lora.rank_pattern",), _lora_pattern("r_pattern", "rank_pattern")),
+    "policy.lora.init_lora_weights": Convert(("actor.lora.init_lora_weights",), _init_lora, "true, false or gaussian"),
     "policy.trainable_map": Convert(("actor.trainable_map",), _trainable_map),
     "policy.enable_liger_kernel": Drop(_KERNEL),
     "logging.logger": Convert(("stats_logger.wandb.mode",), _loggers, "wandb in the list = online"),

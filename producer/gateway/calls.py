@@ -61,7 +61,7 @@ class Gateway(SessionGroups):
         key = json.dumps(tools, sort_keys=True)
         t = self._templates.get(key)
         if t is None:
-            t = self._templates[key] = ChatTemplate(self.tokenizer, tools)
+            t = self._templates[key] = ChatTemplate.of_config(self.cfg, self.tokenizer, tools)
         return t
 
     def _image_prompt(self, chat: ChatTemplate, history: list[dict[str, Any]]) -> tuple[list[dict[str, Any]],

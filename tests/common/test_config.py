@@ -266,6 +266,11 @@ def test_config_docs_of_a_section_prints_its_fields_docstrings():
     assert "actor.optimizer.lr = 0.00002  # (float > 0) Peak learning rate." in lines
     assert "actor.optimizer.type = \"adam\"  # (one of 'adam', 'adamw', 'sgd') Optimizer." in lines
     assert all(ln.startswith("actor.optimizer") for ln in lines)
+    from rlstream.common.config.docs import allowed_values, type_text
+
+    assert type_text(dict[str, bool]) == "mapping of str to bool"  # a mapping's bounds are its values'
+    assert allowed_values(None, "actor.lora.rank_pattern").startswith("mapping of str to int >= 1 (")
+    assert allowed_values(None, "actor.lora.init_lora_weights").startswith("bool or one of 'gaussian' (")
     # a docstring over several source lines is printed on one
     res = _cli("config", "docs", "redis.wait_replicas")
     assert res.stdout == ("redis.wait_replicas = 0  # (int >= 0) Replicas that must confirm each commit (Redis WAIT) "

@@ -104,3 +104,25 @@ def test_conversation_masks_the_assistant_turns_only(tok):
     assert len(ids) == len(mask)
     assert _text(tok, [i for i, m in zip(ids, mask) if m]) == "go</s>12</s>"
     assert _text(tok, ids) == "tools: calc\nu:3*4\na:go</s>\nt:12\na:12</s>"
+
+
+def test_the_runs_template_file_and_kwargs_render_every_turn(tok, tmp_path):
+    """ChatTemplate.of_config: train_dataset.chat_template_path instead of the tokenizer's template, and
+    chat_template_kwargs as template variables (enable_thinking renders differently)."""
+    from rlstream.common.config import ConfigError, load_config
+
+    template = tmp_path / "chat.jinja"
+    template.write_text("{% for m in messages %}{{ m['role'][0] }}={{ m['content'] }};{% endfor %}"
+                        "{% if add_generation_prompt %}{{ 'a=' if enable_thinking | default(true) else 'a=;' }}"
+                        "{% endif %}")
+    msgs = [{"role": "user", "content": "1+2"}]
+
+    def render(*overrides):
+        cfg = load_config(None, [f"train_dataset.chat_template_path={template}", *overrides])
+        return _text(tok, ChatTemplate.of_config(cfg, tok).prompt(msgs))
+
+    assert render() == "u=1+2;a="
+    assert render("train_dataset.chat_template_kwargs={enable_thinking: false}") == "u=1+2;a=;"
+    assert _text(tok, ChatTemplate.of_config(load_config(None, []), tok).prompt(msgs)) == "u:1+2\na:"
+    with pytest.raises(ConfigError, match="train_dataset.chat_template_path='/nowhere.jinja': cannot read"):
+        ChatTemplate.of_config(load_config(None, ["train_dataset.chat_template_path=/nowhere.jinja"]), tok)

@@ -11,7 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlstream.common.config import DatasetConfig
+from rlstream.common.config import ConfigError, DatasetConfig
 from rlstream.broker.producers import ProducerState
 from rlstream.producer.dataset import DatasetCursor, DatasetError, PromptDataset
 
@@ -92,6 +92,32 @@ def test_chat_template(tmp_path, tokenizer):
                                 "a": "4"}) + "\n")
     ds = PromptDataset(DatasetConfig(path=str(msgs), prompt_key="q", answer_key="a"), tok)
     assert ds.at(0).prompt == "<s>be brief<u>2+2=<a>"
+
+
+# A template that branches on a chat_template_kwargs variable, as Qwen3's does on enable_thinking.
+THINKING_TEMPLATE = ("{% for m in messages %}[{{ m['content'] }}]{% endfor %}{% if add_generation_prompt %}"
+                     "{% if enable_thinking is defined and not enable_thinking %}a:no think:{% else %}a:{% endif %}"
+                     "{% endif %}")
+
+
+def test_chat_template_path_and_kwargs(tmp_path, tokenizer):
+    """train_dataset.chat_template_path replaces the tokenizer's template (none here) and implies applying it; the
+    prompt tokens decode to that template's rendering, with chat_template_kwargs as its variables."""
+    p = _write(tmp_path, "jsonl", _rows(2))
+    template = tmp_path / "chat.jinja"
+    template.write_text(THINKING_TEMPLATE)
+
+    def prompt(**kwargs):
+        ds = PromptDataset(DatasetConfig(path=str(p), prompt_key="q", answer_key="a", shuffle=False,
+                                         chat_template_path=str(template), **kwargs), tokenizer)
+        assert tokenizer.decode(ds.at(1).input_ids) == ds.at(1).prompt
+        return ds.at(1).prompt
+
+    assert prompt() == "[1+1=]a:"
+    assert prompt(chat_template_kwargs={"enable_thinking": True}) == "[1+1=]a:"
+    assert prompt(chat_template_kwargs={"enable_thinking": False}) == "[1+1=]a:no think:"
+    with pytest.raises(ConfigError, match=r"train_dataset.chat_template_path='/nowhere/chat.jinja': cannot read"):
+        PromptDataset(DatasetConfig(path=str(p), chat_template_path="/nowhere/chat.jinja"), tokenizer)
 
 
 def test_clear_errors(tmp_path, tokenizer):

@@ -32,7 +32,7 @@ from rlstream.common.logging import get_logger
 from rlstream.common.weights.dist import run_in_thread
 from rlstream.trainer.weights.base import EngineBroadcaster, TransferResult
 from rlstream.trainer.weights.delta import DeltaBase
-from rlstream.trainer.weights.params import ShardSync, WeightEntry, materialize, plan_buckets
+from rlstream.trainer.weights.params import ShardSync, WeightEntry, lora_scaling, materialize, plan_buckets
 
 __all__ = ["DiskBroadcaster", "version_folder", "delta_folder", "write_checkpoint", "write_delta"]
 
@@ -158,7 +158,9 @@ def _adapter_config(model: torch.nn.Module) -> dict | None:
     if not peft_config:
         return None
     cfg = peft_config[model.active_adapter].to_dict()
-    return {k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()}
+    # the scaling the pushed tensors are written for (B matrices pre-scaled per module under rank/alpha patterns)
+    return {**{k: (sorted(v) if isinstance(v, set) else v) for k, v in cfg.items()},
+            "rlstream_scaling": lora_scaling(model)}
 
 
 class DiskBroadcaster(EngineBroadcaster):

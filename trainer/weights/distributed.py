@@ -157,7 +157,8 @@ class DistributedBroadcaster(EngineBroadcaster):
         def fetch(bucket: list[WeightEntry]) -> asyncio.Future:
             # Gathers (sharded) and device copies overlap the previous bucket's broadcast; tensors
             # already in place need no thread.
-            if sync is None and all(e.tensor.device == dev and e.tensor.is_contiguous() for e in bucket):
+            if sync is None and all(e.tensor.device == dev and e.tensor.is_contiguous() and e.scale == 1.0
+                                    for e in bucket):
                 fut = asyncio.get_running_loop().create_future()
                 fut.set_result([e.tensor.detach() for e in bucket])
                 return fut

@@ -29,6 +29,7 @@ class WeightEntry:
     tensor: torch.Tensor
     shape: list[int]
     dtype: torch.dtype
+    scale: float = 1.0  # a LoRA B matrix sent pre-multiplied by its module's own scaling (see lora_scaling)
 
     @property
     def nbytes(self) -> int:
@@ -66,15 +67,15 @@ def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
     whose fused parameters engines do not know) is sent under those names. A LoRA (peft)
     model sends only what trains: its adapter's A/B matrices, named as peft saves them
     (`base_model.model.<module>.lora_A.weight`); the engines merge them into the base
-    weights they hold (engine/lora.py) with the scaling of `lora_scaling(model)`.
+    weights they hold (engine/lora.py) with the scaling of `lora_scaling(model)`. The modules of
+    peft's `modules_to_save` train in full and are sent as the plain weights of the base model.
     """
     hf_named = getattr(model, "hf_named_tensors", None)
     if hf_named is not None:
         return [WeightEntry(n, t, list(t.shape), t.dtype) for n, t in hf_named()]
     adapter = _peft_adapter(model)
     if adapter is not None:
-        return [WeightEntry(_clean_name(name).replace(f".{adapter}.", "."), p, list(p.shape), p.dtype)
-                for name, p in model.named_parameters() if p.requires_grad and ".lora_" in name]
+        return _lora_entries(model, adapter)
     out: list[WeightEntry] = []
     seen: set[int] = set()
     for name, p in model.named_parameters():
@@ -90,17 +91,44 @@ def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
     return out
 
 
+def _lora_entries(model: torch.nn.Module, adapter: str) -> list[WeightEntry]:
+    """What trains in a peft model: the adapter's A/B matrices (B scaled when modules differ in scaling, see
+    lora_scaling) and the full copies of `modules_to_save` under the base model's names (`lm_head.weight`)."""
+    scalings = _module_scalings(model, adapter)
+    push = lora_scaling(model)
+    saved = f".modules_to_save.{adapter}."
+    out = []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        clean = _clean_name(name)
+        if ".lora_" in clean:
+            module = clean.rsplit(".lora_", 1)[0]
+            scale = scalings[module] / push if ".lora_B." in clean and push is not None else 1.0
+            out.append(WeightEntry(clean.replace(f".{adapter}.", "."), p, list(p.shape), p.dtype, scale))
+        elif saved in clean:
+            hf = clean.replace(saved, ".").removeprefix("base_model.model.")
+            out.append(WeightEntry(hf, p, list(p.shape), p.dtype))
+    return out
+
+
+def _module_scalings(model: torch.nn.Module, adapter: str) -> dict[str, float]:
+    """Each adapted module's LoRA scaling (alpha / r, or / sqrt(r) with rsLoRA; per module with rank/alpha patterns)."""
+    return {_clean_name(n): float(m.scaling[adapter]) for n, m in model.named_modules()
+            if isinstance(getattr(m, "scaling", None), dict) and adapter in m.scaling}
+
+
 def lora_scaling(model: torch.nn.Module) -> float | None:
-    """The LoRA scaling s (W = W0 + s·B·A) of a peft model's adapter, None for a plain model."""
+    """The LoRA scaling s a push carries (engines merge W = W0 + s·B·A), None for a plain model.
+
+    When rank or alpha patterns give modules different scalings the push carries s = 1 and each
+    module's B is sent multiplied by its own scaling, so the engines' single-s merge stays exact.
+    """
     adapter = _peft_adapter(model)
     if adapter is None:
         return None
-    scalings = {float(m.scaling[adapter]) for m in model.modules()
-                if isinstance(getattr(m, "scaling", None), dict) and adapter in m.scaling}
-    if len(scalings) != 1:
-        raise ValueError(f"LoRA modules with {len(scalings)} different scalings {sorted(scalings)}: the push "
-                         "carries one (rank/alpha patterns are not supported)")
-    return scalings.pop()
+    scalings = set(_module_scalings(model, adapter).values())
+    return scalings.pop() if len(scalings) == 1 else 1.0
 
 
 def plan_buckets(entries: list[WeightEntry], bucket_bytes: int) -> list[list[WeightEntry]]:
@@ -140,6 +168,8 @@ def materialize(bucket: list[WeightEntry], device: torch.device) -> list[torch.T
         t = _full(e.tensor).detach()
         if t.device != device:
             t = t.to(device)
+        if e.scale != 1.0:
+            t = (t.float() * e.scale).to(e.dtype)
         out.append(t.contiguous())
     return out
 

@@ -146,3 +146,35 @@ def test_filter_reward_metric_on_the_training_reward_is_dynamic_sampling():
     t = import_data("cosmos", {"train": {"train_policy": {"reward_function": "boxed_math",
                                                           "filter_reward_metric": "boxed_math"}}})
     assert load_config_dict(t.config).producer.dynamic_sampling is True
+
+
+def test_deterministic_lora_options_and_chat_template_import(tmp_path):
+    """train.deterministic (seed 42 when train.seed is unset, as cosmos-rl), policy.lora's modules_to_save,
+    alpha_pattern, r_pattern (a regex key may hold dots) and init_lora_weights, and multi_turn_config's enable_thinking
+    (a chat-template variable) and custom_chat_template_path."""
+    template = tmp_path / "chat.jinja"
+    template.write_text("{{ messages[0]['content'] }}")
+    lora = {"r": 8, "lora_alpha": 16, "modules_to_save": ["lm_head"], "alpha_pattern": {"v_proj": 4.0},
+            "r_pattern": {"layers\\.1\\.q_proj": 2}, "init_lora_weights": "gaussian"}
+    t = import_data("cosmos", {"train": {"deterministic": True}, "policy": {"lora": lora},
+                               "rollout": {"multi_turn_config": {"enable": True, "enable_thinking": True,
+                                                                 "custom_chat_template_path": str(template)}}})
+    cfg = load_config_dict(t.config)
+    assert cfg.actor.deterministic is True and cfg.seed == 42
+    lo = cfg.actor.lora
+    assert (lo.modules_to_save, lo.alpha_pattern, lo.rank_pattern) == (["lm_head"], {"v_proj": 4.0},
+                                                                       {"layers\\.1\\.q_proj": 2})
+    assert lo.init_lora_weights == "gaussian"
+    assert cfg.train_dataset.chat_template_kwargs == {"enable_thinking": True}
+    assert cfg.train_dataset.chat_template_path == str(template)
+    seeded = load_config_dict(import_data("cosmos", {"train": {"deterministic": True, "seed": 7}}).config)
+    assert seeded.actor.deterministic and seeded.seed == 7
+    # cosmos-rl's multi-turn rollouts pass enable_thinking=false unless told otherwise
+    multi = load_config_dict(import_data("cosmos", {"rollout": {"multi_turn_config": {"enable": True}}}).config)
+    assert multi.train_dataset.chat_template_kwargs == {"enable_thinking": False}
+    off = import_data("cosmos", {"train": {"deterministic": False}, "policy": {"lora": {"init_lora_weights": True}},
+                                 "rollout": {"multi_turn_config": {"custom_chat_template_path": None}}})
+    cfg = load_config_dict(off.config)
+    assert not cfg.actor.deterministic and cfg.train_dataset.chat_template_path is None
+    with pytest.raises(ConfigError, match="policy.lora.init_lora_weights='pissa': rlstream initialises LoRA with true"):
+        import_data("cosmos", {"policy": {"lora": {"init_lora_weights": "pissa"}}})
