@@ -211,8 +211,9 @@ class Checkpointer:
     """Writes and finds checkpoints of one run (`cfg.run_dir`); collective methods say so."""
 
     def __init__(self, run_dir: Path, par: Parallel, tokenizer_path: str | None = None, *,
-                 keep_hf: int | None = None, keep_recover: int = 1) -> None:
+                 keep_hf: int | None = None, keep_recover: int = 1, uploader: Any = None) -> None:
         self.run_dir = Path(run_dir)
+        self.uploader = uploader  # an S3Uploader (saver.upload_s3) every HF export is handed to, on rank 0
         self.keep_hf = keep_hf  # `step-*` HF exports kept (None = all; `final` is never removed)
         self.keep_recover = keep_recover
         self.recover_dir = self.run_dir / "recover"
@@ -279,6 +280,12 @@ class Checkpointer:
         if pending is not None:
             pending.result()
 
+    def close(self) -> None:
+        """At the end of the run: the background export, then the uploads queued (saver.upload_s3)."""
+        self.wait()
+        if self.uploader is not None:
+            self.uploader.close()
+
     def hold_updates(self, optimizer: torch.optim.Optimizer) -> None:
         """Make `optimizer.step()` wait for the export being written, which reads the live weights."""
         optimizer.register_step_pre_hook(lambda _opt, _args, _kwargs: self.wait())
@@ -315,6 +322,8 @@ class Checkpointer:
         os.rename(tmp, final)
         fsync(self.save_dir)
         log.info("saved HF checkpoint %s", final)
+        if self.uploader is not None:
+            self.uploader.submit(final)  # before pruning: the upload holds links to the files
         if self.keep_hf is not None:
             steps = sorted((p for p in self.save_dir.glob("step-*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
             _remove_oldest(steps, self.keep_hf)

@@ -54,6 +54,7 @@ from rlstream.trainer.optim import build_optimizer, build_scheduler
 from rlstream.trainer.parallel import Parallel, init_parallel
 from rlstream.trainer.ppo import PPOActor
 from rlstream.trainer.step_metrics import StepMetrics
+from rlstream.trainer.upload import S3Uploader
 from rlstream.trainer.weights import make_broadcaster
 
 __all__ = ["train", "check_config", "Trainer"]
@@ -184,8 +185,9 @@ class Trainer:
         # ---- model, reference, optimizer; the position of the newest recover checkpoint
         self.actor, vocab_size = _build_actor(cfg, par, self.total_steps)
         self.model = self.actor.model
+        uploader = S3Uploader(cfg.saver.upload_s3, f"{cfg.experiment_name}/{cfg.trial_name}") if cfg.saver.upload_s3 and par.is_main else None
         checkpointer = Checkpointer(cfg.run_dir, par, cfg.tokenizer, keep_hf=cfg.saver.max_keep,
-                                    keep_recover=cfg.recover.max_keep)
+                                    keep_recover=cfg.recover.max_keep, uploader=uploader)
         recovering = _recovering(cfg.recover.mode)
         self.state, covered, latest = _resume(cfg, par, checkpointer, self.actor, recovering, self.total_steps)
 
@@ -297,6 +299,7 @@ class Trainer:
             self.checkpoints.stopped_early(state)
         with span("trainer/checkpoint", kind="final"):
             self.checkpoints.save_final()
+            self.checkpoints.checkpointer.close()  # the queued S3 uploads, `final` last
         stop.restore()
         self.evals.log_new(self.stats)
         if self.par.is_main:

@@ -8,8 +8,23 @@ import msgspec
 
 from rlstream.common.config.base import NonNegativeInt, Port, PositiveFloat, PositiveInt, Section
 
-__all__ = ["SaverConfig", "EvaluatorConfig", "RecoverConfig", "WandbConfig", "SwanlabConfig", "TensorBoardConfig", "PrometheusConfig",
+__all__ = ["SaverConfig", "S3UploadConfig", "EvaluatorConfig", "RecoverConfig", "WandbConfig", "SwanlabConfig", "TensorBoardConfig", "PrometheusConfig",
            "StatsLoggerConfig"]
+
+
+class S3UploadConfig(Section):
+    """Where the HF exports go besides the run folder (cosmos-rl train.ckpt.upload_s3): S3 or an S3-compatible store
+    (MinIO, Ceph ...). Credentials come from boto3's usual chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY,
+    ~/.aws, an instance role), never from the config."""
+
+    bucket: str = ""
+    """The bucket (it must exist)."""
+    prefix: str = ""
+    """Key prefix: a checkpoint's files go to {prefix}/{experiment_name}/{trial_name}/{step-N|final}/{file}."""
+    endpoint_url: str | None = None
+    """An S3-compatible store's URL (e.g. http://minio:9000); None = AWS S3."""
+    region: str | None = None
+    """The bucket's region (None = boto3's default)."""
 
 
 class SaverConfig(Section):
@@ -25,6 +40,10 @@ class SaverConfig(Section):
     written before the run ends."""
     max_keep: PositiveInt | None = None
     """Keep the newest N periodic exports `checkpoints/step-*` (None = all); `checkpoints/final` is always kept."""
+    upload_s3: S3UploadConfig | None = None
+    """Upload every HF export (step-N and final) to S3 once written, in a background thread (the step does not wait;
+    the run ends once `final` is uploaded); a failed upload is one error line and the run goes on (the export is on
+    disk). Needs the s3 extra (boto3). None = no upload."""
 
 
 class EvaluatorConfig(Section):

@@ -174,6 +174,17 @@ def _profile_ranks(value: Any, ctx: Context) -> str | None:
     return None
 
 
+def _upload_s3(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "false: exports stay in the run folder (saver.upload_s3 unset)"
+    bucket = get(ctx.data, "train.ckpt.s3_bucket")
+    if not bucket:
+        raise ConfigError("train.ckpt.upload_s3=true without train.ckpt.s3_bucket: name the bucket")
+    ctx.t.put(ctx.key, "saver.upload_s3.bucket", str(bucket))
+    ctx.t.put(ctx.key, "saver.upload_s3.prefix", str(get(ctx.data, "train.ckpt.s3_prefix") or ""))
+    return None
+
+
 def _revision(value: Any, ctx: Context) -> str | None:
     if not value:
         return f"{value!r}: the cache's main revision"
@@ -469,7 +480,10 @@ TABLE: Table = {
     "train.ckpt.max_keep": Convert(("saver.max_keep", "recover.max_keep"), _max_keep, "-1 = all"),
     "train.ckpt.export_safetensors": Drop("checkpoints are always HF safetensors folders"),
     "train.ckpt.upload_hf": Missing("uploading checkpoints to the HF hub", off=(False, None)),
-    "train.ckpt.upload_s3": Missing("uploading checkpoints to S3", off=(False, None)),
+    "train.ckpt.upload_s3": Convert(("saver.upload_s3.bucket", "saver.upload_s3.prefix"), _upload_s3,
+                                    "with s3_bucket and s3_prefix"),
+    "train.ckpt.s3_bucket": Drop("read with upload_s3 (saver.upload_s3.bucket)"),
+    "train.ckpt.s3_prefix": Drop("read with upload_s3 (saver.upload_s3.prefix)"),
     "train.ckpt": Drop("used only with upload_hf / upload_s3"),  # hf_repo_name, s3_bucket, s3_prefix
     "train.resume": Convert(("recover.mode", "recover.resume_path"), _resume,
                             "true = auto; a path = resume_path, which must hold an rlstream recover checkpoint"),

@@ -100,6 +100,11 @@ def test_dr_grpo_normaliser_decay_schedules_and_penalties_import():
     assert (cfg.gconfig.repetition_penalty, cfg.eval_gconfig.repetition_penalty) == (1.05, 1.2)
     assert import_data("cosmos", {"train": {"compile": True}}).config["actor"]["compile"] is True
     assert import_data("cosmos", {"policy": {"model_revision": "v1.1"}}).config["actor"]["revision"] == "v1.1"
+    s3 = load_config_dict(import_data("cosmos", {"train": {"ckpt": {"upload_s3": True, "s3_bucket": "b",
+                                                                    "s3_prefix": "runs"}}}).config).saver.upload_s3
+    assert (s3.bucket, s3.prefix) == ("b", "runs")
+    with pytest.raises(ConfigError, match="upload_s3=true without train.ckpt.s3_bucket"):
+        import_data("cosmos", {"train": {"ckpt": {"upload_s3": True}}})
     ignored = import_data("cosmos", {"train": {"optm_decay_type": "none", "optm_decay_ratio": None, "train_policy": {
         "loss_type": "token-mean", "unbiased_loss_max_tokens": 4096}}})
     why = dict(ignored.dropped)
