@@ -52,10 +52,9 @@ class Parallel:
         if not self.distributed:
             return model
         if self.mode == "fsdp":
-            from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
+            mesh = self._fsdp_mesh(fsdp.shard_size)
             mp = MixedPrecisionPolicy(reduce_dtype=None if reduce_dtype == "float32" else getattr(torch, reduce_dtype))
             # FSDP2's CPU offload copies host shards to the accelerator per unit: a CPU trainer's are on the host.
             offload = CPUOffloadPolicy() if fsdp.offload_params and self.device.type == "cuda" else OffloadPolicy()
@@ -63,7 +62,8 @@ class Parallel:
             for unit in units:  # inner units first, then the whole model: the FSDP2 recipe for HF LMs
                 fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
             if self.is_main:
-                log.info("FSDP2 units: %d (%s) + the model%s", len(units), ", ".join(kinds),
+                hybrid = f", HSDP: {mesh.shape[0]} replicas of {mesh.shape[1]} shards" if mesh.ndim == 2 else ""
+                log.info("FSDP2 units: %d (%s) + the model%s%s", len(units), ", ".join(kinds), hybrid,
                          ", parameters offloaded to host memory" if isinstance(offload, CPUOffloadPolicy) else "")
             fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
             return model
@@ -76,6 +76,19 @@ class Parallel:
         if reduce_dtype != "float32":
             ddp.register_comm_hook(getattr(torch, reduce_dtype), _compressed_allreduce)
         return ddp
+
+    def _fsdp_mesh(self, shard_size: int | None):
+        """All ranks in one shard group (FSDP), or replicas x shard_size (HSDP: fully_shard on a 2-D mesh
+        shards over its second dimension and replicates over its first)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shard = min(shard_size or self.world_size, self.world_size)
+        if self.world_size % shard:
+            raise ConfigError(f"actor.fsdp.shard_size={shard} does not divide the {self.world_size} trainer ranks")
+        if shard == self.world_size:
+            return init_device_mesh(self.device.type, (self.world_size,))
+        return init_device_mesh(self.device.type, (self.world_size // shard, shard),
+                                mesh_dim_names=("replicate", "shard"))
 
     @staticmethod
     def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -105,6 +105,11 @@ class FSDPConfig(Section):
     offload_params: bool = False
     """Keep the sharded parameters, gradients and optimizer step in host memory, copied to the GPU per unit for its
     forward and backward (FSDP2's CPUOffloadPolicy): less GPU memory, slower steps. A CPU trainer's are there already."""
+    shard_size: PositiveInt | None = None
+    """Hybrid sharding (HSDP; ROLL and verl fsdp_size): parameters are sharded within groups of this many ranks and
+    replicated across the groups (gradients reduce-scattered in a group, then all-reduced across groups), e.g. one
+    node's GPUs each. Must divide the number of trainer ranks; None (or at least the number of ranks) = shard over every
+    rank (FSDP)."""
 
 
 class LoRAConfig(Section):

@@ -87,6 +87,13 @@ def _messages(value: Any, ctx: Context) -> str | None:
     return None
 
 
+def _fsdp_size(value: Any, ctx: Context) -> str | None:
+    if value is None or int(value) <= 1:  # ROLL: <= 1 (or >= the world size) is pure FSDP
+        return f"{value}: parameters are sharded over every trainer rank (FSDP)"
+    ctx.t.put(ctx.key, "actor.fsdp.shard_size", int(value))
+    return None
+
+
 def _train_strategy(value: Any, ctx: Context) -> None:
     if value == "megatron_train":
         ctx.t.put(ctx.key, "actor.backend", "megatron")
@@ -264,8 +271,7 @@ TABLE: Table = {
     f"{_STRATEGY}.moe_grouped_gemm": Missing("mixture-of-experts layers"),
     f"{_STRATEGY}.moe_shared_expert_overlap": Missing("mixture-of-experts layers"),
     f"{_STRATEGY}.overlap_grad_reduce": Drop(_KERNEL),
-    f"{_STRATEGY}.fsdp_size": Missing("hybrid sharding (HSDP); actor.parallel=fsdp shards over every trainer "
-                                      "process"),
+    f"{_STRATEGY}.fsdp_size": Convert(("actor.fsdp.shard_size",), _fsdp_size, "HSDP shard groups"),
     f"{_STRATEGY}.param_dtype": Convert(("actor.dtype",), dtype_of),
     f"{_STRATEGY}.reduce_dtype": Drop("gradients are reduced in the parameter dtype"),
     f"{_STRATEGY}.reshard_after_forward": Drop("FSDP2's default (reshard) is used"),

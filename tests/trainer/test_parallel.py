@@ -41,13 +41,17 @@ def _write(rclient, experiment, vocab, model):
 
 # The seeds' options that normalise over the whole minibatch keep ranks and one process equal too (an
 # early-stop threshold that never binds still registers its counter on both ranks).
+NPROC = int(os.environ.get("RLSTREAM_TEST_NPROC", "2"))  # trainer ranks; 4 by hand: HSDP of 2 replicas of 2 shards
 OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positive_nll_coef=0.1",
                                          "actor.early_stop_imp_ratio=100"],
            # gradients averaged in bfloat16 (torch's compress hook): equal to bf16 precision, and visibly not exact
            "bf16_reduce": ["actor.grad_reduce_dtype=bfloat16"],
            # FSDP2 sharding the attention and MLP blocks (not whole decoder layers) as its units: the same weights
            "fsdp_units": ["actor.parallel=fsdp",
-                          "actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap=[LlamaAttention, LlamaMLP]"]}
+                          "actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap=[LlamaAttention, LlamaMLP]"],
+           # HSDP on a 2-D mesh: 2 replicas of NPROC/2 shards, gradients reduce-scattered in a replica, then
+           # all-reduced across the two
+           "hsdp": ["actor.parallel=fsdp", f"actor.fsdp.shard_size={NPROC // 2}"]}
 
 
 @pytest.mark.slow
@@ -64,20 +68,22 @@ def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient,
     _write(rclient, ddp, vocab, model)
 
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
            "-m", "rlstream.launcher.cli", "train",
            *_overrides(tmp_path, redis_url, ddp, tiny_model_path, *OPTIONS[options])]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     if options == "fsdp_units":  # each layer's two blocks (the tiny model has 2 layers)
         assert "FSDP2 units: 4 (LlamaAttention, LlamaMLP) + the model" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    if options == "hsdp":
+        assert f"HSDP: 2 replicas of {NPROC // 2} shards" in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
     train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, *OPTIONS[options])))
 
     # Both ranks read their half of each step's groups through the consumer group.
     recs = StepLog(rclient, Keys(namespace(ddp, "trial0"))).all()
-    assert sorted((r.step, r.rank) for r in recs) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert all(len(r.entry_ids) == 2 for r in recs)
+    assert sorted((r.step, r.rank) for r in recs) == [(step, rank) for step in (0, 1) for rank in range(NPROC)]
+    assert all(len(r.entry_ids) == 4 // NPROC for r in recs)
 
     base = load_file(str(Path(tiny_model_path) / "model.safetensors"))
     w_one = load_file(str(tmp_path / "runs" / one / "trial0" / "checkpoints" / "final" / "model.safetensors"))

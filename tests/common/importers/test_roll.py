@@ -111,3 +111,11 @@ def test_a_messages_column_becomes_the_prompt_column_the_chat_template_renders()
     assert cfg.train_dataset.prompt_key == "conversation" and cfg.train_dataset.apply_chat_template
     with pytest.raises(ConfigError, match="data_args.messages='conversation' and data_args.prompt are both set"):
         import_data("roll", {"actor_train": {"data_args": {"messages": "conversation", "prompt": "instruction"}}})
+
+
+def test_fsdp_size_is_the_hsdp_shard_size():
+    t = import_data("roll", {"actor_train": {"strategy_args": {"strategy_name": "fsdp2_train",
+                                                               "strategy_config": {"fsdp_size": 8}}}})
+    assert load_config_dict(t.config).actor.fsdp.shard_size == 8
+    whole = import_data("roll", {"actor_train": {"strategy_args": {"strategy_config": {"fsdp_size": 1}}}})
+    assert load_config_dict(whole.config).actor.fsdp.shard_size is None
