@@ -74,6 +74,17 @@ def _adv_type(value: Any, ctx: Context) -> None:
     ctx.t.put(ctx.key, "actor.reward_norm", {"mean_level": "group", "std_level": "group"})
 
 
+def _checkpoint_load_path(value: Any, ctx: Context) -> str | None:
+    """RLinf loads the weights of this checkpoint over the model at model_dir; in rlstream a checkpoint export is a
+    whole HF folder, so it becomes actor.path (a Megatron checkpoint has to be converted to HF first)."""
+    if not value:
+        return "null: training starts from rollout.model_dir"
+    ctx.t.config.setdefault("actor", {})["path"] = str(value)  # over model_dir's, whichever key came first
+    ctx.t.notes.append(f"actor.path={value!r} from actor.checkpoint_load_path: it must be an HF model folder "
+                       "(rlstream's checkpoints/step-N and final are; convert a Megatron checkpoint first)")
+    return None
+
+
 def _critic(value: Any, ctx: Context) -> str | None:
     if not value:
         return "false: critic-free advantages (no critic section)"
@@ -246,8 +257,8 @@ TABLE: Table = {
     "actor.training_backend": Convert(("actor.backend", "actor.parallel"), _backend),
     "actor.mcore_gpt": Drop("rlstream's megatron backend always builds a megatron-core GPTModel"),
     "actor.spec_name": Drop("rlstream's megatron backend picks the layer spec from the HF architecture"),
-    "actor.checkpoint_load_path": Missing("starting from an explicit checkpoint folder (actor.path is an HF model)",
-                                          off=(None,)),
+    "actor.checkpoint_load_path": Convert(("actor.path",), _checkpoint_load_path,
+                                          "an HF folder (rlstream's exports are); wins over rollout.model_dir"),
     "actor.offload_optimizer": Drop("trainer and engines are separate processes; nothing is offloaded between them"),
     "actor.offload_weight": Drop("trainer and engines are separate processes; nothing is offloaded between them"),
     "actor.offload_grad": Drop("trainer and engines are separate processes; nothing is offloaded between them"),

@@ -70,11 +70,12 @@ def test_unparsable_and_foreign_files_say_what_to_do(tmp_path):
 
 
 def test_a_value_with_no_equivalent_names_the_key(tmp_path):
-    f = tmp_path / "rlinf.yaml"
-    f.write_text("runner: {max_epochs: 1}\nactor: {checkpoint_load_path: /ckpt/iter_100}\n")
-    run = _cli("import", "--from", "rlinf", str(f))
+    f = tmp_path / "roll.yaml"
+    f.write_text("rollout_batch_size: 8\nactor_train: {strategy_args: {strategy_config: "
+                 "{expert_model_parallel_size: 8}}}\n")
+    run = _cli("import", "--from", "roll", str(f))
     assert run.returncode == 2 and run.stdout == ""
-    assert "actor.checkpoint_load_path='/ckpt/iter_100': not in rlstream yet: starting from an explicit" in run.stderr
+    assert "expert_model_parallel_size=8: not in rlstream yet: mixture-of-experts expert parallelism" in run.stderr
 
 
 @pytest.mark.slow

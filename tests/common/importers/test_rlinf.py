@@ -74,3 +74,11 @@ def test_a_critic_and_gae_import_as_actor_critic_ppo():
     off = import_data("rlinf", {"critic": {"use_critic_model": False}})
     assert load_config_dict(off.config).critic is None
     assert dict(off.dropped)["critic.use_critic_model"].startswith("false: critic-free")
+
+
+@pytest.mark.parametrize("order", ["actor first", "rollout first"])
+def test_checkpoint_load_path_is_the_model_trained_from(order):
+    parts = [("actor", {"checkpoint_load_path": "/ckpt/step-100"}), ("rollout", {"model_dir": "/models/base"})]
+    t = import_data("rlinf", dict(parts if order == "actor first" else parts[::-1]))
+    assert t.config["actor"]["path"] == "/ckpt/step-100"
+    assert any("from actor.checkpoint_load_path: it must be an HF model folder" in n for n in t.notes)
