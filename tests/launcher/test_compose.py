@@ -159,6 +159,24 @@ def test_each_pool_is_the_policy_engine_service_serving_the_pool_scaled_to_its_e
                     **{f"scoring-{n}": {"condition": "service_healthy"} for n in ("judge", "teacher", "t2")}}
 
 
+def test_a_reward_model_the_config_trains_is_trained_before_its_pool_starts():
+    """rw.dataset with the pool serving rw's output: `reward-model-train` (rlstream rw, skipped once trained) runs
+    after `prepare`, and the pool's engines wait for it; a pool serving another folder gets no training service."""
+    rm = ["reward_model.pool.model_path=/work/runs/rm", "rw.dataset=/work/data/pairs.jsonl"]
+    services = pool_services(_cfg(*rm), COMPOSE)
+    assert list(services) == ["reward-model-train", "scoring-reward_model", "producer"]
+    train = services["reward-model-train"]
+    assert train["image"] == COMPOSE["services"]["prepare"]["image"]
+    assert train["entrypoint"][-1].startswith("test -f /work/runs/rm/rlstream_rw.json && echo 'reward model already "
+                                              "trained: /work/runs/rm' || exec rlstream rw --config")
+    assert train["depends_on"] == {"prepare": {"condition": "service_completed_successfully"}}
+    assert services["scoring-reward_model"]["depends_on"]["reward-model-train"] == {
+        "condition": "service_completed_successfully"}
+    elsewhere = pool_services(_cfg(*rm, "rw.output_dir=/work/runs/other"), COMPOSE)
+    assert "reward-model-train" not in elsewhere and "scoring-reward_model" in elsewhere
+    assert "reward-model-train" not in pool_services(_cfg(rm[0]), COMPOSE)  # nothing to train: served as it is
+
+
 def test_pools_started_elsewhere_or_on_cuda_or_unnameable():
     assert pool_services(_cfg(), COMPOSE) == {}
     assert pool_services(_cfg("judge.pool.model_path=/j", "judge.pool.engines=0"), COMPOSE) == {}
@@ -187,6 +205,15 @@ def test_docker_compose_merges_the_written_override(tmp_path):
     assert set(services["producer"]["depends_on"]) == {"redis", "etcd", "prepare", "scoring-judge",
                                                        "scoring-teacher", "scoring-t2"}
     assert services["scoring-t2"]["volumes"] == services["engine"]["volumes"]
+
+    # A reward model the config trains: docker-compose resolves the training service and the pool's wait for it.
+    rm = ["reward_model.pool.model_path=/work/runs/rm", "rw.dataset=/work/data/pairs.jsonl"]
+    done = _cli("--config", str(ROOT / "configs" / "tiny-cpu.yaml"), *rm, cwd=tmp_path)
+    assert done.returncode == 0 and "reward-model-train, scoring-reward_model;" in done.stdout, done.stderr
+    services = _compose(cwd=tmp_path)["services"]
+    assert "exec rlstream rw --config" in services["reward-model-train"]["entrypoint"][-1]
+    assert services["scoring-reward_model"]["depends_on"]["reward-model-train"]["condition"] == \
+        "service_completed_successfully"
 
     # Regenerated for a config without pools: the stale override goes (an empty one would not parse in v1).
     done = _cli("--config", str(ROOT / "configs" / "tiny-cpu.yaml"), cwd=tmp_path)
