@@ -409,7 +409,9 @@ class ServerPool:
     async def close(self) -> None:
         self._closed = True
         self._changed.set()
-        await cancel_and_wait(self._tasks)
+        # the health probes spawned after failed requests too: left running, one would meet the closed session
+        # and end as an unretrieved task exception (a traceback in the log of a producer giving up cleanly)
+        await cancel_and_wait([*self._tasks, *self._bg])
         with contextlib.suppress(Exception):
             await self.resolver.close()
         if self._session is not None:

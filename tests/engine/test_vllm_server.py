@@ -364,6 +364,10 @@ class StreamedTokens:
                 *events, pending = (pending + chunk).split(b"\n\n")
                 for event in events:
                     self._event(event)
+                # While bytes are buffered, reading never suspends: without this the reader would hold the event
+                # loop for as long as the engine streams, and the test's own pause call would wait for the end
+                # (run 37: sent 80 s late, after all 30000 tokens).
+                await asyncio.sleep(0)
         self._event(pending)
 
     def _event(self, raw: bytes) -> None:
