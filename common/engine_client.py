@@ -409,8 +409,7 @@ class ServerPool:
     async def close(self) -> None:
         self._closed = True
         self._changed.set()
-        # the health probes spawned after failed requests too: left running, one would meet the closed session
-        # and end as an unretrieved task exception (a traceback in the log of a producer giving up cleanly)
+        # and the probes spawned after failed requests: one meeting the closed session logged a traceback
         await cancel_and_wait([*self._tasks, *self._bg])
         with contextlib.suppress(Exception):
             await self.resolver.close()
