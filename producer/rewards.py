@@ -39,6 +39,7 @@ import msgspec
 from rlstream.api.reward import RewardResult
 from rlstream.common.config.masking import environ_without_credentials
 from rlstream.common.logging import get_logger
+from rlstream.common.tasks import cancel_and_wait
 from rlstream.common.tracing import lane_span
 
 __all__ = [
@@ -226,7 +227,7 @@ class RewardPool:
         self._ids = 0
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(_Reply)
-        self._lock = asyncio.Lock()
+        self._starting: set[asyncio.Task] = set()  # workers being started (`_replace`)
         self._closed = False
         self.errors = 0
 
@@ -241,22 +242,41 @@ class RewardPool:
         self._all.add(w)
         return w
 
-    async def _ensure_started(self) -> asyncio.Queue[_Worker]:
-        # Workers start on first use: a producer that never scores spawns nothing.
-        async with self._lock:
-            if self._idle is None:
-                self._idle = asyncio.Queue()
-                for _ in range(self.n_workers):
-                    self._idle.put_nowait(await self._spawn())
+    def _queue(self) -> asyncio.Queue[_Worker]:
+        """The idle workers; the first call starts them (a producer that never scores spawns nothing)."""
+        if self._idle is None:
+            self._idle = asyncio.Queue()
+            for _ in range(self.n_workers):
+                self._replace(None)
         return self._idle
 
-    async def _replace(self, w: _Worker) -> None:
-        w.kill()
-        with contextlib.suppress(Exception):
-            await w.proc.wait()
-        self._all.discard(w)
-        if not self._closed and self._idle is not None:
-            self._idle.put_nowait(await self._spawn())
+    def _replace(self, w: _Worker | None) -> None:
+        """Kill `w` and start its successor in a task of its own, which a caller cancelled meanwhile (a rollout
+        stopped as stale) cannot stop: a worker lost that way left every later call waiting forever."""
+        if w is not None:
+            w.kill()
+            self._all.discard(w)
+        if not self._closed:
+            task = asyncio.ensure_future(self._start_worker(w))
+            self._starting.add(task)
+            task.add_done_callback(self._starting.discard)
+
+    async def _start_worker(self, old: _Worker | None) -> None:
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.proc.wait()
+        while not self._closed:
+            try:
+                w = await self._spawn()
+            except OSError as exc:  # e.g. out of processes: the pool keeps trying, calls wait
+                log.error("starting a reward worker failed (%s); retrying in 1 s", exc)
+                await asyncio.sleep(1.0)
+                continue
+            if self._closed:
+                w.kill()
+            elif self._idle is not None:
+                self._idle.put_nowait(w)
+            return
 
     async def _read(self, w: _Worker) -> _Reply:
         assert w.proc.stdout is not None
@@ -270,7 +290,7 @@ class RewardPool:
     async def _call(self, prompt: str, completion: str, answer: Any = None, **kwargs: Any) -> RewardResult:
         if self._closed:
             raise RuntimeError("reward pool closed")
-        idle = await self._ensure_started()
+        idle = self._queue()
         w = await idle.get()
         self._ids += 1
         call = _Call(id=self._ids, prompt=prompt, completion=completion, answer=answer, kwargs=kwargs)
@@ -285,31 +305,24 @@ class RewardPool:
             await w.proc.stdin.drain()
             reply = await asyncio.wait_for(self._read(w), self.timeout)
         except asyncio.TimeoutError:
-            if not w.ready:
-                self.errors += 1
-                await self._replace(w)
-                return RewardResult(0.0, f"reward worker did not start within {WORKER_START_TIMEOUT_S:g}s",
-                                    time.monotonic() - t0)
             self.errors += 1
-            await self._replace(w)
-            return RewardResult(0.0, f"reward timed out after {self.timeout:g}s", time.monotonic() - t0)
+            self._replace(w)
+            why = (f"reward timed out after {self.timeout:g}s" if w.ready
+                   else f"reward worker did not start within {WORKER_START_TIMEOUT_S:g}s")
+            return RewardResult(0.0, why, time.monotonic() - t0)
         except asyncio.CancelledError:
-            # The worker may be mid-call: its next reply would answer the wrong request.
-            w.kill()
-            self._all.discard(w)
-            if not self._closed and self._idle is not None:
-                with contextlib.suppress(Exception):
-                    self._idle.put_nowait(await asyncio.shield(self._spawn()))
+            self._replace(w)  # it may be mid-call: its next reply would answer the wrong request
             raise
         # RuntimeError: uvloop closed the pipes of a worker that died between calls.
         except (asyncio.IncompleteReadError, ConnectionError, BrokenPipeError, RuntimeError,
                 msgspec.DecodeError) as exc:
             self.errors += 1
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(w.proc.wait(), 2.0)  # reap it for the exit code
-            code = w.proc.returncode
-            await self._replace(w)
-            return RewardResult(0.0, f"reward worker died ({type(exc).__name__}, exit code {code})",
+            try:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(w.proc.wait(), 2.0)  # reap it for the exit code
+            finally:
+                self._replace(w)
+            return RewardResult(0.0, f"reward worker died ({type(exc).__name__}, exit code {w.proc.returncode})",
                                 time.monotonic() - t0)
         idle.put_nowait(w)
         if reply.error is not None:
@@ -319,6 +332,7 @@ class RewardPool:
 
     async def close(self) -> None:
         self._closed = True
+        await cancel_and_wait(list(self._starting))
         for w in list(self._all):
             if w.proc.stdin is not None:
                 with contextlib.suppress(Exception):

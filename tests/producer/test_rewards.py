@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import textwrap
 import time
 
@@ -262,3 +263,26 @@ async def test_reward_workers_get_no_credentials(tmp_path, monkeypatch):
         assert r.error is None and r.reward == 0.0
     finally:
         await pool.close()
+
+
+async def test_a_first_call_cancelled_while_its_worker_starts_loses_no_worker():
+    """A rollout stopped as stale cancels its reward call; cancelled while the pool was starting its one worker,
+    it used to leave the pool empty, and every later call of that producer waited forever (CI: a producer that
+    never committed a group, its 9 leases holding the admission budget until the run deadlocked)."""
+    for spins in range(12):  # cancel at each step of the first call: the spawn takes a few loop iterations
+        pool = RewardPool("rlstream.producer.rewards:exact_match_reward", workers=1, timeout=30)
+        try:
+            first = asyncio.ensure_future(pool("p", "42", "42"))
+            for _ in range(spins):
+                await asyncio.sleep(0)
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await first
+            try:
+                after = await asyncio.wait_for(pool("p", "42", "42"), 60)
+            except asyncio.TimeoutError:
+                raise AssertionError(f"cancelled after {spins} loop iterations, the pool lost its worker") from None
+            assert after.reward == 1.0 and after.error is None, (spins, after)
+            assert len(pool._all) == 1, (spins, pool._all)
+        finally:
+            await pool.close()
