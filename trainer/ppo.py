@@ -223,20 +223,19 @@ class PPOActor:
         interval = a.reference_reset_interval
         if self.ref is not None and interval is not None and (version + 1) % interval == 0:
             self.reset_reference()
-        return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats | distill_stats | \
-            self._step_flops(batch)
+        self._tally_flops(stats, batch)
+        return stats.reduce(self.par, len(minibatches), lr) | timings | critic_stats | distill_stats
 
-    def _step_flops(self, batch: SeqBatch) -> dict[str, float]:
+    def _tally_flops(self, stats: PPOStats, batch: SeqBatch) -> None:
         """`perf/step_tflop`: the model FLOPs (trainer/flops.py) of the step's policy, reference and value forward
-        passes and the policy's forward and backward passes, over all ranks; the critic's own update is left out."""
-        if self.policy_flops is None:
-            return {}
+        passes and the policy's forward and backward passes, summed over ranks with the step's other statistics;
+        the critic's own update is left out."""
+        if self.policy_flops is None:  # the same model on every rank: all tally it or none
+            return
         lens = batch.seq_lens.tolist()
         policy_passes = (1 if self.recompute else 0) + 3 * self.a.mu_iterations  # a backward pass is 2 forwards
-        total = torch.tensor([self.policy_flops.forward(lens) * policy_passes +
-                              sum(f.forward(lens) for f in self.forward_flops)], dtype=torch.float64)
-        self._reduce_sum([total])
-        return {"perf/step_tflop": float(total[0]) / 1e12}
+        flops = self.policy_flops.forward(lens) * policy_passes + sum(f.forward(lens) for f in self.forward_flops)
+        stats.tally.total("perf/step_tflop", flops / 1e12)
 
     def _distill(self, batch: SeqBatch, adv) -> dict[str, float]:
         """On-policy distillation's advantages in place of `adv.advantages` (trainer/advantages.py

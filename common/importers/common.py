@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.rules import Context, Drop, Table
+from rlstream.common.importers.rules import Context, Convert, Drop, Table
 
-__all__ = ["HYDRA", "engine_arg", "dtype_of", "dtype_of_name", "off_or_value", "device_count"]
+__all__ = ["HYDRA", "engine_arg", "dtype_of", "dtype_of_name", "off_or_value", "unless_off", "device_count"]
 
 # Hydra's composition keys: rlstream imports one resolved file.
 HYDRA: Table = {
@@ -59,6 +59,22 @@ def off_or_value(dst: str, allowed: tuple[str, ...]) -> Callable[[Any, Context],
         ctx.t.put(ctx.key, dst, name)
         return None
     return fn
+
+
+def _falsy(value: Any) -> bool:
+    return not value
+
+
+def unless_off(dst: str, off: str, cast: Callable[[Any], Any] = lambda v: v,
+               is_off: Callable[[Any], bool] = _falsy, note: str = "") -> Convert:
+    """The value, `cast`, becomes `dst`; a value `is_off` calls off (by default a falsy one) sets nothing, and
+    `off.format(value=value)` says why."""
+    def fn(value: Any, ctx: Context) -> str | None:
+        if is_off(value):
+            return off.format(value=value)
+        ctx.t.put(ctx.key, dst, cast(value))
+        return None
+    return Convert((dst,), fn, note)
 
 
 def device_count(value: Any) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.common import dtype_of, dtype_of_name, engine_arg, off_or_value
+from rlstream.common.importers.common import dtype_of, dtype_of_name, engine_arg, off_or_value, unless_off
 from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
@@ -68,20 +68,6 @@ def _filter_metric(value: Any, ctx: Context) -> str | None:
         raise ConfigError(f"{ctx.key}={value!r}: rlstream filters on the training reward (boxed_math) or on a function "
                           "of yours: set producer.dynamic_sampling_reward_fn to module:function scoring it")
     ctx.t.put(ctx.key, "producer.dynamic_sampling", True)
-    return None
-
-
-def _prefix_filter(value: Any, ctx: Context) -> str | None:
-    if value is None or int(value) < 1:
-        return f"{value!r}: no shared-prefix filter"
-    ctx.t.put(ctx.key, "actor.min_filter_prefix_tokens", int(value))
-    return None
-
-
-def _reference_reset(value: Any, ctx: Context) -> str | None:
-    if not value:
-        return f"{value!r}: the reference model is never reset"
-    ctx.t.put(ctx.key, "actor.reference_reset_interval", int(value))
     return None
 
 
@@ -167,13 +153,6 @@ def _profiler(value: Any, ctx: Context) -> str | None:
     return None
 
 
-def _profile_ranks(value: Any, ctx: Context) -> str | None:
-    if not value:
-        return "[]: every rank records (perf_tracer.profile_ranks unset)"
-    ctx.t.put(ctx.key, "perf_tracer.profile_ranks", [int(r) for r in value])
-    return None
-
-
 def _upload_s3(value: Any, ctx: Context) -> str | None:
     if not value:
         return "false: exports stay in the run folder (saver.upload_s3 unset)"
@@ -182,20 +161,6 @@ def _upload_s3(value: Any, ctx: Context) -> str | None:
         raise ConfigError("train.ckpt.upload_s3=true without train.ckpt.s3_bucket: name the bucket")
     ctx.t.put(ctx.key, "saver.upload_s3.bucket", str(bucket))
     ctx.t.put(ctx.key, "saver.upload_s3.prefix", str(get(ctx.data, "train.ckpt.s3_prefix") or ""))
-    return None
-
-
-def _revision(value: Any, ctx: Context) -> str | None:
-    if not value:
-        return f"{value!r}: the cache's main revision"
-    ctx.t.put(ctx.key, "actor.revision", str(value))
-    return None
-
-
-def _decay_ratio(value: Any, ctx: Context) -> str | None:
-    if value is None:
-        return "null: the decay spans every step after warm-up (actor.optimizer.decay_steps_proportion=null)"
-    ctx.t.put(ctx.key, "actor.optimizer.decay_steps_proportion", float(value))
     return None
 
 
@@ -226,13 +191,6 @@ def _save_freq(value: Any, ctx: Context) -> str | None:
 
 def _enable_ckpt(value: Any, ctx: Context) -> str | None:
     return None if value else "false: rlstream saves only the final checkpoint (saver.freq_steps unset)"
-
-
-def _save_freq_epoch(value: Any, ctx: Context) -> str | None:
-    if not value:
-        return "0: off (saver.freq_epochs unset)"
-    ctx.t.put(ctx.key, "saver.freq_epochs", value)
-    return None
 
 
 def _resume(value: Any, ctx: Context) -> None:
@@ -291,13 +249,6 @@ def _thinking(value: Any, ctx: Context) -> str | None:
     if value is None:
         return "null: the chat template's own default"
     ctx.t.put(ctx.key, f"{_CHAT_KWARGS}.enable_thinking", bool(value))
-    return None
-
-
-def _chat_template(value: Any, ctx: Context) -> str | None:
-    if not value:
-        return f"{value!r}: the tokenizer's chat template"
-    ctx.t.put(ctx.key, "train_dataset.chat_template_path", str(value))
     return None
 
 
@@ -443,9 +394,12 @@ TABLE: Table = {
     f"{_TP}.on_policy": Convert(("rollout.max_head_offpolicyness",), _on_policy, "true = 0"),
     f"{_TP}.outdated_rollout_fetch_batch_size": Drop("the consumer reads rollout.consumer_batch_size groups per "
                                                      "step and drops the too-stale ones at read time"),
-    f"{_TP}.min_filter_prefix_tokens": Convert(("actor.min_filter_prefix_tokens",), _prefix_filter),
+    f"{_TP}.min_filter_prefix_tokens": unless_off("actor.min_filter_prefix_tokens",
+                                                  "{value!r}: no shared-prefix filter", int,
+                                                  is_off=lambda v: v is None or int(v) < 1),
     f"{_TP}.max_retry_for_on_policy": Drop("producers keep generating until the step's batch is complete"),
-    f"{_TP}.reference_reset_interval": Convert(("actor.reference_reset_interval",), _reference_reset),
+    f"{_TP}.reference_reset_interval": unless_off("actor.reference_reset_interval",
+                                                  "{value!r}: the reference model is never reset", int),
     f"{_TP}.reset_optimizer_with_reference": Same("actor.reset_optimizer_with_reference"),
     f"{_TP}.use_decoupled_loss": Same("actor.use_decoupled_loss"),
     f"{_TP}.behav_imp_weight_cap": Same("actor.behav_imp_weight_cap"),
@@ -457,7 +411,10 @@ TABLE: Table = {
     "train.optm_betas": Convert(("actor.optimizer.beta1", "actor.optimizer.beta2"), _betas),
     "train.optm_warmup_steps": Convert(("actor.optimizer.warmup_steps_proportion",), _warmup,
                                       "optm_warmup_steps / max_num_steps"),
-    "train.optm_decay_ratio": Convert(("actor.optimizer.decay_steps_proportion",), _decay_ratio),
+    "train.optm_decay_ratio": unless_off(
+        "actor.optimizer.decay_steps_proportion",
+        "null: the decay spans every step after warm-up (actor.optimizer.decay_steps_proportion=null)", float,
+        is_off=lambda v: v is None),
     "train.optm_decay_type": Convert(("actor.optimizer.lr_scheduler_type",), _decay),
     "train.optm_min_lr_factor": Same("actor.optimizer.min_lr_ratio"),
     "train.optm_grad_norm_clip": Same("actor.optimizer.gradient_clipping"),
@@ -475,7 +432,7 @@ TABLE: Table = {
     "train.fp4": Missing("FP4 training"),
     "train.ckpt.enable_checkpoint": Convert(("saver.freq_steps",), _enable_ckpt, "with save_freq"),
     "train.ckpt.save_freq": Convert(("saver.freq_steps",), _save_freq),
-    "train.ckpt.save_freq_in_epoch": Convert(("saver.freq_epochs",), _save_freq_epoch),
+    "train.ckpt.save_freq_in_epoch": unless_off("saver.freq_epochs", "0: off (saver.freq_epochs unset)"),
     "train.ckpt.save_mode": Convert(("saver.async_save",), _save_mode, "async = true"),
     "train.ckpt.max_keep": Convert(("saver.max_keep", "recover.max_keep"), _max_keep, "-1 = all"),
     "train.ckpt.export_safetensors": Drop("checkpoints are always HF safetensors folders"),
@@ -528,8 +485,8 @@ TABLE: Table = {
     "rollout.multi_turn_config.max_assistant_turns": Same("agent.max_turns"),
     "rollout.multi_turn_config.enable_tools": Drop("the agent workflow's tools are agent.*"),
     "rollout.multi_turn_config.enable_thinking": Convert((_CHAT_KWARGS,), _thinking, "{enable_thinking: this}"),
-    "rollout.multi_turn_config.custom_chat_template_path": Convert(("train_dataset.chat_template_path",),
-                                                                   _chat_template),
+    "rollout.multi_turn_config.custom_chat_template_path": unless_off(
+        "train_dataset.chat_template_path", "{value!r}: the tokenizer's chat template", str),
     "rollout.multi_turn_config": Drop("the tokenizer's chat template is applied with a generation prompt"),
     "policy.parallelism.n_init_replicas": _PROCS,
     "policy.parallelism.dp_shard_size": _PROCS,
@@ -541,7 +498,8 @@ TABLE: Table = {
     "policy.parallelism.pp_size": Missing("pipeline parallelism in the hf backend", off=(1, None)),
     "policy.parallelism": Drop("used only with pp_size > 1"),  # pp_dynamic_shape, pp_micro_batch_size
     "policy.model_name_or_path": Same("actor.path"),
-    "policy.model_revision": Convert(("actor.revision",), _revision, "looked up in the local HF cache"),
+    "policy.model_revision": unless_off("actor.revision", "{value!r}: the cache's main revision", str,
+                                         note="looked up in the local HF cache"),
     "policy.model_max_length": Drop("rlstream bounds the prompt (train_dataset.max_prompt_len) and the response "
                                     "(gconfig.max_new_tokens) separately"),
     "policy.model_gradient_checkpointing": Same("actor.gradient_checkpointing"),
@@ -563,7 +521,9 @@ TABLE: Table = {
     "profiler.enable_profiler": Convert(("perf_tracer.enabled", "perf_tracer.profile_steps"), _profiler,
                                         "the step after wait_steps + warmup_steps, for active_steps steps"),
     "profiler.enable_nsys": Missing("Nsight Systems ranges", off=(False, None)),
-    "profiler.sub_profiler_config.rank_filter": Convert(("perf_tracer.profile_ranks",), _profile_ranks),
+    "profiler.sub_profiler_config.rank_filter": unless_off(
+        "perf_tracer.profile_ranks", "[]: every rank records (perf_tracer.profile_ranks unset)",
+        lambda ranks: [int(r) for r in ranks]),
     "profiler.sub_profiler_config.record_shape": Drop("rlstream's torch profile always records shapes"),
     "profiler.sub_profiler_config.profile_memory": Same("perf_tracer.profile_memory"),
     "profiler.sub_profiler_config.with_stack": Same("perf_tracer.profile_with_stack"),

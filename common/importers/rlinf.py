@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.common import HYDRA, dtype_of, engine_arg, off_or_value
+from rlstream.common.importers.common import HYDRA, dtype_of, engine_arg, off_or_value, unless_off
 from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
@@ -29,13 +29,6 @@ _PLACEMENT = ("rlstream runs trainer and engines as separate processes: launcher
 
 def _wandb(value: Any, ctx: Context) -> None:
     ctx.t.put(ctx.key, "stats_logger.wandb.mode", "online" if value else "disabled")
-
-
-def _max_steps(value: Any, ctx: Context) -> str | None:
-    if value is None or value < 0:
-        return "-1: runner.max_epochs decides (as total_train_steps=None does)"
-    ctx.t.put(ctx.key, "total_train_steps", value)
-    return None
 
 
 def _loss_type(value: Any, ctx: Context) -> None:
@@ -159,13 +152,6 @@ def _reward_scale(value: Any, ctx: Context) -> None:
     ctx.t.put(ctx.key, "actor.reward_clip", max(20.0, float(value)))
 
 
-def _eos(value: Any, ctx: Context) -> str | None:
-    if value is None:
-        return "null: the tokenizer's EOS (as rlstream does)"
-    ctx.t.put(ctx.key, "gconfig.stop_token_ids", [int(value)])
-    return None
-
-
 TABLE: Table = {
     **HYDRA,
     "cluster.num_nodes": Same("cluster.n_nodes"),
@@ -179,7 +165,9 @@ TABLE: Table = {
     "runner.logger.wandb.project_name": Same("stats_logger.wandb.project"),
     "runner.logger.wandb.experiment_name": Same("stats_logger.wandb.name"),
     "runner.max_epochs": Same("total_train_epochs"),
-    "runner.max_steps": Convert(("total_train_steps",), _max_steps, "-1 = unset"),
+    "runner.max_steps": unless_off("total_train_steps",
+                                   "-1: runner.max_epochs decides (as total_train_steps=None does)",
+                                   is_off=lambda v: v is None or v < 0, note="-1 = unset"),
     "runner.val_check_interval": Same("evaluator.freq_steps"),
     "runner.save_interval": Same("saver.freq_steps"),
     "runner.seq_length": Drop("rlstream bounds the prompt (train_dataset.max_prompt_len) and the response "
@@ -229,7 +217,8 @@ TABLE: Table = {
     "rollout.disable_log_stats": Drop("engine statistics go to /metrics (Prometheus), not the log"),
     "rollout.detokenize": Drop("engines return token ids; text is decoded only where a reward needs it"),
     "rollout.padding": Drop("sequences are packed, never padded for the engines"),
-    "rollout.eos": Convert(("gconfig.stop_token_ids",), _eos),
+    "rollout.eos": unless_off("gconfig.stop_token_ids", "null: the tokenizer's EOS (as rlstream does)",
+                              lambda v: [int(v)], is_off=lambda v: v is None),
     "rollout.attention_backend": Convert(("launcher.slurm.engine_args",), engine_arg("--attention-backend")),
     "rollout.recompute_logprobs": Same("actor.recompute_logprob"),
     "rollout.tensor_parallel_size": Same("launcher.slurm.engine_tp"),

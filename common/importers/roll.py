@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.common import HYDRA, device_count, dtype_of, engine_arg
+from rlstream.common.importers.common import HYDRA, device_count, dtype_of, engine_arg, unless_off
 from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
@@ -84,13 +84,6 @@ def _messages(value: Any, ctx: Context) -> str | None:
         raise ConfigError(f"actor_train.data_args.messages={value!r} and data_args.prompt are both set; ROLL reads one "
                           "(they conflict): keep one")
     ctx.t.put(ctx.key, "train_dataset.prompt_key", value)
-    return None
-
-
-def _fsdp_size(value: Any, ctx: Context) -> str | None:
-    if value is None or int(value) <= 1:  # ROLL: <= 1 (or >= the world size) is pure FSDP
-        return f"{value}: parameters are sharded over every trainer rank (FSDP)"
-    ctx.t.put(ctx.key, "actor.fsdp.shard_size", int(value))
     return None
 
 
@@ -271,7 +264,10 @@ TABLE: Table = {
     f"{_STRATEGY}.moe_grouped_gemm": Missing("mixture-of-experts layers"),
     f"{_STRATEGY}.moe_shared_expert_overlap": Missing("mixture-of-experts layers"),
     f"{_STRATEGY}.overlap_grad_reduce": Drop(_KERNEL),
-    f"{_STRATEGY}.fsdp_size": Convert(("actor.fsdp.shard_size",), _fsdp_size, "HSDP shard groups"),
+    # ROLL: a size <= 1 (or >= the world size) is pure FSDP
+    f"{_STRATEGY}.fsdp_size": unless_off("actor.fsdp.shard_size",
+                                         "{value}: parameters are sharded over every trainer rank (FSDP)", int,
+                                         is_off=lambda v: v is None or int(v) <= 1, note="HSDP shard groups"),
     f"{_STRATEGY}.param_dtype": Convert(("actor.dtype",), dtype_of),
     f"{_STRATEGY}.reduce_dtype": Drop("gradients are reduced in the parameter dtype"),
     f"{_STRATEGY}.reshard_after_forward": Drop("FSDP2's default (reshard) is used"),
