@@ -31,6 +31,7 @@ from rlstream.common.config import Config, ConfigError
 from rlstream.trainer.advantages import Advantages, Values
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.logprobs import model_inputs, one_row_packing
+from rlstream.trainer.loss_scale import computes_in_float16
 from rlstream.trainer.microbatch import minibatch_slices
 from rlstream.trainer.model import DTYPES, apply_lora, check_model_path, disable_dropout
 from rlstream.trainer.optim import build_optimizer, build_scheduler
@@ -142,7 +143,9 @@ class Critic:
         self.par = par
         self.pad_token_id = pad_token_id
         self.model = par.wrap(load_value_model(cfg, par.device), cfg.actor.grad_reduce_dtype, cfg.actor.fsdp)
-        self.optimizer = build_optimizer(self.model.parameters(), self.c.optimizer, float16=cfg.actor.dtype == "float16")
+        # the value model is held in actor.dtype and runs without autocast
+        self.optimizer = build_optimizer(self.model.parameters(), self.c.optimizer,
+                                         float16=computes_in_float16(cfg.actor.dtype))
         self.scheduler = build_scheduler(self.optimizer, self.c.optimizer, total_steps)
         self.micro = MicroBatches(par, self.c.mb_spec, pad_token_id)
 

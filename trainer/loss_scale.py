@@ -20,7 +20,7 @@ import torch
 
 from rlstream.common.config import OptimizerConfig
 
-__all__ = ["DynamicLossScaler", "loss_scaler", "clip_and_step"]
+__all__ = ["DynamicLossScaler", "loss_scaler", "clip_and_step", "computes_in_float16"]
 
 _SCALE, _GROWTH, _HYSTERESIS = "loss_scale", "loss_scale_clean_steps", "loss_scale_hysteresis_left"
 
@@ -69,6 +69,12 @@ class DynamicLossScaler:
             self._set(**{_GROWTH: 0, _HYSTERESIS: self.hysteresis, _SCALE: self.scale * 2.0})
         else:
             self._set(**{_GROWTH: clean})
+
+
+def computes_in_float16(dtype: str | None, compute_dtype: str | None = None) -> bool:
+    """Whether a model held in `dtype` and computing under autocast to `compute_dtype` (None: no autocast) makes
+    float16 gradients, which need the loss scaled."""
+    return "float16" in (dtype, compute_dtype)
 
 
 def loss_scaler(optimizer: torch.optim.Optimizer) -> DynamicLossScaler | None:

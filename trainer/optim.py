@@ -19,7 +19,7 @@ from rlstream.common.config import OptimizerConfig
 from rlstream.trainer.loss_scale import DynamicLossScaler, clip_and_step, loss_scaler
 from rlstream.trainer.offload import HostOffloadOptimizer
 
-__all__ = ["build_optimizer", "build_scheduler", "lr_multiplier", "OptimizerStepper"]
+__all__ = ["build_optimizer", "clear_optimizer_state", "build_scheduler", "lr_multiplier", "OptimizerStepper"]
 
 
 def build_optimizer(params, cfg: OptimizerConfig, float16: bool = False) -> torch.optim.Optimizer:
@@ -31,6 +31,13 @@ def build_optimizer(params, cfg: OptimizerConfig, float16: bool = False) -> torc
     if float16:
         DynamicLossScaler.attach(optimizer, cfg)
     return optimizer
+
+
+def clear_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Forget the moments (Adam's m and v), as a fresh optimizer over the same parameters would."""
+    optimizer.state.clear()
+    if isinstance(optimizer, HostOffloadOptimizer):
+        optimizer.inner.state.clear()  # the host masters' moments, which `state` only links to
 
 
 def _plain_optimizer(params: list[torch.Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:

@@ -52,9 +52,9 @@ from rlstream.trainer.flops import ModelFlops
 from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import (aggregate, kl_estimate, loglinear_prox_logp, m2po_mask, positive_nll,
                                      ppo_token_loss, seq_token_counts)
-from rlstream.trainer.loss_scale import DynamicLossScaler, loss_scaler
+from rlstream.trainer.loss_scale import DynamicLossScaler, computes_in_float16, loss_scaler
 from rlstream.trainer.model import DTYPES
-from rlstream.trainer.offload import HostOffloadOptimizer
+from rlstream.trainer.optim import clear_optimizer_state
 from rlstream.trainer.parallel import Parallel
 from rlstream.trainer.prefix_filter import prefix_filter_mask
 from rlstream.trainer.stats import PPOStats
@@ -103,7 +103,7 @@ class PPOActor:
         if ref is not None and a.reference_reset_interval is not None:
             ref_opt = torch.optim.SGD(ref.parameters(), lr=0.0)
             self.ref_part = (ref, ref_opt, torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda _: 1.0))
-        if "float16" in (a.dtype, a.compute_dtype) and loss_scaler(optimizer) is None:
+        if computes_in_float16(a.dtype, a.compute_dtype) and loss_scaler(optimizer) is None:
             DynamicLossScaler.attach(optimizer, a.optimizer)  # float16 gradients need the loss scaled
         # FLOPs counters: the policy's, and those of the models that only run forward (reference, value model)
         self.policy_flops = _model_flops(self.module)
@@ -132,9 +132,7 @@ class PPOActor:
             value = value.full_tensor() if hasattr(value, "full_tensor") else value
             ref_state[name].copy_(value)
         if self.a.reset_optimizer_with_reference:
-            self.optimizer.state.clear()
-            if isinstance(self.optimizer, HostOffloadOptimizer):
-                self.optimizer.inner.state.clear()
+            clear_optimizer_state(self.optimizer)
 
     @torch.no_grad()
     def forward_logp(self, model: torch.nn.Module, batch: SeqBatch) -> torch.Tensor:
