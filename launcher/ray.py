@@ -47,7 +47,8 @@ from rlstream.common.config import Config, ConfigError
 from rlstream.common.logging import get_logger
 from rlstream.launcher.local import LocalRun, RunFailed, _echo
 from rlstream.launcher.procs import Child
-from rlstream.launcher.ray_plan import bundle, check_cluster, fits, fixed_needs, node_bundles, resolve_address
+from rlstream.launcher.ray_plan import (bundle, check_cluster, fits, fixed_needs, node_bundles, resolve_address,
+                                        runtime_env)
 
 __all__ = ["launch", "RayRun", "ProcessActor"]
 
@@ -234,14 +235,15 @@ class RayRun(LocalRun):
         import ray
 
         addr, key = resolve_address(self.cfg, self.cli_address)
+        env = runtime_env(self.cfg, in_job=True)  # the actors', so every process of the run gets it
         try:
             if addr:
-                ray.init(address=addr, logging_level=logging.WARNING, log_to_driver=False)
+                ray.init(address=addr, logging_level=logging.WARNING, log_to_driver=False, runtime_env=env)
             else:  # a one-node Ray for the run: it holds what `rlstream run` would start on this machine
                 want = sum(b.get("CPU", 0.0) * n for _w, b, n in fixed_needs(self.cfg, len(self.scoring_engine_specs())))
                 want += sum(b.get("CPU", 0.0) for b in node_bundles(self.cfg))
                 ray.init(num_cpus=max(int(want + 0.999), os.cpu_count() or 1), logging_level=logging.WARNING,
-                         log_to_driver=False, include_dashboard=False)
+                         log_to_driver=False, include_dashboard=False, runtime_env=env)
         except (ConnectionError, RuntimeError) as exc:
             raise ConfigError(f"{key}={addr or '(none)'}: cannot connect to Ray: {str(exc).splitlines()[0]}") from None
         self.where = f"at {addr}" if addr and addr != "auto" else "of this machine"

@@ -5,13 +5,14 @@ Pure functions of the config and the node list (`ray.nodes()`); `launcher/ray.py
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 from typing import Any
 
 from rlstream.common.config import Config, ConfigError
 
-__all__ = ["bundle", "check_cluster", "fits", "fixed_needs", "node_bundles", "resolve_address"]
+__all__ = ["bundle", "check_cluster", "fits", "fixed_needs", "node_bundles", "resolve_address", "runtime_env"]
 
 
 def resolve_address(cfg: Config, cli_address: str | None) -> tuple[str, str]:
@@ -35,6 +36,30 @@ def resolve_address(cfg: Config, cli_address: str | None) -> tuple[str, str]:
             raise ConfigError(f"{key}={addr}: no Ray cluster answers there ({exc.strerror or exc}); start one with "
                               f"`ray start --head` or fix the address") from None
     return addr, key
+
+
+def runtime_env(cfg: Config, in_job: bool = False) -> dict[str, Any] | None:
+    """launcher.ray.runtime_env checked against Ray's schema (None when empty); a bad one is one ConfigError.
+
+    `in_job`: for `ray.init` in a Ray job's entrypoint. Ray merges it with the job's own runtime environment and
+    refuses a field, or an environment variable, both set; the job's wins here instead (`--submit` gave it this
+    one, and Ray may have rewritten it: a working_dir uploaded): what is left of this one, or None."""
+    from ray.runtime_env import RuntimeEnv
+
+    if not cfg.launcher.ray.runtime_env:
+        return None
+    try:
+        env = dict(RuntimeEnv(**cfg.launcher.ray.runtime_env))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"launcher.ray.runtime_env: {str(exc).splitlines()[0]}") from None
+    job = (json.loads(os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR", "{}")).get("runtime_env") or {}) if in_job else {}
+    if not any(job.values()):
+        return env
+    # (fields named _… are Ray's own bookkeeping, e.g. the _ray_commit it adds with pip)
+    left = {k: v for k, v in env.items() if k != "env_vars" and not k.startswith("_") and not job.get(k)}
+    if variables := {k: v for k, v in env.get("env_vars", {}).items() if k not in (job.get("env_vars") or {})}:
+        left["env_vars"] = variables
+    return left or None
 
 
 def bundle(cpus: float, gpus: float) -> dict[str, float]:

@@ -6,7 +6,8 @@ that bad input is one line before anything is submitted. The job's entrypoint is
 the launcher needs no address. The config file and `cluster.fileroot` must be on a filesystem the
 head sees. The job's logs (the launcher's lines) are printed as they come; the exit code is the
 job's: 0 SUCCEEDED, 130 STOPPED, 1 otherwise. Ctrl-C stops following, not the job (as with
-`ray job submit`): `ray job stop ID` stops it.
+`ray job submit`): `ray job stop ID` stops it. `launcher.ray.runtime_env` is the job's runtime environment
+(`ray job submit --runtime-env-json`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from rlstream.common.config import Config, ConfigError
 from rlstream.launcher.local import _echo
+from rlstream.launcher.ray_plan import runtime_env
 
 __all__ = ["entrypoint", "submit"]
 
@@ -44,12 +46,13 @@ def submit(cfg: Config, config_path: str, overrides: list[str], url: str, redis_
 
     if "://" not in url:
         raise ConfigError(f"--submit={url}: give the head's job server URL, http://HEAD:8265 (the dashboard's port)")
+    env = runtime_env(cfg)  # the job's: its entrypoint runs in it (and adds it to nothing: launcher/ray.py)
     try:
         client = JobSubmissionClient(url)
     except (ConnectionError, RuntimeError) as exc:
         raise ConfigError(f"--submit={url}: no Ray job server answers there ({str(exc).splitlines()[0]}); "
                           f"`ray start --head` with ray[default] serves one on port 8265") from None
-    job_id = client.submit_job(entrypoint=entrypoint(config_path, overrides, redis_url),
+    job_id = client.submit_job(entrypoint=entrypoint(config_path, overrides, redis_url), runtime_env=env,
                                submission_id=f"rlstream-{cfg.experiment_name}-{cfg.trial_name}-{secrets.token_hex(3)}")
     _echo(f"ray job {job_id} submitted to {url} (ray job logs|status|stop --address {url} {job_id})")
     asyncio.run(_follow(client, job_id))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 from msgspec import Meta
@@ -133,6 +133,12 @@ class RayConfig(Section):
     --labels='{"rlstream-role": "trainer"}'` (empty: any node with room; elastic engines take what is left there)."""
     node_check_secs: PositiveFloat = 2.0
     """Seconds between two looks at the cluster's nodes (joins and losses) while the run runs."""
+    runtime_env: dict[str, Any] = msgspec.field(default_factory=dict)
+    """Ray's runtime environment for every process of the run (`env_vars`, `working_dir`, `py_modules`, `pip`, …;
+    Ray's own schema, checked before anything starts): given to `ray.init`, so each actor, and the process it runs,
+    gets it; with `--submit` it is the job's (`submit_job(runtime_env=…)`), the launcher's included. In a job
+    submitted with a runtime environment of its own (`ray job submit --runtime-env-json`) that one is used. Empty:
+    none (rlstream and the data already on every node, as on Slurm)."""
 
 
 class ThreadsConfig(Section):

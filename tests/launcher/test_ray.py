@@ -195,12 +195,14 @@ def _check_ledger(r, keys: Keys, steps: int = STEPS, world: int = 1) -> dict[str
     return {"entries": len(ids), "trained": len(trained), "dropped": len(dropped)}
 
 
-def _leftovers(run_dir: Path) -> list[str]:
+def _leftovers(run_dir: Path, env: str | None = None) -> list[str]:
+    """The command lines of the run's live processes (or, with `env`, the value of that variable in each)."""
     want, found = str(run_dir.resolve()), []
     for p in psutil.process_iter(["pid"]):
         try:
-            if p.environ().get("RLSTREAM_RUN_DIR") == want and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(" ".join(p.cmdline()))
+            environ = p.environ()
+            if environ.get("RLSTREAM_RUN_DIR") == want and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(" ".join(p.cmdline()) if env is None else environ.get(env, ""))
         except (psutil.Error, OSError):
             continue
     return found
@@ -291,14 +293,17 @@ def test_ray_job_submit_runs_to_the_end_and_ray_job_stop_stops_every_process(tmp
     client = JobSubmissionClient(ray_cluster.job_server)
     steps = 8
     run_dir = tmp_path / "runs" / experiment / "run0"
+    mark = f"launcher.ray.runtime_env={{env_vars: {{RLSTREAM_RAY_MARK: {experiment}}}}}"
     done = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "ray", "--submit",
                            ray_cluster.job_server, "--config", str(CONFIG), f"cluster.fileroot={tmp_path / 'runs'}",
-                           f"experiment_name={experiment}", *SMALL, f"total_train_steps={steps}"],
+                           f"experiment_name={experiment}", *SMALL, f"total_train_steps={steps}", mark],
                           capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     job_id = re.search(r"ray job (\S+) submitted to ", done.stdout).group(1)
     assert done.stdout.rstrip().endswith(f"ray job {job_id}: SUCCEEDED"), done.stdout[-2000:]
     assert client.get_job_status(job_id) == JobStatus.SUCCEEDED
+    # launcher.ray.runtime_env is the job's (its entrypoint's ray.init adds it again: Ray would refuse a conflict)
+    assert client.get_job_info(job_id).runtime_env["env_vars"] == {"RLSTREAM_RAY_MARK": experiment}
     logs = _ray_job(ray_cluster, "logs", job_id)
     for line in (" node(s) at ", f"redis: started on {ray_cluster.head_node.node_ip_address}:", "engines: engine-0 ",
                  "trainer: trainer pid ", "producers: producer-0 on ", "] step ", "training finished",
@@ -315,7 +320,7 @@ def test_ray_job_submit_runs_to_the_end_and_ray_job_stop_stops_every_process(tmp
     assert shutil.which("rlstream"), "the rlstream command is not on PATH (pip install -e .)"
     _ray_job(ray_cluster, "submit", "--submission-id", job_id, "--no-wait", "--", "rlstream", "launch", "ray",
              "--config", str(CONFIG), f"cluster.fileroot={tmp_path / 'runs'}", f"experiment_name={stopped}", *SMALL,
-             "total_train_steps=1000", "launcher.sft_steps=0")
+             "total_train_steps=1000", "launcher.sft_steps=0", f"launcher.ray.runtime_env={{env_vars: {{M: {stopped}}}}}")
     deadline = time.monotonic() + 300
     while _steps(run_dir) < 2:
         status = client.get_job_status(job_id)
@@ -324,6 +329,8 @@ def test_ray_job_submit_runs_to_the_end_and_ray_job_stop_stops_every_process(tmp
         time.sleep(0.3)
     running = _leftovers(run_dir)
     assert {a.split(" --config")[0].rsplit(" ", 1)[1] for a in running} >= {"serve", "produce", "train"}, running
+    # a job without a runtime environment of its own: the launcher's ray.init gives its actors the config's
+    assert set(_leftovers(run_dir, env="M")) == {stopped}, _leftovers(run_dir, env="M")
     launcher_pid = client.get_job_info(job_id).driver_info.pid
     assert psutil.pid_exists(int(launcher_pid))
     _ray_job(ray_cluster, "stop", job_id)  # waits until the job has exited

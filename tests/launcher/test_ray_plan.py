@@ -5,12 +5,13 @@ The end-to-end refusals through the command line are in tests/launcher/test_ray.
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
 
 from rlstream.common.config import ConfigError, load_config
-from rlstream.launcher.ray_plan import check_cluster, fits, fixed_needs, node_bundles, resolve_address
+from rlstream.launcher.ray_plan import check_cluster, fits, fixed_needs, node_bundles, resolve_address, runtime_env
 from tests.helpers import free_port
 
 CONFIG = "configs/tiny-cpu.yaml"
@@ -79,3 +80,25 @@ def test_bundles_and_fit():
     assert fits({"CPU": 4, "GPU": 2}, {"CPU": 1}, node_bundles(cfg))
     assert not fits({"CPU": 4, "GPU": 2}, {"GPU": 1}, node_bundles(cfg))
     assert not fits({"CPU": 2, "GPU": 2}, {}, node_bundles(cfg))
+
+
+def test_runtime_env_is_checked_and_a_jobs_own_fields_win(monkeypatch):
+    """launcher.ray.runtime_env in Ray's schema; in a Ray job's entrypoint only what the job's own runtime environment
+    does not set already (Ray refuses a ray.init that sets a field or a variable again)."""
+    monkeypatch.delenv("RAY_JOB_CONFIG_JSON_ENV_VAR", raising=False)
+    assert runtime_env(_cfg()) is None
+    ours = _cfg("launcher.ray.runtime_env={env_vars: {A: a, B: b}, pip: [msgspec]}")
+    assert runtime_env(ours) == runtime_env(ours, in_job=True)
+    assert runtime_env(ours)["env_vars"] == {"A": "a", "B": "b"} and "msgspec" in str(runtime_env(ours)["pip"])
+    with pytest.raises(ConfigError, match=r"launcher\.ray\.runtime_env: .*env_vars.* Dict\[str, str\]"):
+        runtime_env(_cfg("launcher.ray.runtime_env={env_vars: {A: 1}}"))
+
+    def job(env: dict) -> None:
+        monkeypatch.setenv("RAY_JOB_CONFIG_JSON_ENV_VAR", json.dumps({"runtime_env": env, "metadata": {}}))
+
+    job({"env_vars": {}})  # `ray job submit` without a runtime environment
+    assert runtime_env(ours, in_job=True) == runtime_env(ours)
+    job({"env_vars": {"A": "job"}, "pip": {"packages": ["msgspec==0.19"]}})
+    assert runtime_env(ours, in_job=True) == {"env_vars": {"B": "b"}}
+    job(runtime_env(ours))  # --submit made it the job's
+    assert runtime_env(ours, in_job=True) is None

@@ -43,6 +43,8 @@ def _refused(tmp_path: Path, *args: str) -> str:
     (["--submit", "127.0.0.1:{port}"], "--submit=127.0.0.1:{port}: give the head's job server URL"),
     (["--submit", "http://127.0.0.1:{port}", "--address", "auto"], "--address=auto with --submit"),
     (["--submit", "http://127.0.0.1:{port}", "launcher.ray.bogus=1"], "launcher.ray.bogus"),
+    (["--submit", "http://127.0.0.1:{port}", "launcher.ray.runtime_env={{env_vars: {{A: 1}}}}"],
+     "launcher.ray.runtime_env: runtime_env['env_vars'] must be of type Dict[str, str]"),
 ])
 def test_bad_submit_input_is_one_line_before_anything_is_submitted(tmp_path, args, says):
     port = free_port()
