@@ -240,10 +240,11 @@ class RayRun(LocalRun):
             if addr:
                 ray.init(address=addr, logging_level=logging.WARNING, log_to_driver=False, runtime_env=env)
             else:  # a one-node Ray for the run: it holds what `rlstream run` would start on this machine
+                # ("local": one of its own, even where another Ray runs here; ray.init would join the latest one)
                 want = sum(b.get("CPU", 0.0) * n for _w, b, n in fixed_needs(self.cfg, len(self.scoring_engine_specs())))
                 want += sum(b.get("CPU", 0.0) for b in node_bundles(self.cfg))
-                ray.init(num_cpus=max(int(want + 0.999), os.cpu_count() or 1), logging_level=logging.WARNING,
-                         log_to_driver=False, include_dashboard=False, runtime_env=env)
+                ray.init(address="local", num_cpus=max(int(want + 0.999), os.cpu_count() or 1),
+                         logging_level=logging.WARNING, log_to_driver=False, include_dashboard=False, runtime_env=env)
         except (ConnectionError, RuntimeError) as exc:
             raise ConfigError(f"{key}={addr or '(none)'}: cannot connect to Ray: {str(exc).splitlines()[0]}") from None
         self.where = f"at {addr}" if addr and addr != "auto" else "of this machine"

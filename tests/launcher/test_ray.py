@@ -17,6 +17,7 @@ worker node an engine and a producer).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -73,6 +74,9 @@ def ray_cluster():
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 1, "object_store_memory": 80 * MB, "_system_config": fast,
             "include_dashboard": True, "dashboard_host": "127.0.0.1", "dashboard_port": dashboard_port,
+            # The head's agent (which runs submitted jobs) on a port of its own: on Ray's fixed default, a second Ray
+            # head on the machine leaves this one without an agent ("No available agent to submit job").
+            "dashboard_agent_listen_port": free_port(),
             "labels": {"rlstream-role": "trainer"}})
     cluster.job_server = f"http://127.0.0.1:{dashboard_port}"
     try:
@@ -344,4 +348,40 @@ def test_ray_job_submit_runs_to_the_end_and_ray_job_stop_stops_every_process(tmp
     assert "unreachable" not in trainer_log and "reconnecting" not in trainer_log, trainer_log[-3000:]
     assert "ready to exit" in (run_dir / "logs" / "redis.log").read_text()
     assert not psutil.pid_exists(int(launcher_pid)) or psutil.Process(int(launcher_pid)).status() == psutil.STATUS_ZOMBIE
+    assert _leftovers(run_dir) == []
+
+
+@pytest.mark.slow
+def test_a_reward_function_shipped_in_the_working_dir_scores_the_run(tmp_path, redis_factory, experiment):
+    """`launcher.ray.runtime_env: {working_dir: DIR}`: Ray uploads DIR and runs every actor in its copy, so the
+    producer imports a reward function that lives only there (importable nowhere else, not by the launcher).
+    On the launcher's own one-node Ray: with several Ray nodes simulated on one machine (the module's cluster)
+    the nodes share one runtime-resources folder, and a node that does not use a package deletes it under the
+    processes that do (seen: the job's working_dir gone from under its entrypoint)."""
+    from rlstream.broker import connect
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    (shipped / "ray_shipped_reward.py").write_text(
+        "from rlstream.producer.rewards import exact_match_reward\n\n\n"
+        "def score(prompt, completion, answer, **kw):\n    return exact_match_reward(prompt, completion, answer, **kw)\n")
+    assert importlib.util.find_spec("ray_shipped_reward") is None
+    steps, run_dir, out = 2, tmp_path / "runs" / experiment / "run0", tmp_path / "launch.out"
+    with open(out, "w") as f:
+        proc = _launch(tmp_path, f"experiment_name={experiment}", *SMALL, f"total_train_steps={steps}",
+                       f"launcher.ray.runtime_env={{working_dir: {shipped}}}",
+                       "producer.reward_fn=ray_shipped_reward:score", stdout=f, stderr=subprocess.STDOUT)
+    try:
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(60)
+    text = out.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    assert "ray: 1 node(s) of this machine" in text, text[-4000:]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    rclient = connect(redis_factory(["--appendonly", "yes"], workdir=run_dir / "redis").url)
+    print(f"ledger {_check_ledger(rclient, Keys(namespace(experiment, 'run0')), steps=steps)}")
     assert _leftovers(run_dir) == []
