@@ -93,6 +93,21 @@ def _launch(tmp_path: Path, *args: str, **popen) -> subprocess.Popen:
                              f"cluster.fileroot={tmp_path / 'runs'}", *args], env=env, cwd=tmp_path, text=True, **popen)
 
 
+def _launch_to_end(tmp_path: Path, out: Path, *args: str) -> str:
+    """Run a launch to its end (output into `out`), assert it succeeded; its output."""
+    with open(out, "w") as f:
+        proc = _launch(tmp_path, *args, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(60)
+    text = out.read_text()
+    assert proc.returncode == 0, text[-4000:]
+    return text
+
+
 def _refused(tmp_path: Path, *args: str) -> str:
     proc = _launch(tmp_path, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = proc.communicate(timeout=120)
@@ -129,18 +144,9 @@ def test_ray_trainer_ranks_on_two_nodes_train_each_entry_once(tmp_path, ray_clus
     steps = 8
     run_dir = tmp_path / "runs" / experiment / "run0"
     out = tmp_path / "launch.out"
-    with open(out, "w") as f:
-        proc = _launch(tmp_path, "--address", ray_cluster.address, f"experiment_name={experiment}",
-                       f"total_train_steps={steps}", "launcher.n_trainer_procs=2",
-                       "launcher.ray.trainer_strategy=STRICT_SPREAD", *SMALL, stdout=f, stderr=subprocess.STDOUT)
-    try:
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(60)
-    text = out.read_text()
-    assert proc.returncode == 0, text[-4000:]
+    text = _launch_to_end(tmp_path, out, "--address", ray_cluster.address, f"experiment_name={experiment}",
+                          f"total_train_steps={steps}", "launcher.n_trainer_procs=2",
+                          "launcher.ray.trainer_strategy=STRICT_SPREAD", *SMALL)
     nodes = re.search(r"trainer: trainer pid \d+ on \S+ \((\w+)\), trainer-rank1 pid \d+ on \S+ \((\w+)\)", text)
     assert nodes and nodes.group(1) != nodes.group(2), text  # two Ray nodes (raylets) hold the two ranks
     ranks_log = "".join((run_dir / "logs" / name).read_text() for name in ("trainer.log", "trainer-rank1.log"))
@@ -367,18 +373,9 @@ def test_a_reward_function_shipped_in_the_working_dir_scores_the_run(tmp_path, r
         "def score(prompt, completion, answer, **kw):\n    return exact_match_reward(prompt, completion, answer, **kw)\n")
     assert importlib.util.find_spec("ray_shipped_reward") is None
     steps, run_dir, out = 2, tmp_path / "runs" / experiment / "run0", tmp_path / "launch.out"
-    with open(out, "w") as f:
-        proc = _launch(tmp_path, f"experiment_name={experiment}", *SMALL, f"total_train_steps={steps}",
-                       f"launcher.ray.runtime_env={{working_dir: {shipped}}}",
-                       "producer.reward_fn=ray_shipped_reward:score", stdout=f, stderr=subprocess.STDOUT)
-    try:
-        proc.wait(timeout=600)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(60)
-    text = out.read_text()
-    assert proc.returncode == 0, text[-4000:]
+    text = _launch_to_end(tmp_path, out, f"experiment_name={experiment}", *SMALL, f"total_train_steps={steps}",
+                          f"launcher.ray.runtime_env={{working_dir: {shipped}}}",
+                          "producer.reward_fn=ray_shipped_reward:score")
     assert "ray: 1 node(s) of this machine" in text, text[-4000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
