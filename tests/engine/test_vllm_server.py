@@ -139,14 +139,18 @@ def new_state(vllm_model, tmp_path_factory) -> dict[str, torch.Tensor]:
     return load_file(str(path / "model.safetensors"))
 
 
+def server_args(max_len: int) -> list[str]:
+    """The test servers' vLLM arguments."""
+    return ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(max_len),
+            "--enforce-eager",  # no torch.compile warm-up: minutes saved on 2 cores
+            "--seed", "0", "--disable-log-stats",
+            "--enable-server-load-tracking"]  # /load: the pause tests wait for their request
+
+
 @pytest.fixture(scope="module")
 def vllm_server(vllm_python, vllm_model, tmp_path_factory):
     """`python engine/vllm_server.py` in the venv on a free port; yields its base URL."""
-    server = VllmServer(vllm_model, tmp_path_factory.mktemp("vllm_log") / "vllm_server.log", [
-        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(MAX_LEN),
-        "--enforce-eager",  # no torch.compile warm-up: minutes saved on 2 cores
-        "--seed", "0", "--disable-log-stats",
-        "--enable-server-load-tracking"])  # /load: the pause test waits for its request
+    server = VllmServer(vllm_model, tmp_path_factory.mktemp("vllm_log") / "vllm_server.log", server_args(MAX_LEN))
     try:
         yield server.start().url
     finally:
@@ -168,9 +172,7 @@ def slow_step_server(vllm_python, tmp_path):
 
     model = build_tiny_model(tmp_path / "slow_step", hidden_size=512, num_layers=4, num_heads=8,
                              intermediate_size=2048, max_position_embeddings=2 * FROZEN_LONG)
-    server = VllmServer(model, tmp_path / "vllm_slow_step.log", [
-        "--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", str(2 * FROZEN_LONG),
-        "--enforce-eager", "--seed", "0", "--disable-log-stats", "--enable-server-load-tracking"])
+    server = VllmServer(model, tmp_path / "vllm_slow_step.log", server_args(2 * FROZEN_LONG))
     try:
         yield server.start().url
     finally:
