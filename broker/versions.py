@@ -202,29 +202,27 @@ class Versions:
             log.warning("reading %s failed: %s", ", ".join(streams), exc)
             yield Sleep(1.0)
             return [], ids
-        got: list[tuple[tuple[int, int], Event]] = []  # (entry id, event): the streams merged in time order
+        got: dict[str, list[tuple[tuple[int, int], Event]]] = {}  # stream -> its (entry id, event), in its order
         for name, entries in res or []:
             key = name.decode() if isinstance(name, bytes) else name
+            mine = got.setdefault(key, [])
             for eid, fields in entries:
                 ids[key] = eid
                 if key == self.keys.steps:
                     done = reads.seen(fields) if reads is not None else None
                     if done is not None:
-                        got.append((id_tuple(_text(eid)), Event(type="read", version=done)))
+                        mine.append((id_tuple(_text(eid)), Event(type="read", version=done)))
                     continue
                 if key == self.keys.admit_wake:
                     why, owners = fields.get(b"w", b""), fields.get(b"o", b"")
-                    got.append((id_tuple(_text(eid)), Event(type="capacity", detail=_text(why),
-                                                      owners=tuple(_text(owners).split()))))
+                    mine.append((id_tuple(_text(eid)), Event(type="capacity", detail=_text(why),
+                                                       owners=tuple(_text(owners).split()))))
                     continue
                 try:
-                    got.append((id_tuple(_text(eid)), decode_event(fields[b"e"])))
+                    mine.append((id_tuple(_text(eid)), decode_event(fields[b"e"])))
                 except (KeyError, msgspec.DecodeError):  # a foreign entry must not stop a follower
                     continue
-        # One XREAD returns each stream's entries together; a follower wants them as they happened (a step's
-        # `read` before the version published after it). The streams share a hash tag: one server, one clock.
-        got.sort(key=lambda item: item[0])
-        return [event for _, event in got], ids
+        return in_time_order(list(got.values())), ids
 
     @operation
     def last_wake_id(self) -> Plan:
@@ -237,6 +235,29 @@ class Versions:
         """The id of the newest step record ("0-0" when there is none)."""
         last = yield Call("xrevrange", self.keys.steps, count=1)
         return last[0][0] if last else b"0-0"
+
+
+def in_time_order(streams: list[list[tuple[tuple[int, int], Event]]]) -> list[Event]:
+    """The events of several streams, each list in its stream's order, merged as they happened.
+
+    One XREAD returns each stream's entries together; a follower wants them as they happened (a step's `read`
+    before the version published after it). The streams share a hash tag: one server, one clock, but entry ids of
+    two streams compare to the millisecond only (each stream numbers its own entries within one). Within one
+    millisecond the versions decide: version v's event, then the `read` of the step trained from v, then v + 1's.
+    """
+    def at(entry: tuple[tuple[int, int], Event]) -> tuple[int, int]:
+        (ms, _seq), event = entry
+        causal = 2 * event.version + (event.type == "read") if event.type in ("version", "read") else -1
+        return ms, causal
+
+    heads = [list(reversed(s)) for s in streams if s]  # each stream's next entry last
+    merged = []
+    while heads:
+        first = min(heads, key=lambda h: at(h[-1]))
+        merged.append(first.pop()[1])
+        if not first:
+            heads.remove(first)
+    return merged
 
 
 class VersionRegistry(Versions, Sync):

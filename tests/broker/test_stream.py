@@ -295,6 +295,24 @@ def test_read_and_ack_ride_out_a_dropped_connection(redis_url, rclient, keys, gr
     assert rclient.xpending(keys.traj, "train")["pending"] == 0 and client.client_id() != again
 
 
+def test_events_of_two_streams_in_one_millisecond_come_in_the_order_they_happened():
+    """Entry ids of two streams compare to the millisecond only: `('version', 2)` written after the step trained from
+    version 1 was read may carry the same id as that step's record (each stream numbers its entries within a
+    millisecond). The merge then goes by the versions; each stream's own order is kept."""
+    from rlstream.broker.versions import Event, in_time_order
+
+    def ev(kind: str, v: int = -1) -> Event:
+        return Event(type=kind, version=v)
+
+    events = [((7, 0), ev("version", 1)), ((9, 0), ev("version", 2)), ((9, 1), ev("pause")), ((9, 2), ev("version", 3))]
+    reads = [((8, 0), ev("read", 1)), ((9, 0), ev("read", 1)), ((9, 1), ev("read", 2))]
+    wakes = [((9, 5), ev("capacity"))]
+    got = [(e.type, e.version) for e in in_time_order([events, wakes, reads])]
+    assert got == [("version", 1), ("read", 1), ("capacity", -1), ("read", 1), ("version", 2), ("pause", -1),
+                   ("read", 2), ("version", 3)]
+    assert in_time_order([]) == [] and in_time_order([[], events[:1]]) == [events[0][1]]
+
+
 async def test_a_follower_learns_when_every_trainer_rank_has_read_a_step(redis_url, rclient, keys):
     """`follow(reads=True)` yields `read` v once all ranks recorded their groups of the step trained from v (once
     per step, in order with the version events); a record of an older trainer (no `version` field) is ignored;

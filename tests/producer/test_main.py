@@ -64,6 +64,19 @@ def engine_info(engine: EngineProcess) -> dict:
         return json.loads(r.read())
 
 
+def producer_metrics(fileroot) -> dict[str, float]:
+    """The rlstream_producer_* values of the one producer serving Prometheus under `fileroot` ({} until it serves)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    addrs = list(fileroot.glob("*/*/prometheus/*.addr"))
+    if not addrs:
+        return {}
+    with urllib.request.urlopen(f"http://{addrs[0].read_text().strip()}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.name.removeprefix("rlstream_producer_"): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
 def wait_for(pred, timeout=120.0, what="condition", proc=None):
     deadline = time.time() + timeout
     while not pred():
@@ -301,7 +314,7 @@ def _one_version_ahead_of_the_engine(shared_engine, producers, data, tiny_model_
 
 
 def test_a_group_too_stale_for_the_trainers_next_read_is_not_written_and_frees_its_slot_at_that_version(
-        shared_engine, producers, data, tiny_model_path, redis_url, experiment, rclient):
+        shared_engine, producers, data, tiny_model_path, redis_url, experiment, rclient, tmp_path):
     """Served version 1, engine weights version 0, η = 1: groups are trainable and committed. Once the trainer
     records that it has read its step at version 1 (its next fresh read is at 2, not served yet), the producer,
     following the step records, writes no group it finishes (head staleness 2 > 1 at that read): each holds its
@@ -309,17 +322,18 @@ def test_a_group_too_stale_for_the_trainers_next_read_is_not_written_and_frees_i
     {ns}:dropped (a slot freed earlier would admit a group at version 1, which the trainer's reads have passed)."""
     keys = ns_keys(experiment)
     versions, adm, p = _one_version_ahead_of_the_engine(shared_engine, producers, data, tiny_model_path, redis_url,
-                                                        experiment, rclient, "reads")
+                                                        experiment, rclient, "reads", f"cluster.fileroot={tmp_path}",
+                                                        "stats_logger.prometheus.enabled=true")
     wait_for(lambda: rclient.xlen(keys.traj) >= 1, what="a group committed at served version 1", proc=p)
     StepLog(rclient, keys).record(StepRecord(step=1, version=1, entry_ids=[], ts=time.time()))
 
-    def engine_idle() -> bool:
-        info = engine_info(shared_engine)
-        return info["running"] == 0 and info["waiting"] == 0
+    def both_slots_parked() -> bool:
+        m = producer_metrics(tmp_path)
+        return m.get("trainer_read_version") == 2 and m.get("stale_rollouts_waiting") == 2
 
-    # Both slots end up held by finished groups: nothing runs, nothing is written or dropped.
-    wait_for(lambda: adm.snapshot().running == 2 and engine_idle(), what="two finished groups holding their slots",
-             proc=p)
+    # Both slots end up held by finished groups the producer parked: nothing is written or dropped. (A group
+    # that passed its staleness check before the read was followed may still commit until then.)
+    wait_for(both_slots_parked, what="two finished groups parked, holding their slots", proc=p)
     written = rclient.xlen(keys.traj)
     time.sleep(1.5)
     assert adm.snapshot().running == 2 and rclient.xlen(keys.traj) == written and rclient.xlen(keys.dropped) == 0
