@@ -275,6 +275,13 @@ def engine_overrides(model: Path, redis_url: str, experiment: str, *extra: str) 
             *extra]
 
 
+def prometheus_values(text: str) -> dict[str, float]:
+    """Sample name -> value of a Prometheus text page (labels dropped: for endpoints whose names are unique)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {sample.name: sample.value for fam in text_string_to_metric_families(text) for sample in fam.samples}
+
+
 def producer_overrides(model: Path, redis_url: str, experiment: str, data: Path, *extra: str) -> list[str]:
     return [f"actor.path={model}", f"redis.url={redis_url}", f"experiment_name={experiment}",
             f"train_dataset.path={data}", "train_dataset.prompt_key=question", "train_dataset.answer_key=solution",

@@ -20,7 +20,8 @@ from aiohttp import web
 
 from rlstream.engine.local import LocalEngine
 from rlstream.engine.server import build_app
-from tests.helpers import PROMPTS, EngineProcess, behaviour_logprobs, perturbed_state, recompute_logprobs, wait_for
+from tests.helpers import (PROMPTS, EngineProcess, behaviour_logprobs, perturbed_state, prometheus_values,
+                           recompute_logprobs, wait_for)
 
 torch.set_num_threads(1)
 
@@ -247,21 +248,6 @@ async def test_bearer_token_and_model_info(fresh_engine):
 # ---------------------------------------------------------------------- the real process
 
 
-def _prometheus_values(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {sample.name: sample.value for fam in text_string_to_metric_families(text) for sample in fam.samples}
-
-
-# ---------------------------------------------------------------------- the real process
-
-
-def _prometheus_values(text: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    return {sample.name: sample.value for fam in text_string_to_metric_families(text) for sample in fam.samples}
-
-
 def _start_serve(model_path, tmp_path, *overrides: str) -> tuple[subprocess.Popen, str]:
     """`rlstream serve` as a child process; returns it and its address once it listens."""
     addr_file = tmp_path / "engine.addr"
@@ -337,7 +323,7 @@ def test_serve_process_registers_serves_and_stops_on_sigterm(tiny_model_path, re
                 # Prometheus scrape of the running engine (behind the same bearer token).
                 async with http.get(f"http://{address}/metrics") as r:
                     assert r.status == 200 and r.headers["Content-Type"].startswith("text/plain")
-                    scraped = _prometheus_values(await r.text())
+                    scraped = prometheus_values(await r.text())
                 assert scraped["rlstream_engine_requests_total"] >= len(PROMPTS)
                 assert scraped["rlstream_engine_generated_tokens_total"] >= sum(
                     r["meta_info"]["completion_tokens"] for r in results)

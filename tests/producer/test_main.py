@@ -19,7 +19,8 @@ from rlstream.broker import AdmissionController, Keys, StepLog, StepRecord, Traj
 from rlstream.broker.versions import Event
 from rlstream.common.wire import decode_group
 
-from tests.helpers import EngineProcess, engine_overrides, producer_overrides, write_arith_dataset
+from tests.helpers import (EngineProcess, engine_overrides, producer_overrides, prometheus_values,
+                           write_arith_dataset)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +67,12 @@ def engine_info(engine: EngineProcess) -> dict:
 
 def producer_metrics(fileroot) -> dict[str, float]:
     """The rlstream_producer_* values of the one producer serving Prometheus under `fileroot` ({} until it serves)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     addrs = list(fileroot.glob("*/*/prometheus/*.addr"))
     if not addrs:
         return {}
     with urllib.request.urlopen(f"http://{addrs[0].read_text().strip()}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {s.name.removeprefix("rlstream_producer_"): s.value
-            for fam in text_string_to_metric_families(text) for s in fam.samples}
+        values = prometheus_values(r.read().decode())
+    return {name.removeprefix("rlstream_producer_"): value for name, value in values.items()}
 
 
 def wait_for(pred, timeout=120.0, what="condition", proc=None):
