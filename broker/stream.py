@@ -394,3 +394,15 @@ class TrajectoryStream:
     # ---------------------------------------------------------------- queries
     def length(self) -> int:
         return int(self.client.xlen(self.keys.traj))
+
+    def unacknowledged(self) -> int | None:
+        """Entries the group has not acknowledged: never delivered (its lag) plus delivered and pending. Every entry
+        before the group exists; None when Redis cannot tell the lag (entries deleted in the middle of the stream)."""
+        try:
+            groups = self.client.xinfo_groups(self.keys.traj)
+        except ResponseError:  # no stream yet
+            return 0
+        for g in groups:
+            if id_str(g["name"]) == self.group:
+                return None if g.get("lag") is None else int(g["lag"]) + int(g["pending"])
+        return self.length()

@@ -375,10 +375,10 @@ class LocalRun:
             if code is not None:
                 self._fail(self.trainer)
         if not starting and self.producers and all(c.poll() == 0 for c in self.producers):
-            # Every producer finished its data (epochs handed out, producer.max_groups); the trainer
-            # may still drain the queue, but once no step came for launcher.data_out_timeout no more data is coming.
+            # Every producer finished its data (epochs handed out, producer.max_groups): while a step's worth of
+            # groups is unacknowledged a step is coming, however slow; below it, none after launcher.data_out_timeout.
             step = self._trained_steps()
-            if step != getattr(self, "_last_seen_step", None):
+            if step != getattr(self, "_last_seen_step", None) or self._a_step_is_left():
                 self._last_seen_step, self._step_seen_at = step, time.monotonic()
             wait = self.cfg.launcher.data_out_timeout
             if time.monotonic() - self._step_seen_at > wait:
@@ -388,6 +388,12 @@ class LocalRun:
                 raise RunFailed(f"every producer finished its data ({why}) and no step came for {wait:.0f}s: "
                                 f"the data ran out at step {step} of {self.budget.total_steps}")
         return False
+
+    def _a_step_is_left(self) -> bool:
+        """The stream holds a train step's worth of groups the trainer has not acknowledged (trained or dropped)."""
+        from rlstream.broker.stream import TrajectoryStream
+        left = TrajectoryStream(self.client, self.keys).unacknowledged()
+        return left is not None and left >= self.cfg.rollout.consumer_batch_size * self.cfg.launcher.n_trainer_procs
 
     def _fail(self, child: Child) -> None:
         code = child.poll()

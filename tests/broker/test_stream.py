@@ -211,6 +211,23 @@ def test_pending_entry_deleted_from_stream_is_acked_away(rclient, keys, group_fa
     assert rclient.xpending(keys.traj, "train")["pending"] == 1
 
 
+def test_unacknowledged_counts_undelivered_and_pending_entries_until_acked(rclient, keys, group_factory):
+    """What a trainer can still consume (the launcher's "the data ran out" waits while a step's worth is left)."""
+    stream = TrajectoryStream(rclient, keys)
+    assert stream.unacknowledged() == 0  # no stream yet
+    ids = _fill(stream, group_factory, 3)
+    assert stream.unacknowledged() == 3  # no group yet: every entry
+    stream.ensure_group()
+    assert stream.unacknowledged() == 3
+    read = stream.read("c", count=2, block_ms=10)
+    assert stream.unacknowledged() == 3  # 1 undelivered + 2 pending
+    stream.ack([e.id for e in read])
+    assert stream.unacknowledged() == 1
+    rclient.xdel(keys.traj, ids[2])  # an unread entry deleted, then one added: Redis cannot tell the lag
+    _fill(stream, group_factory, 1)
+    assert stream.unacknowledged() is None  # the launcher then goes by steps alone
+
+
 def test_step_log_round_trip(rclient, keys):
     log = StepLog(rclient, keys)
     log.record(StepRecord(step=0, version=0, entry_ids=["1-0", "2-0"], ts=time.time()))

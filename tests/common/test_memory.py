@@ -32,7 +32,8 @@ glibc_only = pytest.mark.skipif(not os.confstr("CS_GNU_LIBC_VERSION"),
 
 
 def _faults(tuned: bool) -> int:
-    out = subprocess.run([sys.executable, "-c", CHURN, "1" if tuned else "0"], capture_output=True, text=True,
+    # -I: a clean interpreter (no PYTHONPATH, no sitecustomize), whose start-up allocations do not move the heap
+    out = subprocess.run([sys.executable, "-I", "-c", CHURN, "1" if tuned else "0"], capture_output=True, text=True,
                          timeout=120, check=True)
     return int(out.stdout.strip())
 

@@ -17,6 +17,7 @@ worker node an engine and a producer).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -25,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -93,16 +95,23 @@ def _launch(tmp_path: Path, *args: str, **popen) -> subprocess.Popen:
                              f"cluster.fileroot={tmp_path / 'runs'}", *args], env=env, cwd=tmp_path, text=True, **popen)
 
 
-def _launch_to_end(tmp_path: Path, out: Path, *args: str) -> str:
-    """Run a launch to its end (output into `out`), assert it succeeded; its output."""
+@contextlib.contextmanager
+def _launched(tmp_path: Path, out: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """A launch with its output into `out`; terminated (and waited for) if it still runs when the block ends."""
     with open(out, "w") as f:
         proc = _launch(tmp_path, *args, stdout=f, stderr=subprocess.STDOUT)
     try:
-        proc.wait(timeout=600)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.terminate()
             proc.wait(60)
+
+
+def _launch_to_end(tmp_path: Path, out: Path, *args: str) -> str:
+    """Run a launch to its end (output into `out`), assert it succeeded; its output."""
+    with _launched(tmp_path, out, *args) as proc:
+        proc.wait(timeout=600)
     text = out.read_text()
     assert proc.returncode == 0, text[-4000:]
     return text
@@ -225,12 +234,9 @@ def test_ray_launch_survives_node_loss_and_join(tmp_path, ray_cluster, redis_fac
 
     run_dir = tmp_path / "runs" / experiment / "run0"
     out = tmp_path / "launch.out"
-    with open(out, "w") as f:
-        proc = _launch(tmp_path, "--address", ray_cluster.address, f"experiment_name={experiment}",
-                       f"total_train_steps={STEPS}", "launcher.ray.engines_per_node=1", "launcher.ray.node_check_secs=0.5",
-                       "launcher.ray.trainer_labels={rlstream-role: trainer}",
-                       *SMALL, stdout=f, stderr=subprocess.STDOUT)
-    try:
+    with _launched(tmp_path, out, "--address", ray_cluster.address, f"experiment_name={experiment}",
+                   f"total_train_steps={STEPS}", "launcher.ray.engines_per_node=1", "launcher.ray.node_check_secs=0.5",
+                   "launcher.ray.trainer_labels={rlstream-role: trainer}", *SMALL) as proc:
         a, b = ray_cluster.workers
         _wait("train step 2", lambda: _steps(run_dir) >= 2, proc, out)
         # One worker node goes (its raylet stopped, as a drained or preempted node: Ray knows at once, so the notice
@@ -249,10 +255,6 @@ def test_ray_launch_survives_node_loss_and_join(tmp_path, ray_cluster, redis_fac
                        lambda: [ln for ln in out.read_text().splitlines() if f"({c.node_id[:8]}) joined:" in ln],
                        proc, out)
         proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(60)
     text = out.read_text()
     assert proc.returncode == 0, text[-4000:]
     assert "training finished" in text
