@@ -14,6 +14,12 @@ trim threshold twice that): a process then keeps up to 64 MiB of freed heap for 
 payloads instead of returning and refaulting it. Called once at start by the CLI's `produce`,
 `gateway` and `train` (and by the broker benchmarks); a no-op on other C libraries.
 
+`pause_gc_until_started()` keeps the cyclic collector out of start-up: importing torch and transformers and
+building the model create a few hundred thousand long-lived objects, and the collector walks each of them
+once per generation it climbs, and the oldest again at each full collection while they arrive. Paused, they
+are walked once, by the collection `freeze_startup_objects()` makes when start-up is done (which turns the
+collector back on): 6.9 -> 6.1 CPU seconds for an engine's imports (median of 10 on 2 cores).
+
 `freeze_startup_objects()` is the same kind of setting for Python's cyclic garbage collector: a
 trainer allocates a few dozen GC-tracked objects per group it reads (the memoryviews of the decoded
 arrays), and each time their count passes the collector's threshold often enough it runs a full
@@ -28,7 +34,7 @@ import ctypes
 import gc
 import os
 
-__all__ = ["keep_freed_memory", "freeze_startup_objects"]
+__all__ = ["keep_freed_memory", "freeze_startup_objects", "pause_gc_until_started"]
 
 # mallopt parameters (glibc malloc.h)
 _M_TRIM_THRESHOLD = -1
@@ -59,7 +65,16 @@ def keep_freed_memory() -> bool:
 
 def freeze_startup_objects() -> int:
     """Move every object alive now out of the cyclic GC's reach (`gc.freeze`): call once start-up is done
-    (imports, model, clients); returns how many objects are frozen. Garbage among them is never freed."""
+    (imports, model, clients); returns how many objects are frozen. Garbage among them is never freed.
+    Turns the collector on (`pause_gc_until_started`)."""
     gc.collect()  # what start-up left as garbage goes first
     gc.freeze()
+    gc.enable()
     return gc.get_freeze_count()
+
+
+
+def pause_gc_until_started() -> None:
+    """The cyclic GC off until `freeze_startup_objects()`: call first thing in a process whose start-up imports
+    torch and builds a model, and make sure every path of it reaches the freeze."""
+    gc.disable()

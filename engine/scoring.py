@@ -30,6 +30,7 @@ from rlstream.common import engine_api as api
 from rlstream.common.config import ConfigError, ScoringPoolConfig, scoring_pools, scoring_service
 from rlstream.common.engine_api import BadRequest, ModelInfo
 from rlstream.common.logging import get_logger
+from rlstream.common.memory import freeze_startup_objects
 from rlstream.common.models import dtype_kwargs
 from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, exposition
 from rlstream.common.scoring import CLASSIFY, ClassifyMeta, ClassifyRequest, ClassifyResult, ScoringInfo
@@ -338,6 +339,7 @@ async def run_scoring_server(cfg: Any, pool: str, stop: asyncio.Event | None = N
         engine = (LogprobEngine if pcfg.kind == "logprob" else ScoringEngine).from_pool(pool, pcfg)
     except (OSError, ValueError) as exc:
         raise ConfigError(str(exc).splitlines()[0]) from None
+    freeze_startup_objects()  # `rlstream serve` paused the cyclic GC for the start-up (common/memory.py)
     runner = web.AppRunner(build_scoring_app(engine, pool, api_key=cfg.server.api_key), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, cfg.server.host, cfg.server.port)

@@ -61,6 +61,7 @@ from rlstream.common.engine_api import (
     ServerInfo,
 )
 from rlstream.common.logging import get_logger
+from rlstream.common.memory import freeze_startup_objects
 from rlstream.common.name_resolve import NameResolveError, NameResolver
 from rlstream.common.prometheus import CollectorRegistry, ValuesCollector, exposition
 from rlstream.common.tracing import remote_span
@@ -352,6 +353,7 @@ async def run_server(cfg, engine: LocalEngine | None = None, stop: asyncio.Event
 
     configure(cfg, "engine")
     engine.start()
+    freeze_startup_objects()  # serving's full collections no longer walk the model and the modules
     inline = s.frontend == "inline"
     # process: the front end checks the token; the app behind it is reached only through a private Unix socket
     app = build_app(engine, api_key=s.api_key if inline else None)

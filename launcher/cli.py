@@ -15,7 +15,7 @@ from typing import Optional
 
 import typer
 
-from rlstream.common.memory import keep_freed_memory
+from rlstream.common.memory import keep_freed_memory, pause_gc_until_started
 
 OVERRIDES_HELP = ("Any config key can be overridden after the options as KEY=VALUE, dotted for nested keys: "
                   "`rlstream run --config configs/tiny-cpu.yaml total_train_steps=600 actor.optimizer.lr=1e-4`. "
@@ -234,6 +234,7 @@ def serve(ctx: typer.Context, config: Optional[str] = ConfigOpt,
           simulate: bool = typer.Option(False, "--simulate", help="A simulated GPU engine (server.simulate.*): same protocol, modeled timing, no model."),
           pool: Optional[str] = typer.Option(None, "--pool", help="Serve this scoring pool's model instead of the policy (reward_model: /classify; judge: /generate; a distillation teacher: /generate prefill logprobs).")) -> None:
     """Run the local inference engine (SGLang-compatible HTTP subset), or an engine of a scoring pool (--pool)."""
+    pause_gc_until_started()  # until the model is served (run_server, run_scoring_server)
     from rlstream.engine.server import serve as serve_main
 
     cfg = load(config, [*ctx.args, *(["server.simulate.enabled=true"] if simulate else [])])
@@ -274,6 +275,7 @@ def gateway(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
 @app.command(context_settings=EXTRA, options_metavar=KV, epilog=OVERRIDES_HELP)
 def train(ctx: typer.Context, config: Optional[str] = ConfigOpt) -> None:
     """Run the trainer (one process, or each rank under torchrun)."""
+    pause_gc_until_started()  # until the step loop starts (Trainer.train)
     from rlstream.trainer.main import train as train_main
 
     keep_freed_memory()
