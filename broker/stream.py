@@ -16,7 +16,7 @@ from typing import Any, Iterable
 
 import msgspec
 import redis
-from redis.exceptions import ResponseError
+from redis.exceptions import RedisError, ResponseError
 
 from rlstream.broker.connection import execute_raw
 from rlstream.broker.images import IMAGES_FIELD, RELEASE_IMAGES, fetch_images, images_problem, store_calls
@@ -397,11 +397,13 @@ class TrajectoryStream:
 
     def unacknowledged(self) -> int | None:
         """Entries the group has not acknowledged: never delivered (its lag) plus delivered and pending. Every entry
-        before the group exists; None when Redis cannot tell the lag (entries deleted in the middle of the stream)."""
+        before the group exists; None when nobody can tell (entries deleted in the middle of the stream; Redis away)."""
         try:
             groups = self.client.xinfo_groups(self.keys.traj)
         except ResponseError:  # no stream yet
             return 0
+        except (RedisError, OSError):
+            return None
         for g in groups:
             if id_str(g["name"]) == self.group:
                 return None if g.get("lag") is None else int(g["lag"]) + int(g["pending"])

@@ -10,11 +10,12 @@ import textwrap
 import time
 
 import msgspec
+import redis
 
 from rlstream.broker import StepLog, StepRecord, TrajectoryStream
 from rlstream.broker.stream import entry_fields
 from rlstream.common.wire import encode_group
-from tests.helpers import command_calls
+from tests.helpers import command_calls, free_port
 
 CONSUMER = textwrap.dedent("""
     import sys, time
@@ -226,6 +227,8 @@ def test_unacknowledged_counts_undelivered_and_pending_entries_until_acked(rclie
     rclient.xdel(keys.traj, ids[2])  # an unread entry deleted, then one added: Redis cannot tell the lag
     _fill(stream, group_factory, 1)
     assert stream.unacknowledged() is None  # the launcher then goes by steps alone
+    unreachable = TrajectoryStream(redis.Redis(port=free_port(), socket_connect_timeout=1), keys)
+    assert unreachable.unacknowledged() is None
 
 
 def test_step_log_round_trip(rclient, keys):
