@@ -173,8 +173,8 @@ class LauncherConfig(Section):
     startup_timeout: PositiveFloat = 300.0
     """Seconds for every child to become ready."""
     data_out_timeout: PositiveFloat = 30.0
-    """Seconds without a train step, once every producer has finished its data, before the run stops as out of data
-    (the trainer may still be reading the last groups committed)."""
+    """Seconds without a train step, once every producer has finished its data and fewer groups than a step are
+    left unacknowledged in the stream, before the run stops as out of data (while a step's worth is left, it waits)."""
     eval_n: NonNegativeInt = 0
     """Held-out prompts scored before and after training (0 = skip)."""
     sft_steps: NonNegativeInt = 0
