@@ -73,7 +73,6 @@ def freeze_startup_objects() -> int:
     return gc.get_freeze_count()
 
 
-
 def pause_gc_until_started() -> None:
     """The cyclic GC off until `freeze_startup_objects()`: call first thing in a process whose start-up imports
     torch and builds a model, and make sure every path of it reaches the freeze."""
