@@ -242,7 +242,7 @@ class ChaosRun(LocalRun):
         addr_file.unlink(missing_ok=True)
         threads = self.cfg.launcher.threads.producer
         self.gateway_child = Child("gateway", "producer", self._argv("gateway"), self.logs / "gateway.log",
-                                   env=self._env(threads, **{ADDR_FILE_ENV: str(addr_file)}))
+                                   env=self._env(threads, **{ADDR_FILE_ENV: str(addr_file)}), forkserver=self.forkserver)
         agent_argv = [sys.executable, "-m", "rlstream.launcher.chaos_agent", "--addr-file", str(addr_file),
                       "--dataset", str(self.cfg.train_dataset.path), "--group-size",
                       str(self.cfg.gateway.group_size or self.cfg.gconfig.n_samples), "--seed", str(self.seed),

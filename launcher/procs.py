@@ -18,6 +18,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -118,21 +119,34 @@ class Child:
     log_path: Path
     env: dict[str, str] = field(default_factory=dict)
     cwd: str | None = None
-    proc: subprocess.Popen | None = None
+    forkserver: Any = None  # a launcher.forkserver.ForkServer: `rlstream` CLI children are forked from it
+    proc: Any = None  # subprocess.Popen, or a ForkedProcess (the same pid/poll/wait/returncode)
     started_at: float = 0.0
 
     def start(self) -> "Child":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab", buffering=0)
-        log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
-        try:
-            self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **self.env}, cwd=self.cwd, start_new_session=True,
-                                         preexec_fn=_child_setup)
-        finally:
-            log.close()  # the child holds its own descriptor
+        with open(self.log_path, "ab", buffering=0) as log:
+            log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
+        if not self._fork():
+            with open(self.log_path, "ab", buffering=0) as log:  # the child holds its own descriptor
+                self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                             env={**os.environ, **self.env}, cwd=self.cwd, start_new_session=True,
+                                             preexec_fn=_child_setup)
         self.started_at = time.monotonic()
         return self
+
+    def _fork(self) -> bool:
+        """Start from the fork server when there is one and it can run argv; False: start it plainly."""
+        from rlstream.launcher.forkserver import forkable
+
+        if self.forkserver is None or not self.forkserver.alive or not forkable(self.argv):
+            return False
+        try:
+            self.proc = self.forkserver.spawn(self.argv, {**os.environ, **self.env}, self.cwd, self.log_path)
+        except OSError as exc:
+            print(f"rlstream: {self.name} starts without the fork server: {exc}", file=sys.stderr, flush=True)
+            return False
+        return True
 
     @property
     def pid(self) -> int | None:

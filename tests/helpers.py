@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from rlstream.common.net import free_port
-from rlstream.launcher.local import redis_server_binary as launcher_redis_binary
 from rlstream.launcher.local import repair_torn_aof
+from rlstream.launcher.redis_child import redis_server_binary as launcher_redis_binary
 from rlstream.launcher.procs import CHILD_ENV, stop_process, wait_for_port
 
 __all__ = [
