@@ -121,7 +121,11 @@ class ForkServer:
         with self._lock:
             if not self.alive:
                 raise OSError(f"the fork server is gone; see {self.log_path}")
-            self._lines.send(Spawn(argv=argv, env=env, cwd=cwd, log_path=str(log_path)))
+            try:
+                self._lines.send(Spawn(argv=argv, env=env, cwd=cwd, log_path=str(log_path)))
+            except OSError:
+                self._server_gone()
+                raise
             deadline = time.monotonic() + timeout
             while time.monotonic() < deadline:
                 for msg in self._read(min(1.0, max(0.0, deadline - time.monotonic()))):
@@ -175,7 +179,8 @@ class ForkServer:
 
 
 class ForkedProcess:
-    """A child forked by the server: what the launcher uses of `subprocess.Popen` (pid, poll, wait, returncode)."""
+    """A child forked by the server, with what callers use of `subprocess.Popen`: pid, returncode, poll, wait,
+    send_signal, terminate, kill."""
 
     def __init__(self, pid: int, server: ForkServer) -> None:
         self.pid, self.server = pid, server
@@ -185,6 +190,16 @@ class ForkedProcess:
         if self.returncode is None:
             self.returncode = self.server.returncode(self.pid)
         return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float | None = None) -> int:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -10,6 +10,7 @@ so tests, benchmarks and the launcher share one copy.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import os
 import signal
@@ -22,12 +23,13 @@ from pathlib import Path
 import pytest
 
 from rlstream.common.net import free_port
+from rlstream.launcher.forkserver import ForkedProcess, ForkServer, forkable
 from rlstream.launcher.local import repair_torn_aof
 from rlstream.launcher.redis_child import redis_server_binary as launcher_redis_binary
 from rlstream.launcher.procs import CHILD_ENV, stop_process, wait_for_port
 
 __all__ = [
-    "free_port", "stop_process", "child_env", "cli", "redis_server_binary", "RedisServer", "RedisCluster", "EngineProcess",
+    "free_port", "stop_process", "child_env", "cli", "start_child", "redis_server_binary", "RedisServer", "RedisCluster", "EngineProcess",
     "ProducerProcess", "GatewayProcess", "make_group", "write_arith_dataset", "engine_overrides", "producer_overrides",
     "PROMPTS", "recompute_logprobs", "behaviour_logprobs", "perturbed_state", "vllm_python_or_skip", "VllmServer",
     "OtlpReceiver",
@@ -41,6 +43,24 @@ def child_env(**extra: str) -> dict[str, str]:
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "rlstream.launcher.cli", *args]
+
+
+_forkserver: ForkServer | None = None
+
+
+def start_child(argv: list[str], log_path: Path, env: dict[str, str]) -> ForkedProcess | subprocess.Popen:
+    """Start `argv` as `rlstream run` starts its children: a `python -m ...`/`-c` command is forked from this test
+    process's fork server (launcher/forkserver.py, started at the first call), in its own process group; anything
+    else (another interpreter, a binary) is started plainly. Output goes to `log_path`, appended."""
+    global _forkserver
+    if forkable(argv):
+        if _forkserver is None or not _forkserver.alive:
+            _forkserver = ForkServer(log_path.parent / f"forkserver-{os.getpid()}.log", dict(CHILD_ENV))
+            atexit.register(_forkserver.close)
+        return _forkserver.spawn(argv, env, None, log_path)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                start_new_session=True)
 
 
 def redis_server_binary() -> str:
@@ -137,10 +157,8 @@ class EngineProcess:
         self.addr_file = self.workdir / "addr"
         self.addr_file.unlink(missing_ok=True)
         self.log_path = self.workdir / "engine.log"
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cli("serve", "server.host=127.0.0.1", "server.port=0", *self.overrides),
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=child_env(RLSTREAM_ENGINE_ADDR_FILE=str(self.addr_file)))
+        self.proc = start_child(cli("serve", "server.host=127.0.0.1", "server.port=0", *self.overrides), self.log_path,
+                                child_env(RLSTREAM_ENGINE_ADDR_FILE=str(self.addr_file)))
         return self
 
     def ready(self, timeout: float = 180.0) -> "EngineProcess":
@@ -170,8 +188,6 @@ class EngineProcess:
     def stop(self) -> None:
         if self.proc:
             stop_process(self.proc, 20)
-        if getattr(self, "_log", None):
-            self._log.close()
 
 
 class GatewayProcess(EngineProcess):
@@ -182,10 +198,8 @@ class GatewayProcess(EngineProcess):
         self.addr_file = self.workdir / "addr"
         self.addr_file.unlink(missing_ok=True)
         self.log_path = self.workdir / "gateway.log"
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cli("gateway", "gateway.host=127.0.0.1", "gateway.port=0", *self.overrides),
-                                     stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=child_env(RLSTREAM_GATEWAY_ADDR_FILE=str(self.addr_file)))
+        self.proc = start_child(cli("gateway", "gateway.host=127.0.0.1", "gateway.port=0", *self.overrides),
+                                self.log_path, child_env(RLSTREAM_GATEWAY_ADDR_FILE=str(self.addr_file)))
         return self
 
 
@@ -201,9 +215,7 @@ class ProducerProcess:
     def start(self) -> "ProducerProcess":
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / f"{self.name}.log"
-        self._log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(cli("produce", *self.overrides), stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=child_env())
+        self.proc = start_child(cli("produce", *self.overrides), self.log_path, child_env())
         return self
 
     def log(self) -> str:
@@ -224,8 +236,6 @@ class ProducerProcess:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-        if getattr(self, "_log", None):
-            self._log.close()
 
 
 def make_group(n_samples: int = 2, prompt_len: int = 3, out_len: int = 4, version: int = 0,

@@ -38,6 +38,7 @@ import pytest
 from rlstream.broker import Keys, StepLog, VersionRegistry, namespace
 from rlstream.broker.keys import TRAIN_GROUP
 from rlstream.launcher.procs import CHILD_ENV
+from tests.helpers import start_child
 
 
 # ---------------------------------------------------------------------- processes
@@ -58,8 +59,7 @@ class Proc:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             log.write(f"\n# start {time.strftime('%H:%M:%S')}\n".encode())
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env={**os.environ, **CHILD_ENV, **self.env}, start_new_session=True)
+        self.proc = start_child(self.argv, self.log_path, {**os.environ, **CHILD_ENV, **self.env})
         self.groups.append(self.proc.pid)
         return self
 

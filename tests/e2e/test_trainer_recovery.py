@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from rlstream.broker import Keys, StepLog, TrajectoryStream, VersionRegistry, namespace
 from rlstream.consumer.synthetic import synthetic_groups
+from tests.helpers import start_child
 
 torch.set_num_threads(1)
 
@@ -36,7 +37,7 @@ def _cmd(tmp_path, redis_url, experiment, model_path):
 
 def _start(cmd, log_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
-    return subprocess.Popen(cmd, env=env, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT)
+    return start_child(cmd, log_path, env)
 
 
 def _exit_code(proc, log_path, timeout=300):

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import free_port
+from tests.helpers import free_port, start_child
 
 torch.set_num_threads(1)
 
@@ -44,8 +44,7 @@ class EngineProc:
                "TOKENIZERS_PARALLELISM": "false"}
         cmd = [sys.executable, "-m", "rlstream.launcher.cli", "serve", f"server.model_path={model}",
                "server.port=0", "server.device=cpu", "server.max_batch_size=8", *overrides]
-        self.log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, env=env, stdout=self.log, stderr=subprocess.STDOUT)
+        self.proc = start_child(cmd, self.log_path, env)
         self.address = ""
 
     def wait_ready(self, timeout: float = 120.0) -> "EngineProc":
@@ -74,7 +73,6 @@ class EngineProc:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.kill()
-        self.log.close()
 
 
 def http(url: str, body: dict | None = None, timeout: float = 60.0) -> tuple[int, dict]:
