@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import gc
+import importlib
 import logging
 import os
 import runpy
@@ -317,9 +318,19 @@ def _become(req: Spawn, server_pid: int) -> None:
     np.random.seed()
 
 
-def _run(argv: list[str]) -> None:
-    """Run `python -m MODULE ARGS` / `python -c CODE ARGS` in this (forked) interpreter, as python would."""
+def _interpreter_path() -> list[str]:
+    """This interpreter's sys.path without what a start puts first: the script's folder and $PYTHONPATH's entries."""
+    own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return sys.path[1 + len(own):] if sys.path[1:1 + len(own)] == own else sys.path[1:]
+
+
+def _run(argv: list[str], base_path: list[str]) -> None:
+    """Run `python -m MODULE ARGS` / `python -c CODE ARGS` in this (forked) interpreter, as python would: sys.path
+    starts with the working folder (-m) or '' (-c), then the child's $PYTHONPATH."""
     flag, target, *args = argv[1:]
+    own = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[:] = [os.getcwd() if flag == "-m" else "", *own, *base_path]
+    importlib.invalidate_caches()
     if flag == "-m":
         sys.modules.pop(target, None)  # preloaded for its imports; `-m` runs it afresh as __main__
         sys.argv = [target, *args]
@@ -331,7 +342,7 @@ def _run(argv: list[str]) -> None:
 
 
 def main() -> None:
-    server_pid = os.getpid()
+    server_pid, base_path = os.getpid(), _interpreter_path()
     forked = serve(int(sys.argv[1]))
     if forked is None:
         return
@@ -339,7 +350,7 @@ def main() -> None:
     _become(req, server_pid)
     os.write(ready, b"1")
     os.close(ready)
-    _run(req.argv)
+    _run(req.argv, base_path)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,9 @@ from tests.helpers import engine_overrides
 
 PROBE = """
 import json, os, signal, sys, numpy, torch
+import probe_module  # on the child's PYTHONPATH only
 print(json.dumps({"argv": sys.argv, "env": os.environ.get("PROBE_VALUE"), "cwd": os.getcwd(),
+                  "path0": sys.path[0], "module": probe_module.VALUE,
                   "threads": torch.get_num_threads(), "own_group": os.getpgid(0) == os.getpid(),
                   "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
                   "random": numpy.random.random(), "stdin": sys.stdin.read()}), flush=True)
@@ -37,8 +39,11 @@ def server(tmp_path):
 
 def _probe(server: ForkServer, tmp_path: Path, name: str, code: int, **env: str) -> dict:
     log = tmp_path / f"{name}.log"
-    proc = server.spawn([sys.executable, "-c", PROBE, str(code), "an argument"], {**os.environ, **env},
-                        str(tmp_path), log)
+    modules = tmp_path / "modules"
+    modules.mkdir(exist_ok=True)
+    (modules / "probe_module.py").write_text(f"VALUE = {name!r}\n")
+    proc = server.spawn([sys.executable, "-c", PROBE, str(code), "an argument"],
+                        {**os.environ, **env, "PYTHONPATH": str(modules)}, str(tmp_path), log)
     assert proc.wait(120) == code
     return json.loads(log.read_text().strip().splitlines()[-1])
 
@@ -48,7 +53,8 @@ def test_forked_children_get_their_own_argv_env_folder_log_threads_and_random_st
     b = _probe(server, tmp_path, "b", 3, PROBE_VALUE="second", OMP_NUM_THREADS="1")
     assert a["argv"] == ["-c", "0", "an argument"] and b["argv"] == ["-c", "3", "an argument"]
     assert (a["env"], b["env"]) == ("first", "second")
-    assert a["cwd"] == b["cwd"] == str(tmp_path)
+    assert a["cwd"] == b["cwd"] == str(tmp_path) and a["path0"] == ""  # sys.path as `python -c` makes it
+    assert (a["module"], b["module"]) == ("a", "b")  # a module found through the child's own PYTHONPATH
     assert (a["threads"], b["threads"]) == (2, 1)  # the server imported torch with OMP_NUM_THREADS=1
     assert a["own_group"] and b["own_group"] and a["sigterm_default"] and a["stdin"] == ""
     assert a["random"] != b["random"]  # numpy's global generator is not the server's copy
