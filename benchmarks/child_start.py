@@ -28,7 +28,7 @@ from rlstream.launcher.forkserver import ForkServer
 from rlstream.launcher.procs import CHILD_ENV, stop_process
 from rlstream.launcher.tiny import build_tiny_model
 
-SECTION = "## Child start-up: fresh interpreter vs fork server"
+SECTION = "## Child start-up: fresh interpreter vs fork server (`launcher.fork_server`, `benchmarks/child_start.py`)"
 
 
 def _until_listening(pid: int, addr: Path, t0: float) -> dict[str, float]:
@@ -87,26 +87,17 @@ def main() -> None:
         server.close()
         redis.stop()
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in rows.items()}
-    text = _table(med, preload, args.pairs, os.getloadavg()[0])
+    text = _table(med, preload, args.pairs)
     publish(text, {"pairs": rows, "median": med, "server_preload": preload}, args.json,
             SECTION if args.readme else None)
 
 
-def _table(med: dict, preload: dict, pairs: int, load: float) -> str:
+def _table(med: dict, preload: dict, pairs: int) -> str:
     f, k = med["fresh"], med["forked"]
-    return "\n".join([
-        SECTION,
-        f"What: one `rlstream serve` (tiny model) from a fresh `python -m rlstream.launcher.cli` vs forked from the fork "
-        f"server (`launcher.fork_server`), until it listens; medians of {pairs} alternated pairs, load {load:.1f}.",
-        "",
-        "| start | engine CPU s | wall s | engine USS MB |",
-        "|---|---:|---:|---:|",
-        f"| fresh interpreter | {f['cpu_s']:.2f} | {f['wall_s']:.2f} | {f['uss_mb']:.0f} |",
-        f"| forked | {k['cpu_s']:.2f} ({k['cpu_s'] / f['cpu_s']:.2f}×) | {k['wall_s']:.2f} | {k['uss_mb']:.0f} |",
-        "",
-        f"The server's own imports, once per run: {preload['cpu_s']:.1f} CPU s. Rerun: `python benchmarks/child_start.py"
-        " [--readme]`.",
-    ]) + "\n"
+    line = (f"`rlstream serve` (tiny model) until it listens, median of {pairs} alternated pairs: a fresh interpreter "
+            f"{f['cpu_s']:.2f} CPU s, {f['uss_mb']:.0f} MB own (USS); forked {k['cpu_s']:.2f} s "
+            f"({k['cpu_s'] / f['cpu_s']:.2f}×), {k['uss_mb']:.0f} MB; the server {preload['cpu_s']:.1f} s once a run.")
+    return f"{SECTION}\n{line}\n"
 
 
 if __name__ == "__main__":

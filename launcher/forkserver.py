@@ -1,10 +1,11 @@
 """A fork server: one process that imported torch and transformers once, forked per child of `rlstream run`.
 
-Why: an engine or trainer spends ~6 CPU seconds importing torch and transformers before it
+Why: an engine or trainer spends 4-5 CPU seconds importing torch and transformers before it
 does anything, every start and every restart; a run on one box starts several and a chaos
 soak restarts them often. The server pays that once; each child is a `fork()` of it that
-then runs `python -m rlstream.launcher.cli ARGS` (`runpy`, as `-m` does; any `-m`/`-c` command) with its own
-environment, working folder, log file, process group, thread count and command line.
+then runs its `python -m MODULE ARGS` (`runpy`, as `-m` does) or `python -c CODE ARGS` with
+its own environment, sys.path, working folder, log file, process group, thread count and
+command line.
 
 Why not `multiprocessing`'s forkserver: it pickles the process object across the socket,
 and nothing that crossed a process boundary is unpickled here. The launcher and the
@@ -13,9 +14,10 @@ server speak msgspec JSON lines over a socketpair: `Spawn` -> `Started(pid)`, an
 
 Fork safety: the server never runs a torch op (no OpenMP pool to inherit broken), holds
 no lock a child could need, and is single-threaded when it forks. A child looks like a
-started process: `/proc/PID/cmdline` shows its own argv (written over the server's padded
-argv, so `/proc/PID/environ` stays intact), its process group is its own, and it gets
-SIGTERM when the server dies (which gets SIGTERM when the launcher dies).
+started process: `/proc/PID/cmdline` (ps) shows its own argv, written over the server's
+padded argv; `/proc/PID/environ` keeps the server's start environment (the launcher's child
+settings and RLSTREAM_RUN_DIR, as every child of a run has them). Its process group is its
+own, and it gets SIGTERM when the server dies (which gets SIGTERM when the launcher dies).
 """
 
 from __future__ import annotations
