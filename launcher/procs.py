@@ -125,10 +125,9 @@ class Child:
 
     def start(self) -> "Child":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.log_path, "ab", buffering=0) as log:
+        with open(self.log_path, "ab", buffering=0) as log:  # a child holds its own descriptor
             log.write(f"# {time.strftime('%Y-%m-%d %H:%M:%S')} {' '.join(self.argv)}\n".encode())
-        if not self._fork():
-            with open(self.log_path, "ab", buffering=0) as log:  # the child holds its own descriptor
+            if not self._fork():
                 self.proc = subprocess.Popen(self.argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                              env={**os.environ, **self.env}, cwd=self.cwd, start_new_session=True,
                                              preexec_fn=_child_setup)
