@@ -1,8 +1,8 @@
 """`rlstream launch ray`: the same run as `rlstream run`, its processes placed on a Ray cluster.
 
 Each engine (`rlstream serve`), producer (`rlstream produce`) and trainer rank (`rlstream train`)
-is the very process `rlstream run` starts, started by a small Ray actor (`ProcessActor`) on the
-node Ray placed that actor on; the actor holds the process's placement-group bundle (CPUs,
+is the very process `rlstream run` starts, started by a small Ray actor (`ray_actors.ProcessActor`) on
+the node Ray placed that actor on; the actor holds the process's placement-group bundle (CPUs,
 GPUs: Ray sets CUDA_VISIBLE_DEVICES) and reports its exit code. Everything else is
 `rlstream run`'s (`LocalRun`): preparation, the Redis it starts (or `--redis` /
 `redis.url`), the live view, the stop order, the report. Redis stays outside the placement
@@ -10,7 +10,9 @@ groups: the one the launcher starts runs in an actor on the launcher's node (not
 `ray job stop` signals the entrypoint and all its descendants at once, and Redis stops last),
 bound to this node's address behind a per-run random password (kept in the 0600 config every
 process reads). Engines register with name resolve as always; producers and the trainer find
-them there.
+them there. With `launcher.ray.engine` sglang or vllm each engine actor starts that server
+instead, which does not register: those engines are a fixed set whose addresses producers and
+the trainer are given (`rollout.engine_addresses`).
 
 Placement groups:
 
@@ -37,166 +39,18 @@ from __future__ import annotations
 
 import os
 import secrets
-import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from rlstream.common.config import Config, ConfigError
-from rlstream.common.logging import get_logger
 from rlstream.launcher.local import LocalRun, RunFailed, _echo
-from rlstream.launcher.procs import Child
-from rlstream.launcher.ray_plan import (bundle, check_cluster, fits, fixed_needs, node_bundles, resolve_address,
-                                        runtime_env)
+from rlstream.launcher.ray_actors import CALL_TIMEOUT_S, LOST, ProcessActor, RankGroup, RayChild, poll_all, reason
+from rlstream.launcher.ray_plan import (bundle, check_cluster, check_engine, fits, fixed_needs, node_bundles,
+                                        resolve_address, runtime_env)
+from rlstream.launcher.servers import server_args
 
 __all__ = ["launch", "RayRun", "ProcessActor"]
-
-log = get_logger(__name__)
-
-LOST = -9  # the exit code reported for a process whose actor (or node) is gone: it was killed
-CALL_TIMEOUT_S = 30.0  # one call to an actor (poll, stop, tail) on a healthy cluster takes milliseconds
-
-
-class ProcessActor:
-    """One rlstream process on the node this actor runs on (made a Ray actor by `RayRun`)."""
-
-    def __init__(self, name: str, role: str, args: list[str], log_path: str, env: dict[str, str],
-                 python: bool = True) -> None:
-        import ray
-
-        self.ip = ray.util.get_node_ip_address()
-        # `{node_ip}`: the address others reach this node on (an engine binds and advertises it).
-        argv = [*([sys.executable] if python else []), *(a.replace("{node_ip}", self.ip) for a in args)]
-        self.child = Child(name, role, argv, Path(log_path), env=env)
-
-    def free_port(self) -> tuple[str, int]:
-        """This node's address and a free port on it (trainer rank 0's rendezvous)."""
-        from rlstream.common.net import free_port
-
-        return self.ip, free_port("")
-
-    def start(self, env: dict[str, str] | None = None) -> tuple[str, int | None, str]:
-        import ray
-
-        self.child.env.update(env or {})
-        self.child.start()
-        return self.ip, self.child.pid, ray.get_runtime_context().get_node_id()
-
-    def address(self) -> str | None:
-        """The address an engine wrote to $RLSTREAM_ENGINE_ADDR_FILE once it listens, else None."""
-        path = self.child.env.get("RLSTREAM_ENGINE_ADDR_FILE")
-        try:
-            return Path(path).read_text().strip() or None if path else None
-        except OSError:
-            return None
-
-    def poll(self) -> int | None:
-        return self.child.poll()
-
-    def stop(self, timeout: float, urgent: bool = False) -> int | None:
-        return self.child.stop(timeout, urgent)
-
-    def tail(self, lines: int) -> list[str]:
-        return self.child.tail(lines)
-
-
-class RayChild:
-    """`procs.Child`'s interface (what `LocalRun` watches and stops) over one `ProcessActor`."""
-
-    def __init__(self, name: str, role: str, log_path: Path, actor: Any) -> None:
-        self.name, self.role, self.log_path, self.actor = name, role, log_path, actor
-        self.code: int | None = None  # refreshed by `poll_all`
-        self.lost: str | None = None  # why the actor is gone (its node left, its worker died)
-        self.pid: int | None = None
-        self.ip = self.node_id = ""
-
-    def poll(self) -> int | None:
-        return self.code
-
-    @property
-    def running(self) -> bool:
-        """Asked now (a stopping launcher waits on it), not the last `poll_all`."""
-        poll_all([self])
-        return self.code is None
-
-    def stop(self, timeout: float = 15.0, urgent: bool = False) -> int | None:
-        import ray
-
-        if self.lost is None:
-            try:
-                self.code = ray.get(self.actor.stop.remote(timeout, urgent), timeout=timeout + CALL_TIMEOUT_S)
-            except Exception as exc:  # noqa: BLE001 - an actor already gone has nothing left to stop
-                log.debug("stopping %s: %s", self.name, exc)
-        ray.kill(self.actor, no_restart=True)
-        return self.code
-
-    def tail(self, lines: int = 5) -> list[str]:
-        # The log is on the shared run folder; read it here (the actor may be gone).
-        return Child(self.name, self.role, [], self.log_path).tail(lines)
-
-
-def poll_all(children: list[RayChild]) -> None:
-    """Refresh every child's exit code with one round of calls; an actor that is gone is `lost`."""
-    import ray
-
-    live = [c for c in children if c.lost is None and c.code is None]
-    refs = [c.actor.poll.remote() for c in live]
-    for c, ref in zip(live, refs):
-        try:
-            c.code = ray.get(ref, timeout=CALL_TIMEOUT_S)
-        except (ray.exceptions.GetTimeoutError, ray.exceptions.ActorUnavailableError):
-            continue  # a busy node or a network blip: ask again next time (a dead actor says so)
-        except ray.exceptions.RayError as exc:
-            c.lost, c.code = _reason(exc), LOST
-
-
-def _reason(exc: BaseException) -> str:
-    """The first sentence of a Ray error, for one line."""
-    import textwrap
-
-    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return textwrap.shorten(first.split(". ")[0], 160, placeholder=" ...")
-
-
-class RankGroup:
-    """The trainer's ranks as one child: failed when one fails, finished when all finished."""
-
-    name, role = "trainer", "trainer"
-
-    def __init__(self, ranks: list[RayChild]) -> None:
-        self.ranks = ranks
-        self.log_path = ranks[0].log_path
-        self.pid = ranks[0].pid
-
-    @property
-    def lost(self) -> str | None:
-        return next((r.lost for r in self.ranks if r.lost), None)
-
-    def poll(self) -> int | None:
-        codes = [r.code for r in self.ranks]
-        failed = [c for c in codes if c not in (None, 0)]
-        return failed[0] if failed else (0 if all(c == 0 for c in codes) else None)
-
-    @property
-    def running(self) -> bool:
-        poll_all(self.ranks)
-        return self.poll() is None
-
-    def stop(self, timeout: float = 15.0, urgent: bool = False) -> int | None:
-        import ray
-
-        refs = [r.actor.stop.remote(timeout, urgent) for r in self.ranks if r.lost is None]  # all at once: a collective
-        try:
-            ray.get(refs, timeout=timeout + CALL_TIMEOUT_S)
-        except Exception as exc:  # noqa: BLE001 - a rank already gone
-            log.debug("stopping the trainer ranks: %s", exc)
-        for r in self.ranks:
-            ray.kill(r.actor, no_restart=True)
-        return self.poll()
-
-    def tail(self, lines: int = 5) -> list[str]:
-        return self.ranks[0].tail(lines)
 
 
 @dataclass
@@ -228,6 +82,7 @@ class RayRun(LocalRun):
         self.no_room: set[str] = set()
         self.actors: list[RayChild] = []  # every actor started: the sweep kills what is left of them
         self._counts = {"engine": 0, "producer": 0}
+        self.server_addresses: list[str] = []  # launcher.ray.engine sglang/vllm: where they listen
         self._next_node_check = 0.0
 
     # ------------------------------------------------------------------ Ray
@@ -236,6 +91,7 @@ class RayRun(LocalRun):
 
         import ray
 
+        check_engine(self.cfg)
         addr, key = resolve_address(self.cfg, self.cli_address)
         env = runtime_env(self.cfg, in_job=True)  # the actors', so every process of the run gets it
         try:
@@ -284,15 +140,17 @@ class RayRun(LocalRun):
         return child
 
     def _spawn(self, name: str, role: str, args: list[str], pg: Any, index: int, resources: dict[str, float],
-               threads: int, **env: str) -> RayChild:
+               threads: int, cli: bool = True, python: str = "", **env: str) -> RayChild:
+        """An actor in bundle `index` of `pg` that runs `args`: the rlstream CLI's (`cli`) or a script's, in `python`
+        (empty: the actors' own)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         log_path = self.logs / f"{name}.log"
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index)
+        argv = [*([python] if python else []), *(["-m", "rlstream.launcher.cli"] if cli else []), *args]
         actor = self.ProcessActor.options(
             num_cpus=resources.get("CPU", 0.0), num_gpus=resources.get("GPU", 0.0), scheduling_strategy=strategy,
-            max_restarts=0).remote(name, role, ["-m", "rlstream.launcher.cli", *args], str(log_path),
-                                   self._env(threads, **env))
+            max_restarts=0).remote(name, role, argv, str(log_path), self._env(threads, **env), python=not python)
         child = RayChild(name, role, log_path, actor)
         self.actors.append(child)
         return child
@@ -322,11 +180,21 @@ class RayRun(LocalRun):
 
     def _engine(self, pg: Any, index: int) -> RayChild:
         rc = self.cfg.launcher.ray
-        return self._server(self._next_name("engine"), [], pg, index, bundle(rc.engine_cpus, rc.engine_gpus))
+        resources = bundle(rc.engine_cpus, rc.engine_gpus)
+        if rc.engine == "local":
+            return self._server(self._next_name("engine"), [], pg, index, resources)
+        args = server_args(rc.engine, str(self.cfg.server.model_path or self.cfg.actor.path), "{node_ip}",
+                           "{free_port}")
+        return self._spawn(self._next_name("engine"), "engine", [*args, *rc.engine_args], pg, index, resources,
+                           self.cfg.launcher.threads.engine, cli=False, python=rc.engine_python)
+
+    def _engine_list(self) -> list[str]:
+        """The SGLang/vLLM servers' addresses for producers and the trainer (rlstream's own register instead)."""
+        return [f"rollout.engine_addresses=[{','.join(self.server_addresses)}]"] if self.server_addresses else []
 
     def _producer(self, pg: Any, index: int) -> RayChild:
         name = self._next_name("producer")
-        args = ["produce", "--config", str(self.child_config), f"producer.producer_id={name}"]
+        args = ["produce", "--config", str(self.child_config), f"producer.producer_id={name}", *self._engine_list()]
         return self._spawn(name, "producer", args, pg, index, bundle(self.cfg.launcher.ray.producer_cpus, 0),
                            self.cfg.launcher.threads.producer)
 
@@ -341,7 +209,7 @@ class RayRun(LocalRun):
             except ray.exceptions.RayError as exc:
                 if not elastic:
                     raise RunFailed(f"{c.name} did not start on the Ray cluster: {str(exc).splitlines()[0]}") from None
-                c.lost, c.code = _reason(exc), LOST
+                c.lost, c.code = reason(exc), LOST
                 continue
             if c.role == "engine" and c not in self.scorers:
                 self.engines.append(c)
@@ -361,7 +229,7 @@ class RayRun(LocalRun):
                 try:
                     addr = ray.get(c.actor.address.remote(), timeout=CALL_TIMEOUT_S)
                 except ray.exceptions.RayError as exc:
-                    c.lost, c.code = _reason(exc), LOST
+                    c.lost, c.code = reason(exc), LOST
                     self._check_children(starting=True)  # drops an elastic one, fails the run for the others
                     break
                 if addr:
@@ -399,6 +267,8 @@ class RayRun(LocalRun):
             started = [self._engine(self.fixed_pg, i) for i in range(lc.n_engines)]
             self._start(started)
         up = self._wait_addresses(started)
+        if rc.engine != "local":
+            self.server_addresses = [a for _c, a in up]
         if up:
             _echo(f"engines: {', '.join(f'{c.name} {a}' for c, a in up)}")
 
@@ -431,7 +301,7 @@ class RayRun(LocalRun):
         threads = lc.threads.trainer or max(1, int(rc.trainer_cpus))
         # torchrun's environment for each rank; LOCAL_RANK 0: Ray shows each rank only its own GPUs.
         ranks = [self._spawn("trainer" if r == 0 else f"trainer-rank{r}", "trainer",
-                             ["train", "--config", str(self.child_config)], self.trainer_pg, r,
+                             ["train", "--config", str(self.child_config), *self._engine_list()], self.trainer_pg, r,
                              bundle(rc.trainer_cpus, rc.trainer_gpus), threads,
                              **({"RANK": str(r), "WORLD_SIZE": str(n), "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
                                 if n > 1 else {})) for r in range(n)]

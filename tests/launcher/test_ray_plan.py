@@ -11,7 +11,8 @@ import socket
 import pytest
 
 from rlstream.common.config import ConfigError, load_config
-from rlstream.launcher.ray_plan import check_cluster, fits, fixed_needs, node_bundles, resolve_address, runtime_env
+from rlstream.launcher.ray_plan import (check_cluster, check_engine, fits, fixed_needs, node_bundles, resolve_address,
+                                        runtime_env)
 from tests.helpers import free_port
 
 CONFIG = "configs/tiny-cpu.yaml"
@@ -46,6 +47,21 @@ def test_address_sources_and_refusals(monkeypatch):
         srv.listen()
         addr = f"127.0.0.1:{srv.getsockname()[1]}"
         assert resolve_address(_cfg(f"launcher.ray.address={addr}"), None) == (addr, "launcher.ray.address")
+
+
+def test_sglang_and_vllm_engines_are_a_fixed_set_speaking_the_backend_named():
+    check_engine(_cfg())  # rlstream's own engines: anything goes
+    check_engine(_cfg("launcher.ray.engine=vllm", "rollout.backend=vllm"))
+    check_engine(_cfg("launcher.ray.engine=sglang", "rollout.backend=sglang"))
+    with pytest.raises(ConfigError, match=r"^launcher.ray.engines_per_node=2: elastic engines register .* set "
+                                          r"engines_per_node=0$"):
+        check_engine(_cfg("launcher.ray.engine=vllm", "rollout.backend=vllm", "launcher.ray.engines_per_node=2"))
+    with pytest.raises(ConfigError, match=r"^rollout.backend=sglang: launcher.ray.engine=vllm serves vllm's API; "
+                                          r"set rollout.backend=vllm$"):
+        check_engine(_cfg("launcher.ray.engine=vllm", "rollout.backend=sglang"))
+    with pytest.raises(ConfigError, match=r"^rollout.engine_addresses=\['h:1'\]: launcher.ray.engine=sglang starts "
+                                          r"the engines"):
+        check_engine(_cfg("launcher.ray.engine=sglang", "rollout.backend=sglang", "rollout.engine_addresses=[h:1]"))
 
 
 def test_cluster_too_small_names_the_keys():
