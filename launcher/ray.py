@@ -150,7 +150,8 @@ class RayRun(LocalRun):
         argv = [*([python] if python else []), *(["-m", "rlstream.launcher.cli"] if cli else []), *args]
         actor = self.ProcessActor.options(
             num_cpus=resources.get("CPU", 0.0), num_gpus=resources.get("GPU", 0.0), scheduling_strategy=strategy,
-            max_restarts=0).remote(name, role, argv, str(log_path), self._env(threads, **env), python=not python)
+            max_restarts=0).remote(name, role, argv, str(log_path), self._env(threads, **env), python=not python,
+                                   backend=self.cfg.rollout.backend)
         child = RayChild(name, role, log_path, actor)
         self.actors.append(child)
         return child

@@ -12,6 +12,7 @@ from typing import Any
 
 from rlstream.common.logging import get_logger
 from rlstream.launcher.procs import Child
+from rlstream.launcher.servers import engines_healthy
 
 __all__ = ["CALL_TIMEOUT_S", "LOST", "ProcessActor", "RankGroup", "RayChild", "poll_all", "reason"]
 
@@ -25,7 +26,7 @@ class ProcessActor:
     """One rlstream process on the node this actor runs on (made a Ray actor by `RayRun`)."""
 
     def __init__(self, name: str, role: str, args: list[str], log_path: str, env: dict[str, str],
-                 python: bool = True) -> None:
+                 python: bool = True, backend: str = "sglang") -> None:
         import ray
 
         from rlstream.common.net import free_port
@@ -37,6 +38,9 @@ class ProcessActor:
         argv = [*([sys.executable] if python else []),
                 *(a.replace("{node_ip}", self.ip).replace("{free_port}", str(self.port)) for a in args)]
         self.child = Child(name, role, argv, Path(log_path), env=env)
+        # rollout.backend: how to ask a server on `{free_port}` whether it is up; without the API key (vLLM guards
+        # only /v1..., not /health), so no secret travels in the actor's arguments
+        self.backend = backend
 
     def free_port(self) -> tuple[str, int]:
         """This node's address and a free port on it (trainer rank 0's rendezvous)."""
@@ -55,7 +59,8 @@ class ProcessActor:
         """The address an engine wrote to $RLSTREAM_ENGINE_ADDR_FILE once it listens (a server on the port it was
         given: once /health answers), else None."""
         if self.port is not None:
-            return f"{self.ip}:{self.port}" if _healthy(f"http://{self.ip}:{self.port}/health") else None
+            addr = f"{self.ip}:{self.port}"
+            return addr if engines_healthy(self.backend, [addr]) else None
         path = self.child.env.get("RLSTREAM_ENGINE_ADDR_FILE")
         try:
             return Path(path).read_text().strip() or None if path else None
@@ -70,16 +75,6 @@ class ProcessActor:
 
     def tail(self, lines: int) -> list[str]:
         return self.child.tail(lines)
-
-
-def _healthy(url: str) -> bool:
-    import urllib.request
-
-    try:
-        with urllib.request.urlopen(url, timeout=2) as resp:
-            return resp.status == 200
-    except OSError:
-        return False
 
 
 class RayChild:

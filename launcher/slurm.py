@@ -50,7 +50,7 @@ from rlstream.common.config import Config, ConfigError, config_to_dict
 from rlstream.common.logging import get_logger
 from rlstream.launcher.local import scoring_engine_specs
 from rlstream.launcher.slurm_pools import absolute_paths, scoring_tasks
-from rlstream.launcher.servers import server_args
+from rlstream.launcher.servers import engines_healthy, server_args
 from rlstream.launcher.slurm_site import check_container, check_partition, container_python, container_shell
 
 __all__ = ["launch", "plan", "render_script", "Placement", "redis_conf_text", "redis_server_command"]
@@ -573,22 +573,8 @@ def _main(argv: list[str] | None = None) -> int:
                 return False
 
         return _wait(redis_up, f"redis at {a.url}", a.timeout, a.watch)
-    import asyncio
-
-    import aiohttp
-
-    from rlstream.common.engine_client import make_engine_client
-
-    async def health() -> bool:
-        async with aiohttp.ClientSession() as session:
-            clients = [make_engine_client(cfg.rollout.backend, session, addr, cfg.rollout.api_key)
-                       for addr in a.addresses]
-            return all(await asyncio.gather(*(c.health(timeout=2) for c in clients)))
-
-    def all_healthy() -> bool:
-        return asyncio.run(health())
-
-    return _wait(all_healthy, f"engines {', '.join(a.addresses)}", a.timeout, a.watch)
+    return _wait(lambda: engines_healthy(cfg.rollout.backend, a.addresses, cfg.rollout.api_key),
+                 f"engines {', '.join(a.addresses)}", a.timeout, a.watch)
 
 
 if __name__ == "__main__":
