@@ -3,7 +3,10 @@
 With η = max_head_offpolicyness, B = consumer_batch_size and v the served version:
 
     running  = live leases in {ns}:admit:running
-    capacity = min(max_concurrent - running, (η + v + 1)·B − (accepted + running))
+    capacity = min(max_concurrent - running, min((η + v + 1)·B, G) − (accepted + running))
+
+where G = total_train_steps·B, the groups the whole run trains (the trainer records it at start), so producers stop
+at the run's last step instead of generating up to (η + 1)·B groups nobody trains.
 
 Taking a lease, releasing, dropping a stale group, renewing and heartbeats are Lua scripts (`broker/lua.py`), so
 any number of racing producers never admit past the budget and share the slots fairly. Committing accepted groups
@@ -35,7 +38,7 @@ from redis.exceptions import WatchError
 from rlstream.broker import lua
 from rlstream.broker.connection import BrokerUnavailable
 from rlstream.broker.images import IMAGES_FIELD, store_calls
-from rlstream.broker.keys import TRAIN_GROUP, Keys
+from rlstream.broker.keys import LEASE_FIELD, TRAIN_GROUP, Keys
 from rlstream.broker.producers import accepted_field
 from rlstream.broker.plan import Async, Call, Plan, Sleep, Sync, Transaction, Watch, operation, script
 from rlstream.common.logging import get_logger
@@ -139,8 +142,8 @@ class AdmissionState:
     version: int
     rejected: int = 0  # filled by snapshot()
     run_finished: bool = False  # the trainer marked the run finished: no more leases, stop producing
-    # refused because the budget (η + v + 1)·B is used up: a commit frees none of it (only a release, an
-    # abandon, an expiry, a stale drop or a version bump do, and each of those wakes the waiters)
+    # refused because the budget min((η + v + 1)·B, G) is used up: a commit frees none of it (only a release, an
+    # abandon, an expiry, a stale drop, a dead letter or a version bump do, and each of those wakes the waiters)
     budget_full: bool = False
 
 
@@ -150,14 +153,17 @@ class Lease:
     expires_ms: int  # Redis server clock
 
 
-def budget(eta: int, version: int, batch: int) -> int:
-    """Groups that may be admitted in total (accepted + running) at served version v: (η + v + 1)·B."""
-    return (eta + version + 1) * batch
+def budget(eta: int, version: int, batch: int, run_groups: int = -1) -> int:
+    """Groups that may be admitted in total (accepted + running) at served version v: (η + v + 1)·B, capped by
+    the groups the whole run trains (`run_groups`, total_train_steps·B; -1: no cap), as `lua.LUA_BUDGET`."""
+    total = (eta + version + 1) * batch
+    return run_groups if 0 <= run_groups < total else total
 
 
-def capacity(eta: int, version: int, batch: int, max_concurrent: int, accepted: int, running: int) -> int:
+def capacity(eta: int, version: int, batch: int, max_concurrent: int, accepted: int, running: int,
+             run_groups: int = -1) -> int:
     """The blueprint's formula, for reporting (the Lua script is the authority)."""
-    return min(max_concurrent - running, budget(eta, version, batch) - (accepted + running))
+    return min(max_concurrent - running, budget(eta, version, batch, run_groups) - (accepted + running))
 
 
 class Admission:
@@ -218,16 +224,16 @@ class Admission:
         res = yield from script(lua.ACQUIRE, keys, [self.lease_ttl_ms, self.eta, self.batch, self.max_concurrent,
                                                  self.wait_window_ms, self.owner if own_ids else "", ALIVE_TTL_MS,
                                                  *lease_ids])
-        running, accepted, version, finished, refreshed = (int(x) for x in res[:5])
+        running, accepted, version, finished, refreshed, run_groups = (int(x) for x in res[:6])
         if refreshed:
             self._alive_at = max(self._alive_at, sent)
         out: list[tuple[AdmissionState, Lease | None]] = []
-        for lid, code in zip(lease_ids, res[5:]):
+        for lid, code in zip(lease_ids, res[6:]):
             code = int(code)  # the script's decision: expiry (taken now), -expiry (held already), 0 (refused)
             if finished:
                 out.append((AdmissionState(False, 0, running, accepted, version, run_finished=True), None))
                 continue
-            cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
+            cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running, run_groups)
             if code > 0:
                 self._saw_server_ms(code - self.lease_ttl_ms, sent)  # taken now: expiry = server now + ttl
                 running += 1
@@ -237,7 +243,7 @@ class Admission:
             elif code < 0:
                 out.append((AdmissionState(True, cap, running, accepted, version), Lease(lid, -code)))
             else:
-                full = budget(self.eta, version, self.batch) - (accepted + running) <= 0
+                full = budget(self.eta, version, self.batch, run_groups) - (accepted + running) <= 0
                 out.append((AdmissionState(False, cap, running, accepted, version, budget_full=full), None))
         return out
 
@@ -294,7 +300,8 @@ class Admission:
                 images = fields.pop(IMAGES_FIELD)
                 calls.extend(Call("execute_command", *cmd) for cmd in store_calls(k, images, server_ms))
             xadds.append(len(calls))
-            calls.append(Call("execute_command", "XADD", k.traj, "*", *(x for kv in fields.items() for x in kv)))
+            calls.append(Call("execute_command", "XADD", k.traj, "*", *(x for kv in fields.items() for x in kv),
+                              LEASE_FIELD, lid))
             calls.append(Call("execute_command", "SET", k.admit_done(lid), "1", "PX", DONE_TTL_MS))
         return calls, _CommitLayout([(owner, len(leases)) for owner, leases in per_owner.items()], refresh, xadds)
 
@@ -537,9 +544,9 @@ class Admission:
         """Current running/accepted/version/rejected and remaining capacity (takes no lease)."""
         keys = [self.keys.admit_running, self.keys.admit_accepted, self.keys.version, self.keys.admit_rejected,
                 self.keys.admit_alive, self.keys.admit_armed, self.keys.admit_wake, self.keys.admit_owners,
-                self.keys.admit_waiting]
-        running, accepted, version, rejected = (int(x) for x in (yield from script(lua.PEEK, keys, [])))
-        cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running)
+                self.keys.admit_waiting, self.keys.run]
+        running, accepted, version, rejected, run_groups = (int(x) for x in (yield from script(lua.PEEK, keys, [])))
+        cap = capacity(self.eta, version, self.batch, self.max_concurrent, accepted, running, run_groups)
         return AdmissionState(cap > 0, cap, running, accepted, version, rejected)
 
 

@@ -266,7 +266,9 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
     pipe.zrange(keys.engines, 0, -1, withscores=True)
     pipe.hkeys(keys.producers)
     pipe.hget(keys.run, "state")
-    n_keys, length, served, trainer, accepted, rejected, running, engines, producers, run_state = pipe.execute()
+    pipe.hget(keys.run, "groups")
+    n_keys, length, served, trainer, accepted, rejected, running, engines, producers, run_state, run_groups \
+        = pipe.execute()
     served, trainer = _int(served), _int(trainer)
     accepted, rejected, running = _int(accepted), _int(rejected), _int(running)
 
@@ -278,8 +280,9 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
                                               meta.max_concurrent_rollouts, "meta")
     admission = {
         "running": running, "accepted": accepted, "rejected": rejected,
-        "budget": budget(eta, served, batch),
-        "capacity": capacity(eta, served, batch, max_concurrent, accepted, running),
+        "budget": budget(eta, served, batch, _int(run_groups, -1)),
+        "capacity": capacity(eta, served, batch, max_concurrent, accepted, running, _int(run_groups, -1)),
+        "run_groups": _int(run_groups, -1),  # the groups the whole run trains (-1: not recorded)
         "max_head_offpolicyness": eta, "consumer_batch_size": batch, "max_concurrent_rollouts": max_concurrent,
         "params_from": source,
     }

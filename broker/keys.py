@@ -11,6 +11,9 @@ from dataclasses import dataclass
 from rlstream.common.engine_api import ENGINES_SERVICE
 
 TRAIN_GROUP = "train"
+# The stream-entry field a commit through admission adds (the lease id): an entry counted in `{ns}:admit:accepted`.
+# A bad one dead-lettered gives its slot back; one written around admission (tools, garbage) has none to give.
+LEASE_FIELD = "l"
 NAMESPACE_PREFIX = "rlstream"
 
 

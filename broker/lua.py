@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from rlstream.broker.plan import LUA_NOW_MS
 
-__all__ = ["LUA_WAKE", "LUA_LEASES", "LUA_REAP", "LUA_FINISH", "ACQUIRE", "HEARTBEAT", "RELEASE", "DROP_STALE",
+__all__ = ["LUA_WAKE", "LUA_LEASES", "LUA_REAP", "LUA_FINISH", "LUA_BUDGET", "ACQUIRE", "HEARTBEAT", "RELEASE", "DROP_STALE",
            "ABANDON", "RECOUNT_OWNERS", "WAKE_AFTER_COMMIT", "PEEK", "RESET", "RENEW", "WAKE_MAXLEN"]
 
 # Entries the wake stream keeps (approximately: MAXLEN ~); a waiter needs only the newest one.
@@ -129,10 +129,23 @@ local function reap(running, owners, alive, armed, stream, waiting)
 end
 """
 
+# The budget at served version v: (η + v + 1)·B, and never more than the groups the whole run trains (field `groups`
+# of `{ns}:run`, total_train_steps·B, written by the trainer at start; absent: no such cap), so producers do not
+# generate groups past the run's last step that nobody would train.
+LUA_BUDGET = """
+local function budget(eta, v, B, limit)
+  local total = (eta + v + 1) * B
+  if limit >= 0 and limit < total then return limit end
+  return total
+end
+local function run_limit(run) return tonumber(redis.call('HGET', run, 'groups') or '-1') end
+"""
+
 # KEYS: running, accepted, version, waiting, alive, run, armed, wake, owners
 # ARGV: ttl_ms, eta, B, max_concurrent, wait_window_ms, owner whose liveness record to refresh ('' none),
 #       alive_ttl_ms, lease_id...
-# -> {running, accepted, version, run_finished, record refreshed (1/0)}, then per lease id, in order: its expiry
+# -> {running, accepted, version, run_finished, record refreshed (1/0), the run's groups (-1: none)}, then per lease
+#    id, in order: its expiry
 #    (server ms) if this call took it, minus its expiry if it was held already (a retry), 0 if refused. The client
 #    derives each decision's running count and capacity from these (`capacity`, the same formula).
 # Takes leases only while capacity is positive, in one script, so racing producers never admit past the budget.
@@ -140,7 +153,7 @@ end
 # No lease once the trainer marked the run finished (`{ns}:run`): a late producer commits nothing.
 # A refusal arms the wake-up (`wake` above): `c` when the concurrency limit was what refused (a commit frees a
 # slot then), else `b` (only a release, an abandon, an expiry or a version bump does).
-ACQUIRE = LUA_REAP + """
+ACQUIRE = LUA_REAP + LUA_BUDGET + """
 reap(KEYS[1], KEYS[9], KEYS[5], KEYS[7], KEYS[8], KEYS[4])
 -- the asking producer's liveness record, if it has one (XX: an owner that never heartbeats gets none), is
 -- refreshed as by a heartbeat: its heartbeat is then due HEARTBEAT_SECS later (Admission.heartbeat_due)
@@ -148,8 +161,9 @@ local refreshed = 0
 if ARGV[6] ~= '' then refreshed = redis.call('ZADD', KEYS[5], 'XX', 'CH', now + tonumber(ARGV[7]), ARGV[6]) end
 local accepted = tonumber(redis.call('GET', KEYS[2]) or '0')
 local v = tonumber(redis.call('GET', KEYS[3]) or '0')
+local limit = run_limit(KEYS[6])
 if redis.call('HGET', KEYS[6], 'state') == 'finished' then
-  local out = {redis.call('ZCARD', KEYS[1]), accepted, v, 1, refreshed}
+  local out = {redis.call('ZCARD', KEYS[1]), accepted, v, 1, refreshed, limit}
   for i = 8, #ARGV do out[#out + 1] = 0 end
   return out
 end
@@ -159,7 +173,8 @@ local B = tonumber(ARGV[3])
 -- producers refused within the window (`recent`, owner -> true) are read once, when a fair-share check first
 -- needs them, then mirrored. Members only: a reply WITHSCORES formats every score as a string, which is costly.
 local running = redis.call('ZCARD', KEYS[1])
-local out = {running, accepted, v, 0, refreshed}
+local out = {running, accepted, v, 0, refreshed, limit}
+local total = budget(eta, v, B, limit)
 local since = now - tonumber(ARGV[5])
 local recent, unwaited = nil, {}
 local function recent_waiters()
@@ -215,7 +230,7 @@ local function decide(lease)
   local owner = owner_of(lease)
   if refused_owner[owner] then return 0 end
   local by_concurrency = tonumber(ARGV[4]) - running
-  local cap = math.min(by_concurrency, (eta + v + 1) * B - (accepted + running))
+  local cap = math.min(by_concurrency, total - (accepted + running))
   if cap > 0 then
     -- the others refused within the wait window
     local seen, n = {[owner] = true}, 1
@@ -266,7 +281,7 @@ elseif arm and redis.call('GET', KEYS[7]) ~= 'c' then redis.call('SET', KEYS[7],
 -- Refused its fair share while slots were free (`short`: the share): the slots are for producers below their
 -- share. The waiting ones not woken yet are woken (oldest refusal first, one per free slot): a wake-up that
 -- named a producer at its share would otherwise leave the slot unused until the next one.
-local free = math.min(tonumber(ARGV[4]) - running, (eta + v + 1) * B - (accepted + running))
+local free = math.min(tonumber(ARGV[4]) - running, total - (accepted + running))
 if short and free > 0 then
   local holding, woken, at = owner_counts(), {}, {}
   local rows = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. since, '+inf', 'WITHSCORES')
@@ -372,12 +387,12 @@ wake(KEYS[1], KEYS[2], 'commit', true, KEYS[3], tonumber(ARGV[1]))
 """
 
 # A snapshot for reporting: reaps first, so the numbers count only live leases; takes no lease.
-# KEYS: running, accepted, version, rejected, alive, armed, wake, owners, waiting
-#   -> {running, accepted, version, rejected}
-PEEK = LUA_REAP + """
+# KEYS: running, accepted, version, rejected, alive, armed, wake, owners, waiting, run
+#   -> {running, accepted, version, rejected, the run's groups (-1: none)}
+PEEK = LUA_REAP + LUA_BUDGET + """
 reap(KEYS[1], KEYS[8], KEYS[5], KEYS[6], KEYS[7], KEYS[9])
 return {redis.call('ZCARD', KEYS[1]), tonumber(redis.call('GET', KEYS[2]) or '0'),
-        tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(redis.call('GET', KEYS[4]) or '0')}
+        tonumber(redis.call('GET', KEYS[3]) or '0'), tonumber(redis.call('GET', KEYS[4]) or '0'), run_limit(KEYS[10])}
 """
 
 # After recovery to version v: accepted := v·B + backlog, so producers do not fill a whole new budget on top of

@@ -20,7 +20,7 @@ from redis.exceptions import RedisError, ResponseError
 
 from rlstream.broker.connection import execute_raw
 from rlstream.broker.images import IMAGES_FIELD, RELEASE_IMAGES, fetch_images, images_problem, store_calls
-from rlstream.broker.keys import TRAIN_GROUP, Keys
+from rlstream.broker.keys import LEASE_FIELD, TRAIN_GROUP, Keys
 from rlstream.broker.lua import LUA_WAKE
 from rlstream.common.logging import get_logger
 from rlstream.common.wire import TrajectoryGroup, decode_many, encode_group
@@ -91,6 +91,18 @@ end
 return 1
 """
 
+# KEYS: traj, dead, accepted, armed, wake, waiting   ARGV: group, id, give_back(0/1), then the record's field/value pairs
+# The record is written on every call (a retry after a lost reply may write it twice: the ledger counts those apart);
+# the slot goes back only from the call whose XACK took the entry off the pending list, so once.
+_DEAD_LETTER = LUA_WAKE + """
+local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
+if acked == 1 and ARGV[3] == '1' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
+  redis.call('DECR', KEYS[3])
+  wake(KEYS[4], KEYS[5], 'dead', false, KEYS[6], 1)
+end
+return acked
+"""
 
 class Entry(msgspec.Struct, gc=False):
     """A decoded stream entry (not tracked by the cyclic GC: it holds no cycles, and a read makes one per group)."""
@@ -110,6 +122,7 @@ class TrajectoryStream:
         self.keys = keys
         self.group = group
         self._drop_script = client.register_script(_DROP_STALE)
+        self._dead_script = client.register_script(_DEAD_LETTER)
         self._release_images = client.register_script(RELEASE_IMAGES)
         self._images_seen: bool | None = None  # whether the run has images to release at trims (None: ask once)
         self.dead_lettered = 0  # entries this object moved to `{ns}:dead` (undecodable ones included)
@@ -266,14 +279,19 @@ class TrajectoryStream:
         self.dead_letter(entry_id, raw[0][1] if raw else {}, reason)
 
     def dead_letter(self, entry_id: str, fields: dict[bytes, bytes], reason: str) -> None:
-        """Copy a bad entry to `{ns}:dead` with its reason, then ack it on the source group."""
-        record: dict[Any, Any] = {"source_id": entry_id, "reason": reason, "group": self.group, "ts": time.time()}
+        """Copy a bad entry to `{ns}:dead` with its reason and ack it on the source group, in one script.
+
+        A bad group committed through admission (it carries `LEASE_FIELD`) was counted in `admit:accepted` and is
+        never trained: its slot goes back as a stale drop's does, or (η+1)·B of them would shut admission for good.
+        """
+        record: list[Any] = ["source_id", entry_id, "reason", reason, "group", self.group, "ts", time.time()]
         for k, v in fields.items():
-            record[b"orig:" + (k if isinstance(k, bytes) else str(k).encode())] = v
-        pipe = self.client.pipeline(transaction=True)
-        pipe.xadd(self.keys.dead, record)
-        pipe.xack(self.keys.traj, self.group, entry_id)
-        pipe.execute()
+            record += [b"orig:" + (k if isinstance(k, bytes) else str(k).encode()), v]
+        admitted = LEASE_FIELD.encode() in fields or LEASE_FIELD in fields
+        self._dead_script(
+            keys=[self.keys.traj, self.keys.dead, self.keys.admit_accepted, self.keys.admit_armed, self.keys.admit_wake,
+                  self.keys.admit_waiting],
+            args=[self.group, entry_id, 1 if admitted and self.group == TRAIN_GROUP else 0, *record])
         self._note_acked([entry_id])
         self.dead_lettered += 1
 

@@ -125,9 +125,14 @@ class Versions:
         yield Pipeline(self._announce(_enc.encode(event)), transaction=True)
 
     @operation
-    def start_run(self, detail: str = "") -> Plan:
-        """Mark the run running (the trainer, at every start: a resumed run is running again)."""
-        yield Call("hset", self.keys.run, mapping={"state": RUN_RUNNING, "updated_at": time.time(), "detail": detail})
+    def start_run(self, detail: str = "", groups: int | None = None) -> Plan:
+        """Mark the run running (the trainer, at every start: a resumed run is running again). `groups`: the groups
+        the whole run trains (total_train_steps·B), the cap of the admission budget (`lua.LUA_BUDGET`); None
+        leaves the recorded one as it is."""
+        fields: dict[str, Any] = {"state": RUN_RUNNING, "updated_at": time.time(), "detail": detail}
+        if groups is not None:
+            fields["groups"] = groups
+        yield Call("hset", self.keys.run, mapping=fields)
 
     @operation
     def finish_run(self, event: Event) -> Plan:

@@ -30,6 +30,7 @@ def train(cluster: Cluster, loop: asyncio.AbstractEventLoop) -> None:
     s, r, clock = cluster.s, cluster.result, cluster.clock
     client = connect(cluster.url)
     versions = VersionRegistry(client, cluster.keys)
+    versions.start_run("simulated trainer", groups=s.steps * s.batch)  # as the trainer: admission stops at the end
     reader = StepReader(client, cluster.keys, groups_per_step=s.batch, max_head_offpolicyness=cluster.eta,
                         block_ms=max(1, round(1000 * cluster.wall(READ_BLOCK_S))), log_every_secs=3600)
     if s.fill_fraction is not None:

@@ -180,7 +180,9 @@ class Trainer:
         self.versions = VersionRegistry(self.client, keys)
         if par.rank == 0:  # admission parameters for `rlstream inspect` and a check against the producers'
             write_run_meta(self.client, keys, cfg, component="trainer")
-            self.versions.start_run("trainer started")  # durable run state {ns}:run (a resumed run is running again)
+            # durable run state {ns}:run (a resumed run is running again), and the groups the run trains in all:
+            # admission admits none past the last step
+            self.versions.start_run("trainer started", groups=self.total_steps * B)
 
         # ---- model, reference, optimizer; the position of the newest recover checkpoint
         self.actor, vocab_size = _build_actor(cfg, par, self.total_steps)

@@ -390,6 +390,31 @@ def test_try_acquire_many_respects_the_budget(rclient, keys):
     assert len({lease.lease_id for _, lease in got if lease}) == 3 and adm.snapshot().running == 3
 
 
+def test_the_groups_the_run_trains_cap_the_budget_and_a_give_back_reopens_it(rclient, keys, group_factory):
+    """With η = 2 and B = 2 producers may run (η + 1)·B = 6 groups ahead, but a run of 2 steps trains 4 in all
+    (the trainer records total_train_steps·B at start): admission stops there, so nothing is generated past the
+    last step; a group given back (a stale drop) is needed again and reopens one slot."""
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=2, consumer_batch_size=2,
+                              max_concurrent_rollouts=10)
+    VersionRegistry(rclient, keys).start_run("test", groups=2 * 2)
+    got = adm.try_acquire_many(6)
+    assert [st.admitted for st, _ in got] == [True] * 4 + [False] * 2
+    assert got[-1][0].budget_full and got[-1][0].capacity == 0  # refused by the run's end, not by concurrency
+    assert adm.snapshot().capacity == 0 and budget(2, 0, 2, 4) == 4 and budget(2, 0, 2) == 6
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    for _, lease in got[:4]:
+        adm.commit(lease.lease_id, entry_fields(group_factory(version=0)))
+    VersionRegistry(rclient, keys).set(1)  # a version bump grows (η + v + 1)·B, not the run's total
+    assert adm.try_acquire()[1] is None
+    entry = stream.read("c", count=1, block_ms=10)[0]
+    stream.drop_stale(entry, trainer_version=3, reason="test")
+    st, lease = adm.try_acquire()
+    assert lease is not None and st.capacity == 0 and adm.try_acquire()[1] is None
+    VersionRegistry(rclient, keys).start_run("resumed")  # a start without `groups` keeps the recorded cap
+    assert adm.snapshot().capacity == 0
+
+
 def test_try_acquire_many_decides_each_lease_like_try_acquire(rclient, keys):
     """One script call for the batch, the same decisions as one script per lease: fair share and run end."""
     adm = AdmissionController(rclient, keys, max_head_offpolicyness=100, consumer_batch_size=4,

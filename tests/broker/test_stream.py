@@ -155,6 +155,34 @@ def test_dropping_a_stale_group_gives_its_admission_slot_back(rclient, keys, gro
     assert adm.try_acquire()[0].admitted
 
 
+def test_a_bad_admitted_group_dead_lettered_gives_its_admission_slot_back(rclient, keys, group_factory):
+    """A group committed through admission and dead-lettered (here: a token outside the trainer's vocabulary) is
+    never trained; without the give-back, (η+1)·B of them would shut admission for good. An entry written around
+    admission (garbage, tools) was never counted, so it gives nothing back."""
+    from rlstream.broker import AdmissionController
+    from rlstream.broker.stream import entry_fields
+
+    adm = AdmissionController(rclient, keys, max_head_offpolicyness=0, consumer_batch_size=2, max_concurrent_rollouts=8)
+    stream = TrajectoryStream(rclient, keys)
+    stream.ensure_group()
+    for i in range(2):
+        st, lease = adm.try_acquire(f"A-{i}")
+        adm.commit(lease.lease_id, entry_fields(group_factory(version=0)))
+    garbage = stream.append_raw({"d": b"junk", "v": 0})
+    st, refused = adm.try_acquire("B-0")
+    assert refused is None and st.budget_full  # budget (0+0+1)*2 used up
+    entries = stream.read("c", count=3, block_ms=10)  # the garbage is dead-lettered while reading
+    assert len(entries) == 2 and adm.snapshot().accepted == 2
+    stream.dead_letter_entry(entries[0].id, "token id outside the vocabulary")
+    assert adm.snapshot().accepted == 1
+    assert [f[b"w"] for _, f in rclient.xrange(keys.admit_wake)] == [b"dead"]  # the waiter refused above is woken
+    stream.dead_letter_entry(entries[0].id, "retried")  # a retry records again but gives nothing back twice
+    assert adm.snapshot().accepted == 1
+    assert {d["source_id"] for d in stream.dead_letters()} == {garbage, entries[0].id}
+    assert adm.try_acquire("B-0")[1] is not None  # the slot is back
+    assert rclient.xpending(keys.traj, "train")["pending"] == 1  # only the good entry waits for its ack
+
+
 def test_retention_trims_only_entries_acked_by_every_group(rclient, keys, group_factory):
     train = TrajectoryStream(rclient, keys)
     archive = TrajectoryStream(rclient, keys, group="archive")

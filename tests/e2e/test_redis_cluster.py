@@ -110,6 +110,11 @@ def test_two_runs_on_a_redis_cluster(tmp_path, cluster, tiny_model_path):
         for p, ledger in zip(runs, ledgers):
             state = inspect("--namespace", p.keys.ns)
             assert state["exists"] and state["versions"]["served"] == STEPS, state
+            # Admission stopped at the groups the run trains (total_train_steps·B): nothing was generated past
+            # the last step, so nothing is left unread.
+            groups = STEPS * state["admission"]["consumer_batch_size"]
+            assert state["admission"]["run_groups"] == groups and state["admission"]["capacity"] == 0, state
+            assert ledger["undelivered"] == 0 and ledger["entries"] == ledger["trained"] + ledger["dropped"], ledger
             print(f"{p.keys.ns}: ledger {ledger}")
     finally:
         client.close()
