@@ -26,7 +26,7 @@ from rlstream.common.net import free_port
 from rlstream.launcher.forkserver import ForkedProcess, ForkServer, forkable
 from rlstream.launcher.local import repair_torn_aof
 from rlstream.launcher.redis_child import redis_server_binary as launcher_redis_binary
-from rlstream.launcher.procs import CHILD_ENV, stop_process, wait_for_port
+from rlstream.launcher.procs import CHILD_ENV, Child, stop_process, wait_for_port
 
 __all__ = [
     "free_port", "stop_process", "child_env", "cli", "start_child", "redis_server_binary", "RedisServer", "RedisCluster", "EngineProcess",
@@ -49,18 +49,15 @@ _forkserver: ForkServer | None = None
 
 
 def start_child(argv: list[str], log_path: Path, env: dict[str, str]) -> ForkedProcess | subprocess.Popen:
-    """Start `argv` as `rlstream run` starts its children: a `python -m ...`/`-c` command is forked from this test
-    process's fork server (launcher/forkserver.py, started at the first call), in its own process group; anything
-    else (another interpreter, a binary) is started plainly. Output goes to `log_path`, appended."""
+    """Start `argv` as `rlstream run` starts its children (`launcher.procs.Child`): a `python -m ...`/`-c` command is
+    forked from this test process's fork server (launcher/forkserver.py, started at the first call), in its own
+    process group; anything else (another interpreter, a binary) is started plainly. Output goes to `log_path`,
+    appended; `env` is laid over this process's environment."""
     global _forkserver
-    if forkable(argv):
-        if _forkserver is None or not _forkserver.alive:
-            _forkserver = ForkServer(log_path.parent / f"forkserver-{os.getpid()}.log", dict(CHILD_ENV))
-            atexit.register(_forkserver.close)
-        return _forkserver.spawn(argv, env, None, log_path)
-    with open(log_path, "ab") as log:
-        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+    if forkable(argv) and (_forkserver is None or not _forkserver.alive):
+        _forkserver = ForkServer(log_path.parent / f"forkserver-{os.getpid()}.log", dict(CHILD_ENV))
+        atexit.register(_forkserver.close)
+    return Child(log_path.stem, "test", argv, log_path, env=env, forkserver=_forkserver).start().proc
 
 
 def redis_server_binary() -> str:

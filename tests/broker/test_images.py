@@ -48,7 +48,7 @@ def test_an_image_shared_by_n_samples_and_two_groups_is_stored_once(rclient, key
                                                                       zip(g.images, [shared, other])})))
     assert _image_keys(rclient, keys) == {keys.image(image_sha256(shared)), keys.image(image_sha256(other))}
     raw = rclient.xrange(keys.traj)
-    assert all(set(f) == {b"d", b"v", b"p", b"n", b"r"} for _id, f in raw)  # no bytes in the entries
+    assert all(set(f) == {b"d", b"v", b"p", b"n", b"r", b"l"} for _id, f in raw)  # no bytes in the entries (l: the lease)
     assert all(shared not in f[b"d"] for _id, f in raw)
     got = stream.read("c", count=10, block_ms=100)
     assert [e.id for e in got] == [i.decode() if isinstance(i, bytes) else i for i in ids]
