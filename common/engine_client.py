@@ -578,6 +578,9 @@ class ServerPool:
             await asyncio.sleep(delay)
 
     def _spawn(self, coro: Any) -> None:
+        if self._closed:  # close() cancelled what runs; a probe started now would meet the closed session
+            coro.close()
+            return
         task = asyncio.create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)

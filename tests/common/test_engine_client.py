@@ -213,6 +213,37 @@ async def test_killed_engine_moves_request_and_empty_pool_waits(shared, engines,
             await rc.aclose()
 
 
+async def test_a_request_cut_by_closing_the_pool_leaves_no_task_behind(shared, engines, redis_url, tiny_model_path):
+    """Closing the pool cuts a request an engine holds (a producer shutting down): its failure is retried after a
+    health probe, but no probe may start once the pool is closing. One that did met the closed session and asyncio
+    logged "Task exception was never retrieved" with a traceback in the producer's log (run 69 of the CI record)."""
+    import gc
+
+    exp = f"close{uuid.uuid4().hex[:8]}"
+    engine = engines(tiny_model_path, redis_url, exp, f"server.api_key={API_KEY}")
+    loop = asyncio.get_running_loop()
+    unretrieved: list[dict] = []
+    default = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx))
+    pool = await pool_for(pool_cfg(redis_url, exp, "rollout.request_retries=3")).start()
+    try:
+        assert await pool.wait_for_servers(1, timeout=30) == [engine.address]
+        await pool.servers[engine.address].client.pause()  # hold the request inside the engine
+        task = asyncio.create_task(pool.agenerate(req(5)))
+        await _until(lambda: pool.servers[engine.address].inflight == 1, what="request on the engine")
+        await asyncio.sleep(0.5)  # the HTTP request is inside the engine now
+        await pool.close()
+        with pytest.raises(Exception):
+            await asyncio.wait_for(task, 30)  # cut by the close: an error of the caller's own task
+        await asyncio.sleep(0.5)  # what a probe started during the close would have needed to run
+        assert not pool._bg, pool._bg
+        gc.collect()  # an unretrieved task exception is reported when its task is collected
+        assert not unretrieved, [c.get("message") for c in unretrieved]
+    finally:
+        loop.set_exception_handler(default)
+        await pool.close()
+
+
 # ---------------------------------------------------------------------- vLLM wire format
 
 # The shape vLLM's OpenAI-compatible server answers to /v1/completions with
