@@ -563,8 +563,7 @@ class ServerPool:
                 failures += 1
                 tried.add(address)
                 s.failures += 1
-                # A dead server fails fast (connection refused/reset): take it out until
-                # the health check sees it again, so other requests stop picking it.
+                # A dead server fails fast (refused/reset): out until the health check sees it again
                 s.healthy = False
             finally:
                 s.inflight -= 1
@@ -574,13 +573,11 @@ class ServerPool:
             delay = min(5.0, 0.2 * 2 ** (failures - 1)) * (0.5 + random.random())
             log.warning("engine request failed (%s); retrying on another engine in %.1fs (%d/%d)",
                         last_exc, delay, failures, self.request_retries)
-            self._spawn(self._probe(address))
+            if not self._closed:  # close() cancelled the probes; one started now would meet the closed session
+                self._spawn(self._probe(address))
             await asyncio.sleep(delay)
 
     def _spawn(self, coro: Any) -> None:
-        if self._closed:  # close() cancelled what runs; a probe started now would meet the closed session
-            coro.close()
-            return
         task = asyncio.create_task(coro)
         self._bg.add(task)
         task.add_done_callback(self._bg.discard)
