@@ -271,6 +271,7 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
         = pipe.execute()
     served, trainer = _int(served), _int(trainer)
     accepted, rejected, running = _int(accepted), _int(rejected), _int(running)
+    run_groups = _int(run_groups, -1)  # the groups the whole run trains (-1: not recorded)
 
     # admission: the run's parameters if recorded, else the caller's config
     meta = read_run_meta(client, keys)
@@ -280,9 +281,9 @@ def collect(client: Any, keys: Keys, eta: int, batch: int, max_concurrent: int, 
                                               meta.max_concurrent_rollouts, "meta")
     admission = {
         "running": running, "accepted": accepted, "rejected": rejected,
-        "budget": budget(eta, served, batch, _int(run_groups, -1)),
-        "capacity": capacity(eta, served, batch, max_concurrent, accepted, running, _int(run_groups, -1)),
-        "run_groups": _int(run_groups, -1),  # the groups the whole run trains (-1: not recorded)
+        "budget": budget(eta, served, batch, run_groups),
+        "capacity": capacity(eta, served, batch, max_concurrent, accepted, running, run_groups),
+        "run_groups": run_groups,
         "max_head_offpolicyness": eta, "consumer_batch_size": batch, "max_concurrent_rollouts": max_concurrent,
         "params_from": source,
     }

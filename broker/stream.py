@@ -78,29 +78,33 @@ def _stream_entries(res: Any) -> list[tuple[bytes, dict[bytes, Any]]]:
     return out
 
 
+# `give_back(accepted, armed, wake, waiting, why)`: an entry counted in `accepted` that will never be trained gives
+# its slot back, and the slot wakes the producers a full budget refused (admission's wake-up: `LUA_WAKE`).
+_LUA_GIVE_BACK = LUA_WAKE + """
+local function give_back(accepted, armed, stream, waiting, why)
+  if tonumber(redis.call('GET', accepted) or '0') > 0 then
+    redis.call('DECR', accepted)
+    wake(armed, stream, why, false, waiting, 1)
+  end
+end
+"""
+
 # KEYS: traj, dropped, accepted, armed, wake, waiting   ARGV: group, id, reason, min_version, trainer_version, ts, give_back(0/1)
-# The slot given back wakes the producers a full budget refused (admission's wake-up: `LUA_WAKE`).
-_DROP_STALE = LUA_WAKE + """
+_DROP_STALE = _LUA_GIVE_BACK + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('XADD', KEYS[2], '*', 'source_id', ARGV[2], 'reason', ARGV[3], 'min_version', ARGV[4],
            'trainer_version', ARGV[5], 'ts', ARGV[6])
-if ARGV[7] == '1' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
-  redis.call('DECR', KEYS[3])
-  wake(KEYS[4], KEYS[5], 'dropped', false, KEYS[6], 1)
-end
+if ARGV[7] == '1' then give_back(KEYS[3], KEYS[4], KEYS[5], KEYS[6], 'dropped') end
 return 1
 """
 
 # KEYS: traj, dead, accepted, armed, wake, waiting   ARGV: group, id, give_back(0/1), then the record's field/value pairs
 # The record is written on every call (a retry after a lost reply may write it twice: the ledger counts those apart);
 # the slot goes back only from the call whose XACK took the entry off the pending list, so once.
-_DEAD_LETTER = LUA_WAKE + """
+_DEAD_LETTER = _LUA_GIVE_BACK + """
 local acked = redis.call('XACK', KEYS[1], ARGV[1], ARGV[2])
 redis.call('XADD', KEYS[2], '*', unpack(ARGV, 4))
-if acked == 1 and ARGV[3] == '1' and tonumber(redis.call('GET', KEYS[3]) or '0') > 0 then
-  redis.call('DECR', KEYS[3])
-  wake(KEYS[4], KEYS[5], 'dead', false, KEYS[6], 1)
-end
+if acked == 1 and ARGV[3] == '1' then give_back(KEYS[3], KEYS[4], KEYS[5], KEYS[6], 'dead') end
 return acked
 """
 

@@ -170,6 +170,16 @@ class _Lines(logging.Handler):
 
 
 @pytest.mark.slow
+async def _held_request(pool, address: str) -> asyncio.Task:
+    """A request the engine at `address` holds (paused), in flight from `pool`."""
+    assert await pool.wait_for_servers(1, timeout=30) == [address]
+    await pool.servers[address].client.pause()
+    task = asyncio.create_task(pool.agenerate(req(5)))
+    await _until(lambda: pool.servers[address].inflight == 1, what="request on the engine")
+    await asyncio.sleep(0.5)  # the HTTP request is inside the engine now
+    return task
+
+
 async def test_killed_engine_moves_request_and_empty_pool_waits(shared, engines, redis_url, tiny_model_path):
     """SIGKILL an engine holding a request: it completes on another. No engine: the request waits."""
     logged = _Lines()
@@ -183,11 +193,7 @@ async def test_killed_engine_moves_request_and_empty_pool_waits(shared, engines,
     reg = RedisNameResolver(rc, pool_cfg(redis_url, exp).namespace, default_ttl=2)
     async with pool_for(pool_cfg(redis_url, exp, "rollout.request_retries=3"), wait_log_interval=1.0) as pool:
         try:
-            assert await pool.wait_for_servers(1, timeout=30) == [victim.address]
-            await pool.servers[victim.address].client.pause()  # hold the request inside the victim
-            task = asyncio.create_task(pool.agenerate(req(5)))
-            await _until(lambda: pool.servers[victim.address].inflight == 1, what="request on the victim")
-            await asyncio.sleep(0.5)  # the HTTP request is inside the victim now
+            task = await _held_request(pool, victim.address)
             await reg.register(ENGINES_SERVICE, survivor.address)
             await pool.wait_for_servers(2, timeout=30)
             victim.kill()
@@ -227,11 +233,7 @@ async def test_a_request_cut_by_closing_the_pool_leaves_no_task_behind(shared, e
     loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx))
     pool = await pool_for(pool_cfg(redis_url, exp, "rollout.request_retries=3")).start()
     try:
-        assert await pool.wait_for_servers(1, timeout=30) == [engine.address]
-        await pool.servers[engine.address].client.pause()  # hold the request inside the engine
-        task = asyncio.create_task(pool.agenerate(req(5)))
-        await _until(lambda: pool.servers[engine.address].inflight == 1, what="request on the engine")
-        await asyncio.sleep(0.5)  # the HTTP request is inside the engine now
+        task = await _held_request(pool, engine.address)
         await pool.close()
         with pytest.raises(Exception):
             await asyncio.wait_for(task, 30)  # cut by the close: an error of the caller's own task
