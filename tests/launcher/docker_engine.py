@@ -171,7 +171,10 @@ for eid, f in r.xrange(k.traj):
     validate_group(g)
     entries.append({"id": eid.decode(), "producer": g.producer_id, "position": g.metadata.get("position"),
                     "samples": len(g.trajectories),
-                    "teacher_scored": sum(t.teacher_logprobs is not None for t in g.trajectories)})
+                    "teacher_scored": sum(t.teacher_logprobs is not None for t in g.trajectories),
+                    "rm_scored": sum("rm_score" in t.metadata for t in g.trajectories),
+                    "judged": sum("judge_score" in t.metadata or bool(t.metadata.get("judge_failed"))
+                                  for t in g.trajectories)})
 group = next(g for g in r.xinfo_groups(k.traj) if g["name"].decode() == TRAIN_GROUP)
 # fields: cursor, <producer id> (its state), accepted:<producer id> (its exact commit count)
 ids = {f.decode().removeprefix(accepted_field("")) for f in r.hkeys(k.producers) if f.decode() != CURSOR_FIELD}

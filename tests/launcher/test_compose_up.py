@@ -15,8 +15,9 @@ docker-compose.yml brought up with Debian's docker-compose (v1.29).
   served version, nothing pending and only the leftovers the admission budget allows; the
   runs volume holds metrics, plots, summary and the final checkpoint; the Redis volume
   the AOF; rlstream runs as a non-root user; `docker-compose logs` shows the trainer's end.
-  The run has a scoring pool, a distillation teacher of two engines whose services `rlstream
-  compose` wrote: both healthy and in etcd under `scoring:teacher`, every sample scored;
+  The run has three scoring pools whose services `rlstream compose` wrote: a distillation teacher
+  of two engines, a reward model trained in the stack by the one-shot `reward-model-train`, and an
+  LLM judge; every engine healthy and in etcd under `scoring:NAME`, every sample scored by each;
 - `up --scale producer=3` of a fresh stack (60 steps), `kill trainer` mid-run, `up -d
   trainer`: the trainer resumes from its recover checkpoint (recover.mode=auto), the run
   finishes, and the ledger holds: every step recorded once or replayed with the same
@@ -55,7 +56,16 @@ RUN = Path("tiny-cpu") / "run0"  # {experiment_name}/{trial_name} of tiny-cpu.ya
 # outcome reward; RLSTREAM_OVERRIDES splits on spaces, so the list is written without any.
 TEACHER = ['distillation.teachers=[{"name":"teacher","pool":{"model_path":"/work/runs/tiny-cpu/run0/model",'
            '"engines":2}}]', "distillation.outcome_weight=1.0"]
-TEACHER_ENGINES = """
+# ... and the two other kinds of pool: a reward model `rlstream rw` trains in the one-shot service `rlstream compose`
+# adds (reward-model-train, on the demo's generated pairs), and a judge (the warm start again; its answers do not
+# parse, so each sample keeps its rule reward and counts a judge failure).
+RUN_IN = "/work/runs/tiny-cpu/run0"
+RM_AND_JUDGE = [f"reward_model.pool.model_path={RUN_IN}/reward_model", "reward_model.rule_weight=1.0",
+                f"rw.dataset={RUN_IN}/data/rw_pairs.jsonl", "rw.steps=40",
+                f"judge.pool.model_path={RUN_IN}/model", "judge.max_new_tokens=4", "judge.on_unparseable=rule_reward",
+                "judge.weight=0", "judge.rule_weight=1"]
+POOLS = ("teacher", "reward_model", "judge")
+POOL_ENGINES = """
 import asyncio, json, os
 from rlstream.broker.registry import make_name_resolver
 from rlstream.common.config import load_config, scoring_service
@@ -64,11 +74,11 @@ cfg = load_config(os.environ["RLSTREAM_CONFIG"], os.environ["RLSTREAM_OVERRIDES"
 async def main():
     resolver = make_name_resolver(cfg)
     try:
-        print(json.dumps(sorted(await resolver.list(scoring_service("teacher")))))
+        print(json.dumps({p: sorted(await resolver.list(scoring_service(p))) for p in %r}))
     finally:
         await resolver.close_quietly()
 asyncio.run(main())
-"""
+""" % (POOLS,)
 
 
 def pools_override(overrides: list[str], out: Path) -> Path:
@@ -183,16 +193,19 @@ def stack(tmp_path_factory):
 
 @pytest.mark.slow
 def test_compose_up_runs_the_cpu_demo(stack, tmp_path):
-    overrides = [f"total_train_steps={STEPS_UP}", *SHORT, *TEACHER]
+    overrides = [f"total_train_steps={STEPS_UP}", *SHORT, *TEACHER, *RM_AND_JUDGE]
     c = stack(overrides, pools_override(overrides, tmp_path / "pools.yml"))
+    assert sorted(c.pool_services) == sorted(f"scoring-{p}" for p in POOLS), c.pool_services
     c("up", "-d", "--no-build", timeout=900)
     assert c.wait_exited("trainer", 900) == [0], c.logs("trainer")
+    assert c.wait_exited("reward-model-train", 60) == [0], c.logs("reward-model-train")
     assert c.wait_exited("producer", 180) == [0], c.logs("producer")
     assert c.wait_exited("report", 300) == [0], c.logs("report")
     for service in ("redis", "etcd", "engine"):  # servers stay up, and their healthchecks pass
         assert c.health(service) == "healthy", (service, c.logs(service))
-    teachers = c.states("scoring-teacher")  # the pool's service, scaled to its pool.engines
-    assert [s.get("Health", {}).get("Status") for s in teachers] == ["healthy"] * 2, c.logs("scoring-teacher")
+    for pool, engines in zip(POOLS, (2, 1, 1)):  # each pool's service, scaled to its pool.engines
+        states = c.states(f"scoring-{pool}")
+        assert [s.get("Health", {}).get("Status") for s in states] == ["healthy"] * engines, c.logs(f"scoring-{pool}")
 
     info = c.inspect()
     assert info["versions"] == {"served": STEPS_UP, "trainer": STEPS_UP}, info["versions"]
@@ -202,15 +215,20 @@ def test_compose_up_runs_the_cpu_demo(stack, tmp_path):
     # the trainer (producers run ahead of the last step by at most the admission budget).
     assert st["pending"] == 0 and st["queued"] == st["undelivered"] == ledger["undelivered"], (st, ledger)
     assert info["dead_letters"]["count"] == 0 and info["stream"]["length"] == ledger["entries"]
-    # Every sample of every entry carries the teacher pool's logprobs; both engines are in name resolve (etcd)
-    # under scoring:teacher at their container's address, and no request to the pool failed.
+    # Every sample of every entry carries the teacher pool's logprobs, the reward model's score and the judge's
+    # verdict (a score or a counted failure); each pool's engines are in name resolve (etcd) under scoring:NAME at
+    # their container's address, and no request to a pool failed.
     entries = c.dumped["entries"]
-    assert entries and all(e["teacher_scored"] == e["samples"] > 0 for e in entries), entries[:3]
-    listed = json.loads(c("run", "--rm", "-T", "--entrypoint", "python", "inspect", "-c", TEACHER_ENGINES,
+    assert entries and all(e["teacher_scored"] == e["rm_scored"] == e["judged"] == e["samples"] > 0
+                           for e in entries), entries[:3]
+    listed = json.loads(c("run", "--rm", "-T", "--entrypoint", "python", "inspect", "-c", POOL_ENGINES,
                           timeout=180).stdout.strip().splitlines()[-1])
-    assert listed == sorted(f"{cid[:12]}:30000" for cid in c.containers("scoring-teacher")), listed
-    traffic = info["scoring_traffic"]["teacher"]
-    assert traffic["failed"] == 0 and traffic["requests"] > 0, traffic
+    assert listed == {p: sorted(f"{cid[:12]}:30000" for cid in c.containers(f"scoring-{p}")) for p in POOLS}, listed
+    for pool in POOLS:
+        traffic = info["scoring_traffic"][pool]
+        assert traffic["failed"] == 0 and traffic["requests"] > 0, (pool, traffic)
+    trained = json.loads((c.volume("runs") / RUN / "reward_model" / "rlstream_rw.json").read_text())
+    print(f"reward model trained in the stack: {trained}")
 
     run = c.volume("runs") / RUN
     assert metric_steps(run / "metrics.jsonl") == list(range(1, STEPS_UP + 1))
