@@ -197,7 +197,7 @@ def _cli_args(section: str, values: dict[str, Any], t: Translation) -> list[str]
         elif v is None:
             t.dropped.append((src, "null: the engine's default"))
         elif isinstance(v, (dict, list)):
-            t.dropped.append((src, "structured engine option: pass it in launcher.slurm.engine_args yourself"))
+            t.dropped.append((src, "structured engine option: pass it in launcher.engine.args yourself"))
         else:
             flag = "--" + k.replace("_", "-")
             if isinstance(v, bool):
@@ -208,7 +208,7 @@ def _cli_args(section: str, values: dict[str, Any], t: Translation) -> list[str]
             else:
                 arg = [flag, str(v)]
             args += arg
-            t.translated.append((src, f"launcher.slurm.engine_args {' '.join(arg)}"))
+            t.translated.append((src, f"launcher.engine.args {' '.join(arg)}"))
     return args
 
 
@@ -325,8 +325,8 @@ def _engine_allocation(engine_alloc: tuple[Any, int, int, int]) -> dict[str, Any
     kind = kind or "sglang"
     if kind not in ("sglang", "vllm"):
         raise ConfigError(f"rollout.backend {kind!r}: rlstream's engines speak sglang or vllm")
-    return {"rollout.backend": kind, "launcher.n_engines": d, "launcher.slurm.engine": kind,
-            "launcher.slurm.engine_tp": tp, "launcher.slurm.engine_pp": p}
+    return {"rollout.backend": kind, "launcher.n_engines": d, "launcher.engine.server": kind,
+            "launcher.engine.tp": tp, "launcher.engine.pp": p, "launcher.ray.engine_gpus": tp * p}
 
 
 def _trainer_allocation(trainer_alloc: tuple[Any, int, int, int]) -> dict[str, Any]:
@@ -546,6 +546,6 @@ def _translate_engine_options(t: Translation, engines: dict[str, Any], engine_ki
             continue
         args = _cli_args(name, values, t)
         if args:
-            t.set("launcher.slurm.engine_args", args)
+            t.set("launcher.engine.args", args)
 
 

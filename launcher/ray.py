@@ -10,7 +10,7 @@ groups: the one the launcher starts runs in an actor on the launcher's node (not
 `ray job stop` signals the entrypoint and all its descendants at once, and Redis stops last),
 bound to this node's address behind a per-run random password (kept in the 0600 config every
 process reads). Engines register with name resolve as always; producers and the trainer find
-them there. With `launcher.ray.engine` sglang or vllm each engine actor starts that server
+them there. With `launcher.engine.server` sglang or vllm each engine actor starts that server
 instead, which does not register: those engines are a fixed set whose addresses producers and
 the trainer are given (`rollout.engine_addresses`).
 
@@ -82,7 +82,7 @@ class RayRun(LocalRun):
         self.no_room: set[str] = set()
         self.actors: list[RayChild] = []  # every actor started: the sweep kills what is left of them
         self._counts = {"engine": 0, "producer": 0}
-        self.server_addresses: list[str] = []  # launcher.ray.engine sglang/vllm: where they listen
+        self.server_addresses: list[str] = []  # launcher.engine.server sglang/vllm: where they listen
         self._next_node_check = 0.0
 
     # ------------------------------------------------------------------ Ray
@@ -180,14 +180,14 @@ class RayRun(LocalRun):
         return f"{role}-{self._counts[role] - 1}"
 
     def _engine(self, pg: Any, index: int) -> RayChild:
-        rc = self.cfg.launcher.ray
+        rc, server = self.cfg.launcher.ray, self.cfg.launcher.engine
         resources = bundle(rc.engine_cpus, rc.engine_gpus)
-        if rc.engine == "local":
+        if server.server == "local":
             return self._server(self._next_name("engine"), [], pg, index, resources)
-        args = server_args(rc.engine, str(self.cfg.server.model_path or self.cfg.actor.path), "{node_ip}",
-                           "{free_port}")
-        return self._spawn(self._next_name("engine"), "engine", [*args, *rc.engine_args], pg, index, resources,
-                           self.cfg.launcher.threads.engine, cli=False, python=rc.engine_python)
+        args = server_args(server.server, str(self.cfg.server.model_path or self.cfg.actor.path), "{node_ip}",
+                           "{free_port}", server.tp, server.pp)
+        return self._spawn(self._next_name("engine"), "engine", [*args, *server.args], pg, index, resources,
+                           self.cfg.launcher.threads.engine, cli=False, python=server.python)
 
     def _engine_list(self) -> list[str]:
         """The SGLang/vLLM servers' addresses for producers and the trainer (rlstream's own register instead)."""
@@ -268,7 +268,7 @@ class RayRun(LocalRun):
             started = [self._engine(self.fixed_pg, i) for i in range(lc.n_engines)]
             self._start(started)
         up = self._wait_addresses(started)
-        if rc.engine != "local":
+        if self.cfg.launcher.engine.server != "local":
             self.server_addresses = [a for _c, a in up]
         if up:
             _echo(f"engines: {', '.join(f'{c.name} {a}' for c, a in up)}")

@@ -93,20 +93,24 @@ def node_bundles(cfg: Config) -> list[dict[str, float]]:
 
 
 def check_engine(cfg: Config) -> None:
-    """launcher.ray.engine: SGLang and vLLM servers do not register with name resolve, so they are a fixed set whose
-    addresses the launcher gives producers and the trainer, who speak the API rollout.backend names."""
-    rc = cfg.launcher.ray
-    if rc.engine == "local":
+    """launcher.engine under Ray: SGLang and vLLM servers do not register with name resolve, so they are a fixed set
+    whose addresses the launcher gives producers and the trainer, who speak the API rollout.backend names."""
+    rc, server = cfg.launcher.ray, cfg.launcher.engine
+    if server.server == "local":
         return
     if rc.engines_per_node:
         raise ConfigError(f"launcher.ray.engines_per_node={rc.engines_per_node}: elastic engines register with name "
-                          f"resolve, which launcher.ray.engine={rc.engine} servers do not; set engines_per_node=0")
-    if cfg.rollout.backend != rc.engine:
-        raise ConfigError(f"rollout.backend={cfg.rollout.backend}: launcher.ray.engine={rc.engine} serves "
-                          f"{rc.engine}'s API; set rollout.backend={rc.engine}")
+                          f"resolve, which launcher.engine.server={server.server} servers do not; set engines_per_node=0")
+    if cfg.rollout.backend != server.server:
+        raise ConfigError(f"rollout.backend={cfg.rollout.backend}: launcher.engine.server={server.server} serves "
+                          f"{server.server}'s API; set rollout.backend={server.server}")
     if cfg.rollout.engine_addresses:
-        raise ConfigError(f"rollout.engine_addresses={list(cfg.rollout.engine_addresses)}: launcher.ray.engine="
-                          f"{rc.engine} starts the engines and gives their addresses to the run; leave it empty")
+        raise ConfigError(f"rollout.engine_addresses={list(cfg.rollout.engine_addresses)}: launcher.engine.server="
+                          f"{server.server} starts the engines and gives their addresses to the run; leave it empty")
+    gpus = server.tp * server.pp
+    if server.server == "sglang" and rc.engine_gpus < gpus:
+        raise ConfigError(f"launcher.ray.engine_gpus={rc.engine_gpus:g}: an SGLang server needs launcher.engine.tp x "
+                          f"pp = {gpus} GPU(s) (Ray hides the others from it); set launcher.ray.engine_gpus={gpus}")
 
 
 def check_cluster(cfg: Config, alive: list[dict[str, Any]], where: str, n_scorers: int = 0) -> None:

@@ -3,7 +3,7 @@
 Placement (`cluster.n_nodes` nodes, `cluster.n_gpus_per_node` GPUs each):
 
 - one node: everything on it. With GPUs, the engines take the first
-  `launcher.n_engines × engine_tp × engine_pp` GPUs and the trainer the rest;
+  `launcher.n_engines × launcher.engine.tp × pp` GPUs and the trainer the rest;
 - several nodes: the first `launcher.slurm.trainer_nodes` nodes (0 = half) run the trainer
   under `torchrun` across them (c10d rendezvous on the first trainer node, every GPU of
   each node); the other nodes run engine servers, `n_gpus_per_node / (tp × pp)` per node
@@ -87,12 +87,12 @@ def plan(cfg: Config, external_redis: bool) -> Placement:
     if sc.max_restarts and cfg.recover.mode == "disabled":
         raise ConfigError(f"launcher.slurm.max_restarts={sc.max_restarts} needs recover.mode=auto (or resume): a "
                           f"restarted job with recover.mode=disabled would train from step 0 again")
-    per_engine = sc.engine_tp * sc.engine_pp
+    per_engine = lc.engine.tp * lc.engine.pp
     if g and per_engine > g:
-        raise ConfigError(f"launcher.slurm.engine_tp x engine_pp = {per_engine} GPUs per engine server exceeds "
+        raise ConfigError(f"launcher.engine.tp x pp = {per_engine} GPUs per engine server exceeds "
                           f"cluster.n_gpus_per_node={g}")
     if not g and (per_engine > 1):
-        raise ConfigError("launcher.slurm.engine_tp/engine_pp > 1 need GPUs (cluster.n_gpus_per_node > 0)")
+        raise ConfigError("launcher.engine.tp/pp > 1 need GPUs (cluster.n_gpus_per_node > 0)")
     if n == 1:
         if g:
             n_eng = lc.n_engines
@@ -250,14 +250,14 @@ def redis_server_command(cfg: Config, conf: str | Path, *, port: str, data_dir: 
 
 
 def _engine_cmd(cfg: Config, port: int) -> str:
-    sc = cfg.launcher.slurm
-    extra = " ".join(_q(a) for a in sc.engine_args)
-    if sc.engine == "local":
+    server = cfg.launcher.engine
+    extra = " ".join(_q(a) for a in server.args)
+    if server.server == "local":
         cmd = (f'"$ENGINE_PY" -m rlstream.launcher.cli serve --config "$CONFIG" "redis.url=$REDIS_URL" '
                f"server.host=0.0.0.0 server.port={port}")
     else:
-        args = server_args(sc.engine, str(cfg.server.model_path or cfg.actor.path), "0.0.0.0", str(port),
-                           sc.engine_tp, sc.engine_pp)
+        args = server_args(server.server, str(cfg.server.model_path or cfg.actor.path), "0.0.0.0", str(port),
+                           server.tp, server.pp)
         cmd = '"$ENGINE_PY" ' + " ".join(_q(a) for a in args)
     return f"{cmd} {extra}".rstrip()
 
@@ -305,12 +305,12 @@ def _header(cfg: Config, pl: Placement, config_path: Path) -> str:
             sb.append(f"#SBATCH --{key}={val}")
     sb += [f"#SBATCH {a}" for a in sc.sbatch_args]
     py = sc.python or container_python(cfg) or sys.executable
-    summary = (f"{len(pl.engines)} {sc.engine} engine server(s), trainer on {len(pl.trainer_nodes)} node(s) x "
+    summary = (f"{len(pl.engines)} {lc.engine.server} engine server(s), trainer on {len(pl.trainer_nodes)} node(s) x "
                f"{pl.trainer_procs_per_node} process(es), {lc.n_producers} producer(s), "
                f"{len(scoring_engine_specs(cfg))} scoring engine(s), "
                + ("external Redis" if pl.redis_node is None else "Redis on the first node"))
     return _HEADER.format(sbatch="\n".join(sb), exp=cfg.experiment_name, trial=cfg.trial_name, summary=summary,
-                          logs=_q(logs), setup="\n".join(sc.setup), py=_q(py), engine_py=_q(sc.engine_python or py),
+                          logs=_q(logs), setup="\n".join(sc.setup), py=_q(py), engine_py=_q(lc.engine.python or py),
                           config=_q(config_path), run_dir=_q(run_dir), container=container_shell(cfg),
                           max_restarts=sc.max_restarts)
 

@@ -22,8 +22,8 @@ from rlstream.common.config.base import ConfigError
 from rlstream.common.config.cluster import KEEPALIVES_PER_TTL, ClusterConfig, NameResolveConfig, RedisConfig
 from rlstream.common.config.docs import FieldDoc, field_docs, field_reference
 from rlstream.common.config.engine import ServerConfig, SimulateConfig
-from rlstream.common.config.launcher import (DemoTaskConfig, LauncherConfig, RayConfig, SlurmConfig, SlurmContainerConfig,
-                                             ThreadsConfig, WebConfig)
+from rlstream.common.config.launcher import (DemoTaskConfig, EngineServerConfig, LauncherConfig, RayConfig, SlurmConfig,
+                                             SlurmContainerConfig, ThreadsConfig, WebConfig)
 from rlstream.common.config.loading import load_config, load_config_dict
 from rlstream.common.config.masking import (CREDENTIAL_KEYS, config_to_dict, is_credential_key, mask_url,
                                             masked_config_dict)
@@ -54,7 +54,7 @@ __all__ = [
     "ActorConfig", "CriticConfig", "FSDPConfig", "FSDPWrapPolicy", "LoRAConfig", "MegatronConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig",
     "RefConfig",
     "RejectionSamplingConfig", "KEEPALIVES_PER_TTL", "ClusterConfig", "NameResolveConfig", "RedisConfig",
-    "ServerConfig", "SimulateConfig", "DemoTaskConfig", "LauncherConfig", "RayConfig", "SlurmConfig", "SlurmContainerConfig",
+    "ServerConfig", "SimulateConfig", "DemoTaskConfig", "EngineServerConfig", "LauncherConfig", "RayConfig", "SlurmConfig", "SlurmContainerConfig",
     "ThreadsConfig", "WebConfig",
     "CREDENTIAL_KEYS", "is_credential_key", "EvaluatorConfig", "PrometheusConfig", "RecoverConfig", "SaverConfig",
     "S3UploadConfig", "StatsLoggerConfig", "SwanlabConfig", "TensorBoardConfig", "WandbConfig", "AgentConfig", "GatewayConfig", "ProducerConfig",

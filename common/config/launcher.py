@@ -11,7 +11,7 @@ from rlstream.common.config.actor import FSDPConfig, OptimizerConfig
 from rlstream.common.config.base import (Fraction, NonNegativeFloat, NonNegativeInt, Port, PositiveFloat, PositiveInt,
                                          Section)
 
-__all__ = ["DemoTaskConfig", "RayConfig", "SlurmContainerConfig", "SlurmConfig", "ThreadsConfig", "WebConfig",
+__all__ = ["DemoTaskConfig", "EngineServerConfig", "RayConfig", "SlurmContainerConfig", "SlurmConfig", "ThreadsConfig", "WebConfig",
            "LauncherConfig"]
 
 
@@ -36,6 +36,27 @@ class DemoTaskConfig(Section):
     """Hidden size of the tiny model built for the demo."""
     num_layers: PositiveInt = 2
     """Layers of the tiny model built for the demo."""
+
+
+class EngineServerConfig(Section):
+    """The inference server of each policy engine a launcher starts on a cluster (`rlstream launch slurm`: job steps
+    on the engine nodes; `rlstream launch ray`: engine actors). One section for both, so a config (an imported one
+    included) runs under either. `rlstream run` on one machine always starts local engines."""
+
+    server: Literal["local", "sglang", "vllm"] = "local"
+    """local (`rlstream serve`, registers with name resolve), sglang (`python -m sglang.launch_server`) or vllm
+    (engine/vllm_server.py: vLLM's OpenAI server with rlstream's weight routes). SGLang and vLLM do not register: the
+    launcher gives producers and the trainer their addresses, and rollout.backend must name the same server."""
+    python: str = ""
+    """Python with the server installed on every node, e.g. the vLLM virtualenv's (empty: the launcher's own,
+    launcher.slurm.python on Slurm)."""
+    tp: PositiveInt = 1
+    """Tensor-parallel GPUs per SGLang/vLLM server (`--tp-size` / `--tensor-parallel-size`)."""
+    pp: PositiveInt = 1
+    """Pipeline-parallel stages per SGLang/vLLM server (`--pp-size` / `--pipeline-parallel-size`)."""
+    args: list[str] = msgspec.field(default_factory=list)
+    """Extra arguments for the server command, one per item (e.g. [--dtype, float32, --max-model-len, 2048]); their
+    environment variables (e.g. VLLM_CPU_KVCACHE_SPACE) go in launcher.slurm.setup or launcher.ray.runtime_env."""
 
 
 class SlurmContainerConfig(Section):
@@ -71,18 +92,8 @@ class SlurmConfig(Section):
     """Python that runs rlstream on the nodes (empty = the one running `rlstream launch slurm`)."""
     trainer_nodes: NonNegativeInt = 0
     """Nodes for the trainer when cluster.n_nodes > 1 (the rest run engines; 0 = half)."""
-    engine: Literal["local", "sglang", "vllm"] = "local"
-    """Inference server started on engine nodes."""
-    engine_python: str = ""
-    """Python for the engine server, e.g. the vLLM virtualenv's (empty = slurm.python)."""
-    engine_tp: PositiveInt = 1
-    """Tensor-parallel GPUs per engine server."""
-    engine_pp: PositiveInt = 1
-    """Pipeline-parallel stages per engine server."""
     engine_port: Annotated[int, Meta(ge=1, le=65535)] = 30000
-    """Port of the first engine server on a node (the next ones count up)."""
-    engine_args: list[str] = msgspec.field(default_factory=list)
-    """Extra arguments for the engine server command."""
+    """Port of the first engine server on a node (the next ones count up); the server itself: launcher.engine."""
     redis_port: Port = 0
     """Port of the Redis started on the first node (0 = 20000 + job id mod 20000)."""
     redis_tls_cert: str = ""
@@ -116,20 +127,12 @@ class RayConfig(Section):
     stops the run)."""
     producers_per_node: NonNegativeInt = 1
     """Producers per node when engines_per_node > 0."""
-    engine: Literal["local", "sglang", "vllm"] = "local"
-    """Inference server each engine actor starts: local (`rlstream serve`), sglang (`python -m
-    sglang.launch_server`) or vllm (engine/vllm_server.py: vLLM's OpenAI server with rlstream's weight routes), on its
-    node's address and a free port. SGLang and vLLM do not register with name resolve: they need engines_per_node = 0
-    (the launcher gives producers and the trainer their addresses) and rollout.backend naming the same server; their
-    flags go in engine_args, their environment variables (e.g. VLLM_CPU_KVCACHE_SPACE) in runtime_env's env_vars."""
-    engine_python: str = ""
-    """Python with the server installed on every node, e.g. the vLLM virtualenv's (empty = the actors' own)."""
-    engine_args: list[str] = msgspec.field(default_factory=list)
-    """Extra arguments for the SGLang or vLLM server command (e.g. [--dtype, float32, --max-model-len, 2048])."""
     engine_cpus: PositiveFloat = 1.0
-    """CPUs reserved per engine (its placement-group bundle)."""
+    """CPUs reserved per engine (its placement-group bundle); the server each engine actor starts, on its node's
+    address and a free port: launcher.engine (SGLang and vLLM need engines_per_node = 0: they do not register)."""
     engine_gpus: NonNegativeFloat = 0.0
-    """GPUs reserved per engine (0 = a CPU engine); Ray sets the engine's CUDA_VISIBLE_DEVICES."""
+    """GPUs reserved per engine (0 = a CPU engine); Ray sets the engine's CUDA_VISIBLE_DEVICES. An SGLang server
+    needs launcher.engine.tp x pp of them."""
     producer_cpus: PositiveFloat = 1.0
     """CPUs reserved per producer (producers never get a GPU)."""
     trainer_cpus: PositiveFloat = 1.0
@@ -219,6 +222,8 @@ class LauncherConfig(Section):
     """The live web page (`rlstream web`, `rlstream run --web`): curves, queue, admission, staleness, engines."""
     demo: DemoTaskConfig = msgspec.field(default_factory=DemoTaskConfig)
     """The built-in CPU demo task, generated on the spot when its files are missing."""
+    engine: EngineServerConfig = msgspec.field(default_factory=EngineServerConfig)
+    """The inference server of each policy engine `rlstream launch slurm` and `rlstream launch ray` start."""
     slurm: SlurmConfig = msgspec.field(default_factory=SlurmConfig)
     """`rlstream launch slurm`: sbatch options and placement."""
     ray: RayConfig = msgspec.field(default_factory=RayConfig)

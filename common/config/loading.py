@@ -22,12 +22,22 @@ from rlstream.common.config.scoring import check_scoring
 
 __all__ = ["load_config", "load_config_dict"]
 
+# Keys that moved: a config written for the old place is told the new one.
+MOVED_KEYS = {**{f"launcher.{launcher}.engine{old}": f"launcher.engine.{new}"
+                 for launcher in ("slurm", "ray")
+                 for old, new in (("", "server"), ("_python", "python"), ("_args", "args"))},
+              "launcher.slurm.engine_tp": "launcher.engine.tp", "launcher.slurm.engine_pp": "launcher.engine.pp"}
+
+
 def _check_unknown_keys(data: Any, tp: Any, path: str) -> None:
     fields = struct_fields(tp)
     if fields is None or not isinstance(data, dict):
         return
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
+        if full in MOVED_KEYS:
+            raise ConfigError(f"config key '{full}' is now '{MOVED_KEYS[full]}' (one engine-server section for "
+                              "`rlstream launch slurm` and `rlstream launch ray`)")
         if key not in fields:
             # An exact name one level down first: `lr` given at `actor.lr` means actor.optimizer.lr
             # (not the look-alike actor.lora); then a look-alike at this level.

@@ -18,14 +18,14 @@ HYDRA: Table = {
 
 
 def engine_arg(flag: str) -> Callable[[Any, Context], str | None]:
-    """A Convert function appending `flag [value]` to the engine server's command line (launcher.slurm.engine_args)."""
+    """A Convert function appending `flag [value]` to the engine server's command line (launcher.engine.args)."""
     def fn(value: Any, ctx: Context) -> str | None:
         if value is None:
             return "null: the engine's default"
         if value is False:
             return f"false: the engine's default (no {flag})"
-        slurm = ctx.t.config.setdefault("launcher", {}).setdefault("slurm", {})
-        slurm.setdefault("engine_args", []).extend([flag] if value is True else [flag, str(value)])
+        server = ctx.t.config.setdefault("launcher", {}).setdefault("engine", {})
+        server.setdefault("args", []).extend([flag] if value is True else [flag, str(value)])
         return None
     return fn
 

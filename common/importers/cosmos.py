@@ -23,7 +23,7 @@ _KERNEL = "a kernel/compiler choice of cosmos-rl's trainer; rlstream's uses tran
 _OFFLOAD = "trainer and engines are separate processes; nothing is offloaded between them"
 _LOADER = "producers read prompts themselves; no DataLoader"
 _SFT = "an SFT setting (train_policy.type=sft); rlstream's supervised step is `rlstream sft` (launcher.sft_*)"
-_ENGINE_PARALLEL = "engine parallelism beyond tp/pp is the engine's own option (launcher.slurm.engine_args)"
+_ENGINE_PARALLEL = "engine parallelism beyond tp/pp is the engine's own option (launcher.engine.args)"
 
 
 def _grpo(value: Any, ctx: Context) -> None:
@@ -232,7 +232,7 @@ def _engine_backend(value: Any, ctx: Context) -> None:
     if value not in ("vllm", "sglang"):
         raise ConfigError(f"rollout.backend={value!r}: rlstream's engines speak vllm or sglang")
     ctx.t.put(ctx.key, "rollout.backend", value)
-    ctx.t.put(ctx.key, "launcher.slurm.engine", value)
+    ctx.t.put(ctx.key, "launcher.engine.server", value)
 
 
 def _multi_turn(value: Any, ctx: Context) -> str | None:
@@ -460,13 +460,13 @@ TABLE: Table = {
     "train.max_num_steps": Same("total_train_steps"),
     "train.sequence_packing": Same("actor.mb_spec.packing"),
     "rollout.parallelism.n_init_replicas": Same("launcher.n_engines"),
-    "rollout.parallelism.tp_size": Same("launcher.slurm.engine_tp"),
-    "rollout.parallelism.pp_size": Same("launcher.slurm.engine_pp"),
+    "rollout.parallelism.tp_size": Same("launcher.engine.tp"),
+    "rollout.parallelism.pp_size": Same("launcher.engine.pp"),
     "rollout.parallelism": Drop(_ENGINE_PARALLEL),
-    "rollout.enforce_eager": Convert(("launcher.slurm.engine_args",), engine_arg("--enforce-eager")),
+    "rollout.enforce_eager": Convert(("launcher.engine.args",), engine_arg("--enforce-eager")),
     "rollout.include_stop_str_in_output": Drop("rollouts are token ids; the stop token stays in the sample"),
-    "rollout.gpu_memory_utilization": Convert(("launcher.slurm.engine_args",), engine_arg("--gpu-memory-utilization")),
-    "rollout.enable_chunked_prefill": Convert(("launcher.slurm.engine_args",), engine_arg("--enable-chunked-prefill")),
+    "rollout.gpu_memory_utilization": Convert(("launcher.engine.args",), engine_arg("--gpu-memory-utilization")),
+    "rollout.enable_chunked_prefill": Convert(("launcher.engine.args",), engine_arg("--enable-chunked-prefill")),
     "rollout.max_response_length": Same("gconfig.max_new_tokens"),
     "rollout.n_generation": Same("gconfig.n_samples"),
     "rollout.n_generation_to_batch": Drop("engines batch the samples of a prompt themselves"),
@@ -479,7 +479,7 @@ TABLE: Table = {
     "rollout.sampling_config.repetition_penalty": Same("gconfig.repetition_penalty"),
     "rollout.sampling_config.use_flashinfer": Drop(_KERNEL),
     "rollout.vllm_use_flashinfer": Drop(_KERNEL),
-    "rollout.backend": Convert(("rollout.backend", "launcher.slurm.engine"), _engine_backend),
+    "rollout.backend": Convert(("rollout.backend", "launcher.engine.server"), _engine_backend),
     "rollout.multi_turn_config.enable": Convert(("producer.workflow", _CHAT_KWARGS), _multi_turn,
                                                 "AgentWorkflow; {enable_thinking: false} unless given"),
     "rollout.multi_turn_config.max_assistant_turns": Same("agent.max_turns"),
@@ -544,7 +544,7 @@ TABLE: Table = {
 
 # rlstream keys whose default differs from cosmos-rl's, set when the file leaves them out.
 DEFAULTS: dict[str, Any] = {"actor.ppo_n_minibatches": 1, "actor.kl_ctl": 0.0, "actor.c_clip": 3.0,
-                            "rollout.backend": "vllm", "launcher.slurm.engine": "vllm",
+                            "rollout.backend": "vllm", "launcher.engine.server": "vllm",
                             "rollout.max_head_offpolicyness": 4, "actor.optimizer.eps": 1e-6,
                             "actor.optimizer.weight_decay": 0.01,
                             "actor.reward_norm": {"mean_level": "group", "std_level": "group", "std_unbiased": False,

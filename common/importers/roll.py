@@ -20,7 +20,7 @@ RESOLVERS: dict[str, Any] = {}
 _MB = "rlstream cuts micro-batches by tokens: actor.mb_spec.max_tokens_per_mb"
 _REF = "the reference model runs in the trainer process with the actor's backend, dtype and micro-batches"
 _KERNEL = "a megatron-core kernel/communication choice; rlstream's megatron backend makes its own"
-_INFER_MODEL = "engines serve actor.path; their dtype and options are the engine's (server.dtype, launcher.slurm.engine_args)"
+_INFER_MODEL = "engines serve actor.path; their dtype and options are the engine's (server.dtype, launcher.engine.args)"
 
 
 def _grad_ckpt(value: Any, ctx: Context) -> None:
@@ -101,10 +101,10 @@ def _train_strategy(value: Any, ctx: Context) -> None:
 def _infer_strategy(value: Any, ctx: Context) -> None:
     if value in ("vllm", "sglang"):
         ctx.t.put(ctx.key, "rollout.backend", value)
-        ctx.t.put(ctx.key, "launcher.slurm.engine", value)
+        ctx.t.put(ctx.key, "launcher.engine.server", value)
     elif value == "hf_infer":
         ctx.t.put(ctx.key, "rollout.backend", "sglang")
-        ctx.t.put(ctx.key, "launcher.slurm.engine", "local")
+        ctx.t.put(ctx.key, "launcher.engine.server", "local")
     else:
         raise ConfigError(f"actor_infer.strategy_args.strategy_name={value!r}: rlstream's engines are vllm, sglang "
                           "or its local engine (hf_infer)")
@@ -280,13 +280,13 @@ TABLE: Table = {
     "actor_infer.generating_args.top_p": Same("gconfig.top_p"),
     "actor_infer.generating_args.top_k": Same("gconfig.top_k"),
     "actor_infer.generating_args.num_return_sequences": Same("gconfig.n_samples"),
-    "actor_infer.strategy_args.strategy_name": Convert(("rollout.backend", "launcher.slurm.engine"), _infer_strategy),
-    f"{_INFER}.gpu_memory_utilization": Convert(("launcher.slurm.engine_args",), engine_arg("--gpu-memory-utilization")),
-    f"{_INFER}.block_size": Convert(("launcher.slurm.engine_args",), engine_arg("--block-size")),
-    f"{_INFER}.max_model_len": Convert(("launcher.slurm.engine_args",), engine_arg("--max-model-len")),
-    f"{_INFER}.mem_fraction_static": Convert(("launcher.slurm.engine_args",), engine_arg("--mem-fraction-static")),
+    "actor_infer.strategy_args.strategy_name": Convert(("rollout.backend", "launcher.engine.server"), _infer_strategy),
+    f"{_INFER}.gpu_memory_utilization": Convert(("launcher.engine.args",), engine_arg("--gpu-memory-utilization")),
+    f"{_INFER}.block_size": Convert(("launcher.engine.args",), engine_arg("--block-size")),
+    f"{_INFER}.max_model_len": Convert(("launcher.engine.args",), engine_arg("--max-model-len")),
+    f"{_INFER}.mem_fraction_static": Convert(("launcher.engine.args",), engine_arg("--mem-fraction-static")),
     f"{_INFER}.load_format": Drop("engines load actor.path; the trainer pushes each new version"),
-    "actor_infer.num_gpus_per_worker": Same("launcher.slurm.engine_tp"),
+    "actor_infer.num_gpus_per_worker": Same("launcher.engine.tp"),
     "actor_infer.device_mapping": Convert(("launcher.n_engines",), _engines, "devices / num_gpus_per_worker"),
     "actor_infer.infer_batch_size": Drop("engines batch requests themselves (continuous batching)"),
     "reference": Drop(_REF),

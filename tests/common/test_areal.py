@@ -74,12 +74,14 @@ stats_logger: {wandb: {mode: disabled}}
 launcher:
   n_engines: 4
   n_trainer_procs: 8
-  slurm:
-    engine: sglang
-    engine_tp: 2
-    engine_pp: 1
-    engine_args: [--random-seed, "7", --skip-tokenizer-init, --dtype, bfloat16, --context-length, "4096",
-                  --mem-fraction-static, "0.7"]
+  engine:
+    server: sglang
+    tp: 2
+    pp: 1
+    args: [--random-seed, "7", --skip-tokenizer-init, --dtype, bfloat16, --context-length, "4096",
+           --mem-fraction-static, "0.7"]
+  ray:
+    engine_gpus: 2
 """
 
 
@@ -136,7 +138,7 @@ def test_allocation_strings_and_old_spellings():
                            "actor": {"use_decoupled_loss": True, "behave_imp_weight_cap": 3.0,
                                      "behave_imp_weight_mode": "token_truncate", "backend": "megatron:d2p2t4"}})
     c = load_config_dict(old.config)
-    assert (c.rollout.backend, c.launcher.n_engines, c.launcher.slurm.engine_args) == ("vllm", 2, ["--max-model-len", "2048"])
+    assert (c.rollout.backend, c.launcher.n_engines, c.launcher.engine.args) == ("vllm", 2, ["--max-model-len", "2048"])
     assert (c.actor.backend, c.actor.megatron.tensor_parallel, c.actor.megatron.pipeline_parallel) == ("megatron", 4, 2)
     assert c.launcher.n_trainer_procs == 2
     assert (c.cluster.name_resolve.type, c.cluster.name_resolve.etcd_address) == ("etcd", "10.0.0.1:2379")
@@ -216,7 +218,7 @@ def test_lora_example_trains_a_lora_adapter():
     c = load_config_dict(t.config)
     assert (c.actor.lora.rank, c.actor.lora.alpha, c.actor.lora.target_modules) == (16, 16.0, ["all-linear"])
     assert c.actor.optimizer.lr == 1.7e-4 and c.actor.weight_update_mode == "disk"
-    assert "--enable-lora" not in c.launcher.slurm.engine_args  # the engines merge the adapter
+    assert "--enable-lora" not in c.launcher.engine.args  # the engines merge the adapter
     dropped = dict(t.dropped)
     assert "merge" in dropped["sglang.enable_lora"] and "merge" in dropped["rollout.use_lora"]
     # AReaL's defaults where the file says nothing: rank 32, alpha 16, all linear modules

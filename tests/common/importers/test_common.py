@@ -17,8 +17,8 @@ def test_engine_options_append_to_the_engine_command_line():
     assert engine_arg("--enable-torch-compile")(True, ctx) is None
     assert engine_arg("--disable-cuda-graph")(False, ctx) == "false: the engine's default (no --disable-cuda-graph)"
     assert engine_arg("--x")(None, ctx) == "null: the engine's default"
-    assert ctx.t.config == {"launcher": {"slurm": {"engine_args": ["--mem-fraction-static", "0.55",
-                                                                   "--enable-torch-compile"]}}}
+    assert ctx.t.config == {"launcher": {"engine": {"args": ["--mem-fraction-static", "0.55",
+                                                             "--enable-torch-compile"]}}}
 
 
 @pytest.mark.parametrize("name,dtype", [("bf16", "bfloat16"), ("fp16", "float16"), ("fp32", "float32"),

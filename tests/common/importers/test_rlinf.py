@@ -44,7 +44,7 @@ def test_the_example_maps_to_these_rlstream_keys(imported):
     # +5 for a correct answer, -5 otherwise, from math_reward's 1 / 0
     assert (1.0 + cfg.actor.reward_bias) * cfg.actor.reward_scaling == 5.0
     assert (0.0 + cfg.actor.reward_bias) * cfg.actor.reward_scaling == -5.0
-    assert "--mem-fraction-static" in cfg.launcher.slurm.engine_args
+    assert "--mem-fraction-static" in cfg.launcher.engine.args
 
 
 def test_what_is_dropped_says_why(imported):

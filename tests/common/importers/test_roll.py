@@ -34,8 +34,8 @@ def test_the_example_maps_to_these_rlstream_keys(imported):
     # 64 prompts x 8 samples per step, 1 x 32 x 16 ranks per optimizer step
     assert cfg.actor.ppo_n_minibatches == 1
     assert cfg.launcher.n_trainer_procs == 16 and cfg.launcher.n_engines == 16
-    assert cfg.rollout.backend == "vllm" and cfg.launcher.slurm.engine == "vllm"
-    assert cfg.launcher.slurm.engine_args == ["--gpu-memory-utilization", "0.6", "--block-size", "16",
+    assert cfg.rollout.backend == "vllm" and cfg.launcher.engine.server == "vllm"
+    assert cfg.launcher.engine.args == ["--gpu-memory-utilization", "0.6", "--block-size", "16",
                                               "--max-model-len", "8000"]
     assert cfg.gconfig.temperature == 0.99
 
