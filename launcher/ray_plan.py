@@ -100,7 +100,8 @@ def check_engine(cfg: Config) -> None:
         return
     if rc.engines_per_node:
         raise ConfigError(f"launcher.ray.engines_per_node={rc.engines_per_node}: elastic engines register with name "
-                          f"resolve, which launcher.engine.server={server.server} servers do not; set engines_per_node=0")
+                          f"resolve, which launcher.engine.server={server.server} servers do not; "
+                          "set engines_per_node=0")
     if cfg.rollout.backend != server.server:
         raise ConfigError(f"rollout.backend={cfg.rollout.backend}: launcher.engine.server={server.server} serves "
                           f"{server.server}'s API; set rollout.backend={server.server}")

@@ -213,7 +213,7 @@ class Checkpointer:
     def __init__(self, run_dir: Path, par: Parallel, tokenizer_path: str | None = None, *,
                  keep_hf: int | None = None, keep_recover: int = 1, uploader: Any = None) -> None:
         self.run_dir = Path(run_dir)
-        self.uploader = uploader  # an S3Uploader (saver.upload_s3) every HF export is handed to, on rank 0
+        self.uploader = uploader  # an ExportUploader (saver.upload_s3/upload_hf) every HF export is handed to, on rank 0
         self.keep_hf = keep_hf  # `step-*` HF exports kept (None = all; `final` is never removed)
         self.keep_recover = keep_recover
         self.recover_dir = self.run_dir / "recover"

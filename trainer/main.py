@@ -54,7 +54,7 @@ from rlstream.trainer.optim import build_optimizer, build_scheduler
 from rlstream.trainer.parallel import Parallel, init_parallel
 from rlstream.trainer.ppo import PPOActor
 from rlstream.trainer.step_metrics import StepMetrics
-from rlstream.trainer.upload import S3Uploader
+from rlstream.trainer.upload import make_uploader
 from rlstream.trainer.weights import make_broadcaster
 
 __all__ = ["train", "check_config", "Trainer"]
@@ -187,7 +187,8 @@ class Trainer:
         # ---- model, reference, optimizer; the position of the newest recover checkpoint
         self.actor, vocab_size = _build_actor(cfg, par, self.total_steps)
         self.model = self.actor.model
-        uploader = S3Uploader(cfg.saver.upload_s3, f"{cfg.experiment_name}/{cfg.trial_name}") if cfg.saver.upload_s3 and par.is_main else None
+        uploader = make_uploader(cfg.saver.upload_s3, cfg.saver.upload_hf,
+                                 f"{cfg.experiment_name}/{cfg.trial_name}") if par.is_main else None
         checkpointer = Checkpointer(cfg.run_dir, par, cfg.tokenizer, keep_hf=cfg.saver.max_keep,
                                     keep_recover=cfg.recover.max_keep, uploader=uploader)
         recovering = _recovering(cfg.recover.mode)

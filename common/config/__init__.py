@@ -27,9 +27,9 @@ from rlstream.common.config.launcher import (DemoTaskConfig, EngineServerConfig,
 from rlstream.common.config.loading import load_config, load_config_dict
 from rlstream.common.config.masking import (CREDENTIAL_KEYS, config_to_dict, is_credential_key, mask_url,
                                             masked_config_dict)
-from rlstream.common.config.persistence import (EvaluatorConfig, PrometheusConfig, RecoverConfig, S3UploadConfig,
-                                                SaverConfig, StatsLoggerConfig, SwanlabConfig, TensorBoardConfig,
-                                                WandbConfig)
+from rlstream.common.config.persistence import (EvaluatorConfig, HubUploadConfig, PrometheusConfig, RecoverConfig,
+                                                S3UploadConfig, SaverConfig, StatsLoggerConfig, SwanlabConfig,
+                                                TensorBoardConfig, WandbConfig)
 from rlstream.common.config.judge import JudgeConfig
 from rlstream.common.config.producer import AgentConfig, GatewayConfig, ProducerConfig, SandboxConfig
 from rlstream.common.config.rollout import DatasetConfig, GenerationHyperparameters, ImageLimitsConfig, RolloutConfig
@@ -57,7 +57,7 @@ __all__ = [
     "ServerConfig", "SimulateConfig", "DemoTaskConfig", "EngineServerConfig", "LauncherConfig", "RayConfig", "SlurmConfig", "SlurmContainerConfig",
     "ThreadsConfig", "WebConfig",
     "CREDENTIAL_KEYS", "is_credential_key", "EvaluatorConfig", "PrometheusConfig", "RecoverConfig", "SaverConfig",
-    "S3UploadConfig", "StatsLoggerConfig", "SwanlabConfig", "TensorBoardConfig", "WandbConfig", "AgentConfig", "GatewayConfig", "ProducerConfig",
+    "S3UploadConfig", "HubUploadConfig", "StatsLoggerConfig", "SwanlabConfig", "TensorBoardConfig", "WandbConfig", "AgentConfig", "GatewayConfig", "ProducerConfig",
     "SandboxConfig", "DatasetConfig", "GenerationHyperparameters", "ImageLimitsConfig", "RolloutConfig",
     "DistillationConfig", "TeacherConfig", "teacher_pools",
     "RewardModelConfig", "RWConfig", "ScoringPoolConfig", "scoring_pools", "scoring_service",

@@ -11,8 +11,8 @@ from rlstream.common.config.actor import FSDPConfig, OptimizerConfig
 from rlstream.common.config.base import (Fraction, NonNegativeFloat, NonNegativeInt, Port, PositiveFloat, PositiveInt,
                                          Section)
 
-__all__ = ["DemoTaskConfig", "EngineServerConfig", "RayConfig", "SlurmContainerConfig", "SlurmConfig", "ThreadsConfig", "WebConfig",
-           "LauncherConfig"]
+__all__ = ["DemoTaskConfig", "EngineServerConfig", "RayConfig", "SlurmContainerConfig", "SlurmConfig", "ThreadsConfig",
+           "WebConfig", "LauncherConfig"]
 
 
 class DemoTaskConfig(Section):

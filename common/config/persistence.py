@@ -8,8 +8,8 @@ import msgspec
 
 from rlstream.common.config.base import NonNegativeInt, Port, PositiveFloat, PositiveInt, Section
 
-__all__ = ["SaverConfig", "S3UploadConfig", "EvaluatorConfig", "RecoverConfig", "WandbConfig", "SwanlabConfig", "TensorBoardConfig", "PrometheusConfig",
-           "StatsLoggerConfig"]
+__all__ = ["SaverConfig", "S3UploadConfig", "HubUploadConfig", "EvaluatorConfig", "RecoverConfig", "WandbConfig",
+           "SwanlabConfig", "TensorBoardConfig", "PrometheusConfig", "StatsLoggerConfig"]
 
 
 class S3UploadConfig(Section):
@@ -25,6 +25,27 @@ class S3UploadConfig(Section):
     """An S3-compatible store's URL (e.g. http://minio:9000); None = AWS S3."""
     region: str | None = None
     """The bucket's region (None = boto3's default)."""
+
+
+class HubUploadConfig(Section):
+    """Where the HF exports go besides the run folder (cosmos-rl train.ckpt.upload_hf with hf_repo_name): a model
+    repository on the Hugging Face Hub, or a Hub-compatible server. The token comes from huggingface_hub's usual
+    places (HF_TOKEN, `hf auth login`), never from the config."""
+
+    repo_id: str = ""
+    """The model repository, `namespace/name`; a bare `name` goes under the token's own user (as cosmos-rl's
+    whoami()/name). Created when missing."""
+    private: bool = True
+    """Create the repository private (an existing one keeps its visibility)."""
+    exports: Literal["final", "all"] = "final"
+    """final: only `checkpoints/final`, at path_in_repo (cosmos-rl uploads the final model only); all: every
+    export, each in its own folder `{path_in_repo}/step-N` and `{path_in_repo}/final`, one commit each."""
+    path_in_repo: str = ""
+    """Folder of the upload inside the repository ("" = its root: `from_pretrained(repo_id)` loads the final model)."""
+    revision: str = "main"
+    """Branch the commits go to (created from main when missing)."""
+    endpoint: str | None = None
+    """A Hub-compatible server's URL; None = $HF_ENDPOINT or https://huggingface.co."""
 
 
 class SaverConfig(Section):
@@ -44,6 +65,10 @@ class SaverConfig(Section):
     """Upload every HF export (step-N and final) to S3 once written, in a background thread (the step does not wait;
     the run ends once `final` is uploaded); a failed upload is one error line and the run goes on (the export is on
     disk). Needs the s3 extra (boto3). None = no upload."""
+    upload_hf: HubUploadConfig | None = None
+    """Upload the final HF export (or every one: upload_hf.exports) to a Hugging Face Hub model repository, in the
+    same background thread as upload_s3 and with the same failure rule (one error line, the export stays on disk).
+    None = no upload."""
 
 
 class EvaluatorConfig(Section):

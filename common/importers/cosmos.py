@@ -153,6 +153,19 @@ def _profiler(value: Any, ctx: Context) -> str | None:
     return None
 
 
+def _upload_hf(value: Any, ctx: Context) -> str | None:
+    if not value:
+        return "false: exports stay in the run folder (saver.upload_hf unset)"
+    name = get(ctx.data, "train.ckpt.hf_repo_name")
+    if not name:
+        raise ConfigError("train.ckpt.upload_hf=true without train.ckpt.hf_repo_name: name the repository")
+    ctx.t.put(ctx.key, "saver.upload_hf.repo_id", str(name))
+    ctx.t.notes.append(f"saver.upload_hf.repo_id={name!r}: the final export goes to that repository (a bare name under "
+                       "the token's user, as in cosmos-rl) without cosmos-rl's -{timestamp} suffix; the token comes "
+                       "from HF_TOKEN")
+    return None
+
+
 def _upload_s3(value: Any, ctx: Context) -> str | None:
     if not value:
         return "false: exports stay in the run folder (saver.upload_s3 unset)"
@@ -436,7 +449,8 @@ TABLE: Table = {
     "train.ckpt.save_mode": Convert(("saver.async_save",), _save_mode, "async = true"),
     "train.ckpt.max_keep": Convert(("saver.max_keep", "recover.max_keep"), _max_keep, "-1 = all"),
     "train.ckpt.export_safetensors": Drop("checkpoints are always HF safetensors folders"),
-    "train.ckpt.upload_hf": Missing("uploading checkpoints to the HF hub", off=(False, None)),
+    "train.ckpt.upload_hf": Convert(("saver.upload_hf.repo_id",), _upload_hf, "with hf_repo_name"),
+    "train.ckpt.hf_repo_name": Drop("read with upload_hf (saver.upload_hf.repo_id)"),
     "train.ckpt.upload_s3": Convert(("saver.upload_s3.bucket", "saver.upload_s3.prefix"), _upload_s3,
                                     "with s3_bucket and s3_prefix"),
     "train.ckpt.s3_bucket": Drop("read with upload_s3 (saver.upload_s3.bucket)"),

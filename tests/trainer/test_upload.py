@@ -44,10 +44,10 @@ def test_every_export_is_uploaded_whole_also_when_pruned_right_after(s3, tmp_pat
     from rlstream.common.config import S3UploadConfig
     from rlstream.trainer.checkpoint import Checkpointer
     from rlstream.trainer.parallel import Parallel
-    from rlstream.trainer.upload import S3Uploader
+    from rlstream.trainer.upload import S3Destination, make_uploader
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
-    uploader = S3Uploader(S3UploadConfig(bucket="ckpts", prefix="team/runs", endpoint_url=s3), "exp/trial0")
+    uploader = make_uploader(S3UploadConfig(bucket="ckpts", prefix="team/runs", endpoint_url=s3), None, "exp/trial0")
     ckpt = Checkpointer(tmp_path, Parallel(), str(tiny_model_path), keep_hf=1, uploader=uploader)
     for name in ("step-1", "step-2", "final"):
         ckpt.save_hf(model, model, name)
@@ -70,7 +70,7 @@ def test_a_failed_upload_is_one_error_line_and_the_export_stays(s3, tmp_path, ti
     from rlstream.common.config import ConfigError, S3UploadConfig
     from rlstream.trainer.checkpoint import Checkpointer
     from rlstream.trainer.parallel import Parallel
-    from rlstream.trainer.upload import S3Uploader
+    from rlstream.trainer.upload import S3Destination, make_uploader
 
     records: list[logging.LogRecord] = []
     keep = logging.Handler(logging.ERROR)
@@ -79,7 +79,7 @@ def test_a_failed_upload_is_one_error_line_and_the_export_stays(s3, tmp_path, ti
     logger.addHandler(keep)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     ckpt = Checkpointer(tmp_path, Parallel(), None,
-                        uploader=S3Uploader(S3UploadConfig(bucket="no-such-bucket", endpoint_url=s3), "exp/t"))
+                        uploader=make_uploader(S3UploadConfig(bucket="no-such-bucket", endpoint_url=s3), None, "exp/t"))
     try:
         ckpt.save_hf(model, model, "final")
         ckpt.close()
@@ -90,4 +90,4 @@ def test_a_failed_upload_is_one_error_line_and_the_export_stays(s3, tmp_path, ti
     assert (tmp_path / "checkpoints" / "final" / "model.safetensors").is_file()
     assert not list((tmp_path / "checkpoints").glob(".upload-*"))
     with pytest.raises(ConfigError, match="saver.upload_s3.bucket is empty"):
-        S3Uploader(S3UploadConfig(), "exp/t")
+        S3Destination(S3UploadConfig(), "exp/t")

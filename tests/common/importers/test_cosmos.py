@@ -105,6 +105,12 @@ def test_dr_grpo_normaliser_decay_schedules_and_penalties_import():
     assert (s3.bucket, s3.prefix) == ("b", "runs")
     with pytest.raises(ConfigError, match="upload_s3=true without train.ckpt.s3_bucket"):
         import_data("cosmos", {"train": {"ckpt": {"upload_s3": True}}})
+    hub = import_data("cosmos", {"train": {"ckpt": {"upload_hf": True, "hf_repo_name": "gsm8k-grpo"}}})
+    assert load_config_dict(hub.config).saver.upload_hf.repo_id == "gsm8k-grpo"  # under the token's user
+    assert any("without cosmos-rl's -{timestamp} suffix" in n for n in hub.notes)
+    assert "saver" not in import_data("cosmos", {"train": {"ckpt": {"upload_hf": False}}}).config
+    with pytest.raises(ConfigError, match="upload_hf=true without train.ckpt.hf_repo_name"):
+        import_data("cosmos", {"train": {"ckpt": {"upload_hf": True}}})
     ignored = import_data("cosmos", {"train": {"optm_decay_type": "none", "optm_decay_ratio": None, "train_policy": {
         "loss_type": "token-mean", "unbiased_loss_max_tokens": 4096}}})
     why = dict(ignored.dropped)
