@@ -90,6 +90,10 @@ class HubDestination:
             constants.HF_HUB_OFFLINE = False
             reset_sessions()
             log.info("saver.upload_hf: huggingface_hub online in this process for the uploads")
+        if cfg.endpoint:
+            # huggingface_hub reads the URLs a server answers (repo, commit) against its process-wide endpoint
+            # ($HF_ENDPOINT at import), not the client's: a Hub-compatible server must be that endpoint.
+            constants.ENDPOINT = cfg.endpoint.rstrip("/")
         self.cfg, self.run = cfg, run
         self._api = HfApi(endpoint=cfg.endpoint)  # token: HF_TOKEN or the saved login, as huggingface_hub finds it
         self._repo: str | None = None  # namespace/name once the repository exists

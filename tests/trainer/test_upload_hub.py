@@ -97,16 +97,38 @@ def _handler(state: HubState):
 
 @pytest.fixture
 def hub(monkeypatch):
-    """(url, state) of a Hub API server on a free port; HF_TOKEN set for huggingface_hub to send."""
+    """(url, state) of a Hub API server on a free port; HF_TOKEN set for huggingface_hub to send. huggingface_hub's
+    process-wide offline flag and endpoint, which a HubDestination sets, are restored afterwards."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import reset_sessions
+
     state = HubState()
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     monkeypatch.setenv("HF_TOKEN", TOKEN)
     monkeypatch.setenv("HF_HUB_DISABLE_TELEMETRY", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", constants.HF_HUB_OFFLINE)
+    monkeypatch.setattr(constants, "ENDPOINT", constants.ENDPOINT)
     yield f"http://127.0.0.1:{server.server_address[1]}", state
     server.shutdown()
     server.server_close()
+    monkeypatch.undo()
+    reset_sessions()
+
+
+@pytest.fixture
+def upload_log():
+    """The log lines of rlstream.trainer.upload (its loggers do not propagate to caplog), INFO and up."""
+    records: list[logging.LogRecord] = []
+    keep = logging.Handler(logging.INFO)
+    keep.emit = records.append
+    logger = logging.getLogger("rlstream.trainer.upload")
+    level, logger.level = logger.level, logging.INFO
+    logger.addHandler(keep)
+    yield records
+    logger.removeHandler(keep)
+    logger.setLevel(level)
 
 
 def _exports(tmp_path: Path, tiny_model_path: Path, uploader, names=("step-1", "step-2", "final")) -> Path:
@@ -124,7 +146,8 @@ def _local_files(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_the_final_export_lands_at_the_root_of_a_private_repo_under_the_tokens_user(hub, tmp_path, tiny_model_path):
+def test_the_final_export_lands_at_the_root_of_a_private_repo_under_the_tokens_user(hub, upload_log, tmp_path,
+                                                                                    tiny_model_path):
     url, state = hub
     cfg = HubUploadConfig(repo_id="tiny-rl", endpoint=url)  # a bare name: cosmos-rl's whoami()/name
     saved = _exports(tmp_path, tiny_model_path, make_uploader(None, cfg, "exp/trial0"))
@@ -136,9 +159,11 @@ def test_the_final_export_lands_at_the_root_of_a_private_repo_under_the_tokens_u
     assert "model.safetensors" in commit["files"] and "config.json" in commit["files"]
     assert state.auth == {f"Bearer {TOKEN}"}  # the token from the environment, never from the config
     assert not list(saved.glob(".upload-*"))
+    assert [r.getMessage() for r in upload_log if r.levelno >= logging.WARNING] == []
+    assert any(r.getMessage().startswith("uploaded final to hf://tester/tiny-rl@main/ (commit ") for r in upload_log)
 
 
-def test_every_export_in_its_own_folder_on_a_branch_one_commit_each(hub, tmp_path, tiny_model_path):
+def test_every_export_in_its_own_folder_on_a_branch_one_commit_each(hub, upload_log, tmp_path, tiny_model_path):
     url, state = hub
     cfg = HubUploadConfig(repo_id="team/run-a", endpoint=url, exports="all", path_in_repo="ckpts/", revision="rl",
                           private=False)
@@ -152,22 +177,16 @@ def test_every_export_in_its_own_folder_on_a_branch_one_commit_each(hub, tmp_pat
     # step-1 was pruned (max_keep 1) right after step-2 was written: its upload, queued before, still sent it whole
     assert not (saved / "step-1").exists()
     assert {k.rsplit("/", 1)[1]: v for k, v in state.commits[2]["files"].items()} == final
+    assert [r.getMessage().split(" (commit")[0] for r in upload_log if r.getMessage().startswith("uploaded")] == [
+        f"uploaded {n} to hf://team/run-a@rl/ckpts/{n}" for n in ("step-1", "step-2", "final")]
 
 
-def test_a_failed_commit_is_one_error_line_and_the_export_stays(hub, tmp_path, tiny_model_path):
+def test_a_failed_commit_is_one_error_line_and_the_export_stays(hub, upload_log, tmp_path, tiny_model_path):
     url, state = hub
     state.fail_commits = True
-    records: list[logging.LogRecord] = []
-    keep = logging.Handler(logging.ERROR)
-    keep.emit = records.append  # rlstream's loggers do not propagate to caplog
-    logger = logging.getLogger("rlstream.trainer.upload")
-    logger.addHandler(keep)
-    try:
-        saved = _exports(tmp_path, tiny_model_path, make_uploader(None, HubUploadConfig(repo_id="t/r", endpoint=url),
-                                                                  "exp/t"), names=("final",))
-    finally:
-        logger.removeHandler(keep)
-    errors = [r.getMessage() for r in records]
+    saved = _exports(tmp_path, tiny_model_path, make_uploader(None, HubUploadConfig(repo_id="t/r", endpoint=url),
+                                                              "exp/t"), names=("final",))
+    errors = [r.getMessage() for r in upload_log if r.levelno >= logging.ERROR]
     assert len(errors) == 1 and errors[0].startswith("upload of checkpoint final to hf://t/r@main/ failed: "), errors
     assert (saved / "final" / "model.safetensors").is_file() and not list(saved.glob(".upload-*"))
 
@@ -176,3 +195,31 @@ def test_a_failed_commit_is_one_error_line_and_the_export_stays(hub, tmp_path, t
 def test_a_repo_id_that_names_no_repository_is_refused(repo_id):
     with pytest.raises(ConfigError, match=r"^saver.upload_hf.repo_id=.*namespace/name"):
         HubDestination(HubUploadConfig(repo_id=repo_id), "exp/t")
+
+
+@pytest.mark.slow
+def test_rlstream_run_uploads_its_final_export_from_an_offline_process(hub, tmp_path):
+    """As a user runs it: `rlstream run` starts the trainer with HF_HUB_OFFLINE=1 (launcher/procs.py, a fork of the
+    preloaded fork server); saver.upload_hf still commits the final export, and the run ends after it."""
+    import os
+    import subprocess
+    import sys
+
+    url, state = hub
+    root = Path(__file__).resolve().parents[2]
+    small = ["launcher.demo.n_train=256", "launcher.demo.n_valid=16", "launcher.eval_n=0", "launcher.sft_steps=20",
+             "rollout.consumer_batch_size=4", "gconfig.n_samples=4", "stats_logger.tensorboard.enabled=false",
+             "total_train_steps=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1",
+           "HF_TOKEN": TOKEN}
+    proc = subprocess.run([sys.executable, "-m", "rlstream.launcher.cli", "run", "--config",
+                           str(root / "configs" / "tiny-cpu.yaml"), f"cluster.fileroot={tmp_path / 'runs'}", *small,
+                           "saver.upload_hf.repo_id=tiny-run", f"saver.upload_hf.endpoint={url}"],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=420)
+    run_dir = tmp_path / "runs" / "tiny-cpu" / "run0"
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    (commit,) = state.commits
+    assert commit["repo"] == "tester/tiny-run" and commit["message"] == "rlstream tiny-cpu/run0: final"
+    assert commit["files"] == _local_files(run_dir / "checkpoints" / "final")
+    assert state.auth == {f"Bearer {TOKEN}"}
+    assert "uploaded final to hf://tester/tiny-run@main/ (commit " in (run_dir / "logs" / "trainer.log").read_text()
