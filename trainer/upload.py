@@ -17,7 +17,7 @@ import os
 import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 from rlstream.common.config import ConfigError, HubUploadConfig, S3UploadConfig
 
@@ -127,7 +127,7 @@ class HubDestination:
 class ExportUploader:
     """Sends the export folders of one run to its destinations in the background, in the order they were written."""
 
-    def __init__(self, destinations: list[Any]) -> None:
+    def __init__(self, destinations: list[Destination]) -> None:
         self.destinations = destinations
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="export-upload")
         self._pending: list[Future] = []
@@ -143,7 +143,7 @@ class ExportUploader:
         self._pending.append(self._pool.submit(self._upload, staged, folder.name, targets))
 
     @staticmethod
-    def _upload(staged: Path, name: str, targets: list[Any]) -> None:
+    def _upload(staged: Path, name: str, targets: list[Destination]) -> None:
         try:
             for dest in targets:
                 try:
@@ -164,7 +164,7 @@ class ExportUploader:
 
 def make_uploader(s3: S3UploadConfig | None, hub: HubUploadConfig | None, run: str) -> ExportUploader | None:
     """The uploader of the destinations the config names (`saver.upload_s3`, `saver.upload_hf`); None for none."""
-    destinations: list[Any] = []
+    destinations: list[Destination] = []
     if s3 is not None:
         destinations.append(S3Destination(s3, run))
     if hub is not None:

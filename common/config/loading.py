@@ -22,11 +22,13 @@ from rlstream.common.config.scoring import check_scoring
 
 __all__ = ["load_config", "load_config_dict"]
 
-# Keys that moved: a config written for the old place is told the new one.
-MOVED_KEYS = {**{f"launcher.{launcher}.engine{old}": f"launcher.engine.{new}"
-                 for launcher in ("slurm", "ray")
-                 for old, new in (("", "server"), ("_python", "python"), ("_args", "args"))},
-              "launcher.slurm.engine_tp": "launcher.engine.tp", "launcher.slurm.engine_pp": "launcher.engine.pp"}
+# Keys that moved into launcher.engine: a config written for the old place is told the new one.
+MOVED_KEYS = {
+    "launcher.slurm.engine": "launcher.engine.server", "launcher.ray.engine": "launcher.engine.server",
+    "launcher.slurm.engine_python": "launcher.engine.python", "launcher.ray.engine_python": "launcher.engine.python",
+    "launcher.slurm.engine_args": "launcher.engine.args", "launcher.ray.engine_args": "launcher.engine.args",
+    "launcher.slurm.engine_tp": "launcher.engine.tp", "launcher.slurm.engine_pp": "launcher.engine.pp",
+}
 
 
 def _check_unknown_keys(data: Any, tp: Any, path: str) -> None:
