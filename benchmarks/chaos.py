@@ -6,6 +6,7 @@
                                                                   # the section of a finished soak
     python benchmarks/chaos.py --duration 1800 --parts reward_model,judge,teacher,critic
                                                                   # with scoring pools and a critic
+    python benchmarks/chaos.py --duration 1800 --ray-nodes 2      # on a 3-node Ray cluster, nodes removed
 
 `rlstream chaos` (launcher/chaos.py) starts what `rlstream run --config configs/tiny-cpu.yaml`
 starts, with 2 engines, 2 producers, recover.mode=auto and a recover checkpoint every step,
@@ -21,6 +22,8 @@ model as a distillation teacher of one engine), `critic` (PPO's value model in t
 of tiny-cpu: the producers run AgentWorkflow episodes with the calculator tool) and `gateway` (implies `tools`:
 `rlstream chaos --agent`, i.e. `rlstream gateway` and an agent driving it with the openai SDK, both killed too).
 With `tools` the reward model learns the reverse demo's pairs rule (a 7 in the answer) on the multiply prompts.
+`--ray-nodes N` runs it on a Ray cluster of this machine with N worker nodes (launcher/chaos_ray.py): worker nodes
+crashed and drained, each replaced by a fresh node, and garbage; no scoring pools there.
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def write_tool_pairs(config: Path, overrides: list[str]) -> None:
         write_demo_pairs(paths["train"], Path(cfg.rw.dataset), cfg.seed)
 
 
-def run_soak(duration: float, seed: int, mean_gap: float, workdir: Path, parts: list[str]) -> dict:
+def run_soak(duration: float, seed: int, mean_gap: float, workdir: Path, parts: list[str], ray_nodes: int = 0) -> dict:
     base = [f"cluster.fileroot={workdir / 'runs'}", *part_overrides(parts)]
     config = config_of(parts)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -96,7 +99,8 @@ def run_soak(duration: float, seed: int, mean_gap: float, workdir: Path, parts: 
             write_tool_pairs(config, base)
         subprocess.run([*cli, "rw", "--config", str(config), *base, "rw.steps=50"], cwd=workdir, check=True, env=env)
     cmd = [*cli, "chaos", "--config", str(config), "--duration", str(duration), "--seed", str(seed), "--mean-gap",
-           str(mean_gap), *(["--agent"] if "gateway" in parts else []), *base]
+           str(mean_gap), *(["--agent"] if "gateway" in parts else []),
+           *(["--ray-nodes", str(ray_nodes)] if ray_nodes else []), *base]
     subprocess.run(cmd, cwd=workdir, check=False, env=env)
     name = "tools-cpu" if config == TOOLS_CONFIG else "tiny-cpu"
     return json.loads((workdir / "runs" / name / "run0" / "chaos.json").read_text())
@@ -109,8 +113,12 @@ def section(r: dict, note: str, duration: float, mean_gap: float) -> str:
     lines = [
         SECTION, "",
         f"`nice -n 10 rlstream chaos --config configs/tiny-cpu.yaml --duration {duration:g} --seed {r['seed']} "
-        f"--mean-gap {mean_gap:g}`: {r['duration_s'] / 60:.1f} minutes from the trainer's start to the ledger, "
-        f"2 engines, 2 producers, the trainer with recover.mode=auto and a recover checkpoint every step, "
+        f"--mean-gap {mean_gap:g}" + (f" --ray-nodes {r['ray_nodes']}" if r.get("ray_nodes") else "")
+        + f"`: {r['duration_s'] / 60:.1f} minutes from the trainer's start to the ledger, "
+        + (f"on a Ray cluster of this machine (the head: trainer and Redis; {r['ray_nodes']} worker nodes: an engine "
+           f"and a producer each, {r['nodes_joined']} fresh nodes joined), " if r.get("ray_nodes") else
+           "2 engines, 2 producers, ")
+        + "the trainer with recover.mode=auto and a recover checkpoint every step, "
         + (f"scoring pools {', '.join(r['scoring_pools'])} (one engine each), " if r.get("scoring_pools") else "")
         + ("a critic in the trainer, " if r.get("critic") else "")
         + "Redis with AOF (appendfsync always). Faults, one at a time, at seeded random moments: "
@@ -142,6 +150,7 @@ def main() -> None:
     ap.add_argument("--note", default="", help="a sentence on the machine (e.g. shared, load)")
     ap.add_argument("--readme", action="store_true")
     ap.add_argument("--parts", default="", help=f"comma-separated new parts to add: {', '.join(PARTS)}")
+    ap.add_argument("--ray-nodes", type=int, default=0, help="on a Ray cluster of this machine with N worker nodes")
     args = ap.parse_args()
     parts = [p for p in args.parts.split(",") if p]
     bad = sorted(set(parts) - set(PARTS))
@@ -151,7 +160,7 @@ def main() -> None:
         r = json.loads(args.from_json.read_text())
     else:
         with tempfile.TemporaryDirectory(prefix="rlstream-chaos-") as d:
-            r = run_soak(args.duration, args.seed, args.mean_gap, Path(d), parts)
+            r = run_soak(args.duration, args.seed, args.mean_gap, Path(d), parts, args.ray_nodes)
     text = section(r, args.note, args.duration, args.mean_gap)
     print(text)
     if args.readme:

@@ -26,6 +26,8 @@ moments drawn from a seeded RNG, one fault at a time:
   of their groups counted as in flight and freed by the liveness reaper) or the agent driving it with the `openai`
   SDK (launcher/chaos_agent.py: its sessions are abandoned by `gateway.session_timeout`), restart it. The gateway
   commits under `gateway.gateway_id=gateway-0`, so its groups join the same ledger.
+- with `--ray-nodes N`, the run is on a Ray cluster of this machine and its faults are Ray worker nodes crashed or
+  drained, each replaced by a fresh node, and garbage (launcher/chaos_ray.py).
 
 The first faults go through every kind once (in a seeded order; past `--duration` if a loaded
 machine makes them slow), then kinds are drawn at random; the time between two faults is uniform in [0.5, 1.5]·`--mean-gap`. While it runs the admission state is sampled every ~0.5 s (`over_admissions`
@@ -122,14 +124,14 @@ class ChaosRun(LocalRun):
         child._signal_group(signal.SIGKILL)
         child.proc.wait(30)
 
-    def _start(self, child: Child) -> None:
+    def _start_child(self, child: Child) -> None:
         child.start()
         self.started_ms[child.name] = time.time() * 1000
 
     def _restart_after(self, child: Child, low: float, high: float) -> float:
         down = self.rng.uniform(low, high)
         self._sleep(down)
-        self._start(child)
+        self._start_child(child)
         return down
 
     def _stop_for_a_while(self, child: Child) -> str:
@@ -248,8 +250,8 @@ class ChaosRun(LocalRun):
                       str(self.cfg.gateway.group_size or self.cfg.gconfig.n_samples), "--seed", str(self.seed),
                       "--timeout", str(AGENT_TIMEOUT_S)]
         self.agent_child = Child("agent", "producer", agent_argv, self.logs / "agent.log", env=self._env(1))
-        self._start(self.gateway_child)
-        self._start(self.agent_child)
+        self._start_child(self.gateway_child)
+        self._start_child(self.agent_child)
         _echo(f"gateway: pid {self.gateway_child.pid}; agent: pid {self.agent_child.pid}")
 
     @property
@@ -317,13 +319,8 @@ class ChaosRun(LocalRun):
 
         if not (self.own_redis and self.own_redis.running):
             return
-        for child in [*self.engines, *self.scorers, *self.producers, self.trainer, *self.agent_children]:
-            if child.proc is not None and child.proc.returncode is None and child.poll() is not None \
-                    and not getattr(self, "_stopping", False):
-                self.unexpected.append(f"{child.name} {child.proc.returncode}")
-                _echo(f"chaos: {child.name} exited by itself ({child.proc.returncode}); restarting; see "
-                      f"{child.log_path}", err=True)
-                self._start(child)
+        if not getattr(self, "_stopping", False):
+            self._restart_exited()
         try:
             self._follow_versions()
             s = AdmissionController.from_config(self.client, self.keys, self.cfg).snapshot()
@@ -350,6 +347,15 @@ class ChaosRun(LocalRun):
             if len(self.over_rows) < 20:
                 self.over_rows.append(row)
 
+    def _restart_exited(self) -> None:
+        """Restart a child that exited without being killed (counted in `unexpected`)."""
+        for child in [*self.engines, *self.scorers, *self.producers, self.trainer, *self.agent_children]:
+            if child.proc is not None and child.proc.returncode is None and child.poll() is not None:
+                self.unexpected.append(f"{child.name} {child.proc.returncode}")
+                _echo(f"chaos: {child.name} exited by itself ({child.proc.returncode}); restarting; see "
+                      f"{child.log_path}", err=True)
+                self._start_child(child)
+
     def _follow_versions(self) -> None:
         """The highest version ever published, from the run's event stream: a version that lived
         shorter than the sampling interval (the trainer killed right after its push) still counts,
@@ -367,6 +373,10 @@ class ChaosRun(LocalRun):
                 return
 
     # ------------------------------------------------------------------ the run
+    def extra_result(self) -> dict[str, Any]:
+        """What a variant of the run adds to its ledger."""
+        return {}
+
     def stop_gracefully(self) -> None:
         """SIGTERM the trainer (it finishes its step and publishes `shutdown`); producers follow."""
         self._stopping = True
@@ -453,7 +463,7 @@ class ChaosRun(LocalRun):
             "critic": self.cfg.critic is not None,
             "duration_s": round(time.monotonic() - self.t0, 1), "seed": self.seed,
             "faults": dict(sorted({k: sum(f["kind"] == k for f in self.faults) for k in self.kinds}.items())),
-            "fault_log": self.faults,
+            "fault_log": self.faults, **self.extra_result(),
         })
         (self.run_dir / "chaos.json").write_text(json.dumps(result, indent=1))
         return result
@@ -503,10 +513,19 @@ def format_ledger(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def chaos(cfg: Config, duration: float, seed: int, mean_gap: float = 15.0, agent: bool = False) -> dict[str, Any]:
+def chaos(cfg: Config, duration: float, seed: int, mean_gap: float = 15.0, agent: bool = False,
+          ray_nodes: int = 0) -> dict[str, Any]:
     """Entry of `rlstream chaos`: runs, prints the ledger, returns it."""
     try:
-        result = ChaosRun(cfg, duration, seed, mean_gap, agent).run()
+        if ray_nodes:  # on a Ray cluster of this machine, whose nodes are removed (launcher/chaos_ray.py)
+            from rlstream.launcher.chaos_ray import RayChaosRun
+
+            if agent:
+                raise ConfigError("rlstream chaos: --agent and --ray-nodes together are not supported; run them apart")
+            run: ChaosRun = RayChaosRun(cfg, duration, seed, mean_gap, ray_nodes)
+        else:
+            run = ChaosRun(cfg, duration, seed, mean_gap, agent)
+        result = run.run()
     except RunFailed as exc:
         _echo(f"rlstream: chaos stopped: {exc}", err=True)
         raise SystemExit(1) from None

@@ -331,15 +331,22 @@ def chaos(ctx: typer.Context, config: Optional[str] = ConfigOpt,
           seed: int = typer.Option(0, "--seed", help="Seed of the fault schedule."),
           mean_gap: float = typer.Option(15.0, "--mean-gap", help="Mean seconds between two faults."),
           agent: bool = typer.Option(False, "--agent", help="Also run `rlstream gateway` and an openai-SDK agent "
-                                     "driving it (killed too).")) -> None:
+                                     "driving it (killed too)."),
+          ray_nodes: int = typer.Option(0, "--ray-nodes", help="Run on a Ray cluster of this machine with this many "
+                                        "worker nodes (an engine and a producer each) and remove nodes: crashed or "
+                                        "drained, then replaced.")) -> None:
     """`rlstream run` with its children and Redis killed/stopped/restarted at seeded moments; prints the ledger."""
     from rlstream.launcher.chaos import AGENT_OVERRIDES, CHAOS_OVERRIDES
     from rlstream.launcher.chaos import chaos as chaos_main
 
     if config is None:
         _fail("rlstream chaos needs a config: --config FILE (e.g. --config configs/tiny-cpu.yaml)", 2)
-    overrides = [*CHAOS_OVERRIDES, *(AGENT_OVERRIDES if agent else []), *ctx.args]
-    result = _guard(chaos_main, load(config, overrides), duration, seed, mean_gap, agent)
+    overrides = [*CHAOS_OVERRIDES, *(AGENT_OVERRIDES if agent else [])]
+    if ray_nodes:
+        from rlstream.launcher.chaos_ray import RAY_OVERRIDES
+
+        overrides += RAY_OVERRIDES
+    result = _guard(chaos_main, load(config, [*overrides, *ctx.args]), duration, seed, mean_gap, agent, ray_nodes)
     bad = {k: result[k] for k in ("lost", "trained_twice", "unaccounted", "over_admissions", "in_two_states",
                                   "unscored_groups") if result[k]}
     if result["steps_after_faults"] < 1:
