@@ -52,6 +52,7 @@ from rlstream.common.logging import get_logger
 from rlstream.common.tracing import now_us, step_span, trace_context, tracer
 from rlstream.common.models import ModelPathError, check_model_folder, resolve_model_path, stop_token_ids
 from rlstream.common.vision import is_vision_config, vision_spec
+from rlstream.engine.cpu_layout import column_major_linears
 from rlstream.engine.grammar import Grammars, constraint_of
 from rlstream.engine.kv_batch import KVBatch, PendingPrefill
 from rlstream.engine.model_weights import ModelWeights
@@ -190,6 +191,8 @@ class LocalEngine:
                                                  local_files_only=True).to(self.device).eval()
         self.vision = VisionEncoder(self.model, spec, max_images=max_images) if spec is not None else None
         self.model.requires_grad_(False)
+        if self.device.type == "cpu":  # faster decode GEMMs, same values (engine/cpu_layout.py)
+            column_major_linears(self.model)
 
     @classmethod
     def from_config(cls, cfg) -> "LocalEngine":
