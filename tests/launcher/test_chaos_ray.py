@@ -18,6 +18,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from rlstream.common.config import ConfigError, load_config
+from rlstream.launcher.chaos import chaos
+from rlstream.launcher.chaos_ray import RAY_FAULTS, RayChaosRun
 from tests.helpers import child_env, cli
 
 pytest.importorskip("ray")
@@ -43,6 +46,19 @@ def _alive_ray_worker(pid: int) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE and p.name().startswith("ray::")
     except psutil.Error:
         return False
+
+
+def test_ray_chaos_kinds_and_its_refusals_in_one_line(tmp_path):
+    cfg = load_config(None, [f"cluster.fileroot={tmp_path}"])
+    assert RayChaosRun(cfg, duration=0.0, seed=0, mean_gap=1.0, nodes=2).kinds == RAY_FAULTS
+    with pytest.raises(ConfigError, match=r"--ray-nodes=0: at least 1 worker node"):
+        RayChaosRun(cfg, duration=0.0, seed=0, mean_gap=1.0, nodes=0)
+    pooled = load_config(None, [f"cluster.fileroot={tmp_path}", "reward_model.pool.model_path=/rm"])
+    with pytest.raises(ConfigError, match=r"scoring pool\(s\) reward_model start engines that are a fixed set"):
+        RayChaosRun(pooled, duration=0.0, seed=0, mean_gap=1.0, nodes=2)
+    with pytest.raises(ConfigError, match=r"--agent and --ray-nodes together are not supported"):
+        chaos(cfg, 0.0, 0, agent=True, ray_nodes=2)
+    assert list(tmp_path.iterdir()) == []  # refused before anything was written
 
 
 @pytest.mark.slow
