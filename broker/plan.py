@@ -34,7 +34,7 @@ from typing import Any, Callable, Generator
 import hiredis
 from redis.connection import AbstractConnection as SyncConnection
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError, WatchError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 __all__ = ["Call", "Pipeline", "Watch", "Transaction", "Sleep", "Close", "one", "script", "evalsha", "pack", "send_buffers", "run",

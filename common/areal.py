@@ -26,7 +26,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlstream.common.areal_sections import (SCHEMA_KEYS, hub_like, leaves, note_hub_names, translate_async_training,
+from rlstream.common.areal_sections import (SCHEMA_KEYS, leaves, note_hub_names, translate_async_training,
                                             translate_critic, translate_name_resolve, translate_ref_temperature,
                                             translate_weight_update_mode)
 from rlstream.common.areal_trainers import experiment_kind, translate_sft_rw
@@ -334,10 +334,13 @@ def _trainer_allocation(trainer_alloc: tuple[Any, int, int, int]) -> dict[str, A
     kind, d, p, tp = trainer_alloc
     kind = kind or "fsdp"
     if kind in ("fsdp", "ddp"):
-        if p > 1 or tp > 1:
-            raise ConfigError(f"actor.backend {kind}:d{d}p{p}t{tp}: the hf backend is data parallel only; "
-                              "use megatron:dDpPtT for tensor/pipeline parallelism")
+        if p > 1 or (tp > 1 and kind == "ddp"):
+            raise ConfigError(f"actor.backend {kind}:d{d}p{p}t{tp}: the hf backend has no pipeline stages, and tensor "
+                              "parallelism only under fsdp (fsdp:dDtT); use megatron:dDpPtT for pipeline parallelism")
         keys: dict[str, Any] = {"actor.backend": "hf", "actor.parallel": kind}
+        if tp > 1:  # AReaL's FSDP engine splits layers with DTensor plans as the hf backend does
+            keys["actor.fsdp.tensor_parallel"] = tp
+        return keys | {"launcher.n_trainer_procs": d * tp}
     elif kind == "megatron":
         keys = {"actor.backend": "megatron", "actor.megatron.tensor_parallel": tp, "actor.megatron.pipeline_parallel": p}
     else:

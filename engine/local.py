@@ -56,7 +56,7 @@ from rlstream.engine.cpu_layout import column_major_linears
 from rlstream.engine.grammar import Grammars, constraint_of
 from rlstream.engine.kv_batch import KVBatch, PendingPrefill
 from rlstream.engine.model_weights import ModelWeights
-from rlstream.engine.prefix_cache import Prefix, PrefixCache
+from rlstream.engine.prefix_cache import PrefixCache
 from rlstream.engine.sampling import Sampling, match_stop_strings, resolve, sample
 from rlstream.engine.scheduler import ADMISSION_HOLD_MS, Request, Scheduler, deliver
 from rlstream.engine.vision import VisionEncoder

@@ -153,7 +153,7 @@ def write_override(cfg: Config, compose_file: str | Path, output: str | Path | N
     if not services:
         if ours:
             path.unlink()
-        return (f"no scoring pool with local engines in this config: nothing to start"
+        return ("no scoring pool with local engines in this config: nothing to start"
                 + (f"; removed {path} (written for another config)" if ours else ""))
     path.write_text(text)
     return (f"wrote {path}: {', '.join(services)}; start the stack with the same RLSTREAM_CONFIG and "

@@ -470,7 +470,7 @@ class CheckpointManager:
     def _agree(self, due: bool) -> bool:
         """Rank 0's decision for every rank: the ranks' clocks differ, and a save is collective."""
         flag = torch.tensor([1.0 if (due and self.par.is_main) else 0.0])
-        self.par.all_reduce([flag], "max")
+        self.par.all_reduce([flag], "max", over="world")
         return bool(flag.item())
 
     def trained(self, ids: list[str]) -> None:

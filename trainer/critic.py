@@ -191,7 +191,7 @@ class Critic:
             grad_norm, skipped = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
                                                            micro_loss, max_norm)
             all_skipped = all_skipped and skipped
-            sums[3] += grad_norm / self.par.world_size  # the same on every rank: summed back to it below
+            sums[3] += grad_norm / self.par.dp_size  # the same on every rank: summed back to it below
         if not all_skipped:  # as the actor's: a step that changed no weight leaves the schedule where it is
             self.scheduler.step()
         self.par.all_reduce([sums], "sum")

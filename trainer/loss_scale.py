@@ -20,7 +20,7 @@ import torch
 
 from rlstream.common.config import OptimizerConfig
 
-__all__ = ["DynamicLossScaler", "loss_scaler", "clip_and_step", "computes_in_float16"]
+__all__ = ["DynamicLossScaler", "loss_scaler", "clip_and_step", "clip_grad_norm", "computes_in_float16"]
 
 _SCALE, _GROWTH, _HYSTERESIS = "loss_scale", "loss_scale_clean_steps", "loss_scale_hysteresis_left"
 
@@ -91,8 +91,7 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     scaler = loss_scaler(optimizer)
     if scaler is not None:
         scaler.unscale_(params)
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+    grad_norm = clip_grad_norm(params, max_norm)
     skipped = not math.isfinite(grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)
@@ -101,3 +100,27 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     if scaler is not None:
         scaler.update(skipped)
     return grad_norm, skipped
+
+
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """torch's clip_grad_norm_ (the total 2-norm before clipping), also over gradients that are plain tensors and
+    DTensors of different meshes at once (tensor parallelism: split projections beside whole norms and embeddings,
+    FSDP2 on top: 2-D and 1-D meshes), whose norms torch stacks into one tensor and so refuses to mix."""
+    grads = [p.grad for p in params if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for g in grads:
+        spec = getattr(g, "_spec", None)
+        groups.setdefault((spec.mesh, spec.placements) if spec is not None else None, []).append(g)
+    if len(groups) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    squares = 0.0
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0)
+        squares += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    total = math.sqrt(squares)
+    coef = max_norm / (total + 1e-6)  # torch's clip coefficient
+    if math.isfinite(total) and coef < 1.0:
+        for group in groups.values():
+            torch._foreach_mul_(group, coef)
+    return total

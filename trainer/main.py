@@ -43,6 +43,7 @@ from rlstream.common.metrics import StatsLogger
 from rlstream.common.models import resolve_model_paths
 from rlstream.common.tracing import configure, sessions, span, torch_profile, tracer
 from rlstream.consumer.reader import ResumeInfo, StepReader
+from rlstream.consumer.shared import SharedStepReader
 from rlstream.trainer.batch import collate
 from rlstream.trainer.budget import resolve_total_steps
 from rlstream.trainer.checkpoint import CheckpointManager, Checkpointer, Part, TrainState
@@ -62,11 +63,12 @@ __all__ = ["train", "check_config", "Trainer"]
 log = get_logger(__name__)
 
 
-def check_config(cfg: Config, world_size: int) -> None:
+def check_config(cfg: Config, dp_size: int) -> None:
     """Settings the schema cannot check alone; each error names its key."""
     a, b = cfg.actor, cfg.rollout.consumer_batch_size
-    if b % world_size:
-        raise ConfigError(f"rollout.consumer_batch_size={b} must be divisible by the {world_size} trainer ranks")
+    if b % dp_size:
+        raise ConfigError(f"rollout.consumer_batch_size={b} must be divisible by the {dp_size} data-parallel trainer "
+                          "ranks (trainer ranks / actor.fsdp.tensor_parallel)")
     if a.overlong_reward_penalty and (a.overlong_tokens is None or a.overlong_penalty_factor is None):
         raise ConfigError("actor.overlong_reward_penalty=true needs actor.overlong_tokens and actor.overlong_penalty_factor")
     if a.overlong_reward_penalty and a.overlong_tokens > cfg.gconfig.max_new_tokens:
@@ -76,7 +78,7 @@ def check_config(cfg: Config, world_size: int) -> None:
     if a.backend == "megatron":
         from rlstream.trainer.megatron.backend import check_megatron_config
 
-        check_megatron_config(a, world_size)
+        check_megatron_config(a, dp_size)  # (tensor_parallel is 1 with megatron)
     check_critic_config(cfg)
     _resume_path(cfg)
     if a.use_decoupled_loss and a.prox_logp_method == "loglinear" and a.recompute_logprob:
@@ -156,7 +158,7 @@ class _StopFlag:
 def train(cfg: Config) -> None:
     """Entry point of `rlstream train`."""
     cfg = resolve_model_paths(cfg)  # prepared model names and cached hub ids -> folders (before any rank work)
-    par = init_parallel(cfg.actor.device, cfg.actor.parallel)
+    par = init_parallel(cfg.actor.device, cfg.actor.parallel, tp=cfg.actor.fsdp.tensor_parallel)
     configure(cfg, "trainer", f"rank{par.rank}" if par.world_size > 1 else None)
     ok = False
     try:
@@ -170,7 +172,7 @@ class Trainer:
     """One trainer rank: the set-up in `__init__`, the step loop in `train`."""
 
     def __init__(self, cfg: Config, par: Parallel) -> None:
-        check_config(cfg, par.world_size)
+        check_config(cfg, par.dp_size)
         seed_everything(cfg.seed + par.rank, cfg.actor.deterministic)  # before the model is built
         self.cfg, self.par = cfg, par
         B = cfg.rollout.consumer_batch_size
@@ -213,8 +215,8 @@ class Trainer:
         self.evals = EvalFeed(self.client, keys, enabled=par.is_main and cfg.evaluator.enabled)
         if state.step > 0:
             self.evals.skip_logged()  # a resumed run logged the earlier evaluations already
-        log.info("training %d steps of %d groups (%d per rank x %d ranks) from step %d",
-                 self.total_steps, B, B // par.world_size, par.world_size, state.step)
+        log.info("training %d steps of %d groups (%d per rank x %d data-parallel ranks) from step %d",
+                 self.total_steps, B, B // par.dp_size, par.dp_size, state.step)
         self.checkpoints = CheckpointManager(checkpointer, self.model, self.actor.optimizer, self.actor.scheduler,
                                              self.reader, saver=cfg.saver, recover=cfg.recover,
                                              total_steps=self.total_steps, steps_per_epoch=self.steps_per_epoch,
@@ -256,7 +258,8 @@ class Trainer:
         self.checkpoints.trained(data.ids)
         state.step += 1
         state.version += 1
-        _trace_trained(data, state.step)
+        if par.reads_data:
+            _trace_trained(data, state.step)
 
         # 5. publish the new weights as the next version (to the engines every weight_update_interval steps)
         t0 = time.perf_counter()
@@ -393,8 +396,8 @@ def _resume_path(cfg: Config) -> Path | None:
 
 
 def _open_reader(cfg: Config, par: Parallel, client: Any, keys: Keys, admission: AdmissionController,
-                 vocab_size: int) -> StepReader:
-    """This rank's reader of B/D groups per step."""
+                 vocab_size: int) -> StepReader | SharedStepReader:
+    """This rank's reader of B/D groups per step (D data-parallel ranks; read once per tensor-parallel group)."""
 
     def admission_state() -> str:  # a long wait for data says why: the budget used up, leases that never end
         s = admission.snapshot()
@@ -402,18 +405,22 @@ def _open_reader(cfg: Config, par: Parallel, client: Any, keys: Keys, admission:
                 f"served version {s.version}")
 
     B = cfg.rollout.consumer_batch_size
-    return StepReader(client, keys, rank=par.rank, world_size=par.world_size, groups_per_step=B // par.world_size,
-                      max_head_offpolicyness=cfg.rollout.max_head_offpolicyness, vocab_size=vocab_size,
-                      log_every_secs=cfg.stats_logger.log_every_secs, describe_wait=admission_state)
+    reader = StepReader(client, keys, rank=par.dp_rank, world_size=par.dp_size, groups_per_step=B // par.dp_size,
+                        max_head_offpolicyness=cfg.rollout.max_head_offpolicyness, vocab_size=vocab_size,
+                        log_every_secs=cfg.stats_logger.log_every_secs, describe_wait=admission_state)
+    if par.tp == 1:
+        return reader
+    return SharedStepReader(reader if par.reads_data else None, reader.stream, par.share_from_reader)
 
 
-def _resume_reader(reader: StepReader, par: Parallel, completed_steps: int, recovering: bool,
+def _resume_reader(reader: StepReader | SharedStepReader, par: Parallel, completed_steps: int, recovering: bool,
                    covered: list[str]) -> ResumeInfo:
     """Acknowledge what the checkpoint covers and line up exact replays of recorded steps (collective)."""
+    reading = reader.reader if isinstance(reader, SharedStepReader) else reader
     if par.is_main and recovering:
-        reader.claim_orphans()
+        reading.claim_orphans()
     par.barrier()
-    info = reader.resume(completed_steps, replay=recovering, covered_ids=covered)
+    info = reading.resume(completed_steps, replay=recovering, covered_ids=covered) if reading else ResumeInfo()
     par.barrier()  # every rank acknowledged what its checkpoint covers before admission counts the queue
     if info.replay_steps or info.leftover or info.acked:
         log.info("rank %d: acknowledged %d covered entries, will replay steps %s, %d unrecorded pending entries first",

@@ -1,7 +1,10 @@
-"""Data parallelism for the trainer: one process, or DDP / FSDP2 under torchrun.
+"""Parallelism for the trainer: one process, or DDP / FSDP2 (with tensor parallelism) under torchrun.
 
 `torchrun` sets RANK / WORLD_SIZE / LOCAL_RANK; without them the trainer is one process
-and every collective here is a no-op. The backend is NCCL on GPU and gloo on CPU.
+and every collective here is a no-op. The backend is NCCL on GPU and gloo on CPU. With
+actor.fsdp.tensor_parallel = T > 1 the ranks form a (data, tensor) mesh, rank = dp_rank * T + tp_rank:
+the T ranks of a data-parallel rank train the same groups, so data statistics reduce over the
+data-parallel group only.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
@@ -32,10 +35,29 @@ class Parallel:
     device: torch.device = torch.device("cpu")
     backend: str = "none"
     mode: str = "ddp"  # ddp | fsdp (only meaningful when world_size > 1)
+    tp: int = 1  # tensor-parallel ranks per data-parallel rank
+    mesh: Any = None  # the ("dp", "tp") DeviceMesh when tp > 1
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def reads_data(self) -> bool:
+        """Whether this rank reads its groups from the stream (the first of its tensor-parallel group)."""
+        return self.tp_rank == 0
 
     @property
     def is_main(self) -> bool:
@@ -49,6 +71,15 @@ class Parallel:
         (actor.fsdp) picks FSDP2's units and parameter offload."""
         fsdp = fsdp or FSDPConfig()
         units = fsdp_units(model, fsdp) if self.mode == "fsdp" else []  # a bad class name is refused in one process too
+        if self.tp > 1:
+            from rlstream.trainer.tensor_parallel import parallelize_layers
+
+            n = parallelize_layers(model, fsdp_units(model, FSDPConfig()), self.mesh["tp"])
+            if self.is_main:
+                log.info("tensor parallel: %d projections split over %d ranks, %d data-parallel rank(s)",
+                         n, self.tp, self.dp_size)
+            if self.dp_size == 1:
+                return model
         if not self.distributed:
             return model
         if self.mode == "fsdp":
@@ -82,6 +113,8 @@ class Parallel:
         shards over its second dimension and replicates over its first)."""
         from torch.distributed.device_mesh import init_device_mesh
 
+        if self.tp > 1:  # FSDP2 over the data-parallel dimension of the (dp, tp) mesh
+            return self.mesh["dp"]
         shard = min(shard_size or self.world_size, self.world_size)
         if self.world_size % shard:
             raise ConfigError(f"actor.fsdp.shard_size={shard} does not divide the {self.world_size} trainer ranks")
@@ -98,8 +131,8 @@ class Parallel:
     @contextlib.contextmanager
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> Iterator[None]:
         """Accumulate gradients locally unless `enabled` (the last micro-batch of a minibatch)."""
-        if not self.distributed or enabled:
-            if self.distributed and self.mode == "fsdp":
+        if self.dp_size == 1 or enabled:
+            if self.dp_size > 1 and self.mode == "fsdp":
                 model.set_requires_gradient_sync(True)
             yield
             return
@@ -114,16 +147,42 @@ class Parallel:
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device) if self.backend == "nccl" else t
 
-    def all_reduce(self, tensors: list[torch.Tensor], op: str = "sum") -> None:
-        """In-place reduction over ranks (sum, min or max)."""
+    def all_reduce(self, tensors: list[torch.Tensor], op: str = "sum", over: str = "dp") -> None:
+        """In-place reduction (sum, min or max) over the data-parallel ranks (`over="dp"`: statistics of the
+        data, the same on a rank's tensor-parallel peers) or every rank (`over="world"`)."""
         if not self.distributed or not tensors:
+            return
+        group = self.mesh["dp"].get_group() if over == "dp" and self.tp > 1 else None
+        if group is not None and self.dp_size == 1:
             return
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
         for t in tensors:
             buf = self._dev(t)
-            dist.all_reduce(buf, op=ops[op])
+            dist.all_reduce(buf, op=ops[op], group=group)
             if buf is not t:
                 t.copy_(buf.to(t.device))
+
+    def share_from_reader(self, payload: bytes | None) -> bytes:
+        """The bytes the data-reading rank of this tensor-parallel group passes (`payload` there, None elsewhere)."""
+        if self.tp == 1:
+            return payload or b""
+        group, src = self.mesh["tp"].get_group(), self.dp_rank * self.tp
+        size = self._bcast(torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64), src, group)
+        if payload is not None:
+            if payload:
+                self._bcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src, group)
+            return payload
+        buf = torch.empty(int(size), dtype=torch.uint8)
+        if len(buf):
+            self._bcast(buf, src, group)
+        return buf.numpy().tobytes()
+
+    def _bcast(self, t: torch.Tensor, src: int, group) -> torch.Tensor:
+        buf = self._dev(t)
+        dist.broadcast(buf, src=src, group=group)
+        if buf is not t:
+            t.copy_(buf.to(t.device))
+        return t
 
     def barrier(self) -> None:
         if self.distributed:
@@ -161,8 +220,8 @@ def _compressed_allreduce(dtype, bucket):  # no annotations: DDP checks them, an
     return fut.then(write_back)
 
 
-def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0) -> Parallel:
-    """Join the default process group when launched by torchrun; pick the device."""
+def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0, tp: int = 1) -> Parallel:
+    """Join the default process group when launched by torchrun; pick the device; the (dp, tp) mesh when tp > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -180,7 +239,16 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode)
+    if world % tp:
+        raise ConfigError(f"actor.fsdp.tensor_parallel={tp} must divide the {world} trainer ranks "
+                          "(launcher.n_trainer_procs, or torchrun's --nproc_per_node x nodes)")
+    mesh = None
+    if tp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode, tp=tp,
+                    mesh=mesh)
 
 
 def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp") -> list[torch.nn.Module]:

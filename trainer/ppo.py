@@ -209,7 +209,7 @@ class PPOActor:
             with span("trainer/minibatch", index=k, seqs=len(mb_seqs)):
                 grad_norm, skipped = self.micro.optimizer_step(self.model, self.optimizer, mb_seqs, batch.seq_lens,
                                                                micro_loss, max_norm)
-            stats.optimizer_step(grad_norm, skipped, self.par.world_size, loss_scaler(self.optimizer))
+            stats.optimizer_step(grad_norm, skipped, self.par.dp_size, loss_scaler(self.optimizer))
             all_skipped = all_skipped and skipped
         if not all_skipped:  # a step that changed no weight leaves the schedule where it is (Megatron's rule)
             self.scheduler.step()

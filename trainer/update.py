@@ -59,7 +59,7 @@ class MicroBatches:
         """
         optimizer.zero_grad(set_to_none=True)
         scaler = loss_scaler(optimizer)
-        scale = scaler.scale * self.par.world_size if scaler is not None else self.par.world_size
+        scale = scaler.scale * self.par.dp_size if scaler is not None else self.par.dp_size  # FSDP/DDP average over dp
         bins = self.split(seq_lens[mb_seqs].tolist())
         for j, local in enumerate(bins):
             with self.par.grad_sync(model, enabled=(j == len(bins) - 1)), \

@@ -110,6 +110,12 @@ class FSDPConfig(Section):
     replicated across the groups (gradients reduce-scattered in a group, then all-reduced across groups), e.g. one
     node's GPUs each. Must divide the number of trainer ranks; None (or at least the number of ranks) = shard over every
     rank (FSDP)."""
+    tensor_parallel: PositiveInt = 1
+    """Tensor parallelism in the hf backend (cosmos-rl policy.parallelism.tp_size, AReaL fsdp:dDtT): each decoder
+    layer's attention and MLP projections split over this many ranks (torch's DTensor ColwiseParallel on q/k/v/gate/up,
+    RowwiseParallel on o/down; embeddings, norms and the LM head whole on each), FSDP2 sharding over the
+    n_trainer_procs / tensor_parallel data-parallel ranks on top. Must divide the trainer ranks and the model's
+    attention heads, key/value heads and MLP width. Not with LoRA, shard_size, compile or the critic."""
 
 
 class LoRAConfig(Section):

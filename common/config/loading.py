@@ -234,6 +234,7 @@ def _check(cfg: "Config") -> None:
         raise ConfigError("producer.dynamic_sampling_reward_fn decides the dynamic-sampling filter, which is off: set "
                           "producer.dynamic_sampling=true or drop it")
     check_judge(cfg)
+    _check_tensor_parallel(cfg)
     interval, eta = cfg.actor.weight_update_interval, cfg.rollout.max_head_offpolicyness
     if eta < interval - 1:
         raise ConfigError(f"actor.weight_update_interval={interval} leaves the engines up to {interval - 1} versions "
@@ -266,6 +267,26 @@ def _check_optimizers(cfg: "Config") -> None:
                                          (cfg.critic is not None and cfg.critic.optimizer.offload)):
         raise ConfigError("actor.optimizer.offload=true with actor.parallel=fsdp: FSDP offloads its sharded optimizer "
                           "step itself, set actor.fsdp.offload_params=true instead (offload works with parallel=ddp)")
+
+
+def _check_tensor_parallel(cfg: "Config") -> None:
+    """actor.fsdp.tensor_parallel > 1: the 2-D FSDP2 + TP recipe of the hf backend, without what it does not split."""
+    a = cfg.actor
+    tp = a.fsdp.tensor_parallel
+    if tp == 1:
+        return
+    others = {"actor.backend=megatron (its own actor.megatron.tensor_parallel)": a.backend == "megatron",
+              "actor.parallel=ddp (tensor parallelism is FSDP2's 2-D recipe: set actor.parallel=fsdp)":
+                  a.parallel != "fsdp",
+              "actor.lora": a.lora is not None, "actor.fsdp.shard_size": a.fsdp.shard_size is not None,
+              "actor.compile=true": a.compile, "a critic section": cfg.critic is not None}
+    clash = [name for name, on in others.items() if on]
+    if clash:
+        raise ConfigError(f"actor.fsdp.tensor_parallel={tp} does not go with {', '.join(clash)}")
+    procs = cfg.launcher.n_trainer_procs
+    if procs > 1 and procs % tp:  # (1: started by hand under torchrun, checked against WORLD_SIZE at start)
+        raise ConfigError(f"actor.fsdp.tensor_parallel={tp} must divide launcher.n_trainer_procs={procs} (each "
+                          f"data-parallel rank is a group of {tp} tensor-parallel ranks)")
 
 
 def _check_verifiers(cfg: "Config") -> None:

@@ -235,10 +235,14 @@ def _max_keep(value: Any, ctx: Context) -> str | None:
 def _trainer_procs(value: Any, ctx: Context) -> None:
     par = get(ctx.data, "policy.parallelism", {}) or {}
     dp = int(par.get("dp_shard_size", 1) or 1)
-    n = max(dp, 1) * int(par.get("dp_replicate_size", 1) or 1) * int(par.get("n_init_replicas", 1) or 1)
+    tp = max(int(par.get("tp_size", 1) or 1), 1)
+    n = max(dp, 1) * tp * int(par.get("dp_replicate_size", 1) or 1) * int(par.get("n_init_replicas", 1) or 1)
     ctx.t.put("policy.parallelism", "launcher.n_trainer_procs", max(1, n))
     if dp > 1:
         ctx.t.put("policy.parallelism.dp_shard_size", "actor.parallel", "fsdp")
+    if tp > 1:  # cosmos-rl's FSDP + TP: the hf backend's 2-D recipe
+        ctx.t.put("policy.parallelism.tp_size", "actor.parallel", "fsdp")
+        ctx.t.put("policy.parallelism.tp_size", "actor.fsdp.tensor_parallel", tp)
 
 
 def _engine_backend(value: Any, ctx: Context) -> None:
@@ -365,7 +369,8 @@ def _dataset(prefix: str, dst: str) -> Table:
                                            "the end of the split, evaluated as valid_dataset")}
 
 
-_PROCS = Convert(("launcher.n_trainer_procs", "actor.parallel"), _trainer_procs, "dp_shard x dp_replicate x replicas")
+_PROCS = Convert(("launcher.n_trainer_procs", "actor.parallel", "actor.fsdp.tensor_parallel"), _trainer_procs,
+                 "dp_shard x dp_replicate x tp x replicas")
 
 TABLE: Table = {
     "custom": Drop("cosmos-rl's custom-script settings; rlstream's extension points are producer.workflow and "
@@ -505,8 +510,7 @@ TABLE: Table = {
     "policy.parallelism.n_init_replicas": _PROCS,
     "policy.parallelism.dp_shard_size": _PROCS,
     "policy.parallelism.dp_replicate_size": _PROCS,
-    "policy.parallelism.tp_size": Missing("tensor parallelism in the hf backend (actor.backend=megatron has it "
-                                          "only at 1 so far)", off=(1, None)),
+    "policy.parallelism.tp_size": _PROCS,
     "policy.parallelism.cp_size": Missing("context parallelism in the hf backend", off=(1, None)),
     "policy.parallelism.ep_size": Missing("mixture-of-experts expert parallelism", off=(1, None)),
     "policy.parallelism.pp_size": Missing("pipeline parallelism in the hf backend", off=(1, None)),

@@ -39,8 +39,6 @@ class SeedError(Exception):
 def seed_dir(repo_root: Path) -> Path:
     """Where the references are expected: ../shared/seeds next to the repository, or $RLSTREAM_SEEDS
     (for a checkout elsewhere, such as a git worktree)."""
-    import os
-
     return Path(os.environ.get("RLSTREAM_SEEDS") or (repo_root / ".." / "shared" / "seeds")).resolve()
 
 

@@ -145,6 +145,10 @@ def test_allocation_strings_and_old_spellings():
     assert c.actor.correction.action == "clamp" and c.actor.correction.upper == 3.0
     with pytest.raises(ConfigError, match="expected e.g. sglang:d4p1t1"):
         translate_areal({"rollout": {"backend": "sglang:x4"}})
+    split = load_config_dict(translate_areal({"allocation_mode": "sglang:d2p1t1+fsdp:d2p1t2"}).config)
+    assert (split.actor.parallel, split.actor.fsdp.tensor_parallel, split.launcher.n_trainer_procs) == ("fsdp", 2, 4)
+    with pytest.raises(ConfigError, match="pipeline stages"):
+        translate_areal({"allocation_mode": "sglang:d2p1t1+fsdp:d2p2t1"})
 
 
 @pytest.mark.parametrize("overrides,message", [

@@ -14,7 +14,6 @@ commit side of that window is tested in tests/broker/test_connection.py.
 from __future__ import annotations
 
 import signal
-import time
 
 import pytest
 import yaml

@@ -42,7 +42,6 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rlstream.broker import (
     AdmissionController,
     AsyncAdmissionController,
-    BrokerError,
     Keys,
     TrajectoryStream,
     VersionRegistry,

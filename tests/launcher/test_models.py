@@ -6,7 +6,6 @@ the first test here prepares it when it is missing). Nothing reaches a model hub
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys

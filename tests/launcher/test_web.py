@@ -143,7 +143,7 @@ def test_a_port_in_use_is_one_line_and_the_run_goes_on(tmp_path, rclient, keys, 
     finally:
         sock.close()
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"launcher.web.port" in err[0] and "the run goes on without it" in err[0]
+    assert len(err) == 1 and "launcher.web.port" in err[0] and "the run goes on without it" in err[0]
 
 
 def test_web_cli_on_a_port_in_use_exits_1_with_one_line(redis_url):

@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from rlstream.broker import AdmissionController, TrajectoryStream
-from rlstream.common.config import load_config
 
 from tests.helpers import EngineProcess, GatewayProcess, VllmServer, engine_overrides, vllm_python_or_skip
 

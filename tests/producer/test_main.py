@@ -9,7 +9,6 @@ import re
 import signal
 import time
 import urllib.request
-import uuid
 
 import aiohttp
 import numpy as np

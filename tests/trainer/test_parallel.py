@@ -1,5 +1,5 @@
-"""Two-rank DDP and FSDP2 (gloo, under torchrun) give the same weights as one process on the same batches; FSDP2's
-units are the model's decoder layers or the classes actor.fsdp.wrap_policy names."""
+"""Two-rank DDP, FSDP2 and tensor parallelism (gloo, under torchrun) give the same weights as one process on the same
+batches; FSDP2's units are the model's decoder layers or the classes actor.fsdp.wrap_policy names."""
 
 import os
 import subprocess
@@ -51,7 +51,11 @@ OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positiv
                           "actor.fsdp.wrap_policy.transformer_layer_cls_to_wrap=[LlamaAttention, LlamaMLP]"],
            # HSDP on a 2-D mesh: 2 replicas of NPROC/2 shards, gradients reduce-scattered in a replica, then
            # all-reduced across the two
-           "hsdp": ["actor.parallel=fsdp", f"actor.fsdp.shard_size={NPROC // 2}"]}
+           "hsdp": ["actor.parallel=fsdp", f"actor.fsdp.shard_size={NPROC // 2}"],
+           # tensor parallelism: 2 ranks split each layer's projections (NPROC=4: FSDP2 over 2 such pairs), with a
+           # clipping norm that binds, taken over split and whole parameters together
+           "tp": ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "actor.optimizer.gradient_clipping=0.05"]}
+TP = {"tp": 2}  # tensor-parallel ranks of an option (1: data parallel only)
 
 
 @pytest.mark.slow
@@ -77,13 +81,20 @@ def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient,
         assert "FSDP2 units: 4 (LlamaAttention, LlamaMLP) + the model" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     if options == "hsdp":
         assert f"HSDP: 2 replicas of {NPROC // 2} shards" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    tp = TP.get(options, 1)
+    if tp > 1:  # 7 projections in each of the tiny model's 2 layers
+        assert f"tensor parallel: 14 projections split over {tp} ranks, {NPROC // tp} data-parallel rank(s)" in \
+            proc.stdout + proc.stderr, proc.stderr[-3000:]
 
-    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, *OPTIONS[options])))
+    alone = [o for o in OPTIONS[options] if not o.startswith("actor.fsdp.tensor_parallel=")]  # one process: whole
+    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, *alone)))
 
-    # Both ranks read their half of each step's groups through the consumer group.
+    # Each data-parallel rank read its share of each step's groups through the consumer group (once per
+    # tensor-parallel group: its other ranks load the same entries by id).
     recs = StepLog(rclient, Keys(namespace(ddp, "trial0"))).all()
-    assert sorted((r.step, r.rank) for r in recs) == [(step, rank) for step in (0, 1) for rank in range(NPROC)]
-    assert all(len(r.entry_ids) == 4 // NPROC for r in recs)
+    dp = NPROC // tp
+    assert sorted((r.step, r.rank) for r in recs) == [(step, rank) for step in (0, 1) for rank in range(dp)]
+    assert all(len(r.entry_ids) == 4 // dp for r in recs)
 
     base = load_file(str(Path(tiny_model_path) / "model.safetensors"))
     w_one = load_file(str(tmp_path / "runs" / one / "trial0" / "checkpoints" / "final" / "model.safetensors"))
@@ -112,3 +123,39 @@ def test_fsdp_units_default_to_the_decoder_layers_and_a_bad_class_name_is_one_li
     bad = FSDPConfig(wrap_policy=FSDPWrapPolicy(transformer_layer_cls_to_wrap=["QwenBlock"]))
     with pytest.raises(ConfigError, match=r"transformer_layer_cls_to_wrap=\['QwenBlock'\]: no submodule .* LlamaMLP"):
         Parallel(mode="fsdp").wrap(model, fsdp=bad)  # refused before any process group is needed
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_resume_from_a_recover_checkpoint(tmp_path, redis_url, rclient, experiment,
+                                                                tiny_model_path):
+    """Two tensor-parallel ranks train one step and save a recover checkpoint of split (DTensor) parameters;
+    restarted, they resume from it and train the second step: the same weights as one process's two steps."""
+    from rlstream.trainer.main import train
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path).eval()
+    vocab = model.config.vocab_size
+    one, tp = f"{experiment}one", f"{experiment}tp"
+    _write(rclient, one, vocab, model)
+    _write(rclient, tp, vocab, model)
+    split = ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "recover.freq_steps=1"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+    logs = ""
+    for steps in (1, 2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               "-m", "rlstream.launcher.cli", "train",
+               *_overrides(tmp_path, redis_url, tp, tiny_model_path, *split, "recover.mode=auto",
+                           f"total_train_steps={steps}")]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        logs += proc.stdout + proc.stderr
+    assert "resumed from" in logs and "1 steps done, version 1" in logs, logs[-3000:]
+    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path)))
+
+    recs = StepLog(rclient, Keys(namespace(tp, "trial0"))).all()
+    assert sorted((r.step, r.rank) for r in recs) == [(0, 0), (1, 0)]
+    w_one = load_file(str(tmp_path / "runs" / one / "trial0" / "checkpoints" / "final" / "model.safetensors"))
+    w_tp = load_file(str(tmp_path / "runs" / tp / "trial0" / "checkpoints" / "final" / "model.safetensors"))
+    for k in w_one:
+        assert float((w_one[k] - w_tp[k]).abs().max()) <= 2e-6, k

@@ -1,6 +1,5 @@
 """S3 upload of HF exports (`trainer.upload`, saver.upload_s3) against moto's S3 server on 127.0.0.1."""
 
-from pathlib import Path
 
 import pytest
 
@@ -44,7 +43,7 @@ def test_every_export_is_uploaded_whole_also_when_pruned_right_after(s3, tmp_pat
     from rlstream.common.config import S3UploadConfig
     from rlstream.trainer.checkpoint import Checkpointer
     from rlstream.trainer.parallel import Parallel
-    from rlstream.trainer.upload import S3Destination, make_uploader
+    from rlstream.trainer.upload import make_uploader
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_path)
     uploader = make_uploader(S3UploadConfig(bucket="ckpts", prefix="team/runs", endpoint_url=s3), None, "exp/trial0")

@@ -576,7 +576,7 @@ from rlstream.broker import Keys, connect
 from rlstream.common.config import load_config
 from rlstream.trainer.weights import make_broadcaster
 
-model_path, seed, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+model_path, seed, split, overrides = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4:]
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
@@ -585,9 +585,13 @@ with torch.no_grad():
     for p in model.parameters():
         p.add_(torch.randn(p.shape, generator=g) * 0.05)
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-for layer in model.model.layers:
-    fully_shard(layer, mesh=mesh)
-fully_shard(model, mesh=mesh)
+if split == "tp":  # tensor parallel: split projections (DTensors) beside whole embeddings and norms
+    from rlstream.trainer.tensor_parallel import parallelize_layers
+    parallelize_layers(model, list(model.model.layers), mesh)
+else:
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
 cfg = load_config(None, overrides)
 b = make_broadcaster(cfg, connect(cfg.redis), Keys(cfg.namespace), rank)
 b.push(model, 1)
@@ -605,9 +609,11 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-def test_fsdp2_sharded_trainer_gathers_and_rank0_sends(shared_engine, base_model, model_path, redis_url, experiment,
-                                                       keys, rclient, tmp_path):
-    """Two trainer ranks with FSDP2-sharded (DTensor) parameters both call push; the engine gets full tensors."""
+@pytest.mark.parametrize("split", ["fsdp", "tp"])
+def test_fsdp2_sharded_trainer_gathers_and_rank0_sends(split, shared_engine, base_model, model_path, redis_url,
+                                                       experiment, keys, rclient, tmp_path):
+    """Two trainer ranks with FSDP2-sharded or tensor-parallel (DTensor) parameters both call push; the engine gets
+    full tensors."""
     script = tmp_path / "fsdp_trainer.py"
     script.write_text(FSDP_TRAINER)
     overrides = [f"actor.path={model_path}", f"redis.url={redis_url}", f"experiment_name={experiment}",
@@ -616,7 +622,7 @@ def test_fsdp2_sharded_trainer_gathers_and_rank0_sends(shared_engine, base_model
                  "rollout.health_check_interval=3600", f"rollout.engine_addresses=[{shared_engine.address}]"]
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(script), str(model_path), "303", *overrides]
+           "--master_port", str(port), str(script), str(model_path), "303", split, *overrides]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -6,7 +6,7 @@ import pytest
 
 from rlstream.common.config import ConfigError, load_config_dict
 from rlstream.common.importers.reader import import_data, import_file, read_file
-from rlstream.common.importers.rules import MISSING, leaves
+from rlstream.common.importers.rules import leaves
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "cosmos" / "qwen2-5-3b-grpo.toml"
 
@@ -75,6 +75,14 @@ def test_resume_path_and_max_keep():
     assert kept_all.config["recover"] == {"mode": "auto"} and "max_keep" not in kept_all.config.get("saver", {})
 
 
+def test_tensor_parallel_is_the_hf_backends_and_counts_in_the_trainer_ranks():
+    t = import_data("cosmos", {"policy": {"parallelism": {"tp_size": 2, "dp_shard_size": 2, "dp_replicate_size": 1}}})
+    c = load_config_dict(t.config)
+    assert (c.actor.parallel, c.actor.fsdp.tensor_parallel, c.launcher.n_trainer_procs) == ("fsdp", 2, 4)
+    alone = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"tp_size": 2}}}).config)
+    assert (alone.actor.parallel, alone.actor.fsdp.tensor_parallel, alone.launcher.n_trainer_procs) == ("fsdp", 2, 2)
+
+
 @pytest.mark.parametrize("data,message", [
     ({"train": {"train_policy": {"type": "sft"}}}, "type='sft'"),
     ({"train": {"ckpt": {"max_keep": 0}}}, "max_keep=0 keeps no checkpoint"),
@@ -114,7 +122,7 @@ def test_dr_grpo_normaliser_decay_schedules_and_penalties_import():
     ignored = import_data("cosmos", {"train": {"optm_decay_type": "none", "optm_decay_ratio": None, "train_policy": {
         "loss_type": "token-mean", "unbiased_loss_max_tokens": 4096}}})
     why = dict(ignored.dropped)
-    assert why[f"train.train_policy.unbiased_loss_max_tokens"].endswith("only with loss_type seq-mean-token-mean")
+    assert why["train.train_policy.unbiased_loss_max_tokens"].endswith("only with loss_type seq-mean-token-mean")
     assert why["train.optm_decay_type"].startswith("none: constant")
     assert load_config_dict(ignored.config).actor.loss_agg_norm_tokens is None
 
