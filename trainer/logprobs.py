@@ -14,6 +14,7 @@ import torch
 
 from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.chunked_head import head_logprobs
+from rlstream.trainer.context_parallel import ATTENTION as ULYSSES
 from rlstream.trainer.packing import ModelInputs, next_token_logits, packed_inputs, padded_inputs
 from rlstream.common.vision import mask_vision_logits
 from rlstream.trainer.vision import has_images, vision_kwargs, vision_spec_of
@@ -22,10 +23,11 @@ __all__ = ["chunkable_head", "model_inputs", "one_row_packing", "token_logprobs"
 
 
 def one_row_packing(model: torch.nn.Module) -> bool:
-    """Flash attention packs everything into one row (variable-length kernel); SDPA/eager use rows."""
+    """Flash attention packs everything into one row (variable-length kernel), and context parallelism splits one
+    row over its ranks (trainer/context_parallel.py); SDPA/eager use rows."""
     inner = getattr(model, "module", model)  # through a DDP wrapper
     impl = getattr(getattr(inner, "config", None), "_attn_implementation", "") or ""
-    return impl.startswith("flash")
+    return impl.startswith("flash") or impl == ULYSSES
 
 
 def model_inputs(batch: SeqBatch, packing: bool, pad_token_id: int = 0, one_row: bool = False,

@@ -158,7 +158,8 @@ class _StopFlag:
 def train(cfg: Config) -> None:
     """Entry point of `rlstream train`."""
     cfg = resolve_model_paths(cfg)  # prepared model names and cached hub ids -> folders (before any rank work)
-    par = init_parallel(cfg.actor.device, cfg.actor.parallel, tp=cfg.actor.fsdp.tensor_parallel)
+    par = init_parallel(cfg.actor.device, cfg.actor.parallel, tp=cfg.actor.fsdp.tensor_parallel,
+                        cp=cfg.actor.context_parallel)
     configure(cfg, "trainer", f"rank{par.rank}" if par.world_size > 1 else None)
     ok = False
     try:
@@ -408,7 +409,7 @@ def _open_reader(cfg: Config, par: Parallel, client: Any, keys: Keys, admission:
     reader = StepReader(client, keys, rank=par.dp_rank, world_size=par.dp_size, groups_per_step=B // par.dp_size,
                         max_head_offpolicyness=cfg.rollout.max_head_offpolicyness, vocab_size=vocab_size,
                         log_every_secs=cfg.stats_logger.log_every_secs, describe_wait=admission_state)
-    if par.tp == 1:
+    if par.peers == 1:
         return reader
     return SharedStepReader(reader if par.reads_data else None, reader.stream, par.share_from_reader)
 

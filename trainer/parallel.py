@@ -4,7 +4,8 @@
 and every collective here is a no-op. The backend is NCCL on GPU and gloo on CPU. With
 actor.fsdp.tensor_parallel = T > 1 the ranks form a (data, tensor) mesh, rank = dp_rank * T + tp_rank:
 the T ranks of a data-parallel rank train the same groups, so data statistics reduce over the
-data-parallel group only.
+data-parallel group only. actor.context_parallel = C > 1 (Ulysses) makes the same (dp, cp) mesh: the
+C ranks of a data-parallel rank split each sequence, and DDP / FSDP2 reduce gradients over every rank.
 """
 
 from __future__ import annotations
@@ -36,28 +37,41 @@ class Parallel:
     backend: str = "none"
     mode: str = "ddp"  # ddp | fsdp (only meaningful when world_size > 1)
     tp: int = 1  # tensor-parallel ranks per data-parallel rank
-    mesh: Any = None  # the ("dp", "tp") DeviceMesh when tp > 1
+    cp: int = 1  # context-parallel (sequence-splitting) ranks per data-parallel rank
+    mesh: Any = None  # the ("dp", "tp") or ("dp", "cp") DeviceMesh when tp or cp > 1
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
     @property
+    def peers(self) -> int:
+        """Ranks that train the same groups (a data-parallel rank's tensor- or context-parallel group)."""
+        return self.tp * self.cp
+
+    @property
+    def peer_dim(self) -> str:
+        return "tp" if self.tp > 1 else "cp"
+
+    @property
     def dp_size(self) -> int:
-        return self.world_size // self.tp
+        return self.world_size // self.peers
 
     @property
     def dp_rank(self) -> int:
-        return self.rank // self.tp
-
-    @property
-    def tp_rank(self) -> int:
-        return self.rank % self.tp
+        return self.rank // self.peers
 
     @property
     def reads_data(self) -> bool:
-        """Whether this rank reads its groups from the stream (the first of its tensor-parallel group)."""
-        return self.tp_rank == 0
+        """Whether this rank reads its groups from the stream (the first of its peers)."""
+        return self.rank % self.peers == 0
+
+    @property
+    def syncs_gradients(self) -> bool:
+        """Whether DDP / FSDP2 reduce gradients across ranks: over the data-parallel ranks (tensor parallel: a
+        rank's split parameters are its own), over every rank otherwise (context-parallel ranks hold parts of the
+        same sequences' gradients)."""
+        return (self.dp_size if self.tp > 1 else self.world_size) > 1
 
     @property
     def is_main(self) -> bool:
@@ -80,6 +94,13 @@ class Parallel:
                          n, self.tp, self.dp_size)
             if self.dp_size == 1:
                 return model
+        if self.cp > 1:
+            from rlstream.trainer.context_parallel import install_ulysses
+
+            install_ulysses(model, self.mesh["cp"].get_group())
+            if self.is_main:
+                log.info("context parallel (Ulysses): each sequence split over %d ranks, %d data-parallel rank(s)",
+                         self.cp, self.dp_size)
         if not self.distributed:
             return model
         if self.mode == "fsdp":
@@ -115,6 +136,8 @@ class Parallel:
 
         if self.tp > 1:  # FSDP2 over the data-parallel dimension of the (dp, tp) mesh
             return self.mesh["dp"]
+        if self.cp > 1:  # context parallel: every rank holds gradients of the same parameters
+            return init_device_mesh(self.device.type, (self.world_size,))
         shard = min(shard_size or self.world_size, self.world_size)
         if self.world_size % shard:
             raise ConfigError(f"actor.fsdp.shard_size={shard} does not divide the {self.world_size} trainer ranks")
@@ -131,8 +154,8 @@ class Parallel:
     @contextlib.contextmanager
     def grad_sync(self, model: torch.nn.Module, enabled: bool) -> Iterator[None]:
         """Accumulate gradients locally unless `enabled` (the last micro-batch of a minibatch)."""
-        if self.dp_size == 1 or enabled:
-            if self.dp_size > 1 and self.mode == "fsdp":
+        if not self.syncs_gradients or enabled:
+            if self.syncs_gradients and self.mode == "fsdp":
                 model.set_requires_gradient_sync(True)
             yield
             return
@@ -152,7 +175,7 @@ class Parallel:
         data, the same on a rank's tensor-parallel peers) or every rank (`over="world"`)."""
         if not self.distributed or not tensors:
             return
-        group = self.mesh["dp"].get_group() if over == "dp" and self.tp > 1 else None
+        group = self.mesh["dp"].get_group() if over == "dp" and self.peers > 1 else None
         if group is not None and self.dp_size == 1:
             return
         ops = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
@@ -163,10 +186,10 @@ class Parallel:
                 t.copy_(buf.to(t.device))
 
     def share_from_reader(self, payload: bytes | None) -> bytes:
-        """The bytes the data-reading rank of this tensor-parallel group passes (`payload` there, None elsewhere)."""
-        if self.tp == 1:
+        """The bytes the data-reading rank of this rank's peers passes (`payload` there, None elsewhere)."""
+        if self.peers == 1:
             return payload or b""
-        group, src = self.mesh["tp"].get_group(), self.dp_rank * self.tp
+        group, src = self.mesh[self.peer_dim].get_group(), self.dp_rank * self.peers
         size = self._bcast(torch.tensor([len(payload) if payload is not None else 0], dtype=torch.int64), src, group)
         if payload is not None:
             if payload:
@@ -220,8 +243,9 @@ def _compressed_allreduce(dtype, bucket):  # no annotations: DDP checks them, an
     return fut.then(write_back)
 
 
-def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0, tp: int = 1) -> Parallel:
-    """Join the default process group when launched by torchrun; pick the device; the (dp, tp) mesh when tp > 1."""
+def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0, tp: int = 1,
+                  cp: int = 1) -> Parallel:
+    """Join the default process group when launched by torchrun; pick the device; the (dp, tp) or (dp, cp) mesh."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -239,16 +263,18 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    if world % tp:
-        raise ConfigError(f"actor.fsdp.tensor_parallel={tp} must divide the {world} trainer ranks "
-                          "(launcher.n_trainer_procs, or torchrun's --nproc_per_node x nodes)")
+    for key, n in (("actor.fsdp.tensor_parallel", tp), ("actor.context_parallel", cp)):
+        if world % n:
+            raise ConfigError(f"{key}={n} must divide the {world} trainer ranks "
+                              "(launcher.n_trainer_procs, or torchrun's --nproc_per_node x nodes)")
     mesh = None
-    if tp > 1:
+    if tp > 1 or cp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(dev.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        peers, dim = (tp, "tp") if tp > 1 else (cp, "cp")
+        mesh = init_device_mesh(dev.type, (world // peers, peers), mesh_dim_names=("dp", dim))
     return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode, tp=tp,
-                    mesh=mesh)
+                    cp=cp, mesh=mesh)
 
 
 def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp") -> list[torch.nn.Module]:

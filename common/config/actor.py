@@ -206,6 +206,14 @@ class ActorConfig(Section):
     """Data-parallel wrapper under torchrun (gloo on CPU in CI; NCCL over several GPUs has not run)."""
     fsdp: FSDPConfig = msgspec.field(default_factory=FSDPConfig)
     """FSDP2 wrapping and parameter offload when parallel=fsdp (the critic follows)."""
+    context_parallel: PositiveInt = 1
+    """Context parallelism in the hf backend, DeepSpeed-Ulysses style (ROLL ulysses_size, cosmos-rl cp_size): each
+    packed micro-batch row is split by positions over this many ranks, which run the decoder on their part and trade
+    positions for attention heads (one all-to-all before and one after each attention), so a sequence this many times
+    longer fits; the LM head and log-softmax run on the gathered hidden states. The ranks of such a group train the
+    same groups; DDP/FSDP2 reduce gradients over every rank. Must divide the trainer ranks and the model's attention
+    and key/value heads. Needs mb_spec.packing; not with tensor_parallel, LoRA, shard_size, compile, a critic, the
+    megatron backend or images."""
     mb_spec: MicroBatchSpec = msgspec.field(default_factory=MicroBatchSpec)
     """Micro-batching."""
     logits_chunk_tokens: NonNegativeInt = 1024

@@ -235,6 +235,7 @@ def _check(cfg: "Config") -> None:
                           "producer.dynamic_sampling=true or drop it")
     check_judge(cfg)
     _check_tensor_parallel(cfg)
+    _check_context_parallel(cfg)
     interval, eta = cfg.actor.weight_update_interval, cfg.rollout.max_head_offpolicyness
     if eta < interval - 1:
         raise ConfigError(f"actor.weight_update_interval={interval} leaves the engines up to {interval - 1} versions "
@@ -287,6 +288,25 @@ def _check_tensor_parallel(cfg: "Config") -> None:
     if procs > 1 and procs % tp:  # (1: started by hand under torchrun, checked against WORLD_SIZE at start)
         raise ConfigError(f"actor.fsdp.tensor_parallel={tp} must divide launcher.n_trainer_procs={procs} (each "
                           f"data-parallel rank is a group of {tp} tensor-parallel ranks)")
+
+
+def _check_context_parallel(cfg: "Config") -> None:
+    """actor.context_parallel > 1: Ulysses over packed rows of a text model, without what it does not split."""
+    a = cfg.actor
+    cp = a.context_parallel
+    if cp == 1:
+        return
+    others = {"actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.backend=megatron": a.backend == "megatron",
+              "actor.mb_spec.packing=false": not a.mb_spec.packing, "actor.lora": a.lora is not None,
+              "actor.fsdp.shard_size": a.fsdp.shard_size is not None, "actor.compile=true": a.compile,
+              "a critic section": cfg.critic is not None}
+    clash = [name for name, on in others.items() if on]
+    if clash:
+        raise ConfigError(f"actor.context_parallel={cp} does not go with {', '.join(clash)}")
+    procs = cfg.launcher.n_trainer_procs
+    if procs > 1 and procs % cp:
+        raise ConfigError(f"actor.context_parallel={cp} must divide launcher.n_trainer_procs={procs} (each "
+                          f"data-parallel rank is a group of {cp} ranks splitting its sequences)")
 
 
 def _check_verifiers(cfg: "Config") -> None:

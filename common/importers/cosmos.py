@@ -236,10 +236,16 @@ def _trainer_procs(value: Any, ctx: Context) -> None:
     par = get(ctx.data, "policy.parallelism", {}) or {}
     dp = int(par.get("dp_shard_size", 1) or 1)
     tp = max(int(par.get("tp_size", 1) or 1), 1)
-    n = max(dp, 1) * tp * int(par.get("dp_replicate_size", 1) or 1) * int(par.get("n_init_replicas", 1) or 1)
+    cp = max(int(par.get("cp_size", 1) or 1), 1)
+    if tp > 1 and cp > 1:
+        raise ConfigError(f"policy.parallelism.tp_size={tp} with cp_size={cp}: rlstream's hf backend splits layers "
+                          "(tensor parallel) or sequences (context parallel), not both at once; keep one")
+    n = max(dp, 1) * tp * cp * int(par.get("dp_replicate_size", 1) or 1) * int(par.get("n_init_replicas", 1) or 1)
     ctx.t.put("policy.parallelism", "launcher.n_trainer_procs", max(1, n))
     if dp > 1:
         ctx.t.put("policy.parallelism.dp_shard_size", "actor.parallel", "fsdp")
+    if cp > 1:  # sequences split over cp ranks (Ulysses): the same numbers as cosmos-rl's context parallelism
+        ctx.t.put("policy.parallelism.cp_size", "actor.context_parallel", cp)
     if tp > 1:  # cosmos-rl's FSDP + TP: the hf backend's 2-D recipe
         ctx.t.put("policy.parallelism.tp_size", "actor.parallel", "fsdp")
         ctx.t.put("policy.parallelism.tp_size", "actor.fsdp.tensor_parallel", tp)
@@ -369,8 +375,8 @@ def _dataset(prefix: str, dst: str) -> Table:
                                            "the end of the split, evaluated as valid_dataset")}
 
 
-_PROCS = Convert(("launcher.n_trainer_procs", "actor.parallel", "actor.fsdp.tensor_parallel"), _trainer_procs,
-                 "dp_shard x dp_replicate x tp x replicas")
+_PROCS = Convert(("launcher.n_trainer_procs", "actor.parallel", "actor.fsdp.tensor_parallel", "actor.context_parallel"),
+                 _trainer_procs, "dp_shard x dp_replicate x tp x cp x replicas")
 
 TABLE: Table = {
     "custom": Drop("cosmos-rl's custom-script settings; rlstream's extension points are producer.workflow and "
@@ -511,7 +517,7 @@ TABLE: Table = {
     "policy.parallelism.dp_shard_size": _PROCS,
     "policy.parallelism.dp_replicate_size": _PROCS,
     "policy.parallelism.tp_size": _PROCS,
-    "policy.parallelism.cp_size": Missing("context parallelism in the hf backend", off=(1, None)),
+    "policy.parallelism.cp_size": _PROCS,
     "policy.parallelism.ep_size": Missing("mixture-of-experts expert parallelism", off=(1, None)),
     "policy.parallelism.pp_size": Missing("pipeline parallelism in the hf backend", off=(1, None)),
     "policy.parallelism": Drop("used only with pp_size > 1"),  # pp_dynamic_shape, pp_micro_batch_size

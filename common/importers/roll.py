@@ -36,7 +36,8 @@ def _minibatches(value: Any, ctx: Context) -> str | None:
     rlstream splits each step's batch into actor.ppo_n_minibatches optimizer steps."""
     per_device = get(ctx.data, "actor_train.training_args.per_device_train_batch_size", 1)
     accumulation = get(ctx.data, "actor_train.training_args.gradient_accumulation_steps", 1)
-    ranks = device_count(get(ctx.data, "actor_train.device_mapping")) or 1
+    ulysses = int(get(ctx.data, "actor_train.model_args.ulysses_size", 1) or 1)  # ranks splitting one sequence
+    ranks = max(1, (device_count(get(ctx.data, "actor_train.device_mapping")) or 1) // ulysses)
     samples = get(ctx.data, "rollout_batch_size")
     n = get(ctx.data, "num_return_sequences_in_group", 1)
     if not samples:
@@ -235,7 +236,8 @@ TABLE: Table = {
     "actor_train.model_args.dtype": Convert(("actor.dtype",), dtype_of),
     "actor_train.model_args.disable_gradient_checkpointing": Convert(("actor.gradient_checkpointing",), _grad_ckpt,
                                                                      "negated"),
-    "actor_train.model_args.ulysses_size": Missing("Ulysses context parallelism in the hf backend", off=(1, None)),
+    "actor_train.model_args.ulysses_size": unless_off("actor.context_parallel", "{value}: sequences are not split",
+                                                      int, lambda v: v in (None, 1), note="Ulysses"),
     "actor_train.model_args.model_name_or_path": Same("actor.path"),
     "actor_train.training_args.learning_rate": Same("actor.optimizer.lr"),
     "actor_train.training_args.weight_decay": Same("actor.optimizer.weight_decay"),

@@ -55,7 +55,9 @@ OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positiv
            # tensor parallelism: 2 ranks split each layer's projections (NPROC=4: FSDP2 over 2 such pairs), with a
            # clipping norm that binds, taken over split and whole parameters together
            "tp": ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "actor.optimizer.gradient_clipping=0.05"]}
-TP = {"tp": 2}  # tensor-parallel ranks of an option (1: data parallel only)
+OPTIONS["cp"] = ["actor.context_parallel=2"]  # Ulysses: each packed row split over 2 ranks (DDP over both)
+OPTIONS["cp_fsdp"] = ["actor.context_parallel=2", "actor.parallel=fsdp", "actor.optimizer.gradient_clipping=0.05"]
+TP = {"tp": 2, "cp": 2, "cp_fsdp": 2}  # ranks that train the same groups (1: data parallel only)
 
 
 @pytest.mark.slow
@@ -83,10 +85,12 @@ def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient,
         assert f"HSDP: 2 replicas of {NPROC // 2} shards" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     tp = TP.get(options, 1)
     if tp > 1:  # 7 projections in each of the tiny model's 2 layers
-        assert f"tensor parallel: 14 projections split over {tp} ranks, {NPROC // tp} data-parallel rank(s)" in \
-            proc.stdout + proc.stderr, proc.stderr[-3000:]
+        line = f"tensor parallel: 14 projections split over {tp} ranks" if options == "tp" else \
+            f"context parallel (Ulysses): each sequence split over {tp} ranks"
+        assert f"{line}, {NPROC // tp} data-parallel rank(s)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
-    alone = [o for o in OPTIONS[options] if not o.startswith("actor.fsdp.tensor_parallel=")]  # one process: whole
+    alone = [o for o in OPTIONS[options]  # one process: whole
+             if not o.startswith(("actor.fsdp.tensor_parallel=", "actor.context_parallel="))]
     train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, *alone)))
 
     # Each data-parallel rank read its share of each step's groups through the consumer group (once per

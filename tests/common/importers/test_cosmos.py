@@ -75,12 +75,16 @@ def test_resume_path_and_max_keep():
     assert kept_all.config["recover"] == {"mode": "auto"} and "max_keep" not in kept_all.config.get("saver", {})
 
 
-def test_tensor_parallel_is_the_hf_backends_and_counts_in_the_trainer_ranks():
+def test_tensor_and_context_parallel_are_the_hf_backends_and_count_in_the_trainer_ranks():
     t = import_data("cosmos", {"policy": {"parallelism": {"tp_size": 2, "dp_shard_size": 2, "dp_replicate_size": 1}}})
     c = load_config_dict(t.config)
     assert (c.actor.parallel, c.actor.fsdp.tensor_parallel, c.launcher.n_trainer_procs) == ("fsdp", 2, 4)
     alone = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"tp_size": 2}}}).config)
     assert (alone.actor.parallel, alone.actor.fsdp.tensor_parallel, alone.launcher.n_trainer_procs) == ("fsdp", 2, 2)
+    cp = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"cp_size": 2, "dp_shard_size": 2}}}).config)
+    assert (cp.actor.context_parallel, cp.actor.fsdp.tensor_parallel, cp.launcher.n_trainer_procs) == (2, 1, 4)
+    with pytest.raises(ConfigError, match="tp_size=2 with cp_size=2"):
+        import_data("cosmos", {"policy": {"parallelism": {"tp_size": 2, "cp_size": 2}}})
 
 
 @pytest.mark.parametrize("data,message", [

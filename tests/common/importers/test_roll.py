@@ -119,3 +119,15 @@ def test_fsdp_size_is_the_hsdp_shard_size():
     assert load_config_dict(t.config).actor.fsdp.shard_size == 8
     whole = import_data("roll", {"actor_train": {"strategy_args": {"strategy_config": {"fsdp_size": 1}}}})
     assert load_config_dict(whole.config).actor.fsdp.shard_size is None
+
+
+def test_ulysses_size_is_context_parallel_and_leaves_the_data_parallel_ranks():
+    t = import_data("roll", {"rollout_batch_size": 16, "num_return_sequences_in_group": 4,
+                             "actor_train": {"model_args": {"ulysses_size": 2}, "device_mapping": "list(range(0,4))",
+                                             "training_args": {"per_device_train_batch_size": 2,
+                                                               "gradient_accumulation_steps": 4}}})
+    cfg = load_config_dict(t.config)
+    # 4 devices, 2 per sequence: 2 data-parallel ranks x 2 x 4 = 16 samples per optimizer step, 64 per batch
+    assert (cfg.actor.context_parallel, cfg.launcher.n_trainer_procs, cfg.actor.ppo_n_minibatches) == (2, 4, 4)
+    off = import_data("roll", {"actor_train": {"model_args": {"ulysses_size": 1}}})
+    assert off.config == {} and "actor_train.model_args.ulysses_size" in dict(off.dropped)
