@@ -77,14 +77,17 @@ def bench_update(model: Path, root: Path, args) -> dict:
     lens = batch.seq_lens
     out: dict = {"tokens": batch.n_tokens, "seqs": batch.n_seqs, "seq_len_min": int(lens.min()),
                  "seq_len_max": int(lens.max())}
-    variants = {"packing": (True, args.chunk), "unchunked": (True, 0)}
+    # (packing, chunk tokens, more overrides); on_policy: GRPO on the behaviour logprobs, no proximal recompute,
+    # so the step is exactly the 6·N·T FLOPs of the ceiling
+    variants = {"packing": (True, args.chunk, []), "unchunked": (True, 0, []),
+                "on_policy": (True, args.chunk, ["actor.use_decoupled_loss=false", "actor.recompute_logprob=false"])}
     if not args.ceiling_only:
-        variants["padding"] = (False, args.chunk)
+        variants["padding"] = (False, args.chunk, [])
     actors = {}
-    for key, (packing, chunk) in variants.items():
+    for key, (packing, chunk, extra) in variants.items():
         cfg = load_config(None, overrides(model, root, args, [f"actor.mb_spec.packing={str(packing).lower()}",
                                                                f"actor.logits_chunk_tokens={chunk}",
-                                                               "total_train_steps=100"]))
+                                                               "total_train_steps=100", *extra]))
         module = load_causal_lm(str(model), cfg.actor)
         opt = build_optimizer(module.parameters(), cfg.actor.optimizer)
         actors[key] = PPOActor(cfg, module, opt, build_scheduler(opt, cfg.actor.optimizer, 100), Parallel())
@@ -245,9 +248,12 @@ def bench_ceiling(module, update: dict, args) -> dict:
     mm = bench_matmul(module, min(update["tokens"], args.mb_tokens), args.repeat)
     n = mm["n_matmul_params"]
     bound = mm["gflops"] * 1e9 / (6 * n)  # tokens/s if the step were only its 6·N·T matmul FLOPs at that rate
-    tps = update["packing"]["tokens_per_s"]
+    tps, on_policy = update["packing"]["tokens_per_s"], update["on_policy"]["tokens_per_s"]
+    # mfu: the decoupled step (proximal recompute: 8·N·T FLOPs done) against the 6·N·T bound, as the target reads;
+    # mfu_on_policy: a step without the recompute, whose FLOPs are the bound's
     return {"matmul": mm, "n_matmul_params": n, "bound_tokens_per_s": bound, "tokens_per_s": tps,
-            "mfu": tps / bound, "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads()}
+            "mfu": tps / bound, "on_policy_tokens_per_s": on_policy, "mfu_on_policy": on_policy / bound,
+            "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads()}
 
 
 def _mb(n: int) -> str:
@@ -258,7 +264,8 @@ def _row(r: dict) -> str:
     u, c, mem = r["update"], r.get("ceiling"), r.get("memory")
     steps = "; ".join(f"{u[k]['tokens_per_s']:.0f}" if k in u else "–" for k in ("packing", "unchunked", "padding"))
     n = f" (N = {c['n_matmul_params'] / 1e6:.1f}M)" if c else ""
-    ceil = (f"{c['matmul']['gflops']:.1f} | {c['bound_tokens_per_s']:.0f} | **{100 * c['mfu']:.0f}%**" if c
+    ceil = (f"{c['matmul']['gflops']:.1f} | {c['bound_tokens_per_s']:.0f} | **{100 * c['mfu']:.0f}%**"
+            + (f"; on-policy **{100 * c['mfu_on_policy']:.0f}%**" if "mfu_on_policy" in c else "") if c
             else "– | – | –")
     peaks = "–" if mem is None else "; ".join(
         f"{_mb(mem[f'{k}_chunked']['peak'])} vs {_mb(mem[f'{k}_unchunked']['peak'])} (**{mem[f'{k}_ratio']:.1f}×**)"
@@ -277,6 +284,7 @@ def render(res: dict, args) -> str:
         f"load {res['load'].split()[0]}" + (f"–{res['load_end'].split()[0]}." if "load_end" in res else "."),
         "Bound: fp32 torch.matmul on the step's own GEMMs (y = xWᵀ, dx = gW, dW = gᵀx of each linear layer), same "
         "threads and run, at 6·N FLOPs/token (N = linear weights, LM head too; the recompute adds 2·N).",
+        "On-policy: the same step without the proximal recompute (GRPO on the behaviour logprobs), 6·N FLOPs/token.",
         "",
         "| model, groups × samples | tokens | step tokens/s: chunked head; at once; padding | matmul GFLOP/s | bound "
         f"tokens/s | of bound | log-prob peak, {args.mem_tokens} tokens: no grad; head fwd+bwd |",

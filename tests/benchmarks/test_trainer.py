@@ -53,6 +53,7 @@ def test_the_readme_section_keeps_its_lines_short():
     bt = _driver()
     step = {"step_s": 1.0, "tokens_per_s": 1000.0, "all_s": [1.0]}
     ceiling = {"n_matmul_params": 134_500_000, "matmul": {"gflops": 47.6}, "bound_tokens_per_s": 59.0, "mfu": 0.54,
+               "mfu_on_policy": 0.61,
                "threads": 2, "interop_threads": 2}
     mem = {f"{k}_{v}": {"peak": 2**30, "largest": 2**28} for k in ("model_nograd", "head_grad")
            for v in ("chunked", "unchunked")} | {"model_nograd_ratio": 5.1, "head_grad_ratio": 7.7}
@@ -64,5 +65,5 @@ def test_the_readme_section_keeps_its_lines_short():
                        "update": {"tokens": 1973, "packing": step, "unchunked": step}, "ceiling": ceiling,
                        "memory": mem}]}
     text = bt.render(res, argparse.Namespace(mb_tokens=4096, repeat=3, chunk=1024, mem_tokens=4096))
-    assert text.startswith("## Trainer\n") and "**54%**" in text and "(**5.1×**)" in text
+    assert text.startswith("## Trainer\n") and "**54%**; on-policy **61%**" in text and "(**5.1×**)" in text
     assert max(len(line) for line in text.splitlines()) <= 200
