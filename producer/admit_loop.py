@@ -417,9 +417,11 @@ class AdmitLoop:
             min_version, read_version = group.min_version(), self.read_version
             if self.admission.too_stale(min_version, read_version):
                 return await self._drop_too_stale(lease_id, min_version, read_version)
+            committed_at = time.time()  # before the XADD: no reader can have the entry earlier
             with span("rollout/commit"):
                 entry_id = await self.admission.commit(lease_id, entry_fields(group, images=self._group_images(group)))
-            session_update(outcome="committed", entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id)
+            session_update(outcome="committed", entry_id=entry_id.decode() if isinstance(entry_id, bytes) else entry_id,
+                           committed_at=committed_at)
             self.accepted += 1
             return True
         self.rejected += 1

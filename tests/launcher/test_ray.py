@@ -159,7 +159,7 @@ def test_ray_trainer_ranks_on_two_nodes_train_each_entry_once(tmp_path, ray_clus
     nodes = re.search(r"trainer: trainer pid \d+ on \S+ \((\w+)\), trainer-rank1 pid \d+ on \S+ \((\w+)\)", text)
     assert nodes and nodes.group(1) != nodes.group(2), text  # two Ray nodes (raylets) hold the two ranks
     ranks_log = "".join((run_dir / "logs" / name).read_text() for name in ("trainer.log", "trainer-rank1.log"))
-    assert ranks_log.count(f"({BATCH // 2} per rank x 2 ranks)") == 2, ranks_log[-3000:]
+    assert ranks_log.count(f"({BATCH // 2} per rank x 2 data-parallel ranks)") == 2, ranks_log[-3000:]
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     rclient = connect(redis_factory(["--appendonly", "yes"], workdir=run_dir / "redis").url)

@@ -304,7 +304,7 @@ def test_a_job_across_four_nodes_loses_an_engine_node_and_completes_with_an_exac
     print(f"four-node job: submit to first step {rows[0]['ts'] - submitted:.1f} s (prepare and warm start included)")
     assert re.search(r"job \d+ on rlsnode1 rlsnode2 rlsnode3 rlsnode4", out), out
     # torchrun across rlsnode1 and rlsnode2 (one rank per node): both ranks train their share of each step
-    assert (run_dir / "logs" / "trainer.log").read_text().count("(4 per rank x 2 ranks)") == 2
+    assert (run_dir / "logs" / "trainer.log").read_text().count("(4 per rank x 2 data-parallel ranks)") == 2
     # the weight push crossed the bridge: the engine on rlsnode3 joined the group at rlsnode1's address
     engine_log = (run_dir / "logs" / "engine-0.log").read_text()
     joined = re.findall(r"joining weight group \S+ as rank \d+ of \d+ at ([\d.]+):\d+", engine_log)

@@ -52,12 +52,10 @@ OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positiv
            # HSDP on a 2-D mesh: 2 replicas of NPROC/2 shards, gradients reduce-scattered in a replica, then
            # all-reduced across the two
            "hsdp": ["actor.parallel=fsdp", f"actor.fsdp.shard_size={NPROC // 2}"],
-           # tensor parallelism: 2 ranks split each layer's projections (NPROC=4: FSDP2 over 2 such pairs), with a
-           # clipping norm that binds, taken over split and whole parameters together
-           "tp": ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "actor.optimizer.gradient_clipping=0.05"]}
-OPTIONS["cp"] = ["actor.context_parallel=2"]  # Ulysses: each packed row split over 2 ranks (DDP over both)
-OPTIONS["cp_fsdp"] = ["actor.context_parallel=2", "actor.parallel=fsdp", "actor.optimizer.gradient_clipping=0.05"]
-TP = {"tp": 2, "cp": 2, "cp_fsdp": 2}  # ranks that train the same groups (1: data parallel only)
+           # Ulysses: each packed row split over 2 ranks (NPROC=4: 2 data-parallel ranks of 2), FSDP2 over all, with
+           # a clipping norm that binds (DDP's average: test_context_parallel.py; tensor parallelism: the resume test)
+           "cp": ["actor.context_parallel=2", "actor.parallel=fsdp", "actor.optimizer.gradient_clipping=0.05"]}
+TP = {"cp": 2}  # ranks that train the same groups (1: data parallel only)
 
 
 @pytest.mark.slow
@@ -84,13 +82,11 @@ def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient,
     if options == "hsdp":
         assert f"HSDP: 2 replicas of {NPROC // 2} shards" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     tp = TP.get(options, 1)
-    if tp > 1:  # 7 projections in each of the tiny model's 2 layers
-        line = f"tensor parallel: 14 projections split over {tp} ranks" if options == "tp" else \
-            f"context parallel (Ulysses): each sequence split over {tp} ranks"
-        assert f"{line}, {NPROC // tp} data-parallel rank(s)" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    if tp > 1:
+        line = f"context parallel (Ulysses): each sequence split over {tp} ranks, {NPROC // tp} data-parallel rank(s)"
+        assert line in proc.stdout + proc.stderr, proc.stderr[-3000:]
 
-    alone = [o for o in OPTIONS[options]  # one process: whole
-             if not o.startswith(("actor.fsdp.tensor_parallel=", "actor.context_parallel="))]
+    alone = [o for o in OPTIONS[options] if not o.startswith("actor.context_parallel=")]  # one process: whole
     train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, *alone)))
 
     # Each data-parallel rank read its share of each step's groups through the consumer group (once per
@@ -130,10 +126,12 @@ def test_fsdp_units_default_to_the_decoder_layers_and_a_bad_class_name_is_one_li
 
 
 @pytest.mark.slow
-def test_tensor_parallel_ranks_resume_from_a_recover_checkpoint(tmp_path, redis_url, rclient, experiment,
-                                                                tiny_model_path):
-    """Two tensor-parallel ranks train one step and save a recover checkpoint of split (DTensor) parameters;
-    restarted, they resume from it and train the second step: the same weights as one process's two steps."""
+def test_tensor_parallel_ranks_match_one_process_across_a_resume(tmp_path, redis_url, rclient, experiment,
+                                                                 tiny_model_path):
+    """Two tensor-parallel ranks (each layer's projections split; RLSTREAM_TEST_NPROC=4: FSDP2 over 2 such pairs)
+    train one step with a clipping norm that binds, taken over split and whole parameters together, and save a
+    recover checkpoint of split (DTensor) parameters; restarted, they resume from it and train the second step: the
+    same weights as one process's two steps."""
     from rlstream.trainer.main import train
 
     from transformers import AutoModelForCausalLM
@@ -143,11 +141,12 @@ def test_tensor_parallel_ranks_resume_from_a_recover_checkpoint(tmp_path, redis_
     one, tp = f"{experiment}one", f"{experiment}tp"
     _write(rclient, one, vocab, model)
     _write(rclient, tp, vocab, model)
-    split = ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "recover.freq_steps=1"]
+    clip = "actor.optimizer.gradient_clipping=0.05"
+    split = ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "recover.freq_steps=1", clip]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     logs = ""
     for steps in (1, 2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
                "-m", "rlstream.launcher.cli", "train",
                *_overrides(tmp_path, redis_url, tp, tiny_model_path, *split, "recover.mode=auto",
                            f"total_train_steps={steps}")]
@@ -155,10 +154,13 @@ def test_tensor_parallel_ranks_resume_from_a_recover_checkpoint(tmp_path, redis_
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         logs += proc.stdout + proc.stderr
     assert "resumed from" in logs and "1 steps done, version 1" in logs, logs[-3000:]
-    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path)))
+    assert f"tensor parallel: 14 projections split over 2 ranks, {NPROC // 2} data-parallel rank(s)" in logs
+    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, clip)))
 
+    # each data-parallel rank read its share once (its tensor-parallel peer loaded the same entries by id)
     recs = StepLog(rclient, Keys(namespace(tp, "trial0"))).all()
-    assert sorted((r.step, r.rank) for r in recs) == [(0, 0), (1, 0)]
+    assert sorted((r.step, r.rank) for r in recs) == [(step, rank) for step in (0, 1) for rank in range(NPROC // 2)]
+    assert all(len(r.entry_ids) == 4 // (NPROC // 2) for r in recs)
     w_one = load_file(str(tmp_path / "runs" / one / "trial0" / "checkpoints" / "final" / "model.safetensors"))
     w_tp = load_file(str(tmp_path / "runs" / tp / "trial0" / "checkpoints" / "final" / "model.safetensors"))
     for k in w_one:
