@@ -80,45 +80,17 @@ class Parallel:
     # ---- model wrapping ------------------------------------------------------------
     def wrap(self, model: torch.nn.Module, reduce_dtype: str = "float32",
              fsdp: FSDPConfig | None = None) -> torch.nn.Module:
-        """DDP or FSDP2 around `model` (returned unchanged in one process); gradients are averaged across ranks in
+        """DDP or FSDP2 around `model`, split first by tensor or context parallelism (returned unchanged in one
+        process, or where no rank shares its parameters' gradients); gradients are averaged across ranks in
         `reduce_dtype` (actor.grad_reduce_dtype: float32, or bfloat16/float16 for half the traffic); `fsdp`
         (actor.fsdp) picks FSDP2's units and parameter offload."""
         fsdp = fsdp or FSDPConfig()
         units = fsdp_units(model, fsdp) if self.mode == "fsdp" else []  # a bad class name is refused in one process too
-        if self.tp > 1:
-            from rlstream.trainer.tensor_parallel import parallelize_layers
-
-            n = parallelize_layers(model, fsdp_units(model, FSDPConfig()), self.mesh["tp"])
-            if self.is_main:
-                log.info("tensor parallel: %d projections split over %d ranks, %d data-parallel rank(s)",
-                         n, self.tp, self.dp_size)
-            if self.dp_size == 1:
-                return model
-        if self.cp > 1:
-            from rlstream.trainer.context_parallel import install_ulysses
-
-            install_ulysses(model, self.mesh["cp"].get_group())
-            if self.is_main:
-                log.info("context parallel (Ulysses): each sequence split over %d ranks, %d data-parallel rank(s)",
-                         self.cp, self.dp_size)
-        if not self.distributed:
+        self._split(model)
+        if not self.syncs_gradients:
             return model
         if self.mode == "fsdp":
-            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-            mesh = self._fsdp_mesh(fsdp.shard_size)
-            mp = MixedPrecisionPolicy(reduce_dtype=None if reduce_dtype == "float32" else getattr(torch, reduce_dtype))
-            # FSDP2's CPU offload copies host shards to the accelerator per unit: a CPU trainer's are on the host.
-            offload = CPUOffloadPolicy() if fsdp.offload_params and self.device.type == "cuda" else OffloadPolicy()
-            kinds = sorted({type(u).__name__ for u in units})  # before fully_shard renames them FSDP<name>
-            for unit in units:  # inner units first, then the whole model: the FSDP2 recipe for HF LMs
-                fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
-            if self.is_main:
-                hybrid = f", HSDP: {mesh.shape[0]} replicas of {mesh.shape[1]} shards" if mesh.ndim == 2 else ""
-                log.info("FSDP2 units: %d (%s) + the model%s%s", len(units), ", ".join(kinds), hybrid,
-                         ", parameters offloaded to host memory" if isinstance(offload, CPUOffloadPolicy) else "")
-            fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
-            return model
+            return self._fully_shard(model, units, reduce_dtype, fsdp)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         # Buffers (rotary frequencies) never change: skipping their broadcast keeps a
@@ -128,6 +100,42 @@ class Parallel:
         if reduce_dtype != "float32":
             ddp.register_comm_hook(getattr(torch, reduce_dtype), _compressed_allreduce)
         return ddp
+
+    def _split(self, model: torch.nn.Module) -> None:
+        """Tensor parallelism (each layer's projections) or context parallelism (each row's positions), in place."""
+        if self.tp > 1:
+            from rlstream.trainer.tensor_parallel import parallelize_layers
+
+            n = parallelize_layers(model, fsdp_units(model, FSDPConfig()), self.mesh["tp"])
+            if self.is_main:
+                log.info("tensor parallel: %d projections split over %d ranks, %d data-parallel rank(s)",
+                         n, self.tp, self.dp_size)
+        if self.cp > 1:
+            from rlstream.trainer.context_parallel import install_ulysses
+
+            install_ulysses(model, self.mesh["cp"].get_group())
+            if self.is_main:
+                log.info("context parallel (Ulysses): each sequence split over %d ranks, %d data-parallel rank(s)",
+                         self.cp, self.dp_size)
+
+    def _fully_shard(self, model: torch.nn.Module, units: list[torch.nn.Module], reduce_dtype: str,
+                     fsdp: FSDPConfig) -> torch.nn.Module:
+        """FSDP2 on each unit, then on the whole model (HSDP on a 2-D mesh; over dp under tensor parallelism)."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        mesh = self._fsdp_mesh(fsdp.shard_size)
+        mp = MixedPrecisionPolicy(reduce_dtype=None if reduce_dtype == "float32" else getattr(torch, reduce_dtype))
+        # FSDP2's CPU offload copies host shards to the accelerator per unit: a CPU trainer's are on the host.
+        offload = CPUOffloadPolicy() if fsdp.offload_params and self.device.type == "cuda" else OffloadPolicy()
+        kinds = sorted({type(u).__name__ for u in units})  # before fully_shard renames them FSDP<name>
+        for unit in units:  # inner units first, then the whole model: the FSDP2 recipe for HF LMs
+            fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        if self.is_main:
+            hybrid = f", HSDP: {mesh.shape[0]} replicas of {mesh.shape[1]} shards" if mesh.ndim == 2 else ""
+            log.info("FSDP2 units: %d (%s) + the model%s%s", len(units), ", ".join(kinds), hybrid,
+                     ", parameters offloaded to host memory" if isinstance(offload, CPUOffloadPolicy) else "")
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        return model
 
     def _fsdp_mesh(self, shard_size: int | None):
         """All ranks in one shard group (FSDP), or replicas x shard_size (HSDP: fully_shard on a 2-D mesh
