@@ -174,7 +174,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, par: Parallel) -> None:
         check_config(cfg, par.dp_size)
-        seed_everything(cfg.seed + par.rank, cfg.actor.deterministic)  # before the model is built
+        # before the model is built; a data-parallel rank's tensor- or context-parallel peers draw alike (dropout on
+        # activations they hold whole must match)
+        seed_everything(cfg.seed + par.dp_rank, cfg.actor.deterministic)
         self.cfg, self.par = cfg, par
         B = cfg.rollout.consumer_batch_size
         self.total_steps, self.steps_per_epoch = resolve_total_steps(cfg)
