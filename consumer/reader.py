@@ -36,7 +36,7 @@ from rlstream.broker.steps import StepLog, StepRecord
 from rlstream.broker.stream import Entry, TrajectoryStream
 from rlstream.common.logging import get_logger
 
-__all__ = ["StepData", "StepReader", "consumer_name"]
+__all__ = ["StepData", "StepReader", "consumer_name", "read_recorded"]
 
 log = get_logger(__name__)
 
@@ -199,11 +199,7 @@ class StepReader:
         t0 = time.monotonic()
         if step in self._replay:
             ids = self._replay.pop(step)
-            entries = self.stream.read_ids(ids)
-            if [e.id for e in entries] != ids:
-                missing = sorted(set(ids) - {e.id for e in entries})
-                raise RuntimeError(f"cannot replay step {step}: entries {missing} no longer decode "
-                                   f"(moved to {self.keys.dead})")
+            entries = read_recorded(self.stream, ids, f"cannot replay step {step}")
             return StepData(step, version, entries, replayed=True, wait_s=time.monotonic() - t0)
 
         data = StepData(step, version, [])
@@ -304,6 +300,15 @@ class StepReader:
     def ack(self, ids: Iterable[str]) -> int:
         """Acknowledge entries whose training a durable checkpoint now covers."""
         return self.stream.ack(ids)
+
+
+def read_recorded(stream: TrajectoryStream, ids: list[str], what: str) -> list[Entry]:
+    """The entries of a recorded step by id, in order; RuntimeError(`what`: ...) naming those that no longer decode."""
+    entries = stream.read_ids(ids)
+    if [e.id for e in entries] != ids:
+        missing = sorted(set(ids) - {e.id for e in entries})
+        raise RuntimeError(f"{what}: entries {missing} no longer decode (moved to {stream.keys.dead})")
+    return entries
 
 
 def _id_key(entry_id: str) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from typing import Callable, Iterable
 import msgspec
 
 from rlstream.broker.stream import TrajectoryStream
-from rlstream.consumer.reader import StepData, StepReader
+from rlstream.consumer.reader import StepData, StepReader, read_recorded
 
 __all__ = ["SharedStepReader"]
 
@@ -43,10 +43,7 @@ class SharedStepReader:
             return data
         t0 = time.monotonic()
         got = msgspec.msgpack.decode(self.share(None), type=_StepIds)
-        entries = self.stream.read_ids(got.ids)
-        if [e.id for e in entries] != got.ids:
-            missing = sorted(set(got.ids) - {e.id for e in entries})
-            raise RuntimeError(f"step {step}: entries {missing} the reading rank trained no longer decode")
+        entries = read_recorded(self.stream, got.ids, f"step {step} of the reading rank")
         return StepData(step, version, entries, replayed=got.replayed, n_dropped_stale=got.n_dropped_stale,
                         n_dead=got.n_dead, wait_s=time.monotonic() - t0)
 

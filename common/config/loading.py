@@ -234,8 +234,7 @@ def _check(cfg: "Config") -> None:
         raise ConfigError("producer.dynamic_sampling_reward_fn decides the dynamic-sampling filter, which is off: set "
                           "producer.dynamic_sampling=true or drop it")
     check_judge(cfg)
-    _check_tensor_parallel(cfg)
-    _check_context_parallel(cfg)
+    _check_split(cfg)
     interval, eta = cfg.actor.weight_update_interval, cfg.rollout.max_head_offpolicyness
     if eta < interval - 1:
         raise ConfigError(f"actor.weight_update_interval={interval} leaves the engines up to {interval - 1} versions "
@@ -270,43 +269,31 @@ def _check_optimizers(cfg: "Config") -> None:
                           "step itself, set actor.fsdp.offload_params=true instead (offload works with parallel=ddp)")
 
 
-def _check_tensor_parallel(cfg: "Config") -> None:
-    """actor.fsdp.tensor_parallel > 1: the 2-D FSDP2 + TP recipe of the hf backend, without what it does not split."""
+def _check_split(cfg: "Config") -> None:
+    """actor.fsdp.tensor_parallel / actor.context_parallel > 1 (the hf backend's 2-D FSDP2 + TP recipe, Ulysses over
+    packed rows), each without what it does not split, in groups that divide the trainer ranks."""
     a = cfg.actor
-    tp = a.fsdp.tensor_parallel
-    if tp == 1:
-        return
-    others = {"actor.backend=megatron (its own actor.megatron.tensor_parallel)": a.backend == "megatron",
-              "actor.parallel=ddp (tensor parallelism is FSDP2's 2-D recipe: set actor.parallel=fsdp)":
-                  a.parallel != "fsdp",
-              "actor.lora": a.lora is not None, "actor.fsdp.shard_size": a.fsdp.shard_size is not None,
+    common = {"actor.lora": a.lora is not None, "actor.fsdp.shard_size": a.fsdp.shard_size is not None,
               "actor.compile=true": a.compile, "a critic section": cfg.critic is not None}
-    clash = [name for name, on in others.items() if on]
-    if clash:
-        raise ConfigError(f"actor.fsdp.tensor_parallel={tp} does not go with {', '.join(clash)}")
+    splits = {
+        ("actor.fsdp.tensor_parallel", a.fsdp.tensor_parallel, "tensor-parallel ranks"): {
+            "actor.backend=megatron (its own actor.megatron.tensor_parallel)": a.backend == "megatron",
+            "actor.parallel=ddp (tensor parallelism is FSDP2's 2-D recipe: set actor.parallel=fsdp)":
+                a.parallel != "fsdp"},
+        ("actor.context_parallel", a.context_parallel, "ranks splitting its sequences"): {
+            "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.backend=megatron": a.backend == "megatron",
+            "actor.mb_spec.packing=false": not a.mb_spec.packing},
+    }
     procs = cfg.launcher.n_trainer_procs
-    if procs > 1 and procs % tp:  # (1: started by hand under torchrun, checked against WORLD_SIZE at start)
-        raise ConfigError(f"actor.fsdp.tensor_parallel={tp} must divide launcher.n_trainer_procs={procs} (each "
-                          f"data-parallel rank is a group of {tp} tensor-parallel ranks)")
-
-
-def _check_context_parallel(cfg: "Config") -> None:
-    """actor.context_parallel > 1: Ulysses over packed rows of a text model, without what it does not split."""
-    a = cfg.actor
-    cp = a.context_parallel
-    if cp == 1:
-        return
-    others = {"actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.backend=megatron": a.backend == "megatron",
-              "actor.mb_spec.packing=false": not a.mb_spec.packing, "actor.lora": a.lora is not None,
-              "actor.fsdp.shard_size": a.fsdp.shard_size is not None, "actor.compile=true": a.compile,
-              "a critic section": cfg.critic is not None}
-    clash = [name for name, on in others.items() if on]
-    if clash:
-        raise ConfigError(f"actor.context_parallel={cp} does not go with {', '.join(clash)}")
-    procs = cfg.launcher.n_trainer_procs
-    if procs > 1 and procs % cp:
-        raise ConfigError(f"actor.context_parallel={cp} must divide launcher.n_trainer_procs={procs} (each "
-                          f"data-parallel rank is a group of {cp} ranks splitting its sequences)")
+    for (key, n, peers), own in splits.items():
+        if n == 1:
+            continue
+        clash = [name for name, on in (own | common).items() if on]
+        if clash:
+            raise ConfigError(f"{key}={n} does not go with {', '.join(clash)}")
+        if procs > 1 and procs % n:  # (1: started by hand under torchrun, checked against WORLD_SIZE at start)
+            raise ConfigError(f"{key}={n} must divide launcher.n_trainer_procs={procs} (each data-parallel rank is a "
+                              f"group of {n} {peers})")
 
 
 def _check_verifiers(cfg: "Config") -> None:
