@@ -48,6 +48,7 @@ from rlstream.trainer.batch import collate
 from rlstream.trainer.budget import resolve_total_steps
 from rlstream.trainer.checkpoint import CheckpointManager, Checkpointer, Part, TrainState
 from rlstream.trainer.compile import compile_blocks
+from rlstream.trainer.fp8 import convert_to_fp8
 from rlstream.trainer.critic import Critic, check_critic_config
 from rlstream.trainer.determinism import seed_everything
 from rlstream.trainer.model import load_model
@@ -337,6 +338,7 @@ def _build_actor(cfg: Config, par: Parallel, total_steps: int) -> tuple[PPOActor
     ref = None
     if cfg.actor.kl_ctl > 0:
         ref = load_model(cfg.ref.path or cfg.actor.path, cfg.actor, par.device, key="ref.path", trainable=False)
+    convert_to_fp8(module, cfg.actor, par.device)  # before compile and the wrap: torchao's FSDP2 recipe
     compile_blocks(module, cfg.actor)  # before the DDP/FSDP2 wrap, per block as torchtitan does
     model = par.wrap(module, cfg.actor.grad_reduce_dtype, cfg.actor.fsdp)
     optimizer = build_optimizer(model.parameters(), cfg.actor.optimizer)

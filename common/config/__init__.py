@@ -15,7 +15,7 @@ and `schema` (the top-level
 
 from __future__ import annotations
 
-from rlstream.common.config.actor import (ActorConfig, CriticConfig, FSDPConfig, FSDPWrapPolicy, LoRAConfig,
+from rlstream.common.config.actor import (ActorConfig, CriticConfig, FSDPConfig, FSDPWrapPolicy, Fp8Config, LoRAConfig,
                                           MegatronConfig, MicroBatchSpec, NormConfig, OptimizerConfig, RefConfig,
                                           RejectionSamplingConfig)
 from rlstream.common.config.base import ConfigError
@@ -51,7 +51,7 @@ __all__ = [
     "field_reference",
     "FieldDoc",
     # the sections and the rest of what this module has always offered
-    "ActorConfig", "CriticConfig", "FSDPConfig", "FSDPWrapPolicy", "LoRAConfig", "MegatronConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig",
+    "ActorConfig", "CriticConfig", "FSDPConfig", "FSDPWrapPolicy", "Fp8Config", "LoRAConfig", "MegatronConfig", "MicroBatchSpec", "NormConfig", "OptimizerConfig",
     "RefConfig",
     "RejectionSamplingConfig", "KEEPALIVES_PER_TTL", "ClusterConfig", "NameResolveConfig", "RedisConfig",
     "ServerConfig", "SimulateConfig", "DemoTaskConfig", "EngineServerConfig", "LauncherConfig", "RayConfig", "SlurmConfig", "SlurmContainerConfig",

@@ -10,7 +10,7 @@ from msgspec import Meta
 from rlstream.common.config.base import Fraction, NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt, Section
 
 __all__ = ["NormConfig", "OptimizerConfig", "MicroBatchSpec", "MegatronConfig", "FSDPWrapPolicy", "FSDPConfig",
-           "LoRAConfig", "RejectionSamplingConfig", "ActorConfig", "RefConfig", "CriticConfig"]
+           "Fp8Config", "LoRAConfig", "RejectionSamplingConfig", "ActorConfig", "RefConfig", "CriticConfig"]
 
 
 class NormConfig(Section):
@@ -147,6 +147,23 @@ class LoRAConfig(Section):
     (debugging; the engines serve the base weights until the first push). peft's data- or SVD-based schemes (pissa,
     olora, corda, loftq, eva) rewrite the base weights, which the engines read from the model folder, so they are
     refused."""
+
+
+class Fp8Config(Section):
+    """FP8 training of the policy's linear layers (cosmos-rl train.fp8), with torchao's float8 recipes: each matmul of a
+    converted layer's forward and backward takes its operands cast to float8 e4m3 with scales from their current
+    absolute maxima (dynamic scaling); parameters, gradients and the optimizer stay in actor.dtype."""
+
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "rowwise"
+    """Scale granularity (cosmos-rl fp8.quant_recipe): tensorwise (one scale per tensor), rowwise (one per row, rounded
+    down to a power of two), rowwise_with_gw_hp (rowwise, with the weight gradient's matmul in high precision)."""
+    emulate: bool | None = None
+    """Emulate the float8 matmuls (the same casts, then a high-precision matmul): None = where no float8 kernel runs
+    (CPU, a GPU below compute capability 8.9); false on such a device fails at start."""
+    skip: list[str] = msgspec.field(default_factory=lambda: ["lm_head"])
+    """Linear layers kept in high precision, by module path or its last part (default: the LM head, whose
+    vocabulary-wide logits are precision-sensitive). Layers whose in/out features are not multiples of 16 (what
+    float8 GEMM kernels need) stay too."""
 
 
 class RejectionSamplingConfig(Section):
@@ -336,6 +353,9 @@ class ActorConfig(Section):
     """Dr.GRPO's unbiased loss (cosmos-rl unbiased_loss_max_tokens; verl's seq-mean-token-sum-norm): with loss_agg_mode
     seq-mean-token-mean, each sequence's token sum is divided by this constant (e.g. the longest response allowed)
     instead of its own length, so long and short answers weigh per token alike. None = its own length."""
+    fp8: Fp8Config | None = None
+    """FP8 training of the linear layers (cosmos-rl train.fp8; trainer/fp8.py); None = off. Needs actor.backend=hf;
+    not with LoRA or tensor parallelism."""
     compile: bool = False
     """torch.compile each transformer block of the policy (cosmos-rl train.compile; trainer/compile.py), with dynamic
     shapes. The first train steps include the compilation (about a minute on 2 CPU cores for a tiny model); on CPU

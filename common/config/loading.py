@@ -235,6 +235,7 @@ def _check(cfg: "Config") -> None:
                           "producer.dynamic_sampling=true or drop it")
     check_judge(cfg)
     _check_split(cfg)
+    _check_fp8(cfg)
     interval, eta = cfg.actor.weight_update_interval, cfg.rollout.max_head_offpolicyness
     if eta < interval - 1:
         raise ConfigError(f"actor.weight_update_interval={interval} leaves the engines up to {interval - 1} versions "
@@ -294,6 +295,18 @@ def _check_split(cfg: "Config") -> None:
         if procs > 1 and procs % n:  # (1: started by hand under torchrun, checked against WORLD_SIZE at start)
             raise ConfigError(f"{key}={n} must divide launcher.n_trainer_procs={procs} (each data-parallel rank is a "
                               f"group of {n} {peers})")
+
+
+def _check_fp8(cfg: "Config") -> None:
+    """actor.fp8 swaps the hf backend's linear layers for torchao's Float8Linear: not under what replaces them."""
+    a = cfg.actor
+    if a.fp8 is None:
+        return
+    clash = [name for name, on in {"actor.backend=megatron (FP8 there is Transformer Engine's)": a.backend == "megatron",
+                                   "actor.lora": a.lora is not None,
+                                   "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1}.items() if on]
+    if clash:
+        raise ConfigError(f"actor.fp8 does not go with {', '.join(clash)}")
 
 
 def _check_verifiers(cfg: "Config") -> None:

@@ -88,6 +88,29 @@ def _param_dtype(value: Any, ctx: Context) -> str | None:
     return None
 
 
+def _fp8(value: Any, ctx: Context) -> str | None:
+    """cosmos-rl's FP8 training is torchao's float8 recipes, as rlstream's actor.fp8 (trainer/fp8.py)."""
+    if not value:
+        return "false: training in the master dtype"
+    fp8 = get(ctx.data, "train.fp8") or {}
+    scaling = fp8.get("fp8_recipe") or "dynamic_scaling"
+    if scaling != "dynamic_scaling":
+        raise ConfigError(f"train.fp8.fp8_recipe={scaling!r}: rlstream's FP8 (torchao) scales dynamically, from each "
+                          "tensor's current amax (dynamic_scaling); torchao removed delayed scaling")
+    quant = fp8.get("quant_recipe") or "rowwise"
+    if quant not in ("rowwise", "tensorwise"):
+        raise ConfigError(f"train.fp8.quant_recipe={quant!r}: cosmos-rl's recipes are rowwise and tensorwise")
+    ctx.t.put(ctx.key, "actor.fp8.recipe", quant)
+    return None
+
+
+def _fp8_part(value: Any, ctx: Context) -> str | None:
+    """fp8_recipe / quant_recipe: read (and checked) with train.fp8.enable_fp8."""
+    if not get(ctx.data, "train.fp8.enable_fp8"):
+        return f"{value!r}: FP8 training is off (train.fp8.enable_fp8)"
+    return _fp8(True, ctx)
+
+
 def _trainable_map(value: Any, ctx: Context) -> str | None:
     value = get(ctx.data, "policy.trainable_map")  # a mapping arrives here leaf by leaf
     if not value:
@@ -450,8 +473,9 @@ TABLE: Table = {
     "train.fsdp_reshard_after_forward": Drop("FSDP2's default (reshard) is used"),
     "train.train_batch_per_replica": Convert(("rollout.consumer_batch_size",), _groups,
                                              "samples x replicas / n_generation"),
-    "train.fp8.enable_fp8": Missing("FP8 training", off=(False, None)),
-    "train.fp8": Missing("FP8 training"),
+    "train.fp8.enable_fp8": Convert(("actor.fp8",), _fp8, "torchao float8 training"),
+    "train.fp8.fp8_recipe": Convert(("actor.fp8",), _fp8_part, "dynamic_scaling"),
+    "train.fp8.quant_recipe": Convert(("actor.fp8.recipe",), _fp8_part),
     "train.fp4.enable_fp4": Missing("FP4 training", off=(False, None)),
     "train.fp4": Missing("FP4 training"),
     "train.ckpt.enable_checkpoint": Convert(("saver.freq_steps",), _enable_ckpt, "with save_freq"),

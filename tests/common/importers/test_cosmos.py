@@ -87,10 +87,21 @@ def test_tensor_and_context_parallel_are_the_hf_backends_and_count_in_the_traine
         import_data("cosmos", {"policy": {"parallelism": {"tp_size": 2, "cp_size": 2}}})
 
 
+def test_fp8_training_imports_as_torchao_recipes():
+    on = load_config_dict(import_data("cosmos", {"train": {"fp8": {"enable_fp8": True, "quant_recipe": "tensorwise",
+                                                                   "fp8_recipe": "dynamic_scaling"}}}).config)
+    assert on.actor.fp8.recipe == "tensorwise"
+    assert load_config_dict(import_data("cosmos", {"train": {"fp8": {"enable_fp8": True}}}).config).actor.fp8.recipe \
+        == "rowwise"  # cosmos-rl's default quant_recipe
+    off = import_data("cosmos", {"train": {"fp8": {"enable_fp8": False, "quant_recipe": "tensorwise"}}})
+    assert "fp8" not in off.config.get("actor", {}) and any("FP8 training is off" in r for _, r in off.dropped)
+
+
 @pytest.mark.parametrize("data,message", [
     ({"train": {"train_policy": {"type": "sft"}}}, "type='sft'"),
     ({"train": {"ckpt": {"max_keep": 0}}}, "max_keep=0 keeps no checkpoint"),
-    ({"train": {"fp8": {"enable_fp8": True}}}, "enable_fp8=True: not in rlstream yet"),
+    ({"train": {"fp8": {"enable_fp8": True, "fp8_recipe": "delayed_scaling"}}}, "torchao removed delayed scaling"),
+    ({"train": {"fp4": {"enable_fp4": True}}}, "enable_fp4=True: not in rlstream yet"),
     ({"train": {"train_policy": {"filter_reward_metric": ["format"]}}}, "producer.dynamic_sampling_reward_fn"),
     ({"train": {"train_policy": {"reward_function": {"single_choice": 0.9, "format": 0.1}}}}, "reward_function"),
 ])
