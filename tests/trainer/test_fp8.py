@@ -1,9 +1,9 @@
 """FP8 training (`actor.fp8`, trainer/fp8.py) against the definition of float8 dynamic scaling.
 
-Tensorwise: a tensor x is cast as x8 = cast(x · s) with s = max(float8) / amax(x), and every matmul of a layer's
-(input @ weightᵀ) and backward (grad_out @ weight, grad_outᵀ @ input) multiplies the cast operands divided by their
-scales; inputs and weights go to e4m3 (max 448), output gradients to e5m2 (max 57344). Rowwise: one scale per row
-along the reduced dimension, rounded down to a power of two.
+Tensorwise: a tensor x is cast as x8 = cast(x · s) with s = max(float8) / amax(x), and every matmul of a
+layer's forward (input @ weightᵀ) and backward (grad_out @ weight, grad_outᵀ @ input) multiplies the cast
+operands divided by their scales; inputs and weights go to e4m3 (max 448), output gradients to e5m2 (max
+57344). Rowwise: one scale per row along the reduced dimension, rounded down to a power of two.
 """
 
 import math
