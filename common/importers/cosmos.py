@@ -23,6 +23,7 @@ _KERNEL = "a kernel/compiler choice of cosmos-rl's trainer; rlstream's uses tran
 _OFFLOAD = "trainer and engines are separate processes; nothing is offloaded between them"
 _LOADER = "producers read prompts themselves; no DataLoader"
 _SFT = "an SFT setting (train_policy.type=sft); rlstream's supervised step is `rlstream sft` (launcher.sft_*)"
+_FP4 = "FP4 training (torchao's NVFP4 training runs only on Triton GPU kernels; actor.fp8 is the CPU-tested path)"
 _ENGINE_PARALLEL = "engine parallelism beyond tp/pp is the engine's own option (launcher.engine.args)"
 
 
@@ -92,12 +93,11 @@ def _fp8(value: Any, ctx: Context) -> str | None:
     """cosmos-rl's FP8 training is torchao's float8 recipes, as rlstream's actor.fp8 (trainer/fp8.py)."""
     if not value:
         return "false: training in the master dtype"
-    fp8 = get(ctx.data, "train.fp8") or {}
-    scaling = fp8.get("fp8_recipe") or "dynamic_scaling"
+    scaling = get(ctx.data, "train.fp8.fp8_recipe") or "dynamic_scaling"
     if scaling != "dynamic_scaling":
         raise ConfigError(f"train.fp8.fp8_recipe={scaling!r}: rlstream's FP8 (torchao) scales dynamically, from each "
                           "tensor's current amax (dynamic_scaling); torchao removed delayed scaling")
-    quant = fp8.get("quant_recipe") or "rowwise"
+    quant = get(ctx.data, "train.fp8.quant_recipe") or "rowwise"
     if quant not in ("rowwise", "tensorwise"):
         raise ConfigError(f"train.fp8.quant_recipe={quant!r}: cosmos-rl's recipes are rowwise and tensorwise")
     ctx.t.put(ctx.key, "actor.fp8.recipe", quant)
@@ -476,8 +476,8 @@ TABLE: Table = {
     "train.fp8.enable_fp8": Convert(("actor.fp8",), _fp8, "torchao float8 training"),
     "train.fp8.fp8_recipe": Convert(("actor.fp8",), _fp8_part, "dynamic_scaling"),
     "train.fp8.quant_recipe": Convert(("actor.fp8.recipe",), _fp8_part),
-    "train.fp4.enable_fp4": Missing("FP4 training", off=(False, None)),
-    "train.fp4": Missing("FP4 training"),
+    "train.fp4.enable_fp4": Missing(_FP4, off=(False, None)),
+    "train.fp4": Missing(_FP4),
     "train.ckpt.enable_checkpoint": Convert(("saver.freq_steps",), _enable_ckpt, "with save_freq"),
     "train.ckpt.save_freq": Convert(("saver.freq_steps",), _save_freq),
     "train.ckpt.save_freq_in_epoch": unless_off("saver.freq_epochs", "0: off (saver.freq_epochs unset)"),
