@@ -65,17 +65,9 @@ def convert_to_fp8(model: torch.nn.Module, actor: ActorConfig, device: torch.dev
 
 
 def _import_torchao():
-    """torchao's float8 API, imported without its noise: the import logs a warning per CUDA kernel library it cannot
-    load (every one, on CPU) and torch's pytree one per enum it registers."""
-    quiet = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.ERROR)
+    """torchao's float8 training API (the fp8 extra), or one line saying how to install it."""
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError:
         raise ConfigError("actor.fp8 needs torchao: pip install 'rlstream[fp8]'") from None
-    finally:
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
     return Float8LinearConfig, convert_to_float8_training
