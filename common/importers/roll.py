@@ -21,6 +21,8 @@ _MB = "rlstream cuts micro-batches by tokens: actor.mb_spec.max_tokens_per_mb"
 _REF = "the reference model runs in the trainer process with the actor's backend, dtype and micro-batches"
 _KERNEL = "a megatron-core kernel/communication choice; rlstream's megatron backend makes its own"
 _INFER_MODEL = "engines serve actor.path; their dtype and options are the engine's (server.dtype, launcher.engine.args)"
+_EXPERT_PARALLEL = "expert parallelism (MoE models train in the hf backend, every expert on each rank: test_moe.py)"
+_MEGATRON_MOE = "megatron-core MoE layers (the megatron backend converts dense models; MoE trains in the hf backend)"
 
 
 def _grad_ckpt(value: Any, ctx: Context) -> None:
@@ -256,15 +258,15 @@ TABLE: Table = {
     f"{_STRATEGY}.tensor_model_parallel_size": Same("actor.megatron.tensor_parallel"),
     f"{_STRATEGY}.pipeline_model_parallel_size": Same("actor.megatron.pipeline_parallel"),
     f"{_STRATEGY}.context_parallel_size": Same("actor.megatron.context_parallel"),
-    f"{_STRATEGY}.expert_model_parallel_size": Missing("mixture-of-experts expert parallelism", off=(1, None)),
+    f"{_STRATEGY}.expert_model_parallel_size": Missing(_EXPERT_PARALLEL, off=(1, None)),
     f"{_STRATEGY}.virtual_pipeline_model_parallel_size": Missing("interleaved (virtual) pipeline stages",
                                                                  off=(1, None)),
     f"{_STRATEGY}.sequence_parallel": Missing("megatron sequence parallelism (the megatron backend runs TP=1)"),
     f"{_STRATEGY}.recompute_granularity": Convert(("actor.gradient_checkpointing",), _recompute),
-    f"{_STRATEGY}.moe_layer_recompute": Missing("mixture-of-experts layers"),
-    f"{_STRATEGY}.moe_token_dispatcher_type": Missing("mixture-of-experts expert parallelism"),
-    f"{_STRATEGY}.moe_grouped_gemm": Missing("mixture-of-experts layers"),
-    f"{_STRATEGY}.moe_shared_expert_overlap": Missing("mixture-of-experts layers"),
+    f"{_STRATEGY}.moe_layer_recompute": Missing(_MEGATRON_MOE),
+    f"{_STRATEGY}.moe_token_dispatcher_type": Missing(_EXPERT_PARALLEL),
+    f"{_STRATEGY}.moe_grouped_gemm": Missing(_MEGATRON_MOE),
+    f"{_STRATEGY}.moe_shared_expert_overlap": Missing(_MEGATRON_MOE),
     f"{_STRATEGY}.overlap_grad_reduce": Drop(_KERNEL),
     # ROLL: a size <= 1 (or >= the world size) is pure FSDP
     f"{_STRATEGY}.fsdp_size": unless_off("actor.fsdp.shard_size",

@@ -75,7 +75,7 @@ def test_a_value_with_no_equivalent_names_the_key(tmp_path):
                  "{expert_model_parallel_size: 8}}}\n")
     run = _cli("import", "--from", "roll", str(f))
     assert run.returncode == 2 and run.stdout == ""
-    assert "expert_model_parallel_size=8: not in rlstream yet: mixture-of-experts expert parallelism" in run.stderr
+    assert "expert_model_parallel_size=8: not in rlstream yet: expert parallelism (MoE models train in the hf backend" in run.stderr
 
 
 @pytest.mark.slow

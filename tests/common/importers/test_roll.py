@@ -56,7 +56,7 @@ def test_warmup_steps_become_a_fraction_of_max_steps():
     ({"actor_train": {"strategy_args": {"strategy_name": "deepspeed_zero3"}}}, "strategy_name='deepspeed_zero3'"),
     ({"actor_train": {"data_args": {"template": "qwen2_5"}}}, "template='qwen2_5'"),
     ({"actor_train": {"strategy_args": {"strategy_config": {"expert_model_parallel_size": 8}}}},
-     "expert_model_parallel_size=8: not in rlstream yet: mixture-of-experts"),
+     "expert_model_parallel_size=8: not in rlstream yet: expert parallelism"),
 ])
 def test_values_rlstream_cannot_honour_are_refused(data, message):
     with pytest.raises(ConfigError, match=message):
