@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlstream.common.config import ConfigError
+from rlstream.trainer.tensor_parallel import check_divisible
 
 __all__ = ["ATTENTION", "check_heads", "install_ulysses"]
 
@@ -96,11 +96,8 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
 
 def check_heads(config: Any, size: int) -> None:
     """Attention and key/value heads split evenly over `size` ranks, or one line naming the count."""
-    for name in ("num_attention_heads", "num_key_value_heads"):
-        n = getattr(config, name, None)
-        if n is None or n % size:
-            raise ConfigError(f"actor.context_parallel={size} does not divide the model's {name}={n} (Ulysses "
-                              "splits attention heads over the ranks)")
+    check_divisible(config, size, "actor.context_parallel", ("num_attention_heads", "num_key_value_heads"),
+                    "Ulysses splits attention heads over the ranks")
 
 
 def install_ulysses(model: torch.nn.Module, group: Any) -> None:

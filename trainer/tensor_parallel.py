@@ -21,18 +21,18 @@ LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "sel
               "mlp.down_proj": "rowwise"}
 
 
-def check_divisible(config, tp: int) -> None:
-    """Heads, key/value heads and the MLP width split evenly over `tp` ranks, or one line naming the size."""
-    sizes = {"num_attention_heads": getattr(config, "num_attention_heads", None),
-             "num_key_value_heads": getattr(config, "num_key_value_heads", None)
-             or getattr(config, "num_attention_heads", None),
-             "intermediate_size": getattr(config, "intermediate_size", None)}
-    for name, n in sizes.items():
-        if n is None:
-            raise ConfigError(f"actor.fsdp.tensor_parallel={tp}: the model config has no {name} "
-                              f"({type(config).__name__}); tensor parallelism splits decoder layers of the Llama kind")
-        if n % tp:
-            raise ConfigError(f"actor.fsdp.tensor_parallel={tp} does not divide the model's {name}={n}")
+def check_divisible(config, n: int, key: str = "actor.fsdp.tensor_parallel",
+                    names: tuple[str, ...] = ("num_attention_heads", "num_key_value_heads", "intermediate_size"),
+                    why: str = "tensor parallelism splits decoder layers of the Llama kind") -> None:
+    """The model's `names` (heads, key/value heads, MLP width) split evenly over `n` ranks, or one line naming `key`
+    and the size (`why` says what splits them)."""
+    heads = getattr(config, "num_attention_heads", None)
+    for name in names:
+        size = getattr(config, name, None) or (heads if name == "num_key_value_heads" else None)
+        if size is None:
+            raise ConfigError(f"{key}={n}: the model config has no {name} ({type(config).__name__}); {why}")
+        if size % n:
+            raise ConfigError(f"{key}={n} does not divide the model's {name}={size} ({why})")
 
 
 def parallelize_layers(model: torch.nn.Module, layers: list[torch.nn.Module], tp_mesh) -> int:
