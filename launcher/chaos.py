@@ -54,7 +54,7 @@ from rlstream.common.logging import get_logger
 from rlstream.launcher.local import LocalRun, RunFailed, _echo, repair_torn_aof
 from rlstream.launcher.procs import Child
 
-__all__ = ["AGENT_FAULTS", "AGENT_OVERRIDES", "CHAOS_OVERRIDES", "FAULTS", "ChaosRun", "chaos"]
+__all__ = ["AGENT_FAULTS", "AGENT_OVERRIDES", "CHAOS_OVERRIDES", "FAULTS", "ChaosRun", "chaos", "started_pools"]
 
 log = get_logger(__name__)
 
@@ -82,6 +82,12 @@ FINISH_TIMEOUT_S = 180.0  # the trainer's graceful stop, then the producers'
 FAULTS_LINE_WIDTH = 80  # characters of fault counts per ledger line
 
 
+def started_pools(cfg: Config) -> list[str]:
+    """The scoring pools whose engines the run starts itself (local backend, no addresses given), by name."""
+    return sorted(name for name, p in scoring_pools(cfg).items() if p.backend == "local" and not p.addresses
+                  and p.engines)
+
+
 class ChaosRun(LocalRun):
     """A LocalRun whose watch loop injects faults; `run` returns the ledger."""
 
@@ -105,8 +111,7 @@ class ChaosRun(LocalRun):
         self.mid_step_kills = 0  # trainer kills that landed inside a step (checked, see trainer_kill_mid_step)
         self.started_ms: dict[str, float] = {}  # child name -> wall-clock ms of its latest start
         # Scoring pools with engines of their own here: their faults join the kinds.
-        self.pools = sorted(name for name, p in scoring_pools(cfg).items()
-                            if p.backend == "local" and not p.addresses and p.engines)
+        self.pools = started_pools(cfg)
         self.kinds = FAULTS + tuple(f"scoring_{act}:{pool}" for pool in self.pools for act in ("kill", "stop"))
         self.agent = agent
         self.gateway_child: Child | None = None

@@ -26,8 +26,8 @@ import os
 import time
 from typing import Any
 
-from rlstream.common.config import Config, ConfigError, scoring_pools
-from rlstream.launcher.chaos import FINISH_TIMEOUT_S, ChaosRun
+from rlstream.common.config import Config, ConfigError
+from rlstream.launcher.chaos import FINISH_TIMEOUT_S, ChaosRun, started_pools
 from rlstream.launcher.local import _echo
 from rlstream.launcher.ray import RayRun
 from rlstream.launcher.ray_plan import node_bundles
@@ -58,7 +58,7 @@ class RayChaosRun(ChaosRun, RayRun):
             raise ConfigError("--ray-nodes: Ray is not installed (pip install 'rlstream[ray]')")
         if nodes < 1:
             raise ConfigError(f"--ray-nodes={nodes}: at least 1 worker node (each gets an engine and a producer)")
-        pools = sorted(n for n, p in scoring_pools(cfg).items() if p.backend == "local" and not p.addresses)
+        pools = started_pools(cfg)
         if pools:
             raise ConfigError(f"rlstream chaos --ray-nodes: scoring pool(s) {', '.join(pools)} start engines that are "
                               f"a fixed set under Ray (a node loss would end the run); their faults are `rlstream "
