@@ -46,6 +46,7 @@ from rlstream.common.config import ConfigError, RecoverConfig, SaverConfig
 from rlstream.common.fs import fsync
 from rlstream.common.logging import get_logger
 from rlstream.common.tracing import span
+from rlstream.trainer.expert_parallel import hf_state_dict
 from rlstream.trainer.offload import HostOffloadOptimizer
 from rlstream.trainer.parallel import Parallel
 
@@ -264,7 +265,7 @@ class Checkpointer:
         from rlstream.trainer.model import is_lora
 
         lora = is_lora(module)
-        sd = None if lora else self._model_state(model)  # a LoRA adapter is the same on every rank
+        sd = None if lora else hf_state_dict(module, self._model_state(model))  # LoRA: the same on every rank
         if self.par.is_main:
             self.wait()
             if background and not lora and name != "final":

@@ -48,6 +48,7 @@ from rlstream.trainer.batch import collate
 from rlstream.trainer.budget import resolve_total_steps
 from rlstream.trainer.checkpoint import CheckpointManager, Checkpointer, Part, TrainState
 from rlstream.trainer.compile import compile_blocks
+from rlstream.trainer.expert_parallel import recompute_moe_blocks
 from rlstream.trainer.fp8 import convert_to_fp8
 from rlstream.trainer.critic import Critic, check_critic_config
 from rlstream.trainer.determinism import seed_everything
@@ -160,7 +161,8 @@ def train(cfg: Config) -> None:
     """Entry point of `rlstream train`."""
     cfg = resolve_model_paths(cfg)  # prepared model names and cached hub ids -> folders (before any rank work)
     par = init_parallel(cfg.actor.device, cfg.actor.parallel, tp=cfg.actor.fsdp.tensor_parallel,
-                        cp=cfg.actor.context_parallel)
+                        cp=cfg.actor.context_parallel, ep=cfg.actor.expert_parallel,
+                        moe_token_dispatcher=cfg.actor.moe_token_dispatcher)
     configure(cfg, "trainer", f"rank{par.rank}" if par.world_size > 1 else None)
     ok = False
     try:
@@ -341,6 +343,10 @@ def _build_actor(cfg: Config, par: Parallel, total_steps: int) -> tuple[PPOActor
     convert_to_fp8(module, cfg.actor, par.device)  # before compile and the wrap: torchao's FSDP2 recipe
     compile_blocks(module, cfg.actor)  # before the DDP/FSDP2 wrap, per block as torchtitan does
     model = par.wrap(module, cfg.actor.grad_reduce_dtype, cfg.actor.fsdp)
+    if cfg.actor.moe_layer_recompute:  # after the wrap: the blocks expert parallelism installs recompute too
+        n = recompute_moe_blocks(module)
+        if par.is_main:
+            log.info("moe layer recompute: %d sparse blocks run again in backward", n)
     optimizer = build_optimizer(model.parameters(), cfg.actor.optimizer)
     scheduler = build_scheduler(optimizer, cfg.actor.optimizer, total_steps)
     critic = Critic(cfg, par, total_steps, pad_token_id) if cfg.critic is not None else None

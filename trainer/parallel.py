@@ -38,7 +38,9 @@ class Parallel:
     mode: str = "ddp"  # ddp | fsdp (only meaningful when world_size > 1)
     tp: int = 1  # tensor-parallel ranks per data-parallel rank
     cp: int = 1  # context-parallel (sequence-splitting) ranks per data-parallel rank
-    mesh: Any = None  # the ("dp", "tp") or ("dp", "cp") DeviceMesh when tp or cp > 1
+    ep: int = 1  # expert-parallel ranks (every rank when > 1; each a data-parallel rank too)
+    moe_token_dispatcher: str = "alltoall"
+    mesh: Any = None  # the ("dp", "tp") or ("dp", "cp") DeviceMesh when tp or cp > 1, ("ep",) when ep > 1
 
     @property
     def distributed(self) -> bool:
@@ -93,6 +95,10 @@ class Parallel:
             return self._fully_shard(model, units, reduce_dtype, fsdp)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        experts = _expert_param_names(model)
+        if experts:  # each rank's own experts: their gradients are exact already (trainer/expert_parallel.py)
+            DDP._set_params_and_buffers_to_ignore_for_model(model, experts)
+
         # Buffers (rotary frequencies) never change: skipping their broadcast keeps a
         # forward pass free of collectives.
         kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
@@ -117,6 +123,13 @@ class Parallel:
             if self.is_main:
                 log.info("context parallel (Ulysses): each sequence split over %d ranks, %d data-parallel rank(s)",
                          self.cp, self.dp_size)
+        if self.ep > 1:
+            from rlstream.trainer.expert_parallel import install_expert_parallel
+
+            n = install_expert_parallel(model, self.mesh["ep"], self.moe_token_dispatcher)
+            if self.is_main:
+                log.info("expert parallel: the experts of %d layers divided over %d ranks (%s dispatcher)",
+                         n, self.ep, self.moe_token_dispatcher)
 
     def _fully_shard(self, model: torch.nn.Module, units: list[torch.nn.Module], reduce_dtype: str,
                      fsdp: FSDPConfig) -> torch.nn.Module:
@@ -128,13 +141,14 @@ class Parallel:
         # FSDP2's CPU offload copies host shards to the accelerator per unit: a CPU trainer's are on the host.
         offload = CPUOffloadPolicy() if fsdp.offload_params and self.device.type == "cuda" else OffloadPolicy()
         kinds = sorted({type(u).__name__ for u in units})  # before fully_shard renames them FSDP<name>
+        experts = {p for n, p in model.named_parameters() if n in _expert_param_names(model)} or None
         for unit in units:  # inner units first, then the whole model: the FSDP2 recipe for HF LMs
-            fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload)
+            fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=experts)
         if self.is_main:
             hybrid = f", HSDP: {mesh.shape[0]} replicas of {mesh.shape[1]} shards" if mesh.ndim == 2 else ""
             log.info("FSDP2 units: %d (%s) + the model%s%s", len(units), ", ".join(kinds), hybrid,
                      ", parameters offloaded to host memory" if isinstance(offload, CPUOffloadPolicy) else "")
-        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload)
+        fully_shard(model, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=experts)
         return model
 
     def _fsdp_mesh(self, shard_size: int | None):
@@ -252,8 +266,9 @@ def _compressed_allreduce(dtype, bucket):  # no annotations: DDP checks them, an
 
 
 def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0, tp: int = 1,
-                  cp: int = 1) -> Parallel:
-    """Join the default process group when launched by torchrun; pick the device; the (dp, tp) or (dp, cp) mesh."""
+                  cp: int = 1, ep: int = 1, moe_token_dispatcher: str = "alltoall") -> Parallel:
+    """Join the default process group when launched by torchrun; pick the device; the (dp, tp), (dp, cp) or (ep,)
+    mesh."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -275,14 +290,21 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         if world % n:
             raise ConfigError(f"{key}={n} must divide the {world} trainer ranks "
                               "(launcher.n_trainer_procs, or torchrun's --nproc_per_node x nodes)")
+    if ep > 1 and ep != world:
+        raise ConfigError(f"actor.expert_parallel={ep} must equal the {world} trainer ranks (the experts are divided "
+                          "over every rank: launcher.n_trainer_procs, or torchrun's --nproc_per_node x nodes)")
     mesh = None
+    if ep > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("ep",))
     if tp > 1 or cp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
         peers, dim = (tp, "tp") if tp > 1 else (cp, "cp")
         mesh = init_device_mesh(dev.type, (world // peers, peers), mesh_dim_names=("dp", dim))
     return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode, tp=tp,
-                    cp=cp, mesh=mesh)
+                    cp=cp, ep=ep, moe_token_dispatcher=moe_token_dispatcher, mesh=mesh)
 
 
 def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp") -> list[torch.nn.Module]:
@@ -296,6 +318,14 @@ def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp"
         raise ConfigError(f"{key}.wrap_policy.transformer_layer_cls_to_wrap={named}: no submodule of the model is "
                           f"of these classes; its classes: {', '.join(present)}")
     return units
+
+
+def _expert_param_names(model: torch.nn.Module) -> set[str]:
+    """Names of the stacked expert parameters expert parallelism divides (none without it)."""
+    from rlstream.trainer.expert_parallel import StackedExperts
+
+    return {f"{name}.{p}" for name, mod in model.named_modules() if isinstance(mod, StackedExperts)
+            for p, _ in mod.named_parameters(recurse=False)}
 
 
 def _destroy_megatron_state() -> None:

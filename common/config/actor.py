@@ -231,6 +231,24 @@ class ActorConfig(Section):
     same groups; DDP/FSDP2 reduce gradients over every rank. Must divide the trainer ranks and the model's attention
     and key/value heads. Needs mb_spec.packing; not with tensor_parallel, LoRA, shard_size, compile, a critic, the
     megatron backend or images."""
+    expert_parallel: PositiveInt = 1
+    """Expert parallelism in the hf backend (cosmos-rl ep_size, megatron/ROLL expert_model_parallel_size): each
+    mixture-of-experts layer's experts divided over this many ranks, which must be every trainer rank; each rank holds
+    and computes its share (Qwen2-MoE, Qwen3-MoE and Mixtral sparse blocks), routes its own tokens with the model's
+    router and exchanges the routed rows with the experts' ranks (moe_token_dispatcher). Routers, attention, shared
+    experts and embeddings stay whole on every rank (DDP/FSDP2 average them); pushes, checkpoints and exports gather
+    the experts back under their HF names. Must divide the model's experts per layer; not with tensor_parallel,
+    context_parallel, LoRA, compile, a critic or the megatron backend."""
+    moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    """How tokens reach experts on other ranks under expert_parallel (megatron-core moe_token_dispatcher_type):
+    alltoall sends each (token, chosen expert) row to the expert's rank and back (traffic: the routed rows);
+    allgather gathers every rank's tokens on every rank, each applies its experts, the partial sums go home
+    (traffic: all tokens x ranks; no count exchange). Same numbers either way."""
+    moe_layer_recompute: bool = False
+    """Recompute each mixture-of-experts block in backward instead of keeping its activations (megatron-core
+    moe_layer_recompute): the routed rows, expert hidden states and exchanges of a sparse layer are not stored, at the
+    cost of its forward once more; the rest of the layer keeps its activations (gradient_checkpointing recomputes
+    whole layers). Same gradients. Needs a model with sparse blocks."""
     mb_spec: MicroBatchSpec = msgspec.field(default_factory=MicroBatchSpec)
     """Micro-batching."""
     logits_chunk_tokens: NonNegativeInt = 1024

@@ -271,8 +271,9 @@ def _check_optimizers(cfg: "Config") -> None:
 
 
 def _check_split(cfg: "Config") -> None:
-    """actor.fsdp.tensor_parallel / actor.context_parallel > 1 (the hf backend's 2-D FSDP2 + TP recipe, Ulysses over
-    packed rows), each without what it does not split, in groups that divide the trainer ranks."""
+    """actor.fsdp.tensor_parallel / context_parallel / expert_parallel > 1 (the hf backend's 2-D FSDP2 + TP recipe,
+    Ulysses over packed rows, experts over every rank), each without what it does not split, in groups that divide
+    the trainer ranks."""
     a = cfg.actor
     common = {"actor.lora": a.lora is not None, "actor.fsdp.shard_size": a.fsdp.shard_size is not None,
               "actor.compile=true": a.compile, "a critic section": cfg.critic is not None}
@@ -284,6 +285,9 @@ def _check_split(cfg: "Config") -> None:
         ("actor.context_parallel", a.context_parallel, "ranks splitting its sequences"): {
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.backend=megatron": a.backend == "megatron",
             "actor.mb_spec.packing=false": not a.mb_spec.packing},
+        ("actor.expert_parallel", a.expert_parallel, "ranks dividing the experts"): {
+            "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.context_parallel": a.context_parallel > 1,
+            "actor.backend=megatron": a.backend == "megatron"},
     }
     procs = cfg.launcher.n_trainer_procs
     for (key, n, peers), own in splits.items():
@@ -292,6 +296,9 @@ def _check_split(cfg: "Config") -> None:
         clash = [name for name, on in (own | common).items() if on]
         if clash:
             raise ConfigError(f"{key}={n} does not go with {', '.join(clash)}")
+        if key == "actor.expert_parallel" and procs > 1 and procs != n:
+            raise ConfigError(f"{key}={n} must equal launcher.n_trainer_procs={procs} (the experts are divided over "
+                              "every trainer rank)")
         if procs > 1 and procs % n:  # (1: started by hand under torchrun, checked against WORLD_SIZE at start)
             raise ConfigError(f"{key}={n} must divide launcher.n_trainer_procs={procs} (each data-parallel rank is a "
                               f"group of {n} {peers})")

@@ -7,7 +7,8 @@ from typing import Any, Callable
 from rlstream.common.config import ConfigError
 from rlstream.common.importers.rules import Context, Convert, Drop, Table
 
-__all__ = ["HYDRA", "engine_arg", "dtype_of", "dtype_of_name", "off_or_value", "unless_off", "device_count"]
+__all__ = ["HYDRA", "engine_arg", "dtype_of", "dtype_of_name", "off_or_value", "unless_off", "device_count",
+           "EXPERT_PARALLEL", "TOKEN_DISPATCHER"]
 
 # Hydra's composition keys: rlstream imports one resolved file.
 HYDRA: Table = {
@@ -75,6 +76,21 @@ def unless_off(dst: str, off: str, cast: Callable[[Any], Any] = lambda v: v,
         ctx.t.put(ctx.key, dst, cast(value))
         return None
     return Convert((dst,), fn, note)
+
+
+# megatron-core / cosmos-rl expert-parallel sizes and megatron's token dispatcher: the hf backend's own
+EXPERT_PARALLEL = unless_off("actor.expert_parallel", "{value}: every rank holds every expert", int,
+                             lambda v: v in (None, 0, 1), note="experts divided over every trainer rank")
+
+
+def _dispatcher(value: Any, ctx: Context) -> None:
+    if value not in ("alltoall", "allgather"):
+        raise ConfigError(f"{ctx.key}={value!r}: rlstream's expert-parallel token dispatchers are alltoall and "
+                          "allgather (actor.moe_token_dispatcher; megatron's flex dispatcher needs DeepEP on GPUs)")
+    ctx.t.put(ctx.key, "actor.moe_token_dispatcher", value)
+
+
+TOKEN_DISPATCHER = Convert(("actor.moe_token_dispatcher",), _dispatcher)
 
 
 def device_count(value: Any) -> int | None:

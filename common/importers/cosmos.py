@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.common import dtype_of, dtype_of_name, engine_arg, off_or_value, unless_off
+from rlstream.common.importers.common import EXPERT_PARALLEL, dtype_of, dtype_of_name, engine_arg, off_or_value, unless_off
 from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
@@ -542,7 +542,7 @@ TABLE: Table = {
     "policy.parallelism.dp_replicate_size": _PROCS,
     "policy.parallelism.tp_size": _PROCS,
     "policy.parallelism.cp_size": _PROCS,
-    "policy.parallelism.ep_size": Missing("expert parallelism (MoE trains in the hf backend, unsplit)", off=(1, None)),
+    "policy.parallelism.ep_size": EXPERT_PARALLEL,
     "policy.parallelism.pp_size": Missing("pipeline parallelism in the hf backend", off=(1, None)),
     "policy.parallelism": Drop("used only with pp_size > 1"),  # pp_dynamic_shape, pp_micro_batch_size
     "policy.model_name_or_path": Same("actor.path"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.common import HYDRA, dtype_of, engine_arg, off_or_value, unless_off
+from rlstream.common.importers.common import HYDRA, TOKEN_DISPATCHER, dtype_of, engine_arg, off_or_value, unless_off
 from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
@@ -25,7 +25,6 @@ _MB = "rlstream cuts micro-batches by tokens: actor.mb_spec.max_tokens_per_mb"
 _GROUP = "RLinf's worker-group name; rlstream's processes are named by their role"
 _PLACEMENT = ("rlstream runs trainer and engines as separate processes: launcher.n_trainer_procs, launcher.n_engines "
               "(one machine) or cluster.* + launcher.slurm.* (Slurm)")
-_EXPERT_PARALLEL = "expert parallelism (MoE models train in the hf backend, every expert on each rank: test_moe.py)"
 
 
 def _wandb(value: Any, ctx: Context) -> None:
@@ -266,7 +265,7 @@ TABLE: Table = {
     "actor.model.seq_length": Drop("sequences are packed up to actor.mb_spec.max_tokens_per_mb"),
     "actor.model.encoder_seq_length": Drop("decoder-only models; sequences are packed"),
     "actor.model.use_cpu_initialization": Drop("weights are loaded from actor.path"),
-    "actor.model.moe_token_dispatcher_type": Missing(_EXPERT_PARALLEL),
+    "actor.model.moe_token_dispatcher_type": TOKEN_DISPATCHER,
     "actor.model": Drop(_ARCH),  # activation, normalization, ... : architecture of the HF model
     "actor.optim.optimizer": Convert(("actor.optimizer.type",), off_or_value("actor.optimizer.type", ("adam", "adamw", "sgd"))),
     "actor.optim.bf16": Drop("the dtype comes from actor.model.precision (actor.dtype)"),

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.common import HYDRA, device_count, dtype_of, engine_arg, unless_off
+from rlstream.common.importers.common import (EXPERT_PARALLEL, HYDRA, TOKEN_DISPATCHER, device_count, dtype_of,
+                                             engine_arg, unless_off)
 from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
@@ -21,8 +22,6 @@ _MB = "rlstream cuts micro-batches by tokens: actor.mb_spec.max_tokens_per_mb"
 _REF = "the reference model runs in the trainer process with the actor's backend, dtype and micro-batches"
 _KERNEL = "a megatron-core kernel/communication choice; rlstream's megatron backend makes its own"
 _INFER_MODEL = "engines serve actor.path; their dtype and options are the engine's (server.dtype, launcher.engine.args)"
-_EXPERT_PARALLEL = "expert parallelism (MoE models train in the hf backend, every expert on each rank: test_moe.py)"
-_MEGATRON_MOE = "megatron-core MoE layers (the megatron backend converts dense models; MoE trains in the hf backend)"
 
 
 def _grad_ckpt(value: Any, ctx: Context) -> None:
@@ -91,7 +90,12 @@ def _messages(value: Any, ctx: Context) -> str | None:
 
 
 def _train_strategy(value: Any, ctx: Context) -> None:
-    if value == "megatron_train":
+    if value == "megatron_train" and (get(ctx.data, f"{_STRATEGY}.expert_model_parallel_size") or 1) > 1:
+        ctx.t.put(ctx.key, "actor.backend", "hf")  # rlstream's megatron backend converts dense models
+        ctx.t.put(ctx.key, "actor.parallel", "fsdp")
+        ctx.t.notes.append(f"{ctx.key}=megatron_train with expert_model_parallel_size > 1: the model trains in the "
+                           "hf backend (FSDP2 + expert parallelism); rlstream's megatron backend converts dense models")
+    elif value == "megatron_train":
         ctx.t.put(ctx.key, "actor.backend", "megatron")
     elif value in ("fsdp2_train", "deepspeed_train", "hf_train"):
         ctx.t.put(ctx.key, "actor.backend", "hf")
@@ -258,15 +262,17 @@ TABLE: Table = {
     f"{_STRATEGY}.tensor_model_parallel_size": Same("actor.megatron.tensor_parallel"),
     f"{_STRATEGY}.pipeline_model_parallel_size": Same("actor.megatron.pipeline_parallel"),
     f"{_STRATEGY}.context_parallel_size": Same("actor.megatron.context_parallel"),
-    f"{_STRATEGY}.expert_model_parallel_size": Missing(_EXPERT_PARALLEL, off=(1, None)),
+    f"{_STRATEGY}.expert_model_parallel_size": EXPERT_PARALLEL,
     f"{_STRATEGY}.virtual_pipeline_model_parallel_size": Missing("interleaved (virtual) pipeline stages",
                                                                  off=(1, None)),
     f"{_STRATEGY}.sequence_parallel": Missing("megatron sequence parallelism (the megatron backend runs TP=1)"),
     f"{_STRATEGY}.recompute_granularity": Convert(("actor.gradient_checkpointing",), _recompute),
-    f"{_STRATEGY}.moe_layer_recompute": Missing(_MEGATRON_MOE),
-    f"{_STRATEGY}.moe_token_dispatcher_type": Missing(_EXPERT_PARALLEL),
-    f"{_STRATEGY}.moe_grouped_gemm": Missing(_MEGATRON_MOE),
-    f"{_STRATEGY}.moe_shared_expert_overlap": Missing(_MEGATRON_MOE),
+    f"{_STRATEGY}.moe_layer_recompute": Same("actor.moe_layer_recompute"),
+    f"{_STRATEGY}.moe_token_dispatcher_type": TOKEN_DISPATCHER,
+    f"{_STRATEGY}.moe_grouped_gemm": Drop("a megatron-core kernel choice (one grouped GEMM for a rank's experts); the hf "
+                                          "backend runs each local expert's matmuls in turn: the same numbers"),
+    f"{_STRATEGY}.moe_shared_expert_overlap": Drop("a megatron-core overlap of the shared expert with the token "
+                                                   "exchange; the hf backend computes it after: the same numbers"),
     f"{_STRATEGY}.overlap_grad_reduce": Drop(_KERNEL),
     # ROLL: a size <= 1 (or >= the world size) is pure FSDP
     f"{_STRATEGY}.fsdp_size": unless_off("actor.fsdp.shard_size",

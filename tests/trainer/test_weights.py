@@ -588,6 +588,9 @@ mesh = init_device_mesh("cpu", (dist.get_world_size(),))
 if split == "tp":  # tensor parallel: split projections (DTensors) beside whole embeddings and norms
     from rlstream.trainer.tensor_parallel import parallelize_layers
     parallelize_layers(model, list(model.model.layers), mesh)
+elif split == "ep":  # expert parallel: each rank holds half of each layer's experts, stacked (DTensor shards)
+    from rlstream.trainer.expert_parallel import install_expert_parallel
+    install_expert_parallel(model, mesh)
 else:
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)

@@ -30,6 +30,7 @@ class WeightEntry:
     shape: list[int]
     dtype: torch.dtype
     scale: float = 1.0  # a LoRA B matrix sent pre-multiplied by its module's own scaling (see lora_scaling)
+    index: int | None = None  # one slice of a stacked tensor (an expert of trainer/expert_parallel.py): full[index]
 
     @property
     def nbytes(self) -> int:
@@ -78,8 +79,14 @@ def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
         return _lora_entries(model, adapter)
     out: list[WeightEntry] = []
     seen: set[int] = set()
+    stacked = _stacked_experts(model)
     for name, p in model.named_parameters():
         seen.add(id(p))
+        if id(p) in stacked:  # one HF tensor per expert
+            prefix, names = stacked[id(p)]
+            out += [WeightEntry(_clean_name(f"{prefix}.{n}"), p, list(p.shape[1:]), p.dtype, index=i)
+                    for i, n in enumerate(names)]
+            continue
         out.append(WeightEntry(_clean_name(name), p, list(p.shape), p.dtype))
     for mod_name, mod in model.named_modules():
         for bname, b in mod.named_buffers(recurse=False):
@@ -89,6 +96,14 @@ def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
             full = f"{mod_name}.{bname}" if mod_name else bname
             out.append(WeightEntry(_clean_name(full), b, list(b.shape), b.dtype))
     return out
+
+
+def _stacked_experts(model: torch.nn.Module) -> dict[int, tuple[str, list[str]]]:
+    """id(stacked expert parameter) -> (its module's name, the HF name of each expert's slice)."""
+    from rlstream.trainer.expert_parallel import StackedExperts
+
+    return {id(getattr(mod, attr)): (name, mod.hf_names(attr)) for name, mod in model.named_modules()
+            if isinstance(mod, StackedExperts) for attr in ("gate_proj", "up_proj", "down_proj")}
 
 
 def _lora_entries(model: torch.nn.Module, adapter: str) -> list[WeightEntry]:
@@ -161,11 +176,32 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return full_tensor() if full_tensor is not None else t
 
 
+def _slice_of(t: torch.Tensor, index: int) -> torch.Tensor:
+    """Slice `index` of a tensor stacked and sharded on its first dimension (experts): the rank holding it
+    broadcasts it over the tensor's mesh, so each expert moves once and every rank joins the same collective."""
+    import torch.distributed as dist
+
+    local = t.to_local()
+    group = t.device_mesh.get_group()
+    owner = index // local.shape[0]
+    if t.device_mesh.get_local_rank() == owner:
+        buf = local[index % local.shape[0]].detach().clone()
+    else:
+        buf = local.new_empty(local.shape[1:])
+    dist.broadcast(buf, src=dist.get_global_rank(group, owner), group=group)
+    return buf
+
+
+def _entry_tensor(e: WeightEntry) -> torch.Tensor:
+    """The full tensor of one entry (a collective for DTensors: every rank gathers entry by entry alike)."""
+    return _full(e.tensor) if e.index is None else _slice_of(e.tensor, e.index)
+
+
 def materialize(bucket: list[WeightEntry], device: torch.device) -> list[torch.Tensor]:
     """The bucket's full tensors, contiguous on `device` (no copy when already there)."""
     out = []
     for e in bucket:
-        t = _full(e.tensor).detach()
+        t = _entry_tensor(e).detach()
         if t.device != device:
             t = t.to(device)
         if e.scale != 1.0:
@@ -195,4 +231,4 @@ class ShardSync:
             if not int(flag.item()):
                 return
             for e in entries:
-                _full(e.tensor)
+                _entry_tensor(e)

@@ -72,10 +72,10 @@ def test_unparsable_and_foreign_files_say_what_to_do(tmp_path):
 def test_a_value_with_no_equivalent_names_the_key(tmp_path):
     f = tmp_path / "roll.yaml"
     f.write_text("rollout_batch_size: 8\nactor_train: {strategy_args: {strategy_config: "
-                 "{expert_model_parallel_size: 8}}}\n")
+                 "{virtual_pipeline_model_parallel_size: 2}}}\n")
     run = _cli("import", "--from", "roll", str(f))
     assert run.returncode == 2 and run.stdout == ""
-    assert "expert_model_parallel_size=8: not in rlstream yet: expert parallelism (MoE models train in the hf backend" in run.stderr
+    assert "virtual_pipeline_model_parallel_size=2: not in rlstream yet: interleaved (virtual) pipeline" in run.stderr
 
 
 @pytest.mark.slow

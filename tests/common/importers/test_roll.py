@@ -6,7 +6,7 @@ import pytest
 
 from rlstream.common.config import ConfigError, load_config_dict
 from rlstream.common.importers.reader import import_data, import_file, read_file
-from rlstream.common.importers.rules import MISSING, leaves
+from rlstream.common.importers.rules import leaves
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "roll" / "rlvr_megatron.yaml"
 
@@ -42,7 +42,8 @@ def test_the_example_maps_to_these_rlstream_keys(imported):
 
 def test_what_is_dropped_says_why(imported):
     why = dict(imported.dropped)
-    assert why["actor_train.strategy_args.strategy_config.expert_model_parallel_size"].startswith(MISSING)
+    assert why["actor_train.strategy_args.strategy_config.expert_model_parallel_size"] == \
+        "1: every rank holds every expert"
     assert "max_steps is not set" in why["actor_train.training_args.warmup_steps"]
     assert why["reference.device_mapping"].startswith("the reference model runs in the trainer")
 
@@ -55,12 +56,28 @@ def test_warmup_steps_become_a_fraction_of_max_steps():
 @pytest.mark.parametrize("data,message", [
     ({"actor_train": {"strategy_args": {"strategy_name": "deepspeed_zero3"}}}, "strategy_name='deepspeed_zero3'"),
     ({"actor_train": {"data_args": {"template": "qwen2_5"}}}, "template='qwen2_5'"),
-    ({"actor_train": {"strategy_args": {"strategy_config": {"expert_model_parallel_size": 8}}}},
-     "expert_model_parallel_size=8: not in rlstream yet: expert parallelism"),
+    ({"actor_train": {"strategy_args": {"strategy_config": {"virtual_pipeline_model_parallel_size": 2}}}},
+     "virtual_pipeline_model_parallel_size=2: not in rlstream yet: interleaved"),
+    ({"actor_train": {"strategy_args": {"strategy_config": {"moe_token_dispatcher_type": "flex"}}}},
+     "moe_token_dispatcher_type='flex': rlstream's expert-parallel token dispatchers are alltoall and allgather"),
 ])
 def test_values_rlstream_cannot_honour_are_refused(data, message):
     with pytest.raises(ConfigError, match=message):
         import_data("roll", data)
+
+
+def test_megatron_expert_parallelism_trains_in_the_hf_backend():
+    strategy = {"strategy_name": "megatron_train",
+                "strategy_config": {"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather",
+                                    "moe_layer_recompute": True, "moe_grouped_gemm": True}}
+    t = import_data("roll", {"actor_train": {"strategy_args": strategy, "device_mapping": "list(range(0,2))"}})
+    a = t.config["actor"]
+    assert (a["backend"], a["parallel"], a["expert_parallel"]) == ("hf", "fsdp", 2)
+    assert a["moe_token_dispatcher"] == "allgather" and a["moe_layer_recompute"] is True
+    assert any("expert_model_parallel_size > 1: the model trains in the hf backend" in n for n in t.notes)
+    assert "the same numbers" in dict(t.dropped)["actor_train.strategy_args.strategy_config.moe_grouped_gemm"]
+    cfg = load_config_dict(t.config)
+    assert cfg.actor.expert_parallel == 2 and cfg.launcher.n_trainer_procs == 2
 
 
 def test_the_llm_judge_reward_worker_maps_to_the_judge_section():

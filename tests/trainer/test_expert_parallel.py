@@ -1,0 +1,184 @@
+"""Expert parallelism (actor.expert_parallel): a tiny Qwen3-MoE's experts divided over two gloo ranks compute the
+whole model's logits and gradients, push under HF names, and train the same weights as one process across a
+resume; what it does not go with is refused in one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlstream.common.config import ConfigError, load_config
+from tests.trainer.test_parallel import _overrides, _write
+
+torch.set_num_threads(1)
+WORKER = Path(__file__).with_name("expert_parallel_worker.py")
+ENV = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
+
+
+@pytest.fixture(scope="module")
+def tiny_moe_path(tmp_path_factory):
+    from rlstream.launcher.tiny import build_tiny_moe_model
+
+    return build_tiny_moe_model(tmp_path_factory.mktemp("tiny-moe") / "model")
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_divided_experts_compute_the_whole_model(dispatcher, tiny_moe_path, tmp_path):
+    out = tmp_path / "result.json"
+    proc = subprocess.run(_torchrun(str(WORKER), str(tiny_moe_path), dispatcher, str(out)), env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r = json.loads(out.read_text())
+    assert r["blocks"] == 2 and r["local_experts"] == 2  # 4 experts per layer, 2 on each rank
+    assert r["logits"] <= 1e-5  # each rank's tokens through experts held on both ranks
+    assert r["dense_grad"] <= 1e-6  # router, attention, embeddings: this rank's own gradient, as in DDP before its average
+    assert r["expert_grad"] <= 1e-6  # experts: the average of both ranks' losses' gradients ...
+    assert r["expert_grad_vs_own"] > 1e-4  # ... which is not this rank's own
+    assert r["grad_names"] and r["push_names"] and r["push"] == 0.0  # HF names, the loaded weights exactly
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("wrap,dispatcher,extra", [
+    ("ddp", "alltoall", []),
+    # FSDP2 over everything but the experts, and each sparse block (with its exchanges) recomputed in backward
+    ("fsdp", "allgather", ["actor.moe_layer_recompute=true"])])
+def test_expert_parallel_ranks_match_one_process_across_a_resume(wrap, dispatcher, extra, tmp_path, redis_url, rclient,
+                                                                 experiment, tiny_moe_path):
+    """Two expert-parallel ranks train one step with a clipping norm that binds (taken over divided and whole
+    parameters), save a recover checkpoint, resume from it and train a second: the HF export equals one process's
+    two steps, every expert under its own name."""
+    from transformers import AutoModelForCausalLM
+
+    from rlstream.trainer.main import train
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_moe_path).eval()
+    one, ep = f"{experiment}one", f"{experiment}ep"
+    _write(rclient, one, model.config.vocab_size, model)
+    _write(rclient, ep, model.config.vocab_size, model)
+    clip = ["actor.optimizer.gradient_clipping=0.5", "actor.optimizer.lr=2.0"]  # binds (norm ~1.2); experts move
+    split = [f"actor.parallel={wrap}", "actor.expert_parallel=2", f"actor.moe_token_dispatcher={dispatcher}",
+             "recover.freq_steps=1", *clip, *extra]
+    logs = ""
+    for steps in (1, 2):
+        cmd = _torchrun("-m", "rlstream.launcher.cli", "train",
+                        *_overrides(tmp_path, redis_url, ep, tiny_moe_path, *split, "recover.mode=auto",
+                                    f"total_train_steps={steps}"))
+        proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        logs += proc.stdout + proc.stderr
+    assert "resumed from" in logs and "1 steps done, version 1" in logs, logs[-3000:]
+    assert f"expert parallel: the experts of 2 layers divided over 2 ranks ({dispatcher} dispatcher)" in logs
+    assert ("moe layer recompute: 2 sparse blocks run again in backward" in logs) == bool(extra)
+    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_moe_path, *clip)))
+
+    base = load_file(str(Path(tiny_moe_path) / "model.safetensors"))
+    w_one = load_file(str(tmp_path / "runs" / one / "trial0" / "checkpoints" / "final" / "model.safetensors"))
+    w_ep = load_file(str(tmp_path / "runs" / ep / "trial0" / "checkpoints" / "final" / "model.safetensors"))
+    assert sorted(w_ep) == sorted(w_one) and "model.layers.1.mlp.experts.3.down_proj.weight" in w_ep
+    moved = {k: float((w_one[k] - base[k]).abs().max()) for k in base}
+    assert max(v for k, v in moved.items() if ".experts.3." in k) > 1e-5  # a rank-1 expert trained ...
+    for k in base:  # ... as in one process, up to float summation order
+        assert float((w_one[k] - w_ep[k]).abs().max()) <= 2e-6, k
+
+
+@pytest.mark.slow
+def test_a_push_from_expert_parallel_ranks_serves_every_expert(tiny_moe_path, redis_url, experiment, keys, rclient,
+                                                               tmp_path):
+    """Both ranks call push; each stacked expert tensor is gathered and sent as one tensor per expert under its HF
+    name, and the local engine serving the MoE model then answers with the pushed weights exactly."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.helpers import free_port
+    from tests.trainer.test_weights import FSDP_TRAINER, EngineProc, assert_serves, perturbed, served_version
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
+    engine = EngineProc(tiny_moe_path, tmp_path / "engine", ["server.register=false"]).wait_ready()
+    try:
+        script = tmp_path / "ep_trainer.py"
+        script.write_text(FSDP_TRAINER)
+        overrides = [f"actor.path={tiny_moe_path}", f"redis.url={redis_url}", f"experiment_name={experiment}",
+                     "actor.weight_update_mode=distributed", "actor.weight_update_backend=gloo",
+                     "actor.weight_chunked_mem_mb=1", "actor.weight_update_timeout=60",
+                     "rollout.health_check_interval=3600", f"rollout.engine_addresses=[{engine.address}]"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+               "--master_port", str(free_port()), str(script), str(tiny_moe_path), "303", "ep", *overrides]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        n_bytes = sum(p.numel() * 4 for p in base.parameters())
+        assert f"pushed {n_bytes}" in out.stdout, out.stdout[-2000:]
+        assert int(rclient.get(keys.version)) == 1
+        assert served_version(engine) == 1
+        assert_serves(engine, perturbed(base, 303), base)
+    finally:
+        engine.stop()
+
+
+def test_moe_layer_recompute_keeps_no_block_activations_and_the_same_gradients(tiny_moe_path, tiny_model_path):
+    """actor.moe_layer_recompute: each sparse block runs again in backward (its router twice per step), the tensors
+    autograd keeps for backward shrink, and the gradients are the same bits."""
+    from transformers import AutoModelForCausalLM
+
+    from rlstream.trainer.expert_parallel import recompute_moe_blocks
+
+    ids = torch.randint(0, 60, (1, 48), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for recompute in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32)
+        if recompute:
+            assert recompute_moe_blocks(model) == 2
+        calls = []
+        for layer in model.model.layers:
+            layer.mlp.gate.register_forward_hook(lambda *_: calls.append(1))
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                      lambda t: t):
+            loss = model(input_ids=ids, use_cache=False).logits.float().logsumexp(-1).mean()
+        loss.backward()
+        runs[recompute] = (len(calls), sum(saved), {n: p.grad.clone() for n, p in model.named_parameters()})
+    assert runs[False][0] == 2 and runs[True][0] == 4  # two sparse layers, each run again in backward
+    assert runs[True][1] < runs[False][1]
+    assert all(torch.equal(runs[True][2][n], g) for n, g in runs[False][2].items())
+    with pytest.raises(ConfigError, match="actor.moe_layer_recompute=true: LlamaForCausalLM has no mixture-of-experts"):
+        recompute_moe_blocks(AutoModelForCausalLM.from_pretrained(tiny_model_path))
+
+
+@pytest.mark.parametrize("extra,named", [
+    (["actor.fsdp.tensor_parallel=2", "actor.parallel=fsdp"], "actor.fsdp.tensor_parallel"),
+    (["actor.context_parallel=2"], "actor.context_parallel"),
+    (["actor.lora.rank=4"], "actor.lora"),
+    (["actor.backend=megatron"], "actor.backend=megatron"),
+    (["launcher.n_trainer_procs=4"], "must equal launcher.n_trainer_procs=4"),
+])
+def test_what_expert_parallel_does_not_go_with_is_named(extra, named):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["actor.expert_parallel=2", "launcher.n_trainer_procs=2", *extra])
+    msg = str(err.value)
+    assert "actor.expert_parallel=2" in msg and named in msg and "\n" not in msg, msg
+
+
+def test_a_dense_model_or_experts_the_ranks_do_not_divide_are_refused(tiny_model_path, tiny_moe_path):
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import AutoModelForCausalLM
+
+    from rlstream.trainer.expert_parallel import install_expert_parallel
+
+    class FakeMesh(DeviceMesh):  # install_expert_parallel checks the sizes before any collective
+        def __init__(self, n):
+            self.n = n
+
+        def size(self, dim=None):
+            return self.n
+
+    with pytest.raises(ConfigError, match="actor.expert_parallel=2: LlamaForCausalLM has no mixture-of-experts"):
+        install_expert_parallel(AutoModelForCausalLM.from_pretrained(tiny_model_path), FakeMesh(2))
+    with pytest.raises(ConfigError, match="actor.expert_parallel=3 does not divide the model's 4 experts per layer"):
+        install_expert_parallel(AutoModelForCausalLM.from_pretrained(tiny_moe_path), FakeMesh(3))
