@@ -57,6 +57,7 @@ from rlstream.engine.grammar import Grammars, constraint_of
 from rlstream.engine.kv_batch import KVBatch, PendingPrefill
 from rlstream.engine.model_weights import ModelWeights
 from rlstream.engine.prefix_cache import PrefixCache
+from rlstream.engine.quantization import quantize
 from rlstream.engine.sampling import Sampling, match_stop_strings, resolve, sample
 from rlstream.engine.scheduler import ADMISSION_HOLD_MS, Request, Scheduler, deliver
 from rlstream.engine.vision import VisionEncoder
@@ -108,8 +109,8 @@ class LocalEngine:
                  device: str = "auto", dtype: str = "float32", max_batch_size: int = 64,
                  max_seq_len: int = 4096, seed: int = 1, version: int = 0, prefix_cache_tokens: int = 0,
                  admission_hold_ms: float = ADMISSION_HOLD_MS, prefill_chunk_tokens: int = 0,
-                 max_images: int = 16) -> None:
-        self._load_model(model_path, tokenizer_path, device, dtype, max_images)
+                 max_images: int = 16, quantization: str = "none") -> None:
+        self._load_model(model_path, tokenizer_path, device, dtype, max_images, quantization)
         cfg = self.model.config
         limit = getattr(cfg, "max_position_embeddings", None)
         self.max_seq_len = min(max_seq_len, limit) if limit else max_seq_len
@@ -133,7 +134,7 @@ class LocalEngine:
         self._generator = torch.Generator(device=self.device)
         self._generator.manual_seed(seed)
         self._version = version
-        self._weights = ModelWeights(self.model, self.model_path)
+        self._weights = ModelWeights(self.model, self.model_path, self.quantized)
         self._named = self._weights.named  # name -> tensor for every parameter and buffer, tied aliases included
 
         # Shared with the decode thread; guarded by the scheduler's condition variable.
@@ -166,7 +167,7 @@ class LocalEngine:
         self._weights_gen = 0  # bumped by every weight update
 
     def _load_model(self, model_path: str | os.PathLike, tokenizer_path: str | os.PathLike | None,
-                    device: str, dtype: str, max_images: int = 16) -> None:
+                    device: str, dtype: str, max_images: int = 16, quantization: str = "none") -> None:
         from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
         self.model_path = resolve_model_path(str(model_path), "server.model_path")
@@ -191,6 +192,7 @@ class LocalEngine:
                                                  local_files_only=True).to(self.device).eval()
         self.vision = VisionEncoder(self.model, spec, max_images=max_images) if spec is not None else None
         self.model.requires_grad_(False)
+        self.quantized = quantize(self.model, quantization)  # layers served quantized (engine/quantization.py)
         if self.device.type == "cpu":  # faster decode GEMMs, same values (engine/cpu_layout.py)
             column_major_linears(self.model)
 
@@ -204,7 +206,8 @@ class LocalEngine:
         return cls(model_path, tokenizer_path=cfg.tokenizer_path or model_path, device=s.device, dtype=s.dtype,
                    max_batch_size=s.max_batch_size, max_seq_len=s.max_seq_len, seed=cfg.seed,
                    prefix_cache_tokens=s.prefix_cache_tokens, admission_hold_ms=s.admission_hold_ms,
-                   prefill_chunk_tokens=s.prefill_chunk_tokens, max_images=cfg.images.max_per_prompt)
+                   prefill_chunk_tokens=s.prefill_chunk_tokens, max_images=cfg.images.max_per_prompt,
+                   quantization=s.quantization)
 
     def _eos_ids(self) -> frozenset[int]:
         # The one source of stop tokens (tokenizer EOS + generation_config eos ids), shared with

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterable, Iterator
+from typing import Any
 from pathlib import Path
 
 import torch
@@ -22,10 +23,17 @@ __all__ = ["ModelWeights"]
 class ModelWeights:
     """Every parameter and buffer of `model` by HF name, tied aliases included."""
 
-    def __init__(self, model: torch.nn.Module, model_path: str) -> None:
+    def __init__(self, model: torch.nn.Module, model_path: str, quantized: dict[str, Any] | None = None) -> None:
         self.model_path = model_path
         self.named: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
         self.named.update(dict(model.named_buffers(remove_duplicate=False)))
+        # weights served quantized (engine/quantization.py), by HF weight name: a tensor pushed under that name is
+        # quantized into its layer; they are not in `named`, which holds tensors served as they are pushed
+        self.quantized = quantized or {}
+        for name in self.quantized:
+            prefix = name.removesuffix("weight")
+            for key in [k for k in self.named if k.startswith(prefix) and k[len(prefix):] in ("qweight", "scale")]:
+                del self.named[key]
         self._merger: AdapterMerger | None = None  # made at the first LoRA push
 
     def merger(self) -> AdapterMerger:
@@ -44,6 +52,14 @@ class ModelWeights:
         with torch.no_grad():
             for name, tensor in self._merged(named_tensors, lora_scaling):
                 dst = self.named.get(name)
+                if dst is None and name in self.quantized:
+                    layer = self.quantized[name]
+                    if tuple(layer.weight_shape) != tuple(tensor.shape):
+                        raise ValueError(f"parameter {name!r}: shape {tuple(tensor.shape)} does not match the "
+                                         f"served model's {tuple(layer.weight_shape)}")
+                    layer.load(tensor)
+                    n += 1
+                    continue
                 if dst is None:
                     raise KeyError(f"unknown parameter {name!r} for the served model {self.model_path!r}")
                 if tuple(dst.shape) != tuple(tensor.shape):

@@ -184,12 +184,16 @@ def prepare(cfg: Config) -> dict[str, Path]:
         log.debug("demo task %s: wrote %d train, %d held-out, %d warm-start rows under %s", demo.task, len(train),
                  len(valid), len(sft), paths["train"].parent)
     if not (paths["model"] / "config.json").exists():
-        from rlstream.launcher.tiny import build_tiny_model
+        from rlstream.launcher.tiny import build_tiny_model, build_tiny_moe_model
 
-        build_tiny_model(paths["model"], hidden_size=demo.hidden_size, num_layers=demo.num_layers,
-                         intermediate_size=4 * demo.hidden_size, seed=cfg.seed)
-        log.debug("demo task %s: built a tiny model (hidden %d, %d layers) at %s", demo.task, demo.hidden_size,
-                 demo.num_layers, paths["model"])
+        if demo.num_experts:
+            build_tiny_moe_model(paths["model"], num_experts=demo.num_experts, hidden_size=demo.hidden_size,
+                                 num_layers=demo.num_layers, seed=cfg.seed)
+        else:
+            build_tiny_model(paths["model"], hidden_size=demo.hidden_size, num_layers=demo.num_layers,
+                             intermediate_size=4 * demo.hidden_size, seed=cfg.seed)
+        log.debug("demo task %s: built a tiny model (hidden %d, %d layers, %d experts) at %s", demo.task,
+                  demo.hidden_size, demo.num_layers, demo.num_experts, paths["model"])
     return paths
 
 

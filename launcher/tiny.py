@@ -97,7 +97,8 @@ def build_tiny_model(path: str | Path, *, hidden_size: int = 64, num_layers: int
     return path
 
 
-def build_tiny_moe_model(path: str | Path, *, num_experts: int = 4, experts_per_token: int = 2, seed: int = 0) -> Path:
+def build_tiny_moe_model(path: str | Path, *, num_experts: int = 4, experts_per_token: int = 2, seed: int = 0,
+                         hidden_size: int = 64, num_layers: int = 2) -> Path:
     """Write a randomly initialised tiny mixture-of-experts Qwen3MoeForCausalLM (every layer sparse, a router choosing
     `experts_per_token` of `num_experts` MLPs per token) + the character tokenizer to `path`."""
     import torch
@@ -107,8 +108,9 @@ def build_tiny_moe_model(path: str | Path, *, num_experts: int = 4, experts_per_
     path.mkdir(parents=True, exist_ok=True)
     tokenizer = build_tokenizer()
     cfg = Qwen3MoeConfig(
-        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=16, num_experts=num_experts,
+        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        moe_intermediate_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=hidden_size // 4, num_experts=num_experts,
         num_experts_per_tok=experts_per_token, decoder_sparse_step=1, mlp_only_layers=[], max_position_embeddings=512,
         pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         tie_word_embeddings=False, **dtype_kwargs("float32"))

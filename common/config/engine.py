@@ -54,6 +54,13 @@ class ServerConfig(Section):
     prefix_cache_tokens: NonNegativeInt = 16384
     """Tokens of finished requests' KV the local engine keeps to prefill later prompts that extend them (multi-turn;
     like SGLang's radix cache); 0 = off."""
+    quantization: Literal["none", "fp8"] = "none"
+    """Local engine: serve the decoder's linear layers quantized (cosmos-rl rollout.quantization; vLLM/SGLang get
+    `--quantization fp8` in launcher.engine.args). fp8: weights stored as float8 e4m3 with a per-tensor scale and each
+    layer's input quantized per token (W8A8, vLLM's online fp8), cast back for the matmul on CPU (its numerics at half
+    bf16's weight memory, not its speed); the LM head and embeddings stay. Pushed weights are quantized as they arrive;
+    the behaviour logprobs are the quantized policy's, which decoupled PPO corrects for. Not with
+    actor.weight_update_delta (a delta cannot apply to quantized weights)."""
     api_key: str | None = None
     """Require this bearer token on every route; masked in logs."""
     frontend: Literal["inline", "process"] = "inline"

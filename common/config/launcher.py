@@ -36,6 +36,9 @@ class DemoTaskConfig(Section):
     """Hidden size of the tiny model built for the demo."""
     num_layers: PositiveInt = 2
     """Layers of the tiny model built for the demo."""
+    num_experts: NonNegativeInt = 0
+    """reverse: 0 builds a dense tiny Llama; N > 0 a tiny mixture-of-experts Qwen3-MoE (every layer sparse, N experts
+    of width hidden_size, 2 per token), e.g. to try actor.expert_parallel."""
 
 
 class EngineServerConfig(Section):

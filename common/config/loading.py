@@ -236,6 +236,10 @@ def _check(cfg: "Config") -> None:
     check_judge(cfg)
     _check_split(cfg)
     _check_fp8(cfg)
+    if cfg.server.quantization != "none" and cfg.actor.weight_update_delta != "none":
+        raise ConfigError(f"actor.weight_update_delta={cfg.actor.weight_update_delta} with server.quantization="
+                          f"{cfg.server.quantization}: a delta cannot apply to quantized weights; set "
+                          "actor.weight_update_delta=none (pushes send the full weights, quantized as they arrive)")
     interval, eta = cfg.actor.weight_update_interval, cfg.rollout.max_head_offpolicyness
     if eta < interval - 1:
         raise ConfigError(f"actor.weight_update_interval={interval} leaves the engines up to {interval - 1} versions "

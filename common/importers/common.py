@@ -8,7 +8,7 @@ from rlstream.common.config import ConfigError
 from rlstream.common.importers.rules import Context, Convert, Drop, Table
 
 __all__ = ["HYDRA", "engine_arg", "dtype_of", "dtype_of_name", "off_or_value", "unless_off", "device_count",
-           "EXPERT_PARALLEL", "TOKEN_DISPATCHER"]
+           "EXPERT_PARALLEL", "TOKEN_DISPATCHER", "ROLLOUT_QUANTIZATION"]
 
 # Hydra's composition keys: rlstream imports one resolved file.
 HYDRA: Table = {
@@ -91,6 +91,21 @@ def _dispatcher(value: Any, ctx: Context) -> None:
 
 
 TOKEN_DISPATCHER = Convert(("actor.moe_token_dispatcher",), _dispatcher)
+
+
+def _quantization(value: Any, ctx: Context) -> str | None:
+    if value in (None, "none"):
+        return "none: rollouts from the full-precision weights"
+    if value != "fp8":
+        raise ConfigError(f"{ctx.key}={value!r}: rlstream serves quantized rollouts in fp8 (server.quantization=fp8 on "
+                          "the local engine, --quantization fp8 for vLLM/SGLang); use fp8 or none")
+    ctx.t.put(ctx.key, "server.quantization", "fp8")
+    engine_arg("--quantization")(value, ctx)
+    return None
+
+
+ROLLOUT_QUANTIZATION = Convert(("server.quantization", "launcher.engine.args"), _quantization,
+                               "the local engine's fp8, or vLLM/SGLang's own")
 
 
 def device_count(value: Any) -> int | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.common import EXPERT_PARALLEL, dtype_of, dtype_of_name, engine_arg, off_or_value, unless_off
+from rlstream.common.importers.common import EXPERT_PARALLEL, ROLLOUT_QUANTIZATION, dtype_of, dtype_of_name, engine_arg, off_or_value, unless_off
 from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
@@ -520,7 +520,7 @@ TABLE: Table = {
     "rollout.n_generation": Same("gconfig.n_samples"),
     "rollout.n_generation_to_batch": Drop("engines batch the samples of a prompt themselves"),
     "rollout.batch_size": Drop("engines batch requests themselves (continuous batching)"),
-    "rollout.quantization": Missing("quantized rollouts", off=("none", None)),
+    "rollout.quantization": ROLLOUT_QUANTIZATION,
     "rollout.seed": Drop("rollout sampling has no seed of its own; seed is the run's"),
     "rollout.sampling_config.temperature": Same("gconfig.temperature"),
     "rollout.sampling_config.top_p": Same("gconfig.top_p"),

@@ -97,11 +97,23 @@ def test_fp8_training_imports_as_torchao_recipes():
     assert "fp8" not in off.config.get("actor", {}) and any("FP8 training is off" in r for _, r in off.dropped)
 
 
+def test_expert_parallel_and_quantized_rollouts_import():
+    ep = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"ep_size": 4, "dp_shard_size": 4}}}).config)
+    assert (ep.actor.expert_parallel, ep.launcher.n_trainer_procs) == (4, 4)
+    with pytest.raises(ConfigError, match="actor.expert_parallel=2 must equal launcher.n_trainer_procs=4"):
+        load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"ep_size": 2, "dp_shard_size": 4}}}).config)
+    q = load_config_dict(import_data("cosmos", {"rollout": {"quantization": "fp8", "backend": "vllm"}}).config)
+    assert q.server.quantization == "fp8" and q.launcher.engine.args[-2:] == ["--quantization", "fp8"]
+    off = import_data("cosmos", {"rollout": {"quantization": "none"}})
+    assert "server" not in off.config and any("full-precision" in r for _, r in off.dropped)
+
+
 @pytest.mark.parametrize("data,message", [
     ({"train": {"train_policy": {"type": "sft"}}}, "type='sft'"),
     ({"train": {"ckpt": {"max_keep": 0}}}, "max_keep=0 keeps no checkpoint"),
     ({"train": {"fp8": {"enable_fp8": True, "fp8_recipe": "delayed_scaling"}}}, "torchao removed delayed scaling"),
     ({"train": {"fp4": {"enable_fp4": True}}}, "enable_fp4=True: not in rlstream yet"),
+    ({"rollout": {"quantization": "mxfp4"}}, "quantization='mxfp4': rlstream serves quantized rollouts in fp8"),
     ({"train": {"train_policy": {"filter_reward_metric": ["format"]}}}, "producer.dynamic_sampling_reward_fn"),
     ({"train": {"train_policy": {"reward_function": {"single_choice": 0.9, "format": 0.1}}}}, "reward_function"),
 ])
