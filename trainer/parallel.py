@@ -102,6 +102,9 @@ class Parallel:
         # Buffers (rotary frequencies) never change: skipping their broadcast keeps a
         # forward pass free of collectives.
         kwargs = {"device_ids": [self.device.index]} if self.device.type == "cuda" else {}
+        # Experts a rank's tokens did not pick get no gradient in its backward (a one-token pass picks top-k of
+        # them): DDP must find them, or its buckets launch on some ranks only (a collective mismatch).
+        kwargs["find_unused_parameters"] = bool(moe_blocks(model))
         ddp = DDP(model, broadcast_buffers=False, **kwargs)
         if reduce_dtype != "float32":
             ddp.register_comm_hook(getattr(torch, reduce_dtype), _compressed_allreduce)
@@ -318,6 +321,13 @@ def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp"
         raise ConfigError(f"{key}.wrap_policy.transformer_layer_cls_to_wrap={named}: no submodule of the model is "
                           f"of these classes; its classes: {', '.join(present)}")
     return units
+
+
+def moe_blocks(model: torch.nn.Module) -> list:
+    """The HF sparse blocks of `model` that hold every expert (none under expert parallelism)."""
+    from rlstream.trainer.expert_parallel import moe_blocks as blocks
+
+    return blocks(model)
 
 
 def _expert_param_names(model: torch.nn.Module) -> set[str]:

@@ -1,0 +1,142 @@
+"""Quantized rollouts (server.quantization=fp8) vs full precision on the local engine: decode speed, linear-weight
+memory, and how far the quantized policy's logprobs sit from the full-precision policy's (the off-policyness the
+trainer's decoupled loss then corrects).
+
+    python benchmarks/quantized_rollouts.py                     # SmolLM2-135M if prepared (rlstream model get), else tiny
+    python benchmarks/quantized_rollouts.py --readme            # also writes the section in benchmarks/README.md
+
+Both engines decode the same random prompts (`--requests` x `--new-tokens`, T = 1, c = `--concurrency`), in turn,
+best of `--repeat`; the logprob gap is |served logprob - full-precision recomputation| per sampled token of the fp8
+engine's own outputs (and its mean, which estimates KL(fp8 || full) per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from readme_section import write_nested_section  # benchmarks/ is sys.path[0] when run as a script
+
+SECTION = "### Quantized rollouts (fp8 on the local engine)"
+
+
+def _prompts(n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [[1] + torch.randint(4, vocab, (15,), generator=g).tolist() for _ in range(n)]
+
+
+async def _decode(engine, prompts, new_tokens: int, concurrency: int) -> tuple[float, list]:
+    sem = asyncio.Semaphore(concurrency)
+    sp = {"max_new_tokens": new_tokens, "temperature": 1.0, "ignore_eos": True}
+
+    async def one(p):
+        async with sem:
+            return await engine.generate(p, sp)
+
+    t0 = time.perf_counter()
+    outs = await asyncio.gather(*(one(p) for p in prompts))
+    return sum(len(o.output_ids) for o in outs) / (time.perf_counter() - t0), outs
+
+
+def _gap(model, prompts, outs) -> torch.Tensor:
+    gaps = []
+    with torch.no_grad():
+        for p, o in zip(prompts, outs):
+            logits = model(torch.tensor([p + o.output_ids])).logits[0].float()
+            lp = torch.log_softmax(logits, -1)[len(p) - 1:-1].gather(-1, torch.tensor(o.output_ids)[:, None])[:, 0]
+            served = torch.tensor([x for x, _, _ in o.meta_info.output_token_logprobs])
+            gaps.append(served - lp)
+    return torch.cat(gaps)
+
+
+def _linear_bytes(engine) -> int:
+    from rlstream.engine.quantization import Fp8Linear
+
+    total = 0
+    for name, m in engine.model.named_modules():
+        if isinstance(m, Fp8Linear):
+            total += m.qweight.numel() * m.qweight.element_size()
+        elif type(m) is torch.nn.Linear and not name.endswith("lm_head"):
+            total += m.weight.numel() * m.weight.element_size()
+    return total
+
+
+def run(args) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    from rlstream.engine.local import LocalEngine
+
+    torch.set_num_threads(1)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    prompts = _prompts(args.requests, model.config.vocab_size)
+    engines = {q: LocalEngine(args.model, device="cpu", quantization=q, seed=0, max_batch_size=args.concurrency,
+                              admission_hold_ms=0) for q in ("none", "fp8")}
+    best = {q: 0.0 for q in engines}
+    outs = {}
+    try:
+        for _ in range(args.repeat):
+            for q, eng in engines.items():
+                tps, outs[q] = asyncio.run(_decode(eng, prompts, args.new_tokens, args.concurrency))
+                best[q] = max(best[q], tps)
+        gap_fp8 = _gap(model, prompts, outs["fp8"])
+        gap_none = _gap(model, prompts, outs["none"])
+        res = {"model": Path(args.model).name, "requests": args.requests, "new_tokens": args.new_tokens,
+               "concurrency": args.concurrency, "tok_s": best,
+               "linear_bytes": {q: _linear_bytes(e) for q, e in engines.items()},
+               "gap_fp8": {"mean": float(gap_fp8.mean()), "mean_abs": float(gap_fp8.abs().mean()),
+                           "p99_abs": float(gap_fp8.abs().quantile(0.99)), "tokens": len(gap_fp8)},
+               "gap_none_max_abs": float(gap_none.abs().max())}
+    finally:
+        for e in engines.values():
+            e.close()
+    return res
+
+
+def markdown(r: dict) -> str:
+    t, b, g = r["tok_s"], r["linear_bytes"], r["gap_fp8"]
+    return "\n".join([
+        SECTION,
+        f"What: `benchmarks/quantized_rollouts.py`, {r['model']} on the local engine (fp32 serving dtype, 1 torch thread), "
+        f"{r['requests']} requests x {r['new_tokens']} new tokens at concurrency {r['concurrency']}, T = 1, best of the "
+        "alternated rounds; the gap is the fp8 engine's reported logprob minus the full-precision model's "
+        "recomputation of the same sampled tokens.",
+        "",
+        "| serving | decode tok/s | decoder linear weights | logprob gap to full precision per token: mean; mean abs; p99 abs |",
+        "|---|---:|---:|---|",
+        f"| full precision (fp32) | {t['none']:.1f} | {b['none'] / 2**20:.0f} MiB | max abs {r['gap_none_max_abs']:.1e} |",
+        f"| fp8 (W8A8, emulated) | {t['fp8']:.1f} ({t['fp8'] / t['none']:.2f}x) | {b['fp8'] / 2**20:.0f} MiB "
+        f"({b['none'] / b['fp8']:.1f}x less) | {g['mean']:+.4f}; {g['mean_abs']:.4f}; {g['p99_abs']:.4f} "
+        f"({g['tokens']} tokens) |",
+        "",
+        "CPU has no float8 GEMM: the fp8 operands are cast back for each matmul, so this measures the quantized "
+        "policy's numerics and memory, not fp8's speed (on GPUs vLLM/SGLang run real fp8 kernels).",
+    ])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    default = Path.home() / ".cache/rlstream/models/smollm2-135m-instruct"
+    ap.add_argument("--model", default=str(default))
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--readme", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    res = run(args)
+    print(json.dumps(res, indent=1))
+    print(markdown(res))
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    if args.readme:
+        write_nested_section(markdown(res), Path(__file__).with_name("README.md"), SECTION, parent="## Engine")
+
+
+if __name__ == "__main__":
+    main()
