@@ -51,7 +51,8 @@ def test_divided_experts_compute_the_whole_model(dispatcher, tiny_moe_path, tmp_
     # every rank holding every expert: DDP must not wait for experts that a rank's tokens did not pick (each rank's
     # last micro-batch is the one-token pass of an empty bin: 8 sequences in 9 micro-batches)
     ("ddp", None, ["actor.mb_spec.n_mbs=9"]),
-    ("ddp", "alltoall", []),
+    # whole decoder layers recomputed in backward: their token exchanges run again, in step on both ranks
+    ("ddp", "alltoall", ["actor.gradient_checkpointing=true"]),
     # FSDP2 over everything but the experts, and each sparse block (with its exchanges) recomputed in backward
     ("fsdp", "allgather", ["actor.moe_layer_recompute=true"])])
 def test_expert_parallel_ranks_match_one_process_across_a_resume(wrap, dispatcher, extra, tmp_path, redis_url, rclient,
