@@ -22,13 +22,15 @@ so the exchanges stay in step.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from rlstream.common.config import ConfigError
 
-__all__ = ["DISPATCHERS", "ExpertParallelMoE", "StackedExperts", "install_expert_parallel", "moe_blocks", "hf_state_dict",
+__all__ = ["DISPATCHERS", "ExpertParallelMoE", "StackedExperts", "install_expert_parallel", "moe_blocks", "hf_named", "hf_state_dict",
            "recompute_moe_blocks"]
 
 DISPATCHERS = ("alltoall", "allgather")
@@ -148,7 +150,7 @@ class ExpertParallelMoE(torch.nn.Module):
         recv = _exchange_counts(send, self.group)
         send_l, recv_l = send.tolist(), recv.tolist()
         rows = _AllToAll.apply(x[tokens], recv_l, send_l, self.group)
-        local_ids = torch.empty(sum(recv_l), dtype=experts.dtype)
+        local_ids = torch.empty(sum(recv_l), dtype=experts.dtype, device=x.device)
         dist.all_to_all_single(local_ids, (experts % self.per_rank).contiguous(), recv_l, send_l, group=self.group)
         y = self.experts(rows, local_ids, 1.0 / self.size)
         back = _AllToAll.apply(y, send_l, recv_l, self.group)
@@ -156,12 +158,12 @@ class ExpertParallelMoE(torch.nn.Module):
         return x.new_zeros(x.shape).index_add(0, tokens, contrib.to(x.dtype))
 
     def _allgather(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-        n = torch.tensor([x.shape[0]] * self.size, dtype=torch.long)
+        n = torch.tensor([x.shape[0]] * self.size, dtype=torch.long, device=x.device)
         counts = _exchange_counts(n, self.group).tolist()  # each rank's token count
         mine = [x.shape[0]] * self.size
         every_x = _AllToAll.apply(x.repeat(self.size, 1), counts, mine, self.group)
         every_w = _AllToAll.apply(weights.repeat(self.size, 1), counts, mine, self.group)
-        every_c = torch.empty((sum(counts), self.top_k), dtype=chosen.dtype)
+        every_c = torch.empty((sum(counts), self.top_k), dtype=chosen.dtype, device=x.device)
         dist.all_to_all_single(every_c, chosen.repeat(self.size, 1).contiguous(), counts, mine, group=self.group)
         lo = self.rank * self.per_rank
         local = (every_c >= lo) & (every_c < lo + self.per_rank)  # [all tokens, k]: pairs routed to this rank
@@ -231,22 +233,24 @@ def recompute_moe_blocks(model: torch.nn.Module) -> int:
     return len(blocks)
 
 
-def hf_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A full state dict of `model` (gathered) under HF names: each stacked expert tensor split back into one
-    tensor per expert (`mlp.experts.3.gate_proj.weight`); other keys unchanged."""
+def hf_named(model: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) pairs of `model`'s state dict under HF names: each stacked expert tensor split back into
+    one tensor per expert (`mlp.experts.3.gate_proj.weight`, copies: slices of one storage would read as tied weights
+    to save_pretrained and safetensors); other pairs unchanged. Lazy, so a caller can gather one tensor at a time."""
     stacked = {}
     for name, mod in model.named_modules():
         if isinstance(mod, StackedExperts):
+            prefix = name.removeprefix("module.")
             for attr in ("gate_proj", "up_proj", "down_proj"):
-                stacked[f"{name}.{attr}".removeprefix("module.")] = (name.removeprefix("module."), mod.hf_names(attr))
-    if not stacked:
-        return sd
-    out = {}
-    for key, value in sd.items():
+                stacked[f"{prefix}.{attr}"] = (prefix, mod.hf_names(attr))
+    for key, value in items:
         if key in stacked:
             prefix, names = stacked[key]
-            # copies: slices of one storage would read as tied weights to save_pretrained and safetensors
-            out.update({f"{prefix}.{n}": value[i].clone() for i, n in enumerate(names)})
+            yield from ((f"{prefix}.{n}", value[i].clone()) for i, n in enumerate(names))
         else:
-            out[key] = value
-    return out
+            yield key, value
+
+
+def hf_state_dict(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A full (gathered) state dict of `model` under HF names (hf_named)."""
+    return dict(hf_named(model, sd.items()))

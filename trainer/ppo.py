@@ -48,7 +48,7 @@ from rlstream.trainer.batch import SeqBatch
 from rlstream.trainer.microbatch import minibatch_slices
 from rlstream.trainer.advantages import compute_advantages, distill_advantages
 from rlstream.trainer.critic import Critic
-from rlstream.trainer.expert_parallel import hf_state_dict
+from rlstream.trainer.expert_parallel import hf_named
 from rlstream.trainer.flops import ModelFlops
 from rlstream.trainer.logprobs import token_logprobs
 from rlstream.trainer.losses import (aggregate, kl_estimate, loglinear_prox_logp, m2po_mask, positive_nll,
@@ -129,9 +129,9 @@ class PPOActor:
         """The reference model takes the policy's current weights (cosmos-rl reference_reset_interval), and the
         optimizer forgets its moments when reset_optimizer_with_reference says so."""
         ref_state = self.ref.state_dict()
-        live = {name: value.full_tensor() if hasattr(value, "full_tensor") else value
-                for name, value in self.module.state_dict().items()}
-        for name, value in hf_state_dict(self.module, live).items():  # stacked experts under their HF names
+        live = ((name, value.full_tensor() if hasattr(value, "full_tensor") else value)  # one gathered at a time
+                for name, value in self.module.state_dict().items())
+        for name, value in hf_named(self.module, live):  # stacked experts under their HF names
             ref_state[name].copy_(value)
         if self.a.reset_optimizer_with_reference:
             clear_optimizer_state(self.optimizer)

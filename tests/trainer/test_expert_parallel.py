@@ -53,8 +53,9 @@ def test_divided_experts_compute_the_whole_model(dispatcher, tiny_moe_path, tmp_
     ("ddp", None, ["actor.mb_spec.n_mbs=9"]),
     # whole decoder layers recomputed in backward: their token exchanges run again, in step on both ranks
     ("ddp", "alltoall", ["actor.gradient_checkpointing=true"]),
-    # FSDP2 over everything but the experts, and each sparse block (with its exchanges) recomputed in backward
-    ("fsdp", "allgather", ["actor.moe_layer_recompute=true"])])
+    # FSDP2 over everything but the experts, each sparse block (with its exchanges) recomputed in backward, and a KL
+    # reference (whole on each rank) that takes the divided policy's weights after each step
+    ("fsdp", "allgather", ["actor.moe_layer_recompute=true", "actor.kl_ctl=0.1", "actor.reference_reset_interval=1"])])
 def test_expert_parallel_ranks_match_one_process_across_a_resume(wrap, dispatcher, extra, tmp_path, redis_url, rclient,
                                                                  experiment, tiny_moe_path):
     """Two expert-parallel ranks train one step with a clipping norm that binds (taken over divided and whole
@@ -85,7 +86,7 @@ def test_expert_parallel_ranks_match_one_process_across_a_resume(wrap, dispatche
         == (dispatcher is not None)
     assert ("moe layer recompute: 2 sparse blocks run again in backward" in logs) == \
         ("actor.moe_layer_recompute=true" in extra)
-    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_moe_path, *clip)))
+    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_moe_path, *clip, *extra)))
 
     base = load_file(str(Path(tiny_moe_path) / "model.safetensors"))
     w_one = load_file(str(tmp_path / "runs" / one / "trial0" / "checkpoints" / "final" / "model.safetensors"))
