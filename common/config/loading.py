@@ -291,7 +291,8 @@ def _check_split(cfg: "Config") -> None:
             "actor.mb_spec.packing=false": not a.mb_spec.packing},
         ("actor.expert_parallel", a.expert_parallel, "ranks dividing the experts"): {
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.context_parallel": a.context_parallel > 1,
-            "actor.backend=megatron": a.backend == "megatron"},
+            "actor.backend=megatron": a.backend == "megatron",
+            "actor.optimizer.offload (its host masters are whole tensors)": a.optimizer.offload},
     }
     procs = cfg.launcher.n_trainer_procs
     for (key, n, peers), own in splits.items():

@@ -165,6 +165,7 @@ def test_moe_layer_recompute_keeps_no_block_activations_and_the_same_gradients(t
     (["actor.lora.rank=4"], "actor.lora"),
     (["actor.backend=megatron"], "actor.backend=megatron"),
     (["launcher.n_trainer_procs=4"], "must equal launcher.n_trainer_procs=4"),
+    (["actor.optimizer.offload=true"], "actor.optimizer.offload"),
 ])
 def test_what_expert_parallel_does_not_go_with_is_named(extra, named):
     with pytest.raises(ConfigError) as err:
