@@ -101,20 +101,12 @@ def markdown(r: dict) -> str:
     t, b, g = r["tok_s"], r["linear_bytes"], r["gap_fp8"]
     return "\n".join([
         SECTION,
-        f"What: `benchmarks/quantized_rollouts.py`, {r['model']} on the local engine (fp32 serving dtype, 1 torch thread), "
-        f"{r['requests']} requests x {r['new_tokens']} new tokens at concurrency {r['concurrency']}, T = 1, best of the "
-        "alternated rounds; the gap is the fp8 engine's reported logprob minus the full-precision model's "
-        "recomputation of the same sampled tokens.",
-        "",
-        "| serving | decode tok/s | decoder linear weights | logprob gap to full precision per token: mean; mean abs; p99 abs |",
-        "|---|---:|---:|---|",
-        f"| full precision (fp32) | {t['none']:.1f} | {b['none'] / 2**20:.0f} MiB | max abs {r['gap_none_max_abs']:.1e} |",
-        f"| fp8 (W8A8, emulated) | {t['fp8']:.1f} ({t['fp8'] / t['none']:.2f}x) | {b['fp8'] / 2**20:.0f} MiB "
-        f"({b['none'] / b['fp8']:.1f}x less) | {g['mean']:+.4f}; {g['mean_abs']:.4f}; {g['p99_abs']:.4f} "
-        f"({g['tokens']} tokens) |",
-        "",
-        "CPU has no float8 GEMM: the fp8 operands are cast back for each matmul, so this measures the quantized "
-        "policy's numerics and memory, not fp8's speed (on GPUs vLLM/SGLang run real fp8 kernels).",
+        f"`quantized_rollouts.py`: {r['model']}, fp32 serving, 1 thread, {r['requests']} x {r['new_tokens']} tokens at "
+        f"c = {r['concurrency']}, T = 1: fp8 (W8A8, emulated: no float8 GEMM on CPU) decodes {t['fp8']:.1f} tok/s vs "
+        f"{t['none']:.1f} ({t['fp8'] / t['none']:.2f}x),",
+        f"decoder linear weights {b['fp8'] / 2**20:.0f} MiB vs {b['none'] / 2**20:.0f} MiB ({b['none'] / b['fp8']:.1f}x "
+        f"less); its logprobs sit {g['mean_abs']:.3f} nats/token (mean abs; mean {g['mean']:+.3f}, p99 "
+        f"{g['p99_abs']:.2f}, {g['tokens']} tokens) from the full-precision policy's.",
     ])
 
 

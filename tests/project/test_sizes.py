@@ -33,6 +33,7 @@ def test_no_function_over_a_screen_and_no_module_over_600_lines():
 
 def test_benchmarks_readme_is_a_short_reference():
     lines = (ROOT / "benchmarks" / "README.md").read_text().splitlines()
-    assert len(lines) <= 300, f"benchmarks/README.md has {len(lines)} lines (at most 300: history lives in git)"
+    # ~30 benchmarks of a heading, a what-line, a table and a rerun line each
+    assert len(lines) <= 320, f"benchmarks/README.md has {len(lines)} lines (at most 320: history lives in git)"
     wide = [f"line {i}: {len(line)} characters" for i, line in enumerate(lines, 1) if len(line) > 200]
     assert not wide, "benchmarks/README.md lines over 200 characters:\n" + "\n".join(wide)
