@@ -38,9 +38,9 @@ class Parallel:
     mode: str = "ddp"  # ddp | fsdp (only meaningful when world_size > 1)
     tp: int = 1  # tensor-parallel ranks per data-parallel rank
     cp: int = 1  # context-parallel (sequence-splitting) ranks per data-parallel rank
-    ep: int = 1  # expert-parallel ranks (every rank when > 1; each a data-parallel rank too)
+    ep: int = 1  # ranks dividing each layer's experts (a divisor of the world; each a data-parallel rank too)
     moe_token_dispatcher: str = "alltoall"
-    mesh: Any = None  # the ("dp", "tp") or ("dp", "cp") DeviceMesh when tp or cp > 1, ("ep",) when ep > 1
+    mesh: Any = None  # the ("dp", "tp") or ("dp", "cp") DeviceMesh when tp or cp > 1, ("edp", "ep") when ep > 1
 
     @property
     def distributed(self) -> bool:
@@ -131,8 +131,8 @@ class Parallel:
 
             n = install_expert_parallel(model, self.mesh["ep"], self.moe_token_dispatcher)
             if self.is_main:
-                log.info("expert parallel: the experts of %d layers divided over %d ranks (%s dispatcher)",
-                         n, self.ep, self.moe_token_dispatcher)
+                log.info("expert parallel: the experts of %d layers divided over %d ranks (%s dispatcher), %d "
+                         "replica(s) of them", n, self.ep, self.moe_token_dispatcher, self.world_size // self.ep)
 
     def _fully_shard(self, model: torch.nn.Module, units: list[torch.nn.Module], reduce_dtype: str,
                      fsdp: FSDPConfig) -> torch.nn.Module:
@@ -190,6 +190,20 @@ class Parallel:
         else:
             with model.no_sync():
                 yield
+
+    def reduce_expert_grads(self, model: torch.nn.Module) -> None:
+        """Average the divided experts' gradients over the ranks holding the same experts (after the last backward
+        of a minibatch): each holds its group's sum scaled by 1/ep, so together 1/world of every rank's tokens, the
+        average DDP / FSDP2 give the other parameters. Nothing to do when one group divides every rank."""
+        replicas = self.world_size // self.ep
+        if self.ep <= 1 or replicas == 1:
+            return
+        group, experts = self.mesh["edp"].get_group(), _expert_param_names(model)
+        for name, p in model.named_parameters():
+            if p.grad is not None and name in experts:
+                local = p.grad._local_tensor
+                dist.all_reduce(local, group=group)
+                local.div_(replicas)
 
     # ---- collectives ----------------------------------------------------------------
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
@@ -293,14 +307,14 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         if world % n:
             raise ConfigError(f"{key}={n} must divide the {world} trainer ranks "
                               "(launcher.n_trainer_procs, or torchrun's --nproc_per_node x nodes)")
-    if ep > 1 and ep != world:
-        raise ConfigError(f"actor.expert_parallel={ep} must equal the {world} trainer ranks (the experts are divided "
-                          "over every rank: launcher.n_trainer_procs, or torchrun's --nproc_per_node x nodes)")
+    if ep > 1 and world % ep:
+        raise ConfigError(f"actor.expert_parallel={ep} must divide the {world} trainer ranks (launcher.n_trainer_procs, "
+                          "or torchrun's --nproc_per_node x nodes)")
     mesh = None
-    if ep > 1:
+    if ep > 1:  # consecutive ranks divide the experts; ranks of the same place in each group hold the same ones
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("ep",))
+        mesh = init_device_mesh(dev.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
     if tp > 1 or cp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 

@@ -70,4 +70,5 @@ class MicroBatches:
                 loss = micro_loss([mb_seqs[i] for i in local])
                 (loss * scale).backward()
         with span("trainer/optimizer"):
+            self.par.reduce_expert_grads(model)
             return clip_and_step(optimizer, list(model.parameters()), max_norm)

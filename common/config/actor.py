@@ -233,11 +233,12 @@ class ActorConfig(Section):
     megatron backend or images."""
     expert_parallel: PositiveInt = 1
     """Expert parallelism in the hf backend (cosmos-rl ep_size, megatron/ROLL expert_model_parallel_size): each
-    mixture-of-experts layer's experts divided over this many ranks, which must be every trainer rank; each rank holds
-    and computes its share (Qwen2-MoE, Qwen3-MoE and Mixtral sparse blocks), routes its own tokens with the model's
-    router and exchanges the routed rows with the experts' ranks (moe_token_dispatcher). Routers, attention, shared
-    experts and embeddings stay whole on every rank (DDP/FSDP2 average them); pushes, checkpoints and exports gather
-    the experts back under their HF names. Must divide the model's experts per layer; not with tensor_parallel,
+    mixture-of-experts layer's experts divided over groups of this many consecutive trainer ranks (a divisor of the
+    ranks; the groups hold the same experts and average their gradients); each rank holds and computes its share
+    (Qwen2-MoE, Qwen3-MoE and Mixtral sparse blocks), routes its own tokens with the model's router and exchanges the
+    routed rows with the experts' ranks of its group (moe_token_dispatcher). Every rank is a data-parallel rank.
+    Routers, attention, shared experts and embeddings stay whole on every rank (DDP/FSDP2 average them); pushes,
+    checkpoints and exports gather the experts back under their HF names. Must divide the model's experts per layer; not with tensor_parallel,
     context_parallel, LoRA, compile, a critic, optimizer offload or the megatron backend."""
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """How tokens reach experts on other ranks under expert_parallel (megatron-core moe_token_dispatcher_type):

@@ -301,9 +301,9 @@ def _check_split(cfg: "Config") -> None:
         clash = [name for name, on in (own | common).items() if on]
         if clash:
             raise ConfigError(f"{key}={n} does not go with {', '.join(clash)}")
-        if key == "actor.expert_parallel" and procs > 1 and procs != n:
-            raise ConfigError(f"{key}={n} must equal launcher.n_trainer_procs={procs} (the experts are divided over "
-                              "every trainer rank)")
+        if key == "actor.expert_parallel" and procs > 1 and procs % n:
+            raise ConfigError(f"{key}={n} must divide launcher.n_trainer_procs={procs} (each group of {n} consecutive "
+                              "ranks divides the experts)")
         if procs > 1 and procs % n:  # (1: started by hand under torchrun, checked against WORLD_SIZE at start)
             raise ConfigError(f"{key}={n} must divide launcher.n_trainer_procs={procs} (each data-parallel rank is a "
                               f"group of {n} {peers})")

@@ -27,8 +27,8 @@ def tiny_moe_path(tmp_path_factory):
     return build_tiny_moe_model(tmp_path_factory.mktemp("tiny-moe") / "model")
 
 
-def _torchrun(*args: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *args]
+def _torchrun(*args: str, nproc: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
 
 
 @pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
@@ -47,18 +47,20 @@ def test_divided_experts_compute_the_whole_model(dispatcher, tiny_moe_path, tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("wrap,dispatcher,extra", [
+@pytest.mark.parametrize("wrap,dispatcher,nproc,extra", [
     # every rank holding every expert: DDP must not wait for experts that a rank's tokens did not pick (each rank's
     # last micro-batch is the one-token pass of an empty bin: 8 sequences in 9 micro-batches)
-    ("ddp", None, ["actor.mb_spec.n_mbs=9"]),
+    ("ddp", None, 2, ["actor.mb_spec.n_mbs=9"]),
     # whole decoder layers recomputed in backward: their token exchanges run again, in step on both ranks
-    ("ddp", "alltoall", ["actor.gradient_checkpointing=true"]),
+    ("ddp", "alltoall", 2, ["actor.gradient_checkpointing=true"]),
     # FSDP2 over everything but the experts, each sparse block (with its exchanges) recomputed in backward, and a KL
     # reference (whole on each rank) that takes the divided policy's weights after each step
-    ("fsdp", "allgather", ["actor.moe_layer_recompute=true", "actor.kl_ctl=0.1", "actor.reference_reset_interval=1"])])
-def test_expert_parallel_ranks_match_one_process_across_a_resume(wrap, dispatcher, extra, tmp_path, redis_url, rclient,
-                                                                 experiment, tiny_moe_path):
-    """Two expert-parallel ranks train one step with a clipping norm that binds (taken over divided and whole
+    ("fsdp", "allgather", 2, ["actor.moe_layer_recompute=true", "actor.kl_ctl=0.1", "actor.reference_reset_interval=1"]),
+    # 4 ranks: two groups of 2 divide the experts alike and average their gradients
+    ("ddp", "alltoall", 4, [])])
+def test_expert_parallel_ranks_match_one_process_across_a_resume(wrap, dispatcher, nproc, extra, tmp_path, redis_url,
+                                                                 rclient, experiment, tiny_moe_path):
+    """Expert-parallel ranks train one step with a clipping norm that binds (taken over divided and whole
     parameters), save a recover checkpoint, resume from it and train a second: the HF export equals one process's
     two steps, every expert under its own name."""
     from transformers import AutoModelForCausalLM
@@ -77,13 +79,13 @@ def test_expert_parallel_ranks_match_one_process_across_a_resume(wrap, dispatche
     for steps in (1, 2):
         cmd = _torchrun("-m", "rlstream.launcher.cli", "train",
                         *_overrides(tmp_path, redis_url, ep, tiny_moe_path, *split, "recover.mode=auto",
-                                    f"total_train_steps={steps}"))
+                                    f"total_train_steps={steps}"), nproc=nproc)
         proc = subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         logs += proc.stdout + proc.stderr
     assert "resumed from" in logs and "1 steps done, version 1" in logs, logs[-3000:]
-    assert (f"expert parallel: the experts of 2 layers divided over 2 ranks ({dispatcher} dispatcher)" in logs) \
-        == (dispatcher is not None)
+    line = f"expert parallel: the experts of 2 layers divided over 2 ranks ({dispatcher} dispatcher), {nproc // 2} "
+    assert (line in logs) == (dispatcher is not None), logs[-3000:]
     assert ("moe layer recompute: 2 sparse blocks run again in backward" in logs) == \
         ("actor.moe_layer_recompute=true" in extra)
     train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_moe_path, *clip, *extra)))
@@ -164,7 +166,7 @@ def test_moe_layer_recompute_keeps_no_block_activations_and_the_same_gradients(t
     (["actor.context_parallel=2"], "actor.context_parallel"),
     (["actor.lora.rank=4"], "actor.lora"),
     (["actor.backend=megatron"], "actor.backend=megatron"),
-    (["launcher.n_trainer_procs=4"], "must equal launcher.n_trainer_procs=4"),
+    (["launcher.n_trainer_procs=3"], "must divide launcher.n_trainer_procs=3"),
     (["actor.optimizer.offload=true"], "actor.optimizer.offload"),
 ])
 def test_what_expert_parallel_does_not_go_with_is_named(extra, named):

@@ -100,8 +100,10 @@ def test_fp8_training_imports_as_torchao_recipes():
 def test_expert_parallel_and_quantized_rollouts_import():
     ep = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"ep_size": 4, "dp_shard_size": 4}}}).config)
     assert (ep.actor.expert_parallel, ep.launcher.n_trainer_procs) == (4, 4)
-    with pytest.raises(ConfigError, match="actor.expert_parallel=2 must equal launcher.n_trainer_procs=4"):
-        load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"ep_size": 2, "dp_shard_size": 4}}}).config)
+    two = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"ep_size": 2, "dp_shard_size": 4}}}).config)
+    assert (two.actor.expert_parallel, two.launcher.n_trainer_procs) == (2, 4)  # two groups hold the same experts
+    with pytest.raises(ConfigError, match="actor.expert_parallel=3 must divide launcher.n_trainer_procs=4"):
+        load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"ep_size": 3, "dp_shard_size": 4}}}).config)
     q = load_config_dict(import_data("cosmos", {"rollout": {"quantization": "fp8", "backend": "vllm"}}).config)
     assert q.server.quantization == "fp8" and q.launcher.engine.args[-2:] == ["--quantization", "fp8"]
     off = import_data("cosmos", {"rollout": {"quantization": "none"}})
