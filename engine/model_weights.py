@@ -10,8 +10,8 @@ from __future__ import annotations
 import glob
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,9 +31,8 @@ class ModelWeights:
         # quantized into its layer; they are not in `named`, which holds tensors served as they are pushed
         self.quantized = quantized or {}
         for name in self.quantized:
-            prefix = name.removesuffix("weight")
-            for key in [k for k in self.named if k.startswith(prefix) and k[len(prefix):] in ("qweight", "scale")]:
-                del self.named[key]
+            for buffer in ("qweight", "scale"):
+                del self.named[name.removesuffix("weight") + buffer]
         self._merger: AdapterMerger | None = None  # made at the first LoRA push
 
     def merger(self) -> AdapterMerger:

@@ -36,11 +36,15 @@ def _scale(t: torch.Tensor, per_token: bool = False) -> torch.Tensor:
     return (amax.float() / FP8_MAX).clamp(min=1e-12)
 
 
+def _to_fp8(t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (t.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
 def fake_fp8(t: torch.Tensor, per_token: bool = False) -> torch.Tensor:
     """`t` quantized to e4m3 and back in its own dtype, with one scale for the tensor or one per row (`per_token`,
     the last dimension's amax): the definition Fp8Linear follows for weights and inputs."""
     s = _scale(t, per_token)
-    return ((t.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s).to(t.dtype)
+    return (_to_fp8(t, s).float() * s).to(t.dtype)
 
 
 class Fp8Linear(torch.nn.Module):
@@ -64,7 +68,7 @@ class Fp8Linear(torch.nn.Module):
         """Quantize a full-precision weight (a push, a disk load) into this layer."""
         w = weight.to(self.qweight.device)
         self.scale.copy_(_scale(w))
-        self.qweight.copy_((w.float() / self.scale).clamp(-FP8_MAX, FP8_MAX).to(FP8))
+        self.qweight.copy_(_to_fp8(w, self.scale))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = (self.qweight.to(torch.float32) * self.scale).to(x.dtype)

@@ -1,9 +1,10 @@
-"""Expert parallelism for the hf backend: each mixture-of-experts layer's experts divided over the trainer ranks.
+"""Expert parallelism for the hf backend: each mixture-of-experts layer's experts divided over groups of ranks.
 
-With actor.expert_parallel = E (every trainer rank, E of them), rank r holds experts [r·n/E, (r+1)·n/E) of each
-sparse layer, stacked into three tensors (gate, up, down) that are DTensors sharded on their first dimension over
-the ranks, so pushes, checkpoints and the clipping norm gather them as they gather FSDP2's shards. Routers,
-attention, norms, shared experts and embeddings stay whole on every rank and are averaged by DDP / FSDP2 as before.
+With actor.expert_parallel = E, the trainer ranks form groups of E consecutive ranks; rank r of a group holds
+experts [r·n/E, (r+1)·n/E) of each sparse layer, stacked into three tensors (gate, up, down) that are DTensors sharded
+on their first dimension over the group, so pushes, checkpoints and the clipping norm gather them as they gather
+FSDP2's shards. Routers, attention, norms, shared experts and embeddings stay whole on every rank and are averaged by
+DDP / FSDP2 as before.
 
 Each rank routes its own tokens (the model's router and top-k, as the HF block computes them), then moves them to
 the experts' ranks by one of megatron-core's two token dispatchers (actor.moe_token_dispatcher):
@@ -15,7 +16,8 @@ the experts' ranks by one of megatron-core's two token dispatchers (actor.moe_to
   the reduce-scatter is an all-to-all and a sum, gloo having no reduce-scatter).
 
 Backward runs the same exchanges in reverse (autograd through `_AllToAll`), so an expert's gradient sums the
-contributions of every rank's tokens; divided by the rank count it is the average DDP gives every other parameter.
+contributions of its group's tokens, scaled by 1/E; the groups' gradients averaged (Parallel.reduce_expert_grads) it
+is the average DDP gives every other parameter.
 Every rank runs the same number of forward passes (empty micro-batches run a one-token pass, trainer/update.py),
 so the exchanges stay in step.
 """
@@ -30,12 +32,13 @@ import torch.nn.functional as F
 
 from rlstream.common.config import ConfigError
 
-__all__ = ["DISPATCHERS", "ExpertParallelMoE", "StackedExperts", "install_expert_parallel", "moe_blocks", "hf_named", "hf_state_dict",
-           "recompute_moe_blocks"]
+__all__ = ["DISPATCHERS", "ExpertParallelMoE", "StackedExperts", "install_expert_parallel", "moe_blocks", "stacked_experts",
+           "hf_named", "hf_state_dict", "recompute_moe_blocks"]
 
 DISPATCHERS = ("alltoall", "allgather")
 # expert MLP leaf names (gate, up, down) of the HF families whose sparse blocks route alike
 _LEAVES = {("gate_proj", "up_proj", "down_proj"): "qwen", ("w1", "w3", "w2"): "mixtral"}
+STACKED = ("gate_proj", "up_proj", "down_proj")  # StackedExperts' parameters
 
 
 class _AllToAll(torch.autograd.Function):
@@ -85,7 +88,7 @@ class StackedExperts(torch.nn.Module):
         first = experts[0]
         self.act_fn = first.act_fn
         self.hf_leaves = leaves
-        for attr, leaf in zip(("gate_proj", "up_proj", "down_proj"), leaves):
+        for attr, leaf in zip(STACKED, leaves):
             full = torch.stack([getattr(e, leaf).weight.detach() for e in experts])
             param = torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]),
                                        requires_grad=getattr(first, leaf).weight.requires_grad)
@@ -94,7 +97,7 @@ class StackedExperts(torch.nn.Module):
 
     def hf_names(self, attr: str) -> list[str]:
         """The HF names of the slices of `attr` (one per expert, all ranks' experts)."""
-        leaf = self.hf_leaves[("gate_proj", "up_proj", "down_proj").index(attr)]
+        leaf = self.hf_leaves[STACKED.index(attr)]
         return [f"{i}.{leaf}.weight" for i in range(self.n_experts)]
 
     def forward(self, x: torch.Tensor, local_ids: torch.Tensor, grad_scale: float) -> torch.Tensor:
@@ -233,16 +236,19 @@ def recompute_moe_blocks(model: torch.nn.Module) -> int:
     return len(blocks)
 
 
+def stacked_experts(model: torch.nn.Module) -> dict[str, tuple[str, list[str]]]:
+    """Each stacked expert parameter of `model` by its name (as `model.named_parameters()` gives it): the name of its
+    StackedExperts module and the HF name of each expert's slice under that module. Empty without expert parallelism."""
+    return {f"{name}.{attr}": (name, mod.hf_names(attr)) for name, mod in model.named_modules()
+            if isinstance(mod, StackedExperts) for attr in STACKED}
+
+
 def hf_named(model: torch.nn.Module, items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) pairs of `model`'s state dict under HF names: each stacked expert tensor split back into
     one tensor per expert (`mlp.experts.3.gate_proj.weight`, copies: slices of one storage would read as tied weights
     to save_pretrained and safetensors); other pairs unchanged. Lazy, so a caller can gather one tensor at a time."""
-    stacked = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, StackedExperts):
-            prefix = name.removeprefix("module.")
-            for attr in ("gate_proj", "up_proj", "down_proj"):
-                stacked[f"{prefix}.{attr}"] = (prefix, mod.hf_names(attr))
+    stacked = {key.removeprefix("module."): (prefix.removeprefix("module."), names)  # state-dict keys: unwrapped
+               for key, (prefix, names) in stacked_experts(model).items()}
     for key, value in items:
         if key in stacked:
             prefix, names = stacked[key]

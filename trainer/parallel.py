@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from rlstream.common.config import ConfigError, FSDPConfig
 from rlstream.common.logging import get_logger
+from rlstream.trainer.expert_parallel import install_expert_parallel, moe_blocks, stacked_experts
 
 log = get_logger(__name__)
 
@@ -95,9 +96,9 @@ class Parallel:
             return self._fully_shard(model, units, reduce_dtype, fsdp)
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        experts = _expert_param_names(model)
+        experts = stacked_experts(model)
         if experts:  # each rank's own experts: their gradients are exact already (trainer/expert_parallel.py)
-            DDP._set_params_and_buffers_to_ignore_for_model(model, experts)
+            DDP._set_params_and_buffers_to_ignore_for_model(model, list(experts))
 
         # Buffers (rotary frequencies) never change: skipping their broadcast keeps a
         # forward pass free of collectives.
@@ -127,8 +128,6 @@ class Parallel:
                 log.info("context parallel (Ulysses): each sequence split over %d ranks, %d data-parallel rank(s)",
                          self.cp, self.dp_size)
         if self.ep > 1:
-            from rlstream.trainer.expert_parallel import install_expert_parallel
-
             n = install_expert_parallel(model, self.mesh["ep"], self.moe_token_dispatcher)
             if self.is_main:
                 log.info("expert parallel: the experts of %d layers divided over %d ranks (%s dispatcher), %d "
@@ -144,7 +143,8 @@ class Parallel:
         # FSDP2's CPU offload copies host shards to the accelerator per unit: a CPU trainer's are on the host.
         offload = CPUOffloadPolicy() if fsdp.offload_params and self.device.type == "cuda" else OffloadPolicy()
         kinds = sorted({type(u).__name__ for u in units})  # before fully_shard renames them FSDP<name>
-        experts = {p for n, p in model.named_parameters() if n in _expert_param_names(model)} or None
+        stacked = stacked_experts(model)
+        experts = {p for n, p in model.named_parameters() if n in stacked} or None
         for unit in units:  # inner units first, then the whole model: the FSDP2 recipe for HF LMs
             fully_shard(unit, mesh=mesh, mp_policy=mp, offload_policy=offload, ignored_params=experts)
         if self.is_main:
@@ -198,7 +198,7 @@ class Parallel:
         replicas = self.world_size // self.ep
         if self.ep <= 1 or replicas == 1:
             return
-        group, experts = self.mesh["edp"].get_group(), _expert_param_names(model)
+        group, experts = self.mesh["edp"].get_group(), stacked_experts(model)
         for name, p in model.named_parameters():
             if p.grad is not None and name in experts:
                 local = p.grad._local_tensor
@@ -284,8 +284,8 @@ def _compressed_allreduce(dtype, bucket):  # no annotations: DDP checks them, an
 
 def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0, tp: int = 1,
                   cp: int = 1, ep: int = 1, moe_token_dispatcher: str = "alltoall") -> Parallel:
-    """Join the default process group when launched by torchrun; pick the device; the (dp, tp), (dp, cp) or (ep,)
-    mesh."""
+    """Join the default process group when launched by torchrun; pick the device; the (dp, tp), (dp, cp) or
+    (edp, ep) mesh."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -303,13 +303,10 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    for key, n in (("actor.fsdp.tensor_parallel", tp), ("actor.context_parallel", cp)):
+    for key, n in (("actor.fsdp.tensor_parallel", tp), ("actor.context_parallel", cp), ("actor.expert_parallel", ep)):
         if world % n:
             raise ConfigError(f"{key}={n} must divide the {world} trainer ranks "
                               "(launcher.n_trainer_procs, or torchrun's --nproc_per_node x nodes)")
-    if ep > 1 and world % ep:
-        raise ConfigError(f"actor.expert_parallel={ep} must divide the {world} trainer ranks (launcher.n_trainer_procs, "
-                          "or torchrun's --nproc_per_node x nodes)")
     mesh = None
     if ep > 1:  # consecutive ranks divide the experts; ranks of the same place in each group hold the same ones
         from torch.distributed.device_mesh import init_device_mesh
@@ -335,21 +332,6 @@ def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp"
         raise ConfigError(f"{key}.wrap_policy.transformer_layer_cls_to_wrap={named}: no submodule of the model is "
                           f"of these classes; its classes: {', '.join(present)}")
     return units
-
-
-def moe_blocks(model: torch.nn.Module) -> list:
-    """The HF sparse blocks of `model` that hold every expert (none under expert parallelism)."""
-    from rlstream.trainer.expert_parallel import moe_blocks as blocks
-
-    return blocks(model)
-
-
-def _expert_param_names(model: torch.nn.Module) -> set[str]:
-    """Names of the stacked expert parameters expert parallelism divides (none without it)."""
-    from rlstream.trainer.expert_parallel import StackedExperts
-
-    return {f"{name}.{p}" for name, mod in model.named_modules() if isinstance(mod, StackedExperts)
-            for p, _ in mod.named_parameters(recurse=False)}
 
 
 def _destroy_megatron_state() -> None:

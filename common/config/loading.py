@@ -276,37 +276,35 @@ def _check_optimizers(cfg: "Config") -> None:
 
 def _check_split(cfg: "Config") -> None:
     """actor.fsdp.tensor_parallel / context_parallel / expert_parallel > 1 (the hf backend's 2-D FSDP2 + TP recipe,
-    Ulysses over packed rows, experts over every rank), each without what it does not split, in groups that divide
-    the trainer ranks."""
+    Ulysses over packed rows, experts over groups of ranks), each without what it does not split, in groups that
+    divide the trainer ranks."""
     a = cfg.actor
     common = {"actor.lora": a.lora is not None, "actor.fsdp.shard_size": a.fsdp.shard_size is not None,
               "actor.compile=true": a.compile, "a critic section": cfg.critic is not None}
     splits = {
-        ("actor.fsdp.tensor_parallel", a.fsdp.tensor_parallel, "tensor-parallel ranks"): {
+        ("actor.fsdp.tensor_parallel", a.fsdp.tensor_parallel, "each data-parallel rank is a group of {n} tensor-parallel "
+                                                               "ranks"): {
             "actor.backend=megatron (its own actor.megatron.tensor_parallel)": a.backend == "megatron",
             "actor.parallel=ddp (tensor parallelism is FSDP2's 2-D recipe: set actor.parallel=fsdp)":
                 a.parallel != "fsdp"},
-        ("actor.context_parallel", a.context_parallel, "ranks splitting its sequences"): {
+        ("actor.context_parallel", a.context_parallel, "each data-parallel rank is a group of {n} ranks splitting its "
+                                                       "sequences"): {
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.backend=megatron": a.backend == "megatron",
             "actor.mb_spec.packing=false": not a.mb_spec.packing},
-        ("actor.expert_parallel", a.expert_parallel, "ranks dividing the experts"): {
+        ("actor.expert_parallel", a.expert_parallel, "each group of {n} consecutive ranks divides the experts"): {
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.context_parallel": a.context_parallel > 1,
             "actor.backend=megatron": a.backend == "megatron",
             "actor.optimizer.offload (its host masters are whole tensors)": a.optimizer.offload},
     }
     procs = cfg.launcher.n_trainer_procs
-    for (key, n, peers), own in splits.items():
+    for (key, n, groups), own in splits.items():
         if n == 1:
             continue
         clash = [name for name, on in (own | common).items() if on]
         if clash:
             raise ConfigError(f"{key}={n} does not go with {', '.join(clash)}")
-        if key == "actor.expert_parallel" and procs > 1 and procs % n:
-            raise ConfigError(f"{key}={n} must divide launcher.n_trainer_procs={procs} (each group of {n} consecutive "
-                              "ranks divides the experts)")
         if procs > 1 and procs % n:  # (1: started by hand under torchrun, checked against WORLD_SIZE at start)
-            raise ConfigError(f"{key}={n} must divide launcher.n_trainer_procs={procs} (each data-parallel rank is a "
-                              f"group of {n} {peers})")
+            raise ConfigError(f"{key}={n} must divide launcher.n_trainer_procs={procs} ({groups.format(n=n)})")
 
 
 def _check_fp8(cfg: "Config") -> None:

@@ -107,27 +107,12 @@ def test_a_push_from_expert_parallel_ranks_serves_every_expert(tiny_moe_path, re
     name, and the local engine serving the MoE model then answers with the pushed weights exactly."""
     from transformers import AutoModelForCausalLM
 
-    from tests.helpers import free_port
-    from tests.trainer.test_weights import FSDP_TRAINER, EngineProc, assert_serves, perturbed, served_version
+    from tests.trainer.test_weights import EngineProc, check_two_rank_push
 
     base = AutoModelForCausalLM.from_pretrained(tiny_moe_path, dtype=torch.float32).eval()
     engine = EngineProc(tiny_moe_path, tmp_path / "engine", ["server.register=false"]).wait_ready()
     try:
-        script = tmp_path / "ep_trainer.py"
-        script.write_text(FSDP_TRAINER)
-        overrides = [f"actor.path={tiny_moe_path}", f"redis.url={redis_url}", f"experiment_name={experiment}",
-                     "actor.weight_update_mode=distributed", "actor.weight_update_backend=gloo",
-                     "actor.weight_chunked_mem_mb=1", "actor.weight_update_timeout=60",
-                     "rollout.health_check_interval=3600", f"rollout.engine_addresses=[{engine.address}]"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-               "--master_port", str(free_port()), str(script), str(tiny_moe_path), "303", "ep", *overrides]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=ENV)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        n_bytes = sum(p.numel() * 4 for p in base.parameters())
-        assert f"pushed {n_bytes}" in out.stdout, out.stdout[-2000:]
-        assert int(rclient.get(keys.version)) == 1
-        assert served_version(engine) == 1
-        assert_serves(engine, perturbed(base, 303), base)
+        check_two_rank_push(engine, tiny_moe_path, base, "ep", redis_url, experiment, keys, rclient, tmp_path)
     finally:
         engine.stop()
 

@@ -617,23 +617,29 @@ def test_fsdp2_sharded_trainer_gathers_and_rank0_sends(split, shared_engine, bas
                                                        experiment, keys, rclient, tmp_path):
     """Two trainer ranks with FSDP2-sharded or tensor-parallel (DTensor) parameters both call push; the engine gets
     full tensors."""
-    script = tmp_path / "fsdp_trainer.py"
+    check_two_rank_push(shared_engine, model_path, base_model, split, redis_url, experiment, keys, rclient, tmp_path)
+
+
+def check_two_rank_push(engine: EngineProc, model_path: Path, base_model, split: str, redis_url: str, experiment: str,
+                        keys, rclient, tmp_path: Path) -> None:
+    """FSDP_TRAINER on two ranks (`split`: fsdp, tp or ep) pushes `base_model` perturbed (seed 303) to `engine`
+    over gloo: every parameter's bytes go, the version is published, and the engine serves exactly those weights."""
+    script = tmp_path / "two_rank_trainer.py"
     script.write_text(FSDP_TRAINER)
     overrides = [f"actor.path={model_path}", f"redis.url={redis_url}", f"experiment_name={experiment}",
                  "actor.weight_update_mode=distributed", "actor.weight_update_backend=gloo",
                  "actor.weight_chunked_mem_mb=1", "actor.weight_update_timeout=60",
-                 "rollout.health_check_interval=3600", f"rollout.engine_addresses=[{shared_engine.address}]"]
-    port = free_port()
+                 "rollout.health_check_interval=3600", f"rollout.engine_addresses=[{engine.address}]"]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(port), str(script), str(model_path), "303", split, *overrides]
+           "--master_port", str(free_port()), str(script), str(model_path), "303", split, *overrides]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     n_bytes = sum(p.numel() * 4 for p in base_model.parameters())
     assert f"pushed {n_bytes}" in out.stdout, out.stdout[-2000:]
     assert int(rclient.get(keys.version)) == 1
-    assert served_version(shared_engine) == 1
-    assert_serves(shared_engine, perturbed(base_model, 303), base_model)
+    assert served_version(engine) == 1
+    assert_serves(engine, perturbed(base_model, 303), base_model)
 
 
 def test_flattened_bucket_and_group_lifecycle(shared_engine, base_model):

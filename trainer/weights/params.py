@@ -16,6 +16,7 @@ import torch
 from rlstream.common.engine_api import ParamSpec
 from rlstream.common.weights.delta_codec import bits_checksum
 from rlstream.common.weights.dist import dtype_name
+from rlstream.trainer.expert_parallel import stacked_experts
 
 __all__ = ["WeightEntry", "weight_entries", "lora_scaling", "plan_buckets", "is_sharded", "materialize",
            "bits_checksum", "ShardSync"]
@@ -79,11 +80,11 @@ def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
         return _lora_entries(model, adapter)
     out: list[WeightEntry] = []
     seen: set[int] = set()
-    stacked = _stacked_experts(model)
+    stacked = stacked_experts(model)
     for name, p in model.named_parameters():
         seen.add(id(p))
-        if id(p) in stacked:  # one HF tensor per expert
-            prefix, names = stacked[id(p)]
+        if name in stacked:  # one HF tensor per expert
+            prefix, names = stacked[name]
             out += [WeightEntry(_clean_name(f"{prefix}.{n}"), p, list(p.shape[1:]), p.dtype, index=i)
                     for i, n in enumerate(names)]
             continue
@@ -96,14 +97,6 @@ def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
             full = f"{mod_name}.{bname}" if mod_name else bname
             out.append(WeightEntry(_clean_name(full), b, list(b.shape), b.dtype))
     return out
-
-
-def _stacked_experts(model: torch.nn.Module) -> dict[int, tuple[str, list[str]]]:
-    """id(stacked expert parameter) -> (its module's name, the HF name of each expert's slice)."""
-    from rlstream.trainer.expert_parallel import StackedExperts
-
-    return {id(getattr(mod, attr)): (name, mod.hf_names(attr)) for name, mod in model.named_modules()
-            if isinstance(mod, StackedExperts) for attr in ("gate_proj", "up_proj", "down_proj")}
 
 
 def _lora_entries(model: torch.nn.Module, adapter: str) -> list[WeightEntry]:
