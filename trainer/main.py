@@ -162,7 +162,7 @@ def train(cfg: Config) -> None:
     cfg = resolve_model_paths(cfg)  # prepared model names and cached hub ids -> folders (before any rank work)
     par = init_parallel(cfg.actor.device, cfg.actor.parallel, tp=cfg.actor.fsdp.tensor_parallel,
                         cp=cfg.actor.context_parallel, ep=cfg.actor.expert_parallel,
-                        moe_token_dispatcher=cfg.actor.moe_token_dispatcher)
+                        moe_token_dispatcher=cfg.actor.moe_token_dispatcher, sp=cfg.actor.fsdp.sequence_parallel)
     configure(cfg, "trainer", f"rank{par.rank}" if par.world_size > 1 else None)
     ok = False
     try:

@@ -38,6 +38,7 @@ class Parallel:
     backend: str = "none"
     mode: str = "ddp"  # ddp | fsdp (only meaningful when world_size > 1)
     tp: int = 1  # tensor-parallel ranks per data-parallel rank
+    sp: bool = False  # sequence parallelism: the tensor-parallel ranks split the positions between their blocks
     cp: int = 1  # context-parallel (sequence-splitting) ranks per data-parallel rank
     ep: int = 1  # ranks dividing each layer's experts (a divisor of the world; each a data-parallel rank too)
     moe_token_dispatcher: str = "alltoall"
@@ -116,10 +117,11 @@ class Parallel:
         if self.tp > 1:
             from rlstream.trainer.tensor_parallel import parallelize_layers
 
-            n = parallelize_layers(model, fsdp_units(model, FSDPConfig()), self.mesh["tp"])
+            n = parallelize_layers(model, fsdp_units(model, FSDPConfig()), self.mesh["tp"], self.sp)
             if self.is_main:
-                log.info("tensor parallel: %d projections split over %d ranks, %d data-parallel rank(s)",
-                         n, self.tp, self.dp_size)
+                log.info("tensor parallel: %d projections split over %d ranks%s, %d data-parallel rank(s)",
+                         n, self.tp, " (and the positions between them: sequence parallel)" if self.sp else "",
+                         self.dp_size)
         if self.cp > 1:
             from rlstream.trainer.context_parallel import install_ulysses
 
@@ -205,6 +207,19 @@ class Parallel:
                 dist.all_reduce(local, group=group)
                 local.div_(replicas)
 
+    def replicate_partial_grads(self, model: torch.nn.Module) -> None:
+        """Sum the tensor-parallel ranks' partial gradients of parameters every one of them holds whole (norms that
+        run on a rank's heads or, with sequence parallelism, on its positions), so clipping and the optimizer read
+        the whole one. FSDP2 does this itself when it reduces; without it (one data-parallel rank) it is here."""
+        if self.tp == 1 or self.syncs_gradients:
+            return
+        from torch.distributed.tensor import Replicate
+
+        for p in model.parameters():
+            placements = getattr(p.grad, "placements", ())
+            if any(x.is_partial() for x in placements):
+                p.grad = p.grad.redistribute(placements=[Replicate() if x.is_partial() else x for x in placements])
+
     # ---- collectives ----------------------------------------------------------------
     def _dev(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.device) if self.backend == "nccl" else t
@@ -283,7 +298,7 @@ def _compressed_allreduce(dtype, bucket):  # no annotations: DDP checks them, an
 
 
 def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0, tp: int = 1,
-                  cp: int = 1, ep: int = 1, moe_token_dispatcher: str = "alltoall") -> Parallel:
+                  cp: int = 1, ep: int = 1, moe_token_dispatcher: str = "alltoall", sp: bool = False) -> Parallel:
     """Join the default process group when launched by torchrun; pick the device; the (dp, tp), (dp, cp) or
     (edp, ep) mesh."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -318,7 +333,7 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         peers, dim = (tp, "tp") if tp > 1 else (cp, "cp")
         mesh = init_device_mesh(dev.type, (world // peers, peers), mesh_dim_names=("dp", dim))
     return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode, tp=tp,
-                    cp=cp, ep=ep, moe_token_dispatcher=moe_token_dispatcher, mesh=mesh)
+                    sp=sp, cp=cp, ep=ep, moe_token_dispatcher=moe_token_dispatcher, mesh=mesh)
 
 
 def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp") -> list[torch.nn.Module]:

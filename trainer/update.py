@@ -71,4 +71,5 @@ class MicroBatches:
                 (loss * scale).backward()
         with span("trainer/optimizer"):
             self.par.reduce_expert_grads(model)
+            self.par.replicate_partial_grads(model)
             return clip_and_step(optimizer, list(model.parameters()), max_norm)

@@ -116,6 +116,13 @@ class FSDPConfig(Section):
     RowwiseParallel on o/down; embeddings, norms and the LM head whole on each), FSDP2 sharding over the
     n_trainer_procs / tensor_parallel data-parallel ranks on top. Must divide the trainer ranks and the model's
     attention heads, key/value heads and MLP width. Not with LoRA, shard_size, compile or the critic."""
+    sequence_parallel: bool = False
+    """Sequence parallelism on top of tensor_parallel (Megatron's sequence_parallel; ROLL and RLinf
+    `sequence_parallel`): the residual stream between the split blocks is split by positions over the
+    tensor-parallel ranks, so norms and residual adds run on 1/tensor_parallel of each row and their activations take
+    that share of memory; each block's all-reduce becomes an all-gather before it and a reduce-scatter after (the
+    same traffic). Rows are padded to a multiple of tensor_parallel. Needs tensor_parallel > 1 and a decoder of the
+    Llama kind (layers, then a final norm)."""
 
 
 class LoRAConfig(Section):

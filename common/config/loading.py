@@ -296,6 +296,9 @@ def _check_split(cfg: "Config") -> None:
             "actor.backend=megatron": a.backend == "megatron",
             "actor.optimizer.offload (its host masters are whole tensors)": a.optimizer.offload},
     }
+    if a.fsdp.sequence_parallel and a.fsdp.tensor_parallel == 1:
+        raise ConfigError("actor.fsdp.sequence_parallel=true needs actor.fsdp.tensor_parallel > 1 (it splits the "
+                          "positions between the tensor-parallel blocks over those ranks)")
     procs = cfg.launcher.n_trainer_procs
     for (key, n, groups), own in splits.items():
         if n == 1:

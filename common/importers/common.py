@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.rules import Context, Convert, Drop, Table
+from rlstream.common.importers.rules import Context, Convert, Drop, Table, get
 
 __all__ = ["HYDRA", "engine_arg", "dtype_of", "dtype_of_name", "off_or_value", "unless_off", "device_count",
-           "EXPERT_PARALLEL", "TOKEN_DISPATCHER", "ROLLOUT_QUANTIZATION"]
+           "EXPERT_PARALLEL", "TOKEN_DISPATCHER", "ROLLOUT_QUANTIZATION", "TENSOR_PARALLEL", "megatron_on_hf",
+           "sequence_parallel"]
 
 # Hydra's composition keys: rlstream imports one resolved file.
 HYDRA: Table = {
@@ -81,6 +82,35 @@ def unless_off(dst: str, off: str, cast: Callable[[Any], Any] = lambda v: v,
 # megatron-core / cosmos-rl expert-parallel sizes and megatron's token dispatcher: the hf backend's own
 EXPERT_PARALLEL = unless_off("actor.expert_parallel", "{value}: every rank holds every expert", int,
                              lambda v: v in (None, 0, 1), note="experts divided over every trainer rank")
+
+
+def megatron_on_hf(tensor_parallel: Any, expert_parallel: Any = 1) -> bool:
+    """Whether a Megatron-strategy config trains in rlstream's hf backend: its megatron backend converts dense models
+    at tensor-parallel size 1; the hf backend splits layers over ranks (TP, sequence parallel) and experts (EP)."""
+    return int(tensor_parallel or 1) > 1 or int(expert_parallel or 1) > 1
+
+
+def _tensor_parallel(value: Any, ctx: Context) -> str | None:
+    if int(value or 1) == 1:
+        return f"{value}: no tensor parallelism"
+    ctx.t.put(ctx.key, "actor.fsdp.tensor_parallel", int(value))
+    return None
+
+
+TENSOR_PARALLEL = Convert(("actor.fsdp.tensor_parallel",), _tensor_parallel,
+                          "the hf backend's tensor parallelism (FSDP2 + TP); rlstream's megatron backend trains at 1")
+
+
+def sequence_parallel(tensor_parallel_key: str) -> Convert:
+    """Megatron's sequence_parallel: the hf backend's, over the tensor parallelism read at `tensor_parallel_key`."""
+    def fn(value: Any, ctx: Context) -> str | None:
+        if not value:
+            return f"{value}: activations between the split blocks whole on each tensor-parallel rank"
+        if int(get(ctx.data, tensor_parallel_key) or 1) == 1:
+            return "true at tensor_model_parallel_size 1: nothing to split over (Megatron turns it off there too)"
+        ctx.t.put(ctx.key, "actor.fsdp.sequence_parallel", True)
+        return None
+    return Convert(("actor.fsdp.sequence_parallel",), fn, "positions split between the tensor-parallel blocks")
 
 
 def _dispatcher(value: Any, ctx: Context) -> None:

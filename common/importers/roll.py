@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from rlstream.common.config import ConfigError
-from rlstream.common.importers.common import (EXPERT_PARALLEL, HYDRA, TOKEN_DISPATCHER, device_count, dtype_of,
+from rlstream.common.importers.common import (EXPERT_PARALLEL, HYDRA, TENSOR_PARALLEL, TOKEN_DISPATCHER,
+                                              megatron_on_hf, sequence_parallel, device_count, dtype_of,
                                              engine_arg, unless_off)
 from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
 
@@ -89,12 +90,20 @@ def _messages(value: Any, ctx: Context) -> str | None:
     return None
 
 
+def _on_hf(data: dict) -> bool:
+    """A megatron_train config with tensor or expert parallelism: trained by the hf backend."""
+    return (get(data, "actor_train.strategy_args.strategy_name") == "megatron_train"
+            and megatron_on_hf(get(data, f"{_STRATEGY}.tensor_model_parallel_size"),
+                               get(data, f"{_STRATEGY}.expert_model_parallel_size")))
+
+
 def _train_strategy(value: Any, ctx: Context) -> None:
-    if value == "megatron_train" and (get(ctx.data, f"{_STRATEGY}.expert_model_parallel_size") or 1) > 1:
-        ctx.t.put(ctx.key, "actor.backend", "hf")  # rlstream's megatron backend converts dense models
+    if _on_hf(ctx.data):
+        ctx.t.put(ctx.key, "actor.backend", "hf")
         ctx.t.put(ctx.key, "actor.parallel", "fsdp")
-        ctx.t.notes.append(f"{ctx.key}=megatron_train with expert_model_parallel_size > 1: the model trains in the "
-                           "hf backend (FSDP2 + expert parallelism); rlstream's megatron backend converts dense models")
+        ctx.t.notes.append(f"{ctx.key}=megatron_train with tensor or expert parallelism: the model trains in the hf "
+                           "backend (FSDP2 + tensor / sequence / expert parallelism); rlstream's megatron backend "
+                           "converts dense models and trains at tensor-parallel size 1")
     elif value == "megatron_train":
         ctx.t.put(ctx.key, "actor.backend", "megatron")
     elif value in ("fsdp2_train", "deepspeed_train", "hf_train"):
@@ -123,6 +132,8 @@ def _trainer_procs(value: Any, ctx: Context) -> str | None:
         raise ConfigError(f"{ctx.key}={value!r}: expected list(range(a,b)), a list of ids or 0,1,2")
     tp = get(ctx.data, "actor_train.strategy_args.strategy_config.tensor_model_parallel_size", 1) or 1
     pp = get(ctx.data, "actor_train.strategy_args.strategy_config.pipeline_model_parallel_size", 1) or 1
+    if _on_hf(ctx.data):  # the hf backend's tensor-parallel ranks are trainer ranks
+        tp = 1
     ctx.t.put(ctx.key, "launcher.n_trainer_procs", max(1, n // (int(tp) * int(pp))) if tp * pp > 1 else n)
     return None
 
@@ -259,13 +270,13 @@ TABLE: Table = {
     "actor_train.data_args.messages": Convert(("train_dataset.prompt_key",), _messages,
                                               "a column of chat messages, rendered by the chat template"),
     "actor_train.strategy_args.strategy_name": Convert(("actor.backend", "actor.parallel"), _train_strategy),
-    f"{_STRATEGY}.tensor_model_parallel_size": Same("actor.megatron.tensor_parallel"),
+    f"{_STRATEGY}.tensor_model_parallel_size": TENSOR_PARALLEL,
     f"{_STRATEGY}.pipeline_model_parallel_size": Same("actor.megatron.pipeline_parallel"),
     f"{_STRATEGY}.context_parallel_size": Same("actor.megatron.context_parallel"),
     f"{_STRATEGY}.expert_model_parallel_size": EXPERT_PARALLEL,
     f"{_STRATEGY}.virtual_pipeline_model_parallel_size": Missing("interleaved (virtual) pipeline stages",
                                                                  off=(1, None)),
-    f"{_STRATEGY}.sequence_parallel": Missing("megatron sequence parallelism (the megatron backend runs TP=1)"),
+    f"{_STRATEGY}.sequence_parallel": sequence_parallel(f"{_STRATEGY}.tensor_model_parallel_size"),
     f"{_STRATEGY}.recompute_granularity": Convert(("actor.gradient_checkpointing",), _recompute),
     f"{_STRATEGY}.moe_layer_recompute": Same("actor.moe_layer_recompute"),
     f"{_STRATEGY}.moe_token_dispatcher_type": TOKEN_DISPATCHER,

@@ -126,12 +126,14 @@ def test_fsdp_units_default_to_the_decoder_layers_and_a_bad_class_name_is_one_li
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sequence_parallel", [False, True])
 def test_tensor_parallel_ranks_match_one_process_across_a_resume(tmp_path, redis_url, rclient, experiment,
-                                                                 tiny_model_path):
+                                                                 tiny_model_path, sequence_parallel):
     """Two tensor-parallel ranks (each layer's projections split; RLSTREAM_TEST_NPROC=4: FSDP2 over 2 such pairs)
     train one step with a clipping norm that binds, taken over split and whole parameters together, and save a
     recover checkpoint of split (DTensor) parameters; restarted, they resume from it and train the second step: the
-    same weights as one process's two steps."""
+    same weights as one process's two steps. With sequence parallelism the norms between the split blocks run on
+    each rank's half of the positions (their gradients partial sums of the ranks')."""
     from rlstream.trainer.main import train
 
     from transformers import AutoModelForCausalLM
@@ -142,7 +144,8 @@ def test_tensor_parallel_ranks_match_one_process_across_a_resume(tmp_path, redis
     _write(rclient, one, vocab, model)
     _write(rclient, tp, vocab, model)
     clip = "actor.optimizer.gradient_clipping=0.05"
-    split = ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "recover.freq_steps=1", clip]
+    split = ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "recover.freq_steps=1", clip,
+             f"actor.fsdp.sequence_parallel={str(sequence_parallel).lower()}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     logs = ""
     for steps in (1, 2):
@@ -154,7 +157,8 @@ def test_tensor_parallel_ranks_match_one_process_across_a_resume(tmp_path, redis
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         logs += proc.stdout + proc.stderr
     assert "resumed from" in logs and "1 steps done, version 1" in logs, logs[-3000:]
-    assert f"tensor parallel: 14 projections split over 2 ranks, {NPROC // 2} data-parallel rank(s)" in logs
+    sp = " (and the positions between them: sequence parallel)" if sequence_parallel else ""
+    assert f"tensor parallel: 14 projections split over 2 ranks{sp}, {NPROC // 2} data-parallel rank(s)" in logs
     train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, clip)))
 
     # each data-parallel rank read its share once (its tensor-parallel peer loaded the same entries by id)

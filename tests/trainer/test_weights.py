@@ -585,9 +585,9 @@ with torch.no_grad():
     for p in model.parameters():
         p.add_(torch.randn(p.shape, generator=g) * 0.05)
 mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-if split == "tp":  # tensor parallel: split projections (DTensors) beside whole embeddings and norms
-    from rlstream.trainer.tensor_parallel import parallelize_layers
-    parallelize_layers(model, list(model.model.layers), mesh)
+if split in ("tp", "sp"):  # tensor parallel: split projections (DTensors) beside whole embeddings and norms
+    from rlstream.trainer.tensor_parallel import parallelize_layers  # (sp: the norms replicated DTensors)
+    parallelize_layers(model, list(model.model.layers), mesh, sequence_parallel=split == "sp")
 elif split == "ep":  # expert parallel: each rank holds half of each layer's experts, stacked (DTensor shards)
     from rlstream.trainer.expert_parallel import install_expert_parallel
     install_expert_parallel(model, mesh)
@@ -612,17 +612,17 @@ dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("split", ["fsdp", "tp"])
+@pytest.mark.parametrize("split", ["fsdp", "tp", "sp"])
 def test_fsdp2_sharded_trainer_gathers_and_rank0_sends(split, shared_engine, base_model, model_path, redis_url,
                                                        experiment, keys, rclient, tmp_path):
-    """Two trainer ranks with FSDP2-sharded or tensor-parallel (DTensor) parameters both call push; the engine gets
-    full tensors."""
+    """Two trainer ranks with FSDP2-sharded or tensor-parallel (DTensor) parameters, with sequence parallelism's
+    replicated DTensor norms too, both call push; the engine gets full tensors."""
     check_two_rank_push(shared_engine, model_path, base_model, split, redis_url, experiment, keys, rclient, tmp_path)
 
 
 def check_two_rank_push(engine: EngineProc, model_path: Path, base_model, split: str, redis_url: str, experiment: str,
                         keys, rclient, tmp_path: Path) -> None:
-    """FSDP_TRAINER on two ranks (`split`: fsdp, tp or ep) pushes `base_model` perturbed (seed 303) to `engine`
+    """FSDP_TRAINER on two ranks (`split`: fsdp, tp, sp or ep) pushes `base_model` perturbed (seed 303) to `engine`
     over gloo: every parameter's bytes go, the version is published, and the engine serves exactly those weights."""
     script = tmp_path / "two_rank_trainer.py"
     script.write_text(FSDP_TRAINER)

@@ -76,6 +76,17 @@ def test_a_critic_and_gae_import_as_actor_critic_ppo():
     assert dict(off.dropped)["critic.use_critic_model"].startswith("false: critic-free")
 
 
+def test_megatron_tensor_and_sequence_parallelism_train_in_the_hf_backend(imported):
+    # the example: tensor-parallel size 1, sequence_parallel true (nothing to split over: Megatron turns it off too)
+    assert "nothing to split over" in dict(imported.dropped)["actor.model.sequence_parallel"]
+    t = import_data("rlinf", {"actor": {"training_backend": "megatron", "model": {
+        "tensor_model_parallel_size": 2, "sequence_parallel": True}}})
+    cfg = load_config_dict(t.config)
+    assert (cfg.actor.backend, cfg.actor.parallel, cfg.actor.fsdp.tensor_parallel) == ("hf", "fsdp", 2)
+    assert cfg.actor.fsdp.sequence_parallel is True
+    assert any("the model trains in the hf backend" in n for n in t.notes)
+
+
 @pytest.mark.parametrize("order", ["actor first", "rollout first"])
 def test_checkpoint_load_path_is_the_model_trained_from(order):
     parts = [("actor", {"checkpoint_load_path": "/ckpt/step-100"}), ("rollout", {"model_dir": "/models/base"})]

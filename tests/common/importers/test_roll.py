@@ -74,10 +74,27 @@ def test_megatron_expert_parallelism_trains_in_the_hf_backend():
     a = t.config["actor"]
     assert (a["backend"], a["parallel"], a["expert_parallel"]) == ("hf", "fsdp", 2)
     assert a["moe_token_dispatcher"] == "allgather" and a["moe_layer_recompute"] is True
-    assert any("expert_model_parallel_size > 1: the model trains in the hf backend" in n for n in t.notes)
+    assert any("megatron_train with tensor or expert parallelism: the model trains in the hf backend" in n
+               for n in t.notes)
     assert "the same numbers" in dict(t.dropped)["actor_train.strategy_args.strategy_config.moe_grouped_gemm"]
     cfg = load_config_dict(t.config)
     assert cfg.actor.expert_parallel == 2 and cfg.launcher.n_trainer_procs == 2
+
+
+@pytest.mark.parametrize("sequence", [True, False])
+def test_megatron_tensor_and_sequence_parallelism_train_in_the_hf_backend(sequence):
+    strategy = {"strategy_name": "megatron_train",
+                "strategy_config": {"tensor_model_parallel_size": 2, "sequence_parallel": sequence}}
+    t = import_data("roll", {"actor_train": {"strategy_args": strategy, "device_mapping": "list(range(0,4))"}})
+    cfg = load_config_dict(t.config)
+    assert (cfg.actor.backend, cfg.actor.parallel, cfg.actor.fsdp.tensor_parallel) == ("hf", "fsdp", 2)
+    assert cfg.actor.fsdp.sequence_parallel is sequence
+    assert cfg.launcher.n_trainer_procs == 4  # the tensor-parallel ranks are trainer ranks in the hf backend
+    # at tensor-parallel size 1 the megatron backend trains, and sequence parallelism has nothing to split over
+    strategy["strategy_config"] = {"tensor_model_parallel_size": 1, "sequence_parallel": True}
+    t = import_data("roll", {"actor_train": {"strategy_args": strategy}})
+    assert t.config["actor"]["backend"] == "megatron" and "fsdp" not in t.config["actor"]
+    assert "nothing to split over" in dict(t.dropped)["actor_train.strategy_args.strategy_config.sequence_parallel"]
 
 
 def test_the_llm_judge_reward_worker_maps_to_the_judge_section():
