@@ -118,16 +118,17 @@ def markdown(r: dict) -> str:
             ("tensor + sequence parallel, 2 ranks", r["sequence"])]
     lines = [SECTION,
              f"`sequence_parallel.py`: Llama, hidden {r['hidden']}, {r['layers']} layers, 8 heads, one packed row of "
-             f"{r['tokens']} tokens (sequences of 512), fp32, chunked-head logprobs, forward + backward; ranks over gloo, "
-             "1 thread each, same run.", "",
+             f"{r['tokens']} tokens (sequences of 512), fp32,",
+             "chunked-head logprobs, forward + backward; ranks over gloo, 1 thread each, same run.", "",
              "| layout | kept for backward per rank | vs one process | forward + backward s | vs one process |",
              "|---|---:|---:|---:|---:|"]
     for name, m in rows:
         lines.append(f"| {name} | {m['kept'] / mib:.0f} MiB | {m['kept'] / r['one']['kept']:.2f}x | {m['secs']:.2f} | "
                      f"{m['secs'] / r['one']['secs']:.2f}x |")
     lines += ["", f"Sequence parallelism keeps {r['sequence']['kept'] / r['tensor']['kept']:.2f}x of tensor parallelism's "
-              "activations at the same speed: the norms' and the residual stream's halve; the split projections' "
-              "inputs (gathered whole, saved for their weight gradients), attention's and the LM head's do not."]
+              "activations at the same speed: the norms' and the residual stream's halve;",
+              "the split projections' inputs (gathered whole, saved for their weight gradients), attention's and the "
+              "LM head's do not."]
     return "\n".join(lines)
 
 
