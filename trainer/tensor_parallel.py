@@ -15,6 +15,7 @@ row is padded to a multiple of T at the decoder's input and trimmed at its outpu
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -133,11 +134,14 @@ def _split_positions(decoder: torch.nn.Module, mesh) -> None:
 
 
 def _pad_hook(size: int, length: list[int]):
-    def pad(_module, args, kwargs):
+    def pad(module, args, kwargs):
+        if args:  # (a task head calls its decoder with input_ids positional): by name
+            names = list(inspect.signature(module.forward).parameters)
+            kwargs, args = {**dict(zip(names, args)), **kwargs}, ()
         ref = kwargs.get("input_ids")
         ref = kwargs.get("inputs_embeds") if ref is None else ref
-        if args or ref is None:
-            raise RuntimeError("sequence parallelism pads the decoder's keyword inputs (input_ids or inputs_embeds)")
+        if ref is None:
+            raise RuntimeError("sequence parallelism pads the decoder's input_ids or inputs_embeds: it got neither")
         length[0] = ref.shape[1]
         n = -length[0] % size
         if not n:

@@ -115,7 +115,8 @@ class FSDPConfig(Section):
     layer's attention and MLP projections split over this many ranks (torch's DTensor ColwiseParallel on q/k/v/gate/up,
     RowwiseParallel on o/down; embeddings, norms and the LM head whole on each), FSDP2 sharding over the
     n_trainer_procs / tensor_parallel data-parallel ranks on top. Must divide the trainer ranks and the model's
-    attention heads, key/value heads and MLP width. Not with LoRA, shard_size, compile or the critic."""
+    attention heads, key/value heads and MLP width; a critic is split the same way. Not with LoRA, shard_size or
+    compile."""
     sequence_parallel: bool = False
     """Sequence parallelism on top of tensor_parallel (Megatron's sequence_parallel; ROLL and RLinf
     `sequence_parallel`): the residual stream between the split blocks is split by positions over the

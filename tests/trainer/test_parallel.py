@@ -125,15 +125,20 @@ def test_fsdp_units_default_to_the_decoder_layers_and_a_bad_class_name_is_one_li
         Parallel(mode="fsdp").wrap(model, fsdp=bad)  # refused before any process group is needed
 
 
+CRITIC = ["critic.optimizer.type=sgd", "critic.optimizer.lr=0.05", "critic.optimizer.gradient_clipping=0.05",
+          "critic.optimizer.warmup_steps_proportion=0", "critic.ppo_n_minibatches=1", "critic.mb_spec.max_tokens_per_mb=48"]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("sequence_parallel,critic", [(False, []), (True, CRITIC)], ids=["tensor", "sequence-critic"])
 def test_tensor_parallel_ranks_match_one_process_across_a_resume(tmp_path, redis_url, rclient, experiment,
-                                                                 tiny_model_path, sequence_parallel):
+                                                                 tiny_model_path, sequence_parallel, critic):
     """Two tensor-parallel ranks (each layer's projections split; RLSTREAM_TEST_NPROC=4: FSDP2 over 2 such pairs)
     train one step with a clipping norm that binds, taken over split and whole parameters together, and save a
     recover checkpoint of split (DTensor) parameters; restarted, they resume from it and train the second step: the
     same weights as one process's two steps. With sequence parallelism the norms between the split blocks run on
-    each rank's half of the positions (their gradients partial sums of the ranks')."""
+    each rank's half of the positions (their gradients partial sums of the ranks'); a critic (GAE) is split the same
+    way, and trains the same value model as one process's."""
     from rlstream.trainer.main import train
 
     from transformers import AutoModelForCausalLM
@@ -143,8 +148,8 @@ def test_tensor_parallel_ranks_match_one_process_across_a_resume(tmp_path, redis
     one, tp = f"{experiment}one", f"{experiment}tp"
     _write(rclient, one, vocab, model)
     _write(rclient, tp, vocab, model)
-    clip = "actor.optimizer.gradient_clipping=0.05"
-    split = ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "recover.freq_steps=1", clip,
+    clip = ["actor.optimizer.gradient_clipping=0.05", *critic]
+    split = ["actor.parallel=fsdp", "actor.fsdp.tensor_parallel=2", "recover.freq_steps=1", *clip,
              f"actor.fsdp.sequence_parallel={str(sequence_parallel).lower()}"]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     logs = ""
@@ -159,13 +164,18 @@ def test_tensor_parallel_ranks_match_one_process_across_a_resume(tmp_path, redis
     assert "resumed from" in logs and "1 steps done, version 1" in logs, logs[-3000:]
     sp = " (and the positions between them: sequence parallel)" if sequence_parallel else ""
     assert f"tensor parallel: 14 projections split over 2 ranks{sp}, {NPROC // 2} data-parallel rank(s)" in logs
-    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, clip)))
+    train(load_config(None, _overrides(tmp_path, redis_url, one, tiny_model_path, *clip)))
 
     # each data-parallel rank read its share once (its tensor-parallel peer loaded the same entries by id)
     recs = StepLog(rclient, Keys(namespace(tp, "trial0"))).all()
     assert sorted((r.step, r.rank) for r in recs) == [(step, rank) for step in (0, 1) for rank in range(NPROC // 2)]
     assert all(len(r.entry_ids) == 4 // (NPROC // 2) for r in recs)
-    w_one = load_file(str(tmp_path / "runs" / one / "trial0" / "checkpoints" / "final" / "model.safetensors"))
-    w_tp = load_file(str(tmp_path / "runs" / tp / "trial0" / "checkpoints" / "final" / "model.safetensors"))
-    for k in w_one:
-        assert float((w_one[k] - w_tp[k]).abs().max()) <= 2e-6, k
+    for final in ["final"] + ["final-critic"] * bool(critic):
+        w_one = load_file(str(tmp_path / "runs" / one / "trial0" / "checkpoints" / final / "model.safetensors"))
+        w_tp = load_file(str(tmp_path / "runs" / tp / "trial0" / "checkpoints" / final / "model.safetensors"))
+        assert w_one.keys() == w_tp.keys()
+        for k in w_one:
+            assert float((w_one[k] - w_tp[k]).abs().max()) <= 2e-6, (final, k)
+        start = load_file(str(tiny_model_path / "model.safetensors"))  # each model trained away from its start
+        moved = max(float((w_tp[k] - start[k]).abs().max()) for k in start if k in w_tp)
+        assert moved > 25 * 2e-6, (final, moved)  # (2e-4 here: the equality above is 100x tighter)
