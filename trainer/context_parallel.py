@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from rlstream.trainer.tensor_parallel import check_divisible
+from rlstream.trainer.tensor_parallel import by_name, check_divisible
 
 __all__ = ["ATTENTION", "check_heads", "install_ulysses"]
 
@@ -125,9 +125,10 @@ def install_ulysses(model: torch.nn.Module, group: Any) -> None:
 
 
 def _split_hook(st: _Ulysses):
-    def split(_module, args, kwargs):
+    def split(module, args, kwargs):
+        args, kwargs = (), by_name(module, args, kwargs)
         ids, pos = kwargs.get("input_ids"), kwargs.get("position_ids")
-        if args or ids is None or ids.shape[0] != 1 or kwargs.get("attention_mask") is not None \
+        if ids is None or ids.shape[0] != 1 or kwargs.get("attention_mask") is not None \
                 or kwargs.get("inputs_embeds") is not None:
             raise RuntimeError("context parallelism runs packed micro-batches of one row (input_ids and "
                                "position_ids, no attention mask or embeddings)")

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from rlstream.common.config import ConfigError
 
-__all__ = ["LAYER_PLAN", "check_divisible", "parallelize_layers"]
+__all__ = ["LAYER_PLAN", "by_name", "check_divisible", "parallelize_layers"]
 
 # leaf names of the projections in HF decoder layers (Llama, Qwen2/3, Mistral, Gemma)
 LAYER_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
@@ -133,11 +133,16 @@ def _split_positions(decoder: torch.nn.Module, mesh) -> None:
     decoder.register_forward_hook(_trim_hook(length), with_kwargs=True)
 
 
+def by_name(module: torch.nn.Module, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """A forward's arguments all by name (task heads call their decoder with input_ids positional)."""
+    if not args:
+        return kwargs
+    return {**dict(zip(inspect.signature(module.forward).parameters, args)), **kwargs}
+
+
 def _pad_hook(size: int, length: list[int]):
     def pad(module, args, kwargs):
-        if args:  # (a task head calls its decoder with input_ids positional): by name
-            names = list(inspect.signature(module.forward).parameters)
-            kwargs, args = {**dict(zip(names, args)), **kwargs}, ()
+        args, kwargs = (), by_name(module, args, kwargs)
         ref = kwargs.get("input_ids")
         ref = kwargs.get("inputs_embeds") if ref is None else ref
         if ref is None:

@@ -289,7 +289,7 @@ def _check_split(cfg: "Config") -> None:
             "actor.parallel=ddp (tensor parallelism is FSDP2's 2-D recipe: set actor.parallel=fsdp)":
                 a.parallel != "fsdp"},
         ("actor.context_parallel", a.context_parallel, "each data-parallel rank is a group of {n} ranks splitting its "
-                                                       "sequences"): critic | {
+                                                       "sequences"): {
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.backend=megatron": a.backend == "megatron",
             "actor.mb_spec.packing=false": not a.mb_spec.packing},
         ("actor.expert_parallel", a.expert_parallel, "each group of {n} consecutive ranks divides the experts"): critic | {

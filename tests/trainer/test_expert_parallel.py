@@ -153,6 +153,7 @@ def test_moe_layer_recompute_keeps_no_block_activations_and_the_same_gradients(t
     (["actor.backend=megatron"], "actor.backend=megatron"),
     (["launcher.n_trainer_procs=3"], "must divide launcher.n_trainer_procs=3"),
     (["actor.optimizer.offload=true"], "actor.optimizer.offload"),
+    (["critic.ppo_n_minibatches=1"], "a critic section"),
 ])
 def test_what_expert_parallel_does_not_go_with_is_named(extra, named):
     with pytest.raises(ConfigError) as err:

@@ -39,6 +39,11 @@ def _write(rclient, experiment, vocab, model):
         stream.append(g)
 
 
+# a critic (GAE's value model) trained by SGD beside the actor, its clipping norm binding (without the dropout
+# before its head: random masks need not match one process's)
+CRITIC = ["actor.disable_dropout=true", "critic.optimizer.type=sgd", "critic.optimizer.lr=0.05", "critic.optimizer.gradient_clipping=0.05",
+          "critic.optimizer.warmup_steps_proportion=0", "critic.ppo_n_minibatches=1", "critic.mb_spec.max_tokens_per_mb=48"]
+
 # The seeds' options that normalise over the whole minibatch keep ranks and one process equal too (an
 # early-stop threshold that never binds still registers its counter on both ranks).
 NPROC = int(os.environ.get("RLSTREAM_TEST_NPROC", "2"))  # trainer ranks; 4 by hand: HSDP of 2 replicas of 2 shards
@@ -53,8 +58,9 @@ OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positiv
            # all-reduced across the two
            "hsdp": ["actor.parallel=fsdp", f"actor.fsdp.shard_size={NPROC // 2}"],
            # Ulysses: each packed row split over 2 ranks (NPROC=4: 2 data-parallel ranks of 2), FSDP2 over all, with
-           # a clipping norm that binds (DDP's average: test_context_parallel.py; tensor parallelism: the resume test)
-           "cp": ["actor.context_parallel=2", "actor.parallel=fsdp", "actor.optimizer.gradient_clipping=0.05"]}
+           # a clipping norm that binds (DDP's average: test_context_parallel.py; tensor parallelism: the resume test),
+           # and a critic split the same way
+           "cp": ["actor.context_parallel=2", "actor.parallel=fsdp", "actor.optimizer.gradient_clipping=0.05", *CRITIC]}
 TP = {"cp": 2}  # ranks that train the same groups (1: data parallel only)
 
 
@@ -107,6 +113,12 @@ def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient,
         return
     for k in base:  # ... identically, up to float summation order
         assert diff[k] <= 2e-6, (k, diff[k])
+    if CRITIC[1] in OPTIONS[options]:  # the value model too
+        c_one, c_ddp = (load_file(str(tmp_path / "runs" / e / "trial0" / "checkpoints" / "final-critic" /
+                                      "model.safetensors")) for e in (one, ddp))
+        assert c_one.keys() == c_ddp.keys() and max(float((c_one[k] - base[k]).abs().max()) for k in c_one if k in base) > 1e-4
+        c_diff = {k: float((c_one[k] - c_ddp[k]).abs().max()) for k in c_one}
+        assert max(c_diff.values()) <= 2e-6, sorted(c_diff.items(), key=lambda kv: -kv[1])[:6]
 
 
 def test_fsdp_units_default_to_the_decoder_layers_and_a_bad_class_name_is_one_line(tiny_model_path):
@@ -123,10 +135,6 @@ def test_fsdp_units_default_to_the_decoder_layers_and_a_bad_class_name_is_one_li
     bad = FSDPConfig(wrap_policy=FSDPWrapPolicy(transformer_layer_cls_to_wrap=["QwenBlock"]))
     with pytest.raises(ConfigError, match=r"transformer_layer_cls_to_wrap=\['QwenBlock'\]: no submodule .* LlamaMLP"):
         Parallel(mode="fsdp").wrap(model, fsdp=bad)  # refused before any process group is needed
-
-
-CRITIC = ["critic.optimizer.type=sgd", "critic.optimizer.lr=0.05", "critic.optimizer.gradient_clipping=0.05",
-          "critic.optimizer.warmup_steps_proportion=0", "critic.ppo_n_minibatches=1", "critic.mb_spec.max_tokens_per_mb=48"]
 
 
 @pytest.mark.slow
