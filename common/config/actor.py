@@ -247,7 +247,8 @@ class ActorConfig(Section):
     routed rows with the experts' ranks of its group (moe_token_dispatcher). Every rank is a data-parallel rank.
     Routers, attention, shared experts and embeddings stay whole on every rank (DDP/FSDP2 average them); pushes,
     checkpoints and exports gather the experts back under their HF names. Must divide the model's experts per layer; not with tensor_parallel,
-    context_parallel, LoRA, compile, a critic, optimizer offload or the megatron backend."""
+    context_parallel, LoRA, compile, optimizer offload or the megatron backend; a critic's experts are divided the same
+    way."""
     moe_token_dispatcher: Literal["alltoall", "allgather"] = "alltoall"
     """How tokens reach experts on other ranks under expert_parallel (megatron-core moe_token_dispatcher_type):
     alltoall sends each (token, chosen expert) row to the expert's rank and back (traffic: the routed rows);

@@ -281,7 +281,6 @@ def _check_split(cfg: "Config") -> None:
     a = cfg.actor
     common = {"actor.lora": a.lora is not None, "actor.fsdp.shard_size": a.fsdp.shard_size is not None,
               "actor.compile=true": a.compile}
-    critic = {"a critic section": cfg.critic is not None}
     splits = {
         ("actor.fsdp.tensor_parallel", a.fsdp.tensor_parallel, "each data-parallel rank is a group of {n} tensor-parallel "
                                                                "ranks"): {
@@ -292,7 +291,7 @@ def _check_split(cfg: "Config") -> None:
                                                        "sequences"): {
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.backend=megatron": a.backend == "megatron",
             "actor.mb_spec.packing=false": not a.mb_spec.packing},
-        ("actor.expert_parallel", a.expert_parallel, "each group of {n} consecutive ranks divides the experts"): critic | {
+        ("actor.expert_parallel", a.expert_parallel, "each group of {n} consecutive ranks divides the experts"): {
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.context_parallel": a.context_parallel > 1,
             "actor.backend=megatron": a.backend == "megatron",
             "actor.optimizer.offload (its host masters are whole tensors)": a.optimizer.offload},

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlstream.common.config import ConfigError, load_config
-from tests.trainer.test_parallel import _overrides, _write
+from tests.trainer.test_parallel import CRITIC, _overrides, _write
 
 torch.set_num_threads(1)
 WORKER = Path(__file__).with_name("expert_parallel_worker.py")
@@ -51,8 +51,10 @@ def test_divided_experts_compute_the_whole_model(dispatcher, tiny_moe_path, tmp_
     # every rank holding every expert: DDP must not wait for experts that a rank's tokens did not pick (each rank's
     # last micro-batch is the one-token pass of an empty bin: 8 sequences in 9 micro-batches)
     ("ddp", None, 2, ["actor.mb_spec.n_mbs=9"]),
-    # whole decoder layers recomputed in backward: their token exchanges run again, in step on both ranks
-    ("ddp", "alltoall", 2, ["actor.gradient_checkpointing=true"]),
+    # whole decoder layers recomputed in backward: their token exchanges run again, in step on both ranks; a critic
+    # (the MoE value model, its experts divided the same way)
+    ("ddp", "alltoall", 2, ["actor.gradient_checkpointing=true", *CRITIC, "critic.optimizer.lr=2.0",
+                            "critic.optimizer.gradient_clipping=0.5"]),
     # FSDP2 over everything but the experts, each sparse block (with its exchanges) recomputed in backward, and a KL
     # reference (whole on each rank) that takes the divided policy's weights after each step
     ("fsdp", "allgather", 2, ["actor.moe_layer_recompute=true", "actor.kl_ctl=0.1", "actor.reference_reset_interval=1"]),
@@ -98,6 +100,12 @@ def test_expert_parallel_ranks_match_one_process_across_a_resume(wrap, dispatche
     assert max(v for k, v in moved.items() if ".experts.3." in k) > 1e-5  # a rank-1 expert trained ...
     for k in base:  # ... as in one process, up to float summation order
         assert float((w_one[k] - w_ep[k]).abs().max()) <= 2e-6, k
+    if CRITIC[1] in extra:  # the value model too, every expert under its name
+        c_one, c_ep = (load_file(str(tmp_path / "runs" / e / "trial0" / "checkpoints" / "final-critic" /
+                                     "model.safetensors")) for e in (one, ep))
+        assert sorted(c_ep) == sorted(c_one) and "model.layers.1.mlp.experts.3.down_proj.weight" in c_ep
+        assert max(float((c_one[k] - base[k]).abs().max()) for k in c_one if ".experts.3." in k) > 1e-5
+        assert max(float((c_one[k] - c_ep[k]).abs().max()) for k in c_one) <= 2e-6
 
 
 @pytest.mark.slow
@@ -153,7 +161,6 @@ def test_moe_layer_recompute_keeps_no_block_activations_and_the_same_gradients(t
     (["actor.backend=megatron"], "actor.backend=megatron"),
     (["launcher.n_trainer_procs=3"], "must divide launcher.n_trainer_procs=3"),
     (["actor.optimizer.offload=true"], "actor.optimizer.offload"),
-    (["critic.ppo_n_minibatches=1"], "a critic section"),
 ])
 def test_what_expert_parallel_does_not_go_with_is_named(extra, named):
     with pytest.raises(ConfigError) as err:
