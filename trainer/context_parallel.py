@@ -40,6 +40,9 @@ class _Ulysses:
     mask: torch.Tensor | None = None  # [1, 1, S, S] bool: same sequence and causal
     positions: torch.Tensor | None = None  # [1, S] of the whole row
 
+    def __deepcopy__(self, memo: dict) -> "_Ulysses":
+        return self  # a copy of the model (LoRA's merged export) splits over the same group
+
     def row(self, ids: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Record the whole row; this rank's part of it (padded with a sequence of its own to a multiple of size)."""
         self.length = ids.shape[1]

@@ -237,8 +237,8 @@ class ActorConfig(Section):
     positions for attention heads (one all-to-all before and one after each attention), so a sequence this many times
     longer fits; the LM head and log-softmax run on the gathered hidden states. The ranks of such a group train the
     same groups; DDP/FSDP2 reduce gradients over every rank. Must divide the trainer ranks and the model's attention
-    and key/value heads; a critic is split the same way. Needs mb_spec.packing; not with tensor_parallel, LoRA,
-    shard_size, compile, the megatron backend or images."""
+    and key/value heads; a critic is split the same way, LoRA adapters train under it. Needs mb_spec.packing; not with
+    tensor_parallel, shard_size, compile, the megatron backend or images."""
     expert_parallel: PositiveInt = 1
     """Expert parallelism in the hf backend (cosmos-rl ep_size, megatron/ROLL expert_model_parallel_size): each
     mixture-of-experts layer's experts divided over groups of this many consecutive trainer ranks (a divisor of the

@@ -279,12 +279,12 @@ def _check_split(cfg: "Config") -> None:
     Ulysses over packed rows, experts over groups of ranks), each without what it does not split, in groups that
     divide the trainer ranks."""
     a = cfg.actor
-    common = {"actor.lora": a.lora is not None, "actor.fsdp.shard_size": a.fsdp.shard_size is not None,
-              "actor.compile=true": a.compile}
+    common = {"actor.fsdp.shard_size": a.fsdp.shard_size is not None, "actor.compile=true": a.compile}
+    lora = {"actor.lora": a.lora is not None}
     splits = {
         ("actor.fsdp.tensor_parallel", a.fsdp.tensor_parallel, "each data-parallel rank is a group of {n} tensor-parallel "
                                                                "ranks"): {
-            "actor.backend=megatron (its own actor.megatron.tensor_parallel)": a.backend == "megatron",
+            **lora, "actor.backend=megatron (its own actor.megatron.tensor_parallel)": a.backend == "megatron",
             "actor.parallel=ddp (tensor parallelism is FSDP2's 2-D recipe: set actor.parallel=fsdp)":
                 a.parallel != "fsdp"},
         ("actor.context_parallel", a.context_parallel, "each data-parallel rank is a group of {n} ranks splitting its "
@@ -293,7 +293,7 @@ def _check_split(cfg: "Config") -> None:
             "actor.mb_spec.packing=false": not a.mb_spec.packing},
         ("actor.expert_parallel", a.expert_parallel, "each group of {n} consecutive ranks divides the experts"): {
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.context_parallel": a.context_parallel > 1,
-            "actor.backend=megatron": a.backend == "megatron",
+            "actor.backend=megatron": a.backend == "megatron", **lora,
             "actor.optimizer.offload (its host masters are whole tensors)": a.optimizer.offload},
     }
     if a.fsdp.sequence_parallel and a.fsdp.tensor_parallel == 1:

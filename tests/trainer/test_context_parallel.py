@@ -72,7 +72,6 @@ def test_two_ranks_splitting_rows_compute_one_process_logprobs_and_gradients(tin
 @pytest.mark.parametrize("extra,named", [
     (["actor.fsdp.tensor_parallel=2", "actor.parallel=fsdp"], "actor.fsdp.tensor_parallel"),
     (["actor.mb_spec.packing=false"], "actor.mb_spec.packing=false"),
-    (["actor.lora.rank=4"], "actor.lora"),
     (["actor.backend=megatron"], "actor.backend=megatron"),
     (["launcher.n_trainer_procs=3"], "launcher.n_trainer_procs=3"),
 ])

@@ -60,8 +60,10 @@ OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positiv
            # Ulysses: each packed row split over 2 ranks (NPROC=4: 2 data-parallel ranks of 2), FSDP2 over all, with
            # a clipping norm that binds (DDP's average: test_context_parallel.py; tensor parallelism: the resume test),
            # and a critic split the same way
-           "cp": ["actor.context_parallel=2", "actor.parallel=fsdp", "actor.optimizer.gradient_clipping=0.05", *CRITIC]}
-TP = {"cp": 2}  # ranks that train the same groups (1: data parallel only)
+           "cp": ["actor.context_parallel=2", "actor.parallel=fsdp", "actor.optimizer.gradient_clipping=0.05", *CRITIC],
+           # Ulysses under LoRA adapters (DDP over all ranks): the merged export equals one process's
+           "cp_lora": ["actor.context_parallel=2", "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optimizer.lr=0.5"]}
+TP = {"cp": 2, "cp_lora": 2}  # ranks that train the same groups (1: data parallel only)
 
 
 @pytest.mark.slow
