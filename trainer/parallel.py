@@ -163,8 +163,7 @@ class Parallel:
 
         if self.tp > 1:  # FSDP2 over the data-parallel dimension of the (dp, tp) mesh
             return self.mesh["dp"]
-        if self.cp > 1:  # context parallel: every rank holds gradients of the same parameters
-            return init_device_mesh(self.device.type, (self.world_size,))
+        # (context and expert parallelism: every rank holds gradients of the same whole parameters, as in FSDP)
         shard = min(shard_size or self.world_size, self.world_size)
         if self.world_size % shard:
             raise ConfigError(f"actor.fsdp.shard_size={shard} does not divide the {self.world_size} trainer ranks")

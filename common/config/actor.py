@@ -238,7 +238,7 @@ class ActorConfig(Section):
     longer fits; the LM head and log-softmax run on the gathered hidden states. The ranks of such a group train the
     same groups; DDP/FSDP2 reduce gradients over every rank. Must divide the trainer ranks and the model's attention
     and key/value heads; a critic is split the same way, LoRA adapters train under it. Needs mb_spec.packing; not with
-    tensor_parallel, shard_size, compile, the megatron backend or images."""
+    tensor_parallel, compile, the megatron backend or images."""
     expert_parallel: PositiveInt = 1
     """Expert parallelism in the hf backend (cosmos-rl ep_size, megatron/ROLL expert_model_parallel_size): each
     mixture-of-experts layer's experts divided over groups of this many consecutive trainer ranks (a divisor of the

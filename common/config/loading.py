@@ -279,12 +279,13 @@ def _check_split(cfg: "Config") -> None:
     Ulysses over packed rows, experts over groups of ranks), each without what it does not split, in groups that
     divide the trainer ranks."""
     a = cfg.actor
-    common = {"actor.fsdp.shard_size": a.fsdp.shard_size is not None, "actor.compile=true": a.compile}
+    common = {"actor.compile=true": a.compile}
     lora = {"actor.lora": a.lora is not None}
     splits = {
         ("actor.fsdp.tensor_parallel", a.fsdp.tensor_parallel, "each data-parallel rank is a group of {n} tensor-parallel "
                                                                "ranks"): {
-            **lora, "actor.backend=megatron (its own actor.megatron.tensor_parallel)": a.backend == "megatron",
+            **lora, "actor.fsdp.shard_size": a.fsdp.shard_size is not None,
+            "actor.backend=megatron (its own actor.megatron.tensor_parallel)": a.backend == "megatron",
             "actor.parallel=ddp (tensor parallelism is FSDP2's 2-D recipe: set actor.parallel=fsdp)":
                 a.parallel != "fsdp"},
         ("actor.context_parallel", a.context_parallel, "each data-parallel rank is a group of {n} ranks splitting its "

@@ -55,9 +55,10 @@ def test_divided_experts_compute_the_whole_model(dispatcher, tiny_moe_path, tmp_
     # (the MoE value model, its experts divided the same way)
     ("ddp", "alltoall", 2, ["actor.gradient_checkpointing=true", *CRITIC, "critic.optimizer.lr=2.0",
                             "critic.optimizer.gradient_clipping=0.5"]),
-    # FSDP2 over everything but the experts, each sparse block (with its exchanges) recomputed in backward, and a KL
+    # FSDP2 (HSDP) over everything but the experts, each sparse block (with its exchanges) recomputed in backward, and a KL
     # reference (whole on each rank) that takes the divided policy's weights after each step
-    ("fsdp", "allgather", 2, ["actor.moe_layer_recompute=true", "actor.kl_ctl=0.1", "actor.reference_reset_interval=1"]),
+    ("fsdp", "allgather", 2, ["actor.moe_layer_recompute=true", "actor.kl_ctl=0.1", "actor.reference_reset_interval=1",
+                              "actor.fsdp.shard_size=1"]),  # (and FSDP2 as HSDP: 2 replicas of 1 shard)
     # 4 ranks: two groups of 2 divide the experts alike and average their gradients
     ("ddp", "alltoall", 4, [])])
 def test_expert_parallel_ranks_match_one_process_across_a_resume(wrap, dispatcher, nproc, extra, tmp_path, redis_url,

@@ -59,8 +59,9 @@ OPTIONS = {"plain": [], "seed_options": ["actor.mu_iterations=2", "actor.positiv
            "hsdp": ["actor.parallel=fsdp", f"actor.fsdp.shard_size={NPROC // 2}"],
            # Ulysses: each packed row split over 2 ranks (NPROC=4: 2 data-parallel ranks of 2), FSDP2 over all, with
            # a clipping norm that binds (DDP's average: test_context_parallel.py; tensor parallelism: the resume test),
-           # and a critic split the same way
-           "cp": ["actor.context_parallel=2", "actor.parallel=fsdp", "actor.optimizer.gradient_clipping=0.05", *CRITIC],
+           # a critic split the same way, and FSDP2 as HSDP (NPROC / 2 shards)
+           "cp": ["actor.context_parallel=2", "actor.parallel=fsdp", "actor.optimizer.gradient_clipping=0.05", *CRITIC,
+                  f"actor.fsdp.shard_size={NPROC // 2}"],
            # Ulysses under LoRA adapters (DDP over all ranks): the merged export equals one process's
            "cp_lora": ["actor.context_parallel=2", "actor.lora.rank=4", "actor.lora.alpha=8", "actor.optimizer.lr=0.5"]}
 TP = {"cp": 2, "cp_lora": 2}  # ranks that train the same groups (1: data parallel only)
@@ -87,7 +88,7 @@ def test_two_rank_ddp_matches_one_process(options, tmp_path, redis_url, rclient,
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     if options == "fsdp_units":  # each layer's two blocks (the tiny model has 2 layers)
         assert "FSDP2 units: 4 (LlamaAttention, LlamaMLP) + the model" in proc.stdout + proc.stderr, proc.stderr[-3000:]
-    if options == "hsdp":
+    if options in ("hsdp", "cp"):
         assert f"HSDP: 2 replicas of {NPROC // 2} shards" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     tp = TP.get(options, 1)
     if tp > 1:
