@@ -257,16 +257,16 @@ def _max_keep(value: Any, ctx: Context) -> str | None:
 
 def _trainer_procs(value: Any, ctx: Context) -> None:
     par = get(ctx.data, "policy.parallelism", {}) or {}
-    dp = int(par.get("dp_shard_size", 1) or 1)
-    tp = max(int(par.get("tp_size", 1) or 1), 1)
-    cp = max(int(par.get("cp_size", 1) or 1), 1)
+    dp, tp, cp, replicas = (max(int(par.get(f"{k}_size", 1) or 1), 1) for k in ("dp_shard", "tp", "cp", "dp_replicate"))
     if tp > 1 and cp > 1:
         raise ConfigError(f"policy.parallelism.tp_size={tp} with cp_size={cp}: rlstream's hf backend splits layers "
                           "(tensor parallel) or sequences (context parallel), not both at once; keep one")
-    n = max(dp, 1) * tp * cp * int(par.get("dp_replicate_size", 1) or 1) * int(par.get("n_init_replicas", 1) or 1)
+    n = dp * tp * cp * replicas * int(par.get("n_init_replicas", 1) or 1)
     ctx.t.put("policy.parallelism", "launcher.n_trainer_procs", max(1, n))
     if dp > 1:
         ctx.t.put("policy.parallelism.dp_shard_size", "actor.parallel", "fsdp")
+    if dp > 1 and replicas > 1 and tp == 1:  # HSDP (with tensor parallelism: FSDP2 over both, the same numbers)
+        ctx.t.put("policy.parallelism.dp_replicate_size", "actor.fsdp.shard_size", dp)
     if cp > 1:  # sequences split over cp ranks (Ulysses): the same numbers as cosmos-rl's context parallelism
         ctx.t.put("policy.parallelism.cp_size", "actor.context_parallel", cp)
     if tp > 1:  # cosmos-rl's FSDP + TP: the hf backend's 2-D recipe
@@ -398,8 +398,8 @@ def _dataset(prefix: str, dst: str) -> Table:
                                            "the end of the split, evaluated as valid_dataset")}
 
 
-_PROCS = Convert(("launcher.n_trainer_procs", "actor.parallel", "actor.fsdp.tensor_parallel", "actor.context_parallel"),
-                 _trainer_procs, "dp_shard x dp_replicate x tp x cp x replicas")
+_PROCS = Convert(("launcher.n_trainer_procs", "actor.parallel", "actor.fsdp.tensor_parallel", "actor.context_parallel",
+                  "actor.fsdp.shard_size"), _trainer_procs, "dp_shard x dp_replicate x tp x cp x replicas")
 
 TABLE: Table = {
     "custom": Drop("cosmos-rl's custom-script settings; rlstream's extension points are producer.workflow and "

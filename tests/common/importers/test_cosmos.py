@@ -83,6 +83,12 @@ def test_tensor_and_context_parallel_are_the_hf_backends_and_count_in_the_traine
     assert (alone.actor.parallel, alone.actor.fsdp.tensor_parallel, alone.launcher.n_trainer_procs) == ("fsdp", 2, 2)
     cp = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {"cp_size": 2, "dp_shard_size": 2}}}).config)
     assert (cp.actor.context_parallel, cp.actor.fsdp.tensor_parallel, cp.launcher.n_trainer_procs) == (2, 1, 4)
+    hsdp = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {
+        "cp_size": 2, "dp_shard_size": 2, "dp_replicate_size": 2}}}).config)  # replicas of dp_shard ranks
+    assert (hsdp.actor.fsdp.shard_size, hsdp.actor.context_parallel, hsdp.launcher.n_trainer_procs) == (2, 2, 8)
+    tp_rep = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {
+        "tp_size": 2, "dp_shard_size": 2, "dp_replicate_size": 2}}}).config)  # FSDP2 over both: the same numbers
+    assert (tp_rep.actor.fsdp.shard_size, tp_rep.launcher.n_trainer_procs) == (None, 8)
     with pytest.raises(ConfigError, match="tp_size=2 with cp_size=2"):
         import_data("cosmos", {"policy": {"parallelism": {"tp_size": 2, "cp_size": 2}}})
 
