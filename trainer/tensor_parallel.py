@@ -79,7 +79,7 @@ def _head_norms(layer: torch.nn.Module, config: Any, size: int) -> dict[str, Any
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     plan = {}
     for name, child in (attention.named_children() if attention is not None else ()):
-        if not (name.endswith("norm") or "Norm" in type(child).__name__):
+        if not _is_norm(name, child):
             continue
         width = getattr(child, "weight", None)
         if width is None or width.shape[-1] != head_dim:
@@ -109,7 +109,7 @@ def _sequence_plan(layer: torch.nn.Module, kinds: dict[str, str]) -> dict[str, A
     plan: dict[str, Any] = {name: ColwiseParallel() if kind == "colwise" else RowwiseParallel(output_layouts=Shard(1))
                             for name, kind in kinds.items()}
     plan |= {name: SequenceParallel(use_local_output=True) for name, child in layer.named_children()
-             if name.endswith("norm") or "Norm" in type(child).__name__}
+             if _is_norm(name, child)}
     plan["self_attn"] = PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
                                            desired_input_kwarg_layouts={"hidden_states": Replicate()})
     plan["mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -187,6 +187,10 @@ def _trim_hook(length: list[int]):
         return output
 
     return trim
+
+
+def _is_norm(name: str, module: torch.nn.Module) -> bool:
+    return name.endswith("norm") or "Norm" in type(module).__name__
 
 
 def _has(module: torch.nn.Module, dotted: str) -> bool:
