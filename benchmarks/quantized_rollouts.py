@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 
 import torch
 
-from readme_section import write_nested_section  # benchmarks/ is sys.path[0] when run as a script
+from readme_section import publish_nested  # benchmarks/ is sys.path[0] when run as a script
 
 SECTION = "### Quantized rollouts (fp8 on the local engine)"
 
@@ -122,12 +121,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     res = run(args)
-    print(json.dumps(res, indent=1))
-    print(markdown(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    if args.readme:
-        write_nested_section(markdown(res), Path(__file__).with_name("README.md"), SECTION, parent="## Engine")
+    publish_nested(markdown(res), res, args.json, args.readme, SECTION, parent="## Engine")
 
 
 if __name__ == "__main__":

@@ -54,3 +54,12 @@ def write_nested_section(text: str, readme: Path, section: str, parent: str) -> 
         nxt = min(ends) if ends else -1
         new = old[:start] + text.rstrip("\n") + "\n" + ("" if nxt < 0 else "\n" + old[nxt + 1:])
     readme.write_text(new)
+
+
+def publish_nested(text: str, raw: Any, json_path: str | None, readme: bool, section: str, parent: str) -> None:
+    """publish() for a `### ` subsection of `parent` (written when `readme`)."""
+    print(json.dumps(raw, indent=1) + "\n\n" + text)
+    if json_path:
+        Path(json_path).write_text(json.dumps(raw, indent=1))
+    if readme:
+        write_nested_section(text, README, section, parent)

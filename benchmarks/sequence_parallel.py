@@ -14,15 +14,13 @@ restarting) through the chunked-head logprobs the trainer uses.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
-from readme_section import write_nested_section  # benchmarks/ is sys.path[0] when run as a script
+from readme_section import publish_nested  # benchmarks/ is sys.path[0] when run as a script
 
 SECTION = "### Sequence parallelism (over tensor parallelism, 2 ranks)"
 
@@ -125,8 +123,9 @@ def markdown(r: dict) -> str:
     for name, m in rows:
         lines.append(f"| {name} | {m['kept'] / mib:.0f} MiB | {m['kept'] / r['one']['kept']:.2f}x | {m['secs']:.2f} | "
                      f"{m['secs'] / r['one']['secs']:.2f}x |")
-    lines += ["", f"Sequence parallelism keeps {r['sequence']['kept'] / r['tensor']['kept']:.2f}x of tensor parallelism's "
-              "activations at the same speed: the norms' and the residual stream's halve;",
+    sp, tp = r["sequence"], r["tensor"]
+    lines += ["", f"Sequence parallelism keeps {sp['kept'] / tp['kept']:.2f}x of tensor parallelism's activations in "
+              f"{sp['secs'] / tp['secs']:.2f}x its time: the norms' and the residual stream's halve;",
               "the split projections' inputs (gathered whole, saved for their weight gradients), attention's and the "
               "LM head's do not."]
     return "\n".join(lines)
@@ -142,12 +141,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     res = run(args)
-    print(json.dumps(res, indent=1))
-    print(markdown(res))
-    if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1))
-    if args.readme:
-        write_nested_section(markdown(res), Path(__file__).with_name("README.md"), SECTION, parent="## Trainer")
+    publish_nested(markdown(res), res, args.json, args.readme, SECTION, parent="## Trainer")
 
 
 if __name__ == "__main__":
