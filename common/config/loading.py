@@ -280,7 +280,7 @@ def _check_split(cfg: "Config") -> None:
     divide the trainer ranks."""
     a = cfg.actor
     common = {"actor.compile=true": a.compile}
-    lora = {"actor.lora": a.lora is not None}
+    lora = {"actor.lora": a.lora is not None, "critic.lora": cfg.critic is not None and cfg.critic.lora is not None}
     splits = {
         ("actor.fsdp.tensor_parallel", a.fsdp.tensor_parallel, "each data-parallel rank is a group of {n} tensor-parallel "
                                                                "ranks"): {

@@ -18,6 +18,7 @@ from tests.helpers import free_port
 @pytest.mark.parametrize("extra,named", [
     (["actor.parallel=ddp"], "actor.parallel=ddp"),
     (["actor.parallel=fsdp", "actor.lora.rank=4"], "actor.lora"),
+    (["actor.parallel=fsdp", "critic.lora.rank=4"], "critic.lora"),
     (["actor.parallel=fsdp", "actor.fsdp.shard_size=2"], "actor.fsdp.shard_size"),
     (["actor.parallel=fsdp", "actor.backend=megatron"], "actor.backend=megatron"),
     (["actor.parallel=fsdp", "launcher.n_trainer_procs=3"], "launcher.n_trainer_procs=3"),
