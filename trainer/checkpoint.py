@@ -115,6 +115,32 @@ def _dedup_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
     return out, aliases
 
 
+def _sharded(module: torch.nn.Module) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
+def _whole_peft_copy(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """The peft model `module` (its parameters sharded: FSDP2 cannot be deep-copied) rebuilt unsharded on the CPU
+    from its full state dict `sd`: the same base class and adapter config, for peft's merge and adapter export."""
+    import copy
+
+    from peft import get_peft_model
+
+    base = module.get_base_model()
+    with torch.device("meta"):
+        whole = get_peft_model(type(base)(base.config), copy.deepcopy(module.peft_config[module.active_adapter]),
+                               adapter_name=module.active_adapter)
+    unexpected = whole.load_state_dict(sd, strict=False, assign=True).unexpected_keys
+    whole.get_base_model().tie_weights()  # a tied head shares the embedding again
+    left = [k for k, t in whole.state_dict().items() if t.is_meta]
+    if left or unexpected:
+        raise RuntimeError(f"LoRA export: state dict does not fit the rebuilt model (missing {left[:3]}, "
+                           f"unexpected {unexpected[:3]})")
+    return whole
+
+
 def _remove_oldest(folders: list[Path], keep: int) -> None:
     """Delete all but the last `keep` of `folders` (oldest first); the newest is durable before this runs."""
     for old in folders[:max(len(folders) - keep, 0)]:
@@ -265,7 +291,11 @@ class Checkpointer:
         from rlstream.trainer.model import is_lora
 
         lora = is_lora(module)
-        sd = None if lora else hf_state_dict(module, self._model_state(model))  # LoRA: the same on every rank
+        if lora and _sharded(module):  # FSDP2 / split parameters: a whole copy of the peft model, on rank 0
+            sd = self._model_state(model)
+            module, sd = (_whole_peft_copy(module, sd) if self.par.is_main else module), None
+        else:
+            sd = None if lora else hf_state_dict(module, self._model_state(model))  # LoRA: the same on every rank
         if self.par.is_main:
             self.wait()
             if background and not lora and name != "final":

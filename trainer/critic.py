@@ -85,7 +85,7 @@ def load_value_model(cfg: Config, device: torch.device) -> torch.nn.Module:
     if a.disable_dropout:
         disable_dropout(model)
     if c.lora is not None:
-        model = apply_lora(model, c.lora, key="critic.lora", task_type="TOKEN_CLS")
+        model = apply_lora(model, c.lora, key="critic.lora", task_type="TOKEN_CLS", seed=cfg.seed)
     if a.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False

@@ -60,7 +60,7 @@ def load_causal_lm(path: str, actor: ActorConfig, *, key: str = "actor.path", tr
     if actor.disable_dropout:
         disable_dropout(model)
     if trainable and actor.lora is not None:
-        model = apply_lora(model, actor.lora)
+        model = apply_lora(model, actor.lora, seed=seed)
     if trainable and actor.trainable_map:
         apply_trainable_map(model, actor.trainable_map)
     if trainable:
@@ -109,12 +109,13 @@ def is_lora(model: torch.nn.Module) -> bool:
 
 
 def apply_lora(model: torch.nn.Module, lora: LoRAConfig, *, key: str = "actor.lora",
-               task_type: str = "CAUSAL_LM") -> torch.nn.Module:
+               task_type: str = "CAUSAL_LM", seed: int = 1) -> torch.nn.Module:
     """Wrap `model` with a peft LoRA adapter: only the adapter's A/B matrices require grad, and the modules of
     `modules_to_save` (and, for peft's TOKEN_CLS task of a value model, the scalar head), which peft trains in full.
 
     A target, a modules_to_save name or a rank/alpha pattern that matches no module is a ConfigError
-    naming the ones there are (peft matches a name against the end of each module's dotted path).
+    naming the ones there are (peft matches a name against the end of each module's dotted path). The A matrices'
+    random init draws from `seed`: the same on every rank (FSDP2 keeps each rank's shard of it, broadcasting none).
     """
     from peft import LoraConfig, get_peft_model
 
@@ -134,7 +135,9 @@ def apply_lora(model: torch.nn.Module, lora: LoRAConfig, *, key: str = "actor.lo
                         task_type=task_type, rank_pattern=dict(lora.rank_pattern),
                         alpha_pattern=dict(lora.alpha_pattern), modules_to_save=list(lora.modules_to_save) or None,
                         init_lora_weights=lora.init_lora_weights)
-    return get_peft_model(model, config)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return get_peft_model(model, config)
 
 
 def _check_lora_extras(model: torch.nn.Module, lora: LoRAConfig, key: str, linear: list[str]) -> None:
