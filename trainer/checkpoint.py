@@ -49,6 +49,7 @@ from rlstream.common.tracing import span
 from rlstream.trainer.expert_parallel import hf_state_dict
 from rlstream.trainer.offload import HostOffloadOptimizer
 from rlstream.trainer.parallel import Parallel
+from rlstream.trainer.weights.params import is_sharded
 
 __all__ = ["TrainState", "RankState", "Part", "Checkpointer", "CheckpointManager", "Schedule"]
 
@@ -113,12 +114,6 @@ def _dedup_shared(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor],
             seen[key] = k
         out[k] = v.contiguous()
     return out, aliases
-
-
-def _sharded(module: torch.nn.Module) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def _whole_peft_copy(module: torch.nn.Module, sd: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -291,7 +286,7 @@ class Checkpointer:
         from rlstream.trainer.model import is_lora
 
         lora = is_lora(module)
-        if lora and _sharded(module):  # FSDP2 / split parameters: a whole copy of the peft model, on rank 0
+        if lora and is_sharded(module):  # FSDP2 / split parameters: a whole copy of the peft model, on rank 0
             sd = self._model_state(model)
             module, sd = (_whole_peft_copy(module, sd) if self.par.is_main else module), None
         else:
