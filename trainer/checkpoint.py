@@ -180,8 +180,9 @@ def _write_part(folder: Path, model_sd: dict[str, torch.Tensor], optim_sd: dict[
     _write_json(folder / "scheduler.json", scheduler.state_dict())
 
 
-def _load_part(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
-    """Restore what `_write_part` wrote (collective under FSDP)."""
+def _load_part(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
+               pipe: Any = None) -> None:
+    """Restore what `_write_part` wrote (collective under FSDP); a pipeline stage takes its part."""
     from safetensors import safe_open
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -192,6 +193,8 @@ def _load_part(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     for alias, target in aliases.items():
         model_sd[alias] = model_sd[target]
     opts = StateDictOptions(full_state_dict=True)
+    if pipe is not None:
+        model_sd = pipe.local_model_state(model, model_sd)
     set_model_state_dict(model, model_sd, options=opts)
     if isinstance(optimizer, HostOffloadOptimizer):
         optimizer.reload_weights()  # its host master copy takes the weights just loaded, before any step copies back
@@ -205,6 +208,8 @@ def _load_part(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         _, pname_key = key.split("/", 1)
         pname, k = pname_key.rsplit("/", 1)
         optim_sd["state"].setdefault(pname, {})[k] = t
+    if pipe is not None:
+        optim_sd = pipe.local_optimizer_state(model, optim_sd)
     for group in optim_sd["param_groups"]:
         if "betas" in group:
             group["betas"] = tuple(group["betas"])
@@ -251,14 +256,19 @@ class Checkpointer:
         """Full (unsharded) CPU state dict on rank 0 (collective under FSDP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        pipe = self.par.pipeline  # stages: each rank's whole stage, then all of them on rank 0
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=pipe is None))
         # Non-tensor extra state (megatron-core's local linears report None) has nothing to save.
-        return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+        return sd if pipe is None else pipe.gather(sd)[0]
 
     def _optim_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        pipe = self.par.pipeline
+        osd = get_optimizer_state_dict(model, optimizer,
+                                       options=StateDictOptions(full_state_dict=True, cpu_offload=pipe is None))
+        return osd if pipe is None else pipe.gather_optimizer(osd)
 
     # ------------------------------------------------------------------ HF export
     def _tokenizer_obj(self) -> Any:
@@ -291,6 +301,8 @@ class Checkpointer:
             module, sd = (_whole_peft_copy(module, sd) if self.par.is_main else module), None
         else:
             sd = None if lora else hf_state_dict(module, self._model_state(model))  # LoRA: the same on every rank
+            if sd is not None and self.par.pipeline is not None:
+                sd = self.par.pipeline.drop_tied_head(sd)
         if self.par.is_main:
             self.wait()
             if background and not lora and name != "final":
@@ -417,9 +429,9 @@ class Checkpointer:
                              f"actor.optimizer.type={expect_optimizer}: resume with the same optimizer, "
                              "or start a new trial_name")
         _check_parts(path, extra or {})
-        _load_part(path, model, optimizer, scheduler)
+        _load_part(path, model, optimizer, scheduler, self.par.pipeline)
         for name, part in (extra or {}).items():
-            _load_part(path / name, part.model, part.optimizer, part.scheduler)
+            _load_part(path / name, part.model, part.optimizer, part.scheduler, self.par.pipeline)
 
         rank_state = None
         r = self.par.rank

@@ -56,12 +56,14 @@ def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The model's LM head when the chunked path computes exactly what the model's own logits are, else None.
 
     Needs a plain `nn.Linear` head (a peft-wrapped or quantised head computes more than `h @ W.T + b`),
-    no logit post-processing in the model's forward (softcapping, logit scales), and a head weight that
-    is a whole tensor outside the forward (FSDP2 reshards it after the forward).
+    no logit post-processing in the model's forward (softcapping, logit scales), a head weight that
+    is a whole tensor outside the forward (FSDP2 reshards it after the forward), and no pipeline stages.
     """
     inner = getattr(model, "module", model)  # DDP
     get_base = getattr(inner, "get_base_model", None)  # peft
     base = get_base() if callable(get_base) else inner
+    if getattr(base, "_rls_pipeline", None) is not None:  # the head is on the last stage only: all ranks alike
+        return None
     get_head = getattr(base, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
     if type(head) is not torch.nn.Linear or any(type(m).__name__.startswith("FSDP") for m in (inner, base, head)):

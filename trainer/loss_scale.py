@@ -15,6 +15,7 @@ path that saves and restores the optimizer (recover checkpoints, trainer/checkpo
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
@@ -82,7 +83,8 @@ def loss_scaler(optimizer: torch.optim.Optimizer) -> DynamicLossScaler | None:
     return getattr(optimizer, "loss_scaler", None)
 
 
-def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float) -> tuple[float, bool]:
+def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], max_norm: float,
+                  reduce_squares: Callable[[float], float] | None = None) -> tuple[float, bool]:
     """Unscale (float16), clip to `max_norm` and step: (the unclipped grad norm, skipped).
 
     A non-finite norm (inf/nan gradients) skips the step: the gradients are dropped and the parameters and
@@ -91,7 +93,7 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     scaler = loss_scaler(optimizer)
     if scaler is not None:
         scaler.unscale_(params)
-    grad_norm = clip_grad_norm(params, max_norm)
+    grad_norm = clip_grad_norm(params, max_norm, reduce_squares)
     skipped = not math.isfinite(grad_norm)
     if skipped:
         optimizer.zero_grad(set_to_none=True)
@@ -102,22 +104,26 @@ def clip_and_step(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], 
     return grad_norm, skipped
 
 
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+def clip_grad_norm(params: list[torch.Tensor], max_norm: float,
+                   reduce_squares: Callable[[float], float] | None = None) -> float:
     """torch's clip_grad_norm_ (the total 2-norm before clipping), also over gradients that are plain tensors and
     DTensors of different meshes at once (tensor parallelism: split projections beside whole norms and embeddings,
-    FSDP2 on top: 2-D and 1-D meshes), whose norms torch stacks into one tensor and so refuses to mix."""
+    FSDP2 on top: 2-D and 1-D meshes), whose norms torch stacks into one tensor and so refuses to mix.
+    `reduce_squares` turns this rank's squared norm into the whole model's (pipeline stages hold parts of it)."""
     grads = [p.grad for p in params if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = {}
     for g in grads:
         spec = getattr(g, "_spec", None)
         groups.setdefault((spec.mesh, spec.placements) if spec is not None else None, []).append(g)
-    if len(groups) <= 1:
+    if len(groups) <= 1 and reduce_squares is None:
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
     squares = 0.0
     for group in groups.values():
         norm = torch.nn.utils.get_total_norm(group, 2.0)
         squares += float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm) ** 2
+    if reduce_squares is not None:
+        squares = reduce_squares(squares)
     total = math.sqrt(squares)
     coef = max_norm / (total + 1e-6)  # torch's clip coefficient
     if math.isfinite(total) and coef < 1.0:

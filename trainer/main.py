@@ -162,7 +162,8 @@ def train(cfg: Config) -> None:
     cfg = resolve_model_paths(cfg)  # prepared model names and cached hub ids -> folders (before any rank work)
     par = init_parallel(cfg.actor.device, cfg.actor.parallel, tp=cfg.actor.fsdp.tensor_parallel,
                         cp=cfg.actor.context_parallel, ep=cfg.actor.expert_parallel,
-                        moe_token_dispatcher=cfg.actor.moe_token_dispatcher, sp=cfg.actor.fsdp.sequence_parallel)
+                        moe_token_dispatcher=cfg.actor.moe_token_dispatcher, sp=cfg.actor.fsdp.sequence_parallel,
+                        pp=cfg.actor.fsdp.pipeline_parallel)
     configure(cfg, "trainer", f"rank{par.rank}" if par.world_size > 1 else None)
     ok = False
     try:
@@ -334,12 +335,13 @@ def _build_actor(cfg: Config, par: Parallel, total_steps: int) -> tuple[PPOActor
     """The policy wrapped for the ranks, the reference model when a KL term needs one, the
     optimizer and its schedule; and the vocabulary size the reader checks token ids against."""
     module = load_model(cfg.actor.path, cfg.actor, par.device, init_from_scratch=cfg.actor.init_from_scratch,
-                        seed=cfg.seed)
+                        seed=cfg.seed, pipeline=par.pipeline)
     vocab_size = module.get_input_embeddings().num_embeddings
     pad_token_id = module.config.pad_token_id if module.config.pad_token_id is not None else 0
     ref = None
     if cfg.actor.kl_ctl > 0:
-        ref = load_model(cfg.ref.path or cfg.actor.path, cfg.actor, par.device, key="ref.path", trainable=False)
+        ref = load_model(cfg.ref.path or cfg.actor.path, cfg.actor, par.device, key="ref.path", trainable=False,
+                         pipeline=par.pipeline)
     convert_to_fp8(module, cfg.actor, par.device)  # before compile and the wrap: torchao's FSDP2 recipe
     compile_blocks(module, cfg.actor)  # before the DDP/FSDP2 wrap, per block as torchtitan does
     model = par.wrap(module, cfg.actor.grad_reduce_dtype, cfg.actor.fsdp)

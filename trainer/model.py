@@ -12,6 +12,7 @@ Llama-3.2) stay tied: one parameter, trained and pushed once.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -90,15 +91,19 @@ def disable_dropout(model: torch.nn.Module) -> None:
 
 
 def load_model(path: str, actor: ActorConfig, device: torch.device, *, key: str = "actor.path",
-               trainable: bool = True, init_from_scratch: bool = False, seed: int = 1) -> torch.nn.Module:
-    """The policy (or reference) model of `actor.backend` on `device`."""
+               trainable: bool = True, init_from_scratch: bool = False, seed: int = 1,
+               pipeline: Any = None) -> torch.nn.Module:
+    """The policy (or reference) model of `actor.backend` on `device`; with a `pipeline`
+    (trainer/pipeline_parallel.py) only this rank's stage of it moves there."""
     if actor.backend == "megatron":
         from rlstream.trainer.megatron.backend import load_megatron_lm
 
         return load_megatron_lm(path, actor, device, key=key, trainable=trainable,
                                 init_from_scratch=init_from_scratch, seed=seed)
-    return load_causal_lm(path, actor, key=key, trainable=trainable, init_from_scratch=init_from_scratch,
-                          seed=seed).to(device)
+    model = load_causal_lm(path, actor, key=key, trainable=trainable, init_from_scratch=init_from_scratch, seed=seed)
+    if pipeline is not None:
+        pipeline.split(model)
+    return model.to(device)
 
 
 def is_lora(model: torch.nn.Module) -> bool:

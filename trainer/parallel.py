@@ -41,8 +41,10 @@ class Parallel:
     sp: bool = False  # sequence parallelism: the tensor-parallel ranks split the positions between their blocks
     cp: int = 1  # context-parallel (sequence-splitting) ranks per data-parallel rank
     ep: int = 1  # ranks dividing each layer's experts (a divisor of the world; each a data-parallel rank too)
+    pp: int = 1  # pipeline stages per data-parallel replica (trainer/pipeline_parallel.py)
+    pipeline: Any = None  # this rank's Pipeline when pp > 1
     moe_token_dispatcher: str = "alltoall"
-    mesh: Any = None  # the ("dp", "tp") or ("dp", "cp") DeviceMesh when tp or cp > 1, ("edp", "ep") when ep > 1
+    mesh: Any = None  # the ("dp", "tp"|"cp"|"pp") DeviceMesh when tp, cp or pp > 1, ("edp", "ep") when ep > 1
 
     @property
     def distributed(self) -> bool:
@@ -50,12 +52,12 @@ class Parallel:
 
     @property
     def peers(self) -> int:
-        """Ranks that train the same groups (a data-parallel rank's tensor- or context-parallel group)."""
-        return self.tp * self.cp
+        """Ranks that train the same groups (a data-parallel rank's tensor-, context-parallel or pipeline group)."""
+        return self.tp * self.cp * self.pp
 
     @property
     def peer_dim(self) -> str:
-        return "tp" if self.tp > 1 else "cp"
+        return "tp" if self.tp > 1 else "pp" if self.pp > 1 else "cp"
 
     @property
     def dp_size(self) -> int:
@@ -73,9 +75,9 @@ class Parallel:
     @property
     def syncs_gradients(self) -> bool:
         """Whether DDP / FSDP2 reduce gradients across ranks: over the data-parallel ranks (tensor parallel: a
-        rank's split parameters are its own), over every rank otherwise (context-parallel ranks hold parts of the
-        same sequences' gradients)."""
-        return (self.dp_size if self.tp > 1 else self.world_size) > 1
+        rank's split parameters, or a pipeline stage's layers, are its own), over every rank otherwise
+        (context-parallel ranks hold parts of the same sequences' gradients)."""
+        return (self.dp_size if self.tp > 1 or self.pp > 1 else self.world_size) > 1
 
     @property
     def is_main(self) -> bool:
@@ -107,6 +109,8 @@ class Parallel:
         # Experts a rank's tokens did not pick get no gradient in its backward (a one-token pass picks top-k of
         # them): DDP must find them, or its buckets launch on some ranks only (a collective mismatch).
         kwargs["find_unused_parameters"] = bool(moe_blocks(model))
+        if self.pp > 1:  # a stage's replicas
+            kwargs["process_group"] = self.mesh["dp"].get_group()
         ddp = DDP(model, broadcast_buffers=False, **kwargs)
         if reduce_dtype != "float32":
             ddp.register_comm_hook(getattr(torch, reduce_dtype), _compressed_allreduce)
@@ -161,7 +165,7 @@ class Parallel:
         shards over its second dimension and replicates over its first)."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        if self.tp > 1:  # FSDP2 over the data-parallel dimension of the (dp, tp) mesh
+        if self.tp > 1 or self.pp > 1:  # FSDP2 over the data-parallel dimension of the (dp, tp|pp) mesh
             return self.mesh["dp"]
         # (context and expert parallelism: every rank holds gradients of the same whole parameters, as in FSDP)
         shard = min(shard_size or self.world_size, self.world_size)
@@ -297,9 +301,10 @@ def _compressed_allreduce(dtype, bucket):  # no annotations: DDP checks them, an
 
 
 def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0, tp: int = 1,
-                  cp: int = 1, ep: int = 1, moe_token_dispatcher: str = "alltoall", sp: bool = False) -> Parallel:
-    """Join the default process group when launched by torchrun; pick the device; the (dp, tp), (dp, cp) or
-    (edp, ep) mesh."""
+                  cp: int = 1, ep: int = 1, moe_token_dispatcher: str = "alltoall", sp: bool = False,
+                  pp: int = 1) -> Parallel:
+    """Join the default process group when launched by torchrun; pick the device; the (dp, tp), (dp, cp),
+    (dp, pp) or (edp, ep) mesh."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -317,7 +322,8 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if not dist.is_initialized():
             dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    for key, n in (("actor.fsdp.tensor_parallel", tp), ("actor.context_parallel", cp), ("actor.expert_parallel", ep)):
+    for key, n in (("actor.fsdp.tensor_parallel", tp), ("actor.context_parallel", cp), ("actor.expert_parallel", ep),
+                   ("actor.fsdp.pipeline_parallel", pp)):
         if world % n:
             raise ConfigError(f"{key}={n} must divide the {world} trainer ranks "
                               "(launcher.n_trainer_procs, or torchrun's --nproc_per_node x nodes)")
@@ -326,13 +332,30 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh(dev.type, (world // ep, ep), mesh_dim_names=("edp", "ep"))
-    if tp > 1 or cp > 1:
+    if tp > 1 or cp > 1 or pp > 1:
         from torch.distributed.device_mesh import init_device_mesh
 
-        peers, dim = (tp, "tp") if tp > 1 else (cp, "cp")
+        peers, dim = (tp, "tp") if tp > 1 else (pp, "pp") if pp > 1 else (cp, "cp")
         mesh = init_device_mesh(dev.type, (world // peers, peers), mesh_dim_names=("dp", dim))
+    pipeline = _pipeline(rank, world, pp, dev, mesh) if pp > 1 else None
     return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode, tp=tp,
-                    sp=sp, cp=cp, ep=ep, moe_token_dispatcher=moe_token_dispatcher, mesh=mesh)
+                    sp=sp, cp=cp, ep=ep, pp=pp, pipeline=pipeline, moe_token_dispatcher=moe_token_dispatcher,
+                    mesh=mesh)
+
+
+def _pipeline(rank: int, world: int, pp: int, dev: torch.device, mesh: Any) -> Any:
+    """This rank's stage: consecutive ranks are a replica's stages; every rank makes every replica's group of its
+    first and last stage (new_group is collective over the world)."""
+    from rlstream.trainer.pipeline_parallel import Pipeline
+
+    tie_group = None
+    for first in range(0, world, pp):
+        group = dist.new_group([first, first + pp - 1])
+        if first == rank - rank % pp:
+            tie_group = group
+    replica = rank - rank % pp
+    return Pipeline(stages=pp, stage=rank % pp, ranks=list(range(replica, replica + pp)), device=dev,
+                    group=mesh["pp"].get_group(), tie_group=tie_group)
 
 
 def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp") -> list[torch.nn.Module]:

@@ -10,6 +10,7 @@ minibatch on all ranks, so it is multiplied by the world size (DDP/FSDP average 
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable, Iterator
 
 import torch
@@ -72,4 +73,8 @@ class MicroBatches:
         with span("trainer/optimizer"):
             self.par.reduce_expert_grads(model)
             self.par.replicate_partial_grads(model)
-            return clip_and_step(optimizer, list(model.parameters()), max_norm)
+            pipe, module = self.par.pipeline, self.par.unwrap(model)
+            if pipe is not None:  # each stage's part of the norm; the tied embeddings' two copies get one gradient
+                pipe.sum_tied_grads(module)
+            reduce = partial(pipe.norm_squares, model=module) if pipe is not None else None
+            return clip_and_step(optimizer, list(model.parameters()), max_norm, reduce)

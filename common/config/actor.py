@@ -124,6 +124,15 @@ class FSDPConfig(Section):
     that share of memory; each block's all-reduce becomes an all-gather before it and a reduce-scatter after (the
     same traffic). Rows are padded to a multiple of tensor_parallel. Needs tensor_parallel > 1 and a decoder of the
     Llama kind (layers, then a final norm)."""
+    pipeline_parallel: PositiveInt = 1
+    """Pipeline parallelism in the hf backend (cosmos-rl policy.parallelism.pp_size, Megatron's
+    pipeline_model_parallel_size): each data-parallel replica is this many consecutive ranks, each holding one stage
+    of the decoder's consecutive layers (the first also the embeddings, the last the final norm and LM head), so
+    about 1/pipeline_parallel of the weights, gradients, optimizer state and activations. Micro-batches go through the
+    stages one at a time (no overlap between stages: it saves memory, not time); checkpoints, exports and pushes
+    gather the stages on rank 0. DDP or FSDP2 over the n_trainer_procs / pipeline_parallel replicas. Needs a decoder
+    of the Llama kind with at least this many layers; not with tensor/context/expert parallelism, LoRA, a critic or
+    compile."""
 
 
 class LoRAConfig(Section):

@@ -275,9 +275,9 @@ def _check_optimizers(cfg: "Config") -> None:
 
 
 def _check_split(cfg: "Config") -> None:
-    """actor.fsdp.tensor_parallel / context_parallel / expert_parallel > 1 (the hf backend's 2-D FSDP2 + TP recipe,
-    Ulysses over packed rows, experts over groups of ranks), each without what it does not split, in groups that
-    divide the trainer ranks."""
+    """actor.fsdp.tensor_parallel / context_parallel / expert_parallel / pipeline_parallel > 1 (the hf backend's 2-D
+    FSDP2 + TP recipe, Ulysses over packed rows, experts over groups of ranks, layers in stages), each without what it
+    does not split, in groups that divide the trainer ranks."""
     a = cfg.actor
     common = {"actor.compile=true": a.compile}
     lora = {"actor.lora": a.lora is not None, "critic.lora": cfg.critic is not None and cfg.critic.lora is not None}
@@ -296,6 +296,12 @@ def _check_split(cfg: "Config") -> None:
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.context_parallel": a.context_parallel > 1,
             "actor.backend=megatron": a.backend == "megatron", **lora,
             "actor.optimizer.offload (its host masters are whole tensors)": a.optimizer.offload},
+        ("actor.fsdp.pipeline_parallel", a.fsdp.pipeline_parallel, "each data-parallel replica is {n} pipeline "
+                                                                   "stages"): {
+            "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.context_parallel": a.context_parallel > 1,
+            "actor.expert_parallel": a.expert_parallel > 1, **lora, "a critic section": cfg.critic is not None,
+            "actor.backend=megatron (its own actor.megatron.pipeline_parallel)": a.backend == "megatron",
+            "actor.fsdp.shard_size": a.fsdp.shard_size is not None},
     }
     if a.fsdp.sequence_parallel and a.fsdp.tensor_parallel == 1:
         raise ConfigError("actor.fsdp.sequence_parallel=true needs actor.fsdp.tensor_parallel > 1 (it splits the "

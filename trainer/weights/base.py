@@ -77,7 +77,8 @@ from rlstream.common.logging import get_logger
 from rlstream.common.weights.dist import run_in_thread
 from rlstream.trainer.weights.delta import DeltaBase
 from rlstream.trainer.weights.fleet import EngineFleet
-from rlstream.trainer.weights.params import ShardSync, WeightEntry, is_sharded, lora_scaling, weight_entries
+from rlstream.trainer.weights.params import (ShardSync, WeightEntry, is_sharded, lora_scaling, pipeline_entries,
+                                             weight_entries)
 
 __all__ = ["WeightBroadcaster", "NoneBroadcaster", "EngineBroadcaster", "TransferFailed", "TransferResult", "PushReport"]
 
@@ -244,8 +245,11 @@ class EngineBroadcaster(WeightBroadcaster):
     # ------------------------------------------------------------ push
 
     def push(self, model: torch.nn.Module, version: int) -> None:
-        sharded = is_sharded(model)
-        entries = weight_entries(model)
+        pipe = getattr(model, "_rls_pipeline", None)
+        if pipe is not None:  # pipeline stages: every stage's weights on rank 0, pushed from there
+            sharded, entries = False, pipeline_entries(model, pipe)
+        else:
+            sharded, entries = is_sharded(model), weight_entries(model)
         self.lora_scaling = lora_scaling(model)  # None unless only a LoRA adapter is pushed
         if self.rank != 0:
             if sharded:
@@ -311,7 +315,8 @@ class EngineBroadcaster(WeightBroadcaster):
                 self.current = version
                 self.in_sync = set(engines)
                 self.held -= self.in_sync
-                self._model, self._sharded = model, sharded
+                # catch-up reads the live model on rank 0: not when ranks hold parts of it (shards, stages)
+                self._model, self._sharded = model, sharded or getattr(model, "_rls_pipeline", None) is not None
                 report.engines = engines
                 if not engines:
                     log.warning("version %d published with no engine to update (none healthy among %s)", version,

@@ -10,6 +10,7 @@ device (gathering FSDP2 DTensors: a collective every trainer rank joins, which
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -97,6 +98,16 @@ def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
             full = f"{mod_name}.{bname}" if mod_name else bname
             out.append(WeightEntry(_clean_name(full), b, list(b.shape), b.dtype))
     return out
+
+
+def pipeline_entries(model: torch.nn.Module, pipe: Any) -> list[WeightEntry]:
+    """Rank 0: the weights of every pipeline stage of `model` (trainer/pipeline_parallel.py) as plain tensors, a
+    tied head left out as `weight_entries` leaves it; other ranks: none (collective: they send theirs)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    whole = pipe.drop_tied_head(pipe.gather({k: v for k, v in local.items() if isinstance(v, torch.Tensor)})[0])
+    return [WeightEntry(_clean_name(n), t, list(t.shape), t.dtype) for n, t in whole.items()]
 
 
 def _lora_entries(model: torch.nn.Module, adapter: str) -> list[WeightEntry]:

@@ -1,0 +1,338 @@
+"""Pipeline parallelism in the hf backend: a decoder's layers divided into consecutive stages over ranks.
+
+`actor.fsdp.pipeline_parallel` = P (cosmos-rl `policy.parallelism.pp_size`, Megatron's
+`pipeline_model_parallel_size`): P consecutive ranks of a data-parallel replica each hold one stage
+— stage 0 the embeddings and the first layers, the last stage the final layers, the final norm and
+the LM head — so each holds about 1/P of the weights, gradients and optimizer state, and of the
+activations. The model is split in place, without model code: a stage's other layers become
+pass-throughs, its input is the previous stage's hidden states (received in place of the embeddings)
+and the first layer after its own sends its output on. The last stage broadcasts the logits to its
+peers, so every rank of the replica computes the same loss and statistics with the trainer's own code;
+in backward each stage receives the gradient of its output from the next and sends that of its input
+to the previous one (custom autograd functions: the transfers happen where autograd reaches them).
+
+The stages run one micro-batch at a time in turn (forward through the stages, then backward back): a
+stage waits while the others compute, as Megatron with one micro-batch in flight does; memory, not
+speed, is what this splitting buys. Tied input/output embeddings are held by the first and the last
+stage, their gradients summed between the two (Megatron's embedding group). Checkpoints, HF exports
+and weight pushes gather every stage's tensors on rank 0 under the model's own names.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlstream.common.config import ConfigError
+from rlstream.common.logging import get_logger
+
+log = get_logger(__name__)
+
+__all__ = ["Pipeline", "stage_layers"]
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8,
+           torch.bool]
+_HEADER = 8  # dtype, ndim, up to six sizes
+
+
+def stage_layers(n_layers: int, stages: int) -> list[range]:
+    """Consecutive layers of each stage, the first stages taking one more when they do not divide evenly."""
+    base, extra = divmod(n_layers, stages)
+    out, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+# ---- point-to-point transfers of one tensor of any shape: a header, then the data ----------------------
+def _header(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    sizes = list(t.shape) + [0] * (_HEADER - 2 - t.dim())
+    return torch.tensor([_DTYPES.index(t.dtype), t.dim(), *sizes], dtype=torch.int64, device=device)
+
+
+def _from_header(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+    code, ndim, *sizes = h.tolist()
+    return torch.empty(sizes[:ndim], dtype=_DTYPES[code], device=device)
+
+
+def _send(t: torch.Tensor, dst: int, device: torch.device) -> None:
+    dist.send(_header(t, device), dst)
+    dist.send(t.detach().contiguous().to(device), dst)
+
+
+def _recv(src: int, device: torch.device) -> torch.Tensor:
+    h = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(h, src)
+    buf = _from_header(h, device)
+    dist.recv(buf, src)
+    return buf
+
+
+def _broadcast(t: torch.Tensor | None, src: int, group: Any, device: torch.device) -> torch.Tensor:
+    h = _header(t, device) if t is not None else torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.broadcast(h, src, group=group)
+    buf = t.detach().contiguous() if t is not None else _from_header(h, device)
+    dist.broadcast(buf, src, group=group)
+    return buf
+
+
+# ---- autograd across stages --------------------------------------------------------------------------
+class _FromPrevious(torch.autograd.Function):
+    """The previous stage's hidden states; backward sends their gradient back to it."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, pipe: "Pipeline") -> torch.Tensor:
+        ctx.pipe = pipe
+        return _recv(pipe.prev_rank, pipe.device)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        _send(grad, ctx.pipe.prev_rank, ctx.pipe.device)
+        return None, None
+
+
+class _ToNext(torch.autograd.Function):
+    """Sends this stage's output on; backward returns the gradient the next stage sends back."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, pipe: "Pipeline") -> torch.Tensor:
+        ctx.pipe = pipe
+        _send(hidden, pipe.next_rank, pipe.device)
+        return hidden.new_zeros(hidden.shape)  # what flows on to the remote head: only its shape is read
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        return _recv(ctx.pipe.next_rank, ctx.pipe.device), None
+
+
+class _LogitsFromLast(torch.autograd.Function):
+    """The last stage's logits; backward reaches this stage's own layers through `_ToNext` (a zero gradient)."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, pipe: "Pipeline") -> torch.Tensor:
+        ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
+        return _broadcast(None, pipe.last_rank, pipe.group, pipe.device)
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        return torch.zeros(ctx.shape, dtype=ctx.dtype, device=_grad.device), None
+
+
+class _StageInput(torch.nn.Module):
+    """In place of the embeddings on stages after the first."""
+
+    def __init__(self, pipe: "Pipeline", num_embeddings: int) -> None:
+        super().__init__()
+        self.pipe, self.num_embeddings = pipe, num_embeddings
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        anchor = torch.empty(0, device=self.pipe.device, requires_grad=torch.is_grad_enabled())
+        return _FromPrevious.apply(anchor, self.pipe)
+
+
+class _PassThrough(torch.nn.Module):
+    """A layer of another stage."""
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return hidden_states
+
+
+class _StageOutput(_PassThrough):
+    """The first layer after this stage's: hands the hidden states to the next stage."""
+
+    def __init__(self, pipe: "Pipeline") -> None:
+        super().__init__()
+        self.pipe = pipe
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        return _ToNext.apply(hidden_states, self.pipe)
+
+
+class _RemoteHead(torch.nn.Module):
+    """In place of the LM head on stages before the last: the logits the last stage broadcasts."""
+
+    def __init__(self, pipe: "Pipeline", out_features: int) -> None:
+        super().__init__()
+        self.pipe, self.out_features = pipe, out_features
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return _LogitsFromLast.apply(hidden, self.pipe)
+
+
+@dataclass
+class Pipeline:
+    """This rank's place in its replica's pipeline: stage `stage` of `stages`, the replica's ranks by stage."""
+
+    stages: int
+    stage: int
+    ranks: list[int]
+    device: torch.device
+    group: Any = None  # the replica's pipeline ranks (logits broadcast)
+    tie_group: Any = None  # first and last stage (tied embeddings' gradients)
+    tied: bool = False  # the model ties its input and output embeddings (set by `split`)
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    @property
+    def prev_rank(self) -> int:
+        return self.ranks[self.stage - 1]
+
+    @property
+    def next_rank(self) -> int:
+        return self.ranks[self.stage + 1]
+
+    @property
+    def last_rank(self) -> int:
+        return self.ranks[-1]
+
+    @property
+    def gathers(self) -> bool:
+        """Whether this rank's replica is the one whose stages gather the weights on rank 0 (the first)."""
+        return self.ranks[0] == 0
+
+    # ---- the split ---------------------------------------------------------------------------
+    def split(self, model: torch.nn.Module, key: str = "actor.fsdp.pipeline_parallel") -> None:
+        """Keep this stage's part of an HF causal LM, in place (before it moves to its device)."""
+        decoder, head = _parts(model, key)
+        layers = decoder.layers
+        if len(layers) < self.stages:
+            raise ConfigError(f"{key}={self.stages}: the model has {len(layers)} decoder layers, fewer than stages")
+        own = stage_layers(len(layers), self.stages)[self.stage]
+        embed = decoder.embed_tokens
+        self.tied = head.weight is embed.weight
+        for i in range(len(layers)):
+            if i not in own:
+                layers[i] = _StageOutput(self) if i == own.stop and not self.last else _PassThrough()
+        if not self.first:
+            decoder.embed_tokens = _StageInput(self, embed.num_embeddings)
+        if not self.last:
+            decoder.norm = torch.nn.Identity()
+            model.lm_head = _RemoteHead(self, head.out_features)
+        else:
+            head.register_forward_hook(self._share_logits)
+        model._rls_pipeline = self
+        log.info("pipeline stage %d of %d: decoder layers %d-%d%s%s, %.1fM parameters", self.stage, self.stages,
+                 own.start, own.stop - 1, ", the embeddings" if self.first else "",
+                 ", the final norm and LM head" if self.last else "", sum(p.numel() for p in model.parameters()) / 1e6)
+
+    def _share_logits(self, _module, _args, logits: torch.Tensor) -> None:
+        _broadcast(logits, self.last_rank, self.group, self.device)
+
+    # ---- gradients ------------------------------------------------------------------------------
+    def tied_param(self, model: torch.nn.Module) -> torch.nn.Parameter | None:
+        """This stage's copy of tied embeddings, when it holds one and another stage holds the other."""
+        if not self.tied or self.stages == 1 or not (self.first or self.last):
+            return None
+        return model.get_input_embeddings().weight if self.first else model.lm_head.weight
+
+    def sum_tied_grads(self, model: torch.nn.Module) -> None:
+        """The first and the last stage's gradients of the tied embeddings, summed on both."""
+        p = self.tied_param(model)
+        if p is None or p.grad is None:
+            return
+        g = p.grad._local_tensor if hasattr(p.grad, "_local_tensor") else p.grad
+        dist.all_reduce(g, group=self.tie_group)
+
+    def norm_squares(self, squares: float, model: torch.nn.Module) -> float:
+        """The squared gradient norm over every stage from this stage's (`squares`), the tied copy counted once."""
+        if self.last and self.tied_param(model) is not None and self.tied_param(model).grad is not None:
+            g = self.tied_param(model).grad
+            n = torch.linalg.vector_norm(g.full_tensor() if hasattr(g, "full_tensor") else g, dtype=torch.float64)
+            squares -= float(n) ** 2
+        t = torch.tensor([squares], dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.group)
+        return float(t)
+
+    # ---- whole tensors on rank 0 ----------------------------------------------------------------
+    def gather(self, local: dict[str, torch.Tensor], extra: Any = None) -> tuple[dict[str, torch.Tensor], list]:
+        """Rank 0: every stage's tensors (its own first) on the CPU and every stage's JSON-able `extra`; elsewhere
+        ({}, []). A collective of the first replica's stages; the other replicas hold the same and return at once."""
+        if not self.gathers:
+            return {}, []
+        if not self.first:
+            meta = json.dumps({"names": list(local), "extra": extra}).encode()
+            _send(torch.frombuffer(bytearray(meta), dtype=torch.uint8), self.ranks[0], self.device)
+            for t in local.values():
+                _send(t, self.ranks[0], self.device)
+            return {}, []
+        out, extras = {k: v.cpu() for k, v in local.items()}, [extra]
+        for src in self.ranks[1:]:
+            meta = json.loads(_recv(src, self.device).cpu().numpy().tobytes())
+            extras.append(meta["extra"])
+            for name in meta["names"]:
+                out[name] = _recv(src, self.device).cpu()
+        return out, extras
+
+    def gather_optimizer(self, osd: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0: the stages' full optimizer state dicts (keyed by parameter names) merged into one."""
+        tensors, rest = {}, {"state": {}, "param_groups": osd.get("param_groups", [])}
+        for name, state in osd.get("state", {}).items():
+            rest["state"][name] = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
+            tensors.update({f"{name}\x00{k}": v for k, v in state.items() if isinstance(v, torch.Tensor)})
+        tensors, stage_rests = self.gather(tensors, rest)
+        if not stage_rests:
+            return {}
+        merged: dict[str, Any] = {"state": {}, "param_groups": [dict(g, params=[]) for g in rest["param_groups"]]}
+        for stage_rest in stage_rests:
+            merged["state"].update(stage_rest["state"])
+            for group, theirs in zip(merged["param_groups"], stage_rest["param_groups"]):
+                group["params"] += theirs["params"]
+        for key, t in tensors.items():
+            name, k = key.split("\x00")
+            merged["state"].setdefault(name, {})[k] = t
+        return merged
+
+    def local_model_state(self, model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This stage's part of a whole model's state dict (a tied head takes the embeddings when it is missing)."""
+        names = set(getattr(model, "module", model).state_dict())
+        if self.tied and _HEAD not in full and _EMBED in full:
+            full = dict(full, **{_HEAD: full[_EMBED]})
+        return {k: v for k, v in full.items() if k in names}
+
+    def local_optimizer_state(self, model: torch.nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
+        """This stage's part of a whole optimizer state dict (keyed by parameter names)."""
+        names = set(getattr(model, "module", model).state_dict())
+        alias = {_HEAD: _EMBED} if self.tied and _HEAD in names and _HEAD not in osd["state"] else {}
+        state = {k: v for k, v in osd["state"].items() if k in names}
+        state.update({k: osd["state"][src] for k, src in alias.items() if src in osd["state"]})
+        rename = {src: k for k, src in alias.items()}
+        groups = [dict(g, params=[n for n in (rename.get(p, p) for p in g["params"]) if n in names])
+                  for g in osd["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    def drop_tied_head(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A gathered state dict as the whole model's HF export and push name it: a tied head is not a tensor."""
+        return {k: v for k, v in sd.items() if k != _HEAD} if self.tied else sd
+
+
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _parts(model: torch.nn.Module, key: str) -> tuple[torch.nn.Module, torch.nn.Linear]:
+    """The decoder (embed_tokens, layers, norm) and LM head of a Llama-kind causal LM, or one line saying why not."""
+    import transformers
+
+    decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if not all(hasattr(decoder, a) for a in ("embed_tokens", "layers", "norm")) or type(head) is not torch.nn.Linear:
+        raise ConfigError(f"{key}: {type(model).__name__} is not a decoder of the Llama kind (model.embed_tokens, "
+                          "model.layers, model.norm, lm_head); pipeline stages split those")
+    if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 56):
+        raise ConfigError(f"{key}: needs transformers >= 4.56 (decoder layers that return their hidden states)")
+    cfg = model.config
+    if any(getattr(cfg, k, None) not in (None, 1, 1.0) for k in ("final_logit_softcapping", "logit_scale",
+                                                                   "logits_scaling")):
+        raise ConfigError(f"{key}: {type(model).__name__} post-processes its logits; pipeline stages broadcast the "
+                          "LM head's output")
+    return decoder, head
