@@ -116,8 +116,8 @@ def markdown(r: dict) -> str:
             ("tensor + sequence parallel, 2 ranks", r["sequence"])]
     lines = [SECTION,
              f"`sequence_parallel.py`: Llama, hidden {r['hidden']}, {r['layers']} layers, 8 heads, one packed row of "
-             f"{r['tokens']} tokens (sequences of 512), fp32,",
-             "chunked-head logprobs, forward + backward; ranks over gloo, 1 thread each, same run.", "",
+             f"{r['tokens']} tokens (sequences of 512), fp32, chunked-head logprobs, forward + backward; gloo ranks, "
+             "1 thread each, same run.", "",
              "| layout | kept for backward per rank | vs one process | forward + backward s | vs one process |",
              "|---|---:|---:|---:|---:|"]
     for name, m in rows:

@@ -163,7 +163,7 @@ def train(cfg: Config) -> None:
     par = init_parallel(cfg.actor.device, cfg.actor.parallel, tp=cfg.actor.fsdp.tensor_parallel,
                         cp=cfg.actor.context_parallel, ep=cfg.actor.expert_parallel,
                         moe_token_dispatcher=cfg.actor.moe_token_dispatcher, sp=cfg.actor.fsdp.sequence_parallel,
-                        pp=cfg.actor.fsdp.pipeline_parallel)
+                        pp=cfg.actor.fsdp.pipeline_parallel, pp_chunks=cfg.actor.fsdp.virtual_pipeline_stages)
     configure(cfg, "trainer", f"rank{par.rank}" if par.world_size > 1 else None)
     ok = False
     try:

@@ -302,7 +302,7 @@ def _compressed_allreduce(dtype, bucket):  # no annotations: DDP checks them, an
 
 def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 1800.0, tp: int = 1,
                   cp: int = 1, ep: int = 1, moe_token_dispatcher: str = "alltoall", sp: bool = False,
-                  pp: int = 1) -> Parallel:
+                  pp: int = 1, pp_chunks: int = 1) -> Parallel:
     """Join the default process group when launched by torchrun; pick the device; the (dp, tp), (dp, cp),
     (dp, pp) or (edp, ep) mesh."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -337,13 +337,13 @@ def init_parallel(device: str = "auto", mode: str = "ddp", timeout_s: float = 18
 
         peers, dim = (tp, "tp") if tp > 1 else (pp, "pp") if pp > 1 else (cp, "cp")
         mesh = init_device_mesh(dev.type, (world // peers, peers), mesh_dim_names=("dp", dim))
-    pipeline = _pipeline(rank, world, pp, dev, mesh) if pp > 1 else None
+    pipeline = _pipeline(rank, world, pp, pp_chunks, dev, mesh) if pp > 1 else None
     return Parallel(rank=rank, world_size=world, local_rank=local, device=dev, backend=backend, mode=mode, tp=tp,
                     sp=sp, cp=cp, ep=ep, pp=pp, pipeline=pipeline, moe_token_dispatcher=moe_token_dispatcher,
                     mesh=mesh)
 
 
-def _pipeline(rank: int, world: int, pp: int, dev: torch.device, mesh: Any) -> Any:
+def _pipeline(rank: int, world: int, pp: int, chunks: int, dev: torch.device, mesh: Any) -> Any:
     """This rank's stage: consecutive ranks are a replica's stages; every rank makes every replica's group of its
     first and last stage (new_group is collective over the world)."""
     from rlstream.trainer.pipeline_parallel import Pipeline
@@ -355,7 +355,7 @@ def _pipeline(rank: int, world: int, pp: int, dev: torch.device, mesh: Any) -> A
             tie_group = group
     replica = rank - rank % pp
     return Pipeline(stages=pp, stage=rank % pp, ranks=list(range(replica, replica + pp)), device=dev,
-                    group=mesh["pp"].get_group(), tie_group=tie_group)
+                    group=mesh["pp"].get_group(), tie_group=tie_group, chunks=chunks)
 
 
 def fsdp_units(model: torch.nn.Module, fsdp: FSDPConfig, key: str = "actor.fsdp") -> list[torch.nn.Module]:

@@ -4,17 +4,20 @@
 `pipeline_model_parallel_size`): P consecutive ranks of a data-parallel replica each hold one stage
 — stage 0 the embeddings and the first layers, the last stage the final layers, the final norm and
 the LM head — so each holds about 1/P of the weights, gradients and optimizer state, and of the
-activations. The model is split in place, without model code: a stage's other layers become
-pass-throughs, its input is the previous stage's hidden states (received in place of the embeddings)
-and the first layer after its own sends its output on. The last stage broadcasts the logits to its
-peers, so every rank of the replica computes the same loss and statistics with the trainer's own code;
-in backward each stage receives the gradient of its output from the next and sends that of its input
-to the previous one (custom autograd functions: the transfers happen where autograd reaches them).
+activations. With `virtual_pipeline_stages` = V (Megatron's virtual_pipeline_model_parallel_size) the
+layers form P x V chunks and stage s holds chunks s, s + P, ... (Megatron's interleaved assignment).
+The model is split in place, without model code: another stage's layers become slots that pass the
+hidden states through, except where this stage's hidden states leave (after one of its chunks) or
+arrive (before one); the last stage broadcasts the logits to its peers, so every rank of the replica
+computes the same loss and statistics with the trainer's own code. In backward each stage receives the
+gradient of what left from the next stage and sends that of what arrived to the previous one (custom
+autograd functions: the transfers happen where autograd reaches them).
 
 The stages run one micro-batch at a time in turn (forward through the stages, then backward back): a
 stage waits while the others compute, as Megatron with one micro-batch in flight does; memory, not
-speed, is what this splitting buys. Tied input/output embeddings are held by the first and the last
-stage, their gradients summed between the two (Megatron's embedding group). Checkpoints, HF exports
+speed, is what this splitting buys (so virtual stages add transfers and save nothing here: they exist
+so a Megatron layout runs as configured). Tied input/output embeddings are held by the first and the
+last stage, their gradients summed between the two (Megatron's embedding group). Checkpoints, HF exports
 and weight pushes gather every stage's tensors on rank 0 under the model's own names.
 """
 
@@ -83,36 +86,30 @@ def _broadcast(t: torch.Tensor | None, src: int, group: Any, device: torch.devic
 
 
 # ---- autograd across stages --------------------------------------------------------------------------
-class _FromPrevious(torch.autograd.Function):
-    """The previous stage's hidden states; backward sends their gradient back to it."""
+class _Handoff(torch.autograd.Function):
+    """At a layer slot of another stage: sends this stage's hidden states on (`send`) and/or takes the previous
+    stage's (`recv`); backward sends the gradient of what arrived back and takes that of what left. What leaves
+    and arrives nowhere flows on as zeros of its shape: it keeps autograd's path to this stage's layers."""
 
     @staticmethod
-    def forward(ctx, anchor: torch.Tensor, pipe: "Pipeline") -> torch.Tensor:
-        ctx.pipe = pipe
-        return _recv(pipe.prev_rank, pipe.device)
+    def forward(ctx, hidden: torch.Tensor, pipe: "Pipeline", send: bool, recv: bool) -> torch.Tensor:
+        ctx.pipe, ctx.send, ctx.recv, ctx.shape, ctx.dtype = pipe, send, recv, hidden.shape, hidden.dtype
+        if send:
+            _send(hidden, pipe.next_rank, pipe.device)
+        return _recv(pipe.prev_rank, pipe.device) if recv else hidden.new_zeros(hidden.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        _send(grad, ctx.pipe.prev_rank, ctx.pipe.device)
-        return None, None
-
-
-class _ToNext(torch.autograd.Function):
-    """Sends this stage's output on; backward returns the gradient the next stage sends back."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor, pipe: "Pipeline") -> torch.Tensor:
-        ctx.pipe = pipe
-        _send(hidden, pipe.next_rank, pipe.device)
-        return hidden.new_zeros(hidden.shape)  # what flows on to the remote head: only its shape is read
-
-    @staticmethod
-    def backward(ctx, _grad: torch.Tensor):
-        return _recv(ctx.pipe.next_rank, ctx.pipe.device), None
+        pipe = ctx.pipe
+        if ctx.recv:
+            _send(grad, pipe.prev_rank, pipe.device)
+        back = _recv(pipe.next_rank, pipe.device) if ctx.send else torch.zeros(ctx.shape, dtype=ctx.dtype,
+                                                                                device=grad.device)
+        return back, None, None, None
 
 
 class _LogitsFromLast(torch.autograd.Function):
-    """The last stage's logits; backward reaches this stage's own layers through `_ToNext` (a zero gradient)."""
+    """The last stage's logits; backward reaches this stage's own layers through `_Handoff` (a zero gradient)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, pipe: "Pipeline") -> torch.Tensor:
@@ -124,16 +121,18 @@ class _LogitsFromLast(torch.autograd.Function):
         return torch.zeros(ctx.shape, dtype=ctx.dtype, device=_grad.device), None
 
 
-class _StageInput(torch.nn.Module):
-    """In place of the embeddings on stages after the first."""
+class _NoEmbeddings(torch.nn.Module):
+    """In place of the embeddings on stages after the first: zeros of their shape (the first hidden states this
+    stage computes on arrive at a layer slot)."""
 
-    def __init__(self, pipe: "Pipeline", num_embeddings: int) -> None:
+    def __init__(self, embed: torch.nn.Embedding) -> None:
         super().__init__()
-        self.pipe, self.num_embeddings = pipe, num_embeddings
+        self.num_embeddings, self.embedding_dim, self.dtype = embed.num_embeddings, embed.embedding_dim, \
+            embed.weight.dtype
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        anchor = torch.empty(0, device=self.pipe.device, requires_grad=torch.is_grad_enabled())
-        return _FromPrevious.apply(anchor, self.pipe)
+        return torch.zeros(*input_ids.shape, self.embedding_dim, dtype=self.dtype, device=input_ids.device,
+                           requires_grad=torch.is_grad_enabled())
 
 
 class _PassThrough(torch.nn.Module):
@@ -143,15 +142,15 @@ class _PassThrough(torch.nn.Module):
         return hidden_states
 
 
-class _StageOutput(_PassThrough):
-    """The first layer after this stage's: hands the hidden states to the next stage."""
+class _Slot(_PassThrough):
+    """A layer of another stage where this stage's hidden states leave (after its chunk) or arrive (before one)."""
 
-    def __init__(self, pipe: "Pipeline") -> None:
+    def __init__(self, pipe: "Pipeline", send: bool, recv: bool) -> None:
         super().__init__()
-        self.pipe = pipe
+        self.pipe, self.send, self.recv = pipe, send, recv
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        return _ToNext.apply(hidden_states, self.pipe)
+        return _Handoff.apply(hidden_states, self.pipe, self.send, self.recv)
 
 
 class _RemoteHead(torch.nn.Module):
@@ -175,6 +174,7 @@ class Pipeline:
     device: torch.device
     group: Any = None  # the replica's pipeline ranks (logits broadcast)
     tie_group: Any = None  # first and last stage (tied embeddings' gradients)
+    chunks: int = 1  # chunks of layers per stage (virtual stages, interleaved)
     tied: bool = False  # the model ties its input and output embeddings (set by `split`)
 
     @property
@@ -186,12 +186,12 @@ class Pipeline:
         return self.stage == self.stages - 1
 
     @property
-    def prev_rank(self) -> int:
-        return self.ranks[self.stage - 1]
+    def prev_rank(self) -> int:  # (the last stage's, before a first stage's second chunk)
+        return self.ranks[(self.stage - 1) % self.stages]
 
     @property
     def next_rank(self) -> int:
-        return self.ranks[self.stage + 1]
+        return self.ranks[(self.stage + 1) % self.stages]
 
     @property
     def last_rank(self) -> int:
@@ -204,27 +204,34 @@ class Pipeline:
 
     # ---- the split ---------------------------------------------------------------------------
     def split(self, model: torch.nn.Module, key: str = "actor.fsdp.pipeline_parallel") -> None:
-        """Keep this stage's part of an HF causal LM, in place (before it moves to its device)."""
+        """Keep this stage's part of an HF causal LM, in place (before it moves to its device): its `chunks`
+        chunks of consecutive layers (chunk j of the stages x chunks is stage j mod stages': Megatron's interleaved
+        assignment), the embeddings on the first stage, the final norm and LM head on the last."""
         decoder, head = _parts(model, key)
         layers = decoder.layers
-        if len(layers) < self.stages:
-            raise ConfigError(f"{key}={self.stages}: the model has {len(layers)} decoder layers, fewer than stages")
-        own = stage_layers(len(layers), self.stages)[self.stage]
+        n = len(layers)
+        if n < self.stages * self.chunks:
+            raise ConfigError(f"{key}={self.stages}: the model has {n} decoder layers, fewer than stages"
+                              + (f" x {self.chunks} virtual stages" if self.chunks > 1 else ""))
+        owner = [j % self.stages for j, chunk in enumerate(stage_layers(n, self.stages * self.chunks)) for _ in chunk]
+        mine = [o == self.stage for o in owner]
         embed = decoder.embed_tokens
         self.tied = head.weight is embed.weight
-        for i in range(len(layers)):
-            if i not in own:
-                layers[i] = _StageOutput(self) if i == own.stop and not self.last else _PassThrough()
+        for i in range(n):
+            if not mine[i]:
+                send, recv = i > 0 and mine[i - 1], i + 1 < n and mine[i + 1]
+                layers[i] = _Slot(self, send, recv) if send or recv else _PassThrough()
         if not self.first:
-            decoder.embed_tokens = _StageInput(self, embed.num_embeddings)
+            decoder.embed_tokens = _NoEmbeddings(embed)
         if not self.last:
             decoder.norm = torch.nn.Identity()
             model.lm_head = _RemoteHead(self, head.out_features)
         else:
             head.register_forward_hook(self._share_logits)
+        own = [i for i in range(n) if mine[i]]
         model._rls_pipeline = self
-        log.info("pipeline stage %d of %d: decoder layers %d-%d%s%s, %.1fM parameters", self.stage, self.stages,
-                 own.start, own.stop - 1, ", the embeddings" if self.first else "",
+        log.info("pipeline stage %d of %d: decoder layers %s%s%s, %.1fM parameters", self.stage, self.stages,
+                 _spans(own), ", the embeddings" if self.first else "",
                  ", the final norm and LM head" if self.last else "", sum(p.numel() for p in model.parameters()) / 1e6)
 
     def _share_logits(self, _module, _args, logits: torch.Tensor) -> None:
@@ -318,6 +325,17 @@ class Pipeline:
 
 
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _spans(layers: list[int]) -> str:
+    """`0-3, 8-11` for the layers [0, 1, 2, 3, 8, 9, 10, 11]."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and runs[-1][1] == i - 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(f"{a}-{b}" for a, b in runs)
 
 
 def _parts(model: torch.nn.Module, key: str) -> tuple[torch.nn.Module, torch.nn.Linear]:

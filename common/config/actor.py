@@ -133,6 +133,12 @@ class FSDPConfig(Section):
     gather the stages on rank 0. DDP or FSDP2 over the n_trainer_procs / pipeline_parallel replicas. Needs a decoder
     of the Llama kind with at least this many layers; not with tensor/context/expert parallelism, LoRA, a critic or
     compile."""
+    virtual_pipeline_stages: PositiveInt = 1
+    """Chunks of layers per pipeline stage (Megatron's virtual_pipeline_model_parallel_size, ROLL's
+    virtual_pipeline_model_parallel_size): the layers form pipeline_parallel x this many chunks and stage s holds
+    chunks s, s + pipeline_parallel, ... (Megatron's interleaved layout). Megatron interleaves them to shorten its
+    schedule's idle time; here micro-batches go through the stages one at a time, so more chunks only add transfers
+    (the trained weights are the same). Needs pipeline_parallel > 1."""
 
 
 class LoRAConfig(Section):

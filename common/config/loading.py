@@ -303,6 +303,9 @@ def _check_split(cfg: "Config") -> None:
             "actor.backend=megatron (its own actor.megatron.pipeline_parallel)": a.backend == "megatron",
             "actor.fsdp.shard_size": a.fsdp.shard_size is not None},
     }
+    if a.fsdp.virtual_pipeline_stages > 1 and a.fsdp.pipeline_parallel == 1:
+        raise ConfigError("actor.fsdp.virtual_pipeline_stages > 1 needs actor.fsdp.pipeline_parallel > 1 (chunks of "
+                          "layers per pipeline stage)")
     if a.fsdp.sequence_parallel and a.fsdp.tensor_parallel == 1:
         raise ConfigError("actor.fsdp.sequence_parallel=true needs actor.fsdp.tensor_parallel > 1 (it splits the "
                           "positions between the tensor-parallel blocks over those ranks)")

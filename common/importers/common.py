@@ -9,7 +9,7 @@ from rlstream.common.importers.rules import Context, Convert, Drop, Table, get
 
 __all__ = ["HYDRA", "engine_arg", "dtype_of", "dtype_of_name", "off_or_value", "unless_off", "device_count",
            "EXPERT_PARALLEL", "TOKEN_DISPATCHER", "ROLLOUT_QUANTIZATION", "TENSOR_PARALLEL", "megatron_on_hf",
-           "sequence_parallel"]
+           "sequence_parallel", "pipeline_parallel", "virtual_pipeline"]
 
 # Hydra's composition keys: rlstream imports one resolved file.
 HYDRA: Table = {
@@ -84,10 +84,39 @@ EXPERT_PARALLEL = unless_off("actor.expert_parallel", "{value}: every rank holds
                              lambda v: v in (None, 0, 1), note="experts divided over every trainer rank")
 
 
-def megatron_on_hf(tensor_parallel: Any, expert_parallel: Any = 1) -> bool:
+def megatron_on_hf(tensor_parallel: Any, expert_parallel: Any = 1, pipeline_parallel: Any = 1) -> bool:
     """Whether a Megatron-strategy config trains in rlstream's hf backend: its megatron backend converts dense models
-    at tensor-parallel size 1; the hf backend splits layers over ranks (TP, sequence parallel) and experts (EP)."""
-    return int(tensor_parallel or 1) > 1 or int(expert_parallel or 1) > 1
+    at tensor- and pipeline-parallel size 1; the hf backend splits layers over ranks (TP, sequence parallel), experts
+    (EP) and layers into stages (PP)."""
+    return any(int(n or 1) > 1 for n in (tensor_parallel, expert_parallel, pipeline_parallel))
+
+
+def pipeline_parallel(tensor_parallel_key: str, expert_parallel_key: str) -> Convert:
+    """Megatron's pipeline_model_parallel_size: the hf backend's pipeline stages (not beside its TP or EP)."""
+    def fn(value: Any, ctx: Context) -> str | None:
+        if int(value or 1) == 1:
+            return f"{value}: no pipeline stages"
+        for key in (tensor_parallel_key, expert_parallel_key):
+            if int(get(ctx.data, key) or 1) > 1:
+                raise ConfigError(f"{ctx.key}={value} with {key}={get(ctx.data, key)}: rlstream's hf backend splits "
+                                  "the model into pipeline stages or over tensor/expert-parallel ranks, not both at "
+                                  "once; keep one (with as many ranks)")
+        ctx.t.put(ctx.key, "actor.fsdp.pipeline_parallel", int(value))
+        return None
+    return Convert(("actor.fsdp.pipeline_parallel",), fn,
+                   "the hf backend's pipeline stages; rlstream's megatron backend trains at 1")
+
+
+def virtual_pipeline(pipeline_parallel_key: str) -> Convert:
+    """Megatron's virtual_pipeline_model_parallel_size: chunks of layers per pipeline stage."""
+    def fn(value: Any, ctx: Context) -> str | None:
+        if int(value or 1) == 1:
+            return f"{value}: one chunk of layers per stage"
+        if int(get(ctx.data, pipeline_parallel_key) or 1) == 1:
+            return f"{value} at pipeline size 1: no stages to interleave chunks over"
+        ctx.t.put(ctx.key, "actor.fsdp.virtual_pipeline_stages", int(value))
+        return None
+    return Convert(("actor.fsdp.virtual_pipeline_stages",), fn, "chunks of layers per stage, interleaved")
 
 
 def _tensor_parallel(value: Any, ctx: Context) -> str | None:

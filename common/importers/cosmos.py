@@ -157,10 +157,8 @@ def _warmup(value: Any, ctx: Context) -> str | None:
 
 
 def _decay(value: Any, ctx: Context) -> str | None:
-    if value is None:
-        return "null: constant after warm-up (actor.optimizer.lr_scheduler_type=constant)"
-    if value == "none":
-        return "none: constant after warm-up (actor.optimizer.lr_scheduler_type=constant)"
+    if value is None or value == "none":
+        return f"{value or 'null'}: constant after warm-up (actor.optimizer.lr_scheduler_type=constant)"
     return off_or_value("actor.optimizer.lr_scheduler_type", ("constant", "linear", "cosine", "sqrt"))(value, ctx)
 
 
@@ -231,11 +229,9 @@ def _enable_ckpt(value: Any, ctx: Context) -> str | None:
 
 def _resume(value: Any, ctx: Context) -> None:
     """true: resume the run's own newest checkpoint; a path: start from that checkpoint (an rlstream one)."""
-    if isinstance(value, str):
-        ctx.t.put(ctx.key, "recover.mode", "auto")
-        ctx.t.put(ctx.key, "recover.resume_path", value)
-        return
     ctx.t.put(ctx.key, "recover.mode", "auto" if value else "disabled")
+    if isinstance(value, str):
+        ctx.t.put(ctx.key, "recover.resume_path", value)
 
 
 def _save_mode(value: Any, ctx: Context) -> None:
@@ -257,18 +253,22 @@ def _max_keep(value: Any, ctx: Context) -> str | None:
 
 def _trainer_procs(value: Any, ctx: Context) -> None:
     par = get(ctx.data, "policy.parallelism", {}) or {}
-    dp, tp, cp, replicas = (max(int(par.get(f"{k}_size", 1) or 1), 1) for k in ("dp_shard", "tp", "cp", "dp_replicate"))
-    if tp > 1 and cp > 1:
-        raise ConfigError(f"policy.parallelism.tp_size={tp} with cp_size={cp}: rlstream's hf backend splits layers "
-                          "(tensor parallel) or sequences (context parallel), not both at once; keep one")
-    n = dp * tp * cp * replicas * int(par.get("n_init_replicas", 1) or 1)
+    dp, tp, cp, pp, replicas = (max(int(par.get(f"{k}_size", 1) or 1), 1)
+                                for k in ("dp_shard", "tp", "cp", "pp", "dp_replicate"))
+    splits = [f"{k}_size={n}" for k, n in (("tp", tp), ("cp", cp), ("pp", pp)) if n > 1]
+    if len(splits) > 1:
+        raise ConfigError(f"policy.parallelism {' with '.join(splits)}: rlstream's hf backend splits layers (tensor "
+                          "parallel), sequences (context parallel) or the layer stack (pipeline), one at a time")
+    n = dp * tp * cp * pp * replicas * int(par.get("n_init_replicas", 1) or 1)
     ctx.t.put("policy.parallelism", "launcher.n_trainer_procs", max(1, n))
     if dp > 1:
         ctx.t.put("policy.parallelism.dp_shard_size", "actor.parallel", "fsdp")
-    if dp > 1 and replicas > 1 and tp == 1:  # HSDP (with tensor parallelism: FSDP2 over both, the same numbers)
+    if dp > 1 and replicas > 1 and tp == pp == 1:  # HSDP (with TP or PP: FSDP2 over both, the same numbers)
         ctx.t.put("policy.parallelism.dp_replicate_size", "actor.fsdp.shard_size", dp)
     if cp > 1:  # sequences split over cp ranks (Ulysses): the same numbers as cosmos-rl's context parallelism
         ctx.t.put("policy.parallelism.cp_size", "actor.context_parallel", cp)
+    if pp > 1:  # the layer stack in stages over pp ranks, FSDP2 / DDP over the replicas
+        ctx.t.put("policy.parallelism.pp_size", "actor.fsdp.pipeline_parallel", pp)
     if tp > 1:  # cosmos-rl's FSDP + TP: the hf backend's 2-D recipe
         ctx.t.put("policy.parallelism.tp_size", "actor.parallel", "fsdp")
         ctx.t.put("policy.parallelism.tp_size", "actor.fsdp.tensor_parallel", tp)
@@ -399,7 +399,8 @@ def _dataset(prefix: str, dst: str) -> Table:
 
 
 _PROCS = Convert(("launcher.n_trainer_procs", "actor.parallel", "actor.fsdp.tensor_parallel", "actor.context_parallel",
-                  "actor.fsdp.shard_size"), _trainer_procs, "dp_shard x dp_replicate x tp x cp x replicas")
+                  "actor.fsdp.shard_size", "actor.fsdp.pipeline_parallel"), _trainer_procs,
+                 "dp_shard x dp_replicate x tp x cp x pp x replicas")
 
 TABLE: Table = {
     "custom": Drop("cosmos-rl's custom-script settings; rlstream's extension points are producer.workflow and "
@@ -407,11 +408,10 @@ TABLE: Table = {
     "redis": Drop("cosmos-rl's controller Redis port; `rlstream run` starts its own Redis, or give redis.url"),
     f"{_TP}.type": Convert(("actor.reward_norm", "actor.adv_norm"), _grpo, "group mean/std, eps 1e-6"),
     **_dataset(f"{_TP}.dataset", "train_dataset"),
-    f"{_TP}.mini_batch": Drop(_SFT), f"{_TP}.conversation_column_name": Drop(_SFT),
-    f"{_TP}.system_prompt": Drop(_SFT), f"{_TP}.dataloader_batch_size": Drop(_SFT),
+    **{f"{_TP}.{k}": Drop(_SFT) for k in ("mini_batch", "conversation_column_name", "system_prompt",
+                                           "dataloader_batch_size")},
     f"{_TP}.dataloader_shuffle": Same("train_dataset.shuffle"),
-    f"{_TP}.enable_dataset_cache": Drop(_LOADER), f"{_TP}.dataloader_num_workers": Drop(_LOADER),
-    f"{_TP}.dataloader_prefetch_factor": Drop(_LOADER),
+    **{f"{_TP}.{k}": Drop(_LOADER) for k in ("enable_dataset_cache", "dataloader_num_workers", "dataloader_prefetch_factor")},
     f"{_TP}.balance_dp_token": Drop("micro-batches are balanced by tokens across ranks (trainer/microbatch.py)"),
     f"{_TP}.variant": Convert(("actor.importance_sampling_level", "producer.dynamic_sampling"), _variant),
     f"{_TP}.prompt_column_name": Same("train_dataset.prompt_key"),
@@ -543,8 +543,9 @@ TABLE: Table = {
     "policy.parallelism.tp_size": _PROCS,
     "policy.parallelism.cp_size": _PROCS,
     "policy.parallelism.ep_size": EXPERT_PARALLEL,
-    "policy.parallelism.pp_size": Missing("pipeline parallelism in the hf backend", off=(1, None)),
-    "policy.parallelism": Drop("used only with pp_size > 1"),  # pp_dynamic_shape, pp_micro_batch_size
+    "policy.parallelism.pp_size": _PROCS,
+    "policy.parallelism": Drop("pp_micro_batch_size / pp_dynamic_shape: rlstream's pipeline stages take the "
+                               "trainer's token-budget micro-batches (actor.mb_spec) one at a time, of any shape"),
     "policy.model_name_or_path": Same("actor.path"),
     "policy.model_revision": unless_off("actor.revision", "{value!r}: the cache's main revision", str,
                                          note="looked up in the local HF cache"),
@@ -557,8 +558,7 @@ TABLE: Table = {
     "policy.lora.target_modules": Same("actor.lora.target_modules"),
     "policy.lora.use_rslora": Same("actor.lora.use_rslora"),
     "policy.lora.modules_to_save": Same("actor.lora.modules_to_save"),
-    "policy.lora.alpha_pattern": Convert(("actor.lora.alpha_pattern",),
-                                         _lora_pattern("alpha_pattern", "alpha_pattern")),
+    "policy.lora.alpha_pattern": Convert(("actor.lora.alpha_pattern",), _lora_pattern("alpha_pattern", "alpha_pattern")),
     "policy.lora.r_pattern": Convert(("actor.lora.rank_pattern",), _lora_pattern("r_pattern", "rank_pattern")),
     "policy.lora.init_lora_weights": Convert(("actor.lora.init_lora_weights",), _init_lora, "true, false or gaussian"),
     "policy.trainable_map": Convert(("actor.trainable_map",), _trainable_map),

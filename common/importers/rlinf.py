@@ -11,7 +11,8 @@ from typing import Any
 
 from rlstream.common.config import ConfigError
 from rlstream.common.importers.common import (HYDRA, TENSOR_PARALLEL, TOKEN_DISPATCHER, dtype_of, engine_arg,
-                                              megatron_on_hf, off_or_value, sequence_parallel, unless_off)
+                                              megatron_on_hf, off_or_value, pipeline_parallel,
+                                              sequence_parallel, unless_off)
 from rlstream.common.importers.rules import Context, Convert, Drop, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
@@ -111,11 +112,13 @@ def _paths(dst: str):
 
 
 def _backend(value: Any, ctx: Context) -> None:
-    if value == "megatron" and megatron_on_hf(get(ctx.data, "actor.model.tensor_model_parallel_size")):
+    if value == "megatron" and megatron_on_hf(get(ctx.data, "actor.model.tensor_model_parallel_size"),
+                                              pipeline_parallel=get(ctx.data, "actor.model.pipeline_model_parallel_size")):
         ctx.t.put(ctx.key, "actor.backend", "hf")
         ctx.t.put(ctx.key, "actor.parallel", "fsdp")
-        ctx.t.notes.append(f"{ctx.key}=megatron with tensor_model_parallel_size > 1: the model trains in the hf backend "
-                           "(FSDP2 + tensor / sequence parallelism); rlstream's megatron backend trains at size 1")
+        ctx.t.notes.append(f"{ctx.key}=megatron with tensor or pipeline model parallel size > 1: the model trains in "
+                           "the hf backend (FSDP2 + tensor / sequence parallelism or pipeline stages); rlstream's "
+                           "megatron backend trains at size 1")
     elif value == "megatron":
         ctx.t.put(ctx.key, "actor.backend", "megatron")
     elif value in ("fsdp", "fsdp2"):
@@ -263,7 +266,8 @@ TABLE: Table = {
     "actor.seed": Same("seed"),
     "actor.model.precision": Convert(("actor.dtype",), dtype_of),
     "actor.model.tensor_model_parallel_size": TENSOR_PARALLEL,
-    "actor.model.pipeline_model_parallel_size": Same("actor.megatron.pipeline_parallel"),
+    "actor.model.pipeline_model_parallel_size": pipeline_parallel("actor.model.tensor_model_parallel_size",
+                                                                  "actor.model.expert_model_parallel_size"),
     "actor.model.sequence_parallel": sequence_parallel("actor.model.tensor_model_parallel_size"),
     "actor.model.recompute_granularity": Convert(("actor.gradient_checkpointing",), _recompute),
     "actor.model.recompute_method": Drop("actor.gradient_checkpointing recomputes every layer"),

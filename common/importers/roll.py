@@ -12,8 +12,9 @@ from typing import Any
 from rlstream.common.config import ConfigError
 from rlstream.common.importers.common import (EXPERT_PARALLEL, HYDRA, TENSOR_PARALLEL, TOKEN_DISPATCHER,
                                               megatron_on_hf, sequence_parallel, device_count, dtype_of,
+                                              pipeline_parallel, virtual_pipeline,
                                              engine_arg, unless_off)
-from rlstream.common.importers.rules import Context, Convert, Drop, Missing, Same, Table, get
+from rlstream.common.importers.rules import Context, Convert, Drop, Same, Table, get
 
 __all__ = ["TABLE", "DEFAULTS", "RESOLVERS"]
 
@@ -91,19 +92,21 @@ def _messages(value: Any, ctx: Context) -> str | None:
 
 
 def _on_hf(data: dict) -> bool:
-    """A megatron_train config with tensor or expert parallelism: trained by the hf backend."""
+    """A megatron_train config with tensor, expert or pipeline parallelism: trained by the hf backend."""
     return (get(data, "actor_train.strategy_args.strategy_name") == "megatron_train"
             and megatron_on_hf(get(data, f"{_STRATEGY}.tensor_model_parallel_size"),
-                               get(data, f"{_STRATEGY}.expert_model_parallel_size")))
+                               get(data, f"{_STRATEGY}.expert_model_parallel_size"),
+                               get(data, f"{_STRATEGY}.pipeline_model_parallel_size")))
 
 
 def _train_strategy(value: Any, ctx: Context) -> None:
     if _on_hf(ctx.data):
         ctx.t.put(ctx.key, "actor.backend", "hf")
         ctx.t.put(ctx.key, "actor.parallel", "fsdp")
-        ctx.t.notes.append(f"{ctx.key}=megatron_train with tensor or expert parallelism: the model trains in the hf "
-                           "backend (FSDP2 + tensor / sequence / expert parallelism); rlstream's megatron backend "
-                           "converts dense models and trains at tensor-parallel size 1")
+        ctx.t.notes.append(f"{ctx.key}=megatron_train with tensor, expert or pipeline parallelism: the model trains "
+                           "in the hf backend (FSDP2 + tensor / sequence / expert parallelism or pipeline stages); "
+                           "rlstream's megatron backend converts dense models and trains at tensor- and "
+                           "pipeline-parallel size 1")
     elif value == "megatron_train":
         ctx.t.put(ctx.key, "actor.backend", "megatron")
     elif value in ("fsdp2_train", "deepspeed_train", "hf_train"):
@@ -132,8 +135,8 @@ def _trainer_procs(value: Any, ctx: Context) -> str | None:
         raise ConfigError(f"{ctx.key}={value!r}: expected list(range(a,b)), a list of ids or 0,1,2")
     tp = get(ctx.data, "actor_train.strategy_args.strategy_config.tensor_model_parallel_size", 1) or 1
     pp = get(ctx.data, "actor_train.strategy_args.strategy_config.pipeline_model_parallel_size", 1) or 1
-    if _on_hf(ctx.data):  # the hf backend's tensor-parallel ranks are trainer ranks
-        tp = 1
+    if _on_hf(ctx.data):  # the hf backend's tensor-parallel ranks and pipeline stages are trainer ranks
+        tp = pp = 1
     ctx.t.put(ctx.key, "launcher.n_trainer_procs", max(1, n // (int(tp) * int(pp))) if tp * pp > 1 else n)
     return None
 
@@ -271,11 +274,11 @@ TABLE: Table = {
                                               "a column of chat messages, rendered by the chat template"),
     "actor_train.strategy_args.strategy_name": Convert(("actor.backend", "actor.parallel"), _train_strategy),
     f"{_STRATEGY}.tensor_model_parallel_size": TENSOR_PARALLEL,
-    f"{_STRATEGY}.pipeline_model_parallel_size": Same("actor.megatron.pipeline_parallel"),
+    f"{_STRATEGY}.pipeline_model_parallel_size": pipeline_parallel(f"{_STRATEGY}.tensor_model_parallel_size",
+                                                                   f"{_STRATEGY}.expert_model_parallel_size"),
     f"{_STRATEGY}.context_parallel_size": Same("actor.megatron.context_parallel"),
     f"{_STRATEGY}.expert_model_parallel_size": EXPERT_PARALLEL,
-    f"{_STRATEGY}.virtual_pipeline_model_parallel_size": Missing("interleaved (virtual) pipeline stages",
-                                                                 off=(1, None)),
+    f"{_STRATEGY}.virtual_pipeline_model_parallel_size": virtual_pipeline(f"{_STRATEGY}.pipeline_model_parallel_size"),
     f"{_STRATEGY}.sequence_parallel": sequence_parallel(f"{_STRATEGY}.tensor_model_parallel_size"),
     f"{_STRATEGY}.recompute_granularity": Convert(("actor.gradient_checkpointing",), _recompute),
     f"{_STRATEGY}.moe_layer_recompute": Same("actor.moe_layer_recompute"),

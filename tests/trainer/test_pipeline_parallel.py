@@ -37,13 +37,13 @@ def _llama(tie: bool):
     return LlamaForCausalLM(cfg)
 
 
-def _stage_worker(rank: int, world: int, tie: bool, port: int, out: dict) -> None:
+def _stage_worker(rank: int, world: int, tie: bool, chunks: int, port: int, out: dict) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         whole, model = _llama(tie), _llama(tie)
         pipe = Pipeline(stages=world, stage=rank, ranks=list(range(world)), device=torch.device("cpu"),
-                        group=dist.group.WORLD, tie_group=dist.new_group([0, world - 1]))
+                        group=dist.group.WORLD, tie_group=dist.new_group([0, world - 1]), chunks=chunks)
         pipe.split(model)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()
@@ -73,11 +73,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("stages,tie", [(3, False), (2, True)], ids=["3-stages", "2-stages-tied"])
-def test_stages_compute_the_whole_models_logits_gradients_and_norm(stages, tie):
-    """Gradient checkpointing on (a stage's transfers must not run again when its layers recompute); packed rows."""
+@pytest.mark.parametrize("stages,tie,chunks", [(3, False, 1), (2, True, 1), (2, True, 2)],
+                         ids=["3-stages", "2-stages-tied", "2-stages-2-virtual"])
+def test_stages_compute_the_whole_models_logits_gradients_and_norm(stages, tie, chunks):
+    """Gradient checkpointing on (a stage's transfers must not run again when its layers recompute); packed rows.
+    Virtual stages: 5 layers in 4 chunks, stage 0 holding layers 0-1 and 3, stage 1 layers 2 and 4."""
     out = mp.Manager().dict()
-    mp.spawn(_stage_worker, args=(stages, tie, _free_port(), out), nprocs=stages)
+    mp.spawn(_stage_worker, args=(stages, tie, chunks, _free_port(), out), nprocs=stages)
     for rank in range(stages):
         r = out[rank]
         assert r["logits"] == 0.0 and r["grads"] == 0.0, r

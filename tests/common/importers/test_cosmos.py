@@ -91,6 +91,12 @@ def test_tensor_and_context_parallel_are_the_hf_backends_and_count_in_the_traine
     assert (tp_rep.actor.fsdp.shard_size, tp_rep.launcher.n_trainer_procs) == (None, 8)
     with pytest.raises(ConfigError, match="tp_size=2 with cp_size=2"):
         import_data("cosmos", {"policy": {"parallelism": {"tp_size": 2, "cp_size": 2}}})
+    pp = load_config_dict(import_data("cosmos", {"policy": {"parallelism": {
+        "pp_size": 2, "dp_shard_size": 2, "dp_replicate_size": 2, "pp_micro_batch_size": 4}}}).config)
+    assert (pp.actor.fsdp.pipeline_parallel, pp.actor.parallel, pp.actor.fsdp.shard_size,
+            pp.launcher.n_trainer_procs) == (2, "fsdp", None, 8)  # FSDP2 over the 4 replicas of 2 stages
+    with pytest.raises(ConfigError, match="tp_size=2 with pp_size=2"):
+        import_data("cosmos", {"policy": {"parallelism": {"tp_size": 2, "pp_size": 2}}})
 
 
 def test_fp8_training_imports_as_torchao_recipes():

@@ -70,12 +70,11 @@ def test_unparsable_and_foreign_files_say_what_to_do(tmp_path):
 
 
 def test_a_value_with_no_equivalent_names_the_key(tmp_path):
-    f = tmp_path / "roll.yaml"
-    f.write_text("rollout_batch_size: 8\nactor_train: {strategy_args: {strategy_config: "
-                 "{virtual_pipeline_model_parallel_size: 2}}}\n")
-    run = _cli("import", "--from", "roll", str(f))
+    f = tmp_path / "cosmos.toml"
+    f.write_text("[policy]\nmodel_name_or_path = \"m\"\n[profiler]\nenable_nsys = true\n")
+    run = _cli("import", "--from", "cosmos", str(f))
     assert run.returncode == 2 and run.stdout == ""
-    assert "virtual_pipeline_model_parallel_size=2: not in rlstream yet: interleaved (virtual) pipeline" in run.stderr
+    assert "profiler.enable_nsys=True: not in rlstream yet: Nsight Systems ranges" in run.stderr
 
 
 @pytest.mark.slow

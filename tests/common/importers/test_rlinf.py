@@ -85,6 +85,9 @@ def test_megatron_tensor_and_sequence_parallelism_train_in_the_hf_backend(import
     assert (cfg.actor.backend, cfg.actor.parallel, cfg.actor.fsdp.tensor_parallel) == ("hf", "fsdp", 2)
     assert cfg.actor.fsdp.sequence_parallel is True
     assert any("the model trains in the hf backend" in n for n in t.notes)
+    t = import_data("rlinf", {"actor": {"training_backend": "megatron", "model": {"pipeline_model_parallel_size": 2}}})
+    cfg = load_config_dict(t.config)
+    assert (cfg.actor.backend, cfg.actor.fsdp.pipeline_parallel, cfg.actor.fsdp.tensor_parallel) == ("hf", 2, 1)
 
 
 @pytest.mark.parametrize("order", ["actor first", "rollout first"])

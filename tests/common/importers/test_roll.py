@@ -56,8 +56,10 @@ def test_warmup_steps_become_a_fraction_of_max_steps():
 @pytest.mark.parametrize("data,message", [
     ({"actor_train": {"strategy_args": {"strategy_name": "deepspeed_zero3"}}}, "strategy_name='deepspeed_zero3'"),
     ({"actor_train": {"data_args": {"template": "qwen2_5"}}}, "template='qwen2_5'"),
-    ({"actor_train": {"strategy_args": {"strategy_config": {"virtual_pipeline_model_parallel_size": 2}}}},
-     "virtual_pipeline_model_parallel_size=2: not in rlstream yet: interleaved"),
+    ({"actor_train": {"strategy_args": {"strategy_name": "megatron_train", "strategy_config": {
+        "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}}}},
+     "pipeline_model_parallel_size=2 with .*tensor_model_parallel_size=2: rlstream's hf backend splits the model into "
+     "pipeline stages or over tensor/expert-parallel ranks, not both"),
     ({"actor_train": {"strategy_args": {"strategy_config": {"moe_token_dispatcher_type": "flex"}}}},
      "moe_token_dispatcher_type='flex': rlstream's expert-parallel token dispatchers are alltoall and allgather"),
 ])
@@ -74,7 +76,7 @@ def test_megatron_expert_parallelism_trains_in_the_hf_backend():
     a = t.config["actor"]
     assert (a["backend"], a["parallel"], a["expert_parallel"]) == ("hf", "fsdp", 2)
     assert a["moe_token_dispatcher"] == "allgather" and a["moe_layer_recompute"] is True
-    assert any("megatron_train with tensor or expert parallelism: the model trains in the hf backend" in n
+    assert any("megatron_train with tensor, expert or pipeline parallelism: the model trains in the hf backend" in n
                for n in t.notes)
     assert "the same numbers" in dict(t.dropped)["actor_train.strategy_args.strategy_config.moe_grouped_gemm"]
     cfg = load_config_dict(t.config)
@@ -95,6 +97,20 @@ def test_megatron_tensor_and_sequence_parallelism_train_in_the_hf_backend(sequen
     t = import_data("roll", {"actor_train": {"strategy_args": strategy}})
     assert t.config["actor"]["backend"] == "megatron" and "fsdp" not in t.config["actor"]
     assert "nothing to split over" in dict(t.dropped)["actor_train.strategy_args.strategy_config.sequence_parallel"]
+
+
+def test_megatron_pipeline_stages_and_virtual_stages_train_in_the_hf_backend():
+    strategy = {"strategy_name": "megatron_train", "strategy_config": {
+        "pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2}}
+    t = import_data("roll", {"actor_train": {"strategy_args": strategy, "device_mapping": "list(range(0,4))"}})
+    cfg = load_config_dict(t.config)
+    assert (cfg.actor.backend, cfg.actor.fsdp.pipeline_parallel, cfg.actor.fsdp.virtual_pipeline_stages) == ("hf", 2, 2)
+    assert cfg.launcher.n_trainer_procs == 4  # the stages are trainer ranks in the hf backend: 2 replicas of 2
+    strategy["strategy_config"] = {"pipeline_model_parallel_size": 1, "virtual_pipeline_model_parallel_size": 2}
+    t = import_data("roll", {"actor_train": {"strategy_args": strategy}})
+    assert t.config["actor"]["backend"] == "megatron" and "fsdp" not in t.config["actor"]
+    assert "no stages to interleave" in dict(t.dropped)[
+        "actor_train.strategy_args.strategy_config.virtual_pipeline_model_parallel_size"]
 
 
 def test_the_llm_judge_reward_worker_maps_to_the_judge_section():
