@@ -13,13 +13,11 @@ of the row (sequences of 512 tokens packed, position ids restarting) through the
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import torch
 
-from readme_section import publish_nested  # benchmarks/ is sys.path[0] when run as a script
-from sequence_parallel import _batch, _measure, _model
+from sequence_parallel import _batch, _measure, _model, cli  # benchmarks/ is sys.path[0] when run as a script
 
 SECTION = "### Pipeline stages (2 ranks)"
 
@@ -88,16 +86,7 @@ def markdown(r: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--readme", action="store_true")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args()
-    res = run(args)
-    publish_nested(markdown(res), res, args.json, args.readme, SECTION, parent="## Trainer")
+    cli(__doc__, run, markdown, SECTION)
 
 
 if __name__ == "__main__":

@@ -131,8 +131,10 @@ def markdown(r: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def cli(doc: str, run, markdown, section: str) -> None:
+    """The command line of the model-splitting benchmarks (this one, pipeline_parallel.py): the model's size, the
+    row's tokens, passes; --readme, --json."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=4096)
@@ -141,7 +143,11 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     res = run(args)
-    publish_nested(markdown(res), res, args.json, args.readme, SECTION, parent="## Trainer")
+    publish_nested(markdown(res), res, args.json, args.readme, section, parent="## Trainer")
+
+
+def main() -> None:
+    cli(__doc__, run, markdown, SECTION)
 
 
 if __name__ == "__main__":
