@@ -56,7 +56,7 @@ def now_us() -> int:
 
 
 class _Span:
-    __slots__ = ("tracer", "name", "args", "new_lane", "tid", "t0", "token", "root", "parent", "otel")
+    __slots__ = ("tracer", "name", "args", "new_lane", "tid", "t0", "token", "root", "parent", "otel", "nv")
 
     def __init__(self, tracer: PerfTracer, name: str, args: dict[str, Any], new_lane: bool, root: bool = False,
                  parent: Any = None, export: bool = True) -> None:
@@ -77,6 +77,8 @@ class _Span:
         self.t0 = now_us()
         if self.otel is not None:
             self.otel = self.otel.start(self.name, self.t0, self.parent, self.root)
+        if self.tracer.nvtx is not None:  # a start/end range: lane spans end on other threads and out of order
+            self.nv = self.tracer.nvtx.start_range(message=self.name, domain="rlstream")
         return self
 
     def __exit__(self, exc_type: Any, *_: Any) -> None:
@@ -85,6 +87,8 @@ class _Span:
             self.args["error"] = exc_type.__name__
         if self.otel is not None:
             self.tracer.otel.end(self.otel, t1, self.args, None if exc_type is None else exc_type.__name__)
+        if self.tracer.nvtx is not None:
+            self.tracer.nvtx.end_range(self.nv)
         self.tracer.add({"name": self.name, "ph": "X", "ts": self.t0, "dur": t1 - self.t0, "pid": self.tracer.pid,
                          "tid": self.tid, "args": self.args})
         if self.new_lane:
@@ -116,8 +120,8 @@ class PerfTracer:
     enabled = True
 
     def __init__(self, path: Path | None, process_name: str, *, save_interval: int = 1, flush_secs: float = 10.0,
-                 otel: Any = None) -> None:
-        self.path, self.process_name, self.otel = path, process_name, otel
+                 otel: Any = None, nvtx: Any = None) -> None:
+        self.path, self.process_name, self.otel, self.nvtx = path, process_name, otel, nvtx
         self.pid = os.getpid()
         self.save_interval, self.flush_secs = save_interval, flush_secs
         self._buf: list[dict[str, Any]] = []
@@ -345,20 +349,49 @@ def configure(cfg: Any, role: str, name: str | None = None) -> PerfTracer | _Nul
 
         otel = make_export(pt.otlp_endpoint, label, f"{cfg.experiment_name}/{cfg.trial_name}",
                            pt.otlp_sample_ratio)
+    nvtx = nvtx_ranges() if pt.nsys else None
     path = None
     if pt.enabled:
         folder = trace_folder(cfg)
         path = folder / f"{label}-{os.getpid()}{TRACE_SUFFIX}"
         try:
-            _tracer = PerfTracer(path, label, save_interval=pt.save_interval, flush_secs=pt.flush_secs, otel=otel)
+            _tracer = PerfTracer(path, label, save_interval=pt.save_interval, flush_secs=pt.flush_secs, otel=otel,
+                                 nvtx=nvtx)
         except OSError as exc:
             _unwritable("perf tracer", folder, exc)
-    if _tracer is _NULL and otel is not None:  # exporting only (files off, or their folder not writable)
-        _tracer = PerfTracer(None, label, otel=otel)
+    if _tracer is _NULL and (otel is not None or nvtx is not None):  # no files (off, or not writable)
+        _tracer = PerfTracer(None, label, otel=otel, nvtx=nvtx)
     if _tracer is not _NULL:
         atexit.register(_tracer.close)
     configure_sessions(cfg)
     return _tracer
+
+
+def nsys_wrap(cfg: Any, argv: list[str]) -> list[str]:
+    """`argv` under `nsys profile` when perf_tracer.nsys is on and nsys is on PATH (a line when it is not)."""
+    import shutil
+
+    pt = cfg.perf_tracer
+    if not pt.nsys:
+        return argv
+    nsys = shutil.which("nsys")
+    if nsys is None:
+        log.warning("perf_tracer.nsys=true but nsys is not on PATH: the trainer runs without Nsight Systems")
+        return argv
+    out = trace_folder(cfg) / "nsys-trainer"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return [nsys, "profile", *pt.nsys_args, "-o", str(out), *argv]
+
+
+def nvtx_ranges() -> Any:
+    """NVIDIA's `nvtx` module (its ranges are no-ops unless a tool such as nsys is attached), or None with a line."""
+    try:
+        import nvtx
+    except ImportError:
+        log.warning("perf_tracer.nsys: the nvtx package is not installed (pip install 'rlstream[nsys]'): spans are "
+                    "not NVTX ranges")
+        return None
+    return nvtx
 
 
 @contextlib.contextmanager

@@ -40,6 +40,7 @@ from typing import Any, Iterator
 
 from rlstream.common.config import Config, ConfigError, config_to_dict, scoring_pools
 from rlstream.common.logging import get_logger
+from rlstream.common.tracing import nsys_wrap
 from rlstream.launcher.procs import CHILD_ENV, Child, describe_exit, free_port, thread_env, trainer_threads, wait_for_port
 from rlstream.launcher.redis_child import redis_server_binary
 
@@ -324,6 +325,7 @@ class LocalRun:
             argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
                     "-m", *self._argv("train")[2:]]
         threads = trainer_threads(self.cfg.launcher)
+        argv = nsys_wrap(self.cfg, argv)  # perf_tracer.nsys
         self.trainer = Child("trainer", "trainer", argv, self.logs / "trainer.log", env=self._env(threads),
                              forkserver=self.forkserver).start()
         _echo(f"trainer: pid {self.trainer.pid}" + (f" (torchrun, {n} processes)" if n > 1 else "")

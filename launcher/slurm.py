@@ -274,7 +274,7 @@ def render_script(cfg: Config, pl: Placement, *, config_path: Path, redis_url: s
     out.append(_PREPARE)
     out += _engine_tasks(cfg, pl, timeout)
     out += scoring_tasks(cfg, pl.producer_nodes, cfg.launcher.slurm.engine_port + len(pl.engines), timeout)
-    out += _trainer_task(pl)
+    out += _trainer_task(pl, _nsys(cfg))
     out += _producer_tasks(cfg, pl)
     out.append(f"\n# ---- tasks a lost node may take while the job goes on (launcher.slurm.node_loss=continue)\n"
                f"NODE_LOSS={cfg.launcher.slurm.node_loss}\nENGINES_LEFT={len(pl.engines)}\n"
@@ -354,10 +354,23 @@ def _engine_tasks(cfg: Config, pl: Placement, timeout: int) -> list[str]:
     return out
 
 
-def _trainer_task(pl: Placement) -> list[str]:
-    """The trainer: one process, torchrun on one node, or torchrun across nodes (c10d rendezvous)."""
+def _nsys(cfg: Config) -> str:
+    """perf_tracer.nsys: the batch script's NSYS array (`nsys profile ...` when nsys is on its PATH), else ""."""
+    pt = cfg.perf_tracer
+    if not pt.nsys:
+        return ""
+    folder = _q(Path(pt.trace_dir).resolve()) if pt.trace_dir else '"$RUN_DIR/trace"'
+    cmd = " ".join(["nsys", "profile", *map(_q, pt.nsys_args), "-o", f"{folder}/nsys-trainer-%h"])
+    return (f'NSYS=(); if command -v nsys >/dev/null 2>&1; then mkdir -p {folder}; NSYS=({cmd}); else echo '
+            '"perf_tracer.nsys=true but nsys is not on PATH: the trainer runs without Nsight Systems" >&2; fi\n')
+
+
+def _trainer_task(pl: Placement, nsys: str = "") -> list[str]:
+    """The trainer: one process, torchrun on one node, or torchrun across nodes (c10d rendezvous); under
+    `nsys profile` with `nsys` (perf_tracer.nsys)."""
     train = '-m rlstream.launcher.cli train --config "$CONFIG" "${COMMON[@]}"'
     tenv = f"env CUDA_VISIBLE_DEVICES={','.join(map(str, pl.trainer_gpus))} " if pl.trainer_gpus else ""
+    tenv += '"${NSYS[@]}" ' if nsys else ""
     tn = len(pl.trainer_nodes)
     if tn == 1 and pl.trainer_procs_per_node == 1:
         cmd = f'{tenv}"$PY" {train}'
@@ -368,7 +381,7 @@ def _trainer_task(pl: Placement) -> list[str]:
                f'--rdzv-backend=c10d --rdzv-id="$SLURM_JOB_ID" '
                f'--rdzv-endpoint="${{NODES[{pl.trainer_nodes[0]}]}}:$((30000 + SLURM_JOB_ID % 20000))" {train}')
     nodelist = ",".join(f"${{NODES[{i}]}}" for i in pl.trainer_nodes)
-    return ["\n# ---- trainer",
+    return ["\n# ---- trainer", nsys +
             f'task trainer --nodes={tn} --ntasks={tn} --ntasks-per-node=1 --nodelist="{nodelist}" -- {cmd}',
             'TRAINER_PID=${PIDS[-1]}']
 

@@ -52,5 +52,13 @@ class PerfTracerConfig(Section):
     otlp_sample_ratio: Annotated[float, Meta(gt=0.0, le=1.0)] = 1.0
     """Share of traces exported to `otlp_endpoint` (OTel's parent-based trace-id ratio sampler): a rollout's trace
     is kept or dropped whole, across producer and engine; each trainer step is a trace of its own. 1.0 = all."""
+    nsys: bool = False
+    """Nsight Systems (cosmos-rl profiler.enable_nsys): `rlstream run` starts the trainer under `nsys profile
+    {nsys_args} -o {trace folder}/nsys-trainer` (every rank of a torchrun in the one report), and every span of
+    every process's perf tracer is also an NVTX range (domain rlstream; NVIDIA's `nvtx` package, the `nsys` extra),
+    so the timeline shows rlstream's phases over the kernels. nsys not on PATH or nvtx not installed: one line
+    saying so, and the run goes on without them."""
+    nsys_args: list[str] = msgspec.field(default_factory=lambda: ["--trace=cuda,nvtx,osrt", "--force-overwrite=true"])
+    """The options `nsys profile` gets before `-o` (what to trace, a capture range, sampling)."""
     session_tracer: SessionTracerConfig = msgspec.field(default_factory=SessionTracerConfig)
     """Per-rollout lifecycle records (sessions.jsonl)."""

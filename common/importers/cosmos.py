@@ -568,7 +568,7 @@ TABLE: Table = {
     "logging.experiment_name": Same("experiment_name"),
     "profiler.enable_profiler": Convert(("perf_tracer.enabled", "perf_tracer.profile_steps"), _profiler,
                                         "the step after wait_steps + warmup_steps, for active_steps steps"),
-    "profiler.enable_nsys": Missing("Nsight Systems ranges", off=(False, None)),
+    "profiler.enable_nsys": unless_off("perf_tracer.nsys", "{value}: no Nsight Systems", bool),
     "profiler.sub_profiler_config.rank_filter": unless_off(
         "perf_tracer.profile_ranks", "[]: every rank records (perf_tracer.profile_ranks unset)",
         lambda ranks: [int(r) for r in ranks]),

@@ -71,10 +71,10 @@ def test_unparsable_and_foreign_files_say_what_to_do(tmp_path):
 
 def test_a_value_with_no_equivalent_names_the_key(tmp_path):
     f = tmp_path / "cosmos.toml"
-    f.write_text("[policy]\nmodel_name_or_path = \"m\"\n[profiler]\nenable_nsys = true\n")
+    f.write_text("[policy]\nmodel_name_or_path = \"m\"\n[train.fp4]\nenable_fp4 = true\n")
     run = _cli("import", "--from", "cosmos", str(f))
     assert run.returncode == 2 and run.stdout == ""
-    assert "profiler.enable_nsys=True: not in rlstream yet: Nsight Systems ranges" in run.stderr
+    assert "train.fp4.enable_fp4=True: not in rlstream yet: FP4 training" in run.stderr
 
 
 @pytest.mark.slow
