@@ -102,14 +102,15 @@ def test_a_model_with_fewer_layers_than_stages_or_another_kind_is_one_line(tiny_
 @pytest.mark.slow
 def test_two_stages_train_like_one_process_across_a_resume(tmp_path, redis_url, rclient, experiment,
                                                            tiny_tied_model_path):
-    """(RLSTREAM_TEST_NPROC=4, RLSTREAM_TEST_PARALLEL=ddp|fsdp by hand: two replicas of the two stages.) Two stages of a model with tied embeddings (their gradients summed between the first and the last stage),
+    """(By hand: RLSTREAM_TEST_NPROC=4, RLSTREAM_TEST_PARALLEL=ddp|fsdp, two replicas of the two stages;
+    RLSTREAM_TEST_PP_MODEL=FOLDER, another tied model.) Two stages of a model with tied embeddings (their gradients summed between the first and the last stage),
     a clipping norm that binds (taken over both stages), a KL term against a reference split the same way and reset
     to the policy every step; a recover checkpoint after step 1 gathered from both stages, the restarted stages
     resume from it and train step 2: the HF export equals one process's two steps."""
     from rlstream.trainer.main import train
     from transformers import AutoModelForCausalLM
 
-    model_path = tiny_tied_model_path
+    model_path = Path(os.environ.get("RLSTREAM_TEST_PP_MODEL", tiny_tied_model_path))  # by hand: a real model
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     one, pp = f"{experiment}one", f"{experiment}pp"
     _write(rclient, one, model.config.vocab_size, model)
@@ -128,8 +129,9 @@ def test_two_stages_train_like_one_process_across_a_resume(tmp_path, redis_url, 
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         logs += proc.stdout + proc.stderr
     assert "resumed from" in logs and "1 steps done, version 1" in logs, logs[-3000:]
-    for line in ("pipeline stage 0 of 2: decoder layers 0-0, the embeddings",
-                 "pipeline stage 1 of 2: decoder layers 1-1, the final norm and LM head"):
+    first, second = stage_layers(model.config.num_hidden_layers, 2)
+    for line in (f"pipeline stage 0 of 2: decoder layers {first.start}-{first.stop - 1}, the embeddings",
+                 f"pipeline stage 1 of 2: decoder layers {second.start}-{second.stop - 1}, the final norm and LM head"):
         assert line in logs, logs[-3000:]
     train(load_config(None, _overrides(tmp_path, redis_url, one, model_path, *common)))
 
