@@ -272,7 +272,26 @@ def _primary_replica_sentinels(redis_factory, sentinels):
     while direct.info("replication").get("master_link_status") != "up":
         assert time.monotonic() < deadline, direct.info("replication")
         time.sleep(0.1)
+    _sentinels_ready(ports)
     return primary, replica, "redis+sentinel://" + ",".join(f"127.0.0.1:{p}" for p in ports) + "/rls/0", direct
+
+
+def _sentinels_ready(ports: list[int]) -> None:
+    """Wait until every sentinel knows the replica and the other sentinels: a sentinel learns of replicas from the
+    primary's INFO (every 10 s) and of its peers from their hellos, and a primary killed before that has no replica
+    to promote and no quorum to agree on it (the failover never comes)."""
+    import redis
+
+    deadline = time.monotonic() + 60
+    for port in ports:
+        s = redis.Redis(host="127.0.0.1", port=port, decode_responses=True)
+        while True:
+            state = s.sentinel_master("rls")
+            if int(state["num-slaves"]) >= 1 and int(state["num-other-sentinels"]) >= len(ports) - 1:
+                break
+            assert time.monotonic() < deadline, state
+            time.sleep(0.1)
+        s.close()
 
 
 def _replicated(direct_replica, key: str, length: int) -> None:
