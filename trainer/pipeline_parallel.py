@@ -205,8 +205,8 @@ class Pipeline:
     # ---- the split ---------------------------------------------------------------------------
     def split(self, model: torch.nn.Module, key: str = "actor.fsdp.pipeline_parallel") -> None:
         """Keep this stage's part of an HF causal LM, in place (before it moves to its device): its `chunks`
-        chunks of consecutive layers (chunk j of the stages x chunks is stage j mod stages': Megatron's interleaved
-        assignment), the embeddings on the first stage, the final norm and LM head on the last."""
+        chunks of consecutive layers (chunk j of the stages x chunks belongs to stage j mod stages: Megatron's
+        interleaved assignment), the embeddings on the first stage, the final norm and LM head on the last."""
         decoder, head = _parts(model, key)
         layers = decoder.layers
         n = len(layers)
