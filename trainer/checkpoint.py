@@ -302,7 +302,7 @@ class Checkpointer:
         else:
             sd = None if lora else hf_state_dict(module, self._model_state(model))  # LoRA: the same on every rank
             if sd is not None and self.par.pipeline is not None:
-                sd = self.par.pipeline.drop_tied_head(sd)
+                sd = self.par.pipeline.drop_tied_head(module, sd)
         if self.par.is_main:
             self.wait()
             if background and not lora and name != "final":

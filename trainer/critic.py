@@ -24,6 +24,7 @@ import math
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -64,8 +65,9 @@ def check_critic_config(cfg: Config) -> None:
                           "Mistral or GPT-2 model")
 
 
-def load_value_model(cfg: Config, device: torch.device) -> torch.nn.Module:
-    """The value model on `device`, trainable, in actor.dtype (dropout and checkpointing as the actor's)."""
+def load_value_model(cfg: Config, device: torch.device, pipeline: Any = None) -> torch.nn.Module:
+    """The value model on `device`, trainable, in actor.dtype (dropout and checkpointing as the actor's); with a
+    `pipeline` (trainer/pipeline_parallel.py) only this rank's stage of it."""
     from transformers import AutoConfig, AutoModelForTokenClassification
 
     check_critic_config(cfg)
@@ -90,6 +92,8 @@ def load_value_model(cfg: Config, device: torch.device) -> torch.nn.Module:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
     model.train()
+    if pipeline is not None:
+        pipeline.split(model)
     return model.to(device)
 
 
@@ -142,7 +146,8 @@ class Critic:
         self.c = cfg.critic
         self.par = par
         self.pad_token_id = pad_token_id
-        self.model = par.wrap(load_value_model(cfg, par.device), cfg.actor.grad_reduce_dtype, cfg.actor.fsdp)
+        self.model = par.wrap(load_value_model(cfg, par.device, par.pipeline), cfg.actor.grad_reduce_dtype,
+                              cfg.actor.fsdp)
         # the value model is held in actor.dtype and runs without autocast
         self.optimizer = build_optimizer(self.model.parameters(), self.c.optimizer,
                                          float16=computes_in_float16(cfg.actor.dtype))

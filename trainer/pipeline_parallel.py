@@ -175,7 +175,6 @@ class Pipeline:
     group: Any = None  # the replica's pipeline ranks (logits broadcast)
     tie_group: Any = None  # first and last stage (tied embeddings' gradients)
     chunks: int = 1  # chunks of layers per stage (virtual stages, interleaved)
-    tied: bool = False  # the model ties its input and output embeddings (set by `split`)
 
     @property
     def first(self) -> bool:
@@ -204,10 +203,12 @@ class Pipeline:
 
     # ---- the split ---------------------------------------------------------------------------
     def split(self, model: torch.nn.Module, key: str = "actor.fsdp.pipeline_parallel") -> None:
-        """Keep this stage's part of an HF causal LM, in place (before it moves to its device): its `chunks`
-        chunks of consecutive layers (chunk j of the stages x chunks belongs to stage j mod stages: Megatron's
-        interleaved assignment), the embeddings on the first stage, the final norm and LM head on the last."""
-        decoder, head = _parts(model, key)
+        """Keep this stage's part of an HF causal LM (or a value model's scalar `score` head), in place (before it
+        moves to its device): its `chunks` chunks of consecutive layers (chunk j of the stages x chunks belongs to
+        stage j mod stages: Megatron's interleaved assignment), the embeddings on the first stage, the final norm and
+        the head on the last."""
+        decoder, head_name = _parts(model, key)
+        head = getattr(model, head_name)
         layers = decoder.layers
         n = len(layers)
         if n < self.stages * self.chunks:
@@ -216,7 +217,7 @@ class Pipeline:
         owner = [j % self.stages for j, chunk in enumerate(stage_layers(n, self.stages * self.chunks)) for _ in chunk]
         mine = [o == self.stage for o in owner]
         embed = decoder.embed_tokens
-        self.tied = head.weight is embed.weight
+        model._rls_tied = head.weight is embed.weight  # the first and the last stage each hold a copy
         for i in range(n):
             if not mine[i]:
                 send, recv = i > 0 and mine[i - 1], i + 1 < n and mine[i + 1]
@@ -225,14 +226,15 @@ class Pipeline:
             decoder.embed_tokens = _NoEmbeddings(embed)
         if not self.last:
             decoder.norm = torch.nn.Identity()
-            model.lm_head = _RemoteHead(self, head.out_features)
+            setattr(model, head_name, _RemoteHead(self, head.out_features))
         else:
             head.register_forward_hook(self._share_logits)
         own = [i for i in range(n) if mine[i]]
         model._rls_pipeline = self
         log.info("pipeline stage %d of %d: decoder layers %s%s%s, %.1fM parameters", self.stage, self.stages,
                  _spans(own), ", the embeddings" if self.first else "",
-                 ", the final norm and LM head" if self.last else "", sum(p.numel() for p in model.parameters()) / 1e6)
+                 f", the final norm and {head_name}" if self.last else "",
+                 sum(p.numel() for p in model.parameters()) / 1e6)
 
     def _share_logits(self, _module, _args, logits: torch.Tensor) -> None:
         _broadcast(logits, self.last_rank, self.group, self.device)
@@ -240,7 +242,7 @@ class Pipeline:
     # ---- gradients ------------------------------------------------------------------------------
     def tied_param(self, model: torch.nn.Module) -> torch.nn.Parameter | None:
         """This stage's copy of tied embeddings, when it holds one and another stage holds the other."""
-        if not self.tied or self.stages == 1 or not (self.first or self.last):
+        if not _tied(model) or self.stages == 1 or not (self.first or self.last):
             return None
         return model.get_input_embeddings().weight if self.first else model.lm_head.weight
 
@@ -304,14 +306,14 @@ class Pipeline:
     def local_model_state(self, model: torch.nn.Module, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """This stage's part of a whole model's state dict (a tied head takes the embeddings when it is missing)."""
         names = set(getattr(model, "module", model).state_dict())
-        if self.tied and _HEAD not in full and _EMBED in full:
+        if _tied(model) and _HEAD not in full and _EMBED in full:
             full = dict(full, **{_HEAD: full[_EMBED]})
         return {k: v for k, v in full.items() if k in names}
 
     def local_optimizer_state(self, model: torch.nn.Module, osd: dict[str, Any]) -> dict[str, Any]:
         """This stage's part of a whole optimizer state dict (keyed by parameter names)."""
         names = set(getattr(model, "module", model).state_dict())
-        alias = {_HEAD: _EMBED} if self.tied and _HEAD in names and _HEAD not in osd["state"] else {}
+        alias = {_HEAD: _EMBED} if _tied(model) and _HEAD in names and _HEAD not in osd["state"] else {}
         state = {k: v for k, v in osd["state"].items() if k in names}
         state.update({k: osd["state"][src] for k, src in alias.items() if src in osd["state"]})
         rename = {src: k for k, src in alias.items()}
@@ -319,12 +321,18 @@ class Pipeline:
                   for g in osd["param_groups"]]
         return {"state": state, "param_groups": groups}
 
-    def drop_tied_head(self, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    @staticmethod
+    def drop_tied_head(model: torch.nn.Module, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A gathered state dict as the whole model's HF export and push name it: a tied head is not a tensor."""
-        return {k: v for k, v in sd.items() if k != _HEAD} if self.tied else sd
+        return {k: v for k, v in sd.items() if k != _HEAD} if _tied(model) else sd
 
 
 _EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _tied(model: torch.nn.Module) -> bool:
+    """Whether `split` found the model's input and output embeddings tied (through DDP's wrapper)."""
+    return bool(getattr(getattr(model, "module", model), "_rls_tied", False))
 
 
 def _spans(layers: list[int]) -> str:
@@ -338,14 +346,17 @@ def _spans(layers: list[int]) -> str:
     return ", ".join(f"{a}-{b}" for a, b in runs)
 
 
-def _parts(model: torch.nn.Module, key: str) -> tuple[torch.nn.Module, torch.nn.Linear]:
-    """The decoder (embed_tokens, layers, norm) and LM head of a Llama-kind causal LM, or one line saying why not."""
+def _parts(model: torch.nn.Module, key: str) -> tuple[torch.nn.Module, str]:
+    """The decoder (embed_tokens, layers, norm) and the head's name (lm_head, or a value model's score) of a
+    Llama-kind model, or one line saying why not."""
     import transformers
 
-    decoder, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if not all(hasattr(decoder, a) for a in ("embed_tokens", "layers", "norm")) or type(head) is not torch.nn.Linear:
+    decoder = getattr(model, "model", None)
+    head_name = "lm_head" if hasattr(model, "lm_head") else "score"
+    if not all(hasattr(decoder, a) for a in ("embed_tokens", "layers", "norm")) or \
+            type(getattr(model, head_name, None)) is not torch.nn.Linear:
         raise ConfigError(f"{key}: {type(model).__name__} is not a decoder of the Llama kind (model.embed_tokens, "
-                          "model.layers, model.norm, lm_head); pipeline stages split those")
+                          "model.layers, model.norm, lm_head or score); pipeline stages split those")
     if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (4, 56):
         raise ConfigError(f"{key}: needs transformers >= 4.56 (decoder layers that return their hidden states)")
     cfg = model.config
@@ -353,4 +364,4 @@ def _parts(model: torch.nn.Module, key: str) -> tuple[torch.nn.Module, torch.nn.
                                                                    "logits_scaling")):
         raise ConfigError(f"{key}: {type(model).__name__} post-processes its logits; pipeline stages broadcast the "
                           "LM head's output")
-    return decoder, head
+    return decoder, head_name

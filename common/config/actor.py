@@ -131,8 +131,8 @@ class FSDPConfig(Section):
     about 1/pipeline_parallel of the weights, gradients, optimizer state and activations. Micro-batches go through the
     stages one at a time (no overlap between stages: it saves memory, not time); checkpoints, exports and pushes
     gather the stages on rank 0. DDP or FSDP2 over the n_trainer_procs / pipeline_parallel replicas. Needs a decoder
-    of the Llama kind with at least this many layers; not with tensor/context/expert parallelism, LoRA, a critic or
-    compile."""
+    of the Llama kind with at least this many layers; a reference and a critic are split the same way. Not with
+    tensor/context/expert parallelism, LoRA or compile."""
     virtual_pipeline_stages: PositiveInt = 1
     """Chunks of layers per pipeline stage (Megatron's virtual_pipeline_model_parallel_size, ROLL's
     virtual_pipeline_model_parallel_size): the layers form pipeline_parallel x this many chunks and stage s holds

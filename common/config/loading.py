@@ -299,7 +299,7 @@ def _check_split(cfg: "Config") -> None:
         ("actor.fsdp.pipeline_parallel", a.fsdp.pipeline_parallel, "each data-parallel replica is {n} pipeline "
                                                                    "stages"): {
             "actor.fsdp.tensor_parallel": a.fsdp.tensor_parallel > 1, "actor.context_parallel": a.context_parallel > 1,
-            "actor.expert_parallel": a.expert_parallel > 1, **lora, "a critic section": cfg.critic is not None,
+            "actor.expert_parallel": a.expert_parallel > 1, **lora,
             "actor.backend=megatron (its own actor.megatron.pipeline_parallel)": a.backend == "megatron",
             "actor.fsdp.shard_size": a.fsdp.shard_size is not None},
     }

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from rlstream.broker import Keys, StepLog, namespace
 from rlstream.common.config import ConfigError, load_config
 from rlstream.trainer.pipeline_parallel import Pipeline, stage_layers
-from tests.trainer.test_parallel import NPROC, _overrides, _write
+from tests.trainer.test_parallel import CRITIC, NPROC, _overrides, _write
 
 torch.set_num_threads(1)
 
@@ -99,24 +99,31 @@ def test_a_model_with_fewer_layers_than_stages_or_another_kind_is_one_line(tiny_
         load_config(None, ["actor.fsdp.pipeline_parallel=2", "actor.lora.rank=4", "launcher.n_trainer_procs=2"])
 
 
+# a critic (GAE's value model) split into the same stages, its clipping binding: a model without tied embeddings
+VARIANTS = {"tied-reference": ["actor.kl_ctl=0.1", "actor.use_kl_loss=true", "actor.reference_reset_interval=1"],
+            "critic": CRITIC}
+
+
 @pytest.mark.slow
-def test_two_stages_train_like_one_process_across_a_resume(tmp_path, redis_url, rclient, experiment,
-                                                           tiny_tied_model_path):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_two_stages_train_like_one_process_across_a_resume(variant, tmp_path, redis_url, rclient, experiment,
+                                                           tiny_model_path, tiny_tied_model_path):
     """(By hand: RLSTREAM_TEST_NPROC=4, RLSTREAM_TEST_PARALLEL=ddp|fsdp, two replicas of the two stages;
-    RLSTREAM_TEST_PP_MODEL=FOLDER, another tied model.) Two stages of a model with tied embeddings (their gradients summed between the first and the last stage),
-    a clipping norm that binds (taken over both stages), a KL term against a reference split the same way and reset
-    to the policy every step; a recover checkpoint after step 1 gathered from both stages, the restarted stages
-    resume from it and train step 2: the HF export equals one process's two steps."""
+    RLSTREAM_TEST_PP_MODEL=FOLDER, another model.) Two stages with gradient checkpointing and a clipping norm that
+    binds (taken over both stages), and either a model with tied embeddings (their gradients summed between the
+    first and the last stage) with a KL term against a reference split the same way and reset to the policy every
+    step, or a critic split the same way; a recover checkpoint after step 1 gathered from both stages, the restarted
+    stages resume from it and train step 2: the HF exports equal one process's two steps."""
     from rlstream.trainer.main import train
     from transformers import AutoModelForCausalLM
 
-    model_path = Path(os.environ.get("RLSTREAM_TEST_PP_MODEL", tiny_tied_model_path))  # by hand: a real model
+    default = tiny_tied_model_path if variant == "tied-reference" else tiny_model_path
+    model_path = Path(os.environ.get("RLSTREAM_TEST_PP_MODEL", default))  # by hand: a real model
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     one, pp = f"{experiment}one", f"{experiment}pp"
     _write(rclient, one, model.config.vocab_size, model)
     _write(rclient, pp, model.config.vocab_size, model)
-    common = ["actor.optimizer.gradient_clipping=0.05", "actor.kl_ctl=0.1", "actor.use_kl_loss=true",
-              "actor.reference_reset_interval=1", "actor.gradient_checkpointing=true"]
+    common = ["actor.optimizer.gradient_clipping=0.05", "actor.gradient_checkpointing=true", *VARIANTS[variant]]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1")
     logs = ""
     for steps in (1, 2):
@@ -130,17 +137,20 @@ def test_two_stages_train_like_one_process_across_a_resume(tmp_path, redis_url, 
         logs += proc.stdout + proc.stderr
     assert "resumed from" in logs and "1 steps done, version 1" in logs, logs[-3000:]
     first, second = stage_layers(model.config.num_hidden_layers, 2)
-    for line in (f"pipeline stage 0 of 2: decoder layers {first.start}-{first.stop - 1}, the embeddings",
-                 f"pipeline stage 1 of 2: decoder layers {second.start}-{second.stop - 1}, the final norm and LM head"):
+    heads = ["lm_head"] + ["score"] * (variant == "critic")
+    lines = [f"pipeline stage 0 of 2: decoder layers {first.start}-{first.stop - 1}, the embeddings"] + \
+        [f"pipeline stage 1 of 2: decoder layers {second.start}-{second.stop - 1}, the final norm and {h}" for h in heads]
+    for line in lines:
         assert line in logs, logs[-3000:]
     train(load_config(None, _overrides(tmp_path, redis_url, one, model_path, *common)))
 
     recs = StepLog(rclient, Keys(namespace(pp, "trial0"))).all()  # one data-parallel rank read each step's groups
     assert sorted((r.step, r.rank) for r in recs) == [(step, rank) for step in (0, 1) for rank in range(NPROC // 2)]
-    w_one, w_pp = (load_file(str(tmp_path / "runs" / e / "trial0" / "checkpoints" / "final" / "model.safetensors"))
-                   for e in (one, pp))
-    assert w_one.keys() == w_pp.keys()
-    for k in w_one:
-        assert float((w_one[k] - w_pp[k]).abs().max()) <= 2e-6, k
     start = load_file(str(Path(model_path) / "model.safetensors"))
-    assert max(float((w_pp[k] - start[k]).abs().max()) for k in start) > 25 * 2e-6
+    for final in ["final"] + ["final-critic"] * (variant == "critic"):
+        w_one, w_pp = (load_file(str(tmp_path / "runs" / e / "trial0" / "checkpoints" / final / "model.safetensors"))
+                       for e in (one, pp))
+        assert w_one.keys() == w_pp.keys()
+        for k in w_one:
+            assert float((w_one[k] - w_pp[k]).abs().max()) <= 2e-6, (final, k)
+        assert max(float((w_pp[k] - start[k]).abs().max()) for k in start if k in w_pp) > 25 * 2e-6, final

@@ -106,7 +106,7 @@ def pipeline_entries(model: torch.nn.Module, pipe: Any) -> list[WeightEntry]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    whole = pipe.drop_tied_head(pipe.gather({k: v for k, v in local.items() if isinstance(v, torch.Tensor)})[0])
+    whole = pipe.drop_tied_head(model, pipe.gather({k: v for k, v in local.items() if isinstance(v, torch.Tensor)})[0])
     return [WeightEntry(_clean_name(n), t, list(t.shape), t.dtype) for n, t in whole.items()]
 
 
