@@ -256,11 +256,11 @@ class Checkpointer:
         """Full (unsharded) CPU state dict on rank 0 (collective under FSDP)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        pipe = self.par.pipeline  # stages: each rank's whole stage, then all of them on rank 0
-        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=pipe is None))
+        if self.par.pipeline is not None:  # stages: each rank's whole stage, then all of them on rank 0
+            return self.par.pipeline.whole_state(model)
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         # Non-tensor extra state (megatron-core's local linears report None) has nothing to save.
-        sd = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
-        return sd if pipe is None else pipe.gather(sd)[0]
+        return {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
 
     def _optim_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict

@@ -348,12 +348,11 @@ def _pipeline(rank: int, world: int, pp: int, chunks: int, dev: torch.device, me
     first and last stage (new_group is collective over the world)."""
     from rlstream.trainer.pipeline_parallel import Pipeline
 
-    tie_group = None
+    replica, tie_group = rank - rank % pp, None
     for first in range(0, world, pp):
         group = dist.new_group([first, first + pp - 1])
-        if first == rank - rank % pp:
+        if first == replica:
             tie_group = group
-    replica = rank - rank % pp
     return Pipeline(stages=pp, stage=rank % pp, ranks=list(range(replica, replica + pp)), device=dev,
                     group=mesh["pp"].get_group(), tie_group=tie_group, chunks=chunks)
 

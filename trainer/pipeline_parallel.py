@@ -256,8 +256,9 @@ class Pipeline:
 
     def norm_squares(self, squares: float, model: torch.nn.Module) -> float:
         """The squared gradient norm over every stage from this stage's (`squares`), the tied copy counted once."""
-        if self.last and self.tied_param(model) is not None and self.tied_param(model).grad is not None:
-            g = self.tied_param(model).grad
+        tied = self.tied_param(model) if self.last else None
+        if tied is not None and tied.grad is not None:
+            g = tied.grad
             n = torch.linalg.vector_norm(g.full_tensor() if hasattr(g, "full_tensor") else g, dtype=torch.float64)
             squares -= float(n) ** 2
         t = torch.tensor([squares], dtype=torch.float64, device=self.device)
@@ -265,6 +266,16 @@ class Pipeline:
         return float(t)
 
     # ---- whole tensors on rank 0 ----------------------------------------------------------------
+    def whole_state(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Rank 0: the model's whole state dict, every stage's tensors on the CPU; elsewhere {} (collective; under
+        FSDP2 each stage's replicas gather its shards first)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # (no cpu_offload: it keeps the gathered tensors on global rank 0 only, not on each stage's first rank)
+        local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        # Non-tensor extra state (megatron-core's local linears report None) has nothing to gather.
+        return self.gather({k: v for k, v in local.items() if isinstance(v, torch.Tensor)})[0]
+
     def gather(self, local: dict[str, torch.Tensor], extra: Any = None) -> tuple[dict[str, torch.Tensor], list]:
         """Rank 0: every stage's tensors (its own first) on the CPU and every stage's JSON-able `extra`; elsewhere
         ({}, []). A collective of the first replica's stages; the other replicas hold the same and return at once."""

@@ -103,10 +103,7 @@ def weight_entries(model: torch.nn.Module) -> list[WeightEntry]:
 def pipeline_entries(model: torch.nn.Module, pipe: Any) -> list[WeightEntry]:
     """Rank 0: the weights of every pipeline stage of `model` (trainer/pipeline_parallel.py) as plain tensors, a
     tied head left out as `weight_entries` leaves it; other ranks: none (collective: they send theirs)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    local = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    whole = pipe.drop_tied_head(model, pipe.gather({k: v for k, v in local.items() if isinstance(v, torch.Tensor)})[0])
+    whole = pipe.drop_tied_head(model, pipe.whole_state(model))
     return [WeightEntry(_clean_name(n), t, list(t.shape), t.dtype) for n, t in whole.items()]
 
 
